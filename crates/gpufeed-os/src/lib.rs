@@ -1,0 +1,63 @@
+//! # gpufeed-os — layer 0 of gpufeed
+//!
+//! The operating-system primitives that every other gpufeed crate stands on: shared memory
+//! between processes, file mappings, page locking, page-cache hints and residency, aligned
+//! buffers and the limits of the machine. It depends on `rustix`, `memmap2` and `libc` only:
+//! no CUDA, no hwloc, no io_uring (those live in the crates above it).
+//!
+//! | module | what |
+//! |---|---|
+//! | [`shm`] | [`ShmSegment`]: POSIX shm (reserved with `fallocate`, mode 0600, checked on open), memfd; [`shm::gc`] for segments of dead processes |
+//! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
+//! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
+//! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
+//! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::evict`], [`cache::warm`] |
+//! | [`align`] | [`AlignedBuf`], [`align::dio_alignment`] (statx DIOALIGN) |
+//! | [`sys`] | [`SystemInfo::read`]: page sizes, THP, swappiness, memlock, /dev/shm, io_uring, memory |
+//!
+//! Sibling crates: `gpufeed-numa` (placement), `gpufeed-uring` (reads), `gpufeed-ipc` (a batch
+//! ring in a [`ShmSegment`]), `gpufeed-pinned` (registers [`FileMap`]s and segments with CUDA).
+//!
+//! Unsafe code is confined to the modules that talk to the kernel; each constructor whose
+//! safety depends on other processes (mapping a file that could be truncated) is `unsafe` and
+//! says what the caller promises.
+//!
+//! # Example
+//! ```
+//! use gpufeed_os::{cache, shm::ShmSegment, sys::SystemInfo};
+//!
+//! let info = SystemInfo::read();
+//! println!("memlock soft limit: {:?}, /dev/shm: {:?}", info.memlock.soft, info.shm);
+//!
+//! // A segment other processes open by name; removed when `seg` drops.
+//! let seg = ShmSegment::create_unique(4 << 20)?;
+//! seg.write_at(0, &[1, 2, 3])?;
+//!
+//! let r = cache::residency("/proc/self/exe")?;
+//! println!("{:.0}% of our binary is in the page cache", r.fraction() * 100.0);
+//! # Ok::<(), gpufeed_os::Error>(())
+//! ```
+
+pub mod advise;
+pub mod align;
+pub mod cache;
+mod error;
+mod file;
+pub mod lock;
+pub mod map;
+mod procfs;
+pub mod shm;
+pub mod sys;
+
+pub use align::AlignedBuf;
+pub use error::{Error, Result};
+pub use file::FileIdentity;
+pub use lock::LockedRegion;
+pub use map::{FileMap, MapMode};
+pub use shm::{ShmOptions, ShmSegment};
+pub use sys::SystemInfo;
+
+/// The base page size of this machine in bytes.
+pub fn page_size() -> usize {
+    rustix::param::page_size()
+}
