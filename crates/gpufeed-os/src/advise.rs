@@ -106,7 +106,7 @@ fn page_range(offset: u64, len: u64) -> (u64, u64) {
 /// # Example
 /// ```
 /// use gpufeed_os::advise::{fadvise, FileAdvice};
-/// let file = std::fs::File::open("/proc/self/exe")?;
+/// let file = std::fs::File::open("/proc/self/exe").expect("our own binary");
 /// fadvise(&file, 0, 0, FileAdvice::Sequential)?;
 /// # Ok::<(), gpufeed_os::Error>(())
 /// ```
@@ -126,14 +126,22 @@ pub fn readahead(fd: impl AsFd, offset: u64, len: u64) -> Result<()> {
     use std::os::fd::AsRawFd;
     let (offset, len) = page_range(offset, len);
     let offset = i64::try_from(offset).map_err(|_| {
-        Error::io("readahead", None, std::io::Error::from_raw_os_error(libc::EINVAL))
+        Error::io(
+            "readahead",
+            None,
+            std::io::Error::from_raw_os_error(libc::EINVAL),
+        )
     })?;
     let len = usize::try_from(len).unwrap_or(usize::MAX);
     // SAFETY: readahead only reads the file descriptor number and the integers; it touches
     // no memory of ours.
     let rc = unsafe { libc::readahead(fd.as_fd().as_raw_fd(), offset, len) };
     if rc < 0 {
-        return Err(Error::io("readahead", None, std::io::Error::last_os_error()));
+        return Err(Error::io(
+            "readahead",
+            None,
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(())
 }

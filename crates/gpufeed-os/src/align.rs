@@ -126,7 +126,9 @@ impl AlignedBuf {
         }
         // Over-allocate by (align - page) and trim, so that the kept part starts aligned.
         let map_align = align.max(page);
-        let rounded = len.checked_next_multiple_of(page).ok_or(Error::OutOfMemory { len, align })?;
+        let rounded = len
+            .checked_next_multiple_of(page)
+            .ok_or(Error::OutOfMemory { len, align })?;
         let map_len = rounded
             .checked_add(map_align - page)
             .ok_or(Error::OutOfMemory { len, align })?;
@@ -159,7 +161,11 @@ impl AlignedBuf {
         }
         if align >= 2 * 1024 * 1024 {
             // A hint: failure (THP disabled) leaves ordinary pages, which work the same.
-            let _ = crate::advise::madvise(start as *const u8, rounded, crate::advise::MemAdvice::HugePage);
+            let _ = crate::advise::madvise(
+                start as *const u8,
+                rounded,
+                crate::advise::MemAdvice::HugePage,
+            );
         }
         Ok(AlignedBuf {
             ptr: NonNull::new(start as *mut u8).ok_or(Error::OutOfMemory { len, align })?,
@@ -273,7 +279,7 @@ impl DioAlignment {
 ///
 /// # Example
 /// ```
-/// let file = std::fs::File::open("/proc/self/exe")?;
+/// let file = std::fs::File::open("/proc/self/exe").expect("our own binary");
 /// let dio = gpufeed_os::align::dio_alignment(&file)?;
 /// if dio.supported() {
 ///     assert!(dio.offset_align.is_power_of_two());

@@ -155,10 +155,12 @@ fn cachestat(file: &File, file_bytes: u64) -> Result<Cachestat> {
     }
     let err = std::io::Error::last_os_error();
     match err.raw_os_error() {
-        Some(libc::ENOSYS) | Some(libc::EPERM) | Some(libc::EOPNOTSUPP) => Err(Error::Unsupported {
-            what: "cachestat(2)",
-            reason: format!("{err} (needs Linux 6.5+ and a seccomp profile that allows it)"),
-        }),
+        Some(libc::ENOSYS) | Some(libc::EPERM) | Some(libc::EOPNOTSUPP) => {
+            Err(Error::Unsupported {
+                what: "cachestat(2)",
+                reason: format!("{err} (needs Linux 6.5+ and a seccomp profile that allows it)"),
+            })
+        }
         _ => Err(Error::io("cachestat", None, err)),
     }
 }
@@ -195,7 +197,9 @@ fn may_write(file: &File) -> bool {
     let owner = file.metadata().map(|m| m.uid()).ok();
     owner == Some(rustix::process::geteuid().as_raw())
         || rustix::fs::fcntl_getfl(file.as_fd())
-            .map(|fl| fl.contains(rustix::fs::OFlags::RDWR) || fl.contains(rustix::fs::OFlags::WRONLY))
+            .map(|fl| {
+                fl.contains(rustix::fs::OFlags::RDWR) || fl.contains(rustix::fs::OFlags::WRONLY)
+            })
             .unwrap_or(false)
         || rustix::process::geteuid().is_root()
 }
@@ -227,7 +231,10 @@ pub fn warm(path: impl AsRef<Path>) -> Result<Residency> {
 }
 
 /// Like [`warm`], calling `progress(done_bytes, total_bytes)` after each piece.
-pub fn warm_with_progress(path: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Result<Residency> {
+pub fn warm_with_progress(
+    path: impl AsRef<Path>,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Residency> {
     const PIECE: u64 = 8 << 20;
     let path = path.as_ref();
     let (file, identity) = open_regular(path, false)?;
@@ -246,8 +253,13 @@ pub fn warm_with_progress(path: impl AsRef<Path>, mut progress: impl FnMut(u64, 
 fn warm_piece(file: &File, offset: u64, len: u64) -> Result<()> {
     // SAFETY: the mapping is used only by madvise(POPULATE_READ), which reports a truncated
     // file as an error (EFAULT) instead of raising SIGBUS.
-    let map = unsafe { MmapOptions::new().offset(offset).len(len as usize).map(file) }
-        .map_err(|e| Error::io("mmap", None, e))?;
+    let map = unsafe {
+        MmapOptions::new()
+            .offset(offset)
+            .len(len as usize)
+            .map(file)
+    }
+    .map_err(|e| Error::io("mmap", None, e))?;
     match advise::madvise(map.as_ptr(), map.len(), advise::MemAdvice::PopulateRead) {
         Ok(()) => Ok(()),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
@@ -268,7 +280,11 @@ fn read_piece(file: &File, offset: u64, len: u64) -> Result<()> {
 /// Puts `path` into an [`Error::Io`] that lacks one.
 fn with_path(err: Error, path: &Path) -> Error {
     match err {
-        Error::Io { op, path: None, source } => Error::Io {
+        Error::Io {
+            op,
+            path: None,
+            source,
+        } => Error::Io {
             op,
             path: Some(path.into()),
             source,

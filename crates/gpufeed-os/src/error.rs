@@ -110,7 +110,9 @@ pub enum Error {
     },
 
     /// `open` found no segment of that name.
-    #[error("shared-memory segment {name:?} does not exist; is its creator running, and did it use the same name?")]
+    #[error(
+        "shared-memory segment {name:?} does not exist; is its creator running, and did it use the same name?"
+    )]
     ShmNotFound {
         /// The segment's name.
         name: String,
@@ -242,7 +244,11 @@ pub enum Error {
 
 impl Error {
     /// An [`Error::Io`] for `op` on `path`.
-    pub(crate) fn io(op: &'static str, path: impl Into<Option<PathBuf>>, source: impl Into<io::Error>) -> Self {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<Option<PathBuf>>,
+        source: impl Into<io::Error>,
+    ) -> Self {
         Error::Io {
             op,
             path: path.into(),

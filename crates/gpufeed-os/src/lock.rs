@@ -186,7 +186,10 @@ unsafe fn lock_pages(ptr: *const u8, len: usize) -> Result<(usize, usize)> {
     // SAFETY: mlock does not read or write the memory; the caller keeps the range mapped.
     match unsafe { rustix::mm::mlock(start as *mut _, bytes) } {
         Ok(()) => Ok((start, bytes)),
-        Err(err) if (err == rustix::io::Errno::NOMEM || err == rustix::io::Errno::PERM) && !has_cap_ipc_lock() => {
+        Err(err)
+            if (err == rustix::io::Errno::NOMEM || err == rustix::io::Errno::PERM)
+                && !has_cap_ipc_lock() =>
+        {
             let limit = memlock_limit();
             Err(Error::MemlockLimit {
                 requested: bytes as u64,

@@ -86,7 +86,12 @@ impl FileMap {
     ///
     /// # Errors
     /// As for [`FileMap::open`], plus [`Error::ZeroLength`] and [`Error::RangePastEof`].
-    pub unsafe fn open_range(path: impl AsRef<Path>, offset: u64, len: u64, mode: MapMode) -> Result<Self> {
+    pub unsafe fn open_range(
+        path: impl AsRef<Path>,
+        offset: u64,
+        len: u64,
+        mode: MapMode,
+    ) -> Result<Self> {
         // SAFETY: the caller's promise is passed on unchanged.
         unsafe { Self::map(path.as_ref(), offset, Some(len), mode) }
     }

@@ -115,8 +115,14 @@ Hugepagesize:       2048 kB\n";
 
     #[test]
     fn meminfo_values_are_bytes() {
-        assert_eq!(meminfo_bytes(MEMINFO, "MemAvailable"), Some(23_667_764 * 1024));
-        assert_eq!(meminfo_bytes(MEMINFO, "Hugepagesize"), Some(2 * 1024 * 1024));
+        assert_eq!(
+            meminfo_bytes(MEMINFO, "MemAvailable"),
+            Some(23_667_764 * 1024)
+        );
+        assert_eq!(
+            meminfo_bytes(MEMINFO, "Hugepagesize"),
+            Some(2 * 1024 * 1024)
+        );
         assert_eq!(meminfo_bytes(MEMINFO, "HugePages_Total"), Some(0));
         assert_eq!(meminfo_bytes(MEMINFO, "Mem"), None, "a prefix is not a key");
         assert_eq!(meminfo_bytes(MEMINFO, "Missing"), None);

@@ -20,7 +20,6 @@
 //! ([`ShmSegment::create_unique`]) carry the owner's pid and start time, so [`gc`] can remove
 //! exactly the segments of dead owners.
 
-use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
@@ -127,10 +126,12 @@ impl ShmOptions {
                 what: "shared-memory segment",
             });
         }
-        let len = len.checked_next_multiple_of(page_size()).ok_or(Error::OutOfMemory {
-            len,
-            align: page_size(),
-        })?;
+        let len = len
+            .checked_next_multiple_of(page_size())
+            .ok_or(Error::OutOfMemory {
+                len,
+                align: page_size(),
+            })?;
         let path = self.dir.join(name);
         let fd = rustix::fs::open(
             &path,
@@ -138,7 +139,9 @@ impl ShmOptions {
             Mode::RUSR | Mode::WUSR,
         )
         .map_err(|e| match e {
-            Errno::EXIST => Error::ShmExists { name: name.to_owned() },
+            Errno::EXIST => Error::ShmExists {
+                name: name.to_owned(),
+            },
             Errno::NOENT => Error::io(
                 "create shared memory (is the shared-memory directory mounted?)",
                 Some(path.clone()),
@@ -152,7 +155,13 @@ impl ShmOptions {
         rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR)
             .map_err(|e| Error::io("fchmod", Some(path.clone()), e))?;
         reserve(&fd, len as u64, name, &self.dir)?;
-        let segment = ShmSegment::map(fd, len, Some(name.to_owned()), Some(path.clone()), self.unlink_on_drop)?;
+        let segment = ShmSegment::map(
+            fd,
+            len,
+            Some(name.to_owned()),
+            Some(path.clone()),
+            self.unlink_on_drop,
+        )?;
         created.disarm();
         Ok(segment)
     }
@@ -188,11 +197,17 @@ impl ShmOptions {
     pub fn open(&self, name: &str) -> Result<ShmSegment> {
         validate_name(name)?;
         let path = self.dir.join(name);
-        let fd = rustix::fs::open(&path, OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW, Mode::empty())
-            .map_err(|e| match e {
-                Errno::NOENT => Error::ShmNotFound { name: name.to_owned() },
-                e => Error::io("open shared memory", Some(path.clone()), e),
-            })?;
+        let fd = rustix::fs::open(
+            &path,
+            OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )
+        .map_err(|e| match e {
+            Errno::NOENT => Error::ShmNotFound {
+                name: name.to_owned(),
+            },
+            e => Error::io("open shared memory", Some(path.clone()), e),
+        })?;
         let stat = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat", Some(path.clone()), e))?;
         let our_uid = rustix::process::geteuid().as_raw();
         if stat.st_uid != our_uid {
@@ -264,7 +279,8 @@ fn reserve(fd: &OwnedFd, len: u64, name: &str, dir: &Path) -> Result<()> {
         Err(Errno::OPNOTSUPP) => {
             // Not a tmpfs (fallocate unsupported): size it with ftruncate after checking
             // the free space, and say so, since the reservation is now only a check.
-            let vfs = rustix::fs::fstatvfs(fd).map_err(|e| Error::io("fstatvfs", Some(dir.into()), e))?;
+            let vfs =
+                rustix::fs::fstatvfs(fd).map_err(|e| Error::io("fstatvfs", Some(dir.into()), e))?;
             if vfs.f_bavail.saturating_mul(vfs.f_frsize) < len {
                 return Err(no_space(dir));
             }
@@ -331,10 +347,12 @@ impl ShmSegment {
                 what: "shared-memory segment",
             });
         }
-        let len = len.checked_next_multiple_of(page_size()).ok_or(Error::OutOfMemory {
-            len,
-            align: page_size(),
-        })?;
+        let len = len
+            .checked_next_multiple_of(page_size())
+            .ok_or(Error::OutOfMemory {
+                len,
+                align: page_size(),
+            })?;
         let fd = rustix::fs::memfd_create(
             "gpufeed-anon",
             rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
@@ -343,7 +361,10 @@ impl ShmSegment {
         match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64) {
             Ok(()) => {}
             Err(Errno::NOSPC) | Err(Errno::NOMEM) => {
-                return Err(Error::OutOfMemory { len, align: page_size() });
+                return Err(Error::OutOfMemory {
+                    len,
+                    align: page_size(),
+                });
             }
             Err(e) => return Err(Error::io("fallocate", None, e)),
         }
@@ -358,7 +379,8 @@ impl ShmSegment {
     /// [`Error::ShmUnsealed`] when the fd is not sealed against shrinking (its sender could
     /// then raise SIGBUS in us); [`Error::ShmTooSmall`] when it is empty.
     pub fn from_fd(fd: OwnedFd) -> Result<Self> {
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| Error::io("fcntl(F_GET_SEALS)", None, e))?;
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|e| Error::io("fcntl(F_GET_SEALS)", None, e))?;
         if !seals.contains(SealFlags::SHRINK) {
             return Err(Error::ShmUnsealed);
         }
@@ -552,7 +574,8 @@ impl OwnerTag {
         let pid = parts.next()?.parse().ok()?;
         let start_ticks = parts.next()?.parse().ok()?;
         let random = parts.next()?;
-        (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(OwnerTag { pid, start_ticks })
+        (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then_some(OwnerTag { pid, start_ticks })
     }
 
     /// Whether the process that created the segment still runs.
@@ -614,10 +637,11 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
         else {
             continue;
         };
-        let Ok(stat) = rustix::fs::lstat(&dir.join(OsStr::new(&name))) else {
+        let Ok(stat) = rustix::fs::lstat(dir.join(&name)) else {
             continue;
         };
-        let regular = rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::RegularFile;
+        let regular =
+            rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::RegularFile;
         if !regular || stat.st_uid != our_uid {
             continue;
         }
@@ -664,7 +688,13 @@ pub fn gc_in(dir: &Path, prefix: &str) -> Result<GcReport> {
                 report.removed.push(entry.name);
             }
             Err(Errno::NOENT) => {} // removed by someone else meanwhile
-            Err(e) => return Err(Error::io("unlink shared memory", Some(dir.join(&entry.name)), e)),
+            Err(e) => {
+                return Err(Error::io(
+                    "unlink shared memory",
+                    Some(dir.join(&entry.name)),
+                    e,
+                ));
+            }
         }
     }
     Ok(report)
@@ -711,6 +741,9 @@ mod tests {
             start_ticks: me.start_ticks + 1,
             ..me
         };
-        assert!(!reused.alive(), "same pid, other start time: a different process");
+        assert!(
+            !reused.alive(),
+            "same pid, other start time: a different process"
+        );
     }
 }

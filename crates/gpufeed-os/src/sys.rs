@@ -194,7 +194,10 @@ mod tests {
 
     #[test]
     fn thp_words() {
-        assert_eq!(ThpMode::parse("always [madvise] never\n"), Some(ThpMode::Madvise));
+        assert_eq!(
+            ThpMode::parse("always [madvise] never\n"),
+            Some(ThpMode::Madvise)
+        );
         assert_eq!(
             ThpMode::parse("always within_size advise [never] deny force\n"),
             Some(ThpMode::Never)
@@ -203,7 +206,10 @@ mod tests {
             ThpMode::parse("[always] within_size advise never deny force\n"),
             Some(ThpMode::Always)
         );
-        assert_eq!(ThpMode::parse("[sometimes] never"), Some(ThpMode::Other("sometimes".into())));
+        assert_eq!(
+            ThpMode::parse("[sometimes] never"),
+            Some(ThpMode::Other("sometimes".into()))
+        );
         assert_eq!(ThpMode::parse("always never"), None);
     }
 

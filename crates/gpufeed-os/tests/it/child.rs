@@ -1,0 +1,89 @@
+//! Child processes for the multi-process tests: the test binary re-runs itself with
+//! `GPUFEED_IT_CHILD=<role>` and only the `child::entry` test, which then acts out the role.
+//! Without that variable `entry` returns at once: it is a dispatcher, not a test.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::{Command, Stdio};
+
+use gpufeed_os::shm::{ShmOptions, ShmSegment};
+
+const ROLE: &str = "GPUFEED_IT_CHILD";
+
+/// A command that runs this test binary as a child in `role`, with `vars` set.
+pub fn command(role: &str, vars: &[(&str, String)]) -> Command {
+    let exe = std::env::current_exe().expect("test binary path");
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "child::entry",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+        "-q",
+    ])
+    .env(ROLE, role)
+    .stdin(Stdio::null());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Runs a child to completion and panics with its output if it failed.
+pub fn run(role: &str, vars: &[(&str, String)]) -> String {
+    let out = command(role, vars).output().expect("spawn child");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "child {role} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn var(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("child needs {name}"))
+}
+
+fn num(name: &str) -> u64 {
+    var(name)
+        .parse()
+        .unwrap_or_else(|_| panic!("{name} is not a number"))
+}
+
+#[test]
+fn entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    match role.as_str() {
+        // Opens a named segment and fills it with the pattern of GPUFEED_IT_SEED.
+        "shm-write" => {
+            let seg = ShmSegment::open(&var("GPUFEED_IT_NAME")).expect("open by name");
+            let data = crate::random_bytes(seg.len(), num("GPUFEED_IT_SEED"));
+            seg.write_at(0, &data).expect("write");
+        }
+        // Maps an inherited memfd and fills it with the pattern of GPUFEED_IT_SEED.
+        "memfd-write" => {
+            // SAFETY: the parent passed us this descriptor number, open and ours alone.
+            let fd = unsafe { OwnedFd::from_raw_fd(num("GPUFEED_IT_FD") as i32) };
+            let seg = ShmSegment::from_fd(fd).expect("map inherited memfd");
+            let data = crate::random_bytes(seg.len(), num("GPUFEED_IT_SEED"));
+            seg.write_at(0, &data).expect("write");
+        }
+        // Creates a segment that outlives it, prints its name, and waits until stdin closes.
+        "shm-own" => {
+            let seg = ShmOptions::new()
+                .prefix(var("GPUFEED_IT_PREFIX"))
+                .unlink_on_drop(false)
+                .create_unique(64 * 1024)
+                .expect("create");
+            println!("NAME={}", seg.name().expect("named"));
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+        }
+        // Lowers RLIMIT_MEMLOCK, drops CAP_IPC_LOCK, and checks what mlock says.
+        "memlock" => crate::lock::in_child_with_low_limit(),
+        other => panic!("unknown child role {other}"),
+    }
+}
