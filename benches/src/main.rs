@@ -1,0 +1,123 @@
+//! `gpufeed-bench`: the throughput harness that `cargo xtask bench` builds and runs.
+//!
+//! It makes its own data set, measures the machine's limits, then the source material's two
+//! tables (a batch handed between processes; a data set loaded and read at random), and writes
+//! `report.md` and `report.json` into the output directory.
+
+mod access;
+mod handoff;
+mod limits;
+mod report;
+mod util;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, ensure};
+use clap::{Parser, Subcommand};
+
+use crate::util::{parse_size, show_size};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "gpufeed's throughput harness (run it through `cargo xtask bench`)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Internal>,
+
+    /// Directory for the data set and the reports (on the disk to measure, not tmpfs).
+    #[arg(long, default_value = "target/gpufeed-bench")]
+    dir: PathBuf,
+
+    /// Size of the data set, e.g. 1GiB or 256MiB.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    size: u64,
+
+    /// Size of the batch handed between processes (the source used 512 MB).
+    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    batch: u64,
+
+    /// Repetitions of each measurement (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+
+    /// Print the JSON report on stdout instead of the tables.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum Internal {
+    /// The consumer side of table 1 (started by the harness itself).
+    #[command(hide = true)]
+    Consumer {
+        #[arg(long, value_enum)]
+        mode: handoff::Mode,
+        #[arg(long)]
+        target: String,
+        #[arg(long)]
+        len: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(Internal::Consumer { mode, target, len }) = cli.command {
+        return handoff::consumer(mode, &target, len);
+    }
+    ensure!(cli.reps > 0, "--reps must be at least 1");
+    ensure!(cli.size >= 1 << 20, "--size must be at least 1 MiB");
+    ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
+    std::fs::create_dir_all(&cli.dir).with_context(|| format!("create {}", cli.dir.display()))?;
+    let exe = std::env::current_exe().context("path of this program")?;
+    let step = |n: usize, what: &str| eprintln!("[{n}/4] {what}");
+
+    let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
+    step(
+        1,
+        &format!(
+            "data set: {} of random bytes at {}",
+            show_size(cli.size),
+            dataset.display()
+        ),
+    );
+    util::ensure_random_file(&dataset, cli.size, 0x5EED)?;
+
+    step(2, "limits: memcpy, sequential reads warm / cold / O_DIRECT");
+    let limits = limits::measure(&dataset, cli.reps)?;
+
+    step(
+        3,
+        &format!(
+            "table 1: {} batch, producer process -> consumer process",
+            show_size(cli.batch)
+        ),
+    );
+    let handoff = handoff::measure(&exe, &cli.dir, cli.batch as usize, cli.reps)?;
+
+    step(4, "table 2: load and random reads, cold and warm");
+    let access = access::measure(&dataset, cli.reps, |what| eprintln!("      {what}"))?;
+
+    let report = report::Report {
+        tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
+        machine: report::Machine::read(&cli.dir),
+        dataset_bytes: cli.size,
+        batch_bytes: cli.batch,
+        reps: cli.reps,
+        limits,
+        handoff,
+        access,
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    let markdown = report.markdown();
+    std::fs::write(cli.dir.join("report.json"), &json)?;
+    std::fs::write(cli.dir.join("report.md"), &markdown)?;
+    if cli.json {
+        println!("{json}");
+    } else {
+        println!("{markdown}");
+        eprintln!("wrote {0}/report.md and {0}/report.json", cli.dir.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,192 @@
+//! Helpers shared by the measurements: clocks, random data, statistics, sizes.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the machine, so a time
+/// taken in one process can be compared with a time taken in another.
+pub fn now_ns() -> u64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Seconds taken by `f`, and its result.
+pub fn timed<T>(f: impl FnOnce() -> T) -> (f64, T) {
+    let start = std::time::Instant::now();
+    let out = f();
+    (start.elapsed().as_secs_f64(), out)
+}
+
+/// splitmix64: fast, seeded, never produces long runs of zeros.
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        let mut chunks = buf.chunks_exact_mut(8);
+        for chunk in &mut chunks {
+            chunk.copy_from_slice(&self.next_u64().to_le_bytes());
+        }
+        let rest = chunks.into_remainder();
+        let last = self.next_u64().to_le_bytes();
+        rest.copy_from_slice(&last[..rest.len()]);
+    }
+
+    /// A value in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// Writes `len` random bytes to `path` unless a file of that size is already there.
+pub fn ensure_random_file(path: &Path, len: u64, seed: u64) -> Result<()> {
+    if path.metadata().map(|m| m.len() == len).unwrap_or(false) {
+        return Ok(());
+    }
+    let mut file = File::create(path).with_context(|| format!("create {}", path.display()))?;
+    let mut rng = SplitMix(seed);
+    let mut buf = vec![0u8; 8 << 20];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        rng.fill(&mut buf[..n]);
+        file.write_all(&buf[..n])
+            .with_context(|| format!("write {}", path.display()))?;
+        left -= n as u64;
+    }
+    file.sync_all().context("fsync data set")?;
+    Ok(())
+}
+
+/// Median and spread of repeated measurements.
+#[derive(Debug, Clone, Serialize)]
+pub struct Samples {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub all: Vec<f64>,
+}
+
+impl Samples {
+    pub fn new(mut all: Vec<f64>) -> Self {
+        all.sort_by(f64::total_cmp);
+        let n = all.len();
+        let median = match n {
+            0 => f64::NAN,
+            _ if n % 2 == 1 => all[n / 2],
+            _ => (all[n / 2 - 1] + all[n / 2]) / 2.0,
+        };
+        Samples {
+            median,
+            min: all.first().copied().unwrap_or(f64::NAN),
+            max: all.last().copied().unwrap_or(f64::NAN),
+            all,
+        }
+    }
+
+    /// The same samples mapped through `f` (e.g. seconds -> GB/s); min and max follow `f`.
+    pub fn map(&self, f: impl Fn(f64) -> f64) -> Samples {
+        Samples::new(self.all.iter().map(|&x| f(x)).collect())
+    }
+
+    /// `median (min-max)` with `digits` decimals.
+    pub fn show(&self, digits: usize) -> String {
+        format!(
+            "{:.d$} ({:.d$}-{:.d$})",
+            self.median,
+            self.min,
+            self.max,
+            d = digits
+        )
+    }
+}
+
+/// Bytes per second as GB/s (10^9).
+pub fn gbps(bytes: u64, seconds: f64) -> f64 {
+    bytes as f64 / seconds / 1e9
+}
+
+/// Parses `1GiB`, `512MiB`, `64M`, `4k`, `1000` into bytes.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num: u64 = num.parse().with_context(|| {
+        format!("{text:?}: expected a number with an optional unit such as MiB or GiB")
+    })?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => bail!("{text:?}: unknown unit {other:?}; use KiB, MiB, GiB or TiB"),
+    };
+    num.checked_mul(mult)
+        .with_context(|| format!("{text:?} is too large"))
+}
+
+/// `1073741824` -> `1 GiB`.
+pub fn show_size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ];
+    for (name, unit) in UNITS {
+        if bytes >= unit && bytes % unit == 0 {
+            return format!("{} {name}", bytes / unit);
+        }
+        if bytes >= unit {
+            return format!("{:.1} {name}", bytes as f64 / unit as f64);
+        }
+    }
+    format!("{bytes} B")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("64m").unwrap(), 64 << 20);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("1.5G").is_err());
+        assert!(parse_size("10 parsecs").is_err());
+        assert_eq!(show_size(1 << 30), "1 GiB");
+        assert_eq!(show_size(3 << 19), "1.5 MiB");
+        assert_eq!(show_size(100), "100 B");
+    }
+
+    #[test]
+    fn medians() {
+        let s = Samples::new(vec![3.0, 1.0, 2.0]);
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+        assert_eq!(Samples::new(vec![4.0, 1.0, 2.0, 3.0]).median, 2.5);
+        assert_eq!(s.map(|x| 1.0 / x).max, 1.0);
+    }
+
+    #[test]
+    fn random_fill_is_seeded_and_not_zero() {
+        let (mut a, mut b) = (vec![0u8; 1001], vec![0u8; 1001]);
+        SplitMix(5).fill(&mut a);
+        SplitMix(5).fill(&mut b);
+        assert_eq!(a, b);
+        assert!(a.iter().filter(|&&x| x == 0).count() < 20);
+    }
+}

@@ -1,0 +1,46 @@
+//! The harness runs end to end at a tiny size and writes a report whose numbers are real.
+
+use std::process::Command;
+
+#[test]
+fn harness_runs_and_reports() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-bench"))
+        .args([
+            "--size", "4MiB", "--batch", "1MiB", "--reps", "1", "--json", "--dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .expect("run gpufeed-bench");
+    assert!(
+        out.status.success(),
+        "gpufeed-bench failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let handoff = report["handoff"].as_array().expect("handoff rows");
+    assert_eq!(handoff.len(), 2);
+    for row in handoff {
+        assert_eq!(row["verified_reps"], 1, "{row}");
+        assert!(
+            row["gbps"]["median"].as_f64().expect("number") > 0.0,
+            "{row}"
+        );
+    }
+    let access = report["access"].as_array().expect("access rows");
+    assert_eq!(access.len(), 6, "3 access modes x cold/warm");
+    for row in access {
+        assert!(
+            row["random_ms"]["median"].as_f64().expect("number") > 0.0,
+            "{row}"
+        );
+    }
+    assert!(
+        report["limits"]["memcpy_1_thread_gbps"]["median"]
+            .as_f64()
+            .expect("number")
+            > 0.0
+    );
+    let md = std::fs::read_to_string(dir.path().join("report.md")).expect("report.md");
+    assert!(md.contains("Table 1") && md.contains("Table 2") && md.contains("120.5 / 4.2"));
+}
