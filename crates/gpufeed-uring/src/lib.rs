@@ -1,0 +1,52 @@
+//! # gpufeed-uring — layer 1 of gpufeed: reads at the disk's speed
+//!
+//! A [`Reader`] reads byte ranges of files into buffers the caller owns, many at once, through
+//! io_uring or — where io_uring is refused (old kernels, Docker's default seccomp profile,
+//! `kernel.io_uring_disabled`) — a pool of threads doing `pread`. [`Backend::probe`] says which
+//! works here and why not; `GPUFEED_IO_BACKEND=uring|threads` forces one.
+//!
+//! One read-exact state machine serves every backend: a short read is resubmitted for the rest,
+//! `EINTR`/`EAGAIN`/`EBUSY` are retried, a read that returns 0 before the end is
+//! [`Error::UnexpectedEof`]. Under `O_DIRECT` (alignment from
+//! `gpufeed_os::align::dio_alignment`) an unaligned head and tail, or a misaligned destination,
+//! go through bounce buffers, so callers may ask for any range into any memory. A file system
+//! that refuses `O_DIRECT` is read buffered under [`Direct::Auto`], with the reason in
+//! [`ReadStats::files`].
+//!
+//! Buffers are safe by construction: a request owns its buffer ([`IoBufMut`]) until its
+//! [`Completion`] hands it back, and a reader never drops a buffer the kernel may still write
+//! (dropping an unfinished iterator waits for the reads in flight).
+//!
+//! [`FaultPlan`] injects short reads, EINTR, EAGAIN, EIO, reordering and delays under any
+//! backend, seeded, for tests.
+//!
+//! Depends on `gpufeed-os` and `io-uring`; used by `gpufeed-cuda`'s fill sources and the facade.
+//!
+//! # Example
+//! ```
+//! use gpufeed_uring::{Direct, Reader};
+//! # let dir = tempfile::tempdir()?;
+//! # let path = dir.path().join("weights.bin");
+//! # std::fs::write(&path, vec![1u8; 100_000])?;
+//! let mut reader = Reader::builder().queue_depth(32).direct(Direct::Auto).build()?;
+//! let file = reader.open(&path)?;
+//! let mut head = vec![0u8; 1000];
+//! reader.read_exact_at(file, 12_345, &mut head)?; // any offset, any length
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod engine;
+mod error;
+mod fault;
+mod probe;
+mod reader;
+mod split;
+mod threads;
+mod uring;
+
+pub use error::{Error, Result};
+pub use fault::FaultPlan;
+pub use probe::{BACKEND_ENV, Backend, BackendKind, Probe, UringUnavailable};
+pub use reader::{
+    Completion, Direct, FileId, FileReport, IoBufMut, ReadOp, ReadStats, Reader, ReaderBuilder,
+};

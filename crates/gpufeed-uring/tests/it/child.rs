@@ -1,0 +1,123 @@
+//! Child processes: the test binary re-runs itself with `GPUFEED_IT_CHILD=<role>` and only the
+//! `child::entry` test. Without the variable `entry` returns at once (a dispatcher, not a test).
+
+use std::process::Command;
+
+use gpufeed_uring::{Backend, BackendKind, Reader, UringUnavailable};
+
+const ROLE: &str = "GPUFEED_IT_CHILD";
+
+pub fn run(role: &str) -> String {
+    let exe = std::env::current_exe().expect("test binary");
+    let out = Command::new(exe)
+        .args([
+            "child::entry",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
+        .env(ROLE, role)
+        .output()
+        .expect("spawn");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "child {role} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Installs a seccomp filter on this thread (and the threads it starts) that makes
+/// `io_uring_setup` fail with EPERM, as Docker's default profile does.
+fn refuse_io_uring_setup() {
+    const IO_URING_SETUP: u32 = 425; // the same number on every architecture
+    let filter = [
+        // A = seccomp_data.nr
+        libc::sock_filter {
+            code: 0x20,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+        // if A == io_uring_setup, fall through to ERRNO, else skip to ALLOW
+        libc::sock_filter {
+            code: 0x15,
+            jt: 0,
+            jf: 1,
+            k: IO_URING_SETUP,
+        },
+        libc::sock_filter {
+            code: 0x06,
+            jt: 0,
+            jf: 0,
+            k: 0x0005_0000 | libc::EPERM as u32,
+        },
+        libc::sock_filter {
+            code: 0x06,
+            jt: 0,
+            jf: 0,
+            k: 0x7fff_0000,
+        },
+    ];
+    let prog = libc::sock_fprog {
+        len: filter.len() as u16,
+        filter: filter.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: plain prctl calls; `prog` points to a valid filter for the duration of the call.
+    unsafe {
+        assert_eq!(
+            libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0),
+            0,
+            "no_new_privs"
+        );
+        let rc = libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER,
+            &prog as *const _,
+        );
+        assert_eq!(rc, 0, "seccomp: {}", std::io::Error::last_os_error());
+    }
+}
+
+#[test]
+fn entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    match role.as_str() {
+        "seccomp" => {
+            refuse_io_uring_setup();
+            let probe = Backend::probe();
+            let sysctl =
+                std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").unwrap_or_default();
+            if sysctl.trim() == "0" || sysctl.is_empty() {
+                assert_eq!(probe.io_uring, Err(UringUnavailable::Seccomp(libc::EPERM)));
+            }
+            let why = probe.io_uring.expect_err("refused").to_string();
+            let mut r = Reader::builder()
+                .build()
+                .expect("Auto falls back to threads");
+            assert!(matches!(r.backend(), BackendKind::Threads(_)));
+            assert!(
+                r.stats().fallbacks.iter().any(|f| f.contains(&why)),
+                "{:?}",
+                r.stats().fallbacks
+            );
+            let (_dir, path, data) = crate::disk_file(300_000, 5);
+            let file = r.open(&path).expect("open");
+            let mut buf = vec![0u8; 250_000];
+            r.read_exact_at(file, 3, &mut buf)
+                .expect("read with threads");
+            assert!(buf[..] == data[3..250_003]);
+            let err = Reader::builder()
+                .backend(Backend::IoUring)
+                .build()
+                .unwrap_err();
+            assert!(err.to_string().contains("seccomp"), "{err}");
+            println!("CHILD-OK {why}");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}

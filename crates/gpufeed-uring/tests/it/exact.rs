@@ -1,0 +1,176 @@
+//! Byte-exact reads against the file: random ranges and sizes, both backends, direct on and
+//! off, one and many files.
+
+use std::sync::OnceLock;
+
+use gpufeed_os::AlignedBuf;
+use gpufeed_uring::{Backend, Direct, ReadOp};
+use proptest::prelude::*;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{backends, disk_file, reader};
+
+type Fixture = (tempfile::TempDir, std::path::PathBuf, Vec<u8>);
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| disk_file(5 * 1024 * 1024 + 3333, crate::seed("exact fixture")))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn random_ranges_are_byte_exact(
+        offset in 0u64..(5 * 1024 * 1024),
+        len in 1usize..(3 * 1024 * 1024),
+        buf_offset in 0usize..5000,
+        direct in prop_oneof![Just(Direct::On), Just(Direct::Off)],
+        uring in any::<bool>(),
+        qd in 1usize..16,
+    ) {
+        let (_, path, data) = fixture();
+        let len = len.min(data.len() - offset as usize);
+        let backend = if uring { Backend::IoUring } else { Backend::Threads(2) };
+        prop_assume!(backend == Backend::Threads(2) || backends().contains(&Backend::IoUring));
+        let mut r = reader(backend, direct, qd, 256 * 1024);
+        let file = r.open(path).expect("open");
+        prop_assert_eq!(r.is_direct(file), Some(direct == Direct::On));
+        // Into the middle of a larger buffer, so the destination is misaligned too.
+        let mut buf = vec![0u8; buf_offset + len];
+        let mut got = None;
+        r.read_all([ReadOp::new(file, offset, buf.split_off(0)).at(buf_offset).len(len)], |c| got = Some(c)).expect("read");
+        let c = got.expect("one completion");
+        prop_assert_eq!(c.result.as_ref().ok().copied(), Some(len), "{:?}", c.result);
+        let want = &data[offset as usize..offset as usize + len];
+        prop_assert_eq!(xxh3_64(&c.buf[buf_offset..]), xxh3_64(want));
+        prop_assert!(c.buf[..buf_offset].iter().all(|&b| b == 0), "wrote before the range");
+    }
+}
+
+#[test]
+fn many_requests_over_many_files_every_backend_and_mode() {
+    let files: Vec<Fixture> = (0..3)
+        .map(|i| disk_file(1_000_000 + i * 77_777, 100 + i as u64))
+        .collect();
+    for backend in backends() {
+        for direct in [Direct::On, Direct::Off] {
+            let mut r = reader(backend, direct, 16, 64 * 1024);
+            let ids: Vec<_> = files
+                .iter()
+                .map(|(_, p, _)| r.open(p).expect("open"))
+                .collect();
+            // 60 requests of odd sizes at odd offsets, spread over the files, into aligned and
+            // unaligned buffers.
+            let ops = (0..60u64).map(|i| {
+                let f = (i % 3) as usize;
+                let len = 1 + (i as usize * 7919) % 200_000;
+                let off = (i * 104_729) % (files[f].2.len() - len) as u64;
+                let buf = AlignedBuf::new(len + 1, 4096).expect("alloc");
+                ReadOp::new(ids[f], off, buf)
+                    .len(len)
+                    .at(i as usize % 2)
+                    .user_data(i)
+            });
+            let mut seen = 0;
+            r.read_all(ops, |c| {
+                let i = c.user_data;
+                let f = (i % 3) as usize;
+                let len = c
+                    .result
+                    .as_ref()
+                    .copied()
+                    .unwrap_or_else(|e| panic!("{backend:?} {direct:?} #{i}: {e}"));
+                let at = i as usize % 2;
+                let want = &files[f].2[c.offset as usize..c.offset as usize + len];
+                assert!(
+                    c.buf[at..at + len] == *want,
+                    "{backend:?} {direct:?} request {i} differs"
+                );
+                seen += 1;
+            })
+            .expect("read_all");
+            assert_eq!(seen, 60);
+            let stats = r.stats();
+            assert_eq!(stats.files.len(), 3);
+            assert!(
+                stats
+                    .files
+                    .iter()
+                    .all(|f| f.direct == (direct == Direct::On)),
+                "{stats:?}"
+            );
+            assert!(stats.bytes > 0 && stats.seconds > 0.0);
+        }
+    }
+}
+
+#[test]
+fn read_exact_at_and_the_iterator() {
+    let (_, path, data) = fixture();
+    for backend in backends() {
+        let mut r = reader(backend, Direct::Auto, 8, 128 * 1024);
+        let file = r.open(path).expect("open");
+        let mut buf = vec![0u8; 777_777];
+        r.read_exact_at(file, 12_345, &mut buf).expect("read");
+        assert!(buf[..] == data[12_345..12_345 + 777_777]);
+
+        let ops = (0..10u64).map(|i| ReadOp::new(file, i * 4096 + 1, vec![0u8; 5000]).user_data(i));
+        let mut n = 0;
+        for c in r.reads(ops) {
+            let c = c.expect("backend ok");
+            let off = c.offset as usize;
+            assert_eq!(c.result.expect("read"), 5000);
+            assert!(c.buf[..] == data[off..off + 5000]);
+            n += 1;
+        }
+        assert_eq!(n, 10);
+        // Dropping an unfinished iterator waits for the reads in flight.
+        let ops = (0..50u64).map(|i| ReadOp::new(file, i * 1000, vec![0u8; 100_000]));
+        let mut it = r.reads(ops);
+        assert!(it.next().expect("first").expect("ok").result.is_ok());
+        drop(it);
+        // The reader is still usable afterwards.
+        r.read_exact_at(file, 0, &mut buf[..10])
+            .expect("read after an abandoned iterator");
+        assert_eq!(buf[..10], data[..10]);
+    }
+}
+
+#[test]
+fn auto_reads_cached_files_buffered_and_cold_files_direct() {
+    let (_dir, path, _) = disk_file(2 << 20, 9);
+    gpufeed_os::cache::warm(&path).expect("warm");
+    let mut r = reader(Backend::Threads(2), Direct::Auto, 4, 1 << 20);
+    let warm = r.open(&path).expect("open");
+    assert_eq!(r.is_direct(warm), Some(false));
+    let why = r.stats().files[0].reason.clone().expect("reason recorded");
+    assert!(why.contains("page cache"), "{why}");
+    gpufeed_os::cache::evict(&path).expect("evict");
+    let cold = r.open(&path).expect("open");
+    assert_eq!(r.is_direct(cold), Some(true), "{:?}", r.stats().files[1]);
+}
+
+#[test]
+fn prefetch_brings_a_range_into_the_page_cache() {
+    let (_dir, path, _) = disk_file(4 << 20, 10);
+    for backend in backends() {
+        gpufeed_os::cache::evict(&path).expect("evict");
+        let mut r = reader(backend, Direct::Off, 4, 1 << 20);
+        let file = r.open(&path).expect("open");
+        r.prefetch(file, 0, 1 << 20).expect("prefetch");
+        let mut resident = 0.0;
+        for _ in 0..200 {
+            resident = gpufeed_os::cache::residency(&path)
+                .expect("residency")
+                .fraction();
+            if resident >= 0.2 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            resident >= 0.2,
+            "{backend:?}: only {resident} resident after prefetch of 1 of 4 MiB"
+        );
+    }
+}

@@ -1,0 +1,104 @@
+//! Injected faults: every recoverable one is absorbed; EIO is reported; bytes stay exact.
+
+use gpufeed_uring::{Backend, Direct, Error, FaultPlan, ReadOp, Reader};
+
+use crate::{backends, disk_file, seed};
+
+fn faulty(backend: Backend, direct: Direct, plan: FaultPlan) -> Reader {
+    Reader::builder()
+        .backend(backend)
+        .direct(direct)
+        .queue_depth(8)
+        .block_bytes(64 * 1024)
+        .fault_injection(plan)
+        .build()
+        .expect("build")
+}
+
+#[test]
+fn short_reads_eintr_eagain_reordering_are_absorbed() {
+    let seed = seed("recoverable faults");
+    let (_dir, path, data) = disk_file(3 * 1024 * 1024 + 17, seed);
+    for backend in backends() {
+        for direct in [Direct::On, Direct::Off] {
+            let mut r = faulty(backend, direct, FaultPlan::recoverable(seed));
+            let file = r.open(&path).expect("open");
+            let ops = (0..40u64).map(|i| {
+                let len = 10_000 + (i as usize * 31_337) % 150_000;
+                let off = (i * 77_773) % (data.len() - len) as u64;
+                ReadOp::new(file, off, vec![0u8; len]).user_data(i)
+            });
+            let mut n = 0;
+            r.read_all(ops, |c| {
+                let len = c.result.as_ref().copied().unwrap_or_else(|e| {
+                    panic!(
+                        "seed {seed} {backend:?} {direct:?}: request {} failed: {e}",
+                        c.user_data
+                    )
+                });
+                let off = c.offset as usize;
+                assert!(
+                    c.buf[..] == data[off..off + len],
+                    "seed {seed}: bytes of {} differ",
+                    c.user_data
+                );
+                n += 1;
+            })
+            .expect("read_all");
+            assert_eq!(n, 40);
+            let s = r.stats();
+            assert!(
+                s.retries > 0,
+                "seed {seed}: no EINTR/EAGAIN was injected: {s:?}"
+            );
+            assert!(
+                s.short_reads > 0,
+                "seed {seed}: no short read was injected: {s:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn eio_fails_the_request_and_only_it() {
+    let seed = seed("eio");
+    let (_dir, path, data) = disk_file(1 << 20, seed);
+    for backend in backends() {
+        let plan = FaultPlan {
+            eio: 0.3,
+            ..FaultPlan::none(seed)
+        };
+        let mut r = faulty(backend, Direct::Off, plan);
+        let file = r.open(&path).expect("open");
+        let (mut failed, mut ok) = (0, 0);
+        let ops = (0..50u64).map(|i| ReadOp::new(file, i * 20_000, vec![0u8; 4096]));
+        r.read_all(ops, |c| match &c.result {
+            Ok(n) => {
+                let off = c.offset as usize;
+                assert!(c.buf[..*n] == data[off..off + n]);
+                ok += 1;
+            }
+            Err(Error::Read { source, offset, .. }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::EIO));
+                assert!(*offset >= c.offset && *offset < c.offset + 4096);
+                failed += 1;
+            }
+            Err(other) => panic!("seed {seed}: unexpected {other}"),
+        })
+        .expect("the backend itself works");
+        assert!(
+            failed > 0 && ok > 0,
+            "seed {seed}: {failed} failed, {ok} ok"
+        );
+        let msg = Error::Read {
+            path: path.clone(),
+            offset: 0,
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        }
+        .to_string();
+        assert!(
+            msg.contains("data.bin") && msg.contains("offset 0"),
+            "{msg}"
+        );
+    }
+}
