@@ -7,6 +7,7 @@
 mod access;
 mod handoff;
 mod limits;
+mod reads;
 mod report;
 mod util;
 
@@ -71,7 +72,7 @@ fn main() -> Result<()> {
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("create {}", cli.dir.display()))?;
     let exe = std::env::current_exe().context("path of this program")?;
-    let step = |n: usize, what: &str| eprintln!("[{n}/4] {what}");
+    let step = |n: usize, what: &str| eprintln!("[{n}/5] {what}");
 
     let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
     step(
@@ -99,6 +100,12 @@ fn main() -> Result<()> {
     step(4, "table 2: load and random reads, cold and warm");
     let access = access::measure(&dataset, cli.reps, |what| eprintln!("      {what}"))?;
 
+    step(
+        5,
+        "table 3: gpufeed-uring reads, O_DIRECT by queue depth (with fio) and warm",
+    );
+    let reads = reads::measure(&dataset, cli.reps, |what| eprintln!("      {what}"))?;
+
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
         machine: report::Machine::read(&cli.dir),
@@ -108,6 +115,7 @@ fn main() -> Result<()> {
         limits,
         handoff,
         access,
+        reads,
     };
     let json = serde_json::to_string_pretty(&report)?;
     let markdown = report.markdown();

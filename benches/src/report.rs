@@ -7,6 +7,7 @@ use serde::Serialize;
 use crate::access::{AccessRow, RANDOM_BYTES, RANDOM_READS, Temperature};
 use crate::handoff::Handoff;
 use crate::limits::Limits;
+use crate::reads::Reads;
 use crate::util::show_size;
 
 #[derive(Debug, Serialize)]
@@ -65,6 +66,7 @@ pub struct Report {
     pub limits: Limits,
     pub handoff: Vec<Handoff>,
     pub access: Vec<AccessRow>,
+    pub reads: Reads,
 }
 
 impl Report {
@@ -203,6 +205,60 @@ impl Report {
              {:.2}% stayed resident); warm = read into the page cache first.",
             RANDOM_BYTES / 1024,
             cold_max * 100.0
+        );
+
+        let r = &self.reads;
+        let _ = writeln!(
+            s,
+            "\n## Table 3 — gpufeed-uring: {} read sequentially in 1 MiB requests\n",
+            show_size(self.dataset_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "| O_DIRECT, queue depth | gpufeed-uring io_uring GB/s | fio GB/s | gpufeed / fio |\n|---|---|---|---|"
+        );
+        for row in &r.direct {
+            let (fio, ratio) = match &row.fio_gbps {
+                Some(f) => (
+                    f.show(2),
+                    format!("{:.2}x", row.uring_gbps.median / f.median),
+                ),
+                None => ("-".into(), "-".into()),
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                row.queue_depth,
+                row.uring_gbps.show(2),
+                fio,
+                ratio
+            );
+        }
+        let _ = writeln!(s, "\nfio: {}.\n", r.fio_note);
+        let single = r.warm_single_read_gbps.median;
+        let _ = writeln!(
+            s,
+            "| page cache warm | GB/s | vs one read() loop |\n|---|---|---|"
+        );
+        let _ = writeln!(
+            s,
+            "| one read() loop, 1 MiB buffer | {} | 1.00x |",
+            r.warm_single_read_gbps.show(2)
+        );
+        let _ = writeln!(
+            s,
+            "| gpufeed-uring io_uring (qd {}, IOSQE_ASYNC) | {} | {:.2}x |",
+            r.warm_queue_depth,
+            r.warm_uring_gbps.show(2),
+            r.warm_uring_gbps.median / single
+        );
+        let _ = writeln!(
+            s,
+            "| gpufeed-uring threads({}), qd {} | {} | {:.2}x |",
+            r.warm_threads,
+            r.warm_queue_depth,
+            r.warm_threads_gbps.show(2),
+            r.warm_threads_gbps.median / single
         );
         s
     }

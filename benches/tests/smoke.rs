@@ -41,6 +41,24 @@ fn harness_runs_and_reports() {
             .expect("number")
             > 0.0
     );
+    let reads = &report["reads"];
+    assert_eq!(
+        reads["direct"].as_array().expect("rows").len(),
+        4,
+        "queue depths 1/8/32/64"
+    );
+    assert!(reads["warm_uring_gbps"]["median"].as_f64().expect("number") > 0.0);
+    assert!(
+        reads["warm_threads_gbps"]["median"]
+            .as_f64()
+            .expect("number")
+            > 0.0
+    );
     let md = std::fs::read_to_string(dir.path().join("report.md")).expect("report.md");
-    assert!(md.contains("Table 1") && md.contains("Table 2") && md.contains("120.5 / 4.2"));
+    assert!(
+        md.contains("Table 1")
+            && md.contains("Table 2")
+            && md.contains("Table 3")
+            && md.contains("120.5 / 4.2")
+    );
 }

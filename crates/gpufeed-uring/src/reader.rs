@@ -461,11 +461,7 @@ impl Reader {
 
     /// Decides O_DIRECT for one file: returns the file to read, its (offset, memory)
     /// alignment when direct, and why not when not.
-    fn choose_direct(
-        &self,
-        path: &Path,
-        buffered: File,
-    ) -> Result<DirectChoice> {
+    fn choose_direct(&self, path: &Path, buffered: File) -> Result<DirectChoice> {
         if self.cfg.direct == Direct::Off {
             return Ok((buffered, None, Some("Direct::Off".into())));
         }

@@ -1,0 +1,196 @@
+//! Table 3: gpufeed-uring against the disk's and the machine's own limits and against fio.
+//!
+//! - Cold: O_DIRECT sequential reads (no page cache involved) of the data set in 1 MiB blocks at queue depth 1, 8, 32
+//!   and 64, through io_uring, and `fio` (ioengine io_uring, direct=1) with the same settings.
+//! - Warm: the data set in the page cache read by io_uring, by the thread pool, and by a single
+//!   `read()` loop into one 1 MiB buffer.
+
+use std::cell::RefCell;
+use std::io::Read;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use gpufeed_os::{AlignedBuf, cache};
+use gpufeed_uring::{Backend, Direct, ReadOp, Reader};
+use serde::Serialize;
+
+use crate::util::{Samples, gbps, timed};
+
+pub const BLOCK: usize = 1 << 20;
+pub const DEPTHS: [usize; 4] = [1, 8, 32, 64];
+
+#[derive(Debug, Serialize)]
+pub struct DirectRow {
+    pub queue_depth: usize,
+    pub uring_gbps: Samples,
+    /// `None` when fio is not installed (see `fio_note`).
+    pub fio_gbps: Option<Samples>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Reads {
+    pub direct: Vec<DirectRow>,
+    pub fio_note: String,
+    pub warm_uring_gbps: Samples,
+    pub warm_threads: usize,
+    pub warm_queue_depth: usize,
+    pub warm_threads_gbps: Samples,
+    pub warm_single_read_gbps: Samples,
+}
+
+/// `count` 1 MiB buffers, touched once so that no measurement pays their page faults (a real
+/// pipeline reuses its staging buffers the same way).
+fn buffer_pool(count: usize) -> Result<RefCell<Vec<AlignedBuf>>> {
+    let mut pool = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut buf = AlignedBuf::new(BLOCK, 4096)?;
+        buf.fill(1);
+        pool.push(buf);
+    }
+    Ok(RefCell::new(pool))
+}
+
+/// Reads all of `path` with `reader` in 1 MiB requests, taking buffers from `pool` and
+/// returning them as requests complete; returns GB/s.
+fn read_whole(reader: &mut Reader, path: &Path, pool: &RefCell<Vec<AlignedBuf>>) -> Result<f64> {
+    let file = reader.open(path)?;
+    let len = path.metadata()?.len();
+    let ops = (0..len.div_ceil(BLOCK as u64)).map(|i| {
+        let off = i * BLOCK as u64;
+        let n = (len - off).min(BLOCK as u64) as usize;
+        let buf = pool
+            .borrow_mut()
+            .pop()
+            .map_or_else(|| AlignedBuf::new(BLOCK, 4096), Ok)
+            .expect("1 MiB buffer");
+        ReadOp::new(file, off, buf).len(n)
+    });
+    let mut failure = None;
+    let before = reader.stats().bytes;
+    let (secs, res) = timed(|| {
+        reader.read_all(ops, |c| {
+            if let Err(e) = &c.result {
+                failure.get_or_insert_with(|| e.to_string());
+            }
+            pool.borrow_mut().push(c.buf);
+        })
+    });
+    res?;
+    if let Some(e) = failure {
+        bail!("read failed: {e}");
+    }
+    let bytes = reader.stats().bytes - before;
+    Ok(gbps(bytes, secs))
+}
+
+fn fio(path: &Path, depth: usize, size: u64) -> Result<f64> {
+    let out = Command::new("fio")
+        .args([
+            "--name=gpufeed",
+            "--rw=read",
+            "--bs=1M",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--numjobs=1",
+            "--output-format=json",
+        ])
+        .arg(format!("--iodepth={depth}"))
+        .arg(format!("--size={size}"))
+        .arg(format!("--filename={}", path.display()))
+        .output()
+        .context("run fio")?;
+    if !out.status.success() {
+        bail!("fio failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).context("fio JSON")?;
+    let bw = json["jobs"][0]["read"]["bw_bytes"]
+        .as_f64()
+        .context("fio JSON has no jobs[0].read.bw_bytes")?;
+    Ok(bw / 1e9)
+}
+
+pub fn fio_available() -> bool {
+    Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> Result<Reads> {
+    let size = dataset.metadata()?.len();
+    let have_fio = fio_available();
+    let fio_note = if have_fio {
+        "fio --rw=read --bs=1M --ioengine=io_uring --direct=1, same file, same run".to_owned()
+    } else {
+        "fio not installed: skipped (install it with `apt-get install fio` to compare)".to_owned()
+    };
+    let pool = buffer_pool(*DEPTHS.iter().max().unwrap_or(&1))?;
+    let mut direct = Vec::new();
+    for qd in DEPTHS {
+        progress(&format!("O_DIRECT, queue depth {qd}"));
+        let mut uring = Vec::new();
+        let mut fio_runs = Vec::new();
+        for rep in 0..reps {
+            // The virtual disk here serves bursts faster than sustained reads: alternate who
+            // goes first so that neither side always gets the burst.
+            if have_fio && rep % 2 == 1 {
+                fio_runs.push(fio(dataset, qd, size)?);
+            }
+            let mut reader = Reader::builder()
+                .backend(Backend::IoUring)
+                .direct(Direct::On)
+                .queue_depth(qd)
+                .block_bytes(BLOCK)
+                .build()?;
+            uring.push(read_whole(&mut reader, dataset, &pool)?);
+            if have_fio && rep % 2 == 0 {
+                fio_runs.push(fio(dataset, qd, size)?);
+            }
+        }
+        direct.push(DirectRow {
+            queue_depth: qd,
+            uring_gbps: Samples::new(uring),
+            fio_gbps: have_fio.then(|| Samples::new(fio_runs)),
+        });
+    }
+
+    progress("warm page cache: io_uring, threads, one read() loop");
+    cache::warm(dataset)?;
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    // Two requests per core: enough to keep every core copying, few enough that the buffers
+    // stay in the CPU caches (deeper queues only add cache misses out of the page cache).
+    let warm_qd = 2 * threads;
+    let (mut u, mut t, mut s) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let mut reader = Reader::builder()
+            .backend(Backend::IoUring)
+            .direct(Direct::Off)
+            .queue_depth(warm_qd)
+            .build()?;
+        u.push(read_whole(&mut reader, dataset, &pool)?);
+        let mut reader = Reader::builder()
+            .backend(Backend::Threads(threads))
+            .direct(Direct::Off)
+            .queue_depth(warm_qd)
+            .build()?;
+        t.push(read_whole(&mut reader, dataset, &pool)?);
+        let mut file = std::fs::File::open(dataset)?;
+        let mut buf = vec![0u8; BLOCK];
+        let (secs, res) = timed(|| -> std::io::Result<()> {
+            while file.read(&mut buf)? > 0 {}
+            Ok(())
+        });
+        res?;
+        s.push(gbps(size, secs));
+    }
+    Ok(Reads {
+        direct,
+        fio_note,
+        warm_uring_gbps: Samples::new(u),
+        warm_threads: threads,
+        warm_queue_depth: warm_qd,
+        warm_threads_gbps: Samples::new(t),
+        warm_single_read_gbps: Samples::new(s),
+    })
+}
