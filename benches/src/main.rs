@@ -5,6 +5,7 @@
 //! `report.md` and `report.json` into the output directory.
 
 mod access;
+mod gpu;
 mod handoff;
 mod limits;
 mod reads;
@@ -43,6 +44,18 @@ struct Cli {
     #[arg(long, default_value_t = 5)]
     reps: usize,
 
+    /// Bytes moved per GPU transfer measurement (GPU machine only).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    gpu_bytes: u64,
+
+    /// Size of the file registered and copied to the GPU (GPU machine only).
+    #[arg(long, default_value = "4GiB", value_parser = parse_size)]
+    gpu_file: u64,
+
+    /// Skip the CPU tables (1-3), e.g. to spend the GPU machine's time on the GPU table.
+    #[arg(long)]
+    gpu_only: bool,
+
     /// Print the JSON report on stdout instead of the tables.
     #[arg(long)]
     json: bool,
@@ -72,39 +85,55 @@ fn main() -> Result<()> {
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("create {}", cli.dir.display()))?;
     let exe = std::env::current_exe().context("path of this program")?;
-    let step = |n: usize, what: &str| eprintln!("[{n}/5] {what}");
+    let step = |n: usize, what: &str| eprintln!("[{n}/6] {what}");
 
-    let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
-    step(
-        1,
-        &format!(
-            "data set: {} of random bytes at {}",
-            show_size(cli.size),
-            dataset.display()
-        ),
-    );
-    util::ensure_random_file(&dataset, cli.size, 0x5EED)?;
+    let (mut limits, mut handoff, mut access, mut reads) = (None, None, None, None);
+    if !cli.gpu_only {
+        let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
+        step(
+            1,
+            &format!(
+                "data set: {} of random bytes at {}",
+                show_size(cli.size),
+                dataset.display()
+            ),
+        );
+        util::ensure_random_file(&dataset, cli.size, 0x5EED)?;
 
-    step(2, "limits: memcpy, sequential reads warm / cold / O_DIRECT");
-    let limits = limits::measure(&dataset, cli.reps)?;
+        step(2, "limits: memcpy, sequential reads warm / cold / O_DIRECT");
+        limits = Some(limits::measure(&dataset, cli.reps)?);
 
-    step(
-        3,
-        &format!(
-            "table 1: {} batch, producer process -> consumer process",
-            show_size(cli.batch)
-        ),
-    );
-    let handoff = handoff::measure(&exe, &cli.dir, cli.batch as usize, cli.reps)?;
+        step(
+            3,
+            &format!(
+                "table 1: {} batch, producer process -> consumer process",
+                show_size(cli.batch)
+            ),
+        );
+        handoff = Some(handoff::measure(
+            &exe,
+            &cli.dir,
+            cli.batch as usize,
+            cli.reps,
+        )?);
 
-    step(4, "table 2: load and random reads, cold and warm");
-    let access = access::measure(&dataset, cli.reps, |what| eprintln!("      {what}"))?;
+        step(4, "table 2: load and random reads, cold and warm");
+        access = Some(access::measure(&dataset, cli.reps, |what| {
+            eprintln!("      {what}")
+        })?);
 
-    step(
-        5,
-        "table 3: gpufeed-uring reads, O_DIRECT by queue depth (with fio) and warm",
-    );
-    let reads = reads::measure(&dataset, cli.reps, |what| eprintln!("      {what}"))?;
+        step(
+            5,
+            "table 3: gpufeed-uring reads, O_DIRECT by queue depth (with fio) and warm",
+        );
+        reads = Some(reads::measure(&dataset, cli.reps, |what| {
+            eprintln!("      {what}")
+        })?);
+    }
+    step(6, "table 4: GPU transfers (GPU machine only)");
+    let gpu = gpu::measure(&cli.dir, cli.gpu_bytes, cli.gpu_file, cli.reps, |what| {
+        eprintln!("      {what}")
+    })?;
 
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
@@ -116,6 +145,7 @@ fn main() -> Result<()> {
         handoff,
         access,
         reads,
+        gpu,
     };
     let json = serde_json::to_string_pretty(&report)?;
     let markdown = report.markdown();

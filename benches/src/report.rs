@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::access::{AccessRow, RANDOM_BYTES, RANDOM_READS, Temperature};
+use crate::gpu::GpuBench;
 use crate::handoff::Handoff;
 use crate::limits::Limits;
 use crate::reads::Reads;
@@ -63,17 +64,17 @@ pub struct Report {
     pub dataset_bytes: u64,
     pub batch_bytes: u64,
     pub reps: usize,
-    pub limits: Limits,
-    pub handoff: Vec<Handoff>,
-    pub access: Vec<AccessRow>,
-    pub reads: Reads,
+    pub limits: Option<Limits>,
+    pub handoff: Option<Vec<Handoff>>,
+    pub access: Option<Vec<AccessRow>>,
+    pub reads: Option<Reads>,
+    pub gpu: Option<GpuBench>,
 }
 
 impl Report {
     pub fn markdown(&self) -> String {
         let mut s = String::new();
         let m = &self.machine;
-        let l = &self.limits;
         let _ = writeln!(s, "# gpufeed bench — host memory and page cache\n");
         let _ = writeln!(
             s,
@@ -92,6 +93,31 @@ impl Report {
             self.reps
         );
 
+        if let (Some(l), Some(handoff), Some(access), Some(reads)) =
+            (&self.limits, &self.handoff, &self.access, &self.reads)
+        {
+            self.cpu_tables(&mut s, l, handoff, access, reads);
+        }
+        match &self.gpu {
+            Some(g) => gpu_table(&mut s, g),
+            None => {
+                let _ = writeln!(
+                    s,
+                    "\n## Table 4 — GPU\n\nNo GPU on this machine: not measured."
+                );
+            }
+        }
+        s
+    }
+
+    fn cpu_tables(
+        &self,
+        s: &mut String,
+        l: &Limits,
+        handoff: &[Handoff],
+        access: &[AccessRow],
+        r: &Reads,
+    ) {
         let _ = writeln!(s, "## Limits of this machine (same run)\n");
         let _ = writeln!(s, "| what | GB/s |\n|---|---|");
         let _ = writeln!(
@@ -134,7 +160,7 @@ impl Report {
             s,
             "| path | latency ms | GB/s | vs 1-thread memcpy | source: latency ms / GB/s (512 MB) |\n|---|---|---|---|---|"
         );
-        for (h, src) in self.handoff.iter().zip(["120.5 / 4.2", "18.7 / 27.4"]) {
+        for (h, src) in handoff.iter().zip(["120.5 / 4.2", "18.7 / 27.4"]) {
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {:.2}x | {} |",
@@ -145,7 +171,7 @@ impl Report {
                 src
             );
         }
-        if let [file, shm] = &self.handoff[..] {
+        if let [file, shm] = handoff {
             let _ = writeln!(
                 s,
                 "\nShared memory is {:.1}x faster than the file here (source: 6.4x). Latency runs from the \
@@ -170,7 +196,7 @@ impl Report {
             s,
             "| access | cache | first load ms | full pass ms (GB/s) | {RANDOM_READS} random reads ms | source: first load / random ms (1 GB) |\n|---|---|---|---|---|---|"
         );
-        for r in &self.access {
+        for r in access {
             let (src_load, src_rand) = r.access.source();
             let pass_gbps = self.dataset_bytes as f64 / (r.full_pass_ms.median / 1e3) / 1e9;
             let _ = writeln!(
@@ -189,8 +215,7 @@ impl Report {
                 src_rand
             );
         }
-        let cold_max = self
-            .access
+        let cold_max = access
             .iter()
             .map(|r| r.cold_residency_max)
             .fold(0.0, f64::max);
@@ -207,7 +232,6 @@ impl Report {
             cold_max * 100.0
         );
 
-        let r = &self.reads;
         let _ = writeln!(
             s,
             "\n## Table 3 — gpufeed-uring: {} read sequentially in 1 MiB requests\n",
@@ -260,6 +284,68 @@ impl Report {
             r.warm_threads_gbps.show(2),
             r.warm_threads_gbps.median / single
         );
-        s
     }
+}
+
+fn gpu_table(s: &mut String, g: &GpuBench) {
+    let limit = g.pinned_limit_gbps.median;
+    let _ = writeln!(
+        s,
+        "\n## Table 4 — {} ({}, {}, NUMA node {:?}): host -> GPU, {} per transfer\n",
+        g.gpu,
+        g.pci_bus_id,
+        g.pcie,
+        g.numa_node,
+        show_size(g.bytes)
+    );
+    let _ = writeln!(s, "| path | GB/s | of the pinned limit |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| limit: pinned, 1 stream, 16 MiB cuMemcpyHtoDAsync | {} | 100% |",
+        g.pinned_limit_gbps.show(1)
+    );
+    for (name, v) in [
+        (
+            "TransferScheduler from pinned (4 streams, 16 MiB)",
+            &g.sched_pinned_gbps,
+        ),
+        (
+            "TransferScheduler from a pageable Vec (staged, 4 fill threads)",
+            &g.sched_pageable_gbps,
+        ),
+        (
+            "naive cuMemcpyHtoD from a pageable Vec",
+            &g.naive_pageable_gbps,
+        ),
+    ] {
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {:.0}% |",
+            v.show(1),
+            v.median / limit * 100.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        "| {} registered read-only file mapping (page cache), copies from one thread | {} | {:.0}% |",
+        show_size(g.file_bytes),
+        g.registered_copy_gbps.show(1),
+        g.registered_copy_gbps.median / limit * 100.0
+    );
+    let _ = writeln!(
+        s,
+        "| same, including cuMemHostRegister ({} ms) | {} | {:.0}% |",
+        g.register_ms.show(0),
+        g.registered_with_register_gbps.show(1),
+        g.registered_with_register_gbps.median / limit * 100.0
+    );
+    let _ = writeln!(
+        s,
+        "\nPool: steady-state `get` of a 64 MiB pinned buffer {} us (median, min-max of 1000) against \
+         {:.1} ms for cuMemHostAlloc of 64 MiB; cuMemHostAlloc of {} took {:.0} ms.",
+        g.pool_get_us.show(2),
+        g.alloc_64mib_ms,
+        show_size(g.bytes),
+        g.pinned_alloc_ms
+    );
 }

@@ -7,7 +7,18 @@ fn harness_runs_and_reports() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-bench"))
         .args([
-            "--size", "4MiB", "--batch", "1MiB", "--reps", "1", "--json", "--dir",
+            "--size",
+            "4MiB",
+            "--batch",
+            "1MiB",
+            "--reps",
+            "1",
+            "--gpu-bytes",
+            "64MiB",
+            "--gpu-file",
+            "64MiB",
+            "--json",
+            "--dir",
         ])
         .arg(dir.path())
         .output()
@@ -60,5 +71,7 @@ fn harness_runs_and_reports() {
             && md.contains("Table 2")
             && md.contains("Table 3")
             && md.contains("120.5 / 4.2")
+            && md.contains("Table 4"),
+        "every table (Table 4 measured, or saying there is no GPU)"
     );
 }

@@ -1,0 +1,186 @@
+//! Table 4 (GPU machine only): the PCIe limit, the scheduler from each source, the registered
+//! file mapping on one thread, and the pool's steady-state `get`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use gpufeed_cuda::cudarc::driver::{DevicePtrMut, sys};
+use gpufeed_cuda::{Gpu, GpuInfo, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_os::{FileMap, MapMode, cache};
+use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PoolMode};
+use serde::Serialize;
+
+use crate::util::{Samples, SplitMix, ensure_random_file, gbps, timed};
+
+#[derive(Debug, Serialize)]
+pub struct GpuBench {
+    pub gpu: String,
+    pub pci_bus_id: String,
+    pub numa_node: Option<u32>,
+    pub pcie: String,
+    pub bytes: u64,
+    /// One stream, 16 MiB cuMemcpyHtoDAsync from pinned memory: the machine's limit.
+    pub pinned_limit_gbps: Samples,
+    /// cuMemHostAlloc of `bytes`, ms.
+    pub pinned_alloc_ms: f64,
+    pub sched_pinned_gbps: Samples,
+    pub sched_pageable_gbps: Samples,
+    /// cuMemcpyHtoD straight from a Vec (what naive code does).
+    pub naive_pageable_gbps: Samples,
+    pub file_bytes: u64,
+    pub register_ms: Samples,
+    pub registered_copy_gbps: Samples,
+    pub registered_with_register_gbps: Samples,
+    pub pool_get_us: Samples,
+    pub alloc_64mib_ms: f64,
+}
+
+const CHUNK: usize = 16 << 20;
+
+pub fn describe(info: &GpuInfo) -> String {
+    match (info.pcie_gen, info.pcie_width) {
+        (Some(g), Some(w)) => format!("PCIe Gen{g} x{w}"),
+        _ => "PCIe link unknown".into(),
+    }
+}
+
+pub fn measure(
+    dir: &Path,
+    bytes: u64,
+    file_bytes: u64,
+    reps: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<Option<GpuBench>> {
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) if e.is_no_gpu() => {
+            progress(&format!("no GPU: {e}"));
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let ctx = Arc::clone(gpu.context());
+    let len = bytes as usize;
+    let mut data = vec![0u8; len];
+    SplitMix(0x6F0).fill(&mut data);
+
+    progress("pinned limit: one stream, 16 MiB chunks");
+    let (alloc_s, pinned) = timed(|| PinnedBuffer::new(&ctx, len));
+    let mut pinned = pinned?;
+    pinned.copy_from_slice(&data);
+    let mut dev = gpu.alloc_zeroed(len)?;
+    let stream = ctx.new_stream()?;
+    let mut limit = Vec::new();
+    for _ in 0..reps + 1 {
+        let (dptr, guard) = dev.device_ptr_mut(&stream);
+        let (secs, res) = timed(|| -> Result<()> {
+            for off in (0..len).step_by(CHUNK) {
+                let n = CHUNK.min(len - off);
+                // SAFETY: pinned and dev both hold len bytes and outlive the synchronize below.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dptr + off as u64,
+                        pinned.as_ptr().add(off).cast(),
+                        n,
+                        stream.cu_stream(),
+                    )
+                }
+                .result()?;
+            }
+            stream.synchronize()?;
+            Ok(())
+        });
+        drop(guard);
+        res?;
+        limit.push(gbps(bytes, secs));
+    }
+    limit.remove(0); // warm-up
+
+    progress("scheduler: pinned, pageable (staged), naive pageable");
+    let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+    let mut from_pinned = Vec::new();
+    let mut from_pageable = Vec::new();
+    let mut naive = Vec::new();
+    for _ in 0..reps {
+        from_pinned.push(
+            sched
+                .upload(HostSource::Pinned(&pinned), &mut dev, 0)?
+                .gbps(),
+        );
+        from_pageable.push(
+            sched
+                .upload(HostSource::Pageable(&data), &mut dev, 0)?
+                .gbps(),
+        );
+        let (secs, res) = timed(|| stream.memcpy_htod(&data, &mut dev));
+        res?;
+        stream.synchronize()?;
+        naive.push(gbps(bytes, secs));
+    }
+    let back = gpu.to_vec(&dev)?;
+    anyhow::ensure!(back == data, "the bytes on the GPU differ from the source");
+    drop((dev, pinned));
+
+    progress(&format!(
+        "registered read-only file mapping of {} GiB, one thread",
+        file_bytes >> 30
+    ));
+    let path = dir.join(format!("gpu-file-{file_bytes}.bin"));
+    ensure_random_file(&path, file_bytes, 0xF11E)?;
+    cache::warm(&path)?;
+    let mut dev = gpu.alloc_zeroed(file_bytes as usize)?;
+    let (mut reg_ms, mut copy, mut both) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps {
+        // SAFETY: the bench's file is written once and never changed while mapped.
+        let map = unsafe { FileMap::open(&path, MapMode::ReadOnly) }.context("map the file")?;
+        let (reg_s, reg) = timed(|| HostRegistration::file_map(&ctx, &map));
+        let reg = reg?;
+        let stats = sched.upload(HostSource::Registered(&reg), &mut dev, 0)?;
+        reg_ms.push(reg_s * 1e3);
+        copy.push(stats.gbps());
+        both.push(gbps(file_bytes, reg_s + stats.seconds));
+    }
+    drop(dev);
+
+    progress("pool: steady-state get of a 64 MiB buffer");
+    let (alloc64, first) = timed(|| PinnedBuffer::new(&ctx, 64 << 20));
+    drop(first?);
+    let pool = PinnedPool::new(
+        PoolMode::Cuda(Arc::clone(&ctx)),
+        PoolConfig {
+            budget_bytes: None,
+            numa_node: gpu.info().numa_node,
+        },
+    )?;
+    drop(pool.get(64 << 20)?);
+    let gets = (0..1000)
+        .map(|_| {
+            let (s, b) = timed(|| pool.get(64 << 20));
+            b.map(|b| {
+                drop(b);
+                s * 1e6
+            })
+        })
+        .collect::<Result<Vec<f64>, _>>()?;
+
+    let info = gpu.info();
+    Ok(Some(GpuBench {
+        gpu: info.name.clone(),
+        pci_bus_id: info.pci_bus_id.clone(),
+        numa_node: info.numa_node,
+        pcie: describe(info),
+        bytes,
+        pinned_limit_gbps: Samples::new(limit),
+        pinned_alloc_ms: alloc_s * 1e3,
+        sched_pinned_gbps: Samples::new(from_pinned),
+        sched_pageable_gbps: Samples::new(from_pageable),
+        naive_pageable_gbps: Samples::new(naive),
+        file_bytes,
+        register_ms: Samples::new(reg_ms),
+        registered_copy_gbps: Samples::new(copy),
+        registered_with_register_gbps: Samples::new(both),
+        pool_get_us: Samples::new(gets),
+        alloc_64mib_ms: alloc64 * 1e3,
+    }))
+}

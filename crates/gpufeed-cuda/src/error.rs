@@ -1,0 +1,83 @@
+//! The one error type of `gpufeed-cuda`.
+
+/// Result alias used throughout `gpufeed-cuda`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `gpufeed-cuda`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The CUDA driver library is not installed.
+    #[error(
+        "no CUDA driver: libcuda.so could not be loaded; install the NVIDIA driver (in a \
+         container: the NVIDIA container toolkit and --gpus), or run the CPU paths"
+    )]
+    NoCudaDriver,
+
+    /// No GPU has that ordinal.
+    #[error(
+        "no CUDA device {ordinal}: this machine has {count} (ordinals 0..{count}); check CUDA_VISIBLE_DEVICES"
+    )]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices visible.
+        count: usize,
+    },
+
+    /// A CUDA driver call failed.
+    #[error("{op} failed: {result}{}", if .result == "CUDA_ERROR_OUT_OF_MEMORY" { "; free device memory or transfer less at once" } else { "" })]
+    Cuda {
+        /// The call.
+        op: &'static str,
+        /// The `CUresult` name.
+        result: String,
+    },
+
+    /// A transfer range does not fit its source or destination.
+    #[error("transfer of {len} bytes at offset {offset} does not fit a buffer of {capacity} bytes")]
+    OutOfBounds {
+        /// Bytes to move.
+        len: u64,
+        /// Offset in the buffer.
+        offset: u64,
+        /// The buffer's size.
+        capacity: u64,
+    },
+
+    /// A fill source failed to produce its bytes.
+    #[error("fill source failed at offset {offset}: {message}")]
+    Source {
+        /// Where in the source.
+        offset: u64,
+        /// Its error, as text.
+        message: String,
+    },
+
+    /// An error of pinned memory.
+    #[error(transparent)]
+    Pinned(#[from] gpufeed_pinned::Error),
+}
+
+impl Error {
+    pub(crate) fn cuda(op: &'static str, err: cudarc::driver::DriverError) -> Self {
+        Error::Cuda {
+            op,
+            result: format!("{:?}", err.0),
+        }
+    }
+
+    /// Whether the error means that no GPU can be used here at all.
+    pub fn is_no_gpu(&self) -> bool {
+        matches!(
+            self,
+            Error::NoCudaDriver
+                | Error::NoDevice { .. }
+                | Error::Pinned(gpufeed_pinned::Error::NoCudaDriver)
+        ) || matches!(self, Error::Cuda { result, .. } if result == "CUDA_ERROR_NO_DEVICE")
+    }
+}
+
+pub(crate) fn driver() -> Result<()> {
+    gpufeed_pinned::driver_available().map_err(|_| Error::NoCudaDriver)
+}

@@ -1,0 +1,183 @@
+//! CUDA devices: enumeration, facts, and an open device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, result, sys};
+
+use crate::error::{Error, Result, driver};
+
+/// What is known about one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// CUDA ordinal.
+    pub ordinal: usize,
+    /// Product name.
+    pub name: String,
+    /// Device memory in bytes.
+    pub memory_bytes: u64,
+    /// PCI bus id in sysfs form (`0000:3b:00.0`).
+    pub pci_bus_id: String,
+    /// The NUMA node it is attached to, where known (gpufeed-numa).
+    pub numa_node: Option<u32>,
+    /// PCIe generation of the current link (from /sys), where readable.
+    pub pcie_gen: Option<u32>,
+    /// PCIe lanes of the current link (from /sys), where readable.
+    pub pcie_width: Option<u32>,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+}
+
+fn attr(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32> {
+    // SAFETY: `dev` came from cuDeviceGet; the call writes one integer.
+    unsafe { result::device::get_attribute(dev, a) }
+        .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))
+}
+
+/// Reads the facts of device `ordinal` without creating a context.
+fn info(ordinal: usize, topology: Option<&gpufeed_numa::Topology>) -> Result<GpuInfo> {
+    use sys::CUdevice_attribute as A;
+    let dev = result::device::get(ordinal as i32).map_err(|e| Error::cuda("cuDeviceGet", e))?;
+    let name = result::device::get_name(dev).map_err(|e| Error::cuda("cuDeviceGetName", e))?;
+    // SAFETY: as for attr.
+    let memory_bytes = unsafe { result::device::total_mem(dev) }
+        .map_err(|e| Error::cuda("cuDeviceTotalMem", e))? as u64;
+    let pci_bus_id = format!(
+        "{:04x}:{:02x}:{:02x}.0",
+        attr(dev, A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+        attr(dev, A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+        attr(dev, A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+    );
+    let numa_node = topology.and_then(|t| t.node_of_pci(&pci_bus_id).ok().flatten());
+    let sys_dir = format!("/sys/bus/pci/devices/{pci_bus_id}");
+    let read = |f: &str| std::fs::read_to_string(format!("{sys_dir}/{f}")).ok();
+    let pcie_gen = read("current_link_speed").and_then(|s| link_gen(&s));
+    let pcie_width = read("current_link_width").and_then(|s| s.trim().parse().ok());
+    Ok(GpuInfo {
+        ordinal,
+        name,
+        memory_bytes,
+        pci_bus_id,
+        numa_node,
+        pcie_gen,
+        pcie_width,
+        compute_capability: (
+            attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+    })
+}
+
+/// `32.0 GT/s PCIe` -> 5.
+pub(crate) fn link_gen(text: &str) -> Option<u32> {
+    let gts: f64 = text.split_whitespace().next()?.parse().ok()?;
+    Some(match gts {
+        x if x < 3.0 => 1,
+        x if x < 6.0 => 2,
+        x if x < 10.0 => 3,
+        x if x < 20.0 => 4,
+        x if x < 40.0 => 5,
+        x if x < 80.0 => 6,
+        _ => 7,
+    })
+}
+
+/// An open GPU: its context (cudarc's primary context) and facts.
+///
+/// # Example
+/// ```
+/// match gpufeed_cuda::Gpu::open(0) {
+///     Ok(gpu) => println!("{} on NUMA node {:?}", gpu.info().name, gpu.info().numa_node),
+///     Err(e) if e.is_no_gpu() => println!("no GPU here: {e}"),
+///     Err(e) => return Err(e),
+/// }
+/// # Ok::<(), gpufeed_cuda::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    info: GpuInfo,
+}
+
+impl Gpu {
+    /// The number of CUDA devices; [`Error::NoCudaDriver`] without a driver.
+    pub fn count() -> Result<usize> {
+        driver()?;
+        result::init().map_err(|e| Error::cuda("cuInit", e))?;
+        result::device::get_count()
+            .map(|n| n as usize)
+            .map_err(|e| Error::cuda("cuDeviceGetCount", e))
+    }
+
+    /// Every GPU with its facts (no context is created).
+    pub fn list() -> Result<Vec<GpuInfo>> {
+        let count = Self::count()?;
+        let topology = gpufeed_numa::Topology::detect().ok();
+        (0..count).map(|i| info(i, topology.as_ref())).collect()
+    }
+
+    /// Opens GPU `ordinal`.
+    ///
+    /// # Errors
+    /// [`Error::NoCudaDriver`], [`Error::NoDevice`], [`Error::Cuda`].
+    pub fn open(ordinal: usize) -> Result<Self> {
+        let count = Self::count()?;
+        if ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let topology = gpufeed_numa::Topology::detect().ok();
+        let info = info(ordinal, topology.as_ref())?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Gpu { ctx, info })
+    }
+
+    /// Its facts.
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    /// Its CUDA context (cudarc), for cudarc and candle users.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The context's default stream.
+    pub fn default_stream(&self) -> Arc<CudaStream> {
+        self.ctx.default_stream()
+    }
+
+    /// `len` bytes of device memory, zeroed.
+    pub fn alloc_zeroed(&self, len: usize) -> Result<CudaSlice<u8>> {
+        self.default_stream()
+            .alloc_zeros::<u8>(len)
+            .map_err(|e| Error::cuda("cuMemAlloc", e))
+    }
+
+    /// `len` bytes of device memory, not initialised.
+    ///
+    /// # Safety
+    /// 1. Nothing reads the memory before it has been written (an upload fills it).
+    pub unsafe fn alloc(&self, len: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: passed on to the caller.
+        unsafe { self.default_stream().alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+    }
+
+    /// Copies device memory back into a new `Vec` (synchronously; for checks and small data).
+    pub fn to_vec(&self, src: &CudaSlice<u8>) -> Result<Vec<u8>> {
+        self.default_stream()
+            .clone_dtoh(src)
+            .map_err(|e| Error::cuda("cuMemcpyDtoH", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pcie_link_generations() {
+        assert_eq!(super::link_gen("32.0 GT/s PCIe\n"), Some(5));
+        assert_eq!(super::link_gen("16.0 GT/s PCIe"), Some(4));
+        assert_eq!(super::link_gen("8.0 GT/s PCIe"), Some(3));
+        assert_eq!(super::link_gen("2.5 GT/s"), Some(1));
+        assert_eq!(super::link_gen("Unknown"), None);
+    }
+}

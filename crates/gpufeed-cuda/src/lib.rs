@@ -1,0 +1,29 @@
+//! # gpufeed-cuda — layer 2 of gpufeed: GPUs and the transfer scheduler
+//!
+//! - [`Gpu::list`] / [`Gpu::open`]: devices with their name, memory, PCI bus id, NUMA node
+//!   (from `gpufeed-numa`) and PCIe link. Never panics on a machine without a driver: every
+//!   entry point checks for libcuda first and returns [`Error::NoCudaDriver`].
+//! - Device buffers are cudarc [`CudaSlice<u8>`](cudarc::driver::CudaSlice), so cudarc and
+//!   candle users take them as they are.
+//! - [`TransferScheduler`]: host -> device (and back) in chunks spread over several streams.
+//!   Pinned and registered memory is copied directly; pageable memory and [`FillSource`]s
+//!   (a file reader, a decoder) go through pinned staging buffers from a
+//!   [`gpufeed_pinned::PinnedPool`], filled by worker threads while earlier chunks are on the
+//!   wire. A staging buffer is reused only after the event of its last copy completed (the
+//!   pool's guard owns the event). [`TransferStats`] says where time went.
+//!
+//! Depends on `cudarc` (driver API, dynamic loading), `gpufeed-pinned`, `gpufeed-numa`.
+
+mod error;
+mod gpu;
+mod transfer;
+
+pub use error::{Error, Result};
+pub use gpu::{Gpu, GpuInfo};
+pub use transfer::{
+    FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig, TransferScheduler,
+    TransferStats,
+};
+
+/// The cudarc crate, as this crate uses it.
+pub use cudarc;

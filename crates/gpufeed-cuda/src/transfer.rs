@@ -1,0 +1,615 @@
+//! The transfer scheduler: chunked host<->device copies over several streams, with pinned
+//! staging buffers filled by worker threads while earlier chunks are on the wire.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
+use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PooledBuffer};
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::gpu::Gpu;
+
+/// Errors a [`FillSource`] may return.
+pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Something that writes bytes `[offset, offset + dst.len())` of a logical stream into a
+/// staging buffer, on a worker thread: a slice (`SliceSource`), a file read (the io_uring
+/// reader), a decoder.
+pub trait FillSource: Sync {
+    /// Fills all of `dst` with the source's bytes starting at `offset`.
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError>;
+}
+
+/// A pageable slice as a [`FillSource`] (a `memcpy` per chunk, spread over the fill threads).
+#[derive(Debug, Clone, Copy)]
+pub struct SliceSource<'a>(pub &'a [u8]);
+
+impl FillSource for SliceSource<'_> {
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
+        let start = usize::try_from(offset)?;
+        let src = self
+            .0
+            .get(start..start + dst.len())
+            .ok_or("range outside the slice")?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Where an upload reads from.
+pub enum HostSource<'a> {
+    /// Pinned memory: copied directly, chunk by chunk over the streams.
+    Pinned(&'a PinnedBuffer),
+    /// A pooled buffer (pinned in CUDA mode): copied directly.
+    Pooled(&'a PooledBuffer),
+    /// Registered memory (a file mapping in the page cache, a segment): copied directly.
+    Registered(&'a HostRegistration<'a>),
+    /// Ordinary memory: copied into pinned staging buffers by the fill threads first.
+    Pageable(&'a [u8]),
+    /// `len` bytes produced by a [`FillSource`] into staging buffers on the fill threads.
+    Fill {
+        /// The source.
+        source: &'a dyn FillSource,
+        /// Bytes to produce.
+        len: u64,
+    },
+}
+
+/// Where a download writes to.
+pub enum HostDest<'a> {
+    /// Pinned memory: copied directly.
+    Pinned(&'a mut PinnedBuffer),
+    /// Ordinary memory: through pinned staging buffers, copied out by the fill threads.
+    Pageable(&'a mut [u8]),
+}
+
+/// Settings of a [`TransferScheduler`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferConfig {
+    /// Streams the chunks are spread over (default 4).
+    pub streams: usize,
+    /// Bytes per copy (default 16 MiB, where the pinned ceiling is reached).
+    pub chunk_bytes: usize,
+    /// Staging buffers in flight for pageable and fill transfers (default 8).
+    pub staging_buffers: usize,
+    /// Threads filling (or draining) staging buffers (default 4).
+    pub fill_threads: usize,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            streams: 4,
+            chunk_bytes: 16 << 20,
+            staging_buffers: 8,
+            fill_threads: 4,
+        }
+    }
+}
+
+/// What a transfer did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransferStats {
+    /// `"pinned"`, `"registered"` or `"staged"`.
+    pub path: &'static str,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Wall seconds from the first copy enqueued to the last completed.
+    pub seconds: f64,
+    /// Copies issued.
+    pub chunks: u64,
+    /// Seconds the copy side waited for the source to fill a staging buffer.
+    pub copy_waited_s: f64,
+    /// Seconds the source side waited for a free staging buffer (its last copy to finish).
+    pub source_waited_s: f64,
+}
+
+impl TransferStats {
+    /// GB/s (10^9 bytes per second).
+    pub fn gbps(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Chunked, multi-stream copies between host and one GPU.
+///
+/// # Example
+/// ```no_run
+/// use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
+/// let gpu = Gpu::open(0)?;
+/// let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+/// let data = vec![7u8; 100 << 20];
+/// let mut dev = gpu.alloc_zeroed(data.len())?;
+/// let stats = sched.upload(HostSource::Pageable(&data), &mut dev, 0)?;
+/// println!("{:.1} GB/s", stats.gbps());
+/// # Ok::<(), gpufeed_cuda::Error>(())
+/// ```
+pub struct TransferScheduler {
+    ctx: Arc<CudaContext>,
+    streams: Vec<Arc<CudaStream>>,
+    pool: PinnedPool,
+    cfg: TransferConfig,
+}
+
+impl std::fmt::Debug for TransferScheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferScheduler")
+            .field("cfg", &self.cfg)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+/// A raw pointer that may cross threads: each user touches a disjoint range.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: see the type's docs; the scheduler hands each thread its own chunk.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+/// Free staging buffers shared by the copy side and the fill threads.
+struct FreeList {
+    bufs: Mutex<Vec<PooledBuffer>>,
+    ready: Condvar,
+    abort: AtomicBool,
+}
+
+impl FreeList {
+    fn put(&self, buf: PooledBuffer) {
+        self.bufs.lock().push(buf);
+        self.ready.notify_one();
+    }
+
+    /// A free buffer, or None once aborted.
+    fn take(&self) -> Option<PooledBuffer> {
+        let mut bufs = self.bufs.lock();
+        loop {
+            if self.abort.load(Ordering::Acquire) {
+                return None;
+            }
+            if let Some(b) = bufs.pop() {
+                return Some(b);
+            }
+            self.ready.wait_for(&mut bufs, Duration::from_millis(50));
+        }
+    }
+
+    fn stop(&self) {
+        self.abort.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+}
+
+impl TransferScheduler {
+    /// A scheduler on `gpu` with its own streams and a staging pool on the GPU's NUMA node.
+    pub fn new(gpu: &Gpu, cfg: TransferConfig) -> Result<Self> {
+        let cfg = TransferConfig {
+            streams: cfg.streams.max(1),
+            chunk_bytes: cfg.chunk_bytes.clamp(4096, gpufeed_pinned::MAX_CLASS),
+            staging_buffers: cfg.staging_buffers.max(2),
+            fill_threads: cfg.fill_threads.max(1),
+        };
+        let ctx = Arc::clone(gpu.context());
+        let streams = (0..cfg.streams)
+            .map(|_| {
+                ctx.new_stream()
+                    .map_err(|e| Error::cuda("cuStreamCreate", e))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pool = PinnedPool::new(
+            gpufeed_pinned::PoolMode::Cuda(Arc::clone(&ctx)),
+            PoolConfig {
+                budget_bytes: None,
+                numa_node: gpu.info().numa_node,
+            },
+        )?;
+        Ok(TransferScheduler {
+            ctx,
+            streams,
+            pool,
+            cfg,
+        })
+    }
+
+    /// The settings in use.
+    pub fn config(&self) -> TransferConfig {
+        self.cfg
+    }
+
+    /// The staging pool (its stats, or buffers for callers that stage themselves).
+    pub fn pool(&self) -> &PinnedPool {
+        &self.pool
+    }
+
+    /// Copies `src` into `dst` starting at byte `dst_offset`; returns when the bytes are on
+    /// the GPU.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`], [`Error::Cuda`], [`Error::Source`].
+    pub fn upload(
+        &self,
+        src: HostSource<'_>,
+        dst: &mut CudaSlice<u8>,
+        dst_offset: usize,
+    ) -> Result<TransferStats> {
+        let len = match &src {
+            HostSource::Pinned(b) => b.len() as u64,
+            HostSource::Pooled(b) => b.len() as u64,
+            HostSource::Registered(r) => r.len() as u64,
+            HostSource::Pageable(s) => s.len() as u64,
+            HostSource::Fill { len, .. } => *len,
+        };
+        if (dst_offset as u64)
+            .checked_add(len)
+            .is_none_or(|end| end > dst.len() as u64)
+        {
+            return Err(Error::OutOfBounds {
+                len,
+                offset: dst_offset as u64,
+                capacity: dst.len() as u64,
+            });
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let main = Arc::clone(dst.stream());
+        let (dptr, write_guard) = dst.device_ptr_mut(&main);
+        let dptr = dptr + dst_offset as u64;
+        self.streams_after(&main)?;
+        let start = Instant::now();
+        let mut stats = match src {
+            HostSource::Pinned(b) => self.copy_direct(b.as_ptr(), b.len(), dptr, "pinned")?,
+            HostSource::Pooled(b) => self.copy_direct(b.as_ptr(), b.len(), dptr, "pinned")?,
+            HostSource::Registered(r) => {
+                self.copy_direct(r.as_ptr(), r.len(), dptr, "registered")?
+            }
+            HostSource::Pageable(s) => self.upload_staged(&SliceSource(s), s.len() as u64, dptr)?,
+            HostSource::Fill { source, len } => self.upload_staged(source, len, dptr)?,
+        };
+        self.main_after_streams(&main)?;
+        drop(write_guard);
+        main.synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        stats.seconds = start.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
+    /// Copies all of `src` into `dst` (which must be as long); returns when the bytes are in
+    /// host memory.
+    pub fn download(&self, src: &CudaSlice<u8>, dst: HostDest<'_>) -> Result<TransferStats> {
+        let dst_len = match &dst {
+            HostDest::Pinned(b) => b.len(),
+            HostDest::Pageable(s) => s.len(),
+        };
+        if dst_len != src.len() {
+            return Err(Error::OutOfBounds {
+                len: src.len() as u64,
+                offset: 0,
+                capacity: dst_len as u64,
+            });
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let main = Arc::clone(src.stream());
+        let (dptr, read_guard) = src.device_ptr(&main);
+        self.streams_after(&main)?;
+        let start = Instant::now();
+        let mut stats = match dst {
+            HostDest::Pinned(b) => self.download_direct(dptr, b.as_mut_ptr(), b.len())?,
+            HostDest::Pageable(s) => self.download_staged(dptr, s)?,
+        };
+        self.main_after_streams(&main)?;
+        drop(read_guard);
+        main.synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        stats.seconds = start.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
+    /// Makes every worker stream wait for the work queued so far on `main`.
+    fn streams_after(&self, main: &CudaStream) -> Result<()> {
+        let ev = main
+            .record_event(None)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        for s in &self.streams {
+            s.wait(&ev)
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+
+    /// Makes `main` wait for everything queued on the worker streams.
+    fn main_after_streams(&self, main: &CudaStream) -> Result<()> {
+        for s in &self.streams {
+            main.join(s)
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+
+    fn chunks(&self, len: u64) -> impl Iterator<Item = (usize, u64, usize)> + use<> {
+        let chunk = self.cfg.chunk_bytes as u64;
+        (0..len.div_ceil(chunk))
+            .map(move |i| (i as usize, i * chunk, (len - i * chunk).min(chunk) as usize))
+    }
+
+    fn copy_direct(
+        &self,
+        src: *const u8,
+        len: usize,
+        dptr: sys::CUdeviceptr,
+        path: &'static str,
+    ) -> Result<TransferStats> {
+        let mut n = 0;
+        for (i, off, size) in self.chunks(len as u64) {
+            let stream = &self.streams[i % self.streams.len()];
+            // SAFETY: [src + off, +size) lies in page-locked memory borrowed by the caller for
+            // the whole call, which synchronizes before returning; the device range was bounds
+            // checked by upload().
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dptr + off,
+                    src.add(off as usize).cast(),
+                    size,
+                    stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+            n += 1;
+        }
+        self.sync_streams()?;
+        Ok(TransferStats {
+            path,
+            bytes: len as u64,
+            seconds: 0.0,
+            chunks: n,
+            copy_waited_s: 0.0,
+            source_waited_s: 0.0,
+        })
+    }
+
+    fn download_direct(
+        &self,
+        dptr: sys::CUdeviceptr,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<TransferStats> {
+        let mut n = 0;
+        for (i, off, size) in self.chunks(len as u64) {
+            let stream = &self.streams[i % self.streams.len()];
+            // SAFETY: the destination is pinned memory borrowed mutably for the whole call,
+            // which synchronizes before returning.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.add(off as usize).cast(),
+                    dptr + off,
+                    size,
+                    stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
+            n += 1;
+        }
+        self.sync_streams()?;
+        Ok(TransferStats {
+            path: "pinned",
+            bytes: len as u64,
+            seconds: 0.0,
+            chunks: n,
+            copy_waited_s: 0.0,
+            source_waited_s: 0.0,
+        })
+    }
+
+    fn sync_streams(&self) -> Result<()> {
+        for s in &self.streams {
+            s.synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        }
+        Ok(())
+    }
+
+    fn staging(&self, len: u64) -> Result<FreeList> {
+        let count = self
+            .cfg
+            .staging_buffers
+            .min(len.div_ceil(self.cfg.chunk_bytes as u64) as usize)
+            .max(1);
+        let bufs = (0..count)
+            .map(|_| self.pool.get(self.cfg.chunk_bytes))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(FreeList {
+            bufs: Mutex::new(bufs),
+            ready: Condvar::new(),
+            abort: AtomicBool::new(false),
+        })
+    }
+
+    fn upload_staged(
+        &self,
+        source: &dyn FillSource,
+        len: u64,
+        dptr: sys::CUdeviceptr,
+    ) -> Result<TransferStats> {
+        let free = self.staging(len)?;
+        let next = AtomicUsize::new(0);
+        let chunks: Vec<(usize, u64, usize)> = self.chunks(len).collect();
+        let source_waited = Mutex::new(Duration::ZERO);
+        let (filled_tx, filled_rx) = mpsc::channel::<Result<(usize, PooledBuffer)>>();
+        let mut copy_waited = Duration::ZERO;
+        let outcome = std::thread::scope(|scope| -> Result<()> {
+            for _ in 0..self.cfg.fill_threads.min(chunks.len()) {
+                let tx = filled_tx.clone();
+                let (free, next, chunks, source_waited) = (&free, &next, &chunks, &source_waited);
+                scope.spawn(move || {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(idx, off, size)) = chunks.get(i) else {
+                            return;
+                        };
+                        let t = Instant::now();
+                        let Some(mut buf) = free.take() else { return };
+                        let waited = buf.wait_idle().map_err(Error::from);
+                        *source_waited.lock() += t.elapsed();
+                        let result = waited.and_then(|()| {
+                            buf.set_len(size);
+                            source
+                                .fill(off, &mut buf[..size])
+                                .map_err(|e| Error::Source {
+                                    offset: off,
+                                    message: e.to_string(),
+                                })
+                        });
+                        let failed = result.is_err();
+                        if tx.send(result.map(|()| (idx, buf))).is_err() || failed {
+                            return;
+                        }
+                    }
+                });
+            }
+            drop(filled_tx);
+            let mut done = 0;
+            while done < chunks.len() {
+                let t = Instant::now();
+                let Ok(msg) = filled_rx.recv() else {
+                    break;
+                };
+                copy_waited += t.elapsed();
+                let (idx, mut buf) = match msg {
+                    Ok(x) => x,
+                    Err(e) => {
+                        free.stop();
+                        return Err(e);
+                    }
+                };
+                let (_, off, size) = chunks[idx];
+                let stream = &self.streams[idx % self.streams.len()];
+                // SAFETY: the staging buffer is pinned and stays untouched until the event
+                // recorded right after the copy completed (record_use / wait_idle); the device
+                // range was bounds checked by upload().
+                let copied = unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dptr + off,
+                        buf.as_ptr().cast(),
+                        size,
+                        stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
+                .and_then(|()| buf.record_use(stream).map_err(Error::from));
+                free.put(buf);
+                if let Err(e) = copied {
+                    free.stop();
+                    return Err(e);
+                }
+                done += 1;
+            }
+            Ok(())
+        });
+        // Whatever happened, every copy issued must finish before the staging buffers (back
+        // in the pool, each with its event) can be reused or freed.
+        let synced = self.sync_streams();
+        outcome?;
+        synced?;
+        Ok(TransferStats {
+            path: "staged",
+            bytes: len,
+            seconds: 0.0,
+            chunks: chunks.len() as u64,
+            copy_waited_s: copy_waited.as_secs_f64(),
+            source_waited_s: source_waited.into_inner().as_secs_f64(),
+        })
+    }
+
+    fn download_staged(&self, dptr: sys::CUdeviceptr, dst: &mut [u8]) -> Result<TransferStats> {
+        let len = dst.len() as u64;
+        let free = self.staging(len)?;
+        let out = SendPtr(dst.as_mut_ptr());
+        let chunks: Vec<(usize, u64, usize)> = self.chunks(len).collect();
+        let (work_tx, work_rx) = mpsc::channel::<(usize, PooledBuffer)>();
+        let work_rx = Mutex::new(work_rx);
+        let drain_waited = Mutex::new(Duration::ZERO);
+        let mut copy_waited = Duration::ZERO;
+        let outcome = std::thread::scope(|scope| -> Result<()> {
+            for _ in 0..self.cfg.fill_threads.min(chunks.len()) {
+                let (free, work_rx, chunks, drain_waited) =
+                    (&free, &work_rx, &chunks, &drain_waited);
+                scope.spawn(move || -> Result<()> {
+                    let out = out;
+                    loop {
+                        let Ok((idx, mut buf)) = work_rx.lock().recv() else {
+                            return Ok(());
+                        };
+                        let (_, off, size) = chunks[idx];
+                        let t = Instant::now();
+                        let waited = buf.wait_idle();
+                        *drain_waited.lock() += t.elapsed();
+                        if let Err(e) = waited {
+                            free.stop();
+                            return Err(e.into());
+                        }
+                        // SAFETY: chunk `idx` is this thread's alone; [off, off + size) lies in
+                        // dst, which the caller lends mutably for the whole call.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                buf.as_ptr(),
+                                out.0.add(off as usize),
+                                size,
+                            )
+                        };
+                        free.put(buf);
+                    }
+                });
+            }
+            for &(idx, off, size) in &chunks {
+                let t = Instant::now();
+                let Some(mut buf) = free.take() else { break };
+                copy_waited += t.elapsed();
+                buf.wait_idle()?;
+                let stream = &self.streams[idx % self.streams.len()];
+                // SAFETY: the staging buffer is ours until the drain thread that receives it
+                // waited for the event recorded right after this copy.
+                unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        buf.as_mut_ptr().cast(),
+                        dptr + off,
+                        size,
+                        stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
+                buf.record_use(stream)?;
+                if work_tx.send((idx, buf)).is_err() {
+                    break;
+                }
+            }
+            drop(work_tx);
+            Ok(())
+        });
+        let synced = self.sync_streams();
+        outcome?;
+        synced?;
+        Ok(TransferStats {
+            path: "staged",
+            bytes: len,
+            seconds: 0.0,
+            chunks: chunks.len() as u64,
+            copy_waited_s: copy_waited.as_secs_f64(),
+            source_waited_s: drain_waited.into_inner().as_secs_f64(),
+        })
+    }
+}

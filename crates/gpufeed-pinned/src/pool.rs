@@ -1,0 +1,532 @@
+//! A pool of page-locked buffers in size classes, on one NUMA node, within a byte budget.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
+use gpufeed_os::{AlignedBuf, LockedRegion, lock};
+use parking_lot::Mutex;
+
+use crate::buffer::PinnedBuffer;
+use crate::error::{Error, Result};
+
+/// Smallest size class (64 KiB).
+pub const MIN_CLASS: usize = 64 << 10;
+/// Largest size class (256 MiB).
+pub const MAX_CLASS: usize = 256 << 20;
+
+/// Where the pool's memory comes from.
+#[derive(Clone)]
+pub enum PoolMode {
+    /// `cuMemHostAlloc` in this context: pinned memory the GPU copies from at full speed.
+    Cuda(Arc<CudaContext>),
+    /// No CUDA driver: `mlock`ed aligned buffers within `RLIMIT_MEMLOCK` (unlocked past it, with
+    /// the reason recorded), so that CPU pipelines run the same code.
+    Cpu,
+}
+
+impl std::fmt::Debug for PoolMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PoolMode::Cuda(ctx) => write!(f, "Cuda(device {})", ctx.ordinal()),
+            PoolMode::Cpu => write!(f, "Cpu"),
+        }
+    }
+}
+
+/// Settings of a [`PinnedPool`].
+#[derive(Debug, Clone, Default)]
+pub struct PoolConfig {
+    /// Most bytes the pool holds at once (handed out plus cached). Default: a quarter of RAM.
+    pub budget_bytes: Option<u64>,
+    /// The NUMA node to place buffers on (the GPU's, from `gpufeed-cuda`'s `GpuInfo`): buffers
+    /// are allocated by a thread bound to that node, so their pages land there.
+    pub numa_node: Option<u32>,
+}
+
+/// Counters of a pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Buffers allocated from the driver or the kernel.
+    pub allocations: u64,
+    /// `get`s served from the cache.
+    pub reuses: u64,
+    /// Buffers freed to make room for another size class.
+    pub evictions: u64,
+    /// Bytes held now (handed out plus cached).
+    pub held_bytes: u64,
+    /// Bytes handed out now.
+    pub in_use_bytes: u64,
+    /// CPU mode: buffers that could not be locked (memlock limit).
+    pub unlocked_buffers: u64,
+}
+
+enum Memory {
+    Pinned(PinnedBuffer),
+    Cpu {
+        // Dropped before `buf`: munlock while the memory is still mapped.
+        lock: Option<LockedRegion<'static>>,
+        buf: AlignedBuf,
+    },
+}
+
+impl Memory {
+    fn ptr(&mut self) -> *mut u8 {
+        match self {
+            Memory::Pinned(p) => p.as_mut_ptr(),
+            Memory::Cpu { buf, .. } => buf.as_mut_ptr(),
+        }
+    }
+}
+
+struct Entry {
+    mem: Memory,
+    class: usize,
+    /// Recorded after the last copy that used the buffer; waited for before reuse.
+    pending: Option<CudaEvent>,
+    pending_recorded: bool,
+}
+
+impl Entry {
+    fn wait_idle(&mut self) -> Result<()> {
+        if let (Some(ev), true) = (&self.pending, self.pending_recorded) {
+            ev.synchronize()
+                .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
+            self.pending_recorded = false;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // Never free memory a copy may still read or write.
+        if let Err(e) = self.wait_idle() {
+            tracing::warn!(error = %e, "waiting for a pooled buffer's last copy failed");
+        }
+    }
+}
+
+struct State {
+    free: BTreeMap<usize, Vec<Entry>>,
+    stats: PoolStats,
+}
+
+struct Inner {
+    mode: PoolMode,
+    budget: u64,
+    node: Option<u32>,
+    topology: Option<gpufeed_numa::Topology>,
+    state: Mutex<State>,
+    notes: Mutex<Vec<String>>,
+}
+
+/// Page-locked buffers in power-of-two size classes from 64 KiB to 256 MiB, reused through
+/// [`PooledBuffer`] guards, within a byte budget, placed on one NUMA node.
+///
+/// A buffer comes back to the pool when its guard drops; if a copy was recorded on it
+/// ([`PooledBuffer::record_use`]), the next `get` of it first waits for that copy, so a buffer is
+/// never handed out while the GPU still reads it.
+///
+/// # Example (CPU mode, runs anywhere)
+/// ```
+/// use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode};
+/// let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?;
+/// let mut buf = pool.get(100_000)?; // a 128 KiB class buffer, 100 000 bytes visible
+/// buf[0] = 1;
+/// drop(buf); // back to the pool
+/// let again = pool.get(70_000)?; // the same buffer, no allocation
+/// assert_eq!(pool.stats().allocations, 1);
+/// # Ok::<(), gpufeed_pinned::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct PinnedPool {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PinnedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedPool")
+            .field("mode", &self.inner.mode)
+            .field("budget", &self.inner.budget)
+            .field("node", &self.inner.node)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl PinnedPool {
+    /// A pool in `mode` with `config`.
+    ///
+    /// # Errors
+    /// [`Error::NoCudaDriver`] for [`PoolMode::Cuda`] without a driver.
+    pub fn new(mode: PoolMode, config: PoolConfig) -> Result<Self> {
+        if matches!(mode, PoolMode::Cuda(_)) {
+            crate::driver_available()?;
+        }
+        let mut notes = Vec::new();
+        let budget = config.budget_bytes.unwrap_or_else(|| {
+            gpufeed_os::SystemInfo::read()
+                .mem_total
+                .map(|t| t / 4)
+                .unwrap_or(4 << 30)
+        });
+        let topology = match config.numa_node {
+            None => None,
+            Some(node) => match gpufeed_numa::Topology::detect() {
+                Ok(t) if t.node(node).is_ok() => Some(t),
+                Ok(_) => {
+                    notes.push(format!(
+                        "NUMA node {node} does not exist here; buffers are not placed"
+                    ));
+                    None
+                }
+                Err(e) => {
+                    notes.push(format!(
+                        "NUMA topology unreadable ({e}); buffers are not placed"
+                    ));
+                    None
+                }
+            },
+        };
+        Ok(PinnedPool {
+            inner: Arc::new(Inner {
+                mode,
+                budget,
+                node: config.numa_node,
+                topology,
+                state: Mutex::new(State {
+                    free: BTreeMap::new(),
+                    stats: PoolStats::default(),
+                }),
+                notes: Mutex::new(notes),
+            }),
+        })
+    }
+
+    /// A pool on the GPU's context if a CUDA driver is present, else a CPU-mode pool; the
+    /// choice is recorded in [`PinnedPool::notes`].
+    pub fn for_context_or_cpu(ctx: Option<&Arc<CudaContext>>, config: PoolConfig) -> Result<Self> {
+        match ctx {
+            Some(ctx) if crate::driver_available().is_ok() => {
+                Self::new(PoolMode::Cuda(Arc::clone(ctx)), config)
+            }
+            _ => {
+                let pool = Self::new(PoolMode::Cpu, config)?;
+                pool.note(
+                    "no CUDA context: CPU mode (mlocked buffers, not pinned by the driver)".into(),
+                );
+                Ok(pool)
+            }
+        }
+    }
+
+    /// A buffer of at least `len` bytes (its size class), showing exactly `len` bytes.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] past 256 MiB, [`Error::PoolExhausted`] when the budget is spent,
+    /// allocation errors.
+    pub fn get(&self, len: usize) -> Result<PooledBuffer> {
+        if len == 0 {
+            return Err(gpufeed_os::Error::ZeroLength {
+                what: "pooled buffer",
+            }
+            .into());
+        }
+        if len > MAX_CLASS {
+            return Err(Error::TooLarge {
+                requested: len,
+                max: MAX_CLASS,
+            });
+        }
+        let class = len.next_power_of_two().max(MIN_CLASS);
+        let cached = {
+            let mut st = self.inner.state.lock();
+            let cached = st.free.get_mut(&class).and_then(Vec::pop);
+            if cached.is_some() {
+                st.stats.reuses += 1;
+            } else {
+                self.make_room(&mut st, class as u64)?;
+                st.stats.held_bytes += class as u64;
+            }
+            st.stats.in_use_bytes += class as u64;
+            cached
+        };
+        let entry = match cached {
+            Some(mut e) => match e.wait_idle() {
+                Ok(()) => e,
+                Err(err) => {
+                    self.give_back(e);
+                    return Err(err);
+                }
+            },
+            None => match self.allocate(class) {
+                Ok(e) => e,
+                Err(err) => {
+                    let mut st = self.inner.state.lock();
+                    st.stats.held_bytes -= class as u64;
+                    st.stats.in_use_bytes -= class as u64;
+                    return Err(err);
+                }
+            },
+        };
+        Ok(PooledBuffer {
+            entry: Some(entry),
+            len,
+            pool: Arc::clone(&self.inner),
+        })
+    }
+
+    /// Frees cached buffers of other classes until `class` more bytes fit the budget.
+    fn make_room(&self, st: &mut State, class: u64) -> Result<()> {
+        while st.stats.held_bytes + class > self.inner.budget {
+            let victim = st.free.iter_mut().rev().find_map(|(_, v)| v.pop());
+            match victim {
+                Some(e) => {
+                    st.stats.held_bytes -= e.class as u64;
+                    st.stats.evictions += 1;
+                    drop(e);
+                }
+                None => {
+                    return Err(Error::PoolExhausted {
+                        requested: class,
+                        in_use: st.stats.in_use_bytes,
+                        budget: self.inner.budget,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn allocate(&self, class: usize) -> Result<Entry> {
+        let _bound = match (&self.inner.topology, self.inner.node) {
+            (Some(t), Some(node)) => match t.bind_thread(node) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    self.note(format!("could not allocate on NUMA node {node}: {e}"));
+                    None
+                }
+            },
+            _ => None,
+        };
+        let mem = match &self.inner.mode {
+            PoolMode::Cuda(ctx) => Memory::Pinned(PinnedBuffer::new(ctx, class)?),
+            PoolMode::Cpu => {
+                let buf = AlignedBuf::new(class, 4096)?;
+                // First touch here, on the bound thread, puts the pages on its node.
+                let _ = gpufeed_os::advise::madvise(
+                    buf.as_ptr(),
+                    class,
+                    gpufeed_os::advise::MemAdvice::PopulateWrite,
+                );
+                // SAFETY: `buf` is stored next to the lock in `Memory::Cpu`, declared after it,
+                // so it stays mapped until the lock has been dropped.
+                let lock = match unsafe { lock::mlock_raw(buf.as_ptr(), class) } {
+                    Ok(l) => Some(l),
+                    Err(e) => {
+                        self.note(format!("buffer of {class} bytes left unlocked: {e}"));
+                        self.inner.state.lock().stats.unlocked_buffers += 1;
+                        None
+                    }
+                };
+                Memory::Cpu { lock, buf }
+            }
+        };
+        self.inner.state.lock().stats.allocations += 1;
+        Ok(Entry {
+            mem,
+            class,
+            pending: None,
+            pending_recorded: false,
+        })
+    }
+
+    fn give_back(&self, entry: Entry) {
+        self.inner.give_back(entry);
+    }
+
+    fn note(&self, note: String) {
+        let mut notes = self.inner.notes.lock();
+        if !notes.contains(&note) {
+            tracing::warn!("{note}");
+            notes.push(note);
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PoolStats {
+        self.inner.state.lock().stats.clone()
+    }
+
+    /// Slower paths taken and why (CPU mode, unlocked buffers, failed placement).
+    pub fn notes(&self) -> Vec<String> {
+        self.inner.notes.lock().clone()
+    }
+
+    /// The byte budget.
+    pub fn budget_bytes(&self) -> u64 {
+        self.inner.budget
+    }
+
+    /// Whether buffers are pinned by the CUDA driver (else CPU mode).
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.inner.mode, PoolMode::Cuda(_))
+    }
+
+    /// Frees every cached buffer (those handed out stay).
+    pub fn trim(&self) {
+        let drained: Vec<Entry> = {
+            let mut st = self.inner.state.lock();
+            let all: Vec<Entry> = std::mem::take(&mut st.free)
+                .into_values()
+                .flatten()
+                .collect();
+            st.stats.held_bytes -= all.iter().map(|e| e.class as u64).sum::<u64>();
+            all
+        };
+        drop(drained);
+    }
+}
+
+impl Inner {
+    fn give_back(&self, entry: Entry) {
+        let mut st = self.state.lock();
+        st.stats.in_use_bytes -= entry.class as u64;
+        st.free.entry(entry.class).or_default().push(entry);
+    }
+}
+
+/// A buffer on loan from a [`PinnedPool`]; returns to it when dropped.
+pub struct PooledBuffer {
+    entry: Option<Entry>,
+    len: usize,
+    pool: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PooledBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PooledBuffer")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .field("pinned", &self.is_pinned())
+            .finish()
+    }
+}
+
+impl PooledBuffer {
+    fn entry(&self) -> &Entry {
+        self.entry.as_ref().expect("present until drop")
+    }
+
+    fn entry_mut(&mut self) -> &mut Entry {
+        self.entry.as_mut().expect("present until drop")
+    }
+
+    /// The bytes visible (as asked for).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The size class: bytes actually held.
+    pub fn capacity(&self) -> usize {
+        self.entry().class
+    }
+
+    /// Shows `len` bytes (at most the capacity).
+    pub fn set_len(&mut self, len: usize) {
+        self.len = len.min(self.capacity());
+    }
+
+    /// Whether the memory is pinned by the CUDA driver.
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.entry().mem, Memory::Pinned(_))
+    }
+
+    /// Whether the memory is page-locked (pinned, or mlocked in CPU mode).
+    pub fn is_locked(&self) -> bool {
+        match &self.entry().mem {
+            Memory::Pinned(_) => true,
+            Memory::Cpu { lock, .. } => lock.is_some(),
+        }
+    }
+
+    /// The first byte.
+    pub fn as_ptr(&self) -> *const u8 {
+        match &self.entry().mem {
+            Memory::Pinned(p) => p.as_ptr(),
+            Memory::Cpu { buf, .. } => buf.as_ptr(),
+        }
+    }
+
+    /// The first byte, for writing.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.entry_mut().mem.ptr()
+    }
+
+    /// Records, on `stream`, the point after which the GPU no longer uses this buffer: every
+    /// later reuse (this guard's [`PooledBuffer::wait_idle`], or a `get` after it returned to
+    /// the pool) waits for it. Call it right after enqueueing a copy from or to the buffer.
+    pub fn record_use(&mut self, stream: &CudaStream) -> Result<()> {
+        let entry = self.entry_mut();
+        if entry.pending.is_none() {
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+            entry.pending = Some(
+                stream
+                    .context()
+                    .new_event(Some(flags))
+                    .map_err(|e| Error::cuda("cuEventCreate", e))?,
+            );
+        }
+        entry
+            .pending
+            .as_ref()
+            .expect("just created")
+            .record(stream)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        entry.pending_recorded = true;
+        Ok(())
+    }
+
+    /// Waits until the last use recorded with [`PooledBuffer::record_use`] completed.
+    pub fn wait_idle(&mut self) -> Result<()> {
+        self.entry_mut().wait_idle()
+    }
+
+    /// Whether a recorded use is still running on the GPU.
+    pub fn is_busy(&self) -> bool {
+        let e = self.entry();
+        e.pending_recorded && e.pending.as_ref().is_some_and(|ev| !ev.is_complete())
+    }
+}
+
+impl std::ops::Deref for PooledBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the buffer holds `capacity >= len` initialised bytes (pinned buffers are
+        // zeroed at allocation, CPU buffers are zeroed mmap memory).
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for PooledBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        // SAFETY: as in deref; exclusive through &mut self. The caller waits for recorded GPU
+        // uses (wait_idle) before writing, as the pool does before handing it out.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), len) }
+    }
+}
+
+impl Drop for PooledBuffer {
+    fn drop(&mut self) {
+        if let Some(entry) = self.entry.take() {
+            self.pool.give_back(entry);
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! The pool without CUDA (CPU mode), and the no-driver behaviour.
+
+use gpufeed_pinned::{Error, MAX_CLASS, MIN_CLASS, PinnedPool, PoolConfig, PoolMode};
+
+#[test]
+fn without_a_driver_every_cuda_entry_point_says_so() {
+    match gpufeed_pinned::driver_available() {
+        Ok(()) => eprintln!("a CUDA driver is present here; the no-driver path is not exercised"),
+        Err(e) => {
+            assert!(matches!(e, Error::NoCudaDriver));
+            assert!(e.to_string().contains("install the NVIDIA driver"), "{e}");
+            // A pool asked to follow a context without a driver runs in CPU mode, noted.
+            let pool =
+                PinnedPool::for_context_or_cpu(None, PoolConfig::default()).expect("cpu pool");
+            assert!(!pool.is_pinned());
+            assert!(pool.notes().iter().any(|n| n.contains("CPU mode")));
+        }
+    }
+}
+
+#[test]
+fn size_classes_reuse_and_bad_sizes() {
+    let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default()).expect("pool");
+    let mut a = pool.get(100_000).expect("get");
+    assert_eq!((a.len(), a.capacity()), (100_000, 128 << 10));
+    assert!(a.iter().all(|&b| b == 0));
+    a[..5].copy_from_slice(b"hello");
+    let addr = a.as_ptr();
+    drop(a);
+    let b = pool.get(70_000).expect("get");
+    assert_eq!(b.as_ptr(), addr, "the same class is reused");
+    assert_eq!(
+        &b[..5],
+        b"hello",
+        "reuse does not clear (callers overwrite)"
+    );
+    let small = pool.get(1).expect("get");
+    assert_eq!(small.capacity(), MIN_CLASS);
+    let stats = pool.stats();
+    assert_eq!((stats.allocations, stats.reuses), (2, 1));
+    assert_eq!(stats.in_use_bytes, (128 << 10) + MIN_CLASS as u64);
+    assert!(matches!(
+        pool.get(MAX_CLASS + 1),
+        Err(Error::TooLarge { .. })
+    ));
+    assert!(matches!(
+        pool.get(0),
+        Err(Error::Os(gpufeed_os::Error::ZeroLength { .. }))
+    ));
+}
+
+#[test]
+fn the_budget_is_kept_by_evicting_cached_buffers_then_refusing() {
+    let pool = PinnedPool::new(
+        PoolMode::Cpu,
+        PoolConfig {
+            budget_bytes: Some(1 << 20),
+            numa_node: None,
+        },
+    )
+    .expect("pool");
+    let half = pool.get(512 << 10).expect("512 KiB");
+    drop(pool.get(256 << 10).expect("256 KiB, cached after drop"));
+    // 512 KiB in use + 256 KiB cached; 512 KiB more only fits if the cached one goes.
+    let other = pool.get(512 << 10).expect("fits after eviction");
+    assert_eq!(pool.stats().evictions, 1);
+    assert_eq!(pool.stats().held_bytes, 1 << 20);
+    let err = pool.get(64 << 10).unwrap_err();
+    assert!(
+        matches!(err, Error::PoolExhausted { budget, .. } if budget == 1 << 20),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("budget"), "{err}");
+    drop((half, other));
+    pool.trim();
+    assert_eq!(pool.stats().held_bytes, 0);
+}
+
+#[test]
+fn cpu_buffers_are_locked_within_the_limit_and_placed_on_the_node() {
+    let pool = PinnedPool::new(
+        PoolMode::Cpu,
+        PoolConfig {
+            budget_bytes: None,
+            numa_node: Some(0),
+        },
+    )
+    .expect("pool");
+    let buf = pool.get(1 << 20).expect("get");
+    let limit = gpufeed_os::lock::memlock_limit().soft;
+    if gpufeed_os::lock::has_cap_ipc_lock() || limit.is_none_or(|l| l >= 2 << 20) {
+        assert!(
+            buf.is_locked(),
+            "1 MiB fits the memlock limit here: {:?}",
+            pool.notes()
+        );
+    }
+    let placed = gpufeed_numa::placement_of(buf.as_ptr(), buf.capacity()).expect("placement");
+    assert_eq!(placed.not_present, 0, "populated at allocation");
+    assert_eq!(placed.single_node(), Some(0), "{placed:?}");
+}
+
+#[test]
+fn past_the_memlock_limit_buffers_are_unlocked_with_a_note() {
+    // Lower the limit in a child so the rest of the tests keep theirs.
+    let exe = std::env::current_exe().expect("exe");
+    let out = std::process::Command::new(exe)
+        .args([
+            "cpu_pool::child_low_memlock",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("GPUFEED_IT_CHILD", "1")
+        .output()
+        .expect("spawn");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("CHILD-OK"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs only as the child of the test above (a dispatcher otherwise).
+#[test]
+fn child_low_memlock() {
+    if std::env::var("GPUFEED_IT_CHILD").is_err() {
+        return;
+    }
+    use rustix::process::{Resource, Rlimit, setrlimit};
+    use rustix::thread::{CapabilitySet, capabilities, set_capabilities};
+    setrlimit(
+        Resource::Memlock,
+        Rlimit {
+            current: Some(256 << 10),
+            maximum: Some(256 << 10),
+        },
+    )
+    .expect("setrlimit");
+    let mut caps = capabilities(None).expect("capget");
+    caps.effective.remove(CapabilitySet::IPC_LOCK);
+    set_capabilities(None, caps).expect("drop CAP_IPC_LOCK");
+    let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default()).expect("pool");
+    let small = pool.get(64 << 10).expect("64 KiB");
+    assert!(small.is_locked());
+    let big = pool
+        .get(1 << 20)
+        .expect("1 MiB is handed out even unlocked");
+    assert!(!big.is_locked());
+    assert_eq!(pool.stats().unlocked_buffers, 1);
+    let notes = pool.notes();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("unlocked") && n.contains("ulimit -l")),
+        "{notes:?}"
+    );
+    println!("CHILD-OK");
+}
