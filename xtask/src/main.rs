@@ -3,6 +3,9 @@
 //! - `bench [ARGS]` — builds the harness in release mode and runs it (the main job); ARGS go to
 //!   `gpufeed-bench` (`--size`, `--batch`, `--reps`, `--json`, `--dir`; see `--help`).
 //! - `ci` — runs `.ci/run`, exactly what CI runs.
+//! - `device` — builds release test and bench binaries (without the `hwloc` feature), strips
+//!   them, and writes them with a `run.sh` into `target/device/` for the GPU machine (see
+//!   BENCH.md and docs/benchmarks.md).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,9 +22,10 @@ fn main() -> Result<()> {
         Some("ci") => run(Command::new("bash")
             .arg(root.join(".ci/run"))
             .current_dir(&root)),
+        Some("device") => device(&root),
         Some("-h" | "--help") | None => {
             println!(
-                "usage: cargo xtask <task>\n\n  bench [ARGS]  build and run the benchmark harness (ARGS: see `cargo xtask bench --help`)\n  ci            run .ci/run, exactly what CI runs"
+                "usage: cargo xtask <task>\n\n  bench [ARGS]  build and run the benchmark harness (ARGS: see `cargo xtask bench --help`)\n  ci            run .ci/run, exactly what CI runs\n  device        pack release test and bench binaries into target/device/ for the GPU machine"
             );
             Ok(())
         }
@@ -71,4 +75,161 @@ fn run(cmd: &mut Command) -> Result<()> {
         bail!("{:?} failed: {status}", cmd.get_program());
     }
     Ok(())
+}
+
+/// Test binaries that cannot run on the GPU machine: the harness smoke test runs the bench
+/// binary by a path of this machine; xtask has no tests.
+const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "xtask"];
+
+fn device(root: &Path) -> Result<()> {
+    let target = target_dir(root);
+    let out_dir = target.join("device");
+    let _ = std::fs::remove_dir_all(&out_dir);
+    std::fs::create_dir_all(out_dir.join("tests"))?;
+
+    run(cargo()
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "gpufeed-benches",
+            "--bin",
+            "gpufeed-bench",
+        ])
+        .current_dir(root))?;
+    copy_stripped(
+        &target.join("release/gpufeed-bench"),
+        &out_dir.join("gpufeed-bench"),
+    )?;
+
+    let output = cargo()
+        .args([
+            "test",
+            "--release",
+            "--workspace",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .current_dir(root)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cargo test --no-run")?;
+    if !output.status.success() {
+        bail!("building the test binaries failed");
+    }
+    let mut names = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        if !line.contains("\"reason\":\"compiler-artifact\"") || !line.contains("\"test\":true") {
+            continue;
+        }
+        let (Some(exe), Some(package), Some(target_name)) = (
+            json_str(line, "executable"),
+            json_str(line, "package_id").and_then(|id| package_name(&id)),
+            json_target_name(line),
+        ) else {
+            continue;
+        };
+        if NOT_FOR_DEVICE.contains(&package.as_str()) {
+            continue;
+        }
+        let name = format!("{package}-{target_name}");
+        copy_stripped(Path::new(&exe), &out_dir.join("tests").join(&name))?;
+        names.push(name);
+    }
+    if names.is_empty() {
+        bail!("no test binaries found in cargo's output");
+    }
+    // Integration tests put temporary files under the CARGO_TARGET_TMPDIR of this machine,
+    // compiled in; run.sh creates that directory there.
+    let tmpdir = target.join("tmp");
+    let script = format!(
+        r#"#!/usr/bin/env bash
+# Made by `cargo xtask device`. Runs the test binaries with GPU tests required, then the bench.
+#   bash target/device/run.sh [tests|bench|all] [gpufeed-bench args...]
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+what="${{1:-all}}"; shift || true
+out="${{OUT:-/tmp}}"
+export GPUFEED_REQUIRE_GPU=1
+mkdir -p "{tmpdir}"
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  for t in "$here"/tests/*; do
+    name="$(basename "$t")"
+    echo "=== $name"
+    if "$t" --test-threads=4 > "$out/test-$name.log" 2>&1; then
+      grep -E "^test result" "$out/test-$name.log" | tail -n 1
+    else
+      status=1
+      echo "FAILED: $name"; grep -E "panicked|FAILED|failures:" -A5 "$out/test-$name.log" | head -n 40
+    fi
+  done
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  mkdir -p /tmp/gpufeed-bench
+  "$here/gpufeed-bench" --dir /tmp/gpufeed-bench "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
+  cp /tmp/gpufeed-bench/report.json "$out/report.json" 2>/dev/null
+  cat "$out/bench.md"; tail -n 5 "$out/bench.err"
+fi
+exit $status
+"#,
+        tmpdir = tmpdir.display()
+    );
+    let run_sh = out_dir.join("run.sh");
+    std::fs::write(&run_sh, script)?;
+    let size: u64 = std::fs::read_dir(out_dir.join("tests"))?
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum::<u64>()
+        + std::fs::metadata(out_dir.join("gpufeed-bench"))?.len();
+    println!(
+        "wrote {} ({} test binaries: {}; {:.1} MiB in all)\nrun on the GPU machine: carry target/device, then `bash target/device/run.sh`",
+        out_dir.display(),
+        names.len(),
+        names.join(", "),
+        size as f64 / (1 << 20) as f64
+    );
+    Ok(())
+}
+
+fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to).with_context(|| format!("copy {}", from.display()))?;
+    let stripped = Command::new("strip")
+        .arg(to)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !stripped {
+        eprintln!(
+            "note: could not strip {} (is binutils installed?); carrying it unstripped",
+            to.display()
+        );
+    }
+    Ok(())
+}
+
+/// The string value of `"key":"..."` in one line of cargo's JSON (no escapes in these values).
+fn json_str(line: &str, key: &str) -> Option<String> {
+    let pat = format!("\"{key}\":\"");
+    let start = line.find(&pat)? + pat.len();
+    let end = start + line[start..].find('"')?;
+    Some(line[start..end].to_owned())
+}
+
+/// The target's name: the first `"name":"..."` after `"target":{`.
+fn json_target_name(line: &str) -> Option<String> {
+    let at = line.find("\"target\":{")?;
+    json_str(&line[at..], "name")
+}
+
+/// The package name in a cargo package id: `path+file:///w/crates/gpufeed-os#0.1.0` ->
+/// `gpufeed-os` (the directory, when it is the name), `path+file:///w/benches#gpufeed-benches@0.1.0`
+/// -> `gpufeed-benches`.
+fn package_name(id: &str) -> Option<String> {
+    let (path, fragment) = id.split_once('#')?;
+    match fragment.split_once('@') {
+        Some((name, _version)) => Some(name.to_owned()),
+        None => path.rsplit('/').next().map(str::to_owned),
+    }
 }
