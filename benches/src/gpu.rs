@@ -26,6 +26,9 @@ pub struct GpuBench {
     pub pinned_alloc_ms: f64,
     pub sched_pinned_gbps: Samples,
     pub sched_pageable_gbps: Samples,
+    /// The staged pageable upload by fill-thread count (staging buffers = 2 x threads).
+    pub pageable_by_fill_threads: Vec<(usize, Samples)>,
+    pub default_fill_threads: usize,
     /// cuMemcpyHtoD straight from a Vec (what naive code does).
     pub naive_pageable_gbps: Samples,
     pub file_bytes: u64,
@@ -118,6 +121,24 @@ pub fn measure(
         stream.synchronize()?;
         naive.push(gbps(bytes, secs));
     }
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let mut by_threads = Vec::new();
+    for threads in [1, 2, 4, 8, 12, 16].into_iter().filter(|&t| t <= cores) {
+        let cfg = TransferConfig {
+            fill_threads: threads,
+            staging_buffers: 2 * threads,
+            ..TransferConfig::default()
+        };
+        let sched = TransferScheduler::new(&gpu, cfg)?;
+        let runs = (0..reps)
+            .map(|_| {
+                sched
+                    .upload(HostSource::Pageable(&data), &mut dev, 0)
+                    .map(|s| s.gbps())
+            })
+            .collect::<Result<Vec<f64>, _>>()?;
+        by_threads.push((threads, Samples::new(runs)));
+    }
     let back = gpu.to_vec(&dev)?;
     anyhow::ensure!(back == data, "the bytes on the GPU differ from the source");
     drop((dev, pinned));
@@ -175,6 +196,8 @@ pub fn measure(
         pinned_alloc_ms: alloc_s * 1e3,
         sched_pinned_gbps: Samples::new(from_pinned),
         sched_pageable_gbps: Samples::new(from_pageable),
+        pageable_by_fill_threads: by_threads,
+        default_fill_threads: sched.config().fill_threads,
         naive_pageable_gbps: Samples::new(naive),
         file_bytes,
         register_ms: Samples::new(reg_ms),

@@ -310,7 +310,7 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
             &g.sched_pinned_gbps,
         ),
         (
-            "TransferScheduler from a pageable Vec (staged, 4 fill threads)",
+            "TransferScheduler from a pageable Vec (staged, default fill threads)",
             &g.sched_pageable_gbps,
         ),
         (
@@ -338,6 +338,17 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
         g.register_ms.show(0),
         g.registered_with_register_gbps.show(1),
         g.registered_with_register_gbps.median / limit * 100.0
+    );
+    let sweep: Vec<String> = g
+        .pageable_by_fill_threads
+        .iter()
+        .map(|(t, v)| format!("{t}: {:.1}", v.median))
+        .collect();
+    let _ = writeln!(
+        s,
+        "\nStaged pageable upload by fill threads (GB/s, median): {}; the default here is {} threads.",
+        sweep.join(", "),
+        g.default_fill_threads
     );
     let _ = writeln!(
         s,

@@ -74,19 +74,22 @@ pub struct TransferConfig {
     pub streams: usize,
     /// Bytes per copy (default 16 MiB, where the pinned ceiling is reached).
     pub chunk_bytes: usize,
-    /// Staging buffers in flight for pageable and fill transfers (default 8).
+    /// Staging buffers in flight for pageable and fill transfers (default: twice the fill
+    /// threads).
     pub staging_buffers: usize,
-    /// Threads filling (or draining) staging buffers (default 4).
+    /// Threads filling (or draining) staging buffers (default: half the cores, 2 to 8).
     pub fill_threads: usize,
 }
 
 impl Default for TransferConfig {
     fn default() -> Self {
+        let fill_threads =
+            (std::thread::available_parallelism().map_or(4, |n| n.get()) / 2).clamp(2, 8);
         TransferConfig {
             streams: 4,
             chunk_bytes: 16 << 20,
-            staging_buffers: 8,
-            fill_threads: 4,
+            staging_buffers: 2 * fill_threads,
+            fill_threads,
         }
     }
 }
