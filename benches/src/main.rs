@@ -7,6 +7,7 @@
 mod access;
 mod gpu;
 mod handoff;
+mod ipc;
 mod limits;
 mod reads;
 mod report;
@@ -73,21 +74,39 @@ enum Internal {
         #[arg(long)]
         len: usize,
     },
+    /// The producer side of table 5 (started by the harness itself).
+    #[command(hide = true)]
+    IpcChild {
+        #[arg(long, value_enum)]
+        role: ipc::Role,
+        #[arg(long)]
+        target: String,
+        #[arg(long)]
+        count: usize,
+    },
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    if let Some(Internal::Consumer { mode, target, len }) = cli.command {
-        return handoff::consumer(mode, &target, len);
+    match cli.command {
+        Some(Internal::Consumer { mode, target, len }) => {
+            return handoff::consumer(mode, &target, len);
+        }
+        Some(Internal::IpcChild {
+            role,
+            target,
+            count,
+        }) => return ipc::child(role, &target, count),
+        None => {}
     }
     ensure!(cli.reps > 0, "--reps must be at least 1");
     ensure!(cli.size >= 1 << 20, "--size must be at least 1 MiB");
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("create {}", cli.dir.display()))?;
     let exe = std::env::current_exe().context("path of this program")?;
-    let step = |n: usize, what: &str| eprintln!("[{n}/6] {what}");
+    let step = |n: usize, what: &str| eprintln!("[{n}/7] {what}");
 
-    let (mut limits, mut handoff, mut access, mut reads) = (None, None, None, None);
+    let (mut limits, mut handoff, mut access, mut reads, mut ipc) = (None, None, None, None, None);
     if !cli.gpu_only {
         let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
         step(
@@ -129,8 +148,14 @@ fn main() -> Result<()> {
         reads = Some(reads::measure(&dataset, cli.reps, |what| {
             eprintln!("      {what}")
         })?);
+
+        step(
+            6,
+            "table 5: gpufeed-ipc batch ring between processes (1 MiB batches, 64-byte wake-ups)",
+        );
+        ipc = Some(ipc::measure(&exe, &cli.dir, 4 * cli.batch, cli.reps)?);
     }
-    step(6, "table 4: GPU transfers (GPU machine only)");
+    step(7, "table 4: GPU transfers (GPU machine only)");
     let gpu = gpu::measure(&cli.dir, cli.gpu_bytes, cli.gpu_file, cli.reps, |what| {
         eprintln!("      {what}")
     })?;
@@ -145,6 +170,7 @@ fn main() -> Result<()> {
         handoff,
         access,
         reads,
+        ipc,
         gpu,
     };
     let json = serde_json::to_string_pretty(&report)?;

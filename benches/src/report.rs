@@ -7,6 +7,7 @@ use serde::Serialize;
 use crate::access::{AccessRow, RANDOM_BYTES, RANDOM_READS, Temperature};
 use crate::gpu::GpuBench;
 use crate::handoff::Handoff;
+use crate::ipc::IpcBench;
 use crate::limits::Limits;
 use crate::reads::Reads;
 use crate::util::show_size;
@@ -68,6 +69,7 @@ pub struct Report {
     pub handoff: Option<Vec<Handoff>>,
     pub access: Option<Vec<AccessRow>>,
     pub reads: Option<Reads>,
+    pub ipc: Option<IpcBench>,
     pub gpu: Option<GpuBench>,
 }
 
@@ -97,6 +99,9 @@ impl Report {
             (&self.limits, &self.handoff, &self.access, &self.reads)
         {
             self.cpu_tables(&mut s, l, handoff, access, reads);
+        }
+        if let (Some(i), Some(l)) = (&self.ipc, &self.limits) {
+            ipc_table(&mut s, i, l.memcpy_1_thread_gbps.median);
         }
         match &self.gpu {
             Some(g) => gpu_table(&mut s, g),
@@ -358,5 +363,37 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
         g.alloc_64mib_ms,
         show_size(g.bytes),
         g.pinned_alloc_ms
+    );
+}
+
+fn ipc_table(s: &mut String, i: &IpcBench, memcpy: f64) {
+    let _ = writeln!(
+        s,
+        "\n## Table 5 — gpufeed-ipc: {} batches of 1 MiB, producer process -> consumer process\n",
+        i.batches
+    );
+    let _ = writeln!(
+        s,
+        "| path | GB/s | vs 1-thread memcpy ({memcpy:.1} GB/s, same run) |\n|---|---|---|"
+    );
+    let _ = writeln!(
+        s,
+        "| BatchRing (copy into the slot, zero-copy take) | {} | {:.2}x |",
+        i.ring_gbps.show(2),
+        i.ring_gbps.median / memcpy
+    );
+    let _ = writeln!(
+        s,
+        "| Unix socket (write + read) | {} | {:.2}x |",
+        i.socket_gbps.show(2),
+        i.socket_gbps.median / memcpy
+    );
+    let _ = writeln!(
+        s,
+        "\n64-byte messages, consumer asleep in `next`: wake-up latency p50 {:.1} us, p99 {:.1} us \
+         ({} messages; target p50 <= 5 us).",
+        i.latency_p50_us,
+        i.latency_p99_us,
+        i.latency_us.all.len()
     );
 }

@@ -65,13 +65,23 @@ fn harness_runs_and_reports() {
             .expect("number")
             > 0.0
     );
+    let ipc = &report["ipc"];
+    assert!(
+        ipc["ring_gbps"]["median"].as_f64().expect("number") > 0.0,
+        "{ipc}"
+    );
+    assert!(
+        ipc["latency_p50_us"].as_f64().expect("number") > 0.0,
+        "{ipc}"
+    );
     let md = std::fs::read_to_string(dir.path().join("report.md")).expect("report.md");
     assert!(
         md.contains("Table 1")
             && md.contains("Table 2")
             && md.contains("Table 3")
             && md.contains("120.5 / 4.2")
-            && md.contains("Table 4"),
+            && md.contains("Table 4")
+            && md.contains("Table 5"),
         "every table (Table 4 measured, or saying there is no GPU)"
     );
 }

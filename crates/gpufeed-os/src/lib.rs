@@ -13,6 +13,7 @@
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
 //! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::evict`], [`cache::warm`] |
 //! | [`align`] | [`AlignedBuf`], [`align::dio_alignment`] (statx DIOALIGN) |
+//! | [`process`] | [`process::ProcessIdentity`]: pid + start time, alive or not across pid reuse |
 //! | [`sys`] | [`SystemInfo::read`]: page sizes, THP, swappiness, memlock, /dev/shm, io_uring, memory |
 //!
 //! Sibling crates: `gpufeed-numa` (placement), `gpufeed-uring` (reads), `gpufeed-ipc` (a batch
@@ -45,6 +46,7 @@ mod error;
 mod file;
 pub mod lock;
 pub mod map;
+pub mod process;
 mod procfs;
 pub mod shm;
 pub mod sys;

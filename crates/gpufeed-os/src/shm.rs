@@ -29,7 +29,8 @@ use rustix::io::Errno;
 use crate::advise::{self, MemAdvice};
 use crate::error::{Error, Result};
 use crate::lock::{self, LockedRegion};
-use crate::{page_size, procfs};
+use crate::page_size;
+use crate::process::ProcessIdentity;
 
 /// The prefix of segment names that gpufeed generates.
 pub const DEFAULT_PREFIX: &str = "gpufeed";
@@ -169,7 +170,7 @@ impl ShmOptions {
     /// Creates a segment with a generated name `<prefix>-<pid>-<start time>-<random>`, which
     /// [`gc`] recognises once this process is dead.
     pub fn create_unique(&self, len: usize) -> Result<ShmSegment> {
-        let owner = OwnerTag::this_process();
+        let owner = ProcessIdentity::current();
         loop {
             let mut random = [0u8; 8];
             rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
@@ -551,55 +552,14 @@ impl Drop for ShmSegment {
     }
 }
 
-/// A process as recorded in a generated segment name: pid and start time (clock ticks after
-/// boot, field 22 of `/proc/<pid>/stat`), which together survive pid reuse.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct OwnerTag {
-    pid: u32,
-    start_ticks: u64,
-}
-
-impl OwnerTag {
-    fn this_process() -> Self {
-        let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
-        OwnerTag {
-            pid,
-            start_ticks: process_start_ticks(pid).unwrap_or(0),
-        }
-    }
-
-    /// Parses `<pid>-<start>-<random hex>`, the part of a generated name after `<prefix>-`.
-    fn parse(rest: &str) -> Option<Self> {
-        let mut parts = rest.splitn(3, '-');
-        let pid = parts.next()?.parse().ok()?;
-        let start_ticks = parts.next()?.parse().ok()?;
-        let random = parts.next()?;
-        (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit()))
-            .then_some(OwnerTag { pid, start_ticks })
-    }
-
-    /// Whether the process that created the segment still runs.
-    fn alive(&self) -> bool {
-        let Some(pid) = rustix::process::Pid::from_raw(self.pid as i32) else {
-            return false;
-        };
-        match rustix::process::test_kill_process(pid) {
-            Err(Errno::SRCH) => false,
-            // Ok, or EPERM (it exists, owned by someone else): compare start times where
-            // recorded, since the pid may have been reused.
-            _ => match (self.start_ticks, process_start_ticks(self.pid)) {
-                (0, _) => true,
-                (recorded, Some(now)) => recorded == now,
-                // The pid vanished between the two checks.
-                (_, None) => false,
-            },
-        }
-    }
-}
-
-fn process_start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    procfs::stat_starttime(&stat)
+/// Parses `<pid>-<start>-<random hex>`, the part of a generated name after `<prefix>-`.
+fn parse_owner(rest: &str) -> Option<ProcessIdentity> {
+    let mut parts = rest.splitn(3, '-');
+    let pid = parts.next()?.parse().ok()?;
+    let start_ticks = parts.next()?.parse().ok()?;
+    let random = parts.next()?;
+    (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then_some(ProcessIdentity { pid, start_ticks })
 }
 
 /// A segment found by [`list`].
@@ -633,7 +593,7 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
         let Some(owner) = name
             .strip_prefix(prefix)
             .and_then(|rest| rest.strip_prefix('-'))
-            .and_then(OwnerTag::parse)
+            .and_then(parse_owner)
         else {
             continue;
         };
@@ -649,7 +609,7 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
             name,
             len: u64::try_from(stat.st_size).unwrap_or(0),
             owner_pid: owner.pid,
-            owner_alive: owner.alive(),
+            owner_alive: owner.is_alive(),
         });
     }
     found.sort_by(|a, b| a.name.cmp(&b.name));
@@ -720,30 +680,15 @@ mod tests {
     #[test]
     fn owner_tags_parse() {
         assert_eq!(
-            OwnerTag::parse("123-456-00ff"),
-            Some(OwnerTag {
+            parse_owner("123-456-00ff"),
+            Some(ProcessIdentity {
                 pid: 123,
                 start_ticks: 456
             })
         );
-        assert_eq!(OwnerTag::parse("123-456-"), None);
-        assert_eq!(OwnerTag::parse("123-456-xyz"), None);
-        assert_eq!(OwnerTag::parse("abc-456-00"), None);
-        assert_eq!(OwnerTag::parse("123"), None);
-    }
-
-    #[test]
-    fn this_process_is_alive_and_a_reused_pid_is_not() {
-        let me = OwnerTag::this_process();
-        assert!(me.start_ticks > 0, "/proc/self/stat readable here");
-        assert!(me.alive());
-        let reused = OwnerTag {
-            start_ticks: me.start_ticks + 1,
-            ..me
-        };
-        assert!(
-            !reused.alive(),
-            "same pid, other start time: a different process"
-        );
+        assert_eq!(parse_owner("123-456-"), None);
+        assert_eq!(parse_owner("123-456-xyz"), None);
+        assert_eq!(parse_owner("abc-456-00"), None);
+        assert_eq!(parse_owner("123"), None);
     }
 }

@@ -1,0 +1,39 @@
+//! # gpufeed-ipc — layer 1 of gpufeed: a batch ring between processes
+//!
+//! Shared memory lets preprocessing processes hand batches to the GPU process without copies,
+//! but it has no synchronization of its own. [`BatchRing`] is that pairing: fixed slots
+//! (256-byte aligned) in a [`gpufeed_os::ShmSegment`], multi-producer multi-consumer, futex
+//! waits with timeouts, and crash safety — a slot claimed by a producer that died is reclaimed
+//! and never delivered torn, and producers learn when every consumer died
+//! ([`Error::ConsumerGone`]) instead of blocking forever.
+//!
+//! Create a named ring ([`BatchRing::create`]) and [`BatchRing::open`] it elsewhere, or create
+//! an anonymous one ([`BatchRing::anonymous`]) and pass its memfd to related processes by
+//! inheritance or with [`send_fd`] / [`recv_fd`]. To move a batch to the GPU with no staging
+//! copy, register [`BatchRing::segment`] with `gpufeed-pinned` (`HostRegistration::shm`) and
+//! copy from [`Batch::offset_in_segment`].
+//!
+//! The slot state machine ([`state`](self) module docs) is checked with `loom`
+//! (`RUSTFLAGS="--cfg loom" cargo test -p gpufeed-ipc --lib`) and against a `VecDeque` model
+//! with `proptest`; header parsing ([`parse_header`]) treats the segment as untrusted input.
+//!
+//! Depends on `gpufeed-os` and `rustix` only.
+
+#[cfg(not(loom))]
+mod error;
+#[cfg(not(loom))]
+mod fdpass;
+#[cfg(not(loom))]
+mod layout;
+#[cfg(not(loom))]
+mod ring;
+mod state;
+
+#[cfg(not(loom))]
+pub use error::{Error, Result};
+#[cfg(not(loom))]
+pub use fdpass::{recv_fd, send_fd};
+#[cfg(not(loom))]
+pub use layout::{Layout, MAX_CONSUMERS, MAX_SLOTS, SLOT_ALIGN, parse_header};
+#[cfg(not(loom))]
+pub use ring::{Batch, BatchRing, Claim, Consumer, RingStats};

@@ -1,0 +1,227 @@
+//! Real processes: several producers, producers killed mid-write, a dead consumer, fd passing.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use gpufeed_ipc::{BatchRing, Error};
+use gpufeed_os::ShmSegment;
+
+use crate::{child, decode};
+
+#[test]
+fn producer_processes_deliver_every_batch_exactly_once() {
+    let ring = BatchRing::create_unique(8, 64 * 1024).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    let consumer = ring.consumer().expect("consumer");
+    let (producers, count) = (3u32, 150u32);
+    let mut children: Vec<_> = (0..producers)
+        .map(|p| {
+            child::command(
+                "produce",
+                &[
+                    ("GPUFEED_IT_RING", name.clone()),
+                    ("GPUFEED_IT_PRODUCER", p.to_string()),
+                    ("GPUFEED_IT_COUNT", count.to_string()),
+                ],
+            )
+            .spawn()
+            .expect("spawn producer")
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    let mut next_index = vec![0u32; producers as usize];
+    while seen.len() < (producers * count) as usize {
+        let batch = consumer
+            .next(Duration::from_secs(30))
+            .expect("a batch within 30 s");
+        let (p, i) = decode(&batch.to_vec()).expect("intact batch");
+        assert!(seen.insert((p, i)), "batch {p}/{i} delivered twice");
+        assert_eq!(
+            i, next_index[p as usize],
+            "producer {p}'s batches out of order"
+        );
+        next_index[p as usize] += 1;
+    }
+    for c in &mut children {
+        assert!(c.wait().expect("wait").success(), "a producer failed");
+    }
+    assert!(consumer.try_next().is_none(), "more batches than produced");
+}
+
+#[test]
+fn producers_killed_mid_write_never_deliver_torn_batches() {
+    let iterations: u32 = std::env::var("GPUFEED_CRASH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let ring = BatchRing::create_unique(4, 256 * 1024).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    let consumer = ring.consumer().expect("consumer");
+    let mut delivered = 0u64;
+    let mut killed_mid_write = 0u32;
+    let mut seed = 0x5EED_u64;
+    for iteration in 0..iterations {
+        let mut producer = child::command(
+            "produce-forever",
+            &[
+                ("GPUFEED_IT_RING", name.clone()),
+                ("GPUFEED_IT_PRODUCER", iteration.to_string()),
+            ],
+        )
+        .spawn()
+        .expect("spawn");
+        // Consume for a pseudo-random while (0-4 ms after the first batch), then SIGKILL.
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let run_for = Duration::from_micros((seed >> 33) % 4000);
+        let first = consumer.next(Duration::from_secs(20));
+        let deadline = Instant::now() + run_for;
+        let mut check = |batch: gpufeed_ipc::Batch<'_>| {
+            decode(&batch.to_vec()).unwrap_or_else(|e| panic!("iteration {iteration}: {e}"));
+            delivered += 1;
+        };
+        check(first.expect("the producer starts producing"));
+        while Instant::now() < deadline {
+            if let Some(b) = consumer.try_next() {
+                check(b);
+            }
+        }
+        producer.kill().expect("SIGKILL");
+        producer.wait().expect("reap");
+        if ring.stats().claimed > 0 {
+            killed_mid_write += 1;
+        }
+        // Drain: published batches are intact; the slot the producer was writing is reclaimed.
+        loop {
+            match consumer.next(Duration::from_millis(30)) {
+                Ok(b) => check(b),
+                Err(Error::Timeout { .. }) => break,
+                Err(e) => panic!("iteration {iteration}: {e}"),
+            }
+        }
+        let stats = ring.stats();
+        assert_eq!(
+            (stats.claimed, stats.ready, stats.taken),
+            (0, 0, 0),
+            "iteration {iteration}: {stats:?}"
+        );
+    }
+    eprintln!(
+        "{iterations} producers killed ({killed_mid_write} while holding a claimed slot); {delivered} batches delivered, all intact"
+    );
+    assert!(delivered >= u64::from(iterations));
+    assert!(
+        killed_mid_write > 0,
+        "no kill landed mid-write: the test did not test reclamation"
+    );
+}
+
+#[test]
+fn producers_learn_that_every_consumer_died() {
+    let ring = BatchRing::create_unique(2, 4096).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    let status = child::command("consume-and-die", &[("GPUFEED_IT_RING", name)])
+        .status()
+        .expect("run consumer");
+    assert!(status.success());
+    for _ in 0..2 {
+        let mut c = ring.claim(Duration::from_secs(1)).expect("free slot");
+        c.set_len(1).expect("len");
+        c.publish().expect("publish");
+    }
+    let t = Instant::now();
+    let err = ring.claim(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, Error::ConsumerGone), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "noticed only after {:?}",
+        t.elapsed()
+    );
+    assert!(err.to_string().contains("start a consumer"));
+    // A new consumer revives the ring.
+    let consumer = ring.consumer().expect("consumer");
+    assert_eq!(consumer.try_next().expect("batch").len(), 1);
+    ring.claim(Duration::from_secs(1)).expect("a slot again");
+}
+
+#[test]
+fn timeouts_and_bounds() {
+    let ring = BatchRing::anonymous(1, 1000).expect("ring");
+    assert_eq!(ring.slot_bytes(), 1024, "rounded to 256");
+    let consumer = ring.consumer().expect("consumer");
+    let t = Instant::now();
+    assert!(matches!(
+        consumer.next(Duration::from_millis(50)),
+        Err(Error::Timeout {
+            what: "a batch",
+            ..
+        })
+    ));
+    assert!(t.elapsed() >= Duration::from_millis(50));
+    let mut claim = ring.claim(Duration::from_millis(10)).expect("claim");
+    assert!(matches!(
+        claim.write_at(1000, &[0; 25]),
+        Err(Error::TooLarge { .. })
+    ));
+    assert!(matches!(claim.set_len(1025), Err(Error::TooLarge { .. })));
+    assert!(matches!(
+        ring.claim(Duration::from_millis(20)),
+        Err(Error::Timeout {
+            what: "a free slot",
+            ..
+        })
+    ));
+    drop(claim);
+    ring.claim(Duration::from_millis(10))
+        .expect("the aborted claim's slot is free again");
+}
+
+#[test]
+fn memfd_ring_passed_over_a_unix_socket() {
+    let ring = BatchRing::anonymous(4, 32 * 1024).expect("ring");
+    let dir = std::env::temp_dir().join(format!("gpufeed-ipc-it-{}", std::process::id()));
+    let _ = std::fs::remove_file(&dir);
+    let listener = std::os::unix::net::UnixListener::bind(&dir).expect("bind");
+    let mut child = child::command(
+        "fd-producer",
+        &[
+            ("GPUFEED_IT_SOCKET", dir.display().to_string()),
+            ("GPUFEED_IT_COUNT", "40".into()),
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let (sock, _) = listener.accept().expect("accept");
+    gpufeed_ipc::send_fd(&sock, std::os::fd::AsFd::as_fd(ring.segment())).expect("send fd");
+    let consumer = ring.consumer().expect("consumer");
+    for i in 0..40 {
+        let b = consumer.next(Duration::from_secs(20)).expect("batch");
+        assert_eq!(decode(&b.to_vec()).expect("intact"), (7, i));
+    }
+    assert!(child.wait().expect("wait").success());
+    let _ = std::fs::remove_file(&dir);
+}
+
+#[test]
+fn segments_that_are_not_rings_are_refused() {
+    let seg = ShmSegment::create_unique(64 * 1024).expect("segment");
+    seg.write_at(0, &crate::random_bytes(4096, 1))
+        .expect("garbage");
+    let err = BatchRing::open(seg.name().expect("named")).unwrap_err();
+    assert!(matches!(err, Error::InvalidHeader(_)), "{err:?}");
+
+    // A real ring whose header a peer damaged.
+    let ring = BatchRing::create_unique(4, 4096).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    ring.segment()
+        .write_at(12, &9999u32.to_le_bytes())
+        .expect("damage the slot count");
+    let err = BatchRing::open(&name).unwrap_err();
+    assert!(matches!(err, Error::InvalidHeader(_)), "{err:?}");
+    assert!(err.to_string().contains("same version"));
+    assert!(matches!(
+        BatchRing::open("gpufeed-no-such-ring"),
+        Err(Error::Os(gpufeed_os::Error::ShmNotFound { .. }))
+    ));
+}
