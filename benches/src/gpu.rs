@@ -5,8 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use gpufeed::Gpu;
 use gpufeed_cuda::cudarc::driver::{DevicePtrMut, sys};
-use gpufeed_cuda::{Gpu, GpuInfo, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{GpuInfo, HostSource, TransferConfig, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode, cache};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PoolMode};
 use serde::Serialize;
@@ -37,6 +38,7 @@ pub struct GpuBench {
     pub registered_with_register_gbps: Samples,
     pub pool_get_us: Samples,
     pub alloc_64mib_ms: f64,
+    pub facade: crate::facade::FacadeBench,
 }
 
 const CHUNK: usize = 16 << 20;
@@ -185,6 +187,7 @@ pub fn measure(
         })
         .collect::<Result<Vec<f64>, _>>()?;
 
+    let facade = crate::facade::measure(&gpu, dir, &path, reps, &mut progress)?;
     let info = gpu.info();
     Ok(Some(GpuBench {
         gpu: info.name.clone(),
@@ -205,5 +208,6 @@ pub fn measure(
         registered_with_register_gbps: Samples::new(both),
         pool_get_us: Samples::new(gets),
         alloc_64mib_ms: alloc64 * 1e3,
+        facade,
     }))
 }

@@ -5,6 +5,7 @@
 //! `report.md` and `report.json` into the output directory.
 
 mod access;
+mod facade;
 mod gpu;
 mod handoff;
 mod ipc;

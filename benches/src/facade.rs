@@ -1,0 +1,159 @@
+//! Table 6 (GPU machine only): the facade on a 4 GiB file and a 4 GiB safetensors checkpoint,
+//! warm and cold, against the raw O_DIRECT read of the same disk in the same run.
+
+use std::cell::RefCell;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use gpufeed::{Gpu, LoadOptions, Loader, Strategy};
+use gpufeed_os::{AlignedBuf, cache};
+use gpufeed_uring::{Backend, Direct, ReadOp, Reader};
+use serde::Serialize;
+
+use crate::util::{Samples, SplitMix, gbps, timed};
+
+#[derive(Debug, Serialize)]
+pub struct FacadeBench {
+    pub file_bytes: u64,
+    pub warm_default_gbps: Samples,
+    pub warm_default_strategy: String,
+    pub warm_one_thread_gbps: Samples,
+    pub warm_staged_gbps: Samples,
+    pub safetensors_bytes: u64,
+    pub safetensors_gbps: Samples,
+    pub cold_default_gbps: Samples,
+    pub cold_default_strategy: String,
+    pub raw_direct_read_gbps: Samples,
+    pub first_load_gbps: f64,
+}
+
+/// Writes a safetensors file of about `bytes` (16 F16 tensors of random bytes).
+fn ensure_safetensors(path: &Path, bytes: u64) -> Result<u64> {
+    if let Ok(m) = path.metadata() {
+        return Ok(m.len());
+    }
+    let per = (bytes / 16) as usize / 2 * 2;
+    let mut rng = SplitMix(0x5AFE);
+    let data: Vec<Vec<u8>> = (0..16)
+        .map(|_| {
+            let mut v = vec![0u8; per];
+            rng.fill(&mut v);
+            v
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F16, vec![per / 2], d)
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            Ok((format!("layers.{i}.weight"), view))
+        })
+        .collect::<Result<_>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(path.metadata()?.len())
+}
+
+/// The disk's own limit: O_DIRECT sequential read through io_uring, queue depth 32, 1 MiB.
+fn raw_direct(path: &Path) -> Result<f64> {
+    let mut reader = Reader::builder()
+        .backend(Backend::Auto)
+        .direct(Direct::On)
+        .queue_depth(32)
+        .build()?;
+    let file = reader.open(path)?;
+    let len = path.metadata()?.len();
+    let pool = RefCell::new(Vec::<AlignedBuf>::new());
+    let ops = (0..len.div_ceil(1 << 20)).map(|i| {
+        let off = i << 20;
+        let buf = pool
+            .borrow_mut()
+            .pop()
+            .map_or_else(|| AlignedBuf::new(1 << 20, 4096), Ok)
+            .expect("buffer");
+        ReadOp::new(file, off, buf).len((len - off).min(1 << 20) as usize)
+    });
+    let (secs, res) = timed(|| reader.read_all(ops, |c| pool.borrow_mut().push(c.buf)));
+    res?;
+    Ok(gbps(len, secs))
+}
+
+pub fn measure(
+    gpu: &Gpu,
+    dir: &Path,
+    file: &Path,
+    reps: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<FacadeBench> {
+    let len = file.metadata()?.len();
+    let default = Loader::new(gpu, LoadOptions::default())?;
+    let one = Loader::new(gpu, LoadOptions::one_thread())?;
+    let staged = Loader::new(
+        gpu,
+        LoadOptions {
+            strategy: Strategy::Staged,
+            ..LoadOptions::default()
+        },
+    )?;
+
+    progress("first load with a new Loader (cold start of its staging buffers), warm file");
+    cache::warm(file)?;
+    let (first_s, first) = timed(|| gpufeed::load_file(gpu, file, LoadOptions::default()));
+    drop(first?);
+    let first_load_gbps = gbps(len, first_s);
+
+    progress("warm 4 GiB file: default options, one IO thread, staged");
+    let (mut d, mut o, mut s) = (Vec::new(), Vec::new(), Vec::new());
+    let mut strategy = String::new();
+    for _ in 0..reps {
+        cache::warm(file)?;
+        let (buf, r) = default.load_file(file)?;
+        strategy = format!("{} ({})", r.strategy, r.reason);
+        d.push(r.gbps());
+        drop(buf);
+        let (buf, r) = one.load_file(file)?;
+        o.push(r.gbps());
+        drop(buf);
+        let (buf, r) = staged.load_file(file)?;
+        s.push(r.gbps());
+        drop(buf);
+    }
+
+    progress("safetensors checkpoint of 4 GiB, warm");
+    let st_path = dir.join(format!("model-{len}.safetensors"));
+    let st_bytes = ensure_safetensors(&st_path, len)?;
+    cache::warm(&st_path)?;
+    let mut st = Vec::new();
+    for _ in 0..reps {
+        let (secs, ckpt) = timed(|| gpufeed::safetensors::load_with(&default, &st_path));
+        let ckpt = ckpt.context("load the checkpoint")?;
+        st.push(gbps(ckpt.bytes(), secs));
+    }
+
+    progress("cold: default options against the raw O_DIRECT read of the same file");
+    let (mut c, mut raw) = (Vec::new(), Vec::new());
+    let mut cold_strategy = String::new();
+    for _ in 0..reps {
+        cache::evict(file)?;
+        raw.push(raw_direct(file)?);
+        cache::evict(file)?;
+        let (buf, r) = default.load_file(file)?;
+        cold_strategy = format!("{} ({})", r.strategy, r.reason);
+        c.push(r.gbps());
+        drop(buf);
+    }
+    Ok(FacadeBench {
+        file_bytes: len,
+        warm_default_gbps: Samples::new(d),
+        warm_default_strategy: strategy,
+        warm_one_thread_gbps: Samples::new(o),
+        warm_staged_gbps: Samples::new(s),
+        safetensors_bytes: st_bytes,
+        safetensors_gbps: Samples::new(st),
+        cold_default_gbps: Samples::new(c),
+        cold_default_strategy: cold_strategy,
+        raw_direct_read_gbps: Samples::new(raw),
+        first_load_gbps,
+    })
+}

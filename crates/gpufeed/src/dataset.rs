@@ -1,0 +1,688 @@
+//! The hybrid data loader of the source material: a record file mapped read-only, a sampler
+//! (sequential, shuffled by seed, sharded by rank), and a [`BatchLoader`] whose worker threads
+//! gather records into pinned (or, without a GPU, locked) buffers while earlier batches are
+//! uploaded — double buffering — and which yields device batches in a fixed order.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_os::{FileMap, MapMode};
+use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::load::DeviceBuffer;
+
+#[derive(Debug)]
+enum Records {
+    Fixed(usize),
+    Indexed(Vec<u64>),
+}
+
+/// A file of records, mapped read-only: fixed-size records, or variable ones delimited by an
+/// offsets index (little-endian `u64`s: the start of each record, then the end of the last).
+#[derive(Debug)]
+pub struct RecordFile {
+    map: FileMap,
+    path: PathBuf,
+    records: Records,
+}
+
+impl RecordFile {
+    /// Records of `record_bytes` each.
+    ///
+    /// # Safety
+    /// 1. The file is not truncated while the `RecordFile` lives (a mapping of a shrunk file
+    ///    raises SIGBUS), nor written while records are borrowed.
+    ///
+    /// # Errors
+    /// The file's errors (missing, empty, directory), and [`Error::Records`] when its length
+    /// is not a multiple of `record_bytes`.
+    pub unsafe fn open_fixed(path: impl AsRef<Path>, record_bytes: usize) -> Result<Self> {
+        let path = path.as_ref();
+        if record_bytes == 0 {
+            return Err(Error::Config("record_bytes is 0".into()));
+        }
+        // SAFETY: passed on to the caller.
+        let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
+        if map.len() % record_bytes != 0 {
+            return Err(Error::Records {
+                path: path.into(),
+                reason: format!(
+                    "{} bytes are not a whole number of {record_bytes}-byte records ({} bytes left over): the file is truncated or the record size is wrong",
+                    map.len(),
+                    map.len() % record_bytes
+                ),
+            });
+        }
+        Ok(RecordFile {
+            map,
+            path: path.into(),
+            records: Records::Fixed(record_bytes),
+        })
+    }
+
+    /// Variable records delimited by the offsets in `index`.
+    ///
+    /// # Safety
+    /// As for [`RecordFile::open_fixed`].
+    pub unsafe fn open_indexed(path: impl AsRef<Path>, index: impl AsRef<Path>) -> Result<Self> {
+        let (path, index) = (path.as_ref(), index.as_ref());
+        // SAFETY: passed on to the caller.
+        let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
+        let bad = |reason: String| Error::Records {
+            path: index.into(),
+            reason,
+        };
+        let raw = std::fs::read(index).map_err(|e| bad(format!("cannot read the index: {e}")))?;
+        if raw.len() % 8 != 0 || raw.len() < 16 {
+            return Err(bad(format!(
+                "{} bytes: an index is at least two little-endian u64 offsets",
+                raw.len()
+            )));
+        }
+        let offsets: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        if let Some(w) = offsets.windows(2).position(|w| w[1] < w[0]) {
+            return Err(bad(format!("offsets decrease at record {w}")));
+        }
+        let end = *offsets.last().expect("two or more");
+        if end > map.len() as u64 {
+            return Err(bad(format!(
+                "records end at {end}, past the data file's {} bytes",
+                map.len()
+            )));
+        }
+        Ok(RecordFile {
+            map,
+            path: path.into(),
+            records: Records::Indexed(offsets),
+        })
+    }
+
+    /// Number of records.
+    pub fn len(&self) -> usize {
+        match &self.records {
+            Records::Fixed(n) => self.map.len() / n,
+            Records::Indexed(o) => o.len() - 1,
+        }
+    }
+
+    /// Whether there are no records.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Record `i`.
+    pub fn record(&self, i: usize) -> Option<&[u8]> {
+        let range = match &self.records {
+            Records::Fixed(n) => (i < self.len()).then(|| i * n..(i + 1) * n)?,
+            Records::Indexed(o) => (*o.get(i)? as usize)..(*o.get(i + 1)? as usize),
+        };
+        self.map.get(range)
+    }
+
+    /// The data file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The order records are visited in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// 0, 1, 2, ...
+    Sequential,
+    /// A permutation drawn from `seed` and the epoch: the same seed gives the same order.
+    Shuffled {
+        /// The seed.
+        seed: u64,
+    },
+}
+
+/// Chooses the records of each epoch for this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sampler {
+    order: Order,
+    rank: usize,
+    world_size: usize,
+    drop_last: bool,
+}
+
+impl Sampler {
+    /// All records, in `order`, on one rank.
+    pub fn new(order: Order) -> Self {
+        Sampler {
+            order,
+            rank: 0,
+            world_size: 1,
+            drop_last: false,
+        }
+    }
+
+    /// This rank's share of `world_size` ranks. Without `drop_last` every rank gets the same
+    /// number of records, the last ones wrapping around to the start (as PyTorch's
+    /// `DistributedSampler` does); with it the remainder is dropped.
+    pub fn shard(mut self, rank: usize, world_size: usize, drop_last: bool) -> Result<Self> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Config(format!(
+                "rank {rank} of world size {world_size}"
+            )));
+        }
+        self.rank = rank;
+        self.world_size = world_size;
+        self.drop_last = drop_last;
+        Ok(self)
+    }
+
+    /// Sharded by `RANK` and `WORLD_SIZE` as torchrun sets them (one rank when unset).
+    pub fn from_env(order: Order) -> Result<Self> {
+        let var = |name: &str| -> Result<Option<usize>> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| Error::Config(format!("{name}={v:?} is not a number"))),
+            }
+        };
+        match (var("RANK")?, var("WORLD_SIZE")?) {
+            (Some(rank), Some(world)) => Self::new(order).shard(rank, world, false),
+            (None, None) => Ok(Self::new(order)),
+            _ => Err(Error::Config(
+                "RANK and WORLD_SIZE must be set together".into(),
+            )),
+        }
+    }
+
+    /// The record indices of `epoch` for this rank, out of `n` records.
+    pub fn epoch(&self, n: usize, epoch: u64) -> Vec<usize> {
+        let mut all: Vec<usize> = (0..n).collect();
+        if let Order::Shuffled { seed } = self.order {
+            let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            for i in (1..n).rev() {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                all.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
+            }
+        }
+        if self.world_size == 1 || n == 0 {
+            return all;
+        }
+        let total = if self.drop_last {
+            n / self.world_size * self.world_size
+        } else {
+            n.div_ceil(self.world_size) * self.world_size
+        };
+        (0..total)
+            .skip(self.rank)
+            .step_by(self.world_size)
+            .map(|i| all[i % n])
+            .collect()
+    }
+}
+
+/// A per-record transform run on the worker threads: gets the record's index and bytes and
+/// appends its output to the vector.
+pub type Transform =
+    Arc<dyn Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String> + Send + Sync>;
+
+/// Settings of a [`BatchLoader`].
+#[derive(Debug, Clone)]
+pub struct LoaderConfig {
+    /// Records per batch.
+    pub batch_size: usize,
+    /// Drop a last batch smaller than `batch_size`.
+    pub drop_last: bool,
+    /// Batches prepared ahead of the one being consumed (default 2: double buffering).
+    pub prefetch: usize,
+    /// Worker threads gathering records (default 2).
+    pub workers: usize,
+}
+
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        LoaderConfig {
+            batch_size: 32,
+            drop_last: false,
+            prefetch: 2,
+            workers: 2,
+        }
+    }
+}
+
+/// Where a batch's bytes are.
+#[derive(Debug)]
+pub enum BatchData {
+    /// In GPU memory.
+    Device(DeviceBuffer),
+    /// In a pooled host buffer (no GPU): pinned, or locked in CPU mode.
+    Host(PooledBuffer),
+}
+
+/// One batch: the records' bytes back to back, with their indices and offsets.
+#[derive(Debug)]
+pub struct Batch {
+    /// The epoch.
+    pub epoch: u64,
+    /// The batch's number in its epoch.
+    pub number: usize,
+    /// The record indices, in order.
+    pub indices: Vec<usize>,
+    /// Start of each record's bytes in the batch, then the end of the last.
+    pub offsets: Vec<usize>,
+    /// The bytes.
+    pub data: BatchData,
+}
+
+impl Batch {
+    /// Bytes in the batch.
+    pub fn bytes(&self) -> usize {
+        *self.offsets.last().unwrap_or(&0)
+    }
+}
+
+/// Counters of a [`BatchLoader`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LoaderStats {
+    /// Batches yielded.
+    pub batches: u64,
+    /// Bytes yielded.
+    pub bytes: u64,
+    /// Seconds spent uploading.
+    pub upload_s: f64,
+    /// Seconds the consumer waited for workers.
+    pub waited_s: f64,
+}
+
+/// Yields batches of a [`RecordFile`] in the [`Sampler`]'s order, on the GPU (or, without one,
+/// in host memory), with workers preparing the next batches while the current ones upload.
+///
+/// # Example (runs without a GPU: host batches)
+/// ```
+/// use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+/// # let dir = tempfile::tempdir()?;
+/// # let path = dir.path().join("records.bin");
+/// std::fs::write(&path, (0..100u8).collect::<Vec<_>>())?;
+/// // SAFETY: the file is not changed while it is used.
+/// let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 10 records of 10 bytes
+/// let sampler = Sampler::new(Order::Shuffled { seed: 7 });
+/// let cfg = LoaderConfig { batch_size: 4, ..LoaderConfig::default() };
+/// let mut loader = BatchLoader::new(records, sampler, cfg, None)?;
+/// let sizes: Vec<usize> = loader.epoch(0)?.map(|b| b.map(|b| b.indices.len())).collect::<Result<_, _>>()?;
+/// assert_eq!(sizes, [4, 4, 2]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct BatchLoader {
+    records: Arc<RecordFile>,
+    sampler: Sampler,
+    cfg: LoaderConfig,
+    transform: Option<Transform>,
+    pool: PinnedPool,
+    gpu: Option<(Gpu, TransferScheduler)>,
+    stats: LoaderStats,
+}
+
+impl std::fmt::Debug for BatchLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchLoader")
+            .field("records", &self.records.len())
+            .field("cfg", &self.cfg)
+            .field("gpu", &self.gpu.is_some())
+            .finish()
+    }
+}
+
+impl BatchLoader {
+    /// A loader of `records` onto `gpu` (or host batches with `None`).
+    pub fn new(
+        records: RecordFile,
+        sampler: Sampler,
+        cfg: LoaderConfig,
+        gpu: Option<&Gpu>,
+    ) -> Result<Self> {
+        if cfg.batch_size == 0 || cfg.workers == 0 || cfg.prefetch == 0 {
+            return Err(Error::Config(
+                "batch_size, workers and prefetch must be at least 1".into(),
+            ));
+        }
+        let node = gpu.and_then(|g| g.info().numa_node);
+        let pool_cfg = PoolConfig {
+            budget_bytes: None,
+            numa_node: node,
+        };
+        let (pool, gpu) = match gpu {
+            Some(g) => {
+                let sched = TransferScheduler::new(g, TransferConfig::default())?;
+                (
+                    PinnedPool::new(PoolMode::Cuda(g.context().clone()), pool_cfg)?,
+                    Some((g.clone(), sched)),
+                )
+            }
+            None => (PinnedPool::new(PoolMode::Cpu, pool_cfg)?, None),
+        };
+        Ok(BatchLoader {
+            records: Arc::new(records),
+            sampler,
+            cfg,
+            transform: None,
+            pool,
+            gpu,
+            stats: LoaderStats::default(),
+        })
+    }
+
+    /// Applies `f` to every record on the worker threads.
+    pub fn with_transform(
+        mut self,
+        f: impl Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.transform = Some(Arc::new(f));
+        self
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> &LoaderStats {
+        &self.stats
+    }
+
+    /// Number of batches in an epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        let n = self.sampler.epoch(self.records.len(), 0).len();
+        if self.cfg.drop_last {
+            n / self.cfg.batch_size
+        } else {
+            n.div_ceil(self.cfg.batch_size)
+        }
+    }
+
+    /// The batches of `epoch`, in order.
+    pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
+        let indices = self.sampler.epoch(self.records.len(), epoch);
+        let mut jobs: VecDeque<(usize, Vec<usize>)> = indices
+            .chunks(self.cfg.batch_size)
+            .filter(|c| !self.cfg.drop_last || c.len() == self.cfg.batch_size)
+            .map(<[usize]>::to_vec)
+            .enumerate()
+            .collect();
+        let total = jobs.len();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue {
+                jobs: VecDeque::new(),
+                stop: false,
+            }),
+            ready: Condvar::new(),
+        });
+        // Hand out the first `prefetch` jobs; one more per batch consumed.
+        {
+            let mut q = shared.queue.lock();
+            for _ in 0..self.cfg.prefetch {
+                if let Some(j) = jobs.pop_front() {
+                    q.jobs.push_back(j);
+                }
+            }
+        }
+        let (tx, rx) = mpsc::channel();
+        let workers = (0..self.cfg.workers.min(total.max(1)))
+            .map(|i| {
+                let (shared, tx) = (Arc::clone(&shared), tx.clone());
+                let (records, pool, transform) = (
+                    Arc::clone(&self.records),
+                    self.pool.clone(),
+                    self.transform.clone(),
+                );
+                std::thread::Builder::new()
+                    .name(format!("gpufeed-batch-{i}"))
+                    .spawn(move || worker(&shared, &tx, &records, &pool, transform.as_ref()))
+                    .map_err(|e| Error::Config(format!("cannot start a worker thread: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Epoch {
+            loader: self,
+            epoch,
+            next: 0,
+            total,
+            pending: jobs,
+            done: BTreeMap::new(),
+            rx,
+            shared,
+            workers,
+        })
+    }
+}
+
+struct Queue {
+    jobs: VecDeque<(usize, Vec<usize>)>,
+    stop: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
+/// A gathered batch: record indices, offsets, bytes.
+type Gathered = (Vec<usize>, Vec<usize>, PooledBuffer);
+type Prepared = (usize, Result<Gathered>);
+
+fn worker(
+    shared: &Shared,
+    tx: &mpsc::Sender<Prepared>,
+    records: &RecordFile,
+    pool: &PinnedPool,
+    transform: Option<&Transform>,
+) {
+    loop {
+        let (number, indices) = {
+            let mut q = shared.queue.lock();
+            loop {
+                if q.stop {
+                    return;
+                }
+                if let Some(j) = q.jobs.pop_front() {
+                    break j;
+                }
+                shared.ready.wait(&mut q);
+            }
+        };
+        let result = gather(records, pool, transform, &indices)
+            .map(|(offsets, buf)| (indices, offsets, buf));
+        if tx.send((number, result)).is_err() {
+            return;
+        }
+    }
+}
+
+/// Copies (and transforms) the records of one batch into a pooled buffer.
+fn gather(
+    records: &RecordFile,
+    pool: &PinnedPool,
+    transform: Option<&Transform>,
+    indices: &[usize],
+) -> Result<(Vec<usize>, PooledBuffer)> {
+    let record = |i: usize| {
+        records.record(i).ok_or_else(|| Error::Records {
+            path: records.path().into(),
+            reason: format!("record {i} does not exist"),
+        })
+    };
+    let mut offsets = Vec::with_capacity(indices.len() + 1);
+    offsets.push(0);
+    match transform {
+        None => {
+            let total: usize = indices
+                .iter()
+                .map(|&i| record(i).map(<[u8]>::len))
+                .sum::<Result<usize>>()?;
+            let mut buf = pool.get(total.max(1))?;
+            buf.set_len(total);
+            let mut at = 0;
+            for &i in indices {
+                let r = record(i)?;
+                buf[at..at + r.len()].copy_from_slice(r);
+                at += r.len();
+                offsets.push(at);
+            }
+            Ok((offsets, buf))
+        }
+        Some(f) => {
+            let mut out = Vec::new();
+            for &i in indices {
+                f(i, record(i)?, &mut out)
+                    .map_err(|message| Error::Transform { record: i, message })?;
+                offsets.push(out.len());
+            }
+            let mut buf = pool.get(out.len().max(1))?;
+            buf.set_len(out.len());
+            buf.copy_from_slice(&out);
+            Ok((offsets, buf))
+        }
+    }
+}
+
+/// The batches of one epoch, in order; see [`BatchLoader::epoch`].
+pub struct Epoch<'l> {
+    loader: &'l mut BatchLoader,
+    epoch: u64,
+    next: usize,
+    total: usize,
+    pending: VecDeque<(usize, Vec<usize>)>,
+    done: BTreeMap<usize, Result<Gathered>>,
+    rx: Receiver<Prepared>,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Iterator for Epoch<'_> {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        if self.next >= self.total {
+            return None;
+        }
+        let t = Instant::now();
+        let prepared = loop {
+            if let Some(p) = self.done.remove(&self.next) {
+                break p;
+            }
+            match self.rx.recv() {
+                Ok((n, r)) => {
+                    self.done.insert(n, r);
+                }
+                Err(_) => {
+                    self.next = self.total;
+                    return Some(Err(Error::Config("the batch workers stopped".into())));
+                }
+            }
+        };
+        self.loader.stats.waited_s += t.elapsed().as_secs_f64();
+        // Keep `prefetch` batches in preparation.
+        if let Some(job) = self.pending.pop_front() {
+            self.shared.queue.lock().jobs.push_back(job);
+            self.shared.ready.notify_one();
+        }
+        let number = self.next;
+        self.next += 1;
+        let (indices, offsets, buf) = match prepared {
+            Ok(p) => p,
+            Err(e) => return Some(Err(e)),
+        };
+        let bytes = *offsets.last().unwrap_or(&0);
+        let data = match &self.loader.gpu {
+            None => BatchData::Host(buf),
+            Some((gpu, sched)) => {
+                let t = Instant::now();
+                let uploaded = (|| -> Result<DeviceBuffer> {
+                    if bytes == 0 {
+                        return gpu.default_stream().null::<u8>().map_err(|e| {
+                            Error::Cuda(gpufeed_cuda::Error::Cuda {
+                                op: "allocate",
+                                result: format!("{:?}", e.0),
+                            })
+                        });
+                    }
+                    // SAFETY: the upload below writes every byte before the buffer is returned.
+                    let mut dev = unsafe { gpu.alloc(bytes)? };
+                    sched.upload(HostSource::Pooled(&buf), &mut dev, 0)?;
+                    Ok(dev)
+                })();
+                self.loader.stats.upload_s += t.elapsed().as_secs_f64();
+                match uploaded {
+                    Ok(d) => BatchData::Device(d),
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+        };
+        self.loader.stats.batches += 1;
+        self.loader.stats.bytes += bytes as u64;
+        Some(Ok(Batch {
+            epoch: self.epoch,
+            number,
+            indices,
+            offsets,
+            data,
+        }))
+    }
+}
+
+impl Drop for Epoch<'_> {
+    fn drop(&mut self) {
+        self.shared.queue.lock().stop = true;
+        self.shared.ready.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samplers_shuffle_by_seed_and_shard_evenly() {
+        let seq = Sampler::new(Order::Sequential);
+        assert_eq!(seq.epoch(5, 0), vec![0, 1, 2, 3, 4]);
+        let a = Sampler::new(Order::Shuffled { seed: 1 });
+        assert_eq!(
+            a.epoch(100, 3),
+            a.epoch(100, 3),
+            "same seed and epoch, same order"
+        );
+        assert_ne!(
+            a.epoch(100, 3),
+            a.epoch(100, 4),
+            "another epoch, another order"
+        );
+        let mut sorted = a.epoch(100, 3);
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>(), "a permutation");
+        // 10 records over 3 ranks: 4 each, wrapping around; all records covered.
+        let shards: Vec<Vec<usize>> = (0..3)
+            .map(|r| seq.shard(r, 3, false).expect("shard").epoch(10, 0))
+            .collect();
+        assert!(shards.iter().all(|s| s.len() == 4));
+        let mut all: Vec<usize> = shards.concat();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 10);
+        let dropped: Vec<usize> = (0..3)
+            .map(|r| seq.shard(r, 3, true).expect("shard").epoch(10, 0).len())
+            .collect();
+        assert_eq!(dropped, vec![3, 3, 3]);
+        assert!(seq.shard(3, 3, false).is_err());
+    }
+}

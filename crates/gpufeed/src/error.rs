@@ -1,0 +1,78 @@
+//! The facade's error type: every layer's errors, plus those of files and checkpoints.
+
+use std::path::PathBuf;
+
+/// Result alias of the facade.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in gpufeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Shared memory, mappings, files (gpufeed-os).
+    #[error(transparent)]
+    Os(#[from] gpufeed_os::Error),
+    /// Reads (gpufeed-uring).
+    #[error(transparent)]
+    Read(#[from] gpufeed_uring::Error),
+    /// Pinned and registered memory (gpufeed-pinned).
+    #[error(transparent)]
+    Pinned(#[from] gpufeed_pinned::Error),
+    /// GPUs and transfers (gpufeed-cuda), including `NoCudaDriver`.
+    #[error(transparent)]
+    Cuda(#[from] gpufeed_cuda::Error),
+    /// The batch ring (gpufeed-ipc).
+    #[error(transparent)]
+    Ipc(#[from] gpufeed_ipc::Error),
+
+    /// A safetensors file that cannot be used.
+    #[error("{}: not a valid safetensors file: {reason}", .path.display())]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A sharded checkpoint's index that cannot be used.
+    #[error("{}: bad checkpoint index: {reason}", .path.display())]
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A record file that cannot be used.
+    #[error("{}: {reason}", .path.display())]
+    Records {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A setting that cannot work.
+    #[error("invalid setting: {0}")]
+    Config(String),
+
+    /// A user transform failed on a record.
+    #[error("transform failed on record {record}: {message}")]
+    Transform {
+        /// The record's index.
+        record: usize,
+        /// The transform's error.
+        message: String,
+    },
+}
+
+impl Error {
+    /// Whether the error means no GPU can be used here (no driver, no device).
+    pub fn is_no_gpu(&self) -> bool {
+        match self {
+            Error::Cuda(e) => e.is_no_gpu(),
+            Error::Pinned(gpufeed_pinned::Error::NoCudaDriver) => true,
+            _ => false,
+        }
+    }
+}

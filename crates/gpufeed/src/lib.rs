@@ -1,0 +1,43 @@
+//! # gpufeed — feed NVIDIA GPUs with data as fast as the hardware allows
+//!
+//! The facade over gpufeed's layers (re-exported whole as [`os`], [`numa`], [`uring`],
+//! [`ipc`], [`pinned`], [`cuda`]):
+//!
+//! - [`load_file`] / [`Loader`]: a file (or a byte range of it) into GPU memory with the
+//!   fastest path the machine allows — [`Strategy::Registered`] for files in the page cache
+//!   (the GPU copies straight from the cached pages, registered read-only in chunks ahead of
+//!   the copies), [`Strategy::Staged`] / [`Strategy::Direct`] (io_uring reads, buffered or
+//!   `O_DIRECT`, into pinned staging buffers uploaded while the next ones fill), chosen by
+//!   [`Strategy::Auto`] from page-cache residency and available memory; a [`LoadReport`] says
+//!   what ran, why, and where the time went.
+//! - [`safetensors::load`]: a safetensors file or sharded checkpoint to GPU memory, one bulk
+//!   transfer per file, a named view per tensor.
+//! - [`dataset`]: a record file, a seeded and sharded [`dataset::Sampler`], and a
+//!   [`dataset::BatchLoader`] yielding device batches (host batches without a GPU).
+//!
+//! Without a GPU every GPU call returns an error for which [`Error::is_no_gpu`] is true; the
+//! CPU paths (records, samplers, host batches, every lower layer) keep working.
+//!
+//! # Example
+//! ```no_run
+//! let gpu = gpufeed::Gpu::open(0)?;
+//! let (buf, report) = gpufeed::load_file(&gpu, "data/shard-000.bin", gpufeed::LoadOptions::default())?;
+//! println!("{} bytes: {} ({}), {:.1} GB/s", buf.len(), report.strategy, report.reason, report.gbps());
+//! # Ok::<(), gpufeed::Error>(())
+//! ```
+
+pub mod dataset;
+mod error;
+mod load;
+pub mod safetensors;
+
+pub use error::{Error, Result};
+pub use gpufeed_cuda::{Gpu, GpuInfo};
+pub use load::{DeviceBuffer, LoadOptions, LoadReport, Loader, Strategy, load_file};
+
+pub use gpufeed_cuda as cuda;
+pub use gpufeed_ipc as ipc;
+pub use gpufeed_numa as numa;
+pub use gpufeed_os as os;
+pub use gpufeed_pinned as pinned;
+pub use gpufeed_uring as uring;

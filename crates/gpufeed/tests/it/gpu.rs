@@ -1,0 +1,274 @@
+//! On a GPU: every strategy x warm/cold x sizes, ranges, existing buffers, safetensors with
+//! every dtype, sharded checkpoints, and the device batch loader over several epochs.
+
+use std::collections::HashMap;
+
+use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::{Error, LoadOptions, Loader, Strategy};
+use safetensors::Dtype;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{gpu_or_skip, random_bytes};
+
+#[test]
+fn every_strategy_warm_and_cold_is_byte_exact() {
+    let Some(gpu) = gpu_or_skip("every_strategy_warm_and_cold_is_byte_exact") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let sizes = [0usize, 1, 4097, (16 << 20) + 1, (300 << 20) + 7];
+    for (k, &size) in sizes.iter().enumerate() {
+        let path = dir.path().join(format!("f{k}.bin"));
+        let data = random_bytes(size, k as u64);
+        std::fs::write(&path, &data).expect("write");
+        for strategy in [
+            Strategy::Auto,
+            Strategy::Registered,
+            Strategy::Staged,
+            Strategy::Direct,
+        ] {
+            let opts = LoadOptions {
+                strategy,
+                register_chunk_bytes: 64 << 20,
+                ..LoadOptions::default()
+            };
+            let loader = Loader::new(&gpu, opts).expect("loader");
+            for cold in [false, true] {
+                if cold {
+                    gpufeed::os::cache::evict(&path).expect("evict");
+                } else {
+                    gpufeed::os::cache::warm(&path).expect("warm");
+                }
+                let (buf, report) = loader
+                    .load_file(&path)
+                    .unwrap_or_else(|e| panic!("{size} B {strategy} cold={cold}: {e}"));
+                assert_eq!(buf.len(), size);
+                assert_eq!(report.bytes, size as u64);
+                if size > 0 {
+                    let back = gpu.to_vec(&buf).expect("copy back");
+                    assert_eq!(
+                        xxh3_64(&back),
+                        xxh3_64(&data),
+                        "{size} B {strategy} cold={cold}: bytes differ"
+                    );
+                    if strategy != Strategy::Auto {
+                        assert_eq!(report.strategy, strategy, "{report:?}");
+                    } else {
+                        assert_ne!(report.strategy, Strategy::Auto);
+                        assert!(!report.reason.is_empty());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ranges_existing_buffers_and_errors() {
+    let Some(gpu) = gpu_or_skip("ranges_existing_buffers_and_errors") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("r.bin");
+    let data = random_bytes((40 << 20) + 13, 77);
+    std::fs::write(&path, &data).expect("write");
+    for strategy in [Strategy::Registered, Strategy::Staged, Strategy::Direct] {
+        let loader = Loader::new(
+            &gpu,
+            LoadOptions {
+                strategy,
+                ..LoadOptions::default()
+            },
+        )
+        .expect("loader");
+        let (buf, _) = loader
+            .load_range(&path, 4099..(33 << 20) + 5)
+            .expect("range");
+        assert_eq!(
+            xxh3_64(&gpu.to_vec(&buf).expect("back")),
+            xxh3_64(&data[4099..(33 << 20) + 5]),
+            "{strategy}"
+        );
+        let mut dst = gpu.alloc_zeroed(1 << 20).expect("alloc");
+        loader
+            .load_into(&path, 100..300_100, &mut dst, 7)
+            .expect("into");
+        let back = gpu.to_vec(&dst).expect("back");
+        assert!(back[..7].iter().all(|&b| b == 0));
+        assert_eq!(&back[7..300_007], &data[100..300_100], "{strategy}");
+        let mut small = gpu.alloc_zeroed(10).expect("alloc");
+        assert!(
+            loader.load_into(&path, 0..11, &mut small, 0).is_err(),
+            "destination too small"
+        );
+        let err = loader
+            .load_range(&path, 0..data.len() as u64 + 1)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Os(gpufeed::os::Error::RangePastEof { .. })),
+            "{err:?}"
+        );
+        let err = loader.load_file(dir.path().join("missing")).unwrap_err();
+        assert!(
+            matches!(err, Error::Os(gpufeed::os::Error::NotFound { .. })),
+            "{err:?}"
+        );
+        assert!(matches!(
+            loader.load_file(dir.path()),
+            Err(Error::Os(gpufeed::os::Error::IsDirectory { .. }))
+        ));
+    }
+}
+
+fn tensor_bytes(dtype: Dtype, elems: usize, seed: u64) -> Vec<u8> {
+    random_bytes((elems * dtype.bitsize()).div_ceil(8), seed)
+}
+
+#[test]
+fn safetensors_with_every_dtype_and_shards() {
+    let Some(gpu) = gpu_or_skip("safetensors_with_every_dtype_and_shards") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let dtypes = [
+        Dtype::BOOL,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::F8_E5M2,
+        Dtype::F8_E4M3,
+        Dtype::I16,
+        Dtype::U16,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::I32,
+        Dtype::U32,
+        Dtype::F32,
+        Dtype::F64,
+        Dtype::I64,
+        Dtype::U64,
+    ];
+    let mut want: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
+    for (i, &dtype) in dtypes.iter().enumerate() {
+        let shape = vec![3 + i, 7];
+        want.insert(
+            format!("layer{i}.weight"),
+            (
+                dtype,
+                shape.clone(),
+                tensor_bytes(dtype, shape.iter().product(), i as u64),
+            ),
+        );
+    }
+    let write = |path: &std::path::Path, names: &[&String]| {
+        let views: Vec<_> = names
+            .iter()
+            .map(|n| {
+                let (d, s, b) = &want[*n];
+                (
+                    (*n).clone(),
+                    safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view"),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, path).expect("serialize");
+    };
+    let mut names: Vec<&String> = want.keys().collect();
+    names.sort();
+    let single = dir.path().join("model.safetensors");
+    write(&single, &names);
+    let ckpt = gpufeed::safetensors::load(&gpu, &single).expect("load");
+    assert_eq!(ckpt.len(), dtypes.len());
+    let check = |ckpt: &gpufeed::safetensors::Checkpoint| {
+        for (name, (dtype, shape, bytes)) in &want {
+            let (info, view) = ckpt.get(name).unwrap_or_else(|| panic!("{name} missing"));
+            assert_eq!((&info.dtype, &info.shape), (dtype, shape), "{name}");
+            let mut host = vec![0u8; view.len()];
+            gpu.default_stream()
+                .memcpy_dtoh(&view, &mut host)
+                .expect("copy back");
+            assert_eq!(&host, bytes, "{name}: bytes on the GPU differ");
+        }
+    };
+    check(&ckpt);
+    // Sharded: two files and an index.
+    let (a, b) = names.split_at(names.len() / 2);
+    write(&dir.path().join("model-00001-of-00002.safetensors"), a);
+    write(&dir.path().join("model-00002-of-00002.safetensors"), b);
+    let mut map = serde_json::Map::new();
+    for n in a {
+        map.insert((*n).clone(), "model-00001-of-00002.safetensors".into());
+    }
+    for n in b {
+        map.insert((*n).clone(), "model-00002-of-00002.safetensors".into());
+    }
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(&index, serde_json::json!({ "weight_map": map }).to_string()).expect("index");
+    let sharded = gpufeed::safetensors::load(&gpu, &index).expect("sharded");
+    assert_eq!(sharded.files().len(), 2);
+    check(&sharded);
+    // An index naming a tensor its shard lacks.
+    map.insert("ghost".into(), "model-00001-of-00002.safetensors".into());
+    std::fs::write(&index, serde_json::json!({ "weight_map": map }).to_string()).expect("index");
+    assert!(matches!(
+        gpufeed::safetensors::load(&gpu, &index),
+        Err(Error::Index { .. })
+    ));
+    // A truncated file.
+    let bytes = std::fs::read(&single).expect("read");
+    let cut = dir.path().join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() - 3]).expect("write");
+    assert!(matches!(
+        gpufeed::safetensors::load(&gpu, &cut),
+        Err(Error::Safetensors { .. })
+    ));
+}
+
+#[test]
+fn device_batches_over_several_epochs() {
+    let Some(gpu) = gpu_or_skip("device_batches_over_several_epochs") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(5000 * 4099, 3);
+    std::fs::write(&path, &data).expect("write");
+    // SAFETY: private file, never changed.
+    let records = unsafe { RecordFile::open_fixed(&path, 4099) }.expect("records");
+    let cfg = LoaderConfig {
+        batch_size: 96,
+        drop_last: false,
+        prefetch: 2,
+        workers: 4,
+    };
+    let mut loader = BatchLoader::new(
+        records,
+        Sampler::new(Order::Shuffled { seed: 5 }),
+        cfg,
+        Some(&gpu),
+    )
+    .expect("loader");
+    for epoch in 0..3 {
+        let mut count = 0;
+        for batch in loader.epoch(epoch).expect("epoch") {
+            let batch = batch.expect("batch");
+            let BatchData::Device(dev) = &batch.data else {
+                panic!("host batch on a GPU loader")
+            };
+            let back = gpu.to_vec(dev).expect("back");
+            let want: Vec<u8> = batch
+                .indices
+                .iter()
+                .flat_map(|&i| data[i * 4099..(i + 1) * 4099].iter().copied())
+                .collect();
+            assert_eq!(
+                xxh3_64(&back),
+                xxh3_64(&want),
+                "epoch {epoch} batch {}",
+                batch.number
+            );
+            count += batch.indices.len();
+        }
+        assert_eq!(count, 5000);
+    }
+    eprintln!("{:?}", loader.stats());
+}

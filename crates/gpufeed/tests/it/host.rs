@@ -1,0 +1,229 @@
+//! Without a GPU: errors of GPU calls, and byte-exact host pipelines.
+
+use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::{Error, Gpu};
+
+use crate::random_bytes;
+
+#[test]
+fn gpu_calls_without_a_gpu_say_so() {
+    if let Err(e) = Gpu::open(0) {
+        let e = Error::from(e);
+        assert!(e.is_no_gpu(), "{e:?}");
+    }
+}
+
+fn host_bytes(b: &host_batch::Batch) -> Vec<u8> {
+    match &b.data {
+        BatchData::Host(buf) => buf.to_vec(),
+        BatchData::Device(_) => panic!("a host loader yielded a device batch"),
+    }
+}
+
+mod host_batch {
+    pub use gpufeed::dataset::Batch;
+}
+
+#[test]
+fn host_batches_are_byte_exact_and_ordered_by_seed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(1000 * 37, 5);
+    std::fs::write(&path, &data).expect("write");
+    let open = || {
+        // SAFETY: the file is private to this test and never changed.
+        unsafe { RecordFile::open_fixed(&path, 37) }.expect("records")
+    };
+    let cfg = LoaderConfig {
+        batch_size: 64,
+        drop_last: false,
+        prefetch: 3,
+        workers: 3,
+    };
+    let sampler = Sampler::new(Order::Shuffled { seed: 42 });
+    let mut loader = BatchLoader::new(open(), sampler, cfg.clone(), None).expect("loader");
+    assert_eq!(loader.batches_per_epoch(), 16);
+    let mut orders = Vec::new();
+    for epoch in 0..3 {
+        let mut seen = Vec::new();
+        for (n, batch) in loader.epoch(epoch).expect("epoch").enumerate() {
+            let batch = batch.expect("batch");
+            assert_eq!((batch.number, batch.epoch), (n, epoch));
+            let bytes = host_bytes(&batch);
+            assert_eq!(bytes.len(), batch.bytes());
+            for (k, &i) in batch.indices.iter().enumerate() {
+                let (a, b) = (batch.offsets[k], batch.offsets[k + 1]);
+                assert_eq!(
+                    &bytes[a..b],
+                    &data[i * 37..(i + 1) * 37],
+                    "record {i} of batch {n}"
+                );
+            }
+            seen.extend(batch.indices);
+        }
+        let mut sorted = seen.clone();
+        sorted.sort_unstable();
+        assert_eq!(
+            sorted,
+            (0..1000).collect::<Vec<_>>(),
+            "every record once per epoch"
+        );
+        orders.push(seen);
+    }
+    assert_ne!(orders[0], orders[1], "epochs differ");
+    let mut again = BatchLoader::new(open(), sampler, cfg, None).expect("loader");
+    let replay: Vec<usize> = again
+        .epoch(1)
+        .expect("epoch")
+        .flat_map(|b| b.expect("batch").indices)
+        .collect();
+    assert_eq!(replay, orders[1], "same seed, same order");
+    assert_eq!(again.stats().batches, 16);
+}
+
+#[test]
+fn transforms_indexed_records_and_drop_last() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("var.bin");
+    let index = dir.path().join("var.idx");
+    let lens: Vec<usize> = (0..50).map(|i| 1 + (i * 37) % 200).collect();
+    let data = random_bytes(lens.iter().sum(), 9);
+    let mut offsets = vec![0u64];
+    for l in &lens {
+        offsets.push(offsets.last().expect("one") + *l as u64);
+    }
+    std::fs::write(&path, &data).expect("write");
+    std::fs::write(
+        &index,
+        offsets
+            .iter()
+            .flat_map(|o| o.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    )
+    .expect("index");
+    // SAFETY: private files, never changed.
+    let records = unsafe { RecordFile::open_indexed(&path, &index) }.expect("records");
+    assert_eq!(records.len(), 50);
+    let cfg = LoaderConfig {
+        batch_size: 8,
+        drop_last: true,
+        prefetch: 2,
+        workers: 2,
+    };
+    let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
+        .expect("loader")
+        .with_transform(|i, rec, out| {
+            out.extend_from_slice(&(i as u32).to_le_bytes());
+            out.extend(rec.iter().rev());
+            Ok(())
+        });
+    let batches: Vec<_> = loader
+        .epoch(0)
+        .expect("epoch")
+        .map(|b| b.expect("batch"))
+        .collect();
+    assert_eq!(batches.len(), 6, "50 / 8 with drop_last");
+    for b in &batches {
+        let bytes = host_bytes(b);
+        for (k, &i) in b.indices.iter().enumerate() {
+            let out = &bytes[b.offsets[k]..b.offsets[k + 1]];
+            assert_eq!(&out[..4], &(i as u32).to_le_bytes());
+            let rec = &data[offsets[i] as usize..offsets[i + 1] as usize];
+            assert!(
+                out[4..].iter().eq(rec.iter().rev()),
+                "transformed record {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_record_files_and_failing_transforms() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("r.bin");
+    std::fs::write(&path, vec![1u8; 100]).expect("write");
+    // SAFETY: private file, never changed.
+    let err = unsafe { RecordFile::open_fixed(&path, 30) }.unwrap_err();
+    assert!(
+        matches!(err, Error::Records { .. }) && err.to_string().contains("left over"),
+        "{err}"
+    );
+    let index = dir.path().join("r.idx");
+    std::fs::write(
+        &index,
+        [0u64, 50, 40]
+            .iter()
+            .flat_map(|o| o.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    )
+    .expect("index");
+    // SAFETY: as above.
+    let err = unsafe { RecordFile::open_indexed(&path, &index) }.unwrap_err();
+    assert!(err.to_string().contains("decrease"), "{err}");
+    std::fs::write(
+        &index,
+        [0u64, 500]
+            .iter()
+            .flat_map(|o| o.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    )
+    .expect("index");
+    // SAFETY: as above.
+    let err = unsafe { RecordFile::open_indexed(&path, &index) }.unwrap_err();
+    assert!(err.to_string().contains("past the data file"), "{err}");
+
+    // SAFETY: as above.
+    let records = unsafe { RecordFile::open_fixed(&path, 10) }.expect("records");
+    let mut loader = BatchLoader::new(
+        records,
+        Sampler::new(Order::Sequential),
+        LoaderConfig {
+            batch_size: 4,
+            ..Default::default()
+        },
+        None,
+    )
+    .expect("loader")
+    .with_transform(|i, _, _| {
+        if i == 5 {
+            Err("bad pixel".into())
+        } else {
+            Ok(())
+        }
+    });
+    let results: Vec<_> = loader.epoch(0).expect("epoch").collect();
+    assert!(results[0].is_ok());
+    assert!(
+        matches!(&results[1], Err(Error::Transform { record: 5, message }) if message == "bad pixel")
+    );
+    assert!(
+        results[2].is_ok(),
+        "one failed batch does not stop the epoch"
+    );
+}
+
+#[test]
+fn sampler_from_torchrun_environment() {
+    // Only this test sets these variables, in a child process so others are unaffected.
+    if std::env::var("GPUFEED_IT_ENV_CHILD").is_err() {
+        let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+            .args([
+                "host::sampler_from_torchrun_environment",
+                "--exact",
+                "--nocapture",
+            ])
+            .env("GPUFEED_IT_ENV_CHILD", "1")
+            .env("RANK", "1")
+            .env("WORLD_SIZE", "4")
+            .output()
+            .expect("spawn");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        return;
+    }
+    let s = Sampler::from_env(Order::Sequential).expect("sampler");
+    assert_eq!(s.epoch(10, 0), vec![1, 5, 9]);
+}
