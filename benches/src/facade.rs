@@ -19,6 +19,7 @@ pub struct FacadeBench {
     pub warm_default_strategy: String,
     pub warm_one_thread_gbps: Samples,
     pub warm_staged_gbps: Samples,
+    pub warm_registered_gbps: Samples,
     pub safetensors_bytes: u64,
     pub safetensors_gbps: Samples,
     pub cold_default_gbps: Samples,
@@ -89,13 +90,16 @@ pub fn measure(
     let len = file.metadata()?.len();
     let default = Loader::new(gpu, LoadOptions::default())?;
     let one = Loader::new(gpu, LoadOptions::one_thread())?;
-    let staged = Loader::new(
-        gpu,
-        LoadOptions {
-            strategy: Strategy::Staged,
-            ..LoadOptions::default()
-        },
-    )?;
+    let with = |strategy| {
+        Loader::new(
+            gpu,
+            LoadOptions {
+                strategy,
+                ..LoadOptions::default()
+            },
+        )
+    };
+    let (staged, registered) = (with(Strategy::Staged)?, with(Strategy::Registered)?);
 
     progress("first load with a new Loader (cold start of its staging buffers), warm file");
     cache::warm(file)?;
@@ -104,7 +108,7 @@ pub fn measure(
     let first_load_gbps = gbps(len, first_s);
 
     progress("warm 4 GiB file: default options, one IO thread, staged");
-    let (mut d, mut o, mut s) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut d, mut o, mut s, mut g) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut strategy = String::new();
     for _ in 0..reps {
         cache::warm(file)?;
@@ -117,6 +121,9 @@ pub fn measure(
         drop(buf);
         let (buf, r) = staged.load_file(file)?;
         s.push(r.gbps());
+        drop(buf);
+        let (buf, r) = registered.load_file(file)?;
+        g.push(r.gbps());
         drop(buf);
     }
 
@@ -149,6 +156,7 @@ pub fn measure(
         warm_default_strategy: strategy,
         warm_one_thread_gbps: Samples::new(o),
         warm_staged_gbps: Samples::new(s),
+        warm_registered_gbps: Samples::new(g),
         safetensors_bytes: st_bytes,
         safetensors_gbps: Samples::new(st),
         cold_default_gbps: Samples::new(c),

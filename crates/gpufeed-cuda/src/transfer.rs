@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, sys};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, sys};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
 
@@ -233,17 +233,21 @@ impl TransferScheduler {
         &self.pool
     }
 
-    /// Copies `src` into `dst` starting at byte `dst_offset`; returns when the bytes are on
-    /// the GPU.
+    /// Copies `src` into `dst` (a `CudaSlice<u8>` or a `CudaViewMut<u8>` of one) starting at
+    /// byte `dst_offset`; returns when the bytes are on the GPU. Several threads may upload
+    /// through one scheduler at once (into disjoint destinations).
     ///
     /// # Errors
     /// [`Error::OutOfBounds`], [`Error::Cuda`], [`Error::Source`].
-    pub fn upload(
+    pub fn upload<D>(
         &self,
         src: HostSource<'_>,
-        dst: &mut CudaSlice<u8>,
+        dst: &mut D,
         dst_offset: usize,
-    ) -> Result<TransferStats> {
+    ) -> Result<TransferStats>
+    where
+        D: DevicePtrMut<u8> + DeviceSlice<u8>,
+    {
         let len = match &src {
             HostSource::Pinned(b) => b.len() as u64,
             HostSource::Pooled(b) => b.len() as u64,
@@ -286,9 +290,12 @@ impl TransferScheduler {
         Ok(stats)
     }
 
-    /// Copies all of `src` into `dst` (which must be as long); returns when the bytes are in
-    /// host memory.
-    pub fn download(&self, src: &CudaSlice<u8>, dst: HostDest<'_>) -> Result<TransferStats> {
+    /// Copies all of `src` (a `CudaSlice<u8>` or a view of one) into `dst` (which must be as
+    /// long); returns when the bytes are in host memory.
+    pub fn download<S>(&self, src: &S, dst: HostDest<'_>) -> Result<TransferStats>
+    where
+        S: DevicePtr<u8> + DeviceSlice<u8>,
+    {
         let dst_len = match &dst {
             HostDest::Pinned(b) => b.len(),
             HostDest::Pageable(s) => s.len(),

@@ -26,6 +26,7 @@ fn every_strategy_warm_and_cold_is_byte_exact() {
             Strategy::Registered,
             Strategy::Staged,
             Strategy::Direct,
+            Strategy::Hybrid,
         ] {
             let opts = LoadOptions {
                 strategy,
@@ -72,7 +73,12 @@ fn ranges_existing_buffers_and_errors() {
     let path = dir.path().join("r.bin");
     let data = random_bytes((40 << 20) + 13, 77);
     std::fs::write(&path, &data).expect("write");
-    for strategy in [Strategy::Registered, Strategy::Staged, Strategy::Direct] {
+    for strategy in [
+        Strategy::Registered,
+        Strategy::Staged,
+        Strategy::Direct,
+        Strategy::Hybrid,
+    ] {
         let loader = Loader::new(
             &gpu,
             LoadOptions {
