@@ -165,3 +165,63 @@ pub fn measure(
         first_load_gbps,
     })
 }
+
+/// Settings sweep of warm loads (GPUFEED_BENCH_HYBRID_SWEEP=1), printed to stderr: which
+/// registration chunk, registered share and fill-thread count fill the link, and how much the
+/// previous load's background unregistration disturbs the next.
+pub fn hybrid_sweep(gpu: &Gpu, file: &Path) -> Result<()> {
+    cache::warm(file)?;
+    let run = |opts: LoadOptions, pause_ms: u64| -> Result<f64> {
+        let loader = Loader::new(gpu, opts)?;
+        drop(loader.load_file(file)?); // warm-up: staging buffers
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            std::thread::sleep(std::time::Duration::from_millis(pause_ms));
+            let (buf, r) = loader.load_file(file)?;
+            v.push(r.gbps());
+            drop(buf);
+        }
+        Ok(Samples::new(v).median)
+    };
+    for strategy in [Strategy::Staged, Strategy::Registered] {
+        for pause in [0, 300] {
+            let g = run(
+                LoadOptions {
+                    strategy,
+                    ..LoadOptions::default()
+                },
+                pause,
+            )?;
+            eprintln!("SWEEP {strategy} pause {pause} ms: {g:.1} GB/s");
+        }
+    }
+    for threads in [8usize, 12, 16] {
+        let mut opts = LoadOptions {
+            strategy: Strategy::Staged,
+            ..LoadOptions::default()
+        };
+        opts.transfer.fill_threads = threads;
+        opts.transfer.staging_buffers = 2 * threads;
+        eprintln!("SWEEP staged fill {threads}: {:.1} GB/s", run(opts, 300)?);
+    }
+    for chunk in [16usize << 20, 64 << 20, 256 << 20] {
+        for share in [0.3, 0.45, 0.6] {
+            for threads in [8usize, 12] {
+                let mut opts = LoadOptions {
+                    strategy: Strategy::Hybrid,
+                    register_chunk_bytes: chunk,
+                    registered_share: share,
+                    ..LoadOptions::default()
+                };
+                opts.transfer.fill_threads = threads;
+                opts.transfer.staging_buffers = 2 * threads;
+                eprintln!(
+                    "SWEEP hybrid chunk {} MiB share {share} fill {threads}: {:.1} GB/s",
+                    chunk >> 20,
+                    run(opts, 300)?
+                );
+            }
+        }
+    }
+    Ok(())
+}

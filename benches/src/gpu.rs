@@ -190,6 +190,10 @@ pub fn measure(
     if std::env::var("GPUFEED_BENCH_REG_EXPERIMENT").is_ok() {
         registration_experiment(&gpu, &path)?;
     }
+    if std::env::var("GPUFEED_BENCH_HYBRID_SWEEP").is_ok() {
+        crate::facade::hybrid_sweep(&gpu, &path)?;
+        return Ok(None);
+    }
     let facade = crate::facade::measure(&gpu, dir, &path, reps, &mut progress)?;
     let info = gpu.info();
     Ok(Some(GpuBench {

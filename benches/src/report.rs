@@ -311,8 +311,13 @@ fn facade_table(s: &mut String, g: &GpuBench) {
     );
     let _ = writeln!(
         s,
-        "| warm, one IO thread (LoadOptions::one_thread) | {} | target 30 |",
+        "| warm, one IO thread (LoadOptions::one_thread: registered, one registering thread) | {} | target 30 |",
         f.warm_one_thread_gbps.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "| warm, Strategy::Registered (two registering threads) | {} | |",
+        f.warm_registered_gbps.show(1)
     );
     let _ = writeln!(
         s,

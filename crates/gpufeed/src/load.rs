@@ -81,14 +81,16 @@ pub struct LoadOptions {
     pub strategy: Strategy,
     /// Streams, chunk size, staging buffers and fill (IO) threads of the transfer.
     pub transfer: TransferConfig,
-    /// Bytes registered per `cuMemHostRegister` call of the `Registered` strategy (256 MiB).
+    /// Bytes registered per `cuMemHostRegister` call (64 MiB: shorter driver calls disturb the
+    /// concurrent copies less; a sweep on the H200 machine is in docs/benchmarks.md).
     pub register_chunk_bytes: usize,
     /// Threads registering chunks ahead of the copies (2).
     pub register_threads: usize,
     /// Reads in flight per IO thread for `Staged`/`Direct` (8).
     pub queue_depth: usize,
     /// Share of the bytes a `Hybrid` load registers (the rest is staged), 0.45 by default: the
-    /// two paths' rates measured on the H200 machine (37 and 42 GB/s) make them finish together.
+    /// best of a sweep on the H200 machine (docs/benchmarks.md), where the two paths alone ran
+    /// at 29-33 (registered) and 27-35 GB/s (staged).
     pub registered_share: f64,
 }
 
@@ -97,7 +99,7 @@ impl Default for LoadOptions {
         LoadOptions {
             strategy: Strategy::Auto,
             transfer: TransferConfig::default(),
-            register_chunk_bytes: 256 << 20,
+            register_chunk_bytes: 64 << 20,
             register_threads: 2,
             queue_depth: 8,
             registered_share: 0.45,
