@@ -63,8 +63,3 @@ pub use sys::SystemInfo;
 pub fn page_size() -> usize {
     rustix::param::page_size()
 }
-
-/// Compiles the example of the workspace README, so that it cannot rot.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-struct ReadmeExample;

@@ -41,3 +41,8 @@ pub use gpufeed_numa as numa;
 pub use gpufeed_os as os;
 pub use gpufeed_pinned as pinned;
 pub use gpufeed_uring as uring;
+
+/// Compiles the examples of the workspace README, so that they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeExamples;
