@@ -17,6 +17,8 @@ pub(crate) struct RawRead {
     /// Offset/length alignment the file needs (1 for buffered files); engines that fake short
     /// reads keep it.
     pub align: u32,
+    /// Index of the registered buffer `ptr` lies in (`IORING_OP_READ_FIXED`), if any.
+    pub buf_index: Option<u16>,
     pub tag: u64,
 }
 
@@ -49,6 +51,15 @@ pub(crate) trait Engine: Send {
     /// Makes `fd` usable as registered file `index`, where the engine supports it.
     fn register_file(&mut self, _index: u32, _fd: RawFd) -> Option<u32> {
         None
+    }
+
+    /// Registers buffers for fixed reads (`RawRead::buf_index` = position in `bufs`); `Ok(false)`
+    /// where the engine has no such thing.
+    ///
+    /// # Safety
+    /// 1. Every buffer stays allocated until the engine is dropped.
+    unsafe fn register_buffers(&mut self, _bufs: &[(*mut u8, usize)]) -> io::Result<bool> {
+        Ok(false)
     }
 
     /// Starts read-ahead of a range (`POSIX_FADV_WILLNEED`) without waiting for the data.

@@ -140,6 +140,11 @@ impl Engine for FaultEngine {
         Ok(())
     }
 
+    unsafe fn register_buffers(&mut self, bufs: &[(*mut u8, usize)]) -> io::Result<bool> {
+        // SAFETY: the caller's promise is passed on unchanged.
+        unsafe { self.inner.register_buffers(bufs) }
+    }
+
     fn register_file(&mut self, index: u32, fd: std::os::fd::RawFd) -> Option<u32> {
         self.inner.register_file(index, fd)
     }

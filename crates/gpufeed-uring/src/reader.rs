@@ -41,6 +41,7 @@ pub struct ReaderBuilder {
     probe: Option<Probe>,
     fault: Option<FaultPlan>,
     async_buffered: bool,
+    register_buffers: bool,
 }
 
 impl Default for ReaderBuilder {
@@ -53,6 +54,7 @@ impl Default for ReaderBuilder {
             probe: None,
             fault: None,
             async_buffered: true,
+            register_buffers: false,
         }
     }
 }
@@ -98,6 +100,16 @@ impl ReaderBuilder {
     /// copies out of the page cache proceed in parallel (default on).
     pub fn async_buffered(mut self, on: bool) -> Self {
         self.async_buffered = on;
+        self
+    }
+
+    /// io_uring only: allocate the reader's bounce buffers up front and register them with the
+    /// ring (`IORING_REGISTER_BUFFERS`), so bounced O_DIRECT reads are `READ_FIXED` (no page
+    /// pinning per read). Registered buffers count against `RLIMIT_MEMLOCK` without
+    /// `CAP_IPC_LOCK`; where registration is refused the reader works unregistered and says
+    /// why in [`ReadStats::fallbacks`]. Default off.
+    pub fn register_buffers(mut self, on: bool) -> Self {
+        self.register_buffers = on;
         self
     }
 
@@ -156,7 +168,7 @@ impl ReaderBuilder {
             Some(plan) => Box::new(FaultEngine::new(engine, plan)),
             None => engine,
         };
-        Ok(Reader {
+        let mut reader = Reader {
             engine,
             files: Vec::new(),
             bounce_free: Vec::new(),
@@ -167,11 +179,16 @@ impl ReaderBuilder {
                 seconds: 0.0,
                 short_reads: 0,
                 retries: 0,
+                registered_buffers: 0,
                 files: Vec::new(),
                 fallbacks,
             },
             cfg: self,
-        })
+        };
+        if reader.cfg.register_buffers {
+            reader.register_bounce_buffers()?;
+        }
+        Ok(reader)
     }
 
     fn uring(&self) -> Result<UringEngine> {
@@ -219,6 +236,8 @@ pub struct ReadStats {
     pub short_reads: u64,
     /// Reads retried after EINTR, EAGAIN or EBUSY.
     pub retries: u64,
+    /// Bounce buffers registered with the ring ([`ReaderBuilder::register_buffers`]).
+    pub registered_buffers: usize,
     /// Every file opened, direct or buffered, and why.
     pub files: Vec<FileReport>,
     /// Slower paths taken, with their reasons.
@@ -392,10 +411,17 @@ impl OpenFile {
 pub struct Reader {
     engine: Box<dyn Engine>,
     files: Vec<OpenFile>,
-    bounce_free: Vec<AlignedBuf>,
+    bounce_free: Vec<Bounce>,
     bounce_made: usize,
     stats: ReadStats,
     cfg: ReaderBuilder,
+}
+
+/// A bounce buffer, with its index when registered with the ring.
+#[derive(Debug)]
+struct Bounce {
+    buf: AlignedBuf,
+    index: Option<u16>,
 }
 
 impl std::fmt::Debug for Reader {
@@ -601,16 +627,58 @@ impl Reader {
         Session::new(self, ops.into_iter())
     }
 
-    fn take_bounce(&mut self) -> Option<AlignedBuf> {
+    fn take_bounce(&mut self) -> Option<Bounce> {
         if let Some(b) = self.bounce_free.pop() {
             return Some(b);
         }
         if self.bounce_made >= self.engine.capacity() {
             return None;
         }
-        let b = AlignedBuf::new(self.cfg.block_bytes, 4096).ok()?;
+        let buf = AlignedBuf::new(self.cfg.block_bytes, 4096).ok()?;
         self.bounce_made += 1;
-        Some(b)
+        Some(Bounce { buf, index: None })
+    }
+
+    /// Allocates every bounce buffer now and registers them with the ring.
+    fn register_bounce_buffers(&mut self) -> Result<()> {
+        let count = self.engine.capacity().min(usize::from(u16::MAX));
+        let mut bufs = Vec::with_capacity(count);
+        for _ in 0..count {
+            bufs.push(AlignedBuf::new(self.cfg.block_bytes, 4096)?);
+        }
+        let raw: Vec<(*mut u8, usize)> =
+            bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())).collect();
+        // SAFETY: the buffers live in `bounce_free` (or in a session's parts, which return them)
+        // until the reader drops, and `engine` is the reader's first field, so the ring is
+        // closed before any of them is freed.
+        let registered = match unsafe { self.engine.register_buffers(&raw) } {
+            Ok(true) => true,
+            Ok(false) => {
+                self.stats.fallbacks.push(
+                    "registered buffers need io_uring; bounce buffers are ordinary memory".into(),
+                );
+                false
+            }
+            Err(e) => {
+                let why = format!(
+                    "registering {count} bounce buffers with the ring failed ({e}); raise `ulimit -l` or read without registered buffers"
+                );
+                tracing::warn!("{why}");
+                self.stats.fallbacks.push(why);
+                false
+            }
+        };
+        self.bounce_made = count;
+        self.stats.registered_buffers = if registered { count } else { 0 };
+        self.bounce_free = bufs
+            .into_iter()
+            .enumerate()
+            .map(|(i, buf)| Bounce {
+                buf,
+                index: registered.then_some(i as u16),
+            })
+            .collect();
+        Ok(())
     }
 }
 
@@ -642,7 +710,7 @@ struct Part {
     plan: PartPlan,
     done: usize,
     retries: u32,
-    bounce: Option<AlignedBuf>,
+    bounce: Option<Bounce>,
 }
 
 /// One run of requests over a reader: the read-exact state machine shared by every engine.
@@ -777,8 +845,9 @@ where
         let file = &self.reader.files[self.slots[part.slot]
             .as_ref()
             .map_or(0, |s| s.op.file.0 as usize)];
+        let buf_index = part.bounce.as_ref().and_then(|b| b.index);
         let base = match (&mut part.bounce, part.plan.dst) {
-            (Some(b), _) => b.as_mut_ptr(),
+            (Some(b), _) => b.buf.as_mut_ptr(),
             (None, Some(d)) => d as *mut u8,
             (None, None) => unreachable!("fill gives bounce parts a buffer"),
         };
@@ -791,6 +860,7 @@ where
             ptr: unsafe { base.add(part.done) },
             len: u32::try_from(part.plan.req - part.done).unwrap_or(u32::MAX),
             align: file.direct.map_or(1, |(a, _)| a),
+            buf_index,
             tag: 0,
         };
         let tag = self.free_parts.pop().unwrap_or_else(|| {
@@ -877,7 +947,7 @@ where
             // this session owns, and does not overlap the bounce buffer.
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    bounce.as_ptr().add(copy.skip),
+                    bounce.buf.as_ptr().add(copy.skip),
                     copy.user_dst as *mut u8,
                     copy.copy_len,
                 )
@@ -1006,7 +1076,7 @@ impl<I, B> Session<'_, I, B> {
             .iter_mut()
             .flatten()
             .chain(self.pending.iter_mut());
-        let bounces: Vec<AlignedBuf> = parts.filter_map(|p| p.bounce.take()).collect();
+        let bounces: Vec<Bounce> = parts.filter_map(|p| p.bounce.take()).collect();
         self.reader.bounce_free.extend(bounces);
     }
 

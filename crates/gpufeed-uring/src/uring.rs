@@ -68,12 +68,20 @@ impl Engine for UringEngine {
     }
 
     unsafe fn push(&mut self, read: RawRead) -> io::Result<()> {
-        let entry = match read.fixed {
-            Some(i) => opcode::Read::new(types::Fixed(i), read.ptr, read.len),
-            None => opcode::Read::new(types::Fd(read.fd), read.ptr, read.len),
+        let entry = match (read.fixed, read.buf_index) {
+            (Some(i), Some(b)) => opcode::ReadFixed::new(types::Fixed(i), read.ptr, read.len, b)
+                .offset(read.offset)
+                .build(),
+            (None, Some(b)) => opcode::ReadFixed::new(types::Fd(read.fd), read.ptr, read.len, b)
+                .offset(read.offset)
+                .build(),
+            (Some(i), None) => opcode::Read::new(types::Fixed(i), read.ptr, read.len)
+                .offset(read.offset)
+                .build(),
+            (None, None) => opcode::Read::new(types::Fd(read.fd), read.ptr, read.len)
+                .offset(read.offset)
+                .build(),
         }
-        .offset(read.offset)
-        .build()
         .user_data(read.tag);
         let entry = if self.async_buffered && read.align == 1 {
             entry.flags(squeue::Flags::ASYNC)
@@ -113,6 +121,19 @@ impl Engine for UringEngine {
         }
         self.in_flight -= got;
         Ok(())
+    }
+
+    unsafe fn register_buffers(&mut self, bufs: &[(*mut u8, usize)]) -> io::Result<bool> {
+        let iovecs: Vec<libc::iovec> = bufs
+            .iter()
+            .map(|&(ptr, len)| libc::iovec {
+                iov_base: ptr.cast(),
+                iov_len: len,
+            })
+            .collect();
+        // SAFETY: the caller keeps every buffer allocated until the ring is dropped.
+        unsafe { self.ring.submitter().register_buffers(&iovecs) }?;
+        Ok(true)
     }
 
     fn register_file(&mut self, index: u32, fd: RawFd) -> Option<u32> {

@@ -174,3 +174,80 @@ fn prefetch_brings_a_range_into_the_page_cache() {
         );
     }
 }
+
+#[test]
+fn registered_bounce_buffers_read_fixed() {
+    let (_, path, data) = fixture();
+    if !backends().contains(&Backend::IoUring) {
+        eprintln!("SKIP registered_bounce_buffers_read_fixed: no io_uring here");
+        return;
+    }
+    for faults in [
+        None,
+        Some(gpufeed_uring::FaultPlan::recoverable(crate::seed(
+            "registered buffers",
+        ))),
+    ] {
+        let mut builder = gpufeed_uring::Reader::builder()
+            .backend(Backend::IoUring)
+            .direct(Direct::On)
+            .queue_depth(8)
+            .block_bytes(64 * 1024)
+            .register_buffers(true);
+        if let Some(plan) = faults.clone() {
+            builder = builder.fault_injection(plan);
+        }
+        let mut r = builder.build().expect("build");
+        let registered = r.stats().registered_buffers;
+        if registered == 0 {
+            // Refused (memlock without CAP_IPC_LOCK): the reason must be recorded.
+            assert!(
+                r.stats()
+                    .fallbacks
+                    .iter()
+                    .any(|f| f.contains("bounce buffers")),
+                "{:?}",
+                r.stats()
+            );
+        } else {
+            assert_eq!(registered, 8);
+        }
+        let file = r.open(path).expect("open");
+        // Unaligned everything: head, tail and a misaligned destination all bounce.
+        let ops = (0..30u64).map(|i| {
+            let len = 1 + (i as usize * 7777) % 300_000;
+            ReadOp::new(file, 1 + i * 99_991, vec![0u8; len + 3])
+                .at(3)
+                .len(len)
+                .user_data(i)
+        });
+        r.read_all(ops, |c| {
+            let n = c
+                .result
+                .as_ref()
+                .copied()
+                .unwrap_or_else(|e| panic!("{faults:?}: {e}"));
+            let off = c.offset as usize;
+            assert!(
+                c.buf[3..3 + n] == data[off..off + n],
+                "request {} differs",
+                c.user_data
+            );
+        })
+        .expect("read_all");
+    }
+    let t = gpufeed_uring::Reader::builder()
+        .backend(Backend::Threads(1))
+        .register_buffers(true)
+        .build()
+        .expect("build");
+    assert_eq!(t.stats().registered_buffers, 0);
+    assert!(
+        t.stats()
+            .fallbacks
+            .iter()
+            .any(|f| f.contains("need io_uring")),
+        "{:?}",
+        t.stats()
+    );
+}
