@@ -48,6 +48,16 @@ pub enum HostSource<'a> {
     Pooled(&'a PooledBuffer),
     /// Registered memory (a file mapping in the page cache, a segment): copied directly.
     Registered(&'a HostRegistration<'a>),
+    /// `len` bytes at `offset` inside registered memory (a batch slot of a registered
+    /// shared-memory ring): copied directly.
+    RegisteredRange {
+        /// The registration.
+        registration: &'a HostRegistration<'a>,
+        /// Offset of the first byte in it.
+        offset: usize,
+        /// Bytes to copy.
+        len: usize,
+    },
     /// Ordinary memory: copied into pinned staging buffers by the fill threads first.
     Pageable(&'a [u8]),
     /// `len` bytes produced by a [`FillSource`] into staging buffers on the fill threads.
@@ -252,6 +262,7 @@ impl TransferScheduler {
             HostSource::Pinned(b) => b.len() as u64,
             HostSource::Pooled(b) => b.len() as u64,
             HostSource::Registered(r) => r.len() as u64,
+            HostSource::RegisteredRange { len, .. } => *len as u64,
             HostSource::Pageable(s) => s.len() as u64,
             HostSource::Fill { len, .. } => *len,
         };
@@ -278,6 +289,25 @@ impl TransferScheduler {
             HostSource::Pooled(b) => self.copy_direct(b.as_ptr(), b.len(), dptr, "pinned")?,
             HostSource::Registered(r) => {
                 self.copy_direct(r.as_ptr(), r.len(), dptr, "registered")?
+            }
+            HostSource::RegisteredRange {
+                registration,
+                offset,
+                len,
+            } => {
+                if offset
+                    .checked_add(len)
+                    .is_none_or(|end| end > registration.len())
+                {
+                    return Err(Error::OutOfBounds {
+                        len: len as u64,
+                        offset: offset as u64,
+                        capacity: registration.len() as u64,
+                    });
+                }
+                // SAFETY: the range was just checked to lie inside the registration.
+                let src = unsafe { registration.as_ptr().add(offset) };
+                self.copy_direct(src, len, dptr, "registered")?
             }
             HostSource::Pageable(s) => self.upload_staged(&SliceSource(s), s.len() as u64, dptr)?,
             HostSource::Fill { source, len } => self.upload_staged(source, len, dptr)?,

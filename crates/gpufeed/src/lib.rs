@@ -27,6 +27,8 @@
 //! ```
 
 pub mod dataset;
+/// Worker processes for the batch loader, through a shared-memory batch ring.
+pub mod dataset_ring;
 mod error;
 mod load;
 pub mod safetensors;

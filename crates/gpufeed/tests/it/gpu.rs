@@ -278,3 +278,11 @@ fn device_batches_over_several_epochs() {
     }
     eprintln!("{:?}", loader.stats());
 }
+
+#[test]
+fn worker_processes_feed_device_batches() {
+    let Some(gpu) = gpu_or_skip("worker_processes_feed_device_batches") else {
+        return;
+    };
+    crate::workers::check_ring_loader(Some(&gpu));
+}

@@ -3,6 +3,7 @@
 
 mod gpu;
 mod host;
+mod workers;
 
 use gpufeed::Gpu;
 

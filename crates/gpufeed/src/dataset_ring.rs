@@ -1,0 +1,325 @@
+//! Batches prepared by worker processes: they gather records into the slots of a
+//! [`BatchRing`] (gpufeed-ipc), the training process takes them in order and uploads them
+//! straight from the registered shared memory. Start the workers however your launcher does
+//! (each calls [`produce_epoch`] for its share); the consumer is a [`RingLoader`].
+//!
+//! Slot layout: `"GFBT" | records u32 | epoch u64 | number u64 | data bytes u64 | offsets
+//! (records + 1) x u64 | record indices (records) x u64 | data at the next 256-byte boundary`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_ipc::{BatchRing, Consumer};
+use gpufeed_pinned::{HostRegistration, PinnedPool, PoolConfig, PoolMode};
+
+use crate::dataset::{Batch, BatchData, LoaderConfig, RecordFile, Sampler, Transform};
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 4] = b"GFBT";
+const HEADER: usize = 32;
+
+/// The batches (number, record indices) of `epoch`, as [`crate::dataset::BatchLoader`] makes
+/// them.
+pub fn epoch_batches(
+    records: usize,
+    sampler: &Sampler,
+    cfg: &LoaderConfig,
+    epoch: u64,
+) -> Vec<(usize, Vec<usize>)> {
+    sampler
+        .epoch(records, epoch)
+        .chunks(cfg.batch_size.max(1))
+        .filter(|c| !cfg.drop_last || c.len() == cfg.batch_size)
+        .map(<[usize]>::to_vec)
+        .enumerate()
+        .collect()
+}
+
+/// Bytes of a slot's header for `records` records (before rounding to the data's alignment).
+fn header_len(records: usize) -> usize {
+    HEADER + 8 * (2 * records + 1)
+}
+
+fn data_offset(records: usize) -> usize {
+    header_len(records).next_multiple_of(256)
+}
+
+/// Worker `worker` of `workers` (in its own process) writes its share of `epoch`'s batches —
+/// numbers `worker, worker + workers, ...` — into `ring`, waiting up to `timeout` for each free
+/// slot. Returns how many it wrote.
+///
+/// # Errors
+/// A batch larger than a slot ([`gpufeed_ipc::Error::TooLarge`]: make the slots larger), a
+/// failing transform, ring errors (`ConsumerGone` when the trainer died).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "each setting is a separate, required input of a worker"
+)]
+pub fn produce_epoch(
+    ring: &BatchRing,
+    records: &RecordFile,
+    sampler: &Sampler,
+    cfg: &LoaderConfig,
+    epoch: u64,
+    worker: usize,
+    workers: usize,
+    transform: Option<&Transform>,
+    timeout: Duration,
+) -> Result<usize> {
+    if workers == 0 || worker >= workers {
+        return Err(Error::Config(format!("worker {worker} of {workers}")));
+    }
+    let mut written = 0;
+    let mut out = Vec::new();
+    for (number, indices) in epoch_batches(records.len(), sampler, cfg, epoch)
+        .into_iter()
+        .skip(worker)
+        .step_by(workers)
+    {
+        let record = |i: usize| {
+            records.record(i).ok_or_else(|| Error::Records {
+                path: records.path().into(),
+                reason: format!("record {i} does not exist"),
+            })
+        };
+        // Offsets first (transform output sizes are known only after transforming).
+        out.clear();
+        let mut offsets = Vec::with_capacity(indices.len() + 1);
+        offsets.push(0u64);
+        for &i in &indices {
+            match transform {
+                Some(f) => f(i, record(i)?, &mut out)
+                    .map_err(|message| Error::Transform { record: i, message })?,
+                None => out.extend_from_slice(record(i)?),
+            }
+            offsets.push(out.len() as u64);
+        }
+        let at = data_offset(indices.len());
+        let mut claim = ring.claim(timeout)?;
+        let mut header = Vec::with_capacity(at);
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&(indices.len() as u32).to_le_bytes());
+        header.extend_from_slice(&epoch.to_le_bytes());
+        header.extend_from_slice(&(number as u64).to_le_bytes());
+        header.extend_from_slice(&(out.len() as u64).to_le_bytes());
+        for o in &offsets {
+            header.extend_from_slice(&o.to_le_bytes());
+        }
+        for &i in &indices {
+            header.extend_from_slice(&(i as u64).to_le_bytes());
+        }
+        claim.write_at(0, &header)?;
+        claim.write_at(at as u64, &out)?;
+        claim.set_len((at + out.len()) as u64)?;
+        claim.publish()?;
+        written += 1;
+    }
+    Ok(written)
+}
+
+/// A slot's header: epoch, batch number, data offset, record offsets, record indices.
+type SlotHeader = (u64, usize, usize, Vec<usize>, Vec<usize>);
+
+/// Reads a slot's header, treating the bytes as untrusted (another process wrote them).
+fn parse_slot(head: &[u8], slot_len: u64) -> Result<SlotHeader> {
+    let bad = |why: &str| Error::Config(format!("a batch slot is malformed: {why}"));
+    if head.len() < HEADER || &head[..4] != MAGIC {
+        return Err(bad("bad magic"));
+    }
+    let u64_at = |o: usize| u64::from_le_bytes(head[o..o + 8].try_into().expect("8 bytes"));
+    let count = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
+    if head.len() < header_len(count) {
+        return Err(bad("header shorter than its record count"));
+    }
+    let (epoch, number, data_len) = (u64_at(8), u64_at(16) as usize, u64_at(24));
+    let at = data_offset(count);
+    if (at as u64)
+        .checked_add(data_len)
+        .is_none_or(|end| end > slot_len)
+    {
+        return Err(bad("lengths exceed the slot"));
+    }
+    let offsets: Vec<usize> = (0..=count)
+        .map(|k| u64_at(HEADER + 8 * k) as usize)
+        .collect();
+    if offsets[0] != 0
+        || offsets.windows(2).any(|w| w[1] < w[0])
+        || offsets[count] as u64 != data_len
+    {
+        return Err(bad("offsets out of order"));
+    }
+    let indices = (0..count)
+        .map(|k| u64_at(HEADER + 8 * (count + 1 + k)) as usize)
+        .collect();
+    Ok((epoch, number, at, offsets, indices))
+}
+
+/// The training side of worker processes: takes their batches from the ring in batch order
+/// and uploads each from the registered shared memory (no staging copy), or hands out host
+/// copies without a GPU.
+pub struct RingLoader<'r> {
+    ring: &'r BatchRing,
+    consumer: Consumer<'r>,
+    gpu: Option<(Gpu, TransferScheduler)>,
+    registration: Option<HostRegistration<'r>>,
+    pool: PinnedPool,
+    /// Slower paths taken, with reasons.
+    pub notes: Vec<String>,
+}
+
+impl std::fmt::Debug for RingLoader<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingLoader")
+            .field("slots", &self.ring.slots())
+            .field("gpu", &self.gpu.is_some())
+            .field("registered", &self.registration.is_some())
+            .finish()
+    }
+}
+
+impl<'r> RingLoader<'r> {
+    /// Registers as the ring's consumer and, with a GPU, registers the ring's memory with CUDA.
+    pub fn new(ring: &'r BatchRing, gpu: Option<&Gpu>) -> Result<Self> {
+        let consumer = ring.consumer()?;
+        let mut notes = Vec::new();
+        let (gpu, registration, pool) = match gpu {
+            Some(g) => {
+                let registration = match HostRegistration::shm(g.context(), ring.segment()) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        notes.push(format!(
+                            "the ring could not be registered with CUDA ({e}); batches are staged"
+                        ));
+                        None
+                    }
+                };
+                let pool =
+                    PinnedPool::new(PoolMode::Cuda(g.context().clone()), PoolConfig::default())?;
+                (
+                    Some((
+                        g.clone(),
+                        TransferScheduler::new(g, TransferConfig::default())?,
+                    )),
+                    registration,
+                    pool,
+                )
+            }
+            None => (
+                None,
+                None,
+                PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?,
+            ),
+        };
+        Ok(RingLoader {
+            ring,
+            consumer,
+            gpu,
+            registration,
+            pool,
+            notes,
+        })
+    }
+
+    /// The `batches` batches of `epoch`, in batch order, each waited for up to `timeout`.
+    pub fn epoch(
+        &mut self,
+        epoch: u64,
+        batches: usize,
+        timeout: Duration,
+    ) -> impl Iterator<Item = Result<Batch>> + '_ {
+        let mut held: BTreeMap<usize, Batch> = BTreeMap::new();
+        let mut next = 0;
+        std::iter::from_fn(move || {
+            if next >= batches {
+                return None;
+            }
+            loop {
+                if let Some(b) = held.remove(&next) {
+                    next += 1;
+                    return Some(Ok(b));
+                }
+                match self.take(epoch, timeout) {
+                    Ok(b) if b.number >= batches => {
+                        next = batches;
+                        return Some(Err(Error::Config(format!(
+                            "batch number {} beyond the epoch's {batches}",
+                            b.number
+                        ))));
+                    }
+                    Ok(b) => {
+                        held.insert(b.number, b);
+                    }
+                    Err(e) => {
+                        next = batches;
+                        return Some(Err(e));
+                    }
+                }
+            }
+        })
+    }
+
+    /// Takes one batch from the ring and moves it out of its slot (to the GPU, or a pooled host
+    /// buffer), releasing the slot.
+    fn take(&mut self, epoch: u64, timeout: Duration) -> Result<Batch> {
+        let slot = self.consumer.next(timeout)?;
+        let mut fixed = [0u8; HEADER];
+        if slot.len() < HEADER as u64 {
+            return Err(Error::Config(
+                "a batch slot is malformed: shorter than its header".into(),
+            ));
+        }
+        slot.read_at(0, &mut fixed)?;
+        let count = u32::from_le_bytes(fixed[4..8].try_into().expect("4 bytes")) as usize;
+        let need = header_len(count);
+        if need as u64 > slot.len() {
+            return Err(Error::Config(
+                "a batch slot is malformed: header exceeds the slot".into(),
+            ));
+        }
+        let mut head = vec![0u8; need];
+        slot.read_at(0, &mut head)?;
+        let (got_epoch, number, at, offsets, indices) = parse_slot(&head, slot.len())?;
+        if got_epoch != epoch {
+            return Err(Error::Config(format!(
+                "a worker produced epoch {got_epoch} while epoch {epoch} is read"
+            )));
+        }
+        let len = *offsets.last().expect("count + 1 offsets");
+        let data = match (&self.gpu, &self.registration) {
+            (Some((gpu, sched)), Some(reg)) if len > 0 => {
+                // SAFETY: the upload below writes every byte before the buffer is handed out.
+                let mut dev = unsafe { gpu.alloc(len)? };
+                let src = HostSource::RegisteredRange {
+                    registration: reg,
+                    offset: slot.offset_in_segment() as usize + at,
+                    len,
+                };
+                sched.upload(src, &mut dev, 0)?;
+                BatchData::Device(dev)
+            }
+            _ => {
+                let mut buf = self.pool.get(len.max(1))?;
+                buf.set_len(len);
+                slot.read_at(at as u64, &mut buf)?;
+                match &self.gpu {
+                    Some((gpu, sched)) if len > 0 => {
+                        // SAFETY: as above.
+                        let mut dev = unsafe { gpu.alloc(len)? };
+                        sched.upload(HostSource::Pooled(&buf), &mut dev, 0)?;
+                        BatchData::Device(dev)
+                    }
+                    _ => BatchData::Host(buf),
+                }
+            }
+        };
+        drop(slot); // the slot goes back to the workers
+        Ok(Batch {
+            epoch,
+            number,
+            indices,
+            offsets,
+            data,
+        })
+    }
+}
