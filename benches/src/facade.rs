@@ -183,40 +183,18 @@ pub fn hybrid_sweep(gpu: &Gpu, file: &Path) -> Result<()> {
         }
         Ok(Samples::new(v).median)
     };
-    for strategy in [Strategy::Staged, Strategy::Registered] {
-        for pause in [0, 300] {
-            let g = run(
-                LoadOptions {
-                    strategy,
-                    ..LoadOptions::default()
-                },
-                pause,
-            )?;
-            eprintln!("SWEEP {strategy} pause {pause} ms: {g:.1} GB/s");
-        }
-    }
-    for threads in [8usize, 12, 16] {
-        let mut opts = LoadOptions {
-            strategy: Strategy::Staged,
-            ..LoadOptions::default()
-        };
-        opts.transfer.fill_threads = threads;
-        opts.transfer.staging_buffers = 2 * threads;
-        eprintln!("SWEEP staged fill {threads}: {:.1} GB/s", run(opts, 300)?);
-    }
-    for chunk in [16usize << 20, 64 << 20, 256 << 20] {
-        for share in [0.3, 0.45, 0.6] {
-            for threads in [8usize, 12] {
+    for chunk in [4usize << 20, 8 << 20, 16 << 20] {
+        for threads in [8usize, 16] {
+            for strategy in [Strategy::Staged, Strategy::Hybrid] {
                 let mut opts = LoadOptions {
-                    strategy: Strategy::Hybrid,
-                    register_chunk_bytes: chunk,
-                    registered_share: share,
+                    strategy,
                     ..LoadOptions::default()
                 };
                 opts.transfer.fill_threads = threads;
                 opts.transfer.staging_buffers = 2 * threads;
+                opts.transfer.chunk_bytes = chunk;
                 eprintln!(
-                    "SWEEP hybrid chunk {} MiB share {share} fill {threads}: {:.1} GB/s",
+                    "SWEEP {strategy} chunk {} MiB fill {threads}: {:.1} GB/s",
                     chunk >> 20,
                     run(opts, 300)?
                 );

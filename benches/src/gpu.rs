@@ -39,6 +39,8 @@ pub struct GpuBench {
     pub pool_get_us: Samples,
     pub alloc_64mib_ms: f64,
     pub facade: crate::facade::FacadeBench,
+    /// The peers' GB/s (or their errors), from benches/peers/peers.py, same run and files.
+    pub peers: Option<serde_json::Value>,
 }
 
 const CHUNK: usize = 16 << 20;
@@ -55,6 +57,7 @@ pub fn measure(
     bytes: u64,
     file_bytes: u64,
     reps: usize,
+    peers: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<Option<GpuBench>> {
     let gpu = match Gpu::open(0) {
@@ -195,6 +198,13 @@ pub fn measure(
         return Ok(None);
     }
     let facade = crate::facade::measure(&gpu, dir, &path, reps, &mut progress)?;
+    let peers = if peers {
+        progress("peers: PyTorch, kvikio, safetensors, fastsafetensors (benches/peers/peers.py)");
+        let st = dir.join(format!("model-{file_bytes}.safetensors"));
+        Some(run_peers(&path, &st, reps))
+    } else {
+        None
+    };
     let info = gpu.info();
     Ok(Some(GpuBench {
         gpu: info.name.clone(),
@@ -216,6 +226,7 @@ pub fn measure(
         pool_get_us: Samples::new(gets),
         alloc_64mib_ms: alloc64 * 1e3,
         facade,
+        peers,
     }))
 }
 
@@ -299,4 +310,26 @@ pub fn registration_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs the peers' script on the same files; any failure becomes an error entry.
+fn run_peers(file: &Path, safetensors: &Path, reps: usize) -> serde_json::Value {
+    let script = Path::new("benches/peers/peers.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(file)
+        .arg(safetensors)
+        .arg(reps.to_string())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => serde_json::from_slice(&o.stdout).unwrap_or_else(
+            |e| serde_json::json!({ "peers": { "error": format!("unreadable output: {e}") } }),
+        ),
+        Ok(o) => {
+            serde_json::json!({ "peers": { "error": String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed").to_owned() } })
+        }
+        Err(e) => {
+            serde_json::json!({ "peers": { "error": format!("cannot run python3 {}: {e}", script.display()) } })
+        }
+    }
 }

@@ -54,7 +54,12 @@ struct Cli {
     #[arg(long, default_value = "4GiB", value_parser = parse_size)]
     gpu_file: u64,
 
-    /// Skip the CPU tables (1-3), e.g. to spend the GPU machine's time on the GPU table.
+    /// Also run the peers (PyTorch, kvikio, safetensors, fastsafetensors) on the GPU machine,
+    /// with `python3 benches/peers/peers.py` (those not installed report why).
+    #[arg(long)]
+    peers: bool,
+
+    /// Skip the CPU tables (1-3, 5), e.g. to spend the GPU machine's time on the GPU tables.
     #[arg(long)]
     gpu_only: bool,
 
@@ -157,9 +162,14 @@ fn main() -> Result<()> {
         ipc = Some(ipc::measure(&exe, &cli.dir, 4 * cli.batch, cli.reps)?);
     }
     step(7, "table 4: GPU transfers (GPU machine only)");
-    let gpu = gpu::measure(&cli.dir, cli.gpu_bytes, cli.gpu_file, cli.reps, |what| {
-        eprintln!("      {what}")
-    })?;
+    let gpu = gpu::measure(
+        &cli.dir,
+        cli.gpu_bytes,
+        cli.gpu_file,
+        cli.reps,
+        cli.peers,
+        |what| eprintln!("      {what}"),
+    )?;
 
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),

@@ -422,6 +422,26 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
         g.pinned_alloc_ms
     );
     facade_table(s, g);
+    if let Some(peers) = g.peers.as_ref().and_then(|p| p.as_object()) {
+        let _ = writeln!(
+            s,
+            "\n## Peers — same run, same files (warm)\n\n| peer | GB/s |\n|---|---|"
+        );
+        for (name, v) in peers {
+            let cell = match v.as_array() {
+                Some(runs) => {
+                    let samples =
+                        crate::util::Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect());
+                    samples.show(1)
+                }
+                None => format!(
+                    "did not run: {}",
+                    v.get("error").and_then(|e| e.as_str()).unwrap_or("?")
+                ),
+            };
+            let _ = writeln!(s, "| {name} | {cell} |");
+        }
+    }
 }
 
 fn ipc_table(s: &mut String, i: &IpcBench, memcpy: f64) {

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The peers of gpufeed's GPU bench, measured in the same run on the same files.
+
+Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> list of GB/s.
+Every peer is optional: one that cannot run reports {"error": "..."} instead.
+kvikio and fastsafetensors come from wheels (BENCH.md); torch, numpy, cupy and safetensors are
+on the GPU machine's image.
+"""
+import json
+import os
+import sys
+import time
+
+
+def timed(fn, nbytes, reps):
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(nbytes / (time.perf_counter() - t) / 1e9)
+    return out
+
+
+def main():
+    path, st_path, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    size = os.path.getsize(path)
+    results = {}
+
+    def peer(name, make):
+        try:
+            results[name] = make()
+        except Exception as e:  # a peer that cannot run says why, the others go on
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+
+    import numpy as np
+    import torch
+
+    def sync():
+        torch.cuda.synchronize()
+
+    def np_fromfile():
+        t = torch.from_numpy(np.fromfile(path, dtype=np.uint8)).cuda()
+        sync()
+        del t
+
+    peer("torch np.fromfile().cuda()", lambda: timed(np_fromfile, size, reps))
+
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_readinto():
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(pinned.numpy()))
+        t = pinned.cuda(non_blocking=True)
+        sync()
+        del t
+
+    peer("torch pinned readinto + .cuda()", lambda: timed(pinned_readinto, size, reps))
+    del pinned
+
+    def from_file():
+        t = torch.from_file(path, shared=False, size=size, dtype=torch.uint8).cuda()
+        sync()
+        del t
+
+    peer("torch.from_file().cuda()", lambda: timed(from_file, size, reps))
+
+    def kvikio_runs(threads):
+        import cupy
+        import kvikio
+        import kvikio.defaults
+
+        kvikio.defaults.set({"num_threads": threads})
+        buf = cupy.empty(size, dtype=cupy.uint8)
+
+        def read():
+            with kvikio.CuFile(path, "r") as f:
+                f.read(buf)
+            cupy.cuda.runtime.deviceSynchronize()
+
+        read()  # warm-up: kvikio's own pinned bounce buffers
+        return timed(read, size, reps)
+
+    for n in (1, 8, 16):
+        peer(f"kvikio {n} threads", lambda n=n: kvikio_runs(n))
+
+    st_size = os.path.getsize(st_path)
+
+    def st_load():
+        from safetensors.torch import load_file
+
+        t = load_file(st_path, device="cuda")
+        sync()
+        del t
+
+    peer("safetensors load_file(device=cuda)", lambda: timed(st_load, st_size, reps))
+
+    def fst_runs():
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        def load():
+            loader = SafeTensorsFileLoader(SingleGroup(), torch.device("cuda:0"), nogds=True)
+            loader.add_filenames({0: [st_path]})
+            fb = loader.copy_files_to_device()
+            sync()
+            fb.close()
+            loader.close()
+
+        return timed(load, st_size, reps)
+
+    peer("fastsafetensors (nogds)", fst_runs)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
