@@ -79,7 +79,7 @@ fn run(cmd: &mut Command) -> Result<()> {
 
 /// Test binaries that cannot run on the GPU machine: the harness smoke test runs the bench
 /// binary by a path of this machine; xtask has no tests.
-const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "xtask"];
+const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "gpufeed-testkit", "xtask"];
 
 fn device(root: &Path) -> Result<()> {
     let target = target_dir(root);

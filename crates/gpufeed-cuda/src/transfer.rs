@@ -383,32 +383,28 @@ impl TransferScheduler {
             .map(move |i| (i as usize, i * chunk, (len - i * chunk).min(chunk) as usize))
     }
 
-    fn copy_direct(
+    /// Issues `copy(offset, size, stream)` for every chunk of `len` bytes, chunk i on stream
+    /// i mod N, then waits for all of them — also after a failed enqueue, so that no copy still
+    /// reads or writes host memory when this returns.
+    fn copy_chunks(
         &self,
-        src: *const u8,
         len: usize,
-        dptr: sys::CUdeviceptr,
         path: &'static str,
+        mut copy: impl FnMut(u64, usize, sys::CUstream) -> Result<()>,
     ) -> Result<TransferStats> {
         let mut n = 0;
+        let mut issued = Ok(());
         for (i, off, size) in self.chunks(len as u64) {
             let stream = &self.streams[i % self.streams.len()];
-            // SAFETY: [src + off, +size) lies in page-locked memory borrowed by the caller for
-            // the whole call, which synchronizes before returning; the device range was bounds
-            // checked by upload().
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dptr + off,
-                    src.add(off as usize).cast(),
-                    size,
-                    stream.cu_stream(),
-                )
+            if let Err(e) = copy(off, size, stream.cu_stream()) {
+                issued = Err(e);
+                break;
             }
-            .result()
-            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
             n += 1;
         }
-        self.sync_streams()?;
+        let synced = self.sync_streams();
+        issued?;
+        synced?;
         Ok(TransferStats {
             path,
             bytes: len as u64,
@@ -419,37 +415,39 @@ impl TransferScheduler {
         })
     }
 
+    fn copy_direct(
+        &self,
+        src: *const u8,
+        len: usize,
+        dptr: sys::CUdeviceptr,
+        path: &'static str,
+    ) -> Result<TransferStats> {
+        self.copy_chunks(len, path, |off, size, stream| {
+            // SAFETY: [src + off, +size) lies in page-locked memory borrowed by the caller for
+            // the whole call, and copy_chunks waits for the copy; the device range was bounds
+            // checked by upload().
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dptr + off, src.add(off as usize).cast(), size, stream)
+            }
+            .result()
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
+        })
+    }
+
     fn download_direct(
         &self,
         dptr: sys::CUdeviceptr,
         dst: *mut u8,
         len: usize,
     ) -> Result<TransferStats> {
-        let mut n = 0;
-        for (i, off, size) in self.chunks(len as u64) {
-            let stream = &self.streams[i % self.streams.len()];
-            // SAFETY: the destination is pinned memory borrowed mutably for the whole call,
-            // which synchronizes before returning.
+        self.copy_chunks(len, "pinned", |off, size, stream| {
+            // SAFETY: the destination is pinned memory borrowed mutably for the whole call, and
+            // copy_chunks waits for the copy.
             unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    dst.add(off as usize).cast(),
-                    dptr + off,
-                    size,
-                    stream.cu_stream(),
-                )
+                sys::cuMemcpyDtoHAsync_v2(dst.add(off as usize).cast(), dptr + off, size, stream)
             }
             .result()
-            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
-            n += 1;
-        }
-        self.sync_streams()?;
-        Ok(TransferStats {
-            path: "pinned",
-            bytes: len as u64,
-            seconds: 0.0,
-            chunks: n,
-            copy_waited_s: 0.0,
-            source_waited_s: 0.0,
+            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))
         })
     }
 
@@ -564,14 +562,12 @@ impl TransferScheduler {
         let synced = self.sync_streams();
         outcome?;
         synced?;
-        Ok(TransferStats {
-            path: "staged",
-            bytes: len,
-            seconds: 0.0,
-            chunks: chunks.len() as u64,
-            copy_waited_s: copy_waited.as_secs_f64(),
-            source_waited_s: source_waited.into_inner().as_secs_f64(),
-        })
+        Ok(staged_stats(
+            len,
+            chunks.len(),
+            copy_waited,
+            source_waited.into_inner(),
+        ))
     }
 
     fn download_staged(&self, dptr: sys::CUdeviceptr, dst: &mut [u8]) -> Result<TransferStats> {
@@ -584,10 +580,11 @@ impl TransferScheduler {
         let drain_waited = Mutex::new(Duration::ZERO);
         let mut copy_waited = Duration::ZERO;
         let outcome = std::thread::scope(|scope| -> Result<()> {
+            let mut drains = Vec::new();
             for _ in 0..self.cfg.fill_threads.min(chunks.len()) {
                 let (free, work_rx, chunks, drain_waited) =
                     (&free, &work_rx, &chunks, &drain_waited);
-                scope.spawn(move || -> Result<()> {
+                drains.push(scope.spawn(move || -> Result<()> {
                     let out = out;
                     loop {
                         let Ok((idx, mut buf)) = work_rx.lock().recv() else {
@@ -612,12 +609,46 @@ impl TransferScheduler {
                         };
                         free.put(buf);
                     }
-                });
+                }));
             }
-            for &(idx, off, size) in &chunks {
+            let issued = self.issue_downloads(&chunks, &free, &work_tx, dptr, &mut copy_waited);
+            drop(work_tx);
+            // A drain thread's failure stops the copies above; report it rather than a short
+            // download.
+            for d in drains {
+                d.join().map_err(|_| Error::Source {
+                    offset: 0,
+                    message: "a drain thread panicked".into(),
+                })??;
+            }
+            issued
+        });
+        let synced = self.sync_streams();
+        outcome?;
+        synced?;
+        Ok(staged_stats(
+            len,
+            chunks.len(),
+            copy_waited,
+            drain_waited.into_inner(),
+        ))
+    }
+
+    /// Issues the device-to-host copies of a staged download, handing each filled staging
+    /// buffer to the drain threads.
+    fn issue_downloads(
+        &self,
+        chunks: &[(usize, u64, usize)],
+        free: &FreeList,
+        work_tx: &mpsc::Sender<(usize, PooledBuffer)>,
+        dptr: sys::CUdeviceptr,
+        copy_waited: &mut Duration,
+    ) -> Result<()> {
+        {
+            for &(idx, off, size) in chunks {
                 let t = Instant::now();
                 let Some(mut buf) = free.take() else { break };
-                copy_waited += t.elapsed();
+                *copy_waited += t.elapsed();
                 buf.wait_idle()?;
                 let stream = &self.streams[idx % self.streams.len()];
                 // SAFETY: the staging buffer is ours until the drain thread that receives it
@@ -637,19 +668,23 @@ impl TransferScheduler {
                     break;
                 }
             }
-            drop(work_tx);
             Ok(())
-        });
-        let synced = self.sync_streams();
-        outcome?;
-        synced?;
-        Ok(TransferStats {
-            path: "staged",
-            bytes: len,
-            seconds: 0.0,
-            chunks: chunks.len() as u64,
-            copy_waited_s: copy_waited.as_secs_f64(),
-            source_waited_s: drain_waited.into_inner().as_secs_f64(),
-        })
+        }
+    }
+}
+
+fn staged_stats(
+    bytes: u64,
+    chunks: usize,
+    copy_waited: Duration,
+    source_waited: Duration,
+) -> TransferStats {
+    TransferStats {
+        path: "staged",
+        bytes,
+        seconds: 0.0,
+        chunks: chunks as u64,
+        copy_waited_s: copy_waited.as_secs_f64(),
+        source_waited_s: source_waited.as_secs_f64(),
     }
 }

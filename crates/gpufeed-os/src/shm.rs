@@ -62,6 +62,20 @@ pub fn validate_name(name: &str) -> Result<()> {
     })
 }
 
+/// A requested segment length rounded up to whole pages; zero is refused.
+fn segment_len(len: usize) -> Result<usize> {
+    if len == 0 {
+        return Err(Error::ZeroLength {
+            what: "shared-memory segment",
+        });
+    }
+    len.checked_next_multiple_of(page_size())
+        .ok_or(Error::OutOfMemory {
+            len,
+            align: page_size(),
+        })
+}
+
 /// Settings for creating and opening named segments; [`ShmSegment`]'s constructors use the
 /// defaults.
 #[derive(Debug, Clone)]
@@ -122,17 +136,7 @@ impl ShmOptions {
     /// [`Error::ShmNoSpace`] (nothing is left behind), [`Error::Io`].
     pub fn create(&self, name: &str, len: usize) -> Result<ShmSegment> {
         validate_name(name)?;
-        if len == 0 {
-            return Err(Error::ZeroLength {
-                what: "shared-memory segment",
-            });
-        }
-        let len = len
-            .checked_next_multiple_of(page_size())
-            .ok_or(Error::OutOfMemory {
-                len,
-                align: page_size(),
-            })?;
+        let len = segment_len(len)?;
         let path = self.dir.join(name);
         let fd = rustix::fs::open(
             &path,
@@ -343,17 +347,7 @@ impl ShmSegment {
     /// be handed to another process ([`ShmSegment::as_fd`], inherited or sent with
     /// `SCM_RIGHTS`) and mapped there with [`ShmSegment::from_fd`].
     pub fn anonymous(len: usize) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::ZeroLength {
-                what: "shared-memory segment",
-            });
-        }
-        let len = len
-            .checked_next_multiple_of(page_size())
-            .ok_or(Error::OutOfMemory {
-                len,
-                align: page_size(),
-            })?;
+        let len = segment_len(len)?;
         let fd = rustix::fs::memfd_create(
             "gpufeed-anon",
             rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,

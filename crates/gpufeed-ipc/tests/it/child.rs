@@ -8,23 +8,11 @@ use gpufeed_ipc::BatchRing;
 
 use crate::{encode, random_bytes};
 
-const ROLE: &str = "GPUFEED_IT_CHILD";
+const ROLE: &str = gpufeed_testkit::CHILD_ROLE;
 
 pub fn command(role: &str, vars: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args([
-        "child::entry",
-        "--exact",
-        "--nocapture",
-        "--test-threads=1",
-        "-q",
-    ])
-    .env(ROLE, role)
-    .stdin(Stdio::null())
-    .stdout(Stdio::null());
-    for (k, v) in vars {
-        cmd.env(k, v);
-    }
+    let mut cmd = gpufeed_testkit::child_command("child::entry", role, vars);
+    cmd.stdout(Stdio::null());
     cmd
 }
 

@@ -7,21 +7,6 @@ mod processes;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Deterministic random bytes (splitmix64).
-pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 /// A numbered batch: `producer u32 | index u32 | payload xxh3 u64 | payload`.
 pub fn encode(producer: u32, index: u32, payload: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(16 + payload.len());
@@ -45,3 +30,5 @@ pub fn decode(batch: &[u8]) -> Result<(u32, u32), String> {
     }
     Ok((producer, index))
 }
+
+pub use gpufeed_testkit::random_bytes;

@@ -3,42 +3,20 @@
 //! Without that variable `entry` returns at once: it is a dispatcher, not a test.
 
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use gpufeed_os::shm::{ShmOptions, ShmSegment};
 
-const ROLE: &str = "GPUFEED_IT_CHILD";
+const ROLE: &str = gpufeed_testkit::CHILD_ROLE;
 
 /// A command that runs this test binary as a child in `role`, with `vars` set.
 pub fn command(role: &str, vars: &[(&str, String)]) -> Command {
-    let exe = std::env::current_exe().expect("test binary path");
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "child::entry",
-        "--exact",
-        "--nocapture",
-        "--test-threads=1",
-        "-q",
-    ])
-    .env(ROLE, role)
-    .stdin(Stdio::null());
-    for (k, v) in vars {
-        cmd.env(k, v);
-    }
-    cmd
+    gpufeed_testkit::child_command("child::entry", role, vars)
 }
 
 /// Runs a child to completion and panics with its output if it failed.
 pub fn run(role: &str, vars: &[(&str, String)]) -> String {
-    let out = command(role, vars).output().expect("spawn child");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "child {role} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    gpufeed_testkit::run_child("child::entry", role, vars)
 }
 
 fn var(name: &str) -> String {

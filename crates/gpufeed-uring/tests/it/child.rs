@@ -1,32 +1,12 @@
 //! Child processes: the test binary re-runs itself with `GPUFEED_IT_CHILD=<role>` and only the
 //! `child::entry` test. Without the variable `entry` returns at once (a dispatcher, not a test).
 
-use std::process::Command;
-
 use gpufeed_uring::{Backend, BackendKind, Reader, UringUnavailable};
 
-const ROLE: &str = "GPUFEED_IT_CHILD";
+const ROLE: &str = gpufeed_testkit::CHILD_ROLE;
 
 pub fn run(role: &str) -> String {
-    let exe = std::env::current_exe().expect("test binary");
-    let out = Command::new(exe)
-        .args([
-            "child::entry",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(ROLE, role)
-        .output()
-        .expect("spawn");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "child {role} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    gpufeed_testkit::run_child("child::entry", role, &[])
 }
 
 /// Installs a seccomp filter on this thread (and the threads it starts) that makes

@@ -1,0 +1,90 @@
+//! Helpers shared by the integration tests of the gpufeed crates: random data, seeds that a
+//! failure prints for replay, GPU skips that turn into failures on the GPU machine, and child
+//! processes that re-run the test binary in a role.
+
+use std::process::{Command, Stdio};
+
+/// Deterministic pseudo-random bytes (splitmix64), never long runs of zeros.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let mut state = seed;
+    let mut chunks = out.chunks_exact_mut(8);
+    for c in &mut chunks {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        c.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    for (i, b) in chunks.into_remainder().iter_mut().enumerate() {
+        *b = (seed as u8).wrapping_add(i as u8) | 1;
+    }
+    out
+}
+
+/// A seed that differs between runs (or `GPUFEED_TEST_SEED`), printed so a failure can be
+/// replayed.
+pub fn seed(test: &str) -> u64 {
+    let seed = std::env::var("GPUFEED_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("{test}: seed {seed} (replay with GPUFEED_TEST_SEED={seed})");
+    seed
+}
+
+/// Whether GPU tests must run (`GPUFEED_REQUIRE_GPU=1`, set on the GPU machine).
+pub fn gpu_required() -> bool {
+    std::env::var("GPUFEED_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Skips `test` because no GPU is usable (`why`), printing the reason; fails instead when a
+/// GPU is required.
+pub fn skip_without_gpu(test: &str, why: &dyn std::fmt::Display) {
+    assert!(
+        !gpu_required(),
+        "{test}: GPUFEED_REQUIRE_GPU=1 but no GPU: {why}"
+    );
+    eprintln!("SKIP {test}: {why}");
+}
+
+/// The environment variable that tells a re-run test binary which role to play.
+pub const CHILD_ROLE: &str = "GPUFEED_IT_CHILD";
+
+/// A command re-running this test binary as a child in `role`: only the test `dispatcher`
+/// (a test that returns at once unless [`CHILD_ROLE`] is set) runs, with `vars` set.
+pub fn child_command(dispatcher: &str, role: &str, vars: &[(&str, String)]) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("the test binary's path"));
+    cmd.args([
+        dispatcher,
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+        "-q",
+    ])
+    .env(CHILD_ROLE, role)
+    .stdin(Stdio::null());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Runs a child to completion; panics with its output if it failed; returns its stdout.
+pub fn run_child(dispatcher: &str, role: &str, vars: &[(&str, String)]) -> String {
+    let out = child_command(dispatcher, role, vars)
+        .output()
+        .expect("spawn the child");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "child {role} failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
