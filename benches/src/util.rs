@@ -4,7 +4,7 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde::Serialize;
 
 /// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the machine, so a time
@@ -117,61 +117,16 @@ pub fn gbps(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
 }
 
-/// Parses `1GiB`, `512MiB`, `64M`, `4k`, `1000` into bytes.
+/// Parses a size for clap (see `gpufeed::units::parse_size`).
 pub fn parse_size(text: &str) -> Result<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let num: u64 = num.parse().with_context(|| {
-        format!("{text:?}: expected a number with an optional unit such as MiB or GiB")
-    })?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        other => bail!("{text:?}: unknown unit {other:?}; use KiB, MiB, GiB or TiB"),
-    };
-    num.checked_mul(mult)
-        .with_context(|| format!("{text:?} is too large"))
+    gpufeed::units::parse_size(text).map_err(Into::into)
 }
 
-/// `1073741824` -> `1 GiB`.
-pub fn show_size(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [
-        ("TiB", 1 << 40),
-        ("GiB", 1 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-    ];
-    for (name, unit) in UNITS {
-        if bytes >= unit && bytes % unit == 0 {
-            return format!("{} {name}", bytes / unit);
-        }
-        if bytes >= unit {
-            return format!("{:.1} {name}", bytes as f64 / unit as f64);
-        }
-    }
-    format!("{bytes} B")
-}
+pub use gpufeed::units::show_size;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
-        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_size("64m").unwrap(), 64 << 20);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert!(parse_size("1.5G").is_err());
-        assert!(parse_size("10 parsecs").is_err());
-        assert_eq!(show_size(1 << 30), "1 GiB");
-        assert_eq!(show_size(3 << 19), "1.5 MiB");
-        assert_eq!(show_size(100), "100 B");
-    }
 
     #[test]
     fn medians() {

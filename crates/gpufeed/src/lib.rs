@@ -26,12 +26,15 @@
 //! # Ok::<(), gpufeed::Error>(())
 //! ```
 
+pub mod advise;
 pub mod dataset;
 /// Worker processes for the batch loader, through a shared-memory batch ring.
 pub mod dataset_ring;
+pub mod doctor;
 mod error;
 mod load;
 pub mod safetensors;
+pub mod units;
 
 pub use error::{Error, Result};
 pub use gpufeed_cuda::{Gpu, GpuInfo};

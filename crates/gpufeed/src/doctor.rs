@@ -1,0 +1,385 @@
+//! `doctor`: the source material's troubleshooting guide as checks of this machine, each with
+//! what was read and the fix. The CLI prints them (`gpufeed doctor`).
+
+use std::path::Path;
+
+use gpufeed_os::sys::{SystemInfo, ThpMode};
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Status {
+    /// Fine.
+    Ok,
+    /// Works, but slower or riskier than it could be.
+    Warn,
+    /// Broken: gpufeed cannot do this here.
+    Fail,
+}
+
+/// One check.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Check {
+    /// What was checked.
+    pub name: String,
+    /// The outcome.
+    pub status: Status,
+    /// What was read.
+    pub observed: String,
+    /// What to do about it (a command where there is one).
+    pub fix: Option<String>,
+}
+
+fn check(name: &str, status: Status, observed: impl Into<String>, fix: Option<&str>) -> Check {
+    Check {
+        name: name.to_owned(),
+        status,
+        observed: observed.into(),
+        fix: fix.map(str::to_owned),
+    }
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// Runs every check; `dir` is where data will be read from (for the O_DIRECT check), the
+/// current directory by default.
+pub fn run(dir: Option<&Path>) -> Vec<Check> {
+    let info = SystemInfo::read();
+    let mut out = Vec::new();
+
+    // Memory locking: CPU-mode pools and io_uring registered buffers count against it.
+    let soft = info.memlock.soft;
+    out.push(match (info.cap_ipc_lock, soft) {
+        (true, _) => check("memlock limit", Status::Ok, "CAP_IPC_LOCK: no limit applies", None),
+        (false, None) => check("memlock limit", Status::Ok, "RLIMIT_MEMLOCK unlimited", None),
+        (false, Some(s)) if s < 64 << 20 => check(
+            "memlock limit",
+            Status::Warn,
+            format!("RLIMIT_MEMLOCK {s} bytes: locked staging and registered io_uring buffers are capped"),
+            Some("ulimit -l unlimited   (Docker: --ulimit memlock=-1; systemd: LimitMEMLOCK=infinity)"),
+        ),
+        (false, Some(s)) => check("memlock limit", Status::Ok, format!("RLIMIT_MEMLOCK {}", gib(s)), None),
+    });
+
+    out.push(match &info.shm {
+        Ok(shm) if shm.total_bytes < 1 << 30 => check(
+            "/dev/shm",
+            Status::Warn,
+            format!(
+                "{} total, {} free: too small for shared-memory batches",
+                gib(shm.total_bytes),
+                gib(shm.free_bytes)
+            ),
+            Some("docker run --shm-size=16g ... (or --ipc=host)"),
+        ),
+        Ok(shm) if shm.free_bytes < shm.total_bytes / 10 => check(
+            "/dev/shm",
+            Status::Warn,
+            format!("{} free of {}", gib(shm.free_bytes), gib(shm.total_bytes)),
+            Some("gpufeed shm gc   (removes segments of dead gpufeed processes)"),
+        ),
+        Ok(shm) => check(
+            "/dev/shm",
+            Status::Ok,
+            format!("{} free of {}", gib(shm.free_bytes), gib(shm.total_bytes)),
+            None,
+        ),
+        Err(e) => check(
+            "/dev/shm",
+            Status::Fail,
+            e.to_string(),
+            Some("mount a tmpfs at /dev/shm"),
+        ),
+    });
+
+    out.push(match &info.thp_anon {
+        Ok(ThpMode::Never) => check(
+            "transparent huge pages",
+            Status::Warn,
+            "never: large buffers pay a TLB miss per 4 KiB",
+            Some("echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"),
+        ),
+        Ok(m) => check("transparent huge pages", Status::Ok, format!("{m:?}"), None),
+        Err(e) => check(
+            "transparent huge pages",
+            Status::Ok,
+            format!("unreadable ({e})"),
+            None,
+        ),
+    });
+
+    let topology = gpufeed_numa::Topology::detect().ok();
+    let multi_node = topology.as_ref().is_some_and(|t| t.is_numa());
+    out.push(match (&info.numa_balancing, multi_node) {
+        (Ok(v), true) if *v != 0 => check(
+            "NUMA balancing",
+            Status::Warn,
+            format!("kernel.numa_balancing={v} on a multi-node machine: pages migrate under running copies (unstable throughput)"),
+            Some("sysctl -w kernel.numa_balancing=0"),
+        ),
+        (Ok(v), _) => check("NUMA balancing", Status::Ok, format!("kernel.numa_balancing={v}, {} node(s)", if multi_node { "several" } else { "one" }), None),
+        (Err(_), _) => check("NUMA balancing", Status::Ok, "not available (kernel without NUMA balancing)", None),
+    });
+
+    out.push(match info.swappiness.clone() {
+        Ok(v) if v > 60 => check(
+            "swappiness",
+            Status::Warn,
+            format!("vm.swappiness={v}: data-set pages get swapped out under pressure"),
+            Some("sysctl -w vm.swappiness=10"),
+        ),
+        Ok(v) => check("swappiness", Status::Ok, format!("vm.swappiness={v}"), None),
+        Err(e) => check("swappiness", Status::Ok, format!("unreadable ({e})"), None),
+    });
+
+    let min_free_fix = info
+        .mem_total
+        .as_ref()
+        .map(|t| {
+            format!(
+                "sysctl -w vm.min_free_kbytes={}",
+                (t / 1000 / 1024).max(65536)
+            )
+        })
+        .unwrap_or_default();
+    out.push(
+        match (info.min_free_kbytes.clone(), info.mem_total.clone()) {
+            (Ok(kb), Ok(total)) if kb * 1024 < total / 1000 => check(
+                "min_free_kbytes",
+                Status::Warn,
+                format!(
+                    "vm.min_free_kbytes={kb}: little reserve for bursts of page-cache allocation"
+                ),
+                Some(&min_free_fix),
+            ),
+            (Ok(kb), _) => check(
+                "min_free_kbytes",
+                Status::Ok,
+                format!("vm.min_free_kbytes={kb}"),
+                None,
+            ),
+            (Err(e), _) => check(
+                "min_free_kbytes",
+                Status::Ok,
+                format!("unreadable ({e})"),
+                None,
+            ),
+        },
+    );
+
+    out.push(
+        match (
+            &info.memory_pressure,
+            info.mem_available.clone(),
+            info.mem_total.clone(),
+        ) {
+            (Ok(psi), _, _) if psi.some.avg10 > 10.0 => check(
+                "memory pressure",
+                Status::Warn,
+                format!(
+                    "PSI some avg10={:.1}%: tasks are stalling on memory",
+                    psi.some.avg10
+                ),
+                Some("free memory, or reduce the page cache others use (unstable throughput)"),
+            ),
+            (_, Ok(a), Ok(t)) if a < t / 10 => check(
+                "memory pressure",
+                Status::Warn,
+                format!("MemAvailable {} of {}", gib(a), gib(t)),
+                Some("free memory before loading large files"),
+            ),
+            (psi, a, _) => check(
+                "memory pressure",
+                Status::Ok,
+                format!(
+                    "MemAvailable {}{}",
+                    a.as_ref().map_or("?".into(), |a| gib(*a)),
+                    psi.as_ref().map_or(String::new(), |p| format!(
+                        ", PSI some avg10={:.1}%",
+                        p.some.avg10
+                    ))
+                ),
+                None,
+            ),
+        },
+    );
+
+    out.push(match gpufeed_uring::Backend::probe().io_uring {
+        Ok(()) => check("io_uring", Status::Ok, "works", None),
+        Err(why) => check(
+            "io_uring",
+            Status::Warn,
+            format!("unavailable: {why}; reads use the thread pool"),
+            Some("allow io_uring (sysctl kernel.io_uring_disabled=0, or a seccomp profile permitting io_uring_setup/enter/register)"),
+        ),
+    });
+
+    let dir = dir.unwrap_or(Path::new("."));
+    out.push(direct_io(dir));
+
+    match gpufeed_cuda::Gpu::list() {
+        Err(e) => out.push(check(
+            "CUDA driver",
+            Status::Warn,
+            e.to_string(),
+            Some("install the NVIDIA driver to use GPUs; CPU paths work without it"),
+        )),
+        Ok(gpus) if gpus.is_empty() => out.push(check(
+            "CUDA driver",
+            Status::Warn,
+            "driver present, no GPU visible",
+            Some("check CUDA_VISIBLE_DEVICES"),
+        )),
+        Ok(gpus) => {
+            out.push(check(
+                "CUDA driver",
+                Status::Ok,
+                format!("{} GPU(s)", gpus.len()),
+                None,
+            ));
+            for g in &gpus {
+                let link = match (g.pcie_gen, g.pcie_width) {
+                    (Some(gn), Some(w)) => format!("PCIe Gen{gn} x{w}"),
+                    _ => "PCIe link unknown".into(),
+                };
+                out.push(check(
+                    &format!("GPU {}", g.ordinal),
+                    Status::Ok,
+                    format!(
+                        "{} at {}, NUMA node {:?}, {link}, {}",
+                        g.name,
+                        g.pci_bus_id,
+                        g.numa_node,
+                        gib(g.memory_bytes)
+                    ),
+                    None,
+                ));
+            }
+            out.push(pinned_and_registration());
+            if let (Some(t), Some(node)) = (&topology, gpus[0].numa_node) {
+                let here = t.node_of_cpu(rustix::thread::sched_getcpu() as u32);
+                let fix = format!("numactl --cpunodebind={node} --membind={node} <your program>");
+                out.push(if t.is_numa() && here != Some(node) {
+                    check(
+                        "placement",
+                        Status::Warn,
+                        format!("this process runs on node {here:?}, GPU 0 on node {node}"),
+                        Some(&fix),
+                    )
+                } else {
+                    check(
+                        "placement",
+                        Status::Ok,
+                        format!("GPU 0 is on node {node}; so is this process"),
+                        None,
+                    )
+                });
+            }
+        }
+    }
+
+    out.push(
+        match gpufeed_os::shm::list(gpufeed_os::shm::DEFAULT_PREFIX) {
+            Ok(list) => {
+                let stale: Vec<_> = list.iter().filter(|e| !e.owner_alive).collect();
+                if stale.is_empty() {
+                    check(
+                        "stale shared memory",
+                        Status::Ok,
+                        format!("{} gpufeed segment(s), none stale", list.len()),
+                        None,
+                    )
+                } else {
+                    let bytes: u64 = stale.iter().map(|e| e.len).sum();
+                    check(
+                        "stale shared memory",
+                        Status::Warn,
+                        format!(
+                            "{} segment(s) of dead processes hold {}",
+                            stale.len(),
+                            gib(bytes)
+                        ),
+                        Some("gpufeed shm gc"),
+                    )
+                }
+            }
+            Err(e) => check(
+                "stale shared memory",
+                Status::Ok,
+                format!("cannot list /dev/shm ({e})"),
+                None,
+            ),
+        },
+    );
+    out
+}
+
+fn direct_io(dir: &Path) -> Check {
+    let probe = dir.join(format!(".gpufeed-doctor-{}", std::process::id()));
+    let result = std::fs::write(&probe, [0u8; 4096])
+        .map_err(|e| e.to_string())
+        .and_then(|()| std::fs::File::open(&probe).map_err(|e| e.to_string()))
+        .and_then(|f| gpufeed_os::align::dio_alignment(&f).map_err(|e| e.to_string()));
+    let _ = std::fs::remove_file(&probe);
+    match result {
+        Ok(d) if d.supported() => check(
+            "O_DIRECT",
+            Status::Ok,
+            format!(
+                "{}: offsets aligned to {} B, memory to {} B ({:?})",
+                dir.display(),
+                d.offset_align,
+                d.mem_align,
+                d.source
+            ),
+            None,
+        ),
+        Ok(_) => check(
+            "O_DIRECT",
+            Status::Warn,
+            format!(
+                "{}: the file system refuses O_DIRECT (tmpfs, some network file systems)",
+                dir.display()
+            ),
+            Some(
+                "put cold data sets on a local disk file system (ext4, xfs) to read them at the disk's speed",
+            ),
+        ),
+        Err(e) => check(
+            "O_DIRECT",
+            Status::Warn,
+            format!("{}: cannot test ({e})", dir.display()),
+            Some("pass --path DIR where data lives"),
+        ),
+    }
+}
+
+fn pinned_and_registration() -> Check {
+    let run = || -> crate::Result<()> {
+        let gpu = gpufeed_cuda::Gpu::open(0)?;
+        let _pinned = gpufeed_pinned::PinnedBuffer::new(gpu.context(), 1 << 20)?;
+        let data = vec![1u8; 1 << 20];
+        let _reg = gpufeed_pinned::HostRegistration::slice(gpu.context(), &data)?;
+        Ok(())
+    };
+    match run() {
+        Ok(()) => check(
+            "pinned memory",
+            Status::Ok,
+            "cuMemHostAlloc and cuMemHostRegister of 1 MiB work",
+            None,
+        ),
+        Err(e) => check(
+            "pinned memory",
+            Status::Fail,
+            e.to_string(),
+            Some("page-locked memory is refused: raise the container's limits (WSL/Docker caps)"),
+        ),
+    }
+}
+
+/// Whether any check failed (the CLI exits 1 then).
+pub fn any_failed(checks: &[Check]) -> bool {
+    checks.iter().any(|c| c.status == Status::Fail)
+}
