@@ -77,9 +77,9 @@ fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// Test binaries that cannot run on the GPU machine: the harness smoke test runs the bench
-/// binary by a path of this machine; xtask has no tests.
-const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "gpufeed-testkit", "xtask"];
+/// Test binaries that cannot run on the GPU machine: the harness smoke test and the CLI tests
+/// run binaries by paths of this machine; the testkit and xtask have no tests.
+const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "gpufeed-cli", "gpufeed-testkit", "xtask"];
 
 fn device(root: &Path) -> Result<()> {
     let target = target_dir(root);
@@ -101,6 +101,17 @@ fn device(root: &Path) -> Result<()> {
         &target.join("release/gpufeed-bench"),
         &out_dir.join("gpufeed-bench"),
     )?;
+    run(cargo()
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "gpufeed-cli",
+            "--bin",
+            "gpufeed",
+        ])
+        .current_dir(root))?;
+    copy_stripped(&target.join("release/gpufeed"), &out_dir.join("gpufeed"))?;
 
     let output = cargo()
         .args([
@@ -182,7 +193,8 @@ exit $status
         .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
         .sum::<u64>()
-        + std::fs::metadata(out_dir.join("gpufeed-bench"))?.len();
+        + std::fs::metadata(out_dir.join("gpufeed-bench"))?.len()
+        + std::fs::metadata(out_dir.join("gpufeed"))?.len();
     println!(
         "wrote {} ({} test binaries: {}; {:.1} MiB in all)\nrun on the GPU machine: carry target/device, then `bash target/device/run.sh`",
         out_dir.display(),
