@@ -5,6 +5,7 @@
 //! `report.md` and `report.json` into the output directory.
 
 mod access;
+mod chart;
 mod facade;
 mod gpu;
 mod handoff;
@@ -59,6 +60,19 @@ struct Cli {
     #[arg(long)]
     peers: bool,
 
+    /// Small sizes and 2 repetitions: the whole run in well under a minute (CI's smoke test).
+    #[arg(long)]
+    quick: bool,
+
+    /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, gpu (limits are
+    /// measured whenever a host table is, since ratios need them).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<Part>,
+
+    /// Fail when no GPU is usable (instead of reporting the GPU tables as not measured).
+    #[arg(long)]
+    gpu: bool,
+
     /// Skip the CPU tables (1-3, 5), e.g. to spend the GPU machine's time on the GPU tables.
     #[arg(long)]
     gpu_only: bool,
@@ -66,6 +80,17 @@ struct Cli {
     /// Print the JSON report on stdout instead of the tables.
     #[arg(long)]
     json: bool,
+}
+
+/// A part of the run, for `--only`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    Limits,
+    Handoff,
+    Access,
+    Reads,
+    Ipc,
+    Gpu,
 }
 
 #[derive(Subcommand)]
@@ -105,6 +130,25 @@ fn main() -> Result<()> {
         }) => return ipc::child(role, &target, count),
         None => {}
     }
+    let mut cli = cli;
+    if cli.quick {
+        cli.size = 64 << 20;
+        cli.batch = 32 << 20;
+        cli.reps = 2;
+        cli.gpu_bytes = 256 << 20;
+        cli.gpu_file = 256 << 20;
+    }
+    let wanted = |p: Part| cli.only.is_empty() || cli.only.contains(&p);
+    let host_part = |p: Part| !cli.gpu_only && wanted(p);
+    let any_host = [
+        Part::Limits,
+        Part::Handoff,
+        Part::Access,
+        Part::Reads,
+        Part::Ipc,
+    ]
+    .into_iter()
+    .any(host_part);
     ensure!(cli.reps > 0, "--reps must be at least 1");
     ensure!(cli.size >= 1 << 20, "--size must be at least 1 MiB");
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
@@ -113,7 +157,7 @@ fn main() -> Result<()> {
     let step = |n: usize, what: &str| eprintln!("[{n}/7] {what}");
 
     let (mut limits, mut handoff, mut access, mut reads, mut ipc) = (None, None, None, None, None);
-    if !cli.gpu_only {
+    if any_host {
         let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
         step(
             1,
@@ -135,41 +179,60 @@ fn main() -> Result<()> {
                 show_size(cli.batch)
             ),
         );
-        handoff = Some(handoff::measure(
-            &exe,
-            &cli.dir,
-            cli.batch as usize,
-            cli.reps,
-        )?);
+        if host_part(Part::Handoff) {
+            handoff = Some(handoff::measure(
+                &exe,
+                &cli.dir,
+                cli.batch as usize,
+                cli.reps,
+            )?);
+        }
 
         step(4, "table 2: load and random reads, cold and warm");
-        access = Some(access::measure(&dataset, cli.reps, |what| {
-            eprintln!("      {what}")
-        })?);
+        if host_part(Part::Access) {
+            access = Some(access::measure(&dataset, cli.reps, |what| {
+                eprintln!("      {what}")
+            })?);
+        }
 
         step(
             5,
             "table 3: gpufeed-uring reads, O_DIRECT by queue depth (with fio) and warm",
         );
-        reads = Some(reads::measure(&dataset, cli.reps, |what| {
-            eprintln!("      {what}")
-        })?);
+        if host_part(Part::Reads) {
+            reads = Some(reads::measure(&dataset, cli.reps, |what| {
+                eprintln!("      {what}")
+            })?);
+        }
 
         step(
             6,
             "table 5: gpufeed-ipc batch ring between processes (1 MiB batches, 64-byte wake-ups)",
         );
-        ipc = Some(ipc::measure(&exe, &cli.dir, 4 * cli.batch, cli.reps)?);
+        if host_part(Part::Ipc) {
+            ipc = Some(ipc::measure(&exe, &cli.dir, 4 * cli.batch, cli.reps)?);
+        }
     }
-    step(7, "table 4: GPU transfers (GPU machine only)");
-    let gpu = gpu::measure(
-        &cli.dir,
-        cli.gpu_bytes,
-        cli.gpu_file,
-        cli.reps,
-        cli.peers,
-        |what| eprintln!("      {what}"),
-    )?;
+    step(
+        7,
+        "tables 4 and 6: GPU transfers and loads (GPU machine only)",
+    );
+    let gpu = if wanted(Part::Gpu) {
+        gpu::measure(
+            &cli.dir,
+            cli.gpu_bytes,
+            cli.gpu_file,
+            cli.reps,
+            cli.peers,
+            |what| eprintln!("      {what}"),
+        )?
+    } else {
+        None
+    };
+    ensure!(
+        !cli.gpu || gpu.is_some(),
+        "--gpu: no GPU is usable here (see `gpufeed doctor`)"
+    );
 
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
@@ -188,11 +251,15 @@ fn main() -> Result<()> {
     let markdown = report.markdown();
     std::fs::write(cli.dir.join("report.json"), &json)?;
     std::fs::write(cli.dir.join("report.md"), &markdown)?;
+    std::fs::write(cli.dir.join("report.svg"), report.svg())?;
     if cli.json {
         println!("{json}");
     } else {
         println!("{markdown}");
-        eprintln!("wrote {0}/report.md and {0}/report.json", cli.dir.display());
+        eprintln!(
+            "wrote {0}/report.md, {0}/report.json and {0}/report.svg",
+            cli.dir.display()
+        );
     }
     Ok(())
 }

@@ -95,16 +95,28 @@ impl Report {
             self.reps
         );
 
-        if let (Some(l), Some(handoff), Some(access), Some(reads)) =
-            (&self.limits, &self.handoff, &self.access, &self.reads)
-        {
-            self.cpu_tables(&mut s, l, handoff, access, reads);
+        let memcpy = self
+            .limits
+            .as_ref()
+            .map_or(f64::NAN, |l| l.memcpy_1_thread_gbps.median);
+        if let Some(l) = &self.limits {
+            self.limits_table(&mut s, l);
         }
-        if let (Some(i), Some(l)) = (&self.ipc, &self.limits) {
-            ipc_table(&mut s, i, l.memcpy_1_thread_gbps.median);
+        if let Some(h) = &self.handoff {
+            self.handoff_table(&mut s, memcpy, h);
+        }
+        if let Some(a) = &self.access {
+            self.access_table(&mut s, a);
+        }
+        if let Some(r) = &self.reads {
+            self.reads_table(&mut s, r);
+        }
+        if let Some(i) = &self.ipc {
+            ipc_table(&mut s, i, memcpy);
         }
         match &self.gpu {
             Some(g) => gpu_table(&mut s, g),
+            None if self.limits.is_none() => {}
             None => {
                 let _ = writeln!(
                     s,
@@ -115,14 +127,7 @@ impl Report {
         s
     }
 
-    fn cpu_tables(
-        &self,
-        s: &mut String,
-        l: &Limits,
-        handoff: &[Handoff],
-        access: &[AccessRow],
-        r: &Reads,
-    ) {
+    fn limits_table(&self, s: &mut String, l: &Limits) {
         let _ = writeln!(s, "## Limits of this machine (same run)\n");
         let _ = writeln!(s, "| what | GB/s |\n|---|---|");
         let _ = writeln!(
@@ -154,8 +159,9 @@ impl Report {
                 let _ = writeln!(s, "| sequential read, O_DIRECT | {} |", l.direct_note);
             }
         }
+    }
 
-        let memcpy = l.memcpy_1_thread_gbps.median;
+    fn handoff_table(&self, s: &mut String, memcpy: f64, handoff: &[Handoff]) {
         let _ = writeln!(
             s,
             "\n## Table 1 — a {} batch handed from a producer process to a consumer process\n",
@@ -189,7 +195,9 @@ impl Report {
                 shm.setup_ms
             );
         }
+    }
 
+    fn access_table(&self, s: &mut String, access: &[AccessRow]) {
         let _ = writeln!(
             s,
             "\n## Table 2 — a {} data set: load and {} random {} KiB reads\n",
@@ -236,7 +244,9 @@ impl Report {
             RANDOM_BYTES / 1024,
             cold_max * 100.0
         );
+    }
 
+    fn reads_table(&self, s: &mut String, r: &Reads) {
         let _ = writeln!(
             s,
             "\n## Table 3 — gpufeed-uring: {} read sequentially in 1 MiB requests\n",
@@ -340,6 +350,11 @@ fn facade_table(s: &mut String, g: &GpuBench) {
         s,
         "| raw O_DIRECT read of the same file (io_uring, qd 32, 1 MiB, to host memory) | {} | the disk's limit |",
         f.raw_direct_read_gbps.show(2)
+    );
+    let _ = writeln!(
+        s,
+        "| BatchLoader: 64 KiB records in shuffled batches of 256, 8 workers, device batches | {} | |",
+        f.batch_loader_gbps.show(1)
     );
     let _ = writeln!(
         s,
