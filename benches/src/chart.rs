@@ -11,6 +11,10 @@ enum Kind {
     Peer,
 }
 
+/// A bar (label, GB/s, whose) and a limit line (label, GB/s).
+type Bar = (String, f64, Kind);
+type Limit = (String, f64);
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -18,7 +22,7 @@ fn esc(s: &str) -> String {
 }
 
 impl Report {
-    fn bars(&self) -> (Vec<(String, f64, Kind)>, Vec<(String, f64)>) {
+    fn bars(&self) -> (Vec<Bar>, Vec<Limit>) {
         let (mut bars, mut limits) = (Vec::new(), Vec::new());
         if let Some(l) = &self.limits {
             limits.push(("memcpy, 1 thread".to_owned(), l.memcpy_1_thread_gbps.median));
