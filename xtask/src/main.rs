@@ -49,22 +49,21 @@ fn cargo() -> Command {
 }
 
 fn bench(root: &Path, args: &[String]) -> Result<()> {
-    run(cargo()
-        .args([
-            "build",
-            "--release",
-            "--package",
-            "gpufeed-benches",
-            "--bin",
-            "gpufeed-bench",
-        ])
-        .current_dir(root))?;
+    let gpufeed_bench = build_release(root, "gpufeed-benches", "gpufeed-bench")?;
     let target = target_dir(root);
-    let mut cmd = Command::new(target.join("release/gpufeed-bench"));
+    let mut cmd = Command::new(gpufeed_bench);
     if !args.iter().any(|a| a == "--dir" || a.starts_with("--dir=")) {
         cmd.arg("--dir").arg(target.join("gpufeed-bench"));
     }
     run(cmd.args(args).current_dir(root))
+}
+
+/// Builds `bin` of `package` in release mode; returns the binary's path.
+fn build_release(root: &Path, package: &str, bin: &str) -> Result<PathBuf> {
+    run(cargo()
+        .args(["build", "--release", "--package", package, "--bin", bin])
+        .current_dir(root))?;
+    Ok(target_dir(root).join("release").join(bin))
 }
 
 fn run(cmd: &mut Command) -> Result<()> {
@@ -87,31 +86,10 @@ fn device(root: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(&out_dir);
     std::fs::create_dir_all(out_dir.join("tests"))?;
 
-    run(cargo()
-        .args([
-            "build",
-            "--release",
-            "--package",
-            "gpufeed-benches",
-            "--bin",
-            "gpufeed-bench",
-        ])
-        .current_dir(root))?;
-    copy_stripped(
-        &target.join("release/gpufeed-bench"),
-        &out_dir.join("gpufeed-bench"),
-    )?;
-    run(cargo()
-        .args([
-            "build",
-            "--release",
-            "--package",
-            "gpufeed-cli",
-            "--bin",
-            "gpufeed",
-        ])
-        .current_dir(root))?;
-    copy_stripped(&target.join("release/gpufeed"), &out_dir.join("gpufeed"))?;
+    let gpufeed_bench = build_release(root, "gpufeed-benches", "gpufeed-bench")?;
+    copy_stripped(&gpufeed_bench, &out_dir.join("gpufeed-bench"))?;
+    let gpufeed = build_release(root, "gpufeed-cli", "gpufeed")?;
+    copy_stripped(&gpufeed, &out_dir.join("gpufeed"))?;
 
     let output = cargo()
         .args([
