@@ -79,6 +79,13 @@ impl Report {
                 Kind::Peer,
             ));
         }
+        if let Some(b) = &self.batch_loader {
+            bars.push((
+                "host batches: BatchLoader".into(),
+                b.host_gbps.median,
+                Kind::Gpufeed,
+            ));
+        }
         if let Some(g) = &self.gpu {
             limits.push(("PCIe, pinned 16 MiB".to_owned(), g.pinned_limit_gbps.median));
             bars.push((

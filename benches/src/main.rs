@@ -11,6 +11,7 @@ mod gpu;
 mod handoff;
 mod ipc;
 mod limits;
+mod loader;
 mod reads;
 mod report;
 mod util;
@@ -64,7 +65,7 @@ struct Cli {
     #[arg(long)]
     quick: bool,
 
-    /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, gpu (limits are
+    /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu (limits are
     /// measured whenever a host table is, since ratios need them).
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
@@ -90,6 +91,7 @@ enum Part {
     Access,
     Reads,
     Ipc,
+    Loader,
     Gpu,
 }
 
@@ -154,9 +156,11 @@ fn main() -> Result<()> {
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("create {}", cli.dir.display()))?;
     let exe = std::env::current_exe().context("path of this program")?;
-    let step = |n: usize, what: &str| eprintln!("[{n}/7] {what}");
+    let progress = Progress::new();
+    let step = |n: usize, what: &str| progress.line(&format!("[{n}/7] {what}"));
 
-    let (mut limits, mut handoff, mut access, mut reads, mut ipc) = (None, None, None, None, None);
+    let (mut limits, mut handoff, mut access, mut reads, mut ipc, mut batch_loader) =
+        (None, None, None, None, None, None);
     if any_host {
         let dataset = cli.dir.join(format!("dataset-{}.bin", cli.size));
         step(
@@ -191,7 +195,7 @@ fn main() -> Result<()> {
         step(4, "table 2: load and random reads, cold and warm");
         if host_part(Part::Access) {
             access = Some(access::measure(&dataset, cli.reps, |what| {
-                eprintln!("      {what}")
+                progress.line(&format!("      {what}"))
             })?);
         }
 
@@ -201,7 +205,7 @@ fn main() -> Result<()> {
         );
         if host_part(Part::Reads) {
             reads = Some(reads::measure(&dataset, cli.reps, |what| {
-                eprintln!("      {what}")
+                progress.line(&format!("      {what}"))
             })?);
         }
 
@@ -211,6 +215,13 @@ fn main() -> Result<()> {
         );
         if host_part(Part::Ipc) {
             ipc = Some(ipc::measure(&exe, &cli.dir, 4 * cli.batch, cli.reps)?);
+        }
+        if host_part(Part::Loader) {
+            step(
+                6,
+                "table 7: the dataset BatchLoader on the host (64 KiB records, shuffled)",
+            );
+            batch_loader = Some(loader::measure(&dataset, cli.reps)?);
         }
     }
     step(
@@ -224,7 +235,7 @@ fn main() -> Result<()> {
             cli.gpu_file,
             cli.reps,
             cli.peers,
-            |what| eprintln!("      {what}"),
+            |what| progress.line(&format!("      {what}")),
         )?
     } else {
         None
@@ -245,8 +256,10 @@ fn main() -> Result<()> {
         access,
         reads,
         ipc,
+        batch_loader,
         gpu,
     };
+    progress.finish();
     let json = serde_json::to_string_pretty(&report)?;
     let markdown = report.markdown();
     std::fs::write(cli.dir.join("report.json"), &json)?;
@@ -262,4 +275,42 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A live display of the step in progress (a spinner with the elapsed time) on a terminal;
+/// plain lines elsewhere (CI logs, pipes).
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Progress {
+    fn new() -> Self {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let pb = indicatif::ProgressBar::new_spinner();
+            pb.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
+                    .expect("a valid template"),
+            );
+            pb.enable_steady_tick(std::time::Duration::from_millis(120));
+            pb
+        });
+        Progress { bar }
+    }
+
+    fn line(&self, text: &str) {
+        match &self.bar {
+            Some(pb) => {
+                pb.println(text);
+                pb.set_message(text.trim().to_owned());
+            }
+            None => eprintln!("{text}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(pb) = &self.bar {
+            pb.finish_and_clear();
+        }
+    }
 }

@@ -24,6 +24,8 @@ pub const DEPTHS: [usize; 4] = [1, 8, 32, 64];
 pub struct DirectRow {
     pub queue_depth: usize,
     pub uring_gbps: Samples,
+    /// The thread-pool backend with as many threads as the queue depth.
+    pub threads_gbps: Samples,
     /// `None` when fio is not installed (see `fio_note`).
     pub fio_gbps: Option<Samples>,
 }
@@ -130,6 +132,7 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
     for qd in DEPTHS {
         progress(&format!("O_DIRECT, queue depth {qd}"));
         let mut uring = Vec::new();
+        let mut threads = Vec::new();
         let mut fio_runs = Vec::new();
         for rep in 0..reps {
             // The virtual disk here serves bursts faster than sustained reads: alternate who
@@ -144,6 +147,13 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
                 .block_bytes(BLOCK)
                 .build()?;
             uring.push(read_whole(&mut reader, dataset, &pool)?);
+            let mut reader = Reader::builder()
+                .backend(Backend::Threads(qd))
+                .direct(Direct::On)
+                .queue_depth(qd)
+                .block_bytes(BLOCK)
+                .build()?;
+            threads.push(read_whole(&mut reader, dataset, &pool)?);
             if have_fio && rep % 2 == 0 {
                 fio_runs.push(fio(dataset, qd, size)?);
             }
@@ -151,6 +161,7 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
         direct.push(DirectRow {
             queue_depth: qd,
             uring_gbps: Samples::new(uring),
+            threads_gbps: Samples::new(threads),
             fio_gbps: have_fio.then(|| Samples::new(fio_runs)),
         });
     }

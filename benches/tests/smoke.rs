@@ -74,6 +74,12 @@ fn harness_runs_and_reports() {
         ipc["latency_p50_us"].as_f64().expect("number") > 0.0,
         "{ipc}"
     );
+    assert!(
+        report["batch_loader"]["host_gbps"]["median"]
+            .as_f64()
+            .expect("number")
+            > 0.0
+    );
     let md = std::fs::read_to_string(dir.path().join("report.md")).expect("report.md");
     assert!(
         md.contains("Table 1")
@@ -81,7 +87,8 @@ fn harness_runs_and_reports() {
             && md.contains("Table 3")
             && md.contains("120.5 / 4.2")
             && md.contains("Table 4")
-            && md.contains("Table 5"),
+            && md.contains("Table 5")
+            && md.contains("Table 7"),
         "every table (Table 4 measured, or saying there is no GPU)"
     );
 }

@@ -1,0 +1,58 @@
+//! Table 7: the dataset BatchLoader on the host (no GPU): shuffled fixed-size records of the data
+//! set gathered by worker threads into pooled (locked) batch buffers.
+
+use std::path::Path;
+
+use anyhow::Result;
+use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed_os::cache;
+use serde::Serialize;
+
+use crate::util::{Samples, gbps, timed};
+
+pub const RECORD: usize = 64 << 10;
+pub const BATCH: usize = 64;
+
+#[derive(Debug, Serialize)]
+pub struct LoaderBench {
+    pub record_bytes: usize,
+    pub batch_size: usize,
+    pub workers: usize,
+    pub host_gbps: Samples,
+}
+
+pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
+    cache::warm(dataset)?;
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut runs = Vec::new();
+    for epoch in 0..reps as u64 {
+        // SAFETY: the bench's data set is written once and never changed while mapped.
+        let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
+        let cfg = LoaderConfig {
+            batch_size: BATCH,
+            drop_last: true,
+            prefetch: 2 * workers,
+            workers,
+        };
+        let mut loader = BatchLoader::new(
+            records,
+            Sampler::new(Order::Shuffled { seed: 3 }),
+            cfg,
+            None,
+        )?;
+        let (secs, bytes) = timed(|| -> Result<u64> {
+            let mut bytes = 0;
+            for b in loader.epoch(epoch)? {
+                bytes += b?.bytes() as u64;
+            }
+            Ok(bytes)
+        });
+        runs.push(gbps(bytes?, secs));
+    }
+    Ok(LoaderBench {
+        record_bytes: RECORD,
+        batch_size: BATCH,
+        workers,
+        host_gbps: Samples::new(runs),
+    })
+}
