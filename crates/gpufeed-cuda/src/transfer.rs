@@ -150,6 +150,9 @@ pub struct TransferScheduler {
     streams: Vec<Arc<CudaStream>>,
     pool: PinnedPool,
     cfg: TransferConfig,
+    /// The GPU's node on a machine of several, where fill and drain threads run.
+    placement: Option<(gpufeed_numa::Topology, u32)>,
+    notes: Mutex<Vec<String>>,
 }
 
 impl std::fmt::Debug for TransferScheduler {
@@ -225,12 +228,43 @@ impl TransferScheduler {
                 numa_node: gpu.info().numa_node,
             },
         )?;
+        let placement = gpu.info().numa_node.and_then(|node| {
+            gpufeed_numa::Topology::detect()
+                .ok()
+                .filter(|t| t.is_numa())
+                .map(|t| (t, node))
+        });
         Ok(TransferScheduler {
             ctx,
             streams,
             pool,
             cfg,
+            placement,
+            notes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Binds the calling (fill or drain) thread to the GPU's NUMA node on machines of several
+    /// nodes; a refusal is noted once and the thread runs unbound.
+    fn bind_worker(&self) -> Option<gpufeed_numa::ThreadBinding> {
+        let (topology, node) = self.placement.as_ref()?;
+        match topology.bind_thread(*node) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                let note = format!("IO threads run unbound: {e}");
+                let mut notes = self.notes.lock();
+                if !notes.contains(&note) {
+                    tracing::warn!("{note}");
+                    notes.push(note);
+                }
+                None
+            }
+        }
+    }
+
+    /// Slower paths taken (IO threads that could not be placed on the GPU's node).
+    pub fn notes(&self) -> Vec<String> {
+        self.notes.lock().clone()
     }
 
     /// The settings in use.
@@ -492,6 +526,7 @@ impl TransferScheduler {
                 let tx = filled_tx.clone();
                 let (free, next, chunks, source_waited) = (&free, &next, &chunks, &source_waited);
                 scope.spawn(move || {
+                    let _placed = self.bind_worker();
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(&(idx, off, size)) = chunks.get(i) else {
@@ -585,6 +620,7 @@ impl TransferScheduler {
                 let (free, work_rx, chunks, drain_waited) =
                     (&free, &work_rx, &chunks, &drain_waited);
                 drains.push(scope.spawn(move || -> Result<()> {
+                    let _placed = self.bind_worker();
                     let out = out;
                     loop {
                         let Ok((idx, mut buf)) = work_rx.lock().recv() else {

@@ -364,6 +364,11 @@ impl Loader {
                 }
             }
         }
+        for note in self.sched.notes() {
+            if !report.fallbacks.contains(&note) {
+                report.fallbacks.push(note);
+            }
+        }
         report.seconds = started.elapsed().as_secs_f64();
         Ok(report)
     }

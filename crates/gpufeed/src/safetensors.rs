@@ -88,32 +88,47 @@ impl Checkpoint {
 struct Parsed {
     data_start: u64,
     data_len: u64,
-    tensors: Vec<(String, Dtype, Vec<usize>, Range<usize>)>,
+    tensors: Vec<HeaderEntry>,
 }
 
 /// Parses the header of `path` with the `safetensors` crate (which checks offsets, sizes and
 /// overlaps against the file's length), touching only the header's pages.
 fn parse(path: &Path) -> Result<Parsed> {
-    let bad = |reason: String| Error::Safetensors {
-        path: path.into(),
-        reason,
-    };
     let len = std::fs::metadata(path)
         .map_err(|_| gpufeed_os::Error::NotFound { path: path.into() })?
         .len();
     if len < 8 {
-        return Err(bad(format!(
-            "{len} bytes: shorter than the 8-byte header length"
-        )));
+        return Err(Error::Safetensors {
+            path: path.into(),
+            reason: format!("{len} bytes: shorter than the 8-byte header length"),
+        });
     }
     // SAFETY: only the header's pages are read (read_metadata uses the buffer's length for
     // its checks, not its data); a file truncated below its header meanwhile is the caller's
     // promise on `load`.
     let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
-    let (header_len, metadata) =
-        SafeTensors::read_metadata(&map).map_err(|e| bad(format!("{e:?}")))?;
-    let data_start = 8 + header_len as u64;
-    let mut tensors: Vec<_> = metadata
+    let (data_start, tensors) = header(&map).map_err(|reason| Error::Safetensors {
+        path: path.into(),
+        reason,
+    })?;
+    Ok(Parsed {
+        data_start,
+        data_len: len - data_start,
+        tensors,
+    })
+}
+
+/// One tensor of a safetensors header: name, dtype, shape, byte range in the data section.
+pub type HeaderEntry = (String, Dtype, Vec<usize>, Range<usize>);
+
+/// Validates the header of a whole safetensors file held in `bytes` (the `safetensors` crate
+/// checks the header length, the JSON, dtypes, shapes against sizes, and that the tensors tile
+/// the data section exactly): returns where the data section starts and the tensors, sorted by
+/// name, or why the bytes are not a valid file. Never panics, whatever the bytes (fuzzed:
+/// crates/gpufeed/fuzz).
+pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), String> {
+    let (header_len, metadata) = SafeTensors::read_metadata(bytes).map_err(|e| format!("{e:?}"))?;
+    let mut tensors: Vec<HeaderEntry> = metadata
         .tensors()
         .into_iter()
         .map(|(name, info)| {
@@ -122,11 +137,7 @@ fn parse(path: &Path) -> Result<Parsed> {
         })
         .collect();
     tensors.sort_by(|x, y| x.0.cmp(&y.0));
-    Ok(Parsed {
-        data_start,
-        data_len: len - data_start,
-        tensors,
-    })
+    Ok((8 + header_len as u64, tensors))
 }
 
 /// Loads a safetensors file, or a sharded checkpoint given by its `*.index.json`, into GPU
