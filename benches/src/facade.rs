@@ -214,21 +214,25 @@ pub fn hybrid_sweep(gpu: &Gpu, file: &Path) -> Result<()> {
         }
         Ok(Samples::new(v).median)
     };
-    for chunk in [4usize << 20, 8 << 20, 16 << 20] {
-        for threads in [8usize, 16] {
-            for strategy in [Strategy::Staged, Strategy::Hybrid] {
-                let mut opts = LoadOptions {
-                    strategy,
-                    ..LoadOptions::default()
-                };
-                opts.transfer.fill_threads = threads;
-                opts.transfer.staging_buffers = 2 * threads;
-                opts.transfer.chunk_bytes = chunk;
-                eprintln!(
-                    "SWEEP {strategy} chunk {} MiB fill {threads}: {:.1} GB/s",
-                    chunk >> 20,
-                    run(opts, 300)?
-                );
+    for chunk in [2usize << 20, 4 << 20] {
+        for threads in [12usize, 16] {
+            for inline in [false, true] {
+                for buffers in [2usize, 4] {
+                    let mut opts = LoadOptions {
+                        strategy: Strategy::Staged,
+                        async_buffered: !inline,
+                        ..LoadOptions::default()
+                    };
+                    opts.transfer.fill_threads = threads;
+                    opts.transfer.staging_buffers = buffers * threads;
+                    opts.transfer.chunk_bytes = chunk;
+                    eprintln!(
+                        "SWEEP staged chunk {} MiB fill {threads} staging {}x inline {inline}: {:.1} GB/s",
+                        chunk >> 20,
+                        buffers,
+                        run(opts, 300)?
+                    );
+                }
             }
         }
     }

@@ -91,6 +91,9 @@ pub struct LoadOptions {
     /// best of a sweep on the H200 machine (docs/benchmarks.md), where the two paths alone ran
     /// at 29-33 (registered) and 27-35 GB/s (staged).
     pub registered_share: f64,
+    /// io_uring only: hand buffered (page-cache) reads to the kernel's worker threads
+    /// (`IOSQE_ASYNC`) instead of completing them inline in the submitting fill thread.
+    pub async_buffered: bool,
 }
 
 impl Default for LoadOptions {
@@ -112,6 +115,7 @@ impl Default for LoadOptions {
             register_threads: 2,
             queue_depth: 8,
             registered_share: 0.45,
+            async_buffered: true,
         }
     }
 }
@@ -512,6 +516,7 @@ impl Loader {
             start: range.start,
             direct: if direct { Direct::On } else { Direct::Off },
             queue_depth: self.opts.queue_depth,
+            async_buffered: self.opts.async_buffered,
             readers: Mutex::new(Vec::new()),
         };
         // Build one reader up front so that open errors surface as such.
@@ -625,6 +630,7 @@ struct FileSource {
     start: u64,
     direct: Direct,
     queue_depth: usize,
+    async_buffered: bool,
     readers: Mutex<Vec<(Reader, gpufeed_uring::FileId)>>,
 }
 
@@ -634,6 +640,7 @@ impl FileSource {
             .direct(self.direct)
             .queue_depth(self.queue_depth)
             .block_bytes(1 << 20)
+            .async_buffered(self.async_buffered)
             .build()?;
         let file = reader.open(&self.path)?;
         Ok((reader, file))
