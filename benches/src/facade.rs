@@ -154,32 +154,13 @@ pub fn measure(
     }
     progress("batch loader: the file as 64 KiB records, 256 per batch, 8 workers, to the GPU");
     cache::warm(file)?;
-    let mut bl = Vec::new();
-    for epoch in 0..reps as u64 {
-        use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
-        // SAFETY: the bench's data file is never changed while mapped.
-        let records = unsafe { RecordFile::open_fixed(file, 64 << 10)? };
-        let cfg = LoaderConfig {
-            batch_size: 256,
-            drop_last: true,
-            prefetch: 4,
-            workers: 8,
-        };
-        let mut loader = BatchLoader::new(
-            records,
-            Sampler::new(Order::Shuffled { seed: 1 }),
-            cfg,
-            Some(gpu),
-        )?;
-        let (secs, bytes) = timed(|| -> Result<u64> {
-            let mut bytes = 0;
-            for b in loader.epoch(epoch)? {
-                bytes += b?.bytes() as u64;
-            }
-            Ok(bytes)
-        });
-        bl.push(gbps(bytes?, secs));
-    }
+    let cfg = gpufeed::dataset::LoaderConfig {
+        batch_size: 256,
+        drop_last: true,
+        prefetch: 4,
+        workers: 8,
+    };
+    let batch_loader = crate::loader::epochs_gbps(file, 64 << 10, cfg, 1, Some(gpu), reps)?;
     Ok(FacadeBench {
         file_bytes: len,
         warm_default_gbps: Samples::new(d),
@@ -193,7 +174,7 @@ pub fn measure(
         cold_default_strategy: cold_strategy,
         raw_direct_read_gbps: Samples::new(raw),
         first_load_gbps,
-        batch_loader_gbps: Samples::new(bl),
+        batch_loader_gbps: batch_loader,
     })
 }
 

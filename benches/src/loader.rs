@@ -21,25 +21,22 @@ pub struct LoaderBench {
     pub host_gbps: Samples,
 }
 
-pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
-    cache::warm(dataset)?;
-    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+/// GB/s of `reps` epochs of one `BatchLoader` over `path` as records of `record` bytes
+/// (shuffled by `seed`), onto `gpu` or into host batches. The loader is built once, so its
+/// pinned pool and streams are allocated before the first epoch, not in every measurement.
+pub fn epochs_gbps(
+    path: &Path,
+    record: usize,
+    cfg: LoaderConfig,
+    seed: u64,
+    gpu: Option<&gpufeed::Gpu>,
+    reps: usize,
+) -> Result<Samples> {
+    // SAFETY: the bench's data files are written once and never changed while mapped.
+    let records = unsafe { RecordFile::open_fixed(path, record)? };
+    let mut loader = BatchLoader::new(records, Sampler::new(Order::Shuffled { seed }), cfg, gpu)?;
     let mut runs = Vec::new();
-    for epoch in 0..reps as u64 {
-        // SAFETY: the bench's data set is written once and never changed while mapped.
-        let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
-        let cfg = LoaderConfig {
-            batch_size: BATCH,
-            drop_last: true,
-            prefetch: 2 * workers,
-            workers,
-        };
-        let mut loader = BatchLoader::new(
-            records,
-            Sampler::new(Order::Shuffled { seed: 3 }),
-            cfg,
-            None,
-        )?;
+    for epoch in 0..=reps as u64 {
         let (secs, bytes) = timed(|| -> Result<u64> {
             let mut bytes = 0;
             for b in loader.epoch(epoch)? {
@@ -47,12 +44,27 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
             }
             Ok(bytes)
         });
-        runs.push(gbps(bytes?, secs));
+        let rate = gbps(bytes?, secs);
+        if epoch > 0 {
+            runs.push(rate); // epoch 0 warms the pool
+        }
     }
+    Ok(Samples::new(runs))
+}
+
+pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
+    cache::warm(dataset)?;
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let cfg = LoaderConfig {
+        batch_size: BATCH,
+        drop_last: true,
+        prefetch: 2 * workers,
+        workers,
+    };
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,
         workers,
-        host_gbps: Samples::new(runs),
+        host_gbps: epochs_gbps(dataset, RECORD, cfg, 3, None, reps)?,
     })
 }

@@ -485,6 +485,29 @@ impl TransferScheduler {
         })
     }
 
+    /// Ends a staged transfer: whatever happened, every copy issued must finish before the
+    /// staging buffers (back in the pool, each with its event) can be reused or freed.
+    fn finish_staged(
+        &self,
+        outcome: Result<()>,
+        bytes: u64,
+        chunks: usize,
+        copy_waited: Duration,
+        other_waited: Duration,
+    ) -> Result<TransferStats> {
+        let synced = self.sync_streams();
+        outcome?;
+        synced?;
+        Ok(TransferStats {
+            path: "staged",
+            bytes,
+            seconds: 0.0,
+            chunks: chunks as u64,
+            copy_waited_s: copy_waited.as_secs_f64(),
+            source_waited_s: other_waited.as_secs_f64(),
+        })
+    }
+
     fn sync_streams(&self) -> Result<()> {
         for s in &self.streams {
             s.synchronize()
@@ -592,17 +615,13 @@ impl TransferScheduler {
             }
             Ok(())
         });
-        // Whatever happened, every copy issued must finish before the staging buffers (back
-        // in the pool, each with its event) can be reused or freed.
-        let synced = self.sync_streams();
-        outcome?;
-        synced?;
-        Ok(staged_stats(
+        self.finish_staged(
+            outcome,
             len,
             chunks.len(),
             copy_waited,
             source_waited.into_inner(),
-        ))
+        )
     }
 
     fn download_staged(&self, dptr: sys::CUdeviceptr, dst: &mut [u8]) -> Result<TransferStats> {
@@ -659,15 +678,13 @@ impl TransferScheduler {
             }
             issued
         });
-        let synced = self.sync_streams();
-        outcome?;
-        synced?;
-        Ok(staged_stats(
+        self.finish_staged(
+            outcome,
             len,
             chunks.len(),
             copy_waited,
             drain_waited.into_inner(),
-        ))
+        )
     }
 
     /// Issues the device-to-host copies of a staged download, handing each filled staging
@@ -706,21 +723,5 @@ impl TransferScheduler {
             }
             Ok(())
         }
-    }
-}
-
-fn staged_stats(
-    bytes: u64,
-    chunks: usize,
-    copy_waited: Duration,
-    source_waited: Duration,
-) -> TransferStats {
-    TransferStats {
-        path: "staged",
-        bytes,
-        seconds: 0.0,
-        chunks: chunks as u64,
-        copy_waited_s: copy_waited.as_secs_f64(),
-        source_waited_s: source_waited.as_secs_f64(),
     }
 }

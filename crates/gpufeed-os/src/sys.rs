@@ -161,6 +161,16 @@ impl SystemInfo {
     }
 }
 
+/// `MemAvailable` alone (one read of /proc/meminfo), for callers on a hot path that need only
+/// it rather than all of [`SystemInfo::read`].
+pub fn mem_available() -> Reading<u64> {
+    let text = read_text("/proc/meminfo")?;
+    procfs::meminfo_bytes(&text, "MemAvailable").ok_or_else(|| Unreadable {
+        source: "/proc/meminfo".to_owned(),
+        reason: "no MemAvailable line".to_owned(),
+    })
+}
+
 fn read_text(path: &str) -> Reading<String> {
     std::fs::read_to_string(path).map_err(|e| Unreadable {
         source: path.to_owned(),

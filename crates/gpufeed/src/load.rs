@@ -561,10 +561,10 @@ fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Strategy, Stri
             ),
         );
     }
-    let available = gpufeed_os::SystemInfo::read()
-        .mem_available
-        .unwrap_or(u64::MAX);
-    let uring = Backend::probe().io_uring.is_ok();
+    let available = gpufeed_os::sys::mem_available().unwrap_or(u64::MAX);
+    // Probing sets up a ring: once per process is enough (the answer does not change).
+    static URING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let uring = *URING.get_or_init(|| Backend::probe().io_uring.is_ok());
     let dio = std::fs::File::open(path)
         .ok()
         .and_then(|f| gpufeed_os::align::dio_alignment(&f).ok())
