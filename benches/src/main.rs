@@ -148,6 +148,7 @@ fn main() -> Result<()> {
         Part::Access,
         Part::Reads,
         Part::Ipc,
+        Part::Loader,
     ]
     .into_iter()
     .any(host_part);
