@@ -7,6 +7,7 @@
 mod access;
 mod chart;
 mod facade;
+mod fillexp;
 mod gpu;
 mod handoff;
 mod ipc;

@@ -80,12 +80,14 @@ pub enum HostDest<'a> {
 /// Settings of a [`TransferScheduler`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TransferConfig {
-    /// Streams the chunks are spread over (default 4).
+    /// Streams the chunks of direct copies and staged downloads are spread over (default 4);
+    /// staged uploads use one stream per fill thread.
     pub streams: usize,
     /// Bytes per copy (default 16 MiB, where the pinned ceiling is reached).
     pub chunk_bytes: usize,
     /// Staging buffers in flight for pageable and fill transfers (default: twice the fill
-    /// threads).
+    /// threads). Staged uploads give each fill thread `staging_buffers / fill_threads` of them
+    /// (at least 2); staged downloads share them.
     pub staging_buffers: usize,
     /// Threads filling (or draining) staging buffers (default: half the cores, 2 to 8).
     pub fill_threads: usize,
@@ -115,9 +117,13 @@ pub struct TransferStats {
     pub seconds: f64,
     /// Copies issued.
     pub chunks: u64,
-    /// Seconds the copy side waited for the source to fill a staging buffer.
+    /// Seconds the copies waited for the source. Staged uploads: the mean time a fill thread
+    /// spent producing bytes (reading, copying); staged downloads: the time the copy side
+    /// waited for a free staging buffer. 0 for direct copies.
     pub copy_waited_s: f64,
-    /// Seconds the source side waited for a free staging buffer (its last copy to finish).
+    /// Seconds the source waited for the link. Staged uploads: the mean time a fill thread
+    /// waited for a staging buffer's previous copy to finish; staged downloads: the time the
+    /// drain threads waited for copies. 0 for direct copies.
     pub source_waited_s: f64,
 }
 
@@ -147,7 +153,10 @@ impl TransferStats {
 /// ```
 pub struct TransferScheduler {
     ctx: Arc<CudaContext>,
+    /// Streams of direct copies and staged downloads.
     streams: Vec<Arc<CudaStream>>,
+    /// One stream per fill thread of staged uploads.
+    lane_streams: Vec<Arc<CudaStream>>,
     pool: PinnedPool,
     cfg: TransferConfig,
     /// The GPU's node on a machine of several, where fill and drain threads run.
@@ -172,7 +181,20 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
 
-/// Free staging buffers shared by the copy side and the fill threads.
+/// What the lanes of one staged upload share.
+struct LaneWork<'a> {
+    source: &'a dyn FillSource,
+    dptr: sys::CUdeviceptr,
+    len: u64,
+    chunks: usize,
+    per_lane: usize,
+    /// The next chunk to take.
+    next: AtomicUsize,
+    /// Set by a failing lane: the others stop taking chunks.
+    abort: AtomicBool,
+}
+
+/// Free staging buffers shared by the copy side and the drain threads of a staged download.
 struct FreeList {
     bufs: Mutex<Vec<PooledBuffer>>,
     ready: Condvar,
@@ -215,12 +237,16 @@ impl TransferScheduler {
             fill_threads: cfg.fill_threads.max(1),
         };
         let ctx = Arc::clone(gpu.context());
-        let streams = (0..cfg.streams)
-            .map(|_| {
-                ctx.new_stream()
-                    .map_err(|e| Error::cuda("cuStreamCreate", e))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let new_streams = |n: usize| {
+            (0..n)
+                .map(|_| {
+                    ctx.new_stream()
+                        .map_err(|e| Error::cuda("cuStreamCreate", e))
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let streams = new_streams(cfg.streams)?;
+        let lane_streams = new_streams(cfg.fill_threads)?;
         let pool = PinnedPool::new(
             gpufeed_pinned::PoolMode::Cuda(Arc::clone(&ctx)),
             PoolConfig {
@@ -237,6 +263,7 @@ impl TransferScheduler {
         Ok(TransferScheduler {
             ctx,
             streams,
+            lane_streams,
             pool,
             cfg,
             placement,
@@ -316,7 +343,11 @@ impl TransferScheduler {
         let main = Arc::clone(dst.stream());
         let (dptr, write_guard) = dst.device_ptr_mut(&main);
         let dptr = dptr + dst_offset as u64;
-        self.streams_after(&main)?;
+        let streams = match src {
+            HostSource::Pageable(_) | HostSource::Fill { .. } => &self.lane_streams,
+            _ => &self.streams,
+        };
+        Self::streams_after(streams, &main)?;
         let start = Instant::now();
         let mut stats = match src {
             HostSource::Pinned(b) => self.copy_direct(b.as_ptr(), b.len(), dptr, "pinned")?,
@@ -346,7 +377,7 @@ impl TransferScheduler {
             HostSource::Pageable(s) => self.upload_staged(&SliceSource(s), s.len() as u64, dptr)?,
             HostSource::Fill { source, len } => self.upload_staged(source, len, dptr)?,
         };
-        self.main_after_streams(&main)?;
+        Self::main_after_streams(streams, &main)?;
         drop(write_guard);
         main.synchronize()
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -376,13 +407,13 @@ impl TransferScheduler {
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let main = Arc::clone(src.stream());
         let (dptr, read_guard) = src.device_ptr(&main);
-        self.streams_after(&main)?;
+        Self::streams_after(&self.streams, &main)?;
         let start = Instant::now();
         let mut stats = match dst {
             HostDest::Pinned(b) => self.download_direct(dptr, b.as_mut_ptr(), b.len())?,
             HostDest::Pageable(s) => self.download_staged(dptr, s)?,
         };
-        self.main_after_streams(&main)?;
+        Self::main_after_streams(&self.streams, &main)?;
         drop(read_guard);
         main.synchronize()
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -390,21 +421,21 @@ impl TransferScheduler {
         Ok(stats)
     }
 
-    /// Makes every worker stream wait for the work queued so far on `main`.
-    fn streams_after(&self, main: &CudaStream) -> Result<()> {
+    /// Makes the worker `streams` wait for the work queued so far on `main`.
+    fn streams_after(streams: &[Arc<CudaStream>], main: &CudaStream) -> Result<()> {
         let ev = main
             .record_event(None)
             .map_err(|e| Error::cuda("cuEventRecord", e))?;
-        for s in &self.streams {
+        for s in streams {
             s.wait(&ev)
                 .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
         }
         Ok(())
     }
 
-    /// Makes `main` wait for everything queued on the worker streams.
-    fn main_after_streams(&self, main: &CudaStream) -> Result<()> {
-        for s in &self.streams {
+    /// Makes `main` wait for everything queued on the worker `streams`.
+    fn main_after_streams(streams: &[Arc<CudaStream>], main: &CudaStream) -> Result<()> {
+        for s in streams {
             main.join(s)
                 .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
         }
@@ -436,7 +467,7 @@ impl TransferScheduler {
             }
             n += 1;
         }
-        let synced = self.sync_streams();
+        let synced = Self::sync_streams(&self.streams);
         issued?;
         synced?;
         Ok(TransferStats {
@@ -488,14 +519,14 @@ impl TransferScheduler {
     /// Ends a staged transfer: whatever happened, every copy issued must finish before the
     /// staging buffers (back in the pool, each with its event) can be reused or freed.
     fn finish_staged(
-        &self,
+        streams: &[Arc<CudaStream>],
         outcome: Result<()>,
         bytes: u64,
         chunks: usize,
         copy_waited: Duration,
         other_waited: Duration,
     ) -> Result<TransferStats> {
-        let synced = self.sync_streams();
+        let synced = Self::sync_streams(streams);
         outcome?;
         synced?;
         Ok(TransferStats {
@@ -508,8 +539,8 @@ impl TransferScheduler {
         })
     }
 
-    fn sync_streams(&self) -> Result<()> {
-        for s in &self.streams {
+    fn sync_streams(streams: &[Arc<CudaStream>]) -> Result<()> {
+        for s in streams {
             s.synchronize()
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         }
@@ -532,96 +563,128 @@ impl TransferScheduler {
         })
     }
 
+    /// A staged upload in lanes: each fill thread owns a stream and a few staging buffers,
+    /// fills a buffer, issues its copy on its own stream and moves on to the next buffer,
+    /// waiting only for that buffer's previous copy. Nothing funnels through one submitting
+    /// thread: on the H200 machine lanes moved cached file pages at 52 GB/s where one thread
+    /// handing filled buffers to the copies managed 44-46 (docs/benchmarks.md, sweep 4).
     fn upload_staged(
         &self,
         source: &dyn FillSource,
         len: u64,
         dptr: sys::CUdeviceptr,
     ) -> Result<TransferStats> {
-        let free = self.staging(len)?;
-        let next = AtomicUsize::new(0);
-        let chunks: Vec<(usize, u64, usize)> = self.chunks(len).collect();
-        let source_waited = Mutex::new(Duration::ZERO);
-        let (filled_tx, filled_rx) = mpsc::channel::<Result<(usize, PooledBuffer)>>();
-        let mut copy_waited = Duration::ZERO;
-        let outcome = std::thread::scope(|scope| -> Result<()> {
-            for _ in 0..self.cfg.fill_threads.min(chunks.len()) {
-                let tx = filled_tx.clone();
-                let (free, next, chunks, source_waited) = (&free, &next, &chunks, &source_waited);
-                scope.spawn(move || {
-                    let _placed = self.bind_worker();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(idx, off, size)) = chunks.get(i) else {
-                            return;
-                        };
-                        let t = Instant::now();
-                        let Some(mut buf) = free.take() else { return };
-                        let waited = buf.wait_idle().map_err(Error::from);
-                        *source_waited.lock() += t.elapsed();
-                        let result = waited.and_then(|()| {
-                            buf.set_len(size);
-                            source
-                                .fill(off, &mut buf[..size])
-                                .map_err(|e| Error::Source {
-                                    offset: off,
-                                    message: e.to_string(),
-                                })
-                        });
-                        let failed = result.is_err();
-                        if tx.send(result.map(|()| (idx, buf))).is_err() || failed {
-                            return;
-                        }
-                    }
-                });
-            }
-            drop(filled_tx);
-            let mut done = 0;
-            while done < chunks.len() {
-                let t = Instant::now();
-                let Ok(msg) = filled_rx.recv() else {
-                    break;
-                };
-                copy_waited += t.elapsed();
-                let (idx, mut buf) = match msg {
-                    Ok(x) => x,
-                    Err(e) => {
-                        free.stop();
-                        return Err(e);
-                    }
-                };
-                let (_, off, size) = chunks[idx];
-                let stream = &self.streams[idx % self.streams.len()];
-                // SAFETY: the staging buffer is pinned and stays untouched until the event
-                // recorded right after the copy completed (record_use / wait_idle); the device
-                // range was bounds checked by upload().
-                let copied = unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dptr + off,
-                        buf.as_ptr().cast(),
-                        size,
-                        stream.cu_stream(),
-                    )
-                }
-                .result()
-                .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
-                .and_then(|()| buf.record_use(stream).map_err(Error::from));
-                free.put(buf);
-                if let Err(e) = copied {
-                    free.stop();
-                    return Err(e);
-                }
-                done += 1;
-            }
-            Ok(())
-        });
-        self.finish_staged(
-            outcome,
+        let chunks = len.div_ceil(self.cfg.chunk_bytes as u64) as usize;
+        let lanes = &self.lane_streams[..self.lane_streams.len().min(chunks)];
+        let per_lane = (self.cfg.staging_buffers / self.cfg.fill_threads).max(2);
+        let work = LaneWork {
+            source,
+            dptr,
             len,
-            chunks.len(),
-            copy_waited,
-            source_waited.into_inner(),
-        )
+            chunks,
+            per_lane,
+            next: AtomicUsize::new(0),
+            abort: AtomicBool::new(false),
+        };
+        let mut filling = Duration::ZERO;
+        let mut waiting = Duration::ZERO;
+        let outcome = std::thread::scope(|scope| -> Result<()> {
+            let handles: Vec<_> = lanes
+                .iter()
+                .map(|stream| {
+                    let work = &work;
+                    scope.spawn(move || {
+                        let _placed = self.bind_worker();
+                        let mut timers = (Duration::ZERO, Duration::ZERO);
+                        let result = self.run_lane(work, stream, &mut timers);
+                        if result.is_err() {
+                            work.abort.store(true, Ordering::Release);
+                        }
+                        (result, timers)
+                    })
+                })
+                .collect();
+            let mut outcome = Ok(());
+            for h in handles {
+                let (result, (filled, waited)) = h.join().unwrap_or_else(|_| {
+                    work.abort.store(true, Ordering::Release);
+                    let panicked = Err(Error::Source {
+                        offset: 0,
+                        message: "a fill thread panicked".into(),
+                    });
+                    (panicked, (Duration::ZERO, Duration::ZERO))
+                });
+                filling += filled;
+                waiting += waited;
+                if outcome.is_ok() {
+                    outcome = result;
+                }
+            }
+            outcome
+        });
+        let n = lanes.len().max(1) as u32;
+        Self::finish_staged(lanes, outcome, len, chunks, filling / n, waiting / n)
+    }
+
+    /// One lane of a staged upload: takes chunks until none are left (or another lane
+    /// failed). `timers` gathers the seconds spent filling and waiting for a buffer's copy.
+    fn run_lane(
+        &self,
+        work: &LaneWork<'_>,
+        stream: &CudaStream,
+        timers: &mut (Duration, Duration),
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let chunk = self.cfg.chunk_bytes;
+        // Buffers go back to the pool on return carrying the events of their last copies;
+        // finish_staged waits for the lanes' streams before the upload returns.
+        let mut bufs: Vec<PooledBuffer> = Vec::with_capacity(work.per_lane);
+        for k in 0.. {
+            if work.abort.load(Ordering::Acquire) {
+                break;
+            }
+            let i = work.next.fetch_add(1, Ordering::Relaxed);
+            if i >= work.chunks {
+                break;
+            }
+            let off = i as u64 * chunk as u64;
+            let size = (work.len - off).min(chunk as u64) as usize;
+            let slot = k % work.per_lane;
+            if slot == bufs.len() {
+                bufs.push(self.pool.get(chunk)?);
+            }
+            let buf = &mut bufs[slot];
+            let t = Instant::now();
+            buf.wait_idle()?;
+            timers.1 += t.elapsed();
+            buf.set_len(size);
+            let t = Instant::now();
+            work.source
+                .fill(off, &mut buf[..size])
+                .map_err(|e| Error::Source {
+                    offset: off,
+                    message: e.to_string(),
+                })?;
+            timers.0 += t.elapsed();
+            // SAFETY: the staging buffer is pinned and is not written again before the event
+            // recorded right after this copy completed (wait_idle above, or the pool's own
+            // wait before it hands the buffer out again); the device range was bounds
+            // checked by upload().
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    work.dptr + off,
+                    buf.as_ptr().cast(),
+                    size,
+                    stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+            buf.record_use(stream)?;
+        }
+        Ok(())
     }
 
     fn download_staged(&self, dptr: sys::CUdeviceptr, dst: &mut [u8]) -> Result<TransferStats> {
@@ -678,7 +741,8 @@ impl TransferScheduler {
             }
             issued
         });
-        self.finish_staged(
+        Self::finish_staged(
+            &self.streams,
             outcome,
             len,
             chunks.len(),
