@@ -37,8 +37,9 @@ pub enum Strategy {
     /// Like `Staged` with `O_DIRECT`: for files not in the page cache, or larger than it.
     Direct,
     /// `Registered` for the first part of the file and `Staged` for the rest, at the same
-    /// time. On the H200 machine it beat either alone only with 16 MiB staging chunks; with
-    /// the default 4 MiB chunks `Staged` alone is faster, so `Auto` does not pick it.
+    /// time. `Auto` does not pick it: while `cuMemHostRegister` runs, the driver holds off
+    /// copies issued by other threads (on the H200 machine a 1 MiB copy took 1.1 ms to issue
+    /// instead of 1.6 us), so the staged part stalls; `Staged` alone is faster there.
     Hybrid,
 }
 
@@ -92,15 +93,17 @@ pub struct LoadOptions {
     /// at 29-33 (registered) and 27-35 GB/s (staged).
     pub registered_share: f64,
     /// io_uring only: hand buffered (page-cache) reads to the kernel's worker threads
-    /// (`IOSQE_ASYNC`) instead of completing them inline in the submitting fill thread.
+    /// (`IOSQE_ASYNC`) instead of completing them inline in the submitting fill thread (off by
+    /// default: inline, each fill thread copies the cached pages into its own staging buffers
+    /// and issues their uploads, which ran faster on the H200 machine).
     pub async_buffered: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        // Tuned on the H200 machine (docs/benchmarks.md): for copies out of the page cache,
-        // small chunks on every core keep the copy in the CPU caches (4 MiB x 16 threads:
-        // 44 GB/s, against 26-28 with 16 MiB chunks).
+        // Tuned on the H200 machine (docs/benchmarks.md, sweeps 3 and 4): for copies out of
+        // the page cache, 4 MiB chunks on every core, two staging buffers per fill thread
+        // (52 GB/s in lanes, against 26-28 with 16 MiB chunks).
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         let fill_threads = cores.clamp(2, 16);
         LoadOptions {
@@ -115,7 +118,7 @@ impl Default for LoadOptions {
             register_threads: 2,
             queue_depth: 8,
             registered_share: 0.45,
-            async_buffered: true,
+            async_buffered: false,
         }
     }
 }
