@@ -211,10 +211,21 @@ impl BatchRing {
         self.u32_at(waiters_off).fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// Frees the slot held in `word`, marking its holder's start time unknown first.
+    /// Frees the slot held in `word` by this process, marking its start time unknown first.
+    ///
+    /// Every holder clears the slot's start time before it lets go (here, and in `publish`):
+    /// the next holder records its own only after its compare-and-swap, and a reaper that
+    /// reads the new holder's pid in between must find 0 ("unknown": judged by the pid alone),
+    /// never the previous holder's start time, which would make a live process look dead and
+    /// free a slot it is writing or reading.
     fn free_slot(&self, slot: u32, word: u64) -> bool {
         self.slot_u64(slot, layout::SLOT_START)
             .store(0, Ordering::Relaxed);
+        self.free_word(slot, word)
+    }
+
+    /// CLAIMED/TAKEN `word` -> FREE, waking claimers.
+    fn free_word(&self, slot: u32, word: u64) -> bool {
         let freed = state::free(self.ctl(slot), word);
         if freed {
             self.bump(layout::OFF_FREE_SEQ, OFF_FREE_WAITERS);
@@ -354,13 +365,19 @@ impl BatchRing {
             if pid == self.me.pid {
                 continue;
             }
-            let holder = ProcessIdentity {
-                pid,
-                start_ticks: self
-                    .slot_u64(slot, layout::SLOT_START)
-                    .load(Ordering::Relaxed),
-            };
-            if !holder.is_alive() && self.free_slot(slot, word) {
+            // Acquire of `word` above: the 0 stored by the previous holder before it let go is
+            // visible, so this reads 0 or a start time recorded since (see `free_slot`).
+            let start = self.slot_u64(slot, layout::SLOT_START);
+            let start_ticks = start.load(Ordering::Relaxed);
+            let holder = ProcessIdentity { pid, start_ticks };
+            // Clear the start time only if it is still the dead holder's (a reading taken
+            // after the slot moved on fails the second compare-and-swap anyway).
+            if !holder.is_alive()
+                && start
+                    .compare_exchange(start_ticks, 0, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                && self.free_word(slot, word)
+            {
                 tracing::warn!(slot, pid, "freed a slot held by a dead process");
                 freed += 1;
             }
@@ -479,6 +496,9 @@ impl Claim<'_> {
             .fetch_add(1, Ordering::Relaxed);
         ring.slot_u64(self.slot, layout::SLOT_SEQ)
             .store(seq, Ordering::Relaxed);
+        // The taker records its start time after its own compare-and-swap (see free_slot).
+        ring.slot_u64(self.slot, layout::SLOT_START)
+            .store(0, Ordering::Relaxed);
         self.done = true;
         if !state::publish(ring.ctl(self.slot), self.word) {
             return Err(Error::SlotLost { slot: self.slot });
@@ -668,5 +688,51 @@ impl Batch<'_> {
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
         self.ring.free_slot(self.slot, self.word);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A live process of another pid that holds a slot must never be reaped, also in the
+    /// moment between its compare-and-swap and recording its start time. Before the fix the
+    /// slot still carried the previous holder's start time then, the reaper judged the new
+    /// holder dead and freed a slot it was using (seen on the H200 machine as a batch whose
+    /// bytes were overwritten by the next producer).
+    #[test]
+    fn a_new_holder_is_not_reaped_before_it_records_its_start_time() {
+        // Start times count clock ticks (10 ms): make the other process's differ from ours.
+        std::thread::sleep(Duration::from_millis(50));
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawn sleep");
+        let other_pid = other.id();
+        let ring = BatchRing::create_unique(1, 4096).expect("ring");
+        let consumer = ring.consumer().expect("consumer");
+
+        // This process publishes; another (live) process takes the batch but has not yet
+        // recorded its start time.
+        let mut claim = ring.try_claim().expect("claim").expect("free slot");
+        claim.write_at(0, b"batch").expect("write");
+        claim.set_len(5).expect("len");
+        claim.publish().expect("publish");
+        let seen = ring.ctl(0).load(Ordering::Acquire);
+        let taken = state::try_take(ring.ctl(0), seen, other_pid).expect("take");
+        assert_eq!(ring.reap(), 0, "a live taker's slot was freed");
+        assert_eq!(ring.ctl(0).load(Ordering::Acquire), taken);
+
+        // The taker lets go; another live process claims and has not recorded its start yet.
+        assert!(ring.free_slot(0, taken));
+        let claimed = state::try_claim(ring.ctl(0), other_pid).expect("claim");
+        assert_eq!(ring.reap(), 0, "a live claimer's slot was freed");
+        assert_eq!(ring.ctl(0).load(Ordering::Acquire), claimed);
+
+        // Once the holder is dead the slot is reaped.
+        other.kill().expect("kill");
+        other.wait().expect("wait");
+        assert_eq!(ring.reap(), 1, "a dead holder's slot stays taken");
+        drop(consumer);
     }
 }
