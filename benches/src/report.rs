@@ -366,7 +366,7 @@ fn facade_table(s: &mut String, g: &GpuBench) {
     );
     let _ = writeln!(
         s,
-        "| warm, Strategy::Staged (io_uring reads into pinned staging) | {} | {:.0}% of the pinned limit |",
+        "| warm, Strategy::Staged right after a registered load (whose unregistration still runs in the background and holds off copies) | {} | {:.0}% of the pinned limit |",
         f.warm_staged_gbps.show(1),
         f.warm_staged_gbps.median / limit * 100.0
     );

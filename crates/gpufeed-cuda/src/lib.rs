@@ -8,9 +8,11 @@
 //! - [`TransferScheduler`]: host -> device (and back) in chunks spread over several streams.
 //!   Pinned and registered memory is copied directly; pageable memory and [`FillSource`]s
 //!   (a file reader, a decoder) go through pinned staging buffers from a
-//!   [`gpufeed_pinned::PinnedPool`], filled by worker threads while earlier chunks are on the
-//!   wire. A staging buffer is reused only after the event of its last copy completed (the
-//!   pool's guard owns the event). [`TransferStats`] says where time went.
+//!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes: each fill thread owns a stream and
+//!   a few staging buffers, fills one, issues its copy and fills the next while the first is
+//!   on the wire (no single submitting thread to funnel through). A staging buffer is reused
+//!   only after the event of its last copy completed (the pool's guard owns the event).
+//!   [`TransferStats`] says where time went.
 //!
 //! Depends on `cudarc` (driver API, dynamic loading), `gpufeed-pinned`, `gpufeed-numa`.
 

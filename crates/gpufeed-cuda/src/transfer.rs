@@ -1,5 +1,7 @@
 //! The transfer scheduler: chunked host<->device copies over several streams, with pinned
-//! staging buffers filled by worker threads while earlier chunks are on the wire.
+//! staging buffers filled by worker threads while earlier chunks are on the wire (uploads in
+//! lanes, one stream per fill thread; downloads through a shared free list and drain
+//! threads).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
