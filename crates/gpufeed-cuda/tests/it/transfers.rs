@@ -238,3 +238,44 @@ fn a_staging_buffer_is_not_handed_out_while_its_copy_runs() {
     );
     stream.synchronize().expect("sync");
 }
+
+#[test]
+fn staged_uploads_from_several_threads_at_once_are_byte_exact() {
+    let Some(gpu) = gpu_or_skip("staged_uploads_from_several_threads_at_once_are_byte_exact")
+    else {
+        return;
+    };
+    // The lanes of concurrent uploads share the scheduler's lane streams and staging pool.
+    let sched = TransferScheduler::new(&gpu, config(2, 1 << 20)).expect("scheduler");
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (gpu, sched) = (&gpu, &sched);
+            s.spawn(move || {
+                for round in 0..3u64 {
+                    let data = random_bytes((24 << 20) + 13 * (t as usize + 1), 100 * t + round);
+                    let mut dev = gpu.alloc_zeroed(data.len()).expect("alloc");
+                    let stats = if round % 2 == 0 {
+                        sched.upload(HostSource::Pageable(&data), &mut dev, 0)
+                    } else {
+                        let source = gpufeed_cuda::SliceSource(&data);
+                        sched.upload(
+                            HostSource::Fill {
+                                source: &source,
+                                len: data.len() as u64,
+                            },
+                            &mut dev,
+                            0,
+                        )
+                    }
+                    .expect("upload");
+                    assert_eq!(stats.path, "staged");
+                    assert_eq!(
+                        xxh3_64(&gpu.to_vec(&dev).expect("back")),
+                        xxh3_64(&data),
+                        "thread {t} round {round}: the bytes on the GPU differ"
+                    );
+                }
+            });
+        }
+    });
+}
