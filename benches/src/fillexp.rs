@@ -558,3 +558,185 @@ pub fn fill_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
     drop(guard);
     Ok(())
 }
+
+/// A CUDA context of its own (not the primary one) for registering host memory on a thread.
+struct OwnContext(sys::CUcontext);
+
+impl OwnContext {
+    /// Creates a context on `dev` and makes it current on the calling thread.
+    fn create(dev: sys::CUdevice) -> Result<Self> {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the context is destroyed on drop.
+        unsafe { sys::cuCtxCreate_v2(&mut ctx, 0, dev) }.result()?;
+        Ok(OwnContext(ctx))
+    }
+}
+
+impl Drop for OwnContext {
+    fn drop(&mut self) {
+        // SAFETY: created by cuCtxCreate and not used after this.
+        let _ = unsafe { sys::cuCtxDestroy_v2(self.0) };
+    }
+}
+
+/// Registers `[p, p + n)` portable and read-only in the current context.
+///
+/// # Safety
+/// The range must be mapped for as long as it stays registered.
+unsafe fn register_raw(p: usize, n: usize) -> Result<()> {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_READ_ONLY;
+    // SAFETY: the caller's promise.
+    unsafe { sys::cuMemHostRegister_v2(p as *mut _, n, flags) }.result()?;
+    Ok(())
+}
+
+/// Registering in a second context of the same device (GPUFEED_BENCH_CTX_EXPERIMENT=1): its
+/// cost, copies from it in the primary context, and hybrids that register the head there while
+/// lanes stage the tail.
+pub fn ctx_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
+    cache::warm(path)?;
+    let ctx = Arc::clone(gpu.context());
+    let len = path.metadata()?.len();
+    let file = File::open(path)?;
+    let stream = ctx.new_stream()?;
+    // SAFETY: the bench's file never changes while mapped.
+    let map = unsafe { FileMap::open(path, MapMode::ReadOnly) }?;
+    let base = map.as_ptr() as usize;
+    let piece = 64usize << 20;
+
+    // Registration in the second context alone, then copies from it in the primary one.
+    let (reg_s, r) = timed(|| -> Result<()> {
+        std::thread::scope(|s| {
+            s.spawn(|| -> Result<()> {
+                let own = OwnContext::create(ctx.cu_device())?;
+                for off in (0..len as usize).step_by(piece) {
+                    // SAFETY: inside the mapping; unregistered below before it is dropped.
+                    unsafe { register_raw(base + off, piece.min(len as usize - off)) }?;
+                }
+                std::mem::forget(own); // keep the registrations (and their context) alive
+                Ok(())
+            })
+            .join()
+            .map_err(|_| anyhow!("panicked"))?
+        })
+    });
+    r?;
+    let mut dev = gpu.alloc_zeroed(len as usize)?;
+    let (dptr, guard) = dev.device_ptr_mut(&stream);
+    let (copy_s, r) = timed(|| -> Result<()> {
+        ctx.bind_to_thread()?;
+        for off in (0..len as usize).step_by(16 << 20) {
+            // SAFETY: registered (portable) above; dev holds len bytes.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dptr + off as u64,
+                    (base + off) as *const std::ffi::c_void,
+                    (16usize << 20).min(len as usize - off),
+                    stream.cu_stream(),
+                )
+            }
+            .result()?;
+        }
+        stream.synchronize()?;
+        Ok(())
+    });
+    r?;
+    eprintln!(
+        "FILLX second context: register 4 GiB {:.1} ms; copies from it in the primary context {:.1} GB/s",
+        reg_s * 1e3,
+        gbps(len, copy_s)
+    );
+    for off in (0..len as usize).step_by(piece) {
+        // SAFETY: registered above; portable registrations may be undone from any context.
+        let _ = unsafe { sys::cuMemHostUnregister((base + off) as *mut _) };
+    }
+
+    // Hybrid: a thread with its own context registers the head in 64 MiB pieces and hands
+    // each to a primary-context thread that copies it; lanes stage the tail.
+    let own = OwnContext::create(ctx.cu_device())?;
+    let own_raw = own.0 as usize;
+    ctx.bind_to_thread()?;
+    for threads in [12usize, 16] {
+        let mut l = lanes(&ctx, threads, 2, 4 << 20, false)?;
+        for share in [0.0f64, 0.2, 0.35, 0.5] {
+            let head = ((len as f64 * share) as u64) / (piece as u64) * piece as u64;
+            let mut v = Vec::new();
+            for rep in 0..4 {
+                let started = Instant::now();
+                let registered = std::thread::scope(|s| -> Result<Vec<usize>> {
+                    let (tx, rx) = std::sync::mpsc::channel::<usize>();
+                    let reg = s.spawn(move || -> Result<()> {
+                        // SAFETY: the context lives until the end of the experiment.
+                        unsafe { sys::cuCtxSetCurrent(own_raw as sys::CUcontext) }.result()?;
+                        for off in (0..head as usize).step_by(piece) {
+                            // SAFETY: inside the mapping; unregistered after the load.
+                            unsafe { register_raw(base + off, piece) }?;
+                            if tx.send(off).is_err() {
+                                break;
+                            }
+                        }
+                        Ok(())
+                    });
+                    let ctx = &ctx;
+                    let copier = s.spawn(move || -> Result<Vec<usize>> {
+                        ctx.bind_to_thread()?;
+                        let cs = ctx.new_stream()?;
+                        let mut done = Vec::new();
+                        for off in rx {
+                            // SAFETY: registered by the other thread; inside dev.
+                            unsafe {
+                                sys::cuMemcpyHtoDAsync_v2(
+                                    dptr + off as u64,
+                                    (base + off) as *const std::ffi::c_void,
+                                    piece,
+                                    cs.cu_stream(),
+                                )
+                            }
+                            .result()?;
+                            done.push(off);
+                        }
+                        cs.synchronize()?;
+                        Ok(done)
+                    });
+                    run_lanes(
+                        ctx,
+                        &mut l,
+                        Some(dptr),
+                        head..len,
+                        4 << 20,
+                        Method::Pread,
+                        &file,
+                        path,
+                        None,
+                    )?;
+                    let done = copier.join().map_err(|_| anyhow!("copier panicked"))??;
+                    reg.join().map_err(|_| anyhow!("register panicked"))??;
+                    Ok(done)
+                })?;
+                let secs = started.elapsed().as_secs_f64();
+                if rep == 3 {
+                    eprintln!(
+                        "FILLX   ({} pieces registered and copied, load {:.1} ms)",
+                        registered.len(),
+                        secs * 1e3
+                    );
+                }
+                for off in registered {
+                    // SAFETY: registered above, copies synchronized.
+                    let _ = unsafe { sys::cuMemHostUnregister((base + off) as *mut _) };
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                if rep > 0 {
+                    v.push(gbps(len, secs));
+                }
+            }
+            eprintln!(
+                "FILLX hybrid (registering in a second context) threads {threads} share {share}: {:.1} GB/s",
+                Samples::new(v).median
+            );
+        }
+    }
+    drop(guard);
+    drop(own);
+    Ok(())
+}

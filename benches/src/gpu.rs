@@ -68,6 +68,12 @@ pub fn measure(
         }
         Err(e) => return Err(e.into()),
     };
+    if std::env::var("GPUFEED_BENCH_CTX_EXPERIMENT").is_ok() {
+        let path = dir.join(format!("gpu-file-{file_bytes}.bin"));
+        ensure_random_file(&path, file_bytes, 0xF11E)?;
+        crate::fillexp::ctx_experiment(&gpu, &path)?;
+        return Ok(None);
+    }
     if std::env::var("GPUFEED_BENCH_FILL_EXPERIMENT").is_ok() {
         let path = dir.join(format!("gpu-file-{file_bytes}.bin"));
         ensure_random_file(&path, file_bytes, 0xF11E)?;

@@ -42,7 +42,8 @@ pub struct Residency {
     pub file_bytes: u64,
     /// How it was measured.
     pub method: ResidencyMethod,
-    /// True when the count may miss cached pages (`mincore` on a file we cannot write).
+    /// True when the count may miss cached pages (`mincore` on a file we cannot write), or
+    /// is an estimate from samples ([`residency_estimate`]).
     pub approximate: bool,
 }
 
@@ -98,10 +99,10 @@ pub fn residency_with(file: &File, method: ResidencyMethod) -> Result<Residency>
     let total_pages = file_bytes.div_ceil(page);
     let (resident_pages, dirty_pages, approximate) = match method {
         ResidencyMethod::Cachestat => {
-            let stat = cachestat(file, file_bytes)?;
+            let stat = cachestat(file, 0, file_bytes)?;
             (stat.nr_cache, Some(stat.nr_dirty), false)
         }
-        ResidencyMethod::Mincore => (mincore_count(file, file_bytes)?, None, !may_write(file)),
+        ResidencyMethod::Mincore => (mincore_count(file, 0, file_bytes)?, None, !may_write(file)),
     };
     Ok(Residency {
         resident_pages: resident_pages.min(total_pages),
@@ -111,6 +112,121 @@ pub fn residency_with(file: &File, method: ResidencyMethod) -> Result<Residency>
         file_bytes,
         method,
         approximate,
+    })
+}
+
+/// Windows [`residency_estimate`] looks at.
+const SAMPLE_WINDOWS: u64 = 32;
+/// Bytes per window.
+const SAMPLE_BYTES: u64 = 1 << 20;
+
+/// Estimates the page-cache residency of bytes `range` of the file at `path` from 32 windows
+/// of 1 MiB spread evenly over it (counted exactly when the range is 32 MiB or less).
+///
+/// An exact count walks every page of the range: `cachestat` of a 2 GiB file took 17 ms on
+/// the development VM, a fifth of the time the H200 machine needs to load 4 GiB. The estimate
+/// is marked [`Residency::approximate`]; its page counts are those of the windows, so use
+/// [`Residency::fraction`]. `file_bytes` is the file's size.
+///
+/// # Example
+/// ```
+/// let len = std::fs::metadata("/proc/self/exe")?.len();
+/// let r = gpufeed_os::cache::residency_estimate("/proc/self/exe", 0..len)?;
+/// assert!((0.0..=1.0).contains(&r.fraction()));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// A missing file or not a regular file, a range past its end ([`Error::RangePastEof`]);
+/// failures of `cachestat` or `mincore`.
+pub fn residency_estimate(
+    path: impl AsRef<Path>,
+    range: std::ops::Range<u64>,
+) -> Result<Residency> {
+    let path = path.as_ref();
+    let (file, _) = open_regular(path, false)?;
+    let file_bytes = file
+        .metadata()
+        .map_err(|e| Error::io("fstat", Some(path.into()), e))?
+        .len();
+    if range.start > range.end || range.end > file_bytes {
+        return Err(Error::RangePastEof {
+            path: path.into(),
+            offset: range.start,
+            len: range.end.saturating_sub(range.start),
+            file_len: file_bytes,
+        });
+    }
+    let first = match residency_estimate_with(&file, range.clone(), ResidencyMethod::Cachestat) {
+        Err(Error::Unsupported { .. }) => {
+            residency_estimate_with(&file, range, ResidencyMethod::Mincore)
+        }
+        other => other,
+    };
+    first.map_err(|e| with_path(e, path))
+}
+
+/// [`residency_estimate`] of an open file with the given method.
+///
+/// # Errors
+/// [`Error::Unsupported`] for `Cachestat` on kernels before 6.5; a range past the end of the
+/// file; failures of `cachestat` or `mincore`.
+pub fn residency_estimate_with(
+    file: &File,
+    range: std::ops::Range<u64>,
+    method: ResidencyMethod,
+) -> Result<Residency> {
+    let file_bytes = file
+        .metadata()
+        .map_err(|e| Error::io("fstat", None, e))?
+        .len();
+    if range.start > range.end || range.end > file_bytes {
+        return Err(Error::RangePastEof {
+            path: std::path::PathBuf::new(),
+            offset: range.start,
+            len: range.end.saturating_sub(range.start),
+            file_len: file_bytes,
+        });
+    }
+    let page = page_size() as u64;
+    let len = range.end - range.start;
+    let windows: Vec<(u64, u64)> = if len <= SAMPLE_WINDOWS * SAMPLE_BYTES {
+        vec![(range.start, len)]
+    } else {
+        let step = (len - SAMPLE_BYTES) / (SAMPLE_WINDOWS - 1);
+        (0..SAMPLE_WINDOWS)
+            .map(|i| ((range.start + i * step) / page * page, SAMPLE_BYTES))
+            .collect()
+    };
+    let (mut resident, mut total) = (0u64, 0u64);
+    let mut dirty = (method == ResidencyMethod::Cachestat).then_some(0u64);
+    for (off, n) in windows {
+        // Whole pages covering [off, off + n).
+        let first = off / page * page;
+        let end = (off + n)
+            .next_multiple_of(page)
+            .min(file_bytes.next_multiple_of(page));
+        if end <= first {
+            continue;
+        }
+        total += (end - first) / page;
+        match method {
+            ResidencyMethod::Cachestat => {
+                let stat = cachestat(file, first, end - first)?;
+                resident += stat.nr_cache;
+                dirty = dirty.map(|d| d + stat.nr_dirty);
+            }
+            ResidencyMethod::Mincore => resident += mincore_count(file, first, end)?,
+        }
+    }
+    Ok(Residency {
+        resident_pages: resident.min(total),
+        total_pages: total,
+        dirty_pages: dirty,
+        page_size: page,
+        file_bytes,
+        method,
+        approximate: true,
     })
 }
 
@@ -133,10 +249,11 @@ struct Cachestat {
 /// `cachestat` has number 451 in the unified syscall table of every 64-bit architecture.
 const SYS_CACHESTAT: libc::c_long = 451;
 
-fn cachestat(file: &File, file_bytes: u64) -> Result<Cachestat> {
+/// `cachestat` over `len` bytes at `off` (a page multiple).
+fn cachestat(file: &File, off: u64, len: u64) -> Result<Cachestat> {
     let range = CachestatRange {
-        off: 0,
-        len: file_bytes.max(1),
+        off,
+        len: len.max(1),
     };
     let mut out = Cachestat::default();
     // SAFETY: both pointers point to live, correctly laid out structs (include/uapi/linux/mman.h)
@@ -165,15 +282,16 @@ fn cachestat(file: &File, file_bytes: u64) -> Result<Cachestat> {
     }
 }
 
-/// Counts resident pages with `mincore` over 1 GiB windows of a read-only mapping.
-fn mincore_count(file: &File, file_bytes: u64) -> Result<u64> {
+/// Counts resident pages of `[start, end)` (`start` a page multiple) with `mincore` over
+/// 1 GiB windows of a read-only mapping.
+fn mincore_count(file: &File, start: u64, end: u64) -> Result<u64> {
     const WINDOW: u64 = 1 << 30;
     let page = page_size() as u64;
     let mut resident = 0u64;
     let mut vec = Vec::new();
-    let mut offset = 0u64;
-    while offset < file_bytes {
-        let len = (file_bytes - offset).min(WINDOW) as usize;
+    let mut offset = start;
+    while offset < end {
+        let len = (end - offset).min(WINDOW) as usize;
         // SAFETY: the mapping is only passed to mincore, which does not read its pages, so a
         // concurrent truncation cannot fault here.
         let map = unsafe { MmapOptions::new().offset(offset).len(len).map(file) }

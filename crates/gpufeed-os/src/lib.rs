@@ -11,7 +11,7 @@
 //! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
 //! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
-//! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::evict`], [`cache::warm`] |
+//! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::residency_estimate`] (sampled), [`cache::evict`], [`cache::warm`] |
 //! | [`align`] | [`AlignedBuf`], [`align::dio_alignment`] (statx DIOALIGN) |
 //! | [`process`] | [`process::ProcessIdentity`]: pid + start time, alive or not across pid reuse |
 //! | [`sys`] | [`SystemInfo::read`]: page sizes, THP, swappiness, memlock, /dev/shm, io_uring, memory |

@@ -135,3 +135,68 @@ fn residency_of_bad_paths_and_empty_files() {
     let r = cache::warm(&empty).expect("warm of an empty file");
     assert_eq!((r.total_pages, r.fraction()), (0, 1.0));
 }
+
+#[test]
+fn residency_estimates_follow_what_was_read() {
+    use std::os::unix::fs::FileExt;
+    const MIB: u64 = 1 << 20;
+    let len = 96 * MIB + 4097;
+    let (_dir, path) = disk_file(len as usize, 3);
+    cache::evict(&path).expect("evict");
+    // Read the first 48 MiB: that half is cached, the last 40 MiB (past any readahead) not.
+    let file = std::fs::File::open(&path).expect("open");
+    let mut buf = vec![0u8; MIB as usize];
+    for off in (0..48 * MIB).step_by(MIB as usize) {
+        file.read_exact_at(&mut buf, off).expect("read");
+    }
+    let methods = match cache::residency_with(&file, ResidencyMethod::Cachestat) {
+        Ok(_) => vec![ResidencyMethod::Cachestat, ResidencyMethod::Mincore],
+        Err(e) => {
+            eprintln!("cachestat unavailable here ({e}); mincore only");
+            vec![ResidencyMethod::Mincore]
+        }
+    };
+    for method in methods {
+        let est = |r: std::ops::Range<u64>| {
+            cache::residency_estimate_with(&file, r, method).expect("estimate")
+        };
+        let whole = est(0..len);
+        assert!(whole.approximate);
+        assert_eq!(whole.method, method);
+        assert_eq!(
+            whole.total_pages,
+            32 * MIB / whole.page_size,
+            "32 windows of 1 MiB"
+        );
+        assert!(
+            (0.4..=0.6).contains(&whole.fraction()),
+            "{method:?}: half read, estimated {whole:?}"
+        );
+        assert!(
+            est(0..48 * MIB).fraction() >= 0.95,
+            "{method:?}: the read half"
+        );
+        assert!(
+            est(56 * MIB..len).fraction() <= 0.05,
+            "{method:?}: the unread part"
+        );
+        // Small ranges are counted exactly, also unaligned ones.
+        let small = est(4097..4097 + 3 * MIB);
+        assert_eq!(small.total_pages, 3 * MIB / small.page_size + 1);
+        assert_eq!(small.resident_pages, small.total_pages);
+        assert!(matches!(
+            cache::residency_estimate_with(&file, 0..len + 1, method),
+            Err(Error::RangePastEof { .. })
+        ));
+    }
+    let by_path = cache::residency_estimate(&path, 0..len).expect("estimate by path");
+    assert!((0.4..=0.6).contains(&by_path.fraction()), "{by_path:?}");
+    assert!(matches!(
+        cache::residency_estimate(path.with_extension("missing"), 0..1),
+        Err(Error::NotFound { .. })
+    ));
+    assert!(matches!(
+        cache::residency_estimate(&path, 0..len + 1),
+        Err(Error::RangePastEof { .. })
+    ));
+}
