@@ -286,3 +286,46 @@ fn worker_processes_feed_device_batches() {
     };
     crate::workers::check_ring_loader(Some(&gpu));
 }
+
+#[test]
+fn registered_loads_clean_up_in_the_background_and_can_be_waited_for() {
+    let Some(gpu) =
+        gpu_or_skip("registered_loads_clean_up_in_the_background_and_can_be_waited_for")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("c.bin");
+    let data = random_bytes((20 << 20) + 3, 5);
+    std::fs::write(&path, &data).expect("write");
+    gpufeed::os::cache::warm(&path).expect("warm");
+    let with = |strategy| {
+        Loader::new(
+            &gpu,
+            LoadOptions {
+                strategy,
+                ..LoadOptions::default()
+            },
+        )
+        .expect("loader")
+    };
+    let registered = with(Strategy::Registered);
+    let mut expected = 0;
+    for _ in 0..2 {
+        let (buf, report) = registered.load_file(&path).expect("load");
+        assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
+        // A platform that refuses registration stages instead: nothing to undo then.
+        if report.strategy == Strategy::Registered && report.fallbacks.is_empty() {
+            expected += 1;
+        }
+    }
+    assert_eq!(registered.wait_for_cleanup(), expected);
+    assert_eq!(registered.wait_for_cleanup(), 0, "nothing left");
+    let staged = with(Strategy::Staged);
+    drop(staged.load_file(&path).expect("staged load"));
+    assert_eq!(
+        staged.wait_for_cleanup(),
+        0,
+        "staged loads register nothing"
+    );
+}
