@@ -237,6 +237,36 @@ fn map_for(m: Method, path: &Path) -> Result<Option<FileMap>> {
     Ok(Some(unsafe { FileMap::open(path, MapMode::ReadOnly) }?))
 }
 
+/// GB/s of one `run_lanes` over the whole file (the mapping of `Method::Mmap` included).
+#[allow(clippy::too_many_arguments)]
+fn time_lanes(
+    ctx: &Arc<CudaContext>,
+    lanes: &mut [Lane],
+    dptr: Option<u64>,
+    len: u64,
+    chunk: usize,
+    method: Method,
+    file: &File,
+    path: &Path,
+) -> Result<f64> {
+    let (s, r) = timed(|| -> Result<()> {
+        let map = map_for(method, path)?;
+        run_lanes(
+            ctx,
+            lanes,
+            dptr,
+            0..len,
+            chunk,
+            method,
+            file,
+            path,
+            map.as_ref(),
+        )
+    });
+    r?;
+    Ok(gbps(len, s))
+}
+
 fn shell(cmd: &str) {
     if let Ok(o) = std::process::Command::new("sh").arg("-c").arg(cmd).output() {
         eprintln!(
@@ -276,24 +306,7 @@ pub fn fill_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
         for chunk in [1usize << 20, 4 << 20] {
             let mut l = lanes(&ctx, threads, 2, chunk, false)?;
             for m in methods {
-                let mut one = || -> Result<f64> {
-                    let (s, r) = timed(|| -> Result<()> {
-                        let map = map_for(m, path)?;
-                        run_lanes(
-                            &ctx,
-                            &mut l,
-                            None,
-                            0..len,
-                            chunk,
-                            m,
-                            &file,
-                            path,
-                            map.as_ref(),
-                        )
-                    });
-                    r?;
-                    Ok(gbps(len, s))
-                };
+                let mut one = || time_lanes(&ctx, &mut l, None, len, chunk, m, &file, path);
                 let alone = median3(&mut one)?;
                 let (busy, bg) = with_background_dma(&ctx, || median3(&mut one))?;
                 eprintln!(
@@ -312,22 +325,7 @@ pub fn fill_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
                 let mut l = lanes(&ctx, threads, per, chunk, false)?;
                 for m in methods {
                     let r = median3(|| {
-                        let (s, r) = timed(|| -> Result<()> {
-                            let map = map_for(m, path)?;
-                            run_lanes(
-                                &ctx,
-                                &mut l,
-                                Some(dptr),
-                                0..len,
-                                chunk,
-                                m,
-                                &file,
-                                path,
-                                map.as_ref(),
-                            )
-                        });
-                        r?;
-                        Ok(gbps(len, s))
+                        time_lanes(&ctx, &mut l, Some(dptr), len, chunk, m, &file, path)
                     })?;
                     eprintln!(
                         "FILLX lanes {m:?} threads {threads} chunk {} MiB x{per}: {r:.1} GB/s",
@@ -341,21 +339,16 @@ pub fn fill_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
     for threads in [12usize, 16] {
         let mut l = lanes(&ctx, threads, 2, 4 << 20, true)?;
         let r = median3(|| {
-            let (s, r) = timed(|| {
-                run_lanes(
-                    &ctx,
-                    &mut l,
-                    Some(dptr),
-                    0..len,
-                    4 << 20,
-                    Method::Pread,
-                    &file,
-                    path,
-                    None,
-                )
-            });
-            r?;
-            Ok(gbps(len, s))
+            time_lanes(
+                &ctx,
+                &mut l,
+                Some(dptr),
+                len,
+                4 << 20,
+                Method::Pread,
+                &file,
+                path,
+            )
         })?;
         eprintln!(
             "FILLX lanes Pread threads {threads} chunk 4 MiB x2 blocking-sync events: {r:.1} GB/s"
