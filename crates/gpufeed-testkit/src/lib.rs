@@ -52,6 +52,18 @@ pub fn skip_without_gpu(test: &str, why: &dyn std::fmt::Display) {
     eprintln!("SKIP {test}: {why}");
 }
 
+/// The opened GPU (or context), or None after skipping `test` with the error as the reason
+/// (see [`skip_without_gpu`]).
+pub fn opened_or_skip<T, E: std::fmt::Display>(test: &str, opened: Result<T, E>) -> Option<T> {
+    match opened {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            skip_without_gpu(test, &e);
+            None
+        }
+    }
+}
+
 /// The environment variable that tells a re-run test binary which role to play.
 pub const CHILD_ROLE: &str = "GPUFEED_IT_CHILD";
 

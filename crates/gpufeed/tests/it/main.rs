@@ -9,13 +9,7 @@ use gpufeed::Gpu;
 
 /// GPU 0, or None after printing why the calling test is skipped.
 pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(gpu) => Some(gpu),
-        Err(e) => {
-            gpufeed_testkit::skip_without_gpu(test, &e);
-            None
-        }
-    }
+    gpufeed_testkit::opened_or_skip(test, Gpu::open(0))
 }
 
 pub use gpufeed_testkit::random_bytes;
