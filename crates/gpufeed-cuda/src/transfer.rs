@@ -569,7 +569,7 @@ impl TransferScheduler {
     /// fills a buffer, issues its copy on its own stream and moves on to the next buffer,
     /// waiting only for that buffer's previous copy. Nothing funnels through one submitting
     /// thread: on the H200 machine lanes moved cached file pages at 52 GB/s where one thread
-    /// handing filled buffers to the copies managed 44-46 (docs/benchmarks.md, sweep 4).
+    /// handing filled buffers to the copies managed 40-47 (docs/benchmarks.md, sweep 4).
     fn upload_staged(
         &self,
         source: &dyn FillSource,

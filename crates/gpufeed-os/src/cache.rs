@@ -124,7 +124,8 @@ const SAMPLE_BYTES: u64 = 1 << 20;
 /// of 1 MiB spread evenly over it (counted exactly when the range is 32 MiB or less).
 ///
 /// An exact count walks every page of the range: `cachestat` of a cached 2 GiB file took
-/// 17 ms on the development VM, while the H200 machine loads 4 GiB in about 80 ms. The estimate
+/// 9-24 ms on the development VM (docs/benchmarks.md, GPU run 5), while the H200 machine
+/// loads 4 GiB in about 80 ms. The estimate
 /// is marked [`Residency::approximate`]; its page counts are those of the windows, so use
 /// [`Residency::fraction`]. `file_bytes` is the file's size.
 ///

@@ -89,8 +89,8 @@ pub struct LoadOptions {
     /// Reads in flight per IO thread for `Staged`/`Direct` (8).
     pub queue_depth: usize,
     /// Share of the bytes a `Hybrid` load registers (the rest is staged), 0.45 by default: the
-    /// best of a sweep on the H200 machine (docs/benchmarks.md), where the two paths alone ran
-    /// at 29-33 (registered) and 27-35 GB/s (staged).
+    /// best of GPU run 2's sweep on the H200 machine (docs/benchmarks.md), made before staged
+    /// uploads ran in lanes; `Auto` never picks `Hybrid`.
     pub registered_share: f64,
     /// io_uring only: hand buffered (page-cache) reads to the kernel's worker threads
     /// (`IOSQE_ASYNC`) instead of completing them inline in the submitting fill thread (off by
