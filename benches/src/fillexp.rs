@@ -237,6 +237,29 @@ fn map_for(m: Method, path: &Path) -> Result<Option<FileMap>> {
     Ok(Some(unsafe { FileMap::open(path, MapMode::ReadOnly) }?))
 }
 
+/// Stages `range` of the file to `dptr` through the lanes with pread and 4 MiB chunks (the
+/// staged half of the hybrids).
+fn stage_pread(
+    ctx: &Arc<CudaContext>,
+    lanes: &mut [Lane],
+    dptr: u64,
+    range: std::ops::Range<u64>,
+    file: &File,
+    path: &Path,
+) -> Result<()> {
+    run_lanes(
+        ctx,
+        lanes,
+        Some(dptr),
+        range,
+        4 << 20,
+        Method::Pread,
+        file,
+        path,
+        None,
+    )
+}
+
 /// GB/s of one `run_lanes` over the whole file (the mapping of `Method::Mmap` included).
 #[allow(clippy::too_many_arguments)]
 fn time_lanes(
@@ -514,17 +537,7 @@ pub fn fill_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
                             rs.synchronize()?;
                             Ok(out)
                         });
-                        run_lanes(
-                            &ctx,
-                            &mut l,
-                            Some(dptr),
-                            head..len,
-                            4 << 20,
-                            Method::Pread,
-                            &file,
-                            path,
-                            None,
-                        )?;
+                        stage_pread(&ctx, &mut l, dptr, head..len, &file, path)?;
                         regs = h
                             .join()
                             .map_err(|_| anyhow!("register thread panicked"))??;
@@ -691,17 +704,7 @@ pub fn ctx_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
                         cs.synchronize()?;
                         Ok(done)
                     });
-                    run_lanes(
-                        ctx,
-                        &mut l,
-                        Some(dptr),
-                        head..len,
-                        4 << 20,
-                        Method::Pread,
-                        &file,
-                        path,
-                        None,
-                    )?;
+                    stage_pread(ctx, &mut l, dptr, head..len, &file, path)?;
                     let done = copier.join().map_err(|_| anyhow!("copier panicked"))??;
                     reg.join().map_err(|_| anyhow!("register panicked"))??;
                     Ok(done)
