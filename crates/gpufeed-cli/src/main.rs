@@ -106,10 +106,14 @@ enum ShmCommand {
         #[arg(long, default_value = gpufeed::os::shm::DEFAULT_PREFIX)]
         prefix: String,
     },
-    /// Remove the segments whose owner process died.
+    /// Remove the segments whose owner process died. Segments made in another PID namespace
+    /// (a container sharing /dev/shm) are kept: their owner's pid says nothing here.
     Gc {
         #[arg(long, default_value = gpufeed::os::shm::DEFAULT_PREFIX)]
         prefix: String,
+        /// Also remove segments of other PID namespaces (only when no container uses them).
+        #[arg(long)]
+        other_namespaces: bool,
     },
 }
 
@@ -151,7 +155,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Residency { paths } => cache_op(&paths, json, "residency"),
         Command::Lock { paths, seconds } => lock(&paths, seconds, json),
         Command::Shm(ShmCommand::Ls { prefix }) => shm_ls(&prefix, json),
-        Command::Shm(ShmCommand::Gc { prefix }) => shm_gc(&prefix, json),
+        Command::Shm(ShmCommand::Gc {
+            prefix,
+            other_namespaces,
+        }) => shm_gc(&prefix, other_namespaces, json),
     }
 }
 
@@ -444,7 +451,7 @@ fn shm_ls(prefix: &str, json: bool) -> Result<ExitCode> {
     if json {
         let rows: Vec<_> = list
             .iter()
-            .map(|e| json!({ "name": e.name, "bytes": e.len, "owner_pid": e.owner_pid, "owner_alive": e.owner_alive }))
+            .map(|e| json!({ "name": e.name, "bytes": e.len, "owner_pid": e.owner_pid, "owner_pid_ns": e.owner_pid_ns, "owner": liveness_word(e.owner) }))
             .collect();
         print_json(&json!(rows))?;
     } else if list.is_empty() {
@@ -455,7 +462,7 @@ fn shm_ls(prefix: &str, json: bool) -> Result<ExitCode> {
                 "{:<10} pid {:<8} {:<5} {}",
                 show_size(e.len),
                 e.owner_pid,
-                if e.owner_alive { "live" } else { "DEAD" },
+                liveness_word(e.owner),
                 e.name
             );
         }
@@ -463,18 +470,39 @@ fn shm_ls(prefix: &str, json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn shm_gc(prefix: &str, json: bool) -> Result<ExitCode> {
-    let report = gpufeed::os::shm::gc(prefix)?;
+fn liveness_word(l: gpufeed::os::process::Liveness) -> &'static str {
+    use gpufeed::os::process::Liveness;
+    match l {
+        Liveness::Alive => "live",
+        Liveness::Dead => "DEAD",
+        Liveness::OtherNamespace => "other-ns",
+    }
+}
+
+fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> {
+    use gpufeed::os::shm::{self, ForeignSegments};
+    let foreign = if other_namespaces {
+        ForeignSegments::Remove
+    } else {
+        ForeignSegments::Keep
+    };
+    let report = shm::gc_in_with(std::path::Path::new(shm::DEFAULT_DIR), prefix, foreign)?;
     if json {
         print_json(
-            &json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept }),
+            &json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace }),
         )?;
     } else {
         println!(
-            "removed {} segment(s) of dead processes ({}); kept {} of live ones",
+            "removed {} segment(s) ({}); kept {} of live processes, {} of other PID namespaces{}",
             report.removed.len(),
             show_size(report.removed_bytes),
-            report.kept.len()
+            report.kept.len(),
+            report.other_namespace.len(),
+            if report.other_namespace.is_empty() || other_namespaces {
+                ""
+            } else {
+                " (their owners may be alive in another container; --other-namespaces removes them)"
+            }
         );
         for n in &report.removed {
             println!("  removed {n}");

@@ -197,15 +197,33 @@ fn shm_gc_removes_a_dead_process_segment() {
     let pid = child.id();
     child.wait().expect("reap");
     let prefix = format!("gpufeedcli{}", std::process::id());
-    let name = format!("{prefix}-{pid}-1-00ab");
-    let path = std::path::Path::new("/dev/shm").join(&name);
-    std::fs::write(&path, [0u8; 4096]).expect("segment");
+    let ns = gpufeed::os::process::current_pid_ns();
+    let name = format!("{prefix}-{pid}-1-{ns}-00ab");
+    // A name without a namespace (an older gpufeed, or unknown): never judged by its pid.
+    let foreign = format!("{prefix}-{pid}-1-00cd");
+    let dev_shm = std::path::Path::new("/dev/shm");
+    for n in [&name, &foreign] {
+        std::fs::write(dev_shm.join(n), [0u8; 4096]).expect("segment");
+    }
     let (v, _) = json_of(gpufeed().args(["shm", "ls", "--prefix", &prefix]));
-    assert_eq!(v[0]["owner_alive"], false, "{v}");
+    let owner = |n: &str| {
+        v.as_array()
+            .expect("rows")
+            .iter()
+            .find(|r| r["name"] == n)
+            .map(|r| r["owner"].clone())
+    };
+    assert_eq!(owner(&name), Some("DEAD".into()), "{v}");
+    assert_eq!(owner(&foreign), Some("other-ns".into()), "{v}");
     let (v, code) = json_of(gpufeed().args(["shm", "gc", "--prefix", &prefix]));
     assert_eq!(code, 0);
-    assert_eq!(v["removed"][0], name.as_str(), "{v}");
-    assert!(!path.exists());
+    assert_eq!(v["removed"], serde_json::json!([name]), "{v}");
+    assert_eq!(v["other_namespace"], serde_json::json!([foreign]), "{v}");
+    assert!(!dev_shm.join(&name).exists());
+    assert!(dev_shm.join(&foreign).exists());
+    let (v, _) = json_of(gpufeed().args(["shm", "gc", "--other-namespaces", "--prefix", &prefix]));
+    assert_eq!(v["removed"], serde_json::json!([foreign]), "{v}");
+    assert!(!dev_shm.join(&foreign).exists());
 }
 
 #[test]

@@ -45,11 +45,41 @@ pub enum Error {
 
     /// A slot changed under its holder (another process freed it): the ring is being misused.
     #[error(
-        "slot {slot} was taken away from this process; a peer process freed it (clock or pid confusion?)"
+        "slot {slot} was taken away from this process: a peer judged it gone (stopped for longer than the ring's lease?)"
     )]
     SlotLost {
         /// The slot.
         slot: u32,
+    },
+
+    /// Every place of the ring's process table is taken by a live process.
+    #[error(
+        "{0} processes are attached to the ring, its maximum; drop rings that are no longer used"
+    )]
+    TooManyProcesses(usize),
+
+    /// The ring is used in a child forked after attaching: its slots and registration belong
+    /// to the parent.
+    #[error(
+        "this batch ring was attached by process {attached_pid} and is used in its forked child {pid}; \
+         open the ring again in the child (BatchRing::open or BatchRing::from_fd)"
+    )]
+    Forked {
+        /// The pid that attached the ring.
+        attached_pid: u32,
+        /// This process.
+        pid: u32,
+    },
+
+    /// A peer judged this process gone and reclaimed its registration and slots (its
+    /// heartbeat stood still for a whole lease: the process was stopped, or starved).
+    #[error(
+        "this process's registration in the batch ring was reclaimed by a peer (no heartbeat for \
+         {lease_ms} ms: was the process stopped?); open the ring again, or set a longer lease"
+    )]
+    Detached {
+        /// The ring's lease.
+        lease_ms: u128,
     },
 
     /// A lower-level error (shared memory, system calls).

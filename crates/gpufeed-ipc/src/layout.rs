@@ -2,8 +2,10 @@
 //! process wrote (untrusted input: checked arithmetic, every field bounded).
 //!
 //! ```text
-//! 0      header (64 bytes of fixed fields, then counters and the consumer table; one page)
-//! 4096   slot table: 64 bytes per slot (control word, sequence, length, holder start time)
+//! 0      header (64 bytes of fixed fields, then counters, the lease and the consumer table)
+//! 4096   process table: 128 entries of 64 bytes (control word, PID namespace, pid, start
+//!        time, heartbeat), see the `members` module
+//! 12288  slot table: 64 bytes per slot (control word, sequence, length)
 //! D      data: `slots` x `slot_bytes`, D page-aligned, each slot 256-byte aligned
 //! ```
 
@@ -11,12 +13,16 @@ use crate::error::{Error, Result};
 
 /// `GPUFRNG1`
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUFRNG1");
-/// Layout version.
-pub const VERSION: u32 = 1;
+/// Layout version (2: holders named by process-table entries, leases).
+pub const VERSION: u32 = 2;
 /// Alignment of each slot (CUDA copies and 256-byte frames).
 pub const SLOT_ALIGN: u64 = 256;
 /// Bytes of the header page.
 pub const HEADER_BYTES: u64 = 4096;
+/// Bytes of one process-table entry.
+pub(crate) const PROC_ENTRY_BYTES: u64 = 64;
+/// Bytes of the process table.
+pub(crate) const PROC_TABLE_BYTES: u64 = crate::members::MAX_PROCESSES as u64 * PROC_ENTRY_BYTES;
 /// Bytes of slot metadata per slot.
 pub const SLOT_META_BYTES: u64 = 64;
 /// Most slots a ring may have.
@@ -42,14 +48,22 @@ pub(crate) const OFF_PUBLISH: usize = 72;
 /// Waiters on the free and ready futex words (wake only when someone sleeps).
 pub(crate) const OFF_FREE_WAITERS: usize = 80;
 pub(crate) const OFF_READY_WAITERS: usize = 84;
-/// Consumer table: MAX_CONSUMERS entries of (pid u64, start ticks u64).
+/// The lease of holders in other PID namespaces, in milliseconds.
+pub(crate) const OFF_LEASE_MS: usize = 88;
+/// Consumer table: MAX_CONSUMERS words of a holder reference (u32; 0 = empty).
 pub(crate) const OFF_CONSUMERS: usize = 128;
+
+// Offsets inside one process-table entry.
+pub(crate) const PROC_CTL: usize = 0;
+pub(crate) const PROC_NS: usize = 8;
+pub(crate) const PROC_PID: usize = 16;
+pub(crate) const PROC_START: usize = 24;
+pub(crate) const PROC_HEARTBEAT: usize = 32;
 
 // Offsets inside one slot's metadata.
 pub(crate) const SLOT_CTL: usize = 0;
 pub(crate) const SLOT_SEQ: usize = 8;
 pub(crate) const SLOT_LEN: usize = 16;
-pub(crate) const SLOT_START: usize = 24;
 
 /// The validated geometry of a ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +98,8 @@ impl Layout {
     }
 
     fn compute(slots: u32, slot_bytes: u64) -> Option<Self> {
-        let meta_end = HEADER_BYTES.checked_add(u64::from(slots).checked_mul(SLOT_META_BYTES)?)?;
+        let meta_end = (HEADER_BYTES + PROC_TABLE_BYTES)
+            .checked_add(u64::from(slots).checked_mul(SLOT_META_BYTES)?)?;
         let data_offset = meta_end.checked_next_multiple_of(4096)?;
         let total_len = data_offset.checked_add(u64::from(slots).checked_mul(slot_bytes)?)?;
         Some(Layout {
@@ -97,7 +112,12 @@ impl Layout {
 
     /// Offset of slot `i`'s metadata.
     pub(crate) fn meta_offset(&self, i: u32) -> usize {
-        (HEADER_BYTES + u64::from(i) * SLOT_META_BYTES) as usize
+        (HEADER_BYTES + PROC_TABLE_BYTES + u64::from(i) * SLOT_META_BYTES) as usize
+    }
+
+    /// Offset of process-table entry `i`.
+    pub(crate) fn proc_offset(&self, i: usize) -> usize {
+        (HEADER_BYTES + i as u64 * PROC_ENTRY_BYTES) as usize
     }
 
     /// Offset of slot `i`'s data in the segment.
@@ -202,7 +222,7 @@ mod tests {
         let good = l.header_bytes();
         let cases: [(usize, &[u8]); 6] = [
             (OFF_MAGIC, b"NOTARING"),
-            (OFF_VERSION, &2u32.to_le_bytes()),
+            (OFF_VERSION, &(VERSION + 1).to_le_bytes()),
             (OFF_SLOTS, &u32::MAX.to_le_bytes()),
             (OFF_SLOT_BYTES, &u64::MAX.to_le_bytes()),
             (OFF_SLOT_BYTES, &4097u64.to_le_bytes()),

@@ -25,6 +25,7 @@ mod error;
 mod fdpass;
 #[cfg(not(loom))]
 mod layout;
+mod members;
 #[cfg(not(loom))]
 mod ring;
 mod state;
@@ -36,4 +37,6 @@ pub use fdpass::{recv_fd, send_fd};
 #[cfg(not(loom))]
 pub use layout::{Layout, MAX_CONSUMERS, MAX_SLOTS, SLOT_ALIGN, parse_header};
 #[cfg(not(loom))]
-pub use ring::{Batch, BatchRing, Claim, Consumer, RingStats};
+pub use members::MAX_PROCESSES;
+#[cfg(not(loom))]
+pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, RingStats};

@@ -4,16 +4,25 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gpufeed_os::process::ProcessIdentity;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use gpufeed_os::process::{Liveness, ProcessIdentity};
 use gpufeed_os::{ShmOptions, ShmSegment};
+use parking_lot::{Condvar, Mutex};
 use rustix::thread::futex;
 
 use crate::error::{Error, Result};
 use crate::layout::{self, Layout, MAX_CONSUMERS, OFF_FREE_WAITERS, OFF_READY_WAITERS};
+use crate::members::{self, HolderRef, MAX_PROCESSES};
 use crate::state;
 
 /// Longest single futex wait: liveness is re-checked at least this often.
 const WAIT_SLICE: Duration = Duration::from_millis(20);
+
+/// The lease of a new ring: how long a holder in another PID namespace may go without renewing
+/// before its slots are reclaimed.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
 /// A ring of fixed-size slots in shared memory, for batches handed between processes.
 ///
@@ -22,8 +31,22 @@ const WAIT_SLICE: Duration = Duration::from_millis(20);
 /// publish order with [`Consumer::next`] and release them by dropping the [`Batch`]. Waits use
 /// futexes on the shared words, always with a timeout, re-checking every 20 ms whether the
 /// processes holding slots still live: the slot of a producer that died mid-write is reclaimed
-/// and never delivered; producers get [`Error::ConsumerGone`] when every registered consumer
-/// died.
+/// and never delivered, the slot of a consumer that died is given back; producers get
+/// [`Error::ConsumerGone`] when every registered consumer died.
+///
+/// # Who holds a slot
+/// Every `BatchRing` value registers its process in the ring's process table: PID namespace,
+/// pid and start time, published as one unit, and a heartbeat that a background thread renews
+/// (every quarter of the [lease](BatchRing::set_lease)) until the value drops. A holder of our
+/// PID namespace is judged by its pid (pidfd, start time, zombies count as dead); a holder of
+/// another namespace (a container sharing /dev/shm with `--ipc=host`) only by its heartbeat:
+/// it is reclaimed once it has not renewed for a whole lease, never because its pid means
+/// nothing here. A process stopped (SIGSTOP, a debugger) for longer than the lease loses its
+/// slots to the others; its next call fails with [`Error::Detached`].
+///
+/// A `BatchRing` belongs to the process that attached it: after `fork` the child gets
+/// [`Error::Forked`] from every call and its drops leave the parent's slots alone; the child
+/// attaches under its own identity with [`BatchRing::open`] or [`BatchRing::from_fd`].
 ///
 /// The header is validated on [`open`](BatchRing::open) (magic, version, geometry with checked
 /// arithmetic); shared words are only touched atomically and slot data only through raw
@@ -48,8 +71,30 @@ pub struct BatchRing {
     seg: ShmSegment,
     layout: Layout,
     me: ProcessIdentity,
+    /// Our process-table entry, its ACTIVE control word and the reference slots carry.
+    entry: usize,
+    entry_ctl: u64,
+    me_ref: HolderRef,
     /// Where the next claim starts scanning (spreads producers over the slots).
     cursor: AtomicU32,
+    /// Heartbeats of other namespaces' holders as this process last saw them change.
+    leases: Mutex<Vec<Option<Observed>>>,
+    heartbeat: Heartbeat,
+}
+
+/// A heartbeat value and when this process first saw it.
+#[derive(Debug, Clone, Copy)]
+struct Observed {
+    ctl: u64,
+    beat: u64,
+    since: Instant,
+}
+
+/// The thread renewing our heartbeat; stopped and joined on drop.
+#[derive(Debug)]
+struct Heartbeat {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl BatchRing {
@@ -60,7 +105,7 @@ impl BatchRing {
         Self::init(seg, layout)
     }
 
-    /// Creates a ring with a generated name (`gpufeed-<pid>-<start>-<random>`).
+    /// Creates a ring with a generated name (`gpufeed-<pid>-<start>-<pid ns>-<random>`).
     pub fn create_unique(slots: u32, slot_bytes: u64) -> Result<Self> {
         let layout = Layout::new(slots, slot_bytes)?;
         let seg = ShmSegment::create_unique(layout.total_len as usize)?;
@@ -89,16 +134,13 @@ impl BatchRing {
     }
 
     fn init(seg: ShmSegment, layout: Layout) -> Result<Self> {
-        // The segment is fresh and zeroed (all slots FREE); write the geometry, then the magic
-        // last with Release so that an opener that sees the magic sees the rest.
+        // The segment is fresh and zeroed (all slots FREE, no processes); write the geometry
+        // and the lease, then the magic last with Release so that an opener that sees the
+        // magic sees the rest.
         let header = layout.header_bytes();
         seg.write_at(8, &header[8..])?;
-        let ring = BatchRing {
-            seg,
-            layout,
-            me: ProcessIdentity::current(),
-            cursor: AtomicU32::new(0),
-        };
+        let ring = Self::join(seg, layout)?;
+        ring.set_lease(DEFAULT_LEASE);
         ring.u64_at(layout::OFF_MAGIC)
             .store(layout::MAGIC, Ordering::Release);
         Ok(ring)
@@ -134,12 +176,80 @@ impl BatchRing {
         let mut header = [0u8; 64];
         seg.read_at(0, &mut header)?;
         let layout = layout::parse_header(&header, seg.len() as u64)?;
-        Ok(BatchRing {
+        Self::join(seg, layout)
+    }
+
+    /// Registers this process in the process table and starts its heartbeat.
+    fn join(seg: ShmSegment, layout: Layout) -> Result<Self> {
+        let me = ProcessIdentity::current();
+        let id = members::Identity {
+            pid_ns: me.pid_ns,
+            pid: me.pid,
+            start_ticks: me.start_ticks,
+        };
+        let mut ring = BatchRing {
             seg,
             layout,
-            me: ProcessIdentity::current(),
+            me,
+            entry: 0,
+            entry_ctl: 0,
+            me_ref: 0,
             cursor: AtomicU32::new(0),
-        })
+            leases: Mutex::new(vec![None; MAX_PROCESSES]),
+            heartbeat: Heartbeat {
+                stop: Arc::new((Mutex::new(false), Condvar::new())),
+                thread: None,
+            },
+        };
+        let registered = (0..2).find_map(|attempt| {
+            if attempt == 1 {
+                ring.retire_gone_processes();
+            }
+            (0..MAX_PROCESSES)
+                .find_map(|i| members::try_register(&ring.proc_entry(i), id).map(|g| (i, g)))
+        });
+        let Some((entry, generation)) = registered else {
+            return Err(Error::TooManyProcesses(MAX_PROCESSES));
+        };
+        ring.entry = entry;
+        ring.entry_ctl = members::active(generation);
+        ring.me_ref = members::holder_ref(entry, generation);
+        let beat_addr = ring.u64_at(layout.proc_offset(entry) + layout::PROC_HEARTBEAT)
+            as *const AtomicU64 as usize;
+        let lease_addr = ring.u32_at(layout::OFF_LEASE_MS) as *const AtomicU32 as usize;
+        let stop = Arc::clone(&ring.heartbeat.stop);
+        let thread = std::thread::Builder::new()
+            .name("gpufeed-ring-lease".into())
+            .spawn(move || {
+                // SAFETY: both words lie in the ring's mapping, which `BatchRing::drop` keeps
+                // mapped until this thread has been joined; they are only accessed atomically.
+                let (beat, lease) = unsafe {
+                    (
+                        &*(beat_addr as *const AtomicU64),
+                        &*(lease_addr as *const AtomicU32),
+                    )
+                };
+                let (lock, cv) = &*stop;
+                let mut stopped = lock.lock();
+                while !*stopped {
+                    beat.fetch_add(1, Ordering::Relaxed);
+                    let period = Duration::from_millis(u64::from(lease.load(Ordering::Relaxed)))
+                        .div_f64(4.0)
+                        .clamp(Duration::from_millis(2), Duration::from_secs(1));
+                    cv.wait_for(&mut stopped, period);
+                }
+            });
+        match thread {
+            Ok(t) => ring.heartbeat.thread = Some(t),
+            Err(source) => {
+                members::retire(&ring.proc_entry(entry), ring.entry_ctl);
+                return Err(Error::Io {
+                    op: "spawn the ring's heartbeat thread",
+                    source,
+                });
+            }
+        }
+        Ok(ring)
     }
 
     /// The segment (its fd for passing, its memory for GPU registration).
@@ -160,6 +270,29 @@ impl BatchRing {
     /// Bytes per slot.
     pub fn slot_bytes(&self) -> u64 {
         self.layout.slot_bytes
+    }
+
+    /// Sets the lease of the ring (for every process using it): a holder in another PID
+    /// namespace whose heartbeat has not moved for this long is judged gone and its slots are
+    /// reclaimed. At least 10 ms; [`DEFAULT_LEASE`] for a new ring. Longer leases make
+    /// reclaiming a dead container's slots slower; shorter ones make a stopped process lose its
+    /// slots sooner.
+    pub fn set_lease(&self, lease: Duration) {
+        let ms = lease.as_millis().clamp(10, u128::from(u32::MAX)) as u32;
+        self.u32_at(layout::OFF_LEASE_MS)
+            .store(ms, Ordering::Relaxed);
+    }
+
+    /// The ring's lease (see [`BatchRing::set_lease`]).
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(u64::from(
+            self.u32_at(layout::OFF_LEASE_MS).load(Ordering::Relaxed),
+        ))
+    }
+
+    /// The identity this ring value registered under (PID namespace, pid, start time).
+    pub fn identity(&self) -> ProcessIdentity {
+        self.me
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
@@ -184,12 +317,112 @@ impl BatchRing {
         self.u64_at(self.layout.meta_offset(slot) + field)
     }
 
+    fn proc_entry(&self, i: usize) -> members::Entry<'_> {
+        let base = self.layout.proc_offset(i);
+        members::Entry {
+            ctl: self.u64_at(base + layout::PROC_CTL),
+            pid_ns: self.u64_at(base + layout::PROC_NS),
+            pid: self.u64_at(base + layout::PROC_PID),
+            start: self.u64_at(base + layout::PROC_START),
+        }
+    }
+
+    fn consumer_word(&self, i: usize) -> &AtomicU32 {
+        self.u32_at(layout::OFF_CONSUMERS + 4 * i)
+    }
+
     fn slot_ptr(&self, slot: u32) -> *mut u8 {
         // SAFETY: slot < slots, so its data lies inside the validated total length.
         unsafe {
             self.seg
                 .as_ptr()
                 .add(self.layout.slot_offset(slot) as usize)
+        }
+    }
+
+    /// Whether this value is used by the process that attached it (not a forked child).
+    fn in_owner(&self) -> bool {
+        rustix::process::getpid().as_raw_nonzero().get() as u32 == self.me.pid
+    }
+
+    /// [`Error::Forked`] in a forked child, [`Error::Detached`] when a peer reclaimed our entry.
+    fn check_attached(&self) -> Result<()> {
+        if !self.in_owner() {
+            return Err(Error::Forked {
+                attached_pid: self.me.pid,
+                pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
+            });
+        }
+        if self.proc_entry(self.entry).ctl.load(Ordering::Acquire) != self.entry_ctl {
+            return Err(Error::Detached {
+                lease_ms: self.lease().as_millis(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the holder `r` is gone: its entry was retired or reused, its process (of our
+    /// namespace) died, or (another namespace, or mid-registration) its heartbeat stood still
+    /// for a whole lease. A holder judged gone has its entry retired.
+    fn holder_gone(&self, r: HolderRef) -> bool {
+        let index = members::ref_index(r);
+        if index >= MAX_PROCESSES {
+            return true; // garbage from a peer: nobody can hold through it
+        }
+        let entry = self.proc_entry(index);
+        let (gone, ctl) = match members::lookup(&entry, members::ref_generation(r)) {
+            members::Lookup::Gone => return true,
+            members::Lookup::Writing(ctl) => (self.lease_expired(index, ctl), ctl),
+            members::Lookup::Active(id, ctl) => {
+                let identity = ProcessIdentity {
+                    pid_ns: id.pid_ns,
+                    pid: id.pid,
+                    start_ticks: id.start_ticks,
+                };
+                let gone = match identity.liveness() {
+                    Liveness::Alive => false,
+                    Liveness::Dead => true,
+                    Liveness::OtherNamespace => self.lease_expired(index, ctl),
+                };
+                (gone, ctl)
+            }
+        };
+        if gone && members::retire(&entry, ctl) {
+            tracing::warn!(entry = index, "a process attached to the ring is gone");
+        }
+        gone
+    }
+
+    /// Whether entry `index` (read under `ctl`) has not renewed its heartbeat for a lease,
+    /// as seen by this process's clock since it first saw the current heartbeat value.
+    fn lease_expired(&self, index: usize, ctl: u64) -> bool {
+        let beat = self
+            .u64_at(self.layout.proc_offset(index) + layout::PROC_HEARTBEAT)
+            .load(Ordering::Relaxed);
+        let now = Instant::now();
+        let mut leases = self.leases.lock();
+        match &mut leases[index] {
+            Some(seen) if seen.ctl == ctl && seen.beat == beat => {
+                now.duration_since(seen.since) > self.lease()
+            }
+            other => {
+                *other = Some(Observed {
+                    ctl,
+                    beat,
+                    since: now,
+                });
+                false
+            }
+        }
+    }
+
+    /// Retires the process-table entries of processes that are gone (when the table is full).
+    fn retire_gone_processes(&self) {
+        for i in 0..MAX_PROCESSES {
+            let ctl = self.proc_entry(i).ctl.load(Ordering::Acquire);
+            if members::state(ctl) != members::FREE {
+                self.holder_gone(members::holder_ref(i, members::generation(ctl).max(1)));
+            }
         }
     }
 
@@ -211,19 +444,6 @@ impl BatchRing {
         self.u32_at(waiters_off).fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// Frees the slot held in `word` by this process, marking its start time unknown first.
-    ///
-    /// Every holder clears the slot's start time before it lets go (here, and in `publish`):
-    /// the next holder records its own only after its compare-and-swap, and a reaper that
-    /// reads the new holder's pid in between must find 0 ("unknown": judged by the pid alone),
-    /// never the previous holder's start time, which would make a live process look dead and
-    /// free a slot it is writing or reading.
-    fn free_slot(&self, slot: u32, word: u64) -> bool {
-        self.slot_u64(slot, layout::SLOT_START)
-            .store(0, Ordering::Relaxed);
-        self.free_word(slot, word)
-    }
-
     /// CLAIMED/TAKEN `word` -> FREE, waking claimers.
     fn free_word(&self, slot: u32, word: u64) -> bool {
         let freed = state::free(self.ctl(slot), word);
@@ -234,14 +454,16 @@ impl BatchRing {
     }
 
     /// Claims a free slot without waiting.
+    ///
+    /// # Errors
+    /// [`Error::Forked`], [`Error::Detached`].
     pub fn try_claim(&self) -> Result<Option<Claim<'_>>> {
+        self.check_attached()?;
         let n = self.layout.slots;
         let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
         for k in 0..n {
             let slot = (start + k) % n;
-            if let Some(word) = state::try_claim(self.ctl(slot), self.me.pid) {
-                self.slot_u64(slot, layout::SLOT_START)
-                    .store(self.me.start_ticks, Ordering::Relaxed);
+            if let Some(word) = state::try_claim(self.ctl(slot), self.me_ref) {
                 return Ok(Some(Claim {
                     ring: self,
                     slot,
@@ -257,7 +479,8 @@ impl BatchRing {
     /// Claims a free slot, waiting up to `timeout`.
     ///
     /// # Errors
-    /// [`Error::Timeout`]; [`Error::ConsumerGone`] when every registered consumer died.
+    /// [`Error::Timeout`]; [`Error::ConsumerGone`] when every registered consumer died;
+    /// [`Error::Forked`], [`Error::Detached`].
     pub fn claim(&self, timeout: Duration) -> Result<Claim<'_>> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -293,29 +516,20 @@ impl BatchRing {
     /// Registers this process as a consumer (so producers can tell when consumers die).
     ///
     /// # Errors
-    /// [`Error::TooManyConsumers`] when 16 live consumers are registered.
+    /// [`Error::TooManyConsumers`] when 16 live consumers are registered; [`Error::Forked`],
+    /// [`Error::Detached`].
     pub fn consumer(&self) -> Result<Consumer<'_>> {
+        self.check_attached()?;
         for i in 0..MAX_CONSUMERS {
-            let pid = self.u64_at(layout::OFF_CONSUMERS + 16 * i);
-            let start = self.u64_at(layout::OFF_CONSUMERS + 16 * i + 8);
-            let cur = pid.load(Ordering::Acquire);
-            let reusable = cur == 0
-                || !ProcessIdentity {
-                    pid: cur as u32,
-                    start_ticks: start.load(Ordering::Relaxed),
-                }
-                .is_alive();
-            if reusable
-                && pid
-                    .compare_exchange(
-                        cur,
-                        u64::from(self.me.pid),
-                        Ordering::AcqRel,
-                        Ordering::Relaxed,
-                    )
+            let word = self.consumer_word(i);
+            let cur = word.load(Ordering::Acquire);
+            // One word names the consumer (its process-table entry and generation), so there
+            // is no moment in which a new consumer is half registered.
+            if (cur == 0 || self.holder_gone(cur))
+                && word
+                    .compare_exchange(cur, self.me_ref, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
             {
-                start.store(self.me.start_ticks, Ordering::Release);
                 return Ok(Consumer {
                     ring: self,
                     entry: i,
@@ -325,34 +539,25 @@ impl BatchRing {
         Err(Error::TooManyConsumers(MAX_CONSUMERS))
     }
 
-    /// Whether consumers registered and all of them have died.
+    /// Whether consumers registered and all of them are gone.
     fn consumers_all_dead(&self) -> bool {
         let mut any = false;
         for i in 0..MAX_CONSUMERS {
-            let pid = self
-                .u64_at(layout::OFF_CONSUMERS + 16 * i)
-                .load(Ordering::Acquire);
-            if pid == 0 {
+            let r = self.consumer_word(i).load(Ordering::Acquire);
+            if r == 0 {
                 continue;
             }
             any = true;
-            let start = self
-                .u64_at(layout::OFF_CONSUMERS + 16 * i + 8)
-                .load(Ordering::Acquire);
-            if (ProcessIdentity {
-                pid: pid as u32,
-                start_ticks: start,
-            })
-            .is_alive()
-            {
+            if !self.holder_gone(r) {
                 return false;
             }
         }
         any
     }
 
-    /// Frees the slots held by processes that died (a producer's unfinished batch is dropped,
-    /// never delivered; a consumer's taken batch is freed). Returns how many were freed.
+    /// Frees the slots held by processes that are gone (a producer's unfinished batch is
+    /// dropped, never delivered; a consumer's taken batch is given back). Returns how many
+    /// were freed. A holder of another PID namespace is gone only once its lease expired.
     pub fn reap(&self) -> usize {
         let mut freed = 0;
         for slot in 0..self.layout.slots {
@@ -361,24 +566,14 @@ impl BatchRing {
             if st != state::CLAIMED && st != state::TAKEN {
                 continue;
             }
-            let pid = state::holder(word);
-            if pid == self.me.pid {
+            let holder = state::holder(word);
+            if holder == self.me_ref {
                 continue;
             }
-            // Acquire of `word` above: the 0 stored by the previous holder before it let go is
-            // visible, so this reads 0 or a start time recorded since (see `free_slot`).
-            let start = self.slot_u64(slot, layout::SLOT_START);
-            let start_ticks = start.load(Ordering::Relaxed);
-            let holder = ProcessIdentity { pid, start_ticks };
-            // Clear the start time only if it is still the dead holder's (a reading taken
-            // after the slot moved on fails the second compare-and-swap anyway).
-            if !holder.is_alive()
-                && start
-                    .compare_exchange(start_ticks, 0, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-                && self.free_word(slot, word)
-            {
-                tracing::warn!(slot, pid, "freed a slot held by a dead process");
+            // The compare-and-swap in free_word fails if the slot moved on since `word` was
+            // read, so a judgement of an old holder never frees a new holder's slot.
+            if self.holder_gone(holder) && self.free_word(slot, word) {
+                tracing::warn!(slot, "freed a slot held by a process that is gone");
                 freed += 1;
             }
         }
@@ -397,6 +592,24 @@ impl BatchRing {
             }
         }
         s
+    }
+}
+
+impl Drop for BatchRing {
+    fn drop(&mut self) {
+        let thread = self.heartbeat.thread.take();
+        if !self.in_owner() {
+            // A forked child: the heartbeat thread and the entry are the parent's. Joining a
+            // thread that does not exist in this process would wait forever.
+            std::mem::forget(thread);
+            return;
+        }
+        *self.heartbeat.stop.0.lock() = true;
+        self.heartbeat.stop.1.notify_all();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+        members::retire(&self.proc_entry(self.entry), self.entry_ctl);
     }
 }
 
@@ -453,6 +666,9 @@ impl Claim<'_> {
 
     /// Copies `data` into the slot at `offset`.
     pub fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        if !self.ring.in_owner() {
+            return self.ring.check_attached();
+        }
         let end = offset.checked_add(data.len() as u64);
         if end.is_none_or(|e| e > self.capacity()) {
             return Err(Error::TooLarge {
@@ -486,9 +702,11 @@ impl Claim<'_> {
     /// Hands the batch to the consumers.
     ///
     /// # Errors
-    /// [`Error::SlotLost`] if another process freed the slot meanwhile (misuse).
+    /// [`Error::SlotLost`] if another process freed the slot meanwhile (this process was
+    /// judged gone: stopped for longer than the lease); [`Error::Forked`], [`Error::Detached`].
     pub fn publish(mut self) -> Result<()> {
         let ring = self.ring;
+        ring.check_attached()?;
         ring.slot_u64(self.slot, layout::SLOT_LEN)
             .store(self.len, Ordering::Relaxed);
         let seq = ring
@@ -496,9 +714,6 @@ impl Claim<'_> {
             .fetch_add(1, Ordering::Relaxed);
         ring.slot_u64(self.slot, layout::SLOT_SEQ)
             .store(seq, Ordering::Relaxed);
-        // The taker records its start time after its own compare-and-swap (see free_slot).
-        ring.slot_u64(self.slot, layout::SLOT_START)
-            .store(0, Ordering::Relaxed);
         self.done = true;
         if !state::publish(ring.ctl(self.slot), self.word) {
             return Err(Error::SlotLost { slot: self.slot });
@@ -510,8 +725,9 @@ impl Claim<'_> {
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            self.ring.free_slot(self.slot, self.word);
+        // In a forked child the claim is the parent's: leave it.
+        if !self.done && self.ring.in_owner() {
+            self.ring.free_word(self.slot, self.word);
         }
     }
 }
@@ -525,8 +741,12 @@ pub struct Consumer<'r> {
 
 impl<'r> Consumer<'r> {
     /// Takes the oldest published batch without waiting.
-    pub fn try_next(&self) -> Option<Batch<'r>> {
+    ///
+    /// # Errors
+    /// [`Error::Forked`], [`Error::Detached`].
+    pub fn try_next(&self) -> Result<Option<Batch<'r>>> {
         let ring = self.ring;
+        ring.check_attached()?;
         loop {
             let mut best: Option<(u64, u32, u64)> = None;
             for slot in 0..ring.layout.slots {
@@ -541,36 +761,39 @@ impl<'r> Consumer<'r> {
                     best = Some((seq, slot, word));
                 }
             }
-            let (_, slot, seen) = best?;
-            let Some(word) = state::try_take(ring.ctl(slot), seen, ring.me.pid) else {
+            let Some((_, slot, seen)) = best else {
+                return Ok(None);
+            };
+            let Some(word) = state::try_take(ring.ctl(slot), seen, ring.me_ref) else {
                 continue; // another consumer took it; look again
             };
-            ring.slot_u64(slot, layout::SLOT_START)
-                .store(ring.me.start_ticks, Ordering::Relaxed);
             let len = ring
                 .slot_u64(slot, layout::SLOT_LEN)
                 .load(Ordering::Relaxed);
             if len > ring.layout.slot_bytes {
                 tracing::warn!(slot, len, "dropping a batch whose length exceeds its slot");
-                ring.free_slot(slot, word);
+                ring.free_word(slot, word);
                 continue;
             }
-            return Some(Batch {
+            return Ok(Some(Batch {
                 ring,
                 slot,
                 word,
                 len,
-            });
+            }));
         }
     }
 
-    /// Takes the oldest published batch, waiting up to `timeout`; slots of producers that died
-    /// are freed while waiting.
+    /// Takes the oldest published batch, waiting up to `timeout`; slots of producers that are
+    /// gone are freed while waiting.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Forked`], [`Error::Detached`].
     pub fn next(&self, timeout: Duration) -> Result<Batch<'r>> {
         let ring = self.ring;
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(b) = self.try_next() {
+            if let Some(b) = self.try_next()? {
                 return Ok(b);
             }
             ring.reap();
@@ -584,7 +807,7 @@ impl<'r> Consumer<'r> {
             ring.u32_at(OFF_READY_WAITERS)
                 .fetch_add(1, Ordering::SeqCst);
             let seen = ring.u32_at(layout::OFF_READY_SEQ).load(Ordering::SeqCst);
-            if let Some(b) = self.try_next() {
+            if let Some(b) = self.try_next()? {
                 ring.u32_at(OFF_READY_WAITERS)
                     .fetch_sub(1, Ordering::SeqCst);
                 return Ok(b);
@@ -601,13 +824,14 @@ impl<'r> Consumer<'r> {
 
 impl Drop for Consumer<'_> {
     fn drop(&mut self) {
-        let pid = self.ring.u64_at(layout::OFF_CONSUMERS + 16 * self.entry);
-        let _ = pid.compare_exchange(
-            u64::from(self.ring.me.pid),
-            0,
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        );
+        if self.ring.in_owner() {
+            let _ = self.ring.consumer_word(self.entry).compare_exchange(
+                self.ring.me_ref,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
     }
 }
 
@@ -687,52 +911,9 @@ impl Batch<'_> {
 
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
-        self.ring.free_slot(self.slot, self.word);
-    }
-}
-
-#[cfg(all(test, not(loom)))]
-mod tests {
-    use super::*;
-
-    /// A live process of another pid that holds a slot must never be reaped, also in the
-    /// moment between its compare-and-swap and recording its start time. Before the fix the
-    /// slot still carried the previous holder's start time then, the reaper judged the new
-    /// holder dead and freed a slot it was using (seen on the H200 machine as a batch whose
-    /// bytes were overwritten by the next producer).
-    #[test]
-    fn a_new_holder_is_not_reaped_before_it_records_its_start_time() {
-        // Start times count clock ticks (10 ms): make the other process's differ from ours.
-        std::thread::sleep(Duration::from_millis(50));
-        let mut other = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .expect("spawn sleep");
-        let other_pid = other.id();
-        let ring = BatchRing::create_unique(1, 4096).expect("ring");
-        let consumer = ring.consumer().expect("consumer");
-
-        // This process publishes; another (live) process takes the batch but has not yet
-        // recorded its start time.
-        let mut claim = ring.try_claim().expect("claim").expect("free slot");
-        claim.write_at(0, b"batch").expect("write");
-        claim.set_len(5).expect("len");
-        claim.publish().expect("publish");
-        let seen = ring.ctl(0).load(Ordering::Acquire);
-        let taken = state::try_take(ring.ctl(0), seen, other_pid).expect("take");
-        assert_eq!(ring.reap(), 0, "a live taker's slot was freed");
-        assert_eq!(ring.ctl(0).load(Ordering::Acquire), taken);
-
-        // The taker lets go; another live process claims and has not recorded its start yet.
-        assert!(ring.free_slot(0, taken));
-        let claimed = state::try_claim(ring.ctl(0), other_pid).expect("claim");
-        assert_eq!(ring.reap(), 0, "a live claimer's slot was freed");
-        assert_eq!(ring.ctl(0).load(Ordering::Acquire), claimed);
-
-        // Once the holder is dead the slot is reaped.
-        other.kill().expect("kill");
-        other.wait().expect("wait");
-        assert_eq!(ring.reap(), 1, "a dead holder's slot stays taken");
-        drop(consumer);
+        // In a forked child the batch is the parent's: leave it.
+        if self.ring.in_owner() {
+            self.ring.free_word(self.slot, self.word);
+        }
     }
 }

@@ -5,8 +5,9 @@
 //!                      \--abort / owner died--> FREE        \--taker died--> FREE
 //! ```
 //!
-//! The word packs `state` (bits 0-1), a generation (bits 2-31, bumped by every claim) and the
-//! pid of the process holding the slot (bits 32-63, 0 when free). Every transition is one
+//! The word packs `state` (bits 0-1), a generation (bits 2-31, bumped by every claim) and a
+//! reference to the holder's entry in the process table (bits 32-63, 0 when free; see the
+//! `members` module: an entry index and generation, never a bare pid). Every transition is one
 //! compare-and-swap of the whole word, so the holder is known atomically with the state and a
 //! reclaimer acting on a stale reading fails instead of freeing a slot someone else claimed
 //! since (no ABA). Producers' writes into the slot happen-before the consumer's reads through
@@ -20,6 +21,14 @@
 pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+
+/// An acquire fence (loom's under the model checker).
+pub(crate) fn fence_acquire() {
+    #[cfg(loom)]
+    loom::sync::atomic::fence(Ordering::Acquire);
+    #[cfg(not(loom))]
+    std::sync::atomic::fence(Ordering::Acquire);
+}
 
 pub(crate) const FREE: u64 = 0;
 pub(crate) const CLAIMED: u64 = 1;

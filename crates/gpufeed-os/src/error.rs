@@ -46,6 +46,20 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// A file of a pseudo file system (procfs, sysfs, ...): it looks regular but has no true
+    /// size (its text is generated on each read, its size says 0 or 4096).
+    #[error(
+        "{} is a file of {fs}, which has no fixed size (its contents are generated when read); \
+         copy it to a regular file first",
+        .path.display()
+    )]
+    PseudoFile {
+        /// The offending path.
+        path: PathBuf,
+        /// The file system's name.
+        fs: &'static str,
+    },
+
     /// The file is empty, so there is nothing to map.
     #[error("{} is empty (0 bytes): there is nothing to map; check that the file was fully written", .path.display())]
     EmptyFile {

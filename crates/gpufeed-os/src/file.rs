@@ -1,7 +1,7 @@
 //! Opening regular files with clear errors, and recording their identity.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -51,21 +51,138 @@ impl FileIdentity {
     }
 }
 
-/// Opens `path` for reading (and writing if `write`), refusing anything but a regular file.
-pub(crate) fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
+/// Opens `path` for reading (and writing if `write`), refusing anything but a regular file of
+/// a real file system.
+///
+/// The open uses `O_NONBLOCK` so that a FIFO cannot block it (it is then refused by type);
+/// the flag is cleared again before the file is returned (io_uring would otherwise answer
+/// `EAGAIN` for reads that need the disk).
+///
+/// # Errors
+/// [`Error::NotFound`], [`Error::IsDirectory`], [`Error::NotRegularFile`] (FIFOs, devices,
+/// sockets), [`Error::PseudoFile`] (procfs, sysfs, ...), [`Error::Io`].
+pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
     let file = OpenOptions::new()
         .read(true)
         .write(write)
+        .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| Error::open(path, e))?;
     let meta = file
         .metadata()
         .map_err(|e| Error::io("fstat", Some(path.into()), e))?;
+    check_regular(path, &meta)?;
+    if let Some(fs) = pseudo_fs(rustix::fs::fstatfs(&file).ok().map(|s| s.f_type)) {
+        return Err(Error::PseudoFile {
+            path: path.into(),
+            fs,
+        });
+    }
+    let flags =
+        rustix::fs::fcntl_getfl(&file).map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
+    rustix::fs::fcntl_setfl(&file, flags - rustix::fs::OFlags::NONBLOCK)
+        .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
+    Ok((file, FileIdentity::from_metadata(&meta)))
+}
+
+/// The identity of the regular file at `path`, read without opening it (so a FIFO cannot
+/// block), refusing what [`open_regular`] refuses.
+///
+/// # Errors
+/// As for [`open_regular`].
+pub fn stat_regular(path: &Path) -> Result<FileIdentity> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::open(path, e))?;
+    check_regular(path, &meta)?;
+    if let Some(fs) = pseudo_fs(rustix::fs::statfs(path).ok().map(|s| s.f_type)) {
+        return Err(Error::PseudoFile {
+            path: path.into(),
+            fs,
+        });
+    }
+    Ok(FileIdentity::from_metadata(&meta))
+}
+
+fn check_regular(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
     if meta.is_dir() {
         return Err(Error::IsDirectory { path: path.into() });
     }
     if !meta.is_file() {
         return Err(Error::NotRegularFile { path: path.into() });
     }
-    Ok((file, FileIdentity::from_metadata(&meta)))
+    Ok(())
+}
+
+/// The name of a pseudo file system whose files have no true size, from `statfs`'s `f_type`.
+fn pseudo_fs(f_type: Option<i64>) -> Option<&'static str> {
+    Some(match f_type? {
+        0x9fa0 => "procfs",
+        0x6265_6572 => "sysfs",
+        0x6462_6720 => "debugfs",
+        0x7472_6163 => "tracefs",
+        0x7363_6673 => "securityfs",
+        0x0027_e0eb => "cgroupfs",
+        0x6367_7270 => "cgroup2",
+        0x6265_6570 => "configfs",
+        0xcafe_4a11 => "bpffs",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pseudo_files_and_fifos_are_refused_without_blocking() {
+        for p in [
+            "/proc/self/status",
+            "/sys/kernel/mm/transparent_hugepage/enabled",
+        ] {
+            let path = Path::new(p);
+            if !path.exists() {
+                continue;
+            }
+            assert!(
+                matches!(stat_regular(path), Err(Error::PseudoFile { .. })),
+                "{p}: {:?}",
+                stat_regular(path)
+            );
+            let err = open_regular(path, false).unwrap_err();
+            assert!(matches!(err, Error::PseudoFile { .. }), "{p}: {err:?}");
+            assert!(err.to_string().contains("copy it to a regular file"));
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+            0,
+        )
+        .expect("mkfifo");
+        // Without O_NONBLOCK this open would wait forever for a writer.
+        let err = open_regular(&fifo, false).unwrap_err();
+        assert!(matches!(err, Error::NotRegularFile { .. }), "{err:?}");
+        assert!(matches!(
+            stat_regular(&fifo),
+            Err(Error::NotRegularFile { .. })
+        ));
+        for dev in ["/dev/null", "/dev/zero"] {
+            assert!(matches!(
+                open_regular(Path::new(dev), false),
+                Err(Error::NotRegularFile { .. })
+            ));
+        }
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"data").expect("write");
+        let (f, id) = open_regular(&file, false).expect("a regular file opens");
+        assert_eq!(id.size, 4);
+        let flags = rustix::fs::fcntl_getfl(&f).expect("flags");
+        assert!(
+            !flags.contains(rustix::fs::OFlags::NONBLOCK),
+            "O_NONBLOCK left set"
+        );
+        assert_eq!(stat_regular(&file).expect("stat"), id);
+    }
 }

@@ -1,56 +1,143 @@
-//! Which process is which, across pid reuse: a pid plus the process's start time.
+//! Which process is which, across pid reuse and PID namespaces: the PID namespace, a pid in it
+//! and the process's start time.
 //!
-//! A pid alone is not an identity: after a process dies its pid can be given to a new one.
-//! The start time (field 22 of `/proc/<pid>/stat`, clock ticks after boot) tells them apart.
-//! Shared-memory segment names ([`crate::shm`]) and the batch ring of `gpufeed-ipc` record
-//! this pair to decide whether the process that owns something still runs.
+//! A pid alone is not an identity: after a process dies its pid can be given to a new one, and
+//! a pid means nothing outside its PID namespace (a container sharing /dev/shm with
+//! `--ipc=host` has its own: its pid 7 is not our pid 7). [`ProcessIdentity`] records the
+//! namespace (the inode of `/proc/self/ns/pid`), the pid as the process itself sees it, and
+//! its start time (field 22 of `/proc/self/stat`, clock ticks after boot).
+//! [`ProcessIdentity::liveness`] judges a process by its pid only when it lives in our
+//! namespace; for any other it answers [`Liveness::OtherNamespace`], and callers must use
+//! something the process renews (a lease) instead. Shared-memory segment names
+//! ([`crate::shm`]) and the batch ring of `gpufeed-ipc` record this identity.
 
+use std::os::unix::fs::MetadataExt;
+use std::sync::OnceLock;
+
+use rustix::event::{PollFd, PollFlags};
 use rustix::io::Errno;
+use rustix::process::{Pid, PidfdFlags};
 
 use crate::procfs;
 
-/// A process: pid and start time.
+/// A process: its PID namespace, its pid there and its start time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ProcessIdentity {
-    /// The pid.
+    /// Inode of the process's PID namespace (`/proc/self/ns/pid`); 0 where unknown.
+    pub pid_ns: u64,
+    /// The pid, as seen in that namespace.
     pub pid: u32,
     /// Start time in clock ticks after boot; 0 where /proc could not tell.
     pub start_ticks: u64,
 }
 
+/// What can be said about whether a recorded process still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Liveness {
+    /// It runs (same namespace, same pid, same start time, not a zombie).
+    Alive,
+    /// It exited (or its pid now belongs to another process).
+    Dead,
+    /// It lives (or lived) in another PID namespace, or its namespace is unknown: its pid says
+    /// nothing here. Only something it renews (a lease) can tell.
+    OtherNamespace,
+}
+
 impl ProcessIdentity {
     /// This process.
+    ///
+    /// Not cached: after `fork` the child gets its own identity.
     pub fn current() -> Self {
         let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+        // /proc/self, not /proc/<pid>: in a child PID namespace without its own /proc mount
+        // `pid` names another process in the /proc we see.
+        let start_ticks = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| procfs::stat_starttime(&s))
+            .unwrap_or(0);
         ProcessIdentity {
+            pid_ns: current_pid_ns(),
             pid,
-            start_ticks: start_ticks(pid).unwrap_or(0),
+            start_ticks,
         }
     }
 
-    /// The process that has `pid` now, if any.
+    /// The process of our namespace that has `pid` now, if any.
     pub fn of(pid: u32) -> Option<Self> {
         Some(ProcessIdentity {
+            pid_ns: current_pid_ns(),
             pid,
             start_ticks: start_ticks(pid)?,
         })
     }
 
-    /// Whether this very process still runs: the pid exists (`kill(pid, 0)`, where `EPERM`
-    /// means it exists under another user) and, where recorded, has the same start time.
-    pub fn is_alive(&self) -> bool {
-        let Some(pid) = rustix::process::Pid::from_raw(self.pid as i32) else {
-            return false;
-        };
-        match rustix::process::test_kill_process(pid) {
-            Err(Errno::SRCH) => false,
-            _ => match (self.start_ticks, start_ticks(self.pid)) {
-                (0, _) => true,
-                (recorded, Some(now)) => recorded == now,
-                // It vanished between the two checks.
-                (_, None) => false,
-            },
+    /// Whether this very process still runs, judged only where its pid means something.
+    ///
+    /// In our namespace: `pidfd_open(pid)` (else `kill(pid, 0)`, where `EPERM` means it exists
+    /// under another user), the start time where recorded, and the pidfd polled so that an
+    /// exited process not yet waited for (a zombie) counts as dead. In another namespace, or
+    /// when either namespace is unknown: [`Liveness::OtherNamespace`], never `Dead`.
+    pub fn liveness(&self) -> Liveness {
+        let ours = current_pid_ns();
+        if self.pid_ns == 0 || ours == 0 || self.pid_ns != ours {
+            return Liveness::OtherNamespace;
         }
+        if pid_alive(self.pid, self.start_ticks) {
+            Liveness::Alive
+        } else {
+            Liveness::Dead
+        }
+    }
+
+    /// `liveness() == Dead`: known to have exited. A process of another namespace is never
+    /// known dead by its pid.
+    pub fn is_dead(&self) -> bool {
+        self.liveness() == Liveness::Dead
+    }
+}
+
+/// The inode of our PID namespace (0 where /proc cannot tell). `fork` keeps the namespace, and
+/// `unshare(CLONE_NEWPID)` moves only children, so it is read once per process.
+pub fn current_pid_ns() -> u64 {
+    static NS: OnceLock<u64> = OnceLock::new();
+    *NS.get_or_init(|| {
+        std::fs::metadata("/proc/self/ns/pid")
+            .map(|m| m.ino())
+            .unwrap_or(0)
+    })
+}
+
+fn pid_alive(raw: u32, recorded_start: u64) -> bool {
+    let Some(pid) = i32::try_from(raw).ok().and_then(Pid::from_raw) else {
+        return false;
+    };
+    let pidfd = match rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
+        Err(Errno::SRCH) => return false,
+        Ok(fd) => Some(fd),
+        // Old kernel or seccomp: fall back to kill(pid, 0).
+        Err(_) => match rustix::process::test_kill_process(pid) {
+            Err(Errno::SRCH) => return false,
+            _ => None,
+        },
+    };
+    if recorded_start != 0 {
+        match start_ticks(raw) {
+            Some(now) if now == recorded_start => {}
+            // Another process has the pid now, or it vanished between the checks.
+            _ => return false,
+        }
+    }
+    match pidfd {
+        // Readable when the process has exited (also while it is a zombie).
+        Some(fd) => {
+            let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+            let zero = rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            !matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+        }
+        None => true,
     }
 }
 
@@ -67,20 +154,50 @@ mod tests {
     fn this_process_is_alive_and_a_reused_pid_is_not() {
         let me = ProcessIdentity::current();
         assert!(me.start_ticks > 0, "/proc/self/stat readable here");
-        assert!(me.is_alive());
+        assert!(me.pid_ns > 0, "/proc/self/ns/pid readable here");
+        assert_eq!(me.liveness(), Liveness::Alive);
         assert_eq!(ProcessIdentity::of(me.pid), Some(me));
         let reused = ProcessIdentity {
             start_ticks: me.start_ticks + 1,
             ..me
         };
-        assert!(
-            !reused.is_alive(),
+        assert_eq!(
+            reused.liveness(),
+            Liveness::Dead,
             "same pid, other start time: a different process"
         );
         let none = ProcessIdentity {
             pid: u32::MAX / 2,
-            start_ticks: 1,
+            ..me
         };
-        assert!(!none.is_alive());
+        assert!(none.is_dead());
+    }
+
+    #[test]
+    fn a_pid_of_another_namespace_is_never_judged_dead() {
+        let me = ProcessIdentity::current();
+        for pid_ns in [0, me.pid_ns + 1] {
+            let foreign = ProcessIdentity {
+                pid_ns,
+                pid: u32::MAX / 2, // no such pid here
+                start_ticks: 1,
+            };
+            assert_eq!(foreign.liveness(), Liveness::OtherNamespace);
+            assert!(!foreign.is_dead());
+        }
+    }
+
+    #[test]
+    fn an_exited_child_not_yet_waited_for_is_dead() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("0.1")
+            .spawn()
+            .expect("spawn");
+        let id = ProcessIdentity::of(child.id()).expect("the child runs");
+        assert_eq!(id.liveness(), Liveness::Alive);
+        // It exits and stays a zombie until waited for.
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        assert_eq!(id.liveness(), Liveness::Dead, "a zombie counted as alive");
+        child.wait().expect("wait");
     }
 }

@@ -17,8 +17,10 @@
 //! without being that same user.
 //!
 //! Segments whose creator was killed (`SIGKILL`, the OOM killer) outlive it. Unpinned names
-//! ([`ShmSegment::create_unique`]) carry the owner's pid and start time, so [`gc`] can remove
-//! exactly the segments of dead owners.
+//! ([`ShmSegment::create_unique`]) carry the owner's pid, start time and PID namespace, so
+//! [`gc`] can remove exactly the segments of dead owners. A segment created in another PID
+//! namespace (a container sharing /dev/shm with `--ipc=host`) is never judged by its pid: gc
+//! leaves it unless asked otherwise ([`gc_in_with`]).
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -30,7 +32,7 @@ use crate::advise::{self, MemAdvice};
 use crate::error::{Error, Result};
 use crate::lock::{self, LockedRegion};
 use crate::page_size;
-use crate::process::ProcessIdentity;
+use crate::process::{Liveness, ProcessIdentity};
 
 /// The prefix of segment names that gpufeed generates.
 pub const DEFAULT_PREFIX: &str = "gpufeed";
@@ -171,8 +173,9 @@ impl ShmOptions {
         Ok(segment)
     }
 
-    /// Creates a segment with a generated name `<prefix>-<pid>-<start time>-<random>`, which
-    /// [`gc`] recognises once this process is dead.
+    /// Creates a segment with a generated name
+    /// `<prefix>-<pid>-<start time>-<pid namespace>-<random>`, which [`gc`] recognises once
+    /// this process is dead.
     pub fn create_unique(&self, len: usize) -> Result<ShmSegment> {
         let owner = ProcessIdentity::current();
         loop {
@@ -180,10 +183,11 @@ impl ShmOptions {
             rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
                 .map_err(|e| Error::io("getrandom", None, e))?;
             let name = format!(
-                "{}-{}-{}-{:016x}",
+                "{}-{}-{}-{}-{:016x}",
                 self.prefix,
                 owner.pid,
                 owner.start_ticks,
+                owner.pid_ns,
                 u64::from_ne_bytes(random)
             );
             match self.create(&name, len) {
@@ -301,7 +305,7 @@ fn reserve(fd: &OwnedFd, len: u64, name: &str, dir: &Path) -> Result<()> {
 /// # Example
 /// ```
 /// use gpufeed_os::shm::ShmSegment;
-/// let seg = ShmSegment::create_unique(1 << 20)?; // gpufeed-<pid>-<start>-<random>
+/// let seg = ShmSegment::create_unique(1 << 20)?; // gpufeed-<pid>-<start>-<pid ns>-<random>
 /// seg.write_at(0, b"batch 0")?;
 /// let other = ShmSegment::open(seg.name().unwrap())?; // what another process would do
 /// let mut buf = [0u8; 7];
@@ -546,14 +550,23 @@ impl Drop for ShmSegment {
     }
 }
 
-/// Parses `<pid>-<start>-<random hex>`, the part of a generated name after `<prefix>-`.
+/// Parses `<pid>-<start>-<pid namespace>-<random hex>`, the part of a generated name after
+/// `<prefix>-`. Names of the earlier form `<pid>-<start>-<random hex>` parse with namespace 0
+/// (unknown: never judged by their pid).
 fn parse_owner(rest: &str) -> Option<ProcessIdentity> {
-    let mut parts = rest.splitn(3, '-');
-    let pid = parts.next()?.parse().ok()?;
-    let start_ticks = parts.next()?.parse().ok()?;
-    let random = parts.next()?;
-    (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit()))
-        .then_some(ProcessIdentity { pid, start_ticks })
+    let parts: Vec<&str> = rest.splitn(4, '-').collect();
+    let (pid, start, ns, random) = match parts[..] {
+        [pid, start, ns, random] => (pid, start, ns.parse().ok()?, random),
+        [pid, start, random] => (pid, start, 0, random),
+        _ => return None,
+    };
+    (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(
+        ProcessIdentity {
+            pid_ns: ns,
+            pid: pid.parse().ok()?,
+            start_ticks: start.parse().ok()?,
+        },
+    )
 }
 
 /// A segment found by [`list`].
@@ -563,14 +576,17 @@ pub struct ShmEntry {
     pub name: String,
     /// Its size in bytes.
     pub len: u64,
-    /// The creator's pid.
+    /// The creator's pid (in its own PID namespace).
     pub owner_pid: u32,
-    /// Whether the creator still runs.
-    pub owner_alive: bool,
+    /// The creator's PID namespace (inode; 0 for names that do not record it).
+    pub owner_pid_ns: u64,
+    /// Whether the creator still runs; [`Liveness::OtherNamespace`] for a creator in another
+    /// PID namespace (a container sharing /dev/shm), whose pid says nothing here.
+    pub owner: Liveness,
 }
 
 /// The segments in [`DEFAULT_DIR`] whose names were generated with `prefix`
-/// (`<prefix>-<pid>-<start>-<random>`) and which belong to our user.
+/// (`<prefix>-<pid>-<start>-<pid namespace>-<random>`) and which belong to our user.
 pub fn list(prefix: &str) -> Result<Vec<ShmEntry>> {
     list_in(Path::new(DEFAULT_DIR), prefix)
 }
@@ -603,7 +619,8 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
             name,
             len: u64::try_from(stat.st_size).unwrap_or(0),
             owner_pid: owner.pid,
-            owner_alive: owner.is_alive(),
+            owner_pid_ns: owner.pid_ns,
+            owner: owner.liveness(),
         });
     }
     found.sort_by(|a, b| a.name.cmp(&b.name));
@@ -613,28 +630,54 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
 /// What [`gc`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcReport {
-    /// Names removed (their owner was dead).
+    /// Names removed (their owner was dead, or of another namespace when asked to).
     pub removed: Vec<String>,
     /// Bytes those segments held.
     pub removed_bytes: u64,
     /// Names kept because their owner still runs.
     pub kept: Vec<String>,
+    /// Names kept because their owner lives in another PID namespace (or its namespace is not
+    /// recorded), where its pid cannot tell whether it runs.
+    pub other_namespace: Vec<String>,
 }
 
-/// Removes the segments in `/dev/shm` named `<prefix>-<pid>-<start>-<random>` that belong to
-/// our user and whose creator is dead, and only those. Segments whose creator runs, segments
-/// of other users and names of any other form are left alone.
+/// What [`gc_in_with`] does with segments whose creator lives in another PID namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForeignSegments {
+    /// Leave them: their owner may be alive (the default).
+    #[default]
+    Keep,
+    /// Remove them too, for a user who knows that no container still uses them.
+    Remove,
+}
+
+/// Removes the segments in `/dev/shm` named `<prefix>-<pid>-<start>-<ns>-<random>` that belong
+/// to our user and whose creator, of our PID namespace, is dead, and only those. Segments whose
+/// creator runs, whose creator lives in another PID namespace, of other users and names of any
+/// other form are left alone.
 pub fn gc(prefix: &str) -> Result<GcReport> {
     gc_in(Path::new(DEFAULT_DIR), prefix)
 }
 
 /// Like [`gc`], in another directory.
 pub fn gc_in(dir: &Path, prefix: &str) -> Result<GcReport> {
+    gc_in_with(dir, prefix, ForeignSegments::Keep)
+}
+
+/// Like [`gc_in`], saying what to do with segments of other PID namespaces.
+pub fn gc_in_with(dir: &Path, prefix: &str, foreign: ForeignSegments) -> Result<GcReport> {
     let mut report = GcReport::default();
     for entry in list_in(dir, prefix)? {
-        if entry.owner_alive {
-            report.kept.push(entry.name);
-            continue;
+        match (entry.owner, foreign) {
+            (Liveness::Alive, _) => {
+                report.kept.push(entry.name);
+                continue;
+            }
+            (Liveness::OtherNamespace, ForeignSegments::Keep) => {
+                report.other_namespace.push(entry.name);
+                continue;
+            }
+            _ => {}
         }
         match rustix::fs::unlink(dir.join(&entry.name)) {
             Ok(()) => {
@@ -676,10 +719,20 @@ mod tests {
         assert_eq!(
             parse_owner("123-456-00ff"),
             Some(ProcessIdentity {
+                pid_ns: 0,
                 pid: 123,
                 start_ticks: 456
             })
         );
+        assert_eq!(
+            parse_owner("123-456-4026531836-00ff"),
+            Some(ProcessIdentity {
+                pid_ns: 4026531836,
+                pid: 123,
+                start_ticks: 456
+            })
+        );
+        assert_eq!(parse_owner("123-456-ns-00ff"), None);
         assert_eq!(parse_owner("123-456-"), None);
         assert_eq!(parse_owner("123-456-xyz"), None);
         assert_eq!(parse_owner("abc-456-00"), None);

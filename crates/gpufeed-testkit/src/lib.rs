@@ -100,3 +100,88 @@ pub fn run_child(dispatcher: &str, role: &str, vars: &[(&str, String)]) -> Strin
     );
     stdout
 }
+
+/// Makes `cmd` run as pid 1 of a new PID namespace that has its own /proc, the way a container
+/// started with `--ipc=host` sees the machine: same /dev/shm, its own pids.
+///
+/// Before `exec` the spawned process calls `unshare(CLONE_NEWPID | CLONE_NEWNS)` and forks:
+/// the grandchild (pid 1 of the new namespace, killed when its parent dies) mounts a private
+/// /proc and execs `cmd`'s program; the child waits for it and exits with its status, so
+/// `Child::kill` and `Child::wait` work on the pair. Spawning fails with the `unshare` error
+/// (EPERM without `CAP_SYS_ADMIN`): callers skip with that reason.
+pub fn in_new_pid_namespace(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
+    // functions (unshare, fork, prctl, mount, waitpid, _exit); it allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWPID | libc::CLONE_NEWNS) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let pid = libc::fork();
+            if pid < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if pid > 0 {
+                // The waiting parent: mirror the grandchild's end. It keeps only stdio: the
+                // channel on which `spawn` learns that exec succeeded must close when the
+                // grandchild execs, not when this process exits.
+                libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+                let mut status = 0;
+                loop {
+                    let r = libc::waitpid(pid, &mut status, 0);
+                    if r == pid {
+                        break;
+                    }
+                    if r < 0 && *libc::__errno_location() != libc::EINTR {
+                        libc::_exit(127);
+                    }
+                }
+                let code = if libc::WIFEXITED(status) {
+                    libc::WEXITSTATUS(status)
+                } else {
+                    128 + libc::WTERMSIG(status)
+                };
+                libc::_exit(code);
+            }
+            // Pid 1 of the new namespace: die with the waiting parent, see our own pids.
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            let root = c"/".as_ptr();
+            let proc_ = c"/proc".as_ptr();
+            if libc::mount(
+                std::ptr::null(),
+                root,
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+                || libc::mount(
+                    c"proc".as_ptr(),
+                    proc_,
+                    c"proc".as_ptr(),
+                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                    std::ptr::null(),
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Spawns `cmd` as pid 1 of a new PID namespace ([`in_new_pid_namespace`]), or returns `None`
+/// after printing why `test` is skipped: only where we are not root and the kernel refused
+/// (`EPERM`). As root (CI) a refusal is a failure.
+pub fn spawn_in_new_pid_namespace(test: &str, cmd: &mut Command) -> Option<std::process::Child> {
+    in_new_pid_namespace(cmd);
+    match cmd.spawn() {
+        Ok(child) => Some(child),
+        // SAFETY: geteuid has no preconditions.
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) && unsafe { libc::geteuid() } != 0 => {
+            eprintln!("SKIP {test}: creating a PID namespace needs CAP_SYS_ADMIN: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: spawning a child in a new PID namespace failed: {e}"),
+    }
+}

@@ -460,14 +460,7 @@ impl Reader {
     /// [`Error::DirectUnsupported`] for [`Direct::On`] on a file system that refuses it.
     pub fn open(&mut self, path: impl AsRef<Path>) -> Result<FileId> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| os_open_error(path, e))?;
-        let meta = file.metadata().map_err(|e| os_open_error(path, e))?;
-        if meta.is_dir() {
-            return Err(gpufeed_os::Error::IsDirectory { path: path.into() }.into());
-        }
-        if !meta.is_file() {
-            return Err(gpufeed_os::Error::NotRegularFile { path: path.into() }.into());
-        }
+        let (file, _) = gpufeed_os::file::open_regular(path, false)?;
         let (file, direct, reason) = self.choose_direct(path, file)?;
         let index = self.files.len() as u32;
         let fixed = self.engine.register_file(index, file.as_raw_fd());

@@ -282,7 +282,10 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
     out.push(
         match gpufeed_os::shm::list(gpufeed_os::shm::DEFAULT_PREFIX) {
             Ok(list) => {
-                let stale: Vec<_> = list.iter().filter(|e| !e.owner_alive).collect();
+                let stale: Vec<_> = list
+                    .iter()
+                    .filter(|e| e.owner == gpufeed_os::process::Liveness::Dead)
+                    .collect();
                 if stale.is_empty() {
                     check(
                         "stale shared memory",
@@ -316,12 +319,17 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
 }
 
 fn direct_io(dir: &Path) -> Check {
-    let probe = dir.join(format!(".gpufeed-doctor-{}", std::process::id()));
-    let result = std::fs::write(&probe, [0u8; 4096])
+    // A random name created with O_CREAT|O_EXCL (never through a planted symlink), removed
+    // when `probe` drops.
+    let result = tempfile::Builder::new()
+        .prefix(".gpufeed-doctor-")
+        .tempfile_in(dir)
         .map_err(|e| e.to_string())
-        .and_then(|()| std::fs::File::open(&probe).map_err(|e| e.to_string()))
-        .and_then(|f| gpufeed_os::align::dio_alignment(&f).map_err(|e| e.to_string()));
-    let _ = std::fs::remove_file(&probe);
+        .and_then(|mut probe| {
+            use std::io::Write;
+            probe.write_all(&[0u8; 4096]).map_err(|e| e.to_string())?;
+            gpufeed_os::align::dio_alignment(probe.as_file()).map_err(|e| e.to_string())
+        });
     match result {
         Ok(d) if d.supported() => check(
             "O_DIRECT",

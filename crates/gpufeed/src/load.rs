@@ -661,21 +661,7 @@ fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Strategy, Stri
 }
 
 fn file_len(path: &Path) -> Result<u64> {
-    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => gpufeed_os::Error::NotFound { path: path.into() },
-        _ => gpufeed_os::Error::Io {
-            op: "stat",
-            path: Some(path.into()),
-            source: e,
-        },
-    })?;
-    if meta.is_dir() {
-        return Err(gpufeed_os::Error::IsDirectory { path: path.into() }.into());
-    }
-    if !meta.is_file() {
-        return Err(gpufeed_os::Error::NotRegularFile { path: path.into() }.into());
-    }
-    Ok(meta.len())
+    Ok(gpufeed_os::file::stat_regular(path)?.size)
 }
 
 /// A file range as a fill source: each fill thread reads with its own io_uring reader.

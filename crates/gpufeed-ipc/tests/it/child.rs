@@ -5,6 +5,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use gpufeed_ipc::BatchRing;
+use gpufeed_os::ShmSegment;
 
 use crate::{encode, random_bytes};
 
@@ -24,8 +25,15 @@ fn num(name: &str) -> u64 {
     var(name).parse().expect("number")
 }
 
-/// Produces `count` numbered batches of random lengths into `ring`.
-pub fn produce(ring: &BatchRing, producer: u32, count: u32, slow: bool) {
+/// Produces `count` numbered batches of random lengths into `ring`; after each publish
+/// returns, stores how many were published in the first 8 bytes of `published` (if given).
+pub fn produce(
+    ring: &BatchRing,
+    producer: u32,
+    count: u32,
+    slow: bool,
+    published: Option<&ShmSegment>,
+) {
     let cap = ring.slot_bytes() as usize - 16;
     for index in 0..count {
         let len = (u64::from(producer) * 7919 + u64::from(index) * 104_729) as usize % cap;
@@ -43,6 +51,10 @@ pub fn produce(ring: &BatchRing, producer: u32, count: u32, slow: bool) {
         }
         claim.set_len(batch.len() as u64).expect("len");
         claim.publish().expect("publish");
+        if let Some(seg) = published {
+            seg.write_at(0, &u64::from(index + 1).to_le_bytes())
+                .expect("count");
+        }
     }
 }
 
@@ -59,11 +71,80 @@ fn entry() {
                 num("GPUFEED_IT_PRODUCER") as u32,
                 num("GPUFEED_IT_COUNT") as u32,
                 false,
+                None,
             );
         }
         "produce-forever" => {
             let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
-            produce(&ring, num("GPUFEED_IT_PRODUCER") as u32, u32::MAX, true);
+            let counter = ShmSegment::open(&var("GPUFEED_IT_COUNTER")).expect("counter");
+            produce(
+                &ring,
+                num("GPUFEED_IT_PRODUCER") as u32,
+                u32::MAX,
+                true,
+                Some(&counter),
+            );
+        }
+        // Takes batches and holds each for a while, until killed.
+        "consume-forever" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let consumer = ring.consumer().expect("register");
+            loop {
+                if let Ok(batch) = consumer.next(Duration::from_secs(20)) {
+                    let _ = batch.to_vec();
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+            }
+        }
+        // In another PID namespace: claims the ring's slot, writes half a batch, says so, and
+        // finishes and publishes it when stdin says `go` (or never, if killed first).
+        "ns-hold" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let me = ring.identity();
+            let batch = encode(9, 0, &random_bytes(60_000, 9));
+            let mut claim = ring.claim(Duration::from_secs(20)).expect("claim");
+            claim.write_at(0, &batch[..30_000]).expect("write");
+            println!("CLAIMED {} {}", me.pid_ns, me.pid);
+            let mut line = String::new();
+            if std::io::stdin().read_line(&mut line).expect("stdin") == 0 {
+                std::process::exit(3); // the test went away: never publish
+            }
+            claim.write_at(30_000, &batch[30_000..]).expect("write");
+            claim.set_len(batch.len() as u64).expect("len");
+            claim.publish().expect("publish");
+            println!("PUBLISHED");
+        }
+        // Forks after attaching; the child must be refused the parent's ring, attaches on its
+        // own, claims a slot and holds it until killed. The parent waits for stdin to close.
+        "fork-claim" => {
+            let name = var("GPUFEED_IT_RING");
+            let ring = BatchRing::open(&name).expect("open ring");
+            // SAFETY: the child only makes system calls and allocations (glibc's fork resets
+            // the allocator's locks), prints, and never returns into the test harness.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                let refused = match ring.try_claim() {
+                    Err(gpufeed_ipc::Error::Forked { .. }) => {
+                        matches!(ring.consumer(), Err(gpufeed_ipc::Error::Forked { .. }))
+                    }
+                    _ => false,
+                };
+                // Dropping the parent's ring here must neither hang (its heartbeat thread is
+                // not in this process) nor detach the parent.
+                drop(ring);
+                let own = BatchRing::open(&name).expect("open in the child");
+                let claim = own.try_claim().expect("attached").expect("a free slot");
+                println!("CHILD {} {refused} {}", own.identity().pid, claim.slot());
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).expect("stdin");
+            // The parent is still attached, its registration intact.
+            let c = ring.try_claim().expect("parent attached");
+            println!("PARENT {}", c.is_some());
         }
         "consume-and-die" => {
             let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
@@ -77,7 +158,7 @@ fn entry() {
                 std::os::unix::net::UnixStream::connect(var("GPUFEED_IT_SOCKET")).expect("connect");
             let fd = gpufeed_ipc::recv_fd(&sock).expect("receive the ring's fd");
             let ring = BatchRing::from_fd(fd).expect("map the ring");
-            produce(&ring, 7, num("GPUFEED_IT_COUNT") as u32, false);
+            produce(&ring, 7, num("GPUFEED_IT_COUNT") as u32, false, None);
         }
         other => panic!("unknown role {other}"),
     }

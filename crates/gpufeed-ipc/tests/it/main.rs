@@ -3,6 +3,7 @@
 
 mod child;
 mod model;
+mod namespaces;
 mod processes;
 
 use xxhash_rust::xxh3::xxh3_64;

@@ -48,7 +48,7 @@ proptest! {
                         drop(claim);
                     }
                 }
-                Op::Take => match consumer.try_next() {
+                Op::Take => match consumer.try_next().expect("attached") {
                     None => prop_assert!(model.is_empty()),
                     Some(batch) => {
                         let want = model.pop_front();

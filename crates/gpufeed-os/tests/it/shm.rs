@@ -3,6 +3,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::path::Path;
 use std::process::Stdio;
 
+use gpufeed_os::process::Liveness;
 use gpufeed_os::shm::{self, ShmOptions, ShmSegment};
 use gpufeed_os::{Error, page_size};
 use xxhash_rust::xxh3::xxh3_64;
@@ -378,9 +379,13 @@ fn gc_removes_segments_of_dead_owners_only() {
     assert!(
         entries
             .iter()
-            .any(|e| e.name == doomed_name && !e.owner_alive)
+            .any(|e| e.name == doomed_name && e.owner == Liveness::Dead)
     );
-    assert!(entries.iter().any(|e| e.name == live_name && e.owner_alive));
+    assert!(
+        entries
+            .iter()
+            .any(|e| e.name == live_name && e.owner == Liveness::Alive)
+    );
 
     let report = shm::gc(&prefix).expect("gc");
     assert_eq!(report.removed, vec![doomed_name.clone()]);
@@ -403,4 +408,63 @@ impl Drop for RemoveFile<'_> {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(self.0);
     }
+}
+
+/// A segment created by a process in another PID namespace (a container sharing /dev/shm
+/// with `--ipc=host`): its pid means nothing here, so `list` says so and `gc` keeps it while
+/// the process runs and after it exits, unless told to remove other namespaces' segments.
+/// Before namespaces were recorded, the creator (pid 1 of its namespace) was judged by our
+/// pid 1 and its live segment removed.
+#[test]
+fn gc_leaves_segments_of_other_pid_namespaces_alone() {
+    let test = "gc_leaves_segments_of_other_pid_namespaces_alone";
+    let prefix = unique_prefix("gcns");
+    let mut cmd = child::command("shm-own", &[("GPUFEED_IT_PREFIX", prefix.clone())]);
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped());
+    let Some(mut owner) = gpufeed_testkit::spawn_in_new_pid_namespace(test, &mut cmd) else {
+        return;
+    };
+    let mut lines = BufReader::new(owner.stdout.take().expect("stdout")).lines();
+    let name = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix("NAME=").map(str::to_owned))
+        .expect("child printed its segment name");
+    let path = Path::new(shm::DEFAULT_DIR).join(&name);
+    let _cleanup = RemoveFile(&path);
+
+    let entries = shm::list(&prefix).expect("list");
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0].owner, Liveness::OtherNamespace);
+    assert_eq!(entries[0].owner_pid, 1, "pid 1 of its own namespace");
+    assert_ne!(
+        entries[0].owner_pid_ns,
+        gpufeed_os::process::current_pid_ns()
+    );
+
+    let report = shm::gc(&prefix).expect("gc");
+    assert!(report.removed.is_empty(), "{report:?}");
+    assert_eq!(report.other_namespace, vec![name.clone()]);
+    assert!(
+        path.exists(),
+        "gc removed a live segment of another namespace"
+    );
+
+    drop(owner.stdin.take());
+    owner.wait().expect("wait");
+    let report = shm::gc(&prefix).expect("gc");
+    assert!(
+        path.exists(),
+        "gc judged another namespace's owner by its pid"
+    );
+    assert_eq!(report.other_namespace, vec![name.clone()]);
+
+    let report = shm::gc_in_with(
+        Path::new(shm::DEFAULT_DIR),
+        &prefix,
+        shm::ForeignSegments::Remove,
+    )
+    .expect("gc other namespaces");
+    assert_eq!(report.removed, vec![name]);
+    assert!(!path.exists());
 }

@@ -1,0 +1,310 @@
+//! The table of processes attached to a ring, and how a holder is named in the shared words.
+//!
+//! Each attached process owns one entry: a control word (state and generation) and its
+//! identity (PID namespace, pid, start time), plus a heartbeat counter it renews. The identity is
+//! published as one unit, seqlock style:
+//!
+//! ```text
+//!   FREE(g) --claim (CAS)--> WRITING(g+1) --fields written, Release--> ACTIVE(g+1)
+//!   ACTIVE(g) / WRITING(g) --detach, or judged gone (CAS)--> FREE(g)
+//! ```
+//!
+//! A reader loads the control word (Acquire), reads the fields, and loads the control word
+//! again: the fields belong to that generation only if both loads agree, so nobody ever pairs
+//! one process's pid with another's start time. Slots and the consumer table name their holder
+//! by a [`HolderRef`] (entry index and generation) instead of a pid: when the entry is
+//! retired or reused, every reference to the old generation is recognisably stale, and a
+//! compare-and-swap on the referencing word settles any race.
+//!
+//! Compiled under `--cfg loom` too, where the model checker explores the handshake.
+
+use crate::state::{AtomicU64, Ordering};
+
+/// Most processes attached to one ring at once.
+pub const MAX_PROCESSES: usize = 128;
+
+pub(crate) const FREE: u64 = 0;
+pub(crate) const WRITING: u64 = 1;
+pub(crate) const ACTIVE: u64 = 2;
+
+const STATE_MASK: u64 = 0b11;
+const GEN_SHIFT: u32 = 8;
+const GEN_MASK: u64 = 0xFF_FFFF;
+
+/// An entry's index and generation packed in 32 bits (never 0: generations start at 1).
+pub(crate) type HolderRef = u32;
+
+pub(crate) fn state(ctl: u64) -> u64 {
+    ctl & STATE_MASK
+}
+
+pub(crate) fn generation(ctl: u64) -> u32 {
+    ((ctl >> GEN_SHIFT) & GEN_MASK) as u32
+}
+
+fn make(state: u64, generation: u32) -> u64 {
+    ((u64::from(generation) & GEN_MASK) << GEN_SHIFT) | state
+}
+
+/// The control word of an ACTIVE entry of `generation`.
+pub(crate) fn active(generation: u32) -> u64 {
+    make(ACTIVE, generation)
+}
+
+pub(crate) fn holder_ref(index: usize, generation: u32) -> HolderRef {
+    debug_assert!(index < MAX_PROCESSES && generation != 0);
+    (generation << 8) | index as u32
+}
+
+pub(crate) fn ref_index(r: HolderRef) -> usize {
+    (r & 0xFF) as usize
+}
+
+pub(crate) fn ref_generation(r: HolderRef) -> u32 {
+    r >> 8
+}
+
+/// The identity words of one entry (views into shared memory).
+pub(crate) struct Entry<'a> {
+    pub ctl: &'a AtomicU64,
+    pub pid_ns: &'a AtomicU64,
+    pub pid: &'a AtomicU64,
+    pub start: &'a AtomicU64,
+}
+
+/// The identity an entry publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub pid_ns: u64,
+    pub pid: u32,
+    pub start_ticks: u64,
+}
+
+/// FREE -> WRITING -> ACTIVE with `id`; returns the new generation.
+pub(crate) fn try_register(e: &Entry<'_>, id: Identity) -> Option<u32> {
+    let cur = e.ctl.load(Ordering::Relaxed);
+    if state(cur) != FREE {
+        return None;
+    }
+    let mut generation = (generation(cur) + 1) & GEN_MASK as u32;
+    if generation == 0 {
+        generation = 1;
+    }
+    e.ctl
+        .compare_exchange(
+            cur,
+            make(WRITING, generation),
+            Ordering::Acquire,
+            Ordering::Relaxed,
+        )
+        .ok()?;
+    e.pid_ns.store(id.pid_ns, Ordering::Relaxed);
+    e.pid.store(u64::from(id.pid), Ordering::Relaxed);
+    e.start.store(id.start_ticks, Ordering::Relaxed);
+    e.ctl.store(make(ACTIVE, generation), Ordering::Release);
+    Some(generation)
+}
+
+/// What a reference's entry says now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    /// The entry was retired or reused since: the holder is gone.
+    Gone,
+    /// The entry is being written (its process died mid-registration, or is in it now).
+    Writing(u64),
+    /// The entry's published identity, and the control word it was read under.
+    Active(Identity, u64),
+}
+
+/// Reads the entry that `generation` refers to (seqlock read: a torn read retries).
+pub(crate) fn lookup(e: &Entry<'_>, generation_wanted: u32) -> Lookup {
+    loop {
+        let c1 = e.ctl.load(Ordering::Acquire);
+        if generation(c1) != generation_wanted || state(c1) == FREE {
+            return Lookup::Gone;
+        }
+        if state(c1) == WRITING {
+            return Lookup::Writing(c1);
+        }
+        let id = Identity {
+            pid_ns: e.pid_ns.load(Ordering::Relaxed),
+            pid: e.pid.load(Ordering::Relaxed) as u32,
+            start_ticks: e.start.load(Ordering::Relaxed),
+        };
+        // Orders the field loads before the second control load (a writer that began since
+        // changed the control word first).
+        crate::state::fence_acquire();
+        if e.ctl.load(Ordering::Relaxed) == c1 {
+            return Lookup::Active(id, c1);
+        }
+    }
+}
+
+/// ACTIVE/WRITING `ctl` -> FREE of the same generation (a stale `ctl` fails).
+pub(crate) fn retire(e: &Entry<'_>, ctl: u64) -> bool {
+    e.ctl
+        .compare_exchange(
+            ctl,
+            make(FREE, generation(ctl)),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        )
+        .is_ok()
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn entry(words: &[AtomicU64; 4]) -> Entry<'_> {
+        Entry {
+            ctl: &words[0],
+            pid_ns: &words[1],
+            pid: &words[2],
+            start: &words[3],
+        }
+    }
+
+    #[test]
+    fn register_lookup_retire() {
+        let words = [0u64; 4].map(AtomicU64::new);
+        let e = entry(&words);
+        let id = Identity {
+            pid_ns: 7,
+            pid: 42,
+            start_ticks: 99,
+        };
+        let g = try_register(&e, id).expect("free entry");
+        assert_eq!(try_register(&e, id), None, "registered twice");
+        let r = holder_ref(5, g);
+        assert_eq!((ref_index(r), ref_generation(r)), (5, g));
+        let Lookup::Active(got, ctl) = lookup(&e, g) else {
+            panic!("not active")
+        };
+        assert_eq!(got, id);
+        assert_eq!(lookup(&e, g + 1), Lookup::Gone, "another generation");
+        assert!(retire(&e, ctl));
+        assert!(!retire(&e, ctl), "retired twice");
+        assert_eq!(lookup(&e, g), Lookup::Gone);
+        let g2 = try_register(&e, id).expect("free again");
+        assert_ne!(g2, g);
+        assert!(!retire(&e, ctl), "a stale word retired a new registration");
+    }
+
+    #[test]
+    fn generations_wrap_without_zero() {
+        let words = [make(FREE, GEN_MASK as u32), 0, 0, 0].map(AtomicU64::new);
+        let e = entry(&words);
+        let g = try_register(
+            &e,
+            Identity {
+                pid_ns: 1,
+                pid: 1,
+                start_ticks: 1,
+            },
+        )
+        .expect("free");
+        assert_eq!(g, 1);
+        assert_ne!(holder_ref(0, g), 0);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    fn entry(words: &[AtomicU64; 4]) -> Entry<'_> {
+        Entry {
+            ctl: &words[0],
+            pid_ns: &words[1],
+            pid: &words[2],
+            start: &words[3],
+        }
+    }
+
+    fn id(p: u32) -> Identity {
+        Identity {
+            pid_ns: u64::from(p) * 1000,
+            pid: p,
+            start_ticks: u64::from(p) * 10,
+        }
+    }
+
+    /// A process retires its entry and another registers in it while a reader looks the old
+    /// reference up: the reader sees the old identity whole, or learns that it is gone; never
+    /// one process's pid with another's start time or namespace.
+    #[test]
+    fn identities_are_published_whole() {
+        loom::model(|| {
+            let words = Arc::new([0u64; 4].map(AtomicU64::new));
+            let g1 = try_register(&entry(&words), id(1)).expect("free");
+            let writer = {
+                let words = words.clone();
+                loom::thread::spawn(move || {
+                    let e = entry(&words);
+                    let Lookup::Active(_, ctl) = lookup(&e, g1) else {
+                        panic!("own entry")
+                    };
+                    assert!(retire(&e, ctl));
+                    try_register(&e, id(2)).expect("free after retire")
+                })
+            };
+            match lookup(&entry(&words), g1) {
+                Lookup::Active(got, _) => assert_eq!(got, id(1), "torn identity"),
+                Lookup::Gone => {}
+                Lookup::Writing(_) => panic!("generation 1 is never WRITING after publish"),
+            }
+            let g2 = writer.join().expect("writer");
+            assert_ne!(g2, g1);
+            match lookup(&entry(&words), g2) {
+                Lookup::Active(got, _) => assert_eq!(got, id(2)),
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+
+    /// A reaper judges a slot's holder by its reference while the holder lets the slot go and
+    /// retires, and a new process registers in the same entry and claims the slot: the reaper
+    /// frees the slot only if the word it judged is still there, so the new holder's claim
+    /// is never freed.
+    #[test]
+    fn a_reaper_never_frees_a_new_holders_slot() {
+        use crate::state;
+        loom::model(|| {
+            let words = Arc::new([0u64; 4].map(AtomicU64::new));
+            let slot = Arc::new(AtomicU64::new(state::FREE));
+            let g1 = try_register(&entry(&words), id(1)).expect("free");
+            let old = state::try_claim(&slot, holder_ref(0, g1)).expect("claim");
+            let holder = {
+                let (words, slot) = (words.clone(), slot.clone());
+                loom::thread::spawn(move || {
+                    // The old holder lets go and detaches; a new process takes the entry and
+                    // claims the slot.
+                    assert!(state::free(&slot, old));
+                    let e = entry(&words);
+                    let Lookup::Active(_, ctl) = lookup(&e, g1) else {
+                        panic!("own entry")
+                    };
+                    assert!(retire(&e, ctl));
+                    let g2 = try_register(&e, id(2)).expect("free");
+                    state::try_claim(&slot, holder_ref(0, g2))
+                })
+            };
+            // The reaper: it read the old word and judges the old reference.
+            let seen = old;
+            let r = state::holder(seen);
+            let gone = matches!(lookup(&entry(&words), ref_generation(r)), Lookup::Gone);
+            let freed = gone && state::free(&slot, seen);
+            assert!(!freed, "a stale word freed the slot");
+            let new_claim = holder.join().expect("holder");
+            if let Some(w) = new_claim {
+                assert_eq!(
+                    slot.load(Ordering::Acquire),
+                    w,
+                    "the new holder's claim was freed"
+                );
+            }
+        });
+    }
+}
