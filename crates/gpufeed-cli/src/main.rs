@@ -203,10 +203,16 @@ fn advise(
 ) -> Result<ExitCode> {
     let (size_bytes, resident) = match (size, path) {
         (Some(s), _) => (s, None),
-        (None, Some(p)) => {
-            let r = cache::residency(p).with_context(|| format!("read {}", p.display()))?;
-            (r.file_bytes, Some(r.fraction()))
-        }
+        (None, Some(p)) => match cache::residency(p) {
+            Ok(r) => (r.file_bytes, Some(r.fraction())),
+            // Advice without the cache's state rather than advice from a wrong figure.
+            Err(gpufeed::os::Error::ResidencyUnknown { .. }) => {
+                let id = gpufeed::os::file::stat_regular(p)
+                    .with_context(|| format!("read {}", p.display()))?;
+                (id.size, None)
+            }
+            Err(e) => return Err(e).with_context(|| format!("read {}", p.display())),
+        },
         (None, None) => bail!("say how large the data is: --size 4GiB or --path FILE"),
     };
     let workload = gpufeed::advise::Workload {
@@ -366,8 +372,20 @@ fn cache_op(paths: &[PathBuf], json: bool, op: &str) -> Result<ExitCode> {
             }
             "evict" => cache::evict(p),
             _ => cache::residency(p),
-        }
-        .with_context(|| format!("{op} {}", p.display()))?;
+        };
+        let r = match r {
+            Ok(r) => r,
+            // The operation was done (warm, evict), only its measurement was refused: no
+            // figure rather than a wrong one.
+            Err(gpufeed::os::Error::ResidencyUnknown { reason, .. }) => {
+                rows.push(json!({ "path": p, "fraction": null, "unknown": reason }));
+                if !json {
+                    println!("{:>7}  {}  (unknown: {reason})", "?", p.display());
+                }
+                continue;
+            }
+            Err(e) => return Err(e).with_context(|| format!("{op} {}", p.display())),
+        };
         resident += r.resident_pages;
         total += r.total_pages;
         rows.push(json!({
@@ -377,17 +395,12 @@ fn cache_op(paths: &[PathBuf], json: bool, op: &str) -> Result<ExitCode> {
         }));
         if !json {
             println!(
-                "{:>6.1}%  {:>10} / {:<10} pages  {:>10}  {}{}",
+                "{:>6.1}%  {:>10} / {:<10} pages  {:>10}  {}",
                 r.fraction() * 100.0,
                 r.resident_pages,
                 r.total_pages,
                 show_size(r.file_bytes),
                 p.display(),
-                if r.approximate {
-                    "  (approximate: mincore on a file we cannot write)"
-                } else {
-                    ""
-                }
             );
         }
     }

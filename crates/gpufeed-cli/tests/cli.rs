@@ -235,3 +235,116 @@ fn lock_holds_files_for_the_time_asked() {
     assert_eq!(code, 0);
     assert_eq!(v["locked_bytes"], 64 * 1024);
 }
+
+/// A FIFO named where a file is expected: every command that opens files refuses it at once
+/// (before, `warm`, `evict`, `residency`, `lock` and `advise --path` waited forever for a
+/// writer).
+#[test]
+fn a_fifo_is_refused_at_once_by_every_command() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let fifo = dir.path().join("fifo");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("path");
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    let commands: [&[&str]; 5] = [
+        &["warm"],
+        &["evict"],
+        &["residency"],
+        &["lock", "--seconds", "0"],
+        &["advise", "--path"],
+    ];
+    for args in commands {
+        let out = gpufeed()
+            .args(args)
+            .arg(&fifo)
+            .timeout(std::time::Duration::from_secs(20))
+            .output()
+            .expect("run");
+        assert_eq!(
+            out.status.code(),
+            Some(3),
+            "{args:?} did not fail (or hung)"
+        );
+        let err = one_line_error(&out);
+        assert!(err.contains("not a regular file"), "{args:?}: {err}");
+    }
+}
+
+/// `residency` for a user who may not write the file: the kernel shows such users no
+/// page-cache state (mincore reports every page resident, cachestat answers EPERM), so the
+/// answer is "unknown" with the reason, or a figure that agrees with root's. Before, a file
+/// with 0% cached showed as 100.0% (also right after `evict`).
+#[test]
+fn residency_for_a_user_who_cannot_write_the_file_is_unknown_or_right() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "SKIP residency_for_a_user_who_cannot_write_the_file: needs root to run as nobody"
+        );
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = dir.path().join("data.bin");
+    std::fs::write(&path, gpufeed_testkit::random_bytes(8 << 20, 9)).expect("write");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let as_nobody = |cmd: &str| -> Value {
+        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("gpufeed"))
+            .uid(65534)
+            .gid(65534)
+            .args([cmd, "--json"])
+            .arg(&path)
+            .output()
+            .expect("run as nobody");
+        assert!(
+            out.status.success(),
+            "{cmd} as nobody: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).expect("JSON")["files"][0].clone()
+    };
+    let check = |row: &Value, truth: f64, when: &str| match row["fraction"].as_f64() {
+        None => assert!(
+            row["unknown"].as_str().is_some_and(|r| !r.is_empty()),
+            "{when}: neither a figure nor a reason: {row}"
+        ),
+        Some(f) => assert!(
+            (f - truth).abs() < 0.05,
+            "{when}: nobody sees {f}, root {truth}: {row}"
+        ),
+    };
+    let (root, _) = json_of(gpufeed().arg("evict").arg(&path));
+    let truth = root["files"][0]["fraction"]
+        .as_f64()
+        .expect("root measures");
+    assert!(truth < 0.05, "evict as root left {truth}");
+    check(&as_nobody("residency"), truth, "after evict");
+    let (root, _) = json_of(gpufeed().arg("warm").arg(&path));
+    let truth = root["files"][0]["fraction"]
+        .as_f64()
+        .expect("root measures");
+    check(&as_nobody("residency"), truth, "after warm");
+    check(&as_nobody("evict"), 0.0, "evict as nobody");
+}
+
+/// `lock` of a file larger than the machine's memory, as root (no memlock limit applies):
+/// a clear error, not an OOM kill (before: exit 137 with no output).
+#[test]
+fn lock_refuses_more_than_the_machine_can_spare() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("sparse.bin");
+    std::fs::File::create(&path)
+        .and_then(|f| f.set_len(1 << 40))
+        .expect("a sparse 1 TiB file");
+    let out = gpufeed()
+        .args(["lock", "--seconds", "0"])
+        .arg(&path)
+        .timeout(std::time::Duration::from_secs(60))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let err = one_line_error(&out);
+    assert!(err.contains("too little memory"), "{err}");
+}

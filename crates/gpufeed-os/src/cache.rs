@@ -2,9 +2,10 @@
 //!
 //! [`residency`] asks the kernel how much of a file sits in the page cache: `cachestat(2)`
 //! (Linux 6.5+) counts exactly, including dirty pages; where it is missing, `mincore(2)` over a
-//! temporary mapping. Since Linux 5.2, `mincore` reports page-cache state only for files the
-//! caller owns or may write; for other files it sees only pages mapped by this process, so the
-//! answer is marked [`Residency::approximate`].
+//! temporary mapping. Both show page-cache state only to a caller who owns the file, may write
+//! it, or is privileged (`mincore` since Linux 5.2 reports every page resident otherwise;
+//! `cachestat` since the 2025 side-channel fix answers `EPERM`): for other files the answer is
+//! [`Error::ResidencyUnknown`] with the reason, never a figure that may be wrong.
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
@@ -42,8 +43,7 @@ pub struct Residency {
     pub file_bytes: u64,
     /// How it was measured.
     pub method: ResidencyMethod,
-    /// True when the count may miss cached pages (`mincore` on a file we cannot write), or
-    /// is an estimate from samples ([`residency_estimate`]).
+    /// True when the count is an estimate from samples ([`residency_estimate`]).
     pub approximate: bool,
 }
 
@@ -89,7 +89,9 @@ pub fn residency_of(file: &File) -> Result<Residency> {
 /// The page-cache residency of an open file measured with the given method.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for `Cachestat` on kernels before 6.5 (or where seccomp refuses it).
+/// [`Error::Unsupported`] for `Cachestat` on kernels before 6.5 (or where seccomp refuses it);
+/// [`Error::ResidencyUnknown`] for a file the kernel does not show us (neither owner, nor
+/// writer, nor privileged).
 pub fn residency_with(file: &File, method: ResidencyMethod) -> Result<Residency> {
     let file_bytes = file
         .metadata()
@@ -102,7 +104,7 @@ pub fn residency_with(file: &File, method: ResidencyMethod) -> Result<Residency>
             let stat = cachestat(file, 0, file_bytes)?;
             (stat.nr_cache, Some(stat.nr_dirty), false)
         }
-        ResidencyMethod::Mincore => (mincore_count(file, 0, file_bytes)?, None, !may_write(file)),
+        ResidencyMethod::Mincore => (mincore_count(file, 0, file_bytes)?, None, false),
     };
     Ok(Residency {
         resident_pages: resident_pages.min(total_pages),
@@ -273,6 +275,11 @@ fn cachestat(file: &File, off: u64, len: u64) -> Result<Cachestat> {
     }
     let err = std::io::Error::last_os_error();
     match err.raw_os_error() {
+        // Since the page-cache side-channel fix (2025) cachestat refuses files the caller
+        // neither owns nor may write; mincore would lie about them.
+        Some(libc::EPERM) if !may_write(file) => Err(hidden(
+            "cachestat(2) refuses (EPERM) a file the caller neither owns nor may write",
+        )),
         Some(libc::ENOSYS) | Some(libc::EPERM) | Some(libc::EOPNOTSUPP) => {
             Err(Error::Unsupported {
                 what: "cachestat(2)",
@@ -287,6 +294,11 @@ fn cachestat(file: &File, off: u64, len: u64) -> Result<Cachestat> {
 /// 1 GiB windows of a read-only mapping.
 fn mincore_count(file: &File, start: u64, end: u64) -> Result<u64> {
     const WINDOW: u64 = 1 << 30;
+    if !may_write(file) {
+        return Err(hidden(
+            "mincore(2) reports every page of a file the caller may not write as resident",
+        ));
+    }
     let page = page_size() as u64;
     let mut resident = 0u64;
     let mut vec = Vec::new();
@@ -310,7 +322,15 @@ fn mincore_count(file: &File, start: u64, end: u64) -> Result<u64> {
     Ok(resident)
 }
 
-/// Whether mincore reports the page cache for this file: we own it or may write it.
+fn hidden(reason: &str) -> Error {
+    Error::ResidencyUnknown {
+        path: None,
+        reason: reason.to_owned(),
+    }
+}
+
+/// Whether the kernel shows us the page cache of this file: we own it, may write it, or are
+/// root.
 fn may_write(file: &File) -> bool {
     use std::os::unix::fs::MetadataExt;
     let owner = file.metadata().map(|m| m.uid()).ok();
@@ -328,6 +348,10 @@ fn may_write(file: &File) -> bool {
 ///
 /// Pages that another process has mapped, or that are dirty and could not be written back,
 /// stay: the returned residency shows what remained.
+///
+/// # Errors
+/// As for [`residency`]; [`Error::ResidencyUnknown`] comes after the pages were dropped (only
+/// the measurement afterwards was refused).
 pub fn evict(path: impl AsRef<Path>) -> Result<Residency> {
     let path = path.as_ref();
     let (file, _) = open_regular(path, false)?;
@@ -341,6 +365,9 @@ pub fn evict(path: impl AsRef<Path>) -> Result<Residency> {
 }
 
 /// Reads the whole file into the page cache and returns the residency afterwards.
+///
+/// [`Error::ResidencyUnknown`] comes after the file was read in (only the measurement
+/// afterwards was refused).
 ///
 /// Faults the file in through a read-only mapping with `MADV_POPULATE_READ` (no copy into
 /// user memory); on kernels without it, reads it in 8 MiB pieces. See [`warm_with_progress`]
@@ -396,9 +423,13 @@ fn read_piece(file: &File, offset: u64, len: u64) -> Result<()> {
         .map_err(|e| Error::io("pread", None, e))
 }
 
-/// Puts `path` into an [`Error::Io`] that lacks one.
+/// Puts `path` into an error that lacks one.
 fn with_path(err: Error, path: &Path) -> Error {
     match err {
+        Error::ResidencyUnknown { path: None, reason } => Error::ResidencyUnknown {
+            path: Some(path.into()),
+            reason,
+        },
         Error::Io {
             op,
             path: None,

@@ -60,6 +60,20 @@ pub enum Error {
         fs: &'static str,
     },
 
+    /// The kernel does not show this user the file's page-cache state: `cachestat(2)` and
+    /// `mincore(2)` answer only for files the caller owns or may write (mincore would report
+    /// every page resident). No figure is better than a wrong one.
+    #[error(
+        "page-cache residency of {} is unknown: {reason}; run as the file's owner or root to measure it",
+        .path.as_deref().map_or_else(|| "the file".to_owned(), |p| p.display().to_string())
+    )]
+    ResidencyUnknown {
+        /// The file.
+        path: Option<PathBuf>,
+        /// Why.
+        reason: String,
+    },
+
     /// The file is empty, so there is nothing to map.
     #[error("{} is empty (0 bytes): there is nothing to map; check that the file was fully written", .path.display())]
     EmptyFile {
@@ -215,6 +229,22 @@ pub enum Error {
         soft: Option<u64>,
         /// Hard limit in bytes, `None` for unlimited.
         hard: Option<u64>,
+    },
+
+    /// Locking this much would leave the machine too little memory (the kernel would OOM-kill
+    /// a process, likely this one, instead of refusing).
+    #[error(
+        "locking {requested} bytes would leave the machine too little memory: {available} bytes \
+         are available (MemAvailable) and {margin} must stay free; lock less (a smaller file or \
+         range) or free memory first"
+    )]
+    NotEnoughMemory {
+        /// Bytes asked for (rounded to whole pages).
+        requested: u64,
+        /// `MemAvailable` now.
+        available: u64,
+        /// Bytes that must stay available.
+        margin: u64,
     },
 
     /// The file changed since it was mapped.

@@ -48,12 +48,31 @@ pub fn locked_bytes() -> Option<u64> {
     procfs::meminfo_bytes(&status, "VmLck")
 }
 
+/// Memory that must stay available after a lock: a tenth of what is available, at least
+/// 256 MiB.
+fn memory_margin(available: u64) -> u64 {
+    (available / 10).max(256 << 20)
+}
+
 /// Checks that `bytes` more could be locked now, without locking anything.
 ///
 /// # Errors
-/// [`Error::MemlockLimit`] when this process lacks `CAP_IPC_LOCK` and the locked bytes plus
-/// `bytes` (rounded up to pages) exceed the soft limit.
+/// [`Error::NotEnoughMemory`] when `bytes` (rounded up to pages) exceed `MemAvailable` less a
+/// margin (a tenth, at least 256 MiB) — also for a process that no limit stops (root), which
+/// the OOM killer would otherwise end; [`Error::MemlockLimit`] when this process lacks
+/// `CAP_IPC_LOCK` and the locked bytes plus `bytes` exceed the soft limit.
 pub fn check_budget(bytes: u64) -> Result<()> {
+    let requested = bytes.next_multiple_of(page_size() as u64);
+    if let Ok(available) = crate::sys::mem_available() {
+        let margin = memory_margin(available);
+        if requested > available.saturating_sub(margin) {
+            return Err(Error::NotEnoughMemory {
+                requested,
+                available,
+                margin,
+            });
+        }
+    }
     if has_cap_ipc_lock() {
         return Ok(());
     }
@@ -61,7 +80,6 @@ pub fn check_budget(bytes: u64) -> Result<()> {
     let Some(soft) = limit.soft else {
         return Ok(());
     };
-    let requested = bytes.next_multiple_of(page_size() as u64);
     let locked = locked_bytes().unwrap_or(0);
     if locked.saturating_add(requested) > soft {
         return Err(Error::MemlockLimit {
