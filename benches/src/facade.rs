@@ -171,6 +171,7 @@ pub fn measure(
         drop_last: true,
         prefetch: 4,
         workers: 8,
+        ..gpufeed::dataset::LoaderConfig::default()
     };
     let batch_loader = crate::loader::epochs_gbps(file, 64 << 10, cfg, 1, Some(gpu), reps)?;
     Ok(FacadeBench {

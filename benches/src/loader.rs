@@ -60,6 +60,7 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         drop_last: true,
         prefetch: 2 * workers,
         workers,
+        ..LoaderConfig::default()
     };
     Ok(LoaderBench {
         record_bytes: RECORD,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode};
@@ -248,6 +248,8 @@ pub struct LoaderConfig {
     pub prefetch: usize,
     /// Worker threads gathering records (default 2).
     pub workers: usize,
+    /// Longest wait for one batch before [`Error::BatchTimeout`] ends the epoch (default 60 s).
+    pub batch_timeout: Duration,
 }
 
 impl Default for LoaderConfig {
@@ -257,6 +259,7 @@ impl Default for LoaderConfig {
             drop_last: false,
             prefetch: 2,
             workers: 2,
+            batch_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -506,6 +509,34 @@ fn worker(
     }
 }
 
+/// Runs the user's transform on record `i`: its error, or its panic, becomes
+/// [`Error::Transform`] (a panic must not kill the worker, which would leave the epoch waiting
+/// for a batch that nobody makes).
+pub(crate) fn run_transform(f: &Transform, i: usize, r: &[u8], out: &mut Vec<u8>) -> Result<()> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i, r, out))) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(message)) => Err(Error::Transform {
+            record: i,
+            message,
+            panicked: false,
+        }),
+        Err(payload) => Err(Error::Transform {
+            record: i,
+            message: format!("it panicked: {}", panic_message(&*payload)),
+            panicked: true,
+        }),
+    }
+}
+
+/// The text of a panic's payload (`&str` or `String`; anything else unnamed).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
 /// Copies (and transforms) the records of one batch into a pooled buffer.
 fn gather(
     records: &RecordFile,
@@ -541,8 +572,7 @@ fn gather(
         Some(f) => {
             let mut out = Vec::new();
             for &i in indices {
-                f(i, record(i)?, &mut out)
-                    .map_err(|message| Error::Transform { record: i, message })?;
+                run_transform(f, i, record(i)?, &mut out)?;
                 offsets.push(out.len());
             }
             let mut buf = pool.get(out.len().max(1))?;
@@ -574,15 +604,24 @@ impl Iterator for Epoch<'_> {
             return None;
         }
         let t = Instant::now();
+        let timeout = self.loader.cfg.batch_timeout;
         let prepared = loop {
             if let Some(p) = self.done.remove(&self.next) {
                 break p;
             }
-            match self.rx.recv() {
+            match self.rx.recv_timeout(timeout.saturating_sub(t.elapsed())) {
                 Ok((n, r)) => {
                     self.done.insert(n, r);
                 }
-                Err(_) => {
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let batch = self.next;
+                    self.next = self.total;
+                    return Some(Err(Error::BatchTimeout {
+                        batch,
+                        ms: timeout.as_millis(),
+                    }));
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
                     self.next = self.total;
                     return Some(Err(Error::Config("the batch workers stopped".into())));
                 }
@@ -598,7 +637,13 @@ impl Iterator for Epoch<'_> {
         self.next += 1;
         let (indices, offsets, buf) = match prepared {
             Ok(p) => p,
-            Err(e) => return Some(Err(e)),
+            Err(e) => {
+                if matches!(e, Error::Transform { panicked: true, .. }) {
+                    // A panic is a bug in user code: the epoch ends here.
+                    self.next = self.total;
+                }
+                return Some(Err(e));
+            }
         };
         let bytes = *offsets.last().unwrap_or(&0);
         let data = match &self.loader.gpu {
@@ -642,8 +687,19 @@ impl Drop for Epoch<'_> {
     fn drop(&mut self) {
         self.shared.queue.lock().stop = true;
         self.shared.ready.notify_all();
+        // Workers finish the batch in hand; one stuck in a transform that never returns is
+        // left behind after the batch timeout (it owns everything it uses) rather than
+        // blocking the caller forever.
+        let deadline = Instant::now() + self.loader.cfg.batch_timeout;
+        while self.workers.iter().any(|w| !w.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         for w in self.workers.drain(..) {
-            let _ = w.join();
+            if w.is_finished() {
+                let _ = w.join();
+            } else {
+                tracing::warn!("a batch worker is still busy after the batch timeout; left behind");
+            }
         }
     }
 }

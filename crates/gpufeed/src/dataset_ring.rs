@@ -89,8 +89,7 @@ pub fn produce_epoch(
         offsets.push(0u64);
         for &i in &indices {
             match transform {
-                Some(f) => f(i, record(i)?, &mut out)
-                    .map_err(|message| Error::Transform { record: i, message })?,
+                Some(f) => crate::dataset::run_transform(f, i, record(i)?, &mut out)?,
                 None => out.extend_from_slice(record(i)?),
             }
             offsets.push(out.len() as u64);

@@ -34,6 +34,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// The file changed (replaced, truncated, written) between reading its header and the
+    /// end of the load: the bytes on the GPU may mix two versions, so they were dropped.
+    #[error(
+        "{} changed while it was being loaded ({what}): a writer replaced or modified it, so \
+         what was loaded was dropped; load it again once the writer is done",
+        .path.display()
+    )]
+    FileChangedDuringLoad {
+        /// The file.
+        path: PathBuf,
+        /// What changed.
+        what: String,
+    },
+
     /// A sharded checkpoint's index that cannot be used.
     #[error("{}: bad checkpoint index: {reason}", .path.display())]
     Index {
@@ -56,13 +70,27 @@ pub enum Error {
     #[error("invalid setting: {0}")]
     Config(String),
 
-    /// A user transform failed on a record.
+    /// A user transform failed (or panicked) on a record.
     #[error("transform failed on record {record}: {message}")]
     Transform {
         /// The record's index.
         record: usize,
-        /// The transform's error.
+        /// The transform's error, or its panic message.
         message: String,
+        /// Whether it panicked (which ends the epoch) rather than returned an error.
+        panicked: bool,
+    },
+
+    /// A batch was not ready in time: a worker is stuck (a transform that never returns?).
+    #[error(
+        "batch {batch} was not ready after {ms} ms: a worker is stuck (a transform that never \
+         returns?); raise LoaderConfig::batch_timeout if batches really take this long"
+    )]
+    BatchTimeout {
+        /// The batch's number in its epoch.
+        batch: usize,
+        /// The bound waited.
+        ms: u128,
     },
 }
 

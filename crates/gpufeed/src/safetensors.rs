@@ -5,8 +5,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use gpufeed_cuda::cudarc::driver::CudaView;
-use gpufeed_os::{FileMap, MapMode};
-use safetensors::SafeTensors;
+use gpufeed_os::FileIdentity;
 
 pub use safetensors::Dtype;
 
@@ -84,50 +83,123 @@ impl Checkpoint {
     }
 }
 
-/// The tensors of one safetensors file and where its data section starts.
+/// The tensors of one safetensors file, where its data section starts, and which version of
+/// the file the header came from.
 struct Parsed {
     data_start: u64,
     data_len: u64,
     tensors: Vec<HeaderEntry>,
+    identity: FileIdentity,
+    /// Held open until the load was checked: an open file's inode cannot be reused by a file
+    /// that replaces it, so an identity match means the same file.
+    _file: std::fs::File,
 }
 
-/// Parses the header of `path` with the `safetensors` crate (which checks offsets, sizes and
-/// overlaps against the file's length), touching only the header's pages.
+/// Reads and validates the header of `path` with `pread` on one descriptor (never through a
+/// mapping: a file truncated meanwhile is an error, not SIGBUS), recording the file's identity
+/// (dev, ino, size, mtime) so the load can check that its data came from the same version.
 fn parse(path: &Path) -> Result<Parsed> {
-    let len = std::fs::metadata(path)
-        .map_err(|_| gpufeed_os::Error::NotFound { path: path.into() })?
-        .len();
-    if len < 8 {
-        return Err(Error::Safetensors {
-            path: path.into(),
-            reason: format!("{len} bytes: shorter than the 8-byte header length"),
-        });
-    }
-    // SAFETY: only the header's pages are read (read_metadata uses the buffer's length for
-    // its checks, not its data); a file truncated below its header meanwhile is the caller's
-    // promise on `load`.
-    let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
-    let (data_start, tensors) = header(&map).map_err(|reason| Error::Safetensors {
+    let (file, identity) = gpufeed_os::file::open_regular(path, false)?;
+    let bad = |reason: String| Error::Safetensors {
         path: path.into(),
         reason,
-    })?;
+    };
+    let len = identity.size;
+    let mut n = [0u8; 8];
+    read_exact_at(&file, &mut n, 0, len).map_err(bad)?;
+    let header_len = header_len(u64::from_le_bytes(n), len).map_err(bad)?;
+    let mut prefix = vec![0u8; 8 + header_len as usize];
+    read_exact_at(&file, &mut prefix, 0, len).map_err(bad)?;
+    let (data_start, tensors) = header_of(&prefix, len).map_err(bad)?;
     Ok(Parsed {
         data_start,
         data_len: len - data_start,
         tensors,
+        identity,
+        _file: file,
     })
+}
+
+fn read_exact_at(
+    file: &std::fs::File,
+    buf: &mut [u8],
+    offset: u64,
+    file_len: u64,
+) -> std::result::Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    file.read_exact_at(buf, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            format!("the file ends (at {file_len} bytes) inside its header; it is truncated")
+        } else {
+            format!("reading the header failed: {e}")
+        }
+    })
+}
+
+/// Largest header the `safetensors` crate accepts.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Checks the header length `n` read from the first 8 bytes of a file of `file_len` bytes.
+fn header_len(n: u64, file_len: u64) -> std::result::Result<u64, String> {
+    if file_len < 8 {
+        return Err(format!(
+            "the file has {file_len} bytes, fewer than the 8 that give the header's length"
+        ));
+    }
+    if n > MAX_HEADER_BYTES {
+        return Err(format!(
+            "the header claims {n} bytes, more than the {MAX_HEADER_BYTES} a safetensors header may have"
+        ));
+    }
+    if 8 + n > file_len {
+        return Err(format!(
+            "the header claims {n} bytes but the file has only {} after the length field; it is truncated",
+            file_len - 8
+        ));
+    }
+    Ok(n)
 }
 
 /// One tensor of a safetensors header: name, dtype, shape, byte range in the data section.
 pub type HeaderEntry = (String, Dtype, Vec<usize>, Range<usize>);
 
-/// Validates the header of a whole safetensors file held in `bytes` (the `safetensors` crate
-/// checks the header length, the JSON, dtypes, shapes against sizes, and that the tensors tile
-/// the data section exactly): returns where the data section starts and the tensors, sorted by
-/// name, or why the bytes are not a valid file. Never panics, whatever the bytes (fuzzed:
-/// crates/gpufeed/fuzz).
+/// Validates the header of a whole safetensors file held in `bytes`; see [`header_of`].
 pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), String> {
-    let (header_len, metadata) = SafeTensors::read_metadata(bytes).map_err(|e| format!("{e:?}"))?;
+    header_of(bytes, bytes.len() as u64)
+}
+
+/// Validates the header of a safetensors file of `file_len` bytes whose first bytes are in
+/// `prefix` (at least the 8-byte length and the header): the JSON, dtypes, shapes against
+/// sizes (the `safetensors` crate's `Metadata`), and that the tensors tile the data section
+/// exactly. Returns where the data section starts and the tensors, sorted by name, or a
+/// sentence saying what is wrong. Never panics, whatever the bytes (fuzzed:
+/// crates/gpufeed/fuzz; property-tested below).
+pub fn header_of(
+    prefix: &[u8],
+    file_len: u64,
+) -> std::result::Result<(u64, Vec<HeaderEntry>), String> {
+    let Some(n) = prefix.get(..8) else {
+        return Err(format!(
+            "the file has {} bytes, fewer than the 8 that give the header's length",
+            prefix.len()
+        ));
+    };
+    let n = header_len(u64::from_le_bytes(n.try_into().expect("8 bytes")), file_len)?;
+    let Some(json) = prefix.get(8..8 + n as usize) else {
+        return Err("the header is cut short".into());
+    };
+    let json =
+        std::str::from_utf8(json).map_err(|e| format!("the header is not UTF-8 text ({e})"))?;
+    let metadata: safetensors::tensor::Metadata = serde_json::from_str(json)
+        .map_err(|e| format!("the header does not describe valid tensors: {e}"))?;
+    let data_len = file_len - 8 - n;
+    if metadata.data_len() as u64 != data_len {
+        return Err(format!(
+            "the tensors cover {} bytes but the data section has {data_len}: the file is truncated, \
+             extended or not a safetensors file",
+            metadata.data_len()
+        ));
+    }
     let mut tensors: Vec<HeaderEntry> = metadata
         .tensors()
         .into_iter()
@@ -137,7 +209,7 @@ pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), Stri
         })
         .collect();
     tensors.sort_by(|x, y| x.0.cmp(&y.0));
-    Ok((8 + header_len as u64, tensors))
+    Ok((8 + n, tensors))
 }
 
 /// Loads a safetensors file, or a sharded checkpoint given by its `*.index.json`, into GPU
@@ -146,8 +218,12 @@ pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), Stri
 /// device buffer.
 ///
 /// # Errors
-/// [`Error::Safetensors`] for a malformed or hostile header (with the crate's reason),
-/// [`Error::Index`] for a bad index, and the errors of [`crate::load_file`].
+/// [`Error::Safetensors`] for a malformed or hostile header (a sentence saying what is wrong),
+/// [`Error::Index`] for a bad index, [`Error::FileChangedDuringLoad`] when a file was replaced
+/// or modified between reading its header and the end of its load, and the errors of
+/// [`crate::load_file`]. The header is read with `pread` on the descriptor whose identity
+/// (dev, ino, size, mtime) the load is checked against; no CPU access goes through a mapping
+/// of the file.
 ///
 /// # Example
 /// ```no_run
@@ -194,6 +270,12 @@ pub fn load_with(loader: &Loader, path: impl AsRef<Path>) -> Result<Checkpoint> 
             &file,
             parsed.data_start..parsed.data_start + parsed.data_len,
         )?;
+        // The data must come from the version of the file whose header we read: a writer
+        // replacing or rewriting it meanwhile would pair one file's header with another's bytes.
+        let now = gpufeed_os::file::stat_regular(&file)?;
+        if let Some(what) = parsed.identity.difference(&now) {
+            return Err(Error::FileChangedDuringLoad { path: file, what });
+        }
         for (name, dtype, shape, range) in parsed.tensors {
             if ckpt.tensors.contains_key(&name) {
                 return Err(Error::Index {
@@ -297,6 +379,83 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("{what}: accepted"));
             assert!(matches!(err, Error::Safetensors { .. }), "{what}: {err:?}");
+            // A sentence, not the crate's Debug output.
+            let msg = err.to_string();
+            for debug in [
+                "HeaderTooLarge",
+                "HeaderTooSmall",
+                "InvalidHeaderLength",
+                "MetadataIncompleteBuffer",
+                "InvalidOffset(",
+                "TensorInvalidInfo",
+            ] {
+                assert!(!msg.contains(debug), "{what}: {msg}");
+            }
+            assert!(
+                msg.contains(&*p.to_string_lossy()),
+                "{what}: names the file: {msg}"
+            );
+        }
+        // Files that are not regular files are refused before any read.
+        assert!(matches!(
+            parse(Path::new("/proc/self/status")),
+            Err(Error::Os(gpufeed_os::Error::PseudoFile { .. }))
+        ));
+        assert!(matches!(
+            parse(dir.path()),
+            Err(Error::Os(gpufeed_os::Error::IsDirectory { .. }))
+        ));
+    }
+
+    /// The header is parsed from a prefix and the file's length: what follows the header is
+    /// never read, so a file whose data section is missing is refused by length, and the
+    /// same bytes with the right length parse.
+    #[test]
+    fn headers_parse_from_a_prefix_and_the_file_length() {
+        let h = br#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+        let prefix = [(h.len() as u64).to_le_bytes().to_vec(), h.to_vec()].concat();
+        let full_len = prefix.len() as u64 + 16;
+        let (start, tensors) = header_of(&prefix, full_len).expect("parse");
+        assert_eq!(start, prefix.len() as u64);
+        assert_eq!(tensors[0].3, 0..16);
+        let err = header_of(&prefix, full_len - 1).unwrap_err();
+        assert!(
+            err.contains("cover 16 bytes but the data section has 15"),
+            "{err}"
+        );
+        let err = header_of(&prefix[..20], full_len).unwrap_err();
+        assert!(err.contains("cut short"), "{err}");
+    }
+
+    proptest::proptest! {
+        /// Any bytes and any claimed file length: tensors inside the data section, or a
+        /// sentence; never a panic (the CI form of the fuzz target).
+        #[test]
+        fn arbitrary_headers_never_panic(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            extra in 0u64..1000,
+        ) {
+            let file_len = bytes.len() as u64 + extra;
+            if let Ok((start, tensors)) = header_of(&bytes, file_len) {
+                for (_, _, _, r) in tensors {
+                    proptest::prop_assert!(r.start <= r.end && start + r.end as u64 <= file_len);
+                }
+            }
+        }
+
+        /// Valid headers with one byte changed, or a JSON value spliced in.
+        #[test]
+        fn mutated_headers_never_panic(at in 0usize..80, val in proptest::prelude::any::<u8>(), n in 1usize..6) {
+            let json = format!(
+                r#"{{"t":{{"dtype":"F16","shape":[{n},2],"data_offsets":[0,{}]}}}}"#,
+                n * 4
+            );
+            let mut bytes = [(json.len() as u64).to_le_bytes().to_vec(), json.into_bytes()].concat();
+            let file_len = bytes.len() as u64 + (n as u64) * 4;
+            if at < bytes.len() {
+                bytes[at] = val;
+            }
+            let _ = header_of(&bytes, file_len);
         }
     }
 

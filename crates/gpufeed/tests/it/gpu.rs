@@ -245,6 +245,7 @@ fn device_batches_over_several_epochs() {
         drop_last: false,
         prefetch: 2,
         workers: 4,
+        ..LoaderConfig::default()
     };
     let mut loader = BatchLoader::new(
         records,
@@ -328,4 +329,135 @@ fn registered_loads_clean_up_in_the_background_and_can_be_waited_for() {
         0,
         "staged loads register nothing"
     );
+}
+
+/// Paths that are not regular files of a real file system are refused with a clear error by
+/// every strategy (before, `/proc/self/status` loaded as 0 bytes).
+#[test]
+fn pseudo_files_fifos_and_devices_are_refused() {
+    let Some(gpu) = gpu_or_skip("pseudo_files_fifos_and_devices_are_refused") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let fifo = dir.path().join("fifo");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+        0,
+    )
+    .expect("mkfifo");
+    for strategy in [Strategy::Auto, Strategy::Registered, Strategy::Staged] {
+        let loader = Loader::new(
+            &gpu,
+            LoadOptions {
+                strategy,
+                ..LoadOptions::default()
+            },
+        )
+        .expect("loader");
+        let err = loader.load_file("/proc/self/status").unwrap_err();
+        assert!(
+            matches!(err, Error::Os(gpufeed::os::Error::PseudoFile { .. })),
+            "{strategy}: {err:?}"
+        );
+        for p in [fifo.as_path(), std::path::Path::new("/dev/zero")] {
+            let err = loader.load_file(p).unwrap_err();
+            assert!(
+                matches!(err, Error::Os(gpufeed::os::Error::NotRegularFile { .. })),
+                "{strategy} {}: {err:?}",
+                p.display()
+            );
+        }
+    }
+    let err = gpufeed::safetensors::load(&gpu, "/proc/self/status").unwrap_err();
+    assert!(
+        matches!(err, Error::Os(gpufeed::os::Error::PseudoFile { .. })),
+        "{err:?}"
+    );
+}
+
+/// A writer atomically replaces a checkpoint again and again (rename over it, as
+/// `torch.save` to a temporary file + rename does) while it is loaded: every load gives
+/// exactly one version's tensors or an error naming the file; never one version's header with
+/// the other's bytes.
+#[test]
+fn a_checkpoint_replaced_during_loads_never_yields_mixed_tensors() {
+    let Some(gpu) = gpu_or_skip("a_checkpoint_replaced_during_loads_never_yields_mixed_tensors")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("model.safetensors");
+    // Two versions with the same tensor names but different shapes and bytes.
+    let versions: Vec<(Vec<u8>, Vec<u8>)> = [(3usize << 20, 1u64), ((5 << 20) + 4, 2)]
+        .iter()
+        .map(|&(len, seed)| {
+            let a = random_bytes(len, seed);
+            let b = random_bytes(len / 2 + 4, seed + 10);
+            let views = [
+                (
+                    "a",
+                    safetensors::tensor::TensorView::new(Dtype::U8, vec![a.len()], &a)
+                        .expect("view"),
+                ),
+                (
+                    "b",
+                    safetensors::tensor::TensorView::new(Dtype::U8, vec![b.len()], &b)
+                        .expect("view"),
+                ),
+            ];
+            let file = safetensors::serialize(views, None).expect("serialize");
+            (file, [a, b].concat())
+        })
+        .collect();
+    std::fs::write(&path, &versions[0].0).expect("write");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (mut whole, mut refused) = (0, 0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut k = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                k += 1;
+                let tmp = dir.path().join(format!("tmp{k}"));
+                std::fs::write(&tmp, &versions[k % 2].0).expect("write version");
+                std::fs::rename(&tmp, &path).expect("replace");
+            }
+        });
+        let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
+        for _ in 0..60 {
+            match gpufeed::safetensors::load_with(&loader, &path) {
+                Ok(ckpt) => {
+                    let mut got = Vec::new();
+                    for name in ["a", "b"] {
+                        let (_, view) = ckpt.get(name).expect("tensor");
+                        let mut host = vec![0u8; view.len()];
+                        gpu.default_stream()
+                            .memcpy_dtoh(&view, &mut host)
+                            .expect("copy back");
+                        got.extend(host);
+                    }
+                    assert!(
+                        versions.iter().any(|(_, tensors)| tensors == &got),
+                        "tensors mix two versions of the file"
+                    );
+                    whole += 1;
+                }
+                Err(Error::FileChangedDuringLoad { path: p, .. }) => {
+                    assert_eq!(p, path);
+                    refused += 1;
+                }
+                // A reader that opened the file just as it was replaced may also see it
+                // shrink under it: an error naming the file, never wrong bytes.
+                Err(e) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("model.safetensors"), "{msg}");
+                    refused += 1;
+                }
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    eprintln!("60 loads during replacement: {whole} whole versions, {refused} refused");
 }

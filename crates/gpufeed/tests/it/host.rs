@@ -39,6 +39,7 @@ fn host_batches_are_byte_exact_and_ordered_by_seed() {
         drop_last: false,
         prefetch: 3,
         workers: 3,
+        ..LoaderConfig::default()
     };
     let sampler = Sampler::new(Order::Shuffled { seed: 42 });
     let mut loader = BatchLoader::new(open(), sampler, cfg.clone(), None).expect("loader");
@@ -109,6 +110,7 @@ fn transforms_indexed_records_and_drop_last() {
         drop_last: true,
         prefetch: 2,
         workers: 2,
+        ..LoaderConfig::default()
     };
     let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
         .expect("loader")
@@ -194,7 +196,7 @@ fn bad_record_files_and_failing_transforms() {
     let results: Vec<_> = loader.epoch(0).expect("epoch").collect();
     assert!(results[0].is_ok());
     assert!(
-        matches!(&results[1], Err(Error::Transform { record: 5, message }) if message == "bad pixel")
+        matches!(&results[1], Err(Error::Transform { record: 5, message, panicked: false }) if message == "bad pixel")
     );
     assert!(
         results[2].is_ok(),
@@ -226,4 +228,138 @@ fn sampler_from_torchrun_environment() {
     }
     let s = Sampler::from_env(Order::Sequential).expect("sampler");
     assert_eq!(s.epoch(10, 0), vec![1, 5, 9]);
+}
+
+/// `doctor` probes O_DIRECT with a file in the directory it is given, often as root: a
+/// symlink planted at the name the old code used (`.gpufeed-doctor-<pid>`) must neither be
+/// followed nor removed, and no probe file may stay behind.
+#[test]
+fn doctor_probe_files_never_follow_planted_symlinks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = dir.path().join("precious");
+    let precious = random_bytes(10_000, 3);
+    std::fs::write(&target, &precious).expect("write target");
+    let planted = dir
+        .path()
+        .join(format!(".gpufeed-doctor-{}", std::process::id()));
+    std::os::unix::fs::symlink(&target, &planted).expect("plant symlink");
+    let checks = gpufeed::doctor::run(Some(dir.path()));
+    assert!(
+        checks.iter().any(|c| c.name == "O_DIRECT"),
+        "the O_DIRECT probe ran"
+    );
+    assert_eq!(
+        std::fs::read(&target).expect("read target"),
+        precious,
+        "the probe wrote through the planted symlink"
+    );
+    assert!(
+        std::fs::symlink_metadata(&planted)
+            .expect("the symlink is still there")
+            .file_type()
+            .is_symlink()
+    );
+    let mut names: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        vec![
+            planted
+                .file_name()
+                .expect("name")
+                .to_string_lossy()
+                .into_owned(),
+            "precious".to_owned()
+        ],
+        "a probe file stayed behind"
+    );
+}
+
+/// A transform that panics on one record: that batch is an error naming the record and the
+/// panic, the epoch ends, nothing hangs; a transform that never returns ends the epoch with
+/// `BatchTimeout` after the configured bound.
+#[test]
+fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    std::fs::write(&path, random_bytes(64 * 10, 8)).expect("write");
+    let loader_with = |transform: fn(usize, &[u8], &mut Vec<u8>) -> Result<(), String>| {
+        // SAFETY: the file is private to this test and never changed.
+        let records = unsafe { RecordFile::open_fixed(&path, 10) }.expect("records");
+        BatchLoader::new(
+            records,
+            Sampler::new(Order::Sequential),
+            LoaderConfig {
+                batch_size: 4,
+                workers: 2,
+                batch_timeout: std::time::Duration::from_millis(500),
+                ..LoaderConfig::default()
+            },
+            None,
+        )
+        .expect("loader")
+        .with_transform(transform)
+    };
+    let mut loader = loader_with(|i, r, out| {
+        assert!(i != 9, "corrupt record {i}");
+        out.extend_from_slice(r);
+        Ok(())
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let results: Vec<_> = loader.epoch(0).expect("epoch").collect();
+        let _ = tx.send(
+            results
+                .into_iter()
+                .map(|r| r.map(|b| b.number))
+                .collect::<Vec<_>>(),
+        );
+    });
+    let results = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the epoch ended (a panicking transform used to hang it)");
+    assert!(results[0].is_ok() && results[1].is_ok(), "{results:?}");
+    match &results[2] {
+        Err(Error::Transform {
+            record: 9,
+            message,
+            panicked: true,
+        }) => assert!(message.contains("corrupt record 9"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        results.len(),
+        3,
+        "the epoch ends after a panic: {results:?}"
+    );
+
+    let mut stuck = loader_with(|i, r, out| {
+        if i == 4 {
+            std::thread::sleep(std::time::Duration::from_secs(3));
+        }
+        out.extend_from_slice(r);
+        Ok(())
+    });
+    let t = std::time::Instant::now();
+    let results: Vec<_> = stuck
+        .epoch(0)
+        .expect("epoch")
+        .map(|r| r.map(|b| b.number))
+        .collect();
+    assert!(results[0].is_ok(), "{results:?}");
+    assert!(
+        matches!(results[1], Err(Error::BatchTimeout { batch: 1, ms: 500 })),
+        "{results:?}"
+    );
+    assert_eq!(results.len(), 2, "{results:?}");
+    // The timeout, then at most one more bound while the epoch lets its workers go: not the
+    // stuck transform's 3 s.
+    assert!(
+        t.elapsed() < std::time::Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
 }

@@ -18,6 +18,7 @@ fn cfg() -> LoaderConfig {
         drop_last: false,
         prefetch: 2,
         workers: 2,
+        ..LoaderConfig::default()
     }
 }
 
