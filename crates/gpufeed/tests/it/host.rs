@@ -286,7 +286,8 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("records.bin");
     std::fs::write(&path, random_bytes(64 * 10, 8)).expect("write");
-    let loader_with = |transform: fn(usize, &[u8], &mut Vec<u8>) -> Result<(), String>| {
+    type RecordFn = fn(usize, &[u8], &mut Vec<u8>) -> Result<(), String>;
+    let loader_with = |transform: RecordFn| {
         // SAFETY: the file is private to this test and never changed.
         let records = unsafe { RecordFile::open_fixed(&path, 10) }.expect("records");
         BatchLoader::new(
