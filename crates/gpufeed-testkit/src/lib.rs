@@ -79,6 +79,11 @@ pub fn child_command(dispatcher: &str, role: &str, vars: &[(&str, String)]) -> C
         "-q",
     ])
     .env(CHILD_ROLE, role)
+    // Children start without the variables that change gpufeed's choices, whatever the
+    // caller's shell holds; a role that needs one passes it in `vars`.
+    .env_remove("GPUFEED_IO_BACKEND")
+    .env_remove("RANK")
+    .env_remove("WORLD_SIZE")
     .stdin(Stdio::null());
     for (k, v) in vars {
         cmd.env(k, v);

@@ -173,6 +173,7 @@ impl ReaderBuilder {
             files: Vec::new(),
             bounce_free: Vec::new(),
             bounce_made: 0,
+            session_gen: 0,
             stats: ReadStats {
                 backend: kind,
                 bytes: 0,
@@ -262,6 +263,10 @@ impl ReadStats {
 /// Implementors guarantee that `io_ptr` returns the same address, valid for `io_len` bytes,
 /// for as long as the value lives, however it is moved.
 pub unsafe trait IoBufMut: Send + 'static {
+    /// Whether the memory belongs to someone else (who gets it back when the value is
+    /// dropped or forgotten); only the reader's own internal buffer type sets it.
+    #[doc(hidden)]
+    const BORROWED: bool = false;
     /// The first byte.
     fn io_ptr(&mut self) -> *mut u8;
     /// The number of bytes.
@@ -309,6 +314,7 @@ struct Borrowed {
 unsafe impl Send for Borrowed {}
 // SAFETY: read_exact_at keeps the borrowed slice alive and unused until every read completed.
 unsafe impl IoBufMut for Borrowed {
+    const BORROWED: bool = true;
     fn io_ptr(&mut self) -> *mut u8 {
         self.ptr
     }
@@ -413,6 +419,9 @@ pub struct Reader {
     files: Vec<OpenFile>,
     bounce_free: Vec<Bounce>,
     bounce_made: usize,
+    /// Bumped by every session and carried in the high half of every tag, so a completion of
+    /// an earlier session can never be taken for one of the current session.
+    session_gen: u32,
     stats: ReadStats,
     cfg: ReaderBuilder,
 }
@@ -620,6 +629,31 @@ impl Reader {
         Session::new(self, ops.into_iter())
     }
 
+    /// Waits for the reads of a session that was leaked (`mem::forget` of [`Reader::reads`])
+    /// and drops their results; the buffers were leaked with it, so the kernel wrote only into
+    /// memory nobody uses. Its bounce buffers were leaked too: make new ones as needed.
+    fn drain_leaked_session(&mut self) -> Result<()> {
+        if self.engine.in_flight() == 0 {
+            return Ok(());
+        }
+        tracing::warn!(
+            reads = self.engine.in_flight(),
+            "a leaked read session left reads in flight; waiting for them"
+        );
+        let mut raw = Vec::new();
+        while self.engine.in_flight() > 0 {
+            raw.clear();
+            self.engine
+                .wait(1, &mut raw)
+                .map_err(|source| Error::Backend {
+                    op: "wait for the reads of a leaked session",
+                    source,
+                })?;
+        }
+        self.bounce_made = self.bounce_free.len();
+        Ok(())
+    }
+
     fn take_bounce(&mut self) -> Option<Bounce> {
         if let Some(b) = self.bounce_free.pop() {
             return Some(b);
@@ -707,7 +741,7 @@ struct Part {
 }
 
 /// One run of requests over a reader: the read-exact state machine shared by every engine.
-struct Session<'r, I, B> {
+struct Session<'r, I, B: IoBufMut> {
     reader: &'r mut Reader,
     source: Option<I>,
     slots: Vec<Option<Slot<B>>>,
@@ -719,6 +753,11 @@ struct Session<'r, I, B> {
     raw: Vec<RawResult>,
     started: Option<Instant>,
     broken: bool,
+    /// This session's generation (the high half of its tags).
+    generation: u32,
+    /// An error found before the first request (reads of a leaked session could not be
+    /// waited for): reported by the first `next`.
+    fatal: Option<Error>,
 }
 
 impl<'r, I, B> Session<'r, I, B>
@@ -727,7 +766,12 @@ where
     I: Iterator<Item = ReadOp<B>>,
 {
     fn new(reader: &'r mut Reader, source: I) -> Self {
+        let fatal = reader.drain_leaked_session().err();
+        reader.session_gen = reader.session_gen.wrapping_add(1);
+        let generation = reader.session_gen;
         Session {
+            generation,
+            fatal,
             reader,
             source: Some(source),
             slots: Vec::new(),
@@ -864,10 +908,12 @@ where
         self.started.get_or_insert_with(Instant::now);
         // SAFETY: the memory belongs to a request (or bounce buffer) this session owns and
         // keeps untouched until the completion of `tag` is processed; the session drains every
-        // read before it is dropped; the file stays open as long as the reader.
+        // read before it is dropped (a session leaked with `mem::forget` leaks its owned
+        // buffers with it, and the next session waits for its reads first); the file stays
+        // open as long as the reader.
         unsafe {
             self.reader.engine.push(RawRead {
-                tag: tag as u64,
+                tag: u64::from(self.generation) << 32 | tag as u64,
                 ..read
             })
         }
@@ -878,6 +924,11 @@ where
     }
 
     fn process(&mut self, tag: u64, result: io::Result<usize>) {
+        if (tag >> 32) as u32 != self.generation {
+            tracing::error!(tag, "completion of an earlier session's read; ignored");
+            return;
+        }
+        let tag = tag & u64::from(u32::MAX);
         let Some(mut part) = self.parts.get_mut(tag as usize).and_then(Option::take) else {
             tracing::error!(tag, "completion for an unknown read; ignored");
             return;
@@ -997,6 +1048,10 @@ where
     type Item = Result<Completion<B>>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if let Some(e) = self.fatal.take() {
+            self.broken = true;
+            return Some(Err(e));
+        }
         loop {
             if let Some(done) = self.ready.pop_front() {
                 return Some(Ok(done));
@@ -1046,13 +1101,21 @@ where
     }
 }
 
-impl<I, B> Session<'_, I, B> {
+impl<I, B: IoBufMut> Session<'_, I, B> {
     /// Waits for every read in flight, discarding results (drop and error paths).
     fn drain(&mut self) {
         while self.reader.engine.in_flight() > 0 {
             self.raw.clear();
-            if self.reader.engine.wait(1, &mut self.raw).is_err() {
-                // The kernel may still write into these buffers: never free them.
+            if let Err(err) = self.reader.engine.wait(1, &mut self.raw) {
+                // The kernel may still write into these buffers: never free them. A borrowed
+                // buffer cannot be kept from its owner by forgetting it: stop the process
+                // rather than let the kernel write into memory that is reused.
+                if B::BORROWED {
+                    eprintln!(
+                        "gpufeed-uring: waiting for reads into a borrowed buffer failed ({err}); aborting"
+                    );
+                    std::process::abort();
+                }
                 self.broken = true;
                 for slot in self.slots.drain(..).flatten() {
                     std::mem::forget(slot.op.buf);
@@ -1080,7 +1143,7 @@ impl<I, B> Session<'_, I, B> {
     }
 }
 
-impl<I, B> Drop for Session<'_, I, B> {
+impl<I, B: IoBufMut> Drop for Session<'_, I, B> {
     fn drop(&mut self) {
         // Never let a buffer go while the kernel may still write into it.
         self.drain();

@@ -1,7 +1,9 @@
 //! Child processes: the test binary re-runs itself with `GPUFEED_IT_CHILD=<role>` and only the
 //! `child::entry` test. Without the variable `entry` returns at once (a dispatcher, not a test).
 
-use gpufeed_uring::{Backend, BackendKind, Reader, UringUnavailable};
+use gpufeed_uring::{Backend, BackendKind, Error, Probe, Reader, UringUnavailable};
+
+use crate::disk_file;
 
 const ROLE: &str = gpufeed_testkit::CHILD_ROLE;
 
@@ -67,6 +69,37 @@ fn entry() {
         return;
     };
     match role.as_str() {
+        "probe-override" => {
+            let (_dir, path, data) = disk_file(200_000, 4);
+            let mut r = Reader::builder()
+                .probe_override(Probe::uring_unavailable("test: pretend seccomp"))
+                .build()
+                .expect("Auto falls back");
+            assert!(matches!(
+                r.backend(),
+                gpufeed_uring::BackendKind::Threads(_)
+            ));
+            assert!(
+                r.stats()
+                    .fallbacks
+                    .iter()
+                    .any(|f| f.contains("pretend seccomp")),
+                "{:?}",
+                r.stats().fallbacks
+            );
+            let file = r.open(&path).expect("open");
+            let mut buf = vec![0u8; 100_000];
+            r.read_exact_at(file, 1, &mut buf).expect("read");
+            assert!(buf[..] == data[1..100_001]);
+
+            let err = Reader::builder()
+                .backend(Backend::IoUring)
+                .probe_override(Probe::uring_unavailable("test"))
+                .build()
+                .unwrap_err();
+            assert!(matches!(err, Error::BackendUnavailable { .. }), "{err:?}");
+            println!("CHILD-OK");
+        }
         "seccomp" => {
             refuse_io_uring_setup();
             let probe = Backend::probe();

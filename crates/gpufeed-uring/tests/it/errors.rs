@@ -1,7 +1,7 @@
 //! Bad input: EOF, a missing file, a directory, a file shrunk between open and read, O_DIRECT
 //! refused, io_uring unavailable.
 
-use gpufeed_uring::{Backend, Direct, Error, Probe, ReadOp, Reader};
+use gpufeed_uring::{Backend, Direct, Error, ReadOp};
 
 use crate::{backends, disk_file, reader};
 
@@ -135,36 +135,14 @@ fn direct_on_where_the_file_system_refuses_it() {
     assert!(buf.iter().all(|&b| b == 5));
 }
 
+/// A probe that says io_uring is refused: Auto falls back to threads with the reason, and an
+/// explicit IoUring is an error. Run in a child without `GPUFEED_IO_BACKEND`, which would
+/// otherwise decide the backend before any probe (so this passes whatever the caller's shell
+/// sets).
 #[test]
 fn probe_override_falls_back_to_threads_with_the_reason() {
-    let (_dir, path, data) = disk_file(200_000, 4);
-    let mut r = Reader::builder()
-        .probe_override(Probe::uring_unavailable("test: pretend seccomp"))
-        .build()
-        .expect("Auto falls back");
-    assert!(matches!(
-        r.backend(),
-        gpufeed_uring::BackendKind::Threads(_)
-    ));
-    assert!(
-        r.stats()
-            .fallbacks
-            .iter()
-            .any(|f| f.contains("pretend seccomp")),
-        "{:?}",
-        r.stats().fallbacks
-    );
-    let file = r.open(&path).expect("open");
-    let mut buf = vec![0u8; 100_000];
-    r.read_exact_at(file, 1, &mut buf).expect("read");
-    assert!(buf[..] == data[1..100_001]);
-
-    let err = Reader::builder()
-        .backend(Backend::IoUring)
-        .probe_override(Probe::uring_unavailable("test"))
-        .build()
-        .unwrap_err();
-    assert!(matches!(err, Error::BackendUnavailable { .. }), "{err:?}");
+    let out = crate::child::run("probe-override");
+    assert!(out.contains("CHILD-OK"), "{out}");
 }
 
 #[test]

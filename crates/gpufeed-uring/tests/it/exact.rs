@@ -251,3 +251,55 @@ fn registered_bounce_buffers_read_fixed() {
         t.stats()
     );
 }
+
+/// A read iterator leaked with `mem::forget` while its reads are in flight: the next session
+/// waits for those reads first and never takes one of their completions for one of its own
+/// (before, tags restarted at 0 and a stale completion finished a new read early, while the
+/// kernel still wrote its buffer). Run cold, with O_DIRECT and without, on every backend.
+#[test]
+fn a_leaked_read_iterator_cannot_corrupt_the_next_session() {
+    let (_, path, data) = fixture();
+    for backend in backends() {
+        for direct in [Direct::On, Direct::Off] {
+            let mut r = reader(backend, direct, 16, 128 * 1024);
+            let file = r.open(path).expect("open");
+            gpufeed_os::cache::evict(path).expect("evict");
+            // A small cached read completes first; the parts (tags 1..) of a large cold read
+            // are still in flight when the iterator is leaked.
+            let mut head = vec![0u8; 4096];
+            r.read_exact_at(file, 0, &mut head).expect("cache the head");
+            let ops = [
+                ReadOp::new(file, 0, vec![0u8; 4096]),
+                ReadOp::new(file, 1 << 20, vec![0u8; 2 << 20]),
+            ];
+            let mut it = r.reads(ops);
+            let first = it.next().expect("first").expect("ok");
+            assert_eq!(first.offset, 0, "the cached read completes first");
+            std::mem::forget(it);
+            // The new session's parts have the same size as the leaked ones (one block each),
+            // so a stale completion would finish one of them before its data arrived.
+            let ops = (0..40u64)
+                .map(|i| ReadOp::new(file, i * 100_003 + 7, vec![0u8; 128 * 1024]).user_data(i));
+            let mut seen = vec![false; 40];
+            for c in r.reads(ops) {
+                let c = c.unwrap_or_else(|e| panic!("{backend:?} {direct:?}: {e}"));
+                let off = c.offset as usize;
+                assert_eq!(c.result.expect("read"), 128 * 1024);
+                assert!(
+                    c.buf[..] == data[off..off + 128 * 1024],
+                    "{backend:?} {direct:?}: bytes of read {} differ",
+                    c.user_data
+                );
+                assert!(!std::mem::replace(&mut seen[c.user_data as usize], true));
+            }
+            assert!(
+                seen.iter().all(|&s| s),
+                "{backend:?} {direct:?}: reads missing"
+            );
+            let mut buf = vec![0u8; 333_333];
+            r.read_exact_at(file, 4_000_000, &mut buf)
+                .expect("read after a leaked iterator");
+            assert!(buf[..] == data[4_000_000..4_333_333]);
+        }
+    }
+}
