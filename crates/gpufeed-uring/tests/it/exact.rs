@@ -280,7 +280,7 @@ fn a_leaked_read_iterator_cannot_corrupt_the_next_session() {
             // so a stale completion would finish one of them before its data arrived.
             let ops = (0..40u64)
                 .map(|i| ReadOp::new(file, i * 100_003 + 7, vec![0u8; 128 * 1024]).user_data(i));
-            let mut seen = vec![false; 40];
+            let mut seen = [false; 40];
             for c in r.reads(ops) {
                 let c = c.unwrap_or_else(|e| panic!("{backend:?} {direct:?}: {e}"));
                 let off = c.offset as usize;
