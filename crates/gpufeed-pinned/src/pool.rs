@@ -515,10 +515,17 @@ impl std::ops::Deref for PooledBuffer {
 }
 
 impl std::ops::DerefMut for PooledBuffer {
+    /// The bytes, for writing: waits first for the last GPU use recorded with
+    /// [`PooledBuffer::record_use`] (free when there is none or it has completed), so the CPU
+    /// never writes while a copy still reads the buffer.
     fn deref_mut(&mut self) -> &mut [u8] {
+        if let Err(e) = self.wait_idle() {
+            // The context is broken (a sticky CUDA error): its queued copies will not run.
+            tracing::error!(error = %e, "waiting for a pooled buffer's last copy failed");
+        }
         let len = self.len;
-        // SAFETY: as in deref; exclusive through &mut self. The caller waits for recorded GPU
-        // uses (wait_idle) before writing, as the pool does before handing it out.
+        // SAFETY: as in deref; exclusive through &mut self, and no recorded GPU use is still
+        // running (waited for above).
         unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), len) }
     }
 }

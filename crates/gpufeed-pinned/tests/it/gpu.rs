@@ -63,3 +63,45 @@ fn pool_in_cuda_mode_reuses_pinned_buffers() {
     eprintln!("steady-state get took {took:?}");
     assert_eq!(pool.stats().allocations, 1);
 }
+
+/// Writing into a pooled buffer through `DerefMut` while a recorded copy still reads it: the
+/// write waits for the copy, so the GPU receives the bytes as they were when the copy was
+/// enqueued. The CPU writes the tail, which the copy engine reads last (before, the tail of
+/// the device copy could hold the new bytes).
+#[test]
+fn writing_a_pooled_buffer_waits_for_the_copy_that_reads_it() {
+    use cudarc::driver::DevicePtrMut;
+    let Some(ctx) = gpu_or_skip("writing_a_pooled_buffer_waits_for_the_copy_that_reads_it")
+    else {
+        return;
+    };
+    let len = (512 << 20) + 4097;
+    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolConfig::default()).expect("pool");
+    let mut buf = pool.get(len).expect("get");
+    buf.set_len(len);
+    let before = random_bytes(len, 21);
+    buf.copy_from_slice(&before);
+    let stream = ctx.new_stream().expect("stream");
+    let mut dev = stream.alloc_zeros::<u8>(len).expect("device memory");
+    stream.synchronize().expect("sync");
+    {
+        let (dst, _sync) = dev.device_ptr_mut(&stream);
+        // SAFETY: `dst` holds `len` bytes; `buf` stays alive and, through `record_use`, is
+        // not written before the copy has read it (what this test checks).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, &buf[..], stream.cu_stream())
+                .expect("enqueue the copy");
+        }
+    }
+    buf.record_use(&stream).expect("record");
+    // Right away, while the copy runs: overwrite the last MiB.
+    let tail = len - (1 << 20);
+    buf[tail..].fill(0xEE);
+    stream.synchronize().expect("sync");
+    let back = stream.clone_dtoh(&dev).expect("copy back");
+    assert!(
+        back[tail..] == before[tail..],
+        "the GPU received bytes written after the copy was enqueued"
+    );
+    assert!(back == before);
+}
