@@ -190,3 +190,19 @@ pub fn spawn_in_new_pid_namespace(test: &str, cmd: &mut Command) -> Option<std::
         Err(e) => panic!("{test}: spawning a child in a new PID namespace failed: {e}"),
     }
 }
+
+/// Whether this process runs as root (CI does: tests that need root must not skip there).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// For a test that needs a privilege: as root, `why` it could not run is a failure; otherwise
+/// the test is skipped with `why` printed.
+pub fn skip_unless_root(test: &str, why: &dyn std::fmt::Display) {
+    assert!(
+        !is_root(),
+        "{test}: {why} (running as root, so this is a failure, not a skip)"
+    );
+    eprintln!("SKIP {test}: {why}; needs root");
+}

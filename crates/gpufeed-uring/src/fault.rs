@@ -25,6 +25,9 @@ pub struct FaultPlan {
     pub reorder: bool,
     /// Each wait sleeps up to this many microseconds first.
     pub max_delay_us: u64,
+    /// Opening a file with `O_DIRECT` fails with `EINVAL`, as on file systems that refuse it
+    /// at open time (the reader then reads that file buffered, or refuses under `Direct::On`).
+    pub direct_open_einval: bool,
 }
 
 impl FaultPlan {
@@ -38,6 +41,7 @@ impl FaultPlan {
             eio: 0.0,
             reorder: false,
             max_delay_us: 0,
+            direct_open_einval: false,
         }
     }
 
@@ -52,6 +56,7 @@ impl FaultPlan {
             eio: 0.0,
             reorder: true,
             max_delay_us: 50,
+            direct_open_einval: false,
         }
     }
 }

@@ -521,11 +521,20 @@ impl Reader {
                 ));
             }
         }
-        match std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
+        let opened = if self
+            .cfg
+            .fault
+            .as_ref()
+            .is_some_and(|f| f.direct_open_einval)
         {
+            Err(io::Error::from_raw_os_error(libc::EINVAL))
+        } else {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+        };
+        match opened {
             Ok(direct) => {
                 let block = self.cfg.block_bytes;
                 if block % dio.offset_align as usize != 0 {

@@ -97,6 +97,11 @@ pub struct LoadOptions {
     /// default: inline, each fill thread copies the cached pages into its own staging buffers
     /// and issues their uploads, which ran faster on the H200 machine).
     pub async_buffered: bool,
+    /// Test hook, not API: registration fails as a driver refusing it would
+    /// (`CUDA_ERROR_NOT_PERMITTED`, as under some container and WSL limits), to test the
+    /// fallback to `Staged` on machines whose driver never refuses.
+    #[doc(hidden)]
+    pub testing_refuse_registration: bool,
 }
 
 impl Default for LoadOptions {
@@ -119,6 +124,7 @@ impl Default for LoadOptions {
             queue_depth: 8,
             registered_share: 0.45,
             async_buffered: false,
+            testing_refuse_registration: false,
         }
     }
 }
@@ -453,6 +459,12 @@ impl Loader {
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
+        if self.opts.testing_refuse_registration {
+            return Err(Error::Pinned(gpufeed_pinned::Error::Cuda {
+                op: "cuMemHostRegister",
+                result: "CUDA_ERROR_NOT_PERMITTED".into(),
+            }));
+        }
         let len = (range.end - range.start) as usize;
         // SAFETY: the file must not be truncated while it loads (documented on the strategy);
         // the identity check after the copies reports a file that changed.

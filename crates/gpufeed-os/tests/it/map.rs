@@ -186,3 +186,27 @@ fn populate_advise_and_lock() {
     assert_eq!(locked.len(), 8192);
     assert_eq!(&small[..], &data[..8192]);
 }
+
+/// A mapped file that really shrinks: the change is reported (size before and after), and
+/// faulting the mapping in through `populate` (MADV_POPULATE_READ) is an error, not the
+/// SIGBUS a CPU read of the lost pages would raise.
+#[test]
+fn a_mapped_file_that_shrinks_is_detected_without_sigbus() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_file(dir.path(), "f.bin", &random_bytes(64 * 1024, 5));
+    // SAFETY: this test never reads the mapping's memory with the CPU after the truncation;
+    // it only asks the kernel about it.
+    let map = unsafe { FileMap::open(&path, MapMode::ReadOnly) }.expect("map");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|f| f.set_len(4096))
+        .expect("truncate");
+    let err = map.verify_unchanged().unwrap_err();
+    assert!(
+        matches!(&err, Error::FileChanged { what, .. } if what == "size 65536 -> 4096 bytes"),
+        "{err:?}"
+    );
+    let populated = map.populate();
+    assert!(populated.is_err(), "populating lost pages succeeded");
+}

@@ -163,7 +163,10 @@ fn segment_of_another_user_is_refused() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     if let Err(err) = std::os::unix::fs::chown(&path, Some(65534), None) {
-        eprintln!("SKIP segment_of_another_user_is_refused: chown refused ({err}); needs root");
+        gpufeed_testkit::skip_unless_root(
+            "segment_of_another_user_is_refused",
+            &format!("chown refused ({err})"),
+        );
         return;
     }
     let err = ShmSegment::open(&name).unwrap_err();
@@ -308,8 +311,9 @@ fn full_shm_fails_at_create_with_the_fix_in_the_message() {
     let tiny = match TinyTmpfs::mount("1m") {
         Ok(t) => t,
         Err(why) => {
-            eprintln!(
-                "SKIP full_shm_fails_at_create: cannot mount a tmpfs here ({why}); needs root"
+            gpufeed_testkit::skip_unless_root(
+                "full_shm_fails_at_create",
+                &format!("cannot mount a tmpfs here ({why})"),
             );
             return;
         }
@@ -467,4 +471,33 @@ fn gc_leaves_segments_of_other_pid_namespaces_alone() {
     .expect("gc other namespaces");
     assert_eq!(report.removed, vec![name]);
     assert!(!path.exists());
+}
+
+/// A symlink planted at a segment's name (another process of ours, or root's /dev/shm): open
+/// refuses to follow it (O_NOFOLLOW), create refuses the taken name (O_EXCL), and the target
+/// is untouched.
+#[test]
+fn symlinks_at_segment_names_are_never_followed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = dir.path().join("target");
+    let precious = random_bytes(8192, 11);
+    std::fs::write(&target, &precious).expect("target");
+    let name = unique_prefix("symlink");
+    let link = Path::new(shm::DEFAULT_DIR).join(&name);
+    std::os::unix::fs::symlink(&target, &link).expect("plant");
+    let _cleanup = RemoveFile(&link);
+    let err = ShmSegment::open(&name).unwrap_err();
+    assert!(
+        matches!(&err, Error::Io { source, .. } if source.raw_os_error() == Some(libc::ELOOP)),
+        "{err:?}"
+    );
+    let err = ShmSegment::create(&name, 4096).unwrap_err();
+    assert!(matches!(err, Error::ShmExists { .. }), "{err:?}");
+    assert_eq!(std::fs::read(&target).expect("read"), precious);
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .expect("still there")
+            .file_type()
+            .is_symlink()
+    );
 }

@@ -158,3 +158,31 @@ fn child_low_memlock() {
     );
     println!("CHILD-OK");
 }
+
+/// Placement asked on a NUMA node this machine does not have: the pool still hands out
+/// buffers, unplaced, and says so in its notes (no silent fallback).
+#[test]
+fn a_missing_numa_node_is_noted_and_buffers_still_work() {
+    let missing = gpufeed_numa::Topology::detect()
+        .map(|t| t.nodes().iter().map(|n| n.id).max().unwrap_or(0) + 1)
+        .expect("topology");
+    let pool = PinnedPool::new(
+        PoolMode::Cpu,
+        PoolConfig {
+            budget_bytes: Some(64 << 20),
+            numa_node: Some(missing),
+        },
+    )
+    .expect("pool");
+    let mut buf = pool.get(100_000).expect("get");
+    buf.set_len(100_000);
+    let data = crate::random_bytes(100_000, 4);
+    buf.copy_from_slice(&data);
+    assert!(buf[..] == data[..]);
+    assert_eq!(
+        pool.notes(),
+        vec![format!(
+            "NUMA node {missing} does not exist here; buffers are not placed"
+        )]
+    );
+}

@@ -71,8 +71,7 @@ fn pool_in_cuda_mode_reuses_pinned_buffers() {
 #[test]
 fn writing_a_pooled_buffer_waits_for_the_copy_that_reads_it() {
     use cudarc::driver::DevicePtrMut;
-    let Some(ctx) = gpu_or_skip("writing_a_pooled_buffer_waits_for_the_copy_that_reads_it")
-    else {
+    let Some(ctx) = gpu_or_skip("writing_a_pooled_buffer_waits_for_the_copy_that_reads_it") else {
         return;
     };
     let len = (512 << 20) + 4097;

@@ -102,3 +102,38 @@ fn eio_fails_the_request_and_only_it() {
         );
     }
 }
+
+/// `O_DIRECT` refused with `EINVAL` at open (some file systems accept `O_DIRECT` in statx but
+/// not at open; this kernel's ext4 and tmpfs never take that path, so it is injected):
+/// `Direct::Auto` reads the file buffered and records why; `Direct::On` refuses the file.
+#[test]
+fn o_direct_refused_at_open_reads_buffered_with_the_reason() {
+    let seed = seed("direct open einval");
+    let (_dir, path, data) = disk_file((3 << 20) + 77, seed);
+    for backend in backends() {
+        let plan = FaultPlan {
+            direct_open_einval: true,
+            ..FaultPlan::none(seed)
+        };
+        gpufeed_os::cache::evict(&path).expect("evict: Auto would choose O_DIRECT");
+        let mut r = faulty(backend, Direct::Auto, plan.clone());
+        let file = r.open(&path).expect("open");
+        let report = &r.stats().files[0];
+        assert!(!report.direct, "{backend:?}: {report:?}");
+        assert_eq!(
+            report.reason.as_deref(),
+            Some("open with O_DIRECT returned EINVAL (the file system refuses it)"),
+            "{backend:?}"
+        );
+        let mut buf = vec![0u8; data.len() - 5];
+        r.read_exact_at(file, 5, &mut buf).expect("buffered read");
+        assert!(buf[..] == data[5..], "{backend:?}: bytes differ");
+
+        let mut on = faulty(backend, Direct::On, plan);
+        let err = on.open(&path).unwrap_err();
+        assert!(
+            matches!(&err, Error::DirectUnsupported { reason, .. } if reason.contains("EINVAL")),
+            "{backend:?}: {err:?}"
+        );
+    }
+}

@@ -461,3 +461,40 @@ fn a_checkpoint_replaced_during_loads_never_yields_mixed_tensors() {
     });
     eprintln!("60 loads during replacement: {whole} whole versions, {refused} refused");
 }
+
+/// Registration refused by the driver (injected: the H200's driver never refuses): a
+/// `Registered` load falls back to `Staged`, the bytes arrive whole, and the report says why.
+#[test]
+fn refused_registration_falls_back_to_staged_with_the_reason() {
+    let Some(gpu) = gpu_or_skip("refused_registration_falls_back_to_staged_with_the_reason") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("r.bin");
+    let data = random_bytes((20 << 20) + 333, 91);
+    std::fs::write(&path, &data).expect("write");
+    let loader = Loader::new(
+        &gpu,
+        LoadOptions {
+            strategy: Strategy::Registered,
+            testing_refuse_registration: true,
+            ..LoadOptions::default()
+        },
+    )
+    .expect("loader");
+    let (buf, report) = loader.load_file(&path).expect("falls back");
+    assert_eq!(
+        xxh3_64(&gpu.to_vec(&buf).expect("copy back")),
+        xxh3_64(&data)
+    );
+    assert_eq!(report.strategy, Strategy::Registered, "{report:?}");
+    let refusal = gpufeed::pinned::Error::Cuda {
+        op: "cuMemHostRegister",
+        result: "CUDA_ERROR_NOT_PERMITTED".into(),
+    };
+    assert_eq!(
+        report.fallbacks,
+        vec![format!("registration refused ({refusal}); staged instead")],
+        "{report:?}"
+    );
+}
