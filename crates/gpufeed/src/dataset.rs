@@ -80,26 +80,7 @@ impl RecordFile {
             reason,
         };
         let raw = std::fs::read(index).map_err(|e| bad(format!("cannot read the index: {e}")))?;
-        if raw.len() % 8 != 0 || raw.len() < 16 {
-            return Err(bad(format!(
-                "{} bytes: an index is at least two little-endian u64 offsets",
-                raw.len()
-            )));
-        }
-        let offsets: Vec<u64> = raw
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        if let Some(w) = offsets.windows(2).position(|w| w[1] < w[0]) {
-            return Err(bad(format!("offsets decrease at record {w}")));
-        }
-        let end = *offsets.last().expect("two or more");
-        if end > map.len() as u64 {
-            return Err(bad(format!(
-                "records end at {end}, past the data file's {} bytes",
-                map.len()
-            )));
-        }
+        let offsets = parse_record_index(&raw, map.len() as u64).map_err(bad)?;
         Ok(RecordFile {
             map,
             path: path.into(),
@@ -528,6 +509,31 @@ pub(crate) fn run_transform(f: &Transform, i: usize, r: &[u8], out: &mut Vec<u8>
     }
 }
 
+/// Parses a record index (little-endian u64 offsets, at least two, not decreasing, the last
+/// within `data_len`): a file another program wrote, so untrusted. Property-tested below.
+fn parse_record_index(raw: &[u8], data_len: u64) -> std::result::Result<Vec<u64>, String> {
+    if raw.len() % 8 != 0 || raw.len() < 16 {
+        return Err(format!(
+            "{} bytes: an index is at least two little-endian u64 offsets",
+            raw.len()
+        ));
+    }
+    let offsets: Vec<u64> = raw
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    if let Some(w) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(format!("offsets decrease at record {w}"));
+    }
+    let end = *offsets.last().expect("two or more");
+    if end > data_len {
+        return Err(format!(
+            "records end at {end}, past the data file's {data_len} bytes"
+        ));
+    }
+    Ok(offsets)
+}
+
 /// The text of a panic's payload (`&str` or `String`; anything else unnamed).
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
@@ -707,6 +713,34 @@ impl Drop for Epoch<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Any index bytes and data length: offsets that never decrease and end inside the
+        /// data, or an error; never a panic.
+        #[test]
+        fn arbitrary_record_indexes_never_panic(
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            data_len in proptest::prelude::any::<u64>(),
+        ) {
+            if let Ok(offsets) = parse_record_index(&raw, data_len) {
+                proptest::prop_assert!(offsets.len() >= 2);
+                proptest::prop_assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+                proptest::prop_assert!(*offsets.last().expect("two") <= data_len);
+            }
+        }
+
+        /// Valid indexes are accepted as they are.
+        #[test]
+        fn valid_record_indexes_round_trip(mut lens in proptest::collection::vec(0u64..1000, 1..50)) {
+            let mut offsets = vec![0u64];
+            for l in lens.drain(..) {
+                offsets.push(offsets.last().expect("one") + l);
+            }
+            let raw: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+            let end = *offsets.last().expect("one");
+            proptest::prop_assert_eq!(parse_record_index(&raw, end), Ok(offsets));
+        }
+    }
 
     #[test]
     fn samplers_shuffle_by_seed_and_shard_evenly() {

@@ -322,3 +322,33 @@ impl<'r> RingLoader<'r> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// A slot header written by another process, whatever its bytes: offsets that never
+        /// decrease and data inside the slot, or an error; never a panic.
+        #[test]
+        fn arbitrary_slot_headers_never_panic(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400),
+            count in 0u32..20,
+            magic in proptest::prelude::any::<bool>(),
+            slot_len in proptest::prelude::any::<u64>(),
+        ) {
+            let mut head = Vec::new();
+            if magic {
+                head.extend_from_slice(MAGIC);
+                head.extend_from_slice(&count.to_le_bytes());
+            }
+            head.extend_from_slice(&body);
+            if let Ok((_, _, at, offsets, indices)) = parse_slot(&head, slot_len) {
+                let data_len = *offsets.last().expect("count + 1 offsets") as u64;
+                proptest::prop_assert!(at as u64 + data_len <= slot_len);
+                proptest::prop_assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+                proptest::prop_assert_eq!(offsets.len(), indices.len() + 1);
+            }
+        }
+    }
+}

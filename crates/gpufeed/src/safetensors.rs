@@ -313,8 +313,17 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
         }
         _ => bad(e.to_string()),
     })?;
+    shards_of(&text, index)
+}
+
+/// [`shards`] of an index's text (untrusted: property-tested).
+fn shards_of(text: &str, index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
+    let bad = |reason: String| Error::Index {
+        path: index.into(),
+        reason,
+    };
     let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -325,7 +334,13 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
         let file = file
             .as_str()
             .ok_or_else(|| bad(format!("{tensor}: file name is not a string")))?;
-        if file.contains('/') || file == ".." || file.is_empty() {
+        // One plain file name: no directories, no "." or "..", nothing empty.
+        let mut parts = Path::new(file).components();
+        let plain = matches!(
+            (parts.next(), parts.next()),
+            (Some(std::path::Component::Normal(n)), None) if n == file
+        );
+        if !plain {
             return Err(bad(format!(
                 "{tensor}: shard name {file:?} leaves the checkpoint's directory"
             )));
@@ -443,6 +458,30 @@ mod tests {
             }
         }
 
+        /// Any index text, and weight maps of arbitrary names: shard files inside the index's
+        /// directory, or an error; never a panic.
+        #[test]
+        fn arbitrary_indexes_never_panic(
+            text in ".{0,200}",
+            names in proptest::collection::vec(("[a-z.]{1,8}", "[a-z./]{0,12}"), 0..6),
+        ) {
+            let dir = Path::new("/ckpt");
+            let index = dir.join("model.safetensors.index.json");
+            let map: serde_json::Map<String, serde_json::Value> = names
+                .into_iter()
+                .map(|(t, f)| (t, serde_json::Value::String(f)))
+                .collect();
+            let structured = serde_json::json!({ "weight_map": map }).to_string();
+            for t in [text.as_str(), structured.as_str()] {
+                if let Ok(files) = shards_of(t, &index) {
+                    proptest::prop_assert!(!files.is_empty());
+                    for (f, _) in files {
+                        proptest::prop_assert_eq!(f.parent(), Some(dir));
+                    }
+                }
+            }
+        }
+
         /// Valid headers with one byte changed, or a JSON value spliced in.
         #[test]
         fn mutated_headers_never_panic(at in 0usize..80, val in proptest::prelude::any::<u8>(), n in 1usize..6) {
@@ -490,6 +529,8 @@ mod tests {
             ("not json", "{"),
             ("no map", "{}"),
             ("escape", r#"{"weight_map":{"a":"../x.safetensors"}}"#),
+            ("the directory itself", r#"{"weight_map":{"a":"."}}"#),
+            ("a subdirectory", r#"{"weight_map":{"a":"sub/x.safetensors"}}"#),
             ("empty", r#"{"weight_map":{}}"#),
             ("number", r#"{"weight_map":{"a":3}}"#),
         ] {
