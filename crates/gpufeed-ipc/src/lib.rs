@@ -13,7 +13,13 @@
 //! copy, register [`BatchRing::segment`] with `gpufeed-pinned` (`HostRegistration::shm`) and
 //! copy from [`Batch::offset_in_segment`].
 //!
-//! The slot state machine ([`state`](self) module docs) is checked with `loom`
+//! Holders are named by their entry in the ring's process table (PID namespace, pid, start
+//! time, heartbeat): a process of our PID namespace is judged by its pid, one of another
+//! namespace (a container sharing /dev/shm) only by the lease it renews
+//! ([`BatchRing::set_lease`]); a forked child gets [`Error::Forked`] and attaches on its own.
+//!
+//! The slot state machine ([`state`](self) module docs) and the process table's identity
+//! handshake are checked with `loom`
 //! (`RUSTFLAGS="--cfg loom" cargo test -p gpufeed-ipc --lib`) and against a `VecDeque` model
 //! with `proptest`; header parsing ([`parse_header`]) treats the segment as untrusted input.
 //!

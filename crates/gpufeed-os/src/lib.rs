@@ -14,7 +14,7 @@
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
 //! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::residency_estimate`] (sampled), [`cache::evict`], [`cache::warm`] |
 //! | [`align`] | [`AlignedBuf`], [`align::dio_alignment`] (statx DIOALIGN) |
-//! | [`process`] | [`process::ProcessIdentity`]: pid + start time, alive or not across pid reuse |
+//! | [`process`] | [`process::ProcessIdentity`]: PID namespace + pid + start time; alive, dead, or of another namespace (never judged by its pid) |
 //! | [`sys`] | [`SystemInfo::read`]: page sizes, THP, swappiness, memlock, /dev/shm, io_uring, memory |
 //!
 //! Sibling crates: `gpufeed-numa` (placement), `gpufeed-uring` (reads), `gpufeed-ipc` (a batch
