@@ -307,4 +307,44 @@ mod loom_tests {
             }
         });
     }
+
+    /// The consumer table: two processes reuse the entry of a consumer judged gone while the
+    /// gone consumer's own (late) unregistration runs: each entry is one word set and cleared
+    /// by compare-and-swap, so exactly one newcomer holds it and the late unregistration never
+    /// clears a newcomer's registration.
+    #[test]
+    fn consumer_entries_change_hands_whole() {
+        use crate::state::AtomicU32;
+        loom::model(|| {
+            let (gone, a, b) = (holder_ref(1, 1), holder_ref(2, 1), holder_ref(3, 1));
+            let word = Arc::new(AtomicU32::new(gone));
+            let racers: Vec<_> = [a, b]
+                .into_iter()
+                .map(|me| {
+                    let word = word.clone();
+                    loom::thread::spawn(move || {
+                        word.compare_exchange(gone, me, Ordering::AcqRel, Ordering::Relaxed)
+                            .is_ok()
+                    })
+                })
+                .collect();
+            // The gone consumer's drop, late: clears only its own registration.
+            let cleared = word
+                .compare_exchange(gone, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok();
+            let won: Vec<bool> = racers
+                .into_iter()
+                .map(|r| r.join().expect("racer"))
+                .collect();
+            let winners = won.iter().filter(|&&w| w).count();
+            let now = word.load(Ordering::Acquire);
+            if cleared {
+                assert_eq!(winners, 0);
+                assert_eq!(now, 0);
+            } else {
+                assert_eq!(winners, 1, "one newcomer holds the entry");
+                assert_eq!(now, if won[0] { a } else { b });
+            }
+        });
+    }
 }

@@ -1,11 +1,10 @@
 //! The batch ring in a shared-memory segment.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
-
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use gpufeed_os::process::{Liveness, ProcessIdentity};
 use gpufeed_os::{ShmOptions, ShmSegment};
@@ -37,7 +36,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 /// # Who holds a slot
 /// Every `BatchRing` value registers its process in the ring's process table: PID namespace,
 /// pid and start time, published as one unit, and a heartbeat that a background thread renews
-/// (every quarter of the [lease](BatchRing::set_lease)) until the value drops. A holder of our
+/// (every quarter of the [lease](BatchRing::set_lease), at least once a second) until the
+/// value drops. A holder of our
 /// PID namespace is judged by its pid (pidfd, start time, zombies count as dead); a holder of
 /// another namespace (a container sharing /dev/shm with `--ipc=host`) only by its heartbeat:
 /// it is reclaimed once it has not renewed for a whole lease, never because its pid means

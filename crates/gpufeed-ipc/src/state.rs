@@ -17,6 +17,8 @@
 //! This module is also compiled under `--cfg loom`, where the model checker explores every
 //! interleaving of these transitions.
 
+#[cfg(all(loom, test))]
+pub(crate) use loom::sync::atomic::AtomicU32;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(loom))]

@@ -530,7 +530,10 @@ mod tests {
             ("no map", "{}"),
             ("escape", r#"{"weight_map":{"a":"../x.safetensors"}}"#),
             ("the directory itself", r#"{"weight_map":{"a":"."}}"#),
-            ("a subdirectory", r#"{"weight_map":{"a":"sub/x.safetensors"}}"#),
+            (
+                "a subdirectory",
+                r#"{"weight_map":{"a":"sub/x.safetensors"}}"#,
+            ),
             ("empty", r#"{"weight_map":{}}"#),
             ("number", r#"{"weight_map":{"a":3}}"#),
         ] {
