@@ -23,7 +23,8 @@
 //! (`RUSTFLAGS="--cfg loom" cargo test -p gpufeed-ipc --lib`) and against a `VecDeque` model
 //! with `proptest`; header parsing ([`parse_header`]) treats the segment as untrusted input.
 //!
-//! Depends on `gpufeed-os` and `rustix` only.
+//! Depends on `gpufeed-os`, `rustix`, `parking_lot` (the heartbeat thread's stop signal) and
+//! `libc` (`pthread_atfork`, to notice forked children without a system call per batch).
 
 #[cfg(not(loom))]
 mod error;
