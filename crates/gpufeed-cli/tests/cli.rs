@@ -243,9 +243,7 @@ fn lock_holds_files_for_the_time_asked() {
 fn a_fifo_is_refused_at_once_by_every_command() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let fifo = dir.path().join("fifo");
-    let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("path");
-    // SAFETY: a valid NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    gpufeed_testkit::mkfifo(&fifo);
     let commands: [&[&str]; 5] = [
         &["warm"],
         &["evict"],
@@ -276,8 +274,7 @@ fn a_fifo_is_refused_at_once_by_every_command() {
 /// with 0% cached showed as 100.0% (also right after `evict`).
 #[test]
 fn residency_for_a_user_who_cannot_write_the_file_is_unknown_or_right() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !gpufeed_testkit::is_root() {
         eprintln!(
             "SKIP residency_for_a_user_who_cannot_write_the_file: needs root to run as nobody"
         );

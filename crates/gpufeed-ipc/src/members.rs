@@ -152,11 +152,12 @@ pub(crate) fn retire(e: &Entry<'_>, ctl: u64) -> bool {
         .is_ok()
 }
 
-#[cfg(all(test, not(loom)))]
-mod tests {
+/// The four words of an entry, in private memory, for the tests.
+#[cfg(test)]
+mod tests_support {
     use super::*;
 
-    fn entry(words: &[AtomicU64; 4]) -> Entry<'_> {
+    pub(super) fn entry(words: &[AtomicU64; 4]) -> Entry<'_> {
         Entry {
             ctl: &words[0],
             pid_ns: &words[1],
@@ -164,6 +165,13 @@ mod tests {
             start: &words[3],
         }
     }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    use super::tests_support::entry;
 
     #[test]
     fn register_lookup_retire() {
@@ -214,14 +222,7 @@ mod loom_tests {
     use super::*;
     use loom::sync::Arc;
 
-    fn entry(words: &[AtomicU64; 4]) -> Entry<'_> {
-        Entry {
-            ctl: &words[0],
-            pid_ns: &words[1],
-            pid: &words[2],
-            start: &words[3],
-        }
-    }
+    use super::tests_support::entry;
 
     fn id(p: u32) -> Identity {
         Identity {

@@ -153,14 +153,7 @@ mod tests {
         }
         let dir = tempfile::tempdir().expect("tempdir");
         let fifo = dir.path().join("fifo");
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &fifo,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
-            0,
-        )
-        .expect("mkfifo");
+        gpufeed_testkit::mkfifo(&fifo);
         // Without O_NONBLOCK this open would wait forever for a writer.
         let err = open_regular(&fifo, false).unwrap_err();
         assert!(matches!(err, Error::NotRegularFile { .. }), "{err:?}");

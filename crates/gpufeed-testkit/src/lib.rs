@@ -182,8 +182,7 @@ pub fn spawn_in_new_pid_namespace(test: &str, cmd: &mut Command) -> Option<std::
     in_new_pid_namespace(cmd);
     match cmd.spawn() {
         Ok(child) => Some(child),
-        // SAFETY: geteuid has no preconditions.
-        Err(e) if e.raw_os_error() == Some(libc::EPERM) && unsafe { libc::geteuid() } != 0 => {
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) && !is_root() => {
             eprintln!("SKIP {test}: creating a PID namespace needs CAP_SYS_ADMIN: {e}");
             None
         }
@@ -205,4 +204,20 @@ pub fn skip_unless_root(test: &str, why: &dyn std::fmt::Display) {
         "{test}: {why} (running as root, so this is a failure, not a skip)"
     );
     eprintln!("SKIP {test}: {why}; needs root");
+}
+
+/// Makes a FIFO at `path` (mode 0600): a path that blocks an `open` for reading until a
+/// writer comes, for tests that such paths are refused without blocking.
+pub fn mkfifo(path: &std::path::Path) {
+    let c =
+        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("a path without NUL");
+    // SAFETY: a valid NUL-terminated path.
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(
+        rc,
+        0,
+        "mkfifo {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
 }

@@ -340,14 +340,7 @@ fn pseudo_files_fifos_and_devices_are_refused() {
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let fifo = dir.path().join("fifo");
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        &fifo,
-        rustix::fs::FileType::Fifo,
-        rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
-        0,
-    )
-    .expect("mkfifo");
+    gpufeed_testkit::mkfifo(&fifo);
     for strategy in [Strategy::Auto, Strategy::Registered, Strategy::Staged] {
         let loader = Loader::new(
             &gpu,
