@@ -26,6 +26,10 @@ pub struct FacadeBench {
     pub cold_default_strategy: String,
     pub raw_direct_read_gbps: Samples,
     pub first_load_gbps: f64,
+    /// Fresh processes: `Gpu::open`, a new `Loader`, its first and second load of the file.
+    pub one_shot_file: Vec<crate::oneshot::OneShotRun>,
+    /// The same for the safetensors checkpoint.
+    pub one_shot_checkpoint: Vec<crate::oneshot::OneShotRun>,
     /// BatchLoader over the file as 64 KiB records, 256 per batch, 8 workers, device batches.
     pub batch_loader_gbps: Samples,
 }
@@ -109,6 +113,16 @@ pub fn measure(
     drop(first?);
     let first_load_gbps = gbps(len, first_s);
 
+    progress(
+        "one-shot: fresh processes open the GPU and load the file, then the checkpoint, twice",
+    );
+    let st_path = dir.join(format!("model-{len}.safetensors"));
+    let st_bytes = ensure_safetensors(&st_path, len)?;
+    cache::warm(file)?;
+    cache::warm(&st_path)?;
+    let one_shot_file = crate::oneshot::measure(file, false, reps)?;
+    let one_shot_checkpoint = crate::oneshot::measure(&st_path, true, reps)?;
+
     progress("warm 4 GiB file: default options, one IO thread, staged");
     // One untimed load per loader: its staging buffers are allocated on the first (the row
     // above measures that), the rows below time loaders in use.
@@ -140,8 +154,6 @@ pub fn measure(
     }
 
     progress("safetensors checkpoint of 4 GiB, warm");
-    let st_path = dir.join(format!("model-{len}.safetensors"));
-    let st_bytes = ensure_safetensors(&st_path, len)?;
     cache::warm(&st_path)?;
     let mut st = Vec::new();
     one.wait_for_cleanup();
@@ -187,6 +199,8 @@ pub fn measure(
         cold_default_strategy: cold_strategy,
         raw_direct_read_gbps: Samples::new(raw),
         first_load_gbps,
+        one_shot_file,
+        one_shot_checkpoint,
         batch_loader_gbps: batch_loader,
     })
 }

@@ -13,6 +13,7 @@ mod handoff;
 mod ipc;
 mod limits;
 mod loader;
+mod oneshot;
 mod reads;
 mod report;
 mod util;
@@ -108,6 +109,15 @@ enum Internal {
         #[arg(long)]
         len: usize,
     },
+    /// A one-shot load in a fresh process (started by the harness itself).
+    #[command(hide = true)]
+    OneShot {
+        #[arg(long)]
+        path: std::path::PathBuf,
+        /// The file is a safetensors checkpoint.
+        #[arg(long)]
+        checkpoint: bool,
+    },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
     IpcChild {
@@ -131,6 +141,7 @@ fn main() -> Result<()> {
             target,
             count,
         }) => return ipc::child(role, &target, count),
+        Some(Internal::OneShot { path, checkpoint }) => return oneshot::child(&path, checkpoint),
         None => {}
     }
     let mut cli = cli;

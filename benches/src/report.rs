@@ -400,6 +400,41 @@ fn facade_table(s: &mut String, g: &GpuBench) {
          the rows above reuse one `Loader` per setting.",
         f.first_load_gbps
     );
+    one_shot_table(s, f);
+}
+
+/// One-shot loads: a fresh process per run (medians over the runs, min-max in parentheses).
+fn one_shot_table(s: &mut String, f: &crate::facade::FacadeBench) {
+    use crate::oneshot::OneShotRun;
+    let _ = writeln!(
+        s,
+        "\n### One-shot: a fresh process opens the GPU, makes a `Loader` and loads twice (warm page cache)\n\n\
+         | what | `Gpu::open` ms | `Loader::new` ms | first load GB/s | second load GB/s | first / second |\n\
+         |---|---|---|---|---|---|"
+    );
+    for (what, runs) in [
+        ("4 GiB file (`Loader::load_file`)", &f.one_shot_file),
+        (
+            "safetensors checkpoint (`safetensors::load_with`)",
+            &f.one_shot_checkpoint,
+        ),
+    ] {
+        if runs.is_empty() {
+            continue;
+        }
+        let col =
+            |g: fn(&OneShotRun) -> f64| crate::util::Samples::new(runs.iter().map(g).collect());
+        let (first, second) = (col(OneShotRun::first_gbps), col(OneShotRun::second_gbps));
+        let _ = writeln!(
+            s,
+            "| {what} | {} | {} | {} | {} | {:.2} |",
+            col(|r| r.open_ms).show(0),
+            col(|r| r.loader_ms).show(1),
+            first.show(1),
+            second.show(1),
+            first.median / second.median
+        );
+    }
 }
 
 fn gpu_table(s: &mut String, g: &GpuBench) {

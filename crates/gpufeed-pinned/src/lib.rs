@@ -10,7 +10,9 @@
 //!   [`gpufeed_os::FileMap`] (registered `READ_ONLY`, so the GPU reads the page cache with no
 //!   host copy), a [`gpufeed_os::ShmSegment`], or a slice; registered in chunks of at most 64
 //!   GiB; a range that is already registered is refused up front.
-//! - [`PinnedPool`]: power-of-two size classes from 64 KiB to 256 MiB, a byte budget (default a
+//! - [`PinnedPool`]: aligned buffers registered with `cuMemHostRegister` (set up several times
+//!   faster than `cuMemHostAlloc`, the noted fallback) in power-of-two size classes from 64 KiB
+//!   to 256 MiB, a byte budget (default a
 //!   quarter of RAM), buffers allocated on the GPU's NUMA node, reuse through [`PooledBuffer`]
 //!   guards that carry the event of their last copy. Without a CUDA driver
 //!   ([`PoolMode::Cpu`]) it hands out `mlock`ed aligned buffers within `RLIMIT_MEMLOCK` (and

@@ -7,6 +7,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use gpufeed_os::{AlignedBuf, LockedRegion, lock};
 use parking_lot::Mutex;
 
+use crate::HostRegistration;
 use crate::buffer::PinnedBuffer;
 use crate::error::{Error, Result};
 
@@ -18,7 +19,9 @@ pub const MAX_CLASS: usize = 256 << 20;
 /// Where the pool's memory comes from.
 #[derive(Clone)]
 pub enum PoolMode {
-    /// `cuMemHostAlloc` in this context: pinned memory the GPU copies from at full speed.
+    /// Page-locked memory of this context the GPU copies from at full speed: aligned memory
+    /// registered with `cuMemHostRegister` (several times cheaper to set up than
+    /// `cuMemHostAlloc`, which is the fallback, noted, where registration is refused).
     Cuda(Arc<CudaContext>),
     /// No CUDA driver: `mlock`ed aligned buffers within `RLIMIT_MEMLOCK` (unlocked past it, with
     /// the reason recorded), so that CPU pipelines run the same code.
@@ -63,6 +66,16 @@ pub struct PoolStats {
 
 enum Memory {
     Pinned(PinnedBuffer),
+    /// Page-aligned memory faulted in by the allocating thread and registered with
+    /// `cuMemHostRegister`: page-locked like `cuMemHostAlloc` memory, for a fraction of its
+    /// cost (on the H200 machine 32 staging buffers of 4 MiB took 70-97 ms from
+    /// `cuMemHostAlloc`, which a new loader's first load waited for; docs/benchmarks.md).
+    Registered {
+        // Dropped before `buf`: unregistered while the memory is still mapped.
+        #[allow(dead_code, reason = "held for its Drop, which unregisters the memory")]
+        reg: HostRegistration<'static>,
+        buf: AlignedBuf,
+    },
     Cpu {
         // Dropped before `buf`: munlock while the memory is still mapped.
         lock: Option<LockedRegion<'static>>,
@@ -74,7 +87,7 @@ impl Memory {
     fn ptr(&mut self) -> *mut u8 {
         match self {
             Memory::Pinned(p) => p.as_mut_ptr(),
-            Memory::Cpu { buf, .. } => buf.as_mut_ptr(),
+            Memory::Registered { buf, .. } | Memory::Cpu { buf, .. } => buf.as_mut_ptr(),
         }
     }
 }
@@ -311,7 +324,15 @@ impl PinnedPool {
             _ => None,
         };
         let mem = match &self.inner.mode {
-            PoolMode::Cuda(ctx) => Memory::Pinned(PinnedBuffer::new(ctx, class)?),
+            PoolMode::Cuda(ctx) => match registered(ctx, class) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.note(format!(
+                        "staging memory could not be registered ({e}); cuMemHostAlloc instead"
+                    ));
+                    Memory::Pinned(PinnedBuffer::new(ctx, class)?)
+                }
+            },
             PoolMode::Cpu => {
                 let buf = AlignedBuf::new(class, 4096)?;
                 // First touch here, on the bound thread, puts the pages on its node.
@@ -345,7 +366,27 @@ impl PinnedPool {
     fn give_back(&self, entry: Entry) {
         self.inner.give_back(entry);
     }
+}
 
+/// `class` bytes of page-aligned memory, faulted in here (on the bound thread, so on its NUMA
+/// node) and registered with CUDA read-write.
+fn registered(ctx: &Arc<CudaContext>, class: usize) -> Result<Memory> {
+    let buf = AlignedBuf::new(class, 4096)?;
+    // Faulting the pages in here is cheaper than letting the driver fault them one by one
+    // while it registers them; a failure only leaves that work to the driver.
+    let _ = gpufeed_os::advise::madvise(
+        buf.as_ptr(),
+        class,
+        gpufeed_os::advise::MemAdvice::PopulateWrite,
+    );
+    // SAFETY: `buf` is stored next to the registration in `Memory::Registered`, declared after
+    // it, so it stays mapped until the registration has been dropped; the GPU may write into
+    // it (downloads), so it is registered read-write.
+    let reg = unsafe { HostRegistration::register(ctx, buf.as_ptr(), class, false)? };
+    Ok(Memory::Registered { reg, buf })
+}
+
+impl PinnedPool {
     fn note(&self, note: String) {
         let mut notes = self.inner.notes.lock();
         if !notes.contains(&note) {
@@ -445,13 +486,16 @@ impl PooledBuffer {
 
     /// Whether the memory is pinned by the CUDA driver.
     pub fn is_pinned(&self) -> bool {
-        matches!(self.entry().mem, Memory::Pinned(_))
+        matches!(
+            self.entry().mem,
+            Memory::Pinned(_) | Memory::Registered { .. }
+        )
     }
 
     /// Whether the memory is page-locked (pinned, or mlocked in CPU mode).
     pub fn is_locked(&self) -> bool {
         match &self.entry().mem {
-            Memory::Pinned(_) => true,
+            Memory::Pinned(_) | Memory::Registered { .. } => true,
             Memory::Cpu { lock, .. } => lock.is_some(),
         }
     }
@@ -460,7 +504,7 @@ impl PooledBuffer {
     pub fn as_ptr(&self) -> *const u8 {
         match &self.entry().mem {
             Memory::Pinned(p) => p.as_ptr(),
-            Memory::Cpu { buf, .. } => buf.as_ptr(),
+            Memory::Registered { buf, .. } | Memory::Cpu { buf, .. } => buf.as_ptr(),
         }
     }
 
