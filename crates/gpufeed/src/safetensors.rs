@@ -108,8 +108,10 @@ fn parse(path: &Path) -> Result<Parsed> {
     let mut n = [0u8; 8];
     read_exact_at(&file, &mut n, 0, len).map_err(bad)?;
     let header_len = header_len(u64::from_le_bytes(n), len).map_err(bad)?;
+    // The length field again in front of the header, as `header_of` takes it.
     let mut prefix = vec![0u8; 8 + header_len as usize];
-    read_exact_at(&file, &mut prefix, 0, len).map_err(bad)?;
+    prefix[..8].copy_from_slice(&n);
+    read_exact_at(&file, &mut prefix[8..], 8, len).map_err(bad)?;
     let (data_start, tensors) = header_of(&prefix, len).map_err(bad)?;
     Ok(Parsed {
         data_start,
