@@ -2,6 +2,7 @@
 """The peers of gpufeed's GPU bench, measured in the same run on the same files.
 
 Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> list of GB/s.
+       peers.py --one-shot SAFETENSORS   -> (internal) one fresh-process load, timed.
 Every peer is optional: one that cannot run reports {"error": "..."} instead.
 kvikio and fastsafetensors come from wheels (BENCH.md); torch, numpy, cupy and safetensors are
 on the GPU machine's image.
@@ -21,7 +22,26 @@ def timed(fn, nbytes, reps):
     return out
 
 
+def one_shot(st_path):
+    """A fresh process (imports done): the CUDA context, then load_file to the GPU."""
+    import torch
+    from safetensors.torch import load_file
+
+    t0 = time.perf_counter()
+    torch.zeros(1, device="cuda:0")
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    tensors = load_file(st_path, device="cuda:0")
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(json.dumps({"bytes": nbytes, "context_s": t1 - t0, "load_s": t2 - t1}))
+
+
 def main():
+    if sys.argv[1] == "--one-shot":
+        one_shot(sys.argv[2])
+        return
     path, st_path, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     size = os.path.getsize(path)
     results = {}
@@ -93,6 +113,27 @@ def main():
         del t
 
     peer("safetensors load_file(device=cuda)", lambda: timed(st_load, st_size, reps))
+
+    def st_fresh():
+        import subprocess
+
+        runs = []
+        for _ in range(reps):
+            out = subprocess.run(
+                [sys.executable, __file__, "--one-shot", st_path],
+                check=True, capture_output=True, text=True,
+            )
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        return runs
+
+    def fresh_peer():
+        runs = st_fresh()
+        results["safetensors load_file(device=cuda), fresh process: context + load"] = [
+            r["bytes"] / (r["context_s"] + r["load_s"]) / 1e9 for r in runs
+        ]
+        return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
+
+    peer("safetensors load_file(device=cuda), fresh process: load after the context", fresh_peer)
 
     def fst_runs():
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup

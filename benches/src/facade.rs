@@ -30,6 +30,10 @@ pub struct FacadeBench {
     pub one_shot_file: Vec<crate::oneshot::OneShotRun>,
     /// The same for the safetensors checkpoint.
     pub one_shot_checkpoint: Vec<crate::oneshot::OneShotRun>,
+    /// Fresh processes: `load_file_on(0, file)` (context overlapped), then a warm second load.
+    pub one_shot_on_file: Vec<crate::oneshot::OnRun>,
+    /// Fresh processes: `safetensors::load_on(0, checkpoint)`, then a warm second load.
+    pub one_shot_on_checkpoint: Vec<crate::oneshot::OnRun>,
     /// BatchLoader over the file as 64 KiB records, 256 per batch, 8 workers, device batches.
     pub batch_loader_gbps: Samples,
 }
@@ -122,6 +126,8 @@ pub fn measure(
     cache::warm(&st_path)?;
     let one_shot_file = crate::oneshot::measure(file, false, reps)?;
     let one_shot_checkpoint = crate::oneshot::measure(&st_path, true, reps)?;
+    let one_shot_on_file = crate::oneshot::measure_on(file, false, reps)?;
+    let one_shot_on_checkpoint = crate::oneshot::measure_on(&st_path, true, reps)?;
 
     progress("warm 4 GiB file: default options, one IO thread, staged");
     // One untimed load per loader: its staging buffers are allocated on the first (the row
@@ -201,6 +207,8 @@ pub fn measure(
         first_load_gbps,
         one_shot_file,
         one_shot_checkpoint,
+        one_shot_on_file,
+        one_shot_on_checkpoint,
         batch_loader_gbps: batch_loader,
     })
 }

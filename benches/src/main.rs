@@ -117,6 +117,9 @@ enum Internal {
         /// The file is a safetensors checkpoint.
         #[arg(long)]
         checkpoint: bool,
+        /// Use the overlapped one-shot API (`load_file_on`, `safetensors::load_on`).
+        #[arg(long)]
+        on: bool,
     },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
@@ -141,7 +144,17 @@ fn main() -> Result<()> {
             target,
             count,
         }) => return ipc::child(role, &target, count),
-        Some(Internal::OneShot { path, checkpoint }) => return oneshot::child(&path, checkpoint),
+        Some(Internal::OneShot {
+            path,
+            checkpoint,
+            on,
+        }) => {
+            return if on {
+                oneshot::child_on(&path, checkpoint)
+            } else {
+                oneshot::child(&path, checkpoint)
+            };
+        }
         None => {}
     }
     let mut cli = cli;

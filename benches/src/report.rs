@@ -435,6 +435,39 @@ fn one_shot_table(s: &mut String, f: &crate::facade::FacadeBench) {
             first.median / second.median
         );
     }
+    use crate::oneshot::OnRun;
+    let _ = writeln!(
+        s,
+        "\n### One-shot in one call: `load_file_on(0, path)` / `safetensors::load_on(0, path)` in a fresh process \
+         (the context created on another thread while the staging is faulted in and headers read)\n\n\
+         | what | context ms | ready ms | loads ms | total ms | GB/s from the call | warm second load ms | (total - context) / second (target <= 1.1) | staging |\n\
+         |---|---|---|---|---|---|---|---|---|"
+    );
+    for (what, runs) in [
+        ("file (`load_file_on`)", &f.one_shot_on_file),
+        (
+            "safetensors checkpoint (`safetensors::load_on`)",
+            &f.one_shot_on_checkpoint,
+        ),
+    ] {
+        if runs.is_empty() {
+            continue;
+        }
+        let col = |g: fn(&OnRun) -> f64| crate::util::Samples::new(runs.iter().map(g).collect());
+        let _ = writeln!(
+            s,
+            "| {what}, {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            show_size(runs[0].bytes),
+            col(|r| r.context_ms).show(0),
+            col(|r| r.ready_ms).show(0),
+            col(|r| r.load_ms).show(1),
+            col(|r| r.total_ms).show(0),
+            col(OnRun::total_gbps).show(1),
+            col(|r| r.second_ms).show(1),
+            col(OnRun::past_context_ratio).show(2),
+            show_size(runs[0].staging_bytes)
+        );
+    }
 }
 
 fn gpu_table(s: &mut String, g: &GpuBench) {

@@ -244,14 +244,24 @@ fn advise(
     for s in &rec.settings {
         println!("  - {s}");
     }
-    if let Some(trials) = trials {
-        println!("Measured here (best first):");
-        for t in trials {
-            match t.gbps {
-                Ok(g) => println!("  {g:>7.2} GB/s  {}", t.name),
-                Err(e) => println!("     -         {} ({e})", t.name),
+    if let Some(m) = trials {
+        println!(
+            "Measured here on the first {} (median of {} loads after a warm-up; best first):",
+            show_size(m.bytes),
+            m.loads_per_trial.saturating_sub(1).max(1)
+        );
+        for t in &m.trials {
+            match (t.gbps, &t.error) {
+                (Some(g), _) => println!("  {g:>7.2} GB/s  {}", t.name),
+                (None, e) => println!(
+                    "     -         {} ({})",
+                    t.name,
+                    e.as_deref().unwrap_or("did not run")
+                ),
             }
         }
+        println!("Auto picks {} ({})", m.auto, m.auto_reason);
+        println!("{}", m.verdict);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -277,14 +287,16 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     let len = std::fs::metadata(path)
         .map_err(|_| gpufeed::os::Error::NotFound { path: path.into() })?
         .len();
-    let gpu = gpufeed::Gpu::open(ordinal)?;
-    let loader = gpufeed::Loader::new(
-        &gpu,
+    // The GPU's context is created on another thread while this one prepares the staging.
+    let loader = gpufeed::Loader::open(
+        ordinal,
         gpufeed::LoadOptions {
             strategy,
             ..gpufeed::LoadOptions::default()
         },
     )?;
+    let gpu = loader.gpu().clone();
+    let setup = loader.setup().clone();
     // Loaded in pieces so that the bar moves; each piece is one load_into.
     const PIECE: u64 = 1 << 30;
     let pb = bar(len, &format!("load {}", path.display()), json);
@@ -324,6 +336,8 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     if json {
         print_json(&json!({
             "path": path, "bytes": len, "seconds": secs, "gbps": gbps,
+            "context_seconds": setup.context_seconds, "ready_seconds": setup.total_seconds,
+            "staging_bytes": setup.staging_bytes,
             "strategy": first.map(|r| r.strategy.to_string()),
             "reason": first.map(|r| r.reason.clone()),
             "fallbacks": fallbacks, "verified": verified, "pieces": reports,
@@ -335,6 +349,13 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
             show_size(len),
             secs,
             gpu.info().name
+        );
+        println!(
+            "before it: the GPU's context took {:.0} ms; the loader was ready after {:.0} ms \
+             ({} of pinned staging prepared meanwhile)",
+            setup.context_seconds.unwrap_or(0.0) * 1e3,
+            setup.total_seconds * 1e3,
+            show_size(setup.staging_bytes)
         );
         if let Some(r) = first {
             println!("strategy: {} ({})", r.strategy, r.reason);

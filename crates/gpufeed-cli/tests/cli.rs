@@ -177,17 +177,26 @@ fn advise_measure_ranks_trials() {
     std::fs::write(&path, gpufeed_testkit::random_bytes(8 << 20, 2)).expect("write");
     let (v, code) = json_of(gpufeed().args(["advise", "--measure", "--path"]).arg(&path));
     assert_eq!(code, 0);
-    let trials = v["trials"].as_array().expect("trials");
+    let m = &v["trials"];
+    let trials = m["trials"].as_array().expect("trials");
     assert!(trials.len() >= 3, "{v}");
-    let rates: Vec<f64> = trials
-        .iter()
-        .filter_map(|t| t["gbps"]["Ok"].as_f64())
-        .collect();
+    let rates: Vec<f64> = trials.iter().filter_map(|t| t["gbps"].as_f64()).collect();
     assert!(!rates.is_empty(), "{v}");
     assert!(
         rates.windows(2).all(|w| w[0] >= w[1]),
         "best first: {rates:?}"
     );
+    assert_eq!(m["bytes"], 8 << 20, "{m}");
+    // What Auto picks for the same bytes is named, with whether the best trial agrees (no GPU
+    // here: host reads, no verdict; on a GPU a boolean).
+    let auto = m["auto"].as_str().expect("auto");
+    assert!(["Staged", "Direct"].contains(&auto), "{m}");
+    assert!(!m["verdict"].as_str().expect("verdict").is_empty());
+    if trials.iter().any(|t| !t["strategy"].is_null()) {
+        assert!(m["agrees"].is_boolean(), "{m}");
+    } else {
+        assert!(m["agrees"].is_null(), "{m}");
+    }
 }
 
 #[test]

@@ -95,6 +95,44 @@ pub struct TransferConfig {
     pub fill_threads: usize,
 }
 
+impl TransferConfig {
+    /// The settings a scheduler actually uses: at least one stream and fill thread, two
+    /// staging buffers, chunks from 4 KiB to 256 MiB.
+    pub fn normalized(self) -> Self {
+        TransferConfig {
+            streams: self.streams.max(1),
+            chunk_bytes: self.chunk_bytes.clamp(4096, gpufeed_pinned::MAX_CLASS),
+            staging_buffers: self.staging_buffers.max(2),
+            fill_threads: self.fill_threads.max(1),
+        }
+    }
+
+    /// Staging buffers a staged upload of `len` bytes uses at most (`None`: of any length):
+    /// `staging_buffers / fill_threads` (at least 2) per fill thread, and no more than the
+    /// upload has chunks.
+    pub fn staging_buffers_for(&self, len: Option<u64>) -> usize {
+        let cfg = self.normalized();
+        let per_lane = (cfg.staging_buffers / cfg.fill_threads).max(2);
+        let most = per_lane * cfg.fill_threads;
+        match len {
+            Some(len) => most.min(len.div_ceil(cfg.chunk_bytes as u64) as usize),
+            None => most,
+        }
+    }
+
+    /// Bytes of [`TransferConfig::staging_buffers_for`] buffers of the chunk's size class:
+    /// the bound on the pinned staging memory of a staged upload (128 MiB with the facade's
+    /// defaults on 16 cores: 16 fill threads, 2 buffers each, 4 MiB chunks).
+    pub fn staging_bytes_for(&self, len: Option<u64>) -> usize {
+        let chunk = self
+            .normalized()
+            .chunk_bytes
+            .next_power_of_two()
+            .max(gpufeed_pinned::MIN_CLASS);
+        self.staging_buffers_for(len) * chunk
+    }
+}
+
 impl Default for TransferConfig {
     fn default() -> Self {
         let fill_threads =
@@ -232,12 +270,7 @@ impl FreeList {
 impl TransferScheduler {
     /// A scheduler on `gpu` with its own streams and a staging pool on the GPU's NUMA node.
     pub fn new(gpu: &Gpu, cfg: TransferConfig) -> Result<Self> {
-        let cfg = TransferConfig {
-            streams: cfg.streams.max(1),
-            chunk_bytes: cfg.chunk_bytes.clamp(4096, gpufeed_pinned::MAX_CLASS),
-            staging_buffers: cfg.staging_buffers.max(2),
-            fill_threads: cfg.fill_threads.max(1),
-        };
+        let cfg = cfg.normalized();
         let ctx = Arc::clone(gpu.context());
         let new_streams = |n: usize| {
             (0..n)
@@ -304,6 +337,39 @@ impl TransferScheduler {
     /// The staging pool (its stats, or buffers for callers that stage themselves).
     pub fn pool(&self) -> &PinnedPool {
         &self.pool
+    }
+
+    /// Bytes of the staging a staged upload of `len` bytes uses at most (`None`: of any
+    /// length); see [`TransferConfig::staging_bytes_for`].
+    pub fn staging_bytes_for(&self, len: Option<u64>) -> usize {
+        self.cfg.staging_bytes_for(len)
+    }
+
+    /// Reserves the staging buffers of a staged upload of `len` bytes (`None`: of any length)
+    /// in the pool now, from one slab registered with one call, so that the upload does not
+    /// allocate them on its way (a new scheduler's first upload otherwise registers each buffer
+    /// as its lane first needs it: on the H200 machine 32 calls of about 1 ms each, serialized
+    /// by the driver and holding off the other lanes' copies). With `slab`, that memory (made
+    /// ahead, e.g. while the context was created) is used instead of new memory; it must hold
+    /// [`TransferScheduler::staging_bytes_for`] bytes. Returns the buffers reserved.
+    ///
+    /// # Errors
+    /// The pool's: a budget too small, a refused registration (then nothing is reserved and
+    /// uploads allocate their buffers as before).
+    pub fn reserve_staging(
+        &self,
+        len: Option<u64>,
+        slab: Option<gpufeed_pinned::HostSlab>,
+    ) -> Result<usize> {
+        let chunk = self.cfg.chunk_bytes;
+        let count = self.cfg.staging_buffers_for(len);
+        if count == 0 {
+            return Ok(0);
+        }
+        Ok(match slab {
+            Some(slab) => self.pool.reserve_slab(slab, chunk)?,
+            None => self.pool.reserve(chunk, count)?,
+        })
     }
 
     /// Copies `src` into `dst` (a `CudaSlice<u8>` or a `CudaViewMut<u8>` of one) starting at

@@ -31,7 +31,9 @@ mod register;
 pub use buffer::{PinnedBuffer, PinnedFlags};
 pub use driver::driver_available;
 pub use error::{Error, Result};
-pub use pool::{MAX_CLASS, MIN_CLASS, PinnedPool, PoolConfig, PoolMode, PoolStats, PooledBuffer};
+pub use pool::{
+    HostSlab, MAX_CLASS, MIN_CLASS, PinnedPool, PoolConfig, PoolMode, PoolStats, PooledBuffer,
+};
 pub use register::{HostRegistration, MAX_REGISTER_CHUNK};
 
 /// The cudarc crate, as this crate uses it (driver API).

@@ -81,6 +81,22 @@ enum Memory {
         lock: Option<LockedRegion<'static>>,
         buf: AlignedBuf,
     },
+    /// One size-class piece of a [`HostSlab`] reserved with [`PinnedPool::reserve_slab`]: many
+    /// buffers, one registration (or one `mlock`).
+    Slab {
+        slab: Arc<Slab>,
+        offset: usize,
+    },
+}
+
+/// A reserved slab: page-locked once, shared by the buffers cut from it; unlocked and unmapped
+/// when the last of them is freed.
+struct Slab {
+    // Dropped before `buf`: unregistered (or munlocked) while the memory is still mapped.
+    #[allow(dead_code, reason = "held for its Drop, which unregisters the memory")]
+    reg: Option<HostRegistration<'static>>,
+    lock: Option<LockedRegion<'static>>,
+    buf: AlignedBuf,
 }
 
 impl Memory {
@@ -88,7 +104,76 @@ impl Memory {
         match self {
             Memory::Pinned(p) => p.as_mut_ptr(),
             Memory::Registered { buf, .. } | Memory::Cpu { buf, .. } => buf.as_mut_ptr(),
+            // SAFETY: `offset + class <= buf.len()` (cut in reserve_slab).
+            Memory::Slab { slab, offset } => unsafe { slab.buf.as_ptr().add(*offset).cast_mut() },
         }
+    }
+
+    fn const_ptr(&self) -> *const u8 {
+        match self {
+            Memory::Pinned(p) => p.as_ptr(),
+            Memory::Registered { buf, .. } | Memory::Cpu { buf, .. } => buf.as_ptr(),
+            // SAFETY: as in ptr.
+            Memory::Slab { slab, offset } => unsafe { slab.buf.as_ptr().add(*offset) },
+        }
+    }
+}
+
+/// Page-aligned host memory faulted in ahead of time (transparent huge pages advised), to be
+/// page-locked later as a pool's buffers with [`PinnedPool::reserve_slab`]. Making one needs no
+/// CUDA context, so it can run while another thread creates the context: faulting fresh memory
+/// in is most of what pinned staging costs (128 MiB took 13-24 ms on the H200 machine, against
+/// 2.4-4.5 ms to register it afterwards in one call; docs/benchmarks.md, GPU run 8).
+///
+/// # Example
+/// ```
+/// use gpufeed_pinned::{HostSlab, PinnedPool, PoolConfig, PoolMode};
+/// let slab = HostSlab::new(8 << 20)?; // faulted in here
+/// let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?;
+/// assert_eq!(pool.reserve_slab(slab, 1 << 20)?, 8); // eight 1 MiB buffers, one mlock
+/// let buf = pool.get(1 << 20)?; // no allocation
+/// assert_eq!(pool.stats().reuses, 1);
+/// # drop(buf);
+/// # Ok::<(), gpufeed_pinned::Error>(())
+/// ```
+pub struct HostSlab {
+    buf: AlignedBuf,
+}
+
+impl std::fmt::Debug for HostSlab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostSlab")
+            .field("len", &self.buf.len())
+            .finish()
+    }
+}
+
+impl HostSlab {
+    /// `len` bytes (rounded up to whole pages), 2 MiB aligned, faulted in by this thread.
+    ///
+    /// # Errors
+    /// [`gpufeed_os::Error::ZeroLength`], [`gpufeed_os::Error::OutOfMemory`].
+    pub fn new(len: usize) -> Result<Self> {
+        let len = len.next_multiple_of(gpufeed_os::page_size());
+        let buf = AlignedBuf::new(len, 2 << 20)?;
+        // A failure (an old kernel without MADV_POPULATE_WRITE) only leaves the faulting to
+        // the first writer or to the registration.
+        let _ = gpufeed_os::advise::madvise(
+            buf.as_ptr(),
+            len,
+            gpufeed_os::advise::MemAdvice::PopulateWrite,
+        );
+        Ok(HostSlab { buf })
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Always false (a slab has at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
     }
 }
 
@@ -240,19 +325,7 @@ impl PinnedPool {
     /// [`Error::TooLarge`] past 256 MiB, [`Error::PoolExhausted`] when the budget is spent,
     /// allocation errors.
     pub fn get(&self, len: usize) -> Result<PooledBuffer> {
-        if len == 0 {
-            return Err(gpufeed_os::Error::ZeroLength {
-                what: "pooled buffer",
-            }
-            .into());
-        }
-        if len > MAX_CLASS {
-            return Err(Error::TooLarge {
-                requested: len,
-                max: MAX_CLASS,
-            });
-        }
-        let class = len.next_power_of_two().max(MIN_CLASS);
+        let class = Self::class_of(len)?;
         let cached = {
             let mut st = self.inner.state.lock();
             let cached = st.free.get_mut(&class).and_then(Vec::pop);
@@ -313,16 +386,7 @@ impl PinnedPool {
     }
 
     fn allocate(&self, class: usize) -> Result<Entry> {
-        let _bound = match (&self.inner.topology, self.inner.node) {
-            (Some(t), Some(node)) => match t.bind_thread(node) {
-                Ok(b) => Some(b),
-                Err(e) => {
-                    self.note(format!("could not allocate on NUMA node {node}: {e}"));
-                    None
-                }
-            },
-            _ => None,
-        };
+        let _bound = self.bind_to_node();
         let mem = match &self.inner.mode {
             PoolMode::Cuda(ctx) => match registered(ctx, class) {
                 Ok(m) => m,
@@ -365,6 +429,133 @@ impl PinnedPool {
 
     fn give_back(&self, entry: Entry) {
         self.inner.give_back(entry);
+    }
+
+    /// Puts `count` buffers of `len`'s size class into the pool's cache, cut from one slab
+    /// faulted in on the pool's NUMA node and page-locked with one call: later `get`s of that
+    /// class are served without allocating. One registration of the whole slab costs a
+    /// fraction of one per buffer (each `cuMemHostRegister` call costs about 1 ms on the H200
+    /// machine, whatever its size, and holds off copies that other threads issue meanwhile).
+    ///
+    /// # Errors
+    /// As [`PinnedPool::reserve_slab`].
+    pub fn reserve(&self, len: usize, count: usize) -> Result<usize> {
+        let class = Self::class_of(len)?;
+        let bytes = class.checked_mul(count).ok_or(Error::TooLarge {
+            requested: usize::MAX,
+            max: MAX_CLASS,
+        })?;
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let _bound = self.bind_to_node();
+        self.reserve_slab(HostSlab::new(bytes)?, len)
+    }
+
+    /// Cuts `slab` into buffers of `len`'s size class, page-locks it with one call (registered
+    /// read-write with CUDA in [`PoolMode::Cuda`]; `mlock`ed, or left unlocked and noted past
+    /// `RLIMIT_MEMLOCK`, in [`PoolMode::Cpu`]) and caches them; returns how many. The slab is
+    /// freed when the last of its buffers is (trimmed or evicted, or the pool dropped).
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] past 256 MiB, [`Error::PoolExhausted`] when the slab does not fit
+    /// the budget, [`Error::Cuda`] when the driver refuses the registration (nothing is kept).
+    pub fn reserve_slab(&self, slab: HostSlab, len: usize) -> Result<usize> {
+        let class = Self::class_of(len)?;
+        let count = slab.len() / class;
+        if count == 0 {
+            return Ok(0);
+        }
+        let bytes = (class * count) as u64;
+        {
+            let mut st = self.inner.state.lock();
+            self.make_room(&mut st, bytes)?;
+            st.stats.held_bytes += bytes;
+        }
+        let locked = match &self.inner.mode {
+            PoolMode::Cuda(ctx) => {
+                // SAFETY: the slab's buffer is stored after the registration in `Slab`, so it
+                // stays mapped until the registration has been dropped; read-write, since the
+                // GPU may copy into pooled buffers (downloads).
+                let reg = unsafe {
+                    HostRegistration::register(ctx, slab.buf.as_ptr(), slab.len(), false)
+                };
+                reg.map(|reg| (Some(reg), None))
+            }
+            PoolMode::Cpu => {
+                // SAFETY: as above, for the lock.
+                match unsafe { lock::mlock_raw(slab.buf.as_ptr(), slab.len()) } {
+                    Ok(l) => Ok((None, Some(l))),
+                    Err(e) => {
+                        self.note(format!(
+                            "a reserved slab of {} bytes left unlocked: {e}",
+                            slab.len()
+                        ));
+                        self.inner.state.lock().stats.unlocked_buffers += count as u64;
+                        Ok((None, None))
+                    }
+                }
+            }
+        };
+        let (reg, lock) = match locked {
+            Ok(l) => l,
+            Err(e) => {
+                self.inner.state.lock().stats.held_bytes -= bytes;
+                return Err(e);
+            }
+        };
+        let slab = Arc::new(Slab {
+            reg,
+            lock,
+            buf: slab.buf,
+        });
+        let mut st = self.inner.state.lock();
+        st.stats.allocations += 1;
+        let free = st.free.entry(class).or_default();
+        for i in 0..count {
+            free.push(Entry {
+                mem: Memory::Slab {
+                    slab: Arc::clone(&slab),
+                    offset: i * class,
+                },
+                class,
+                pending: None,
+                pending_recorded: false,
+            });
+        }
+        Ok(count)
+    }
+
+    /// The size class of a `len`-byte request.
+    fn class_of(len: usize) -> Result<usize> {
+        if len == 0 {
+            return Err(gpufeed_os::Error::ZeroLength {
+                what: "pooled buffer",
+            }
+            .into());
+        }
+        if len > MAX_CLASS {
+            return Err(Error::TooLarge {
+                requested: len,
+                max: MAX_CLASS,
+            });
+        }
+        Ok(len.next_power_of_two().max(MIN_CLASS))
+    }
+
+    /// Binds the calling thread to the pool's NUMA node while the guard lives (so the pages it
+    /// faults in land there); a refusal is noted and the thread stays unbound.
+    fn bind_to_node(&self) -> Option<gpufeed_numa::ThreadBinding> {
+        match (&self.inner.topology, self.inner.node) {
+            (Some(t), Some(node)) => match t.bind_thread(node) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    self.note(format!("could not allocate on NUMA node {node}: {e}"));
+                    None
+                }
+            },
+            _ => None,
+        }
     }
 }
 
@@ -486,10 +677,11 @@ impl PooledBuffer {
 
     /// Whether the memory is pinned by the CUDA driver.
     pub fn is_pinned(&self) -> bool {
-        matches!(
-            self.entry().mem,
-            Memory::Pinned(_) | Memory::Registered { .. }
-        )
+        match &self.entry().mem {
+            Memory::Pinned(_) | Memory::Registered { .. } => true,
+            Memory::Slab { slab, .. } => slab.reg.is_some(),
+            Memory::Cpu { .. } => false,
+        }
     }
 
     /// Whether the memory is page-locked (pinned, or mlocked in CPU mode).
@@ -497,15 +689,13 @@ impl PooledBuffer {
         match &self.entry().mem {
             Memory::Pinned(_) | Memory::Registered { .. } => true,
             Memory::Cpu { lock, .. } => lock.is_some(),
+            Memory::Slab { slab, .. } => slab.reg.is_some() || slab.lock.is_some(),
         }
     }
 
     /// The first byte.
     pub fn as_ptr(&self) -> *const u8 {
-        match &self.entry().mem {
-            Memory::Pinned(p) => p.as_ptr(),
-            Memory::Registered { buf, .. } | Memory::Cpu { buf, .. } => buf.as_ptr(),
-        }
+        self.entry().mem.const_ptr()
     }
 
     /// The first byte, for writing.

@@ -162,41 +162,147 @@ pub fn advise(w: &Workload) -> Recommendation {
 pub struct Trial {
     /// What ran.
     pub name: String,
-    /// GB/s, or why it could not run.
-    pub gbps: Result<f64, String>,
+    /// The load strategy tried (`None` for the host-side reads measured without a GPU).
+    pub strategy: Option<crate::Strategy>,
+    /// Median GB/s of the measured loads, when it ran.
+    pub gbps: Option<f64>,
+    /// Why it could not run.
+    pub error: Option<String>,
 }
 
-/// Short trials of the ways to move `path` (up to `limit` bytes of it) on this machine, best
-/// first: every load strategy when a GPU is present, else the host-side reads.
-pub fn measure(path: &Path, limit: u64) -> crate::Result<Vec<Trial>> {
-    let len = std::fs::metadata(path)
-        .map_err(|_| gpufeed_os::Error::NotFound { path: path.into() })?
-        .len()
-        .min(limit);
+/// What [`measure`] found: the trials best first, and whether the best is what `Auto` runs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Measurement {
+    /// Bytes each trial loaded (the start of the file).
+    pub bytes: u64,
+    /// Loads per trial: one discarded warm-up, then [`MEASURED_LOADS`] measured.
+    pub loads_per_trial: usize,
+    /// The trials, best first.
+    pub trials: Vec<Trial>,
+    /// What `Strategy::Auto` picks for these bytes, and why.
+    pub auto: crate::Strategy,
+    /// `Auto`'s reason.
+    pub auto_reason: String,
+    /// Whether the best trial is `Auto`'s choice (or within [`SAME_WITHIN`] of it); `None`
+    /// without a GPU.
+    pub agrees: Option<bool>,
+    /// One sentence on the ranking against `Auto`.
+    pub verdict: String,
+}
+
+/// Measured loads per trial (after one discarded warm-up); the median is reported.
+pub const MEASURED_LOADS: usize = 3;
+
+/// Trials within this share of each other rank as the same (run-to-run noise on the H200
+/// machine's warm loads was 1-3%).
+pub const SAME_WITHIN: f64 = 0.05;
+
+/// The strategies a GPU trial runs, each with the facade's default options: what `Auto` would
+/// run is one of them, configured the way `Auto` runs it.
+pub fn trial_options() -> Vec<crate::LoadOptions> {
+    [
+        crate::Strategy::Staged,
+        crate::Strategy::Registered,
+        crate::Strategy::Direct,
+    ]
+    .into_iter()
+    .map(|strategy| crate::LoadOptions {
+        strategy,
+        ..crate::LoadOptions::default()
+    })
+    .collect()
+}
+
+/// Says whether the best of `trials` (best first) agrees with `auto`, and why.
+pub fn verdict(trials: &[Trial], auto: crate::Strategy) -> (Option<bool>, String) {
+    let Some(best) = trials.first().filter(|t| t.strategy.is_some()) else {
+        return (
+            None,
+            format!("no GPU trial ran: `Auto` would pick {auto} (see its reason)"),
+        );
+    };
+    let (Some(best_s), Some(best_g)) = (best.strategy, best.gbps) else {
+        return (
+            Some(false),
+            format!("no trial completed; `Auto` would pick {auto}"),
+        );
+    };
+    if best_s == auto {
+        return (
+            Some(true),
+            format!("the fastest here is {auto}, which `Auto` picks"),
+        );
+    }
+    match trials
+        .iter()
+        .find(|t| t.strategy == Some(auto))
+        .and_then(|t| t.gbps)
+    {
+        Some(g) if g >= best_g * (1.0 - SAME_WITHIN) => (
+            Some(true),
+            format!(
+                "{best_s} measured {best_g:.1} GB/s and {auto}, `Auto`'s pick, {g:.1}: the same within the {:.0}% the trials move by",
+                SAME_WITHIN * 100.0
+            ),
+        ),
+        Some(g) => (
+            Some(false),
+            format!(
+                "{best_s} measured {best_g:.1} GB/s, faster here than {auto} ({g:.1}), which `Auto` picks: \
+                 pass `--strategy {best_s}` (LoadOptions::strategy) for this file on this machine"
+            ),
+        ),
+        None => (
+            Some(false),
+            format!("{auto}, `Auto`'s pick, did not complete; {best_s} was fastest"),
+        ),
+    }
+}
+
+/// Trials of the ways to move the first `limit` bytes of `path` to GPU 0 on this machine, best
+/// first, run as `Auto` runs them: for each strategy of [`trial_options`] a new [`crate::Loader`]
+/// with the facade's default options (its staging reserved), one warm-up load discarded, then
+/// [`MEASURED_LOADS`] loads whose median counts. Without a GPU, host-side reads instead. The
+/// result says what `Auto` picks for the same bytes and whether the best trial agrees.
+///
+/// # Errors
+/// A missing file, or one `Auto` cannot judge.
+pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
+    let file_len = crate::load::file_len(path)?;
+    let len = file_len.min(limit);
+    // Judged before any trial moves the file through the page cache.
+    let (auto, auto_reason) = crate::load::auto_choice(path, file_len, 0..len);
     let mut trials = Vec::new();
+    let mut loads_per_trial = 1 + MEASURED_LOADS;
     match gpufeed_cuda::Gpu::open(0) {
         Ok(gpu) => {
-            for strategy in [
-                crate::Strategy::Staged,
-                crate::Strategy::Registered,
-                crate::Strategy::Direct,
-                crate::Strategy::Hybrid,
-            ] {
-                let opts = crate::LoadOptions {
-                    strategy,
-                    ..crate::LoadOptions::default()
-                };
-                let result = crate::Loader::new(&gpu, opts)
-                    .and_then(|l| l.load_range(path, 0..len))
-                    .map(|(_, r)| r.gbps())
-                    .map_err(|e| e.to_string());
+            for opts in trial_options() {
+                let strategy = opts.strategy;
+                let result = crate::Loader::new(&gpu, opts).and_then(|loader| {
+                    let mut rates = Vec::with_capacity(MEASURED_LOADS);
+                    for i in 0..=MEASURED_LOADS {
+                        let (_, r) = loader.load_range(path, 0..len)?;
+                        // Registered loads unregister in the background: not while the next
+                        // load (or trial) runs.
+                        loader.wait_for_cleanup();
+                        if i > 0 {
+                            rates.push(r.gbps());
+                        }
+                    }
+                    rates.sort_by(f64::total_cmp);
+                    Ok(rates[rates.len() / 2])
+                });
                 trials.push(Trial {
-                    name: format!("load, {strategy}"),
-                    gbps: result,
+                    name: format!("load, {strategy} (default options, warm loader)"),
+                    strategy: Some(strategy),
+                    gbps: result.as_ref().ok().copied(),
+                    error: result.err().map(|e| e.to_string()),
                 });
             }
         }
         Err(e) => {
+            loads_per_trial = 1;
+            let no_gpu = e.to_string();
             for (name, backend, direct) in [
                 (
                     "host read, io_uring buffered",
@@ -214,20 +320,50 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Vec<Trial>> {
                     gpufeed_uring::Direct::Off,
                 ),
             ] {
+                let result = host_read(path, len, backend, direct);
                 trials.push(Trial {
-                    name: format!("{name} (no GPU: {e})"),
-                    gbps: host_read(path, len, backend, direct).map_err(|e| e.to_string()),
+                    name: name.to_owned(),
+                    strategy: None,
+                    gbps: result.as_ref().ok().copied(),
+                    error: result.err().map(|e| e.to_string()),
                 });
             }
+            let (agrees, _) = verdict(&[], auto);
+            sort_best_first(&mut trials);
+            return Ok(Measurement {
+                bytes: len,
+                loads_per_trial,
+                trials,
+                auto,
+                auto_reason,
+                agrees,
+                verdict: format!(
+                    "no GPU ({no_gpu}): host-side reads only; `Auto` would pick {auto}"
+                ),
+            });
         }
     }
-    trials.sort_by(|a, b| match (&a.gbps, &b.gbps) {
-        (Ok(x), Ok(y)) => y.total_cmp(x),
-        (Ok(_), Err(_)) => std::cmp::Ordering::Less,
-        (Err(_), Ok(_)) => std::cmp::Ordering::Greater,
+    sort_best_first(&mut trials);
+    let (agrees, verdict) = verdict(&trials, auto);
+    Ok(Measurement {
+        bytes: len,
+        loads_per_trial,
+        trials,
+        auto,
+        auto_reason,
+        agrees,
+        verdict,
+    })
+}
+
+/// Completed trials first, fastest first.
+fn sort_best_first(trials: &mut [Trial]) {
+    trials.sort_by(|a, b| match (a.gbps, b.gbps) {
+        (Some(x), Some(y)) => y.total_cmp(&x),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
         _ => std::cmp::Ordering::Equal,
     });
-    Ok(trials)
 }
 
 fn host_read(
@@ -251,6 +387,84 @@ fn host_read(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Strategy;
+
+    fn trial(strategy: Strategy, gbps: Option<f64>) -> Trial {
+        Trial {
+            name: strategy.to_string(),
+            strategy: Some(strategy),
+            gbps,
+            error: gbps.is_none().then(|| "failed".to_owned()),
+        }
+    }
+
+    #[test]
+    fn trials_run_with_the_facade_defaults_and_cover_every_auto_choice() {
+        let defaults = crate::LoadOptions::default();
+        let trials = trial_options();
+        for t in &trials {
+            // Everything but the strategy is what a default `Loader` (and so `Auto`) uses.
+            assert_eq!(
+                format!(
+                    "{:?}",
+                    crate::LoadOptions {
+                        strategy: defaults.strategy,
+                        ..t.clone()
+                    }
+                ),
+                format!("{defaults:?}")
+            );
+        }
+        let strategies: Vec<Strategy> = trials.iter().map(|t| t.strategy).collect();
+        // Whatever Auto picks, for any residency, is among the trials.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.bin");
+        std::fs::write(&path, vec![1u8; 1 << 20]).expect("write");
+        for residency in [None, Some(0.0), Some(0.5), Some(0.95), Some(1.0)] {
+            let (auto, reason) = crate::load::choose(&path, 1 << 20, residency);
+            assert!(strategies.contains(&auto), "{auto} ({reason}) not tried");
+        }
+        assert_eq!(
+            MEASURED_LOADS % 2,
+            1,
+            "a median of an odd count is a measured value"
+        );
+    }
+
+    #[test]
+    fn the_verdict_agrees_only_when_autos_pick_is_the_best_or_as_good() {
+        let ranked = |v: Vec<Trial>| {
+            let mut v = v;
+            sort_best_first(&mut v);
+            v
+        };
+        let t = ranked(vec![
+            trial(Strategy::Registered, Some(33.8)),
+            trial(Strategy::Staged, Some(50.8)),
+            trial(Strategy::Direct, Some(2.0)),
+        ]);
+        assert_eq!(t[0].strategy, Some(Strategy::Staged), "best first");
+        assert_eq!(verdict(&t, Strategy::Staged).0, Some(true));
+        let (agrees, why) = verdict(&t, Strategy::Registered);
+        assert_eq!(agrees, Some(false));
+        assert!(why.contains("--strategy staged"), "{why}");
+        // Within the noise: the same.
+        let t = ranked(vec![
+            trial(Strategy::Registered, Some(51.0)),
+            trial(Strategy::Staged, Some(50.0)),
+        ]);
+        let (agrees, why) = verdict(&t, Strategy::Staged);
+        assert_eq!(agrees, Some(true), "{why}");
+        // Auto's pick failed.
+        let t = ranked(vec![
+            trial(Strategy::Staged, None),
+            trial(Strategy::Registered, Some(30.0)),
+        ]);
+        assert_eq!(t[0].strategy, Some(Strategy::Registered), "failures last");
+        assert_eq!(verdict(&t, Strategy::Staged).0, Some(false));
+        // No GPU trial at all.
+        assert_eq!(verdict(&[], Strategy::Direct).0, None);
+    }
 
     #[test]
     fn the_tree() {

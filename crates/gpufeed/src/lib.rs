@@ -38,7 +38,10 @@ pub mod units;
 
 pub use error::{Error, Result};
 pub use gpufeed_cuda::{Gpu, GpuInfo};
-pub use load::{DeviceBuffer, LoadOptions, LoadReport, Loader, Strategy, load_file};
+pub use load::{
+    DeviceBuffer, LoadOptions, LoadReport, Loader, LoaderSetup, OneShotReport, Strategy, load_file,
+    load_file_on,
+};
 
 pub use gpufeed_cuda as cuda;
 pub use gpufeed_ipc as ipc;

@@ -10,7 +10,7 @@ use std::time::Instant;
 use gpufeed_cuda::cudarc::driver::{DevicePtrMut, DeviceSlice};
 use gpufeed_cuda::{FillSource, Gpu, HostSource, SourceError, TransferConfig, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode, cache};
-use gpufeed_pinned::HostRegistration;
+use gpufeed_pinned::{HostRegistration, HostSlab};
 use gpufeed_uring::{Backend, Direct, Reader};
 use parking_lot::Mutex;
 
@@ -200,6 +200,25 @@ pub struct Loader {
     sched: TransferScheduler,
     opts: LoadOptions,
     cleanup: Mutex<Cleanup>,
+    setup: LoaderSetup,
+}
+
+/// How a [`Loader`] was set up: what it reserved and what that took.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LoaderSetup {
+    /// Seconds opening the GPU (`cuInit`, the primary context) on its own thread, for
+    /// [`Loader::open`]; `None` for [`Loader::new`], which is given an open GPU.
+    pub context_seconds: Option<f64>,
+    /// Seconds faulting in the staging memory (in [`Loader::open`], while the context was
+    /// being created).
+    pub staging_seconds: f64,
+    /// Seconds from the call until the loader was ready.
+    pub total_seconds: f64,
+    /// Bytes of pinned staging reserved for the loads (0 for `Registered`, which stages
+    /// nothing, or where the reservation was refused: see `notes`).
+    pub staging_bytes: u64,
+    /// What did not go as planned (a refused reservation, staging placed after the context).
+    pub notes: Vec<String>,
 }
 
 /// Background unregistrations of earlier registered loads.
@@ -225,21 +244,266 @@ pub fn load_file(
     path: impl AsRef<Path>,
     opts: LoadOptions,
 ) -> Result<(DeviceBuffer, LoadReport)> {
-    Loader::new(gpu, opts)?.load_file(path)
+    let path = path.as_ref();
+    let len = file_len(path)?;
+    Loader::for_bytes(gpu, opts, len)?.load_range(path, 0..len)
+}
+
+/// What a one-shot load ([`load_file_on`], [`crate::safetensors::load_on`]) spent its time on.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OneShotReport {
+    /// Seconds opening the GPU on its own thread (`cuInit`, the primary context).
+    pub context_seconds: f64,
+    /// Seconds of the work done on the calling thread meanwhile (checking the file, reading
+    /// headers, faulting in the staging).
+    pub host_seconds: f64,
+    /// Seconds from the call until the loader was ready (the context, then the staging's
+    /// registration and the streams).
+    pub ready_seconds: f64,
+    /// Seconds of the loads themselves (device memory, copies).
+    pub load_seconds: f64,
+    /// Seconds from the call to the end, staging released.
+    pub total_seconds: f64,
+    /// Bytes moved to the GPU.
+    pub bytes: u64,
+    /// Pinned staging used (bounded: [`TransferConfig::staging_bytes_for`] of the largest
+    /// file), registered for the call only.
+    pub staging_bytes: u64,
+    /// One report per file loaded.
+    pub loads: Vec<LoadReport>,
+    /// What did not go as planned while setting up.
+    pub notes: Vec<String>,
+}
+
+impl OneShotReport {
+    /// GB/s from the call to the end (context included).
+    pub fn gbps(&self) -> f64 {
+        if self.total_seconds > 0.0 {
+            self.bytes as f64 / self.total_seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Runs a one-shot: opens GPU `ordinal` while `host` prepares (returning what it found and the
+/// bytes of the largest single load), then `load` with the ready loader; the loader and its
+/// pinned staging are released before this returns.
+pub(crate) fn one_shot<P, T>(
+    ordinal: usize,
+    host: impl FnOnce() -> Result<(P, u64)>,
+    load: impl FnOnce(&Loader, P) -> Result<(T, Vec<LoadReport>)>,
+) -> Result<(Gpu, T, OneShotReport)> {
+    let started = Instant::now();
+    let mut host_s = 0.0;
+    let (loader, prepared) = Loader::open_with(ordinal, LoadOptions::default(), || {
+        let t = Instant::now();
+        let r = host().map(|(p, bytes)| (p, Some(bytes)));
+        host_s = t.elapsed().as_secs_f64();
+        r
+    })?;
+    let setup = loader.setup().clone();
+    let ready_s = started.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let (value, loads) = load(&loader, prepared)?;
+    let load_seconds = t.elapsed().as_secs_f64();
+    let gpu = loader.gpu().clone();
+    drop(loader);
+    Ok((
+        gpu,
+        value,
+        OneShotReport {
+            context_seconds: setup.context_seconds.unwrap_or(0.0),
+            host_seconds: host_s + setup.staging_seconds,
+            ready_seconds: ready_s,
+            load_seconds,
+            total_seconds: started.elapsed().as_secs_f64(),
+            bytes: loads.iter().map(|r| r.bytes).sum(),
+            staging_bytes: setup.staging_bytes,
+            loads,
+            notes: setup.notes,
+        },
+    ))
+}
+
+/// Loads all of `path` onto GPU `ordinal` in one call, opening the GPU on another thread while
+/// this one checks the file and faults in the pinned staging (bounded:
+/// [`TransferConfig::staging_bytes_for`] the file, 128 MiB at most with the default options on
+/// 16 cores), which is unregistered and freed before this returns. For a process that loads
+/// once at start-up; keep a [`Loader`] for more.
+///
+/// # Errors
+/// The file's errors (missing, a directory, unreadable) before the GPU's (no driver, no such
+/// device), then [`Loader::load_file`]'s.
+///
+/// # Example
+/// ```no_run
+/// let (gpu, weights, report) = gpufeed::load_file_on(0, "model.bin")?;
+/// println!(
+///     "{} bytes on {}: context {:.0} ms, load {:.0} ms",
+///     weights.len(), gpu.info().name, report.context_seconds * 1e3, report.load_seconds * 1e3
+/// );
+/// # Ok::<(), gpufeed::Error>(())
+/// ```
+pub fn load_file_on(
+    ordinal: usize,
+    path: impl AsRef<Path>,
+) -> Result<(Gpu, DeviceBuffer, OneShotReport)> {
+    let path = path.as_ref();
+    one_shot(
+        ordinal,
+        || file_len(path).map(|len| (len, len)),
+        |loader, len| {
+            let (buf, report) = loader.load_range(path, 0..len)?;
+            Ok((buf, vec![report]))
+        },
+    )
 }
 
 impl Loader {
-    /// A loader for `gpu`.
+    /// A loader for `gpu`, with its pinned staging reserved now, from one slab registered
+    /// with one call (at most [`TransferConfig::staging_bytes_for`]: 128 MiB with the default
+    /// options on 16 cores; none for `Strategy::Registered`), so that its first load runs
+    /// at the speed of the later ones. That costs about 20-25 ms on the H200 machine, most of
+    /// it faulting the memory in; [`Loader::open`] does that while the GPU's context is
+    /// created. A refused reservation is noted in [`Loader::setup`] and loads allocate their
+    /// staging on the way, as a pool does.
     pub fn new(gpu: &Gpu, opts: LoadOptions) -> Result<Self> {
+        Self::with_staging(gpu, opts, None, None, Instant::now())
+    }
+
+    /// A loader whose staging is sized for loads of at most `bytes` (the convenience functions
+    /// that load one file know its size).
+    pub(crate) fn for_bytes(gpu: &Gpu, opts: LoadOptions, bytes: u64) -> Result<Self> {
+        Self::with_staging(gpu, opts, Some(bytes), None, Instant::now())
+    }
+
+    /// Builds the loader and reserves its staging (`slab` when made ahead).
+    fn with_staging(
+        gpu: &Gpu,
+        opts: LoadOptions,
+        bytes: Option<u64>,
+        slab: Option<(HostSlab, f64)>,
+        started: Instant,
+    ) -> Result<Self> {
         if opts.register_chunk_bytes < 1 << 20 {
             return Err(Error::Config("register_chunk_bytes below 1 MiB".into()));
         }
+        let sched = TransferScheduler::new(gpu, opts.transfer)?;
+        let mut setup = LoaderSetup::default();
+        if stages(opts.strategy) {
+            let t = Instant::now();
+            let (slab, made_s) = match slab {
+                Some((slab, s)) => (Some(slab), s),
+                None => (None, 0.0),
+            };
+            match sched.reserve_staging(bytes, slab) {
+                Ok(n) => {
+                    let class = opts.transfer.staging_bytes_for(Some(1)) as u64;
+                    setup.staging_bytes = n as u64 * class;
+                }
+                Err(e) => {
+                    let note = format!(
+                        "pinned staging could not be reserved ({e}); loads allocate it on the way"
+                    );
+                    tracing::warn!("{note}");
+                    setup.notes.push(note);
+                }
+            }
+            setup.staging_seconds = made_s + t.elapsed().as_secs_f64();
+        }
+        setup.total_seconds = started.elapsed().as_secs_f64();
         Ok(Loader {
             gpu: gpu.clone(),
-            sched: TransferScheduler::new(gpu, opts.transfer)?,
+            sched,
             opts,
             cleanup: Mutex::new(Cleanup::default()),
+            setup,
         })
+    }
+
+    /// Opens GPU `ordinal` and makes a loader for it, doing on this thread, while another
+    /// creates the GPU's context (120-580 ms on the H200 machine), what needs no GPU: faulting
+    /// in the loader's pinned staging. A failure on either side is returned (the thread is
+    /// always joined first: nothing is left running).
+    ///
+    /// # Errors
+    /// [`Loader::new`]'s and [`Gpu::open`]'s (no driver, no such device).
+    ///
+    /// # Example
+    /// ```no_run
+    /// let loader = gpufeed::Loader::open(0, gpufeed::LoadOptions::default())?;
+    /// let setup = loader.setup();
+    /// println!("context {:.0} ms, ready after {:.0} ms", setup.context_seconds.unwrap_or(0.0) * 1e3, setup.total_seconds * 1e3);
+    /// let (weights, report) = loader.load_file("model.bin")?;
+    /// # Ok::<(), gpufeed::Error>(())
+    /// ```
+    pub fn open(ordinal: usize, opts: LoadOptions) -> Result<Self> {
+        Self::open_with(ordinal, opts, || Ok(((), None))).map(|(l, ())| l)
+    }
+
+    /// [`Loader::open`] that also runs `host` on this thread while the context is created;
+    /// `host` says how many bytes the loads will move at most (to size the staging), and its
+    /// error, if any, is returned first (a missing file before a missing GPU).
+    pub(crate) fn open_with<T>(
+        ordinal: usize,
+        opts: LoadOptions,
+        host: impl FnOnce() -> Result<(T, Option<u64>)>,
+    ) -> Result<(Self, T)> {
+        let started = Instant::now();
+        let opener = std::thread::Builder::new()
+            .name("gpufeed-open".into())
+            .spawn(move || {
+                let t = Instant::now();
+                Gpu::open(ordinal).map(|gpu| (gpu, t.elapsed().as_secs_f64()))
+            })
+            .map_err(|e| Error::Config(format!("could not start a thread to open the GPU: {e}")))?;
+        let mut notes = Vec::new();
+        let hosted = host();
+        let slab = match &hosted {
+            Ok((_, bytes)) if stages(opts.strategy) => {
+                // Pages faulted in before the GPU's NUMA node is known land on this thread's
+                // node: on a machine of several, fault them in afterwards, placed.
+                if gpufeed_numa::Topology::detect().is_ok_and(|t| t.is_numa()) {
+                    notes.push(
+                        "several NUMA nodes: staging faulted in after the context, on the GPU's node"
+                            .to_owned(),
+                    );
+                    None
+                } else {
+                    let t = Instant::now();
+                    let len = opts.transfer.staging_bytes_for(*bytes);
+                    if len == 0 {
+                        None
+                    } else {
+                        HostSlab::new(len)
+                            .inspect_err(|e| notes.push(format!("staging not made ahead: {e}")))
+                            .ok()
+                            .map(|slab| (slab, t.elapsed().as_secs_f64()))
+                    }
+                }
+            }
+            _ => None,
+        };
+        let opened = opener
+            .join()
+            .map_err(|_| Error::Config("the thread opening the GPU panicked".into()));
+        let (value, bytes) = hosted?;
+        let (gpu, context_s) = opened??;
+        let mut loader = Self::with_staging(&gpu, opts, bytes, slab, started)?;
+        loader.setup.context_seconds = Some(context_s);
+        loader.setup.notes.splice(0..0, notes);
+        Ok((loader, value))
+    }
+
+    /// What setting the loader up reserved and took.
+    pub fn setup(&self) -> &LoaderSetup {
+        &self.setup
+    }
+
+    /// The options it loads with.
+    pub fn options(&self) -> &LoadOptions {
+        &self.opts
     }
 
     /// Waits until the registrations of earlier `Registered` (and `Hybrid`) loads of this
@@ -615,8 +879,17 @@ impl Loader {
     }
 }
 
+/// What `Strategy::Auto` picks for bytes `range` of `path` (a file of `file_len` bytes) now,
+/// and why: the same residency estimate and rule as a load.
+pub(crate) fn auto_choice(path: &Path, file_len: u64, range: Range<u64>) -> (Strategy, String) {
+    let residency = cache::residency_estimate(path, range)
+        .ok()
+        .map(|r| r.fraction());
+    choose(path, file_len, residency)
+}
+
 /// Picks a strategy for a file of `file_len` bytes, `residency` of it cached.
-fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Strategy, String) {
+pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Strategy, String) {
     let resident = residency.unwrap_or(0.0);
     if resident >= 0.9 {
         return (
@@ -672,8 +945,14 @@ fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Strategy, Stri
     )
 }
 
-fn file_len(path: &Path) -> Result<u64> {
+pub(crate) fn file_len(path: &Path) -> Result<u64> {
     Ok(gpufeed_os::file::stat_regular(path)?.size)
+}
+
+/// Whether loads with `strategy` go through pinned staging (all but `Registered`, which stages
+/// only where registration is refused).
+fn stages(strategy: Strategy) -> bool {
+    strategy != Strategy::Registered
 }
 
 /// A file range as a fill source: each fill thread reads with its own io_uring reader.

@@ -28,6 +28,7 @@ pub struct TensorInfo {
 /// A checkpoint in GPU memory: one device buffer per file, a view per tensor.
 #[derive(Debug)]
 pub struct Checkpoint {
+    gpu: gpufeed_cuda::Gpu,
     files: Vec<PathBuf>,
     buffers: Vec<DeviceBuffer>,
     tensors: BTreeMap<String, TensorInfo>,
@@ -35,6 +36,11 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// The GPU holding it.
+    pub fn gpu(&self) -> &gpufeed_cuda::Gpu {
+        &self.gpu
+    }
+
     /// The tensor `name`: its facts and a view of its bytes on the GPU.
     pub fn get(&self, name: &str) -> Option<(&TensorInfo, CudaView<'_, u8>)> {
         let info = self.tensors.get(name)?;
@@ -236,27 +242,83 @@ pub fn header_of(
 /// # Ok::<(), gpufeed::Error>(())
 /// ```
 pub fn load(gpu: &gpufeed_cuda::Gpu, path: impl AsRef<Path>) -> Result<Checkpoint> {
-    load_with(&Loader::new(gpu, LoadOptions::default())?, path)
+    let path = path.as_ref();
+    let plan = plan(path)?;
+    let loader = Loader::for_bytes(gpu, LoadOptions::default(), plan.largest())?;
+    load_planned(&loader, path, plan)
 }
 
 /// Like [`load`], with a [`Loader`] of your own (options, reuse of staging buffers).
 pub fn load_with(loader: &Loader, path: impl AsRef<Path>) -> Result<Checkpoint> {
     let path = path.as_ref();
+    load_planned(loader, path, plan(path)?)
+}
+
+/// Loads a checkpoint (a file or an index, as [`load`]) onto GPU `ordinal` in one call: the
+/// GPU is opened on another thread while this one reads and checks every header and faults in
+/// the pinned staging (bounded: [`TransferConfig::staging_bytes_for`](gpufeed_cuda::TransferConfig::staging_bytes_for) the largest
+/// file, 128 MiB at most with the default options on 16 cores), which is unregistered and
+/// freed before this returns. For a process that loads its weights once at start-up.
+///
+/// # Errors
+/// The checkpoint's errors (missing file, malformed header, bad index) before the GPU's (no
+/// driver, no such device), then [`load`]'s.
+///
+/// # Example
+/// ```no_run
+/// let (ckpt, report) = gpufeed::safetensors::load_on(0, "model.safetensors")?;
+/// println!(
+///     "{} tensors on {}: context {:.0} ms, then {:.0} ms to load {} bytes",
+///     ckpt.len(), ckpt.gpu().info().name, report.context_seconds * 1e3,
+///     (report.total_seconds - report.context_seconds) * 1e3, report.bytes
+/// );
+/// # Ok::<(), gpufeed::Error>(())
+/// ```
+pub fn load_on(
+    ordinal: usize,
+    path: impl AsRef<Path>,
+) -> Result<(Checkpoint, crate::OneShotReport)> {
+    let path = path.as_ref();
+    let (_, ckpt, report) = crate::load::one_shot(
+        ordinal,
+        || {
+            let plan = plan(path)?;
+            let largest = plan.largest();
+            Ok((plan, largest))
+        },
+        |loader, plan| {
+            let ckpt = load_planned(loader, path, plan)?;
+            let reports = ckpt.reports.clone();
+            Ok((ckpt, reports))
+        },
+    )?;
+    Ok((ckpt, report))
+}
+
+/// The files of a checkpoint with their parsed headers, before any byte moves.
+struct Plan {
+    files: Vec<(PathBuf, Option<Vec<String>>, Parsed)>,
+}
+
+impl Plan {
+    /// The largest data section: the most one load moves.
+    fn largest(&self) -> u64 {
+        self.files.iter().map(|f| f.2.data_len).max().unwrap_or(0)
+    }
+}
+
+/// Reads and checks the headers of `path` (a file, or the shards of an index).
+fn plan(path: &Path) -> Result<Plan> {
     let files = if path.to_string_lossy().ends_with(".json") {
         shards(path)?
     } else {
         vec![(path.to_path_buf(), None)]
     };
-    let mut ckpt = Checkpoint {
-        files: Vec::new(),
-        buffers: Vec::new(),
-        tensors: BTreeMap::new(),
-        reports: Vec::new(),
-    };
-    for (i, (file, expected)) in files.into_iter().enumerate() {
+    let mut planned = Vec::with_capacity(files.len());
+    for (file, expected) in files {
         let parsed = parse(&file)?;
-        if let Some(expected) = expected {
-            for name in &expected {
+        if let Some(expected) = &expected {
+            for name in expected {
                 if !parsed.tensors.iter().any(|t| &t.0 == name) {
                     return Err(Error::Index {
                         path: path.into(),
@@ -268,6 +330,21 @@ pub fn load_with(loader: &Loader, path: impl AsRef<Path>) -> Result<Checkpoint> 
                 }
             }
         }
+        planned.push((file, expected, parsed));
+    }
+    Ok(Plan { files: planned })
+}
+
+/// Loads the data sections of a planned checkpoint, one bulk transfer per file.
+fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<Checkpoint> {
+    let mut ckpt = Checkpoint {
+        gpu: loader.gpu().clone(),
+        files: Vec::new(),
+        buffers: Vec::new(),
+        tensors: BTreeMap::new(),
+        reports: Vec::new(),
+    };
+    for (i, (file, _, parsed)) in plan.files.into_iter().enumerate() {
         let (buffer, report) = loader.load_range(
             &file,
             parsed.data_start..parsed.data_start + parsed.data_len,

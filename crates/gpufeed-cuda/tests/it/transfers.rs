@@ -279,3 +279,49 @@ fn staged_uploads_from_several_threads_at_once_are_byte_exact() {
         }
     });
 }
+
+/// Device memory that the context's pool cannot serve comes from `cuMemAlloc`: it holds what
+/// is uploaded into it, and dropping it (cudarc's stream-ordered free) returns it to the device
+/// without leaving an error on the context.
+#[test]
+fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
+    use gpufeed_cuda::cudarc::driver::result;
+    let Some(gpu) = gpu_or_skip("device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop")
+    else {
+        return;
+    };
+    // Larger than anything the other tests of this binary leave in the pool, so cuMemAlloc
+    // serves it; the margins below absorb their allocations running meanwhile.
+    let len = (8usize << 30) + 4099;
+    gpu.context().bind_to_thread().expect("bind");
+    let (free_before, _) = result::mem_get_info().expect("mem info");
+    // SAFETY: only the uploaded range is read back.
+    let mut dev = unsafe { gpu.alloc(len) }.expect("alloc");
+    let (free_held, _) = result::mem_get_info().expect("mem info");
+    assert!(
+        free_before.saturating_sub(free_held) >= 6 << 30,
+        "8 GiB taken: {free_before} -> {free_held}"
+    );
+    let sched = TransferScheduler::new(&gpu, config(2, 1 << 20)).expect("scheduler");
+    let data = random_bytes((3 << 20) + 5, 41);
+    let at = len - data.len();
+    sched
+        .upload(HostSource::Pageable(&data), &mut dev, at)
+        .expect("upload at the end");
+    let back = gpu
+        .default_stream()
+        .clone_dtoh(&dev.slice(at..))
+        .expect("back");
+    assert!(back == data, "the tail holds other bytes");
+    drop(back);
+    drop(dev);
+    gpu.default_stream().synchronize().expect("sync");
+    gpu.context().check_err().expect("the free left no error");
+    let (free_after, _) = result::mem_get_info().expect("mem info");
+    assert!(
+        free_after.saturating_sub(free_held) >= 6 << 30,
+        "8 GiB returned: {free_held} -> {free_after}"
+    );
+    // The context still works.
+    assert_eq!(gpu.alloc_zeroed(4096).expect("alloc").len(), 4096);
+}

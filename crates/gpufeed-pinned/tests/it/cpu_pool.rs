@@ -186,3 +186,82 @@ fn a_missing_numa_node_is_noted_and_buffers_still_work() {
         )]
     );
 }
+
+/// A reserved slab: one lock for all its buffers, cut into distinct size-class pieces that
+/// `get` hands out without allocating, counted in the budget, and unlocked (VmLck back where
+/// it was) once the pool and its buffers are gone. Runs in a child process: VmLck is the
+/// process's, and the other tests lock memory too.
+#[test]
+fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
+    use gpufeed_pinned::HostSlab;
+    const ME: &str = "cpu_pool::a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes";
+    if std::env::var("GPUFEED_IT_CHILD").is_err() {
+        let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+            .args([ME, "--exact", "--nocapture", "--test-threads=1"])
+            .env("GPUFEED_IT_CHILD", "1")
+            .output()
+            .expect("spawn");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("CHILD-OK"),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    let before = gpufeed_os::lock::locked_bytes().expect("VmLck readable");
+    let pool = PinnedPool::new(
+        PoolMode::Cpu,
+        PoolConfig {
+            budget_bytes: Some(8 << 20),
+            numa_node: None,
+        },
+    )
+    .expect("pool");
+    let slab = HostSlab::new((4 << 20) + 5).expect("slab");
+    assert_eq!(slab.len(), (4 << 20) + 4096, "whole pages");
+    assert_eq!(pool.reserve_slab(slab, 1 << 20).expect("reserve"), 4);
+    assert_eq!(pool.stats().held_bytes, 4 << 20);
+    assert_eq!(pool.stats().allocations, 1);
+    let mut bufs: Vec<_> = (0..4).map(|_| pool.get(1 << 20).expect("get")).collect();
+    assert_eq!(pool.stats().reuses, 4, "all four from the slab");
+    assert_eq!(pool.stats().allocations, 1, "nothing allocated");
+    let mut starts: Vec<usize> = bufs.iter().map(|b| b.as_ptr() as usize).collect();
+    starts.sort_unstable();
+    assert!(
+        starts.windows(2).all(|w| w[1] - w[0] >= 1 << 20),
+        "distinct pieces: {starts:x?}"
+    );
+    for (i, b) in bufs.iter_mut().enumerate() {
+        b.fill(i as u8 + 1);
+        assert!(b.is_locked(), "the slab fits the 8 MiB memlock limit here");
+    }
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(
+            b.iter().all(|&x| x == i as u8 + 1),
+            "buffer {i} overwritten"
+        );
+    }
+    let locked = gpufeed_os::lock::locked_bytes().expect("VmLck");
+    assert!(
+        locked >= before + (4 << 20),
+        "one lock of the slab: {before} -> {locked}"
+    );
+    // A second slab would pass the 8 MiB budget with the first still held.
+    let err = pool
+        .reserve_slab(HostSlab::new(8 << 20).expect("slab"), 1 << 20)
+        .unwrap_err();
+    assert!(matches!(err, Error::PoolExhausted { .. }), "{err:?}");
+    assert_eq!(pool.stats().held_bytes, 4 << 20, "the refusal kept nothing");
+    // 64 KiB requests are a class of their own: served by a new allocation.
+    drop(pool.get(60 << 10).expect("small"));
+    assert_eq!(pool.stats().allocations, 2);
+    drop(bufs);
+    drop(pool);
+    assert_eq!(
+        gpufeed_os::lock::locked_bytes().expect("VmLck"),
+        before,
+        "the slab is unlocked with its last buffer"
+    );
+    println!("CHILD-OK");
+}

@@ -104,3 +104,25 @@ fn writing_a_pooled_buffer_waits_for_the_copy_that_reads_it() {
     );
     assert!(back == before);
 }
+
+/// A slab reserved in CUDA mode: one registration, every piece pinned, served without
+/// allocating, and the GPU copies out of a piece byte for byte.
+#[test]
+fn a_reserved_slab_is_registered_once_and_copies_exactly() {
+    let Some(ctx) = gpu_or_skip("a_reserved_slab_is_registered_once_and_copies_exactly") else {
+        return;
+    };
+    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolConfig::default()).expect("pool");
+    assert_eq!(pool.reserve((3 << 20) + 1, 4).expect("reserve"), 4);
+    let mut bufs: Vec<_> = (0..4).map(|_| pool.get(3 << 20).expect("get")).collect();
+    assert_eq!(pool.stats().allocations, 1, "one slab, no buffer allocated");
+    assert!(bufs.iter().all(|b| b.is_pinned() && b.is_locked()));
+    let data = random_bytes((3 << 20) - 11, 5);
+    bufs[2][..data.len()].copy_from_slice(&data);
+    let stream = ctx.default_stream();
+    let dev = stream
+        .clone_htod(&bufs[2][..data.len()])
+        .expect("copy from a slab piece");
+    let back = stream.clone_dtoh(&dev).expect("copy back");
+    assert!(back == data, "the device received other bytes");
+}

@@ -212,6 +212,15 @@ fn safetensors_with_every_dtype_and_shards() {
     let sharded = gpufeed::safetensors::load(&gpu, &index).expect("sharded");
     assert_eq!(sharded.files().len(), 2);
     check(&sharded);
+    // The one-shot path: the GPU opened on another thread while the headers are read.
+    for path in [&single, &index] {
+        let (ckpt, report) = gpufeed::safetensors::load_on(0, path).expect("load_on");
+        check(&ckpt);
+        assert_eq!(report.bytes, ckpt.bytes());
+        assert_eq!(report.loads.len(), ckpt.files().len());
+        assert!(report.context_seconds > 0.0 && report.total_seconds >= report.ready_seconds);
+        assert!(report.staging_bytes > 0, "{report:?}");
+    }
     // An index naming a tensor its shard lacks.
     map.insert("ghost".into(), "model-00001-of-00002.safetensors".into());
     std::fs::write(&index, serde_json::json!({ "weight_map": map }).to_string()).expect("index");
@@ -490,4 +499,38 @@ fn refused_registration_falls_back_to_staged_with_the_reason() {
         vec![format!("registration refused ({refusal}); staged instead")],
         "{report:?}"
     );
+}
+
+/// `load_file_on` at an unaligned size: bytes exact, both parts of the time reported, staging
+/// bounded by the transfer settings (not the file) and sized down for a small file.
+#[test]
+fn one_shot_file_loads_are_byte_exact_with_bounded_staging() {
+    let Some(gpu) = gpu_or_skip("one_shot_file_loads_are_byte_exact_with_bounded_staging") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let bound = LoadOptions::default().transfer.staging_bytes_for(None) as u64;
+    for (size, seed) in [((300usize << 20) + 7, 11u64), (5 << 20, 12)] {
+        let path = dir.path().join(format!("one-shot-{size}.bin"));
+        let data = random_bytes(size, seed);
+        std::fs::write(&path, &data).expect("write");
+        let (on, buf, report) = gpufeed::load_file_on(0, &path).expect("load_file_on");
+        assert_eq!(on.info().ordinal, 0);
+        assert_eq!(
+            xxh3_64(&gpu.to_vec(&buf).expect("back")),
+            xxh3_64(&data),
+            "{size} B"
+        );
+        assert_eq!(report.bytes, size as u64);
+        assert!(
+            report.context_seconds > 0.0 && report.load_seconds > 0.0,
+            "{report:?}"
+        );
+        assert!(report.staging_bytes <= bound, "{report:?} past {bound}");
+        let chunks = size.div_ceil(LoadOptions::default().transfer.chunk_bytes) as u64;
+        assert!(
+            report.staging_bytes <= chunks * (4 << 20),
+            "a {size} B file needs at most {chunks} staging buffers: {report:?}"
+        );
+    }
 }

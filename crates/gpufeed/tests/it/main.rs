@@ -3,6 +3,7 @@
 
 mod gpu;
 mod host;
+mod oneshot;
 mod workers;
 
 use gpufeed::Gpu;
