@@ -303,8 +303,9 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     let mut dst = if len == 0 {
         gpu.alloc_zeroed(0)?
     } else {
+        // Loaded once: cuMemAlloc, not a growth of the context's pool on the load's path.
         // SAFETY: every byte is written by the pieces below before it is read.
-        unsafe { gpu.alloc(len as usize)? }
+        unsafe { gpu.alloc_unpooled(len as usize)? }
     };
     let t = std::time::Instant::now();
     let mut reports = Vec::new();

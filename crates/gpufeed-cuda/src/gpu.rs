@@ -153,66 +153,47 @@ impl Gpu {
             .map_err(|e| Error::cuda("cuMemAlloc", e))
     }
 
-    /// `len` bytes of device memory, not initialised.
-    ///
-    /// From the context's stream-ordered pool (cudarc's allocator) when the pool holds enough
-    /// free memory already, else from `cuMemAlloc`: growing the pool cost 8-12 ms for 4 GiB and
-    /// 37-52 ms for 16 GiB on the H200 machine, `cuMemAlloc` and its free about 2 ms for 4 GiB
-    /// (docs/benchmarks.md, GPU run 8), and a first load in a fresh process always grows it.
-    /// Either way the buffer is an ordinary cudarc `CudaSlice`, freed stream-ordered when
-    /// dropped (`cuMemFreeAsync` accepts `cuMemAlloc` memory).
+    /// `len` bytes of device memory, not initialised, from the context's stream-ordered pool
+    /// (cudarc's allocator): memory freed earlier is reused at no cost, but growing the pool is
+    /// paid here (8-12 ms for 4 GiB, 37-52 ms for 16 GiB on the H200 machine; docs/benchmarks.md,
+    /// GPU run 8).
     ///
     /// # Safety
     /// 1. Nothing reads the memory before it has been written (an upload fills it).
     pub unsafe fn alloc(&self, len: usize) -> Result<CudaSlice<u8>> {
-        let stream = self.default_stream();
-        if len == 0 || !self.ctx.has_async_alloc() || self.pool_free_bytes() >= len as u64 {
-            // SAFETY: passed on to the caller.
-            return unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e));
+        // SAFETY: passed on to the caller.
+        unsafe { self.default_stream().alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+    }
+
+    /// `len` bytes of device memory, not initialised, from `cuMemAlloc` rather than the pool:
+    /// cheap to get (about 1 ms for 4 GiB on the H200 machine, against 8-12 ms to grow the pool)
+    /// but freed synchronously when dropped, and never reused by the pool. For memory that
+    /// lives long (weights loaded once at start-up); [`Gpu::alloc`] for memory freed and
+    /// allocated again. The buffer is an ordinary cudarc `CudaSlice` (its stream-ordered free
+    /// accepts `cuMemAlloc` memory).
+    ///
+    /// # Safety
+    /// 1. Nothing reads the memory before it has been written (an upload fills it).
+    pub unsafe fn alloc_unpooled(&self, len: usize) -> Result<CudaSlice<u8>> {
+        if len == 0 {
+            // SAFETY: an empty allocation has nothing to read.
+            return unsafe { self.alloc(0) };
         }
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // cudarc's upgrade_device_ptr creates two events and unwraps their creation: create one
         // here first, so that a context unable to make events is an error, not a panic.
-        let probe = self
-            .ctx
-            .new_event(None)
-            .map_err(|e| Error::cuda("cuEventCreate", e))?;
-        drop(probe);
+        drop(
+            self.ctx
+                .new_event(None)
+                .map_err(|e| Error::cuda("cuEventCreate", e))?,
+        );
         // SAFETY: a plain allocation; the caller's obligation covers its contents.
         let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
         // SAFETY: `ptr` is a live allocation of `len` bytes of this context, owned from here on
         // by the slice, whose drop frees it (stream-ordered, after its recorded uses).
-        Ok(unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) })
-    }
-
-    /// Bytes the context's current memory pool holds but has not handed out (0 where unknown).
-    fn pool_free_bytes(&self) -> u64 {
-        let attr = |pool: sys::CUmemoryPool, a: sys::CUmemPool_attribute| -> Option<u64> {
-            let mut v = 0u64;
-            // SAFETY: both attributes are 64-bit values written into `v`.
-            unsafe { sys::cuMemPoolGetAttribute(pool, a, (&raw mut v).cast()) }
-                .result()
-                .ok()
-                .map(|()| v)
-        };
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: writes one handle for this context's device.
-        if unsafe { sys::cuDeviceGetMemPool(&raw mut pool, self.ctx.cu_device()) }
-            .result()
-            .is_err()
-        {
-            return 0;
-        }
-        use sys::CUmemPool_attribute as A;
-        match (
-            attr(pool, A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
-            attr(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
-        ) {
-            (Some(reserved), Some(used)) => reserved.saturating_sub(used),
-            _ => 0,
-        }
+        Ok(unsafe { self.default_stream().upgrade_device_ptr::<u8>(ptr, len) })
     }
 
     /// Copies device memory back into a new `Vec` (synchronously; for checks and small data).

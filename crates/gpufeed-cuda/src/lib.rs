@@ -4,7 +4,9 @@
 //!   (from `gpufeed-numa`) and PCIe link. Never panics on a machine without a driver: every
 //!   entry point checks for libcuda first and returns [`Error::NoCudaDriver`].
 //! - Device buffers are cudarc [`CudaSlice<u8>`](cudarc::driver::CudaSlice), so cudarc and
-//!   candle users take them as they are.
+//!   candle users take them as they are: from the context's stream-ordered pool
+//!   ([`Gpu::alloc`]: reuse is free, growth costs 2-3 ms per GiB) or from `cuMemAlloc`
+//!   ([`Gpu::alloc_unpooled`]: cheap to get, for memory kept, as a one-shot load's).
 //! - [`TransferScheduler`]: host -> device (and back) in chunks spread over several streams.
 //!   Pinned and registered memory is copied directly; pageable memory and [`FillSource`]s
 //!   (a file reader, a decoder) go through pinned staging buffers from a
@@ -12,6 +14,8 @@
 //!   a few staging buffers, fills one, issues its copy and fills the next while the first is
 //!   on the wire (no single submitting thread to funnel through). A staging buffer is reused
 //!   only after the event of its last copy completed (the pool's guard owns the event).
+//!   [`TransferScheduler::reserve_staging`] sets the lanes' buffers up front from one slab
+//!   registered in one call (bounded by [`TransferConfig::staging_bytes_for`]).
 //!   [`TransferStats`] says where time went.
 //!
 //! Depends on `cudarc` (driver API, dynamic loading), `gpufeed-pinned`, `gpufeed-numa`.

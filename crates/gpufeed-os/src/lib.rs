@@ -8,7 +8,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`shm`] | [`ShmSegment`]: POSIX shm (reserved with `fallocate`, mode 0600, checked on open), memfd; [`shm::gc`] for segments of dead processes |
-//! | [`file`] | [`file::open_regular`] / [`file::stat_regular`]: regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
+//! | [`file`](mod@file) | [`file::open_regular`] / [`file::stat_regular`]: regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
 //! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
 //! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |

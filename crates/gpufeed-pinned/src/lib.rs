@@ -14,7 +14,10 @@
 //!   faster than `cuMemHostAlloc`, the noted fallback) in power-of-two size classes from 64 KiB
 //!   to 256 MiB, a byte budget (default a
 //!   quarter of RAM), buffers allocated on the GPU's NUMA node, reuse through [`PooledBuffer`]
-//!   guards that carry the event of their last copy. Without a CUDA driver
+//!   guards that carry the event of their last copy; [`PinnedPool::reserve`] (or
+//!   [`PinnedPool::reserve_slab`] with a [`HostSlab`] faulted in ahead, e.g. while a context is
+//!   created) fills the cache with buffers cut from one slab page-locked in one call. Without a
+//!   CUDA driver
 //!   ([`PoolMode::Cpu`]) it hands out `mlock`ed aligned buffers within `RLIMIT_MEMLOCK` (and
 //!   unlocked ones past it, noted in [`PinnedPool::notes`]) so CPU pipelines run unchanged.
 //!

@@ -4,12 +4,17 @@
 //! [`ipc`], [`pinned`], [`cuda`]):
 //!
 //! - [`load_file`] / [`Loader`]: a file (or a byte range of it) into GPU memory with the
-//!   fastest path the machine allows — [`Strategy::Registered`] for files in the page cache
-//!   (the GPU copies straight from the cached pages, registered read-only in chunks ahead of
-//!   the copies), [`Strategy::Staged`] / [`Strategy::Direct`] (io_uring reads, buffered or
-//!   `O_DIRECT`, into pinned staging buffers uploaded while the next ones fill), chosen by
-//!   [`Strategy::Auto`] from page-cache residency and available memory; a [`LoadReport`] says
-//!   what ran, why, and where the time went.
+//!   fastest path the machine allows — [`Strategy::Staged`] / [`Strategy::Direct`] (io_uring
+//!   reads, buffered or `O_DIRECT`, into pinned staging buffers uploaded while the next ones
+//!   fill) chosen by [`Strategy::Auto`] from page-cache residency and available memory, or
+//!   [`Strategy::Registered`] when asked (the GPU copies straight from the cached pages,
+//!   registered read-only in chunks ahead of the copies: the cheapest path per CPU thread); a
+//!   [`LoadReport`] says what ran, why, and where the time went. A `Loader` reserves its pinned
+//!   staging when it is made, so its first load runs at the speed of the later ones.
+//! - One-shot loads for a process that loads once at start-up: [`load_file_on`],
+//!   [`safetensors::load_on`] and [`Loader::open`] take a device ordinal and open the GPU on
+//!   another thread while this one checks the files, reads headers and faults in the staging;
+//!   a [`OneShotReport`] gives the context's time and the load's apart.
 //! - [`safetensors::load`]: a safetensors file or sharded checkpoint to GPU memory, one bulk
 //!   transfer per file, a named view per tensor.
 //! - [`dataset`]: a record file, a seeded and sharded [`dataset::Sampler`], and a

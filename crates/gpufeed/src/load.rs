@@ -3,7 +3,7 @@
 use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -201,6 +201,11 @@ pub struct Loader {
     opts: LoadOptions,
     cleanup: Mutex<Cleanup>,
     setup: LoaderSetup,
+    /// Whether the next load's device memory comes from `cuMemAlloc` (the first load; every
+    /// load of a one-shot) rather than the pool.
+    unpooled: AtomicBool,
+    /// Every load's device memory from `cuMemAlloc` (one-shot loaders).
+    always_unpooled: bool,
 }
 
 /// How a [`Loader`] was set up: what it reserved and what that took.
@@ -220,6 +225,10 @@ pub struct LoaderSetup {
     /// What did not go as planned (a refused reservation, staging placed after the context).
     pub notes: Vec<String>,
 }
+
+/// Loads from this size take a loader's first device memory from `cuMemAlloc` (below it,
+/// growing the pool costs little).
+const UNPOOLED_FROM: usize = 64 << 20;
 
 /// Background unregistrations of earlier registered loads.
 #[derive(Default)]
@@ -296,12 +305,14 @@ pub(crate) fn one_shot<P, T>(
 ) -> Result<(Gpu, T, OneShotReport)> {
     let started = Instant::now();
     let mut host_s = 0.0;
-    let (loader, prepared) = Loader::open_with(ordinal, LoadOptions::default(), || {
+    let (mut loader, prepared) = Loader::open_with(ordinal, LoadOptions::default(), || {
         let t = Instant::now();
         let r = host().map(|(p, bytes)| (p, Some(bytes)));
         host_s = t.elapsed().as_secs_f64();
         r
     })?;
+    // Loaded once and kept: every buffer from cuMemAlloc (see load_range).
+    loader.always_unpooled = true;
     let setup = loader.setup().clone();
     let ready_s = started.elapsed().as_secs_f64();
     let t = Instant::now();
@@ -419,6 +430,8 @@ impl Loader {
             opts,
             cleanup: Mutex::new(Cleanup::default()),
             setup,
+            unpooled: AtomicBool::new(true),
+            always_unpooled: false,
         })
     }
 
@@ -558,9 +571,20 @@ impl Loader {
                 })
             })?
         } else {
+            // A loader's first load (the only one, for most users) takes its memory from
+            // cuMemAlloc: growing the context's pool would cost it 2-3 ms per GiB up front
+            // (docs/benchmarks.md, GPU run 8). Later loads use the pool, which gives back what
+            // earlier loads' buffers freed at no cost.
+            let unpooled = self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed);
             // SAFETY: every byte is written by the load below before the buffer is returned;
             // on error the buffer is dropped unread.
-            unsafe { self.gpu.alloc(len)? }
+            unsafe {
+                if unpooled && len >= UNPOOLED_FROM {
+                    self.gpu.alloc_unpooled(len)?
+                } else {
+                    self.gpu.alloc(len)?
+                }
+            }
         };
         let report = self.load_into(path, range, &mut dst, 0)?;
         Ok((dst, report))

@@ -280,9 +280,9 @@ fn staged_uploads_from_several_threads_at_once_are_byte_exact() {
     });
 }
 
-/// Device memory that the context's pool cannot serve comes from `cuMemAlloc`: it holds what
-/// is uploaded into it, and dropping it (cudarc's stream-ordered free) returns it to the device
-/// without leaving an error on the context.
+/// Device memory from `cuMemAlloc` (`Gpu::alloc_unpooled`) holds what is uploaded into it, and
+/// dropping it (cudarc's stream-ordered free) returns it to the device without leaving an error
+/// on the context.
 #[test]
 fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
     use gpufeed_cuda::cudarc::driver::result;
@@ -290,13 +290,12 @@ fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
     else {
         return;
     };
-    // Larger than anything the other tests of this binary leave in the pool, so cuMemAlloc
-    // serves it; the margins below absorb their allocations running meanwhile.
+    // The margins below absorb the allocations of the tests running meanwhile.
     let len = (8usize << 30) + 4099;
     gpu.context().bind_to_thread().expect("bind");
     let (free_before, _) = result::mem_get_info().expect("mem info");
     // SAFETY: only the uploaded range is read back.
-    let mut dev = unsafe { gpu.alloc(len) }.expect("alloc");
+    let mut dev = unsafe { gpu.alloc_unpooled(len) }.expect("alloc");
     let (free_held, _) = result::mem_get_info().expect("mem info");
     assert!(
         free_before.saturating_sub(free_held) >= 6 << 30,
