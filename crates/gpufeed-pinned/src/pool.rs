@@ -156,13 +156,21 @@ impl HostSlab {
     pub fn new(len: usize) -> Result<Self> {
         let len = len.next_multiple_of(gpufeed_os::page_size());
         let buf = AlignedBuf::new(len, 2 << 20)?;
-        // A failure (an old kernel without MADV_POPULATE_WRITE) only leaves the faulting to
-        // the first writer or to the registration.
-        let _ = gpufeed_os::advise::madvise(
-            buf.as_ptr(),
-            len,
-            gpufeed_os::advise::MemAdvice::PopulateWrite,
-        );
+        // In pieces: MADV_POPULATE_WRITE holds the address space's lock while it runs, which
+        // would hold off the mmap calls of a thread creating a CUDA context meanwhile. A
+        // failure (an old kernel without it) only leaves the faulting to the first writer or
+        // to the registration.
+        const PIECE: usize = 4 << 20;
+        for at in (0..len).step_by(PIECE) {
+            // SAFETY: `at < len`, inside the buffer.
+            let ptr = unsafe { buf.as_ptr().add(at) };
+            let n = PIECE.min(len - at);
+            if gpufeed_os::advise::madvise(ptr, n, gpufeed_os::advise::MemAdvice::PopulateWrite)
+                .is_err()
+            {
+                break;
+            }
+        }
         Ok(HostSlab { buf })
     }
 

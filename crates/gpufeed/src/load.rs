@@ -438,7 +438,9 @@ impl Loader {
     /// Opens GPU `ordinal` and makes a loader for it, doing on this thread, while another
     /// creates the GPU's context (120-580 ms on the H200 machine), what needs no GPU: faulting
     /// in the loader's pinned staging. A failure on either side is returned (the thread is
-    /// always joined first: nothing is left running).
+    /// always joined first: nothing is left running). On the H200 machine, a VM, faulting
+    /// memory in slowed the context's creation by about as much as it saved (docs/benchmarks.md,
+    /// GPU runs 8-13); where first touches run in parallel it saves the staging's ~20 ms.
     ///
     /// # Errors
     /// [`Loader::new`]'s and [`Gpu::open`]'s (no driver, no such device).
