@@ -214,8 +214,8 @@ pub struct LoaderSetup {
     /// Seconds opening the GPU (`cuInit`, the primary context) on its own thread, for
     /// [`Loader::open`]; `None` for [`Loader::new`], which is given an open GPU.
     pub context_seconds: Option<f64>,
-    /// Seconds faulting in the staging memory (in [`Loader::open`], while the context was
-    /// being created).
+    /// Seconds making the staging: faulting its memory in (in [`Loader::open`], while the
+    /// context was being created) and registering it.
     pub staging_seconds: f64,
     /// Seconds from the call until the loader was ready.
     pub total_seconds: f64,
@@ -577,11 +577,12 @@ impl Loader {
             // cuMemAlloc: growing the context's pool would cost it 2-3 ms per GiB up front
             // (docs/benchmarks.md, GPU run 8). Later loads use the pool, which gives back what
             // earlier loads' buffers freed at no cost.
-            let unpooled = self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed);
+            let unpooled = len >= UNPOOLED_FROM
+                && (self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed));
             // SAFETY: every byte is written by the load below before the buffer is returned;
             // on error the buffer is dropped unread.
             unsafe {
-                if unpooled && len >= UNPOOLED_FROM {
+                if unpooled {
                     self.gpu.alloc_unpooled(len)?
                 } else {
                     self.gpu.alloc(len)?

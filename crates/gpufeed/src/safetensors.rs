@@ -256,9 +256,11 @@ pub fn load_with(loader: &Loader, path: impl AsRef<Path>) -> Result<Checkpoint> 
 
 /// Loads a checkpoint (a file or an index, as [`load`]) onto GPU `ordinal` in one call: the
 /// GPU is opened on another thread while this one reads and checks every header and faults in
-/// the pinned staging (bounded: [`TransferConfig::staging_bytes_for`](gpufeed_cuda::TransferConfig::staging_bytes_for) the largest
-/// file, 128 MiB at most with the default options on 16 cores), which is unregistered and
-/// freed before this returns. For a process that loads its weights once at start-up.
+/// the pinned staging (bounded: [`staging_bytes_for`] the largest file, 128 MiB at most with
+/// the default options on 16 cores), which is unregistered and freed before this returns. For
+/// a process that loads its weights once at start-up.
+///
+/// [`staging_bytes_for`]: gpufeed_cuda::TransferConfig::staging_bytes_for
 ///
 /// # Errors
 /// The checkpoint's errors (missing file, malformed header, bad index) before the GPU's (no
@@ -297,13 +299,13 @@ pub fn load_on(
 
 /// The files of a checkpoint with their parsed headers, before any byte moves.
 struct Plan {
-    files: Vec<(PathBuf, Option<Vec<String>>, Parsed)>,
+    files: Vec<(PathBuf, Parsed)>,
 }
 
 impl Plan {
     /// The largest data section: the most one load moves.
     fn largest(&self) -> u64 {
-        self.files.iter().map(|f| f.2.data_len).max().unwrap_or(0)
+        self.files.iter().map(|f| f.1.data_len).max().unwrap_or(0)
     }
 }
 
@@ -330,7 +332,7 @@ fn plan(path: &Path) -> Result<Plan> {
                 }
             }
         }
-        planned.push((file, expected, parsed));
+        planned.push((file, parsed));
     }
     Ok(Plan { files: planned })
 }
@@ -344,7 +346,7 @@ fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<Checkpoint> 
         tensors: BTreeMap::new(),
         reports: Vec::new(),
     };
-    for (i, (file, _, parsed)) in plan.files.into_iter().enumerate() {
+    for (i, (file, parsed)) in plan.files.into_iter().enumerate() {
         let (buffer, report) = loader.load_range(
             &file,
             parsed.data_start..parsed.data_start + parsed.data_len,
