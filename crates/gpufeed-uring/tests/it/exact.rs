@@ -264,8 +264,10 @@ fn a_leaked_read_iterator_cannot_corrupt_the_next_session() {
             let mut r = reader(backend, direct, 16, 128 * 1024);
             let file = r.open(path).expect("open");
             gpufeed_os::cache::evict(path).expect("evict");
-            // A small cached read completes first; the parts (tags 1..) of a large cold read
-            // are still in flight when the iterator is leaked.
+            // A small read (cached, without O_DIRECT) usually completes first; the parts
+            // (tags 1..) of a large cold read are then still in flight when the iterator is
+            // leaked. Which completes first is the kernel's (and a loaded machine's) choice:
+            // either way the iterator is leaked with the other read issued.
             let mut head = vec![0u8; 4096];
             r.read_exact_at(file, 0, &mut head).expect("cache the head");
             let ops = [
@@ -274,7 +276,11 @@ fn a_leaked_read_iterator_cannot_corrupt_the_next_session() {
             ];
             let mut it = r.reads(ops);
             let first = it.next().expect("first").expect("ok");
-            assert_eq!(first.offset, 0, "the cached read completes first");
+            assert!(
+                [0, 1 << 20].contains(&first.offset),
+                "a completion of neither read: {}",
+                first.offset
+            );
             std::mem::forget(it);
             // The new session's parts have the same size as the leaked ones (one block each),
             // so a stale completion would finish one of them before its data arrived.
