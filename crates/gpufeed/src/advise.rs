@@ -170,6 +170,17 @@ pub struct Trial {
     pub error: Option<String>,
 }
 
+impl Trial {
+    fn of(name: String, strategy: Option<crate::Strategy>, result: crate::Result<f64>) -> Self {
+        Trial {
+            name,
+            strategy,
+            gbps: result.as_ref().ok().copied(),
+            error: result.err().map(|e| e.to_string()),
+        }
+    }
+}
+
 /// What [`measure`] found: the trials best first, and whether the best is what `Auto` runs.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Measurement {
@@ -274,6 +285,7 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
     let (auto, auto_reason) = crate::load::auto_choice(path, file_len, 0..len);
     let mut trials = Vec::new();
     let mut loads_per_trial = 1 + MEASURED_LOADS;
+    let mut no_gpu_reason = None;
     match gpufeed_cuda::Gpu::open(0) {
         Ok(gpu) => {
             for opts in trial_options() {
@@ -292,12 +304,11 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                     rates.sort_by(f64::total_cmp);
                     Ok(rates[rates.len() / 2])
                 });
-                trials.push(Trial {
-                    name: format!("load, {strategy} (default options, warm loader)"),
-                    strategy: Some(strategy),
-                    gbps: result.as_ref().ok().copied(),
-                    error: result.err().map(|e| e.to_string()),
-                });
+                trials.push(Trial::of(
+                    format!("load, {strategy} (default options, warm loader)"),
+                    Some(strategy),
+                    result,
+                ));
             }
         }
         Err(e) => {
@@ -321,30 +332,19 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                 ),
             ] {
                 let result = host_read(path, len, backend, direct);
-                trials.push(Trial {
-                    name: name.to_owned(),
-                    strategy: None,
-                    gbps: result.as_ref().ok().copied(),
-                    error: result.err().map(|e| e.to_string()),
-                });
+                trials.push(Trial::of(name.to_owned(), None, result));
             }
-            let (agrees, _) = verdict(&[], auto);
-            sort_best_first(&mut trials);
-            return Ok(Measurement {
-                bytes: len,
-                loads_per_trial,
-                trials,
-                auto,
-                auto_reason,
-                agrees,
-                verdict: format!(
-                    "no GPU ({no_gpu}): host-side reads only; `Auto` would pick {auto}"
-                ),
-            });
+            no_gpu_reason = Some(no_gpu);
         }
     }
     sort_best_first(&mut trials);
-    let (agrees, verdict) = verdict(&trials, auto);
+    let (agrees, verdict) = match no_gpu_reason {
+        None => verdict(&trials, auto),
+        Some(no_gpu) => (
+            None,
+            format!("no GPU ({no_gpu}): host-side reads only; `Auto` would pick {auto}"),
+        ),
+    };
     Ok(Measurement {
         bytes: len,
         loads_per_trial,

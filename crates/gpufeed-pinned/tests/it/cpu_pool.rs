@@ -103,14 +103,14 @@ fn cpu_buffers_are_locked_within_the_limit_and_placed_on_the_node() {
 #[test]
 fn past_the_memlock_limit_buffers_are_unlocked_with_a_note() {
     // Lower the limit in a child so the rest of the tests keep theirs.
-    let exe = std::env::current_exe().expect("exe");
-    let out = std::process::Command::new(exe)
-        .args([
-            "cpu_pool::child_low_memlock",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    run_as_child("cpu_pool::child_low_memlock");
+}
+
+/// Runs test `name` of this binary alone in a child process (GPUFEED_IT_CHILD set) and checks
+/// that it passed and printed CHILD-OK.
+fn run_as_child(name: &str) {
+    let out = std::process::Command::new(std::env::current_exe().expect("exe"))
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env("GPUFEED_IT_CHILD", "1")
         .output()
         .expect("spawn");
@@ -196,17 +196,7 @@ fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
     use gpufeed_pinned::HostSlab;
     const ME: &str = "cpu_pool::a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes";
     if std::env::var("GPUFEED_IT_CHILD").is_err() {
-        let out = std::process::Command::new(std::env::current_exe().expect("exe"))
-            .args([ME, "--exact", "--nocapture", "--test-threads=1"])
-            .env("GPUFEED_IT_CHILD", "1")
-            .output()
-            .expect("spawn");
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && text.contains("CHILD-OK"),
-            "{text}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_as_child(ME);
         return;
     }
     let before = gpufeed_os::lock::locked_bytes().expect("VmLck readable");
