@@ -293,21 +293,7 @@ pub fn child_on(path: &Path, checkpoint: bool) -> Result<()> {
 
 /// `reps` fresh processes of the overlapped one-shot for `path`.
 pub fn measure_on(path: &Path, checkpoint: bool, reps: usize) -> Result<Vec<OnRun>> {
-    (0..reps)
-        .map(|_| {
-            let mut args = vec![
-                "one-shot".into(),
-                "--on".into(),
-                "--path".into(),
-                path.into(),
-            ];
-            if checkpoint {
-                args.push("--checkpoint".into());
-            }
-            let line = run_self(&args)?;
-            serde_json::from_str(line.trim()).context("the one-shot child's JSON")
-        })
-        .collect()
+    children(path, checkpoint, true, reps)
 }
 
 /// Runs this binary again with `args`; its stdout, PARTS lines of its stderr echoed.
@@ -331,11 +317,25 @@ fn run_self(args: &[std::ffi::OsString]) -> Result<String> {
 
 /// The parent: `reps` fresh processes for `path`.
 pub fn measure(path: &Path, checkpoint: bool, reps: usize) -> Result<Vec<OneShotRun>> {
+    children(path, checkpoint, false, reps)
+}
+
+/// `reps` fresh `one-shot` children for `path` (`--on`: the overlapped API), each one JSON line.
+fn children<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    checkpoint: bool,
+    on: bool,
+    reps: usize,
+) -> Result<Vec<T>> {
     (0..reps)
         .map(|_| {
-            let mut args = vec!["one-shot".into(), "--path".into(), path.into()];
+            let mut args: Vec<std::ffi::OsString> =
+                vec!["one-shot".into(), "--path".into(), path.into()];
             if checkpoint {
                 args.push("--checkpoint".into());
+            }
+            if on {
+                args.push("--on".into());
             }
             let line = run_self(&args)?;
             serde_json::from_str(line.trim()).context("the one-shot child's JSON")

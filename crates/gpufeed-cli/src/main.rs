@@ -284,9 +284,8 @@ fn bar(len: u64, what: &str, json: bool) -> ProgressBar {
 
 fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -> Result<ExitCode> {
     let strategy: gpufeed::Strategy = strategy.parse()?;
-    let len = std::fs::metadata(path)
-        .map_err(|_| gpufeed::os::Error::NotFound { path: path.into() })?
-        .len();
+    // The file first (missing, a directory, a FIFO, a procfs file), then the GPU.
+    let len = gpufeed::os::file::stat_regular(path)?.size;
     // The GPU's context is created on another thread while this one prepares the staging.
     let loader = gpufeed::Loader::open(
         ordinal,

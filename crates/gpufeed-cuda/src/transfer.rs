@@ -351,7 +351,7 @@ impl TransferScheduler {
     /// as its lane first needs it: on the H200 machine 32 calls of about 1 ms each, serialized
     /// by the driver and holding off the other lanes' copies). With `slab`, that memory (made
     /// ahead, e.g. while the context was created) is used instead of new memory; it must hold
-    /// [`TransferScheduler::staging_bytes_for`] bytes. Returns the buffers reserved.
+    /// [`TransferScheduler::staging_bytes_for`] bytes. Returns the bytes reserved.
     ///
     /// # Errors
     /// The pool's: a budget too small, a refused registration (then nothing is reserved and
@@ -366,10 +366,11 @@ impl TransferScheduler {
         if count == 0 {
             return Ok(0);
         }
-        Ok(match slab {
+        let reserved = match slab {
             Some(slab) => self.pool.reserve_slab(slab, chunk)?,
             None => self.pool.reserve(chunk, count)?,
-        })
+        };
+        Ok(reserved * self.cfg.staging_bytes_for(Some(1)))
     }
 
     /// Copies `src` into `dst` (a `CudaSlice<u8>` or a `CudaViewMut<u8>` of one) starting at

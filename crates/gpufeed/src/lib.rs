@@ -10,7 +10,8 @@
 //!   [`Strategy::Registered`] when asked (the GPU copies straight from the cached pages,
 //!   registered read-only in chunks ahead of the copies: the cheapest path per CPU thread); a
 //!   [`LoadReport`] says what ran, why, and where the time went. A `Loader` reserves its pinned
-//!   staging when it is made, so its first load runs at the speed of the later ones.
+//!   staging when it is made and takes its first load's device memory from `cuMemAlloc`, so
+//!   that first load runs at the speed of a warm one (its second grows the context's pool).
 //! - One-shot loads for a process that loads once at start-up: [`load_file_on`],
 //!   [`safetensors::load_on`] and [`Loader::open`] take a device ordinal and open the GPU on
 //!   another thread while this one checks the files, reads headers and faults in the staging;

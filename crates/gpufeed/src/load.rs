@@ -226,8 +226,10 @@ pub struct LoaderSetup {
     pub notes: Vec<String>,
 }
 
-/// Loads from this size take a loader's first device memory from `cuMemAlloc` (below it,
-/// growing the pool costs little).
+/// Loads from this size take a loader's first device memory from `cuMemAlloc`, where the gain
+/// was measured (4 and 16 GiB). Smaller first loads keep the pool: which is faster for them is
+/// not measured (a context's first pool allocation, even of 1 MiB, took 7-10 ms on the H200
+/// machine; a first `cuMemAlloc` was not timed alone).
 const UNPOOLED_FROM: usize = 64 << 20;
 
 /// Background unregistrations of earlier registered loads.
@@ -263,8 +265,9 @@ pub fn load_file(
 pub struct OneShotReport {
     /// Seconds opening the GPU on its own thread (`cuInit`, the primary context).
     pub context_seconds: f64,
-    /// Seconds of the work done on the calling thread meanwhile (checking the file, reading
-    /// headers, faulting in the staging).
+    /// Seconds of the work on the calling thread: checking the files, reading headers and
+    /// faulting in the staging while the context is created, then registering the staging
+    /// once it is there.
     pub host_seconds: f64,
     /// Seconds from the call until the loader was ready (the context, then the staging's
     /// registration and the streams).
@@ -375,9 +378,10 @@ impl Loader {
     /// A loader for `gpu`, with its pinned staging reserved now, from one slab registered
     /// with one call (at most [`TransferConfig::staging_bytes_for`]: 128 MiB with the default
     /// options on 16 cores; none for `Strategy::Registered`), so that its first load runs
-    /// at the speed of the later ones. That costs about 20-25 ms on the H200 machine, most of
-    /// it faulting the memory in; [`Loader::open`] does that while the GPU's context is
-    /// created. A refused reservation is noted in [`Loader::setup`] and loads allocate their
+    /// at the speed of a warm one (its device memory comes from `cuMemAlloc`; the second load
+    /// grows the context's pool, later ones reuse it). Reserving took 22-31 ms on the H200
+    /// machine (docs/benchmarks.md, GPU runs 10-13), most of it faulting the memory in;
+    /// [`Loader::open`] does that while the GPU's context is created. A refused reservation is noted in [`Loader::setup`] and loads allocate their
     /// staging on the way, as a pool does.
     pub fn new(gpu: &Gpu, opts: LoadOptions) -> Result<Self> {
         Self::with_staging(gpu, opts, None, None, Instant::now())
@@ -409,10 +413,7 @@ impl Loader {
                 None => (None, 0.0),
             };
             match sched.reserve_staging(bytes, slab) {
-                Ok(n) => {
-                    let class = opts.transfer.staging_bytes_for(Some(1)) as u64;
-                    setup.staging_bytes = n as u64 * class;
-                }
+                Ok(reserved) => setup.staging_bytes = reserved as u64,
                 Err(e) => {
                     let note = format!(
                         "pinned staging could not be reserved ({e}); loads allocate it on the way"
@@ -618,11 +619,7 @@ impl Loader {
             .into());
         }
         let len = range.end - range.start;
-        // Estimated from samples: an exact count walks every page of the range, which costs
-        // a noticeable share of a warm load of a large file.
-        let residency = cache::residency_estimate(path, range.clone())
-            .ok()
-            .map(|r| r.fraction());
+        let residency = residency_of(path, range.clone());
         let mut report = LoadReport {
             path: path.into(),
             strategy: self.opts.strategy,
@@ -909,10 +906,16 @@ impl Loader {
 /// What `Strategy::Auto` picks for bytes `range` of `path` (a file of `file_len` bytes) now,
 /// and why: the same residency estimate and rule as a load.
 pub(crate) fn auto_choice(path: &Path, file_len: u64, range: Range<u64>) -> (Strategy, String) {
-    let residency = cache::residency_estimate(path, range)
+    choose(path, file_len, residency_of(path, range))
+}
+
+/// The share of `range` in the page cache, estimated from samples (an exact count walks every
+/// page of the range, which costs a noticeable share of a warm load of a large file); `None`
+/// where the kernel does not tell.
+fn residency_of(path: &Path, range: Range<u64>) -> Option<f64> {
+    cache::residency_estimate(path, range)
         .ok()
-        .map(|r| r.fraction());
-    choose(path, file_len, residency)
+        .map(|r| r.fraction())
 }
 
 /// Picks a strategy for a file of `file_len` bytes, `residency` of it cached.

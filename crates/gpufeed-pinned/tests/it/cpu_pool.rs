@@ -222,9 +222,14 @@ fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
         starts.windows(2).all(|w| w[1] - w[0] >= 1 << 20),
         "distinct pieces: {starts:x?}"
     );
+    // Where the memlock limit leaves no room for the slab, it is handed out unlocked, noted.
+    let fits = gpufeed_os::lock::has_cap_ipc_lock()
+        || gpufeed_os::lock::memlock_limit()
+            .soft
+            .is_none_or(|l| l >= before + (5 << 20));
     for (i, b) in bufs.iter_mut().enumerate() {
         b.fill(i as u8 + 1);
-        assert!(b.is_locked(), "the slab fits the 8 MiB memlock limit here");
+        assert_eq!(b.is_locked(), fits, "{:?}", pool.notes());
     }
     for (i, b) in bufs.iter().enumerate() {
         assert!(
@@ -233,10 +238,19 @@ fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
         );
     }
     let locked = gpufeed_os::lock::locked_bytes().expect("VmLck");
-    assert!(
-        locked >= before + (4 << 20),
-        "one lock of the slab: {before} -> {locked}"
-    );
+    if fits {
+        assert!(
+            locked >= before + (4 << 20),
+            "one lock of the slab: {before} -> {locked}"
+        );
+    } else {
+        assert_eq!(pool.stats().unlocked_buffers, 4);
+        assert!(
+            pool.notes().iter().any(|n| n.contains("left unlocked")),
+            "{:?}",
+            pool.notes()
+        );
+    }
     // A second slab would pass the 8 MiB budget with the first still held.
     let err = pool
         .reserve_slab(HostSlab::new(8 << 20).expect("slab"), 1 << 20)
