@@ -100,15 +100,7 @@ pub fn measure(
     let len = file.metadata()?.len();
     let default = Loader::new(gpu, LoadOptions::default())?;
     let one = Loader::new(gpu, LoadOptions::one_thread())?;
-    let with = |strategy| {
-        Loader::new(
-            gpu,
-            LoadOptions {
-                strategy,
-                ..LoadOptions::default()
-            },
-        )
-    };
+    let with = |strategy| Loader::new(gpu, LoadOptions::default().with_strategy(strategy));
     let (staged, registered) = (with(Strategy::Staged)?, with(Strategy::Registered)?);
 
     progress(
@@ -217,46 +209,4 @@ pub fn measure(
         one_shot_on_checkpoint,
         batch_loader_gbps: batch_loader,
     })
-}
-
-/// Settings sweep of warm loads (GPUFEED_BENCH_HYBRID_SWEEP=1), printed to stderr: which
-/// registration chunk, registered share and fill-thread count fill the link, and how much the
-/// previous load's background unregistration disturbs the next.
-pub fn hybrid_sweep(gpu: &Gpu, file: &Path) -> Result<()> {
-    cache::warm(file)?;
-    let run = |opts: LoadOptions, pause_ms: u64| -> Result<f64> {
-        let loader = Loader::new(gpu, opts)?;
-        drop(loader.load_file(file)?); // warm-up: staging buffers
-        let mut v = Vec::new();
-        for _ in 0..3 {
-            std::thread::sleep(std::time::Duration::from_millis(pause_ms));
-            let (buf, r) = loader.load_file(file)?;
-            v.push(r.gbps());
-            drop(buf);
-        }
-        Ok(Samples::new(v).median)
-    };
-    for chunk in [2usize << 20, 4 << 20] {
-        for threads in [12usize, 16] {
-            for inline in [false, true] {
-                for buffers in [2usize, 4] {
-                    let mut opts = LoadOptions {
-                        strategy: Strategy::Staged,
-                        async_buffered: !inline,
-                        ..LoadOptions::default()
-                    };
-                    opts.transfer.fill_threads = threads;
-                    opts.transfer.staging_buffers = buffers * threads;
-                    opts.transfer.chunk_bytes = chunk;
-                    eprintln!(
-                        "SWEEP staged chunk {} MiB fill {threads} staging {}x inline {inline}: {:.1} GB/s",
-                        chunk >> 20,
-                        buffers,
-                        run(opts, 300)?
-                    );
-                }
-            }
-        }
-    }
-    Ok(())
 }

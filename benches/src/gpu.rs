@@ -68,18 +68,6 @@ pub fn measure(
         }
         Err(e) => return Err(e.into()),
     };
-    if std::env::var("GPUFEED_BENCH_CTX_EXPERIMENT").is_ok() {
-        let path = dir.join(format!("gpu-file-{file_bytes}.bin"));
-        ensure_random_file(&path, file_bytes, 0xF11E)?;
-        crate::fillexp::ctx_experiment(&gpu, &path)?;
-        return Ok(None);
-    }
-    if std::env::var("GPUFEED_BENCH_FILL_EXPERIMENT").is_ok() {
-        let path = dir.join(format!("gpu-file-{file_bytes}.bin"));
-        ensure_random_file(&path, file_bytes, 0xF11E)?;
-        crate::fillexp::fill_experiment(&gpu, &path)?;
-        return Ok(None);
-    }
     let ctx = Arc::clone(gpu.context());
     let len = bytes as usize;
     let mut data = vec![0u8; len];
@@ -202,13 +190,6 @@ pub fn measure(
         })
         .collect::<Result<Vec<f64>, _>>()?;
 
-    if std::env::var("GPUFEED_BENCH_REG_EXPERIMENT").is_ok() {
-        registration_experiment(&gpu, &path)?;
-    }
-    if std::env::var("GPUFEED_BENCH_HYBRID_SWEEP").is_ok() {
-        crate::facade::hybrid_sweep(&gpu, &path)?;
-        return Ok(None);
-    }
     let facade = crate::facade::measure(&gpu, dir, &path, reps, &mut progress)?;
     let peers = if peers {
         progress("peers: PyTorch, kvikio, safetensors, fastsafetensors (benches/peers/peers.py)");
@@ -240,88 +221,6 @@ pub fn measure(
         facade,
         peers,
     }))
-}
-
-/// Phase timings of registering a file mapping in chunks (GPUFEED_BENCH_REG_EXPERIMENT=1):
-/// where the registered path spends its time.
-pub fn registration_experiment(gpu: &Gpu, path: &Path) -> Result<()> {
-    let ctx = gpu.context();
-    let sched = TransferScheduler::new(gpu, TransferConfig::default())?;
-    let len = path.metadata()?.len() as usize;
-    let mut dev = gpu.alloc_zeroed(len)?;
-    cache::warm(path)?;
-    for chunk in [64usize << 20, 256 << 20, 1 << 30, len] {
-        for threads in [1usize, 2, 4] {
-            // SAFETY: the bench's file is never changed while mapped.
-            let (map_s, map) = timed(|| unsafe { FileMap::open(path, MapMode::ReadOnly) });
-            let map = map?;
-            let base = map.as_ptr() as usize;
-            let pieces: Vec<(usize, usize)> = (0..len)
-                .step_by(chunk)
-                .map(|o| (o, chunk.min(len - o)))
-                .collect();
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            let regs = std::sync::Mutex::new(Vec::new());
-            let (reg_s, ()) = timed(|| {
-                std::thread::scope(|s| {
-                    for _ in 0..threads {
-                        s.spawn(|| {
-                            loop {
-                                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(&(o, n)) = pieces.get(i) else { return };
-                                // SAFETY: inside `map`, which outlives the registrations.
-                                let r = unsafe {
-                                    HostRegistration::register(
-                                        ctx,
-                                        (base + o) as *const u8,
-                                        n,
-                                        true,
-                                    )
-                                }
-                                .expect("register");
-                                regs.lock().expect("lock").push((o, r));
-                            }
-                        });
-                    }
-                })
-            });
-            let regs = regs.into_inner().expect("lock");
-            let (copy_s, res) = timed(|| -> Result<()> {
-                for (o, r) in &regs {
-                    sched.upload(HostSource::Registered(r), &mut dev, *o)?;
-                }
-                Ok(())
-            });
-            res?;
-            let (unreg_s, ()) = timed(|| {
-                let regs = std::sync::Mutex::new(regs);
-                std::thread::scope(|s| {
-                    for _ in 0..threads {
-                        s.spawn(|| {
-                            loop {
-                                let Some(r) = regs.lock().expect("lock").pop() else {
-                                    return;
-                                };
-                                drop(r);
-                            }
-                        });
-                    }
-                })
-            });
-            let (unmap_s, ()) = timed(|| drop(map));
-            eprintln!(
-                "REG chunk {:>5} MiB threads {threads}: map {:.1} ms, register {:.1} ms, copy {:.1} ms ({:.1} GB/s), unregister {:.1} ms, unmap {:.1} ms",
-                chunk >> 20,
-                map_s * 1e3,
-                reg_s * 1e3,
-                copy_s * 1e3,
-                gbps(len as u64, copy_s),
-                unreg_s * 1e3,
-                unmap_s * 1e3
-            );
-        }
-    }
-    Ok(())
 }
 
 /// Runs the peers' script on the same files; any failure becomes an error entry.

@@ -7,7 +7,6 @@
 mod access;
 mod chart;
 mod facade;
-mod fillexp;
 mod gpu;
 mod handoff;
 mod ipc;

@@ -1,8 +1,8 @@
 //! One-shot loads (issue 14): what a user who loads once at start-up sees. The harness runs
 //! itself again as a fresh process (`one-shot`), which opens the GPU, makes a new `Loader`, and
 //! loads the same file twice, timing each step; the parent reports the first load beside the
-//! second. With `GPUFEED_BENCH_ONESHOT_PARTS=1` the child also times the pieces a first load
-//! pays for that a second does not (printed to stderr).
+//! second. (What a first load pays for that a second does not, part by part, was measured in GPU
+//! runs 8-13 and is kept in docs/benchmarks.md.)
 
 use std::path::Path;
 use std::time::Instant;
@@ -59,9 +59,6 @@ pub fn child(path: &Path, checkpoint: bool) -> Result<()> {
     let t = Instant::now();
     let gpu = Gpu::open(0)?;
     let open_ms = ms_since(t);
-    if std::env::var_os("GPUFEED_BENCH_ONESHOT_PARTS").is_some() {
-        parts(&gpu, path.metadata()?.len())?;
-    }
     let t = Instant::now();
     let loader = Loader::new(&gpu, LoadOptions::default())?;
     let loader_ms = ms_since(t);
@@ -91,138 +88,6 @@ pub fn child(path: &Path, checkpoint: bool) -> Result<()> {
         third_ms,
     };
     println!("{}", serde_json::to_string(&run)?);
-    Ok(())
-}
-
-/// Times, in this fresh context, what a first load pays for (stderr, `PARTS` lines): device
-/// memory (a first small allocation, then the file's size through cudarc's stream-ordered pool
-/// and through `cuMemAlloc`, then four times the size), a 128 MiB staging slab faulted in by
-/// one or by eight threads, with and without transparent huge pages, and its registration, and
-/// io_uring readers for 16 fill threads.
-fn parts(gpu: &Gpu, len: u64) -> Result<()> {
-    use gpufeed::cuda::cudarc::driver::result;
-    use gpufeed::os::advise::{MemAdvice, madvise};
-    use gpufeed::pinned::HostRegistration;
-    let stream = gpu.default_stream();
-    let timed = |what: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
-        let t = Instant::now();
-        f()?;
-        eprintln!("PARTS {what}: {:.2} ms", ms_since(t));
-        Ok(())
-    };
-    timed("first device alloc of 1 MiB (pool)", &mut || {
-        // SAFETY: never read.
-        drop(unsafe { stream.alloc::<u8>(1 << 20) }?);
-        Ok(())
-    })?;
-    for round in ["first", "second"] {
-        timed(
-            &format!("{round} device alloc of {len} B (pool)"),
-            &mut || {
-                // SAFETY: never read.
-                drop(unsafe { stream.alloc::<u8>(len as usize) }?);
-                stream.synchronize()?;
-                Ok(())
-            },
-        )?;
-    }
-    timed(&format!("cuMemAlloc of {len} B + free"), &mut || {
-        // SAFETY: allocated and freed here, never read.
-        unsafe {
-            let p = result::malloc_sync(len as usize)?;
-            result::free_sync(p)?;
-        }
-        Ok(())
-    })?;
-    let mut unpooled = None;
-    timed(&format!("Gpu::alloc_unpooled of {len} B"), &mut || {
-        // SAFETY: zeroed below before anything reads it.
-        unpooled = Some(unsafe { gpu.alloc_unpooled(len as usize) }?);
-        Ok(())
-    })?;
-    if let Some(dev) = unpooled.as_mut() {
-        stream.memset_zeros(dev)?;
-        stream.synchronize()?;
-        timed("drop of that buffer, written, and a sync", &mut || {
-            drop(unpooled.take());
-            stream.synchronize()?;
-            Ok(())
-        })?;
-    }
-    timed(
-        &format!("device alloc of {} B (pool)", 4 * len),
-        &mut || {
-            // SAFETY: never read.
-            drop(unsafe { stream.alloc::<u8>(4 * len as usize) }?);
-            stream.synchronize()?;
-            Ok(())
-        },
-    )?;
-    let slab = 128usize << 20;
-    for (threads, huge) in [(1usize, false), (8, false), (1, true), (8, true)] {
-        let host = gpufeed::os::AlignedBuf::new(slab, 2 << 20)?;
-        let t = Instant::now();
-        if huge {
-            let _ = madvise(host.as_ptr(), slab, MemAdvice::HugePage);
-        }
-        let base = host.as_ptr() as usize;
-        std::thread::scope(|s| {
-            let part = slab / threads;
-            for i in 0..threads {
-                s.spawn(move || {
-                    let _ = madvise(
-                        (base + i * part) as *const u8,
-                        part,
-                        MemAdvice::PopulateWrite,
-                    );
-                });
-            }
-        });
-        let populated = ms_since(t);
-        let t = Instant::now();
-        let reg = HostRegistration::slice(gpu.context(), &host)?;
-        let registered = ms_since(t);
-        let t = Instant::now();
-        drop(reg);
-        eprintln!(
-            "PARTS 128 MiB slab, {threads} thread(s), huge pages {huge}: populate {populated:.2} ms, \
-             register {registered:.2} ms, unregister {:.2} ms",
-            ms_since(t)
-        );
-    }
-    let host = gpufeed::os::AlignedBuf::new(slab, 2 << 20)?;
-    let _ = madvise(host.as_ptr(), slab, MemAdvice::PopulateWrite);
-    timed(
-        "16 threads each registering its own 8 MiB of the slab at once",
-        &mut || {
-            let ctx = gpu.context();
-            let base = host.as_ptr() as usize;
-            std::thread::scope(|s| {
-                for i in 0..16 {
-                    s.spawn(move || {
-                        // SAFETY: the slab outlives the scope; each thread its own 8 MiB.
-                        let r = unsafe {
-                            HostRegistration::register(
-                                ctx,
-                                (base + (i << 23)) as *const u8,
-                                8 << 20,
-                                false,
-                            )
-                        };
-                        drop(r);
-                    });
-                }
-            });
-            Ok(())
-        },
-    )?;
-    timed("16 io_uring readers", &mut || {
-        let readers = (0..16)
-            .map(|_| gpufeed::uring::Reader::builder().queue_depth(8).build())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        drop(readers);
-        Ok(())
-    })?;
     Ok(())
 }
 
@@ -296,7 +161,7 @@ pub fn measure_on(path: &Path, checkpoint: bool, reps: usize) -> Result<Vec<OnRu
     children(path, checkpoint, true, reps)
 }
 
-/// Runs this binary again with `args`; its stdout, PARTS lines of its stderr echoed.
+/// Runs this binary again with `args`; its stdout.
 fn run_self(args: &[std::ffi::OsString]) -> Result<String> {
     let exe = std::env::current_exe()?;
     let out = std::process::Command::new(&exe)
@@ -308,10 +173,6 @@ fn run_self(args: &[std::ffi::OsString]) -> Result<String> {
         "one-shot child failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    for line in stderr.lines().filter(|l| l.starts_with("PARTS")) {
-        eprintln!("{line}");
-    }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 

@@ -112,10 +112,7 @@ impl Samples {
     }
 }
 
-/// Bytes per second as GB/s (10^9).
-pub fn gbps(bytes: u64, seconds: f64) -> f64 {
-    bytes as f64 / seconds / 1e9
-}
+pub use gpufeed::os::gbps;
 
 /// Parses a size for clap (see `gpufeed::units::parse_size`).
 pub fn parse_size(text: &str) -> Result<u64> {

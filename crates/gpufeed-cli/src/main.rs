@@ -1,12 +1,15 @@
 //! `gpufeed`: check a machine, advise where data should live, load files to the GPU, and
 //! manage the page cache and gpufeed's shared memory.
 
+#![deny(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use gpufeed::cuda::DeviceAlloc;
 use gpufeed::doctor::Status;
 use gpufeed::os::cache;
 use gpufeed::units::{parse_size, show_size};
@@ -74,7 +77,7 @@ enum Command {
         /// The GPU's CUDA ordinal.
         #[arg(long, default_value_t = 0)]
         gpu: usize,
-        /// auto, registered, staged, direct or hybrid.
+        /// auto, registered, staged or direct.
         #[arg(long, default_value = "auto")]
         strategy: String,
         /// Copy the bytes back and compare their xxh3 with the file's.
@@ -289,10 +292,7 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     // The GPU's context is created on another thread while this one prepares the staging.
     let loader = gpufeed::Loader::open(
         ordinal,
-        gpufeed::LoadOptions {
-            strategy,
-            ..gpufeed::LoadOptions::default()
-        },
+        gpufeed::LoadOptions::default().with_strategy(strategy),
     )?;
     let gpu = loader.gpu().clone();
     let setup = loader.setup().clone();
@@ -300,29 +300,22 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     // pays a load's fixed costs: 4 GiB pieces (80 ms at 50 GB/s) keep those small.
     const PIECE: u64 = 4 << 30;
     let pb = bar(len, &format!("load {}", path.display()), json);
-    let mut dst = if len == 0 {
-        gpu.alloc_zeroed(0)?
-    } else {
-        // Loaded once: cuMemAlloc, not a growth of the context's pool on the load's path.
-        // SAFETY: every byte is written by the pieces below before it is read.
-        unsafe { gpu.alloc_unpooled(len as usize)? }
-    };
     let t = std::time::Instant::now();
-    let mut reports = Vec::new();
-    let mut at = 0;
-    while at < len {
-        let end = (at + PIECE).min(len);
-        reports.push(loader.load_into(path, at..end, &mut dst, at as usize)?);
-        pb.set_position(end);
-        at = end;
-    }
+    // Loaded once: cuMemAlloc, not a growth of the context's pool on the load's path.
+    let (dst, reports) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
+        let mut reports = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let end = (at + PIECE).min(len);
+            reports.push(loader.load_into(path, at..end, dst, at as usize)?);
+            pb.set_position(end);
+            at = end;
+        }
+        Ok::<_, gpufeed::Error>(reports)
+    })?;
     pb.finish_and_clear();
     let secs = t.elapsed().as_secs_f64();
-    let gbps = if secs > 0.0 {
-        len as f64 / secs / 1e9
-    } else {
-        0.0
-    };
+    let gbps = gpufeed::os::gbps(len, secs);
     let verified = if verify {
         let back = gpu.to_vec(&dst)?;
         let file =
@@ -331,8 +324,12 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     } else {
         None
     };
-    let mut fallbacks: Vec<String> = reports.iter().flat_map(|r| r.fallbacks.clone()).collect();
-    fallbacks.dedup();
+    let mut fallbacks = Vec::new();
+    for f in reports.iter().flat_map(|r| &r.fallbacks) {
+        if !fallbacks.contains(f) {
+            fallbacks.push(f.clone());
+        }
+    }
     let first = reports.first();
     if json {
         print_json(&json!({
@@ -448,6 +445,7 @@ fn lock(paths: &[PathBuf], seconds: Option<u64>, json: bool) -> Result<ExitCode>
     }
     let mut maps = Vec::new();
     for p in paths {
+        #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
         // SAFETY: the files are only read, page by page, while locked; a file truncated
         // meanwhile would raise SIGBUS, which `gpufeed lock` documents by being a read-only
         // tool for data sets that are not being rewritten.

@@ -1,5 +1,7 @@
 //! The one error type of `gpufeed-cuda`.
 
+pub use cudarc::driver::sys::CUresult;
+
 /// Result alias used throughout `gpufeed-cuda`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -26,12 +28,12 @@ pub enum Error {
     },
 
     /// A CUDA driver call failed.
-    #[error("{op} failed: {result}{}", if .result == "CUDA_ERROR_OUT_OF_MEMORY" { "; free device memory or transfer less at once" } else { "" })]
+    #[error("{op} failed: {result:?}{}", if *.result == CUresult::CUDA_ERROR_OUT_OF_MEMORY { "; free device memory or transfer less at once" } else { "" })]
     Cuda {
         /// The call.
         op: &'static str,
-        /// The `CUresult` name.
-        result: String,
+        /// What the driver returned (`{:?}` prints its name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`).
+        result: CUresult,
     },
 
     /// A transfer range does not fit its source or destination.
@@ -61,10 +63,7 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn cuda(op: &'static str, err: cudarc::driver::DriverError) -> Self {
-        Error::Cuda {
-            op,
-            result: format!("{:?}", err.0),
-        }
+        Error::Cuda { op, result: err.0 }
     }
 
     /// Whether the error means that no GPU can be used here at all.
@@ -74,7 +73,16 @@ impl Error {
             Error::NoCudaDriver
                 | Error::NoDevice { .. }
                 | Error::Pinned(gpufeed_pinned::Error::NoCudaDriver)
-        ) || matches!(self, Error::Cuda { result, .. } if result == "CUDA_ERROR_NO_DEVICE")
+        ) || self.cu_result() == Some(CUresult::CUDA_ERROR_NO_DEVICE)
+    }
+
+    /// The driver's `CUresult`, where a driver call failed (here or in gpufeed-pinned).
+    pub fn cu_result(&self) -> Option<CUresult> {
+        match self {
+            Error::Cuda { result, .. } => Some(*result),
+            Error::Pinned(e) => e.cu_result(),
+            _ => None,
+        }
     }
 }
 

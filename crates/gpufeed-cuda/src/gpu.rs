@@ -98,6 +98,19 @@ pub struct Gpu {
     info: GpuInfo,
 }
 
+/// Where new device memory comes from ([`Gpu::alloc_filled`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DeviceAlloc {
+    /// The context's stream-ordered pool ([`Gpu::alloc`]): memory freed earlier is reused at
+    /// no cost; growing the pool is paid by the allocation.
+    #[default]
+    Pool,
+    /// `cuMemAlloc` ([`Gpu::alloc_unpooled`]): cheap to get, freed synchronously, never
+    /// reused: for memory that lives long (weights loaded once).
+    Unpooled,
+}
+
 impl Gpu {
     /// The number of CUDA devices; [`Error::NoCudaDriver`] without a driver.
     pub fn count() -> Result<usize> {
@@ -194,6 +207,51 @@ impl Gpu {
         // SAFETY: `ptr` is a live allocation of `len` bytes of this context, owned from here on
         // by the slice, whose drop frees it (stream-ordered, after its recorded uses).
         Ok(unsafe { self.default_stream().upgrade_device_ptr::<u8>(ptr, len) })
+    }
+
+    /// New device memory of `len` bytes from `from`, filled by `fill` before it is returned:
+    /// the safe way to get device memory without paying for zeroing it first. `fill` gets the
+    /// uninitialised memory and must write every byte (uploads, a load into it); what it
+    /// returns comes back beside the memory, and when it returns an error the memory is freed
+    /// unread. A `fill` that leaves bytes unwritten is a
+    /// bug but not undefined behaviour (every bit pattern is a valid `u8`): those bytes hold
+    /// whatever the memory held before.
+    ///
+    /// # Example
+    /// ```no_run
+    /// use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
+    /// let gpu = Gpu::open(0)?;
+    /// let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+    /// let data = vec![7u8; 1 << 20];
+    /// let (dev, stats) = gpu.alloc_filled(data.len(), DeviceAlloc::Pool, |dst| {
+    ///     sched.upload(HostSource::Pageable(&data), dst, 0)
+    /// })?;
+    /// println!("{:.1} GB/s", stats.gbps());
+    /// assert_eq!(gpu.to_vec(&dev)?, data);
+    /// # Ok::<(), gpufeed_cuda::Error>(())
+    /// ```
+    pub fn alloc_filled<T, E: From<Error>>(
+        &self,
+        len: usize,
+        from: DeviceAlloc,
+        fill: impl FnOnce(&mut CudaSlice<u8>) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(CudaSlice<u8>, T), E> {
+        let mut dst = if len == 0 {
+            self.default_stream()
+                .null::<u8>()
+                .map_err(|e| Error::cuda("cuMemAlloc", e))?
+        } else {
+            // SAFETY: handed to `fill`, which writes it (see above; u8 has no invalid values),
+            // and dropped unread when `fill` fails.
+            unsafe {
+                match from {
+                    DeviceAlloc::Pool => self.alloc(len)?,
+                    DeviceAlloc::Unpooled => self.alloc_unpooled(len)?,
+                }
+            }
+        };
+        let filled = fill(&mut dst)?;
+        Ok((dst, filled))
     }
 
     /// Copies device memory back into a new `Vec` (synchronously; for checks and small data).

@@ -22,10 +22,13 @@
 
 mod error;
 mod gpu;
+mod raw;
 mod transfer;
 
-pub use error::{Error, Result};
-pub use gpu::{Gpu, GpuInfo};
+pub use error::{CUresult, Error, Result};
+pub use gpu::{DeviceAlloc, Gpu, GpuInfo};
+/// The fallback type of every layer (defined in gpufeed-os).
+pub use gpufeed_os::{Fallback, Refused};
 pub use transfer::{
     FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig, TransferScheduler,
     TransferStats,

@@ -8,12 +8,16 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, sys};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, sys,
+};
+use gpufeed_os::{Fallback, Refused};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
+use crate::raw;
 
 /// Errors a [`FillSource`] may return.
 pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
@@ -69,6 +73,25 @@ pub enum HostSource<'a> {
         /// Bytes to produce.
         len: u64,
     },
+}
+
+impl HostSource<'_> {
+    /// Bytes it provides.
+    pub fn len(&self) -> u64 {
+        match self {
+            HostSource::Pinned(b) => b.len() as u64,
+            HostSource::Pooled(b) => b.len() as u64,
+            HostSource::Registered(r) => r.len() as u64,
+            HostSource::RegisteredRange { len, .. } => *len as u64,
+            HostSource::Pageable(s) => s.len() as u64,
+            HostSource::Fill { len, .. } => *len,
+        }
+    }
+
+    /// Whether it provides no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Where a download writes to.
@@ -170,11 +193,7 @@ pub struct TransferStats {
 impl TransferStats {
     /// GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
+        gpufeed_os::gbps(self.bytes, self.seconds)
     }
 }
 
@@ -193,6 +212,7 @@ impl TransferStats {
 /// ```
 pub struct TransferScheduler {
     ctx: Arc<CudaContext>,
+    gpu: Gpu,
     /// Streams of direct copies and staged downloads.
     streams: Vec<Arc<CudaStream>>,
     /// One stream per fill thread of staged uploads.
@@ -201,7 +221,7 @@ pub struct TransferScheduler {
     cfg: TransferConfig,
     /// The GPU's node on a machine of several, where fill and drain threads run.
     placement: Option<(gpufeed_numa::Topology, u32)>,
-    notes: Mutex<Vec<String>>,
+    fallbacks: Mutex<Vec<Fallback>>,
 }
 
 impl std::fmt::Debug for TransferScheduler {
@@ -297,12 +317,13 @@ impl TransferScheduler {
         });
         Ok(TransferScheduler {
             ctx,
+            gpu: gpu.clone(),
             streams,
             lane_streams,
             pool,
             cfg,
             placement,
-            notes: Mutex::new(Vec::new()),
+            fallbacks: Mutex::new(Vec::new()),
         })
     }
 
@@ -313,20 +334,20 @@ impl TransferScheduler {
         match topology.bind_thread(*node) {
             Ok(b) => Some(b),
             Err(e) => {
-                let note = format!("IO threads run unbound: {e}");
-                let mut notes = self.notes.lock();
-                if !notes.contains(&note) {
-                    tracing::warn!("{note}");
-                    notes.push(note);
-                }
+                Fallback::new(
+                    Refused::NumaPlacement,
+                    e.to_string(),
+                    "IO threads run unbound",
+                )
+                .push_once(&mut self.fallbacks.lock());
                 None
             }
         }
     }
 
     /// Slower paths taken (IO threads that could not be placed on the GPU's node).
-    pub fn notes(&self) -> Vec<String> {
-        self.notes.lock().clone()
+    pub fn fallbacks(&self) -> Vec<Fallback> {
+        self.fallbacks.lock().clone()
     }
 
     /// The settings in use.
@@ -373,6 +394,21 @@ impl TransferScheduler {
         Ok(reserved * self.cfg.staging_bytes_for(Some(1)))
     }
 
+    /// Copies `src` into new device memory of its length from `from` (see
+    /// [`Gpu::alloc_filled`]); returns when the bytes are on the GPU.
+    ///
+    /// # Errors
+    /// [`TransferScheduler::upload`]'s, and the allocation's.
+    pub fn upload_new(
+        &self,
+        src: HostSource<'_>,
+        from: crate::DeviceAlloc,
+    ) -> Result<(CudaSlice<u8>, TransferStats)> {
+        let len = src.len() as usize;
+        self.gpu
+            .alloc_filled(len, from, |dst| self.upload(src, dst, 0))
+    }
+
     /// Copies `src` into `dst` (a `CudaSlice<u8>` or a `CudaViewMut<u8>` of one) starting at
     /// byte `dst_offset`; returns when the bytes are on the GPU. Several threads may upload
     /// through one scheduler at once (into disjoint destinations).
@@ -388,14 +424,7 @@ impl TransferScheduler {
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
-        let len = match &src {
-            HostSource::Pinned(b) => b.len() as u64,
-            HostSource::Pooled(b) => b.len() as u64,
-            HostSource::Registered(r) => r.len() as u64,
-            HostSource::RegisteredRange { len, .. } => *len as u64,
-            HostSource::Pageable(s) => s.len() as u64,
-            HostSource::Fill { len, .. } => *len,
-        };
+        let len = src.len();
         if (dst_offset as u64)
             .checked_add(len)
             .is_none_or(|end| end > dst.len() as u64)
@@ -560,11 +589,7 @@ impl TransferScheduler {
             // SAFETY: [src + off, +size) lies in page-locked memory borrowed by the caller for
             // the whole call, and copy_chunks waits for the copy; the device range was bounds
             // checked by upload().
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(dptr + off, src.add(off as usize).cast(), size, stream)
-            }
-            .result()
-            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
+            unsafe { raw::memcpy_htod_async(dptr + off, src.add(off as usize), size, stream) }
         })
     }
 
@@ -577,11 +602,7 @@ impl TransferScheduler {
         self.copy_chunks(len, "pinned", |off, size, stream| {
             // SAFETY: the destination is pinned memory borrowed mutably for the whole call, and
             // copy_chunks waits for the copy.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(dst.add(off as usize).cast(), dptr + off, size, stream)
-            }
-            .result()
-            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))
+            unsafe { raw::memcpy_dtoh_async(dst.add(off as usize), dptr + off, size, stream) }
         })
     }
 
@@ -742,15 +763,8 @@ impl TransferScheduler {
             // wait before it hands the buffer out again); the device range was bounds
             // checked by upload().
             unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    work.dptr + off,
-                    buf.as_ptr().cast(),
-                    size,
-                    stream.cu_stream(),
-                )
-            }
-            .result()
-            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+                raw::memcpy_htod_async(work.dptr + off, buf.as_ptr(), size, stream.cu_stream())
+            }?;
             buf.record_use(stream)?;
         }
         Ok(())
@@ -840,15 +854,8 @@ impl TransferScheduler {
                 // SAFETY: the staging buffer is ours until the drain thread that receives it
                 // waited for the event recorded right after this copy.
                 unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(
-                        buf.as_mut_ptr().cast(),
-                        dptr + off,
-                        size,
-                        stream.cu_stream(),
-                    )
-                }
-                .result()
-                .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
+                    raw::memcpy_dtoh_async(buf.as_mut_ptr(), dptr + off, size, stream.cu_stream())
+                }?;
                 buf.record_use(stream)?;
                 if work_tx.send((idx, buf)).is_err() {
                     break;

@@ -2,8 +2,9 @@
 //!
 //! The operating-system primitives that every other gpufeed crate stands on: shared memory
 //! between processes, file mappings, page locking, page-cache hints and residency, aligned
-//! buffers and the limits of the machine. It depends on `rustix`, `memmap2` and `libc` only:
-//! no CUDA, no hwloc, no io_uring (those live in the crates above it).
+//! buffers and the limits of the machine, and the [`Fallback`] type every layer reports. It
+//! depends on `rustix`, `memmap2`, `libc`, `thiserror`, `tracing` and `serde` only: no CUDA, no
+//! hwloc, no io_uring (those live in the crates above it).
 //!
 //! | module | what |
 //! |---|---|
@@ -15,6 +16,7 @@
 //! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::residency_estimate`] (sampled), [`cache::evict`], [`cache::warm`] |
 //! | [`align`] | [`AlignedBuf`], [`align::dio_alignment`] (statx DIOALIGN) |
 //! | [`process`] | [`process::ProcessIdentity`]: PID namespace + pid + start time; alive, dead, or of another namespace (never judged by its pid) |
+//! | [`fallback`] | [`Fallback`]: what was refused ([`Refused`]), why, and what ran instead — reported by every layer that degrades instead of failing |
 //! | [`sys`] | [`SystemInfo::read`]: page sizes, THP, swappiness, memlock, /dev/shm, io_uring, memory |
 //!
 //! Sibling crates: `gpufeed-numa` (placement), `gpufeed-uring` (reads), `gpufeed-ipc` (a batch
@@ -44,6 +46,7 @@ pub mod advise;
 pub mod align;
 pub mod cache;
 mod error;
+pub mod fallback;
 pub mod file;
 pub mod lock;
 pub mod map;
@@ -54,11 +57,27 @@ pub mod sys;
 
 pub use align::AlignedBuf;
 pub use error::{Error, Result};
+pub use fallback::{Fallback, Refused};
 pub use file::FileIdentity;
 pub use lock::LockedRegion;
 pub use map::{FileMap, MapMode};
 pub use shm::{ShmOptions, ShmSegment};
 pub use sys::SystemInfo;
+
+/// Throughput in GB/s (10^9 bytes per second) of `bytes` moved in `seconds`; 0 for no time.
+/// Every report of every layer computes its rate with this.
+///
+/// ```
+/// assert_eq!(gpufeed_os::gbps(3_000_000_000, 2.0), 1.5);
+/// assert_eq!(gpufeed_os::gbps(1, 0.0), 0.0);
+/// ```
+pub fn gbps(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / 1e9
+    } else {
+        0.0
+    }
+}
 
 /// The base page size of this machine in bytes.
 pub fn page_size() -> usize {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
 
+use crate::driver::raw;
 use crate::error::{Error, Result};
 
 /// Flags of a [`PinnedBuffer`].
@@ -95,14 +96,10 @@ impl PinnedBuffer {
         }
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: a plain allocation call; `raw` receives the pointer.
-        unsafe { sys::cuMemHostAlloc(&mut raw, len, flags.bits()) }
-            .result()
-            .map_err(|e| Error::cuda("cuMemHostAlloc", e))?;
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(Error::Cuda {
+        // SAFETY: zeroed below before any use; freed once, by drop.
+        let raw = unsafe { raw::host_alloc(len, flags.bits()) }?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(Error::NullAllocation {
             op: "cuMemHostAlloc",
-            result: "returned a null pointer".into(),
         })?;
         // SAFETY: the driver returned len writable bytes; zeroing makes every byte initialised
         // (the driver does not promise fresh pages).
@@ -166,8 +163,8 @@ impl Drop for PinnedBuffer {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: allocated by cuMemHostAlloc; no borrow outlives self. Copies that read it
         // were waited for by whoever enqueued them (the pool and scheduler keep the event).
-        if let Err(e) = unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) }.result() {
-            tracing::warn!(error = ?e, "cuMemFreeHost failed");
+        if let Err(e) = unsafe { raw::host_free(self.ptr.as_ptr().cast()) } {
+            tracing::warn!("{e}");
         }
     }
 }

@@ -1,5 +1,7 @@
 //! The one error type of `gpufeed-pinned`.
 
+pub use cudarc::driver::sys::CUresult;
+
 /// Result alias used throughout `gpufeed-pinned`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -15,12 +17,19 @@ pub enum Error {
     NoCudaDriver,
 
     /// A CUDA driver call failed.
-    #[error("{op} failed: {result}{}", hint_text(.result))]
+    #[error("{op} failed: {result:?}{}", hint_text(*.result))]
     Cuda {
         /// The driver call.
         op: &'static str,
-        /// The `CUresult` name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
-        result: String,
+        /// What the driver returned (`{:?}` prints its name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`).
+        result: CUresult,
+    },
+
+    /// A driver call reported success but returned no memory.
+    #[error("{op} returned a null pointer; the driver is in a bad state: restart the process")]
+    NullAllocation {
+        /// The driver call.
+        op: &'static str,
     },
 
     /// The range is already page-locked (pinned or registered) in this process.
@@ -74,20 +83,25 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn cuda(op: &'static str, err: cudarc::driver::DriverError) -> Self {
-        Error::Cuda {
-            op,
-            result: format!("{:?}", err.0),
+        Error::Cuda { op, result: err.0 }
+    }
+
+    /// The driver's `CUresult`, where a driver call failed.
+    pub fn cu_result(&self) -> Option<CUresult> {
+        match self {
+            Error::Cuda { result, .. } => Some(*result),
+            _ => None,
         }
     }
 }
 
-fn hint_text(result: &str) -> &'static str {
+fn hint_text(result: CUresult) -> &'static str {
     match result {
-        "CUDA_ERROR_OUT_OF_MEMORY" => {
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
             "; page-locked memory is limited (containers, WSL): use fewer or smaller buffers"
         }
-        "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED" => "; the range is registered already",
-        "CUDA_ERROR_NOT_PERMITTED" | "CUDA_ERROR_NOT_SUPPORTED" => {
+        CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => "; the range is registered already",
+        CUresult::CUDA_ERROR_NOT_PERMITTED | CUresult::CUDA_ERROR_NOT_SUPPORTED => {
             "; this platform refuses host registration: stage through pinned buffers instead"
         }
         _ => "",

@@ -33,7 +33,7 @@ mod register;
 
 pub use buffer::{PinnedBuffer, PinnedFlags};
 pub use driver::driver_available;
-pub use error::{Error, Result};
+pub use error::{CUresult, Error, Result};
 pub use pool::{
     HostSlab, MAX_CLASS, MIN_CLASS, PinnedPool, PoolConfig, PoolMode, PoolStats, PooledBuffer,
 };

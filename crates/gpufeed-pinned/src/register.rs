@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, sys};
 use gpufeed_os::{FileMap, MapMode, ShmSegment};
 
+use crate::driver::raw;
 use crate::error::{Error, Result};
 
 /// Largest piece registered in one `cuMemHostRegister` call.
@@ -97,10 +98,7 @@ impl<'a> HostRegistration<'a> {
         let start = ptr as usize / page * page;
         let end = (ptr as usize + len).next_multiple_of(page);
         // Ask the driver whether the range is page-locked already.
-        let mut flags = 0u32;
-        // SAFETY: queries only; writes `flags`.
-        let known = unsafe { sys::cuMemHostGetFlags(&mut flags, start as *mut _) };
-        if known == sys::CUresult::CUDA_SUCCESS {
+        if raw::host_is_locked(start as *mut _) {
             return Err(Error::AlreadyRegistered {
                 ptr: start,
                 len: end - start,
@@ -125,9 +123,7 @@ impl<'a> HostRegistration<'a> {
             let n = (end - at).min(MAX_REGISTER_CHUNK);
             // SAFETY: the caller keeps [start, end) mapped while registered; on error the
             // chunks registered so far are unregistered by `reg`'s drop.
-            unsafe { sys::cuMemHostRegister_v2(at as *mut _, n, bits) }
-                .result()
-                .map_err(|e| Error::cuda("cuMemHostRegister", e))?;
+            unsafe { raw::host_register(at as *mut _, n, bits) }?;
             reg.chunks.push((at, n));
             at += n;
         }
@@ -165,8 +161,8 @@ impl Drop for HostRegistration<'_> {
         let _ = self.ctx.bind_to_thread();
         for &(ptr, _) in &self.chunks {
             // SAFETY: registered by us; the copies reading it were waited for by their owners.
-            if let Err(e) = unsafe { sys::cuMemHostUnregister(ptr as *mut _) }.result() {
-                tracing::warn!(error = ?e, "cuMemHostUnregister failed");
+            if let Err(e) = unsafe { raw::host_unregister(ptr as *mut _) } {
+                tracing::warn!("{e}");
             }
         }
     }

@@ -46,6 +46,8 @@ mod uring;
 
 pub use error::{Error, Result};
 pub use fault::FaultPlan;
+/// The fallback type of every layer (defined in gpufeed-os).
+pub use gpufeed_os::{Fallback, Refused};
 pub use probe::{BACKEND_ENV, Backend, BackendKind, Probe, UringUnavailable};
 pub use reader::{
     Completion, Direct, FileId, FileReport, IoBufMut, ReadOp, ReadStats, Reader, ReaderBuilder,

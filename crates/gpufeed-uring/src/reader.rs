@@ -8,7 +8,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use gpufeed_os::AlignedBuf;
+use gpufeed_os::{AlignedBuf, Fallback, Refused};
 
 use crate::engine::{Engine, RawRead, RawResult};
 use crate::error::{Error, Result};
@@ -122,7 +122,13 @@ impl ReaderBuilder {
         let mut fallbacks = Vec::new();
         let backend = match (self.backend, Backend::from_env()) {
             (Backend::Auto, Some(env)) => {
-                fallbacks.push(format!("backend forced by {}", crate::probe::BACKEND_ENV));
+                if env != Backend::IoUring {
+                    fallbacks.push(Fallback::new(
+                        Refused::IoUring,
+                        format!("{}=threads", crate::probe::BACKEND_ENV),
+                        "reads run on a thread pool",
+                    ));
+                }
                 env
             }
             (b, _) => b,
@@ -152,8 +158,12 @@ impl ReaderBuilder {
             Backend::Auto => match probe().io_uring {
                 Ok(()) => (Box::new(self.uring()?), BackendKind::IoUring),
                 Err(why) => {
-                    tracing::warn!(reason = %why, "io_uring unavailable; reading with a thread pool");
-                    fallbacks.push(format!("io_uring unavailable, using threads: {why}"));
+                    Fallback::new(
+                        Refused::IoUring,
+                        why.to_string(),
+                        format!("reads run on a pool of {default_threads} threads"),
+                    )
+                    .push_once(&mut fallbacks);
                     (
                         Box::new(
                             ThreadEngine::new(default_threads, self.queue_depth)
@@ -241,18 +251,14 @@ pub struct ReadStats {
     pub registered_buffers: usize,
     /// Every file opened, direct or buffered, and why.
     pub files: Vec<FileReport>,
-    /// Slower paths taken, with their reasons.
-    pub fallbacks: Vec<String>,
+    /// Slower paths taken: what was refused, why, and what ran instead.
+    pub fallbacks: Vec<Fallback>,
 }
 
 impl ReadStats {
     /// Throughput in GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
+        gpufeed_os::gbps(self.bytes, self.seconds)
     }
 }
 
@@ -690,17 +696,20 @@ impl Reader {
         let registered = match unsafe { self.engine.register_buffers(&raw) } {
             Ok(true) => true,
             Ok(false) => {
-                self.stats.fallbacks.push(
-                    "registered buffers need io_uring; bounce buffers are ordinary memory".into(),
-                );
+                self.stats.fallbacks.push(Fallback::new(
+                    Refused::RingBuffers,
+                    "registered buffers need io_uring, and this reader runs on threads",
+                    "bounce buffers are ordinary memory",
+                ));
                 false
             }
             Err(e) => {
-                let why = format!(
-                    "registering {count} bounce buffers with the ring failed ({e}); raise `ulimit -l` or read without registered buffers"
-                );
-                tracing::warn!("{why}");
-                self.stats.fallbacks.push(why);
+                Fallback::new(
+                    Refused::RingBuffers,
+                    format!("registering {count} bounce buffers with the ring failed: {e}"),
+                    "bounce buffers are unregistered (raise `ulimit -l` to register them)",
+                )
+                .push_once(&mut self.stats.fallbacks);
                 false
             }
         };

@@ -10,7 +10,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode};
 use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
@@ -43,10 +43,14 @@ impl RecordFile {
     /// # Errors
     /// The file's errors (missing, empty, directory), and [`Error::Records`] when its length
     /// is not a multiple of `record_bytes`.
+    #[allow(
+        unsafe_code,
+        reason = "passes on the mapped-file promise of FileMap::open"
+    )]
     pub unsafe fn open_fixed(path: impl AsRef<Path>, record_bytes: usize) -> Result<Self> {
         let path = path.as_ref();
         if record_bytes == 0 {
-            return Err(Error::Config("record_bytes is 0".into()));
+            return Err(Error::InvalidSetting("record_bytes is 0".into()));
         }
         // SAFETY: passed on to the caller.
         let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
@@ -71,6 +75,10 @@ impl RecordFile {
     ///
     /// # Safety
     /// As for [`RecordFile::open_fixed`].
+    #[allow(
+        unsafe_code,
+        reason = "passes on the mapped-file promise of FileMap::open"
+    )]
     pub unsafe fn open_indexed(path: impl AsRef<Path>, index: impl AsRef<Path>) -> Result<Self> {
         let (path, index) = (path.as_ref(), index.as_ref());
         // SAFETY: passed on to the caller.
@@ -153,7 +161,7 @@ impl Sampler {
     /// `DistributedSampler` does); with it the remainder is dropped.
     pub fn shard(mut self, rank: usize, world_size: usize, drop_last: bool) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidSetting(format!(
                 "rank {rank} of world size {world_size}"
             )));
         }
@@ -165,20 +173,19 @@ impl Sampler {
 
     /// Sharded by `RANK` and `WORLD_SIZE` as torchrun sets them (one rank when unset).
     pub fn from_env(order: Order) -> Result<Self> {
-        let var = |name: &str| -> Result<Option<usize>> {
-            match std::env::var(name) {
-                Err(_) => Ok(None),
-                Ok(v) => v
-                    .trim()
-                    .parse()
-                    .map(Some)
-                    .map_err(|_| Error::Config(format!("{name}={v:?} is not a number"))),
-            }
-        };
+        let var =
+            |name: &str| -> Result<Option<usize>> {
+                match std::env::var(name) {
+                    Err(_) => Ok(None),
+                    Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+                        Error::InvalidSetting(format!("{name}={v:?} is not a number"))
+                    }),
+                }
+            };
         match (var("RANK")?, var("WORLD_SIZE")?) {
             (Some(rank), Some(world)) => Self::new(order).shard(rank, world, false),
             (None, None) => Ok(Self::new(order)),
-            _ => Err(Error::Config(
+            _ => Err(Error::InvalidSetting(
                 "RANK and WORLD_SIZE must be set together".into(),
             )),
         }
@@ -336,7 +343,7 @@ impl BatchLoader {
         gpu: Option<&Gpu>,
     ) -> Result<Self> {
         if cfg.batch_size == 0 || cfg.workers == 0 || cfg.prefetch == 0 {
-            return Err(Error::Config(
+            return Err(Error::InvalidSetting(
                 "batch_size, workers and prefetch must be at least 1".into(),
             ));
         }
@@ -431,7 +438,10 @@ impl BatchLoader {
                 std::thread::Builder::new()
                     .name(format!("gpufeed-batch-{i}"))
                     .spawn(move || worker(&shared, &tx, &records, &pool, transform.as_ref()))
-                    .map_err(|e| Error::Config(format!("cannot start a worker thread: {e}")))
+                    .map_err(|source| Error::ThreadStart {
+                        what: "a batch worker thread",
+                        source,
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Epoch {
@@ -629,7 +639,7 @@ impl Iterator for Epoch<'_> {
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     self.next = self.total;
-                    return Some(Err(Error::Config("the batch workers stopped".into())));
+                    return Some(Err(Error::WorkersStopped));
                 }
             }
         };
@@ -654,26 +664,13 @@ impl Iterator for Epoch<'_> {
         let bytes = *offsets.last().unwrap_or(&0);
         let data = match &self.loader.gpu {
             None => BatchData::Host(buf),
-            Some((gpu, sched)) => {
+            Some((_, sched)) => {
                 let t = Instant::now();
-                let uploaded = (|| -> Result<DeviceBuffer> {
-                    if bytes == 0 {
-                        return gpu.default_stream().null::<u8>().map_err(|e| {
-                            Error::Cuda(gpufeed_cuda::Error::Cuda {
-                                op: "allocate",
-                                result: format!("{:?}", e.0),
-                            })
-                        });
-                    }
-                    // SAFETY: the upload below writes every byte before the buffer is returned.
-                    let mut dev = unsafe { gpu.alloc(bytes)? };
-                    sched.upload(HostSource::Pooled(&buf), &mut dev, 0)?;
-                    Ok(dev)
-                })();
+                let uploaded = sched.upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool);
                 self.loader.stats.upload_s += t.elapsed().as_secs_f64();
                 match uploaded {
-                    Ok(d) => BatchData::Device(d),
-                    Err(e) => return Some(Err(e)),
+                    Ok((d, _)) => BatchData::Device(d),
+                    Err(e) => return Some(Err(e.into())),
                 }
             }
         };

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
 use gpufeed_ipc::{BatchRing, Consumer};
 use gpufeed_pinned::{HostRegistration, PinnedPool, PoolConfig, PoolMode};
 
@@ -68,7 +68,9 @@ pub fn produce_epoch(
     timeout: Duration,
 ) -> Result<usize> {
     if workers == 0 || worker >= workers {
-        return Err(Error::Config(format!("worker {worker} of {workers}")));
+        return Err(Error::InvalidSetting(format!(
+            "worker {worker} of {workers}: workers must be at least 1 and worker below it"
+        )));
     }
     let mut written = 0;
     let mut out = Vec::new();
@@ -122,7 +124,9 @@ type SlotHeader = (u64, usize, usize, Vec<usize>, Vec<usize>);
 
 /// Reads a slot's header, treating the bytes as untrusted (another process wrote them).
 fn parse_slot(head: &[u8], slot_len: u64) -> Result<SlotHeader> {
-    let bad = |why: &str| Error::Config(format!("a batch slot is malformed: {why}"));
+    let bad = |why: &str| Error::MalformedBatch {
+        reason: format!("its slot is malformed: {why}"),
+    };
     if head.len() < HEADER || &head[..4] != MAGIC {
         return Err(bad("bad magic"));
     }
@@ -241,10 +245,12 @@ impl<'r> RingLoader<'r> {
                 match self.take(epoch, timeout) {
                     Ok(b) if b.number >= batches => {
                         next = batches;
-                        return Some(Err(Error::Config(format!(
-                            "batch number {} beyond the epoch's {batches}",
-                            b.number
-                        ))));
+                        return Some(Err(Error::MalformedBatch {
+                            reason: format!(
+                                "batch number {} beyond the epoch's {batches}",
+                                b.number
+                            ),
+                        }));
                     }
                     Ok(b) => {
                         held.insert(b.number, b);
@@ -264,50 +270,46 @@ impl<'r> RingLoader<'r> {
         let slot = self.consumer.next(timeout)?;
         let mut fixed = [0u8; HEADER];
         if slot.len() < HEADER as u64 {
-            return Err(Error::Config(
-                "a batch slot is malformed: shorter than its header".into(),
-            ));
+            return Err(Error::MalformedBatch {
+                reason: "its slot is shorter than its header".into(),
+            });
         }
         slot.read_at(0, &mut fixed)?;
         let count = u32::from_le_bytes(fixed[4..8].try_into().expect("4 bytes")) as usize;
         let need = header_len(count);
         if need as u64 > slot.len() {
-            return Err(Error::Config(
-                "a batch slot is malformed: header exceeds the slot".into(),
-            ));
+            return Err(Error::MalformedBatch {
+                reason: "its header exceeds the slot".into(),
+            });
         }
         let mut head = vec![0u8; need];
         slot.read_at(0, &mut head)?;
         let (got_epoch, number, at, offsets, indices) = parse_slot(&head, slot.len())?;
         if got_epoch != epoch {
-            return Err(Error::Config(format!(
-                "a worker produced epoch {got_epoch} while epoch {epoch} is read"
-            )));
+            return Err(Error::MalformedBatch {
+                reason: format!("a worker produced epoch {got_epoch} while epoch {epoch} is read"),
+            });
         }
         let len = *offsets.last().expect("count + 1 offsets");
         let data = match (&self.gpu, &self.registration) {
             (Some((gpu, sched)), Some(reg)) if len > 0 => {
-                // SAFETY: the upload below writes every byte before the buffer is handed out.
-                let mut dev = unsafe { gpu.alloc(len)? };
                 let src = HostSource::RegisteredRange {
                     registration: reg,
                     offset: slot.offset_in_segment() as usize + at,
                     len,
                 };
-                sched.upload(src, &mut dev, 0)?;
-                BatchData::Device(dev)
+                BatchData::Device(sched.upload_new(src, DeviceAlloc::Pool)?.0)
             }
             _ => {
                 let mut buf = self.pool.get(len.max(1))?;
                 buf.set_len(len);
                 slot.read_at(at as u64, &mut buf)?;
                 match &self.gpu {
-                    Some((gpu, sched)) if len > 0 => {
-                        // SAFETY: as above.
-                        let mut dev = unsafe { gpu.alloc(len)? };
-                        sched.upload(HostSource::Pooled(&buf), &mut dev, 0)?;
-                        BatchData::Device(dev)
-                    }
+                    Some((_, sched)) if len > 0 => BatchData::Device(
+                        sched
+                            .upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool)?
+                            .0,
+                    ),
                     _ => BatchData::Host(buf),
                 }
             }

@@ -66,9 +66,40 @@ pub enum Error {
         reason: String,
     },
 
-    /// A setting that cannot work.
+    /// A setting that cannot work (an option, a size, `RANK`/`WORLD_SIZE`): the message says
+    /// which and what to write instead.
     #[error("invalid setting: {0}")]
-    Config(String),
+    InvalidSetting(String),
+
+    /// A thread gpufeed needs could not be started (the process's thread limit?).
+    #[error("could not start {what}: {source}; the process may be at its thread limit (ulimit -u)")]
+    ThreadStart {
+        /// The thread's job.
+        what: &'static str,
+        /// The error of `std::thread::Builder::spawn`.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A thread of gpufeed panicked (a bug: please report it with the message logged above).
+    #[error("{what} panicked; what it was doing was abandoned")]
+    ThreadPanicked {
+        /// The thread's job.
+        what: &'static str,
+    },
+
+    /// A batch that a worker process wrote into the shared ring cannot be read: its slot is
+    /// malformed, out of range or of another epoch (another process writes these bytes, so
+    /// they are checked like input).
+    #[error("a batch from a worker process is malformed: {reason}")]
+    MalformedBatch {
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The batch loader's worker threads stopped before the epoch ended.
+    #[error("the batch workers stopped before the epoch ended")]
+    WorkersStopped,
 
     /// A user transform failed (or panicked) on a record.
     #[error("transform failed on record {record}: {message}")]

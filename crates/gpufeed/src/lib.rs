@@ -32,6 +32,8 @@
 //! # Ok::<(), gpufeed::Error>(())
 //! ```
 
+#![deny(unsafe_code)]
+
 pub mod advise;
 pub mod dataset;
 /// Worker processes for the batch loader, through a shared-memory batch ring.
@@ -44,6 +46,7 @@ pub mod units;
 
 pub use error::{Error, Result};
 pub use gpufeed_cuda::{Gpu, GpuInfo};
+pub use gpufeed_os::{Fallback, Refused};
 pub use load::{
     DeviceBuffer, LoadOptions, LoadReport, Loader, LoaderSetup, OneShotReport, Strategy, load_file,
     load_file_on,

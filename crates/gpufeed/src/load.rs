@@ -8,7 +8,10 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use gpufeed_cuda::cudarc::driver::{DevicePtrMut, DeviceSlice};
-use gpufeed_cuda::{FillSource, Gpu, HostSource, SourceError, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{
+    DeviceAlloc, FillSource, Gpu, HostSource, SourceError, TransferConfig, TransferScheduler,
+};
+use gpufeed_os::{Fallback, Refused};
 use gpufeed_os::{FileMap, MapMode, cache};
 use gpufeed_pinned::{HostRegistration, HostSlab};
 use gpufeed_uring::{Backend, Direct, Reader};
@@ -22,25 +25,42 @@ pub type DeviceBuffer = gpufeed_cuda::cudarc::driver::CudaSlice<u8>;
 
 /// How a file reaches the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[non_exhaustive]
 pub enum Strategy {
     /// Decide from page-cache residency, file size against available memory and what the
-    /// machine allows; the report says what was chosen and why.
+    /// machine allows (`Staged` for cached files, `Direct` for cold ones where `O_DIRECT`
+    /// works); the report says what was chosen and why.
     #[default]
     Auto,
     /// Map the file read-only, register the mapping with CUDA in chunks (on a few threads,
-    /// ahead of the copies) and copy straight out of the page cache: no host copy at all. The
-    /// fastest path for files in the page cache.
+    /// ahead of the copies) and copy straight out of the page cache: no host copy at all, the
+    /// cheapest path per CPU thread ([`LoadOptions::one_thread`]). With every core filling
+    /// staging buffers `Staged` is faster (43.9 against 26.3 GB/s warm on the H200 machine),
+    /// so `Auto` does not pick it. The file must not be truncated while it loads.
     Registered,
     /// Read the file (io_uring, buffered) into pinned staging buffers that the scheduler
     /// uploads, reads overlapped with copies. Safe for files that may change while loading.
     Staged,
     /// Like `Staged` with `O_DIRECT`: for files not in the page cache, or larger than it.
     Direct,
-    /// `Registered` for the first part of the file and `Staged` for the rest, at the same
-    /// time. `Auto` does not pick it: while `cuMemHostRegister` runs, the driver holds off
-    /// copies issued by other threads (on the H200 machine a 1 MiB copy took 1.1 ms to issue
-    /// instead of 1.6 us), so the staged part stalls; `Staged` alone is faster there.
-    Hybrid,
+}
+
+/// The path a load ran: a [`Strategy`] with `Auto` resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    Registered,
+    Staged,
+    Direct,
+}
+
+impl Route {
+    pub(crate) fn strategy(self) -> Strategy {
+        match self {
+            Route::Registered => Strategy::Registered,
+            Route::Staged => Strategy::Staged,
+            Route::Direct => Strategy::Direct,
+        }
+    }
 }
 
 impl fmt::Display for Strategy {
@@ -50,7 +70,6 @@ impl fmt::Display for Strategy {
             Strategy::Registered => "registered",
             Strategy::Staged => "staged",
             Strategy::Direct => "direct",
-            Strategy::Hybrid => "hybrid",
         };
         f.write_str(s)
     }
@@ -64,39 +83,39 @@ impl std::str::FromStr for Strategy {
             "registered" => Strategy::Registered,
             "staged" => Strategy::Staged,
             "direct" => Strategy::Direct,
-            "hybrid" => Strategy::Hybrid,
             other => {
-                return Err(Error::Config(format!(
-                    "unknown strategy {other:?}; use auto, registered, staged, direct or hybrid"
+                return Err(Error::InvalidSetting(format!(
+                    "unknown strategy {other:?}; use auto, registered, staged or direct"
                 )));
             }
         })
     }
 }
 
-/// Settings of a load.
+/// Settings of a load. Start from [`LoadOptions::default`] (or [`LoadOptions::one_thread`])
+/// and change what you need: the fields are public, and new ones may be added.
+///
+/// ```
+/// use gpufeed::{LoadOptions, Strategy};
+/// let mut opts = LoadOptions::default().with_strategy(Strategy::Direct);
+/// opts.transfer.fill_threads = 4;
+/// assert_eq!(opts.strategy, Strategy::Direct);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LoadOptions {
     /// The strategy (default `Auto`).
     pub strategy: Strategy,
     /// Streams, chunk size, staging buffers and fill (IO) threads of the transfer.
     pub transfer: TransferConfig,
-    /// Bytes registered per `cuMemHostRegister` call (64 MiB: shorter driver calls disturb the
-    /// concurrent copies less; a sweep on the H200 machine is in docs/benchmarks.md).
+    /// Bytes registered per `cuMemHostRegister` call by `Registered` (64 MiB: shorter driver
+    /// calls disturb the concurrent copies less; a sweep on the H200 machine is in
+    /// docs/benchmarks.md). At least 1 MiB.
     pub register_chunk_bytes: usize,
-    /// Threads registering chunks ahead of the copies (2).
+    /// Threads registering chunks ahead of the copies for `Registered` (2).
     pub register_threads: usize,
     /// Reads in flight per IO thread for `Staged`/`Direct` (8).
     pub queue_depth: usize,
-    /// Share of the bytes a `Hybrid` load registers (the rest is staged), 0.45 by default: the
-    /// best of GPU run 2's sweep on the H200 machine (docs/benchmarks.md), made before staged
-    /// uploads ran in lanes; `Auto` never picks `Hybrid`.
-    pub registered_share: f64,
-    /// io_uring only: hand buffered (page-cache) reads to the kernel's worker threads
-    /// (`IOSQE_ASYNC`) instead of completing them inline in the submitting fill thread (off by
-    /// default: inline, each fill thread copies the cached pages into its own staging buffers
-    /// and issues their uploads, which ran faster on the H200 machine).
-    pub async_buffered: bool,
     /// Test hook, not API: registration fails as a driver refusing it would
     /// (`CUDA_ERROR_NOT_PERMITTED`, as under some container and WSL limits), to test the
     /// fallback to `Staged` on machines whose driver never refuses.
@@ -122,8 +141,6 @@ impl Default for LoadOptions {
             register_chunk_bytes: 64 << 20,
             register_threads: 2,
             queue_depth: 8,
-            registered_share: 0.45,
-            async_buffered: false,
             testing_refuse_registration: false,
         }
     }
@@ -144,6 +161,18 @@ impl LoadOptions {
             ..Self::default()
         }
     }
+
+    /// These options with `strategy`.
+    pub fn with_strategy(mut self, strategy: Strategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// These options with `transfer`.
+    pub fn with_transfer(mut self, transfer: TransferConfig) -> Self {
+        self.transfer = transfer;
+        self
+    }
 }
 
 /// What a load did.
@@ -151,7 +180,8 @@ impl LoadOptions {
 pub struct LoadReport {
     /// The file.
     pub path: PathBuf,
-    /// The strategy that ran.
+    /// The strategy that ran: never `Auto` once bytes moved (`Auto` resolved, and `Staged`
+    /// where `Registered` was refused: see `fallbacks`); for an empty load, the one asked for.
     pub strategy: Strategy,
     /// Why that strategy.
     pub reason: String,
@@ -162,8 +192,8 @@ pub struct LoadReport {
     /// Share of the loaded range in the page cache before the load, estimated from 32
     /// windows of 1 MiB (`gpufeed_os::cache::residency_estimate`; exact up to 32 MiB).
     pub residency_before: Option<f64>,
-    /// Slower paths taken, with reasons.
-    pub fallbacks: Vec<String>,
+    /// Slower paths taken: what was refused, why, and what ran instead.
+    pub fallbacks: Vec<Fallback>,
     /// Seconds the copies waited for the source (reads or registration).
     pub copy_waited_s: f64,
     /// Seconds the source waited for free staging buffers.
@@ -175,11 +205,7 @@ pub struct LoadReport {
 impl LoadReport {
     /// GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
+        gpufeed_os::gbps(self.bytes, self.seconds)
     }
 }
 
@@ -290,11 +316,7 @@ pub struct OneShotReport {
 impl OneShotReport {
     /// GB/s from the call to the end (context included).
     pub fn gbps(&self) -> f64 {
-        if self.total_seconds > 0.0 {
-            self.bytes as f64 / self.total_seconds / 1e9
-        } else {
-            0.0
-        }
+        gpufeed_os::gbps(self.bytes, self.total_seconds)
     }
 }
 
@@ -402,7 +424,10 @@ impl Loader {
         started: Instant,
     ) -> Result<Self> {
         if opts.register_chunk_bytes < 1 << 20 {
-            return Err(Error::Config("register_chunk_bytes below 1 MiB".into()));
+            return Err(Error::InvalidSetting(format!(
+                "register_chunk_bytes is {} B; use at least 1 MiB",
+                opts.register_chunk_bytes
+            )));
         }
         let sched = TransferScheduler::new(gpu, opts.transfer)?;
         let mut setup = LoaderSetup::default();
@@ -473,7 +498,10 @@ impl Loader {
                 let t = Instant::now();
                 Gpu::open(ordinal).map(|gpu| (gpu, t.elapsed().as_secs_f64()))
             })
-            .map_err(|e| Error::Config(format!("could not start a thread to open the GPU: {e}")))?;
+            .map_err(|source| Error::ThreadStart {
+                what: "a thread to open the GPU",
+                source,
+            })?;
         let mut notes = Vec::new();
         let hosted = host();
         let slab = match &hosted {
@@ -501,9 +529,9 @@ impl Loader {
             }
             _ => None,
         };
-        let opened = opener
-            .join()
-            .map_err(|_| Error::Config("the thread opening the GPU panicked".into()));
+        let opened = opener.join().map_err(|_| Error::ThreadPanicked {
+            what: "the thread opening the GPU",
+        });
         let (value, bytes) = hosted?;
         let (gpu, context_s) = opened??;
         let mut loader = Self::with_staging(&gpu, opts, bytes, slab, started)?;
@@ -522,7 +550,7 @@ impl Loader {
         &self.opts
     }
 
-    /// Waits until the registrations of earlier `Registered` (and `Hybrid`) loads of this
+    /// Waits until the registrations of earlier `Registered` loads of this
     /// loader are undone; returns how many loads' cleanups ended since the last call.
     ///
     /// A registered load returns as soon as its copies are done and unregisters the file's
@@ -566,32 +594,19 @@ impl Loader {
         range: Range<u64>,
     ) -> Result<(DeviceBuffer, LoadReport)> {
         let len = range.end.saturating_sub(range.start) as usize;
-        let mut dst = if len == 0 {
-            self.gpu.default_stream().null::<u8>().map_err(|e| {
-                Error::Cuda(gpufeed_cuda::Error::Cuda {
-                    op: "allocate an empty buffer",
-                    result: format!("{:?}", e.0),
-                })
-            })?
+        // A loader's first load (the only one, for most users) takes its memory from
+        // cuMemAlloc: growing the context's pool would cost it 2-3 ms per GiB up front
+        // (docs/benchmarks.md, GPU run 8). Later loads use the pool, which gives back what
+        // earlier loads' buffers freed at no cost.
+        let unpooled = len >= UNPOOLED_FROM
+            && (self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed));
+        let from = if unpooled {
+            DeviceAlloc::Unpooled
         } else {
-            // A loader's first load (the only one, for most users) takes its memory from
-            // cuMemAlloc: growing the context's pool would cost it 2-3 ms per GiB up front
-            // (docs/benchmarks.md, GPU run 8). Later loads use the pool, which gives back what
-            // earlier loads' buffers freed at no cost.
-            let unpooled = len >= UNPOOLED_FROM
-                && (self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed));
-            // SAFETY: every byte is written by the load below before the buffer is returned;
-            // on error the buffer is dropped unread.
-            unsafe {
-                if unpooled {
-                    self.gpu.alloc_unpooled(len)?
-                } else {
-                    self.gpu.alloc(len)?
-                }
-            }
+            DeviceAlloc::Pool
         };
-        let report = self.load_into(path, range, &mut dst, 0)?;
-        Ok((dst, report))
+        self.gpu
+            .alloc_filled(len, from, |dst| self.load_into(path, range, dst, 0))
     }
 
     /// Loads bytes `range` of `path` into `dst` starting at `dst_offset`.
@@ -636,11 +651,12 @@ impl Loader {
             report.reason = "nothing to load".into();
             return Ok(report);
         }
-        let (strategy, reason) = match self.opts.strategy {
+        let (route, reason) = match self.opts.strategy {
             Strategy::Auto => choose(path, file_len, residency),
-            s => (s, "asked for".to_owned()),
+            Strategy::Registered => (Route::Registered, "asked for".to_owned()),
+            Strategy::Staged => (Route::Staged, "asked for".to_owned()),
+            Strategy::Direct => (Route::Direct, "asked for".to_owned()),
         };
-        report.strategy = strategy;
         report.reason = reason;
         if dst_offset
             .checked_add(len as usize)
@@ -654,89 +670,54 @@ impl Loader {
             .into());
         }
         let mut view = dst.slice_mut(dst_offset..dst_offset + len as usize);
-        match strategy {
-            Strategy::Registered => {
-                self.registered_or_staged(path, range, &mut view, &mut report)?
+        let ran = match route {
+            Route::Registered => self.registered_or_staged(path, range, &mut view, &mut report)?,
+            Route::Staged | Route::Direct => {
+                self.staged(path, range, &mut view, route == Route::Direct, &mut report)?;
+                route
             }
-            Strategy::Staged | Strategy::Direct => {
-                self.staged(
-                    path,
-                    range,
-                    &mut view,
-                    strategy == Strategy::Direct,
-                    &mut report,
-                )?;
-            }
-            Strategy::Hybrid | Strategy::Auto => {
-                // Registered head and staged tail at once, into disjoint halves of the buffer.
-                let share = self.opts.registered_share.clamp(0.0, 1.0);
-                let head = ((len as f64 * share) as u64) / (16 << 20) * (16 << 20);
-                let split = range.start + head;
-                let (mut a, mut b) = view.split_at_mut(head as usize);
-                let mut tail = report.clone();
-                let (registered, staged) = std::thread::scope(|scope| {
-                    let mut head_report = report.clone();
-                    let reg = scope.spawn(move || {
-                        let r = if head > 0 {
-                            self.registered_or_staged(
-                                path,
-                                range.start..split,
-                                &mut a,
-                                &mut head_report,
-                            )
-                        } else {
-                            Ok(())
-                        };
-                        r.map(|()| head_report)
-                    });
-                    let staged = self.staged(path, split..range.end, &mut b, false, &mut tail);
-                    (reg.join(), staged)
-                });
-                let head_report = registered
-                    .map_err(|_| Error::Config("the registering thread panicked".into()))??;
-                staged?;
-                report.copy_waited_s = head_report.copy_waited_s + tail.copy_waited_s;
-                report.source_waited_s = tail.source_waited_s;
-                report.io_backend = tail.io_backend;
-                for f in head_report.fallbacks.into_iter().chain(tail.fallbacks) {
-                    if !report.fallbacks.contains(&f) {
-                        report.fallbacks.push(f);
-                    }
-                }
-            }
-        }
-        for note in self.sched.notes() {
-            if !report.fallbacks.contains(&note) {
-                report.fallbacks.push(note);
-            }
+        };
+        report.strategy = ran.strategy();
+        for f in self.sched.fallbacks() {
+            f.push_once(&mut report.fallbacks);
         }
         report.seconds = started.elapsed().as_secs_f64();
         Ok(report)
     }
 
     /// `Registered`, falling back to `Staged` (recorded) where the platform refuses
-    /// registration.
+    /// registration; returns the route that ran.
     fn registered_or_staged<D>(
         &self,
         path: &Path,
         range: Range<u64>,
         dst: &mut D,
         report: &mut LoadReport,
-    ) -> Result<()>
+    ) -> Result<Route>
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
         match self.registered(path, range.clone(), dst, report) {
+            Ok(()) => Ok(Route::Registered),
             Err(Error::Pinned(e)) if !matches!(e, gpufeed_pinned::Error::NoCudaDriver) => {
-                let why = format!("registration refused ({e}); staged instead");
-                tracing::warn!(path = %path.display(), "{why}");
-                report.fallbacks.push(why);
-                self.staged(path, range, dst, false, report)
+                Fallback::new(
+                    Refused::HostRegistration,
+                    e.to_string(),
+                    "staged through pinned buffers instead",
+                )
+                .push_once(&mut report.fallbacks);
+                self.staged(path, range, dst, false, report)?;
+                Ok(Route::Staged)
             }
-            other => other,
+            Err(e) => Err(e),
         }
     }
 
+    /// `Registered`: the one place of the facade with unsafe code — the file's mapping, whose
+    /// promise (not truncated while it loads) `Strategy::Registered` documents and the
+    /// identity check after the copies backs, and its registration in pieces that outlive this
+    /// call on the cleanup thread.
+    #[allow(unsafe_code, reason = "maps and registers the file; see above")]
     fn registered<D>(
         &self,
         path: &Path,
@@ -750,7 +731,7 @@ impl Loader {
         if self.opts.testing_refuse_registration {
             return Err(Error::Pinned(gpufeed_pinned::Error::Cuda {
                 op: "cuMemHostRegister",
-                result: "CUDA_ERROR_NOT_PERMITTED".into(),
+                result: gpufeed_cuda::CUresult::CUDA_ERROR_NOT_PERMITTED,
             }));
         }
         let len = (range.end - range.start) as usize;
@@ -870,7 +851,6 @@ impl Loader {
             start: range.start,
             direct: if direct { Direct::On } else { Direct::Off },
             queue_depth: self.opts.queue_depth,
-            async_buffered: self.opts.async_buffered,
             readers: Mutex::new(Vec::new()),
         };
         // Build one reader up front so that open errors surface as such.
@@ -887,16 +867,11 @@ impl Loader {
         )?;
         report.copy_waited_s = stats.copy_waited_s;
         report.source_waited_s = stats.source_waited_s;
-        for r in source.readers.into_inner() {
-            let stats = r.0.stats();
-            let notes = stats
-                .fallbacks
-                .iter()
-                .chain(stats.files.iter().filter_map(|f| f.reason.as_ref()));
-            for f in notes {
-                if !report.fallbacks.contains(f) && (direct || !f.contains("Direct::Off")) {
-                    report.fallbacks.push(f.clone());
-                }
+        // Files are opened with Direct::On or Direct::Off, never Auto: a refused O_DIRECT is
+        // an error, not a fallback, so only the readers' own fallbacks (io_uring) are news.
+        for (reader, _) in source.readers.into_inner() {
+            for f in &reader.stats().fallbacks {
+                f.clone().push_once(&mut report.fallbacks);
             }
         }
         Ok(())
@@ -906,7 +881,8 @@ impl Loader {
 /// What `Strategy::Auto` picks for bytes `range` of `path` (a file of `file_len` bytes) now,
 /// and why: the same residency estimate and rule as a load.
 pub(crate) fn auto_choice(path: &Path, file_len: u64, range: Range<u64>) -> (Strategy, String) {
-    choose(path, file_len, residency_of(path, range))
+    let (route, why) = choose(path, file_len, residency_of(path, range));
+    (route.strategy(), why)
 }
 
 /// The share of `range` in the page cache, estimated from samples (an exact count walks every
@@ -919,11 +895,11 @@ fn residency_of(path: &Path, range: Range<u64>) -> Option<f64> {
 }
 
 /// Picks a strategy for a file of `file_len` bytes, `residency` of it cached.
-pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Strategy, String) {
+pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Route, String) {
     let resident = residency.unwrap_or(0.0);
     if resident >= 0.9 {
         return (
-            Strategy::Staged,
+            Route::Staged,
             format!(
                 "{:.0}% of the file is in the page cache: copies out of the cache into pinned staging on every core, overlapped with the uploads",
                 resident * 100.0
@@ -941,7 +917,7 @@ pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Str
     if resident < 0.1 || file_len > available / 2 {
         if dio {
             return (
-                Strategy::Direct,
+                Route::Direct,
                 format!(
                     "{:.0}% cached{}: O_DIRECT reads{} into pinned staging, no page-cache copy",
                     resident * 100.0,
@@ -959,7 +935,7 @@ pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Str
             );
         }
         return (
-            Strategy::Staged,
+            Route::Staged,
             format!(
                 "{:.0}% cached, and the file system refuses O_DIRECT: buffered reads into pinned staging",
                 resident * 100.0
@@ -967,7 +943,7 @@ pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Str
         );
     }
     (
-        Strategy::Staged,
+        Route::Staged,
         format!(
             "{:.0}% cached: buffered reads serve the cached part from memory and read the rest",
             resident * 100.0
@@ -991,7 +967,6 @@ struct FileSource {
     start: u64,
     direct: Direct,
     queue_depth: usize,
-    async_buffered: bool,
     readers: Mutex<Vec<(Reader, gpufeed_uring::FileId)>>,
 }
 
@@ -1001,7 +976,9 @@ impl FileSource {
             .direct(self.direct)
             .queue_depth(self.queue_depth)
             .block_bytes(1 << 20)
-            .async_buffered(self.async_buffered)
+            // Buffered reads complete inline in the fill thread, which then uploads what it
+            // copied (faster on the H200 machine than the kernel's workers: benchmarks.md).
+            .async_buffered(false)
             .build()?;
         let file = reader.open(&self.path)?;
         Ok((reader, file))

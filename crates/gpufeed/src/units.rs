@@ -14,7 +14,7 @@ pub fn parse_size(text: &str) -> Result<u64> {
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let bad = |why: &str| {
-        Error::Config(format!(
+        Error::InvalidSetting(format!(
             "{text:?}: {why}; write a size like 4096, 64MiB or 1GiB"
         ))
     };

@@ -52,7 +52,7 @@ fn out_of_device_memory_is_an_error() {
     let too_much = (gpu.info().memory_bytes * 2) as usize;
     let err = gpu.alloc_zeroed(too_much).unwrap_err();
     assert!(
-        matches!(&err, Error::Cuda { result, .. } if result == "CUDA_ERROR_OUT_OF_MEMORY"),
+        err.cu_result() == Some(gpufeed_cuda::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
         "{err:?}"
     );
     assert!(err.to_string().contains("free device memory"));

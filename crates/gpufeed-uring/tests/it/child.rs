@@ -1,7 +1,7 @@
 //! Child processes: the test binary re-runs itself with `GPUFEED_IT_CHILD=<role>` and only the
 //! `child::entry` test. Without the variable `entry` returns at once (a dispatcher, not a test).
 
-use gpufeed_uring::{Backend, BackendKind, Error, Probe, Reader, UringUnavailable};
+use gpufeed_uring::{Backend, BackendKind, Error, Probe, Reader, Refused, UringUnavailable};
 
 use crate::disk_file;
 
@@ -83,7 +83,7 @@ fn entry() {
                 r.stats()
                     .fallbacks
                     .iter()
-                    .any(|f| f.contains("pretend seccomp")),
+                    .any(|f| f.refused == Refused::IoUring && f.reason.contains("pretend seccomp")),
                 "{:?}",
                 r.stats().fallbacks
             );
@@ -114,7 +114,10 @@ fn entry() {
                 .expect("Auto falls back to threads");
             assert!(matches!(r.backend(), BackendKind::Threads(_)));
             assert!(
-                r.stats().fallbacks.iter().any(|f| f.contains(&why)),
+                r.stats()
+                    .fallbacks
+                    .iter()
+                    .any(|f| f.refused == Refused::IoUring && f.reason == why),
                 "{:?}",
                 r.stats().fallbacks
             );

@@ -4,7 +4,7 @@
 use std::sync::OnceLock;
 
 use gpufeed_os::AlignedBuf;
-use gpufeed_uring::{Backend, Direct, ReadOp};
+use gpufeed_uring::{Backend, Direct, ReadOp, Refused};
 use proptest::prelude::*;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -205,7 +205,8 @@ fn registered_bounce_buffers_read_fixed() {
                 r.stats()
                     .fallbacks
                     .iter()
-                    .any(|f| f.contains("bounce buffers")),
+                    .any(|f| f.refused == Refused::RingBuffers
+                        && f.reason.contains("bounce buffers")),
                 "{:?}",
                 r.stats()
             );
@@ -246,7 +247,7 @@ fn registered_bounce_buffers_read_fixed() {
         t.stats()
             .fallbacks
             .iter()
-            .any(|f| f.contains("need io_uring")),
+            .any(|f| f.refused == Refused::RingBuffers && f.reason.contains("need io_uring")),
         "{:?}",
         t.stats()
     );

@@ -1,0 +1,44 @@
+//! The driver calls the scheduler makes itself, as thin `unsafe fn`s that return a `Result`
+//! naming the call (cudarc's result-layer style): no other module of this crate calls
+//! `sys::cu*` functions.
+
+use cudarc::driver::sys;
+
+use crate::error::{Error, Result};
+
+/// `cuMemcpyHtoDAsync`: enqueues a copy of `len` bytes from host `src` to device `dst` on
+/// `stream`.
+///
+/// # Safety
+/// `[src, src + len)` is readable and `[dst, dst + len)` is device memory of `stream`'s
+/// context; both stay valid, and the host bytes unchanged, until the copy has completed on
+/// `stream` (the caller waits for it, or records an event it waits on before reuse).
+pub(crate) unsafe fn memcpy_htod_async(
+    dst: sys::CUdeviceptr,
+    src: *const u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))
+}
+
+/// `cuMemcpyDtoHAsync`: enqueues a copy of `len` bytes from device `src` to host `dst` on
+/// `stream`.
+///
+/// # Safety
+/// `[dst, dst + len)` is writable and nothing else reads or writes it, and `[src, src + len)`
+/// is device memory of `stream`'s context, until the copy has completed on `stream`.
+pub(crate) unsafe fn memcpy_dtoh_async(
+    dst: *mut u8,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))
+}
