@@ -182,13 +182,11 @@ pub fn measure(
     }
     progress("batch loader: the file as 64 KiB records, 256 per batch, 8 workers, to the GPU");
     cache::warm(file)?;
-    let cfg = gpufeed::dataset::LoaderConfig {
-        batch_size: 256,
-        drop_last: true,
-        prefetch: 4,
-        workers: 8,
-        ..gpufeed::dataset::LoaderConfig::default()
-    };
+    let cfg = gpufeed::dataset::LoaderConfig::default()
+        .with_batch_size(256)
+        .with_drop_last(true)
+        .with_prefetch(4)
+        .with_workers(8);
     let batch_loader = crate::loader::epochs_gbps(file, 64 << 10, cfg, 1, Some(gpu), reps)?;
     Ok(FacadeBench {
         file_bytes: len,

@@ -129,11 +129,9 @@ pub fn measure(
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let mut by_threads = Vec::new();
     for threads in [1, 2, 4, 8, 12, 16].into_iter().filter(|&t| t <= cores) {
-        let cfg = TransferConfig {
-            fill_threads: threads,
-            staging_buffers: 2 * threads,
-            ..TransferConfig::default()
-        };
+        let cfg = TransferConfig::default()
+            .with_fill_threads(threads)
+            .with_staging_buffers(2 * threads);
         let sched = TransferScheduler::new(&gpu, cfg)?;
         let runs = (0..reps)
             .map(|_| {
@@ -174,10 +172,9 @@ pub fn measure(
     drop(first?);
     let pool = PinnedPool::new(
         PoolMode::Cuda(Arc::clone(&ctx)),
-        PoolConfig {
-            budget_bytes: None,
-            numa_node: gpu.info().numa_node,
-        },
+        PoolConfig::default()
+            .with_budget_bytes(None)
+            .with_numa_node(gpu.info().numa_node),
     )?;
     drop(pool.get(64 << 20)?);
     let gets = (0..1000)

@@ -55,13 +55,11 @@ pub fn epochs_gbps(
 pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
     cache::warm(dataset)?;
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let cfg = LoaderConfig {
-        batch_size: BATCH,
-        drop_last: true,
-        prefetch: 2 * workers,
-        workers,
-        ..LoaderConfig::default()
-    };
+    let cfg = LoaderConfig::default()
+        .with_batch_size(BATCH)
+        .with_drop_last(true)
+        .with_prefetch(2 * workers)
+        .with_workers(workers);
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,

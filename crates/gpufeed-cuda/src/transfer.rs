@@ -102,8 +102,15 @@ pub enum HostDest<'a> {
     Pageable(&'a mut [u8]),
 }
 
-/// Settings of a [`TransferScheduler`].
+/// Settings of a [`TransferScheduler`]: start from the default and change what you need (new
+/// settings may be added).
+///
+/// ```
+/// let cfg = gpufeed_cuda::TransferConfig::default().with_fill_threads(4).with_staging_buffers(8);
+/// assert_eq!((cfg.fill_threads, cfg.staging_buffers), (4, 8));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TransferConfig {
     /// Streams the chunks of direct copies and staged downloads are spread over (default 4);
     /// staged uploads use one stream per fill thread.
@@ -119,6 +126,30 @@ pub struct TransferConfig {
 }
 
 impl TransferConfig {
+    /// These settings with `streams` (streams of direct copies and staged downloads).
+    pub fn with_streams(mut self, streams: usize) -> Self {
+        self.streams = streams;
+        self
+    }
+
+    /// These settings with `chunk_bytes` (bytes per copy).
+    pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Self {
+        self.chunk_bytes = chunk_bytes;
+        self
+    }
+
+    /// These settings with `staging_buffers` (staging buffers in flight).
+    pub fn with_staging_buffers(mut self, staging_buffers: usize) -> Self {
+        self.staging_buffers = staging_buffers;
+        self
+    }
+
+    /// These settings with `fill_threads` (threads filling or draining staging).
+    pub fn with_fill_threads(mut self, fill_threads: usize) -> Self {
+        self.fill_threads = fill_threads;
+        self
+    }
+
     /// The settings a scheduler actually uses: at least one stream and fill thread, two
     /// staging buffers, chunks from 4 KiB to 256 MiB.
     pub fn normalized(self) -> Self {
@@ -304,10 +335,7 @@ impl TransferScheduler {
         let lane_streams = new_streams(cfg.fill_threads)?;
         let pool = PinnedPool::new(
             gpufeed_pinned::PoolMode::Cuda(Arc::clone(&ctx)),
-            PoolConfig {
-                budget_bytes: None,
-                numa_node: gpu.info().numa_node,
-            },
+            PoolConfig::default().with_numa_node(gpu.info().numa_node),
         )?;
         let placement = gpu.info().numa_node.and_then(|node| {
             gpufeed_numa::Topology::detect()

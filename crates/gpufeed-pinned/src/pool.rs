@@ -37,14 +37,35 @@ impl std::fmt::Debug for PoolMode {
     }
 }
 
-/// Settings of a [`PinnedPool`].
+/// Settings of a [`PinnedPool`]: start from the default and change what you need (new settings
+/// may be added).
+///
+/// ```
+/// let cfg = gpufeed_pinned::PoolConfig::default().with_budget_bytes(Some(64 << 20));
+/// assert_eq!(cfg.budget_bytes, Some(64 << 20));
+/// ```
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Most bytes the pool holds at once (handed out plus cached). Default: a quarter of RAM.
     pub budget_bytes: Option<u64>,
     /// The NUMA node to place buffers on (the GPU's, from `gpufeed-cuda`'s `GpuInfo`): buffers
     /// are allocated by a thread bound to that node, so their pages land there.
     pub numa_node: Option<u32>,
+}
+
+impl PoolConfig {
+    /// These settings with `budget_bytes` (most bytes held at once; `None`: a quarter of RAM).
+    pub fn with_budget_bytes(mut self, budget_bytes: Option<u64>) -> Self {
+        self.budget_bytes = budget_bytes;
+        self
+    }
+
+    /// These settings with `numa_node` (the node buffers are placed on).
+    pub fn with_numa_node(mut self, numa_node: Option<u32>) -> Self {
+        self.numa_node = numa_node;
+        self
+    }
 }
 
 /// Counters of a pool.

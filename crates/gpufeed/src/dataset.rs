@@ -225,8 +225,15 @@ impl Sampler {
 pub type Transform =
     Arc<dyn Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String> + Send + Sync>;
 
-/// Settings of a [`BatchLoader`].
+/// Settings of a [`BatchLoader`]: start from the default and change what you need (new
+/// settings may be added).
+///
+/// ```
+/// let cfg = gpufeed::dataset::LoaderConfig::default().with_batch_size(256).with_workers(8);
+/// assert_eq!((cfg.batch_size, cfg.workers, cfg.prefetch), (256, 8, 2));
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LoaderConfig {
     /// Records per batch.
     pub batch_size: usize,
@@ -249,6 +256,38 @@ impl Default for LoaderConfig {
             workers: 2,
             batch_timeout: Duration::from_secs(60),
         }
+    }
+}
+
+impl LoaderConfig {
+    /// These settings with `batch_size` (records per batch).
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// These settings with `drop_last` (drop a last, smaller batch).
+    pub fn with_drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// These settings with `prefetch` (batches prepared ahead).
+    pub fn with_prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// These settings with `workers` (worker threads).
+    pub fn with_workers(mut self, workers: usize) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// These settings with `batch_timeout` (longest wait for one batch).
+    pub fn with_batch_timeout(mut self, batch_timeout: Duration) -> Self {
+        self.batch_timeout = batch_timeout;
+        self
     }
 }
 
@@ -348,10 +387,9 @@ impl BatchLoader {
             ));
         }
         let node = gpu.and_then(|g| g.info().numa_node);
-        let pool_cfg = PoolConfig {
-            budget_bytes: None,
-            numa_node: node,
-        };
+        let pool_cfg = PoolConfig::default()
+            .with_budget_bytes(None)
+            .with_numa_node(node);
         let (pool, gpu) = match gpu {
             Some(g) => {
                 let sched = TransferScheduler::new(g, TransferConfig::default())?;

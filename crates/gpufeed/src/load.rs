@@ -132,12 +132,11 @@ impl Default for LoadOptions {
         let fill_threads = cores.clamp(2, 16);
         LoadOptions {
             strategy: Strategy::Auto,
-            transfer: TransferConfig {
-                streams: 4,
-                chunk_bytes: 4 << 20,
-                staging_buffers: 2 * fill_threads,
-                fill_threads,
-            },
+            transfer: TransferConfig::default()
+                .with_streams(4)
+                .with_chunk_bytes(4 << 20)
+                .with_staging_buffers(2 * fill_threads)
+                .with_fill_threads(fill_threads),
             register_chunk_bytes: 64 << 20,
             register_threads: 2,
             queue_depth: 8,
@@ -152,11 +151,9 @@ impl LoadOptions {
     pub fn one_thread() -> Self {
         LoadOptions {
             strategy: Strategy::Registered,
-            transfer: TransferConfig {
-                fill_threads: 1,
-                staging_buffers: 4,
-                ..TransferConfig::default()
-            },
+            transfer: TransferConfig::default()
+                .with_fill_threads(1)
+                .with_staging_buffers(4),
             register_threads: 1,
             ..Self::default()
         }

@@ -11,12 +11,11 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::{gpu_or_skip, random_bytes};
 
 fn config(streams: usize, chunk: usize) -> TransferConfig {
-    TransferConfig {
-        streams,
-        chunk_bytes: chunk,
-        staging_buffers: 4,
-        fill_threads: 3,
-    }
+    TransferConfig::default()
+        .with_streams(streams)
+        .with_chunk_bytes(chunk)
+        .with_staging_buffers(4)
+        .with_fill_threads(3)
 }
 
 /// Downloads `dev` both ways (pinned and pageable) and checks both against `want`.

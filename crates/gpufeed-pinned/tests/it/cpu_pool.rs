@@ -53,10 +53,9 @@ fn size_classes_reuse_and_bad_sizes() {
 fn the_budget_is_kept_by_evicting_cached_buffers_then_refusing() {
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig {
-            budget_bytes: Some(1 << 20),
-            numa_node: None,
-        },
+        PoolConfig::default()
+            .with_budget_bytes(Some(1 << 20))
+            .with_numa_node(None),
     )
     .expect("pool");
     let half = pool.get(512 << 10).expect("512 KiB");
@@ -80,10 +79,9 @@ fn the_budget_is_kept_by_evicting_cached_buffers_then_refusing() {
 fn cpu_buffers_are_locked_within_the_limit_and_placed_on_the_node() {
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig {
-            budget_bytes: None,
-            numa_node: Some(0),
-        },
+        PoolConfig::default()
+            .with_budget_bytes(None)
+            .with_numa_node(Some(0)),
     )
     .expect("pool");
     let buf = pool.get(1 << 20).expect("get");
@@ -168,10 +166,9 @@ fn a_missing_numa_node_is_noted_and_buffers_still_work() {
         .expect("topology");
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig {
-            budget_bytes: Some(64 << 20),
-            numa_node: Some(missing),
-        },
+        PoolConfig::default()
+            .with_budget_bytes(Some(64 << 20))
+            .with_numa_node(Some(missing)),
     )
     .expect("pool");
     let mut buf = pool.get(100_000).expect("get");
@@ -202,10 +199,9 @@ fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
     let before = gpufeed_os::lock::locked_bytes().expect("VmLck readable");
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig {
-            budget_bytes: Some(8 << 20),
-            numa_node: None,
-        },
+        PoolConfig::default()
+            .with_budget_bytes(Some(8 << 20))
+            .with_numa_node(None),
     )
     .expect("pool");
     let slab = HostSlab::new((4 << 20) + 5).expect("slab");

@@ -241,13 +241,11 @@ fn device_batches_over_several_epochs() {
     std::fs::write(&path, &data).expect("write");
     // SAFETY: private file, never changed.
     let records = unsafe { RecordFile::open_fixed(&path, 4099) }.expect("records");
-    let cfg = LoaderConfig {
-        batch_size: 96,
-        drop_last: false,
-        prefetch: 2,
-        workers: 4,
-        ..LoaderConfig::default()
-    };
+    let cfg = LoaderConfig::default()
+        .with_batch_size(96)
+        .with_drop_last(false)
+        .with_prefetch(2)
+        .with_workers(4);
     let mut loader = BatchLoader::new(
         records,
         Sampler::new(Order::Shuffled { seed: 5 }),

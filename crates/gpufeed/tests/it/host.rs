@@ -34,13 +34,11 @@ fn host_batches_are_byte_exact_and_ordered_by_seed() {
         // SAFETY: the file is private to this test and never changed.
         unsafe { RecordFile::open_fixed(&path, 37) }.expect("records")
     };
-    let cfg = LoaderConfig {
-        batch_size: 64,
-        drop_last: false,
-        prefetch: 3,
-        workers: 3,
-        ..LoaderConfig::default()
-    };
+    let cfg = LoaderConfig::default()
+        .with_batch_size(64)
+        .with_drop_last(false)
+        .with_prefetch(3)
+        .with_workers(3);
     let sampler = Sampler::new(Order::Shuffled { seed: 42 });
     let mut loader = BatchLoader::new(open(), sampler, cfg.clone(), None).expect("loader");
     assert_eq!(loader.batches_per_epoch(), 16);
@@ -105,13 +103,11 @@ fn transforms_indexed_records_and_drop_last() {
     // SAFETY: private files, never changed.
     let records = unsafe { RecordFile::open_indexed(&path, &index) }.expect("records");
     assert_eq!(records.len(), 50);
-    let cfg = LoaderConfig {
-        batch_size: 8,
-        drop_last: true,
-        prefetch: 2,
-        workers: 2,
-        ..LoaderConfig::default()
-    };
+    let cfg = LoaderConfig::default()
+        .with_batch_size(8)
+        .with_drop_last(true)
+        .with_prefetch(2)
+        .with_workers(2);
     let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
         .expect("loader")
         .with_transform(|i, rec, out| {
@@ -179,10 +175,7 @@ fn bad_record_files_and_failing_transforms() {
     let mut loader = BatchLoader::new(
         records,
         Sampler::new(Order::Sequential),
-        LoaderConfig {
-            batch_size: 4,
-            ..Default::default()
-        },
+        LoaderConfig::default().with_batch_size(4),
         None,
     )
     .expect("loader")
@@ -293,12 +286,10 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
         BatchLoader::new(
             records,
             Sampler::new(Order::Sequential),
-            LoaderConfig {
-                batch_size: 4,
-                workers: 2,
-                batch_timeout: std::time::Duration::from_millis(500),
-                ..LoaderConfig::default()
-            },
+            LoaderConfig::default()
+                .with_batch_size(4)
+                .with_workers(2)
+                .with_batch_timeout(std::time::Duration::from_millis(500)),
             None,
         )
         .expect("loader")

@@ -13,13 +13,11 @@ use crate::random_bytes;
 const RECORD: usize = 37;
 
 fn cfg() -> LoaderConfig {
-    LoaderConfig {
-        batch_size: 50,
-        drop_last: false,
-        prefetch: 2,
-        workers: 2,
-        ..LoaderConfig::default()
-    }
+    LoaderConfig::default()
+        .with_batch_size(50)
+        .with_drop_last(false)
+        .with_prefetch(2)
+        .with_workers(2)
 }
 
 fn sampler() -> Sampler {
