@@ -187,7 +187,7 @@ fn summarize(
     }
 }
 
-/// The consumer process: waits for "go", takes the batch, answers "done <t1> <xxh3>".
+/// The consumer process: waits for "go", takes the batch, answers `done <t1> <xxh3>`.
 pub fn consumer(mode: Mode, target: &str, len: usize) -> Result<()> {
     let stdin = std::io::stdin();
     let mut out = std::io::stdout().lock();

@@ -3,9 +3,16 @@
 //! - `bench [ARGS]` — builds the harness in release mode and runs it (the main job); ARGS go to
 //!   `gpufeed-bench` (`--size`, `--batch`, `--reps`, `--json`, `--dir`; see `--help`).
 //! - `ci` — runs `.ci/run`, exactly what CI runs.
+//! - `contracts` — checks the docs' layer contracts and `rust-version` (see [`layers`]).
 //! - `device` — builds release test and bench binaries (without the `hwloc` feature), strips
 //!   them, and writes them with a `run.sh` into `target/device/` for the GPU machine (see
-//!   BENCH.md and docs/benchmarks.md).
+//!   docs/benchmarks.md).
+//!
+//! Its tests (`cargo test -p xtask`) check the workspace's written contracts: every crate's
+//! lib.rs opens with its layer, names what it depends on and shows an example
+//! ([`layers`]), and `rust-version` covers every dependency's.
+
+mod layers;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -23,14 +30,35 @@ fn main() -> Result<()> {
             .arg(root.join(".ci/run"))
             .current_dir(&root)),
         Some("device") => device(&root),
+        Some("contracts") => contracts(&root),
         Some("-h" | "--help") | None => {
             println!(
-                "usage: cargo xtask <task>\n\n  bench [ARGS]  build and run the benchmark harness (ARGS: see `cargo xtask bench --help`)\n  ci            run .ci/run, exactly what CI runs\n  device        pack release test and bench binaries into target/device/ for the GPU machine"
+                "usage: cargo xtask <task>\n\n  bench [ARGS]  build and run the benchmark harness (ARGS: see `cargo xtask bench --help`)\n  ci            run .ci/run, exactly what CI runs\n  device        pack release test and bench binaries into target/device/ for the GPU machine\n  contracts     check every crate's layer, dependency and example docs, and rust-version"
             );
             Ok(())
         }
         Some(other) => bail!("unknown task {other:?}; try `cargo xtask --help`"),
     }
+}
+
+/// The workspace's written contracts ([`layers`]); also run by `cargo test -p xtask`.
+fn contracts(root: &Path) -> Result<()> {
+    let meta = layers::metadata(root)?;
+    let declared = meta
+        .packages
+        .iter()
+        .find(|p| p.name == "gpufeed")
+        .and_then(|p| p.rust_version.clone())
+        .context("the facade declares no rust-version")?;
+    let mut problems = layers::problems(&meta)?;
+    problems.extend(layers::msrv_problems(&meta, &declared));
+    if !problems.is_empty() {
+        bail!("{}", problems.join("\n"));
+    }
+    println!(
+        "every crate states its layer, dependencies and an example; rust-version {declared} covers every dependency"
+    );
+    Ok(())
 }
 
 fn workspace_root() -> PathBuf {
@@ -106,15 +134,27 @@ fn device(root: &Path) -> Result<()> {
     if !output.status.success() {
         bail!("building the test binaries failed");
     }
+    let names_by_id: std::collections::HashMap<String, String> = layers::metadata(root)?
+        .packages
+        .into_iter()
+        .map(|p| (p.id, p.name))
+        .collect();
     let mut names = Vec::new();
     for line in String::from_utf8_lossy(&output.stdout).lines() {
-        if !line.contains("\"reason\":\"compiler-artifact\"") || !line.contains("\"test\":true") {
+        // One JSON message per line; the test executables are compiler artifacts of a test
+        // profile with an executable.
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
             continue;
         }
         let (Some(exe), Some(package), Some(target_name)) = (
-            json_str(line, "executable"),
-            json_str(line, "package_id").and_then(|id| package_name(&id)),
-            json_target_name(line),
+            msg["executable"].as_str(),
+            msg["package_id"]
+                .as_str()
+                .and_then(|id| names_by_id.get(id)),
+            msg["target"]["name"].as_str(),
         ) else {
             continue;
         };
@@ -197,29 +237,4 @@ fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The string value of `"key":"..."` in one line of cargo's JSON (no escapes in these values).
-fn json_str(line: &str, key: &str) -> Option<String> {
-    let pat = format!("\"{key}\":\"");
-    let start = line.find(&pat)? + pat.len();
-    let end = start + line[start..].find('"')?;
-    Some(line[start..end].to_owned())
-}
-
-/// The target's name: the first `"name":"..."` after `"target":{`.
-fn json_target_name(line: &str) -> Option<String> {
-    let at = line.find("\"target\":{")?;
-    json_str(&line[at..], "name")
-}
-
-/// The package name in a cargo package id: `path+file:///w/crates/gpufeed-os#0.1.0` ->
-/// `gpufeed-os` (the directory, when it is the name), `path+file:///w/benches#gpufeed-benches@0.1.0`
-/// -> `gpufeed-benches`.
-fn package_name(id: &str) -> Option<String> {
-    let (path, fragment) = id.split_once('#')?;
-    match fragment.split_once('@') {
-        Some((name, _version)) => Some(name.to_owned()),
-        None => path.rsplit('/').next().map(str::to_owned),
-    }
 }

@@ -1,5 +1,17 @@
-//! `gpufeed`: check a machine, advise where data should live, load files to the GPU, and
-//! manage the page cache and gpufeed's shared memory.
+//! # gpufeed-cli — layer 3 of gpufeed: the `gpufeed` binary
+//!
+//! Checks a machine, advises where data should live, loads files to the GPU, and manages the
+//! page cache and gpufeed's shared memory; every command takes `--json` for scripts and
+//! `--help` for its options.
+//!
+//! Depends on `gpufeed` (the facade) only.
+//!
+//! # Example
+//! ```text
+//! $ gpufeed doctor
+//! $ gpufeed advise data/shard-000.bin --measure
+//! $ gpufeed load model.safetensors --verify --json
+//! ```
 
 #![deny(unsafe_code)]
 

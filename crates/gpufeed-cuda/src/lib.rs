@@ -18,7 +18,30 @@
 //!   registered in one call (bounded by [`TransferConfig::staging_bytes_for`]).
 //!   [`TransferStats`] says where time went.
 //!
-//! Depends on `cudarc` (driver API, dynamic loading), `gpufeed-pinned`, `gpufeed-numa`.
+//! - New device memory filled before it is returned, without `unsafe` or a memset:
+//!   [`Gpu::alloc_filled`] and [`TransferScheduler::upload_new`].
+//! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
+//!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
+//!
+//! Depends on `cudarc` (driver API, dynamic loading), `gpufeed-pinned` (within layer 2: the
+//! staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
+//! of thin `unsafe fn`s returning `Result`.
+//!
+//! # Example
+//! ```
+//! use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
+//! let gpu = match Gpu::open(0) {
+//!     Ok(gpu) => gpu,
+//!     Err(e) if e.is_no_gpu() => return Ok(()), // a machine without a GPU
+//!     Err(e) => return Err(e),
+//! };
+//! let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+//! let data = vec![42u8; (8 << 20) + 3];
+//! let (dev, stats) = sched.upload_new(HostSource::Pageable(&data), DeviceAlloc::Pool)?;
+//! assert_eq!(gpu.to_vec(&dev)?, data);
+//! println!("{:.1} GB/s over {} chunks", stats.gbps(), stats.chunks);
+//! # Ok::<(), gpufeed_cuda::Error>(())
+//! ```
 
 mod error;
 mod gpu;

@@ -170,7 +170,7 @@ pub fn parse_header(header: &[u8], segment_len: u64) -> Result<Layout> {
     if slots == 0 || slots > MAX_SLOTS {
         return bad(format!("{slots} slots"));
     }
-    if slot_bytes == 0 || slot_bytes > MAX_SLOT_BYTES || slot_bytes % SLOT_ALIGN != 0 {
+    if slot_bytes == 0 || slot_bytes > MAX_SLOT_BYTES || !slot_bytes.is_multiple_of(SLOT_ALIGN) {
         return bad(format!("slot size {slot_bytes}"));
     }
     let Some(layout) = Layout::compute(slots, slot_bytes) else {

@@ -25,6 +25,21 @@
 //!
 //! Depends on `gpufeed-os`, `rustix`, `parking_lot` (the heartbeat thread's stop signal) and
 //! `libc` (`pthread_atfork`, to notice forked children without a system call per batch).
+//!
+//! # Example
+//! ```
+//! use std::time::Duration;
+//! use gpufeed_ipc::BatchRing;
+//! // 4 slots of 1 MiB, named so that other processes can `BatchRing::open` it.
+//! let ring = BatchRing::create_unique(4, 1 << 20)?;
+//! let mut claim = ring.claim(Duration::from_secs(1))?; // a producer's side
+//! claim.write_at(0, b"batch 0")?;
+//! claim.set_len(7)?;
+//! claim.publish()?;
+//! let batch = ring.consumer()?.next(Duration::from_secs(1))?; // a consumer's side
+//! assert_eq!(batch.to_vec(), b"batch 0");
+//! # Ok::<(), gpufeed_ipc::Error>(())
+//! ```
 
 #[cfg(not(loom))]
 mod error;

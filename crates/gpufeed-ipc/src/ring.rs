@@ -323,7 +323,7 @@ impl BatchRing {
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.seg.len());
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.seg.len());
         // SAFETY: every offset used is a fixed field inside the validated layout, 4-aligned in a
         // page-aligned mapping that lives as long as self; shared words are only accessed
         // atomically, by every process.
@@ -331,7 +331,7 @@ impl BatchRing {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.seg.len());
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.seg.len());
         // SAFETY: as in u32_at, 8-aligned.
         unsafe { AtomicU64::from_ptr(self.seg.as_ptr().add(off).cast()) }
     }

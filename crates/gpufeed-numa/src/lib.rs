@@ -15,8 +15,11 @@
 //! | `Topology::detect()` | `numactl --hardware` |
 //!
 //! Depends on `gpufeed-os` only (and, with the feature `hwloc`, on `hwlocality`, which links the
-//! hwloc C library). Used by `gpufeed-pinned` (pool buffers first touched on the GPU's node) and
-//! `gpufeed-uring` (IO threads on that node).
+//! hwloc C library).
+//!
+//! Used by `gpufeed-pinned` (pool buffers first touched on the GPU's node), `gpufeed-cuda` (fill
+//! and drain threads bound to that node) and the facade (one-shot staging placed after the
+//! context on machines of several nodes).
 //!
 //! ## Backends
 //! - `/sys` (default, no C library): `devices/system/node/node*/{cpulist,meminfo,distance}` and

@@ -2,9 +2,10 @@
 //!
 //! The operating-system primitives that every other gpufeed crate stands on: shared memory
 //! between processes, file mappings, page locking, page-cache hints and residency, aligned
-//! buffers and the limits of the machine, and the [`Fallback`] type every layer reports. It
-//! depends on `rustix`, `memmap2`, `libc`, `thiserror`, `tracing` and `serde` only: no CUDA, no
-//! hwloc, no io_uring (those live in the crates above it).
+//! buffers and the limits of the machine, and the [`Fallback`] type every layer reports.
+//!
+//! Depends on no other gpufeed crate, and only on `rustix`, `memmap2`, `libc`, `thiserror`,
+//! `tracing` and `serde`: no CUDA, no hwloc, no io_uring (those live in the crates above it).
 //!
 //! | module | what |
 //! |---|---|

@@ -21,9 +21,24 @@
 //!   ([`PoolMode::Cpu`]) it hands out `mlock`ed aligned buffers within `RLIMIT_MEMLOCK` (and
 //!   unlocked ones past it, noted in [`PinnedPool::notes`]) so CPU pipelines run unchanged.
 //!
-//! Only this crate and `gpufeed-cuda` depend on `cudarc` (driver API, loaded dynamically). On
-//! a machine without libcuda every CUDA entry point returns [`Error::NoCudaDriver`] instead of
-//! panicking ([`driver_available`]).
+//! Depends on `gpufeed-os`, `gpufeed-numa` and `cudarc` (driver API, loaded dynamically).
+//!
+//! Only this crate and `gpufeed-cuda` use `cudarc`. On a machine without libcuda every CUDA
+//! entry point returns [`Error::NoCudaDriver`] instead of panicking ([`driver_available`]); raw
+//! driver calls live in one private module of thin `unsafe fn`s returning `Result`.
+//!
+//! # Example
+//! ```
+//! use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode};
+//! // With a GPU: PoolMode::Cuda(context); without one, mlocked memory (runs anywhere).
+//! let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default().with_budget_bytes(Some(64 << 20)))?;
+//! let mut buf = pool.get(100_000)?; // a 128 KiB class buffer, 100 000 bytes visible
+//! buf[..5].copy_from_slice(b"bytes");
+//! drop(buf); // back to the pool, reused by the next get of its class
+//! assert_eq!(pool.get(70_000)?.len(), 70_000);
+//! assert_eq!(pool.stats().allocations, 1);
+//! # Ok::<(), gpufeed_pinned::Error>(())
+//! ```
 
 mod buffer;
 mod driver;

@@ -17,10 +17,10 @@
 //! [`Completion`] hands it back, and a reader never drops a buffer the kernel may still write
 //! (dropping an unfinished iterator waits for the reads in flight).
 //!
-//! [`FaultPlan`] injects short reads, EINTR, EAGAIN, EIO, reordering and delays under any
-//! backend, seeded, for tests.
+//! Depends on `gpufeed-os` and `io-uring`.
 //!
-//! Depends on `gpufeed-os` and `io-uring`; used by `gpufeed-cuda`'s fill sources and the facade.
+//! Used by the facade's `Staged` and `Direct` loads (one reader per fill thread, as a
+//! `gpufeed-cuda` fill source).
 //!
 //! # Example
 //! ```
@@ -45,6 +45,7 @@ mod threads;
 mod uring;
 
 pub use error::{Error, Result};
+#[doc(hidden)]
 pub use fault::FaultPlan;
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};

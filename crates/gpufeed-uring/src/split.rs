@@ -89,7 +89,7 @@ pub(crate) fn split(
     let mut at = mid_start;
     while at < mid_end {
         let n = (mid_end - at).min(block as u64);
-        if mid_dst % m == 0 {
+        if mid_dst.is_multiple_of(m) {
             parts.push(PartPlan {
                 off: at,
                 req: n as usize,

@@ -1,4 +1,4 @@
-//! # gpufeed — feed NVIDIA GPUs with data as fast as the hardware allows
+//! # gpufeed — layer 3 of gpufeed: the facade that feeds NVIDIA GPUs with data as fast as the hardware allows
 //!
 //! The facade over gpufeed's layers (re-exported whole as [`os`], [`numa`], [`uring`],
 //! [`ipc`], [`pinned`], [`cuda`]):
@@ -22,7 +22,22 @@
 //!   [`dataset::BatchLoader`] yielding device batches (host batches without a GPU).
 //!
 //! Without a GPU every GPU call returns an error for which [`Error::is_no_gpu`] is true; the
-//! CPU paths (records, samplers, host batches, every lower layer) keep working.
+//! CPU paths (records, samplers, host batches, every lower layer) keep working. Slower paths
+//! taken are typed [`Fallback`]s in each [`LoadReport`]. The facade has no `unsafe` code of its
+//! own but where it passes on a mapped file's promise (`Strategy::Registered`,
+//! `dataset::RecordFile`).
+//!
+//! Depends on every layer below: `gpufeed-os`, `gpufeed-numa`, `gpufeed-uring`, `gpufeed-ipc`,
+//! `gpufeed-pinned` and `gpufeed-cuda`.
+//!
+//! # Stability
+//! The layers are re-exported whole ([`os`], [`cuda`], ...), so a breaking change in any layer
+//! is a breaking change of `gpufeed`, and the facade's version moves with the highest of them
+//! (as gitoxide's `gix` does with its plumbing crates). While the version is 0.x, a minor
+//! release may break the API; option structs and enums that will grow are
+//! `#[non_exhaustive]` (start from `Default` and use the `with_*` setters), so adding a
+//! setting, a strategy or an error is not a breaking change. Items marked `#[doc(hidden)]` are
+//! test hooks, not API. A user who wants fewer moving parts depends on one layer alone.
 //!
 //! # Example
 //! ```no_run
@@ -36,8 +51,6 @@
 
 pub mod advise;
 pub mod dataset;
-/// Worker processes for the batch loader, through a shared-memory batch ring.
-pub mod dataset_ring;
 pub mod doctor;
 mod error;
 mod load;

@@ -388,12 +388,11 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
         path: index.into(),
         reason,
     };
-    let text = std::fs::read_to_string(index).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => {
-            Error::Os(gpufeed_os::Error::NotFound { path: index.into() })
-        }
-        _ => bad(e.to_string()),
-    })?;
+    // Missing, a directory, a FIFO, unreadable: the one helper's clear errors.
+    let (mut file, _) = gpufeed_os::file::open_regular(index, false)?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut file, &mut text)
+        .map_err(|e| bad(format!("cannot be read as text: {e}")))?;
     shards_of(&text, index)
 }
 

@@ -104,26 +104,17 @@ fn past_the_memlock_limit_buffers_are_unlocked_with_a_note() {
     run_as_child("cpu_pool::child_low_memlock");
 }
 
-/// Runs test `name` of this binary alone in a child process (GPUFEED_IT_CHILD set) and checks
-/// that it passed and printed CHILD-OK.
+/// Runs test `name` of this binary alone in a child process (the testkit's child role set)
+/// and checks that it passed and printed CHILD-OK.
 fn run_as_child(name: &str) {
-    let out = std::process::Command::new(std::env::current_exe().expect("exe"))
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env("GPUFEED_IT_CHILD", "1")
-        .output()
-        .expect("spawn");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("CHILD-OK"),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = gpufeed_testkit::run_child(name, "child", &[]);
+    assert!(out.contains("CHILD-OK"), "{out}");
 }
 
 /// Runs only as the child of the test above (a dispatcher otherwise).
 #[test]
 fn child_low_memlock() {
-    if std::env::var("GPUFEED_IT_CHILD").is_err() {
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).is_err() {
         return;
     }
     use rustix::process::{Resource, Rlimit, setrlimit};
@@ -192,7 +183,7 @@ fn a_missing_numa_node_is_noted_and_buffers_still_work() {
 fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
     use gpufeed_pinned::HostSlab;
     const ME: &str = "cpu_pool::a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes";
-    if std::env::var("GPUFEED_IT_CHILD").is_err() {
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).is_err() {
         run_as_child(ME);
         return;
     }

@@ -200,22 +200,11 @@ fn bad_record_files_and_failing_transforms() {
 #[test]
 fn sampler_from_torchrun_environment() {
     // Only this test sets these variables, in a child process so others are unaffected.
-    if std::env::var("GPUFEED_IT_ENV_CHILD").is_err() {
-        let out = std::process::Command::new(std::env::current_exe().expect("exe"))
-            .args([
-                "host::sampler_from_torchrun_environment",
-                "--exact",
-                "--nocapture",
-            ])
-            .env("GPUFEED_IT_ENV_CHILD", "1")
-            .env("RANK", "1")
-            .env("WORLD_SIZE", "4")
-            .output()
-            .expect("spawn");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).is_err() {
+        gpufeed_testkit::run_child(
+            "host::sampler_from_torchrun_environment",
+            "torchrun-env",
+            &[("RANK", "1".into()), ("WORLD_SIZE", "4".into())],
         );
         return;
     }

@@ -1,11 +1,11 @@
 //! Batch workers in other processes, through a shared-memory ring: the consumer gets the same
 //! batches, in the same order, as the in-process loader.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
+use gpufeed::dataset::ring::{RingLoader, WorkerShare, epoch_batches, produce_epoch};
 use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
-use gpufeed::dataset_ring::{RingLoader, epoch_batches, produce_epoch};
 use gpufeed::ipc::BatchRing;
 
 use crate::random_bytes;
@@ -40,18 +40,9 @@ fn worker_entry() {
         )
     }
     .expect("records");
-    let n = produce_epoch(
-        &ring,
-        &records,
-        &sampler(),
-        &cfg(),
-        1,
-        worker.parse().expect("number"),
-        3,
-        None,
-        Duration::from_secs(30),
-    )
-    .expect("produce");
+    let share = WorkerShare::new(1, worker.parse().expect("number"), 3)
+        .with_timeout(Duration::from_secs(30));
+    let n = produce_epoch(&ring, &records, &sampler(), &cfg(), &share).expect("produce");
     assert!(n > 0);
 }
 
@@ -67,11 +58,12 @@ pub fn check_ring_loader(gpu: Option<&gpufeed::Gpu>) {
     let mut loader = RingLoader::new(&ring, gpu).expect("ring loader");
     let children: Vec<_> = (0..3)
         .map(|w| {
-            Command::new(std::env::current_exe().expect("exe"))
-                .args(["workers::worker_entry", "--exact", "--test-threads=1", "-q"])
-                .env("GPUFEED_IT_WORKER", w.to_string())
-                .env("GPUFEED_IT_RING", &name)
-                .env("GPUFEED_IT_RECORDS", &path)
+            let vars = [
+                ("GPUFEED_IT_WORKER", w.to_string()),
+                ("GPUFEED_IT_RING", name.clone()),
+                ("GPUFEED_IT_RECORDS", path.display().to_string()),
+            ];
+            gpufeed_testkit::child_command("workers::worker_entry", "worker", &vars)
                 .stdout(Stdio::null())
                 .spawn()
                 .expect("spawn worker")

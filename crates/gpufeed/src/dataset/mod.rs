@@ -18,6 +18,8 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{Error, Result};
 use crate::load::DeviceBuffer;
 
+pub mod ring;
+
 #[derive(Debug)]
 enum Records {
     Fixed(usize),
@@ -347,7 +349,7 @@ pub struct LoaderStats {
 /// // SAFETY: the file is not changed while it is used.
 /// let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 10 records of 10 bytes
 /// let sampler = Sampler::new(Order::Shuffled { seed: 7 });
-/// let cfg = LoaderConfig { batch_size: 4, ..LoaderConfig::default() };
+/// let cfg = LoaderConfig::default().with_batch_size(4);
 /// let mut loader = BatchLoader::new(records, sampler, cfg, None)?;
 /// let sizes: Vec<usize> = loader.epoch(0)?.map(|b| b.map(|b| b.indices.len())).collect::<Result<_, _>>()?;
 /// assert_eq!(sizes, [4, 4, 2]);
@@ -560,7 +562,7 @@ pub(crate) fn run_transform(f: &Transform, i: usize, r: &[u8], out: &mut Vec<u8>
 /// Parses a record index (little-endian u64 offsets, at least two, not decreasing, the last
 /// within `data_len`): a file another program wrote, so untrusted. Property-tested below.
 fn parse_record_index(raw: &[u8], data_len: u64) -> std::result::Result<Vec<u64>, String> {
-    if raw.len() % 8 != 0 || raw.len() < 16 {
+    if !raw.len().is_multiple_of(8) || raw.len() < 16 {
         return Err(format!(
             "{} bytes: an index is at least two little-endian u64 offsets",
             raw.len()

@@ -1,5 +1,5 @@
 //! Batches prepared by worker processes: they gather records into the slots of a
-//! [`BatchRing`] (gpufeed-ipc), the training process takes them in order and uploads them
+//! [`BatchRing`], the training process takes them in order and uploads them
 //! straight from the registered shared memory. Start the workers however your launcher does
 //! (each calls [`produce_epoch`] for its share); the consumer is a [`RingLoader`].
 //!
@@ -45,28 +45,68 @@ fn data_offset(records: usize) -> usize {
     header_len(records).next_multiple_of(256)
 }
 
-/// Worker `worker` of `workers` (in its own process) writes its share of `epoch`'s batches —
-/// numbers `worker, worker + workers, ...` — into `ring`, waiting up to `timeout` for each free
-/// slot. Returns how many it wrote.
+/// Which share of which epoch one worker process produces ([`produce_epoch`]).
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct WorkerShare<'a> {
+    /// The epoch.
+    pub epoch: u64,
+    /// This worker's number, below `workers`.
+    pub worker: usize,
+    /// Worker processes in all.
+    pub workers: usize,
+    /// Applied to every record (none: records as they are).
+    pub transform: Option<&'a Transform>,
+    /// Longest wait for a free slot (default 60 s).
+    pub timeout: Duration,
+}
+
+impl<'a> WorkerShare<'a> {
+    /// Worker `worker` of `workers` in `epoch`, records untransformed, 60 s per free slot.
+    pub fn new(epoch: u64, worker: usize, workers: usize) -> Self {
+        WorkerShare {
+            epoch,
+            worker,
+            workers,
+            transform: None,
+            timeout: Duration::from_secs(60),
+        }
+    }
+
+    /// This share with `transform` applied to every record.
+    pub fn with_transform(mut self, transform: &'a Transform) -> Self {
+        self.transform = Some(transform);
+        self
+    }
+
+    /// This share waiting at most `timeout` for each free slot.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// Writes one worker's share of an epoch's batches — numbers `worker, worker + workers, ...` —
+/// into `ring` (from the worker's own process). Returns how many it wrote.
 ///
 /// # Errors
 /// A batch larger than a slot ([`gpufeed_ipc::Error::TooLarge`]: make the slots larger), a
-/// failing transform, ring errors (`ConsumerGone` when the trainer died).
-#[allow(
-    clippy::too_many_arguments,
-    reason = "each setting is a separate, required input of a worker"
-)]
+/// failing transform, ring errors (`ConsumerGone` when the trainer died),
+/// [`Error::InvalidSetting`] for a worker number not below `workers`.
 pub fn produce_epoch(
     ring: &BatchRing,
     records: &RecordFile,
     sampler: &Sampler,
     cfg: &LoaderConfig,
-    epoch: u64,
-    worker: usize,
-    workers: usize,
-    transform: Option<&Transform>,
-    timeout: Duration,
+    share: &WorkerShare<'_>,
 ) -> Result<usize> {
+    let WorkerShare {
+        epoch,
+        worker,
+        workers,
+        transform,
+        timeout,
+    } = *share;
     if workers == 0 || worker >= workers {
         return Err(Error::InvalidSetting(format!(
             "worker {worker} of {workers}: workers must be at least 1 and worker below it"
