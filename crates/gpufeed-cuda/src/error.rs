@@ -48,12 +48,21 @@ pub enum Error {
     },
 
     /// A fill source failed to produce its bytes.
-    #[error("fill source failed at offset {offset}: {message}")]
+    #[error("fill source failed at offset {offset}: {source}")]
     Source {
         /// Where in the source.
         offset: u64,
-        /// Its error, as text.
-        message: String,
+        /// Its error, as the source returned it (downcast it to the source's own error type).
+        #[source]
+        source: crate::SourceError,
+    },
+
+    /// A fill or drain thread of the scheduler panicked (a panicking `FillSource`, or a bug);
+    /// the transfer was abandoned after every copy issued had completed.
+    #[error("a {what} thread panicked; the transfer was abandoned")]
+    ThreadPanicked {
+        /// `"fill"` or `"drain"`.
+        what: &'static str,
     },
 
     /// An error of pinned memory.

@@ -47,6 +47,7 @@ impl FillSource for SliceSource<'_> {
 }
 
 /// Where an upload reads from.
+#[non_exhaustive]
 pub enum HostSource<'a> {
     /// Pinned memory: copied directly, chunk by chunk over the streams.
     Pinned(&'a PinnedBuffer),
@@ -95,6 +96,7 @@ impl HostSource<'_> {
 }
 
 /// Where a download writes to.
+#[non_exhaustive]
 pub enum HostDest<'a> {
     /// Pinned memory: copied directly.
     Pinned(&'a mut PinnedBuffer),
@@ -726,10 +728,7 @@ impl TransferScheduler {
             for h in handles {
                 let (result, (filled, waited)) = h.join().unwrap_or_else(|_| {
                     work.abort.store(true, Ordering::Release);
-                    let panicked = Err(Error::Source {
-                        offset: 0,
-                        message: "a fill thread panicked".into(),
-                    });
+                    let panicked = Err(Error::ThreadPanicked { what: "fill" });
                     (panicked, (Duration::ZERO, Duration::ZERO))
                 });
                 filling += filled;
@@ -781,9 +780,9 @@ impl TransferScheduler {
             let t = Instant::now();
             work.source
                 .fill(off, &mut buf[..size])
-                .map_err(|e| Error::Source {
+                .map_err(|source| Error::Source {
                     offset: off,
-                    message: e.to_string(),
+                    source,
                 })?;
             timers.0 += t.elapsed();
             // SAFETY: the staging buffer is pinned and is not written again before the event
@@ -845,10 +844,8 @@ impl TransferScheduler {
             // A drain thread's failure stops the copies above; report it rather than a short
             // download.
             for d in drains {
-                d.join().map_err(|_| Error::Source {
-                    offset: 0,
-                    message: "a drain thread panicked".into(),
-                })??;
+                d.join()
+                    .map_err(|_| Error::ThreadPanicked { what: "drain" })??;
             }
             issued
         });

@@ -18,6 +18,7 @@ pub const MAX_CLASS: usize = 256 << 20;
 
 /// Where the pool's memory comes from.
 #[derive(Clone)]
+#[non_exhaustive]
 pub enum PoolMode {
     /// Page-locked memory of this context the GPU copies from at full speed: aligned memory
     /// registered with `cuMemHostRegister` (several times cheaper to set up than

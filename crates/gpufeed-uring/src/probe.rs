@@ -4,6 +4,7 @@ use std::fmt;
 
 /// The backend a [`crate::Reader`] uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Backend {
     /// io_uring where it works, else the thread pool (the reason is recorded in the stats). The
     /// environment variable `GPUFEED_IO_BACKEND=uring|threads` overrides it. Decided once, when

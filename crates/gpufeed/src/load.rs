@@ -854,14 +854,17 @@ impl Loader {
         let first = source.reader()?;
         report.io_backend = Some(first.0.backend().to_string());
         source.readers.lock().push(first);
-        let stats = self.sched.upload(
-            HostSource::Fill {
-                source: &source,
-                len: range.end - range.start,
-            },
-            dst,
-            0,
-        )?;
+        let stats = self
+            .sched
+            .upload(
+                HostSource::Fill {
+                    source: &source,
+                    len: range.end - range.start,
+                },
+                dst,
+                0,
+            )
+            .map_err(read_error)?;
         report.copy_waited_s = stats.copy_waited_s;
         report.source_waited_s = stats.source_waited_s;
         // Files are opened with Direct::On or Direct::Off, never Auto: a refused O_DIRECT is
@@ -872,6 +875,22 @@ impl Loader {
             }
         }
         Ok(())
+    }
+}
+
+/// A staged load's error with the file source's own error typed again: the reader's
+/// ([`Error::Read`]: a file that ended early, a failed read) rather than the scheduler's
+/// wrapper around it.
+fn read_error(e: gpufeed_cuda::Error) -> Error {
+    let gpufeed_cuda::Error::Source { offset, source } = e else {
+        return e.into();
+    };
+    match source.downcast::<gpufeed_uring::Error>() {
+        Ok(read) => Error::Read(*read),
+        Err(source) => match source.downcast::<Error>() {
+            Ok(facade) => *facade,
+            Err(source) => gpufeed_cuda::Error::Source { offset, source }.into(),
+        },
     }
 }
 
@@ -992,5 +1011,53 @@ impl FillSource for FileSource {
         let result = reader.read_exact_at(file, self.start + offset, dst);
         self.readers.lock().push((reader, file));
         result.map_err(Into::into)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A staged load whose file ends early reports the reader's typed error, not the
+    /// scheduler's wrapper; other sources' errors keep the wrapper and their chain.
+    #[test]
+    fn a_fill_sources_read_error_is_typed_again() {
+        let eof = gpufeed_uring::Error::UnexpectedEof {
+            path: "f.bin".into(),
+            offset: 4096,
+            got: 10,
+            want: 4096,
+        };
+        let wrapped = gpufeed_cuda::Error::Source {
+            offset: 4096,
+            source: Box::new(eof),
+        };
+        assert!(
+            matches!(
+                read_error(wrapped),
+                Error::Read(gpufeed_uring::Error::UnexpectedEof { got: 10, .. })
+            ),
+            "the reader's error"
+        );
+        let facade = gpufeed_cuda::Error::Source {
+            offset: 0,
+            source: Box::new(Error::InvalidSetting("x".into())),
+        };
+        assert!(matches!(read_error(facade), Error::InvalidSetting(_)));
+        let other = gpufeed_cuda::Error::Source {
+            offset: 7,
+            source: "a decoder failed".into(),
+        };
+        let e = read_error(other);
+        assert!(
+            matches!(
+                &e,
+                Error::Cuda(gpufeed_cuda::Error::Source { offset: 7, .. })
+            ),
+            "{e:?}"
+        );
+        // `Error::Cuda` is transparent: its source is the wrapper's, the decoder's error.
+        let chain = std::error::Error::source(&e).map(ToString::to_string);
+        assert_eq!(chain.as_deref(), Some("a decoder failed"));
     }
 }

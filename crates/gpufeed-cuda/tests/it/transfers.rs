@@ -170,7 +170,7 @@ fn a_failing_source_is_an_error_and_the_scheduler_still_works() {
         )
         .unwrap_err();
     assert!(
-        matches!(&err, gpufeed_cuda::Error::Source { message, .. } if message.contains("on fire")),
+        matches!(&err, gpufeed_cuda::Error::Source { source, .. } if source.to_string().contains("on fire")),
         "{err:?}"
     );
     let data = random_bytes(5 << 20, 7);

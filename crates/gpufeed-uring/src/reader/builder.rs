@@ -14,6 +14,7 @@ use crate::uring::UringEngine;
 
 /// Whether files are read with `O_DIRECT` (bypassing the page cache).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Direct {
     /// Always; a file system that refuses it is an error ([`Error::DirectUnsupported`]).
     On,

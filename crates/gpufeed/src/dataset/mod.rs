@@ -128,6 +128,7 @@ impl RecordFile {
 
 /// The order records are visited in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Order {
     /// 0, 1, 2, ...
     Sequential,
@@ -293,7 +294,7 @@ impl LoaderConfig {
     }
 }
 
-/// Where a batch's bytes are.
+/// Where a batch's bytes are: on the GPU, or on the host without one (exhaustive: match both).
 #[derive(Debug)]
 pub enum BatchData {
     /// In GPU memory.
