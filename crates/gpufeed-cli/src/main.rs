@@ -337,7 +337,11 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
         None
     };
     let mut fallbacks = Vec::new();
-    for f in reports.iter().flat_map(|r| &r.fallbacks) {
+    for f in setup
+        .fallbacks
+        .iter()
+        .chain(reports.iter().flat_map(|r| &r.fallbacks))
+    {
         if !fallbacks.contains(f) {
             fallbacks.push(f.clone());
         }

@@ -19,7 +19,8 @@ pub enum Refused {
     /// Page-locking a file mapping with CUDA (`cuMemHostRegister`), as some containers, WSL
     /// and drivers refuse.
     HostRegistration,
-    /// Reserving pinned staging memory up front.
+    /// Reserving pinned staging memory up front (a memlock or page-locked limit, a failed
+    /// allocation): staging is then allocated on the way.
     StagingReservation,
     /// Placing threads or memory on the GPU's NUMA node.
     NumaPlacement,

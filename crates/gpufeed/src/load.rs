@@ -243,9 +243,13 @@ pub struct LoaderSetup {
     /// Seconds from the call until the loader was ready.
     pub total_seconds: f64,
     /// Bytes of pinned staging reserved for the loads (0 for `Registered`, which stages
-    /// nothing, or where the reservation was refused: see `notes`).
+    /// nothing, or where the reservation was refused: see `fallbacks`).
     pub staging_bytes: u64,
-    /// What did not go as planned (a refused reservation, staging placed after the context).
+    /// Slower paths taken: a refused staging reservation (loads then allocate staging on the
+    /// way), staging that could not be faulted in ahead.
+    pub fallbacks: Vec<Fallback>,
+    /// What else went otherwise than usual (staging placed after the context on a machine of
+    /// several NUMA nodes).
     pub notes: Vec<String>,
 }
 
@@ -306,7 +310,9 @@ pub struct OneShotReport {
     pub staging_bytes: u64,
     /// One report per file loaded.
     pub loads: Vec<LoadReport>,
-    /// What did not go as planned while setting up.
+    /// Slower paths taken while setting up ([`LoaderSetup::fallbacks`]).
+    pub fallbacks: Vec<Fallback>,
+    /// What else went otherwise than usual while setting up ([`LoaderSetup::notes`]).
     pub notes: Vec<String>,
 }
 
@@ -354,6 +360,7 @@ pub(crate) fn one_shot<P, T>(
             bytes: loads.iter().map(|r| r.bytes).sum(),
             staging_bytes: setup.staging_bytes,
             loads,
+            fallbacks: setup.fallbacks,
             notes: setup.notes,
         },
     ))
@@ -436,13 +443,12 @@ impl Loader {
             };
             match sched.reserve_staging(bytes, slab) {
                 Ok(reserved) => setup.staging_bytes = reserved as u64,
-                Err(e) => {
-                    let note = format!(
-                        "pinned staging could not be reserved ({e}); loads allocate it on the way"
-                    );
-                    tracing::warn!("{note}");
-                    setup.notes.push(note);
-                }
+                Err(e) => Fallback::new(
+                    Refused::StagingReservation,
+                    e.to_string(),
+                    "loads allocate their staging on the way",
+                )
+                .push_once(&mut setup.fallbacks),
             }
             setup.staging_seconds = made_s + t.elapsed().as_secs_f64();
         }
@@ -499,7 +505,7 @@ impl Loader {
                 what: "a thread to open the GPU",
                 source,
             })?;
-        let mut notes = Vec::new();
+        let (mut notes, mut fallbacks) = (Vec::new(), Vec::new());
         let hosted = host();
         let slab = match &hosted {
             Ok((_, bytes)) if stages(opts.strategy) => {
@@ -518,7 +524,14 @@ impl Loader {
                         None
                     } else {
                         HostSlab::new(len)
-                            .inspect_err(|e| notes.push(format!("staging not made ahead: {e}")))
+                            .inspect_err(|e| {
+                                Fallback::new(
+                                    Refused::StagingReservation,
+                                    format!("faulting in the staging ahead failed: {e}"),
+                                    "staging made after the context",
+                                )
+                                .push_once(&mut fallbacks);
+                            })
                             .ok()
                             .map(|slab| (slab, t.elapsed().as_secs_f64()))
                     }
@@ -534,6 +547,7 @@ impl Loader {
         let mut loader = Self::with_staging(&gpu, opts, bytes, slab, started)?;
         loader.setup.context_seconds = Some(context_s);
         loader.setup.notes.splice(0..0, notes);
+        loader.setup.fallbacks.splice(0..0, fallbacks);
         Ok((loader, value))
     }
 
