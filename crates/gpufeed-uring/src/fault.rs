@@ -1,7 +1,6 @@
 //! Fault injection: an engine wrapper that makes reads fail or come back short, in a different
-//! order and late, driven by a seed. Used by the tests of every backend, and usable by callers
-//! who want to test their own pipelines against the same faults
-//! ([`crate::ReaderBuilder::fault_injection`]).
+//! order and late, driven by a seed. Used by the tests of every backend through the hidden test
+//! hook `ReaderBuilder::fault_injection` (not API: it may change without notice).
 
 use std::io;
 
