@@ -32,6 +32,19 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// The file system has no room for a file being written.
+    #[error(
+        "{}: not enough space on its file system ({needed} bytes needed); the existing file was \
+         left as it was: free space or write elsewhere",
+        .path.display()
+    )]
+    NoSpace {
+        /// The file that was to be written.
+        path: PathBuf,
+        /// Bytes it needed.
+        needed: u64,
+    },
+
     /// A directory was given where a regular file is needed.
     #[error("{} is a directory; pass a regular file inside it", .path.display())]
     IsDirectory {

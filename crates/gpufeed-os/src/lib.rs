@@ -11,6 +11,7 @@
 //! |---|---|
 //! | [`shm`] | [`ShmSegment`]: POSIX shm (reserved with `fallocate`, mode 0600, checked on open), memfd; [`shm::gc`] for segments of dead processes |
 //! | [`file`](mod@file) | [`file::open_regular`] / [`file::stat_regular`]: regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
+//! | [`atomic`] | [`AtomicFile`]: a file replaced whole or not at all (temporary name, `fsync`, `rename`, directory `fsync`); dead writers' temporary files cleaned |
 //! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
 //! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
@@ -45,6 +46,7 @@
 
 pub mod advise;
 pub mod align;
+pub mod atomic;
 pub mod cache;
 mod error;
 pub mod fallback;
@@ -57,6 +59,7 @@ pub mod shm;
 pub mod sys;
 
 pub use align::AlignedBuf;
+pub use atomic::AtomicFile;
 pub use error::{Error, Result};
 pub use fallback::{Fallback, Refused};
 pub use file::FileIdentity;

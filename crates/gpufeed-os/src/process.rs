@@ -94,6 +94,40 @@ impl ProcessIdentity {
     pub fn is_dead(&self) -> bool {
         self.liveness() == Liveness::Dead
     }
+
+    /// A name part that says which process made it and differs between calls:
+    /// `<pid>-<start ticks>-<pid namespace>-<random hex>` (shared-memory segment names, temporary
+    /// files of [`crate::atomic::AtomicFile`]); [`ProcessIdentity::from_tag`] reads it back.
+    pub fn unique_tag(&self) -> crate::Result<String> {
+        let mut random = [0u8; 8];
+        rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| crate::Error::io("getrandom", None, e))?;
+        Ok(format!(
+            "{}-{}-{}-{:016x}",
+            self.pid,
+            self.start_ticks,
+            self.pid_ns,
+            u64::from_ne_bytes(random)
+        ))
+    }
+
+    /// The process of a [`ProcessIdentity::unique_tag`]. Tags of the earlier form
+    /// `<pid>-<start>-<random hex>` read with namespace 0 (unknown: never judged by their pid).
+    pub fn from_tag(tag: &str) -> Option<Self> {
+        let parts: Vec<&str> = tag.splitn(4, '-').collect();
+        let (pid, start, ns, random) = match parts[..] {
+            [pid, start, ns, random] => (pid, start, ns.parse().ok()?, random),
+            [pid, start, random] => (pid, start, 0, random),
+            _ => return None,
+        };
+        (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(
+            ProcessIdentity {
+                pid_ns: ns,
+                pid: pid.parse().ok()?,
+                start_ticks: start.parse().ok()?,
+            },
+        )
+    }
 }
 
 /// The inode of our PID namespace (0 where /proc cannot tell). `fork` keeps the namespace, and

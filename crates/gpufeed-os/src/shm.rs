@@ -179,17 +179,7 @@ impl ShmOptions {
     pub fn create_unique(&self, len: usize) -> Result<ShmSegment> {
         let owner = ProcessIdentity::current();
         loop {
-            let mut random = [0u8; 8];
-            rustix::rand::getrandom(&mut random, rustix::rand::GetRandomFlags::empty())
-                .map_err(|e| Error::io("getrandom", None, e))?;
-            let name = format!(
-                "{}-{}-{}-{}-{:016x}",
-                self.prefix,
-                owner.pid,
-                owner.start_ticks,
-                owner.pid_ns,
-                u64::from_ne_bytes(random)
-            );
+            let name = format!("{}-{}", self.prefix, owner.unique_tag()?);
             match self.create(&name, len) {
                 Err(Error::ShmExists { .. }) => continue,
                 other => return other,
@@ -550,25 +540,6 @@ impl Drop for ShmSegment {
     }
 }
 
-/// Parses `<pid>-<start>-<pid namespace>-<random hex>`, the part of a generated name after
-/// `<prefix>-`. Names of the earlier form `<pid>-<start>-<random hex>` parse with namespace 0
-/// (unknown: never judged by their pid).
-fn parse_owner(rest: &str) -> Option<ProcessIdentity> {
-    let parts: Vec<&str> = rest.splitn(4, '-').collect();
-    let (pid, start, ns, random) = match parts[..] {
-        [pid, start, ns, random] => (pid, start, ns.parse().ok()?, random),
-        [pid, start, random] => (pid, start, 0, random),
-        _ => return None,
-    };
-    (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(
-        ProcessIdentity {
-            pid_ns: ns,
-            pid: pid.parse().ok()?,
-            start_ticks: start.parse().ok()?,
-        },
-    )
-}
-
 /// A segment found by [`list`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShmEntry {
@@ -603,7 +574,7 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
         let Some(owner) = name
             .strip_prefix(prefix)
             .and_then(|rest| rest.strip_prefix('-'))
-            .and_then(parse_owner)
+            .and_then(ProcessIdentity::from_tag)
         else {
             continue;
         };
@@ -717,7 +688,7 @@ mod tests {
     #[test]
     fn owner_tags_parse() {
         assert_eq!(
-            parse_owner("123-456-00ff"),
+            ProcessIdentity::from_tag("123-456-00ff"),
             Some(ProcessIdentity {
                 pid_ns: 0,
                 pid: 123,
@@ -725,17 +696,17 @@ mod tests {
             })
         );
         assert_eq!(
-            parse_owner("123-456-4026531836-00ff"),
+            ProcessIdentity::from_tag("123-456-4026531836-00ff"),
             Some(ProcessIdentity {
                 pid_ns: 4026531836,
                 pid: 123,
                 start_ticks: 456
             })
         );
-        assert_eq!(parse_owner("123-456-ns-00ff"), None);
-        assert_eq!(parse_owner("123-456-"), None);
-        assert_eq!(parse_owner("123-456-xyz"), None);
-        assert_eq!(parse_owner("abc-456-00"), None);
-        assert_eq!(parse_owner("123"), None);
+        assert_eq!(ProcessIdentity::from_tag("123-456-ns-00ff"), None);
+        assert_eq!(ProcessIdentity::from_tag("123-456-"), None);
+        assert_eq!(ProcessIdentity::from_tag("123-456-xyz"), None);
+        assert_eq!(ProcessIdentity::from_tag("abc-456-00"), None);
+        assert_eq!(ProcessIdentity::from_tag("123"), None);
     }
 }
