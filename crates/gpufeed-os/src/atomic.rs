@@ -216,7 +216,10 @@ mod tests {
         let tag = name
             .strip_prefix(".w.safetensors.gpufeed-tmp-")
             .expect("prefix");
-        assert_eq!(ProcessIdentity::from_tag(tag), Some(ProcessIdentity::current()));
+        assert_eq!(
+            ProcessIdentity::from_tag(tag),
+            Some(ProcessIdentity::current())
+        );
         assert_eq!(f.path().parent(), Some(dir.path()));
         assert_eq!(f.file().metadata().expect("meta").len(), 10_000);
         drop(f);
@@ -230,21 +233,33 @@ mod tests {
         let target = dir.path().join("ckpt.bin");
         let me = ProcessIdentity::current();
         // A pid above any pid_max (2^22) in our namespace: known dead.
-        let dead = ProcessIdentity {
-            pid: 1 << 23,
-            ..me
-        };
+        let dead = ProcessIdentity { pid: 1 << 23, ..me };
         let other_ns = ProcessIdentity {
             pid_ns: me.pid_ns.wrapping_add(1),
             pid: 1 << 23,
             ..me
         };
         let names = [
-            (format!(".ckpt.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag")), true),
-            (format!(".ckpt.bin.gpufeed-tmp-{}", me.unique_tag().expect("tag")), false),
-            (format!(".ckpt.bin.gpufeed-tmp-{}", other_ns.unique_tag().expect("tag")), false),
+            (
+                format!(".ckpt.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag")),
+                true,
+            ),
+            (
+                format!(".ckpt.bin.gpufeed-tmp-{}", me.unique_tag().expect("tag")),
+                false,
+            ),
+            (
+                format!(
+                    ".ckpt.bin.gpufeed-tmp-{}",
+                    other_ns.unique_tag().expect("tag")
+                ),
+                false,
+            ),
             (".ckpt.bin.gpufeed-tmp-not-a-tag".to_owned(), false),
-            (format!(".other.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag")), false),
+            (
+                format!(".other.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag")),
+                false,
+            ),
         ];
         for (n, _) in &names {
             std::fs::write(dir.path().join(n), b"partial").expect("write");

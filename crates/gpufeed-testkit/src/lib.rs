@@ -221,3 +221,43 @@ pub fn mkfifo(path: &std::path::Path) {
         std::io::Error::last_os_error()
     );
 }
+
+/// A tmpfs of a given size mounted in a temporary directory (unmounted on drop): a full file
+/// system for real (`ENOSPC`), as root.
+pub struct TinyTmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl TinyTmpfs {
+    /// Mounts a tmpfs of `size` (`mount -o size=...`, e.g. `"1m"`); the reason where it cannot
+    /// (not root, no `mount`): callers skip with it via [`skip_unless_root`].
+    pub fn mount(size: &str) -> Result<Self, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        }
+        Ok(TinyTmpfs { dir })
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for TinyTmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}

@@ -43,6 +43,18 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// A write failed.
+    #[error("write of {} at offset {offset} failed: {source}", .path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Offset of the failed piece.
+        offset: u64,
+        /// The kernel's error.
+        #[source]
+        source: io::Error,
+    },
+
     /// A backend that was asked for explicitly cannot run here.
     #[error("the {backend} backend is unavailable: {reason}")]
     BackendUnavailable {

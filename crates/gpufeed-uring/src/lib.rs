@@ -1,4 +1,4 @@
-//! # gpufeed-uring — layer 1 of gpufeed: reads at the disk's speed
+//! # gpufeed-uring — layer 1 of gpufeed: reads and writes at the disk's speed
 //!
 //! A [`Reader`] reads byte ranges of files into buffers the caller owns, many at once, through
 //! io_uring or — where io_uring is refused (old kernels, Docker's default seccomp profile,
@@ -17,10 +17,15 @@
 //! [`Completion`] hands it back, and a reader never drops a buffer the kernel may still write
 //! (dropping an unfinished iterator waits for the reads in flight).
 //!
+//! A [`Writer`] is the way back: byte ranges from caller buffers into a file, many pieces in
+//! flight (io_uring, else threads doing `pwrite`), `O_DIRECT` for the aligned part where the file
+//! system takes it and buffered writes for an unaligned tail, each call returning only when the
+//! kernel is done with the buffer. Fallbacks of both are [`Fallback`]s.
+//!
 //! Depends on `gpufeed-os` and `io-uring`.
 //!
 //! Used by the facade's `Staged` and `Direct` loads (one reader per fill thread, as a
-//! `gpufeed-cuda` fill source).
+//! `gpufeed-cuda` fill source) and by its saves (a writer).
 //!
 //! # Example
 //! ```
@@ -43,6 +48,7 @@ mod reader;
 mod split;
 mod threads;
 mod uring;
+mod writer;
 
 pub use error::{Error, Result};
 #[doc(hidden)]
@@ -53,3 +59,4 @@ pub use probe::{BACKEND_ENV, Backend, BackendKind, Probe, UringUnavailable};
 pub use reader::{
     Completion, Direct, FileId, FileReport, IoBufMut, ReadOp, ReadStats, Reader, ReaderBuilder,
 };
+pub use writer::{WriteStats, Writer, WriterBuilder};

@@ -272,43 +272,9 @@ fn accesses_out_of_bounds_are_errors() {
     assert_eq!(locked.len(), 4096);
 }
 
-/// Mounts a tmpfs of `size` in a temporary directory; unmounted on drop.
-struct TinyTmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl TinyTmpfs {
-    fn mount(size: &str) -> Result<Self, String> {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let out = std::process::Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
-            .arg(dir.path())
-            .output()
-            .map_err(|e| format!("mount: {e}"))?;
-        if !out.status.success() {
-            return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
-        }
-        Ok(TinyTmpfs { dir })
-    }
-}
-
-impl Drop for TinyTmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg(self.dir.path())
-            .status();
-    }
-}
-
 #[test]
 fn full_shm_fails_at_create_with_the_fix_in_the_message() {
-    let tiny = match TinyTmpfs::mount("1m") {
+    let tiny = match gpufeed_testkit::TinyTmpfs::mount("1m") {
         Ok(t) => t,
         Err(why) => {
             gpufeed_testkit::skip_unless_root(
@@ -318,7 +284,7 @@ fn full_shm_fails_at_create_with_the_fix_in_the_message() {
             return;
         }
     };
-    let options = ShmOptions::new().dir(tiny.dir.path());
+    let options = ShmOptions::new().dir(tiny.path());
     let err = options.create("big", 4 << 20).unwrap_err();
     match &err {
         Error::ShmNoSpace {
@@ -339,7 +305,7 @@ fn full_shm_fails_at_create_with_the_fix_in_the_message() {
         "{msg}"
     );
     assert_eq!(
-        std::fs::read_dir(tiny.dir.path()).expect("list").count(),
+        std::fs::read_dir(tiny.path()).expect("list").count(),
         0,
         "the failed create left a file behind"
     );

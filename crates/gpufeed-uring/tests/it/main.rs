@@ -1,10 +1,12 @@
 //! Integration tests of gpufeed-uring: real files on disk, both backends, O_DIRECT on and off,
-//! injected faults, and io_uring refused for real by a seccomp filter in a child process.
+//! injected faults, io_uring refused for real by a seccomp filter in a child process, and the
+//! writer (a full tmpfs for ENOSPC).
 
 mod child;
 mod errors;
 mod exact;
 mod faults;
+mod write;
 
 use std::path::PathBuf;
 
