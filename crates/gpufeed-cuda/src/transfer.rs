@@ -102,6 +102,14 @@ pub enum HostDest<'a> {
     Pinned(&'a mut PinnedBuffer),
     /// Ordinary memory: through pinned staging buffers, copied out by the fill threads.
     Pageable(&'a mut [u8]),
+    /// Bytes `[offset, offset + len)` of a pooled buffer (pinned in CUDA mode), `len` the
+    /// source's length: copied directly; several downloads fill one buffer piece by piece.
+    PooledAt {
+        /// The buffer.
+        buffer: &'a mut PooledBuffer,
+        /// Where in it the bytes go.
+        offset: usize,
+    },
 }
 
 /// Settings of a [`TransferScheduler`]: start from the default and change what you need (new
@@ -519,14 +527,21 @@ impl TransferScheduler {
     where
         S: DevicePtr<u8> + DeviceSlice<u8>,
     {
-        let dst_len = match &dst {
-            HostDest::Pinned(b) => b.len(),
-            HostDest::Pageable(s) => s.len(),
+        let (dst_len, offset) = match &dst {
+            HostDest::Pinned(b) => (b.len(), 0),
+            HostDest::Pageable(s) => (s.len(), 0),
+            HostDest::PooledAt { buffer, offset } => (buffer.len(), *offset),
         };
-        if dst_len != src.len() {
+        let fits = match dst {
+            HostDest::PooledAt { .. } => offset
+                .checked_add(src.len())
+                .is_some_and(|end| end <= dst_len),
+            _ => dst_len == src.len(),
+        };
+        if !fits {
             return Err(Error::OutOfBounds {
                 len: src.len() as u64,
-                offset: 0,
+                offset: offset as u64,
                 capacity: dst_len as u64,
             });
         }
@@ -540,6 +555,11 @@ impl TransferScheduler {
         let mut stats = match dst {
             HostDest::Pinned(b) => self.download_direct(dptr, b.as_mut_ptr(), b.len())?,
             HostDest::Pageable(s) => self.download_staged(dptr, s)?,
+            HostDest::PooledAt { buffer, offset } => {
+                // SAFETY: `offset + src.len() <= buffer.len()` was checked above.
+                let at = unsafe { buffer.as_mut_ptr().add(offset) };
+                self.download_direct(dptr, at, src.len())?
+            }
         };
         Self::main_after_streams(&self.streams, &main)?;
         drop(read_guard);

@@ -55,6 +55,7 @@ pub mod doctor;
 mod error;
 mod load;
 pub mod safetensors;
+mod save;
 pub mod units;
 
 pub use error::{Error, Result};
@@ -64,6 +65,7 @@ pub use load::{
     DeviceBuffer, LoadOptions, LoadReport, Loader, LoaderSetup, OneShotReport, Strategy, load_file,
     load_file_on,
 };
+pub use save::{Piece, SaveOptions, SaveReport, Saver, save_file};
 
 pub use gpufeed_cuda as cuda;
 pub use gpufeed_ipc as ipc;

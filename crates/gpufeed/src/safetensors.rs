@@ -1,4 +1,5 @@
-//! safetensors checkpoints to GPU memory: one bulk transfer per file, a named view per tensor.
+//! safetensors checkpoints to GPU memory (one bulk transfer per file, a named view per tensor)
+//! and back to files ([`save`], [`save_sharded`]: crash-safe, `O_DIRECT` where it works).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -11,6 +12,7 @@ pub use safetensors::Dtype;
 
 use crate::error::{Error, Result};
 use crate::load::{DeviceBuffer, LoadOptions, LoadReport, Loader};
+use crate::save::{Piece, SaveReport, Saver};
 
 /// Where one tensor lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -437,6 +439,169 @@ fn shards_of(text: &str, index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String
         .into_iter()
         .map(|(f, names)| (dir.join(f), Some(names)))
         .collect())
+}
+
+/// A tensor to save: its name, element type, shape, and bytes (on the GPU or the host).
+#[derive(Debug, Clone, Copy)]
+pub struct SaveTensor<'a> {
+    /// The name (unique in the checkpoint; not `__metadata__`).
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape (row-major).
+    pub shape: &'a [usize],
+    /// The bytes: exactly the shape's element count times the dtype's size.
+    pub data: Piece<'a>,
+}
+
+/// The data bytes of `t`, checked against its dtype and shape.
+fn tensor_bytes(t: &SaveTensor<'_>) -> Result<usize> {
+    let bad = |why: String| Error::InvalidSetting(format!("tensor {:?}: {why}", t.name));
+    if t.name.is_empty() || t.name == "__metadata__" {
+        return Err(bad(
+            "a tensor needs a name other than \"\" and __metadata__".into(),
+        ));
+    }
+    let bits = t
+        .shape
+        .iter()
+        .try_fold(t.dtype.bitsize(), |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| bad(format!("shape {:?} overflows", t.shape)))?;
+    if bits % 8 != 0 {
+        return Err(bad(format!(
+            "{} elements of {} do not fill whole bytes",
+            t.shape.iter().product::<usize>(),
+            t.dtype
+        )));
+    }
+    let len = match t.data {
+        Piece::Device(v) => v.len(),
+        Piece::Host(b) => b.len(),
+    };
+    if len != bits / 8 {
+        return Err(bad(format!(
+            "{} {:?} is {} bytes, but {len} bytes were given",
+            t.dtype,
+            t.shape,
+            bits / 8
+        )));
+    }
+    Ok(len)
+}
+
+/// The file's head: the header's length (u64 LE) and its JSON, padded with spaces so that the
+/// data starts on a 4 KiB boundary (written with `O_DIRECT` like the rest).
+fn save_head(
+    tensors: &[SaveTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let mut map = serde_json::Map::new();
+    if let Some(m) = metadata {
+        map.insert("__metadata__".into(), serde_json::json!(m));
+    }
+    let mut offset = 0usize;
+    for t in tensors {
+        let len = tensor_bytes(t)?;
+        let entry = serde_json::json!({
+            "dtype": t.dtype,
+            "shape": t.shape,
+            "data_offsets": [offset, offset + len],
+        });
+        if map.insert(t.name.to_owned(), entry).is_some() {
+            return Err(Error::InvalidSetting(format!(
+                "tensor {:?} is given twice",
+                t.name
+            )));
+        }
+        offset += len;
+    }
+    let mut json = serde_json::to_vec(&map)
+        .map_err(|e| Error::InvalidSetting(format!("the header cannot be written: {e}")))?;
+    let padded = (8 + json.len()).next_multiple_of(4096) - 8;
+    json.resize(padded, b' ');
+    let mut head = (padded as u64).to_le_bytes().to_vec();
+    head.extend_from_slice(&json);
+    Ok(head)
+}
+
+/// Saves `tensors` (GPU or host memory) with optional `metadata` as one safetensors file at
+/// `path`, replacing it whole (crash-safe, see [`Saver`]). The header is padded so that the data
+/// starts on a 4 KiB boundary; the file loads with gpufeed, the `safetensors` crate and
+/// `safetensors.torch.load_file`.
+///
+/// # Errors
+/// [`Error::InvalidSetting`] for a tensor whose bytes do not match its dtype and shape, a
+/// duplicate or reserved name; then [`Saver::save_file`]'s.
+///
+/// # Example
+/// ```
+/// use gpufeed::safetensors::{Dtype, SaveTensor, save};
+/// use gpufeed::{Piece, SaveOptions, Saver};
+/// # let dir = tempfile::tempdir()?;
+/// let saver = Saver::host(SaveOptions::default())?; // Saver::new(&gpu, ..) for GPU memory
+/// let w = vec![0u8; 4 * 6];
+/// let t = SaveTensor { name: "w", dtype: Dtype::F32, shape: &[2, 3], data: Piece::Host(&w) };
+/// let report = save(&saver, &[t], None, dir.path().join("model.safetensors"))?;
+/// assert_eq!(report.bytes, 4096 + 24);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn save(
+    saver: &Saver,
+    tensors: &[SaveTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    path: impl AsRef<Path>,
+) -> Result<SaveReport> {
+    let head = save_head(tensors, metadata)?;
+    let pieces: Vec<Piece<'_>> = tensors.iter().map(|t| t.data).collect();
+    saver.save_pieces(&head, &pieces, path.as_ref())
+}
+
+/// Saves `tensors` as shards of at most `max_shard_bytes` of data each (a tensor larger than
+/// that gets a shard of its own), `<prefix>-00001-of-0000N.safetensors` in `dir`, and the index
+/// `<prefix>.safetensors.index.json` (`metadata.total_size`, `weight_map`) written last, so
+/// that a crash leaves the old index, which names the old shards. Returns one report per shard;
+/// load it back with [`load`] on the index.
+pub fn save_sharded(
+    saver: &Saver,
+    tensors: &[SaveTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    dir: impl AsRef<Path>,
+    prefix: &str,
+    max_shard_bytes: u64,
+) -> Result<Vec<SaveReport>> {
+    let dir = dir.as_ref();
+    let mut shards: Vec<Vec<SaveTensor<'_>>> = vec![Vec::new()];
+    let mut in_shard = 0u64;
+    for t in tensors {
+        let len = tensor_bytes(t)? as u64;
+        let last = shards.last_mut().expect("one shard at least");
+        if !last.is_empty() && in_shard + len > max_shard_bytes {
+            shards.push(Vec::new());
+            in_shard = 0;
+        }
+        shards.last_mut().expect("one shard at least").push(*t);
+        in_shard += len;
+    }
+    let n = shards.len();
+    let mut weight_map = BTreeMap::new();
+    let mut reports = Vec::with_capacity(n);
+    let mut total = 0u64;
+    for (i, shard) in shards.iter().enumerate() {
+        let file = format!("{prefix}-{:05}-of-{n:05}.safetensors", i + 1);
+        for t in shard {
+            weight_map.insert(t.name.to_owned(), file.clone());
+            total += tensor_bytes(t)? as u64;
+        }
+        reports.push(save(saver, shard, metadata, dir.join(&file))?);
+    }
+    let index = serde_json::json!({
+        "metadata": { "total_size": total },
+        "weight_map": weight_map,
+    });
+    let text = serde_json::to_vec_pretty(&index)
+        .map_err(|e| Error::InvalidSetting(format!("the index cannot be written: {e}")))?;
+    saver.save_bytes(&text, dir.join(format!("{prefix}.safetensors.index.json")))?;
+    Ok(reports)
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 mod gpu;
 mod host;
 mod oneshot;
+mod save;
 mod workers;
 
 use gpufeed::Gpu;

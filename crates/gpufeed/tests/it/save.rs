@@ -1,0 +1,335 @@
+//! Saves on the CPU machine (host memory through the same windows and writer as GPU saves):
+//! bytes exact at unaligned sizes, safetensors that load back with the `safetensors` crate,
+//! a full file system, and processes SIGKILLed mid-save that never leave a broken target.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use gpufeed::safetensors::{Dtype, SaveTensor, save, save_sharded};
+use gpufeed::{Piece, SaveOptions, Saver};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::random_bytes;
+
+fn saver() -> Saver {
+    // Small windows, so that a few MiB take several of them.
+    Saver::host(SaveOptions::default().with_window_bytes(1 << 20)).expect("host saver")
+}
+
+fn temporaries(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .expect("ls")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".gpufeed-tmp-"))
+        .collect()
+}
+
+#[test]
+fn saved_bytes_are_exact_and_replace_the_old_file() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("blob.bin");
+    std::fs::write(&path, b"the old contents").expect("old");
+    let saver = saver();
+    let seed = gpufeed_testkit::seed("saved_bytes_are_exact");
+    for (k, len) in [0usize, 1, 4097, (5 << 20) + 3].into_iter().enumerate() {
+        let data = random_bytes(len, seed ^ k as u64);
+        let report = saver.save_bytes(&data, &path).expect("save");
+        assert_eq!(report.bytes, len as u64);
+        let back = std::fs::read(&path).expect("read");
+        assert_eq!(xxh3_64(&back), xxh3_64(&data), "{len} B");
+        if len >= 1 << 20 && report.fallbacks.is_empty() {
+            assert!(report.direct_bytes > 0, "{report:?}");
+        }
+        assert!(temporaries(dir.path()).is_empty());
+    }
+}
+
+#[test]
+fn safetensors_saved_from_host_memory_load_with_the_safetensors_crate() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let dtypes = [Dtype::U8, Dtype::F16, Dtype::BF16, Dtype::F32, Dtype::I64];
+    let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = dtypes
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            let shape = vec![3 + i, 1001 + 7 * i];
+            let len = shape.iter().product::<usize>() * d.bitsize() / 8;
+            (format!("layer{i}.w"), d, shape, random_bytes(len, i as u64))
+        })
+        .collect();
+    let tensors: Vec<SaveTensor<'_>> = data
+        .iter()
+        .map(|(n, d, s, b)| SaveTensor {
+            name: n,
+            dtype: *d,
+            shape: s,
+            data: Piece::Host(b),
+        })
+        .collect();
+    let meta = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+    let saver = saver();
+    let path = dir.path().join("model.safetensors");
+    save(&saver, &tensors, Some(&meta), &path).expect("save");
+    let bytes = std::fs::read(&path).expect("read");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("8")) as usize;
+    assert_eq!(
+        (8 + header_len) % 4096,
+        0,
+        "the data starts on a 4 KiB boundary"
+    );
+    let (_, parsed_meta) = safetensors::SafeTensors::read_metadata(&bytes).expect("metadata");
+    assert_eq!(
+        parsed_meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("format")),
+        Some(&"pt".to_owned())
+    );
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("the safetensors crate reads it");
+    for (n, d, s, b) in &data {
+        let t = st.tensor(n).expect("tensor");
+        assert_eq!((t.dtype(), t.shape()), (*d, &s[..]), "{n}");
+        assert_eq!(xxh3_64(t.data()), xxh3_64(b), "{n}");
+    }
+    // Sharded: each shard and the index are valid, and together hold every tensor.
+    let shard_dir = dir.path().join("sharded");
+    std::fs::create_dir(&shard_dir).expect("mkdir");
+    let reports =
+        save_sharded(&saver, &tensors, Some(&meta), &shard_dir, "model", 30_000).expect("sharded");
+    assert!(reports.len() > 1, "{} shards", reports.len());
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(shard_dir.join("model.safetensors.index.json")).expect("index"),
+    )
+    .expect("json");
+    for (n, _, _, b) in &data {
+        let file = index["weight_map"][n].as_str().expect("mapped");
+        let shard = std::fs::read(shard_dir.join(file)).expect("shard");
+        let st = safetensors::SafeTensors::deserialize(&shard).expect("shard parses");
+        assert_eq!(
+            xxh3_64(st.tensor(n).expect("in its shard").data()),
+            xxh3_64(b)
+        );
+    }
+    let total: u64 = data.iter().map(|d| d.3.len() as u64).sum();
+    assert_eq!(index["metadata"]["total_size"], total);
+}
+
+#[test]
+fn tensors_that_do_not_match_their_shape_are_refused_and_nothing_is_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("bad.safetensors");
+    let b = vec![0u8; 10];
+    let saver = saver();
+    let cases = [
+        (
+            SaveTensor {
+                name: "a",
+                dtype: Dtype::F32,
+                shape: &[3],
+                data: Piece::Host(&b),
+            },
+            "12 bytes",
+        ),
+        (
+            SaveTensor {
+                name: "",
+                dtype: Dtype::U8,
+                shape: &[10],
+                data: Piece::Host(&b),
+            },
+            "needs a name",
+        ),
+    ];
+    for (t, why) in cases {
+        let err = save(&saver, &[t], None, &path).unwrap_err();
+        assert!(matches!(err, gpufeed::Error::InvalidSetting(_)), "{err:?}");
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    let t = SaveTensor {
+        name: "a",
+        dtype: Dtype::U8,
+        shape: &[10],
+        data: Piece::Host(&b),
+    };
+    let err = save(&saver, &[t, t], None, &path).unwrap_err();
+    assert!(err.to_string().contains("twice"), "{err}");
+    assert!(!path.exists());
+    assert!(temporaries(dir.path()).is_empty());
+    let err = saver
+        .save_bytes(b"x", dir.path().join("missing/f.bin"))
+        .unwrap_err();
+    assert!(
+        matches!(err, gpufeed::Error::Os(gpufeed::os::Error::NotFound { .. })),
+        "{err:?}"
+    );
+    let err = saver.save_bytes(b"x", dir.path()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            gpufeed::Error::Os(gpufeed::os::Error::IsDirectory { .. })
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_full_file_system_is_a_clear_error_and_the_old_file_stays() {
+    let tiny = match gpufeed_testkit::TinyTmpfs::mount("2m") {
+        Ok(t) => t,
+        Err(why) => {
+            gpufeed_testkit::skip_unless_root(
+                "a_full_file_system_is_a_clear_error",
+                &format!("cannot mount a tmpfs here ({why})"),
+            );
+            return;
+        }
+    };
+    let path = tiny.path().join("ckpt.bin");
+    let old = random_bytes(100_000, 1);
+    std::fs::write(&path, &old).expect("old");
+    let err = saver().save_bytes(&vec![7u8; 4 << 20], &path).unwrap_err();
+    assert!(
+        matches!(err, gpufeed::Error::Os(gpufeed::os::Error::NoSpace { .. })),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("left as it was"), "{err}");
+    assert_eq!(std::fs::read(&path).expect("old"), old);
+    assert!(
+        temporaries(tiny.path()).is_empty(),
+        "{:?}",
+        temporaries(tiny.path())
+    );
+}
+
+/// The version a crash-test checkpoint holds, from its metadata, with its data checked.
+fn saved_version(path: &Path) -> Result<u64, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("read: {e}"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("parse: {e:?}"))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| format!("{e:?}"))?;
+    let v: u64 = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("version"))
+        .and_then(|v| v.parse().ok())
+        .ok_or("no version")?;
+    let data = st.tensor("data").map_err(|e| format!("{e:?}"))?;
+    if data.data() != &version_data(v)[..] {
+        return Err(format!("version {v}: data differs"));
+    }
+    Ok(v)
+}
+
+/// The crash test's tensor bytes for version `v` (sizes differ between versions).
+fn version_data(v: u64) -> Vec<u8> {
+    random_bytes((2 << 20) + 4096 * (v as usize % 5) + 13, v)
+}
+
+fn save_version(saver: &Saver, path: &Path, v: u64) {
+    let data = version_data(v);
+    let shape = [data.len()];
+    let t = SaveTensor {
+        name: "data",
+        dtype: Dtype::U8,
+        shape: &shape,
+        data: Piece::Host(&data),
+    };
+    let meta = BTreeMap::from([("version".to_owned(), v.to_string())]);
+    save(saver, &[t], Some(&meta), path).expect("save");
+}
+
+/// Child role: saves versions `GPUFEED_IT_FROM`, +1, ... of the checkpoint until killed.
+#[test]
+fn crash_saver_child() {
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok("crash-saver") {
+        return;
+    }
+    let path = std::path::PathBuf::from(std::env::var("GPUFEED_IT_PATH").expect("path"));
+    let from: u64 = std::env::var("GPUFEED_IT_FROM")
+        .expect("from")
+        .parse()
+        .expect("number");
+    let saver = saver();
+    std::fs::write(std::env::var("GPUFEED_IT_MARK").expect("mark"), b"").expect("mark");
+    for v in from.. {
+        save_version(&saver, &path, v);
+    }
+}
+
+/// 60 saver processes killed with SIGKILL at random points of their saves: the target is
+/// always a complete checkpoint of one saved version, and the next save removes every
+/// temporary file the killed ones left.
+#[test]
+fn processes_killed_mid_save_never_leave_a_broken_checkpoint() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("ckpt.safetensors");
+    let saver = saver();
+    let t = std::time::Instant::now();
+    save_version(&saver, &path, 0);
+    // Kills land from the child's first save to about three saves later.
+    let span_us = (3 * t.elapsed().as_micros() as u64).max(4_000);
+    let mark = dir.path().join("started");
+    let seed = gpufeed_testkit::seed("processes_killed_mid_save");
+    let mut rng = seed;
+    let mut last = 0;
+    let mut mid_save = 0;
+    let mut advanced = 0;
+    for round in 0..60u64 {
+        let from = 1000 * (round + 1);
+        let mut child = gpufeed_testkit::child_command(
+            "save::crash_saver_child",
+            "crash-saver",
+            &[
+                ("GPUFEED_IT_PATH", path.display().to_string()),
+                ("GPUFEED_IT_FROM", from.to_string()),
+                ("GPUFEED_IT_MARK", mark.display().to_string()),
+            ],
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        // Wait until the child is about to save (its start-up varies with the machine's load).
+        let waited = std::time::Instant::now();
+        while !mark.exists() && waited.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        std::thread::sleep(Duration::from_micros((rng >> 33) % span_us));
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reap");
+        let _ = std::fs::remove_file(&mark);
+        let v = saved_version(&path).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert!(
+            v == last || v >= from,
+            "round {round}: version {v} after {last}"
+        );
+        advanced += usize::from(v != last);
+        last = v;
+        mid_save += usize::from(!temporaries(dir.path()).is_empty());
+    }
+    eprintln!("{mid_save} of 60 kills left a temporary file behind; {advanced} saved a version");
+    assert!(
+        mid_save > 0,
+        "no kill landed mid-save: the test did not test"
+    );
+    assert!(
+        advanced > 0,
+        "no child completed a save: the test did not test"
+    );
+    // Each child removed the temporaries of the ones killed before it; the next save here
+    // removes the last one's.
+    let left = temporaries(dir.path());
+    let report = saver.save_bytes(b"final", &path).expect("final save");
+    assert_eq!(report.cleaned.len(), left.len(), "{report:?}");
+    assert!(
+        temporaries(dir.path()).is_empty(),
+        "{:?}",
+        temporaries(dir.path())
+    );
+    assert_eq!(std::fs::read(&path).expect("read"), b"final");
+}
