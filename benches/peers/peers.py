@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The peers of gpufeed's GPU bench, measured in the same run on the same files.
 
-Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> list of GB/s.
+Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> list of GB/s
+       (loads, and saves of the checkpoint's GPU tensors back to files).
        peers.py --one-shot SAFETENSORS   -> (internal) one fresh-process load, timed.
 Every peer is optional: one that cannot run reports {"error": "..."} instead.
 kvikio and fastsafetensors come from wheels (BENCH.md); torch, numpy, cupy and safetensors are
@@ -149,6 +150,42 @@ def main():
         return timed(load, st_size, reps)
 
     peer("fastsafetensors (nogds)", fst_runs)
+
+    # Saves (table 8's peers): the checkpoint's tensors on the GPU written back to a file in the
+    # bench's directory, synced (os.fsync) so that the figure is the disk's, not the page cache's.
+    out_dir = os.path.dirname(os.path.abspath(st_path))
+
+    def synced(write, out):
+        def run():
+            write(out)
+            fd = os.open(out, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        return run
+
+    def save_runs(name, write):
+        from safetensors.torch import load_file
+
+        tensors = load_file(st_path, device="cuda")
+        sync()
+        out = os.path.join(out_dir, f"peer-save-{name}.bin")
+        try:
+            return timed(synced(lambda o: write(tensors, o), out), st_size, reps)
+        finally:
+            if os.path.exists(out):
+                os.remove(out)
+
+    def torch_save(tensors, out):
+        torch.save(tensors, out)
+
+    def st_save(tensors, out):
+        from safetensors.torch import save_file
+
+        save_file(tensors, out)
+
+    peer("save: torch.save of the GPU tensors (synced)", lambda: save_runs("torch", torch_save))
+    peer("save: safetensors.torch.save_file of the GPU tensors (synced)",
+         lambda: save_runs("st", st_save))
     print(json.dumps(results))
 
 

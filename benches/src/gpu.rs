@@ -39,6 +39,8 @@ pub struct GpuBench {
     pub pool_get_us: Samples,
     pub alloc_64mib_ms: f64,
     pub facade: crate::facade::FacadeBench,
+    /// Table 8: saves back to a file.
+    pub save: crate::save::SaveBench,
     /// The peers' GB/s (or their errors), from benches/peers/peers.py, same run and files.
     pub peers: Option<serde_json::Value>,
 }
@@ -188,6 +190,9 @@ pub fn measure(
         .collect::<Result<Vec<f64>, _>>()?;
 
     let facade = crate::facade::measure(&gpu, dir, &path, reps, &mut progress)?;
+    progress("table 8: the file saved back from GPU memory, against the disk's O_DIRECT writes");
+    let checkpoint = dir.join(format!("model-{file_bytes}.safetensors"));
+    let save = crate::save::measure(&gpu, dir, &path, &checkpoint, reps)?;
     let peers = if peers {
         progress("peers: PyTorch, kvikio, safetensors, fastsafetensors (benches/peers/peers.py)");
         let st = dir.join(format!("model-{file_bytes}.safetensors"));
@@ -216,6 +221,7 @@ pub fn measure(
         pool_get_us: Samples::new(gets),
         alloc_64mib_ms: alloc64 * 1e3,
         facade,
+        save,
         peers,
     }))
 }

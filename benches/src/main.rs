@@ -15,6 +15,7 @@ mod loader;
 mod oneshot;
 mod reads;
 mod report;
+mod save;
 mod util;
 
 use std::path::PathBuf;

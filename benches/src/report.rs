@@ -549,6 +549,7 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
         g.pinned_alloc_ms
     );
     facade_table(s, g);
+    save_table(s, &g.save);
     if let Some(peers) = g.peers.as_ref().and_then(|p| p.as_object()) {
         let _ = writeln!(
             s,
@@ -569,6 +570,82 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
             let _ = writeln!(s, "| {name} | {cell} |");
         }
     }
+}
+
+fn save_table(s: &mut String, v: &crate::save::SaveBench) {
+    let disk = v.raw_direct_write_gbps.median;
+    let pct = |x: f64| {
+        let p = 100.0 * x / disk;
+        if p > 100.0 {
+            format!("{p:.0}% of the disk's O_DIRECT write (above 100%: the limit row is suspect)")
+        } else {
+            format!("{p:.0}% of the disk's O_DIRECT write")
+        }
+    };
+    let _ = writeln!(
+        s,
+        "\n## Table 8 — checkpoints out: the {} file saved back from GPU memory\n\n\
+         Each save writes a temporary file beside the target and renames it over the target once \
+         synced (crash-safe); the time runs from the call until the file is in place.\n\n\
+         | what | GB/s | against |\n|---|---|---|",
+        show_size(v.bytes)
+    );
+    let _ = writeln!(
+        s,
+        "| `Saver::save_file`: device -> pinned windows -> O_DIRECT writes, synced and renamed | {} | {} |",
+        v.save_gbps.show(2),
+        pct(v.save_gbps.median)
+    );
+    let _ = writeln!(
+        s,
+        "| `safetensors::save` of the {} checkpoint of table 6, every tensor from its device view | {} | {} |",
+        show_size(v.checkpoint_bytes),
+        v.checkpoint_save_gbps.show(2),
+        pct(v.checkpoint_save_gbps.median)
+    );
+    let _ = writeln!(
+        s,
+        "| the disk's limit: O_DIRECT writes of one aligned host buffer (gpufeed-uring `Writer`, qd 16, 1 MiB), synced | {} | the limit |",
+        v.raw_direct_write_gbps.show(2)
+    );
+    match &v.fio_write_gbps {
+        Some(f) => {
+            let _ = writeln!(
+                s,
+                "| fio: {} | {} | {} |",
+                v.fio_note,
+                f.show(2),
+                pct(f.median)
+            );
+        }
+        None => {
+            let _ = writeln!(s, "| fio | {} | |", v.fio_note);
+        }
+    }
+    let _ = writeln!(
+        s,
+        "| the saves' device -> pinned part (window fills) | {} | {:.0}% of the device -> host limit |",
+        v.save_fill_gbps.show(1),
+        100.0 * v.save_fill_gbps.median / v.d2h_limit_gbps.median
+    );
+    let _ = writeln!(
+        s,
+        "| device -> host limit: `TransferScheduler::download` of 1 GiB into pinned memory | {} | |",
+        v.d2h_limit_gbps.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "\n{} of {} bytes written with O_DIRECT{}. The saved checkpoint stays at {} for checks \
+         with other readers.",
+        v.save_direct_bytes,
+        v.bytes,
+        if v.save_fallbacks.is_empty() {
+            String::new()
+        } else {
+            format!("; fallbacks: {}", v.save_fallbacks.join("; "))
+        },
+        v.checkpoint_saved.display()
+    );
 }
 
 fn ipc_table(s: &mut String, i: &IpcBench, memcpy: f64) {

@@ -26,7 +26,8 @@ use crate::load::DeviceBuffer;
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct SaveOptions {
-    /// Bytes per window, filled from the GPU then written (default 64 MiB; 1 to 256 MiB, a
+    /// Bytes per window, filled from the GPU then written (default 128 MiB: each fill pays a
+    /// fixed ~0.1 ms, 8% of a 64 MiB window's copy on the H200 machine; 1 to 256 MiB, a
     /// multiple of 1 MiB).
     pub window_bytes: usize,
     /// Windows in flight: one filling while the others are written (default 2).
@@ -43,7 +44,7 @@ pub struct SaveOptions {
 impl Default for SaveOptions {
     fn default() -> Self {
         SaveOptions {
-            window_bytes: 64 << 20,
+            window_bytes: 128 << 20,
             windows: 2,
             direct: Direct::Auto,
             queue_depth: 16,
