@@ -18,6 +18,10 @@
 //!   a [`OneShotReport`] gives the context's time and the load's apart.
 //! - [`safetensors::load`]: a safetensors file or sharded checkpoint to GPU memory, one bulk
 //!   transfer per file, a named view per tensor.
+//! - [`save_file`] / [`Saver`] / [`safetensors::save`]: GPU memory back to files (device ->
+//!   pinned windows -> `O_DIRECT` writes, overlapped), crash-safe: a temporary file synced and
+//!   renamed over the target, so a process killed at any point leaves the old file or the new
+//!   one, whole.
 //! - [`dataset`]: a record file, a seeded and sharded [`dataset::Sampler`], and a
 //!   [`dataset::BatchLoader`] yielding device batches (host batches without a GPU).
 //!
