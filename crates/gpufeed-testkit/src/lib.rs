@@ -222,32 +222,35 @@ pub fn mkfifo(path: &std::path::Path) {
     );
 }
 
-/// A tmpfs of a given size mounted in a temporary directory (unmounted on drop): a full file
-/// system for real (`ENOSPC`), as root.
-pub struct TinyTmpfs {
+/// A file system mounted in a temporary directory (unmounted on drop), as root: a small tmpfs
+/// that fills up for real (`ENOSPC`), or a ramfs, which refuses `O_DIRECT`.
+pub struct TestMount {
     dir: tempfile::TempDir,
 }
 
-impl TinyTmpfs {
-    /// Mounts a tmpfs of `size` (`mount -o size=...`, e.g. `"1m"`); the reason where it cannot
-    /// (not root, no `mount`): callers skip with it via [`skip_unless_root`].
-    pub fn mount(size: &str) -> Result<Self, String> {
+impl TestMount {
+    /// A tmpfs of `size` (`mount -o size=...`, e.g. `"1m"`); the reason where it cannot be
+    /// mounted (not root, no `mount`): callers skip with it via [`skip_unless_root`].
+    pub fn tmpfs(size: &str) -> Result<Self, String> {
+        Self::mount("tmpfs", &format!("size={size},mode=0700"))
+    }
+
+    /// A ramfs (no `O_DIRECT`, no size limit: write little to it).
+    pub fn ramfs() -> Result<Self, String> {
+        Self::mount("ramfs", "mode=0700")
+    }
+
+    fn mount(fstype: &str, options: &str) -> Result<Self, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let out = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
+            .args(["-t", fstype, "-o", options, fstype])
             .arg(dir.path())
             .output()
             .map_err(|e| format!("mount: {e}"))?;
         if !out.status.success() {
             return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
         }
-        Ok(TinyTmpfs { dir })
+        Ok(TestMount { dir })
     }
 
     /// The mount point.
@@ -256,7 +259,7 @@ impl TinyTmpfs {
     }
 }
 
-impl Drop for TinyTmpfs {
+impl Drop for TestMount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(self.dir.path()).status();
     }

@@ -274,7 +274,7 @@ fn accesses_out_of_bounds_are_errors() {
 
 #[test]
 fn full_shm_fails_at_create_with_the_fix_in_the_message() {
-    let tiny = match gpufeed_testkit::TinyTmpfs::mount("1m") {
+    let tiny = match gpufeed_testkit::TestMount::tmpfs("1m") {
         Ok(t) => t,
         Err(why) => {
             gpufeed_testkit::skip_unless_root(

@@ -108,7 +108,7 @@ fn missing_files_and_directories_are_clear_errors() {
 
 #[test]
 fn a_full_file_system_is_no_space_on_every_backend() {
-    let tiny = match gpufeed_testkit::TinyTmpfs::mount("1m") {
+    let tiny = match gpufeed_testkit::TestMount::tmpfs("1m") {
         Ok(t) => t,
         Err(why) => {
             gpufeed_testkit::skip_unless_root(
@@ -139,4 +139,46 @@ fn a_full_file_system_is_no_space_on_every_backend() {
         assert!(err.to_string().contains("not enough space"), "{err}");
         std::fs::remove_file(&path).expect("rm");
     }
+}
+
+#[test]
+fn a_file_system_without_o_direct_is_written_buffered_with_the_reason() {
+    let ramfs = match gpufeed_testkit::TestMount::ramfs() {
+        Ok(m) => m,
+        Err(why) => {
+            gpufeed_testkit::skip_unless_root(
+                "a_file_system_without_o_direct",
+                &format!("cannot mount a ramfs here ({why})"),
+            );
+            return;
+        }
+    };
+    let path = ramfs.path().join("out.bin");
+    std::fs::File::create(&path).expect("create");
+    let err = Writer::builder()
+        .direct(Direct::On)
+        .open(&path)
+        .unwrap_err();
+    assert!(
+        matches!(err, gpufeed_uring::Error::DirectUnsupported { .. }),
+        "{err:?}"
+    );
+    let mut w = Writer::builder()
+        .direct(Direct::Auto)
+        .open(&path)
+        .expect("open");
+    assert!(!w.stats().direct);
+    assert!(
+        w.stats()
+            .fallbacks
+            .iter()
+            .any(|f| f.refused == Refused::DirectIo),
+        "{:?}",
+        w.stats()
+    );
+    let mut data = AlignedBuf::new(1 << 20, 4096).expect("aligned");
+    data.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    w.write_all_at(0, &data).expect("buffered write");
+    assert_eq!(w.stats().direct_bytes, 0);
+    assert_eq!(std::fs::read(&path).expect("read"), &data[..]);
 }

@@ -176,7 +176,7 @@ fn tensors_that_do_not_match_their_shape_are_refused_and_nothing_is_written() {
 
 #[test]
 fn a_full_file_system_is_a_clear_error_and_the_old_file_stays() {
-    let tiny = match gpufeed_testkit::TinyTmpfs::mount("2m") {
+    let tiny = match gpufeed_testkit::TestMount::tmpfs("2m") {
         Ok(t) => t,
         Err(why) => {
             gpufeed_testkit::skip_unless_root(
@@ -332,4 +332,33 @@ fn processes_killed_mid_save_never_leave_a_broken_checkpoint() {
         temporaries(dir.path())
     );
     assert_eq!(std::fs::read(&path).expect("read"), b"final");
+}
+
+#[test]
+fn a_save_where_o_direct_is_refused_is_buffered_and_says_why() {
+    let ramfs = match gpufeed_testkit::TestMount::ramfs() {
+        Ok(m) => m,
+        Err(why) => {
+            gpufeed_testkit::skip_unless_root(
+                "a_save_where_o_direct_is_refused",
+                &format!("cannot mount a ramfs here ({why})"),
+            );
+            return;
+        }
+    };
+    let data = random_bytes((3 << 20) + 11, 4);
+    let path = ramfs.path().join("ckpt.bin");
+    let report = saver().save_bytes(&data, &path).expect("save");
+    assert_eq!(report.direct_bytes, 0);
+    assert!(
+        report
+            .fallbacks
+            .iter()
+            .any(|f| f.refused == gpufeed::Refused::DirectIo),
+        "{report:?}"
+    );
+    assert_eq!(
+        xxh3_64(&std::fs::read(&path).expect("read")),
+        xxh3_64(&data)
+    );
 }
