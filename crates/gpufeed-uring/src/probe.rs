@@ -144,6 +144,28 @@ impl Backend {
     }
 }
 
+/// The backend to use for `asked`: `Auto` gives way to `GPUFEED_IO_BACKEND` when set, and a
+/// forced thread pool is recorded in `fallbacks` (`instead` says what then runs on threads).
+pub(crate) fn resolve(
+    asked: Backend,
+    fallbacks: &mut Vec<gpufeed_os::Fallback>,
+    instead: &str,
+) -> Backend {
+    match (asked, Backend::from_env()) {
+        (Backend::Auto, Some(env)) => {
+            if env != Backend::IoUring {
+                fallbacks.push(gpufeed_os::Fallback::new(
+                    gpufeed_os::Refused::IoUring,
+                    format!("{BACKEND_ENV}=threads"),
+                    instead,
+                ));
+            }
+            env
+        }
+        (b, _) => b,
+    }
+}
+
 fn probe_uring() -> Result<(), UringUnavailable> {
     let ring = match io_uring::IoUring::new(2) {
         Ok(ring) => ring,

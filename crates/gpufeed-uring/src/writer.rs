@@ -83,19 +83,7 @@ impl WriterBuilder {
             .map_err(|e| open_error(path, e))?;
         let mut fallbacks = Vec::new();
         let direct = self.open_direct(path, &buffered, &mut fallbacks)?;
-        let backend = match (self.backend, Backend::from_env()) {
-            (Backend::Auto, Some(env)) => {
-                if env != Backend::IoUring {
-                    fallbacks.push(Fallback::new(
-                        Refused::IoUring,
-                        format!("{}=threads", crate::probe::BACKEND_ENV),
-                        "writes run on threads",
-                    ));
-                }
-                env
-            }
-            (b, _) => b,
-        };
+        let backend = crate::probe::resolve(self.backend, &mut fallbacks, "writes run on threads");
         let ring = match backend {
             Backend::Threads(_) => None,
             Backend::IoUring | Backend::Auto => match Backend::probe().io_uring {

@@ -118,19 +118,8 @@ impl ReaderBuilder {
     /// `GPUFEED_IO_BACKEND=uring`) but cannot run here.
     pub fn build(self) -> Result<Reader> {
         let mut fallbacks = Vec::new();
-        let backend = match (self.backend, Backend::from_env()) {
-            (Backend::Auto, Some(env)) => {
-                if env != Backend::IoUring {
-                    fallbacks.push(Fallback::new(
-                        Refused::IoUring,
-                        format!("{}=threads", crate::probe::BACKEND_ENV),
-                        "reads run on a thread pool",
-                    ));
-                }
-                env
-            }
-            (b, _) => b,
-        };
+        let backend =
+            crate::probe::resolve(self.backend, &mut fallbacks, "reads run on a thread pool");
         let default_threads = {
             let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
             self.queue_depth.min(2 * cores).clamp(2, 64)
