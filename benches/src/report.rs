@@ -598,6 +598,12 @@ fn save_table(s: &mut String, v: &crate::save::SaveBench) {
     );
     let _ = writeln!(
         s,
+        "| `gpufeed::save_file`: a new `Saver` per call (pinned windows allocated on the way) | {} | {} |",
+        v.one_shot_save_gbps.show(2),
+        pct(v.one_shot_save_gbps.median)
+    );
+    let _ = writeln!(
+        s,
         "| `safetensors::save` of the {} checkpoint of table 6, every tensor from its device view | {} | {} |",
         show_size(v.checkpoint_bytes),
         v.checkpoint_save_gbps.show(2),

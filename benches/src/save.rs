@@ -22,6 +22,9 @@ pub struct SaveBench {
     /// `Saver::save_file` of the device buffer, from the call until the file is synced and in
     /// place.
     pub save_gbps: Samples,
+    /// `gpufeed::save_file`: a new `Saver` per call (its pinned windows allocated on the way),
+    /// what a script that saves once sees.
+    pub one_shot_save_gbps: Samples,
     /// The same saves' device -> pinned part (window fills) alone.
     pub save_fill_gbps: Samples,
     /// Bytes of each save written with O_DIRECT.
@@ -101,7 +104,8 @@ fn fio_write(dir: &Path, len: u64) -> Result<f64> {
     Ok(bw / 1e9)
 }
 
-/// Loads `file` (warm) to the GPU and saves it back `reps` times; the limits in between.
+/// Loads `file` (warm) to the GPU and saves it back `reps` times with one `Saver` (after a
+/// discarded warm-up save) and `reps` times with a new one per call; the limits in between.
 pub fn measure(
     gpu: &Gpu,
     dir: &Path,
@@ -129,6 +133,9 @@ pub fn measure(
             fio.push(fio_write(dir, bytes)?);
         }
     }
+    let one_shot = (0..reps)
+        .map(|_| gpufeed::save_file(gpu, &buf, &target).map(|r| r.gbps()))
+        .collect::<Result<Vec<_>, _>>()?;
     // The saved file equals the source (a check, not a timing).
     let same = std::fs::metadata(&target)?.len() == bytes;
     anyhow::ensure!(same, "the saved file's size differs from the source's");
@@ -176,6 +183,7 @@ pub fn measure(
     Ok(SaveBench {
         bytes,
         save_gbps: Samples::new(save),
+        one_shot_save_gbps: Samples::new(one_shot),
         save_fill_gbps: Samples::new(fill),
         save_direct_bytes: last.direct_bytes,
         save_fallbacks: last.fallbacks.iter().map(ToString::to_string).collect(),

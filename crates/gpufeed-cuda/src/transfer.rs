@@ -8,9 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, sys,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, sys};
 use gpufeed_os::{Fallback, Refused};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
@@ -252,7 +250,6 @@ impl TransferStats {
 /// # Ok::<(), gpufeed_cuda::Error>(())
 /// ```
 pub struct TransferScheduler {
-    ctx: Arc<CudaContext>,
     gpu: Gpu,
     /// Streams of direct copies and staged downloads.
     streams: Vec<Arc<CudaStream>>,
@@ -354,7 +351,6 @@ impl TransferScheduler {
                 .map(|t| (t, node))
         });
         Ok(TransferScheduler {
-            ctx,
             gpu: gpu.clone(),
             streams,
             lane_streams,
@@ -473,7 +469,8 @@ impl TransferScheduler {
                 capacity: dst.len() as u64,
             });
         }
-        self.ctx
+        self.gpu
+            .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let main = Arc::clone(dst.stream());
@@ -545,7 +542,8 @@ impl TransferScheduler {
                 capacity: dst_len as u64,
             });
         }
-        self.ctx
+        self.gpu
+            .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let main = Arc::clone(src.stream());
@@ -771,7 +769,8 @@ impl TransferScheduler {
         stream: &CudaStream,
         timers: &mut (Duration, Duration),
     ) -> Result<()> {
-        self.ctx
+        self.gpu
+            .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let chunk = self.cfg.chunk_bytes;

@@ -313,8 +313,9 @@ impl Error {
         }
     }
 
-    /// Maps the usual errors of opening `path` to their own variants.
-    pub(crate) fn open(path: &std::path::Path, source: io::Error) -> Self {
+    /// Maps the usual errors of opening `path` to their own variants (`NotFound`,
+    /// `IsDirectory`, else `Io` naming the open): for crates above that open files themselves.
+    pub fn open(path: &std::path::Path, source: io::Error) -> Self {
         match source.kind() {
             io::ErrorKind::NotFound => Error::NotFound { path: path.into() },
             io::ErrorKind::IsADirectory => Error::IsDirectory { path: path.into() },

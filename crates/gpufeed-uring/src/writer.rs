@@ -80,7 +80,7 @@ impl WriterBuilder {
         let buffered = std::fs::OpenOptions::new()
             .write(true)
             .open(path)
-            .map_err(|e| open_error(path, e))?;
+            .map_err(|e| gpufeed_os::Error::open(path, e))?;
         let mut fallbacks = Vec::new();
         let direct = self.open_direct(path, &buffered, &mut fallbacks)?;
         let backend = crate::probe::resolve(self.backend, &mut fallbacks, "writes run on threads");
@@ -175,7 +175,7 @@ impl WriterBuilder {
                 "open with O_DIRECT returned EINVAL (the file system refuses it)".into(),
                 fallbacks,
             ),
-            Err(e) => Err(open_error(path, e)),
+            Err(e) => Err(gpufeed_os::Error::open(path, e).into()),
         }
     }
 }
@@ -482,18 +482,6 @@ fn write_error(path: &Path, offset: u64, len: usize, e: io::Error) -> Error {
         path: path.into(),
         offset,
         source: e,
-    }
-}
-
-fn open_error(path: &Path, e: io::Error) -> Error {
-    match e.kind() {
-        io::ErrorKind::NotFound => gpufeed_os::Error::NotFound { path: path.into() }.into(),
-        io::ErrorKind::IsADirectory => gpufeed_os::Error::IsDirectory { path: path.into() }.into(),
-        _ => Error::Write {
-            path: path.into(),
-            offset: 0,
-            source: e,
-        },
     }
 }
 

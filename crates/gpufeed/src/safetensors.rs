@@ -571,9 +571,10 @@ pub fn save_sharded(
 ) -> Result<Vec<SaveReport>> {
     let dir = dir.as_ref();
     let mut shards: Vec<Vec<SaveTensor<'_>>> = vec![Vec::new()];
-    let mut in_shard = 0u64;
+    let (mut in_shard, mut total) = (0u64, 0u64);
     for t in tensors {
         let len = tensor_bytes(t)? as u64;
+        total += len;
         let last = shards.last_mut().expect("one shard at least");
         if !last.is_empty() && in_shard + len > max_shard_bytes {
             shards.push(Vec::new());
@@ -585,12 +586,10 @@ pub fn save_sharded(
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut reports = Vec::with_capacity(n);
-    let mut total = 0u64;
     for (i, shard) in shards.iter().enumerate() {
         let file = format!("{prefix}-{:05}-of-{n:05}.safetensors", i + 1);
         for t in shard {
             weight_map.insert(t.name.to_owned(), file.clone());
-            total += tensor_bytes(t)? as u64;
         }
         reports.push(save(saver, shard, metadata, dir.join(&file))?);
     }

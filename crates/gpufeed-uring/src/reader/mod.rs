@@ -238,7 +238,7 @@ impl Reader {
                     Ok((buffered, None, Some(why)))
                 }
             }
-            Err(e) => Err(os_open_error(path, e)),
+            Err(e) => Err(gpufeed_os::Error::open(path, e).into()),
         }
     }
 
@@ -406,15 +406,3 @@ impl Reader {
 /// The file to read, its (offset, memory) alignment when read with O_DIRECT, and why not
 /// when not.
 type DirectChoice = (File, Option<(u32, u32)>, Option<String>);
-
-fn os_open_error(path: &Path, e: io::Error) -> Error {
-    match e.kind() {
-        io::ErrorKind::NotFound => gpufeed_os::Error::NotFound { path: path.into() }.into(),
-        io::ErrorKind::IsADirectory => gpufeed_os::Error::IsDirectory { path: path.into() }.into(),
-        _ => Error::Read {
-            path: path.into(),
-            offset: 0,
-            source: e,
-        },
-    }
-}
