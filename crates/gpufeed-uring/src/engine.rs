@@ -53,6 +53,9 @@ pub(crate) trait Engine: Send {
         None
     }
 
+    /// Drops registered file `index` (the engine's reference to the file goes with it).
+    fn unregister_file(&mut self, _index: u32) {}
+
     /// Registers buffers for fixed reads (`RawRead::buf_index` = position in `bufs`); `Ok(false)`
     /// where the engine has no such thing.
     ///

@@ -153,6 +153,10 @@ impl Engine for FaultEngine {
         self.inner.register_file(index, fd)
     }
 
+    fn unregister_file(&mut self, index: u32) {
+        self.inner.unregister_file(index)
+    }
+
     fn prefetch(&mut self, fd: std::os::fd::RawFd, offset: u64, len: u64) -> io::Result<()> {
         self.inner.prefetch(fd, offset, len)
     }

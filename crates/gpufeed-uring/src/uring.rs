@@ -147,6 +147,13 @@ impl Engine for UringEngine {
             .map(|_| index)
     }
 
+    fn unregister_file(&mut self, index: u32) {
+        // -1 empties the slot; a failure leaves the ring's reference until the slot is reused.
+        if let Err(e) = self.ring.submitter().register_files_update(index, &[-1]) {
+            tracing::debug!(index, "unregistering a file failed: {e}");
+        }
+    }
+
     fn prefetch(&mut self, fd: RawFd, offset: u64, len: u64) -> io::Result<()> {
         // Through the ring, as everything else; the reader calls this with nothing in flight.
         let entry =

@@ -168,6 +168,8 @@ impl ReaderBuilder {
         let mut reader = Reader {
             engine,
             files: Vec::new(),
+            reported: Vec::new(),
+            opened: 0,
             bounce_free: Vec::new(),
             bounce_made: 0,
             session_gen: 0,

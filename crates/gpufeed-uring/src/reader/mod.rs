@@ -21,9 +21,15 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::probe::BackendKind;
 
-/// A file opened by a [`Reader`].
+/// A file opened by a [`Reader`]: valid until [`Reader::close`] (a closed file's id is refused
+/// with [`Error::InvalidRequest`], also after its slot was given to another file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FileId(u32);
+pub struct FileId {
+    /// Index in the reader's table of open files (and the ring's registered files).
+    slot: u32,
+    /// Which opening of that slot.
+    generation: u32,
+}
 
 /// How one file is read, as recorded in [`ReadStats`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +57,8 @@ pub struct ReadStats {
     pub retries: u64,
     /// Bounce buffers registered with the ring ([`ReaderBuilder::register_buffers`]).
     pub registered_buffers: usize,
-    /// Every file opened, direct or buffered, and why.
+    /// The files open now (in the order they were opened), direct or buffered, and why; a
+    /// file's entry goes when [`Reader::close`] closes it.
     pub files: Vec<FileReport>,
     /// Slower paths taken: what was refused, why, and what ran instead.
     pub fallbacks: Vec<Fallback>,
@@ -70,6 +77,7 @@ struct OpenFile {
     path: PathBuf,
     direct: Option<(u32, u32)>,
     fixed: Option<u32>,
+    generation: u32,
 }
 
 impl OpenFile {
@@ -98,7 +106,12 @@ impl OpenFile {
 /// ```
 pub struct Reader {
     engine: Box<dyn Engine>,
-    files: Vec<OpenFile>,
+    /// Open files by slot; closed slots are `None` and reused by the next `open`.
+    files: Vec<Option<OpenFile>>,
+    /// The slot of each entry of `stats.files`.
+    reported: Vec<u32>,
+    /// Openings so far: the next file's generation.
+    opened: u32,
     bounce_free: Vec<Bounce>,
     bounce_made: usize,
     /// Bumped by every session and carried in the high half of every tag, so a completion of
@@ -153,20 +166,59 @@ impl Reader {
         let path = path.as_ref();
         let (file, _) = gpufeed_os::file::open_regular(path, false)?;
         let (file, direct, reason) = self.choose_direct(path, file)?;
-        let index = self.files.len() as u32;
-        let fixed = self.engine.register_file(index, file.as_raw_fd());
+        let slot = match self.files.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                self.files.push(None);
+                self.files.len() - 1
+            }
+        };
+        let slot = u32::try_from(slot)
+            .map_err(|_| Error::InvalidRequest("more than 2^32 files open".into()))?;
+        let fixed = self.engine.register_file(slot, file.as_raw_fd());
+        let generation = self.opened;
+        self.opened = self.opened.wrapping_add(1);
         self.stats.files.push(FileReport {
             path: path.into(),
             direct: direct.is_some(),
             reason,
         });
-        self.files.push(OpenFile {
+        self.reported.push(slot);
+        self.files[slot as usize] = Some(OpenFile {
             file,
             path: path.into(),
             direct,
             fixed,
+            generation,
         });
-        Ok(FileId(index))
+        Ok(FileId { slot, generation })
+    }
+
+    /// Closes `file` (and drops the ring's reference to it): a reader kept for many files
+    /// (a loader's, reading one file per call) closes each when done. Its id is refused from
+    /// now on; its slot goes to the next file opened.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an id this reader did not open or already closed.
+    pub fn close(&mut self, file: FileId) -> Result<()> {
+        self.file(file)?;
+        let open = self.files[file.slot as usize].take();
+        if let Some(fixed) = open.as_ref().and_then(|f| f.fixed) {
+            self.engine.unregister_file(fixed);
+        }
+        if let Some(i) = self.reported.iter().position(|&s| s == file.slot) {
+            self.reported.remove(i);
+            self.stats.files.remove(i);
+        }
+        Ok(())
+    }
+
+    /// The open file in `slot`, which a session validated when it admitted the read (files
+    /// cannot close while a session borrows the reader).
+    fn open_at(&self, slot: u32) -> &OpenFile {
+        self.files[slot as usize]
+            .as_ref()
+            .expect("a session reads only files it validated, which stay open while it runs")
     }
 
     /// Decides O_DIRECT for one file: returns the file to read, its (offset, memory)
@@ -244,12 +296,12 @@ impl Reader {
 
     /// The path `file` was opened by.
     pub fn path(&self, file: FileId) -> Option<&Path> {
-        self.files.get(file.0 as usize).map(|f| f.path.as_path())
+        self.file(file).ok().map(|f| f.path.as_path())
     }
 
     /// Whether `file` is read with `O_DIRECT`.
     pub fn is_direct(&self, file: FileId) -> Option<bool> {
-        self.files.get(file.0 as usize).map(|f| f.direct.is_some())
+        self.file(file).ok().map(|f| f.direct.is_some())
     }
 
     /// Starts reading `[offset, offset + len)` of `file` into the page cache without waiting
@@ -268,8 +320,14 @@ impl Reader {
 
     fn file(&self, file: FileId) -> Result<&OpenFile> {
         self.files
-            .get(file.0 as usize)
-            .ok_or_else(|| Error::InvalidRequest(format!("{file:?} was not opened by this reader")))
+            .get(file.slot as usize)
+            .and_then(Option::as_ref)
+            .filter(|f| f.generation == file.generation)
+            .ok_or_else(|| {
+                Error::InvalidRequest(format!(
+                    "{file:?} is not open in this reader (never opened by it, or closed)"
+                ))
+            })
     }
 
     /// Reads exactly `buf.len()` bytes of `file` at `offset` into `buf`.

@@ -103,7 +103,7 @@ where
             });
             return true;
         }
-        let file = &self.reader.files[op.file.0 as usize];
+        let file = self.reader.open_at(op.file.slot);
         let dst = op.buf.io_ptr() as usize + op.buf_offset;
         let plans = split(
             op.offset,
@@ -163,9 +163,9 @@ where
     }
 
     fn submit(&mut self, mut part: Part) -> Result<()> {
-        let file = &self.reader.files[self.slots[part.slot]
-            .as_ref()
-            .map_or(0, |s| s.op.file.0 as usize)];
+        let file = self
+            .reader
+            .open_at(self.slots[part.slot].as_ref().map_or(0, |s| s.op.file.slot));
         let buf_index = part.bounce.as_ref().and_then(|b| b.index);
         let base = match (&mut part.bounce, part.plan.dst) {
             (Some(b), _) => b.buf.as_mut_ptr(),
@@ -218,10 +218,12 @@ where
             return;
         };
         self.free_parts.push(tag as usize);
-        let Some(file_index) = self.slots[part.slot].as_ref().map(|s| s.op.file.0 as usize) else {
+        let Some(file_index) = self.slots[part.slot].as_ref().map(|s| s.op.file.slot) else {
             return;
         };
-        let align = self.reader.files[file_index]
+        let align = self
+            .reader
+            .open_at(file_index)
             .direct
             .map_or(1, |(a, _)| a as usize);
         match result {
@@ -254,7 +256,7 @@ where
             }
             Err(source) => {
                 let err = Error::Read {
-                    path: self.reader.files[file_index].path.clone(),
+                    path: self.reader.open_at(file_index).path.clone(),
                     offset: part.plan.off + part.done as u64,
                     source,
                 };
@@ -299,7 +301,7 @@ where
         let result = match (slot.error, slot.eof_at) {
             (Some(e), _) => Err(e),
             (None, Some(at)) => Err(Error::UnexpectedEof {
-                path: self.reader.files[op.file.0 as usize].path.clone(),
+                path: self.reader.open_at(op.file.slot).path.clone(),
                 offset: op.offset,
                 got: at.saturating_sub(op.offset).min(op.len as u64),
                 want: op.len as u64,

@@ -310,3 +310,55 @@ fn a_leaked_read_iterator_cannot_corrupt_the_next_session() {
         }
     }
 }
+
+/// A reader kept for many files (as a loader keeps one per fill thread) opens and closes one
+/// file per call: more files than the ring has registered slots, each read byte-exact, no file
+/// descriptor left behind, closed ids refused even after their slot went to another file.
+#[test]
+fn a_reader_kept_for_many_files_closes_each() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let files: Vec<(std::path::PathBuf, Vec<u8>)> = (0..4u64)
+        .map(|i| {
+            let data = crate::random_bytes(70_000 + i as usize * 4097, crate::seed("close") + i);
+            let path = dir.path().join(format!("f{i}.bin"));
+            std::fs::write(&path, &data).expect("write");
+            (path, data)
+        })
+        .collect();
+    // Descriptors of this process open on the test's files (other tests run alongside).
+    let fds = || {
+        std::fs::read_dir("/proc/self/fd")
+            .expect("/proc/self/fd")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| target.starts_with(dir.path()))
+            .count()
+    };
+    for backend in backends() {
+        for direct in [Direct::Off, Direct::On] {
+            let mut r = reader(backend, direct, 4, 64 * 1024);
+            let mut stale = Vec::new();
+            for round in 0..300 {
+                let (path, data) = &files[round % files.len()];
+                let file = r.open(path).expect("open");
+                let mut got = vec![0u8; data.len() - 1];
+                r.read_exact_at(file, 1, &mut got).expect("read");
+                assert!(got == data[1..], "{backend:?} {direct:?} round {round} differs");
+                assert_eq!(r.stats().files.len(), 1, "only the open file is listed");
+                r.close(file).expect("close");
+                stale.push(file);
+            }
+            assert!(r.stats().files.is_empty());
+            assert_eq!(fds(), 0, "{backend:?} {direct:?}: descriptors left open");
+            let live = r.open(&files[0].0).expect("open");
+            for old in &stale[stale.len() - 5..] {
+                let mut b = [0u8; 8];
+                let e = r.read_exact_at(*old, 0, &mut b).expect_err("a closed file");
+                assert!(e.to_string().contains("closed"), "{e}");
+                assert!(r.close(*old).is_err(), "closing twice");
+            }
+            let mut b = vec![0u8; 100];
+            r.read_exact_at(live, 0, &mut b).expect("the live file");
+            assert_eq!(b, files[0].1[..100]);
+        }
+    }
+}
