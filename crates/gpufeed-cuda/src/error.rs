@@ -65,6 +65,18 @@ pub enum Error {
         what: &'static str,
     },
 
+    /// The scheduler's fill threads could not be started (the process is out of threads or
+    /// memory for their stacks).
+    #[error(
+        "could not start {what}: {reason}; lower TransferConfig::fill_threads or the process's thread count"
+    )]
+    ThreadStart {
+        /// What was being started.
+        what: &'static str,
+        /// The system's reason.
+        reason: String,
+    },
+
     /// An error of pinned memory.
     #[error(transparent)]
     Pinned(#[from] gpufeed_pinned::Error),

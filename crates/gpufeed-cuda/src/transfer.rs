@@ -125,6 +125,10 @@ pub struct TransferConfig {
     pub streams: usize,
     /// Bytes per copy (default 16 MiB, where the pinned ceiling is reached).
     pub chunk_bytes: usize,
+    /// Staged uploads too small to give every fill thread two chunks are cut into smaller
+    /// pieces, down to this size (default 256 KiB), so that all the threads read at once and
+    /// the first copies start early: a 1 MiB upload runs on four threads, not one.
+    pub min_chunk_bytes: usize,
     /// Staging buffers in flight for pageable and fill transfers (default: twice the fill
     /// threads). Staged uploads give each fill thread `staging_buffers / fill_threads` of them
     /// (at least 2); staged downloads share them.
@@ -146,6 +150,13 @@ impl TransferConfig {
         self
     }
 
+    /// These settings with `min_chunk_bytes` (the smallest piece a small staged upload is cut
+    /// into).
+    pub fn with_min_chunk_bytes(mut self, min_chunk_bytes: usize) -> Self {
+        self.min_chunk_bytes = min_chunk_bytes;
+        self
+    }
+
     /// These settings with `staging_buffers` (staging buffers in flight).
     pub fn with_staging_buffers(mut self, staging_buffers: usize) -> Self {
         self.staging_buffers = staging_buffers;
@@ -159,25 +170,42 @@ impl TransferConfig {
     }
 
     /// The settings a scheduler actually uses: at least one stream and fill thread, two
-    /// staging buffers, chunks from 4 KiB to 256 MiB.
+    /// staging buffers, chunks from 4 KiB to 256 MiB, pieces of small uploads from 4 KiB to a
+    /// chunk, in whole 4 KiB pages (so that `O_DIRECT` reads of a piece stay aligned).
     pub fn normalized(self) -> Self {
+        let chunk_bytes = self.chunk_bytes.clamp(4096, gpufeed_pinned::MAX_CLASS);
         TransferConfig {
             streams: self.streams.max(1),
-            chunk_bytes: self.chunk_bytes.clamp(4096, gpufeed_pinned::MAX_CLASS),
+            chunk_bytes,
+            min_chunk_bytes: self
+                .min_chunk_bytes
+                .next_multiple_of(4096)
+                .clamp(4096, chunk_bytes),
             staging_buffers: self.staging_buffers.max(2),
             fill_threads: self.fill_threads.max(1),
         }
     }
 
+    /// The size of each copy of a staged upload of `len` bytes: `chunk_bytes`, or for an
+    /// upload smaller than two chunks per fill thread, an even share of two pieces per thread
+    /// in whole 64 KiB (at least `min_chunk_bytes`).
+    pub fn piece_bytes_for(&self, len: u64) -> usize {
+        let cfg = self.normalized();
+        let even = len
+            .div_ceil(2 * cfg.fill_threads as u64)
+            .next_multiple_of(64 << 10);
+        (even.min(cfg.chunk_bytes as u64) as usize).max(cfg.min_chunk_bytes)
+    }
+
     /// Staging buffers a staged upload of `len` bytes uses at most (`None`: of any length):
     /// `staging_buffers / fill_threads` (at least 2) per fill thread, and no more than the
-    /// upload has chunks.
+    /// upload has pieces ([`TransferConfig::piece_bytes_for`]).
     pub fn staging_buffers_for(&self, len: Option<u64>) -> usize {
         let cfg = self.normalized();
         let per_lane = (cfg.staging_buffers / cfg.fill_threads).max(2);
         let most = per_lane * cfg.fill_threads;
         match len {
-            Some(len) => most.min(len.div_ceil(cfg.chunk_bytes as u64) as usize),
+            Some(len) => most.min(len.div_ceil(cfg.piece_bytes_for(len) as u64) as usize),
             None => most,
         }
     }
@@ -202,6 +230,7 @@ impl Default for TransferConfig {
         TransferConfig {
             streams: 4,
             chunk_bytes: 16 << 20,
+            min_chunk_bytes: 256 << 10,
             staging_buffers: 2 * fill_threads,
             fill_threads,
         }
@@ -259,7 +288,10 @@ pub struct TransferScheduler {
     cfg: TransferConfig,
     /// The GPU's node on a machine of several, where fill and drain threads run.
     placement: Option<(gpufeed_numa::Topology, u32)>,
-    fallbacks: Mutex<Vec<Fallback>>,
+    /// The fill threads of staged uploads but one (the calling thread fills too), started once
+    /// and kept: starting threads per upload cost tens of microseconds each.
+    workers: Option<rayon_core::ThreadPool>,
+    fallbacks: Arc<Mutex<Vec<Fallback>>>,
 }
 
 impl std::fmt::Debug for TransferScheduler {
@@ -284,6 +316,8 @@ struct LaneWork<'a> {
     source: &'a dyn FillSource,
     dptr: sys::CUdeviceptr,
     len: u64,
+    /// Bytes per copy ([`TransferConfig::piece_bytes_for`] the upload).
+    piece: usize,
     chunks: usize,
     per_lane: usize,
     /// The next chunk to take.
@@ -350,6 +384,16 @@ impl TransferScheduler {
                 .filter(|t| t.is_numa())
                 .map(|t| (t, node))
         });
+        let fallbacks = Arc::new(Mutex::new(Vec::new()));
+        let workers = if cfg.fill_threads > 1 {
+            Some(Self::start_workers(
+                cfg.fill_threads - 1,
+                placement.clone(),
+                Arc::clone(&fallbacks),
+            )?)
+        } else {
+            None
+        };
         Ok(TransferScheduler {
             gpu: gpu.clone(),
             streams,
@@ -357,8 +401,40 @@ impl TransferScheduler {
             pool,
             cfg,
             placement,
-            fallbacks: Mutex::new(Vec::new()),
+            workers,
+            fallbacks,
         })
+    }
+
+    /// Starts `n` fill threads, each placed on the GPU's node for good where there are several.
+    fn start_workers(
+        n: usize,
+        placement: Option<(gpufeed_numa::Topology, u32)>,
+        fallbacks: Arc<Mutex<Vec<Fallback>>>,
+    ) -> Result<rayon_core::ThreadPool> {
+        rayon_core::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("gpufeed-fill-{i}"))
+            .start_handler(move |_| {
+                let Some((topology, node)) = &placement else {
+                    return;
+                };
+                match topology.bind_thread(*node) {
+                    // The thread keeps its place for its whole life.
+                    Ok(binding) => std::mem::forget(binding),
+                    Err(e) => Fallback::new(
+                        Refused::NumaPlacement,
+                        e.to_string(),
+                        "IO threads run unbound",
+                    )
+                    .push_once(&mut fallbacks.lock()),
+                }
+            })
+            .build()
+            .map_err(|e| Error::ThreadStart {
+                what: "the fill threads",
+                reason: e.to_string(),
+            })
     }
 
     /// Binds the calling (fill or drain) thread to the GPU's NUMA node on machines of several
@@ -476,17 +552,16 @@ impl TransferScheduler {
         let main = Arc::clone(dst.stream());
         let (dptr, write_guard) = dst.device_ptr_mut(&main);
         let dptr = dptr + dst_offset as u64;
-        let streams = match src {
-            HostSource::Pageable(_) | HostSource::Fill { .. } => &self.lane_streams,
-            _ => &self.streams,
-        };
-        Self::streams_after(streams, &main)?;
         let start = Instant::now();
         let mut stats = match src {
-            HostSource::Pinned(b) => self.copy_direct(b.as_ptr(), b.len(), dptr, "pinned")?,
-            HostSource::Pooled(b) => self.copy_direct(b.as_ptr(), b.len(), dptr, "pinned")?,
+            HostSource::Pinned(b) => {
+                self.copy_direct(&main, b.as_ptr(), b.len(), dptr, "pinned")?
+            }
+            HostSource::Pooled(b) => {
+                self.copy_direct(&main, b.as_ptr(), b.len(), dptr, "pinned")?
+            }
             HostSource::Registered(r) => {
-                self.copy_direct(r.as_ptr(), r.len(), dptr, "registered")?
+                self.copy_direct(&main, r.as_ptr(), r.len(), dptr, "registered")?
             }
             HostSource::RegisteredRange {
                 registration,
@@ -505,12 +580,13 @@ impl TransferScheduler {
                 }
                 // SAFETY: the range was just checked to lie inside the registration.
                 let src = unsafe { registration.as_ptr().add(offset) };
-                self.copy_direct(src, len, dptr, "registered")?
+                self.copy_direct(&main, src, len, dptr, "registered")?
             }
-            HostSource::Pageable(s) => self.upload_staged(&SliceSource(s), s.len() as u64, dptr)?,
-            HostSource::Fill { source, len } => self.upload_staged(source, len, dptr)?,
+            HostSource::Pageable(s) => {
+                self.upload_staged(&main, &SliceSource(s), s.len() as u64, dptr)?
+            }
+            HostSource::Fill { source, len } => self.upload_staged(&main, source, len, dptr)?,
         };
-        Self::main_after_streams(streams, &main)?;
         drop(write_guard);
         main.synchronize()
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -588,6 +664,12 @@ impl TransferScheduler {
         Ok(())
     }
 
+    /// The streams a direct copy of `len` bytes uses: one per chunk, up to all of them.
+    fn streams_for(&self, len: u64) -> &[Arc<CudaStream>] {
+        let chunks = len.div_ceil(self.cfg.chunk_bytes as u64).max(1) as usize;
+        &self.streams[..self.streams.len().min(chunks)]
+    }
+
     fn chunks(&self, len: u64) -> impl Iterator<Item = (usize, u64, usize)> + use<> {
         let chunk = self.cfg.chunk_bytes as u64;
         (0..len.div_ceil(chunk))
@@ -613,7 +695,7 @@ impl TransferScheduler {
             }
             n += 1;
         }
-        let synced = Self::sync_streams(&self.streams);
+        let synced = Self::sync_streams(self.streams_for(len as u64));
         issued?;
         synced?;
         Ok(TransferStats {
@@ -626,13 +708,17 @@ impl TransferScheduler {
         })
     }
 
+    /// Copies page-locked `src` straight to the device over the streams, after the work
+    /// queued on `main` (the destination's allocation).
     fn copy_direct(
         &self,
+        main: &CudaStream,
         src: *const u8,
         len: usize,
         dptr: sys::CUdeviceptr,
         path: &'static str,
     ) -> Result<TransferStats> {
+        Self::streams_after(self.streams_for(len as u64), main)?;
         self.copy_chunks(len, path, |off, size, stream| {
             // SAFETY: [src + off, +size) lies in page-locked memory borrowed by the caller for
             // the whole call, and copy_chunks waits for the copy; the device range was bounds
@@ -706,62 +792,81 @@ impl TransferScheduler {
     /// waiting only for that buffer's previous copy. Nothing funnels through one submitting
     /// thread: on the H200 machine lanes moved cached file pages at 52 GB/s where one thread
     /// handing filled buffers to the copies managed 40-47 (docs/benchmarks.md, sweep 4).
+    ///
+    /// The calling thread runs the first lane; the others run on the scheduler's kept fill
+    /// threads. Small uploads are cut into smaller pieces ([`TransferConfig::piece_bytes_for`])
+    /// so that several lanes share them, and only the lanes with work are woken and waited for.
     fn upload_staged(
         &self,
+        main: &CudaStream,
         source: &dyn FillSource,
         len: u64,
         dptr: sys::CUdeviceptr,
     ) -> Result<TransferStats> {
-        let chunks = len.div_ceil(self.cfg.chunk_bytes as u64) as usize;
-        let lanes = &self.lane_streams[..self.lane_streams.len().min(chunks)];
+        let piece = self.cfg.piece_bytes_for(len);
+        let chunks = len.div_ceil(piece as u64) as usize;
+        let lanes = &self.lane_streams[..self.lane_streams.len().min(chunks).max(1)];
+        Self::streams_after(lanes, main)?;
         let per_lane = (self.cfg.staging_buffers / self.cfg.fill_threads).max(2);
         let work = LaneWork {
             source,
             dptr,
             len,
+            piece,
             chunks,
             per_lane,
             next: AtomicUsize::new(0),
             abort: AtomicBool::new(false),
         };
-        let mut filling = Duration::ZERO;
-        let mut waiting = Duration::ZERO;
-        let outcome = std::thread::scope(|scope| -> Result<()> {
-            let handles: Vec<_> = lanes
-                .iter()
-                .map(|stream| {
-                    let work = &work;
-                    scope.spawn(move || {
-                        let _placed = self.bind_worker();
-                        let mut timers = (Duration::ZERO, Duration::ZERO);
-                        let result = self.run_lane(work, stream, &mut timers);
-                        if result.is_err() {
-                            work.abort.store(true, Ordering::Release);
-                        }
-                        (result, timers)
-                    })
-                })
-                .collect();
-            let mut outcome = Ok(());
-            for h in handles {
-                let (result, (filled, waited)) = h.join().unwrap_or_else(|_| {
-                    work.abort.store(true, Ordering::Release);
-                    let panicked = Err(Error::ThreadPanicked { what: "fill" });
-                    (panicked, (Duration::ZERO, Duration::ZERO))
-                });
-                filling += filled;
-                waiting += waited;
-                if outcome.is_ok() {
-                    outcome = result;
+        // One outcome per lane: its result and its (filling, waiting) times.
+        type Outcome = (Result<()>, (Duration, Duration));
+        let outcomes: Vec<Mutex<Option<Outcome>>> =
+            lanes.iter().map(|_| Mutex::new(None)).collect();
+        let lane = |i: usize| {
+            let mut timers = (Duration::ZERO, Duration::ZERO);
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.run_lane(&work, &lanes[i], &mut timers)
+            }))
+            .unwrap_or(Err(Error::ThreadPanicked { what: "fill" }));
+            if result.is_err() {
+                work.abort.store(true, Ordering::Release);
+            }
+            *outcomes[i].lock() = Some((result, timers));
+        };
+        match &self.workers {
+            Some(workers) if lanes.len() > 1 => workers.in_place_scope(|scope| {
+                for i in 1..lanes.len() {
+                    let lane = &lane;
+                    scope.spawn(move |_| lane(i));
+                }
+                let _placed = self.bind_worker();
+                lane(0);
+            }),
+            _ => {
+                let _placed = self.bind_worker();
+                for i in 0..lanes.len() {
+                    lane(i);
                 }
             }
-            outcome
-        });
-        let n = lanes.len().max(1) as u32;
+        }
+        let (mut filling, mut waiting) = (Duration::ZERO, Duration::ZERO);
+        let mut outcome = Ok(());
+        for slot in outcomes {
+            let (result, (filled, waited)) = slot.into_inner().unwrap_or((
+                Err(Error::ThreadPanicked { what: "fill" }),
+                Default::default(),
+            ));
+            filling += filled;
+            waiting += waited;
+            if outcome.is_ok() {
+                outcome = result;
+            }
+        }
+        let n = lanes.len() as u32;
         Self::finish_staged(lanes, outcome, len, chunks, filling / n, waiting / n)
     }
 
-    /// One lane of a staged upload: takes chunks until none are left (or another lane
+    /// One lane of a staged upload: takes pieces until none are left (or another lane
     /// failed). `timers` gathers the seconds spent filling and waiting for a buffer's copy.
     fn run_lane(
         &self,
@@ -773,9 +878,9 @@ impl TransferScheduler {
             .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let chunk = self.cfg.chunk_bytes;
-        // Buffers go back to the pool on return carrying the events of their last copies;
-        // finish_staged waits for the lanes' streams before the upload returns.
+        // Buffers of the chunk's size class, whatever the piece: the ones reserved for the
+        // scheduler. They go back to the pool on return carrying the events of their last
+        // copies; finish_staged waits for the lanes' streams before the upload returns.
         let mut bufs: Vec<PooledBuffer> = Vec::with_capacity(work.per_lane);
         for k in 0.. {
             if work.abort.load(Ordering::Acquire) {
@@ -785,11 +890,11 @@ impl TransferScheduler {
             if i >= work.chunks {
                 break;
             }
-            let off = i as u64 * chunk as u64;
-            let size = (work.len - off).min(chunk as u64) as usize;
+            let off = i as u64 * work.piece as u64;
+            let size = (work.len - off).min(work.piece as u64) as usize;
             let slot = k % work.per_lane;
             if slot == bufs.len() {
-                bufs.push(self.pool.get(chunk)?);
+                bufs.push(self.pool.get(self.cfg.chunk_bytes)?);
             }
             let buf = &mut bufs[slot];
             let t = Instant::now();
@@ -907,5 +1012,38 @@ impl TransferScheduler {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TransferConfig;
+
+    /// Small uploads are cut into two pieces per fill thread, in whole 64 KiB, never below the
+    /// minimum nor above a chunk; the staging they need follows the pieces.
+    #[test]
+    fn pieces_of_small_uploads() {
+        let cfg = TransferConfig::default()
+            .with_chunk_bytes(4 << 20)
+            .with_fill_threads(16)
+            .with_staging_buffers(32);
+        let piece = |len: u64| cfg.piece_bytes_for(len);
+        assert_eq!(piece(1), 256 << 10, "never below the minimum");
+        assert_eq!(piece(1 << 20), 256 << 10, "1 MiB: four pieces");
+        assert_eq!(piece(16 << 20), 512 << 10, "16 MiB: two pieces per thread");
+        assert_eq!(piece(64 << 20), 2 << 20);
+        assert_eq!(piece(256 << 20), 4 << 20, "never above a chunk");
+        assert_eq!(piece(u64::MAX / 2), 4 << 20);
+        assert_eq!(piece((10 << 20) + 1) % (64 << 10), 0, "whole 64 KiB");
+        assert_eq!(cfg.staging_buffers_for(Some(1 << 20)), 4);
+        assert_eq!(cfg.staging_buffers_for(Some(16 << 20)), 32);
+        assert_eq!(cfg.staging_buffers_for(None), 32);
+        // An odd minimum is rounded to whole pages, and capped at the chunk.
+        let odd = cfg.with_min_chunk_bytes(5000).normalized();
+        assert_eq!(odd.min_chunk_bytes, 8192);
+        assert_eq!(
+            cfg.with_min_chunk_bytes(1 << 30).piece_bytes_for(1),
+            4 << 20
+        );
     }
 }

@@ -229,6 +229,25 @@ pub struct Loader {
     unpooled: AtomicBool,
     /// Every load's device memory from `cuMemAlloc` (one-shot loaders).
     always_unpooled: bool,
+    /// io_uring readers kept between loads (building one sets up a ring: ~100 us), buffered
+    /// and `O_DIRECT`; each load opens its file in the readers it takes and closes it after.
+    readers: Readers,
+}
+
+/// A loader's idle readers.
+#[derive(Default)]
+struct Readers {
+    buffered: Mutex<Vec<Reader>>,
+    direct: Mutex<Vec<Reader>>,
+}
+
+impl Readers {
+    fn idle(&self, direct: Direct) -> &Mutex<Vec<Reader>> {
+        match direct {
+            Direct::On => &self.direct,
+            _ => &self.buffered,
+        }
+    }
 }
 
 /// How a [`Loader`] was set up: what it reserved and what that took.
@@ -461,6 +480,7 @@ impl Loader {
             setup,
             unpooled: AtomicBool::new(true),
             always_unpooled: false,
+            readers: Readers::default(),
         })
     }
 
@@ -858,36 +878,38 @@ impl Loader {
             return Ok(());
         }
         let source = FileSource {
-            path: path.into(),
+            path,
             start: range.start,
             direct: if direct { Direct::On } else { Direct::Off },
             queue_depth: self.opts.queue_depth,
-            readers: Mutex::new(Vec::new()),
+            idle: self
+                .readers
+                .idle(if direct { Direct::On } else { Direct::Off }),
+            open: Mutex::new(Vec::new()),
         };
-        // Build one reader up front so that open errors surface as such.
-        let first = source.reader()?;
-        report.io_backend = Some(first.0.backend().to_string());
-        source.readers.lock().push(first);
-        let stats = self
-            .sched
-            .upload(
-                HostSource::Fill {
-                    source: &source,
-                    len: range.end - range.start,
-                },
-                dst,
-                0,
-            )
-            .map_err(read_error)?;
-        report.copy_waited_s = stats.copy_waited_s;
-        report.source_waited_s = stats.source_waited_s;
+        // Open the file in one reader up front, so that open errors surface as such.
+        let uploaded = source.take().and_then(|first| {
+            report.io_backend = Some(first.reader.backend().to_string());
+            source.open.lock().push(first);
+            self.sched
+                .upload(
+                    HostSource::Fill {
+                        source: &source,
+                        len: range.end - range.start,
+                    },
+                    dst,
+                    0,
+                )
+                .map_err(read_error)
+        });
         // Files are opened with Direct::On or Direct::Off, never Auto: a refused O_DIRECT is
         // an error, not a fallback, so only the readers' own fallbacks (io_uring) are news.
-        for (reader, _) in source.readers.into_inner() {
-            for f in &reader.stats().fallbacks {
-                f.clone().push_once(&mut report.fallbacks);
-            }
+        for f in source.finish() {
+            f.push_once(&mut report.fallbacks);
         }
+        let stats = uploaded?;
+        report.copy_waited_s = stats.copy_waited_s;
+        report.source_waited_s = stats.source_waited_s;
         Ok(())
     }
 }
@@ -991,39 +1013,78 @@ fn stages(strategy: Strategy) -> bool {
     strategy != Strategy::Registered
 }
 
-/// A file range as a fill source: each fill thread reads with its own io_uring reader.
-struct FileSource {
-    path: PathBuf,
+/// A file range as a fill source: each fill thread reads with its own io_uring reader, taken
+/// from the loader's idle readers (or built) with the file opened in it, and given back with
+/// the file closed by [`FileSource::finish`].
+struct FileSource<'a> {
+    path: &'a Path,
     start: u64,
     direct: Direct,
     queue_depth: usize,
-    readers: Mutex<Vec<(Reader, gpufeed_uring::FileId)>>,
+    idle: &'a Mutex<Vec<Reader>>,
+    /// Readers with the file open, not in use by a fill thread right now.
+    open: Mutex<Vec<OpenReader>>,
 }
 
-impl FileSource {
-    fn reader(&self) -> Result<(Reader, gpufeed_uring::FileId)> {
-        let mut reader = Reader::builder()
-            .direct(self.direct)
-            .queue_depth(self.queue_depth)
-            .block_bytes(1 << 20)
-            // Buffered reads complete inline in the fill thread, which then uploads what it
-            // copied (faster on the H200 machine than the kernel's workers: benchmarks.md).
-            .async_buffered(false)
-            .build()?;
-        let file = reader.open(&self.path)?;
-        Ok((reader, file))
+/// A reader with the load's file open in it.
+struct OpenReader {
+    reader: Reader,
+    file: gpufeed_uring::FileId,
+}
+
+impl FileSource<'_> {
+    /// An idle reader (or a new one) with the file opened in it.
+    fn take(&self) -> Result<OpenReader> {
+        let idle = self.idle.lock().pop();
+        let mut reader = match idle {
+            Some(r) => r,
+            None => Reader::builder()
+                .direct(self.direct)
+                .queue_depth(self.queue_depth)
+                .block_bytes(1 << 20)
+                // Buffered reads complete inline in the fill thread, which then uploads what
+                // it copied (faster on the H200 machine than the kernel's workers:
+                // benchmarks.md).
+                .async_buffered(false)
+                .build()?,
+        };
+        match reader.open(self.path) {
+            Ok(file) => Ok(OpenReader { reader, file }),
+            Err(e) => {
+                self.idle.lock().push(reader);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Closes the file in every reader, gives them back, and returns their fallbacks.
+    fn finish(self) -> Vec<Fallback> {
+        let mut fallbacks = Vec::new();
+        let mut idle = self.idle.lock();
+        for OpenReader { mut reader, file } in self.open.into_inner() {
+            for f in &reader.stats().fallbacks {
+                f.clone().push_once(&mut fallbacks);
+            }
+            // Cannot fail: `file` was opened by this reader and not closed.
+            if reader.close(file).is_ok() {
+                idle.push(reader);
+            }
+        }
+        fallbacks
     }
 }
 
-impl FillSource for FileSource {
+impl FillSource for FileSource<'_> {
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
-        let pooled = self.readers.lock().pop();
-        let (mut reader, file) = match pooled {
+        let ready = self.open.lock().pop();
+        let mut open = match ready {
             Some(r) => r,
-            None => self.reader()?,
+            None => self.take()?,
         };
-        let result = reader.read_exact_at(file, self.start + offset, dst);
-        self.readers.lock().push((reader, file));
+        let result = open
+            .reader
+            .read_exact_at(open.file, self.start + offset, dst);
+        self.open.lock().push(open);
         result.map_err(Into::into)
     }
 }

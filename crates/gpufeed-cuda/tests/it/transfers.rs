@@ -323,3 +323,76 @@ fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
     // The context still works.
     assert_eq!(gpu.alloc_zeroed(4096).expect("alloc").len(), 4096);
 }
+
+/// Small staged uploads are cut into pieces shared by the kept fill threads (the calling
+/// thread filling too): byte-exact at unaligned sizes and offsets, as many copies as
+/// `piece_bytes_for` says, and a panicking source is an error after which the threads still
+/// work.
+#[test]
+fn small_uploads_are_shared_by_the_fill_threads() {
+    let Some(gpu) = gpu_or_skip("small_uploads_are_shared_by_the_fill_threads") else {
+        return;
+    };
+    let cfg = TransferConfig::default()
+        .with_chunk_bytes(4 << 20)
+        .with_min_chunk_bytes(64 << 10)
+        .with_fill_threads(8)
+        .with_staging_buffers(16);
+    let sched = TransferScheduler::new(&gpu, cfg).expect("scheduler");
+    for (i, len) in [
+        1usize,
+        4095,
+        (64 << 10) + 1,
+        (1 << 20) + 3,
+        (3 << 20) + 7,
+        (17 << 20) + 1,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = random_bytes(len, 900 + i as u64);
+        let mut dev = gpu.alloc_zeroed(len + 5).expect("alloc");
+        let stats = sched
+            .upload(HostSource::Pageable(&data), &mut dev, 5)
+            .expect("upload");
+        let piece = cfg.piece_bytes_for(len as u64);
+        assert_eq!(
+            stats.chunks,
+            len.div_ceil(piece) as u64,
+            "{len} B in {piece} B pieces"
+        );
+        let back = gpu.to_vec(&dev).expect("back");
+        assert_eq!(xxh3_64(&back[5..]), xxh3_64(&data), "{len} B differ");
+    }
+    struct Panicking;
+    impl FillSource for Panicking {
+        fn fill(&self, offset: u64, dst: &mut [u8]) -> Result<(), SourceError> {
+            assert!(offset < 1 << 20, "a source bug at {offset}");
+            dst.fill(2);
+            Ok(())
+        }
+    }
+    let mut dev = gpu.alloc_zeroed(4 << 20).expect("alloc");
+    let err = sched
+        .upload(
+            HostSource::Fill {
+                source: &Panicking,
+                len: 4 << 20,
+            },
+            &mut dev,
+            0,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, gpufeed_cuda::Error::ThreadPanicked { what: "fill" }),
+        "{err:?}"
+    );
+    let data = random_bytes(2 << 20, 77);
+    sched
+        .upload(HostSource::Pageable(&data), &mut dev, 0)
+        .expect("works after a panic");
+    assert_eq!(
+        xxh3_64(&gpu.to_vec(&dev).expect("back")[..2 << 20]),
+        xxh3_64(&data)
+    );
+}

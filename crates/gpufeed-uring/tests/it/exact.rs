@@ -342,7 +342,10 @@ fn a_reader_kept_for_many_files_closes_each() {
                 let file = r.open(path).expect("open");
                 let mut got = vec![0u8; data.len() - 1];
                 r.read_exact_at(file, 1, &mut got).expect("read");
-                assert!(got == data[1..], "{backend:?} {direct:?} round {round} differs");
+                assert!(
+                    got == data[1..],
+                    "{backend:?} {direct:?} round {round} differs"
+                );
                 assert_eq!(r.stats().files.len(), 1, "only the open file is listed");
                 r.close(file).expect("close");
                 stale.push(file);
