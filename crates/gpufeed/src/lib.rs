@@ -57,12 +57,14 @@ pub mod advise;
 pub mod dataset;
 pub mod doctor;
 mod error;
+mod files;
 mod load;
 pub mod safetensors;
 mod save;
 pub mod units;
 
 pub use error::{Error, Result};
+pub use files::{FileList, FilesReport, Skipped};
 pub use gpufeed_cuda::{Gpu, GpuInfo};
 pub use gpufeed_os::{Fallback, Refused};
 pub use load::{

@@ -219,24 +219,24 @@ impl LoadReport {
 /// # Ok::<(), gpufeed::Error>(())
 /// ```
 pub struct Loader {
-    gpu: Gpu,
-    sched: TransferScheduler,
-    opts: LoadOptions,
+    pub(crate) gpu: Gpu,
+    pub(crate) sched: TransferScheduler,
+    pub(crate) opts: LoadOptions,
     cleanup: Mutex<Cleanup>,
     setup: LoaderSetup,
     /// Whether the next load's device memory comes from `cuMemAlloc` (the first load; every
     /// load of a one-shot) rather than the pool.
     unpooled: AtomicBool,
     /// Every load's device memory from `cuMemAlloc` (one-shot loaders).
-    always_unpooled: bool,
+    pub(crate) always_unpooled: bool,
     /// io_uring readers kept between loads (building one sets up a ring: ~100 us), buffered
     /// and `O_DIRECT`; each load opens its file in the readers it takes and closes it after.
-    readers: Readers,
+    pub(crate) readers: Readers,
 }
 
 /// A loader's idle readers.
 #[derive(Default)]
-struct Readers {
+pub(crate) struct Readers {
     buffered: Mutex<Vec<Reader>>,
     direct: Mutex<Vec<Reader>>,
 }
@@ -247,6 +247,29 @@ impl Readers {
             Direct::On => &self.direct,
             _ => &self.buffered,
         }
+    }
+
+    /// An idle reader of that kind, or a new one.
+    pub(crate) fn take(&self, direct: Direct, queue_depth: usize) -> Result<Reader> {
+        let idle = self.idle(direct).lock().pop();
+        match idle {
+            Some(r) => Ok(r),
+            None => Ok(Reader::builder()
+                .direct(direct)
+                .queue_depth(queue_depth)
+                .block_bytes(1 << 20)
+                // Buffered reads complete inline in the fill thread, which then uploads what
+                // it copied (faster on the H200 machine than the kernel's workers:
+                // benchmarks.md).
+                .async_buffered(false)
+                .build()?),
+        }
+    }
+
+    /// Gives back a reader that has no file open (files left open stay open in it: close
+    /// them first).
+    pub(crate) fn give_back(&self, direct: Direct, reader: Reader) {
+        self.idle(direct).lock().push(reader);
     }
 }
 
@@ -625,19 +648,23 @@ impl Loader {
         range: Range<u64>,
     ) -> Result<(DeviceBuffer, LoadReport)> {
         let len = range.end.saturating_sub(range.start) as usize;
-        // A loader's first load (the only one, for most users) takes its memory from
-        // cuMemAlloc: growing the context's pool would cost it 2-3 ms per GiB up front
-        // (docs/benchmarks.md, GPU run 8). Later loads use the pool, which gives back what
-        // earlier loads' buffers freed at no cost.
+        self.gpu.alloc_filled(len, self.device_alloc(len), |dst| {
+            self.load_into(path, range, dst, 0)
+        })
+    }
+
+    /// Where a load of `len` bytes takes its device memory from. A loader's first load (the
+    /// only one, for most users) takes it from cuMemAlloc: growing the context's pool would
+    /// cost it 2-3 ms per GiB up front (docs/benchmarks.md, GPU run 8). Later loads use the
+    /// pool, which gives back what earlier loads' buffers freed at no cost.
+    pub(crate) fn device_alloc(&self, len: usize) -> DeviceAlloc {
         let unpooled = len >= UNPOOLED_FROM
             && (self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed));
-        let from = if unpooled {
+        if unpooled {
             DeviceAlloc::Unpooled
         } else {
             DeviceAlloc::Pool
-        };
-        self.gpu
-            .alloc_filled(len, from, |dst| self.load_into(path, range, dst, 0))
+        }
     }
 
     /// Loads bytes `range` of `path` into `dst` starting at `dst_offset`.
@@ -882,9 +909,7 @@ impl Loader {
             start: range.start,
             direct: if direct { Direct::On } else { Direct::Off },
             queue_depth: self.opts.queue_depth,
-            idle: self
-                .readers
-                .idle(if direct { Direct::On } else { Direct::Off }),
+            readers: &self.readers,
             open: Mutex::new(Vec::new()),
         };
         // Open the file in one reader up front, so that open errors surface as such.
@@ -917,7 +942,7 @@ impl Loader {
 /// A staged load's error with the file source's own error typed again: the reader's
 /// ([`Error::Read`]: a file that ended early, a failed read) rather than the scheduler's
 /// wrapper around it.
-fn read_error(e: gpufeed_cuda::Error) -> Error {
+pub(crate) fn read_error(e: gpufeed_cuda::Error) -> Error {
     let gpufeed_cuda::Error::Source { offset, source } = e else {
         return e.into();
     };
@@ -1021,7 +1046,7 @@ struct FileSource<'a> {
     start: u64,
     direct: Direct,
     queue_depth: usize,
-    idle: &'a Mutex<Vec<Reader>>,
+    readers: &'a Readers,
     /// Readers with the file open, not in use by a fill thread right now.
     open: Mutex<Vec<OpenReader>>,
 }
@@ -1035,23 +1060,11 @@ struct OpenReader {
 impl FileSource<'_> {
     /// An idle reader (or a new one) with the file opened in it.
     fn take(&self) -> Result<OpenReader> {
-        let idle = self.idle.lock().pop();
-        let mut reader = match idle {
-            Some(r) => r,
-            None => Reader::builder()
-                .direct(self.direct)
-                .queue_depth(self.queue_depth)
-                .block_bytes(1 << 20)
-                // Buffered reads complete inline in the fill thread, which then uploads what
-                // it copied (faster on the H200 machine than the kernel's workers:
-                // benchmarks.md).
-                .async_buffered(false)
-                .build()?,
-        };
+        let mut reader = self.readers.take(self.direct, self.queue_depth)?;
         match reader.open(self.path) {
             Ok(file) => Ok(OpenReader { reader, file }),
             Err(e) => {
-                self.idle.lock().push(reader);
+                self.readers.give_back(self.direct, reader);
                 Err(e.into())
             }
         }
@@ -1060,14 +1073,13 @@ impl FileSource<'_> {
     /// Closes the file in every reader, gives them back, and returns their fallbacks.
     fn finish(self) -> Vec<Fallback> {
         let mut fallbacks = Vec::new();
-        let mut idle = self.idle.lock();
         for OpenReader { mut reader, file } in self.open.into_inner() {
             for f in &reader.stats().fallbacks {
                 f.clone().push_once(&mut fallbacks);
             }
             // Cannot fail: `file` was opened by this reader and not closed.
             if reader.close(file).is_ok() {
-                idle.push(reader);
+                self.readers.give_back(self.direct, reader);
             }
         }
         fallbacks

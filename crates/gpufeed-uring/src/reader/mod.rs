@@ -350,6 +350,52 @@ impl Reader {
         done.result.map(drop)
     }
 
+    /// Reads each `(file, offset, buf)` exactly (all of `buf` from `offset` of `file`), with up
+    /// to the queue depth in flight: many small files, or scattered ranges, in one batch.
+    ///
+    /// # Errors
+    /// The first failed read's ([`Error::UnexpectedEof`] naming the file, [`Error::Read`]);
+    /// every read was completed or waited for before this returns.
+    ///
+    /// # Example
+    /// ```
+    /// # let dir = tempfile::tempdir()?;
+    /// # let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    /// # std::fs::write(&a, b"first file")?;
+    /// # std::fs::write(&b, b"second")?;
+    /// let mut reader = gpufeed_uring::Reader::builder().build()?;
+    /// let (fa, fb) = (reader.open(&a)?, reader.open(&b)?);
+    /// let mut out = [0u8; 16];
+    /// let (x, y) = out.split_at_mut(10);
+    /// reader.read_exact_many([(fa, 0, x), (fb, 0, &mut y[..6])])?;
+    /// assert_eq!(&out, b"first filesecond");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn read_exact_many<'a>(
+        &mut self,
+        reads: impl IntoIterator<Item = (FileId, u64, &'a mut [u8])>,
+    ) -> Result<()> {
+        let ops = reads.into_iter().map(|(file, offset, buf)| {
+            ReadOp::new(
+                file,
+                offset,
+                Borrowed {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                },
+            )
+        });
+        // The session drains every read into the borrowed buffers before it is dropped, also
+        // when this function returns early or unwinds; the buffers outlive the call.
+        let mut first_error = None;
+        for done in Session::new(self, ops) {
+            if let Err(e) = done.and_then(|c| c.result) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// Carries out `ops`, keeping the queue full, and calls `on_complete` for each request as
     /// it completes (in completion order). Per-request failures are in
     /// [`Completion::result`]; the returned error is for a failure of the backend itself.
