@@ -47,6 +47,9 @@ pub struct GpuBench {
 
 const CHUNK: usize = 16 << 20;
 
+/// The seed of the random bytes of the file loaded by tables 4, 6, 8 and 9.
+pub const FILE_SEED: u64 = 0xF11E;
+
 pub fn describe(info: &GpuInfo) -> String {
     match (info.pcie_gen, info.pcie_width) {
         (Some(g), Some(w)) => format!("PCIe Gen{g} x{w}"),
@@ -153,7 +156,7 @@ pub fn measure(
         file_bytes >> 30
     ));
     let path = dir.join(format!("gpu-file-{file_bytes}.bin"));
-    ensure_random_file(&path, file_bytes, 0xF11E)?;
+    ensure_random_file(&path, file_bytes, FILE_SEED)?;
     cache::warm(&path)?;
     let mut dev = gpu.alloc_zeroed(file_bytes as usize)?;
     let (mut reg_ms, mut copy, mut both) = (Vec::new(), Vec::new(), Vec::new());

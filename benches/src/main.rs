@@ -16,6 +16,7 @@ mod oneshot;
 mod reads;
 mod report;
 mod save;
+mod small;
 mod util;
 
 use std::path::PathBuf;
@@ -58,6 +59,15 @@ struct Cli {
     #[arg(long, default_value = "4GiB", value_parser = parse_size)]
     gpu_file: u64,
 
+    /// The largest file of the size curve of table 9 (1 MiB, 4 MiB, ... up to this; GPU
+    /// machine only).
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    curve_max: u64,
+
+    /// Files in the small-files folder of table 9 (60-160 KiB each; GPU machine only).
+    #[arg(long, default_value_t = 10_000)]
+    small_files: usize,
+
     /// Also run the peers (PyTorch, kvikio, safetensors, fastsafetensors) on the GPU machine,
     /// with `python3 benches/peers/peers.py` (those not installed report why).
     #[arg(long)]
@@ -67,8 +77,9 @@ struct Cli {
     #[arg(long)]
     quick: bool,
 
-    /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu (limits are
-    /// measured whenever a host table is, since ratios need them).
+    /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
+    /// (tables 4, 6 and 8), small (table 9). Limits are measured whenever a host table is,
+    /// since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
 
@@ -95,6 +106,7 @@ enum Part {
     Ipc,
     Loader,
     Gpu,
+    Small,
 }
 
 #[derive(Subcommand)]
@@ -164,6 +176,8 @@ fn main() -> Result<()> {
         cli.reps = 2;
         cli.gpu_bytes = 256 << 20;
         cli.gpu_file = 256 << 20;
+        cli.curve_max = 256 << 20;
+        cli.small_files = 1000;
     }
     let wanted = |p: Part| cli.only.is_empty() || cli.only.contains(&p);
     let host_part = |p: Part| !cli.gpu_only && wanted(p);
@@ -183,7 +197,7 @@ fn main() -> Result<()> {
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("create {}", cli.dir.display()))?;
     let exe = std::env::current_exe().context("path of this program")?;
     let progress = Progress::new();
-    let step = |n: usize, what: &str| progress.line(&format!("[{n}/7] {what}"));
+    let step = |n: usize, what: &str| progress.line(&format!("[{n}/9] {what}"));
 
     let (mut limits, mut handoff, mut access, mut reads, mut ipc, mut batch_loader) =
         (None, None, None, None, None, None);
@@ -244,15 +258,15 @@ fn main() -> Result<()> {
         }
         if host_part(Part::Loader) {
             step(
-                6,
+                7,
                 "table 7: the dataset BatchLoader on the host (64 KiB records, shuffled)",
             );
             batch_loader = Some(loader::measure(&dataset, cli.reps)?);
         }
     }
     step(
-        7,
-        "tables 4 and 6: GPU transfers and loads (GPU machine only)",
+        8,
+        "tables 4, 6 and 8: GPU transfers, loads and saves (GPU machine only)",
     );
     let gpu = if wanted(Part::Gpu) {
         gpu::measure(
@@ -266,8 +280,26 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    step(
+        9,
+        "table 9: small loads, the size curve and a folder of small files (GPU machine only)",
+    );
+    let small = if wanted(Part::Small) {
+        let gpu_file = cli.dir.join(format!("gpu-file-{}.bin", cli.gpu_file));
+        util::ensure_random_file(&gpu_file, cli.gpu_file, gpu::FILE_SEED)?;
+        small::measure(
+            &cli.dir,
+            cli.curve_max,
+            (&gpu_file, cli.gpu_file),
+            cli.small_files,
+            cli.reps,
+            |what| progress.line(&format!("      {what}")),
+        )?
+    } else {
+        None
+    };
     ensure!(
-        !cli.gpu || gpu.is_some(),
+        !cli.gpu || gpu.is_some() || small.is_some(),
         "--gpu: no GPU is usable here (see `gpufeed doctor`)"
     );
 
@@ -284,6 +316,7 @@ fn main() -> Result<()> {
         ipc,
         batch_loader,
         gpu,
+        small,
     };
     progress.finish();
     let json = serde_json::to_string_pretty(&report)?;

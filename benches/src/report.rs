@@ -73,6 +73,8 @@ pub struct Report {
     pub ipc: Option<IpcBench>,
     pub batch_loader: Option<LoaderBench>,
     pub gpu: Option<GpuBench>,
+    /// Table 9: small loads.
+    pub small: Option<crate::small::SmallBench>,
 }
 
 impl Report {
@@ -136,6 +138,9 @@ impl Report {
                     "\n## Table 4 — GPU\n\nNo GPU on this machine: not measured."
                 );
             }
+        }
+        if let Some(v) = &self.small {
+            small_table(&mut s, v);
         }
         s
     }
@@ -651,6 +656,85 @@ fn save_table(s: &mut String, v: &crate::save::SaveBench) {
             format!("; fallbacks: {}", v.save_fallbacks.join("; "))
         },
         v.checkpoint_saved.display()
+    );
+}
+
+fn small_table(s: &mut String, v: &crate::small::SmallBench) {
+    let _ = writeln!(
+        s,
+        "\n## Table 9 — small loads on {}: the size curve and a folder of small files\n\n\
+         One reused `Loader` with default options loads warm files of each size; a load's time \
+         runs from the call until the bytes are on the GPU (device memory, checks, reads, \
+         copies). \"The wire\" copies the same number of bytes from a pinned buffer on one \
+         stream (chunks of up to 16 MiB), synchronized: what the link alone takes. Median of \
+         15 repetitions up to 256 MiB, of the run's repetitions above.\n\n\
+         | size | gpufeed GB/s | time per load | the wire GB/s | the wire's time | gpufeed / wire |\n\
+         |---|---|---|---|---|---|",
+        v.gpu
+    );
+    let time = |secs: f64| {
+        if secs < 1e-3 {
+            format!("{:.0} us", secs * 1e6)
+        } else {
+            format!("{:.2} ms", secs * 1e3)
+        }
+    };
+    for r in &v.curve {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {:.0}% |",
+            show_size(r.bytes),
+            r.gbps.show(1),
+            time(r.seconds.median),
+            r.wire_gbps.show(1),
+            time(r.wire_seconds.median),
+            100.0 * r.gbps.median / r.wire_gbps.median
+        );
+    }
+    let f = &v.files;
+    let _ = writeln!(
+        s,
+        "\n{} files of 60-160 KiB ({} in all, in ten class folders under {}); listing them \
+         (`FileList::new`, statx of each) took {} ms.\n\n\
+         | how | GB/s | files per second | against |\n|---|---|---|---|",
+        f.files,
+        show_size(f.bytes),
+        f.folder.display(),
+        f.list_ms.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "| one `Loader::load_file` per file, warm | {} | {:.0} ({:.0} us per file) | |",
+        f.per_file_gbps.show(2),
+        f.files as f64 / (f.bytes as f64 / 1e9 / f.per_file_gbps.median),
+        f.per_file_us.median
+    );
+    let _ = writeln!(
+        s,
+        "| `Loader::load_list` of all of them, warm: {} | {} | {:.0} | {:.1}x one load per file |",
+        f.warm_strategy,
+        f.warm_gbps.show(1),
+        f.warm_files_per_s.median,
+        f.warm_gbps.median / f.per_file_gbps.median
+    );
+    let cold_pct = 100.0 * f.cold_gbps.median / f.cold_limit_gbps.median;
+    let _ = writeln!(
+        s,
+        "| `Loader::load_list`, cold: {} | {} | {:.0} | {:.0}% of the disk's limit{} |",
+        f.cold_strategy,
+        f.cold_gbps.show(2),
+        f.cold_files_per_s.median,
+        cold_pct,
+        if cold_pct > 100.0 {
+            " (above 100%: the limit row is suspect)"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(
+        s,
+        "| the disk's limit: O_DIRECT reads of the same files into host memory (gpufeed-uring, qd 64, 256 files per batch), cold | {} | | the limit |",
+        f.cold_limit_gbps.show(2)
     );
 }
 

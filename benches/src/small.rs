@@ -1,0 +1,330 @@
+//! Table 9 (GPU machine only): small loads. The size curve — one reused default `Loader`
+//! loading warm files of 1 MiB to 16 GiB, against the wire alone (a pinned buffer of the same
+//! size copied on one stream) in the same run — and a folder of small files (image-sized:
+//! 60-160 KiB, 110 KiB on average), one `load_file` per file against `Loader::load_list` of
+//! all of them, warm and cold, the cold one against the disk's own O_DIRECT reads of the same
+//! files.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use gpufeed::cuda::cudarc::driver::{DevicePtrMut, sys};
+use gpufeed::os::{AlignedBuf, cache};
+use gpufeed::pinned::PinnedBuffer;
+use gpufeed::uring::{Direct, Reader};
+use gpufeed::{FileList, Gpu, LoadOptions, Loader};
+use serde::Serialize;
+
+use crate::util::{Samples, SplitMix, ensure_random_file, gbps, timed};
+
+#[derive(Debug, Serialize)]
+pub struct SizeRow {
+    pub bytes: u64,
+    /// Seconds per `Loader::load_file` call (device memory, listing, residency, reads,
+    /// copies, synchronization: what a caller waits).
+    pub seconds: Samples,
+    pub gbps: Samples,
+    /// Seconds of the same bytes copied from a pinned buffer on one stream (chunks of up to
+    /// 16 MiB), synchronized: the wire alone.
+    pub wire_seconds: Samples,
+    pub wire_gbps: Samples,
+    pub strategy: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FilesBench {
+    pub files: usize,
+    pub bytes: u64,
+    pub folder: PathBuf,
+    /// One `Loader::load_file` per file, reused loader, warm: GB/s and microseconds per file.
+    pub per_file_gbps: Samples,
+    pub per_file_us: Samples,
+    /// `FileList::new` of the folder (statx of every file), milliseconds.
+    pub list_ms: Samples,
+    /// `Loader::load_list`, warm.
+    pub warm_gbps: Samples,
+    pub warm_files_per_s: Samples,
+    pub warm_strategy: String,
+    /// `Loader::load_list` after every file was evicted from the page cache.
+    pub cold_gbps: Samples,
+    pub cold_files_per_s: Samples,
+    pub cold_strategy: String,
+    /// The disk's limit for these files: O_DIRECT reads of all of them into host memory
+    /// (gpufeed-uring, queue depth 64, batches of 256 files), cold, no GPU.
+    pub cold_limit_gbps: Samples,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SmallBench {
+    pub gpu: String,
+    pub curve: Vec<SizeRow>,
+    pub files: FilesBench,
+}
+
+const WIRE_CHUNK: usize = 16 << 20;
+
+/// Repetitions at `bytes`: many for small loads (cheap, and noisier), `reps` for large ones.
+fn reps_for(bytes: u64, reps: usize) -> usize {
+    if bytes <= 256 << 20 {
+        reps.max(15)
+    } else {
+        reps
+    }
+}
+
+pub fn measure(
+    dir: &Path,
+    curve_max: u64,
+    gpu_file: (&Path, u64),
+    files: usize,
+    reps: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<Option<SmallBench>> {
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) if e.is_no_gpu() => {
+            progress(&format!("no GPU: {e}"));
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let loader = Loader::new(&gpu, LoadOptions::default())?;
+    let sizes: Vec<u64> = (0..8)
+        .map(|i| (1u64 << 20) << (2 * i))
+        .filter(|&s| s <= curve_max)
+        .collect();
+    let ctx = Arc::clone(gpu.context());
+    let pinned_len = (1usize << 30).min(curve_max as usize);
+    let mut pinned = PinnedBuffer::new(&ctx, pinned_len)?;
+    SplitMix(0x317E).fill(&mut pinned);
+    let mut dev = gpu.alloc_zeroed(curve_max as usize)?;
+    let stream = ctx.new_stream()?;
+    let mut curve = Vec::new();
+    for &size in &sizes {
+        progress(&format!(
+            "size curve: {} warm, reused Loader, and the wire",
+            crate::util::show_size(size)
+        ));
+        let path = if size == gpu_file.1 {
+            gpu_file.0.to_path_buf()
+        } else {
+            let p = dir.join(format!("size-{size}.bin"));
+            ensure_random_file(&p, size, 0x5123 ^ size)?;
+            p
+        };
+        cache::warm(&path)?;
+        for _ in 0..2 {
+            drop(loader.load_file(&path)?);
+        }
+        let n = reps_for(size, reps);
+        let (mut secs, mut strategy) = (Vec::new(), String::new());
+        for _ in 0..n {
+            let (s, loaded) = timed(|| loader.load_file(&path));
+            let (buf, report) = loaded?;
+            strategy = report.strategy.to_string();
+            secs.push(s);
+            drop(buf);
+        }
+        let mut wire = Vec::new();
+        for _ in 0..n + 1 {
+            let (dptr, guard) = dev.device_ptr_mut(&stream);
+            let (s, r) = timed(|| -> Result<()> {
+                let mut off = 0usize;
+                while (off as u64) < size {
+                    let n = WIRE_CHUNK.min(size as usize - off);
+                    let from = off % pinned_len;
+                    let n = n.min(pinned_len - from);
+                    // SAFETY: the pinned buffer holds `pinned_len` bytes and `dev` at least
+                    // `size`; both outlive the synchronize below.
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dptr + off as u64,
+                            pinned.as_ptr().add(from).cast(),
+                            n,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .result()?;
+                    off += n;
+                }
+                stream.synchronize()?;
+                Ok(())
+            });
+            drop(guard);
+            r?;
+            wire.push(s);
+        }
+        wire.remove(0); // warm-up
+        let seconds = Samples::new(secs);
+        let wire_seconds = Samples::new(wire);
+        curve.push(SizeRow {
+            bytes: size,
+            gbps: seconds.map(|s| gbps(size, s)),
+            seconds,
+            wire_gbps: wire_seconds.map(|s| gbps(size, s)),
+            wire_seconds,
+            strategy,
+        });
+    }
+    drop((dev, pinned));
+    let files = measure_files(&loader, dir, files, reps, &mut progress)?;
+    Ok(Some(SmallBench {
+        gpu: gpu.info().name.clone(),
+        curve,
+        files,
+    }))
+}
+
+/// A folder of `n` files of 60-160 KiB of random bytes in ten class subfolders (an image
+/// folder's layout), made once.
+pub fn ensure_folder(dir: &Path, n: usize) -> Result<(PathBuf, Vec<PathBuf>)> {
+    let folder = dir.join(format!("small-files-{n}"));
+    let mut rng = SplitMix(0xF01D);
+    let mut paths = Vec::with_capacity(n);
+    let mut buf = vec![0u8; 160 << 10];
+    for i in 0..n {
+        let class = folder.join(format!("class-{}", i % 10));
+        if i < 10 {
+            std::fs::create_dir_all(&class)
+                .with_context(|| format!("mkdir {}", class.display()))?;
+        }
+        let len = (60 << 10) + rng.below(100 << 10) as usize;
+        let path = class.join(format!("{i:07}.bin"));
+        if path
+            .metadata()
+            .map(|m| m.len() != len as u64)
+            .unwrap_or(true)
+        {
+            rng.fill(&mut buf[..len]);
+            std::fs::write(&path, &buf[..len])
+                .with_context(|| format!("write {}", path.display()))?;
+        } else {
+            // Keep the generator where writing would have left it.
+            rng.fill(&mut buf[..len]);
+        }
+        paths.push(path);
+    }
+    Ok((folder, paths))
+}
+
+/// O_DIRECT reads of every file into host memory, batches of 256 files: the disk's limit for
+/// this folder; GB/s.
+fn raw_direct_files(list: &FileList) -> Result<f64> {
+    let mut reader = Reader::builder()
+        .direct(Direct::On)
+        .queue_depth(64)
+        .block_bytes(1 << 20)
+        .build()?;
+    let mut buf = AlignedBuf::new(list.total_bytes().max(1) as usize, 4096)?;
+    let (s, r) = timed(|| -> Result<()> {
+        let mut rest: &mut [u8] = &mut buf;
+        for batch in list.paths().chunks(256).enumerate() {
+            let (b, paths) = batch;
+            let mut ids = Vec::new();
+            let mut reads = Vec::new();
+            for (k, p) in paths.iter().enumerate() {
+                let id = reader.open(p)?;
+                let r = list.range(b * 256 + k).context("a range per file")?;
+                let (head, tail) =
+                    std::mem::take(&mut rest).split_at_mut((r.end - r.start) as usize);
+                ids.push(id);
+                reads.push((id, 0, head));
+                rest = tail;
+            }
+            reader.read_exact_many(reads)?;
+            for id in ids {
+                reader.close(id)?;
+            }
+        }
+        Ok(())
+    });
+    r?;
+    Ok(gbps(list.total_bytes(), s))
+}
+
+fn evict_all(paths: &[PathBuf]) -> Result<()> {
+    for p in paths {
+        cache::evict(p)?;
+    }
+    Ok(())
+}
+
+fn measure_files(
+    loader: &Loader,
+    dir: &Path,
+    n: usize,
+    reps: usize,
+    progress: &mut impl FnMut(&str),
+) -> Result<FilesBench> {
+    progress(&format!("small files: a folder of {n} files of 60-160 KiB"));
+    let (folder, paths) = ensure_folder(dir, n)?;
+    let mut list_ms = Vec::new();
+    let mut list = FileList::default();
+    for _ in 0..reps {
+        let (s, l) = timed(|| FileList::new(&paths));
+        list = l?;
+        list_ms.push(s * 1e3);
+    }
+    let bytes = list.total_bytes();
+    for p in &paths {
+        cache::warm(p)?;
+    }
+    progress("small files: one load_file per file, warm");
+    let mut per_file = Vec::new();
+    for _ in 0..reps {
+        let (s, r) = timed(|| -> Result<()> {
+            for p in &paths {
+                drop(loader.load_file(p)?);
+            }
+            Ok(())
+        });
+        r?;
+        per_file.push(s);
+    }
+    progress("small files: Loader::load_list of all of them, warm then cold");
+    drop(loader.load_list(&list)?);
+    let (mut warm, mut warm_strategy) = (Vec::new(), String::new());
+    for _ in 0..reps {
+        let (buf, r) = loader.load_list(&list)?;
+        warm_strategy = format!("{} ({})", r.strategy, r.reason);
+        warm.push(r.seconds);
+        drop(buf);
+    }
+    // The bytes on the GPU are the files' (a check, not a timing).
+    let (buf, _) = loader.load_list(&list)?;
+    let back = loader.gpu().to_vec(&buf)?;
+    drop(buf);
+    let mut host = vec![0u8; bytes as usize];
+    list.read_into(&mut host)?;
+    anyhow::ensure!(back == host, "the files on the GPU differ from the files");
+    drop((back, host));
+    let (mut cold, mut limit, mut cold_strategy) = (Vec::new(), Vec::new(), String::new());
+    for _ in 0..reps {
+        evict_all(&paths)?;
+        limit.push(raw_direct_files(&list)?);
+        evict_all(&paths)?;
+        let (buf, r) = loader.load_list(&list)?;
+        cold_strategy = format!("{} ({})", r.strategy, r.reason);
+        cold.push(r.seconds);
+        drop(buf);
+    }
+    let warm = Samples::new(warm);
+    let cold = Samples::new(cold);
+    let per_file = Samples::new(per_file);
+    Ok(FilesBench {
+        files: n,
+        bytes,
+        folder,
+        per_file_gbps: per_file.map(|s| gbps(bytes, s)),
+        per_file_us: per_file.map(|s| s * 1e6 / n as f64),
+        list_ms: Samples::new(list_ms),
+        warm_gbps: warm.map(|s| gbps(bytes, s)),
+        warm_files_per_s: warm.map(|s| n as f64 / s),
+        warm_strategy,
+        cold_gbps: cold.map(|s| gbps(bytes, s)),
+        cold_files_per_s: cold.map(|s| n as f64 / s),
+        cold_strategy,
+        cold_limit_gbps: Samples::new(limit),
+    })
+}
