@@ -733,7 +733,7 @@ fn small_table(s: &mut String, v: &crate::small::SmallBench) {
     );
     let _ = writeln!(
         s,
-        "| the disk's limit: O_DIRECT reads of the same files into host memory (gpufeed-uring, qd 64, 256 files per batch), cold | {} | | the limit |",
+        "| the disk's limit: O_DIRECT reads of the same files into host memory (gpufeed-uring, 256 files per batch; the best of 1 thread at queue depth 64 and 1 per core at 32), cold | {} | | the limit |",
         f.cold_limit_gbps.show(2)
     );
 }

@@ -125,9 +125,12 @@ pub struct TransferConfig {
     pub streams: usize,
     /// Bytes per copy (default 16 MiB, where the pinned ceiling is reached).
     pub chunk_bytes: usize,
-    /// Staged uploads too small to give every fill thread two chunks are cut into smaller
-    /// pieces, down to this size (default 256 KiB), so that all the threads read at once and
-    /// the first copies start early: a 1 MiB upload runs on four threads, not one.
+    /// The smallest copy of a staged upload (default 1 MiB): uploads too small to give every
+    /// fill thread two chunks are cut into pieces down to this size, so that more threads
+    /// share them, and every upload starts with pieces of this size that double each round up
+    /// to a chunk, so that the link starts while the threads fill their first buffers. (On the
+    /// H200 machine 1 MiB beat 64 and 256 KiB from 1 MiB to 256 MiB: docs/benchmarks.md, GPU
+    /// run 24.)
     pub min_chunk_bytes: usize,
     /// Staging buffers in flight for pageable and fill transfers (default: twice the fill
     /// threads). Staged uploads give each fill thread `staging_buffers / fill_threads` of them
@@ -186,15 +189,23 @@ impl TransferConfig {
         }
     }
 
-    /// The size of each copy of a staged upload of `len` bytes: `chunk_bytes`, or for an
-    /// upload smaller than two chunks per fill thread, an even share of two pieces per thread
-    /// in whole 64 KiB (at least `min_chunk_bytes`).
+    /// The largest copy of a staged upload of `len` bytes: `chunk_bytes`, or for an upload
+    /// smaller than two chunks per fill thread, an even share of two pieces per thread in whole
+    /// 64 KiB (at least `min_chunk_bytes`). The first copies are smaller still: each fill
+    /// thread starts with a `min_chunk_bytes` piece and doubles it every round up to this
+    /// size, so that the link starts working while the threads fill their first buffers.
     pub fn piece_bytes_for(&self, len: u64) -> usize {
         let cfg = self.normalized();
         let even = len
             .div_ceil(2 * cfg.fill_threads as u64)
             .next_multiple_of(64 << 10);
         (even.min(cfg.chunk_bytes as u64) as usize).max(cfg.min_chunk_bytes)
+    }
+
+    /// Copies a staged upload of `len` bytes is cut into (see
+    /// [`TransferConfig::piece_bytes_for`]).
+    pub fn pieces_for(&self, len: u64) -> usize {
+        PiecePlan::new(self, len).count
     }
 
     /// Staging buffers a staged upload of `len` bytes uses at most (`None`: of any length):
@@ -205,7 +216,7 @@ impl TransferConfig {
         let per_lane = (cfg.staging_buffers / cfg.fill_threads).max(2);
         let most = per_lane * cfg.fill_threads;
         match len {
-            Some(len) => most.min(len.div_ceil(cfg.piece_bytes_for(len) as u64) as usize),
+            Some(len) => most.min(PiecePlan::new(&cfg, len).count),
             None => most,
         }
     }
@@ -230,7 +241,7 @@ impl Default for TransferConfig {
         TransferConfig {
             streams: 4,
             chunk_bytes: 16 << 20,
-            min_chunk_bytes: 256 << 10,
+            min_chunk_bytes: 1 << 20,
             staging_buffers: 2 * fill_threads,
             fill_threads,
         }
@@ -315,15 +326,69 @@ unsafe impl Sync for SendPtr {}
 struct LaneWork<'a> {
     source: &'a dyn FillSource,
     dptr: sys::CUdeviceptr,
-    len: u64,
-    /// Bytes per copy ([`TransferConfig::piece_bytes_for`] the upload).
-    piece: usize,
-    chunks: usize,
+    /// The upload's pieces.
+    plan: PiecePlan,
     per_lane: usize,
     /// The next chunk to take.
     next: AtomicUsize,
     /// Set by a failing lane: the others stop taking chunks.
     abort: AtomicBool,
+}
+
+/// How a staged upload is cut into copies: a ramp of rounds (one piece per fill thread each)
+/// from `min_chunk_bytes` doubling up to the cap ([`TransferConfig::piece_bytes_for`]), then
+/// pieces of the cap to the end. Offsets stay in whole 4 KiB pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PiecePlan {
+    /// The ramp's pieces: (offset, bytes).
+    ramp: Vec<(u64, usize)>,
+    /// Where the pieces of the cap's size start.
+    tail_from: u64,
+    cap: usize,
+    len: u64,
+    /// Pieces in all.
+    pub(crate) count: usize,
+}
+
+impl PiecePlan {
+    pub(crate) fn new(cfg: &TransferConfig, len: u64) -> Self {
+        let cfg = cfg.normalized();
+        let cap = cfg.piece_bytes_for(len);
+        let mut ramp = Vec::new();
+        let mut off = 0u64;
+        let mut size = cfg.min_chunk_bytes.min(cap);
+        while size < cap && off < len {
+            for _ in 0..cfg.fill_threads {
+                if off >= len {
+                    break;
+                }
+                let n = (size as u64).min(len - off);
+                ramp.push((off, n as usize));
+                off += n;
+            }
+            size *= 2;
+        }
+        let count = ramp.len() + (len - off).div_ceil(cap as u64) as usize;
+        PiecePlan {
+            ramp,
+            tail_from: off,
+            cap,
+            len,
+            count,
+        }
+    }
+
+    /// Piece `i`: (offset, bytes).
+    pub(crate) fn get(&self, i: usize) -> Option<(u64, usize)> {
+        if let Some(&p) = self.ramp.get(i) {
+            return Some(p);
+        }
+        let k = (i - self.ramp.len()) as u64;
+        let off = self
+            .tail_from
+            .checked_add(k.checked_mul(self.cap as u64)?)?;
+        (off < self.len).then(|| (off, (self.len - off).min(self.cap as u64) as usize))
+    }
 }
 
 /// Free staging buffers shared by the copy side and the drain threads of a staged download.
@@ -803,17 +868,15 @@ impl TransferScheduler {
         len: u64,
         dptr: sys::CUdeviceptr,
     ) -> Result<TransferStats> {
-        let piece = self.cfg.piece_bytes_for(len);
-        let chunks = len.div_ceil(piece as u64) as usize;
+        let plan = PiecePlan::new(&self.cfg, len);
+        let chunks = plan.count;
         let lanes = &self.lane_streams[..self.lane_streams.len().min(chunks).max(1)];
         Self::streams_after(lanes, main)?;
         let per_lane = (self.cfg.staging_buffers / self.cfg.fill_threads).max(2);
         let work = LaneWork {
             source,
             dptr,
-            len,
-            piece,
-            chunks,
+            plan,
             per_lane,
             next: AtomicUsize::new(0),
             abort: AtomicBool::new(false),
@@ -887,11 +950,9 @@ impl TransferScheduler {
                 break;
             }
             let i = work.next.fetch_add(1, Ordering::Relaxed);
-            if i >= work.chunks {
+            let Some((off, size)) = work.plan.get(i) else {
                 break;
-            }
-            let off = i as u64 * work.piece as u64;
-            let size = (work.len - off).min(work.piece as u64) as usize;
+            };
             let slot = k % work.per_lane;
             if slot == bufs.len() {
                 bufs.push(self.pool.get(self.cfg.chunk_bytes)?);
@@ -1017,14 +1078,16 @@ impl TransferScheduler {
 
 #[cfg(test)]
 mod tests {
-    use super::TransferConfig;
+    use super::{PiecePlan, TransferConfig};
 
     /// Small uploads are cut into two pieces per fill thread, in whole 64 KiB, never below the
     /// minimum nor above a chunk; the staging they need follows the pieces.
     #[test]
     fn pieces_of_small_uploads() {
+        assert_eq!(TransferConfig::default().min_chunk_bytes, 1 << 20);
         let cfg = TransferConfig::default()
             .with_chunk_bytes(4 << 20)
+            .with_min_chunk_bytes(256 << 10)
             .with_fill_threads(16)
             .with_staging_buffers(32);
         let piece = |len: u64| cfg.piece_bytes_for(len);
@@ -1037,6 +1100,7 @@ mod tests {
         assert_eq!(piece((10 << 20) + 1) % (64 << 10), 0, "whole 64 KiB");
         assert_eq!(cfg.staging_buffers_for(Some(1 << 20)), 4);
         assert_eq!(cfg.staging_buffers_for(Some(16 << 20)), 32);
+        assert_eq!(cfg.staging_buffers_for(Some(5 << 20)), 20);
         assert_eq!(cfg.staging_buffers_for(None), 32);
         // An odd minimum is rounded to whole pages, and capped at the chunk.
         let odd = cfg.with_min_chunk_bytes(5000).normalized();

@@ -464,7 +464,7 @@ impl Loader {
     /// Builds the loader and reserves its staging (`slab` when made ahead).
     fn with_staging(
         gpu: &Gpu,
-        opts: LoadOptions,
+        mut opts: LoadOptions,
         bytes: Option<u64>,
         slab: Option<(HostSlab, f64)>,
         started: Instant,
@@ -475,6 +475,7 @@ impl Loader {
                 opts.register_chunk_bytes
             )));
         }
+        opts.transfer = sized_for(opts.transfer, bytes);
         let sched = TransferScheduler::new(gpu, opts.transfer)?;
         let mut setup = LoaderSetup::default();
         if stages(opts.strategy) {
@@ -562,7 +563,7 @@ impl Loader {
                     None
                 } else {
                     let t = Instant::now();
-                    let len = opts.transfer.staging_bytes_for(*bytes);
+                    let len = sized_for(opts.transfer, *bytes).staging_bytes_for(*bytes);
                     if len == 0 {
                         None
                     } else {
@@ -1030,6 +1031,19 @@ pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Rou
 
 pub(crate) fn file_len(path: &Path) -> Result<u64> {
     Ok(gpufeed_os::file::stat_regular(path)?.size)
+}
+
+/// Transfer settings for loads of at most `bytes`: where those are small, chunks no larger
+/// than their pieces ([`TransferConfig::piece_bytes_for`]), so that the staging reserved is
+/// about the size of the load (5 MiB for a 5 MiB file, not 20 buffers of 4 MiB).
+fn sized_for(cfg: TransferConfig, bytes: Option<u64>) -> TransferConfig {
+    match bytes {
+        Some(b) => {
+            let piece = cfg.piece_bytes_for(b);
+            cfg.with_chunk_bytes(piece.min(cfg.chunk_bytes))
+        }
+        None => cfg,
+    }
 }
 
 /// Whether loads with `strategy` go through pinned staging (all but `Registered`, which stages

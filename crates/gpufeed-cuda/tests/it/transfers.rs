@@ -326,7 +326,7 @@ fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
 
 /// Small staged uploads are cut into pieces shared by the kept fill threads (the calling
 /// thread filling too): byte-exact at unaligned sizes and offsets, as many copies as
-/// `piece_bytes_for` says, and a panicking source is an error after which the threads still
+/// `pieces_for` says, and a panicking source is an error after which the threads still
 /// work.
 #[test]
 fn small_uploads_are_shared_by_the_fill_threads() {

@@ -500,11 +500,13 @@ fn one_shot_file_loads_are_byte_exact_with_bounded_staging() {
             "{report:?}"
         );
         assert!(report.staging_bytes <= bound, "{report:?} past {bound}");
-        let chunks = size.div_ceil(LoadOptions::default().transfer.chunk_bytes) as u64;
-        assert!(
-            report.staging_bytes <= chunks * (4 << 20),
-            "a {size} B file needs at most {chunks} staging buffers: {report:?}"
-        );
+        if (size as u64) < bound {
+            // A small file's staging is about its size (pieces in power-of-two classes).
+            assert!(
+                report.staging_bytes <= 2 * size as u64,
+                "a {size} B file needs at most twice its size of staging: {report:?}"
+            );
+        }
     }
 }
 
