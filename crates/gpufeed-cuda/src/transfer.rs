@@ -1110,4 +1110,48 @@ mod tests {
             4 << 20
         );
     }
+
+    /// The pieces of an upload cover it exactly once, in order, in whole pages, never above
+    /// the cap; the ramp doubles per round of one piece per fill thread.
+    #[test]
+    fn piece_plans_cover_the_upload() {
+        let cfg = TransferConfig::default()
+            .with_chunk_bytes(4 << 20)
+            .with_min_chunk_bytes(256 << 10)
+            .with_fill_threads(16)
+            .with_staging_buffers(32);
+        for len in [
+            1u64,
+            4096,
+            (1 << 20) + 3,
+            5 << 20,
+            64 << 20,
+            (300 << 20) + 7,
+            (4 << 30) + 1,
+        ] {
+            let plan = PiecePlan::new(&cfg, len);
+            let cap = cfg.piece_bytes_for(len);
+            let mut at = 0u64;
+            for i in 0..plan.count {
+                let (off, n) = plan.get(i).expect("a piece");
+                assert_eq!(off, at, "{len}: piece {i} starts where the last ended");
+                assert!(n > 0 && n <= cap, "{len}: piece {i} of {n}");
+                assert_eq!(off % 4096, 0, "{len}: piece {i} page-aligned");
+                at += n as u64;
+            }
+            assert_eq!(at, len, "{len}: covered");
+            assert_eq!(plan.get(plan.count), None);
+            assert_eq!(cfg.pieces_for(len), plan.count);
+        }
+        let plan = PiecePlan::new(&cfg, 64 << 20);
+        let sizes: Vec<usize> = (0..plan.count).map(|i| plan.get(i).unwrap().1).collect();
+        // 256 KiB, 512 KiB and 1 MiB rounds of 16, then the 2 MiB cap.
+        assert!(sizes[..16].iter().all(|&n| n == 256 << 10), "{sizes:?}");
+        assert!(sizes[16..32].iter().all(|&n| n == 512 << 10), "{sizes:?}");
+        assert!(sizes[32..48].iter().all(|&n| n == 1 << 20), "{sizes:?}");
+        assert!(sizes[48..].iter().all(|&n| n == 2 << 20), "{sizes:?}");
+        // No ramp where the minimum is the chunk.
+        let flat = PiecePlan::new(&cfg.with_min_chunk_bytes(4 << 20), 64 << 20);
+        assert_eq!(flat.count, 16);
+    }
 }
