@@ -1,7 +1,8 @@
-//! The hybrid data loader of the source material: a record file mapped read-only, a sampler
-//! (sequential, shuffled by seed, sharded by rank), and a [`BatchLoader`] whose worker threads
-//! gather records into pinned (or, without a GPU, locked) buffers while earlier batches are
-//! uploaded — double buffering — and which yields device batches in a fixed order.
+//! The hybrid data loader of the source material: a record file mapped read-only (or an
+//! [`ImageFolder`]: one file per sample in class folders), a sampler (sequential, shuffled by
+//! seed, sharded by rank), and a [`BatchLoader`] whose worker threads gather records into
+//! pinned (or, without a GPU, locked) buffers while earlier batches are uploaded — double
+//! buffering — and which yields device batches in a fixed order.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -13,12 +14,16 @@ use std::time::{Duration, Instant};
 use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode};
 use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
+use gpufeed_uring::{Direct, Reader};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
 use crate::load::DeviceBuffer;
 
+mod folder;
 pub mod ring;
+
+pub use folder::ImageFolder;
 
 #[derive(Debug)]
 enum Records {
@@ -123,6 +128,44 @@ impl RecordFile {
     /// The data file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// What a [`BatchLoader`] reads: a record file, or a folder of one file per sample (both
+/// convert with `into()`).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Dataset {
+    /// Records of a mapped file.
+    Records(RecordFile),
+    /// Files in class folders.
+    Folder(ImageFolder),
+}
+
+impl Dataset {
+    /// Samples (records or files).
+    pub fn len(&self) -> usize {
+        match self {
+            Dataset::Records(r) => r.len(),
+            Dataset::Folder(f) => f.len(),
+        }
+    }
+
+    /// Whether there is no sample.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl From<RecordFile> for Dataset {
+    fn from(r: RecordFile) -> Self {
+        Dataset::Records(r)
+    }
+}
+
+impl From<ImageFolder> for Dataset {
+    fn from(f: ImageFolder) -> Self {
+        Dataset::Folder(f)
     }
 }
 
@@ -314,6 +357,9 @@ pub struct Batch {
     pub indices: Vec<usize>,
     /// Start of each record's bytes in the batch, then the end of the last.
     pub offsets: Vec<usize>,
+    /// Each sample's label, for an [`ImageFolder`] (its class); empty for record files.
+    /// Host memory: a few bytes per sample, copied where the caller needs them.
+    pub labels: Vec<u32>,
     /// The bytes.
     pub data: BatchData,
 }
@@ -338,7 +384,7 @@ pub struct LoaderStats {
     pub waited_s: f64,
 }
 
-/// Yields batches of a [`RecordFile`] in the [`Sampler`]'s order, on the GPU (or, without one,
+/// Yields batches of a [`RecordFile`] or an [`ImageFolder`] in the [`Sampler`]'s order, on the GPU (or, without one,
 /// in host memory), with workers preparing the next batches while the current ones upload.
 ///
 /// # Example (runs without a GPU: host batches)
@@ -357,7 +403,7 @@ pub struct LoaderStats {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct BatchLoader {
-    records: Arc<RecordFile>,
+    records: Arc<Dataset>,
     sampler: Sampler,
     cfg: LoaderConfig,
     transform: Option<Transform>,
@@ -377,9 +423,10 @@ impl std::fmt::Debug for BatchLoader {
 }
 
 impl BatchLoader {
-    /// A loader of `records` onto `gpu` (or host batches with `None`).
+    /// A loader of `records` (a [`RecordFile`] or an [`ImageFolder`]) onto `gpu` (or host
+    /// batches with `None`).
     pub fn new(
-        records: RecordFile,
+        records: impl Into<Dataset>,
         sampler: Sampler,
         cfg: LoaderConfig,
         gpu: Option<&Gpu>,
@@ -404,7 +451,7 @@ impl BatchLoader {
             None => (PinnedPool::new(PoolMode::Cpu, pool_cfg)?, None),
         };
         Ok(BatchLoader {
-            records: Arc::new(records),
+            records: Arc::new(records.into()),
             sampler,
             cfg,
             transform: None,
@@ -516,10 +563,12 @@ type Prepared = (usize, Result<Gathered>);
 fn worker(
     shared: &Shared,
     tx: &mpsc::Sender<Prepared>,
-    records: &RecordFile,
+    records: &Dataset,
     pool: &PinnedPool,
     transform: Option<&Transform>,
 ) {
+    // A folder's files are read with one io_uring reader per worker, kept for the epoch.
+    let mut reader = None;
     loop {
         let (number, indices) = {
             let mut q = shared.queue.lock();
@@ -533,8 +582,11 @@ fn worker(
                 shared.ready.wait(&mut q);
             }
         };
-        let result = gather(records, pool, transform, &indices)
-            .map(|(offsets, buf)| (indices, offsets, buf));
+        let result = match records {
+            Dataset::Records(r) => gather(r, pool, transform, &indices),
+            Dataset::Folder(f) => gather_files(f, &mut reader, pool, transform, &indices),
+        }
+        .map(|(offsets, buf)| (indices, offsets, buf));
         if tx.send((number, result)).is_err() {
             return;
         }
@@ -640,6 +692,55 @@ fn gather(
     }
 }
 
+/// Reads (and transforms) the files of one batch into a pooled buffer.
+fn gather_files(
+    folder: &ImageFolder,
+    reader: &mut Option<Reader>,
+    pool: &PinnedPool,
+    transform: Option<&Transform>,
+    indices: &[usize],
+) -> Result<(Vec<usize>, PooledBuffer)> {
+    let reader = match reader {
+        Some(r) => r,
+        None => reader.insert(
+            Reader::builder()
+                .direct(Direct::Off)
+                .queue_depth(32)
+                .async_buffered(false)
+                .build()?,
+        ),
+    };
+    let size = |i: usize| {
+        folder.sample_len(i).ok_or_else(|| Error::Records {
+            path: folder.root().into(),
+            reason: format!("sample {i} does not exist ({} samples)", folder.len()),
+        })
+    };
+    let mut offsets = Vec::with_capacity(indices.len() + 1);
+    offsets.push(0);
+    let mut at = 0;
+    for &i in indices {
+        at += size(i)?;
+        offsets.push(at);
+    }
+    let mut buf = pool.get(at.max(1))?;
+    buf.set_len(at);
+    folder.read_samples(reader, indices, &mut buf)?;
+    let Some(f) = transform else {
+        return Ok((offsets, buf));
+    };
+    let mut out = Vec::new();
+    let mut ends = vec![0];
+    for (k, &i) in indices.iter().enumerate() {
+        run_transform(f, i, &buf[offsets[k]..offsets[k + 1]], &mut out)?;
+        ends.push(out.len());
+    }
+    let mut transformed = pool.get(out.len().max(1))?;
+    transformed.set_len(out.len());
+    transformed.copy_from_slice(&out);
+    Ok((ends, transformed))
+}
+
 /// The batches of one epoch, in order; see [`BatchLoader::epoch`].
 pub struct Epoch<'l> {
     loader: &'l mut BatchLoader,
@@ -717,11 +818,19 @@ impl Iterator for Epoch<'_> {
         };
         self.loader.stats.batches += 1;
         self.loader.stats.bytes += bytes as u64;
+        let labels = match &*self.loader.records {
+            Dataset::Folder(f) => indices
+                .iter()
+                .map(|&i| f.labels().get(i).copied().unwrap_or(u32::MAX))
+                .collect(),
+            Dataset::Records(_) => Vec::new(),
+        };
         Some(Ok(Batch {
             epoch: self.epoch,
             number,
             indices,
             offsets,
+            labels,
             data,
         }))
     }

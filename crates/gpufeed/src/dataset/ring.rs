@@ -360,6 +360,7 @@ impl<'r> RingLoader<'r> {
             number,
             indices,
             offsets,
+            labels: Vec::new(),
             data,
         })
     }

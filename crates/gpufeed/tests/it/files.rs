@@ -197,3 +197,184 @@ fn a_folder_of_small_files_loads_byte_exact_into_gpu_memory() {
         "after an error",
     );
 }
+
+/// An image folder: classes from sorted subfolder names (nested files included, files in the
+/// root left out), batches in the sampler's order (shuffled, then sharded), every sample's
+/// bytes and label right, host batches here.
+#[test]
+fn image_folder_batches_follow_the_sampler_with_labels() {
+    use gpufeed::dataset::{BatchData, BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let root = dir.path();
+    std::fs::write(root.join("README.txt"), b"not a sample").expect("write");
+    let mut want: Vec<(PathBuf, u32, Vec<u8>)> = Vec::new();
+    for (label, class, n) in [(1u32, "cat", 9usize), (2, "zebra", 5), (0, "ant", 12)] {
+        let d = root.join(class);
+        std::fs::create_dir_all(d.join("deeper")).expect("mkdir");
+        for i in 0..n {
+            let sub = if i % 4 == 0 {
+                d.join("deeper")
+            } else {
+                d.clone()
+            };
+            let data = random_bytes(
+                1000 + i * 977 + label as usize,
+                60 + i as u64 + 100 * label as u64,
+            );
+            let path = sub.join(format!("{i:03}.raw"));
+            std::fs::write(&path, &data).expect("write");
+            want.push((path, label, data));
+        }
+    }
+    let folder = ImageFolder::open(root).expect("open");
+    assert_eq!(folder.classes(), ["ant", "cat", "zebra"]);
+    assert_eq!(folder.len(), 26);
+    let by_path = |p: &Path| want.iter().find(|w| w.0 == p).expect("a sample we wrote");
+    for (i, p) in folder.files().paths().iter().enumerate() {
+        assert_eq!(folder.labels()[i], by_path(p).1, "{}", p.display());
+    }
+    let paths: Vec<PathBuf> = folder.files().paths().to_vec();
+    for (rank, world) in [(0usize, 1usize), (1, 2)] {
+        let sampler = Sampler::new(Order::Shuffled { seed: 5 })
+            .shard(rank, world, false)
+            .expect("shard");
+        let order = sampler.epoch(folder.len(), 3);
+        let cfg = LoaderConfig::default().with_batch_size(7).with_workers(3);
+        let mut loader = BatchLoader::new(folder.clone(), sampler, cfg, None).expect("loader");
+        let mut seen = Vec::new();
+        for batch in loader.epoch(3).expect("epoch") {
+            let batch = batch.expect("batch");
+            let BatchData::Host(buf) = &batch.data else {
+                panic!("host batches without a GPU");
+            };
+            assert_eq!(batch.labels.len(), batch.indices.len());
+            for (k, &i) in batch.indices.iter().enumerate() {
+                let (_, label, data) = by_path(&paths[i]);
+                let got = &buf[batch.offsets[k]..batch.offsets[k + 1]];
+                assert_eq!(xxh3_64(got), xxh3_64(data), "sample {i}");
+                assert_eq!(batch.labels[k], *label, "sample {i}");
+            }
+            seen.extend(batch.indices);
+        }
+        assert_eq!(seen, order, "rank {rank} of {world}: the sampler's order");
+    }
+    // A transform sees each file's bytes.
+    let mut loader = BatchLoader::new(
+        folder,
+        Sampler::new(Order::Sequential),
+        LoaderConfig::default().with_batch_size(26),
+        None,
+    )
+    .expect("loader")
+    .with_transform(|_, bytes, out| {
+        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        Ok(())
+    });
+    let batch = loader
+        .epoch(0)
+        .expect("epoch")
+        .next()
+        .expect("one")
+        .expect("batch");
+    let BatchData::Host(buf) = &batch.data else {
+        panic!("host");
+    };
+    for (k, &i) in batch.indices.iter().enumerate() {
+        let len = u32::from_le_bytes(buf[4 * k..4 * k + 4].try_into().unwrap());
+        assert_eq!(len as usize, by_path(&paths[i]).2.len());
+    }
+}
+
+/// Bad entries of an image folder are named, or skipped when asked; an empty or missing root
+/// is an error naming it.
+#[test]
+fn image_folder_bad_entries_are_named_or_skipped() {
+    use gpufeed::dataset::ImageFolder;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let root = dir.path();
+    let e = ImageFolder::open(root).expect_err("no class folder");
+    assert!(e.to_string().contains("no class folder"), "{e}");
+    let e = ImageFolder::open(root.join("nope")).expect_err("missing root");
+    assert!(e.to_string().contains("nope"), "{e}");
+    let class = root.join("a");
+    std::fs::create_dir(&class).expect("mkdir");
+    let e = ImageFolder::open(root).expect_err("no file");
+    assert!(e.to_string().contains("no file"), "{e}");
+    for i in 0..3 {
+        std::fs::write(class.join(format!("{i}.bin")), vec![i as u8; 100]).expect("write");
+    }
+    let fifo = class.join("f.fifo");
+    gpufeed_testkit::mkfifo(&fifo);
+    let e = ImageFolder::open(root).expect_err("a FIFO");
+    assert!(e.to_string().contains("f.fifo"), "{e}");
+    let looped = class.join("loop");
+    std::os::unix::fs::symlink(&class, &looped).expect("symlink");
+    let dangling = class.join("dangling.bin");
+    std::os::unix::fs::symlink(root.join("gone"), &dangling).expect("symlink");
+    let skipping = ImageFolder::open_skipping(root).expect("skipping");
+    assert_eq!(skipping.len(), 3, "{:?}", skipping.skipped());
+    let named: Vec<&Path> = skipping
+        .skipped()
+        .iter()
+        .map(|s| s.path.as_path())
+        .collect();
+    for bad in [&fifo, &looped, &dangling] {
+        assert!(
+            named.contains(&bad.as_path()),
+            "{} not in {named:?}",
+            bad.display()
+        );
+    }
+    std::fs::remove_file(&fifo).expect("rm");
+    std::fs::remove_file(&dangling).expect("rm");
+    let e = ImageFolder::open(root).expect_err("a symlink loop");
+    assert!(e.to_string().contains("second time"), "{e}");
+}
+
+/// Image-folder batches on the GPU: every batch's device bytes are its files', in order.
+#[test]
+fn image_folder_device_batches_are_byte_exact() {
+    use gpufeed::dataset::{BatchData, BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
+    let Some(gpu) = gpu_or_skip("image_folder_device_batches_are_byte_exact") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    for class in ["x", "y"] {
+        std::fs::create_dir(dir.path().join(class)).expect("mkdir");
+        for i in 0..300usize {
+            let data = random_bytes(5000 + i * 331, i as u64 + class.len() as u64 * 1000);
+            std::fs::write(dir.path().join(class).join(format!("{i}.bin")), data).expect("write");
+        }
+    }
+    let folder = ImageFolder::open(dir.path()).expect("open");
+    let paths = folder.files().paths().to_vec();
+    let cfg = LoaderConfig::default().with_batch_size(64).with_workers(4);
+    let mut loader = BatchLoader::new(
+        folder,
+        Sampler::new(Order::Shuffled { seed: 9 }),
+        cfg,
+        Some(&gpu),
+    )
+    .expect("loader");
+    let mut samples = 0;
+    for batch in loader.epoch(0).expect("epoch") {
+        let batch = batch.expect("batch");
+        let BatchData::Device(buf) = &batch.data else {
+            panic!("device batches with a GPU");
+        };
+        let want: Vec<u8> = batch
+            .indices
+            .iter()
+            .flat_map(|&i| std::fs::read(&paths[i]).expect("read"))
+            .collect();
+        assert_eq!(
+            xxh3_64(&gpu.to_vec(buf).expect("back")),
+            xxh3_64(&want),
+            "batch {}",
+            batch.number
+        );
+        assert!(batch.labels.iter().all(|&l| l < 2));
+        samples += batch.indices.len();
+    }
+    assert_eq!(samples, 600);
+}
