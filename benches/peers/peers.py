@@ -4,6 +4,9 @@
 Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> list of GB/s
        (loads, and saves of the checkpoint's GPU tensors back to files).
        peers.py --one-shot SAFETENSORS   -> (internal) one fresh-process load, timed.
+       peers.py --image-folder ROOT REPS -> PyTorch's DataLoader over an image folder (raw file
+       bytes, batches of 256 shuffled, num_workers=8, pin_memory=True, each batch to the GPU):
+       {name: list of GB/s per epoch}.
 Every peer is optional: one that cannot run reports {"error": "..."} instead.
 kvikio and fastsafetensors come from wheels (BENCH.md); torch, numpy, cupy and safetensors are
 on the GPU machine's image.
@@ -39,9 +42,57 @@ def one_shot(st_path):
     print(json.dumps({"bytes": nbytes, "context_s": t1 - t0, "load_s": t2 - t1}))
 
 
+def image_folder(root, reps):
+    """Table 9's peer: torch.utils.data.DataLoader over the same folder, raw bytes."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    samples = []
+    for label, c in enumerate(classes):
+        for dirpath, _, names in sorted(os.walk(os.path.join(root, c), followlinks=True)):
+            samples += [(os.path.join(dirpath, n), label) for n in sorted(names)]
+
+    class Raw(Dataset):
+        def __len__(self):
+            return len(samples)
+
+        def __getitem__(self, i):
+            path, label = samples[i]
+            with open(path, "rb") as f:
+                return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), label
+
+    def collate(items):
+        sizes = torch.tensor([0] + [len(t) for t, _ in items]).cumsum(0)
+        return torch.cat([t for t, _ in items]), sizes, torch.tensor([l for _, l in items])
+
+    loader = DataLoader(Raw(), batch_size=256, shuffle=True, num_workers=8, pin_memory=True,
+                        collate_fn=collate, persistent_workers=True, prefetch_factor=4)
+    total = sum(os.path.getsize(p) for p, _ in samples)
+    out = {}
+    name = "torch DataLoader (num_workers=8, pin_memory=True, raw bytes, batches of 256 to the GPU)"
+    try:
+        runs = []
+        for epoch in range(reps + 1):  # the first epoch starts the workers: not timed
+            t = time.perf_counter()
+            for data, offsets, labels in loader:
+                data.cuda(non_blocking=True)
+                labels.cuda(non_blocking=True)
+            torch.cuda.synchronize()
+            if epoch > 0:
+                runs.append(total / (time.perf_counter() - t) / 1e9)
+        out[name] = runs
+    except Exception as e:
+        out[name] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out))
+
+
 def main():
     if sys.argv[1] == "--one-shot":
         one_shot(sys.argv[2])
+        return
+    if sys.argv[1] == "--image-folder":
+        image_folder(sys.argv[2], int(sys.argv[3]))
         return
     path, st_path, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     size = os.path.getsize(path)

@@ -231,12 +231,19 @@ pub fn measure(
 
 /// Runs the peers' script on the same files; any failure becomes an error entry.
 fn run_peers(file: &Path, safetensors: &Path, reps: usize) -> serde_json::Value {
+    run_peer_script(&[
+        file.display().to_string(),
+        safetensors.display().to_string(),
+        reps.to_string(),
+    ])
+}
+
+/// Runs `python3 benches/peers/peers.py args...`; its JSON, or an error entry.
+pub fn run_peer_script(args: &[String]) -> serde_json::Value {
     let script = Path::new("benches/peers/peers.py");
     let out = std::process::Command::new("python3")
         .arg(script)
-        .arg(file)
-        .arg(safetensors)
-        .arg(reps.to_string())
+        .args(args)
         .output();
     match out {
         Ok(o) if o.status.success() => serde_json::from_slice(&o.stdout).unwrap_or_else(

@@ -293,6 +293,7 @@ fn main() -> Result<()> {
             (&gpu_file, cli.gpu_file),
             cli.small_files,
             cli.reps,
+            cli.peers,
             |what| progress.line(&format!("      {what}")),
         )?
     } else {

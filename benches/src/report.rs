@@ -736,6 +736,37 @@ fn small_table(s: &mut String, v: &crate::small::SmallBench) {
         "| the disk's limit: O_DIRECT reads of the same files into host memory (gpufeed-uring, 256 files per batch; the best of 1 thread at queue depth 64 and 1 per core at 32), cold | {} | | the limit |",
         f.cold_limit_gbps.show(2)
     );
+    let _ = writeln!(
+        s,
+        "| `dataset::BatchLoader` over the folder as an `ImageFolder` (listed in {:.0} ms): shuffled batches of 256 files with labels, 8 workers, to the GPU, warm; one epoch | {} | {:.0} | |",
+        f.image_folder_open_ms,
+        f.batch_loader_gbps.show(1),
+        f.batch_loader_files_per_s.median
+    );
+    if let Some(peers) = f.torch_dataloader.as_ref().and_then(|p| p.as_object()) {
+        for (name, v) in peers {
+            match v.as_array() {
+                Some(runs) => {
+                    let g =
+                        crate::util::Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect());
+                    let _ = writeln!(
+                        s,
+                        "| peer: {name}, same folder, one epoch | {} | {:.0} | gpufeed's BatchLoader {:.1}x |",
+                        g.show(2),
+                        g.median * 1e9 * f.files as f64 / f.bytes as f64,
+                        f.batch_loader_gbps.median / g.median
+                    );
+                }
+                None => {
+                    let _ = writeln!(
+                        s,
+                        "| peer: {name} | did not run: {} | | |",
+                        v.get("error").and_then(|e| e.as_str()).unwrap_or("?")
+                    );
+                }
+            }
+        }
+    }
 }
 
 fn ipc_table(s: &mut String, i: &IpcBench, memcpy: f64) {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use gpufeed::cuda::cudarc::driver::{DevicePtrMut, sys};
+use gpufeed::dataset::{BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
 use gpufeed::os::{AlignedBuf, cache};
 use gpufeed::pinned::PinnedBuffer;
 use gpufeed::uring::{Direct, Reader};
@@ -56,6 +57,15 @@ pub struct FilesBench {
     pub cold_limit_gbps: Samples,
     /// Every limit measurement: (threads, queue depth, GB/s).
     pub cold_limit_ways: Vec<(usize, usize, f64)>,
+    /// `BatchLoader` over the folder as an `ImageFolder`: shuffled batches of 256 files, 8
+    /// workers, device batches; one epoch per repetition after an untimed one, warm.
+    pub batch_loader_gbps: Samples,
+    pub batch_loader_files_per_s: Samples,
+    /// `ImageFolder::open` of the folder, milliseconds.
+    pub image_folder_open_ms: f64,
+    /// PyTorch's DataLoader over the same folder (benches/peers/peers.py --image-folder), with
+    /// `--peers`.
+    pub torch_dataloader: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize)]
@@ -82,6 +92,7 @@ pub fn measure(
     gpu_file: (&Path, u64),
     files: usize,
     reps: usize,
+    peers: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<Option<SmallBench>> {
     let gpu = match Gpu::open(0) {
@@ -171,7 +182,7 @@ pub fn measure(
         });
     }
     drop((dev, pinned));
-    let files = measure_files(&loader, dir, files, reps, &mut progress)?;
+    let files = measure_files(&loader, dir, files, reps, peers, &mut progress)?;
     Ok(Some(SmallBench {
         gpu: gpu.info().name.clone(),
         curve,
@@ -276,6 +287,7 @@ fn measure_files(
     dir: &Path,
     n: usize,
     reps: usize,
+    peers: bool,
     progress: &mut impl FnMut(&str),
 ) -> Result<FilesBench> {
     progress(&format!("small files: a folder of {n} files of 60-160 KiB"));
@@ -339,6 +351,45 @@ fn measure_files(
         cold.push(r.seconds);
         drop(buf);
     }
+    progress("small files: the dataset BatchLoader over the folder as an ImageFolder");
+    for p in &paths {
+        cache::warm(p)?;
+    }
+    let (open_s, folder_set) = timed(|| ImageFolder::open(&folder));
+    let folder_set = folder_set?;
+    let cfg = LoaderConfig::default()
+        .with_batch_size(256)
+        .with_workers(8)
+        .with_prefetch(4);
+    let mut batches = BatchLoader::new(
+        folder_set,
+        Sampler::new(Order::Shuffled { seed: 3 }),
+        cfg,
+        Some(loader.gpu()),
+    )?;
+    let mut epochs = Vec::new();
+    for epoch in 0..=reps as u64 {
+        let (s, r) = timed(|| -> Result<u64> {
+            let mut moved = 0;
+            for b in batches.epoch(epoch)? {
+                moved += b?.bytes() as u64;
+            }
+            Ok(moved)
+        });
+        anyhow::ensure!(r? == bytes, "an epoch moved other bytes than the folder's");
+        if epoch > 0 {
+            epochs.push(s);
+        }
+    }
+    let torch_dataloader = peers.then(|| {
+        progress("small files: PyTorch's DataLoader over the same folder (peers.py)");
+        crate::gpu::run_peer_script(&[
+            "--image-folder".into(),
+            folder.display().to_string(),
+            reps.to_string(),
+        ])
+    });
+    let epochs = Samples::new(epochs);
     let warm = Samples::new(warm);
     let cold = Samples::new(cold);
     let per_file = Samples::new(per_file);
@@ -357,5 +408,9 @@ fn measure_files(
         cold_strategy,
         cold_limit_gbps: Samples::new(limit),
         cold_limit_ways: limit_ways,
+        batch_loader_gbps: epochs.map(|s| gbps(bytes, s)),
+        batch_loader_files_per_s: epochs.map(|s| n as f64 / s),
+        image_folder_open_ms: open_s * 1e3,
+        torch_dataloader,
     })
 }
