@@ -12,8 +12,12 @@
 //!   (a file reader, a decoder) go through pinned staging buffers from a
 //!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes: each fill thread owns a stream and
 //!   a few staging buffers, fills one, issues its copy and fills the next while the first is
-//!   on the wire (no single submitting thread to funnel through). A staging buffer is reused
-//!   only after the event of its last copy completed (the pool's guard owns the event).
+//!   on the wire (no single submitting thread to funnel through); the calling thread runs the
+//!   first lane and fill threads started once with the scheduler run the others. Each upload
+//!   starts with [`TransferConfig::min_chunk_bytes`] pieces doubling up to a chunk, and small
+//!   uploads are shared out in smaller pieces ([`TransferConfig::piece_bytes_for`]). A staging
+//!   buffer is reused only after the event of its last copy completed (the pool's guard owns
+//!   the event).
 //!   [`TransferScheduler::reserve_staging`] sets the lanes' buffers up front from one slab
 //!   registered in one call (bounded by [`TransferConfig::staging_bytes_for`]).
 //!   [`TransferStats`] says where time went.
@@ -23,8 +27,8 @@
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
-//! Depends on `cudarc` (driver API, dynamic loading), `gpufeed-pinned` (within layer 2: the
-//! staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
+//! Depends on `cudarc` (driver API, dynamic loading), `rayon-core` (the kept fill threads),
+//! `gpufeed-pinned` (within layer 2: the staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
 //! of thin `unsafe fn`s returning `Result`.
 //!
 //! # Example

@@ -15,7 +15,11 @@
 //!
 //! Buffers are safe by construction: a request owns its buffer ([`IoBufMut`]) until its
 //! [`Completion`] hands it back, and a reader never drops a buffer the kernel may still write
-//! (dropping an unfinished iterator waits for the reads in flight).
+//! (dropping an unfinished iterator waits for the reads in flight). [`Reader::read_exact_at`]
+//! and [`Reader::read_exact_many`] (many files or ranges in one batch) read into borrowed
+//! slices and return when every read is done. A reader is worth keeping (setting one up costs
+//! a ring): [`Reader::close`] closes a file it is done with, so one reader serves any number
+//! of files.
 //!
 //! A [`Writer`] is the way back: byte ranges from caller buffers into a file, many pieces in
 //! flight (io_uring, else threads doing `pwrite`), `O_DIRECT` for the aligned part where the file
@@ -24,8 +28,9 @@
 //!
 //! Depends on `gpufeed-os` and `io-uring`.
 //!
-//! Used by the facade's `Staged` and `Direct` loads (one reader per fill thread, as a
-//! `gpufeed-cuda` fill source) and by its saves (a writer).
+//! Used by the facade's `Staged` and `Direct` loads (one kept reader per fill thread, as a
+//! `gpufeed-cuda` fill source), its many-file loads and image folders, and by its saves (a
+//! writer).
 //!
 //! # Example
 //! ```
