@@ -57,6 +57,18 @@ pub fn describe(info: &GpuInfo) -> String {
     }
 }
 
+/// GPU 0, or `None` (said through `progress`) where no GPU is usable.
+pub fn open_gpu(progress: &mut impl FnMut(&str)) -> Result<Option<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Ok(Some(g)),
+        Err(e) if e.is_no_gpu() => {
+            progress(&format!("no GPU: {e}"));
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 pub fn measure(
     dir: &Path,
     bytes: u64,
@@ -65,13 +77,8 @@ pub fn measure(
     peers: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<Option<GpuBench>> {
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) if e.is_no_gpu() => {
-            progress(&format!("no GPU: {e}"));
-            return Ok(None);
-        }
-        Err(e) => return Err(e.into()),
+    let Some(gpu) = open_gpu(&mut progress)? else {
+        return Ok(None);
     };
     let ctx = Arc::clone(gpu.context());
     let len = bytes as usize;

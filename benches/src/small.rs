@@ -14,7 +14,7 @@ use gpufeed::dataset::{BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
 use gpufeed::os::{AlignedBuf, cache};
 use gpufeed::pinned::PinnedBuffer;
 use gpufeed::uring::{Direct, Reader};
-use gpufeed::{FileList, Gpu, LoadOptions, Loader};
+use gpufeed::{FileList, LoadOptions, Loader};
 use serde::Serialize;
 
 use crate::util::{Samples, SplitMix, ensure_random_file, gbps, timed};
@@ -95,13 +95,8 @@ pub fn measure(
     peers: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<Option<SmallBench>> {
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) if e.is_no_gpu() => {
-            progress(&format!("no GPU: {e}"));
-            return Ok(None);
-        }
-        Err(e) => return Err(e.into()),
+    let Some(gpu) = crate::gpu::open_gpu(&mut progress)? else {
+        return Ok(None);
     };
     let loader = Loader::new(&gpu, LoadOptions::default())?;
     let sizes: Vec<u64> = (0..8)

@@ -322,17 +322,7 @@ impl Loader {
     ) -> Result<FilesReport> {
         let started = Instant::now();
         let len = list.total_bytes();
-        if dst_offset
-            .checked_add(len as usize)
-            .is_none_or(|end| end > dst.len())
-        {
-            return Err(gpufeed_cuda::Error::OutOfBounds {
-                len,
-                offset: dst_offset as u64,
-                capacity: dst.len() as u64,
-            }
-            .into());
-        }
+        crate::load::fits(len, dst_offset, dst.len())?;
         let (strategy, reason) = self.list_strategy(list);
         let mut report = FilesReport {
             files: list.len(),

@@ -717,17 +717,7 @@ impl Loader {
             Strategy::Direct => (Route::Direct, "asked for".to_owned()),
         };
         report.reason = reason;
-        if dst_offset
-            .checked_add(len as usize)
-            .is_none_or(|end| end > dst.len())
-        {
-            return Err(gpufeed_cuda::Error::OutOfBounds {
-                len,
-                offset: dst_offset as u64,
-                capacity: dst.len() as u64,
-            }
-            .into());
-        }
+        fits(len, dst_offset, dst.len())?;
         let mut view = dst.slice_mut(dst_offset..dst_offset + len as usize);
         let ran = match route {
             Route::Registered => self.registered_or_staged(path, range, &mut view, &mut report)?,
@@ -1027,6 +1017,22 @@ pub(crate) fn choose(path: &Path, file_len: u64, residency: Option<f64>) -> (Rou
             resident * 100.0
         ),
     )
+}
+
+/// Checks that `len` bytes at `offset` fit a destination of `capacity` bytes.
+pub(crate) fn fits(len: u64, offset: usize, capacity: usize) -> Result<()> {
+    if (offset as u64)
+        .checked_add(len)
+        .is_none_or(|end| end > capacity as u64)
+    {
+        return Err(gpufeed_cuda::Error::OutOfBounds {
+            len,
+            offset: offset as u64,
+            capacity: capacity as u64,
+        }
+        .into());
+    }
+    Ok(())
 }
 
 pub(crate) fn file_len(path: &Path) -> Result<u64> {
