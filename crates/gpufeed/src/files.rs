@@ -447,31 +447,53 @@ struct ListSource<'a> {
 
 impl ListSource<'_> {
     fn fill_with(&self, reader: &mut Reader, offset: u64, dst: &mut [u8]) -> Result<()> {
-        let mut ids = Vec::new();
-        let mut reads = Vec::new();
         let mut rest = dst;
-        let mut opened = Ok(());
+        let mut parts = Vec::new();
         for (i, range, _) in self.list.pieces(offset, rest.len() as u64) {
-            let file = match reader.open(&self.list.paths[i]) {
-                Ok(f) => f,
+            let (head, tail) =
+                std::mem::take(&mut rest).split_at_mut((range.end - range.start) as usize);
+            parts.push((self.list.paths[i].as_path(), range.start, head));
+            rest = tail;
+        }
+        read_parts(reader, parts)
+    }
+}
+
+/// Most files a reader holds open at once (eight readers stay well under the usual limit of
+/// 1024 descriptors, however small the files).
+const OPEN_AT_ONCE: usize = 64;
+
+/// Reads each `(path, offset in the file, destination)` exactly with `reader`, up to
+/// [`OPEN_AT_ONCE`] files at a time: opened, read in one batch, closed (also on an error).
+pub(crate) fn read_parts<'a>(
+    reader: &mut Reader,
+    parts: impl IntoIterator<Item = (&'a Path, u64, &'a mut [u8])>,
+) -> Result<()> {
+    let mut parts = parts.into_iter().peekable();
+    while parts.peek().is_some() {
+        let mut ids = Vec::with_capacity(OPEN_AT_ONCE);
+        let mut reads = Vec::with_capacity(OPEN_AT_ONCE);
+        let mut opened = Ok(());
+        for (path, offset, dst) in parts.by_ref().take(OPEN_AT_ONCE) {
+            match reader.open(path) {
+                Ok(id) => {
+                    ids.push(id);
+                    reads.push((id, offset, dst));
+                }
                 Err(e) => {
                     opened = Err(e);
                     break;
                 }
-            };
-            ids.push(file);
-            let (head, tail) =
-                std::mem::take(&mut rest).split_at_mut((range.end - range.start) as usize);
-            reads.push((file, range.start, head));
-            rest = tail;
+            }
         }
         let read = opened.and_then(|()| reader.read_exact_many(reads));
         for id in ids {
             // Cannot fail: opened above by this reader.
             let _ = reader.close(id);
         }
-        read.map_err(Error::Read)
+        read?;
     }
+    Ok(())
 }
 
 impl FillSource for ListSource<'_> {

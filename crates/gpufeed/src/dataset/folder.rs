@@ -69,7 +69,7 @@ impl ImageFolder {
     fn list(root: &Path, strict: bool) -> Result<Self> {
         let mut skipped = Vec::new();
         let mut classes: Vec<(String, PathBuf)> = Vec::new();
-        for entry in read_dir_sorted(root)? {
+        for (entry, _) in read_dir_sorted(root)? {
             // Follows symlinks, as torchvision does: a symlinked class folder is a class.
             match std::fs::metadata(&entry) {
                 Ok(m) if m.is_dir() => {
@@ -100,10 +100,8 @@ impl ImageFolder {
         let mut labels = Vec::new();
         let mut seen = HashSet::new();
         for (label, (_, dir)) in classes.iter().enumerate() {
-            let before = paths.len();
             walk(dir, strict, &mut seen, &mut paths, &mut skipped)?;
             labels.resize(paths.len(), label as u32);
-            debug_assert!(paths.len() >= before);
         }
         if paths.is_empty() {
             return Err(Error::Records {
@@ -176,52 +174,28 @@ impl ImageFolder {
         self.files.range(i).map(|r| (r.end - r.start) as usize)
     }
 
-    /// Reads samples `indices` back to back into `out` (of their summed sizes) with `reader`,
-    /// a batch of io_uring reads at a time.
+    /// Reads samples `indices` back to back into `out` (of their summed sizes) with `reader`
+    /// ([`crate::files::read_parts`]).
     pub(crate) fn read_samples(
         &self,
         reader: &mut Reader,
         indices: &[usize],
         out: &mut [u8],
     ) -> Result<()> {
-        // At most this many files open at once per reader (8 workers stay well under the
-        // usual 1024 descriptors).
-        const OPEN_AT_ONCE: usize = 64;
         let mut rest = out;
-        for group in indices.chunks(OPEN_AT_ONCE) {
-            let mut ids = Vec::with_capacity(group.len());
-            let mut reads = Vec::with_capacity(group.len());
-            let mut opened = Ok(());
-            for &i in group {
-                let (Some(path), Some(len)) = (self.files.paths().get(i), self.sample_len(i))
-                else {
-                    opened = Err(Error::Records {
-                        path: self.root.clone(),
-                        reason: format!("sample {i} does not exist ({} samples)", self.len()),
-                    });
-                    break;
-                };
-                match reader.open(path) {
-                    Ok(id) => {
-                        let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
-                        ids.push(id);
-                        reads.push((id, 0, head));
-                        rest = tail;
-                    }
-                    Err(e) => {
-                        opened = Err(e.into());
-                        break;
-                    }
-                }
-            }
-            let read = opened.and_then(|()| reader.read_exact_many(reads).map_err(Error::Read));
-            for id in ids {
-                // Cannot fail: opened above by this reader.
-                let _ = reader.close(id);
-            }
-            read?;
+        let mut parts = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let (Some(path), Some(len)) = (self.files.paths().get(i), self.sample_len(i)) else {
+                return Err(Error::Records {
+                    path: self.root.clone(),
+                    reason: format!("sample {i} does not exist ({} samples)", self.len()),
+                });
+            };
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            parts.push((path.as_path(), 0, head));
+            rest = tail;
         }
-        Ok(())
+        crate::files::read_parts(reader, parts)
     }
 }
 
@@ -233,15 +207,15 @@ fn skip(index: usize, path: PathBuf, e: &Error) -> Skipped {
     }
 }
 
-/// The entries of `dir`, sorted by name.
-fn read_dir_sorted(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The entries of `dir` with their own types (not followed), sorted by name.
+fn read_dir_sorted(dir: &Path) -> Result<Vec<(PathBuf, std::fs::FileType)>> {
     let open = |e| Error::Os(gpufeed_os::Error::open(dir, e));
     let mut entries = std::fs::read_dir(dir)
         .map_err(open)?
-        .map(|e| e.map(|e| e.path()))
+        .map(|e| e.and_then(|e| Ok((e.path(), e.file_type()?))))
         .collect::<std::io::Result<Vec<_>>>()
         .map_err(open)?;
-    entries.sort();
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(entries)
 }
 
@@ -285,10 +259,13 @@ fn walk(
         Ok(e) => e,
         Err(e) => return fail(dir.into(), e, skipped),
     };
-    for entry in entries {
+    for (entry, kind) in entries {
         // A folder (also through a symlink) is walked; anything else is a sample candidate,
-        // checked by the file list (a FIFO, a loop or a dangling link is refused there).
-        if std::fs::metadata(&entry).is_ok_and(|m| m.is_dir()) {
+        // checked by the file list (a FIFO, a loop or a dangling link is refused there). Only
+        // symlinks need a stat here: the entry's own type says the rest.
+        let is_dir = kind.is_dir()
+            || (kind.is_symlink() && std::fs::metadata(&entry).is_ok_and(|m| m.is_dir()));
+        if is_dir {
             walk(&entry, strict, seen, paths, skipped)?;
         } else {
             paths.push(entry);
