@@ -13,7 +13,8 @@
 //!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes: each fill thread owns a stream and
 //!   a few staging buffers, fills one, issues its copy and fills the next while the first is
 //!   on the wire (no single submitting thread to funnel through); the calling thread runs the
-//!   first lane and fill threads started once with the scheduler run the others. Each upload
+//!   first lane and fill threads started by the first upload that needs them (and kept) run the
+//!   others. Each upload
 //!   starts with [`TransferConfig::min_chunk_bytes`] pieces doubling up to a chunk, and small
 //!   uploads are shared out in smaller pieces ([`TransferConfig::piece_bytes_for`]). A staging
 //!   buffer is reused only after the event of its last copy completed (the pool's guard owns

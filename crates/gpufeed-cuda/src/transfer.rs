@@ -123,7 +123,8 @@ pub struct TransferConfig {
     /// Streams the chunks of direct copies and staged downloads are spread over (default 4);
     /// staged uploads use one stream per fill thread.
     pub streams: usize,
-    /// Bytes per copy (default 16 MiB, where the pinned ceiling is reached).
+    /// Bytes per copy, the largest of a staged upload's (default 16 MiB, where the pinned
+    /// ceiling is reached).
     pub chunk_bytes: usize,
     /// The smallest copy of a staged upload (default 1 MiB): uploads too small to give every
     /// fill thread two chunks are cut into pieces down to this size, so that more threads
@@ -299,9 +300,11 @@ pub struct TransferScheduler {
     cfg: TransferConfig,
     /// The GPU's node on a machine of several, where fill and drain threads run.
     placement: Option<(gpufeed_numa::Topology, u32)>,
-    /// The fill threads of staged uploads but one (the calling thread fills too), started once
-    /// and kept: starting threads per upload cost tens of microseconds each.
-    workers: Option<rayon_core::ThreadPool>,
+    /// The fill threads of staged uploads but one (the calling thread fills too), started by
+    /// the first upload that needs them and kept: starting threads per upload cost tens of
+    /// microseconds each, and a scheduler that never stages (a batch loader's, a saver's)
+    /// starts none. Holds why they could not be started, where they could not.
+    workers: std::sync::OnceLock<std::result::Result<rayon_core::ThreadPool, String>>,
     fallbacks: Arc<Mutex<Vec<Fallback>>>,
 }
 
@@ -449,16 +452,6 @@ impl TransferScheduler {
                 .filter(|t| t.is_numa())
                 .map(|t| (t, node))
         });
-        let fallbacks = Arc::new(Mutex::new(Vec::new()));
-        let workers = if cfg.fill_threads > 1 {
-            Some(Self::start_workers(
-                cfg.fill_threads - 1,
-                placement.clone(),
-                Arc::clone(&fallbacks),
-            )?)
-        } else {
-            None
-        };
         Ok(TransferScheduler {
             gpu: gpu.clone(),
             streams,
@@ -466,17 +459,29 @@ impl TransferScheduler {
             pool,
             cfg,
             placement,
-            workers,
-            fallbacks,
+            workers: std::sync::OnceLock::new(),
+            fallbacks: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
-    /// Starts `n` fill threads, each placed on the GPU's node for good where there are several.
+    /// The kept fill threads (`fill_threads - 1` of them), started on first use, each placed
+    /// on the GPU's node for good where there are several.
+    fn workers(&self) -> Result<&rayon_core::ThreadPool> {
+        let started = self.workers.get_or_init(|| {
+            let (placement, fallbacks) = (self.placement.clone(), Arc::clone(&self.fallbacks));
+            Self::start_workers(self.cfg.fill_threads - 1, placement, fallbacks)
+        });
+        started.as_ref().map_err(|reason| Error::ThreadStart {
+            what: "the fill threads",
+            reason: reason.clone(),
+        })
+    }
+
     fn start_workers(
         n: usize,
         placement: Option<(gpufeed_numa::Topology, u32)>,
         fallbacks: Arc<Mutex<Vec<Fallback>>>,
-    ) -> Result<rayon_core::ThreadPool> {
+    ) -> std::result::Result<rayon_core::ThreadPool, String> {
         rayon_core::ThreadPoolBuilder::new()
             .num_threads(n)
             .thread_name(|i| format!("gpufeed-fill-{i}"))
@@ -496,10 +501,7 @@ impl TransferScheduler {
                 }
             })
             .build()
-            .map_err(|e| Error::ThreadStart {
-                what: "the fill threads",
-                reason: e.to_string(),
-            })
+            .map_err(|e| e.to_string())
     }
 
     /// Binds the calling (fill or drain) thread to the GPU's NUMA node on machines of several
@@ -896,21 +898,19 @@ impl TransferScheduler {
             }
             *outcomes[i].lock() = Some((result, timers));
         };
-        match &self.workers {
-            Some(workers) if lanes.len() > 1 => workers.in_place_scope(|scope| {
+        if lanes.len() > 1 {
+            // More than one lane means more than one fill thread: the kept ones exist.
+            self.workers()?.in_place_scope(|scope| {
                 for i in 1..lanes.len() {
                     let lane = &lane;
                     scope.spawn(move |_| lane(i));
                 }
                 let _placed = self.bind_worker();
                 lane(0);
-            }),
-            _ => {
-                let _placed = self.bind_worker();
-                for i in 0..lanes.len() {
-                    lane(i);
-                }
-            }
+            });
+        } else {
+            let _placed = self.bind_worker();
+            lane(0);
         }
         let (mut filling, mut waiting) = (Duration::ZERO, Duration::ZERO);
         let mut outcome = Ok(());

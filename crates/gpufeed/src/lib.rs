@@ -15,7 +15,8 @@
 //! - [`Loader::load_files`] / [`FileList`]: many files (a folder of images) into one GPU buffer
 //!   in one call, the fill threads reading pieces of the list in batches of io_uring reads;
 //!   file `i` at [`FileList::range`]. Loads of any size share the loader's kept readers and
-//!   the scheduler's kept fill threads, so a 1 MiB load costs ~150 us, not ~0.5 ms.
+//!   the scheduler's kept fill threads, so a 1 MiB load costs 150-190 us on the H200 machine,
+//!   not ~0.5 ms.
 //! - One-shot loads for a process that loads once at start-up: [`load_file_on`],
 //!   [`safetensors::load_on`] and [`Loader::open`] take a device ordinal and open the GPU on
 //!   another thread while this one checks the files, reads headers and faults in the staging;
