@@ -6,10 +6,13 @@
 //!
 //! Depends on `gpufeed` (the facade) only.
 //!
+//! Every `--json` output is one object with `"version": 1` and `"command"`; the fields of each
+//! command are listed in docs/cli.md.
+//!
 //! # Example
 //! ```text
 //! $ gpufeed doctor
-//! $ gpufeed advise data/shard-000.bin --measure
+//! $ gpufeed advise --path data/shard-000.bin --measure
 //! $ gpufeed load model.safetensors --verify --json
 //! ```
 
@@ -31,8 +34,15 @@ use serde_json::json;
 const EXIT_CODES: &str = "EXIT CODES:
   0  success
   1  doctor found a failing check, or load --verify found different bytes
-  2  bad usage (unknown option, bad size string, ...)
+  2  bad usage (unknown option or value, a missing argument, a bad size string, ...)
   3  the operation failed (the one-line message on stderr says what to do)";
+
+/// The version of every `--json` output's shape (docs/cli.md); raised when a field changes
+/// meaning or goes away, not when one is added.
+const JSON_VERSION: u32 = 1;
+
+/// The largest size `--size` takes: 1 EiB, more than any file system holds today.
+const MAX_SIZE: u64 = 1 << 60;
 
 #[derive(Parser)]
 #[command(
@@ -42,7 +52,8 @@ const EXIT_CODES: &str = "EXIT CODES:
     after_help = format!("EXAMPLES:
   gpufeed doctor --path /data          check this machine for the data under /data
   gpufeed advise --persistent --processes 8 --path /data/train.bin --measure
-  gpufeed load model.safetensors --verify
+  gpufeed load model.safetensors --verify  a checkpoint: each tensor checked (xxh3)
+  gpufeed load data/shard-000.bin           any file: its bytes as they are
   gpufeed warm /data/*.bin             read files into the page cache
   gpufeed residency /data/*.bin --json how much of each file is cached
   gpufeed shm gc                       remove shared memory of dead gpufeed processes
@@ -66,44 +77,63 @@ enum Command {
         path: Option<PathBuf>,
     },
     /// Where data should live (the selection tree, with reasons) and how it should reach the GPU.
+    #[command(group(clap::ArgGroup::new("data").required(true).args(["size", "path"])))]
     Advise {
         /// The data must outlive the processes.
         #[arg(long)]
         persistent: bool,
         /// Processes reading it at once.
-        #[arg(long, default_value_t = 1)]
-        processes: usize,
-        /// Its size (e.g. 4GiB).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+        processes: u64,
+        /// Its size (e.g. 4GiB, 1.5TiB).
         #[arg(long, value_parser = size_arg, conflicts_with = "path")]
         size: Option<u64>,
         /// A file holding it (size and page-cache residency are read from it).
         #[arg(long)]
         path: Option<PathBuf>,
-        /// Also run short trials on this machine and rank the ways by measured GB/s.
+        /// Also run short trials on this machine (the first GiB of --path) and rank the ways by
+        /// measured GB/s.
         #[arg(long, requires = "path")]
         measure: bool,
     },
-    /// Load a file into GPU memory and report how.
+    /// Load a file into GPU memory and report how. A `.safetensors` file or a
+    /// `.safetensors.index.json` is loaded as a checkpoint: its headers are checked and each
+    /// tensor placed (--raw loads the bytes as they are).
     Load {
         path: PathBuf,
         /// The GPU's CUDA ordinal.
         #[arg(long, default_value_t = 0)]
         gpu: usize,
         /// auto, registered, staged or direct.
-        #[arg(long, default_value = "auto")]
-        strategy: String,
-        /// Copy the bytes back and compare their xxh3 with the file's.
+        #[arg(long, default_value = "auto", value_parser = strategy_arg)]
+        strategy: gpufeed::Strategy,
+        /// Copy the bytes back and compare their xxh3 with the file's (for a checkpoint: each
+        /// tensor's).
         #[arg(long)]
         verify: bool,
+        /// Load a checkpoint's file as plain bytes, header included.
+        #[arg(long)]
+        raw: bool,
     },
     /// Read files into the page cache.
-    Warm { paths: Vec<PathBuf> },
+    Warm {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
     /// Drop files from the page cache.
-    Evict { paths: Vec<PathBuf> },
+    Evict {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
     /// How much of each file is in the page cache (like fincore / vmtouch).
-    Residency { paths: Vec<PathBuf> },
-    /// Keep files resident with mlock until interrupted (within the memlock limit).
+    Residency {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Keep files resident with mlock until interrupted or --seconds pass (within the memlock
+    /// limit).
     Lock {
+        #[arg(required = true)]
         paths: Vec<PathBuf>,
         /// Release after this many seconds instead of waiting for Ctrl-C.
         #[arg(long)]
@@ -133,7 +163,18 @@ enum ShmCommand {
 }
 
 fn size_arg(text: &str) -> Result<u64, String> {
-    parse_size(text).map_err(|e| e.to_string())
+    match parse_size(text).map_err(|e| e.to_string())? {
+        0 => Err("the size must be at least 1 byte".into()),
+        n if n > MAX_SIZE => Err(format!(
+            "{} is larger than 1 EiB, more than any file system holds; check the number",
+            show_size(n)
+        )),
+        n => Ok(n),
+    }
+}
+
+fn strategy_arg(text: &str) -> Result<gpufeed::Strategy, String> {
+    text.parse().map_err(|e: gpufeed::Error| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -141,11 +182,27 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            let msg = format!("{e:#}").replace('\n', " ");
-            eprintln!("gpufeed: error: {msg}");
+            eprintln!("gpufeed: error: {}", one_line(&e));
             ExitCode::from(3)
         }
     }
+}
+
+/// The error and its causes on one line, each said once: a cause whose text its parent
+/// already includes (`open x: Permission denied` above `Permission denied`) is left out.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out.replace('\n', " ")
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -158,13 +215,33 @@ fn run(cli: Cli) -> Result<ExitCode> {
             size,
             path,
             measure,
-        } => advise(persistent, processes, size, path.as_deref(), measure, json),
+        } => {
+            if measure && path.is_none() {
+                // clap's `requires` does not hold a flag to it; the same usage error by hand.
+                use clap::CommandFactory;
+                Cli::command()
+                    .error(
+                        clap::error::ErrorKind::MissingRequiredArgument,
+                        "--measure runs trials on a file: give it with --path FILE (--size alone has nothing to read)",
+                    )
+                    .exit();
+            }
+            advise(persistent, processes, size, path.as_deref(), measure, json)
+        }
         Command::Load {
             path,
             gpu,
             strategy,
             verify,
-        } => load(&path, gpu, &strategy, verify, json),
+            raw,
+        } => {
+            let opts = gpufeed::LoadOptions::default().with_strategy(strategy);
+            if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
+                load_checkpoint(&path, gpu, opts, verify, json)
+            } else {
+                load(&path, gpu, opts, verify, json)
+            }
+        }
         Command::Warm { paths } => cache_op(&paths, json, "warm"),
         Command::Evict { paths } => cache_op(&paths, json, "evict"),
         Command::Residency { paths } => cache_op(&paths, json, "residency"),
@@ -177,15 +254,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-fn print_json(v: &serde_json::Value) -> Result<()> {
-    println!("{}", serde_json::to_string_pretty(v)?);
+/// Prints `fields` (an object) as the JSON output of `command`, with the schema's version.
+fn print_json(command: &str, fields: serde_json::Value) -> Result<()> {
+    let mut out = json!({ "version": JSON_VERSION, "command": command });
+    if let (Some(out), serde_json::Value::Object(fields)) = (out.as_object_mut(), fields) {
+        out.extend(fields);
+    }
+    println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }
 
 fn doctor(path: Option<&Path>, json: bool) -> Result<ExitCode> {
     let checks = gpufeed::doctor::run(path);
+    let failed = gpufeed::doctor::any_failed(&checks);
     if json {
-        print_json(&serde_json::to_value(&checks)?)?;
+        print_json("doctor", json!({ "checks": checks, "failed": failed }))?;
     } else {
         for c in &checks {
             let tag = match c.status {
@@ -201,7 +284,7 @@ fn doctor(path: Option<&Path>, json: bool) -> Result<ExitCode> {
             }
         }
     }
-    Ok(if gpufeed::doctor::any_failed(&checks) {
+    Ok(if failed {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
@@ -210,7 +293,7 @@ fn doctor(path: Option<&Path>, json: bool) -> Result<ExitCode> {
 
 fn advise(
     persistent: bool,
-    processes: usize,
+    processes: u64,
     size: Option<u64>,
     path: Option<&Path>,
     measure: bool,
@@ -222,30 +305,43 @@ fn advise(
             Ok(r) => (r.file_bytes, Some(r.fraction())),
             // Advice without the cache's state rather than advice from a wrong figure.
             Err(gpufeed::os::Error::ResidencyUnknown { .. }) => {
-                let id = gpufeed::os::file::stat_regular(p)
-                    .with_context(|| format!("read {}", p.display()))?;
-                (id.size, None)
+                (gpufeed::os::file::stat_regular(p)?.size, None)
             }
-            Err(e) => return Err(e).with_context(|| format!("read {}", p.display())),
+            // gpufeed-os errors name the file.
+            Err(e) => return Err(e.into()),
         },
+        // clap's group requires one of them.
         (None, None) => bail!("say how large the data is: --size 4GiB or --path FILE"),
     };
     let workload = gpufeed::advise::Workload {
         persistent,
-        processes: processes.max(1),
+        processes: usize::try_from(processes).unwrap_or(usize::MAX),
         size_bytes,
         resident,
     };
     let rec = gpufeed::advise::advise(&workload);
     let trials = match (measure, path) {
-        (true, Some(p)) => Some(gpufeed::advise::measure(p, 1 << 30)?),
+        (true, Some(p)) => {
+            let pb = spinner(
+                &format!(
+                    "measuring: trials on the first {} of {}",
+                    show_size(size_bytes.min(1 << 30)),
+                    p.display()
+                ),
+                json,
+            );
+            let m = gpufeed::advise::measure(p, 1 << 30);
+            pb.finish_and_clear();
+            Some(m?)
+        }
         _ => None,
     };
     if json {
-        return print_json(
-            &json!({ "workload": workload, "recommendation": rec, "trials": trials }),
-        )
-        .map(|()| ExitCode::SUCCESS);
+        print_json(
+            "advise",
+            json!({ "workload": workload, "recommendation": rec, "trials": trials }),
+        )?;
+        return Ok(ExitCode::SUCCESS);
     }
     println!("Store the data as: {}", rec.storage);
     for r in &rec.reasons {
@@ -260,10 +356,15 @@ fn advise(
         println!("  - {s}");
     }
     if let Some(m) = trials {
+        let loads = m.loads_per_trial.saturating_sub(1).max(1);
         println!(
-            "Measured here on the first {} (median of {} loads after a warm-up; best first):",
+            "Measured here on the first {} ({} after a warm-up; best first):",
             show_size(m.bytes),
-            m.loads_per_trial.saturating_sub(1).max(1)
+            if loads == 1 {
+                "one load".to_owned()
+            } else {
+                format!("median of {loads} loads")
+            }
         );
         for t in &m.trials {
             match (t.gbps, &t.error) {
@@ -281,6 +382,8 @@ fn advise(
     Ok(ExitCode::SUCCESS)
 }
 
+/// A bar of `len` bytes on stderr; hidden with `--json` and when stderr is not a terminal
+/// (indicatif draws nothing there).
 fn bar(len: u64, what: &str, json: bool) -> ProgressBar {
     if json {
         return ProgressBar::hidden();
@@ -297,17 +400,95 @@ fn bar(len: u64, what: &str, json: bool) -> ProgressBar {
     pb
 }
 
-fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -> Result<ExitCode> {
-    let strategy: gpufeed::Strategy = strategy.parse()?;
+/// A spinner with the elapsed time, for work without a byte count; hidden like [`bar`].
+fn spinner(what: &str, json: bool) -> ProgressBar {
+    if json {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("a valid template"),
+    );
+    pb.set_message(what.to_owned());
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb
+}
+
+/// The distinct fallbacks of a loader's setup and of its loads, in order.
+fn fallbacks_of<'a>(
+    setup: &'a gpufeed::LoaderSetup,
+    reports: impl IntoIterator<Item = &'a gpufeed::LoadReport>,
+) -> Vec<gpufeed::Fallback> {
+    let mut out: Vec<gpufeed::Fallback> = Vec::new();
+    for f in setup
+        .fallbacks
+        .iter()
+        .chain(reports.into_iter().flat_map(|r| &r.fallbacks))
+    {
+        if !out.contains(f) {
+            out.push(f.clone());
+        }
+    }
+    out
+}
+
+/// What `load` prints for any file: the time, the loader's setup, the strategy, fallbacks.
+fn print_load_summary(
+    what: &str,
+    bytes: u64,
+    secs: f64,
+    loader: &gpufeed::Loader,
+    fallbacks: &[gpufeed::Fallback],
+) {
+    let setup = loader.setup();
+    println!(
+        "{what}: {} in {:.3} s = {:.2} GB/s to GPU {} ({})",
+        show_size(bytes),
+        secs,
+        gpufeed::os::gbps(bytes, secs),
+        loader.gpu().info().ordinal,
+        loader.gpu().info().name
+    );
+    println!(
+        "before it: the GPU's context took {:.0} ms; the loader was ready after {:.0} ms \
+         ({} of pinned staging prepared meanwhile)",
+        setup.context_seconds.unwrap_or(0.0) * 1e3,
+        setup.total_seconds * 1e3,
+        show_size(setup.staging_bytes)
+    );
+    for f in fallbacks {
+        println!("fallback: {f}");
+    }
+}
+
+fn print_verified(verified: Option<bool>, what: &str) {
+    match verified {
+        Some(true) => println!("verified: {what} on the GPU match the file (xxh3)"),
+        Some(false) => println!("VERIFY FAILED: {what} on the GPU differ from the file"),
+        None => {}
+    }
+}
+
+fn verify_code(verified: Option<bool>) -> ExitCode {
+    if verified == Some(false) {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn load(
+    path: &Path,
+    ordinal: usize,
+    opts: gpufeed::LoadOptions,
+    verify: bool,
+    json: bool,
+) -> Result<ExitCode> {
     // The file first (missing, a directory, a FIFO, a procfs file), then the GPU.
     let len = gpufeed::os::file::stat_regular(path)?.size;
     // The GPU's context is created on another thread while this one prepares the staging.
-    let loader = gpufeed::Loader::open(
-        ordinal,
-        gpufeed::LoadOptions::default().with_strategy(strategy),
-    )?;
+    let loader = gpufeed::Loader::open(ordinal, opts)?;
     let gpu = loader.gpu().clone();
-    let setup = loader.setup().clone();
     // Loaded in pieces so that the bar moves on large files; each piece is one load_into, and
     // pays a load's fixed costs: 4 GiB pieces (80 ms at 50 GB/s) keep those small.
     const PIECE: u64 = 4 << 30;
@@ -327,7 +508,6 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     })?;
     pb.finish_and_clear();
     let secs = t.elapsed().as_secs_f64();
-    let gbps = gpufeed::os::gbps(len, secs);
     let verified = if verify {
         let back = gpu.to_vec(&dst)?;
         let file =
@@ -336,66 +516,171 @@ fn load(path: &Path, ordinal: usize, strategy: &str, verify: bool, json: bool) -
     } else {
         None
     };
-    let mut fallbacks = Vec::new();
-    for f in setup
-        .fallbacks
-        .iter()
-        .chain(reports.iter().flat_map(|r| &r.fallbacks))
-    {
-        if !fallbacks.contains(f) {
-            fallbacks.push(f.clone());
-        }
-    }
+    let fallbacks = fallbacks_of(loader.setup(), &reports);
     let first = reports.first();
+    let setup = loader.setup();
     if json {
-        print_json(&json!({
-            "path": path, "bytes": len, "seconds": secs, "gbps": gbps,
-            "context_seconds": setup.context_seconds, "ready_seconds": setup.total_seconds,
-            "staging_bytes": setup.staging_bytes,
-            "strategy": first.map(|r| r.strategy.to_string()),
-            "reason": first.map(|r| r.reason.clone()),
-            "fallbacks": fallbacks, "verified": verified, "pieces": reports,
-        }))?;
+        print_json(
+            "load",
+            json!({
+                "kind": "file", "path": path, "gpu": ordinal, "bytes": len, "seconds": secs,
+                "gbps": gpufeed::os::gbps(len, secs),
+                "context_seconds": setup.context_seconds, "ready_seconds": setup.total_seconds,
+                "staging_bytes": setup.staging_bytes,
+                "strategy": first.map(|r| r.strategy),
+                "reason": first.map(|r| r.reason.clone()),
+                "fallbacks": fallbacks, "verified": verified, "pieces": reports,
+            }),
+        )?;
     } else {
-        println!(
-            "{}: {} in {:.3} s = {gbps:.2} GB/s to GPU {ordinal} ({})",
-            path.display(),
-            show_size(len),
-            secs,
-            gpu.info().name
-        );
-        println!(
-            "before it: the GPU's context took {:.0} ms; the loader was ready after {:.0} ms \
-             ({} of pinned staging prepared meanwhile)",
-            setup.context_seconds.unwrap_or(0.0) * 1e3,
-            setup.total_seconds * 1e3,
-            show_size(setup.staging_bytes)
-        );
+        print_load_summary(&path.display().to_string(), len, secs, &loader, &fallbacks);
         if let Some(r) = first {
             println!("strategy: {} ({})", r.strategy, r.reason);
         }
-        for f in &fallbacks {
-            println!("fallback: {f}");
-        }
-        match verified {
-            Some(true) => println!("verified: the bytes on the GPU match the file (xxh3)"),
-            Some(false) => println!("VERIFY FAILED: the bytes on the GPU differ from the file"),
-            None => {}
+        print_verified(verified, "the bytes");
+    }
+    Ok(verify_code(verified))
+}
+
+/// `load` of a safetensors file or index: every header checked before the GPU is opened, one
+/// load per file, each tensor's bytes compared with the file's under `--verify`.
+fn load_checkpoint(
+    path: &Path,
+    ordinal: usize,
+    opts: gpufeed::LoadOptions,
+    verify: bool,
+    json: bool,
+) -> Result<ExitCode> {
+    // A bad header or index fails here, before the GPU is opened.
+    let layout = gpufeed::safetensors::inspect(path)?;
+    let bytes: u64 = layout.iter().map(|f| f.data_bytes).sum();
+    let tensors: usize = layout.iter().map(|f| f.tensors.len()).sum();
+    let loader = gpufeed::Loader::open(ordinal, opts)?;
+    let pb = spinner(
+        &format!(
+            "load {}: {tensors} tensors, {} in {} file(s)",
+            path.display(),
+            show_size(bytes),
+            layout.len()
+        ),
+        json,
+    );
+    let t = std::time::Instant::now();
+    let ckpt = gpufeed::safetensors::load_with(&loader, path);
+    pb.finish_and_clear();
+    let ckpt = ckpt?;
+    let secs = t.elapsed().as_secs_f64();
+    let mismatched = if verify {
+        let pb = spinner("verify: copying each file back and hashing each tensor", json);
+        let m = mismatched_tensors(&ckpt, &layout);
+        pb.finish_and_clear();
+        Some(m?)
+    } else {
+        None
+    };
+    let verified = mismatched.as_ref().map(Vec::is_empty);
+    let mut dtypes: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
+    for f in &layout {
+        for (_, dtype, _, range) in &f.tensors {
+            let e = dtypes.entry(format!("{dtype:?}")).or_default();
+            e.0 += 1;
+            e.1 += range.len() as u64;
         }
     }
-    Ok(if verified == Some(false) {
-        ExitCode::from(1)
+    let fallbacks = fallbacks_of(loader.setup(), ckpt.reports());
+    if json {
+        let files: Vec<_> = layout
+            .iter()
+            .zip(ckpt.reports())
+            .map(|(f, r)| {
+                json!({
+                    "path": f.path, "tensors": f.tensors.len(), "bytes": f.data_bytes,
+                    "strategy": r.strategy, "reason": r.reason, "seconds": r.seconds,
+                })
+            })
+            .collect();
+        let dtypes: serde_json::Map<_, _> = dtypes
+            .iter()
+            .map(|(d, (n, b))| (d.clone(), json!({ "tensors": n, "bytes": b })))
+            .collect();
+        print_json(
+            "load",
+            json!({
+                "kind": "safetensors", "path": path, "gpu": ordinal, "bytes": bytes,
+                "tensors": tensors, "seconds": secs, "gbps": gpufeed::os::gbps(bytes, secs),
+                "context_seconds": loader.setup().context_seconds,
+                "ready_seconds": loader.setup().total_seconds,
+                "staging_bytes": loader.setup().staging_bytes,
+                "dtypes": dtypes, "files": files, "fallbacks": fallbacks,
+                "verified": verified, "mismatched_tensors": mismatched,
+            }),
+        )?;
     } else {
-        ExitCode::SUCCESS
-    })
+        print_load_summary(
+            &format!("{} ({tensors} tensors)", path.display()),
+            bytes,
+            secs,
+            &loader,
+            &fallbacks,
+        );
+        let list: Vec<_> = dtypes
+            .iter()
+            .map(|(d, (n, b))| format!("{d} {n} ({})", show_size(*b)))
+            .collect();
+        println!("dtypes: {}", list.join(", "));
+        for (f, r) in layout.iter().zip(ckpt.reports()) {
+            println!(
+                "  {}: {} tensors, {}, {} ({})",
+                f.path.display(),
+                f.tensors.len(),
+                show_size(f.data_bytes),
+                r.strategy,
+                r.reason
+            );
+        }
+        print_verified(verified, &format!("all {tensors} tensors"));
+        for name in mismatched.iter().flatten().take(20) {
+            println!("  differs: {name}");
+        }
+    }
+    Ok(verify_code(verified))
+}
+
+/// The tensors whose bytes on the GPU differ from the file's (xxh3 of each).
+fn mismatched_tensors(
+    ckpt: &gpufeed::safetensors::Checkpoint,
+    layout: &[gpufeed::safetensors::FileLayout],
+) -> Result<Vec<String>> {
+    use std::os::unix::fs::FileExt;
+    let mut bad = Vec::new();
+    for (i, f) in layout.iter().enumerate() {
+        let buffer = ckpt
+            .buffer(i)
+            .with_context(|| format!("{} was not loaded", f.path.display()))?;
+        let back = ckpt.gpu().to_vec(buffer)?;
+        let file = std::fs::File::open(&f.path)
+            .with_context(|| format!("open {} to verify", f.path.display()))?;
+        let mut data = vec![0u8; f.data_bytes as usize];
+        file.read_exact_at(&mut data, f.data_start)
+            .with_context(|| format!("read {} to verify", f.path.display()))?;
+        for (name, _, _, range) in &f.tensors {
+            let on_gpu = back.get(range.clone());
+            let in_file = data.get(range.clone());
+            let same = on_gpu.zip(in_file).is_some_and(|(g, d)| {
+                xxhash_rust::xxh3::xxh3_64(g) == xxhash_rust::xxh3::xxh3_64(d)
+            });
+            if !same {
+                bad.push(name.clone());
+            }
+        }
+    }
+    Ok(bad)
 }
 
 fn cache_op(paths: &[PathBuf], json: bool, op: &str) -> Result<ExitCode> {
-    if paths.is_empty() {
-        bail!("name at least one file");
-    }
     let (mut resident, mut total) = (0u64, 0u64);
     let mut rows = Vec::new();
+    let mut warnings = Vec::new();
     for p in paths {
         let r = match op {
             "warm" => {
@@ -419,14 +704,15 @@ fn cache_op(paths: &[PathBuf], json: bool, op: &str) -> Result<ExitCode> {
                 }
                 continue;
             }
-            Err(e) => return Err(e).with_context(|| format!("{op} {}", p.display())),
+            // gpufeed-os errors name the file.
+            Err(e) => return Err(e.into()),
         };
         resident += r.resident_pages;
         total += r.total_pages;
         rows.push(json!({
             "path": p, "resident_pages": r.resident_pages, "total_pages": r.total_pages,
             "page_size": r.page_size, "bytes": r.file_bytes, "fraction": r.fraction(),
-            "method": format!("{:?}", r.method), "approximate": r.approximate,
+            "method": r.method.to_string(), "approximate": r.approximate,
         }));
         if !json {
             println!(
@@ -438,10 +724,13 @@ fn cache_op(paths: &[PathBuf], json: bool, op: &str) -> Result<ExitCode> {
                 p.display(),
             );
         }
+        if op == "warm"
+            && let Some(w) = warm_shortfall(p, &r)
+        {
+            warnings.push(w);
+        }
     }
-    if json {
-        print_json(&json!({ "files": rows, "resident_pages": resident, "total_pages": total }))?;
-    } else if paths.len() > 1 {
+    if !json && paths.len() > 1 {
         let f = if total == 0 {
             1.0
         } else {
@@ -452,21 +741,58 @@ fn cache_op(paths: &[PathBuf], json: bool, op: &str) -> Result<ExitCode> {
             f * 100.0
         );
     }
+    if json {
+        print_json(
+            op,
+            json!({
+                "files": rows, "resident_pages": resident, "total_pages": total,
+                "warnings": warnings,
+            }),
+        )?;
+    } else {
+        for w in &warnings {
+            eprintln!("gpufeed: warning: {w}");
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 
-fn lock(paths: &[PathBuf], seconds: Option<u64>, json: bool) -> Result<ExitCode> {
-    if paths.is_empty() {
-        bail!("name at least one file");
+/// A sentence when a warmed file did not stay in the page cache, saying why where the RAM
+/// explains it.
+fn warm_shortfall(path: &Path, r: &cache::Residency) -> Option<String> {
+    if r.fraction() >= 0.99 {
+        return None;
     }
+    let info = gpufeed::os::SystemInfo::read();
+    let why = match (info.mem_total.ok(), info.mem_available.ok()) {
+        (Some(total), _) if r.file_bytes > total => format!(
+            "the file ({}) is larger than the RAM ({}): it cannot all be cached at once",
+            show_size(r.file_bytes),
+            show_size(total)
+        ),
+        (_, Some(avail)) if r.file_bytes > avail => format!(
+            "the file ({}) is larger than the memory available ({}); the kernel evicted its \
+             first pages to read the last",
+            show_size(r.file_bytes),
+            show_size(avail)
+        ),
+        _ => "the kernel evicted pages under memory pressure (or a cgroup's memory limit)".into(),
+    };
+    Some(format!(
+        "{}: only {:.1}% stayed in the page cache: {why}",
+        path.display(),
+        r.fraction() * 100.0
+    ))
+}
+
+fn lock(paths: &[PathBuf], seconds: Option<u64>, json: bool) -> Result<ExitCode> {
     let mut maps = Vec::new();
     for p in paths {
         #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
         // SAFETY: the files are only read, page by page, while locked; a file truncated
         // meanwhile would raise SIGBUS, which `gpufeed lock` documents by being a read-only
         // tool for data sets that are not being rewritten.
-        let map = unsafe { gpufeed::os::FileMap::open(p, gpufeed::os::MapMode::ReadOnly) }
-            .with_context(|| format!("map {}", p.display()))?;
+        let map = unsafe { gpufeed::os::FileMap::open(p, gpufeed::os::MapMode::ReadOnly) }?;
         maps.push(map);
     }
     let locks = maps
@@ -478,10 +804,17 @@ fn lock(paths: &[PathBuf], seconds: Option<u64>, json: bool) -> Result<ExitCode>
         .collect::<Result<Vec<_>>>()?;
     let bytes: usize = locks.iter().map(|l| l.len()).sum();
     if json {
-        print_json(&json!({ "locked_bytes": bytes, "files": paths }))?;
+        print_json(
+            "lock",
+            json!({ "locked_bytes": bytes, "files": paths, "seconds": seconds }),
+        )?;
     } else {
+        let until = match seconds {
+            Some(s) => format!("released after {s} s (or at Ctrl-C)"),
+            None => "Ctrl-C releases them".into(),
+        };
         println!(
-            "{} locked in RAM across {} file(s); Ctrl-C releases them",
+            "{} locked in RAM across {} file(s); {until}",
             show_size(bytes as u64),
             paths.len()
         );
@@ -502,7 +835,7 @@ fn shm_ls(prefix: &str, json: bool) -> Result<ExitCode> {
             .iter()
             .map(|e| json!({ "name": e.name, "bytes": e.len, "owner_pid": e.owner_pid, "owner_pid_ns": e.owner_pid_ns, "owner": liveness_word(e.owner) }))
             .collect();
-        print_json(&json!(rows))?;
+        print_json("shm ls", json!({ "prefix": prefix, "segments": rows }))?;
     } else if list.is_empty() {
         println!("no {prefix}-* segments in /dev/shm");
     } else {
@@ -523,7 +856,7 @@ fn liveness_word(l: gpufeed::os::process::Liveness) -> &'static str {
     use gpufeed::os::process::Liveness;
     match l {
         Liveness::Alive => "live",
-        Liveness::Dead => "DEAD",
+        Liveness::Dead => "dead",
         Liveness::OtherNamespace => "other-ns",
     }
 }
@@ -538,7 +871,8 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
     let report = shm::gc_in_with(std::path::Path::new(shm::DEFAULT_DIR), prefix, foreign)?;
     if json {
         print_json(
-            &json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace }),
+            "shm gc",
+            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace }),
         )?;
     } else {
         println!(
@@ -558,4 +892,47 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn residency(file_bytes: u64, fraction: f64) -> cache::Residency {
+        let total_pages = file_bytes.div_ceil(4096);
+        cache::Residency {
+            resident_pages: (total_pages as f64 * fraction) as u64,
+            total_pages,
+            dirty_pages: None,
+            page_size: 4096,
+            file_bytes,
+            method: cache::ResidencyMethod::Cachestat,
+            approximate: false,
+        }
+    }
+
+    #[test]
+    fn a_warm_that_did_not_stay_says_why() {
+        let path = Path::new("big.bin");
+        assert_eq!(warm_shortfall(path, &residency(1 << 30, 1.0)), None);
+        let ram = gpufeed::os::SystemInfo::read()
+            .mem_total
+            .expect("MemTotal");
+        let w = warm_shortfall(path, &residency(2 * ram, 0.45)).expect("a warning");
+        assert!(w.contains("45.0%") && w.contains("larger than the RAM"), "{w}");
+        let w = warm_shortfall(path, &residency(1 << 20, 0.5)).expect("a warning");
+        assert!(w.contains("evicted"), "{w}");
+    }
+
+    #[test]
+    fn an_error_chain_is_one_line_without_repeats() {
+        let io = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        let e = anyhow::Error::new(io).context(format!(
+            "open x: {}",
+            std::io::Error::from(std::io::ErrorKind::PermissionDenied)
+        ));
+        assert_eq!(one_line(&e), "open x: permission denied");
+        let e = anyhow::anyhow!("two\nlines").context("outer");
+        assert_eq!(one_line(&e), "outer: two lines");
+    }
 }

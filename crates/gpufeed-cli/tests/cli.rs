@@ -7,11 +7,58 @@ fn gpufeed() -> Command {
     Command::cargo_bin("gpufeed").expect("the gpufeed binary")
 }
 
+/// The `--json` output of `cmd`, checked for the shape every command shares (docs/cli.md):
+/// one object with `"version": 1` and the command's name, no Rust `Ok`/`Err`/`Some` wrappers
+/// and no Rust type names in the values.
 fn json_of(cmd: &mut Command) -> (Value, i32) {
     let out = cmd.arg("--json").output().expect("run gpufeed");
-    let v = serde_json::from_slice(&out.stdout)
+    let v: Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("JSON: {e}\n{}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(v["version"], 1, "{v}");
+    assert!(v["command"].is_string(), "{v}");
+    assert_plain(&v, "$");
     (v, out.status.code().expect("exit code"))
+}
+
+/// Fails where `v` shows Rust instead of plain JSON: an enum's `{"Ok": ..}` wrapper, a
+/// `Strategy::Staged`, a `Some(3)`, a capitalized variant name as a status or strategy.
+fn assert_plain(v: &Value, at: &str) {
+    match v {
+        Value::Object(map) => {
+            for (k, x) in map {
+                assert!(
+                    !["Ok", "Err", "Some", "None"].contains(&k.as_str()),
+                    "{at}.{k}: a Rust wrapper in the JSON"
+                );
+                if ["status", "strategy", "auto", "method", "owner"].contains(&k.as_str())
+                    && let Some(word) = x.as_str()
+                {
+                    assert_eq!(word, word.to_lowercase(), "{at}.{k}: {word} is a Rust name");
+                }
+                assert_plain(x, &format!("{at}.{k}"));
+            }
+        }
+        Value::Array(items) => {
+            for (i, x) in items.iter().enumerate() {
+                assert_plain(x, &format!("{at}[{i}]"));
+            }
+        }
+        Value::String(text) => {
+            for rust in ["Strategy::", "Some(", "Ok(", "Err("] {
+                assert!(!text.contains(rust), "{at}: {text:?} shows Rust");
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The exit code and stderr of a usage error.
+fn usage_error(args: &[&str]) -> (i32, String) {
+    let out = gpufeed().args(args).output().expect("run");
+    (
+        out.status.code().expect("exit code"),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn one_line_error(out: &std::process::Output) -> String {
@@ -45,22 +92,23 @@ fn help_lists_every_command_and_the_exit_codes() {
 fn doctor_json_has_the_documented_fields_and_exit_code() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let (v, code) = json_of(gpufeed().args(["doctor", "--path"]).arg(dir.path()));
-    let checks = v.as_array().expect("a list of checks");
+    let checks = v["checks"].as_array().expect("a list of checks");
     assert!(checks.len() >= 10, "{v}");
     for c in checks {
         assert!(c["name"].is_string() && c["observed"].is_string(), "{c}");
         assert!(
-            ["Ok", "Warn", "Fail"].contains(&c["status"].as_str().expect("status")),
+            ["ok", "warn", "fail"].contains(&c["status"].as_str().expect("status")),
             "{c}"
         );
-        if c["status"] != "Ok" {
+        if c["status"] != "ok" {
             assert!(
                 c["fix"].is_string(),
                 "a check that is not OK says how to fix it: {c}"
             );
         }
     }
-    let failed = checks.iter().any(|c| c["status"] == "Fail");
+    let failed = checks.iter().any(|c| c["status"] == "fail");
+    assert_eq!(v["failed"], failed, "{v}");
     assert_eq!(code, i32::from(failed), "exit 1 exactly when a check fails");
     for name in [
         "memlock limit",
@@ -115,22 +163,73 @@ fn bad_input_is_a_one_line_error() {
     let directory = gpufeed().arg("warm").arg(dir.path()).output().expect("run");
     assert_eq!(directory.status.code(), Some(3));
     assert!(one_line_error(&directory).contains("directory"));
-    let size = gpufeed()
-        .args(["advise", "--size", "1.5G"])
-        .output()
-        .expect("run");
-    assert_eq!(size.status.code(), Some(2), "clap usage error");
+    let load_dir = gpufeed().arg("load").arg(dir.path()).output().expect("run");
     assert!(
-        String::from_utf8_lossy(&size.stderr).contains("1GiB"),
-        "the error shows a valid size"
+        one_line_error(&load_dir).contains("directory"),
+        "the file is checked before the GPU"
     );
-    let nothing = gpufeed().arg("advise").output().expect("run");
-    assert!(one_line_error(&nothing).contains("--size"));
-    let strategy = gpufeed()
-        .args(["load", "/etc/hostname", "--strategy", "fast"])
-        .output()
-        .expect("run");
-    assert!(one_line_error(&strategy).contains("registered, staged"));
+}
+
+/// Bad usage exits with 2 (clap's usage errors), whatever part of the command line is wrong;
+/// the message says what would be right.
+#[test]
+fn bad_usage_exits_2_and_says_what_is_right() {
+    let cases: [(&[&str], &str); 11] = [
+        (&["advise"], "--size"),
+        (&["advise", "--size", "1parsec"], "1.5GiB"),
+        (&["advise", "--size", "0"], "at least 1 byte"),
+        (&["advise", "--size", "18446744073709551615"], "1 EiB"),
+        (&["advise", "--size", "1GiB", "--processes", "0"], "1..="),
+        (&["advise", "--size", "1GiB", "--measure"], "--path"),
+        (&["load", "/etc/hostname", "--strategy", "warp"], "registered, staged"),
+        (&["warm"], "PATHS"),
+        (&["evict"], "PATHS"),
+        (&["lock", "--seconds", "1"], "PATHS"),
+        (&["frobnicate"], "subcommand"),
+    ];
+    for (args, says) in cases {
+        let (code, err) = usage_error(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?} should mention {says}: {err}");
+    }
+    // Sizes as people write them.
+    let (v, code) = json_of(gpufeed().args(["advise", "--size", "1.5GiB"]));
+    assert_eq!(code, 0);
+    assert_eq!(v["workload"]["size_bytes"], 3u64 << 29, "{v}");
+}
+
+/// An error and its causes on one line, each said once (before: "open f: Permission denied
+/// (os error 13): Permission denied (os error 13)").
+#[test]
+fn an_error_says_each_thing_once() {
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip("an_error_says_each_thing_once", &"needs root to run as nobody");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = dir.path().join("secret.bin");
+    std::fs::write(&path, [7u8; 8192]).expect("write");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    for cmd in ["residency", "warm", "lock"] {
+        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("gpufeed"))
+            .uid(65534)
+            .gid(65534)
+            .arg(cmd)
+            .arg(&path)
+            .output()
+            .expect("run as nobody");
+        assert_eq!(out.status.code(), Some(3), "{cmd}: {out:?}");
+        let err = one_line_error(&out);
+        assert_eq!(err.matches("ermission denied").count(), 1, "{cmd}: {err}");
+        assert_eq!(
+            err.matches(&*path.to_string_lossy()).count(),
+            1,
+            "{cmd} names the file once: {err}"
+        );
+    }
 }
 
 #[test]
@@ -190,7 +289,7 @@ fn advise_measure_ranks_trials() {
     // What Auto picks for the same bytes is named, with whether the best trial agrees (no GPU
     // here: host reads, no verdict; on a GPU a boolean).
     let auto = m["auto"].as_str().expect("auto");
-    assert!(["Staged", "Direct"].contains(&auto), "{m}");
+    assert!(["staged", "direct"].contains(&auto), "{m}");
     assert!(!m["verdict"].as_str().expect("verdict").is_empty());
     if trials.iter().any(|t| !t["strategy"].is_null()) {
         assert!(m["agrees"].is_boolean(), "{m}");
@@ -216,13 +315,14 @@ fn shm_gc_removes_a_dead_process_segment() {
     }
     let (v, _) = json_of(gpufeed().args(["shm", "ls", "--prefix", &prefix]));
     let owner = |n: &str| {
-        v.as_array()
+        v["segments"]
+            .as_array()
             .expect("rows")
             .iter()
             .find(|r| r["name"] == n)
             .map(|r| r["owner"].clone())
     };
-    assert_eq!(owner(&name), Some("DEAD".into()), "{v}");
+    assert_eq!(owner(&name), Some("dead".into()), "{v}");
     assert_eq!(owner(&foreign), Some("other-ns".into()), "{v}");
     let (v, code) = json_of(gpufeed().args(["shm", "gc", "--prefix", &prefix]));
     assert_eq!(code, 0);
@@ -243,6 +343,16 @@ fn lock_holds_files_for_the_time_asked() {
     let (v, code) = json_of(gpufeed().args(["lock", "--seconds", "0"]).arg(&path));
     assert_eq!(code, 0);
     assert_eq!(v["locked_bytes"], 64 * 1024);
+    let out = gpufeed()
+        .args(["lock", "--seconds", "0"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("released after 0 s") && !text.contains("Ctrl-C releases"),
+        "with --seconds the time releases them: {text}"
+    );
 }
 
 /// A FIFO named where a file is expected: every command that opens files refuses it at once
@@ -284,8 +394,9 @@ fn a_fifo_is_refused_at_once_by_every_command() {
 #[test]
 fn residency_for_a_user_who_cannot_write_the_file_is_unknown_or_right() {
     if !gpufeed_testkit::is_root() {
-        eprintln!(
-            "SKIP residency_for_a_user_who_cannot_write_the_file: needs root to run as nobody"
+        gpufeed_testkit::skip(
+            "residency_for_a_user_who_cannot_write_the_file",
+            &"needs root to run as nobody",
         );
         return;
     }
@@ -353,4 +464,73 @@ fn lock_refuses_more_than_the_machine_can_spare() {
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let err = one_line_error(&out);
     assert!(err.contains("too little memory"), "{err}");
+}
+
+/// A safetensors checkpoint (a file, or an index of shards) that `load` reads as tensors: a
+/// bad header is named before any GPU is opened; on a GPU, `--verify` checks every tensor.
+#[test]
+fn load_reads_a_checkpoint_as_tensors() {
+    use safetensors::{Dtype, tensor::TensorView};
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let bad = dir.path().join("bad.safetensors");
+    std::fs::write(&bad, [0xffu8; 64]).expect("write");
+    let out = gpufeed().arg("load").arg(&bad).output().expect("run");
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(
+        one_line_error(&out).contains("not a valid safetensors file"),
+        "the header is checked first, GPU or not"
+    );
+    // Unaligned sizes, random bytes, two shards and an index.
+    let tensors = [
+        ("a.weight", Dtype::F32, vec![3usize, 1001]),
+        ("b.bias", Dtype::BF16, vec![777]),
+        ("c.table", Dtype::U8, vec![65_537]),
+    ];
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (_, d, shape))| {
+            let elems: usize = shape.iter().product();
+            gpufeed_testkit::random_bytes(elems * d.bitsize() / 8, 40 + i as u64)
+        })
+        .collect();
+    let write = |file: &str, which: &[usize]| {
+        let views = which.iter().map(|&i| {
+            let (name, dtype, shape) = &tensors[i];
+            let view = TensorView::new(*dtype, shape.clone(), &data[i]).expect("view");
+            (name.to_string(), view)
+        });
+        safetensors::serialize_to_file(views, None, &dir.path().join(file)).expect("serialize");
+    };
+    write("m-1.safetensors", &[0, 1]);
+    write("m-2.safetensors", &[2]);
+    let index = dir.path().join("m.safetensors.index.json");
+    let map = serde_json::json!({ "weight_map": {
+        "a.weight": "m-1.safetensors", "b.bias": "m-1.safetensors", "c.table": "m-2.safetensors",
+    }});
+    std::fs::write(&index, map.to_string()).expect("index");
+    let Some(_gpu) = gpufeed_testkit::opened_or_skip(
+        "load_reads_a_checkpoint_as_tensors (on a GPU)",
+        gpufeed::Gpu::open(0),
+    ) else {
+        return;
+    };
+    let (v, code) = json_of(gpufeed().args(["load", "--verify"]).arg(&index));
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["kind"], "safetensors", "{v}");
+    assert_eq!(v["tensors"], 3, "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["mismatched_tensors"], serde_json::json!([]), "{v}");
+    let total: usize = data.iter().map(Vec::len).sum();
+    assert_eq!(v["bytes"], total, "{v}");
+    assert_eq!(v["files"].as_array().map(Vec::len), Some(2), "{v}");
+    assert_eq!(v["dtypes"]["BF16"]["tensors"], 1, "{v}");
+    assert_eq!(v["dtypes"]["F32"]["bytes"], 3 * 1001 * 4, "{v}");
+    // --raw: the file's bytes as they are, header included.
+    let one = dir.path().join("m-1.safetensors");
+    let (v, code) = json_of(gpufeed().args(["load", "--raw", "--verify"]).arg(&one));
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["kind"], "file", "{v}");
+    assert_eq!(v["bytes"], std::fs::metadata(&one).expect("stat").len(), "{v}");
+    assert_eq!(v["verified"], true, "{v}");
 }

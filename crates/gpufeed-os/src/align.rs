@@ -256,6 +256,16 @@ pub enum DioAlignmentSource {
     PageSizeAssumed,
 }
 
+impl std::fmt::Display for DioAlignmentSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DioAlignmentSource::Statx => "statx",
+            DioAlignmentSource::LogicalBlockSize => "the device's logical block size",
+            DioAlignmentSource::PageSizeAssumed => "assumed: the page size",
+        })
+    }
+}
+
 /// The alignment `O_DIRECT` needs for one file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DioAlignment {

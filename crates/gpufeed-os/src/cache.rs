@@ -28,6 +28,16 @@ pub enum ResidencyMethod {
     Mincore,
 }
 
+/// The system call's name: `cachestat`, `mincore`.
+impl std::fmt::Display for ResidencyMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ResidencyMethod::Cachestat => "cachestat",
+            ResidencyMethod::Mincore => "mincore",
+        })
+    }
+}
+
 /// How much of a file is in the page cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Residency {

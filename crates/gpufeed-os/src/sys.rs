@@ -68,6 +68,23 @@ impl ThpMode {
     }
 }
 
+/// The kernel's word for the mode (`madvise`, `never`, ...).
+impl std::fmt::Display for ThpMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ThpMode::Always => "always",
+            ThpMode::Madvise => "madvise",
+            ThpMode::Advise => "advise",
+            ThpMode::WithinSize => "within_size",
+            ThpMode::Never => "never",
+            ThpMode::Deny => "deny",
+            ThpMode::Force => "force",
+            ThpMode::Inherit => "inherit",
+            ThpMode::Other(word) => word,
+        })
+    }
+}
+
 /// Size and free space of a file system, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsSpace {
@@ -220,6 +237,8 @@ mod tests {
             ThpMode::parse("[sometimes] never"),
             Some(ThpMode::Other("sometimes".into()))
         );
+        assert_eq!(ThpMode::Madvise.to_string(), "madvise");
+        assert_eq!(ThpMode::WithinSize.to_string(), "within_size");
         assert_eq!(ThpMode::parse("always never"), None);
     }
 

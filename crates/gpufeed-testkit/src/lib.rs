@@ -49,7 +49,15 @@ pub fn skip_without_gpu(test: &str, why: &dyn std::fmt::Display) {
         !gpu_required(),
         "{test}: GPUFEED_REQUIRE_GPU=1 but no GPU: {why}"
     );
-    eprintln!("SKIP {test}: {why}");
+    skip(test, why);
+}
+
+/// Prints `SKIP test: why` where the person running `cargo test` sees it: straight to the
+/// process's stderr, which libtest does not capture (it captures only `print!`/`eprint!`), so
+/// a skipped test is not a silent `ok`.
+pub fn skip(test: &str, why: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "SKIP {test}: {why}");
 }
 
 /// The opened GPU (or context), or None after skipping `test` with the error as the reason
@@ -203,7 +211,7 @@ pub fn skip_unless_root(test: &str, why: &dyn std::fmt::Display) {
         !is_root(),
         "{test}: {why} (running as root, so this is a failure, not a skip)"
     );
-    eprintln!("SKIP {test}: {why}; needs root");
+    skip(test, &format_args!("{why}; needs root"));
 }
 
 /// Makes a FIFO at `path` (mode 0600): a path that blocks an `open` for reading until a

@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use crate::units::show_size;
+
 /// What the data is and how it is used.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Workload {
@@ -54,23 +56,27 @@ pub fn advise(w: &Workload) -> Recommendation {
     let ram = gpufeed_os::SystemInfo::read().mem_total.unwrap_or(0);
     let large = ram > 0 && w.size_bytes > ram / 2;
     let shared = w.processes > 1;
-    let mut reasons = vec![format!(
-        "must the data persist? {}",
-        if w.persistent { "yes" } else { "no" }
-    )];
+    let mut reasons = vec![
+        if w.persistent {
+            "the data must outlive the processes that use it"
+        } else {
+            "the data need not outlive the processes that use it"
+        }
+        .to_owned(),
+    ];
     let storage = if w.persistent {
-        reasons.push(format!(
-            "shared by several processes? {} ({} process(es))",
-            if shared { "yes" } else { "no" },
-            w.processes
-        ));
+        reasons.push(if shared {
+            format!("{} processes read it at once", w.processes)
+        } else {
+            "one process reads it".to_owned()
+        });
         if shared { OPTIONS[0] } else { OPTIONS[1] }
     } else {
         reasons.push(format!(
-            "larger than 50% of RAM? {} ({} of {} bytes)",
-            if large { "yes" } else { "no" },
-            w.size_bytes,
-            ram
+            "it is {}, {} half of the RAM ({})",
+            show_size(w.size_bytes),
+            if large { "more than" } else { "at most" },
+            show_size(ram)
         ));
         if large { OPTIONS[2] } else { OPTIONS[3] }
     };
@@ -111,7 +117,9 @@ pub fn advise(w: &Workload) -> Recommendation {
             let s = suit(o);
             Scored {
                 option: o,
-                score: 0.4 * s[0] + 0.3 * s[1] + 0.2 * s[2] + 0.1 * s[3],
+                // Two decimals: the weights are judgement, not measurement.
+                score: ((0.4 * s[0] + 0.3 * s[1] + 0.2 * s[2] + 0.1 * s[3]) * 100.0).round()
+                    / 100.0,
             }
         })
         .collect();
@@ -119,22 +127,22 @@ pub fn advise(w: &Workload) -> Recommendation {
     let cached = w.resident.unwrap_or(0.0);
     let transfer = if cached >= 0.9 {
         format!(
-            "Strategy::Staged (auto): {:.0}% cached; copies out of the page cache into pinned staging on every core",
+            "staged (what `Auto` picks): {:.0}% of it is in the page cache; copies out of the cache into pinned staging on every core",
             cached * 100.0
         )
     } else if cached < 0.1 || large {
-        "Strategy::Direct (auto): not cached (or larger than half the RAM): O_DIRECT reads into pinned staging".to_owned()
+        "direct (what `Auto` picks): not in the page cache (or larger than half the RAM); O_DIRECT reads into pinned staging".to_owned()
     } else {
         format!(
-            "Strategy::Staged (auto): {:.0}% cached; buffered reads",
+            "staged (what `Auto` picks): {:.0}% of it is in the page cache; buffered reads",
             cached * 100.0
         )
     };
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let settings = vec![
         format!(
-            "pinned staging budget: {} bytes (a quarter of RAM, the pool's default)",
-            ram / 4
+            "pinned staging budget: {} (a quarter of the RAM, the pool's default)",
+            show_size(ram / 4)
         ),
         format!(
             "fill threads: {} (every core, up to 16), 4 MiB chunks",

@@ -5,8 +5,11 @@ use std::path::Path;
 
 use gpufeed_os::sys::{SystemInfo, ThpMode};
 
+use crate::units::show_size;
+
 /// How a check came out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Status {
     /// Fine.
     Ok,
@@ -38,10 +41,6 @@ fn check(name: &str, status: Status, observed: impl Into<String>, fix: Option<&s
     }
 }
 
-fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
 /// Runs every check; `dir` is where data will be read from (for the O_DIRECT check), the
 /// current directory by default.
 pub fn run(dir: Option<&Path>) -> Vec<Check> {
@@ -59,7 +58,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             format!("RLIMIT_MEMLOCK {s} bytes: locked staging and registered io_uring buffers are capped"),
             Some("ulimit -l unlimited   (Docker: --ulimit memlock=-1; systemd: LimitMEMLOCK=infinity)"),
         ),
-        (false, Some(s)) => check("memlock limit", Status::Ok, format!("RLIMIT_MEMLOCK {}", gib(s)), None),
+        (false, Some(s)) => check("memlock limit", Status::Ok, format!("RLIMIT_MEMLOCK {}", show_size(s)), None),
     });
 
     out.push(match &info.shm {
@@ -68,21 +67,21 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             Status::Warn,
             format!(
                 "{} total, {} free: too small for shared-memory batches",
-                gib(shm.total_bytes),
-                gib(shm.free_bytes)
+                show_size(shm.total_bytes),
+                show_size(shm.free_bytes)
             ),
             Some("docker run --shm-size=16g ... (or --ipc=host)"),
         ),
         Ok(shm) if shm.free_bytes < shm.total_bytes / 10 => check(
             "/dev/shm",
             Status::Warn,
-            format!("{} free of {}", gib(shm.free_bytes), gib(shm.total_bytes)),
+            format!("{} free of {}", show_size(shm.free_bytes), show_size(shm.total_bytes)),
             Some("gpufeed shm gc   (removes segments of dead gpufeed processes)"),
         ),
         Ok(shm) => check(
             "/dev/shm",
             Status::Ok,
-            format!("{} free of {}", gib(shm.free_bytes), gib(shm.total_bytes)),
+            format!("{} free of {}", show_size(shm.free_bytes), show_size(shm.total_bytes)),
             None,
         ),
         Err(e) => check(
@@ -100,7 +99,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             "never: large buffers pay a TLB miss per 4 KiB",
             Some("echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"),
         ),
-        Ok(m) => check("transparent huge pages", Status::Ok, format!("{m:?}"), None),
+        Ok(m) => check("transparent huge pages", Status::Ok, m.to_string(), None),
         Err(e) => check(
             "transparent huge pages",
             Status::Ok,
@@ -118,7 +117,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             format!("kernel.numa_balancing={v} on a multi-node machine: pages migrate under running copies (unstable throughput)"),
             Some("sysctl -w kernel.numa_balancing=0"),
         ),
-        (Ok(v), _) => check("NUMA balancing", Status::Ok, format!("kernel.numa_balancing={v}, {} node(s)", if multi_node { "several" } else { "one" }), None),
+        (Ok(v), _) => check("NUMA balancing", Status::Ok, format!("kernel.numa_balancing={v}, {}", if multi_node { "several NUMA nodes" } else { "one NUMA node" }), None),
         (Err(_), _) => check("NUMA balancing", Status::Ok, "not available (kernel without NUMA balancing)", None),
     });
 
@@ -186,7 +185,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             (_, Ok(a), Ok(t)) if a < t / 10 => check(
                 "memory pressure",
                 Status::Warn,
-                format!("MemAvailable {} of {}", gib(a), gib(t)),
+                format!("MemAvailable {} of {}", show_size(a), show_size(t)),
                 Some("free memory before loading large files"),
             ),
             (psi, a, _) => check(
@@ -194,7 +193,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
                 Status::Ok,
                 format!(
                     "MemAvailable {}{}",
-                    a.as_ref().map_or("?".into(), |a| gib(*a)),
+                    a.as_ref().map_or("?".into(), |a| show_size(*a)),
                     psi.as_ref().map_or(String::new(), |p| format!(
                         ", PSI some avg10={:.1}%",
                         p.some.avg10
@@ -219,11 +218,21 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
     out.push(direct_io(dir));
 
     match gpufeed_cuda::Gpu::list() {
+        // The error's own sentence carries the fix; the fix column says it once.
+        Err(gpufeed_cuda::Error::NoCudaDriver) => out.push(check(
+            "CUDA driver",
+            Status::Warn,
+            "none: libcuda.so could not be loaded",
+            Some(
+                "install the NVIDIA driver (in a container: the NVIDIA container toolkit and \
+                 --gpus) to use GPUs; the CPU paths work without it",
+            ),
+        )),
         Err(e) => out.push(check(
             "CUDA driver",
             Status::Warn,
             e.to_string(),
-            Some("install the NVIDIA driver to use GPUs; CPU paths work without it"),
+            Some("check the NVIDIA driver with nvidia-smi; the CPU paths work without it"),
         )),
         Ok(gpus) if gpus.is_empty() => out.push(check(
             "CUDA driver",
@@ -247,11 +256,11 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
                     &format!("GPU {}", g.ordinal),
                     Status::Ok,
                     format!(
-                        "{} at {}, NUMA node {:?}, {link}, {}",
+                        "{} at {}, NUMA node {}, {link}, {}",
                         g.name,
                         g.pci_bus_id,
-                        g.numa_node,
-                        gib(g.memory_bytes)
+                        g.numa_node.map_or("unknown".into(), |n| n.to_string()),
+                        show_size(g.memory_bytes)
                     ),
                     None,
                 ));
@@ -264,7 +273,10 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
                     check(
                         "placement",
                         Status::Warn,
-                        format!("this process runs on node {here:?}, GPU 0 on node {node}"),
+                        format!(
+                            "this process runs on node {}, GPU 0 on node {node}",
+                            here.map_or("unknown".into(), |n| n.to_string())
+                        ),
                         Some(&fix),
                     )
                 } else {
@@ -301,7 +313,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
                         format!(
                             "{} segment(s) of dead processes hold {}",
                             stale.len(),
-                            gib(bytes)
+                            show_size(bytes)
                         ),
                         Some("gpufeed shm gc"),
                     )
@@ -335,7 +347,7 @@ fn direct_io(dir: &Path) -> Check {
             "O_DIRECT",
             Status::Ok,
             format!(
-                "{}: offsets aligned to {} B, memory to {} B ({:?})",
+                "{}: offsets aligned to {} B, memory to {} B (from {})",
                 dir.display(),
                 d.offset_align,
                 d.mem_align,

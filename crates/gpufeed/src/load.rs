@@ -25,6 +25,7 @@ pub type DeviceBuffer = gpufeed_cuda::cudarc::driver::CudaSlice<u8>;
 
 /// How a file reaches the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum Strategy {
     /// Decide from page-cache residency, file size against available memory and what the

@@ -299,6 +299,53 @@ pub fn load_on(
     Ok((ckpt, report))
 }
 
+/// One file of a checkpoint as its header describes it ([`inspect`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileLayout {
+    /// The file.
+    pub path: PathBuf,
+    /// Where its data section starts: the 8-byte length plus the header.
+    pub data_start: u64,
+    /// Bytes of its data section (what a load moves).
+    pub data_bytes: u64,
+    /// Its tensors, sorted by name: name, dtype, shape, byte range in the data section.
+    pub tensors: Vec<HeaderEntry>,
+}
+
+/// Reads and checks the headers of a safetensors file or of the shards of an index, exactly as
+/// [`load`] does before a byte moves, without a GPU: for tools that describe or verify a
+/// checkpoint, and to find a bad file before opening a GPU.
+///
+/// # Errors
+/// [`load`]'s header and index errors.
+///
+/// # Example
+/// ```no_run
+/// for file in gpufeed::safetensors::inspect("model.safetensors.index.json")? {
+///     println!("{}: {} tensors, {} bytes", file.path.display(), file.tensors.len(), file.data_bytes);
+/// }
+/// # Ok::<(), gpufeed::Error>(())
+/// ```
+pub fn inspect(path: impl AsRef<Path>) -> Result<Vec<FileLayout>> {
+    Ok(plan(path.as_ref())?
+        .files
+        .into_iter()
+        .map(|(path, parsed)| FileLayout {
+            path,
+            data_start: parsed.data_start,
+            data_bytes: parsed.data_len,
+            tensors: parsed.tensors,
+        })
+        .collect())
+}
+
+/// Whether `path` names a safetensors checkpoint by its name: `*.safetensors`, or an index
+/// `*.safetensors.index.json`.
+pub fn is_checkpoint_name(path: impl AsRef<Path>) -> bool {
+    let name = path.as_ref().to_string_lossy();
+    name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")
+}
+
 /// The files of a checkpoint with their parsed headers, before any byte moves.
 struct Plan {
     files: Vec<(PathBuf, Parsed)>,

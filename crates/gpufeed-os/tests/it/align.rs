@@ -74,9 +74,9 @@ fn dio_alignment_is_what_o_direct_accepts() {
     let dio = align::dio_alignment(&file).expect("dio alignment");
     eprintln!("dio alignment here: {dio:?}");
     if !dio.supported() {
-        eprintln!(
-            "SKIP O_DIRECT read: the file system under {} refuses O_DIRECT",
-            path.display()
+        gpufeed_testkit::skip(
+            "the O_DIRECT read",
+            &format_args!("the file system under {} refuses O_DIRECT", path.display()),
         );
         return;
     }

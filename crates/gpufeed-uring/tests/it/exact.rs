@@ -179,7 +179,7 @@ fn prefetch_brings_a_range_into_the_page_cache() {
 fn registered_bounce_buffers_read_fixed() {
     let (_, path, data) = fixture();
     if !backends().contains(&Backend::IoUring) {
-        eprintln!("SKIP registered_bounce_buffers_read_fixed: no io_uring here");
+        gpufeed_testkit::skip("registered_bounce_buffers_read_fixed", &"no io_uring here");
         return;
     }
     for faults in [

@@ -27,7 +27,7 @@ pub fn backends() -> Vec<Backend> {
     let mut list = vec![Backend::Threads(3)];
     match Backend::probe().io_uring {
         Ok(()) => list.push(Backend::IoUring),
-        Err(why) => eprintln!("SKIP io_uring backend here: {why}"),
+        Err(why) => gpufeed_testkit::skip("the io_uring backend's runs", &why),
     }
     list
 }

@@ -344,3 +344,37 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
         t.elapsed()
     );
 }
+
+/// `safetensors::inspect` reads a checkpoint's layout without a GPU: each tensor's bytes are
+/// at `data_start + range` of its file; a shard that does not hold what the index maps to it
+/// is refused.
+#[test]
+fn a_checkpoint_is_inspected_without_a_gpu() {
+    use safetensors::{Dtype, tensor::TensorView};
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let a = gpufeed_testkit::random_bytes(4 * 333, 61);
+    let b = gpufeed_testkit::random_bytes(2 * 5 * 17, 62);
+    let views = [
+        ("x", TensorView::new(Dtype::F32, vec![333], &a).expect("view")),
+        ("y", TensorView::new(Dtype::F16, vec![5, 17], &b).expect("view")),
+    ];
+    let path = dir.path().join("m.safetensors");
+    safetensors::serialize_to_file(views, None, &path).expect("serialize");
+    assert!(gpufeed::safetensors::is_checkpoint_name(&path));
+    let layout = gpufeed::safetensors::inspect(&path).expect("inspect");
+    assert_eq!(layout.len(), 1);
+    let file = std::fs::read(&path).expect("read");
+    let f = &layout[0];
+    assert_eq!(f.data_start + f.data_bytes, file.len() as u64);
+    for ((name, dtype, shape, range), want) in f.tensors.iter().zip([&a, &b]) {
+        let at = f.data_start as usize;
+        assert_eq!(&file[at + range.start..at + range.end], &want[..], "{name}");
+        assert_eq!(*dtype, if name == "x" { Dtype::F32 } else { Dtype::F16 });
+        assert_eq!(shape.iter().product::<usize>() * dtype.bitsize() / 8, range.len());
+    }
+    let index = dir.path().join("m.safetensors.index.json");
+    std::fs::write(&index, r#"{"weight_map": {"x": "m.safetensors", "z": "m.safetensors"}}"#)
+        .expect("index");
+    let err = gpufeed::safetensors::inspect(&index).expect_err("z is not in the shard");
+    assert!(err.to_string().contains("does not hold"), "{err}");
+}
