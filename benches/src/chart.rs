@@ -26,8 +26,8 @@ impl Report {
         let (mut bars, mut limits) = (Vec::new(), Vec::new());
         if let Some(l) = &self.limits {
             limits.push(("memcpy, 1 thread".to_owned(), l.memcpy_1_thread_gbps.median));
-            if let Some(d) = &l.read_direct_gbps {
-                limits.push(("disk, O_DIRECT".to_owned(), d.median));
+            if let Some(d) = l.disk_limit() {
+                limits.push(("the disk".to_owned(), d.gbps.median));
             }
         }
         if let Some(h) = &self.handoff {
@@ -61,11 +61,13 @@ impl Report {
                 r.warm_threads_gbps.median,
                 Kind::Gpufeed,
             ));
-            bars.push((
-                "warm read: one read() loop".into(),
-                r.warm_single_read_gbps.median,
-                Kind::Peer,
-            ));
+            if let Some(l) = &self.limits {
+                bars.push((
+                    "warm read: one read() loop".into(),
+                    l.read_warm_gbps.median,
+                    Kind::Peer,
+                ));
+            }
         }
         if let Some(i) = &self.ipc {
             bars.push((
@@ -288,7 +290,11 @@ mod tests {
         .iter()
         .enumerate()
         .map(|(i, l)| {
-            let kind = if i % 2 == 0 { Kind::Gpufeed } else { Kind::Peer };
+            let kind = if i % 2 == 0 {
+                Kind::Gpufeed
+            } else {
+                Kind::Peer
+            };
             (l.to_string(), [55.43, 0.31, 12.0][i % 3], kind)
         })
         .collect();
@@ -407,7 +413,9 @@ mod tests {
             }
         }
         if ink_in < 100 {
-            return Err(format!("the chart rendered with {ink_in} dark pixels: no fonts?"));
+            return Err(format!(
+                "the chart rendered with {ink_in} dark pixels: no fonts?"
+            ));
         }
         Ok(None)
     }

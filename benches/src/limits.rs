@@ -16,15 +16,53 @@ pub struct Limits {
     pub memcpy_1_thread_gbps: Samples,
     pub memcpy_threads: usize,
     pub memcpy_n_threads_gbps: Samples,
+    /// One `read()` loop into a 1 MiB buffer, the file in the page cache: the "warm read()"
+    /// of every table (table 3 compares gpufeed-uring with this same measurement).
     pub read_warm_gbps: Samples,
-    pub read_cold_gbps: Samples,
-    /// `None` when the file system refuses O_DIRECT (the reason is in `direct_note`).
-    pub read_direct_gbps: Option<Samples>,
-    pub direct_note: String,
+    /// The ways the disk was read sequentially, each measured `reps` times.
+    pub disk: Vec<DiskWay>,
+    /// Why a way did not run (no O_DIRECT on this file system, no fio).
+    pub disk_notes: Vec<String>,
+}
+
+/// One way of reading the data set from the disk.
+#[derive(Debug, Serialize)]
+pub struct DiskWay {
+    pub how: String,
+    pub gbps: Samples,
+}
+
+/// A limit's samples may spread this much, (max - min) / median, before the report says the
+/// limit moved during the run.
+pub const MAX_SPREAD: f64 = 0.25;
+
+impl Limits {
+    /// What bounds a copy out of memory: the better of memcpy on one thread and on all.
+    pub fn memory_gbps(&self) -> f64 {
+        self.memcpy_1_thread_gbps
+            .median
+            .max(self.memcpy_n_threads_gbps.median)
+    }
+
+    /// The disk's sequential read limit: the best median of the ways measured.
+    pub fn disk_limit(&self) -> Option<&DiskWay> {
+        self.disk
+            .iter()
+            .filter(|w| w.gbps.median.is_finite())
+            .max_by(|a, b| a.gbps.median.total_cmp(&b.gbps.median))
+    }
+}
+
+/// How far `s` spread, when more than [`MAX_SPREAD`] of its median.
+pub fn moved(s: &Samples) -> Option<f64> {
+    let spread = (s.max - s.min) / s.median;
+    (spread.is_finite() && spread > MAX_SPREAD).then_some(spread)
 }
 
 const COPY_BYTES: usize = 256 << 20;
 const READ_CHUNK: usize = 8 << 20;
+/// The warm read()'s buffer: 1 MiB, as table 3's requests.
+const WARM_CHUNK: usize = 1 << 20;
 
 pub fn measure(dataset: &Path, reps: usize) -> Result<Limits> {
     let src = AlignedBuf::new(COPY_BYTES, 4096)?;
@@ -49,8 +87,8 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<Limits> {
         .collect();
 
     let len = dataset.metadata()?.len();
-    let mut buf = vec![0u8; READ_CHUNK];
-    let mut read_all = |temp_cold: bool| -> Result<f64> {
+    let read_all = |temp_cold: bool, chunk: usize| -> Result<f64> {
+        let mut buf = vec![0u8; chunk];
         if temp_cold {
             cache::evict(dataset)?;
         } else {
@@ -64,49 +102,123 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<Limits> {
         res?;
         Ok(gbps(len, secs))
     };
-    let warm = (0..reps).map(|_| read_all(false)).collect::<Result<_>>()?;
-    let cold = (0..reps).map(|_| read_all(true)).collect::<Result<_>>()?;
-    let (direct, direct_note) = match direct_read(dataset, len, reps) {
-        Ok(s) => (Some(s), "O_DIRECT, 8 MiB reads, queue depth 1".to_owned()),
-        Err(e) => (None, format!("O_DIRECT unavailable: {e:#}")),
+    let warm = (0..reps)
+        .map(|_| read_all(false, WARM_CHUNK))
+        .collect::<Result<_>>()?;
+    // The disk: the best of several ways, each repeated, in turns so that a slow spell of a
+    // shared disk does not fall on one way only.
+    let mut ways: Vec<(String, Vec<f64>)> = Vec::new();
+    let mut notes = Vec::new();
+    let direct_ok = match direct_setup(dataset) {
+        Ok(()) => true,
+        Err(e) => {
+            notes.push(format!("O_DIRECT unavailable: {e:#}"));
+            false
+        }
     };
+    let fio_ok = crate::reads::fio_available();
+    if !fio_ok {
+        notes.push("fio not installed (`apt-get install fio` adds it as a way)".into());
+    }
+    for _ in 0..reps {
+        let mut add = |how: &str, v: f64| match ways.iter_mut().find(|w| w.0 == how) {
+            Some(w) => w.1.push(v),
+            None => ways.push((how.to_owned(), vec![v])),
+        };
+        add(
+            "read(), 8 MiB buffer, page cache evicted",
+            read_all(true, READ_CHUNK)?,
+        );
+        if direct_ok {
+            for t in [1, 4, 16] {
+                let (chunk, how) = if t == 1 {
+                    (READ_CHUNK, "O_DIRECT pread, 8 MiB, 1 thread".to_owned())
+                } else {
+                    (1 << 20, format!("O_DIRECT pread, 1 MiB, {t} threads"))
+                };
+                add(&how, direct_read(dataset, len, chunk, t)?);
+            }
+        }
+        if fio_ok {
+            cache::evict(dataset)?;
+            add(
+                "fio, io_uring O_DIRECT, 1 MiB, queue depth 32",
+                crate::reads::fio(dataset, 32, len)?,
+            );
+        }
+    }
     Ok(Limits {
         memcpy_1_thread_gbps: Samples::new(one),
         memcpy_threads: threads,
         memcpy_n_threads_gbps: Samples::new(many),
         read_warm_gbps: Samples::new(warm),
-        read_cold_gbps: Samples::new(cold),
-        read_direct_gbps: direct,
-        direct_note,
+        disk: ways
+            .into_iter()
+            .map(|(how, v)| DiskWay {
+                how,
+                gbps: Samples::new(v),
+            })
+            .collect(),
+        disk_notes: notes,
     })
 }
 
-fn direct_read(dataset: &Path, len: u64, reps: usize) -> Result<Samples> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(dataset)
-        .context("open with O_DIRECT")?;
+fn direct_setup(dataset: &Path) -> Result<()> {
+    let file = open_direct(dataset)?;
     let dio = gpufeed_os::align::dio_alignment(&file)?;
     anyhow::ensure!(
         dio.supported(),
         "the file system reports no O_DIRECT support"
     );
-    let mut buf = AlignedBuf::new(READ_CHUNK, dio.mem_align.max(4096) as usize)?;
+    Ok(())
+}
+
+fn open_direct(dataset: &Path) -> Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dataset)
+        .context("open with O_DIRECT")
+}
+
+/// Reads the data set with O_DIRECT in `chunk`-byte reads on `threads` threads (thread `t`
+/// reads chunks t, t + threads, ...); returns GB/s.
+fn direct_read(dataset: &Path, len: u64, chunk: usize, threads: usize) -> Result<f64> {
+    let file = open_direct(dataset)?;
+    let dio = gpufeed_os::align::dio_alignment(&file)?;
     let aligned_len = len / dio.offset_align as u64 * dio.offset_align as u64;
-    let mut samples = Vec::new();
-    for _ in 0..reps {
-        let (secs, res) = timed(|| -> std::io::Result<()> {
-            let mut off = 0;
-            while off < aligned_len {
-                let n = (aligned_len - off).min(READ_CHUNK as u64) as usize;
-                file.read_exact_at(&mut buf[..n], off)?;
-                off += n as u64;
-            }
-            Ok(())
-        });
-        res.context("O_DIRECT read")?;
-        samples.push(gbps(aligned_len, secs));
-    }
-    Ok(Samples::new(samples))
+    let chunks = aligned_len.div_ceil(chunk as u64);
+    let mut bufs = (0..threads)
+        .map(|_| AlignedBuf::new(chunk, dio.mem_align.max(4096) as usize))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (secs, res) = timed(|| {
+        std::thread::scope(|s| {
+            let running: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(t, buf)| {
+                    let file = &file;
+                    s.spawn(move || -> std::io::Result<()> {
+                        let mut i = t as u64;
+                        while i < chunks {
+                            let off = i * chunk as u64;
+                            let n = (aligned_len - off).min(chunk as u64) as usize;
+                            file.read_exact_at(&mut buf[..n], off)?;
+                            i += threads as u64;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(std::io::Error::other("panicked")))
+                })
+                .collect::<std::io::Result<()>>()
+        })
+    });
+    res.context("O_DIRECT read")?;
+    Ok(gbps(aligned_len, secs))
 }

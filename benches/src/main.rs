@@ -213,7 +213,10 @@ fn main() -> Result<()> {
         );
         util::ensure_random_file(&dataset, cli.size, 0x5EED)?;
 
-        step(2, "limits: memcpy, sequential reads warm / cold / O_DIRECT");
+        step(
+            2,
+            "limits: memcpy, the warm read(), the disk (read(), O_DIRECT on 1/4/16 threads, fio)",
+        );
         limits = Some(limits::measure(&dataset, cli.reps)?);
 
         step(

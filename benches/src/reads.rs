@@ -2,11 +2,10 @@
 //!
 //! - Cold: O_DIRECT sequential reads (no page cache involved) of the data set in 1 MiB blocks at queue depth 1, 8, 32
 //!   and 64, through io_uring, and `fio` (ioengine io_uring, direct=1) with the same settings.
-//! - Warm: the data set in the page cache read by io_uring, by the thread pool, and by a single
-//!   `read()` loop into one 1 MiB buffer.
+//! - Warm: the data set in the page cache read by io_uring and by the thread pool (the report
+//!   compares them with the limits' warm `read()` loop, one 1 MiB buffer).
 
 use std::cell::RefCell;
-use std::io::Read;
 use std::path::Path;
 use std::process::Command;
 
@@ -38,7 +37,6 @@ pub struct Reads {
     pub warm_threads: usize,
     pub warm_queue_depth: usize,
     pub warm_threads_gbps: Samples,
-    pub warm_single_read_gbps: Samples,
 }
 
 /// `count` 1 MiB buffers, touched once so that no measurement pays their page faults (a real
@@ -86,7 +84,7 @@ fn read_whole(reader: &mut Reader, path: &Path, pool: &RefCell<Vec<AlignedBuf>>)
     Ok(gbps(bytes, secs))
 }
 
-fn fio(path: &Path, depth: usize, size: u64) -> Result<f64> {
+pub fn fio(path: &Path, depth: usize, size: u64) -> Result<f64> {
     let out = Command::new("fio")
         .args([
             "--name=gpufeed",
@@ -166,13 +164,13 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
         });
     }
 
-    progress("warm page cache: io_uring, threads, one read() loop");
+    progress("warm page cache: io_uring, threads");
     cache::warm(dataset)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     // Two requests per core: enough to keep every core copying, few enough that the buffers
     // stay in the CPU caches (deeper queues only add cache misses out of the page cache).
     let warm_qd = 2 * threads;
-    let (mut u, mut t, mut s) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut u, mut t) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         let mut reader = Reader::builder()
             .backend(Backend::IoUring)
@@ -186,14 +184,6 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
             .queue_depth(warm_qd)
             .build()?;
         t.push(read_whole(&mut reader, dataset, &pool)?);
-        let mut file = std::fs::File::open(dataset)?;
-        let mut buf = vec![0u8; BLOCK];
-        let (secs, res) = timed(|| -> std::io::Result<()> {
-            while file.read(&mut buf)? > 0 {}
-            Ok(())
-        });
-        res?;
-        s.push(gbps(size, secs));
     }
     Ok(Reads {
         direct,
@@ -202,6 +192,5 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
         warm_threads: threads,
         warm_queue_depth: warm_qd,
         warm_threads_gbps: Samples::new(t),
-        warm_single_read_gbps: Samples::new(s),
     })
 }

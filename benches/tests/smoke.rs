@@ -86,9 +86,67 @@ fn harness_runs_and_reports() {
             && md.contains("Table 2")
             && md.contains("Table 3")
             && md.contains("120.5 / 4.2")
-            && md.contains("Table 4")
+            && (md.contains("Table 4") || md.contains("Tables 4, 6, 8 and 9"))
             && md.contains("Table 5")
             && md.contains("Table 7"),
         "every table (Table 4 measured, or saying there is no GPU)"
     );
+    let order: Vec<usize> = md
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("## Table")?
+                .trim_start_matches('s')
+                .trim()
+                .split([' ', ','])
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "tables in their numbers' order: {order:?}"
+    );
+    assert_no_unflagged_share_above_100(&md);
+    let disk = &report["limits"]["disk"];
+    assert!(
+        disk.as_array().is_some_and(|ways| ways.len() >= 2),
+        "the disk's limit is the best of several ways: {disk}"
+    );
+}
+
+/// Every "N% of <limit>" cell of the report with N above 100 says the limit is suspect.
+fn assert_no_unflagged_share_above_100(md: &str) {
+    for line in md.lines() {
+        for cell in line.split('|') {
+            let mut rest = cell;
+            while let Some(at) = rest.find("% of") {
+                let digits: String = rest[..at]
+                    .chars()
+                    .rev()
+                    .take_while(|c| c.is_ascii_digit())
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
+                if let Ok(p) = digits.parse::<u64>() {
+                    assert!(
+                        p <= 100 || cell.contains("suspect"),
+                        "a share above 100% without saying the limit is suspect: {line}"
+                    );
+                }
+                rest = &rest[at + 4..];
+            }
+        }
+    }
+}
+
+#[test]
+fn the_share_rule_catches_an_unflagged_share() {
+    let caught = std::panic::catch_unwind(|| {
+        assert_no_unflagged_share_above_100("| cold | 113% of the disk |");
+    });
+    assert!(caught.is_err(), "113% without a word passed");
+    assert_no_unflagged_share_above_100("| cold | 113% of the disk: above 100%, so suspect |");
+    assert_no_unflagged_share_above_100("| warm | 87% of the pinned limit |");
 }

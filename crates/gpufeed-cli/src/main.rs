@@ -571,7 +571,10 @@ fn load_checkpoint(
     let ckpt = ckpt?;
     let secs = t.elapsed().as_secs_f64();
     let mismatched = if verify {
-        let pb = spinner("verify: copying each file back and hashing each tensor", json);
+        let pb = spinner(
+            "verify: copying each file back and hashing each tensor",
+            json,
+        );
         let m = mismatched_tensors(&ckpt, &layout);
         pb.finish_and_clear();
         Some(m?)
@@ -915,11 +918,12 @@ mod tests {
     fn a_warm_that_did_not_stay_says_why() {
         let path = Path::new("big.bin");
         assert_eq!(warm_shortfall(path, &residency(1 << 30, 1.0)), None);
-        let ram = gpufeed::os::SystemInfo::read()
-            .mem_total
-            .expect("MemTotal");
+        let ram = gpufeed::os::SystemInfo::read().mem_total.expect("MemTotal");
         let w = warm_shortfall(path, &residency(2 * ram, 0.45)).expect("a warning");
-        assert!(w.contains("45.0%") && w.contains("larger than the RAM"), "{w}");
+        assert!(
+            w.contains("45.0%") && w.contains("larger than the RAM"),
+            "{w}"
+        );
         let w = warm_shortfall(path, &residency(1 << 20, 0.5)).expect("a warning");
         assert!(w.contains("evicted"), "{w}");
     }

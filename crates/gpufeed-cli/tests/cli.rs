@@ -181,7 +181,10 @@ fn bad_usage_exits_2_and_says_what_is_right() {
         (&["advise", "--size", "18446744073709551615"], "1 EiB"),
         (&["advise", "--size", "1GiB", "--processes", "0"], "1..="),
         (&["advise", "--size", "1GiB", "--measure"], "--path"),
-        (&["load", "/etc/hostname", "--strategy", "warp"], "registered, staged"),
+        (
+            &["load", "/etc/hostname", "--strategy", "warp"],
+            "registered, staged",
+        ),
         (&["warm"], "PATHS"),
         (&["evict"], "PATHS"),
         (&["lock", "--seconds", "1"], "PATHS"),
@@ -203,7 +206,10 @@ fn bad_usage_exits_2_and_says_what_is_right() {
 #[test]
 fn an_error_says_each_thing_once() {
     if !gpufeed_testkit::is_root() {
-        gpufeed_testkit::skip("an_error_says_each_thing_once", &"needs root to run as nobody");
+        gpufeed_testkit::skip(
+            "an_error_says_each_thing_once",
+            &"needs root to run as nobody",
+        );
         return;
     }
     use std::os::unix::fs::PermissionsExt;
@@ -531,6 +537,10 @@ fn load_reads_a_checkpoint_as_tensors() {
     let (v, code) = json_of(gpufeed().args(["load", "--raw", "--verify"]).arg(&one));
     assert_eq!(code, 0, "{v}");
     assert_eq!(v["kind"], "file", "{v}");
-    assert_eq!(v["bytes"], std::fs::metadata(&one).expect("stat").len(), "{v}");
+    assert_eq!(
+        v["bytes"],
+        std::fs::metadata(&one).expect("stat").len(),
+        "{v}"
+    );
     assert_eq!(v["verified"], true, "{v}");
 }

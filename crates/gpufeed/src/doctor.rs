@@ -75,13 +75,21 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
         Ok(shm) if shm.free_bytes < shm.total_bytes / 10 => check(
             "/dev/shm",
             Status::Warn,
-            format!("{} free of {}", show_size(shm.free_bytes), show_size(shm.total_bytes)),
+            format!(
+                "{} free of {}",
+                show_size(shm.free_bytes),
+                show_size(shm.total_bytes)
+            ),
             Some("gpufeed shm gc   (removes segments of dead gpufeed processes)"),
         ),
         Ok(shm) => check(
             "/dev/shm",
             Status::Ok,
-            format!("{} free of {}", show_size(shm.free_bytes), show_size(shm.total_bytes)),
+            format!(
+                "{} free of {}",
+                show_size(shm.free_bytes),
+                show_size(shm.total_bytes)
+            ),
             None,
         ),
         Err(e) => check(

@@ -355,8 +355,14 @@ fn a_checkpoint_is_inspected_without_a_gpu() {
     let a = gpufeed_testkit::random_bytes(4 * 333, 61);
     let b = gpufeed_testkit::random_bytes(2 * 5 * 17, 62);
     let views = [
-        ("x", TensorView::new(Dtype::F32, vec![333], &a).expect("view")),
-        ("y", TensorView::new(Dtype::F16, vec![5, 17], &b).expect("view")),
+        (
+            "x",
+            TensorView::new(Dtype::F32, vec![333], &a).expect("view"),
+        ),
+        (
+            "y",
+            TensorView::new(Dtype::F16, vec![5, 17], &b).expect("view"),
+        ),
     ];
     let path = dir.path().join("m.safetensors");
     safetensors::serialize_to_file(views, None, &path).expect("serialize");
@@ -370,11 +376,17 @@ fn a_checkpoint_is_inspected_without_a_gpu() {
         let at = f.data_start as usize;
         assert_eq!(&file[at + range.start..at + range.end], &want[..], "{name}");
         assert_eq!(*dtype, if name == "x" { Dtype::F32 } else { Dtype::F16 });
-        assert_eq!(shape.iter().product::<usize>() * dtype.bitsize() / 8, range.len());
+        assert_eq!(
+            shape.iter().product::<usize>() * dtype.bitsize() / 8,
+            range.len()
+        );
     }
     let index = dir.path().join("m.safetensors.index.json");
-    std::fs::write(&index, r#"{"weight_map": {"x": "m.safetensors", "z": "m.safetensors"}}"#)
-        .expect("index");
+    std::fs::write(
+        &index,
+        r#"{"weight_map": {"x": "m.safetensors", "z": "m.safetensors"}}"#,
+    )
+    .expect("index");
     let err = gpufeed::safetensors::inspect(&index).expect_err("z is not in the shard");
     assert!(err.to_string().contains("does not hold"), "{err}");
 }
