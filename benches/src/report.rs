@@ -183,7 +183,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "| memcpy | {} threads, 256 MiB | {} |",
+            "| memcpy | {} threads started together, 256 MiB split among them, copied 8 times | {} |",
             l.memcpy_threads,
             l.memcpy_n_threads_gbps.show(1)
         );
@@ -585,17 +585,17 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
     let limit = g.pinned_limit_gbps.median;
     let _ = writeln!(
         s,
-        "\n## Table 4 — {} ({}, {}, NUMA node {:?}): host -> GPU, {} per transfer\n",
+        "\n## Table 4 — {} ({}, {}, NUMA node {}): host -> GPU, {} per transfer\n",
         g.gpu,
         g.pci_bus_id,
         g.pcie,
-        g.numa_node,
+        g.numa_node.map_or("unknown".into(), |n| n.to_string()),
         show_size(g.bytes)
     );
-    let _ = writeln!(s, "| path | GB/s | of the pinned limit |\n|---|---|---|");
+    let _ = writeln!(s, "| path | GB/s | share of a limit |\n|---|---|---|");
     let _ = writeln!(
         s,
-        "| limit: pinned, 1 stream, 16 MiB cuMemcpyHtoDAsync | {} | 100% |",
+        "| the pinned limit: pinned memory, 1 stream, 16 MiB cuMemcpyHtoDAsync | {} | the limit |",
         g.pinned_limit_gbps.show(1)
     );
     for (name, v) in [
@@ -614,21 +614,21 @@ fn gpu_table(s: &mut String, g: &GpuBench) {
     ] {
         let _ = writeln!(
             s,
-            "| {name} | {} | {:.0}% |",
+            "| {name} | {} | {} |",
             v.show(1),
             share(v.median, limit, "the pinned limit")
         );
     }
     let _ = writeln!(
         s,
-        "| {} registered read-only file mapping (page cache), copies from one thread | {} | {:.0}% |",
+        "| {} registered read-only file mapping (page cache), copies from one thread | {} | {} |",
         show_size(g.file_bytes),
         g.registered_copy_gbps.show(1),
         share(g.registered_copy_gbps.median, limit, "the pinned limit")
     );
     let _ = writeln!(
         s,
-        "| same, including cuMemHostRegister ({} ms) | {} | {:.0}% |",
+        "| same, including cuMemHostRegister ({} ms) | {} | {} |",
         g.register_ms.show(0),
         g.registered_with_register_gbps.show(1),
         share(

@@ -106,7 +106,7 @@ fn run(cmd: &mut Command) -> Result<()> {
 
 /// Test binaries that cannot run on the GPU machine: the harness smoke test and the CLI tests
 /// run binaries by paths of this machine; the testkit and xtask have no tests.
-const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "gpufeed-cli", "gpufeed-testkit", "xtask"];
+const NOT_FOR_DEVICE: &[&str] = &["gpufeed-benches", "gpufeed-testkit", "xtask"];
 
 fn device(root: &Path) -> Result<()> {
     let target = target_dir(root);
@@ -180,6 +180,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 what="${{1:-all}}"; shift || true
 out="${{OUT:-/tmp}}"
 export GPUFEED_REQUIRE_GPU=1
+# The CLI's tests run the `gpufeed` binary carried beside them (assert_cmd reads this).
+export CARGO_BIN_EXE_gpufeed="$here/gpufeed"
 mkdir -p "{tmpdir}"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -197,7 +199,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   mkdir -p /tmp/gpufeed-bench
   "$here/gpufeed-bench" --dir /tmp/gpufeed-bench "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
-  cp /tmp/gpufeed-bench/report.json "$out/report.json" 2>/dev/null
+  cp /tmp/gpufeed-bench/report.json /tmp/gpufeed-bench/report.svg "$out/" 2>/dev/null
   cat "$out/bench.md"; tail -n 5 "$out/bench.err"
 fi
 exit $status
