@@ -320,6 +320,17 @@ mod tests {
         }
     }
 
+    /// The chart the docs show (docs/bench-h200.svg, a GPU run's report.svg).
+    #[test]
+    fn the_docs_chart_fits_its_canvas() {
+        let svg = include_str!("../../docs/bench-h200.svg");
+        match ink_outside(svg) {
+            Ok(None) => {}
+            Ok(Some(at)) => panic!("docs/bench-h200.svg: ink outside the canvas at {at:?}"),
+            Err(why) => skip_without_rsvg("the_docs_chart_fits_its_canvas", &why),
+        }
+    }
+
     #[test]
     fn a_label_past_the_canvas_is_caught() {
         let svg = "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"100\" height=\"40\" font-family=\"sans-serif\" font-size=\"12\">\n<text x=\"10\" y=\"20\">a label far too long for this canvas</text>\n</svg>\n";

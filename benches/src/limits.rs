@@ -225,13 +225,10 @@ fn direct_read(dataset: &Path, len: u64, chunk: usize, threads: usize) -> Result
                     })
                 })
                 .collect();
-            running
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(std::io::Error::other("panicked")))
-                })
-                .collect::<std::io::Result<()>>()
+            running.into_iter().try_for_each(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("panicked")))
+            })
         })
     });
     res.context("O_DIRECT read")?;
