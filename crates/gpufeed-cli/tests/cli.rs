@@ -52,6 +52,34 @@ fn assert_plain(v: &Value, at: &str) {
     }
 }
 
+/// A file holding `bytes` with permissions `mode`, in a directory anyone may enter, for
+/// `gpufeed` run as nobody; `None` after a printed skip where this test is not root.
+fn file_for_nobody(
+    test: &str,
+    bytes: &[u8],
+    mode: u32,
+) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    use std::os::unix::fs::PermissionsExt;
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(test, &"needs root to run gpufeed as nobody");
+        return None;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = dir.path().join("data.bin");
+    std::fs::write(&path, bytes).expect("write");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    Some((dir, path))
+}
+
+/// The `gpufeed` binary, to run as the user nobody (uid and gid 65534).
+fn gpufeed_as_nobody() -> std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("gpufeed"));
+    cmd.uid(65534).gid(65534);
+    cmd
+}
+
 /// The exit code and stderr of a usage error.
 fn usage_error(args: &[&str]) -> (i32, String) {
     let out = gpufeed().args(args).output().expect("run");
@@ -205,24 +233,12 @@ fn bad_usage_exits_2_and_says_what_is_right() {
 /// (os error 13): Permission denied (os error 13)").
 #[test]
 fn an_error_says_each_thing_once() {
-    if !gpufeed_testkit::is_root() {
-        gpufeed_testkit::skip(
-            "an_error_says_each_thing_once",
-            &"needs root to run as nobody",
-        );
+    let Some((_dir, path)) = file_for_nobody("an_error_says_each_thing_once", &[7u8; 8192], 0o600)
+    else {
         return;
-    }
-    use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let path = dir.path().join("secret.bin");
-    std::fs::write(&path, [7u8; 8192]).expect("write");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    };
     for cmd in ["residency", "warm", "lock"] {
-        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("gpufeed"))
-            .uid(65534)
-            .gid(65534)
+        let out = gpufeed_as_nobody()
             .arg(cmd)
             .arg(&path)
             .output()
@@ -399,24 +415,15 @@ fn a_fifo_is_refused_at_once_by_every_command() {
 /// with 0% cached showed as 100.0% (also right after `evict`).
 #[test]
 fn residency_for_a_user_who_cannot_write_the_file_is_unknown_or_right() {
-    if !gpufeed_testkit::is_root() {
-        gpufeed_testkit::skip(
-            "residency_for_a_user_who_cannot_write_the_file",
-            &"needs root to run as nobody",
-        );
+    let Some((_dir, path)) = file_for_nobody(
+        "residency_for_a_user_who_cannot_write_the_file",
+        &gpufeed_testkit::random_bytes(8 << 20, 9),
+        0o644,
+    ) else {
         return;
-    }
-    use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let path = dir.path().join("data.bin");
-    std::fs::write(&path, gpufeed_testkit::random_bytes(8 << 20, 9)).expect("write");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    };
     let as_nobody = |cmd: &str| -> Value {
-        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("gpufeed"))
-            .uid(65534)
-            .gid(65534)
+        let out = gpufeed_as_nobody()
             .args([cmd, "--json"])
             .arg(&path)
             .output()
