@@ -55,7 +55,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
         (false, Some(s)) if s < 64 << 20 => check(
             "memlock limit",
             Status::Warn,
-            format!("RLIMIT_MEMLOCK {s} bytes: locked staging and registered io_uring buffers are capped"),
+            format!("RLIMIT_MEMLOCK {}: locked staging and registered io_uring buffers are capped", show_size(s)),
             Some("ulimit -l unlimited   (Docker: --ulimit memlock=-1; systemd: LimitMEMLOCK=infinity)"),
         ),
         (false, Some(s)) => check("memlock limit", Status::Ok, format!("RLIMIT_MEMLOCK {}", show_size(s)), None),
