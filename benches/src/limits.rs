@@ -153,7 +153,7 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<Limits> {
     })
 }
 
-/// memcpy of `src` into `dst` on `threads` threads, each copying its share [`PASSES`] times
+/// memcpy of `src` into `dst` on `threads` threads, each copying its share `PASSES` times
 /// after they all started (a barrier): the threads' start-up is outside the time, which
 /// otherwise makes a 5 ms copy look a fifth slower than the memory bus is.
 fn copy_on_threads(src: &[u8], dst: &mut [u8], threads: usize) -> f64 {
