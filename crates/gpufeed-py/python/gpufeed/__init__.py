@@ -1,0 +1,100 @@
+"""gpufeed: files, safetensors checkpoints and dataset batches on NVIDIA GPUs, fast.
+
+The loads return ``torch.Tensor`` objects on ``cuda:<device>`` without a copy (DLPack); where
+torch is not installed they return ``gpufeed.Array`` objects, which any DLPack consumer takes
+(``numpy.from_dlpack`` for host batches). The package imports on machines without a GPU: the
+GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host batches,
+``doctor``, ``advise``) work.
+
+    import gpufeed
+    weights = gpufeed.load_safetensors("model.safetensors")      # dict of cuda tensors
+    raw = gpufeed.load_file("data/shard-000.bin", device=0)     # uint8 cuda tensor
+    for batch in gpufeed.BatchLoader("data/images.bin", record_bytes=3 * 224 * 224,
+                                     device=0).epoch(0):
+        x = gpufeed.as_tensor(batch.data)                        # [records, record_bytes]
+"""
+
+from os import PathLike
+from typing import Dict, Union
+
+from . import _gpufeed
+from ._gpufeed import (  # noqa: F401  (re-exported)
+    Array,
+    Batch,
+    BatchLoader,
+    EpochIter,
+    GpufeedError,
+    NoGpuError,
+    __version__,
+    advise,
+    doctor,
+)
+
+__all__ = [
+    "Array",
+    "Batch",
+    "BatchLoader",
+    "GpufeedError",
+    "Loader",
+    "NoGpuError",
+    "advise",
+    "as_tensor",
+    "doctor",
+    "load_file",
+    "load_range",
+    "load_safetensors",
+]
+
+Path = Union[str, "PathLike[str]"]
+
+
+def as_tensor(array: Array):
+    """``array`` as a ``torch.Tensor`` (zero-copy), or itself where torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return array
+    return torch.from_dlpack(array)
+
+
+class Loader:
+    """A reusable loader of GPU ``device``: its pinned staging and threads serve every load.
+
+    ``strategy`` is ``auto``, ``registered``, ``staged`` or ``direct``.
+    """
+
+    def __init__(self, device: int = 0, strategy: str = "auto"):
+        self._native = _gpufeed.Loader(device, strategy)
+
+    @property
+    def device(self) -> int:
+        return self._native.device
+
+    def load_file(self, path: Path):
+        """All of ``path`` on the GPU: a 1-D uint8 tensor."""
+        return as_tensor(self._native.load_file(path))
+
+    def load_range(self, path: Path, start: int, end: int):
+        """Bytes ``start:end`` of ``path`` on the GPU: a 1-D uint8 tensor."""
+        return as_tensor(self._native.load_range(path, start, end))
+
+    def load_safetensors(self, path: Path) -> Dict[str, object]:
+        """A safetensors file or ``*.index.json``: a dict of tensors with their dtypes and
+        shapes, views into one device buffer per file (freed when the last tensor goes)."""
+        return {k: as_tensor(v) for k, v in self._native.load_safetensors(path).items()}
+
+
+def load_file(path: Path, device: int = 0):
+    """All of ``path`` on GPU ``device``: a 1-D uint8 tensor (one loader per device is kept)."""
+    return as_tensor(_gpufeed.load_file(path, device))
+
+
+def load_range(path: Path, start: int, end: int, device: int = 0):
+    """Bytes ``start:end`` of ``path`` on GPU ``device``: a 1-D uint8 tensor."""
+    return as_tensor(_gpufeed.load_range(path, start, end, device))
+
+
+def load_safetensors(path: Path, device: int = 0) -> Dict[str, object]:
+    """A safetensors file or a sharded checkpoint's ``*.index.json`` on GPU ``device``: a dict
+    of tensors. Headers are checked first: a bad file is named even without a GPU."""
+    return {k: as_tensor(v) for k, v in _gpufeed.load_safetensors(path, device).items()}

@@ -1,0 +1,791 @@
+//! # gpufeed-py — layer 3 of gpufeed: the Python package `gpufeed`
+//!
+//! Files, safetensors checkpoints and dataset batches on the GPU as zero-copy PyTorch tensors:
+//! the native module `gpufeed._gpufeed` hands GPU (or host) memory out as [`Array`]s, which
+//! speak the DLPack protocol (`__dlpack__`, `__dlpack_device__`, through the `dlpark` crate);
+//! the Python layer (`python/gpufeed/__init__.py`) turns them into `torch.Tensor`s with
+//! `torch.from_dlpack`, or leaves them to any DLPack consumer (numpy for host batches).
+//!
+//! Memory: an array holds its owner (a device buffer, a whole checkpoint, a host batch) through
+//! an `Arc`; every exported tensor holds another, released by the DLPack deleter. Device memory
+//! is freed when the last one goes, after the GPU finished the work queued before (the context
+//! is synchronized first: a consumer's kernels on its own stream may still read it). Loads
+//! return with the bytes on the GPU (the load synchronized its copies), so an export needs no
+//! event on the consumer's stream. gpufeed opens each GPU's primary context, the one PyTorch
+//! uses, so the pointers are valid in torch's context.
+//!
+//! Depends on `gpufeed` (the facade) only.
+//!
+//! # Example
+//! ```text
+//! pip install ./crates/gpufeed-py
+//! python -c 'import gpufeed; t = gpufeed.load_file("data/shard-000.bin"); print(t.shape, t.device)'
+//! ```
+
+#![deny(unsafe_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+
+use dlpark::ffi::{DLDataType, DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
+use dlpark::metadata::Dynamic;
+use dlpark::python::{DlpackExporter, ExportRequest, export_dlpack};
+use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
+use gpufeed::cuda::cudarc::driver::DevicePtr;
+use gpufeed::dataset::{BatchData, Order, RecordFile, Sampler};
+use gpufeed::safetensors::Dtype;
+use pyo3::exceptions::{PyException, PyStopIteration};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pyo3::create_exception!(
+    _gpufeed,
+    GpufeedError,
+    PyException,
+    "An error of gpufeed; the message says what went wrong and what to do."
+);
+pyo3::create_exception!(
+    _gpufeed,
+    NoGpuError,
+    GpufeedError,
+    "No usable GPU (no CUDA driver, no such device): the CPU paths still work."
+);
+
+/// A gpufeed error as the Python exception with the same message.
+fn py_err(e: gpufeed::Error) -> PyErr {
+    if e.is_no_gpu() {
+        NoGpuError::new_err(e.to_string())
+    } else {
+        GpufeedError::new_err(e.to_string())
+    }
+}
+
+/// What keeps an array's memory alive (held, never read: dropping it frees the memory).
+#[allow(dead_code, reason = "each variant is held for its Drop")]
+enum Storage {
+    /// GPU memory of a load.
+    Device(gpufeed::DeviceBuffer),
+    /// A checkpoint: one device buffer per file, shared by all its tensors.
+    Checkpoint(gpufeed::safetensors::Checkpoint),
+    /// A host batch (pinned, or locked in CPU mode).
+    Host(gpufeed::pinned::PooledBuffer),
+}
+
+/// The owner shared by an array and every tensor exported from it.
+struct Owner {
+    storage: Storage,
+    /// The GPU whose context is synchronized before device memory is freed.
+    gpu: Option<gpufeed::Gpu>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        // A consumer (torch) may still have kernels queued on its own stream that read this
+        // memory: wait for the device before cudarc frees it on ours.
+        if let Some(gpu) = &self.gpu
+            && let Err(e) = gpu.context().synchronize()
+        {
+            eprintln!("gpufeed: synchronizing before freeing device memory failed: {e}");
+        }
+    }
+}
+
+/// A block of memory with a dtype and shape, on the GPU or the host, that any DLPack consumer
+/// takes without a copy: `torch.from_dlpack(a)`, `numpy.from_dlpack(a)` (host arrays).
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct Array {
+    owner: Arc<Owner>,
+    /// Base address of the owner's buffer (device or host).
+    base: usize,
+    byte_offset: u64,
+    nbytes: usize,
+    dtype: DLDataType,
+    dtype_name: &'static str,
+    shape: Vec<i64>,
+    device: DLDevice,
+}
+
+impl Array {
+    fn export<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
+        let mut tensor = Dynamic::compact(self.shape.clone())
+            .initialize_as::<M>(Arc::clone(&self.owner))
+            .map_err(|e| GpufeedError::new_err(format!("DLPack export: {e}")))?;
+        tensor
+            .set_data(self.base as *mut std::ffi::c_void)
+            .set_byte_offset(self.byte_offset)
+            .set_dtype(self.dtype)
+            .set_device(self.device);
+        #[allow(unsafe_code, reason = "the DLPack descriptor's promise")]
+        // SAFETY: `base + byte_offset .. + nbytes` lies in the owner's buffer, which the
+        // tensor's context (an Arc of the owner) keeps alive until the deleter runs; the shape
+        // with compact strides covers exactly `nbytes`; the memory is writable, so no flags.
+        Ok(unsafe { tensor.finish() })
+    }
+}
+
+impl DlpackExporter for Array {
+    fn device(&self) -> DLDevice {
+        self.device
+    }
+
+    fn flags(&self) -> DlpackFlags {
+        DlpackFlags::empty()
+    }
+
+    fn prepare_export(&self, _py: Python<'_>, _request: &ExportRequest<'_>) -> PyResult<()> {
+        // Loads and batches are complete when handed out (their copies were synchronized):
+        // the bytes are ready on every stream.
+        Ok(())
+    }
+
+    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
+        self.export()
+    }
+
+    fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
+        self.export()
+    }
+}
+
+#[pymethods]
+impl Array {
+    /// The DLPack protocol: a capsule of this array (zero-copy).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let request = ExportRequest::parse(stream.as_ref(), max_version, dl_device, copy)?;
+        export_dlpack(self, py, request)
+    }
+
+    /// The DLPack protocol: `(device type, device id)`; 2 is CUDA, 1 the CPU.
+    fn __dlpack_device__(&self) -> (u32, i32) {
+        (self.device.device_type.0, self.device.device_id)
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape(&self) -> Vec<i64> {
+        self.shape.clone()
+    }
+
+    /// The element type's safetensors name (`U8`, `BF16`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype_name
+    }
+
+    /// Bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// `cuda:N` or `cpu`.
+    #[getter]
+    fn device(&self) -> String {
+        if self.device.device_type == DLDeviceType::CUDA {
+            format!("cuda:{}", self.device.device_id)
+        } else {
+            "cpu".into()
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "gpufeed.Array(shape={:?}, dtype={}, device={})",
+            self.shape,
+            self.dtype_name,
+            self.device()
+        )
+    }
+}
+
+/// The DLPack type of a safetensors dtype, or why torch cannot take it through DLPack.
+pub fn dlpack_dtype(dtype: Dtype) -> Result<(DLDataType, &'static str), String> {
+    Ok(match dtype {
+        Dtype::BOOL => (DLDataType::BOOL, "BOOL"),
+        Dtype::U8 => (DLDataType::U8, "U8"),
+        Dtype::I8 => (DLDataType::I8, "I8"),
+        Dtype::U16 => (DLDataType::U16, "U16"),
+        Dtype::I16 => (DLDataType::I16, "I16"),
+        Dtype::U32 => (DLDataType::U32, "U32"),
+        Dtype::I32 => (DLDataType::I32, "I32"),
+        Dtype::U64 => (DLDataType::U64, "U64"),
+        Dtype::I64 => (DLDataType::I64, "I64"),
+        Dtype::F16 => (DLDataType::F16, "F16"),
+        Dtype::BF16 => (DLDataType::BF16, "BF16"),
+        Dtype::F32 => (DLDataType::F32, "F32"),
+        Dtype::F64 => (DLDataType::F64, "F64"),
+        // safetensors' F8_E4M3 is torch.float8_e4m3fn (no infinities), F8_E5M2 the IEEE-like one.
+        Dtype::F8_E4M3 => (DLDataType::F8E4M3FN, "F8_E4M3"),
+        Dtype::F8_E5M2 => (DLDataType::F8E5M2, "F8_E5M2"),
+        other => {
+            return Err(format!(
+                "dtype {other:?} has no DLPack type that torch imports; load the file with \
+                 gpufeed.load_file and reinterpret its bytes"
+            ));
+        }
+    })
+}
+
+fn cuda(ordinal: usize) -> DLDevice {
+    DLDevice {
+        device_type: DLDeviceType::CUDA,
+        device_id: i32::try_from(ordinal).unwrap_or(i32::MAX),
+    }
+}
+
+/// The device address of `buf` (cudarc's guard, which orders later work on the stream, is
+/// dropped at once: the buffer's copies are complete).
+fn device_address(gpu: &gpufeed::Gpu, buf: &gpufeed::DeviceBuffer) -> usize {
+    let stream = gpu.default_stream();
+    let (ptr, _guard) = buf.device_ptr(&stream);
+    ptr as usize
+}
+
+/// Bytes on the GPU as a 1-D `U8` array.
+fn device_bytes(gpu: &gpufeed::Gpu, buf: gpufeed::DeviceBuffer) -> Array {
+    let base = device_address(gpu, &buf);
+    let nbytes = buf.len();
+    Array {
+        base,
+        byte_offset: 0,
+        nbytes,
+        dtype: DLDataType::U8,
+        dtype_name: "U8",
+        shape: vec![nbytes as i64],
+        device: cuda(gpu.info().ordinal),
+        owner: Arc::new(Owner {
+            storage: Storage::Device(buf),
+            gpu: Some(gpu.clone()),
+        }),
+    }
+}
+
+fn strategy(name: &str) -> PyResult<gpufeed::Strategy> {
+    name.parse().map_err(py_err)
+}
+
+/// A reusable loader of one GPU: its pinned staging and threads serve every load.
+///
+/// `gpufeed.load_file` and `gpufeed.load_safetensors` keep one per device; make one yourself
+/// for other options.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct Loader {
+    inner: Arc<gpufeed::Loader>,
+}
+
+impl Loader {
+    fn load_range_array(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        start: u64,
+        end: Option<u64>,
+    ) -> PyResult<Array> {
+        let inner = Arc::clone(&self.inner);
+        let buf = py.detach(move || {
+            let end = match end {
+                Some(e) => e,
+                None => gpufeed::os::file::stat_regular(&path)?.size,
+            };
+            inner
+                .load_range(&path, start..end)
+                .map(|(buf, _report)| buf)
+        });
+        Ok(device_bytes(self.inner.gpu(), buf.map_err(py_err)?))
+    }
+}
+
+#[pymethods]
+impl Loader {
+    /// A loader of GPU `device` with a strategy: `auto`, `registered`, `staged` or `direct`.
+    #[new]
+    #[pyo3(signature = (device=0, strategy="auto"))]
+    fn py_new(py: Python<'_>, device: usize, strategy: &str) -> PyResult<Self> {
+        let opts = gpufeed::LoadOptions::default().with_strategy(self::strategy(strategy)?);
+        let inner = py
+            .detach(|| gpufeed::Loader::open(device, opts))
+            .map_err(py_err)?;
+        Ok(Loader {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// All of `path` on the GPU: a 1-D `U8` array.
+    fn load_file(&self, py: Python<'_>, path: PathBuf) -> PyResult<Array> {
+        self.load_range_array(py, path, 0, None)
+    }
+
+    /// Bytes `start..end` of `path` on the GPU: a 1-D `U8` array.
+    fn load_range(&self, py: Python<'_>, path: PathBuf, start: u64, end: u64) -> PyResult<Array> {
+        if end < start {
+            return Err(GpufeedError::new_err(format!(
+                "invalid setting: the range {start}..{end} ends before it starts"
+            )));
+        }
+        self.load_range_array(py, path, start, Some(end))
+    }
+
+    /// A safetensors file, or a sharded checkpoint given by its `*.index.json`: a dict of
+    /// arrays, each a view into its file's one device buffer.
+    fn load_safetensors<'py>(
+        &self,
+        py: Python<'py>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        // Every dtype is checked before a byte moves.
+        let layout = py
+            .detach(|| gpufeed::safetensors::inspect(&path))
+            .map_err(py_err)?;
+        for file in &layout {
+            for (name, dtype, _, _) in &file.tensors {
+                dlpack_dtype(*dtype).map_err(|why| {
+                    GpufeedError::new_err(format!("{}: tensor {name}: {why}", file.path.display()))
+                })?;
+            }
+        }
+        let inner = Arc::clone(&self.inner);
+        let ckpt = py
+            .detach(move || gpufeed::safetensors::load_with(&inner, &path))
+            .map_err(py_err)?;
+        let gpu = ckpt.gpu().clone();
+        let bases: Vec<usize> = (0..ckpt.files().len())
+            .map(|i| ckpt.buffer(i).map_or(0, |b| device_address(&gpu, b)))
+            .collect();
+        let names: Vec<String> = ckpt.names().map(str::to_owned).collect();
+        let device = cuda(gpu.info().ordinal);
+        let owner = Arc::new(Owner {
+            storage: Storage::Checkpoint(ckpt),
+            gpu: Some(gpu),
+        });
+        let Storage::Checkpoint(ckpt) = &owner.storage else {
+            unreachable!("made just above")
+        };
+        let out = PyDict::new(py);
+        for name in names {
+            let Some(info) = ckpt.info(&name) else {
+                continue;
+            };
+            let (dtype, dtype_name) = dlpack_dtype(info.dtype).map_err(GpufeedError::new_err)?;
+            let array = Array {
+                owner: Arc::clone(&owner),
+                base: bases[info.file],
+                byte_offset: info.range.start as u64,
+                nbytes: info.range.len(),
+                dtype,
+                dtype_name,
+                shape: info.shape.iter().map(|&d| d as i64).collect(),
+                device,
+            };
+            out.set_item(name, Py::new(py, array)?)?;
+        }
+        Ok(out)
+    }
+
+    /// The GPU's CUDA ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.inner.gpu().info().ordinal
+    }
+}
+
+/// One loader per device for the module-level functions.
+fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
+    static LOADERS: OnceLock<Mutex<HashMap<usize, Arc<gpufeed::Loader>>>> = OnceLock::new();
+    let loaders = LOADERS.get_or_init(Default::default);
+    if let Some(l) = loaders
+        .lock()
+        .map_err(|_| GpufeedError::new_err("a loader panicked"))?
+        .get(&device)
+    {
+        return Ok(Arc::clone(l));
+    }
+    let made = Arc::new(
+        py.detach(|| gpufeed::Loader::open(device, gpufeed::LoadOptions::default()))
+            .map_err(py_err)?,
+    );
+    let mut map = loaders
+        .lock()
+        .map_err(|_| GpufeedError::new_err("a loader panicked"))?;
+    Ok(Arc::clone(map.entry(device).or_insert(made)))
+}
+
+/// `gpufeed.load_file` with this device's shared loader.
+#[pyfunction]
+#[pyo3(signature = (path, device=0))]
+fn load_file(py: Python<'_>, path: PathBuf, device: usize) -> PyResult<Array> {
+    Loader {
+        inner: shared_loader(py, device)?,
+    }
+    .load_file(py, path)
+}
+
+/// `gpufeed.load_range` with this device's shared loader.
+#[pyfunction]
+#[pyo3(signature = (path, start, end, device=0))]
+fn load_range(
+    py: Python<'_>,
+    path: PathBuf,
+    start: u64,
+    end: u64,
+    device: usize,
+) -> PyResult<Array> {
+    Loader {
+        inner: shared_loader(py, device)?,
+    }
+    .load_range(py, path, start, end)
+}
+
+/// `gpufeed.load_safetensors` with this device's shared loader. The headers are checked
+/// before the GPU is opened, so a bad file is named even on a machine without one.
+#[pyfunction]
+#[pyo3(signature = (path, device=0))]
+fn load_safetensors<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    device: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    py.detach(|| gpufeed::safetensors::inspect(&path))
+        .map_err(py_err)?;
+    Loader {
+        inner: shared_loader(py, device)?,
+    }
+    .load_safetensors(py, path)
+}
+
+/// A JSON text as Python objects.
+fn from_json<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?
+        .call_method1("loads", (value.to_string(),))
+}
+
+/// The machine's checks (`gpufeed doctor`): a list of dicts `{name, status, observed, fix}`.
+#[pyfunction]
+#[pyo3(signature = (path=None))]
+fn doctor(py: Python<'_>, path: Option<PathBuf>) -> PyResult<Bound<'_, PyAny>> {
+    let checks = py.detach(|| gpufeed::doctor::run(path.as_deref()));
+    let value = serde_json::to_value(&checks).map_err(|e| GpufeedError::new_err(e.to_string()))?;
+    from_json(py, &value)
+}
+
+/// Where data should live and how it should reach the GPU (`gpufeed advise`), as a dict
+/// `{workload, recommendation, trials}`; `measure=True` runs short trials on `path`.
+#[pyfunction]
+#[pyo3(signature = (size=None, path=None, persistent=false, processes=1, measure=false))]
+fn advise(
+    py: Python<'_>,
+    size: Option<u64>,
+    path: Option<PathBuf>,
+    persistent: bool,
+    processes: usize,
+    measure: bool,
+) -> PyResult<Bound<'_, PyAny>> {
+    let result = py.detach(|| -> gpufeed::Result<serde_json::Value> {
+        let (size_bytes, resident) = match (size, &path) {
+            (Some(s), _) => (s, None),
+            (None, Some(p)) => match gpufeed::os::cache::residency(p) {
+                Ok(r) => (r.file_bytes, Some(r.fraction())),
+                Err(gpufeed::os::Error::ResidencyUnknown { .. }) => {
+                    (gpufeed::os::file::stat_regular(p)?.size, None)
+                }
+                Err(e) => return Err(e.into()),
+            },
+            (None, None) => {
+                return Err(gpufeed::Error::InvalidSetting(
+                    "say how large the data is: size=4 << 30 or path=FILE".into(),
+                ));
+            }
+        };
+        let workload = gpufeed::advise::Workload {
+            persistent,
+            processes: processes.max(1),
+            size_bytes,
+            resident,
+        };
+        let rec = gpufeed::advise::advise(&workload);
+        let trials = match (measure, &path) {
+            (true, Some(p)) => Some(gpufeed::advise::measure(p, 1 << 30)?),
+            (true, None) => {
+                return Err(gpufeed::Error::InvalidSetting(
+                    "measure=True runs trials on a file: give it with path=FILE".into(),
+                ));
+            }
+            (false, _) => None,
+        };
+        Ok(serde_json::json!({ "workload": workload, "recommendation": rec, "trials": trials }))
+    });
+    from_json(py, &result.map_err(py_err)?)
+}
+
+/// One batch: `data` (an array of the records' bytes back to back; shape `[records,
+/// record_bytes]` for fixed-size records), the record `indices`, the byte `offsets` of each
+/// record and the end, the `epoch` and its `number`.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct Batch {
+    #[pyo3(get)]
+    data: Py<Array>,
+    #[pyo3(get)]
+    indices: Vec<usize>,
+    #[pyo3(get)]
+    offsets: Vec<usize>,
+    #[pyo3(get)]
+    labels: Vec<u32>,
+    #[pyo3(get)]
+    epoch: u64,
+    #[pyo3(get)]
+    number: usize,
+}
+
+/// Batches of a record file, shuffled with a seed and sharded by `RANK`/`WORLD_SIZE`, on GPU
+/// `device` (or host batches with `device=None`). Iterate `loader.epoch(n)`.
+///
+/// The file must not be truncated or rewritten while the loader reads it (it is mapped).
+#[pyclass(module = "gpufeed._gpufeed")]
+pub struct BatchLoader {
+    /// The loader, while no epoch runs; an epoch's thread holds it and puts it back.
+    slot: Arc<Mutex<Option<gpufeed::dataset::BatchLoader>>>,
+    gpu: Option<gpufeed::Gpu>,
+    record_bytes: usize,
+    batches: usize,
+}
+
+#[pymethods]
+impl BatchLoader {
+    #[new]
+    #[pyo3(signature = (path, record_bytes, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+    fn py_new(
+        py: Python<'_>,
+        path: PathBuf,
+        record_bytes: usize,
+        batch_size: usize,
+        shuffle: bool,
+        seed: u64,
+        device: Option<usize>,
+        workers: Option<usize>,
+        drop_last: bool,
+    ) -> PyResult<Self> {
+        let made = py.detach(|| -> gpufeed::Result<_> {
+            #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
+            // SAFETY: the class's documentation passes the promise on to the caller: the
+            // record file is not truncated or rewritten while the loader maps it.
+            let records = unsafe { RecordFile::open_fixed(&path, record_bytes)? };
+            let order = if shuffle {
+                Order::Shuffled { seed }
+            } else {
+                Order::Sequential
+            };
+            let sampler = Sampler::from_env(order)?;
+            let mut cfg = gpufeed::dataset::LoaderConfig::default().with_batch_size(batch_size);
+            cfg.drop_last = drop_last;
+            if let Some(w) = workers {
+                cfg.workers = w;
+            }
+            let gpu = device.map(gpufeed::Gpu::open).transpose()?;
+            let n = records.len();
+            let per_rank = sampler.epoch(n, 0).len();
+            let batches = if drop_last {
+                per_rank / batch_size
+            } else {
+                per_rank.div_ceil(batch_size)
+            };
+            let loader = gpufeed::dataset::BatchLoader::new(records, sampler, cfg, gpu.as_ref())?;
+            Ok((loader, gpu, batches))
+        });
+        let (loader, gpu, batches) = made.map_err(py_err)?;
+        Ok(BatchLoader {
+            slot: Arc::new(Mutex::new(Some(loader))),
+            gpu,
+            record_bytes,
+            batches,
+        })
+    }
+
+    /// Batches in an epoch (this rank's).
+    fn __len__(&self) -> usize {
+        self.batches
+    }
+
+    /// The batches of epoch `epoch`, in the sampler's order; one epoch at a time.
+    fn epoch(&self, epoch: u64) -> PyResult<EpochIter> {
+        let loader = self
+            .slot
+            .lock()
+            .map_err(|_| GpufeedError::new_err("a previous epoch panicked"))?
+            .take()
+            .ok_or_else(|| {
+                GpufeedError::new_err(
+                    "an epoch is already running: iterate it to the end (or drop it) first",
+                )
+            })?;
+        let (tx, rx) = mpsc::sync_channel(2);
+        let slot = Arc::clone(&self.slot);
+        std::thread::Builder::new()
+            .name("gpufeed-epoch".into())
+            .spawn(move || {
+                let mut loader = loader;
+                match loader.epoch(epoch) {
+                    Ok(batches) => {
+                        for b in batches {
+                            // The iterator was dropped: stop reading, give the loader back.
+                            if tx.send(b).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
+                }
+                if let Ok(mut s) = slot.lock() {
+                    *s = Some(loader);
+                }
+            })
+            .map_err(|e| GpufeedError::new_err(format!("cannot start the epoch's thread: {e}")))?;
+        Ok(EpochIter {
+            rx: Mutex::new(rx),
+            gpu: self.gpu.clone(),
+            record_bytes: self.record_bytes,
+        })
+    }
+}
+
+/// The batches of one epoch (see `BatchLoader.epoch`).
+#[pyclass(module = "gpufeed._gpufeed")]
+pub struct EpochIter {
+    rx: Mutex<mpsc::Receiver<gpufeed::Result<gpufeed::dataset::Batch>>>,
+    gpu: Option<gpufeed::Gpu>,
+    record_bytes: usize,
+}
+
+#[pymethods]
+impl EpochIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
+        let next = py.detach(|| {
+            self.rx
+                .lock()
+                .map_err(|_| GpufeedError::new_err("the epoch panicked"))
+                .map(|rx| rx.recv().ok())
+        })?;
+        let Some(batch) = next else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        let b = batch.map_err(py_err)?;
+        let records = b.indices.len();
+        let nbytes = b.bytes();
+        let (base, device, owner) = match b.data {
+            BatchData::Device(buf) => {
+                let gpu = self
+                    .gpu
+                    .clone()
+                    .ok_or_else(|| GpufeedError::new_err("a device batch without a GPU"))?;
+                let base = device_address(&gpu, &buf);
+                let device = cuda(gpu.info().ordinal);
+                (
+                    base,
+                    device,
+                    Owner {
+                        storage: Storage::Device(buf),
+                        gpu: Some(gpu),
+                    },
+                )
+            }
+            BatchData::Host(buf) => (
+                buf.as_ptr() as usize,
+                DLDevice::CPU,
+                Owner {
+                    storage: Storage::Host(buf),
+                    gpu: None,
+                },
+            ),
+        };
+        let shape = if records * self.record_bytes == nbytes {
+            vec![records as i64, self.record_bytes as i64]
+        } else {
+            vec![nbytes as i64]
+        };
+        let data = Array {
+            owner: Arc::new(owner),
+            base,
+            byte_offset: 0,
+            nbytes,
+            dtype: DLDataType::U8,
+            dtype_name: "U8",
+            shape,
+            device,
+        };
+        Ok(Batch {
+            data: Py::new(py, data)?,
+            indices: b.indices,
+            offsets: b.offsets,
+            labels: b.labels,
+            epoch: b.epoch,
+            number: b.number,
+        })
+    }
+}
+
+/// The native module `gpufeed._gpufeed`.
+#[pymodule]
+fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("GpufeedError", py.get_type::<GpufeedError>())?;
+    m.add("NoGpuError", py.get_type::<NoGpuError>())?;
+    m.add_class::<Array>()?;
+    m.add_class::<Loader>()?;
+    m.add_class::<Batch>()?;
+    m.add_class::<BatchLoader>()?;
+    m.add_class::<EpochIter>()?;
+    m.add_function(wrap_pyfunction!(load_file, m)?)?;
+    m.add_function(wrap_pyfunction!(load_range, m)?)?;
+    m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(doctor, m)?)?;
+    m.add_function(wrap_pyfunction!(advise, m)?)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_torch_imports_has_a_dlpack_type() {
+        for (d, bits) in [
+            (Dtype::BOOL, 8),
+            (Dtype::U8, 8),
+            (Dtype::I8, 8),
+            (Dtype::F8_E4M3, 8),
+            (Dtype::F8_E5M2, 8),
+            (Dtype::I16, 16),
+            (Dtype::U16, 16),
+            (Dtype::F16, 16),
+            (Dtype::BF16, 16),
+            (Dtype::I32, 32),
+            (Dtype::U32, 32),
+            (Dtype::F32, 32),
+            (Dtype::I64, 64),
+            (Dtype::U64, 64),
+            (Dtype::F64, 64),
+        ] {
+            let (t, name) = dlpack_dtype(d).expect("mapped");
+            assert_eq!(usize::from(t.bits), d.bitsize(), "{name}");
+            assert_eq!(usize::from(t.bits), bits, "{name}");
+            assert_eq!(t.lanes, 1);
+        }
+        let err = dlpack_dtype(Dtype::F4).expect_err("no torch dtype");
+        assert!(err.contains("F4"), "{err}");
+    }
+}
