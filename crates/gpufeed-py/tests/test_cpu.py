@@ -1,0 +1,132 @@
+"""The Python package on a machine without a GPU (CI): it imports, the CPU paths work (host
+batches through DLPack into numpy, byte for byte), and the GPU calls and bad input raise the
+Rust errors' messages as Python exceptions. Run: ``pytest crates/gpufeed-py/tests``."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import gpufeed
+
+
+def _has_gpu():
+    try:
+        gpufeed.load_range("/proc/self/exe", 0, 1)  # any file: the GPU is opened first
+    except gpufeed.NoGpuError:
+        return False
+    except gpufeed.GpufeedError:
+        return True
+    return True
+
+
+HAS_GPU = _has_gpu()
+
+
+def records_file(tmp_path, count, size, seed=7):
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    path = tmp_path / "records.bin"
+    data.tofile(path)
+    return path, data
+
+
+def test_imports_with_a_version_and_the_documented_names():
+    assert gpufeed.__version__
+    for name in gpufeed.__all__:
+        assert hasattr(gpufeed, name), name
+    assert issubclass(gpufeed.NoGpuError, gpufeed.GpufeedError)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the no-GPU error is not exercised")
+def test_gpu_calls_without_a_gpu_raise_no_gpu_error(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 1000)
+    with pytest.raises(gpufeed.NoGpuError, match="NVIDIA driver"):
+        gpufeed.load_file(path)
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.Loader(0)
+
+
+def test_bad_files_are_named_before_the_gpu(tmp_path):
+    with pytest.raises(gpufeed.GpufeedError, match="no such file; check the path"):
+        gpufeed.load_safetensors(tmp_path / "missing.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    with pytest.raises(gpufeed.GpufeedError, match="not a valid safetensors file"):
+        gpufeed.load_safetensors(bad)
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "../escape.safetensors"}}))
+    with pytest.raises(gpufeed.GpufeedError, match="leaves the checkpoint's directory"):
+        gpufeed.load_safetensors(index)
+
+
+def test_host_batches_reach_numpy_byte_for_byte(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    count, size = 1000, 4099  # an odd record size: nothing aligned by accident
+    path, data = records_file(tmp_path, count, size)
+    loader = gpufeed.BatchLoader(path, record_bytes=size, batch_size=64, seed=3, workers=2)
+    assert len(loader) == (count + 63) // 64
+    seen = []
+    for batch in loader.epoch(0):
+        assert batch.data.device == "cpu"
+        assert batch.data.shape == [len(batch.indices), size]
+        host = np.from_dlpack(batch.data)
+        assert host.dtype == np.uint8 and host.shape == (len(batch.indices), size)
+        np.testing.assert_array_equal(host, data[batch.indices])
+        seen.extend(batch.indices)
+    assert sorted(seen) == list(range(count)), "every record once"
+    assert seen != list(range(count)), "shuffled"
+    # The same seed and epoch give the same order; the next epoch another.
+    again = [i for b in loader.epoch(0) for i in b.indices]
+    assert again == seen
+    other = [i for b in loader.epoch(1) for i in b.indices]
+    assert sorted(other) == sorted(seen) and other != seen
+
+
+def test_an_array_outlives_its_loader_and_its_epoch(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path, data = records_file(tmp_path, 100, 512, seed=11)
+    loader = gpufeed.BatchLoader(path, record_bytes=512, batch_size=10, shuffle=False)
+    it = loader.epoch(0)
+    first = next(it)
+    with pytest.raises(gpufeed.GpufeedError, match="already running"):
+        loader.epoch(1)
+    del it, loader
+    np.testing.assert_array_equal(np.from_dlpack(first.data), data[:10])
+
+
+def test_batches_are_sharded_by_rank_and_world_size(tmp_path, monkeypatch):
+    path, _ = records_file(tmp_path, 300, 64, seed=5)
+    shards = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        loader = gpufeed.BatchLoader(path, record_bytes=64, batch_size=32, seed=9)
+        shards.append([i for b in loader.epoch(0) for i in b.indices])
+    assert all(len(s) == 100 for s in shards)
+    assert sorted(sum(shards, [])) == list(range(300)), "the ranks split the records"
+
+
+def test_a_truncated_record_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "cut.bin"
+    path.write_bytes(b"\0" * 1000)
+    with pytest.raises(gpufeed.GpufeedError, match="1000"):
+        gpufeed.BatchLoader(path, record_bytes=300)
+
+
+def test_doctor_and_advise_return_plain_dicts(tmp_path):
+    checks = gpufeed.doctor(str(tmp_path))
+    assert {c["name"] for c in checks} >= {"io_uring", "O_DIRECT", "CUDA driver"}
+    assert all(c["status"] in ("ok", "warn", "fail") for c in checks)
+    rec = gpufeed.advise(size=1 << 30, persistent=True, processes=4)
+    assert rec["recommendation"]["storage"] == "mmap(MAP_SHARED)"
+    assert rec["trials"] is None
+    with pytest.raises(gpufeed.GpufeedError, match="path=FILE"):
+        gpufeed.advise(size=1 << 20, measure=True)
+    with pytest.raises(gpufeed.GpufeedError, match="how large"):
+        gpufeed.advise()
