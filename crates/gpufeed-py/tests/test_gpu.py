@@ -1,0 +1,216 @@
+"""On a GPU, against PyTorch: every tensor of a generated checkpoint equals
+``safetensors.torch.load_file``'s bit for bit (every dtype torch has, odd shapes, empty and 0-d
+tensors, a sharded index), files and device batches arrive byte for byte, tensors outlive their
+loader, and device memory is given back when the tensors go.
+
+Skipped (with the reason) without torch or a GPU, unless ``GPUFEED_REQUIRE_GPU=1`` (the GPU
+machine), where that is a failure. Runs under pytest, or alone: ``python3 test_gpu.py``."""
+
+import gc
+import json
+import os
+import sys
+import tempfile
+
+import gpufeed
+
+REQUIRED = os.environ.get("GPUFEED_REQUIRE_GPU") == "1"
+
+
+class Skip(Exception):
+    pass
+
+
+def torch_on_gpu():
+    """torch, or a skip (a failure where the GPU is required)."""
+    try:
+        import torch
+    except ImportError as e:
+        reason = f"torch is not installed ({e})"
+    else:
+        if torch.cuda.is_available():
+            return torch
+        reason = "torch sees no CUDA device"
+    if REQUIRED:
+        raise AssertionError(f"GPUFEED_REQUIRE_GPU=1 but {reason}")
+    try:
+        import pytest
+
+        pytest.skip(reason)
+    except ImportError:
+        raise Skip(reason)
+
+
+def dtypes(torch):
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+             "float32", "float64", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"]
+    return [getattr(torch, n) for n in names if hasattr(torch, n)]
+
+
+def random_tensor(torch, dtype, shape, gen):
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2**62)), min(info.max, 2**62)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def checkpoint(torch, directory):
+    """A checkpoint of every dtype in odd shapes, as one file and as two shards with an index."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(17)
+    shapes = [(3, 7), (1,), (), (0, 5), (13, 17, 3), (1001,)]
+    tensors = {}
+    for i, dtype in enumerate(dtypes(torch)):
+        for j, shape in enumerate(shapes):
+            tensors[f"layer{i}.t{j}"] = random_tensor(torch, dtype, shape, gen)
+    single = os.path.join(directory, "model.safetensors")
+    save_file(tensors, single)
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, os.path.join(directory, file))
+        weight_map.update({n: file for n in part})
+    index = os.path.join(directory, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return single, index
+
+
+def same_bits(torch, a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_checkpoints_equal_safetensors_bit_for_bit():
+    torch = torch_on_gpu()
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        single, index = checkpoint(torch, d)
+        want = load_file(single, device="cuda:0")
+        for path in (single, index):
+            got = gpufeed.load_safetensors(path)
+            assert sorted(got) == sorted(want), path
+            for name, t in got.items():
+                assert t.device == torch.device("cuda:0"), (name, t.device)
+                assert same_bits(torch, t, want[name]), (path, name, t.dtype, t.shape)
+
+
+def test_files_and_ranges_arrive_byte_for_byte():
+    torch = torch_on_gpu()
+    with tempfile.TemporaryDirectory() as d:
+        data = os.urandom(5_000_003)
+        path = os.path.join(d, "f.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        want = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        t = gpufeed.load_file(path)
+        assert t.dtype == torch.uint8 and t.is_cuda and t.shape == (len(data),)
+        assert torch.equal(t.cpu(), want)
+        r = gpufeed.load_range(path, 4097, 1_000_001)
+        assert torch.equal(r.cpu(), want[4097:1_000_001])
+
+
+def test_tensors_outlive_their_loader():
+    torch = torch_on_gpu()
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        single, _ = checkpoint(torch, d)
+        loader = gpufeed.Loader(0)
+        got = loader.load_safetensors(single)
+        del loader
+        gc.collect()
+        torch.cuda.synchronize()
+        want = load_file(single, device="cuda:0")
+        for name, t in got.items():
+            assert same_bits(torch, t, want[name]), name
+
+
+def test_device_memory_is_given_back_when_the_tensors_go():
+    torch = torch_on_gpu()
+    with tempfile.TemporaryDirectory() as d:
+        size = 512 << 20
+        path = os.path.join(d, "big.bin")
+        with open(path, "wb") as f:
+            f.write(os.urandom(1 << 20) * (size >> 20))
+        gpufeed.load_file(path)  # the shared loader and its first allocation exist
+        gc.collect()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info(0)[0]
+        for _ in range(8):
+            t = gpufeed.load_file(path)
+            assert t.shape == (size,)
+            del t
+            gc.collect()
+        torch.cuda.synchronize()
+        lost = free_before - torch.cuda.mem_get_info(0)[0]
+        assert lost < 2 * size, f"8 loads of 512 MiB, each dropped, kept {lost >> 20} MiB"
+
+
+def test_device_batches_arrive_byte_for_byte():
+    torch = torch_on_gpu()
+    import numpy as np
+
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    with tempfile.TemporaryDirectory() as d:
+        count, size = 2000, 65_537
+        data = np.random.default_rng(3).integers(0, 256, (count, size), dtype=np.uint8)
+        path = os.path.join(d, "records.bin")
+        data.tofile(path)
+        loader = gpufeed.BatchLoader(path, record_bytes=size, batch_size=256, seed=5, device=0)
+        seen = 0
+        for batch in loader.epoch(0):
+            x = gpufeed.as_tensor(batch.data)
+            assert x.is_cuda and tuple(x.shape) == (len(batch.indices), size)
+            assert torch.equal(x.cpu(), torch.from_numpy(data[batch.indices]))
+            seen += len(batch.indices)
+        assert seen == count
+
+
+def test_a_device_other_than_torchs_current_one():
+    torch = torch_on_gpu()
+    if torch.cuda.device_count() < 2:
+        reason = "one GPU: no other device to load onto"
+        try:
+            import pytest
+
+            pytest.skip(reason)
+        except ImportError:
+            raise Skip(reason)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f.bin")
+        with open(path, "wb") as f:
+            f.write(os.urandom(3_000_001))
+        torch.cuda.set_device(0)
+        t = gpufeed.load_file(path, device=1)
+        assert t.device == torch.device("cuda:1")
+        assert torch.equal(t.cpu(), torch.frombuffer(bytearray(open(path, "rb").read()),
+                                                      dtype=torch.uint8))
+
+
+if __name__ == "__main__":
+    failed = 0
+    for name, fn in sorted(globals().items()):
+        if name.startswith("test_") and callable(fn):
+            try:
+                fn()
+                print(f"PASS {name}")
+            except BaseException as e:  # noqa: BLE001 (report each, then the exit code)
+                if isinstance(e, Skip) or type(e).__name__ == "Skipped":  # pytest's skip
+                    print(f"SKIP {name}: {e}")
+                    continue
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                failed += 1
+                print(f"FAIL {name}: {type(e).__name__}: {e}")
+    sys.exit(1 if failed else 0)
