@@ -4,6 +4,8 @@
 Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> list of GB/s
        (loads, and saves of the checkpoint's GPU tensors back to files).
        peers.py --one-shot SAFETENSORS   -> (internal) one fresh-process load, timed.
+       peers.py --one-shot-gpufeed SAFETENSORS -> (internal) the same with gpufeed's Python
+       package.
        peers.py --image-folder ROOT REPS -> PyTorch's DataLoader over an image folder (raw file
        bytes, batches of 256 shuffled, num_workers=8, pin_memory=True, each batch to the GPU):
        {name: list of GB/s per epoch}.
@@ -87,9 +89,86 @@ def image_folder(root, reps):
     print(json.dumps(out))
 
 
+def one_shot_gpufeed(st_path):
+    """A fresh process (imports done): the CUDA context, then gpufeed's Python
+    load_safetensors into torch tensors."""
+    import torch
+
+    import gpufeed
+
+    t0 = time.perf_counter()
+    torch.zeros(1, device="cuda:0")
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    tensors = gpufeed.load_safetensors(st_path, device=0)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(json.dumps({"bytes": nbytes, "context_s": t1 - t0, "load_s": t2 - t1}))
+
+
+def gpufeed_python(path, st_path, reps, results, peer, sync):
+    """gpufeed's Python package (crates/gpufeed-py), measured as the peers are: time to torch
+    tensors on the GPU, synchronized."""
+    import tempfile
+
+    import torch
+
+    import gpufeed
+
+    def reused(method, p):
+        loader = gpufeed.Loader(0)
+        getattr(loader, method)(p)  # warm-up: the loader's staging and device pool
+
+        def run():
+            out = getattr(loader, method)(p)
+            sync()
+            del out
+
+        return timed(run, os.path.getsize(p), reps)
+
+    peer("gpufeed (Python) load_file, reused Loader", lambda: reused("load_file", path))
+    peer("gpufeed (Python) load_safetensors, reused Loader",
+         lambda: reused("load_safetensors", st_path))
+
+    def fresh():
+        import subprocess
+
+        runs = []
+        for _ in range(reps):
+            out = subprocess.run(
+                [sys.executable, __file__, "--one-shot-gpufeed", st_path],
+                check=True, capture_output=True, text=True,
+            )
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        results["gpufeed (Python) load_safetensors, fresh process: context + load"] = [
+            r["bytes"] / (r["context_s"] + r["load_s"]) / 1e9 for r in runs
+        ]
+        return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
+
+    peer("gpufeed (Python) load_safetensors, fresh process: load after the context", fresh)
+
+    def per_tensor():
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(st_path))) as d:
+            many = os.path.join(d, "many.safetensors")
+            few = os.path.join(d, "few.safetensors")
+            save_file({f"t{i}": torch.zeros(4096, dtype=torch.float32) for i in range(10_000)}, many)
+            save_file({f"t{i}": torch.zeros(4096 * 1000, dtype=torch.float32) for i in range(10)}, few)
+            results["gpufeed (Python) 10 tensors of 16000 KiB (reused Loader)"] = reused(
+                "load_safetensors", few)
+            return reused("load_safetensors", many)
+
+    peer("gpufeed (Python) 10000 tensors of 16 KiB (reused Loader)", per_tensor)
+
+
 def main():
     if sys.argv[1] == "--one-shot":
         one_shot(sys.argv[2])
+        return
+    if sys.argv[1] == "--one-shot-gpufeed":
+        one_shot_gpufeed(sys.argv[2])
         return
     if sys.argv[1] == "--image-folder":
         image_folder(sys.argv[2], int(sys.argv[3]))
@@ -186,6 +265,13 @@ def main():
         return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
 
     peer("safetensors load_file(device=cuda), fresh process: load after the context", fresh_peer)
+
+    try:
+        gpufeed_python(path, st_path, reps, results, peer, sync)
+    except ImportError as e:
+        results["gpufeed (Python)"] = {
+            "error": f"{e}: pip install ./crates/gpufeed-py (or the wheel of cargo xtask device)"
+        }
 
     def fst_runs():
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup

@@ -184,7 +184,20 @@ export GPUFEED_REQUIRE_GPU=1
 export CARGO_BIN_EXE_gpufeed="$here/gpufeed"
 mkdir -p "{tmpdir}"
 status=0
+# Wheels carried in wheels/ (gpufeed's own, built by xtask; the peers' where copied there).
+if ls "$here"/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-site "$here"/wheels/*.whl \
+    && export PYTHONPATH="/tmp/gpufeed-site${{PYTHONPATH:+:$PYTHONPATH}}"
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
+  if [ -f "$here/py-tests/test_gpu.py" ]; then
+    echo "=== python: gpufeed-py/tests/test_gpu.py"
+    if python3 "$here/py-tests/test_gpu.py" > "$out/test-python.log" 2>&1; then
+      grep -c ^PASS "$out/test-python.log" | sed 's/$/ passed/'; grep ^SKIP "$out/test-python.log"
+    else
+      status=1; echo "FAILED: python"; grep -E "^(FAIL|SKIP)" "$out/test-python.log" | head -n 20
+    fi
+  fi
   for t in "$here"/tests/*; do
     name="$(basename "$t")"
     echo "=== $name"
@@ -208,6 +221,7 @@ exit $status
     );
     let run_sh = out_dir.join("run.sh");
     std::fs::write(&run_sh, script)?;
+    python_wheel(root, &out_dir);
     let size: u64 = std::fs::read_dir(out_dir.join("tests"))?
         .flatten()
         .filter_map(|e| e.metadata().ok())
@@ -223,6 +237,46 @@ exit $status
         size as f64 / (1 << 20) as f64
     );
     Ok(())
+}
+
+/// The Python package's wheel into `out/wheels` and its GPU tests into `out/py-tests`, where
+/// maturin is installed (`target/py-venv`, as `.ci/run` makes it, or on the PATH); a note
+/// otherwise.
+fn python_wheel(root: &Path, out: &Path) {
+    let venv = target_dir(root).join("py-venv/bin/maturin");
+    let maturin = if venv.is_file() {
+        venv
+    } else {
+        PathBuf::from("maturin")
+    };
+    let built = Command::new(&maturin)
+        .args([
+            "build",
+            "--release",
+            "--quiet",
+            "--compatibility",
+            "linux",
+            "-m",
+        ])
+        .arg(root.join("crates/gpufeed-py/Cargo.toml"))
+        .arg("-o")
+        .arg(out.join("wheels"))
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    let tests = out.join("py-tests");
+    let copied = std::fs::create_dir_all(&tests).and_then(|()| {
+        std::fs::copy(
+            root.join("crates/gpufeed-py/tests/test_gpu.py"),
+            tests.join("test_gpu.py"),
+        )
+    });
+    if !built || copied.is_err() {
+        eprintln!(
+            "note: the Python wheel was not built (install maturin: python3 -m venv target/py-venv \
+             && target/py-venv/bin/pip install maturin); the GPU machine runs the Rust tests only"
+        );
+    }
 }
 
 fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
