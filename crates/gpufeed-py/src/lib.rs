@@ -111,9 +111,10 @@ impl Array {
         let mut tensor = Dynamic::compact(self.shape.clone())
             .initialize_as::<M>(Arc::clone(&self.owner))
             .map_err(|e| GpufeedError::new_err(format!("DLPack export: {e}")))?;
+        // The offset goes into the pointer: torch refuses a nonzero `byte_offset`.
         tensor
-            .set_data(self.base as *mut std::ffi::c_void)
-            .set_byte_offset(self.byte_offset)
+            .set_data((self.base + self.byte_offset as usize) as *mut std::ffi::c_void)
+            .set_byte_offset(0)
             .set_dtype(self.dtype)
             .set_device(self.device);
         #[allow(unsafe_code, reason = "the DLPack descriptor's promise")]
