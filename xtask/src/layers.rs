@@ -129,7 +129,11 @@ pub fn problems(meta: &Metadata) -> Result<Vec<String>> {
         let root = p
             .targets
             .iter()
-            .find(|t| t.kind.iter().any(|k| k == "lib"))
+            .find(|t| {
+                t.kind
+                    .iter()
+                    .any(|k| ["lib", "rlib", "cdylib"].contains(&k.as_str()))
+            })
             .or_else(|| p.targets.iter().find(|t| t.kind.iter().any(|k| k == "bin")))
             .with_context(|| format!("{} has no lib or bin target", p.name))?;
         let text = std::fs::read_to_string(&root.src_path)
