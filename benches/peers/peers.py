@@ -28,10 +28,13 @@ def timed(fn, nbytes, reps):
     return out
 
 
-def one_shot(st_path):
-    """A fresh process (imports done): the CUDA context, then load_file to the GPU."""
+def one_shot(st_path, load_file=None):
+    """A fresh process (imports done): the CUDA context, then `load_file` (safetensors.torch's
+    by default) to the GPU."""
     import torch
-    from safetensors.torch import load_file
+
+    if load_file is None:
+        from safetensors.torch import load_file
 
     t0 = time.perf_counter()
     torch.zeros(1, device="cuda:0")
@@ -89,22 +92,22 @@ def image_folder(root, reps):
     print(json.dumps(out))
 
 
-def one_shot_gpufeed(st_path):
-    """A fresh process (imports done): the CUDA context, then gpufeed's Python
-    load_safetensors into torch tensors."""
-    import torch
+def fresh_runs(mode, st_path, reps, results, name):
+    """`reps` fresh processes (`peers.py MODE st_path`) each timing its context and load:
+    records "NAME, fresh process: context + load" and returns the GB/s after the context."""
+    import subprocess
 
-    import gpufeed
-
-    t0 = time.perf_counter()
-    torch.zeros(1, device="cuda:0")
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    tensors = gpufeed.load_safetensors(st_path, device=0)
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(json.dumps({"bytes": nbytes, "context_s": t1 - t0, "load_s": t2 - t1}))
+    runs = []
+    for _ in range(reps):
+        out = subprocess.run(
+            [sys.executable, __file__, mode, st_path],
+            check=True, capture_output=True, text=True,
+        )
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results[f"{name}, fresh process: context + load"] = [
+        r["bytes"] / (r["context_s"] + r["load_s"]) / 1e9 for r in runs
+    ]
+    return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
 
 
 def gpufeed_python(path, st_path, reps, results, peer, sync):
@@ -131,22 +134,9 @@ def gpufeed_python(path, st_path, reps, results, peer, sync):
     peer("gpufeed (Python) load_safetensors, reused Loader",
          lambda: reused("load_safetensors", st_path))
 
-    def fresh():
-        import subprocess
-
-        runs = []
-        for _ in range(reps):
-            out = subprocess.run(
-                [sys.executable, __file__, "--one-shot-gpufeed", st_path],
-                check=True, capture_output=True, text=True,
-            )
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        results["gpufeed (Python) load_safetensors, fresh process: context + load"] = [
-            r["bytes"] / (r["context_s"] + r["load_s"]) / 1e9 for r in runs
-        ]
-        return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
-
-    peer("gpufeed (Python) load_safetensors, fresh process: load after the context", fresh)
+    name = "gpufeed (Python) load_safetensors"
+    peer(f"{name}, fresh process: load after the context",
+         lambda: fresh_runs("--one-shot-gpufeed", st_path, reps, results, name))
 
     def per_tensor():
         from safetensors.torch import save_file
@@ -168,7 +158,9 @@ def main():
         one_shot(sys.argv[2])
         return
     if sys.argv[1] == "--one-shot-gpufeed":
-        one_shot_gpufeed(sys.argv[2])
+        import gpufeed
+
+        one_shot(sys.argv[2], lambda p, device: gpufeed.load_safetensors(p, device=0))
         return
     if sys.argv[1] == "--image-folder":
         image_folder(sys.argv[2], int(sys.argv[3]))
@@ -245,26 +237,9 @@ def main():
 
     peer("safetensors load_file(device=cuda)", lambda: timed(st_load, st_size, reps))
 
-    def st_fresh():
-        import subprocess
-
-        runs = []
-        for _ in range(reps):
-            out = subprocess.run(
-                [sys.executable, __file__, "--one-shot", st_path],
-                check=True, capture_output=True, text=True,
-            )
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        return runs
-
-    def fresh_peer():
-        runs = st_fresh()
-        results["safetensors load_file(device=cuda), fresh process: context + load"] = [
-            r["bytes"] / (r["context_s"] + r["load_s"]) / 1e9 for r in runs
-        ]
-        return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
-
-    peer("safetensors load_file(device=cuda), fresh process: load after the context", fresh_peer)
+    name = "safetensors load_file(device=cuda)"
+    peer(f"{name}, fresh process: load after the context",
+         lambda: fresh_runs("--one-shot", st_path, reps, results, name))
 
     try:
         gpufeed_python(path, st_path, reps, results, peer, sync)
