@@ -198,6 +198,40 @@ impl Array {
         }
     }
 
+    /// Bytes `start..end` of this array as an array of `dtype` (a safetensors name) and
+    /// `shape`, sharing its memory.
+    fn view_of(&self, start: usize, end: usize, dtype: &str, shape: Vec<i64>) -> PyResult<Array> {
+        let bad = |why: String| GpufeedError::new_err(format!("invalid setting: {why}"));
+        if start > end || end > self.nbytes {
+            return Err(bad(format!(
+                "bytes {start}..{end} of an array of {} bytes",
+                self.nbytes
+            )));
+        }
+        let parsed: Dtype = serde_json::from_value(serde_json::Value::String(dtype.into()))
+            .map_err(|_| bad(format!("unknown dtype {dtype:?}")))?;
+        let (dl, name) = dlpack_dtype(parsed).map_err(GpufeedError::new_err)?;
+        let elems: i64 = shape.iter().product();
+        if shape.iter().any(|&d| d < 0)
+            || elems as u128 * u128::from(dl.bits) != (end - start) as u128 * 8
+        {
+            return Err(bad(format!(
+                "shape {shape:?} of {name} does not fill {} bytes",
+                end - start
+            )));
+        }
+        Ok(Array {
+            owner: Arc::clone(&self.owner),
+            base: self.base,
+            byte_offset: self.byte_offset + start as u64,
+            nbytes: end - start,
+            dtype: dl,
+            dtype_name: name,
+            shape,
+            device: self.device,
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "gpufeed.Array(shape={:?}, dtype={}, device={})",
@@ -391,6 +425,76 @@ impl Loader {
         Ok(out)
     }
 
+    /// A safetensors file or index as one `U8` array per file with its tensors' `(name,
+    /// dtype, shape, start, end)` sorted by `start` (byte offsets in that array): what the
+    /// Python layer turns into torch tensors with one `torch.from_dlpack` per file.
+    #[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+    fn load_safetensors_files(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+    ) -> PyResult<Vec<(Array, Vec<(String, &'static str, Vec<usize>, usize, usize)>)>> {
+        let layout = py
+            .detach(|| gpufeed::safetensors::inspect(&path))
+            .map_err(py_err)?;
+        for file in &layout {
+            for (name, dtype, _, _) in &file.tensors {
+                dlpack_dtype(*dtype).map_err(|why| {
+                    GpufeedError::new_err(format!("{}: tensor {name}: {why}", file.path.display()))
+                })?;
+            }
+        }
+        let inner = Arc::clone(&self.inner);
+        let ckpt = py
+            .detach(move || gpufeed::safetensors::load_with(&inner, &path))
+            .map_err(py_err)?;
+        let gpu = ckpt.gpu().clone();
+        let device = cuda(gpu.info().ordinal);
+        let files: Vec<(usize, usize)> = (0..ckpt.files().len())
+            .map(|i| {
+                ckpt.buffer(i)
+                    .map_or((0, 0), |b| (device_address(&gpu, b), b.len()))
+            })
+            .collect();
+        let mut entries: Vec<Vec<(String, &'static str, Vec<usize>, usize, usize)>> =
+            vec![Vec::new(); files.len()];
+        for name in ckpt.names() {
+            let Some(info) = ckpt.info(name) else {
+                continue;
+            };
+            let (_, dtype_name) = dlpack_dtype(info.dtype).map_err(GpufeedError::new_err)?;
+            entries[info.file].push((
+                name.to_owned(),
+                dtype_name,
+                info.shape.clone(),
+                info.range.start,
+                info.range.end,
+            ));
+        }
+        let owner = Arc::new(Owner {
+            storage: Storage::Checkpoint(ckpt),
+            gpu: Some(gpu),
+        });
+        Ok(files
+            .into_iter()
+            .zip(entries)
+            .map(|((base, nbytes), mut tensors)| {
+                tensors.sort_by_key(|t| (t.3, t.4));
+                let array = Array {
+                    owner: Arc::clone(&owner),
+                    base,
+                    byte_offset: 0,
+                    nbytes,
+                    dtype: DLDataType::U8,
+                    dtype_name: "U8",
+                    shape: vec![nbytes as i64],
+                    device,
+                };
+                (array, tensors)
+            })
+            .collect())
+    }
+
     /// The GPU's CUDA ordinal.
     #[getter]
     fn device(&self) -> usize {
@@ -443,6 +547,24 @@ fn load_range(
         inner: shared_loader(py, device)?,
     }
     .load_range(py, path, start, end)
+}
+
+/// `load_safetensors_files` with this device's shared loader (headers checked before the GPU
+/// is opened).
+#[pyfunction]
+#[pyo3(signature = (path, device=0))]
+#[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+fn load_safetensors_files(
+    py: Python<'_>,
+    path: PathBuf,
+    device: usize,
+) -> PyResult<Vec<(Array, Vec<(String, &'static str, Vec<usize>, usize, usize)>)>> {
+    py.detach(|| gpufeed::safetensors::inspect(&path))
+        .map_err(py_err)?;
+    Loader {
+        inner: shared_loader(py, device)?,
+    }
+    .load_safetensors_files(py, path)
 }
 
 /// `gpufeed.load_safetensors` with this device's shared loader. The headers are checked
@@ -753,6 +875,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_file, m)?)?;
     m.add_function(wrap_pyfunction!(load_range, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(load_safetensors_files, m)?)?;
     m.add_function(wrap_pyfunction!(doctor, m)?)?;
     m.add_function(wrap_pyfunction!(advise, m)?)?;
     Ok(())

@@ -130,3 +130,19 @@ def test_doctor_and_advise_return_plain_dicts(tmp_path):
         gpufeed.advise(size=1 << 20, measure=True)
     with pytest.raises(gpufeed.GpufeedError, match="how large"):
         gpufeed.advise()
+
+
+def test_a_view_of_an_array_shares_its_bytes_and_checks_its_shape(tmp_path):
+    path, data = records_file(tmp_path, 4, 1024, seed=13)
+    batch = next(iter(gpufeed.BatchLoader(path, record_bytes=1024, batch_size=4,
+                                          shuffle=False).epoch(0)))
+    view = batch.data.view_of(8, 24, "F32", [2, 2])
+    assert view.shape == [2, 2] and view.dtype == "F32" and view.nbytes == 16
+    want = np.frombuffer(data.reshape(-1)[8:24].tobytes(), dtype=np.float32).reshape(2, 2)
+    np.testing.assert_array_equal(np.from_dlpack(view), want)
+    with pytest.raises(gpufeed.GpufeedError, match="does not fill 10 bytes"):
+        batch.data.view_of(0, 10, "F32", [3])
+    with pytest.raises(gpufeed.GpufeedError, match="of an array of 4096 bytes"):
+        batch.data.view_of(4000, 5000, "U8", [1000])
+    with pytest.raises(gpufeed.GpufeedError, match="no DLPack type"):
+        batch.data.view_of(0, 4, "F4", [8])

@@ -57,6 +57,40 @@ def as_tensor(array: Array):
     return torch.from_dlpack(array)
 
 
+# safetensors dtype names -> torch dtype attribute names (those this torch lacks are skipped).
+_TORCH_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
+    "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def _checkpoint(files):
+    """A checkpoint's tensors from ``[(file array, [(name, dtype, shape, start, end)])]``: one
+    ``torch.from_dlpack`` per file, then each tensor a view of its bytes (``torch.split`` cuts
+    them in one call); a tensor whose offset does not suit its dtype's alignment is exported
+    alone through DLPack. Without torch: ``Array`` views."""
+    try:
+        import torch
+    except ImportError:
+        return {n: a.view_of(s, e, d, list(shape)) for a, ts in files for n, d, shape, s, e in ts}
+    out = {}
+    for array, tensors in files:
+        if not tensors:
+            continue
+        whole = torch.from_dlpack(array)
+        # The tensors tile the data section in order (checked when the header was read).
+        pieces = torch.split(whole, [e - s for _, _, _, s, e in tensors])
+        for (name, dtype, shape, start, end), piece in zip(tensors, pieces):
+            tdt = getattr(torch, _TORCH_DTYPES[dtype])
+            try:
+                out[name] = piece.view(tdt).view(shape)
+            except RuntimeError:  # unaligned for this element size: a DLPack export of its own
+                out[name] = torch.from_dlpack(array.view_of(start, end, dtype, list(shape)))
+    return out
+
+
 class Loader:
     """A reusable loader of GPU ``device``: its pinned staging and threads serve every load.
 
@@ -81,7 +115,7 @@ class Loader:
     def load_safetensors(self, path: Path) -> Dict[str, object]:
         """A safetensors file or ``*.index.json``: a dict of tensors with their dtypes and
         shapes, views into one device buffer per file (freed when the last tensor goes)."""
-        return {k: as_tensor(v) for k, v in self._native.load_safetensors(path).items()}
+        return _checkpoint(self._native.load_safetensors_files(path))
 
 
 def load_file(path: Path, device: int = 0):
@@ -97,4 +131,4 @@ def load_range(path: Path, start: int, end: int, device: int = 0):
 def load_safetensors(path: Path, device: int = 0) -> Dict[str, object]:
     """A safetensors file or a sharded checkpoint's ``*.index.json`` on GPU ``device``: a dict
     of tensors. Headers are checked first: a bad file is named even without a GPU."""
-    return {k: as_tensor(v) for k, v in _gpufeed.load_safetensors(path, device).items()}
+    return _checkpoint(_gpufeed.load_safetensors_files(path, device))
