@@ -104,6 +104,26 @@ def test_checkpoints_equal_safetensors_bit_for_bit():
                 assert same_bits(torch, t, want[name]), (path, name, t.dtype, t.shape)
 
 
+def test_a_tensor_at_an_unaligned_offset():
+    """safetensors writers align tensors, but the format does not require it: an F32 tensor at
+    byte 3 still arrives (exported alone through DLPack)."""
+    torch = torch_on_gpu()
+    import struct
+
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    values = struct.pack("<2f", 1.5, -2.25)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "odd.safetensors")
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text + b"\x01\x02\x03" + values)
+        got = gpufeed.load_safetensors(path)
+        assert got["a"].tolist() == [1, 2, 3]
+        assert got["b"].dtype == torch.float32 and got["b"].tolist() == [1.5, -2.25]
+
+
 def test_files_and_ranges_arrive_byte_for_byte():
     torch = torch_on_gpu()
     with tempfile.TemporaryDirectory() as d:
