@@ -434,16 +434,8 @@ impl Loader {
         py: Python<'_>,
         path: PathBuf,
     ) -> PyResult<Vec<(Array, Vec<(String, &'static str, Vec<usize>, usize, usize)>)>> {
-        let layout = py
-            .detach(|| gpufeed::safetensors::inspect(&path))
-            .map_err(py_err)?;
-        for file in &layout {
-            for (name, dtype, _, _) in &file.tensors {
-                dlpack_dtype(*dtype).map_err(|why| {
-                    GpufeedError::new_err(format!("{}: tensor {name}: {why}", file.path.display()))
-                })?;
-            }
-        }
+        // The headers are read once, by the load (a second parse costs ~1 us per tensor); a
+        // dtype torch cannot take is refused after it, before any tensor is handed out.
         let inner = Arc::clone(&self.inner);
         let ckpt = py
             .detach(move || gpufeed::safetensors::load_with(&inner, &path))
@@ -462,7 +454,12 @@ impl Loader {
             let Some(info) = ckpt.info(name) else {
                 continue;
             };
-            let (_, dtype_name) = dlpack_dtype(info.dtype).map_err(GpufeedError::new_err)?;
+            let (_, dtype_name) = dlpack_dtype(info.dtype).map_err(|why| {
+                GpufeedError::new_err(format!(
+                    "{}: tensor {name}: {why}",
+                    ckpt.files()[info.file].display()
+                ))
+            })?;
             entries[info.file].push((
                 name.to_owned(),
                 dtype_name,
@@ -502,10 +499,22 @@ impl Loader {
     }
 }
 
+type Loaders = Mutex<HashMap<usize, Arc<gpufeed::Loader>>>;
+
+/// The module-level functions' loaders, one per device.
+fn loaders() -> &'static Loaders {
+    static LOADERS: OnceLock<Loaders> = OnceLock::new();
+    LOADERS.get_or_init(Default::default)
+}
+
+/// Whether the module-level functions made a loader for `device` (and so opened its GPU).
+fn has_shared_loader(device: usize) -> bool {
+    loaders().lock().is_ok_and(|m| m.contains_key(&device))
+}
+
 /// One loader per device for the module-level functions.
 fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
-    static LOADERS: OnceLock<Mutex<HashMap<usize, Arc<gpufeed::Loader>>>> = OnceLock::new();
-    let loaders = LOADERS.get_or_init(Default::default);
+    let loaders = loaders();
     if let Some(l) = loaders
         .lock()
         .map_err(|_| GpufeedError::new_err("a loader panicked"))?
@@ -559,8 +568,11 @@ fn load_safetensors_files(
     path: PathBuf,
     device: usize,
 ) -> PyResult<Vec<(Array, Vec<(String, &'static str, Vec<usize>, usize, usize)>)>> {
-    py.detach(|| gpufeed::safetensors::inspect(&path))
-        .map_err(py_err)?;
+    if !has_shared_loader(device) {
+        // Before the GPU is opened: a bad file is named even on a machine without one.
+        py.detach(|| gpufeed::safetensors::inspect(&path))
+            .map_err(py_err)?;
+    }
     Loader {
         inner: shared_loader(py, device)?,
     }

@@ -75,6 +75,7 @@ def _checkpoint(files):
         import torch
     except ImportError:
         return {n: a.view_of(s, e, d, list(shape)) for a, ts in files for n, d, shape, s, e in ts}
+    dtypes = _torch_dtypes(torch)
     out = {}
     for array, tensors in files:
         if not tensors:
@@ -83,12 +84,22 @@ def _checkpoint(files):
         # The tensors tile the data section in order (checked when the header was read).
         pieces = torch.split(whole, [e - s for _, _, _, s, e in tensors])
         for (name, dtype, shape, start, end), piece in zip(tensors, pieces):
-            tdt = getattr(torch, _TORCH_DTYPES[dtype])
             try:
-                out[name] = piece.view(tdt).view(shape)
+                out[name] = piece.view(dtypes[dtype]).view(shape)
             except RuntimeError:  # unaligned for this element size: a DLPack export of its own
                 out[name] = torch.from_dlpack(array.view_of(start, end, dtype, list(shape)))
     return out
+
+
+_DTYPE_CACHE = {}
+
+
+def _torch_dtypes(torch):
+    """safetensors dtype name -> torch dtype, for this torch (looked up once)."""
+    if not _DTYPE_CACHE:
+        _DTYPE_CACHE.update({k: getattr(torch, v) for k, v in _TORCH_DTYPES.items()
+                             if hasattr(torch, v)})
+    return _DTYPE_CACHE
 
 
 class Loader:
