@@ -37,7 +37,6 @@ use gpufeed::dataset::{BatchData, Order, RecordFile, Sampler};
 use gpufeed::safetensors::Dtype;
 use pyo3::exceptions::{PyException, PyStopIteration};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 pyo3::create_exception!(
     _gpufeed,
@@ -74,6 +73,10 @@ enum Storage {
 
 /// The owner shared by an array and every tensor exported from it.
 struct Owner {
+    #[allow(
+        dead_code,
+        reason = "held for its Drop: the memory lives as long as the owner"
+    )]
     storage: Storage,
     /// The GPU whose context is synchronized before device memory is freed.
     gpu: Option<gpufeed::Gpu>,
@@ -285,23 +288,37 @@ fn device_address(gpu: &gpufeed::Gpu, buf: &gpufeed::DeviceBuffer) -> usize {
     ptr as usize
 }
 
+impl Array {
+    /// `nbytes` bytes at `base` of `owner` as a `U8` array of `shape` (1-D where `None`).
+    fn bytes(
+        owner: Arc<Owner>,
+        base: usize,
+        nbytes: usize,
+        device: DLDevice,
+        shape: Option<Vec<i64>>,
+    ) -> Array {
+        Array {
+            owner,
+            base,
+            byte_offset: 0,
+            nbytes,
+            dtype: DLDataType::U8,
+            dtype_name: "U8",
+            shape: shape.unwrap_or_else(|| vec![nbytes as i64]),
+            device,
+        }
+    }
+}
+
 /// Bytes on the GPU as a 1-D `U8` array.
 fn device_bytes(gpu: &gpufeed::Gpu, buf: gpufeed::DeviceBuffer) -> Array {
     let base = device_address(gpu, &buf);
     let nbytes = buf.len();
-    Array {
-        base,
-        byte_offset: 0,
-        nbytes,
-        dtype: DLDataType::U8,
-        dtype_name: "U8",
-        shape: vec![nbytes as i64],
-        device: cuda(gpu.info().ordinal),
-        owner: Arc::new(Owner {
-            storage: Storage::Device(buf),
-            gpu: Some(gpu.clone()),
-        }),
-    }
+    let owner = Arc::new(Owner {
+        storage: Storage::Device(buf),
+        gpu: Some(gpu.clone()),
+    });
+    Array::bytes(owner, base, nbytes, cuda(gpu.info().ordinal), None)
 }
 
 fn strategy(name: &str) -> PyResult<gpufeed::Strategy> {
@@ -369,62 +386,6 @@ impl Loader {
         self.load_range_array(py, path, start, Some(end))
     }
 
-    /// A safetensors file, or a sharded checkpoint given by its `*.index.json`: a dict of
-    /// arrays, each a view into its file's one device buffer.
-    fn load_safetensors<'py>(
-        &self,
-        py: Python<'py>,
-        path: PathBuf,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        // Every dtype is checked before a byte moves.
-        let layout = py
-            .detach(|| gpufeed::safetensors::inspect(&path))
-            .map_err(py_err)?;
-        for file in &layout {
-            for (name, dtype, _, _) in &file.tensors {
-                dlpack_dtype(*dtype).map_err(|why| {
-                    GpufeedError::new_err(format!("{}: tensor {name}: {why}", file.path.display()))
-                })?;
-            }
-        }
-        let inner = Arc::clone(&self.inner);
-        let ckpt = py
-            .detach(move || gpufeed::safetensors::load_with(&inner, &path))
-            .map_err(py_err)?;
-        let gpu = ckpt.gpu().clone();
-        let bases: Vec<usize> = (0..ckpt.files().len())
-            .map(|i| ckpt.buffer(i).map_or(0, |b| device_address(&gpu, b)))
-            .collect();
-        let names: Vec<String> = ckpt.names().map(str::to_owned).collect();
-        let device = cuda(gpu.info().ordinal);
-        let owner = Arc::new(Owner {
-            storage: Storage::Checkpoint(ckpt),
-            gpu: Some(gpu),
-        });
-        let Storage::Checkpoint(ckpt) = &owner.storage else {
-            unreachable!("made just above")
-        };
-        let out = PyDict::new(py);
-        for name in names {
-            let Some(info) = ckpt.info(&name) else {
-                continue;
-            };
-            let (dtype, dtype_name) = dlpack_dtype(info.dtype).map_err(GpufeedError::new_err)?;
-            let array = Array {
-                owner: Arc::clone(&owner),
-                base: bases[info.file],
-                byte_offset: info.range.start as u64,
-                nbytes: info.range.len(),
-                dtype,
-                dtype_name,
-                shape: info.shape.iter().map(|&d| d as i64).collect(),
-                device,
-            };
-            out.set_item(name, Py::new(py, array)?)?;
-        }
-        Ok(out)
-    }
-
     /// A safetensors file or index as one `U8` array per file with its tensors' `(name,
     /// dtype, shape, start, end)` sorted by `start` (byte offsets in that array): what the
     /// Python layer turns into torch tensors with one `torch.from_dlpack` per file.
@@ -477,17 +438,10 @@ impl Loader {
             .zip(entries)
             .map(|((base, nbytes), mut tensors)| {
                 tensors.sort_by_key(|t| (t.3, t.4));
-                let array = Array {
-                    owner: Arc::clone(&owner),
-                    base,
-                    byte_offset: 0,
-                    nbytes,
-                    dtype: DLDataType::U8,
-                    dtype_name: "U8",
-                    shape: vec![nbytes as i64],
-                    device,
-                };
-                (array, tensors)
+                (
+                    Array::bytes(Arc::clone(&owner), base, nbytes, device, None),
+                    tensors,
+                )
             })
             .collect())
     }
@@ -577,23 +531,6 @@ fn load_safetensors_files(
         inner: shared_loader(py, device)?,
     }
     .load_safetensors_files(py, path)
-}
-
-/// `gpufeed.load_safetensors` with this device's shared loader. The headers are checked
-/// before the GPU is opened, so a bad file is named even on a machine without one.
-#[pyfunction]
-#[pyo3(signature = (path, device=0))]
-fn load_safetensors<'py>(
-    py: Python<'py>,
-    path: PathBuf,
-    device: usize,
-) -> PyResult<Bound<'py, PyDict>> {
-    py.detach(|| gpufeed::safetensors::inspect(&path))
-        .map_err(py_err)?;
-    Loader {
-        inner: shared_loader(py, device)?,
-    }
-    .load_safetensors(py, path)
 }
 
 /// A JSON text as Python objects.
@@ -851,16 +788,7 @@ impl EpochIter {
         } else {
             vec![nbytes as i64]
         };
-        let data = Array {
-            owner: Arc::new(owner),
-            base,
-            byte_offset: 0,
-            nbytes,
-            dtype: DLDataType::U8,
-            dtype_name: "U8",
-            shape,
-            device,
-        };
+        let data = Array::bytes(Arc::new(owner), base, nbytes, device, Some(shape));
         Ok(Batch {
             data: Py::new(py, data)?,
             indices: b.indices,
@@ -886,7 +814,6 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EpochIter>()?;
     m.add_function(wrap_pyfunction!(load_file, m)?)?;
     m.add_function(wrap_pyfunction!(load_range, m)?)?;
-    m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors_files, m)?)?;
     m.add_function(wrap_pyfunction!(doctor, m)?)?;
     m.add_function(wrap_pyfunction!(advise, m)?)?;
