@@ -299,26 +299,19 @@ fn advise(
     measure: bool,
     json: bool,
 ) -> Result<ExitCode> {
-    let (size_bytes, resident) = match (size, path) {
-        (Some(s), _) => (s, None),
-        (None, Some(p)) => match cache::residency(p) {
-            Ok(r) => (r.file_bytes, Some(r.fraction())),
-            // Advice without the cache's state rather than advice from a wrong figure.
-            Err(gpufeed::os::Error::ResidencyUnknown { .. }) => {
-                (gpufeed::os::file::stat_regular(p)?.size, None)
-            }
-            // gpufeed-os errors name the file.
-            Err(e) => return Err(e.into()),
+    let processes = usize::try_from(processes).unwrap_or(usize::MAX);
+    let workload = match (size, path) {
+        (Some(size_bytes), _) => gpufeed::advise::Workload {
+            persistent,
+            processes,
+            size_bytes,
+            resident: None,
         },
+        (None, Some(p)) => gpufeed::advise::Workload::of_file(p, persistent, processes)?,
         // clap's group requires one of them.
         (None, None) => bail!("say how large the data is: --size 4GiB or --path FILE"),
     };
-    let workload = gpufeed::advise::Workload {
-        persistent,
-        processes: usize::try_from(processes).unwrap_or(usize::MAX),
-        size_bytes,
-        resident,
-    };
+    let size_bytes = workload.size_bytes;
     let rec = gpufeed::advise::advise(&workload);
     let trials = match (measure, path) {
         (true, Some(p)) => {

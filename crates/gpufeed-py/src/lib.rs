@@ -561,26 +561,19 @@ fn advise(
     measure: bool,
 ) -> PyResult<Bound<'_, PyAny>> {
     let result = py.detach(|| -> gpufeed::Result<serde_json::Value> {
-        let (size_bytes, resident) = match (size, &path) {
-            (Some(s), _) => (s, None),
-            (None, Some(p)) => match gpufeed::os::cache::residency(p) {
-                Ok(r) => (r.file_bytes, Some(r.fraction())),
-                Err(gpufeed::os::Error::ResidencyUnknown { .. }) => {
-                    (gpufeed::os::file::stat_regular(p)?.size, None)
-                }
-                Err(e) => return Err(e.into()),
+        let workload = match (size, &path) {
+            (Some(size_bytes), _) => gpufeed::advise::Workload {
+                persistent,
+                processes: processes.max(1),
+                size_bytes,
+                resident: None,
             },
+            (None, Some(p)) => gpufeed::advise::Workload::of_file(p, persistent, processes)?,
             (None, None) => {
                 return Err(gpufeed::Error::InvalidSetting(
                     "say how large the data is: size=4 << 30 or path=FILE".into(),
                 ));
             }
-        };
-        let workload = gpufeed::advise::Workload {
-            persistent,
-            processes: processes.max(1),
-            size_bytes,
-            resident,
         };
         let rec = gpufeed::advise::advise(&workload);
         let trials = match (measure, &path) {

@@ -51,6 +51,30 @@ const OPTIONS: [&str; 4] = [
     "shared memory + synchronization",
 ];
 
+impl Workload {
+    /// The workload of the file `path`: its size and the share of it in the page cache now
+    /// (`None` where the kernel does not show this user the cache: advice without the cache's
+    /// state rather than advice from a wrong figure).
+    ///
+    /// # Errors
+    /// The file's (missing, not a regular file, unreadable).
+    pub fn of_file(path: &Path, persistent: bool, processes: usize) -> crate::Result<Self> {
+        let (size_bytes, resident) = match gpufeed_os::cache::residency(path) {
+            Ok(r) => (r.file_bytes, Some(r.fraction())),
+            Err(gpufeed_os::Error::ResidencyUnknown { .. }) => {
+                (gpufeed_os::file::stat_regular(path)?.size, None)
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(Workload {
+            persistent,
+            processes: processes.max(1),
+            size_bytes,
+            resident,
+        })
+    }
+}
+
 /// The selection tree of the source material, with its reasons.
 pub fn advise(w: &Workload) -> Recommendation {
     let ram = gpufeed_os::SystemInfo::read().mem_total.unwrap_or(0);
