@@ -25,6 +25,13 @@ def _has_gpu():
 HAS_GPU = _has_gpu()
 
 
+@pytest.fixture(autouse=True)
+def _no_rank_from_the_caller(monkeypatch):
+    """BatchLoader shards by RANK / WORLD_SIZE: no test inherits the caller's."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
 def records_file(tmp_path, count, size, seed=7):
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
@@ -63,9 +70,7 @@ def test_bad_files_are_named_before_the_gpu(tmp_path):
         gpufeed.load_safetensors(index)
 
 
-def test_host_batches_reach_numpy_byte_for_byte(tmp_path, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+def test_host_batches_reach_numpy_byte_for_byte(tmp_path):
     count, size = 1000, 4099  # an odd record size: nothing aligned by accident
     path, data = records_file(tmp_path, count, size)
     loader = gpufeed.BatchLoader(path, record_bytes=size, batch_size=64, seed=3, workers=2)
@@ -87,9 +92,7 @@ def test_host_batches_reach_numpy_byte_for_byte(tmp_path, monkeypatch):
     assert sorted(other) == sorted(seen) and other != seen
 
 
-def test_an_array_outlives_its_loader_and_its_epoch(tmp_path, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+def test_an_array_outlives_its_loader_and_its_epoch(tmp_path):
     path, data = records_file(tmp_path, 100, 512, seed=11)
     loader = gpufeed.BatchLoader(path, record_bytes=512, batch_size=10, shuffle=False)
     it = loader.epoch(0)
