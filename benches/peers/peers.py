@@ -6,6 +6,8 @@ Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> lis
        peers.py --one-shot SAFETENSORS   -> (internal) one fresh-process load, timed.
        peers.py --one-shot-gpufeed SAFETENSORS -> (internal) the same with gpufeed's Python
        package.
+       peers.py --python-checkpoints FEW MANY REPS -> table 10: the Python package against
+       safetensors.torch on a checkpoint of 16 tensors and the same bytes in 10,000 tensors.
        peers.py --image-folder ROOT REPS -> PyTorch's DataLoader over an image folder (raw file
        bytes, batches of 256 shuffled, num_workers=8, pin_memory=True, each batch to the GPU):
        {name: list of GB/s per epoch}.
@@ -92,9 +94,10 @@ def image_folder(root, reps):
     print(json.dumps(out))
 
 
-def fresh_runs(mode, st_path, reps, results, name):
+def fresh_runs(mode, st_path, reps, results, key):
     """`reps` fresh processes (`peers.py MODE st_path`) each timing its context and load:
-    records "NAME, fresh process: context + load" and returns the GB/s after the context."""
+    records the GB/s of context + load under `results[key]` and returns those after the
+    context."""
     import subprocess
 
     runs = []
@@ -104,7 +107,7 @@ def fresh_runs(mode, st_path, reps, results, name):
             check=True, capture_output=True, text=True,
         )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    results[f"{name}, fresh process: context + load"] = [
+    results[key] = [
         r["bytes"] / (r["context_s"] + r["load_s"]) / 1e9 for r in runs
     ]
     return [r["bytes"] / r["load_s"] / 1e9 for r in runs]
@@ -136,21 +139,81 @@ def gpufeed_python(path, st_path, reps, results, peer, sync):
 
     name = "gpufeed (Python) load_safetensors"
     peer(f"{name}, fresh process: load after the context",
-         lambda: fresh_runs("--one-shot-gpufeed", st_path, reps, results, name))
+         lambda: fresh_runs("--one-shot-gpufeed", st_path, reps, results,
+                            f"{name}, fresh process: context + load"))
+
+
+
+def python_checkpoints(few, many, reps):
+    """Table 10 (`--only python`): gpufeed's Python package against `safetensors.torch` on one
+    warm checkpoint (`few`: 16 tensors) and the same bytes in 10,000 tensors (`many`), reused
+    and in fresh processes, plus the per-tensor cost on 10,000 tensors of 16 KiB. Each entry a
+    list of GB/s (seconds for the `seconds,` ones) or an error."""
+    import tempfile
+
+    import torch
+
+    results = {}
+
+    def part(name, make):
+        try:
+            results[name] = make()
+        except Exception as e:  # one part that cannot run says why, the others go on
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+
+    def sync():
+        torch.cuda.synchronize()
+
+    def st_load(p):
+        from safetensors.torch import load_file
+
+        t = load_file(p, device="cuda:0")
+        sync()
+        del t
+
+    import gpufeed
+
+    loader = gpufeed.Loader(0)
+
+    def gf_load(p):
+        t = loader.load_safetensors(p)
+        sync()
+        del t
+
+    def reused(load, p):
+        load(p)  # warm-up: the loader's staging and device pool, torch's caching allocator
+        return timed(lambda: load(p), os.path.getsize(p), reps)
+
+    part("gpufeed reused", lambda: reused(gf_load, few))
+    part("gpufeed reused, 10000 tensors", lambda: reused(gf_load, many))
+    part("safetensors reused", lambda: reused(st_load, few))
+    for mode, name in (("--one-shot-gpufeed", "gpufeed"), ("--one-shot", "safetensors")):
+        part(f"{name} fresh", lambda m=mode, n=name: fresh_runs(m, few, reps, results,
+                                                               f"{n} fresh with context"))
 
     def per_tensor():
         from safetensors.torch import save_file
 
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(st_path))) as d:
-            many = os.path.join(d, "many.safetensors")
-            few = os.path.join(d, "few.safetensors")
-            save_file({f"t{i}": torch.zeros(4096, dtype=torch.float32) for i in range(10_000)}, many)
-            save_file({f"t{i}": torch.zeros(4096 * 1000, dtype=torch.float32) for i in range(10)}, few)
-            results["gpufeed (Python) 10 tensors of 16000 KiB (reused Loader)"] = reused(
-                "load_safetensors", few)
-            return reused("load_safetensors", many)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(few))) as d:
+            small = os.path.join(d, "small.safetensors")
+            large = os.path.join(d, "large.safetensors")
+            save_file({f"t{i}": torch.zeros(4096, dtype=torch.float32) for i in range(10_000)},
+                      small)
+            save_file({f"t{i}": torch.zeros(4096 * 1000, dtype=torch.float32)
+                       for i in range(10)}, large)
+            out = {}
+            for key, p in (("seconds, 10 tensors of 16000 KiB", large),
+                           ("seconds, 10000 tensors of 16 KiB", small)):
+                gf_load(p)
+                out[key] = [os.path.getsize(p) / g / 1e9 for g in timed(
+                    lambda p=p: gf_load(p), os.path.getsize(p), max(reps, 9))]
+            return out
 
-    peer("gpufeed (Python) 10000 tensors of 16 KiB (reused Loader)", per_tensor)
+    try:
+        results.update(per_tensor())
+    except Exception as e:
+        results["seconds, 10000 tensors of 16 KiB"] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))
 
 
 def main():
@@ -161,6 +224,9 @@ def main():
         import gpufeed
 
         one_shot(sys.argv[2], lambda p, device: gpufeed.load_safetensors(p, device=0))
+        return
+    if sys.argv[1] == "--python-checkpoints":
+        python_checkpoints(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return
     if sys.argv[1] == "--image-folder":
         image_folder(sys.argv[2], int(sys.argv[3]))
@@ -239,7 +305,8 @@ def main():
 
     name = "safetensors load_file(device=cuda)"
     peer(f"{name}, fresh process: load after the context",
-         lambda: fresh_runs("--one-shot", st_path, reps, results, name))
+         lambda: fresh_runs("--one-shot", st_path, reps, results,
+                            f"{name}, fresh process: context + load"))
 
     try:
         gpufeed_python(path, st_path, reps, results, peer, sync)

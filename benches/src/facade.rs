@@ -38,14 +38,15 @@ pub struct FacadeBench {
     pub batch_loader_gbps: Samples,
 }
 
-/// Writes a safetensors file of about `bytes` (16 F16 tensors of random bytes).
-fn ensure_safetensors(path: &Path, bytes: u64) -> Result<u64> {
+/// Writes a safetensors file of about `bytes` in `tensors` F16 tensors of random bytes (unless
+/// it exists); its length.
+pub fn ensure_safetensors(path: &Path, bytes: u64, tensors: usize) -> Result<u64> {
     if let Ok(m) = path.metadata() {
         return Ok(m.len());
     }
-    let per = (bytes / 16) as usize / 2 * 2;
+    let per = (bytes / tensors as u64) as usize / 2 * 2;
     let mut rng = SplitMix(0x5AFE);
-    let data: Vec<Vec<u8>> = (0..16)
+    let data: Vec<Vec<u8>> = (0..tensors)
         .map(|_| {
             let mut v = vec![0u8; per];
             rng.fill(&mut v);
@@ -63,6 +64,10 @@ fn ensure_safetensors(path: &Path, bytes: u64) -> Result<u64> {
         })
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, None, path).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    // On the disk before anything is timed: writeback must not run beside the measurements.
+    std::fs::File::open(path)?
+        .sync_all()
+        .context("fsync the checkpoint")?;
     Ok(path.metadata()?.len())
 }
 
@@ -115,7 +120,7 @@ pub fn measure(
         "one-shot: fresh processes open the GPU and load the file, then the checkpoint, twice",
     );
     let st_path = dir.join(format!("model-{len}.safetensors"));
-    let st_bytes = ensure_safetensors(&st_path, len)?;
+    let st_bytes = ensure_safetensors(&st_path, len, 16)?;
     cache::warm(file)?;
     cache::warm(&st_path)?;
     let one_shot_file = crate::oneshot::measure(file, false, reps)?;

@@ -13,6 +13,7 @@ mod ipc;
 mod limits;
 mod loader;
 mod oneshot;
+mod python;
 mod reads;
 mod report;
 mod save;
@@ -64,6 +65,11 @@ struct Cli {
     #[arg(long, default_value = "16GiB", value_parser = parse_size)]
     curve_max: u64,
 
+    /// The checkpoint of table 10, the Python package against safetensors.torch (GPU machine
+    /// only; written twice: in 16 tensors and in 10,000).
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    checkpoint: u64,
+
     /// Files in the small-files folder of table 9 (60-160 KiB each; GPU machine only).
     #[arg(long, default_value_t = 10_000)]
     small_files: usize,
@@ -78,7 +84,8 @@ struct Cli {
     quick: bool,
 
     /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
-    /// (tables 4, 6 and 8), small (table 9). Limits are measured whenever a host table is,
+    /// (tables 4, 6 and 8), small (table 9), python (table 10, which also runs with
+    /// `--peers`). Limits are measured whenever a host table is,
     /// since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
@@ -107,6 +114,7 @@ enum Part {
     Loader,
     Gpu,
     Small,
+    Python,
 }
 
 #[derive(Subcommand)]
@@ -178,6 +186,7 @@ fn main() -> Result<()> {
         cli.gpu_file = 256 << 20;
         cli.curve_max = 256 << 20;
         cli.small_files = 1000;
+        cli.checkpoint = 256 << 20;
     }
     let wanted = |p: Part| cli.only.is_empty() || cli.only.contains(&p);
     let host_part = |p: Part| !cli.gpu_only && wanted(p);
@@ -302,8 +311,16 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    // Table 10 needs the Python peers: asked for by name, or with --peers.
+    let python = if cli.only.contains(&Part::Python) || (cli.only.is_empty() && cli.peers) {
+        python::measure(&cli.dir, cli.checkpoint, cli.reps, |what| {
+            progress.line(&format!("      {what}"))
+        })?
+    } else {
+        None
+    };
     ensure!(
-        !cli.gpu || gpu.is_some() || small.is_some(),
+        !cli.gpu || gpu.is_some() || small.is_some() || python.is_some(),
         "--gpu: no GPU is usable here (see `gpufeed doctor`)"
     );
 
@@ -321,6 +338,7 @@ fn main() -> Result<()> {
         batch_loader,
         gpu,
         small,
+        python,
     };
     progress.finish();
     let json = serde_json::to_string_pretty(&report)?;

@@ -75,6 +75,8 @@ pub struct Report {
     pub gpu: Option<GpuBench>,
     /// Table 9: small loads.
     pub small: Option<crate::small::SmallBench>,
+    /// Table 10: the Python package's checkpoint loads.
+    pub python: Option<crate::python::PythonBench>,
 }
 
 impl Report {
@@ -125,7 +127,7 @@ impl Report {
         }
         // The GPU tables (4, 6, 8, 9) need the GPU machine; the host tables (1-3, 5, 7) run
         // everywhere. Printed in their numbers' order.
-        let gpu_ran = self.gpu.is_some() || self.small.is_some();
+        let gpu_ran = self.gpu.is_some() || self.small.is_some() || self.python.is_some();
         match &self.gpu {
             Some(g) => gpu_table(&mut s, g),
             None if !gpu_ran => {
@@ -161,6 +163,9 @@ impl Report {
         }
         if let Some(v) = &self.small {
             small_table(&mut s, v);
+        }
+        if let Some(v) = &self.python {
+            python_table(&mut s, v);
         }
         s
     }
@@ -760,6 +765,97 @@ fn save_table(s: &mut String, v: &crate::save::SaveBench) {
         },
         v.checkpoint_saved.display()
     );
+}
+
+fn python_table(s: &mut String, v: &crate::python::PythonBench) {
+    let _ = writeln!(
+        s,
+        "\n## Table 10 — the Python package: a {} safetensors checkpoint into a dict of torch \
+         tensors (warm)\n\n\
+         Time from the call until every tensor is on `cuda:0`, synchronized. *Fresh process*: a \
+         new Python process that has imported torch and created the CUDA context (timed apart), \
+         then loads once. The 10,000-tensor checkpoint holds the same bytes as the 16-tensor \
+         one.\n\n| load | GB/s | against |\n|---|---|---|",
+        show_size(v.checkpoint_bytes)
+    );
+    let gbps = |x: &Option<crate::util::Samples>| {
+        x.as_ref().map_or("did not run".to_owned(), |x| x.show(1))
+    };
+    let times =
+        |a: &Option<crate::util::Samples>, b: &Option<crate::util::Samples>, what: &str| match (
+            a, b,
+        ) {
+            (Some(a), Some(b)) => format!("{:.1}x {what}", a.median / b.median),
+            _ => "-".to_owned(),
+        };
+    let st = "safetensors.torch";
+    let rows = [
+        (
+            "gpufeed `Loader.load_safetensors`, reused loader, 16 tensors",
+            &v.gpufeed_reused_gbps,
+            times(&v.gpufeed_reused_gbps, &v.safetensors_reused_gbps, st),
+        ),
+        (
+            "the same, the same bytes in 10,000 tensors",
+            &v.gpufeed_many_gbps,
+            match (&v.gpufeed_reused_gbps, &v.gpufeed_many_gbps) {
+                (Some(few), Some(many)) => format!(
+                    "takes {:.2}x the 16 tensors' time",
+                    few.median / many.median
+                ),
+                _ => "-".to_owned(),
+            },
+        ),
+        (
+            "`safetensors.torch.load_file(device=\"cuda\")`, same process",
+            &v.safetensors_reused_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, after the context: gpufeed `load_safetensors`",
+            &v.gpufeed_fresh_gbps,
+            times(&v.gpufeed_fresh_gbps, &v.safetensors_fresh_gbps, st),
+        ),
+        (
+            "fresh process, after the context: `safetensors.torch.load_file`",
+            &v.safetensors_fresh_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, context + load: gpufeed",
+            &v.gpufeed_fresh_with_context_gbps,
+            times(
+                &v.gpufeed_fresh_with_context_gbps,
+                &v.safetensors_fresh_with_context_gbps,
+                st,
+            ),
+        ),
+        (
+            "fresh process, context + load: safetensors.torch",
+            &v.safetensors_fresh_with_context_gbps,
+            String::new(),
+        ),
+    ];
+    for (what, x, against) in rows {
+        let _ = writeln!(s, "| {what} | {} | {against} |", gbps(x));
+    }
+    if let (Some(us), Some(few), Some(many)) = (
+        v.per_tensor_us(),
+        &v.few_large_seconds,
+        &v.many_small_seconds,
+    ) {
+        let _ = writeln!(
+            s,
+            "\nPer tensor: 10,000 tensors of 16 KiB load in {:.1} ms, the same bytes in 10 \
+             tensors in {:.1} ms: {us:.2} us per tensor (medians of {}).",
+            many.median * 1e3,
+            few.median * 1e3,
+            many.all.len()
+        );
+    }
+    for (what, why) in &v.errors {
+        let _ = writeln!(s, "\n{what}: did not run: {why}");
+    }
 }
 
 fn small_table(s: &mut String, v: &crate::small::SmallBench) {

@@ -37,6 +37,7 @@ use gpufeed::dataset::{BatchData, Order, RecordFile, Sampler};
 use gpufeed::safetensors::Dtype;
 use pyo3::exceptions::{PyException, PyStopIteration};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 pyo3::create_exception!(
     _gpufeed,
@@ -280,6 +281,31 @@ fn cuda(ordinal: usize) -> DLDevice {
     }
 }
 
+/// One file's tensors as the Python layer takes them (see `Loader.load_safetensors_files`).
+type FileTensors = (Array, Vec<DtypeGroup>, Vec<OddTensor>);
+/// `(dtype, element size, names, shapes, strides, element offsets)` of one dtype's tensors;
+/// shapes and strides are tuples (a tuple of ints is untracked by Python's garbage collector,
+/// a list is not).
+type DtypeGroup = (
+    &'static str,
+    usize,
+    Vec<String>,
+    Vec<Py<PyTuple>>,
+    Vec<Py<PyTuple>>,
+    Vec<usize>,
+);
+/// `(name, dtype, shape, start, end)` of a tensor at an offset its element size does not divide.
+type OddTensor = (String, &'static str, Vec<usize>, usize, usize);
+
+/// Row-major strides, in elements, of a tensor of `shape`.
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
+    for i in (1..shape.len()).rev() {
+        strides[i - 1] = strides[i].saturating_mul(shape[i].max(1));
+    }
+    strides
+}
+
 /// The device address of `buf` (cudarc's guard, which orders later work on the stream, is
 /// dropped at once: the buffer's copies are complete).
 fn device_address(gpu: &gpufeed::Gpu, buf: &gpufeed::DeviceBuffer) -> usize {
@@ -386,15 +412,13 @@ impl Loader {
         self.load_range_array(py, path, start, Some(end))
     }
 
-    /// A safetensors file or index as one `U8` array per file with its tensors' `(name,
-    /// dtype, shape, start, end)` sorted by `start` (byte offsets in that array): what the
-    /// Python layer turns into torch tensors with one `torch.from_dlpack` per file.
-    #[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
-    fn load_safetensors_files(
-        &self,
-        py: Python<'_>,
-        path: PathBuf,
-    ) -> PyResult<Vec<(Array, Vec<(String, &'static str, Vec<usize>, usize, usize)>)>> {
+    /// A safetensors file or index as one `U8` array per file with its tensors, what the Python
+    /// layer turns into torch tensors with one `torch.from_dlpack` per file and one
+    /// `as_strided` per tensor: per file `(array, groups, odd)`, where each group holds the
+    /// tensors of one dtype at offsets its element size divides, as `(dtype, element size,
+    /// names, shapes, strides, element offsets)`, and `odd` the others as `(name, dtype, shape,
+    /// start, end)` in bytes.
+    fn load_safetensors_files(&self, py: Python<'_>, path: PathBuf) -> PyResult<Vec<FileTensors>> {
         // The headers are read once, by the load (a second parse costs ~1 us per tensor); a
         // dtype torch cannot take is refused after it, before any tensor is handed out.
         let inner = Arc::clone(&self.inner);
@@ -409,8 +433,8 @@ impl Loader {
                     .map_or((0, 0), |b| (device_address(&gpu, b), b.len()))
             })
             .collect();
-        let mut entries: Vec<Vec<(String, &'static str, Vec<usize>, usize, usize)>> =
-            vec![Vec::new(); files.len()];
+        let mut groups: Vec<Vec<DtypeGroup>> = files.iter().map(|_| Vec::new()).collect();
+        let mut odd: Vec<Vec<OddTensor>> = vec![Vec::new(); files.len()];
         for name in ckpt.names() {
             let Some(info) = ckpt.info(name) else {
                 continue;
@@ -421,13 +445,31 @@ impl Loader {
                     ckpt.files()[info.file].display()
                 ))
             })?;
-            entries[info.file].push((
-                name.to_owned(),
-                dtype_name,
-                info.shape.clone(),
-                info.range.start,
-                info.range.end,
-            ));
+            // Every dtype `dlpack_dtype` takes is whole bytes wide.
+            let size = (info.dtype.bitsize() / 8).max(1);
+            if info.range.start % size != 0 {
+                odd[info.file].push((
+                    name.to_owned(),
+                    dtype_name,
+                    info.shape.clone(),
+                    info.range.start,
+                    info.range.end,
+                ));
+                continue;
+            }
+            let file = &mut groups[info.file];
+            let at = match file.iter().position(|g| g.0 == dtype_name) {
+                Some(at) => at,
+                None => {
+                    file.push((dtype_name, size, vec![], vec![], vec![], vec![]));
+                    file.len() - 1
+                }
+            };
+            let g = &mut file[at];
+            g.2.push(name.to_owned());
+            g.3.push(PyTuple::new(py, &info.shape)?.unbind());
+            g.4.push(PyTuple::new(py, contiguous_strides(&info.shape))?.unbind());
+            g.5.push(info.range.start / size);
         }
         let owner = Arc::new(Owner {
             storage: Storage::Checkpoint(ckpt),
@@ -435,12 +477,12 @@ impl Loader {
         });
         Ok(files
             .into_iter()
-            .zip(entries)
-            .map(|((base, nbytes), mut tensors)| {
-                tensors.sort_by_key(|t| (t.3, t.4));
+            .zip(groups.into_iter().zip(odd))
+            .map(|((base, nbytes), (groups, odd))| {
                 (
                     Array::bytes(Arc::clone(&owner), base, nbytes, device, None),
-                    tensors,
+                    groups,
+                    odd,
                 )
             })
             .collect())
@@ -521,7 +563,7 @@ fn load_safetensors_files(
     py: Python<'_>,
     path: PathBuf,
     device: usize,
-) -> PyResult<Vec<(Array, Vec<(String, &'static str, Vec<usize>, usize, usize)>)>> {
+) -> PyResult<Vec<FileTensors>> {
     if !has_shared_loader(device) {
         // Before the GPU is opened: a bad file is named even on a machine without one.
         py.detach(|| gpufeed::safetensors::inspect(&path))

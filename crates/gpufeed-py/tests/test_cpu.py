@@ -149,3 +149,22 @@ def test_a_view_of_an_array_shares_its_bytes_and_checks_its_shape(tmp_path):
         batch.data.view_of(4000, 5000, "U8", [1000])
     with pytest.raises(gpufeed.GpufeedError, match="no DLPack type"):
         batch.data.view_of(0, 4, "F4", [8])
+
+
+def test_the_collector_is_paused_only_inside():
+    """A checkpoint's tensors are made with the cyclic collector off; it is on again after, even
+    when the load fails, and stays off where the caller had turned it off."""
+    import gc
+
+    with pytest.raises(gpufeed.GpufeedError):
+        with gpufeed._collector_paused():
+            assert not gc.isenabled()
+            raise gpufeed.GpufeedError("a failed load")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gpufeed._collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

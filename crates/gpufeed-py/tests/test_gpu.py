@@ -104,6 +104,49 @@ def test_checkpoints_equal_safetensors_bit_for_bit():
                 assert same_bits(torch, t, want[name]), (path, name, t.dtype, t.shape)
 
 
+def test_arrays_without_torch_hold_the_same_tensors():
+    """The path taken where torch is not installed: ``Array`` views, one per tensor."""
+    torch = torch_on_gpu()
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        _, index = checkpoint(torch, d)
+        want = load_file(os.path.join(d, "model.safetensors"), device="cuda:0")
+        got = gpufeed._arrays(gpufeed.Loader(0)._native.load_safetensors_files(index))
+        assert sorted(got) == sorted(want)
+        for name, array in got.items():
+            assert same_bits(torch, torch.from_dlpack(array), want[name]), name
+
+
+def test_a_dtype_this_torch_lacks_is_a_clear_error():
+    torch = torch_on_gpu()
+    try:
+        gpufeed._torch_dtype(torch, {}, "F8_E4M3")
+    except gpufeed.GpufeedError as e:
+        assert "F8_E4M3" in str(e) and "gpufeed.load_file" in str(e), e
+    else:
+        raise AssertionError("no error for a dtype missing from the table")
+
+
+def test_many_small_tensors_of_mixed_dtypes():
+    """10,000 tensors whose dtypes alternate: every one a view at its own offset."""
+    torch = torch_on_gpu()
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(29)
+    kinds = [torch.float16, torch.float32, torch.int8, torch.int64, torch.bfloat16]
+    tensors = {f"t{i:05}": random_tensor(torch, kinds[i % len(kinds)], (i % 7, 3), gen)
+               for i in range(10_000)}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "many.safetensors")
+        save_file(tensors, path)
+        got = gpufeed.load_safetensors(path)
+        want = load_file(path, device="cuda:0")
+        assert sorted(got) == sorted(want)
+        for name, t in got.items():
+            assert same_bits(torch, t, want[name]), name
+
+
 def test_a_tensor_at_an_unaligned_offset():
     """safetensors writers align tensors, but the format does not require it: an F32 tensor at
     byte 3 still arrives (exported alone through DLPack)."""
@@ -216,6 +259,15 @@ def test_a_device_other_than_torchs_current_one():
         assert t.device == torch.device("cuda:1")
         assert torch.equal(t.cpu(), torch.frombuffer(bytearray(open(path, "rb").read()),
                                                       dtype=torch.uint8))
+        from safetensors.torch import load_file
+
+        single, _ = checkpoint(torch, d)
+        want = load_file(single, device="cuda:1")
+        got = gpufeed.Loader(1).load_safetensors(single)
+        assert torch.cuda.current_device() == 0
+        for name, t in got.items():
+            assert t.device == torch.device("cuda:1"), (name, t.device)
+            assert same_bits(torch, t, want[name]), name
 
 
 if __name__ == "__main__":
