@@ -33,7 +33,7 @@ use dlpark::metadata::Dynamic;
 use dlpark::python::{DlpackExporter, ExportRequest, export_dlpack};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use gpufeed::cuda::cudarc::driver::DevicePtr;
-use gpufeed::dataset::{BatchData, Order, RecordFile, Sampler};
+use gpufeed::dataset::{BatchData, Dataset, ImageFolder, Order, RecordFile, Sampler};
 use gpufeed::safetensors::Dtype;
 use pyo3::exceptions::{PyException, PyStopIteration};
 use pyo3::prelude::*;
@@ -651,40 +651,101 @@ pub struct Batch {
     number: usize,
 }
 
-/// Batches of a record file, shuffled with a seed and sharded by `RANK`/`WORLD_SIZE`, on GPU
-/// `device` (or host batches with `device=None`). Iterate `loader.epoch(n)`.
+/// The data set `BatchLoader` reads: an image folder (`path` a directory), a record file with
+/// an offsets `index`, or fixed-size records.
+fn open_dataset(
+    path: &std::path::Path,
+    record_bytes: Option<usize>,
+    index: Option<&std::path::Path>,
+    skip_bad: bool,
+) -> gpufeed::Result<Dataset> {
+    if path.is_dir() {
+        if record_bytes.is_some() || index.is_some() {
+            return Err(gpufeed::Error::InvalidSetting(format!(
+                "{} is a folder, read as an image folder: record_bytes and index are for \
+                 record files",
+                path.display()
+            )));
+        }
+        let folder = if skip_bad {
+            ImageFolder::open_skipping(path)?
+        } else {
+            ImageFolder::open(path)?
+        };
+        return Ok(Dataset::Folder(folder));
+    }
+    #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
+    // SAFETY: the class's documentation passes the promise on to the caller: the record file
+    // is not truncated or rewritten while the loader maps it.
+    let records = match (record_bytes, index) {
+        (None, Some(index)) => unsafe { RecordFile::open_indexed(path, index)? },
+        (Some(n), None) => unsafe { RecordFile::open_fixed(path, n)? },
+        (Some(_), Some(_)) => {
+            return Err(gpufeed::Error::InvalidSetting(
+                "give record_bytes (fixed-size records) or index (variable ones), not both".into(),
+            ));
+        }
+        (None, None) => {
+            return Err(gpufeed::Error::InvalidSetting(format!(
+                "{} is a record file: say how its records are cut, record_bytes=N or \
+                 index=OFFSETS_FILE",
+                path.display()
+            )));
+        }
+    };
+    Ok(Dataset::Records(records))
+}
+
+/// Batches of a data set, shuffled with a seed and sharded by `RANK`/`WORLD_SIZE`, on GPU
+/// `device` (or host batches with `device=None`). Iterate `loader.epoch(n)`. The data set is
+/// a record file of fixed-size records (`record_bytes=N`: batches `[records, N]`), a record
+/// file with an offsets index (`index=PATH`: little-endian u64 starts, then the last end;
+/// batches of bytes with `offsets`), or a folder of class folders, PyTorch `ImageFolder`'s
+/// layout (`path` a directory: each file's raw bytes, `offsets` and `labels`; `classes` names
+/// them; `skip_bad=True` leaves out unreadable entries instead of failing, counted in
+/// `skipped`).
 ///
-/// The file must not be truncated or rewritten while the loader reads it (it is mapped).
+/// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct BatchLoader {
     /// The loader, while no epoch runs; an epoch's thread holds it and puts it back.
     slot: Arc<Mutex<Option<gpufeed::dataset::BatchLoader>>>,
     gpu: Option<gpufeed::Gpu>,
+    /// Bytes of each record for fixed-size records (batches are 2-D), 0 otherwise.
     record_bytes: usize,
     batches: usize,
+    /// An image folder's class names, in label order; empty for record files.
+    #[pyo3(get)]
+    classes: Vec<String>,
+    /// Entries an image folder left out (`skip_bad=True`).
+    #[pyo3(get)]
+    skipped: usize,
 }
 
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
         path: PathBuf,
-        record_bytes: usize,
+        record_bytes: Option<usize>,
         batch_size: usize,
         shuffle: bool,
         seed: u64,
         device: Option<usize>,
         workers: Option<usize>,
         drop_last: bool,
+        index: Option<PathBuf>,
+        skip_bad: bool,
     ) -> PyResult<Self> {
         let made = py.detach(|| -> gpufeed::Result<_> {
-            #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
-            // SAFETY: the class's documentation passes the promise on to the caller: the
-            // record file is not truncated or rewritten while the loader maps it.
-            let records = unsafe { RecordFile::open_fixed(&path, record_bytes)? };
+            let records = open_dataset(&path, record_bytes, index.as_deref(), skip_bad)?;
+            let (classes, skipped) = match &records {
+                Dataset::Folder(f) => (f.classes().to_vec(), f.skipped().len()),
+                _ => (Vec::new(), 0),
+            };
             let order = if shuffle {
                 Order::Shuffled { seed }
             } else {
@@ -705,14 +766,20 @@ impl BatchLoader {
                 per_rank.div_ceil(batch_size)
             };
             let loader = gpufeed::dataset::BatchLoader::new(records, sampler, cfg, gpu.as_ref())?;
-            Ok((loader, gpu, batches))
+            Ok((loader, gpu, batches, classes, skipped))
         });
-        let (loader, gpu, batches) = made.map_err(py_err)?;
+        let (loader, gpu, batches, classes, skipped) = made.map_err(py_err)?;
         Ok(BatchLoader {
             slot: Arc::new(Mutex::new(Some(loader))),
             gpu,
-            record_bytes,
+            record_bytes: if index.is_none() {
+                record_bytes.unwrap_or(0)
+            } else {
+                0
+            },
             batches,
+            classes,
+            skipped,
         })
     }
 

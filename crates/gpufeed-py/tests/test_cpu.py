@@ -168,3 +168,65 @@ def test_the_collector_is_paused_only_inside():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_variable_records_through_an_offsets_index(tmp_path):
+    rng = np.random.default_rng(13)
+    records = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()
+               for n in rng.integers(0, 5000, 300)]
+    path, index = tmp_path / "var.bin", tmp_path / "var.idx"
+    path.write_bytes(b"".join(records))
+    starts = np.cumsum([0] + [len(r) for r in records], dtype=np.uint64)
+    index.write_bytes(starts.astype("<u8").tobytes())
+    loader = gpufeed.BatchLoader(path, index=index, batch_size=32, seed=4, workers=2)
+    seen = []
+    for batch in loader.epoch(0):
+        host = np.from_dlpack(batch.data)
+        assert batch.data.shape == [batch.offsets[-1]], "one run of bytes"
+        for k, i in enumerate(batch.indices):
+            assert host[batch.offsets[k]:batch.offsets[k + 1]].tobytes() == records[i], i
+        seen.extend(batch.indices)
+    assert sorted(seen) == list(range(len(records)))
+    # An index that points past the end of the file is named.
+    bad = tmp_path / "bad.idx"
+    bad.write_bytes(np.array([0, starts[-1] + 1], dtype="<u8").tobytes())
+    with pytest.raises(gpufeed.GpufeedError, match="bad.idx"):
+        gpufeed.BatchLoader(path, index=bad)
+
+
+def test_an_image_folder_gives_file_bytes_and_labels(tmp_path):
+    rng = np.random.default_rng(21)
+    files = {}
+    for cls in ("cat", "dog", "emu"):
+        (tmp_path / cls).mkdir()
+        for j in range(7):
+            body = rng.integers(0, 256, int(rng.integers(1, 3000)), dtype=np.uint8).tobytes()
+            (tmp_path / cls / f"{j}.jpg").write_bytes(body)
+            files[(cls, body)] = True
+    loader = gpufeed.BatchLoader(tmp_path, batch_size=5, seed=2)
+    assert loader.classes == ["cat", "dog", "emu"] and loader.skipped == 0
+    got = []
+    for batch in loader.epoch(0):
+        host = np.from_dlpack(batch.data)
+        assert len(batch.labels) == len(batch.indices)
+        for k, label in enumerate(batch.labels):
+            body = host[batch.offsets[k]:batch.offsets[k + 1]].tobytes()
+            got.append((loader.classes[label], body))
+    assert sorted(got) == sorted(files), "every file once, with its class"
+    # A FIFO among the files: named, or left out and counted with skip_bad=True.
+    os.mkfifo(tmp_path / "dog" / "pipe.jpg")
+    with pytest.raises(gpufeed.GpufeedError, match="pipe.jpg"):
+        gpufeed.BatchLoader(tmp_path)
+    lenient = gpufeed.BatchLoader(tmp_path, skip_bad=True, batch_size=64)
+    assert lenient.skipped == 1
+    assert sum(len(b.indices) for b in lenient.epoch(0)) == 21
+
+
+def test_how_records_are_cut_must_be_said_once(tmp_path):
+    path, _ = records_file(tmp_path, 10, 8)
+    with pytest.raises(gpufeed.GpufeedError, match="record_bytes=N or index"):
+        gpufeed.BatchLoader(path)
+    with pytest.raises(gpufeed.GpufeedError, match="not both"):
+        gpufeed.BatchLoader(path, record_bytes=8, index=path)
+    with pytest.raises(gpufeed.GpufeedError, match="image folder"):
+        gpufeed.BatchLoader(tmp_path, record_bytes=8)

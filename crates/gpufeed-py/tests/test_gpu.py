@@ -240,6 +240,33 @@ def test_device_batches_arrive_byte_for_byte():
         assert seen == count
 
 
+def test_image_folder_batches_on_the_gpu():
+    """A folder of class folders: each batch's file bytes on the GPU, labels beside them."""
+    torch = torch_on_gpu()
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    with tempfile.TemporaryDirectory() as d:
+        bodies = {}
+        for c, cls in enumerate(("a", "b")):
+            os.mkdir(os.path.join(d, cls))
+            for j in range(150):
+                body = os.urandom(1000 + 37 * j)
+                with open(os.path.join(d, cls, f"{j}.bin"), "wb") as f:
+                    f.write(body)
+                bodies.setdefault(c, set()).add(body)
+        loader = gpufeed.BatchLoader(d, batch_size=64, seed=1, device=0)
+        seen = 0
+        for batch in loader.epoch(0):
+            x = gpufeed.as_tensor(batch.data)
+            assert x.is_cuda and x.dtype == torch.uint8
+            host = x.cpu().numpy().tobytes()
+            for k, label in enumerate(batch.labels):
+                body = host[batch.offsets[k]:batch.offsets[k + 1]]
+                assert body in bodies[label], (batch.indices[k], label)
+            seen += len(batch.labels)
+        assert seen == 300
+
+
 def test_a_device_other_than_torchs_current_one():
     torch = torch_on_gpu()
     if torch.cuda.device_count() < 2:
