@@ -675,10 +675,11 @@ fn open_dataset(
         return Ok(Dataset::Folder(folder));
     }
     #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
-    // SAFETY: the class's documentation passes the promise on to the caller: the record file
-    // is not truncated or rewritten while the loader maps it.
     let records = match (record_bytes, index) {
+        // SAFETY (both): the class's documentation passes the promise on to the caller: the
+        // record file is not truncated or rewritten while the loader maps it.
         (None, Some(index)) => unsafe { RecordFile::open_indexed(path, index)? },
+        // SAFETY: as above.
         (Some(n), None) => unsafe { RecordFile::open_fixed(path, n)? },
         (Some(_), Some(_)) => {
             return Err(gpufeed::Error::InvalidSetting(
