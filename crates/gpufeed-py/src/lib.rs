@@ -676,7 +676,7 @@ fn open_dataset(
     }
     #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
     let records = match (record_bytes, index) {
-        // SAFETY (both): the class's documentation passes the promise on to the caller: the
+        // SAFETY: the class's documentation passes the promise on to the caller: the
         // record file is not truncated or rewritten while the loader maps it.
         (None, Some(index)) => unsafe { RecordFile::open_indexed(path, index)? },
         // SAFETY: as above.
