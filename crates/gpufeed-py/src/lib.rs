@@ -7,9 +7,11 @@
 //! `torch.from_dlpack`, or leaves them to any DLPack consumer (numpy for host batches).
 //!
 //! Memory: an array holds its owner (a device buffer, a whole checkpoint, a host batch) through
-//! an `Arc`; every exported tensor holds another, released by the DLPack deleter. Device memory
-//! is freed when the last one goes, after the GPU finished the work queued before (the context
-//! is synchronized first: a consumer's kernels on its own stream may still read it). Loads
+//! an `Arc`; every exported tensor holds another, released by the DLPack deleter. When the last
+//! one goes, device memory is handed to a thread that frees it after the GPU finished the work
+//! queued before (it synchronizes the context: a consumer's kernels on its own streams may
+//! still read it), so that dropping a tensor never waits for the GPU; a load first waits for
+//! what is pending there, so the memory is back before it allocates. Loads
 //! return with the bytes on the GPU (the load synchronized its copies), so an export needs no
 //! event on the consumer's stream. gpufeed opens each GPU's primary context, the one PyTorch
 //! uses, so the pointers are valid in torch's context.
@@ -74,23 +76,137 @@ enum Storage {
 
 /// The owner shared by an array and every tensor exported from it.
 struct Owner {
-    #[allow(
-        dead_code,
-        reason = "held for its Drop: the memory lives as long as the owner"
-    )]
-    storage: Storage,
-    /// The GPU whose context is synchronized before device memory is freed.
+    /// Always `Some` until the drop hands it on.
+    storage: Option<Storage>,
+    /// The GPU whose queued work must finish before device memory is freed.
     gpu: Option<gpufeed::Gpu>,
+}
+
+impl Owner {
+    fn new(storage: Storage, gpu: Option<gpufeed::Gpu>) -> Self {
+        Owner {
+            storage: Some(storage),
+            gpu,
+        }
+    }
 }
 
 impl Drop for Owner {
     fn drop(&mut self) {
-        // A consumer (torch) may still have kernels queued on its own stream that read this
-        // memory: wait for the device before cudarc frees it on ours.
-        if let Some(gpu) = &self.gpu
-            && let Err(e) = gpu.context().synchronize()
-        {
-            eprintln!("gpufeed: synchronizing before freeing device memory failed: {e}");
+        let Some(storage) = self.storage.take() else {
+            return;
+        };
+        let Some(gpu) = self.gpu.take() else {
+            return; // host memory: no device work can still read it
+        };
+        // A consumer (torch) may still have kernels queued that read this memory, on streams
+        // gpufeed does not know: it is freed after the device's queued work, on the reaper's
+        // thread, so that the Python thread dropping the last tensor (a training loop moving
+        // to its next batch) does not wait for the GPU.
+        reaper::free_later(gpu, storage);
+    }
+}
+
+/// Waits for `gpu`'s queued work, then frees `storage`.
+fn free_after_queued_work(gpu: &gpufeed::Gpu, storage: Storage) {
+    if let Err(e) = gpu.context().synchronize() {
+        eprintln!("gpufeed: synchronizing before freeing device memory failed: {e}");
+    }
+    drop(storage);
+}
+
+/// The thread that frees device memory let go by Python objects, after the work queued on the
+/// device before it (one `cuCtxSynchronize` per device per round, whatever the number of
+/// buffers). A load waits for what is pending first ([`reaper::wait_idle`]), so that memory a
+/// caller has let go is back before the next load asks for its own.
+mod reaper {
+    use std::sync::mpsc::{Receiver, Sender, channel};
+    use std::sync::{Condvar, Mutex, OnceLock};
+
+    use super::{Storage, free_after_queued_work};
+
+    type Item = (gpufeed::Gpu, Storage);
+
+    struct Reaper {
+        tx: Mutex<Sender<Item>>,
+        /// Items handed over and not yet freed.
+        pending: Mutex<usize>,
+        idle: Condvar,
+    }
+
+    fn reaper() -> Option<&'static Reaper> {
+        static REAPER: OnceLock<Option<Reaper>> = OnceLock::new();
+        REAPER
+            .get_or_init(|| {
+                let (tx, rx) = channel::<Item>();
+                std::thread::Builder::new()
+                    .name("gpufeed-free".into())
+                    .spawn(move || run(&rx))
+                    .ok()
+                    .map(|_| Reaper {
+                        tx: Mutex::new(tx),
+                        pending: Mutex::new(0),
+                        idle: Condvar::new(),
+                    })
+            })
+            .as_ref()
+    }
+
+    fn run(rx: &Receiver<Item>) {
+        while let Ok(first) = rx.recv() {
+            let mut round = vec![first];
+            round.extend(rx.try_iter());
+            let n = round.len();
+            let mut synced: Vec<usize> = Vec::new();
+            for (gpu, storage) in round {
+                let ordinal = gpu.info().ordinal;
+                if synced.contains(&ordinal) {
+                    drop(storage);
+                } else {
+                    synced.push(ordinal);
+                    free_after_queued_work(&gpu, storage);
+                }
+            }
+            if let Some(r) = reaper()
+                && let Ok(mut pending) = r.pending.lock()
+            {
+                *pending = pending.saturating_sub(n);
+                r.idle.notify_all();
+            }
+        }
+    }
+
+    /// Frees `storage` after `gpu`'s queued work: on the reaper's thread, or on this one
+    /// (waiting) where the thread could not start.
+    pub(super) fn free_later(gpu: gpufeed::Gpu, storage: Storage) {
+        let Some(r) = reaper() else {
+            return free_after_queued_work(&gpu, storage);
+        };
+        let (Ok(tx), Ok(mut pending)) = (r.tx.lock(), r.pending.lock()) else {
+            return free_after_queued_work(&gpu, storage);
+        };
+        *pending += 1;
+        if let Err(back) = tx.send((gpu, storage)) {
+            *pending -= 1;
+            drop((tx, pending));
+            let (gpu, storage) = back.0;
+            free_after_queued_work(&gpu, storage);
+        }
+    }
+
+    /// Returns once everything handed over so far is freed.
+    pub(super) fn wait_idle() {
+        let Some(r) = reaper() else {
+            return;
+        };
+        let Ok(mut pending) = r.pending.lock() else {
+            return;
+        };
+        while *pending > 0 {
+            match r.idle.wait(pending) {
+                Ok(p) => pending = p,
+                Err(_) => return,
+            }
         }
     }
 }
@@ -340,10 +456,7 @@ impl Array {
 fn device_bytes(gpu: &gpufeed::Gpu, buf: gpufeed::DeviceBuffer) -> Array {
     let base = device_address(gpu, &buf);
     let nbytes = buf.len();
-    let owner = Arc::new(Owner {
-        storage: Storage::Device(buf),
-        gpu: Some(gpu.clone()),
-    });
+    let owner = Arc::new(Owner::new(Storage::Device(buf), Some(gpu.clone())));
     Array::bytes(owner, base, nbytes, cuda(gpu.info().ordinal), None)
 }
 
@@ -370,6 +483,7 @@ impl Loader {
     ) -> PyResult<Array> {
         let inner = Arc::clone(&self.inner);
         let buf = py.detach(move || {
+            reaper::wait_idle();
             let end = match end {
                 Some(e) => e,
                 None => gpufeed::os::file::stat_regular(&path)?.size,
@@ -423,7 +537,10 @@ impl Loader {
         // dtype torch cannot take is refused after it, before any tensor is handed out.
         let inner = Arc::clone(&self.inner);
         let ckpt = py
-            .detach(move || gpufeed::safetensors::load_with(&inner, &path))
+            .detach(move || {
+                reaper::wait_idle();
+                gpufeed::safetensors::load_with(&inner, &path)
+            })
             .map_err(py_err)?;
         let gpu = ckpt.gpu().clone();
         let device = cuda(gpu.info().ordinal);
@@ -471,10 +588,7 @@ impl Loader {
             g.4.push(PyTuple::new(py, contiguous_strides(&info.shape))?.unbind());
             g.5.push(info.range.start / size);
         }
-        let owner = Arc::new(Owner {
-            storage: Storage::Checkpoint(ckpt),
-            gpu: Some(gpu),
-        });
+        let owner = Arc::new(Owner::new(Storage::Checkpoint(ckpt), Some(gpu)));
         Ok(files
             .into_iter()
             .zip(groups.into_iter().zip(odd))
@@ -573,6 +687,13 @@ fn load_safetensors_files(
         inner: shared_loader(py, device)?,
     }
     .load_safetensors_files(py, path)
+}
+
+/// Waits until device memory let go by dropped arrays and tensors is freed (it is freed on a
+/// thread after the work queued on the device; loads wait for it themselves).
+#[pyfunction]
+fn _wait_for_frees(py: Python<'_>) {
+    py.detach(reaper::wait_idle);
 }
 
 /// A JSON text as Python objects.
@@ -868,22 +989,12 @@ impl EpochIter {
                     .ok_or_else(|| GpufeedError::new_err("a device batch without a GPU"))?;
                 let base = device_address(&gpu, &buf);
                 let device = cuda(gpu.info().ordinal);
-                (
-                    base,
-                    device,
-                    Owner {
-                        storage: Storage::Device(buf),
-                        gpu: Some(gpu),
-                    },
-                )
+                (base, device, Owner::new(Storage::Device(buf), Some(gpu)))
             }
             BatchData::Host(buf) => (
                 buf.as_ptr() as usize,
                 DLDevice::CPU,
-                Owner {
-                    storage: Storage::Host(buf),
-                    gpu: None,
-                },
+                Owner::new(Storage::Host(buf), None),
             ),
         };
         let shape = if records * self.record_bytes == nbytes {
@@ -918,6 +1029,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_file, m)?)?;
     m.add_function(wrap_pyfunction!(load_range, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors_files, m)?)?;
+    m.add_function(wrap_pyfunction!(_wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(doctor, m)?)?;
     m.add_function(wrap_pyfunction!(advise, m)?)?;
     Ok(())

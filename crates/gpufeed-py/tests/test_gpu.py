@@ -215,8 +215,32 @@ def test_device_memory_is_given_back_when_the_tensors_go():
             del t
             gc.collect()
         torch.cuda.synchronize()
+        gpufeed._gpufeed._wait_for_frees()
         lost = free_before - torch.cuda.mem_get_info(0)[0]
         assert lost < 2 * size, f"8 loads of 512 MiB, each dropped, kept {lost >> 20} MiB"
+
+
+def test_dropping_a_tensor_does_not_wait_for_the_gpu():
+    """The last tensor of a load going away does not block the Python thread on the GPU's
+    queued work (a training loop moving on to its next batch), yet the memory is freed only
+    after that work: a second of GPU sleep queued, the drop returns at once, the free after."""
+    torch = torch_on_gpu()
+    import time
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f.bin")
+        with open(path, "wb") as f:
+            f.write(os.urandom(1 << 20))
+        t = gpufeed.load_file(path)
+        torch.cuda._sleep(int(2e9))  # about a second of spinning on torch's current stream
+        started = time.perf_counter()
+        del t
+        gc.collect()
+        dropped = time.perf_counter() - started
+        gpufeed._gpufeed._wait_for_frees()
+        freed = time.perf_counter() - started
+        assert dropped < 0.25, f"the drop waited {dropped:.3f} s for the GPU"
+        assert freed > 0.4, f"freed after {freed:.3f} s: before the queued work ended"
 
 
 def test_device_batches_arrive_byte_for_byte():
