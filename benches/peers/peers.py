@@ -21,6 +21,14 @@ import sys
 import time
 
 
+def attempt(results, name, make):
+    """`results[name] = make()`, or the error where it cannot run (the others go on)."""
+    try:
+        results[name] = make()
+    except Exception as e:
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+
+
 def timed(fn, nbytes, reps):
     out = []
     for _ in range(reps):
@@ -156,10 +164,7 @@ def python_checkpoints(few, many, reps):
     results = {}
 
     def part(name, make):
-        try:
-            results[name] = make()
-        except Exception as e:  # one part that cannot run says why, the others go on
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        attempt(results, name, make)
 
     def sync():
         torch.cuda.synchronize()
@@ -236,10 +241,7 @@ def main():
     results = {}
 
     def peer(name, make):
-        try:
-            results[name] = make()
-        except Exception as e:  # a peer that cannot run says why, the others go on
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        attempt(results, name, make)
 
     import numpy as np
     import torch
