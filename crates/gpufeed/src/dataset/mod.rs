@@ -170,7 +170,8 @@ impl From<ImageFolder> for Dataset {
 }
 
 /// The order records are visited in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase", tag = "kind")]
 #[non_exhaustive]
 pub enum Order {
     /// 0, 1, 2, ...
@@ -189,6 +190,8 @@ pub struct Sampler {
     rank: usize,
     world_size: usize,
     drop_last: bool,
+    /// Records per global batch, for an elastic sampler ([`Sampler::elastic`]).
+    global_batch: Option<usize>,
 }
 
 impl Sampler {
@@ -199,6 +202,7 @@ impl Sampler {
             rank: 0,
             world_size: 1,
             drop_last: false,
+            global_batch: None,
         }
     }
 
@@ -219,36 +223,64 @@ impl Sampler {
 
     /// Sharded by `RANK` and `WORLD_SIZE` as torchrun sets them (one rank when unset).
     pub fn from_env(order: Order) -> Result<Self> {
-        let var =
-            |name: &str| -> Result<Option<usize>> {
-                match std::env::var(name) {
-                    Err(_) => Ok(None),
-                    Ok(v) => v.trim().parse().map(Some).map_err(|_| {
-                        Error::InvalidSetting(format!("{name}={v:?} is not a number"))
-                    }),
-                }
-            };
-        match (var("RANK")?, var("WORLD_SIZE")?) {
-            (Some(rank), Some(world)) => Self::new(order).shard(rank, world, false),
-            (None, None) => Ok(Self::new(order)),
-            _ => Err(Error::InvalidSetting(
-                "RANK and WORLD_SIZE must be set together".into(),
-            )),
+        let (rank, world) = rank_from_env()?;
+        Self::new(order).shard(rank, world, false)
+    }
+
+    /// An order that survives the cluster changing size (elastic training): the epoch's global
+    /// order depends only on `order`, the epoch and the number of records; each step takes the
+    /// next `global_batch` records of it and cuts them into `world_size` contiguous per-rank
+    /// batches of `global_batch / world_size`, so the records of step k are the same for every
+    /// world size that divides `global_batch`. The loader's batch size is then that per-rank
+    /// size. The last, partial global batch is dropped with `drop_last`; otherwise it is split
+    /// evenly, ranks short of records taking them again from the start of the order (as
+    /// PyTorch's `DistributedSampler` pads). Its position ([`Position`]) resumes a run with
+    /// the same or another world size ([`BatchLoader::resume`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] when `rank >= world_size` or `world_size` does not divide
+    /// `global_batch`.
+    pub fn elastic(
+        order: Order,
+        global_batch: usize,
+        rank: usize,
+        world_size: usize,
+        drop_last: bool,
+    ) -> Result<Self> {
+        if global_batch == 0 || world_size == 0 || !global_batch.is_multiple_of(world_size) {
+            return Err(Error::InvalidSetting(format!(
+                "a global batch of {global_batch} records cannot be split between {world_size} \
+                 ranks: use a world size that divides it"
+            )));
         }
+        let mut s = Self::new(order).shard(rank, world_size, drop_last)?;
+        s.global_batch = Some(global_batch);
+        Ok(s)
+    }
+
+    /// [`Sampler::elastic`] with this process's `RANK` and `WORLD_SIZE` (one rank when unset).
+    pub fn elastic_from_env(order: Order, global_batch: usize, drop_last: bool) -> Result<Self> {
+        let (rank, world) = rank_from_env()?;
+        Self::elastic(order, global_batch, rank, world, drop_last)
+    }
+
+    /// Records per rank per step, for an elastic sampler.
+    pub fn rank_batch(&self) -> Option<usize> {
+        self.global_batch.map(|g| g / self.world_size)
     }
 
     /// The record indices of `epoch` for this rank, out of `n` records.
     pub fn epoch(&self, n: usize, epoch: u64) -> Vec<usize> {
-        let mut all: Vec<usize> = (0..n).collect();
-        if let Order::Shuffled { seed } = self.order {
-            let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            for i in (1..n).rev() {
-                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                all.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
-            }
+        self.epoch_from(n, epoch, 0)
+    }
+
+    /// The record indices of `epoch` for this rank from sample `start` of the epoch's global
+    /// order on (an elastic sampler's resume point: a multiple of the global batch; other
+    /// samplers always start at 0).
+    pub fn epoch_from(&self, n: usize, epoch: u64, start: u64) -> Vec<usize> {
+        let all = permutation(n, self.order, epoch);
+        if let Some(g) = self.global_batch {
+            return self.elastic_share(&all, g, start as usize);
         }
         if self.world_size == 1 || n == 0 {
             return all;
@@ -264,6 +296,89 @@ impl Sampler {
             .map(|i| all[i % n])
             .collect()
     }
+
+    /// This rank's records of the global `order` from `start`, step by step.
+    fn elastic_share(&self, order: &[usize], global: usize, start: usize) -> Vec<usize> {
+        let (n, w, r) = (order.len(), self.world_size, self.rank);
+        let b = global / w;
+        let mut out = Vec::with_capacity(n.saturating_sub(start) / w + b);
+        let mut s = start;
+        while s < n {
+            let m = global.min(n - s);
+            if m == global {
+                out.extend_from_slice(&order[s + r * b..s + (r + 1) * b]);
+            } else if self.drop_last {
+                break;
+            } else {
+                let per = m.div_ceil(w);
+                out.extend((0..per).map(|j| {
+                    let k = r * per + j;
+                    if k < m {
+                        order[s + k]
+                    } else {
+                        order[(k - m) % n]
+                    }
+                }));
+            }
+            s += global;
+        }
+        out
+    }
+}
+
+/// `RANK` and `WORLD_SIZE` as torchrun sets them; `(0, 1)` when neither is set.
+fn rank_from_env() -> Result<(usize, usize)> {
+    let var = |name: &str| -> Result<Option<usize>> {
+        match std::env::var(name) {
+            Err(_) => Ok(None),
+            Ok(v) => v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| Error::InvalidSetting(format!("{name}={v:?} is not a number"))),
+        }
+    };
+    match (var("RANK")?, var("WORLD_SIZE")?) {
+        (Some(rank), Some(world)) => Ok((rank, world)),
+        (None, None) => Ok((0, 1)),
+        _ => Err(Error::InvalidSetting(
+            "RANK and WORLD_SIZE must be set together".into(),
+        )),
+    }
+}
+
+/// The records `0..n` in `order` for `epoch` (a seeded Fisher-Yates shuffle).
+fn permutation(n: usize, order: Order, epoch: u64) -> Vec<usize> {
+    let mut all: Vec<usize> = (0..n).collect();
+    if let Order::Shuffled { seed } = order {
+        let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for i in (1..n).rev() {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            all.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
+        }
+    }
+    all
+}
+
+/// Where an elastic loader is: the epoch and how many samples of its global order all ranks
+/// together have consumed. Small and serializable (serde; JSON for a checkpoint beside the
+/// model's): a loader resumed from it ([`BatchLoader::resume`]), with the same or another
+/// world size that divides the global batch, yields exactly the rest of the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Position {
+    /// The epoch.
+    pub epoch: u64,
+    /// Samples of the epoch's global order consumed (a multiple of `global_batch`).
+    pub samples: u64,
+    /// Records in the data set (a resume on another data set is refused).
+    pub records: u64,
+    /// The order (a resume with another seed is refused).
+    pub order: Order,
+    /// Records per global batch.
+    pub global_batch: usize,
 }
 
 /// A per-record transform run on the worker threads: gets the record's index and bytes and
@@ -425,12 +540,19 @@ impl std::fmt::Debug for BatchLoader {
 impl BatchLoader {
     /// A loader of `records` (a [`RecordFile`] or an [`ImageFolder`]) onto `gpu` (or host
     /// batches with `None`).
+    ///
+    /// With an elastic sampler ([`Sampler::elastic`]) the batch size is the sampler's per-rank
+    /// batch and `drop_last` the sampler's (`cfg`'s are replaced).
     pub fn new(
         records: impl Into<Dataset>,
         sampler: Sampler,
-        cfg: LoaderConfig,
+        mut cfg: LoaderConfig,
         gpu: Option<&Gpu>,
     ) -> Result<Self> {
+        if let Some(b) = sampler.rank_batch() {
+            cfg.batch_size = b;
+            cfg.drop_last = sampler.drop_last;
+        }
         if cfg.batch_size == 0 || cfg.workers == 0 || cfg.prefetch == 0 {
             return Err(Error::InvalidSetting(
                 "batch_size, workers and prefetch must be at least 1".into(),
@@ -490,7 +612,78 @@ impl BatchLoader {
 
     /// The batches of `epoch`, in order.
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
-        let indices = self.sampler.epoch(self.records.len(), epoch);
+        self.epoch_from(epoch, 0)
+    }
+
+    /// The rest of the epoch at `at` (saved by [`Epoch::position`], maybe by a run with
+    /// another world size): this rank's share of the samples after `at.samples`, none that
+    /// the run before consumed. Needs an elastic sampler with the same order and global batch,
+    /// over the same number of records.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] when the sampler is not elastic or `at` does not match it
+    /// or the data set (it says which), then [`BatchLoader::epoch`]'s.
+    ///
+    /// # Example (host batches)
+    /// ```
+    /// use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, Position, RecordFile, Sampler};
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("records.bin");
+    /// std::fs::write(&path, vec![7u8; 1000])?;
+    /// let open = |rank, world| -> gpufeed::Result<BatchLoader> {
+    ///     // SAFETY: the file is not changed while it is used.
+    ///     let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 100 records
+    ///     let sampler = Sampler::elastic(Order::Shuffled { seed: 1 }, 8, rank, world, true)?;
+    ///     BatchLoader::new(records, sampler, LoaderConfig::default(), None)
+    /// };
+    /// // One rank of a world of two runs three steps, then stops: its position is saved.
+    /// let mut loader = open(0, 2)?;
+    /// let mut epoch = loader.epoch(0)?;
+    /// for _ in 0..3 { epoch.next().transpose()?; }
+    /// let json = serde_json::to_string(&epoch.position().expect("elastic"))?;
+    /// drop(epoch);
+    /// // Resumed by a world of four: each rank gets 2 records per step, 9 more steps.
+    /// let at: Position = serde_json::from_str(&json)?;
+    /// let mut loader = open(3, 4)?;
+    /// let rest: Vec<usize> = loader.resume(&at)?.map(|b| b.map(|b| b.indices.len())).collect::<Result<_, _>>()?;
+    /// assert_eq!(rest, vec![2; 9]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn resume(&mut self, at: &Position) -> Result<Epoch<'_>> {
+        let bad = |why: String| Err(Error::InvalidSetting(format!("cannot resume: {why}")));
+        let Some(global) = self.sampler.global_batch else {
+            return bad("the sampler is not elastic (Sampler::elastic)".into());
+        };
+        let n = self.records.len() as u64;
+        if at.records != n {
+            return bad(format!(
+                "the position is of a data set of {} records, this one has {n}",
+                at.records
+            ));
+        }
+        if at.order != self.sampler.order {
+            return bad(format!(
+                "the position's order is {:?}, this sampler's {:?}",
+                at.order, self.sampler.order
+            ));
+        }
+        if at.global_batch != global {
+            return bad(format!(
+                "the position's global batch is {}, this sampler's {global}",
+                at.global_batch
+            ));
+        }
+        if !at.samples.is_multiple_of(global as u64) {
+            return bad(format!(
+                "{} samples is not a whole number of global batches of {global}",
+                at.samples
+            ));
+        }
+        self.epoch_from(at.epoch, at.samples)
+    }
+
+    fn epoch_from(&mut self, epoch: u64, start: u64) -> Result<Epoch<'_>> {
+        let indices = self.sampler.epoch_from(self.records.len(), epoch, start);
         let mut jobs: VecDeque<(usize, Vec<usize>)> = indices
             .chunks(self.cfg.batch_size)
             .filter(|c| !self.cfg.drop_last || c.len() == self.cfg.batch_size)
@@ -535,6 +728,8 @@ impl BatchLoader {
         Ok(Epoch {
             loader: self,
             epoch,
+            start,
+            handed: 0,
             next: 0,
             total,
             pending: jobs,
@@ -745,6 +940,11 @@ fn gather_files(
 pub struct Epoch<'l> {
     loader: &'l mut BatchLoader,
     epoch: u64,
+    /// Samples of the global order before this epoch's first batch (a resume point).
+    start: u64,
+    /// Batches handed out (each a batch or its own error), for [`Epoch::position`]; an error
+    /// that ends the epoch early (a timeout, stopped workers) hands nothing out.
+    handed: usize,
     next: usize,
     total: usize,
     pending: VecDeque<(usize, Vec<usize>)>,
@@ -799,6 +999,8 @@ impl Iterator for Epoch<'_> {
                 if matches!(e, Error::Transform { panicked: true, .. }) {
                     // A panic is a bug in user code: the epoch ends here.
                     self.next = self.total;
+                } else {
+                    self.handed = number + 1;
                 }
                 return Some(Err(e));
             }
@@ -825,14 +1027,45 @@ impl Iterator for Epoch<'_> {
                 .collect(),
             Dataset::Records(_) => Vec::new(),
         };
+        self.handed = number + 1;
         Some(Ok(Batch {
             epoch: self.epoch,
-            number,
+            number: number + self.first_number(),
             indices,
             offsets,
             labels,
             data,
         }))
+    }
+}
+
+impl Epoch<'_> {
+    /// The number of this epoch's first batch: the steps a resumed epoch skipped.
+    fn first_number(&self) -> usize {
+        match self.loader.sampler.global_batch {
+            Some(g) => (self.start / g as u64) as usize,
+            None => 0,
+        }
+    }
+
+    /// Where the run is after the batches yielded so far (an elastic sampler's; `None` for
+    /// others): save it once the step that used the last batch is done, resume from it with
+    /// [`BatchLoader::resume`]. After the epoch's last batch it is the start of the next epoch.
+    pub fn position(&self) -> Option<Position> {
+        let global = self.loader.sampler.global_batch?;
+        let records = self.loader.records.len() as u64;
+        let samples = self.start + (self.handed as u64) * global as u64;
+        let at = |epoch, samples| Position {
+            epoch,
+            samples,
+            records,
+            order: self.loader.sampler.order,
+            global_batch: global,
+        };
+        if self.handed >= self.total {
+            return Some(at(self.epoch + 1, 0));
+        }
+        Some(at(self.epoch, samples))
     }
 }
 
@@ -886,6 +1119,96 @@ mod tests {
             let raw: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
             let end = *offsets.last().expect("one");
             proptest::prop_assert_eq!(parse_record_index(&raw, end), Ok(offsets));
+        }
+    }
+
+    /// Each step's records, the union of every rank's batch of that step (sorted), for an
+    /// elastic sampler of `world` ranks from sample `start`.
+    fn steps(
+        n: usize,
+        global: usize,
+        world: usize,
+        start: usize,
+        drop_last: bool,
+    ) -> Vec<Vec<usize>> {
+        let order = Order::Shuffled { seed: 11 };
+        let per_rank: Vec<Vec<usize>> = (0..world)
+            .map(|r| {
+                Sampler::elastic(order, global, r, world, drop_last)
+                    .expect("elastic")
+                    .epoch_from(n, 2, start as u64)
+            })
+            .collect();
+        let b = global / world;
+        let count = per_rank[0].len().div_ceil(b);
+        (0..count)
+            .map(|k| {
+                let mut step: Vec<usize> = per_rank
+                    .iter()
+                    .flat_map(|p| p.chunks(b).nth(k).unwrap_or(&[]).iter().copied())
+                    .collect();
+                step.sort_unstable();
+                step
+            })
+            .collect()
+    }
+
+    fn divisors(n: usize) -> Vec<usize> {
+        (1..=n).filter(|d| n % d == 0).collect()
+    }
+
+    proptest::proptest! {
+        /// The records of each step are the same whatever the world size (one that divides the
+        /// global batch); every rank gets as many as the others.
+        #[test]
+        fn elastic_steps_do_not_depend_on_the_world_size(
+            n in 0usize..400,
+            global in proptest::sample::select(vec![1usize, 6, 12, 24, 60]),
+            pick in (0usize..100, 0usize..100),
+        ) {
+            let d = divisors(global);
+            let (w1, w2) = (d[pick.0 % d.len()], d[pick.1 % d.len()]);
+            let (a, b) = (steps(n, global, w1, 0, true), steps(n, global, w2, 0, true));
+            proptest::prop_assert_eq!(&a, &b);
+            proptest::prop_assert_eq!(a.len(), n / global);
+            // Without drop_last the last step differs only in the padding taken from the
+            // order's start; every record of the epoch is in some step.
+            let full = steps(n, global, w1, 0, false);
+            let mut seen: Vec<usize> = full.concat();
+            seen.sort_unstable();
+            seen.dedup();
+            proptest::prop_assert_eq!(seen, (0..n).collect::<Vec<_>>());
+            for r in 0..w1 {
+                let len = Sampler::elastic(Order::Sequential, global, r, w1, false)
+                    .expect("elastic")
+                    .epoch(n, 0)
+                    .len();
+                // Full steps of global / w1 each, then an even share of the partial one.
+                proptest::prop_assert_eq!(len, n / global * (global / w1) + (n % global).div_ceil(w1));
+            }
+        }
+
+        /// A run stopped after any step and resumed with another world size sees every
+        /// remaining record of the epoch once, and none it saw before.
+        #[test]
+        fn an_elastic_resume_yields_exactly_the_rest(
+            n in 0usize..400,
+            global in proptest::sample::select(vec![6usize, 12, 24]),
+            pick in (0usize..100, 0usize..100),
+            cut in 0usize..80,
+        ) {
+            let d = divisors(global);
+            let (w1, w2) = (d[pick.0 % d.len()], d[pick.1 % d.len()]);
+            let before = steps(n, global, w1, 0, true);
+            let cut = cut.min(before.len());
+            let after = steps(n, global, w2, cut * global, true);
+            let mut all: Vec<usize> = before[..cut].concat();
+            all.extend(after.concat());
+            let len = all.len();
+            all.sort_unstable();
+            all.dedup();
+            proptest::prop_assert_eq!(all.len(), len, "a record seen twice");
+            proptest::prop_assert_eq!(len, n / global * global);
         }
     }
 
