@@ -1154,7 +1154,7 @@ mod tests {
     }
 
     fn divisors(n: usize) -> Vec<usize> {
-        (1..=n).filter(|d| n % d == 0).collect()
+        (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
     }
 
     proptest::proptest! {
