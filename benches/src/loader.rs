@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::Result;
-use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, Position, RecordFile, Sampler};
 use gpufeed_os::cache;
 use serde::Serialize;
 
@@ -19,6 +19,10 @@ pub struct LoaderBench {
     pub batch_size: usize,
     pub workers: usize,
     pub host_gbps: Samples,
+    /// Records of the elastic resume measurement (the data set cut into about 10 million).
+    pub resume_records: usize,
+    /// Milliseconds from `BatchLoader::resume` (rank 3 of 8, mid-epoch) to its first batch.
+    pub resume_ms: Samples,
 }
 
 /// GB/s of `reps` epochs of one `BatchLoader` over `path` as records of `record` bytes
@@ -60,10 +64,49 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         .with_drop_last(true)
         .with_prefetch(2 * workers)
         .with_workers(workers);
+    let (resume_records, resume_ms) = resume_ms(dataset, reps)?;
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,
         workers,
         host_gbps: epochs_gbps(dataset, RECORD, cfg, 3, None, reps)?,
+        resume_records,
+        resume_ms,
     })
+}
+
+/// An elastic loader over 10 million records or more (the data set cut into records of the
+/// largest power of two that divides its length and leaves that many) resumed mid-epoch as
+/// rank 3 of 8: milliseconds until its first batch.
+fn resume_ms(dataset: &Path, reps: usize) -> Result<(usize, Samples)> {
+    let len = dataset.metadata()?.len() as usize;
+    let mut record = 1;
+    while len.is_multiple_of(record * 2) && len / (record * 2) >= 10_000_000 {
+        record *= 2;
+    }
+    let global = 8 * BATCH;
+    let mut runs = Vec::new();
+    let mut records = 0;
+    for rep in 0..reps as u64 {
+        // SAFETY: the bench's data files are written once and never changed while mapped.
+        let file = unsafe { RecordFile::open_fixed(dataset, record)? };
+        records = file.len();
+        let order = Order::Shuffled { seed: rep };
+        let sampler = Sampler::elastic(order, global, 3, 8, true)?;
+        let mut loader = BatchLoader::new(file, sampler, LoaderConfig::default(), None)?;
+        let at = Position {
+            epoch: rep,
+            samples: (records / global / 2 * global) as u64,
+            records: records as u64,
+            order,
+            global_batch: global,
+        };
+        let (secs, first) = timed(|| -> Result<usize> {
+            let mut epoch = loader.resume(&at)?;
+            Ok(epoch.next().transpose()?.map_or(0, |b| b.indices.len()))
+        });
+        anyhow::ensure!(first? == BATCH, "the resumed epoch's first batch");
+        runs.push(secs * 1e3);
+    }
+    Ok((records, Samples::new(runs)))
 }

@@ -156,6 +156,14 @@ impl Report {
                 b.host_gbps.show(2),
                 share(b.host_gbps.median, memory, "memcpy")
             );
+            let _ = writeln!(
+                s,
+                "\nAn elastic loader (`Sampler::elastic`, global batch {}) over {} records resumed \
+                 mid-epoch as rank 3 of 8 (`BatchLoader::resume`): {} ms to its first batch.",
+                8 * crate::loader::BATCH,
+                b.resume_records,
+                b.resume_ms.show(0)
+            );
         }
         if let Some(g) = &self.gpu {
             save_table(&mut s, &g.save);
