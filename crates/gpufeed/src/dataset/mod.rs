@@ -1,6 +1,7 @@
 //! The hybrid data loader of the source material: a record file mapped read-only (or an
 //! [`ImageFolder`]: one file per sample in class folders), a sampler (sequential, shuffled by
-//! seed, sharded by rank), and a [`BatchLoader`] whose worker threads gather records into
+//! seed, sharded by rank; or elastic, whose [`Position`] resumes a run mid-epoch with another
+//! world size), and a [`BatchLoader`] whose worker threads gather records into
 //! pinned (or, without a GPU, locked) buffers while earlier batches are uploaded — double
 //! buffering — and which yields device batches in a fixed order.
 
