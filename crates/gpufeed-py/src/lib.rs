@@ -35,7 +35,7 @@ use dlpark::metadata::Dynamic;
 use dlpark::python::{DlpackExporter, ExportRequest, export_dlpack};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use gpufeed::cuda::cudarc::driver::DevicePtr;
-use gpufeed::dataset::{BatchData, Dataset, ImageFolder, Order, RecordFile, Sampler};
+use gpufeed::dataset::{BatchData, Dataset, ImageFolder, Order, Position, RecordFile, Sampler};
 use gpufeed::safetensors::Dtype;
 use pyo3::exceptions::{PyException, PyStopIteration};
 use pyo3::prelude::*;
@@ -827,6 +827,11 @@ fn open_dataset(
 /// them; `skip_bad=True` leaves out unreadable entries instead of failing, counted in
 /// `skipped`).
 ///
+/// `global_batch=G` makes it elastic: each step's G records are the same whatever
+/// `WORLD_SIZE` (one that divides G; each rank gets G / WORLD_SIZE, `batch_size` is ignored),
+/// `EpochIter.position()` says where the run is (a dict, JSON-ready) and `resume(position)`
+/// goes on from there with the same or another world size.
+///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct BatchLoader {
@@ -842,12 +847,36 @@ pub struct BatchLoader {
     /// Entries an image folder left out (`skip_bad=True`).
     #[pyo3(get)]
     skipped: usize,
+    /// For an elastic loader (`global_batch=`): the order, the global batch, the records and
+    /// whether a last partial global batch is dropped, for positions.
+    elastic: Option<Elastic>,
+}
+
+/// What an elastic loader's positions are made of.
+#[derive(Clone, Copy)]
+struct Elastic {
+    order: Order,
+    global_batch: usize,
+    records: usize,
+    drop_last: bool,
+}
+
+impl Elastic {
+    /// Steps (global batches) of an epoch from sample `start`.
+    fn steps_from(&self, start: u64) -> usize {
+        let left = self.records.saturating_sub(start as usize);
+        if self.drop_last {
+            left / self.global_batch
+        } else {
+            left.div_ceil(self.global_batch)
+        }
+    }
 }
 
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -861,6 +890,7 @@ impl BatchLoader {
         drop_last: bool,
         index: Option<PathBuf>,
         skip_bad: bool,
+        global_batch: Option<usize>,
     ) -> PyResult<Self> {
         let made = py.detach(|| -> gpufeed::Result<_> {
             let records = open_dataset(&path, record_bytes, index.as_deref(), skip_bad)?;
@@ -873,7 +903,17 @@ impl BatchLoader {
             } else {
                 Order::Sequential
             };
-            let sampler = Sampler::from_env(order)?;
+            let sampler = match global_batch {
+                Some(g) => Sampler::elastic_from_env(order, g, drop_last)?,
+                None => Sampler::from_env(order)?,
+            };
+            let elastic = global_batch.map(|g| Elastic {
+                order,
+                global_batch: g,
+                records: records.len(),
+                drop_last,
+            });
+            let batch_size = sampler.rank_batch().unwrap_or(batch_size);
             let mut cfg = gpufeed::dataset::LoaderConfig::default().with_batch_size(batch_size);
             cfg.drop_last = drop_last;
             if let Some(w) = workers {
@@ -888,9 +928,9 @@ impl BatchLoader {
                 per_rank.div_ceil(batch_size)
             };
             let loader = gpufeed::dataset::BatchLoader::new(records, sampler, cfg, gpu.as_ref())?;
-            Ok((loader, gpu, batches, classes, skipped))
+            Ok((loader, gpu, batches, classes, skipped, elastic))
         });
-        let (loader, gpu, batches, classes, skipped) = made.map_err(py_err)?;
+        let (loader, gpu, batches, classes, skipped, elastic) = made.map_err(py_err)?;
         Ok(BatchLoader {
             slot: Arc::new(Mutex::new(Some(loader))),
             gpu,
@@ -902,6 +942,7 @@ impl BatchLoader {
             batches,
             classes,
             skipped,
+            elastic,
         })
     }
 
@@ -912,6 +953,31 @@ impl BatchLoader {
 
     /// The batches of epoch `epoch`, in the sampler's order; one epoch at a time.
     fn epoch(&self, epoch: u64) -> PyResult<EpochIter> {
+        self.run(epoch, None)
+    }
+
+    /// The rest of an epoch from `position` (a dict from `EpochIter.position()`, maybe saved
+    /// by a run with another `WORLD_SIZE`): the samples that run had not consumed, this rank's
+    /// share. Needs `global_batch=` (an elastic loader) with the same seed and global batch,
+    /// over the same data set.
+    fn resume(&self, py: Python<'_>, position: Bound<'_, PyAny>) -> PyResult<EpochIter> {
+        let text: String = py
+            .import("json")?
+            .call_method1("dumps", (position,))?
+            .extract()?;
+        let at: Position = serde_json::from_str(&text).map_err(|e| {
+            GpufeedError::new_err(format!(
+                "invalid setting: not a position (a dict from EpochIter.position()): {e}"
+            ))
+        })?;
+        self.run(at.epoch, Some(at))
+    }
+}
+
+impl BatchLoader {
+    /// Runs epoch `epoch` (from `at` when resuming) on a thread feeding the returned iterator.
+    fn run(&self, epoch: u64, at: Option<Position>) -> PyResult<EpochIter> {
+        let start = at.map_or(0, |a| a.samples);
         let loader = self
             .slot
             .lock()
@@ -928,7 +994,10 @@ impl BatchLoader {
             .name("gpufeed-epoch".into())
             .spawn(move || {
                 let mut loader = loader;
-                match loader.epoch(epoch) {
+                match match &at {
+                    Some(at) => loader.resume(at),
+                    None => loader.epoch(epoch),
+                } {
                     Ok(batches) => {
                         for b in batches {
                             // The iterator was dropped: stop reading, give the loader back.
@@ -950,6 +1019,8 @@ impl BatchLoader {
             rx: Mutex::new(rx),
             gpu: self.gpu.clone(),
             record_bytes: self.record_bytes,
+            elastic: self.elastic.map(|e| (e, epoch, start)),
+            handed: Mutex::new(0),
         })
     }
 }
@@ -960,12 +1031,46 @@ pub struct EpochIter {
     rx: Mutex<mpsc::Receiver<gpufeed::Result<gpufeed::dataset::Batch>>>,
     gpu: Option<gpufeed::Gpu>,
     record_bytes: usize,
+    /// An elastic loader's facts, the epoch and the sample it started from.
+    elastic: Option<(Elastic, u64, u64)>,
+    /// Batches handed to Python (the thread may have prepared more).
+    handed: Mutex<usize>,
 }
 
 #[pymethods]
 impl EpochIter {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
+    }
+
+    /// Where the run is after the batches handed out so far, as a dict to save beside the
+    /// model's checkpoint (JSON) and give to `BatchLoader.resume`; after the epoch's last batch,
+    /// the start of the next epoch. Only for an elastic loader (`global_batch=`).
+    fn position<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let Some((e, epoch, start)) = self.elastic else {
+            return Err(GpufeedError::new_err(
+                "invalid setting: positions are for elastic loaders: BatchLoader(..., \
+                 global_batch=N)",
+            ));
+        };
+        let handed = *self
+            .handed
+            .lock()
+            .map_err(|_| GpufeedError::new_err("the epoch panicked"))?;
+        let (epoch, samples) = if handed >= e.steps_from(start) {
+            (epoch + 1, 0)
+        } else {
+            (epoch, start + (handed * e.global_batch) as u64)
+        };
+        let at = Position {
+            epoch,
+            samples,
+            records: e.records as u64,
+            order: e.order,
+            global_batch: e.global_batch,
+        };
+        let value = serde_json::to_value(at).map_err(|e| GpufeedError::new_err(e.to_string()))?;
+        from_json(py, &value)
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
@@ -979,6 +1084,9 @@ impl EpochIter {
             return Err(PyStopIteration::new_err(()));
         };
         let b = batch.map_err(py_err)?;
+        if let Ok(mut handed) = self.handed.lock() {
+            *handed += 1;
+        }
         let records = b.indices.len();
         let nbytes = b.bytes();
         let (base, device, owner) = match b.data {

@@ -230,3 +230,52 @@ def test_how_records_are_cut_must_be_said_once(tmp_path):
         gpufeed.BatchLoader(path, record_bytes=8, index=path)
     with pytest.raises(gpufeed.GpufeedError, match="image folder"):
         gpufeed.BatchLoader(tmp_path, record_bytes=8)
+
+
+def test_an_elastic_loader_resumes_with_another_world_size(tmp_path, monkeypatch):
+    """Two ranks run 5 steps and save the position (JSON); four ranks resume: together they
+    see every record of the epoch once, each byte for byte."""
+    count, size, global_batch = 960, 101, 24
+    path, data = records_file(tmp_path, count, size, seed=17)
+
+    def rank(r, world):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        return gpufeed.BatchLoader(path, record_bytes=size, global_batch=global_batch, seed=8,
+                                   drop_last=True)
+
+    def take(batch):
+        host = np.from_dlpack(batch.data)
+        np.testing.assert_array_equal(host, data[batch.indices])
+        return list(batch.indices)
+
+    seen = []
+    epochs = [rank(r, 2).epoch(0) for r in range(2)]
+    for _ in range(5):
+        for e in epochs:
+            batch = next(e)
+            assert len(batch.indices) == global_batch // 2
+            seen.extend(take(batch))
+    saved = json.dumps(epochs[0].position())
+    assert json.loads(saved)["samples"] == 5 * global_batch
+    assert epochs[1].position() == epochs[0].position()
+    del epochs
+    for r in range(4):
+        loader = rank(r, 4)
+        it = loader.resume(json.loads(saved))
+        numbers = []
+        for batch in it:
+            assert len(batch.indices) == global_batch // 4
+            numbers.append(batch.number)
+            seen.extend(take(batch))
+        assert numbers[0] == 5, "numbering goes on from the saved step"
+        assert it.position()["epoch"] == 1 and it.position()["samples"] == 0
+    assert sorted(seen) == list(range(count)), "every record once"
+    # A position of another seed is refused; a non-elastic loader has none.
+    other = dict(json.loads(saved), order={"kind": "shuffled", "seed": 9})
+    with pytest.raises(gpufeed.GpufeedError, match="order"):
+        list(rank(0, 2).resume(other))
+    with pytest.raises(gpufeed.GpufeedError, match="global_batch"):
+        gpufeed.BatchLoader(path, record_bytes=size).epoch(0).position()
+    with pytest.raises(gpufeed.GpufeedError, match="divide"):
+        rank(0, 5)
