@@ -23,17 +23,28 @@ use crate::load::DeviceBuffer;
 
 mod folder;
 pub mod ring;
+pub mod sources;
 
 pub use folder::ImageFolder;
+pub use sources::{NpyLayout, TarSample, shard_paths};
 
 #[derive(Debug)]
 enum Records {
-    Fixed(usize),
+    /// `count` records of `size` bytes from byte `base` (an `.npy` file: after its header).
+    Fixed {
+        base: usize,
+        size: usize,
+        count: usize,
+        npy: Option<NpyLayout>,
+    },
     Indexed(Vec<u64>),
+    /// WebDataset samples: each the tar members sharing a key.
+    Samples(Vec<TarSample>),
 }
 
-/// A file of records, mapped read-only: fixed-size records, or variable ones delimited by an
-/// offsets index (little-endian `u64`s: the start of each record, then the end of the last).
+/// A file of records, mapped read-only: fixed-size records, variable ones delimited by an
+/// offsets index (little-endian `u64`s: the start of each record, then the end of the last),
+/// the rows of an `.npy` array, or the samples of a WebDataset tar shard.
 #[derive(Debug)]
 pub struct RecordFile {
     map: FileMap,
@@ -72,11 +83,98 @@ impl RecordFile {
                 ),
             });
         }
+        let count = map.len() / record_bytes;
         Ok(RecordFile {
             map,
             path: path.into(),
-            records: Records::Fixed(record_bytes),
+            records: Records::Fixed {
+                base: 0,
+                size: record_bytes,
+                count,
+                npy: None,
+            },
         })
+    }
+
+    /// The rows of an `.npy` array as records (one per index of the leading dimension; a 0-d
+    /// array is one record), its dtype and shape in [`RecordFile::npy`].
+    ///
+    /// # Safety
+    /// As for [`RecordFile::open_fixed`].
+    ///
+    /// # Errors
+    /// The file's errors, and [`Error::Records`] naming the file for a bad header (not `.npy`,
+    /// Fortran order, a structured or object dtype, data shorter or longer than the shape).
+    #[allow(
+        unsafe_code,
+        reason = "passes on the mapped-file promise of FileMap::open"
+    )]
+    pub unsafe fn open_npy(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        // SAFETY: passed on to the caller.
+        let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
+        let npy = sources::parse_npy(&map, map.len() as u64).map_err(|reason| Error::Records {
+            path: path.into(),
+            reason,
+        })?;
+        let size = npy.row_bytes();
+        let count = if size == 0 { 0 } else { npy.rows() };
+        Ok(RecordFile {
+            map,
+            path: path.into(),
+            records: Records::Fixed {
+                base: npy.data_start,
+                size,
+                count,
+                npy: Some(npy),
+            },
+        })
+    }
+
+    /// The samples of a WebDataset tar shard: the members sharing a key (the path up to the
+    /// first dot of the file name) are one sample, delivered together, back to back in the
+    /// order stored; [`RecordFile::sample`] says which member is where. The index is built
+    /// from the tar headers once, here.
+    ///
+    /// # Safety
+    /// As for [`RecordFile::open_fixed`].
+    ///
+    /// # Errors
+    /// The file's errors, and [`Error::Records`] naming the file and the header's offset for a
+    /// corrupt or truncated tar, or a sample with two members of one name.
+    #[allow(
+        unsafe_code,
+        reason = "passes on the mapped-file promise of FileMap::open"
+    )]
+    pub unsafe fn open_tar(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        // SAFETY: passed on to the caller.
+        let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
+        let samples = sources::index_tar(&map).map_err(|reason| Error::Records {
+            path: path.into(),
+            reason,
+        })?;
+        Ok(RecordFile {
+            map,
+            path: path.into(),
+            records: Records::Samples(samples),
+        })
+    }
+
+    /// An `.npy` file's dtype and shape (`None` for other files).
+    pub fn npy(&self) -> Option<&NpyLayout> {
+        match &self.records {
+            Records::Fixed { npy, .. } => npy.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// A tar shard's sample `i`: its key and members (`None` for other files).
+    pub fn sample(&self, i: usize) -> Option<&TarSample> {
+        match &self.records {
+            Records::Samples(s) => s.get(i),
+            _ => None,
+        }
     }
 
     /// Variable records delimited by the offsets in `index`.
@@ -107,8 +205,9 @@ impl RecordFile {
     /// Number of records.
     pub fn len(&self) -> usize {
         match &self.records {
-            Records::Fixed(n) => self.map.len() / n,
+            Records::Fixed { count, .. } => *count,
             Records::Indexed(o) => o.len() - 1,
+            Records::Samples(s) => s.len(),
         }
     }
 
@@ -117,13 +216,41 @@ impl RecordFile {
         self.len() == 0
     }
 
-    /// Record `i`.
+    /// Record `i`, where it is one run of bytes (`None` for a tar sample of several members:
+    /// see [`RecordFile::parts`]).
     pub fn record(&self, i: usize) -> Option<&[u8]> {
         let range = match &self.records {
-            Records::Fixed(n) => (i < self.len()).then(|| i * n..(i + 1) * n)?,
+            Records::Fixed {
+                base, size, count, ..
+            } => (i < *count).then(|| base + i * size..base + (i + 1) * size)?,
             Records::Indexed(o) => (*o.get(i)? as usize)..(*o.get(i + 1)? as usize),
+            Records::Samples(s) => match s.get(i)?.members.as_slice() {
+                [(_, r)] => r.clone(),
+                _ => return None,
+            },
         };
         self.map.get(range)
+    }
+
+    /// The bytes of record `i` in order: one part, or a tar sample's members.
+    pub fn parts(&self, i: usize) -> Option<Vec<&[u8]>> {
+        match &self.records {
+            Records::Samples(s) => s
+                .get(i)?
+                .members
+                .iter()
+                .map(|(_, r)| self.map.get(r.clone()))
+                .collect(),
+            _ => self.record(i).map(|r| vec![r]),
+        }
+    }
+
+    /// Bytes of record `i`.
+    pub fn record_len(&self, i: usize) -> Option<usize> {
+        match &self.records {
+            Records::Samples(s) => s.get(i).map(TarSample::bytes),
+            _ => self.record(i).map(<[u8]>::len),
+        }
     }
 
     /// The data file.
@@ -141,6 +268,8 @@ pub enum Dataset {
     Records(RecordFile),
     /// Files in class folders.
     Folder(ImageFolder),
+    /// Record files read as one data set.
+    Shards(ShardSet),
 }
 
 impl Dataset {
@@ -149,6 +278,7 @@ impl Dataset {
         match self {
             Dataset::Records(r) => r.len(),
             Dataset::Folder(f) => f.len(),
+            Dataset::Shards(s) => s.len(),
         }
     }
 
@@ -167,6 +297,106 @@ impl From<RecordFile> for Dataset {
 impl From<ImageFolder> for Dataset {
     fn from(f: ImageFolder) -> Self {
         Dataset::Folder(f)
+    }
+}
+
+impl From<ShardSet> for Dataset {
+    fn from(s: ShardSet) -> Self {
+        Dataset::Shards(s)
+    }
+}
+
+/// Record files (shards) read as one data set: record `i` of the set is record `i - start` of
+/// the shard that holds it, shards in the order given. Each shard is any [`RecordFile`]: fixed
+/// or indexed records, `.npy` rows, tar samples.
+///
+/// # Example (host batches)
+/// ```
+/// use gpufeed::dataset::{RecordFile, ShardSet};
+/// # let dir = tempfile::tempdir()?;
+/// for i in 0..3 {
+///     std::fs::write(dir.path().join(format!("part-{i}.bin")), vec![i as u8; 40])?;
+/// }
+/// let shards = gpufeed::dataset::shard_paths(dir.path())? // sorted: part-0, part-1, part-2
+///     .iter()
+///     // SAFETY: the files are not changed while they are used.
+///     .map(|p| unsafe { RecordFile::open_fixed(p, 10) })
+///     .collect::<gpufeed::Result<Vec<_>>>()?;
+/// let set = ShardSet::new(shards);
+/// assert_eq!(set.len(), 12);
+/// assert_eq!(set.locate(5), Some((1, 1)));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct ShardSet {
+    shards: Vec<RecordFile>,
+    /// The first record of each shard, then the total.
+    starts: Vec<usize>,
+}
+
+impl ShardSet {
+    /// The shards, in this order.
+    pub fn new(shards: Vec<RecordFile>) -> Self {
+        let mut starts = Vec::with_capacity(shards.len() + 1);
+        starts.push(0);
+        for s in &shards {
+            starts.push(starts.last().copied().unwrap_or(0) + s.len());
+        }
+        ShardSet { shards, starts }
+    }
+
+    /// Records in all the shards.
+    pub fn len(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// Whether there is no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The shards.
+    pub fn shards(&self) -> &[RecordFile] {
+        &self.shards
+    }
+
+    /// Which shard holds record `i`, and its index there.
+    pub fn locate(&self, i: usize) -> Option<(usize, usize)> {
+        if i >= self.len() {
+            return None;
+        }
+        let shard = self.starts.partition_point(|&s| s <= i) - 1;
+        Some((shard, i - self.starts[shard]))
+    }
+}
+
+/// Where the worker threads read records from: a record file or a set of them.
+trait Source {
+    /// The bytes of record `i` in order.
+    fn parts(&self, i: usize) -> Option<Vec<&[u8]>>;
+    /// The file holding record `i` (for errors).
+    fn path_of(&self, i: usize) -> &Path;
+}
+
+impl Source for RecordFile {
+    fn parts(&self, i: usize) -> Option<Vec<&[u8]>> {
+        RecordFile::parts(self, i)
+    }
+    fn path_of(&self, _: usize) -> &Path {
+        self.path()
+    }
+}
+
+impl Source for ShardSet {
+    fn parts(&self, i: usize) -> Option<Vec<&[u8]>> {
+        let (s, j) = self.locate(i)?;
+        self.shards[s].parts(j)
+    }
+    fn path_of(&self, i: usize) -> &Path {
+        match self.locate(i) {
+            Some((s, _)) => self.shards[s].path(),
+            None => self.shards.last().map_or(Path::new(""), RecordFile::path),
+        }
     }
 }
 
@@ -780,6 +1010,7 @@ fn worker(
         };
         let result = match records {
             Dataset::Records(r) => gather(r, pool, transform, &indices),
+            Dataset::Shards(s) => gather(s, pool, transform, &indices),
             Dataset::Folder(f) => gather_files(f, &mut reader, pool, transform, &indices),
         }
         .map(|(offsets, buf)| (indices, offsets, buf));
@@ -844,14 +1075,14 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// Copies (and transforms) the records of one batch into a pooled buffer.
 fn gather(
-    records: &RecordFile,
+    records: &dyn Source,
     pool: &PinnedPool,
     transform: Option<&Transform>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
-    let record = |i: usize| {
-        records.record(i).ok_or_else(|| Error::Records {
-            path: records.path().into(),
+    let parts = |i: usize| {
+        records.parts(i).ok_or_else(|| Error::Records {
+            path: records.path_of(i).into(),
             reason: format!("record {i} does not exist"),
         })
     };
@@ -859,25 +1090,39 @@ fn gather(
     offsets.push(0);
     match transform {
         None => {
-            let total: usize = indices
-                .iter()
-                .map(|&i| record(i).map(<[u8]>::len))
-                .sum::<Result<usize>>()?;
+            let mut all = Vec::with_capacity(indices.len());
+            let mut total = 0;
+            for &i in indices {
+                let p = parts(i)?;
+                total += p.iter().map(|p| p.len()).sum::<usize>();
+                all.push(p);
+            }
             let mut buf = pool.get(total.max(1))?;
             buf.set_len(total);
             let mut at = 0;
-            for &i in indices {
-                let r = record(i)?;
-                buf[at..at + r.len()].copy_from_slice(r);
-                at += r.len();
+            for p in all {
+                for r in p {
+                    buf[at..at + r.len()].copy_from_slice(r);
+                    at += r.len();
+                }
                 offsets.push(at);
             }
             Ok((offsets, buf))
         }
         Some(f) => {
             let mut out = Vec::new();
+            let mut joined = Vec::new();
             for &i in indices {
-                run_transform(f, i, record(i)?, &mut out)?;
+                let p = parts(i)?;
+                let record = match p.as_slice() {
+                    [one] => *one,
+                    many => {
+                        joined.clear();
+                        many.iter().for_each(|m| joined.extend_from_slice(m));
+                        &joined
+                    }
+                };
+                run_transform(f, i, record, &mut out)?;
                 offsets.push(out.len());
             }
             let mut buf = pool.get(out.len().max(1))?;
@@ -1026,7 +1271,7 @@ impl Iterator for Epoch<'_> {
                 .iter()
                 .map(|&i| f.labels().get(i).copied().unwrap_or(u32::MAX))
                 .collect(),
-            Dataset::Records(_) => Vec::new(),
+            Dataset::Records(_) | Dataset::Shards(_) => Vec::new(),
         };
         self.handed = number + 1;
         Some(Ok(Batch {

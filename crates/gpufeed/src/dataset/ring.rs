@@ -119,8 +119,8 @@ pub fn produce_epoch(
         .skip(worker)
         .step_by(workers)
     {
-        let record = |i: usize| {
-            records.record(i).ok_or_else(|| Error::Records {
+        let parts = |i: usize| {
+            records.parts(i).ok_or_else(|| Error::Records {
                 path: records.path().into(),
                 reason: format!("record {i} does not exist"),
             })
@@ -129,10 +129,22 @@ pub fn produce_epoch(
         out.clear();
         let mut offsets = Vec::with_capacity(indices.len() + 1);
         offsets.push(0u64);
+        let mut joined = Vec::new();
         for &i in &indices {
+            let p = parts(i)?;
             match transform {
-                Some(f) => crate::dataset::run_transform(f, i, record(i)?, &mut out)?,
-                None => out.extend_from_slice(record(i)?),
+                Some(f) => {
+                    let record = match p.as_slice() {
+                        [one] => *one,
+                        many => {
+                            joined.clear();
+                            many.iter().for_each(|m| joined.extend_from_slice(m));
+                            &joined
+                        }
+                    };
+                    crate::dataset::run_transform(f, i, record, &mut out)?;
+                }
+                None => p.iter().for_each(|m| out.extend_from_slice(m)),
             }
             offsets.push(out.len() as u64);
         }

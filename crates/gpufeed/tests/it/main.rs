@@ -7,6 +7,7 @@ mod gpu;
 mod host;
 mod oneshot;
 mod save;
+mod sources;
 mod workers;
 
 use gpufeed::Gpu;
