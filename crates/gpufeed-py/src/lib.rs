@@ -35,7 +35,9 @@ use dlpark::metadata::Dynamic;
 use dlpark::python::{DlpackExporter, ExportRequest, export_dlpack};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use gpufeed::cuda::cudarc::driver::DevicePtr;
-use gpufeed::dataset::{BatchData, Dataset, ImageFolder, Order, Position, RecordFile, Sampler};
+use gpufeed::dataset::{
+    BatchData, Dataset, ImageFolder, Order, Position, RecordFile, Sampler, ShardSet,
+};
 use gpufeed::safetensors::Dtype;
 use pyo3::exceptions::{PyException, PyStopIteration};
 use pyo3::prelude::*;
@@ -772,19 +774,119 @@ pub struct Batch {
     number: usize,
 }
 
-/// The data set `BatchLoader` reads: an image folder (`path` a directory), a record file with
-/// an offsets `index`, or fixed-size records.
-fn open_dataset(
+/// How the records of a data set come out as arrays: fixed-size records as `[records,
+/// record_bytes]` bytes, `.npy` rows as `[records, *row shape]` of their dtype; others 1-D.
+#[derive(Clone, Default)]
+struct RowLayout {
+    record_bytes: usize,
+    /// `.npy` rows: the dtype (safetensors name) and the shape of a row.
+    typed: Option<(&'static str, Vec<i64>)>,
+}
+
+/// The safetensors name of a little-endian (or byte-wide) numpy type string, where DLPack has
+/// the type; `None` for the others (their rows come out as bytes).
+fn npy_dtype(descr: &str) -> Option<&'static str> {
+    let body = descr.strip_prefix(['<', '|', '=']).unwrap_or(descr);
+    if descr.starts_with('>') && !body.ends_with('1') {
+        return None;
+    }
+    Some(match body.trim_start_matches('>') {
+        "b1" => "BOOL",
+        "u1" => "U8",
+        "i1" => "I8",
+        "u2" => "U16",
+        "i2" => "I16",
+        "u4" => "U32",
+        "i4" => "I32",
+        "u8" => "U64",
+        "i8" => "I64",
+        "f2" => "F16",
+        "f4" => "F32",
+        "f8" => "F64",
+        _ => return None,
+    })
+}
+
+/// Opens one record file: `.npy` rows, a WebDataset `.tar`, an offsets-indexed file, or
+/// fixed-size records.
+fn open_record_file(
     path: &std::path::Path,
     record_bytes: Option<usize>,
     index: Option<&std::path::Path>,
+) -> gpufeed::Result<RecordFile> {
+    let ext = path.extension().and_then(|e| e.to_str());
+    #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
+    let records = match (ext, record_bytes, index) {
+        // SAFETY: the class's documentation passes the promise on to the caller: the
+        // record file is not truncated or rewritten while the loader maps it.
+        (Some("npy"), None, None) => unsafe { RecordFile::open_npy(path)? },
+        // SAFETY: as above.
+        (Some("tar"), None, None) => unsafe { RecordFile::open_tar(path)? },
+        // SAFETY: as above.
+        (_, None, Some(index)) => unsafe { RecordFile::open_indexed(path, index)? },
+        // SAFETY: as above.
+        (_, Some(n), None) => unsafe { RecordFile::open_fixed(path, n)? },
+        (_, Some(_), Some(_)) => {
+            return Err(gpufeed::Error::InvalidSetting(
+                "give record_bytes (fixed-size records) or index (variable ones), not both".into(),
+            ));
+        }
+        (_, None, None) => {
+            return Err(gpufeed::Error::InvalidSetting(format!(
+                "{} is a record file: say how its records are cut, record_bytes=N or \
+                 index=OFFSETS_FILE (.npy and .tar files need neither)",
+                path.display()
+            )));
+        }
+    };
+    Ok(records)
+}
+
+/// The rows' layout of record files: typed where every file is an `.npy` of one dtype and
+/// row shape, bytes of `record_bytes` for fixed records, 1-D otherwise.
+fn row_layout(files: &[&RecordFile], record_bytes: Option<usize>) -> RowLayout {
+    let npys: Option<Vec<_>> = files.iter().map(|f| f.npy()).collect();
+    if let Some(npys) = npys
+        && let Some(first) = npys.first()
+        && npys
+            .iter()
+            .all(|n| n.descr == first.descr && n.shape.get(1..) == first.shape.get(1..))
+    {
+        let typed = npy_dtype(&first.descr).map(|d| {
+            let row: Vec<i64> = first.shape.iter().skip(1).map(|&x| x as i64).collect();
+            (d, row)
+        });
+        return RowLayout {
+            record_bytes: first.row_bytes(),
+            typed,
+        };
+    }
+    RowLayout {
+        record_bytes: record_bytes.unwrap_or(0),
+        typed: None,
+    }
+}
+
+/// The data set `BatchLoader` reads: shards (`paths` a list, or one path with a glob pattern),
+/// an image folder (a directory), or one record file; and how its rows come out.
+fn open_dataset(
+    paths: &[PathBuf],
+    record_bytes: Option<usize>,
+    index: Option<&std::path::Path>,
     skip_bad: bool,
-) -> gpufeed::Result<Dataset> {
-    if path.is_dir() {
+) -> gpufeed::Result<(Dataset, RowLayout)> {
+    let one = match paths {
+        [one] => Some(one),
+        _ => None,
+    };
+    if let Some(path) = one
+        && path.is_dir()
+    {
         if record_bytes.is_some() || index.is_some() {
             return Err(gpufeed::Error::InvalidSetting(format!(
                 "{} is a folder, read as an image folder: record_bytes and index are for \
-                 record files",
+                 record files (shards in a folder: give \"{}/*\")",
+                path.display(),
                 path.display()
             )));
         }
@@ -793,36 +895,46 @@ fn open_dataset(
         } else {
             ImageFolder::open(path)?
         };
-        return Ok(Dataset::Folder(folder));
+        return Ok((Dataset::Folder(folder), RowLayout::default()));
     }
-    #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
-    let records = match (record_bytes, index) {
-        // SAFETY: the class's documentation passes the promise on to the caller: the
-        // record file is not truncated or rewritten while the loader maps it.
-        (None, Some(index)) => unsafe { RecordFile::open_indexed(path, index)? },
-        // SAFETY: as above.
-        (Some(n), None) => unsafe { RecordFile::open_fixed(path, n)? },
-        (Some(_), Some(_)) => {
-            return Err(gpufeed::Error::InvalidSetting(
-                "give record_bytes (fixed-size records) or index (variable ones), not both".into(),
-            ));
-        }
-        (None, None) => {
-            return Err(gpufeed::Error::InvalidSetting(format!(
-                "{} is a record file: say how its records are cut, record_bytes=N or \
-                 index=OFFSETS_FILE",
-                path.display()
-            )));
-        }
+    let is_glob = one.is_some_and(|p| p.to_string_lossy().contains(['*', '?', '[']));
+    if let Some(path) = one
+        && !is_glob
+    {
+        let file = open_record_file(path, record_bytes, index)?;
+        let layout = row_layout(&[&file], record_bytes);
+        return Ok((Dataset::Records(file), layout));
+    }
+    if index.is_some() {
+        return Err(gpufeed::Error::InvalidSetting(
+            "index= is for one record file; shards are fixed records, .npy or .tar files".into(),
+        ));
+    }
+    let paths = match one {
+        Some(pattern) => gpufeed::dataset::shard_paths(pattern)?,
+        None => paths.to_vec(),
     };
-    Ok(Dataset::Records(records))
+    if paths.is_empty() {
+        return Err(gpufeed::Error::InvalidSetting(
+            "an empty list of shards".into(),
+        ));
+    }
+    let files = paths
+        .iter()
+        .map(|p| open_record_file(p, record_bytes, None))
+        .collect::<gpufeed::Result<Vec<_>>>()?;
+    let layout = row_layout(&files.iter().collect::<Vec<_>>(), record_bytes);
+    Ok((Dataset::Shards(ShardSet::new(files)), layout))
 }
 
 /// Batches of a data set, shuffled with a seed and sharded by `RANK`/`WORLD_SIZE`, on GPU
 /// `device` (or host batches with `device=None`). Iterate `loader.epoch(n)`. The data set is
 /// a record file of fixed-size records (`record_bytes=N`: batches `[records, N]`), a record
 /// file with an offsets index (`index=PATH`: little-endian u64 starts, then the last end;
-/// batches of bytes with `offsets`), or a folder of class folders, PyTorch `ImageFolder`'s
+/// batches of bytes with `offsets`), an `.npy` array (a record per row: batches `[records,
+/// *row shape]` of its dtype), a WebDataset `.tar` (a record per sample: its members back to
+/// back), shards of those (a list of paths, or a glob pattern such as `"train-*.tar"`: one
+/// data set, in the order given or sorted), or a folder of class folders, PyTorch `ImageFolder`'s
 /// layout (`path` a directory: each file's raw bytes, `offsets` and `labels`; `classes` names
 /// them; `skip_bad=True` leaves out unreadable entries instead of failing, counted in
 /// `skipped`).
@@ -838,8 +950,8 @@ pub struct BatchLoader {
     /// The loader, while no epoch runs; an epoch's thread holds it and puts it back.
     slot: Arc<Mutex<Option<gpufeed::dataset::BatchLoader>>>,
     gpu: Option<gpufeed::Gpu>,
-    /// Bytes of each record for fixed-size records (batches are 2-D), 0 otherwise.
-    record_bytes: usize,
+    /// How records come out as arrays.
+    rows: RowLayout,
     batches: usize,
     /// An image folder's class names, in label order; empty for record files.
     #[pyo3(get)]
@@ -880,7 +992,7 @@ impl BatchLoader {
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
-        path: PathBuf,
+        path: Bound<'_, PyAny>,
         record_bytes: Option<usize>,
         batch_size: usize,
         shuffle: bool,
@@ -892,8 +1004,17 @@ impl BatchLoader {
         skip_bad: bool,
         global_batch: Option<usize>,
     ) -> PyResult<Self> {
+        // One path (a file, a folder or a glob pattern), or a list of shard paths.
+        let paths: Vec<PathBuf> = match path.extract::<PathBuf>() {
+            Ok(one) => vec![one],
+            Err(_) => path.extract().map_err(|_| {
+                GpufeedError::new_err(
+                    "invalid setting: path is a file, a folder, a glob pattern or a list of shards",
+                )
+            })?,
+        };
         let made = py.detach(|| -> gpufeed::Result<_> {
-            let records = open_dataset(&path, record_bytes, index.as_deref(), skip_bad)?;
+            let (records, layout) = open_dataset(&paths, record_bytes, index.as_deref(), skip_bad)?;
             let (classes, skipped) = match &records {
                 Dataset::Folder(f) => (f.classes().to_vec(), f.skipped().len()),
                 _ => (Vec::new(), 0),
@@ -928,17 +1049,13 @@ impl BatchLoader {
                 per_rank.div_ceil(batch_size)
             };
             let loader = gpufeed::dataset::BatchLoader::new(records, sampler, cfg, gpu.as_ref())?;
-            Ok((loader, gpu, batches, classes, skipped, elastic))
+            Ok((loader, gpu, batches, classes, skipped, elastic, layout))
         });
-        let (loader, gpu, batches, classes, skipped, elastic) = made.map_err(py_err)?;
+        let (loader, gpu, batches, classes, skipped, elastic, layout) = made.map_err(py_err)?;
         Ok(BatchLoader {
             slot: Arc::new(Mutex::new(Some(loader))),
             gpu,
-            record_bytes: if index.is_none() {
-                record_bytes.unwrap_or(0)
-            } else {
-                0
-            },
+            rows: layout,
             batches,
             classes,
             skipped,
@@ -1018,7 +1135,7 @@ impl BatchLoader {
         Ok(EpochIter {
             rx: Mutex::new(rx),
             gpu: self.gpu.clone(),
-            record_bytes: self.record_bytes,
+            rows: self.rows.clone(),
             elastic: self.elastic.map(|e| (e, epoch, start)),
             handed: Mutex::new(0),
         })
@@ -1030,7 +1147,7 @@ impl BatchLoader {
 pub struct EpochIter {
     rx: Mutex<mpsc::Receiver<gpufeed::Result<gpufeed::dataset::Batch>>>,
     gpu: Option<gpufeed::Gpu>,
-    record_bytes: usize,
+    rows: RowLayout,
     /// An elastic loader's facts, the epoch and the sample it started from.
     elastic: Option<(Elastic, u64, u64)>,
     /// Batches handed to Python (the thread may have prepared more).
@@ -1105,12 +1222,20 @@ impl EpochIter {
                 Owner::new(Storage::Host(buf), None),
             ),
         };
-        let shape = if records * self.record_bytes == nbytes {
-            vec![records as i64, self.record_bytes as i64]
+        let rows = &self.rows;
+        let whole = rows.record_bytes > 0 && records * rows.record_bytes == nbytes;
+        let shape = if whole {
+            vec![records as i64, rows.record_bytes as i64]
         } else {
             vec![nbytes as i64]
         };
-        let data = Array::bytes(Arc::new(owner), base, nbytes, device, Some(shape));
+        let mut data = Array::bytes(Arc::new(owner), base, nbytes, device, Some(shape));
+        if whole && let Some((dtype, row)) = &rows.typed {
+            let shape: Vec<i64> = std::iter::once(records as i64)
+                .chain(row.iter().copied())
+                .collect();
+            data = data.view_of(0, nbytes, dtype, shape)?;
+        }
         Ok(Batch {
             data: Py::new(py, data)?,
             indices: b.indices,

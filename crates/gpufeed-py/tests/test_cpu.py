@@ -279,3 +279,61 @@ def test_an_elastic_loader_resumes_with_another_world_size(tmp_path, monkeypatch
         gpufeed.BatchLoader(path, record_bytes=size).epoch(0).position()
     with pytest.raises(gpufeed.GpufeedError, match="divide"):
         rank(0, 5)
+
+
+def test_npy_rows_come_out_with_their_dtype_and_shape(tmp_path):
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal((n, 3, 5)).astype(np.float32) for n in (37, 1, 20)]
+    for i, a in enumerate(arrays):
+        np.save(tmp_path / f"part-{i}.npy", a)
+    whole = np.concatenate(arrays)
+    for path in (str(tmp_path / "part-*.npy"), [tmp_path / f"part-{i}.npy" for i in range(3)]):
+        loader = gpufeed.BatchLoader(path, batch_size=8, seed=1)
+        seen = []
+        for batch in loader.epoch(0):
+            host = np.from_dlpack(batch.data)
+            assert host.dtype == np.float32 and host.shape == (len(batch.indices), 3, 5)
+            np.testing.assert_array_equal(host, whole[batch.indices])
+            seen.extend(batch.indices)
+        assert sorted(seen) == list(range(len(whole)))
+    # One .npy file alone; a truncated one is named.
+    single = gpufeed.BatchLoader(tmp_path / "part-0.npy", batch_size=64, shuffle=False)
+    np.testing.assert_array_equal(np.from_dlpack(next(single.epoch(0)).data), arrays[0])
+    cut = tmp_path / "cut.npy"
+    cut.write_bytes((tmp_path / "part-0.npy").read_bytes()[:-3])
+    with pytest.raises(gpufeed.GpufeedError, match="cut.npy"):
+        gpufeed.BatchLoader(cut)
+
+
+def test_webdataset_tar_samples_arrive_whole(tmp_path):
+    import io
+    import tarfile
+
+    rng = np.random.default_rng(9)
+    samples = {}
+    for shard in range(2):
+        with tarfile.open(tmp_path / f"train-{shard}.tar", "w") as tar:  # pax headers
+            for s in range(25):
+                key = f"{'deep/' * 30}s{shard}_{s:04}"  # a long name: a pax header
+                parts = [("jpg", rng.integers(0, 256, int(rng.integers(1, 4000)),
+                                              dtype=np.uint8).tobytes()),
+                         ("cls", str(s % 3).encode())]
+                for ext, data in parts:
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                samples[(shard, s)] = b"".join(d for _, d in parts)
+    loader = gpufeed.BatchLoader(str(tmp_path / "train-*.tar"), batch_size=10, seed=3)
+    want = [samples[(sh, s)] for sh in range(2) for s in range(25)]
+    got = {}
+    for batch in loader.epoch(0):
+        host = np.from_dlpack(batch.data).tobytes()
+        for k, i in enumerate(batch.indices):
+            got[i] = host[batch.offsets[k]:batch.offsets[k + 1]]
+    assert [got[i] for i in range(len(want))] == want, "each sample's members back to back"
+    bad = tmp_path / "bad.tar"
+    raw = bytearray((tmp_path / "train-0.tar").read_bytes())
+    raw[1024 + 10] ^= 0xFF  # the first member's own header, after the pax header and its data
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(gpufeed.GpufeedError, match=r"bad\.tar.*offset"):
+        gpufeed.BatchLoader(bad)
