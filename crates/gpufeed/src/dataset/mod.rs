@@ -2,8 +2,9 @@
 //! [`ImageFolder`]: one file per sample in class folders), a sampler (sequential, shuffled by
 //! seed, sharded by rank; or elastic, whose [`Position`] resumes a run mid-epoch with another
 //! world size), and a [`BatchLoader`] whose worker threads gather records into
-//! pinned (or, without a GPU, locked) buffers while earlier batches are uploaded — double
-//! buffering — and which yields device batches in a fixed order.
+//! pinned (or, without a GPU, locked) buffers and upload them, several batches in flight, and
+//! which yields the batches in a fixed order. Records come from a file of fixed or indexed
+//! records, an `.npy` array, a WebDataset tar shard ([`sources`]), or a [`ShardSet`] of them.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -724,7 +725,7 @@ pub struct LoaderStats {
     pub batches: u64,
     /// Bytes yielded.
     pub bytes: u64,
-    /// Seconds spent uploading.
+    /// Seconds spent uploading, summed over the workers (their uploads overlap).
     pub upload_s: f64,
     /// Seconds the consumer waited for workers.
     pub waited_s: f64,
@@ -754,7 +755,8 @@ pub struct BatchLoader {
     cfg: LoaderConfig,
     transform: Option<Transform>,
     pool: PinnedPool,
-    gpu: Option<(Gpu, TransferScheduler)>,
+    /// The GPU and the scheduler the workers upload their batches through.
+    gpu: Option<(Gpu, Arc<TransferScheduler>)>,
     stats: LoaderStats,
 }
 
@@ -798,7 +800,7 @@ impl BatchLoader {
                 let sched = TransferScheduler::new(g, TransferConfig::default())?;
                 (
                     PinnedPool::new(PoolMode::Cuda(g.context().clone()), pool_cfg)?,
-                    Some((g.clone(), sched)),
+                    Some((g.clone(), Arc::new(sched))),
                 )
             }
             None => (PinnedPool::new(PoolMode::Cpu, pool_cfg)?, None),
@@ -947,9 +949,18 @@ impl BatchLoader {
                     self.pool.clone(),
                     self.transform.clone(),
                 );
+                let sched = self.gpu.as_ref().map(|(_, s)| Arc::clone(s));
                 std::thread::Builder::new()
                     .name(format!("gpufeed-batch-{i}"))
-                    .spawn(move || worker(&shared, &tx, &records, &pool, transform.as_ref()))
+                    .spawn(move || {
+                        let job = Job {
+                            records: &records,
+                            pool: &pool,
+                            transform: transform.as_ref(),
+                            sched: sched.as_deref(),
+                        };
+                        worker(&shared, &tx, &job);
+                    })
                     .map_err(|source| Error::ThreadStart {
                         what: "a batch worker thread",
                         source,
@@ -983,16 +994,28 @@ struct Shared {
 }
 
 /// A gathered batch: record indices, offsets, bytes.
-type Gathered = (Vec<usize>, Vec<usize>, PooledBuffer);
+/// A prepared batch: record indices, offsets, the bytes (on the GPU where there is one) and
+/// the seconds its upload took.
+type Gathered = (Vec<usize>, Vec<usize>, BatchData, f64);
 type Prepared = (usize, Result<Gathered>);
 
-fn worker(
-    shared: &Shared,
-    tx: &mpsc::Sender<Prepared>,
-    records: &Dataset,
-    pool: &PinnedPool,
-    transform: Option<&Transform>,
-) {
+/// What a worker thread prepares batches from.
+struct Job<'a> {
+    records: &'a Dataset,
+    pool: &'a PinnedPool,
+    transform: Option<&'a Transform>,
+    /// Where there is a GPU: each worker uploads the batch it gathered, so that the uploads
+    /// of several batches overlap each other and the gathering of the next ones.
+    sched: Option<&'a TransferScheduler>,
+}
+
+fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
+    let Job {
+        records,
+        pool,
+        transform,
+        sched,
+    } = *job;
     // A folder's files are read with one io_uring reader per worker, kept for the epoch.
     let mut reader = None;
     loop {
@@ -1013,7 +1036,14 @@ fn worker(
             Dataset::Shards(s) => gather(s, pool, transform, &indices),
             Dataset::Folder(f) => gather_files(f, &mut reader, pool, transform, &indices),
         }
-        .map(|(offsets, buf)| (indices, offsets, buf));
+        .and_then(|(offsets, buf)| {
+            let Some(sched) = sched else {
+                return Ok((indices, offsets, BatchData::Host(buf), 0.0));
+            };
+            let t = Instant::now();
+            let (d, _) = sched.upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool)?;
+            Ok((indices, offsets, BatchData::Device(d), t.elapsed().as_secs_f64()))
+        });
         if tx.send((number, result)).is_err() {
             return;
         }
@@ -1239,7 +1269,7 @@ impl Iterator for Epoch<'_> {
         }
         let number = self.next;
         self.next += 1;
-        let (indices, offsets, buf) = match prepared {
+        let (indices, offsets, data, upload_s) = match prepared {
             Ok(p) => p,
             Err(e) => {
                 if matches!(e, Error::Transform { panicked: true, .. }) {
@@ -1252,18 +1282,7 @@ impl Iterator for Epoch<'_> {
             }
         };
         let bytes = *offsets.last().unwrap_or(&0);
-        let data = match &self.loader.gpu {
-            None => BatchData::Host(buf),
-            Some((_, sched)) => {
-                let t = Instant::now();
-                let uploaded = sched.upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool);
-                self.loader.stats.upload_s += t.elapsed().as_secs_f64();
-                match uploaded {
-                    Ok((d, _)) => BatchData::Device(d),
-                    Err(e) => return Some(Err(e.into())),
-                }
-            }
-        };
+        self.loader.stats.upload_s += upload_s;
         self.loader.stats.batches += 1;
         self.loader.stats.bytes += bytes as u64;
         let labels = match &*self.loader.records {
