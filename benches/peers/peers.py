@@ -8,6 +8,8 @@ Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> lis
        package.
        peers.py --python-checkpoints FEW MANY REPS -> table 10: the Python package against
        safetensors.torch on a checkpoint of 16 tensors and the same bytes in 10,000 tensors.
+       peers.py --records FILE RECORD BATCH REPS -> PyTorch's DataLoader and gpufeed's Python
+       BatchLoader on the same records of FILE.
        peers.py --image-folder ROOT REPS -> PyTorch's DataLoader over an image folder (raw file
        bytes, batches of 256 shuffled, num_workers=8, pin_memory=True, each batch to the GPU):
        {name: list of GB/s per epoch}.
@@ -221,6 +223,71 @@ def python_checkpoints(few, many, reps):
     print(json.dumps(results))
 
 
+def records_peers(path, record, batch, reps):
+    """Issue 17's comparison: PyTorch's DataLoader (a map-style dataset over a numpy memmap,
+    shuffled, num_workers=8, pin_memory=True, each batch to the GPU) and gpufeed's Python
+    BatchLoader (8 workers, device batches) on the same records of `path`: GB/s per epoch (the
+    first epoch of each warms up and is not counted)."""
+    import numpy as np
+    import torch
+
+    results = {}
+    size = os.path.getsize(path) // record * record
+
+    def epochs(run):
+        out = []
+        for e in range(reps + 1):
+            t = time.perf_counter()
+            n = run(e)
+            torch.cuda.synchronize()
+            if e:
+                out.append(n / (time.perf_counter() - t) / 1e9)
+        return out
+
+    def dataloader():
+        data = np.memmap(path, dtype=np.uint8, mode="r", shape=(size // record, record))
+
+        class Records(torch.utils.data.Dataset):
+            def __len__(self):
+                return data.shape[0]
+
+            def __getitem__(self, i):
+                return torch.from_numpy(np.array(data[i]))
+
+        loader = torch.utils.data.DataLoader(
+            Records(), batch_size=batch, shuffle=True, num_workers=8, pin_memory=True,
+            drop_last=True, persistent_workers=True)
+
+        def run(_):
+            n = 0
+            for b in loader:
+                n += b.cuda(non_blocking=True).numel()
+            return n
+
+        return epochs(run)
+
+    def gpufeed_loader():
+        import gpufeed
+
+        loader = gpufeed.BatchLoader(path, record_bytes=record, batch_size=batch, seed=1,
+                                     device=0, workers=8, drop_last=True)
+
+        def run(e):
+            n = 0
+            for b in loader.epoch(e):
+                n += gpufeed.as_tensor(b.data).numel()
+            return n
+
+        return epochs(run)
+
+    kib = record >> 10
+    attempt(results, f"PyTorch DataLoader, {kib} KiB records, batches of {batch}, "
+            "8 workers, pinned, to the GPU", dataloader)
+    attempt(results, "gpufeed (Python) BatchLoader, same records, 8 workers, device batches",
+            gpufeed_loader)
+    print(json.dumps(results))
+
+
 def main():
     if sys.argv[1] == "--one-shot":
         one_shot(sys.argv[2])
@@ -232,6 +299,9 @@ def main():
         return
     if sys.argv[1] == "--python-checkpoints":
         python_checkpoints(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
+    if sys.argv[1] == "--records":
+        records_peers(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         return
     if sys.argv[1] == "--image-folder":
         image_folder(sys.argv[2], int(sys.argv[3]))

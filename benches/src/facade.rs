@@ -36,6 +36,10 @@ pub struct FacadeBench {
     pub one_shot_on_checkpoint: Vec<crate::oneshot::OnRun>,
     /// BatchLoader over the file as 64 KiB records, 256 per batch, 8 workers, device batches.
     pub batch_loader_gbps: Samples,
+    /// The cores busy meanwhile.
+    pub batch_loader_cores: Samples,
+    /// The same as 4 KiB records.
+    pub batch_loader_4k: crate::loader::Epochs,
 }
 
 /// Writes a safetensors file of about `bytes` in `tensors` F16 tensors of random bytes (unless
@@ -185,14 +189,18 @@ pub fn measure(
         c.push(r.gbps());
         drop(buf);
     }
-    progress("batch loader: the file as 64 KiB records, 256 per batch, 8 workers, to the GPU");
+    progress(
+        "batch loader: the file as 64 KiB and 4 KiB records, 256 per batch, 8 workers, to the GPU",
+    );
     cache::warm(file)?;
+    // Each worker gathers and uploads its batch: two batches in flight per worker.
     let cfg = gpufeed::dataset::LoaderConfig::default()
         .with_batch_size(256)
         .with_drop_last(true)
-        .with_prefetch(4)
+        .with_prefetch(16)
         .with_workers(8);
-    let batch_loader = crate::loader::epochs_gbps(file, 64 << 10, cfg, 1, Some(gpu), reps)?;
+    let batch_loader = crate::loader::epochs(file, 64 << 10, cfg.clone(), 1, Some(gpu), reps)?;
+    let batch_loader_4k = crate::loader::epochs(file, 4 << 10, cfg, 1, Some(gpu), reps)?;
     Ok(FacadeBench {
         file_bytes: len,
         warm_default_gbps: Samples::new(d),
@@ -210,6 +218,8 @@ pub fn measure(
         one_shot_checkpoint,
         one_shot_on_file,
         one_shot_on_checkpoint,
-        batch_loader_gbps: batch_loader,
+        batch_loader_gbps: batch_loader.gbps,
+        batch_loader_cores: batch_loader.cores_busy,
+        batch_loader_4k,
     })
 }

@@ -206,7 +206,19 @@ pub fn measure(
     let peers = if peers {
         progress("peers: PyTorch, kvikio, safetensors, fastsafetensors (benches/peers/peers.py)");
         let st = dir.join(format!("model-{file_bytes}.safetensors"));
-        Some(run_peers(&path, &st, reps))
+        let mut all = run_peers(&path, &st, reps);
+        progress("peers: PyTorch's DataLoader on the batch loader's records");
+        let records = run_peer_script(&[
+            "--records".into(),
+            path.display().to_string(),
+            (64 << 10).to_string(),
+            "256".into(),
+            reps.to_string(),
+        ]);
+        if let (Some(all), Some(records)) = (all.as_object_mut(), records.as_object()) {
+            all.extend(records.clone());
+        }
+        Some(all)
     } else {
         None
     };

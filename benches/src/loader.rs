@@ -25,22 +25,42 @@ pub struct LoaderBench {
     pub resume_ms: Samples,
 }
 
-/// GB/s of `reps` epochs of one `BatchLoader` over `path` as records of `record` bytes
-/// (shuffled by `seed`), onto `gpu` or into host batches. The loader is built once, so its
-/// pinned pool and streams are allocated before the first epoch, not in every measurement.
-pub fn epochs_gbps(
+/// Seconds of CPU this process has used so far (user and system, all threads).
+pub fn cpu_seconds() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given (zeroed, so initialised either way).
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+/// Epochs of a loader: GB/s, and the cores busy meanwhile (CPU seconds over wall seconds).
+#[derive(Debug, Serialize)]
+pub struct Epochs {
+    pub gbps: Samples,
+    pub cores_busy: Samples,
+}
+
+/// `reps` epochs of one `BatchLoader` over `path` as records of `record` bytes (shuffled by
+/// `seed`), onto `gpu` or into host batches. The loader is built once, so its pinned pool and
+/// streams are allocated before the first epoch, not in every measurement.
+pub fn epochs(
     path: &Path,
     record: usize,
     cfg: LoaderConfig,
     seed: u64,
     gpu: Option<&gpufeed::Gpu>,
     reps: usize,
-) -> Result<Samples> {
+) -> Result<Epochs> {
     // SAFETY: the bench's data files are written once and never changed while mapped.
     let records = unsafe { RecordFile::open_fixed(path, record)? };
     let mut loader = BatchLoader::new(records, Sampler::new(Order::Shuffled { seed }), cfg, gpu)?;
-    let mut runs = Vec::new();
+    let (mut runs, mut cores) = (Vec::new(), Vec::new());
     for epoch in 0..=reps as u64 {
+        let cpu = cpu_seconds();
         let (secs, bytes) = timed(|| -> Result<u64> {
             let mut bytes = 0;
             for b in loader.epoch(epoch)? {
@@ -51,9 +71,13 @@ pub fn epochs_gbps(
         let rate = gbps(bytes?, secs);
         if epoch > 0 {
             runs.push(rate); // epoch 0 warms the pool
+            cores.push((cpu_seconds() - cpu) / secs);
         }
     }
-    Ok(Samples::new(runs))
+    Ok(Epochs {
+        gbps: Samples::new(runs),
+        cores_busy: Samples::new(cores),
+    })
 }
 
 pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
@@ -69,7 +93,7 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         record_bytes: RECORD,
         batch_size: BATCH,
         workers,
-        host_gbps: epochs_gbps(dataset, RECORD, cfg, 3, None, reps)?,
+        host_gbps: epochs(dataset, RECORD, cfg, 3, None, reps)?.gbps,
         resume_records,
         resume_ms,
     })

@@ -508,9 +508,18 @@ fn facade_table(s: &mut String, g: &GpuBench) {
     );
     let _ = writeln!(
         s,
-        "| BatchLoader: 64 KiB records in shuffled batches of 256, 8 workers, device batches | {} | {} |",
+        "| BatchLoader: 64 KiB records in shuffled batches of 256, 8 workers, device batches | {} | {}; {:.1} cores busy, {:.1} GB/s per core |",
         f.batch_loader_gbps.show(1),
-        share(f.batch_loader_gbps.median, limit, "the pinned limit")
+        share(f.batch_loader_gbps.median, limit, "the pinned limit"),
+        f.batch_loader_cores.median,
+        f.batch_loader_gbps.median / f.batch_loader_cores.median
+    );
+    let _ = writeln!(
+        s,
+        "| BatchLoader: the same as 4 KiB records | {} | {}; {:.1} cores busy |",
+        f.batch_loader_4k.gbps.show(1),
+        share(f.batch_loader_4k.gbps.median, limit, "the pinned limit"),
+        f.batch_loader_4k.cores_busy.median
     );
     let _ = writeln!(
         s,

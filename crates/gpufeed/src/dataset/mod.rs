@@ -1042,7 +1042,12 @@ fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
             };
             let t = Instant::now();
             let (d, _) = sched.upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool)?;
-            Ok((indices, offsets, BatchData::Device(d), t.elapsed().as_secs_f64()))
+            Ok((
+                indices,
+                offsets,
+                BatchData::Device(d),
+                t.elapsed().as_secs_f64(),
+            ))
         });
         if tx.send((number, result)).is_err() {
             return;
