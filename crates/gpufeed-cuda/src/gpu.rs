@@ -128,6 +128,19 @@ impl Gpu {
         (0..count).map(|i| info(i, topology.as_ref())).collect()
     }
 
+    /// Runs `f`, then makes the calling thread's current CUDA context what it was before
+    /// (none, or another GPU's): [`ContextGuard`] around `f`.
+    ///
+    /// # Example
+    /// ```no_run
+    /// let gpu = gpufeed_cuda::Gpu::keeping_current_context(|| gpufeed_cuda::Gpu::open(1))?;
+    /// # Ok::<(), gpufeed_cuda::Error>(())
+    /// ```
+    pub fn keeping_current_context<R>(f: impl FnOnce() -> R) -> R {
+        let _guard = ContextGuard::new();
+        f()
+    }
+
     /// Opens GPU `ordinal`.
     ///
     /// # Errors
@@ -271,5 +284,51 @@ mod tests {
         assert_eq!(super::link_gen("8.0 GT/s PCIe"), Some(3));
         assert_eq!(super::link_gen("2.5 GT/s"), Some(1));
         assert_eq!(super::link_gen("Unknown"), None);
+    }
+}
+
+/// Puts the calling thread's current CUDA context back as it was when the guard was made
+/// (none, or another GPU's) when it is dropped. gpufeed binds a GPU's context to the thread
+/// that works on it; a caller sharing the thread with a framework that tracks "the current
+/// device" through that context (PyTorch's `torch.cuda.current_device()`) holds a guard over
+/// its calls, so that a load onto GPU 1 does not switch the framework to GPU 1.
+#[derive(Debug)]
+pub struct ContextGuard {
+    /// The context current before (`Some(None)`: none); `None` without a driver.
+    before: Option<Option<sys::CUcontext>>,
+}
+
+impl ContextGuard {
+    /// Notes the thread's current context (nothing without a CUDA driver).
+    pub fn new() -> Self {
+        let before = match driver() {
+            Ok(()) => result::ctx::get_current().ok(),
+            Err(_) => None,
+        };
+        ContextGuard { before }
+    }
+}
+
+impl Default for ContextGuard {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let Some(before) = self.before else {
+            return;
+        };
+        if result::ctx::get_current().ok().flatten() == before {
+            return;
+        }
+        let ctx = before.unwrap_or(std::ptr::null_mut());
+        // SAFETY: `ctx` was the thread's current context when the guard was made (a primary
+        // context stays alive while whoever made it current holds it), or null, which unbinds
+        // the thread.
+        if let Err(e) = unsafe { result::ctx::set_current(ctx) } {
+            tracing::warn!("restoring the thread's CUDA context failed: {e}");
+        }
     }
 }

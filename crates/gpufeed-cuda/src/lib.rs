@@ -54,7 +54,7 @@ mod raw;
 mod transfer;
 
 pub use error::{CUresult, Error, Result};
-pub use gpu::{DeviceAlloc, Gpu, GpuInfo};
+pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
 pub use transfer::{

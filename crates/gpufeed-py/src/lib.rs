@@ -483,6 +483,7 @@ impl Loader {
         start: u64,
         end: Option<u64>,
     ) -> PyResult<Array> {
+        let _context = gpufeed::cuda::ContextGuard::new();
         let inner = Arc::clone(&self.inner);
         let buf = py.detach(move || {
             reaper::wait_idle();
@@ -504,6 +505,7 @@ impl Loader {
     #[new]
     #[pyo3(signature = (device=0, strategy="auto"))]
     fn py_new(py: Python<'_>, device: usize, strategy: &str) -> PyResult<Self> {
+        let _context = gpufeed::cuda::ContextGuard::new();
         let opts = gpufeed::LoadOptions::default().with_strategy(self::strategy(strategy)?);
         let inner = py
             .detach(|| gpufeed::Loader::open(device, opts))
@@ -535,6 +537,7 @@ impl Loader {
     /// names, shapes, strides, element offsets)`, and `odd` the others as `(name, dtype, shape,
     /// start, end)` in bytes.
     fn load_safetensors_files(&self, py: Python<'_>, path: PathBuf) -> PyResult<Vec<FileTensors>> {
+        let _context = gpufeed::cuda::ContextGuard::new();
         // The headers are read once, by the load (a second parse costs ~1 us per tensor); a
         // dtype torch cannot take is refused after it, before any tensor is handed out.
         let inner = Arc::clone(&self.inner);
@@ -626,6 +629,7 @@ fn has_shared_loader(device: usize) -> bool {
 
 /// One loader per device for the module-level functions.
 fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
+    let _context = gpufeed::cuda::ContextGuard::new();
     let loaders = loaders();
     if let Some(l) = loaders
         .lock()
@@ -708,6 +712,7 @@ fn from_json<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<
 #[pyfunction]
 #[pyo3(signature = (path=None))]
 fn doctor(py: Python<'_>, path: Option<PathBuf>) -> PyResult<Bound<'_, PyAny>> {
+    let _context = gpufeed::cuda::ContextGuard::new();
     let checks = py.detach(|| gpufeed::doctor::run(path.as_deref()));
     let value = serde_json::to_value(&checks).map_err(|e| GpufeedError::new_err(e.to_string()))?;
     from_json(py, &value)
@@ -725,6 +730,7 @@ fn advise(
     processes: usize,
     measure: bool,
 ) -> PyResult<Bound<'_, PyAny>> {
+    let _context = gpufeed::cuda::ContextGuard::new();
     let result = py.detach(|| -> gpufeed::Result<serde_json::Value> {
         let workload = match (size, &path) {
             (Some(size_bytes), _) => gpufeed::advise::Workload {
@@ -939,7 +945,8 @@ fn open_dataset(
 /// them; `skip_bad=True` leaves out unreadable entries instead of failing, counted in
 /// `skipped`).
 ///
-/// `global_batch=G` makes it elastic: each step's G records are the same whatever
+/// `workers` threads gather batches (default: one per core, up to 8) and `prefetch` batches are
+/// prepared ahead (default: two per worker: each worker gathers and uploads its own). `global_batch=G` makes it elastic: each step's G records are the same whatever
 /// `WORLD_SIZE` (one that divides G; each rank gets G / WORLD_SIZE, `batch_size` is ignored),
 /// `EpochIter.position()` says where the run is (a dict, JSON-ready) and `resume(position)`
 /// goes on from there with the same or another world size.
@@ -988,7 +995,7 @@ impl Elastic {
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -1003,7 +1010,9 @@ impl BatchLoader {
         index: Option<PathBuf>,
         skip_bad: bool,
         global_batch: Option<usize>,
+        prefetch: Option<usize>,
     ) -> PyResult<Self> {
+        let _context = gpufeed::cuda::ContextGuard::new();
         // One path (a file, a folder or a glob pattern), or a list of shard paths.
         let paths: Vec<PathBuf> = match path.extract::<PathBuf>() {
             Ok(one) => vec![one],
@@ -1037,9 +1046,12 @@ impl BatchLoader {
             let batch_size = sampler.rank_batch().unwrap_or(batch_size);
             let mut cfg = gpufeed::dataset::LoaderConfig::default().with_batch_size(batch_size);
             cfg.drop_last = drop_last;
-            if let Some(w) = workers {
-                cfg.workers = w;
-            }
+            // Default: a worker per core, up to 8 (what the bench's BatchLoader rows use).
+            cfg.workers = workers.unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(2, |n| n.get().min(8))
+            });
+            // Each worker gathers and uploads a batch: two in flight per worker.
+            cfg.prefetch = prefetch.unwrap_or(2 * cfg.workers).max(1);
             let gpu = device.map(gpufeed::Gpu::open).transpose()?;
             let n = records.len();
             let per_rank = sampler.epoch(n, 0).len();
@@ -1191,6 +1203,7 @@ impl EpochIter {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
+        let _context = gpufeed::cuda::ContextGuard::new();
         let next = py.detach(|| {
             self.rx
                 .lock()

@@ -396,3 +396,47 @@ fn small_uploads_are_shared_by_the_fill_threads() {
         xxh3_64(&data)
     );
 }
+
+/// Work on a GPU inside a `ContextGuard` leaves the thread's current context as it was: none
+/// on a fresh thread; GPU 0's while GPU 1 (where there is one) is opened and written.
+#[test]
+fn a_context_guard_puts_the_current_context_back() {
+    let Some(gpu) = crate::gpu_or_skip("a_context_guard_puts_the_current_context_back") else {
+        return;
+    };
+    use gpufeed_cuda::cudarc::driver::result::ctx::get_current;
+    std::thread::spawn(move || {
+        assert_eq!(
+            get_current().expect("cuCtxGetCurrent"),
+            None,
+            "a fresh thread"
+        );
+        {
+            let _guard = gpufeed_cuda::ContextGuard::new();
+            let dev = gpu.alloc_zeroed(4096).expect("alloc");
+            assert!(
+                get_current().expect("current").is_some(),
+                "the work bound GPU 0"
+            );
+            drop(dev);
+        }
+        assert_eq!(get_current().expect("current"), None, "unbound again");
+        gpu.context().bind_to_thread().expect("bind GPU 0");
+        let mine = get_current().expect("current");
+        let other = gpufeed_cuda::Gpu::keeping_current_context(|| {
+            let g1 = gpufeed_cuda::Gpu::open(usize::from(
+                gpufeed_cuda::Gpu::count().expect("count") > 1,
+            ))
+            .expect("open");
+            drop(g1.alloc_zeroed(4096).expect("alloc"));
+            g1.info().ordinal
+        });
+        assert_eq!(
+            get_current().expect("current"),
+            mine,
+            "GPU {other}'s work left GPU 0 current"
+        );
+    })
+    .join()
+    .expect("the thread");
+}
