@@ -309,6 +309,13 @@ impl ContextGuard {
     }
 }
 
+// SAFETY: a CUcontext is a handle the driver accepts on any thread; the guard only compares
+// it and makes it current again (on the thread that drops the guard, which its users keep to
+// the thread that made it: a guard lives within one call).
+unsafe impl Send for ContextGuard {}
+// SAFETY: as above; a shared guard gives no access to the handle.
+unsafe impl Sync for ContextGuard {}
+
 impl Default for ContextGuard {
     fn default() -> Self {
         Self::new()

@@ -109,6 +109,37 @@ impl Drop for Owner {
     }
 }
 
+/// A Python object's last field: its `Drop` stores a [`gpufeed::cuda::ContextGuard`] here
+/// before the other fields go (they may bind their GPU's context to the dropping thread:
+/// streams, staging, device memory), and the guard, dropped after them, puts back the context
+/// that was current (torch's device).
+#[derive(Default)]
+struct KeepContext(Option<gpufeed::cuda::ContextGuard>);
+
+impl KeepContext {
+    fn arm(&mut self) {
+        self.0 = Some(gpufeed::cuda::ContextGuard::new());
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.restore.arm();
+    }
+}
+
+impl Drop for BatchLoader {
+    fn drop(&mut self) {
+        self.restore.arm();
+    }
+}
+
+impl Drop for EpochIter {
+    fn drop(&mut self) {
+        self.restore.arm();
+    }
+}
+
 /// Waits for `gpu`'s queued work, then frees `storage`.
 fn free_after_queued_work(gpu: &gpufeed::Gpu, storage: Storage) {
     if let Err(e) = gpu.context().synchronize() {
@@ -473,6 +504,8 @@ fn strategy(name: &str) -> PyResult<gpufeed::Strategy> {
 #[pyclass(frozen, module = "gpufeed._gpufeed")]
 pub struct Loader {
     inner: Arc<gpufeed::Loader>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
+    restore: KeepContext,
 }
 
 impl Loader {
@@ -512,6 +545,7 @@ impl Loader {
             .map_err(py_err)?;
         Ok(Loader {
             inner: Arc::new(inner),
+            restore: KeepContext::default(),
         })
     }
 
@@ -654,6 +688,7 @@ fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>
 fn load_file(py: Python<'_>, path: PathBuf, device: usize) -> PyResult<Array> {
     Loader {
         inner: shared_loader(py, device)?,
+        restore: KeepContext::default(),
     }
     .load_file(py, path)
 }
@@ -670,6 +705,7 @@ fn load_range(
 ) -> PyResult<Array> {
     Loader {
         inner: shared_loader(py, device)?,
+        restore: KeepContext::default(),
     }
     .load_range(py, path, start, end)
 }
@@ -691,6 +727,7 @@ fn load_safetensors_files(
     }
     Loader {
         inner: shared_loader(py, device)?,
+        restore: KeepContext::default(),
     }
     .load_safetensors_files(py, path)
 }
@@ -969,6 +1006,8 @@ pub struct BatchLoader {
     /// For an elastic loader (`global_batch=`): the order, the global batch, the records and
     /// whether a last partial global batch is dropped, for positions.
     elastic: Option<Elastic>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
+    restore: KeepContext,
 }
 
 /// What an elastic loader's positions are made of.
@@ -1072,6 +1111,7 @@ impl BatchLoader {
             classes,
             skipped,
             elastic,
+            restore: KeepContext::default(),
         })
     }
 
@@ -1150,6 +1190,7 @@ impl BatchLoader {
             rows: self.rows.clone(),
             elastic: self.elastic.map(|e| (e, epoch, start)),
             handed: Mutex::new(0),
+            restore: KeepContext::default(),
         })
     }
 }
@@ -1164,6 +1205,8 @@ pub struct EpochIter {
     elastic: Option<(Elastic, u64, u64)>,
     /// Batches handed to Python (the thread may have prepared more).
     handed: Mutex<usize>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
+    restore: KeepContext,
 }
 
 #[pymethods]
