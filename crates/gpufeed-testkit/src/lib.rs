@@ -272,3 +272,21 @@ impl Drop for TestMount {
         let _ = Command::new("umount").arg(self.dir.path()).status();
     }
 }
+
+/// The bytes of an `.npy` file as numpy writes them (format 1.0, the header padded with spaces
+/// to a multiple of 64 bytes): `descr` such as `<u2`, `shape` such as `(40, 7)`, then `data`.
+pub fn npy_bytes(descr: &str, fortran: bool, shape: &str, data: &[u8]) -> Vec<u8> {
+    let mut header = format!(
+        "{{'descr': '{descr}', 'fortran_order': {}, 'shape': {shape}, }}",
+        if fortran { "True" } else { "False" }
+    );
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}

@@ -1055,6 +1055,19 @@ fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
     }
 }
 
+/// A record's parts as one slice: the part itself, or the parts copied into `scratch` (a tar
+/// sample's members, for a transform that takes one slice).
+pub(crate) fn contiguous<'a>(parts: &[&'a [u8]], scratch: &'a mut Vec<u8>) -> &'a [u8] {
+    match parts {
+        [one] => one,
+        many => {
+            scratch.clear();
+            many.iter().for_each(|m| scratch.extend_from_slice(m));
+            scratch
+        }
+    }
+}
+
 /// Runs the user's transform on record `i`: its error, or its panic, becomes
 /// [`Error::Transform`] (a panic must not kill the worker, which would leave the epoch waiting
 /// for a batch that nobody makes).
@@ -1149,15 +1162,7 @@ fn gather(
             let mut joined = Vec::new();
             for &i in indices {
                 let p = parts(i)?;
-                let record = match p.as_slice() {
-                    [one] => *one,
-                    many => {
-                        joined.clear();
-                        many.iter().for_each(|m| joined.extend_from_slice(m));
-                        &joined
-                    }
-                };
-                run_transform(f, i, record, &mut out)?;
+                run_transform(f, i, contiguous(&p, &mut joined), &mut out)?;
                 offsets.push(out.len());
             }
             let mut buf = pool.get(out.len().max(1))?;

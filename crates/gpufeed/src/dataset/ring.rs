@@ -134,14 +134,7 @@ pub fn produce_epoch(
             let p = parts(i)?;
             match transform {
                 Some(f) => {
-                    let record = match p.as_slice() {
-                        [one] => *one,
-                        many => {
-                            joined.clear();
-                            many.iter().for_each(|m| joined.extend_from_slice(m));
-                            &joined
-                        }
-                    };
+                    let record = crate::dataset::contiguous(&p, &mut joined);
                     crate::dataset::run_transform(f, i, record, &mut out)?;
                 }
                 None => p.iter().for_each(|m| out.extend_from_slice(m)),

@@ -364,22 +364,7 @@ pub fn shard_paths(spec: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
 mod tests {
     use super::*;
 
-    /// An `.npy` file's bytes as numpy writes them (version 1, header padded to 64 bytes).
-    fn npy(descr: &str, fortran: bool, shape: &str, data: &[u8]) -> Vec<u8> {
-        let mut header = format!(
-            "{{'descr': '{descr}', 'fortran_order': {}, 'shape': {shape}, }}",
-            if fortran { "True" } else { "False" }
-        );
-        while (10 + header.len() + 1) % 64 != 0 {
-            header.push(' ');
-        }
-        header.push('\n');
-        let mut out = b"\x93NUMPY\x01\x00".to_vec();
-        out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-        out.extend_from_slice(header.as_bytes());
-        out.extend_from_slice(data);
-        out
-    }
+    use gpufeed_testkit::npy_bytes as npy;
 
     #[test]
     fn npy_headers_give_rows_or_say_what_is_wrong() {

@@ -12,19 +12,9 @@ fn xxh3(b: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(b)
 }
 
-/// An `.npy` file of `rows` rows of `cols` little-endian u16 (version 1 header).
+/// An `.npy` file of `rows` rows of `cols` little-endian u16.
 fn npy_file(rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
-    let mut header =
-        format!("{{'descr': '<u2', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(data);
-    out
+    gpufeed_testkit::npy_bytes("<u2", false, &format!("({rows}, {cols})"), data)
 }
 
 #[test]
