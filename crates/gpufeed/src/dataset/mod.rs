@@ -501,6 +501,15 @@ impl Sampler {
         self.global_batch.map(|g| g / self.world_size)
     }
 
+    /// The batch size and `drop_last` a loader uses with this sampler: an elastic sampler's
+    /// own, else `cfg`'s.
+    pub(crate) fn batching(&self, cfg: &LoaderConfig) -> (usize, bool) {
+        match self.rank_batch() {
+            Some(b) => (b, self.drop_last),
+            None => (cfg.batch_size, cfg.drop_last),
+        }
+    }
+
     /// The record indices of `epoch` for this rank, out of `n` records.
     pub fn epoch(&self, n: usize, epoch: u64) -> Vec<usize> {
         self.epoch_from(n, epoch, 0)
@@ -782,10 +791,7 @@ impl BatchLoader {
         mut cfg: LoaderConfig,
         gpu: Option<&Gpu>,
     ) -> Result<Self> {
-        if let Some(b) = sampler.rank_batch() {
-            cfg.batch_size = b;
-            cfg.drop_last = sampler.drop_last;
-        }
+        (cfg.batch_size, cfg.drop_last) = sampler.batching(&cfg);
         if cfg.batch_size == 0 || cfg.workers == 0 || cfg.prefetch == 0 {
             return Err(Error::InvalidSetting(
                 "batch_size, workers and prefetch must be at least 1".into(),
@@ -1485,6 +1491,20 @@ mod tests {
             proptest::prop_assert_eq!(all.len(), len, "a record seen twice");
             proptest::prop_assert_eq!(len, n / global * global);
         }
+    }
+
+    /// Worker processes (`ring::epoch_batches`) cut an elastic epoch as the in-process loader
+    /// does: the sampler's per-rank batch, whatever the config says.
+    #[test]
+    fn ring_batches_follow_an_elastic_sampler() {
+        let sampler =
+            Sampler::elastic(Order::Shuffled { seed: 3 }, 24, 1, 2, true).expect("elastic");
+        let cfg = LoaderConfig::default().with_batch_size(50);
+        let batches = ring::epoch_batches(250, &sampler, &cfg, 0);
+        assert_eq!(batches.len(), 10, "250 records: 10 full steps of 24");
+        assert!(batches.iter().all(|(_, b)| b.len() == 12));
+        let flat: Vec<usize> = batches.into_iter().flat_map(|(_, b)| b).collect();
+        assert_eq!(flat, sampler.epoch(250, 0));
     }
 
     #[test]

@@ -27,10 +27,12 @@ pub fn epoch_batches(
     cfg: &LoaderConfig,
     epoch: u64,
 ) -> Vec<(usize, Vec<usize>)> {
+    // An elastic sampler sets the batch (its per-rank share of a step), as in `BatchLoader`.
+    let (batch, drop_last) = sampler.batching(cfg);
     sampler
         .epoch(records, epoch)
-        .chunks(cfg.batch_size.max(1))
-        .filter(|c| !cfg.drop_last || c.len() == cfg.batch_size)
+        .chunks(batch.max(1))
+        .filter(|c| !drop_last || c.len() == batch)
         .map(<[usize]>::to_vec)
         .enumerate()
         .collect()
