@@ -19,6 +19,8 @@ pub struct LoaderBench {
     pub batch_size: usize,
     pub workers: usize,
     pub host_gbps: Samples,
+    /// Cores busy during those epochs (CPU seconds over wall seconds).
+    pub host_cores_busy: Samples,
     /// Records of the elastic resume measurement (the data set cut into about 10 million).
     pub resume_records: usize,
     /// Milliseconds from `BatchLoader::resume` (rank 3 of 8, mid-epoch) to its first batch.
@@ -89,11 +91,13 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         .with_prefetch(2 * workers)
         .with_workers(workers);
     let (resume_records, resume_ms) = resume_ms(dataset, reps)?;
+    let host = epochs(dataset, RECORD, cfg, 3, None, reps)?;
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,
         workers,
-        host_gbps: epochs(dataset, RECORD, cfg, 3, None, reps)?.gbps,
+        host_gbps: host.gbps,
+        host_cores_busy: host.cores_busy,
         resume_records,
         resume_ms,
     })

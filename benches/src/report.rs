@@ -149,12 +149,13 @@ impl Report {
             let memory = self.limits.as_ref().map_or(f64::NAN, Limits::memory_gbps);
             let _ = writeln!(
                 s,
-                "\n## Table 7 — dataset BatchLoader, host batches (no GPU)\n\n| records | batch | workers | GB/s | share of a limit |\n|---|---|---|---|---|\n| {} shuffled | {} records | {} | {} | {} |",
+                "\n## Table 7 — dataset BatchLoader, host batches (no GPU)\n\n| records | batch | workers | GB/s | share of a limit | cores busy |\n|---|---|---|---|---|---|\n| {} shuffled | {} records | {} | {} | {} | {:.1} |",
                 show_size(b.record_bytes as u64),
                 b.batch_size,
                 b.workers,
                 b.host_gbps.show(2),
-                share(b.host_gbps.median, memory, "memcpy")
+                share(b.host_gbps.median, memory, "memcpy"),
+                b.host_cores_busy.median
             );
             let _ = writeln!(
                 s,
