@@ -246,14 +246,6 @@ impl RecordFile {
         }
     }
 
-    /// Bytes of record `i`.
-    pub fn record_len(&self, i: usize) -> Option<usize> {
-        match &self.records {
-            Records::Samples(s) => s.get(i).map(TarSample::bytes),
-            _ => self.record(i).map(<[u8]>::len),
-        }
-    }
-
     /// The data file.
     pub fn path(&self) -> &Path {
         &self.path
@@ -499,6 +491,38 @@ impl Sampler {
     /// Records per rank per step, for an elastic sampler.
     pub fn rank_batch(&self) -> Option<usize> {
         self.global_batch.map(|g| g / self.world_size)
+    }
+
+    /// Where a run over `records` records stands after `steps` steps of `epoch` begun at sample
+    /// `start` (an elastic sampler's [`Position`]; `None` for others): after the epoch's last
+    /// step, the start of the next epoch. What [`Epoch::position`] says; for a caller that
+    /// counts the batches it consumed itself (one fed by a thread that runs ahead).
+    pub fn position_after(
+        &self,
+        records: usize,
+        epoch: u64,
+        start: u64,
+        steps: usize,
+    ) -> Option<Position> {
+        let global = self.global_batch?;
+        let left = records.saturating_sub(start as usize);
+        let total = if self.drop_last {
+            left / global
+        } else {
+            left.div_ceil(global)
+        };
+        let (epoch, samples) = if steps >= total {
+            (epoch + 1, 0)
+        } else {
+            (epoch, start + (steps * global) as u64)
+        };
+        Some(Position {
+            epoch,
+            samples,
+            records: records as u64,
+            order: self.order,
+            global_batch: global,
+        })
     }
 
     /// The batch size and `drop_last` a loader uses with this sampler: an elastic sampler's
@@ -1333,20 +1357,12 @@ impl Epoch<'_> {
     /// others): save it once the step that used the last batch is done, resume from it with
     /// [`BatchLoader::resume`]. After the epoch's last batch it is the start of the next epoch.
     pub fn position(&self) -> Option<Position> {
-        let global = self.loader.sampler.global_batch?;
-        let records = self.loader.records.len() as u64;
-        let samples = self.start + (self.handed as u64) * global as u64;
-        let at = |epoch, samples| Position {
-            epoch,
-            samples,
-            records,
-            order: self.loader.sampler.order,
-            global_batch: global,
-        };
-        if self.handed >= self.total {
-            return Some(at(self.epoch + 1, 0));
-        }
-        Some(at(self.epoch, samples))
+        self.loader.sampler.position_after(
+            self.loader.records.len(),
+            self.epoch,
+            self.start,
+            self.handed,
+        )
     }
 }
 

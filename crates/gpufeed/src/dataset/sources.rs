@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::safetensors::Dtype;
 
 /// What an `.npy` file holds: its element type, shape and where the data starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +31,32 @@ impl NpyLayout {
     /// Bytes of one row (a 0-d or 1-d array: one element per row).
     pub fn row_bytes(&self) -> usize {
         self.shape.iter().skip(1).product::<usize>() * self.item_bytes
+    }
+
+    /// The element type as a safetensors [`Dtype`], for a little-endian (or byte-wide) bool,
+    /// integer or float type; `None` for the others (big-endian, complex, bytes, times).
+    pub fn dtype(&self) -> Option<Dtype> {
+        let body = self.descr.strip_prefix(['<', '|', '=']);
+        let body = match body {
+            Some(b) => b,
+            // Big-endian: only byte-wide types read the same.
+            None => self.descr.strip_prefix('>').filter(|b| b.ends_with('1'))?,
+        };
+        Some(match body {
+            "b1" => Dtype::BOOL,
+            "u1" => Dtype::U8,
+            "i1" => Dtype::I8,
+            "u2" => Dtype::U16,
+            "i2" => Dtype::I16,
+            "u4" => Dtype::U32,
+            "i4" => Dtype::I32,
+            "u8" => Dtype::U64,
+            "i8" => Dtype::I64,
+            "f2" => Dtype::F16,
+            "f4" => Dtype::F32,
+            "f8" => Dtype::F64,
+            _ => return None,
+        })
     }
 }
 
@@ -376,9 +403,18 @@ mod tests {
         );
         assert_eq!(l.data_start % 64, 0, "numpy pads the header to 64 bytes");
         assert_eq!(l.descr, "<f4");
+        assert_eq!(l.dtype(), Some(Dtype::F32));
         let f = npy("|u1", false, "(7,)", &[1u8; 7]);
         let l = parse_npy(&f, f.len() as u64).expect("parse");
         assert_eq!((l.rows(), l.row_bytes()), (7, 1));
+        assert_eq!(l.dtype(), Some(Dtype::U8));
+        let f = npy(">f4", false, "(2,)", &[0u8; 8]);
+        let l = parse_npy(&f, f.len() as u64).expect("big-endian parses");
+        assert_eq!(
+            l.dtype(),
+            None,
+            "no little-endian type for big-endian floats"
+        );
         let f = npy("<i8", false, "()", &[1u8; 8]);
         let l = parse_npy(&f, f.len() as u64).expect("a 0-d array");
         assert_eq!((l.rows(), l.row_bytes()), (1, 8));
