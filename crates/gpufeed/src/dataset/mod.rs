@@ -665,7 +665,9 @@ pub struct LoaderConfig {
     pub batch_size: usize,
     /// Drop a last batch smaller than `batch_size`.
     pub drop_last: bool,
-    /// Batches prepared ahead of the one being consumed (default 2: double buffering).
+    /// Batches prepared ahead of the one being consumed (default 2: double buffering). Each
+    /// is gathered (and, with a GPU, uploaded) by one worker: below `workers`, some workers
+    /// wait; the bench's rows use two per worker.
     pub prefetch: usize,
     /// Worker threads gathering records (default 2).
     pub workers: usize,

@@ -186,7 +186,8 @@ fn child_dispatcher() {
         let tmp = dir.join("position.json.tmp");
         std::fs::write(&tmp, serde_json::to_string(&at).expect("json")).expect("write");
         std::fs::rename(&tmp, dir.join("position.json")).expect("rename");
-        std::thread::sleep(Duration::from_millis(20));
+        // Slow enough (100 steps: 4 s) that the parent kills it mid-epoch on a loaded machine.
+        std::thread::sleep(Duration::from_millis(40));
     }
     panic!("the epoch ended before the test killed this process");
 }
