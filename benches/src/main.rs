@@ -12,6 +12,7 @@ mod handoff;
 mod ipc;
 mod limits;
 mod loader;
+mod multi;
 mod oneshot;
 mod python;
 mod reads;
@@ -70,6 +71,11 @@ struct Cli {
     #[arg(long, default_value = "16GiB", value_parser = parse_size)]
     checkpoint: u64,
 
+    /// The file (and checkpoint) of table 11, several GPUs at once (machines with several
+    /// GPUs only).
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    multi_file: u64,
+
     /// Files in the small-files folder of table 9 (60-160 KiB each; GPU machine only).
     #[arg(long, default_value_t = 10_000)]
     small_files: usize,
@@ -85,7 +91,7 @@ struct Cli {
 
     /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
     /// (tables 4, 6 and 8), small (table 9), python (table 10, which also runs with
-    /// `--peers`). Limits are measured whenever a host table is,
+    /// `--peers`), multi (table 11, several GPUs). Limits are measured whenever a host table is,
     /// since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
@@ -115,6 +121,7 @@ enum Part {
     Gpu,
     Small,
     Python,
+    Multi,
 }
 
 #[derive(Subcommand)]
@@ -187,6 +194,7 @@ fn main() -> Result<()> {
         cli.curve_max = 256 << 20;
         cli.small_files = 1000;
         cli.checkpoint = 256 << 20;
+        cli.multi_file = 256 << 20;
     }
     let wanted = |p: Part| cli.only.is_empty() || cli.only.contains(&p);
     let host_part = |p: Part| !cli.gpu_only && wanted(p);
@@ -319,8 +327,15 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    let multi = if wanted(Part::Multi) {
+        multi::measure(&cli.dir, cli.multi_file, cli.reps, |what| {
+            progress.line(&format!("      {what}"))
+        })?
+    } else {
+        None
+    };
     ensure!(
-        !cli.gpu || gpu.is_some() || small.is_some() || python.is_some(),
+        !cli.gpu || gpu.is_some() || small.is_some() || python.is_some() || multi.is_some(),
         "--gpu: no GPU is usable here (see `gpufeed doctor`)"
     );
 
@@ -339,6 +354,7 @@ fn main() -> Result<()> {
         gpu,
         small,
         python,
+        multi,
     };
     progress.finish();
     let json = serde_json::to_string_pretty(&report)?;

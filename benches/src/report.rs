@@ -77,6 +77,8 @@ pub struct Report {
     pub small: Option<crate::small::SmallBench>,
     /// Table 10: the Python package's checkpoint loads.
     pub python: Option<crate::python::PythonBench>,
+    /// Table 11: several GPUs at once.
+    pub multi: Option<crate::multi::MultiBench>,
 }
 
 impl Report {
@@ -175,6 +177,9 @@ impl Report {
         }
         if let Some(v) = &self.python {
             python_table(&mut s, v);
+        }
+        if let Some(v) = &self.multi {
+            crate::multi::table(&mut s, v);
         }
         s
     }

@@ -249,22 +249,49 @@ impl Gpu {
         from: DeviceAlloc,
         fill: impl FnOnce(&mut CudaSlice<u8>) -> std::result::Result<T, E>,
     ) -> std::result::Result<(CudaSlice<u8>, T), E> {
-        let mut dst = if len == 0 {
-            self.default_stream()
-                .null::<u8>()
-                .map_err(|e| Error::cuda("cuMemAlloc", e))?
-        } else {
-            // SAFETY: handed to `fill`, which writes it (see above; u8 has no invalid values),
-            // and dropped unread when `fill` fails.
-            unsafe {
-                match from {
-                    DeviceAlloc::Pool => self.alloc(len)?,
-                    DeviceAlloc::Unpooled => self.alloc_unpooled(len)?,
-                }
-            }
-        };
+        // SAFETY: handed to `fill`, which writes it (see above; u8 has no invalid values), and
+        // dropped unread when `fill` fails.
+        let mut dst = unsafe { self.alloc_from(len, from)? };
         let filled = fill(&mut dst)?;
         Ok((dst, filled))
+    }
+
+    /// [`Gpu::alloc_filled`] on several GPUs at once: `len` bytes on each of `gpus` (in
+    /// order), all handed to `fill` together (a replicated load fills each GPU's copy from the
+    /// others' over their peer links), freed unread when it fails.
+    pub fn alloc_filled_each<T, E: From<Error>>(
+        gpus: &[Gpu],
+        len: usize,
+        from: DeviceAlloc,
+        fill: impl FnOnce(&mut [CudaSlice<u8>]) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(Vec<CudaSlice<u8>>, T), E> {
+        let mut dsts = Vec::with_capacity(gpus.len());
+        for gpu in gpus {
+            // SAFETY: as in `alloc_filled`: written by `fill` or dropped unread.
+            dsts.push(unsafe { gpu.alloc_from(len, from)? });
+        }
+        let filled = fill(&mut dsts)?;
+        Ok((dsts, filled))
+    }
+
+    /// `len` bytes from `from`, not initialised (an empty slice for 0).
+    ///
+    /// # Safety
+    /// As [`Gpu::alloc`].
+    unsafe fn alloc_from(&self, len: usize, from: DeviceAlloc) -> Result<CudaSlice<u8>> {
+        if len == 0 {
+            return self
+                .default_stream()
+                .null::<u8>()
+                .map_err(|e| Error::cuda("cuMemAlloc", e));
+        }
+        // SAFETY: passed on to the caller.
+        unsafe {
+            match from {
+                DeviceAlloc::Pool => self.alloc(len),
+                DeviceAlloc::Unpooled => self.alloc_unpooled(len),
+            }
+        }
     }
 
     /// Copies device memory back into a new `Vec` (synchronously; for checks and small data).

@@ -25,6 +25,9 @@
 //!
 //! - New device memory filled before it is returned, without `unsafe` or a memset:
 //!   [`Gpu::alloc_filled`] and [`TransferScheduler::upload_new`].
+//! - Several GPUs: [`Gpu::peer_links`] (peer access and the link between each pair, from the
+//!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
+//!   disjoint parts that different threads fill at once (a replicated load's peer copies).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
@@ -50,6 +53,7 @@
 
 mod error;
 mod gpu;
+mod peer;
 mod raw;
 mod transfer;
 
@@ -57,6 +61,7 @@ pub use error::{CUresult, Error, Result};
 pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
+pub use peer::{PeerCopies, PeerLink, split_mut};
 pub use transfer::{
     FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig, TransferScheduler,
     TransferStats,

@@ -42,3 +42,54 @@ pub(crate) unsafe fn memcpy_dtoh_async(
         .result()
         .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))
 }
+
+/// `cuCtxEnablePeerAccess` from the current context to `peer`; "already enabled" is success.
+///
+/// # Safety
+/// A context is current on this thread and `peer` is a live context.
+pub(crate) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    let r = unsafe { sys::cuCtxEnablePeerAccess(peer, 0) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        other => Err(Error::cuda(
+            "cuCtxEnablePeerAccess",
+            other.result().unwrap_err(),
+        )),
+    }
+}
+
+/// `cuDeviceCanAccessPeer`.
+///
+/// # Safety
+/// `dev` and `peer` came from `cuDeviceGet`.
+pub(crate) unsafe fn device_can_access_peer(
+    dev: sys::CUdevice,
+    peer: sys::CUdevice,
+) -> Result<bool> {
+    let mut can = 0;
+    // SAFETY: the caller's promise above; the call writes one integer.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) }
+        .result()
+        .map_err(|e| Error::cuda("cuDeviceCanAccessPeer", e))?;
+    Ok(can != 0)
+}
+
+/// `cuDeviceGetP2PAttribute` from `src` to `dst`.
+///
+/// # Safety
+/// `src` and `dst` came from `cuDeviceGet`.
+pub(crate) unsafe fn device_p2p_attribute(
+    attr: sys::CUdevice_P2PAttribute,
+    src: sys::CUdevice,
+    dst: sys::CUdevice,
+) -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: the caller's promise above; the call writes one integer.
+    unsafe { sys::cuDeviceGetP2PAttribute(&mut v, attr, src, dst) }
+        .result()
+        .map_err(|e| Error::cuda("cuDeviceGetP2PAttribute", e))?;
+    Ok(v)
+}

@@ -273,6 +273,9 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
                     None,
                 ));
             }
+            if gpus.len() > 1 {
+                out.push(peer_links());
+            }
             out.push(pinned_and_registration());
             if let (Some(t), Some(node)) = (&topology, gpus[0].numa_node) {
                 let here = t.node_of_cpu(rustix::thread::sched_getcpu() as u32);
@@ -404,6 +407,43 @@ fn pinned_and_registration() -> Check {
             e.to_string(),
             Some("page-locked memory is refused: raise the container's limits (WSL/Docker caps)"),
         ),
+    }
+}
+
+/// Which GPUs reach which as peers, and over what (several GPUs only): a pair without peer
+/// access makes replicated loads copy through host memory.
+fn peer_links() -> Check {
+    match gpufeed_cuda::Gpu::peer_links() {
+        Ok(links) => {
+            let described: Vec<String> = links
+                .iter()
+                .map(|l| {
+                    format!(
+                        "{}->{} {}{}",
+                        l.from,
+                        l.to,
+                        l.kind(),
+                        l.performance_rank
+                            .map_or(String::new(), |r| format!(" (rank {r})"))
+                    )
+                })
+                .collect();
+            if links.iter().all(|l| l.access) {
+                check("GPU peers", Status::Ok, described.join(", "), None)
+            } else {
+                check(
+                    "GPU peers",
+                    Status::Warn,
+                    described.join(", "),
+                    Some(
+                        "GPUs without peer access copy through host memory: replicated loads \
+                         (MultiLoader::load_replicated) run slower; check `nvidia-smi topo -m` \
+                         and the IOMMU/ACS settings",
+                    ),
+                )
+            }
+        }
+        Err(e) => check("GPU peers", Status::Warn, e.to_string(), None),
     }
 }
 

@@ -65,6 +65,7 @@ pub mod doctor;
 mod error;
 mod files;
 mod load;
+pub mod multi;
 pub mod safetensors;
 mod save;
 pub mod units;

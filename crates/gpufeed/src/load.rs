@@ -160,6 +160,34 @@ impl LoadOptions {
         }
     }
 
+    /// The options for one of `gpus` GPUs loading at once from this host ([`crate::multi::
+    /// MultiLoader`]): the host's cores shared out, `cores / gpus` fill threads per GPU (2 to
+    /// 16), 2 MiB chunks and two staging buffers per thread, so that the staging in flight
+    /// stays small. One GPU: [`LoadOptions::default`]. Measured on the two-GPU H200 machine
+    /// (32 cores; docs/benchmarks.md, GPU run 39): two GPUs sharded 95.2 GB/s in all with 16
+    /// threads and 2 MiB chunks each, against 82.3 with 8 threads and 4 MiB chunks and 68.6
+    /// with 16 threads and 4 MiB chunks (the single-GPU default on each).
+    ///
+    /// ```
+    /// let opts = gpufeed::LoadOptions::for_gpus(2);
+    /// assert_eq!(opts.transfer.chunk_bytes, 2 << 20);
+    /// ```
+    pub fn for_gpus(gpus: usize) -> Self {
+        if gpus <= 1 {
+            return Self::default();
+        }
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let threads = (cores / gpus).clamp(2, 16);
+        LoadOptions {
+            transfer: TransferConfig::default()
+                .with_streams(4)
+                .with_chunk_bytes(2 << 20)
+                .with_staging_buffers(2 * threads)
+                .with_fill_threads(threads),
+            ..Self::default()
+        }
+    }
+
     /// These options with `strategy`.
     pub fn with_strategy(mut self, strategy: Strategy) -> Self {
         self.strategy = strategy;
@@ -300,7 +328,7 @@ pub struct LoaderSetup {
 /// was measured (4 and 16 GiB). Smaller first loads keep the pool: which is faster for them is
 /// not measured (a context's first pool allocation, even of 1 MiB, took 7-10 ms on the H200
 /// machine; a first `cuMemAlloc` was not timed alone).
-const UNPOOLED_FROM: usize = 64 << 20;
+pub(crate) const UNPOOLED_FROM: usize = 64 << 20;
 
 /// Background unregistrations of earlier registered loads.
 #[derive(Default)]
@@ -683,18 +711,90 @@ impl Loader {
     ) -> Result<LoadReport> {
         let path = path.as_ref();
         let started = Instant::now();
-        let file_len = file_len(path)?;
-        if range.start > range.end || range.end > file_len {
-            return Err(gpufeed_os::Error::RangePastEof {
-                path: path.into(),
-                offset: range.start,
-                len: range.end.saturating_sub(range.start),
-                file_len,
+        let spans = std::slice::from_ref(&range);
+        let (file_len, len) = check_spans(path, spans)?;
+        // Nothing to load needs no room (an empty load at any offset succeeds, as it did).
+        let at = if len == 0 { 0 } else { dst_offset };
+        fits(len, at, dst.len())?;
+        let mut view = dst.slice_mut(at..at + len as usize);
+        self.load_checked(path, spans, file_len, &mut view, started)
+    }
+
+    /// Loads byte ranges `spans` of `path`, back to back in that order, into new GPU memory:
+    /// the pieces of one file a GPU needs (a tensor-parallel slice of each tensor, a rank's
+    /// share of a file) in one transfer, the fill threads reading the spans into staging
+    /// buffers uploaded in large copies. Spans may be empty, repeat or overlap.
+    ///
+    /// # Errors
+    /// [`Loader::load_into`]'s, for any span past the end of the file.
+    ///
+    /// # Example
+    /// ```no_run
+    /// let loader = gpufeed::Loader::open(0, gpufeed::LoadOptions::default())?;
+    /// // The first and the third MiB of the file, 2 MiB on the GPU.
+    /// let (buf, report) = loader.load_spans("data.bin", &[0..1 << 20, 2 << 20..3 << 20])?;
+    /// assert_eq!(buf.len(), 2 << 20);
+    /// # Ok::<(), gpufeed::Error>(())
+    /// ```
+    pub fn load_spans(
+        &self,
+        path: impl AsRef<Path>,
+        spans: &[Range<u64>],
+    ) -> Result<(DeviceBuffer, LoadReport)> {
+        let path = path.as_ref();
+        let started = Instant::now();
+        let (file_len, len) = check_spans(path, spans)?;
+        self.gpu
+            .alloc_filled(len as usize, self.device_alloc(len as usize), |dst| {
+                self.load_checked(path, spans, file_len, dst, started)
+            })
+    }
+
+    /// [`Loader::load_spans`] into `dst`, a device buffer or view exactly as long as the spans
+    /// together (checked).
+    pub(crate) fn load_spans_to<D>(
+        &self,
+        path: &Path,
+        spans: &[Range<u64>],
+        dst: &mut D,
+    ) -> Result<LoadReport>
+    where
+        D: DevicePtrMut<u8> + DeviceSlice<u8>,
+    {
+        let started = Instant::now();
+        let (file_len, len) = check_spans(path, spans)?;
+        if len != dst.len() as u64 {
+            return Err(gpufeed_cuda::Error::OutOfBounds {
+                len,
+                offset: 0,
+                capacity: dst.len() as u64,
             }
             .into());
         }
-        let len = range.end - range.start;
-        let residency = residency_of(path, range.clone());
+        self.load_checked(path, spans, file_len, dst, started)
+    }
+
+    /// Loads `spans` (checked against the file's length `file_len`) into `dst`, exactly as long.
+    fn load_checked<D>(
+        &self,
+        path: &Path,
+        spans: &[Range<u64>],
+        file_len: u64,
+        dst: &mut D,
+        started: Instant,
+    ) -> Result<LoadReport>
+    where
+        D: DevicePtrMut<u8> + DeviceSlice<u8>,
+    {
+        let len = dst.len() as u64;
+        let hull = match (
+            spans.iter().map(|s| s.start).min(),
+            spans.iter().map(|s| s.end).max(),
+        ) {
+            (Some(a), Some(b)) => a..b,
+            _ => 0..0,
+        };
+        let residency = residency_of(path, hull);
         let mut report = LoadReport {
             path: path.into(),
             strategy: self.opts.strategy,
@@ -713,17 +813,21 @@ impl Loader {
         }
         let (route, reason) = match self.opts.strategy {
             Strategy::Auto => choose(path, file_len, residency),
+            Strategy::Registered if spans.len() > 1 => (
+                Route::Staged,
+                "registration maps one range of a file; several spans are staged".to_owned(),
+            ),
             Strategy::Registered => (Route::Registered, "asked for".to_owned()),
             Strategy::Staged => (Route::Staged, "asked for".to_owned()),
             Strategy::Direct => (Route::Direct, "asked for".to_owned()),
         };
         report.reason = reason;
-        fits(len, dst_offset, dst.len())?;
-        let mut view = dst.slice_mut(dst_offset..dst_offset + len as usize);
         let ran = match route {
-            Route::Registered => self.registered_or_staged(path, range, &mut view, &mut report)?,
+            Route::Registered => {
+                self.registered_or_staged(path, spans[0].clone(), dst, &mut report)?
+            }
             Route::Staged | Route::Direct => {
-                self.staged(path, range, &mut view, route == Route::Direct, &mut report)?;
+                self.staged(path, spans, dst, route == Route::Direct, &mut report)?;
                 route
             }
         };
@@ -756,7 +860,7 @@ impl Loader {
                     "staged through pinned buffers instead",
                 )
                 .push_once(&mut report.fallbacks);
-                self.staged(path, range, dst, false, report)?;
+                self.staged(path, std::slice::from_ref(&range), dst, false, report)?;
                 Ok(Route::Staged)
             }
             Err(e) => Err(e),
@@ -885,7 +989,7 @@ impl Loader {
     fn staged<D>(
         &self,
         path: &Path,
-        range: Range<u64>,
+        spans: &[Range<u64>],
         dst: &mut D,
         direct: bool,
         report: &mut LoadReport,
@@ -893,17 +997,17 @@ impl Loader {
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
-        if range.end <= range.start {
+        let source = FileSource::new(
+            path,
+            spans,
+            if direct { Direct::On } else { Direct::Off },
+            self.opts.queue_depth,
+            &self.readers,
+        );
+        let len = source.len();
+        if len == 0 {
             return Ok(());
         }
-        let source = FileSource {
-            path,
-            start: range.start,
-            direct: if direct { Direct::On } else { Direct::Off },
-            queue_depth: self.opts.queue_depth,
-            readers: &self.readers,
-            open: Mutex::new(Vec::new()),
-        };
         // Open the file in one reader up front, so that open errors surface as such.
         let uploaded = source.take().and_then(|first| {
             report.io_backend = Some(first.reader.backend().to_string());
@@ -912,7 +1016,7 @@ impl Loader {
                 .upload(
                     HostSource::Fill {
                         source: &source,
-                        len: range.end - range.start,
+                        len,
                     },
                     dst,
                     0,
@@ -1036,6 +1140,26 @@ pub(crate) fn fits(len: u64, offset: usize, capacity: usize) -> Result<()> {
     Ok(())
 }
 
+/// Checks that every span lies inside `path` (a regular file); returns the file's length and
+/// the spans' bytes together.
+fn check_spans(path: &Path, spans: &[Range<u64>]) -> Result<(u64, u64)> {
+    let file_len = file_len(path)?;
+    let mut total = 0u64;
+    for s in spans {
+        if s.start > s.end || s.end > file_len {
+            return Err(gpufeed_os::Error::RangePastEof {
+                path: path.into(),
+                offset: s.start,
+                len: s.end.saturating_sub(s.start),
+                file_len,
+            }
+            .into());
+        }
+        total += s.end - s.start;
+    }
+    Ok((file_len, total))
+}
+
 pub(crate) fn file_len(path: &Path) -> Result<u64> {
     Ok(gpufeed_os::file::stat_regular(path)?.size)
 }
@@ -1064,7 +1188,10 @@ fn stages(strategy: Strategy) -> bool {
 /// the file closed by [`FileSource::finish`].
 struct FileSource<'a> {
     path: &'a Path,
-    start: u64,
+    /// The file's ranges, back to back in the stream the scheduler uploads.
+    spans: &'a [Range<u64>],
+    /// Where each span ends in that stream.
+    ends: Vec<u64>,
     direct: Direct,
     queue_depth: usize,
     readers: &'a Readers,
@@ -1078,7 +1205,37 @@ struct OpenReader {
     file: gpufeed_uring::FileId,
 }
 
-impl FileSource<'_> {
+impl<'a> FileSource<'a> {
+    fn new(
+        path: &'a Path,
+        spans: &'a [Range<u64>],
+        direct: Direct,
+        queue_depth: usize,
+        readers: &'a Readers,
+    ) -> Self {
+        let ends = spans
+            .iter()
+            .scan(0u64, |end, s| {
+                *end += s.end.saturating_sub(s.start);
+                Some(*end)
+            })
+            .collect();
+        FileSource {
+            path,
+            spans,
+            ends,
+            direct,
+            queue_depth,
+            readers,
+            open: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Bytes of all spans together.
+    fn len(&self) -> u64 {
+        self.ends.last().copied().unwrap_or(0)
+    }
+
     /// An idle reader (or a new one) with the file opened in it.
     fn take(&self) -> Result<OpenReader> {
         let mut reader = self.readers.take(self.direct, self.queue_depth)?;
@@ -1114,11 +1271,31 @@ impl FillSource for FileSource<'_> {
             Some(r) => r,
             None => self.take()?,
         };
-        let result = open
-            .reader
-            .read_exact_at(open.file, self.start + offset, dst);
+        // The spans that [offset, offset + dst.len()) of the stream covers, read one by one.
+        let mut result = Ok(());
+        let (mut at, mut done) = (offset, 0usize);
+        let mut i = self.ends.partition_point(|&end| end <= offset);
+        while done < dst.len() && result.is_ok() {
+            let (Some(span), Some(&end)) = (self.spans.get(i), self.ends.get(i)) else {
+                result = Err(SourceError::from("a fill past the end of the spans"));
+                break;
+            };
+            let span_start = end - (span.end - span.start);
+            let n = ((end - at) as usize).min(dst.len() - done);
+            result = open
+                .reader
+                .read_exact_at(
+                    open.file,
+                    span.start + (at - span_start),
+                    &mut dst[done..done + n],
+                )
+                .map_err(Into::into);
+            done += n;
+            at += n as u64;
+            i += 1;
+        }
         self.open.lock().push(open);
-        result.map_err(Into::into)
+        result
     }
 }
 

@@ -5,6 +5,7 @@ mod elastic;
 mod files;
 mod gpu;
 mod host;
+mod multi;
 mod oneshot;
 mod save;
 mod sources;

@@ -1,0 +1,409 @@
+//! Table 11 (machines with several GPUs): every GPU's pinned limit alone and all at once, one
+//! GPU loading a warm file, then all GPUs: sharded by bytes (one `MultiLoader`, and a default
+//! `Loader` per GPU for comparison), replicated, and tensor-parallel rows and columns of a
+//! checkpoint of the same size.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Barrier;
+
+use anyhow::{Context, Result};
+use gpufeed::multi::{MultiLoader, ShardPlan};
+use gpufeed::safetensors::{Split, TensorParallel};
+use gpufeed::{Gpu, LoadOptions, Loader};
+use gpufeed_os::cache;
+use gpufeed_pinned::PinnedBuffer;
+use serde::Serialize;
+
+use crate::util::{Samples, SplitMix, ensure_random_file, gbps, show_size, timed};
+
+/// Columns of the checkpoint's 2-D F16 tensors (16 KiB rows: a column split of two GPUs reads
+/// 8 KiB spans).
+const COLS: usize = 8192;
+
+#[derive(Debug, Serialize)]
+pub struct MultiBench {
+    pub gpus: usize,
+    pub file_bytes: u64,
+    pub checkpoint_bytes: u64,
+    /// Each GPU's pinned limit alone (1 GiB, 16 MiB copies).
+    pub pinned_alone_gbps: Vec<Samples>,
+    /// All GPUs copying from pinned memory at once: GB/s in all.
+    pub pinned_together_gbps: Samples,
+    /// GPU 0 alone, a reused default `Loader`, the whole file.
+    pub one_gpu_gbps: Samples,
+    pub one_gpu_seconds: Samples,
+    /// All GPUs, `MultiLoader::load_sharded` of `ShardPlan::split_bytes` with
+    /// `LoadOptions::for_gpus`: GB/s in all.
+    pub sharded_gbps: Samples,
+    /// All GPUs, a default `Loader` each (each sized for the whole host), the same shares.
+    pub separate_loaders_gbps: Samples,
+    /// All GPUs, `MultiLoader::load_replicated` of the file.
+    pub replicated_seconds: Samples,
+    /// Tensor-parallel loads of the checkpoint: GB/s in all.
+    pub tp_rows_gbps: Samples,
+    pub tp_columns_gbps: Samples,
+    /// `load_sharded` by fill threads per GPU and chunk bytes (staging: two buffers per
+    /// thread): (threads, chunk, GB/s in all).
+    pub sharded_sweep: Vec<(usize, usize, Samples)>,
+    /// `load_replicated` by round bytes: (round, seconds).
+    pub replicated_by_round: Vec<(u64, Samples)>,
+    pub links: Vec<String>,
+    pub notes: Vec<String>,
+}
+
+pub fn measure(
+    dir: &Path,
+    file_bytes: u64,
+    reps: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<Option<MultiBench>> {
+    let count = match Gpu::count() {
+        Ok(n) => n,
+        Err(e) if e.is_no_gpu() => {
+            progress(&format!("no GPU: {e}"));
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if count < 2 {
+        progress(&format!(
+            "table 11: {count} GPU(s): several GPUs are needed (the two-GPU machine)"
+        ));
+        return Ok(None);
+    }
+    let file = dir.join(format!("gpu-file-{file_bytes}.bin"));
+    progress(&format!(
+        "table 11: {} file and checkpoint on {count} GPUs",
+        show_size(file_bytes)
+    ));
+    ensure_random_file(&file, file_bytes, crate::gpu::FILE_SEED)?;
+    let ckpt = dir.join(format!("tp-{file_bytes}.safetensors"));
+    let checkpoint_bytes = ensure_checkpoint(&ckpt, file_bytes)?;
+    cache::warm(&file)?;
+    cache::warm(&ckpt)?;
+    let ordinals: Vec<usize> = (0..count).collect();
+    let gpus = ordinals
+        .iter()
+        .map(|&o| Gpu::open(o))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    progress("table 11: pinned limits, alone and together");
+    let pin_len = 1usize << 30;
+    let mut data = vec![0u8; pin_len];
+    SplitMix(0x6F1).fill(&mut data);
+    let mut setups = Vec::new();
+    for gpu in &gpus {
+        let mut pinned = PinnedBuffer::new(gpu.context(), pin_len)?;
+        pinned.copy_from_slice(&data);
+        let dev = gpu.alloc_zeroed(pin_len)?;
+        let stream = gpu.context().new_stream()?;
+        setups.push((pinned, dev, stream));
+    }
+    drop(data);
+    let mut alone = Vec::new();
+    for (pinned, dev, stream) in &mut setups {
+        let mut v = Vec::new();
+        for _ in 0..reps + 1 {
+            v.push(crate::gpu::pinned_copy_gbps(pinned, dev, stream)?);
+        }
+        v.remove(0);
+        alone.push(Samples::new(v));
+    }
+    let mut together = Vec::new();
+    for _ in 0..reps {
+        let barrier = Barrier::new(setups.len());
+        let (secs, res) = timed(|| {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = setups
+                    .iter_mut()
+                    .map(|(p, d, st)| {
+                        let barrier = &barrier;
+                        s.spawn(move || {
+                            barrier.wait();
+                            crate::gpu::pinned_copy_gbps(p, d, st)
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().expect("copy thread"))
+                    .collect::<Result<Vec<_>>>()
+            })
+        });
+        res?;
+        together.push(gbps(pin_len as u64 * setups.len() as u64, secs));
+    }
+    drop(setups);
+
+    progress("table 11: one GPU, then all GPUs sharded with one MultiLoader");
+    let one = Loader::new(&gpus[0], LoadOptions::default())?;
+    let mut one_s = Vec::new();
+    for _ in 0..reps + 1 {
+        let (secs, r) = timed(|| one.load_file(&file));
+        drop(r?);
+        one_s.push(secs);
+    }
+    one_s.remove(0);
+    drop(one);
+    let multi = MultiLoader::new(&gpus, LoadOptions::for_gpus(count))?;
+    let plan = ShardPlan::split_bytes(&[&file], count)?;
+    let mut sharded = Vec::new();
+    for _ in 0..reps + 1 {
+        let (bufs, report) = multi.load_sharded(&plan)?;
+        sharded.push(report.read_gbps());
+        drop(bufs);
+    }
+    sharded.remove(0);
+
+    progress("table 11: a default Loader per GPU, the same shares");
+    let separate: Vec<Loader> = gpus
+        .iter()
+        .map(|g| Loader::new(g, LoadOptions::default()))
+        .collect::<Result<_, _>>()?;
+    let mut sep = Vec::new();
+    for _ in 0..reps + 1 {
+        let barrier = Barrier::new(count);
+        let (secs, res) = timed(|| {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = separate
+                    .iter()
+                    .enumerate()
+                    .map(|(r, l)| {
+                        let (barrier, plan, file) = (&barrier, &plan, &file);
+                        s.spawn(move || {
+                            barrier.wait();
+                            let span = &plan.spans(r)[0];
+                            l.load_range(file, span.range.clone()).map(drop)
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().expect("load thread"))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+        });
+        res?;
+        sep.push(gbps(file_bytes, secs));
+    }
+    sep.remove(0);
+    drop(separate);
+
+    progress("table 11: replicated, then tensor-parallel rows and columns");
+    let mut replicated = Vec::new();
+    for _ in 0..reps + 1 {
+        let (secs, r) = timed(|| multi.load_replicated(&file));
+        drop(r?);
+        replicated.push(secs);
+    }
+    replicated.remove(0);
+    let tp = |split: Split| -> Result<Samples> {
+        let plan = TensorParallel::plan(&ckpt, count, split)?;
+        let mut v = Vec::new();
+        for _ in 0..reps + 1 {
+            let (ckpts, report) = multi.load_tensor_parallel(&plan)?;
+            v.push(report.read_gbps());
+            drop(ckpts);
+        }
+        v.remove(0);
+        Ok(Samples::new(v))
+    };
+    let tp_rows_gbps = tp(Split::Rows)?;
+    let tp_columns_gbps = tp(Split::Columns)?;
+    let links = multi
+        .links()
+        .iter()
+        .map(|l| format!("GPU {} -> GPU {}: {}", l.from, l.to, l.kind()))
+        .collect();
+    let notes = multi.notes().to_vec();
+
+    progress("table 11: replicated by round size");
+    let mut replicated_by_round = Vec::new();
+    let mut multi = multi;
+    for round in [64u64 << 20, 256 << 20, 4 << 30] {
+        multi = multi.with_round_bytes(round);
+        let mut v = Vec::new();
+        for _ in 0..reps + 1 {
+            let (secs, r) = timed(|| multi.load_replicated(&file));
+            drop(r?);
+            v.push(secs);
+        }
+        v.remove(0);
+        replicated_by_round.push((round, Samples::new(v)));
+    }
+    drop(multi);
+
+    progress("table 11: sharded by fill threads and chunk size");
+    let mut sharded_sweep = Vec::new();
+    for threads in [4usize, 8, 12, 16] {
+        for chunk in [1usize << 20, 2 << 20, 4 << 20] {
+            let mut opts = LoadOptions::default();
+            opts.transfer = opts
+                .transfer
+                .with_fill_threads(threads)
+                .with_staging_buffers(2 * threads)
+                .with_chunk_bytes(chunk);
+            let m = MultiLoader::new(&gpus, opts)?;
+            let mut v = Vec::new();
+            for _ in 0..reps + 1 {
+                let (bufs, report) = m.load_sharded(&plan)?;
+                v.push(report.read_gbps());
+                drop(bufs);
+            }
+            v.remove(0);
+            sharded_sweep.push((threads, chunk, Samples::new(v)));
+        }
+    }
+    let one_gpu_seconds = Samples::new(one_s);
+    Ok(Some(MultiBench {
+        gpus: count,
+        file_bytes,
+        checkpoint_bytes,
+        pinned_alone_gbps: alone,
+        pinned_together_gbps: Samples::new(together),
+        one_gpu_gbps: one_gpu_seconds.map(|s| gbps(file_bytes, s)),
+        one_gpu_seconds,
+        sharded_gbps: Samples::new(sharded),
+        separate_loaders_gbps: Samples::new(sep),
+        replicated_seconds: Samples::new(replicated),
+        tp_rows_gbps,
+        tp_columns_gbps,
+        sharded_sweep,
+        replicated_by_round,
+        links,
+        notes,
+    }))
+}
+
+/// A safetensors checkpoint of about `bytes` in 2-D F16 tensors of `COLS` columns (256 MiB
+/// each, fewer rows for the last), its header written by hand and its data streamed, synced.
+fn ensure_checkpoint(path: &PathBuf, bytes: u64) -> Result<u64> {
+    if let Ok(m) = path.metadata() {
+        return Ok(m.len());
+    }
+    let row = (COLS * 2) as u64;
+    let per = (256u64 << 20).min(bytes) / row;
+    let rows_total = (bytes / row).max(1);
+    let mut header = serde_json::Map::new();
+    let (mut at, mut left, mut i) = (0u64, rows_total, 0usize);
+    while left > 0 {
+        let rows = per.min(left);
+        header.insert(
+            format!("layers.{i}.weight"),
+            serde_json::json!({"dtype": "F16", "shape": [rows, COLS], "data_offsets": [at, at + rows * row]}),
+        );
+        at += rows * row;
+        left -= rows;
+        i += 1;
+    }
+    let mut text = serde_json::to_vec(&header)?;
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let tmp = path.with_extension("tmp");
+    let mut f = std::io::BufWriter::with_capacity(
+        16 << 20,
+        std::fs::File::create(&tmp).with_context(|| format!("create {}", tmp.display()))?,
+    );
+    f.write_all(&(text.len() as u64).to_le_bytes())?;
+    f.write_all(&text)?;
+    let mut rng = SplitMix(0x7E45);
+    let mut buf = vec![0u8; 16 << 20];
+    let mut left = at;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        rng.fill(&mut buf[..n]);
+        f.write_all(&buf[..n])?;
+        left -= n as u64;
+    }
+    let f = f.into_inner().map_err(|e| e.into_error())?;
+    f.sync_all().context("fsync the checkpoint")?;
+    std::fs::rename(&tmp, path)?;
+    Ok(path.metadata()?.len())
+}
+
+pub fn table(s: &mut String, v: &MultiBench) {
+    let n = v.gpus;
+    let alone: f64 = v.pinned_alone_gbps.iter().map(|x| x.median).sum();
+    let _ = writeln!(
+        s,
+        "\n## Table 11 — {n} GPUs at once: a {} file (warm), sharded and replicated, and a {} \
+         checkpoint cut tensor-parallel\n\n\
+         *Pinned limit*: 1 GiB from pinned memory in 16 MiB copies, each GPU alone and all at \
+         once. GB/s of the sharded rows: bytes read from the host by all GPUs over the time \
+         until the last one holds its share.\n\n| what | GB/s | seconds | against |\n|---|---|---|---|",
+        show_size(v.file_bytes),
+        show_size(v.checkpoint_bytes)
+    );
+    for (g, x) in v.pinned_alone_gbps.iter().enumerate() {
+        let _ = writeln!(s, "| pinned limit, GPU {g} alone | {} | | |", x.show(1));
+    }
+    let _ = writeln!(
+        s,
+        "| pinned limit, {n} GPUs at once | {} | | {:.2} of the sum alone |",
+        v.pinned_together_gbps.show(1),
+        v.pinned_together_gbps.median / alone
+    );
+    let _ = writeln!(
+        s,
+        "| one GPU, a reused default `Loader` | {} | {} | |",
+        v.one_gpu_gbps.show(1),
+        v.one_gpu_seconds.show(3)
+    );
+    let two_pinned = v.pinned_together_gbps.median;
+    let _ = writeln!(
+        s,
+        "| {n} GPUs sharded by bytes, one `MultiLoader` (`LoadOptions::for_gpus`) | {} | | {:.2} of {n} GPUs' pinned limit at once, {:.2} of the sum alone |",
+        v.sharded_gbps.show(1),
+        v.sharded_gbps.median / two_pinned,
+        v.sharded_gbps.median / alone
+    );
+    let _ = writeln!(
+        s,
+        "| {n} GPUs, a default `Loader` each, same shares | {} | | {:.2}x the `MultiLoader` |",
+        v.separate_loaders_gbps.show(1),
+        v.separate_loaders_gbps.median / v.sharded_gbps.median
+    );
+    let _ = writeln!(
+        s,
+        "| {n} GPUs replicated, rounds of 1 GiB (each reads 1/{n}, peers send the rest) | {} | {} | {:.2}x one GPU's time |",
+        v.replicated_seconds.map(|t| gbps(v.file_bytes, t)).show(1),
+        v.replicated_seconds.show(3),
+        v.replicated_seconds.median / v.one_gpu_seconds.median
+    );
+    let _ = writeln!(
+        s,
+        "| {n} GPUs tensor-parallel, rows | {} | | |\n| {n} GPUs tensor-parallel, columns ({} B spans) | {} | | |",
+        v.tp_rows_gbps.show(1),
+        COLS * 2 / n,
+        v.tp_columns_gbps.show(1)
+    );
+    for (round, secs) in &v.replicated_by_round {
+        let _ = writeln!(
+            s,
+            "| {n} GPUs replicated, rounds of {} | {} | {} | {:.2}x one GPU's time |",
+            show_size(*round),
+            secs.map(|t| gbps(v.file_bytes, t)).show(1),
+            secs.show(3),
+            secs.median / v.one_gpu_seconds.median
+        );
+    }
+    for (threads, chunk, x) in &v.sharded_sweep {
+        let _ = writeln!(
+            s,
+            "| {n} GPUs sharded, {threads} fill threads per GPU, {} chunks | {} | | {:.2} of {n} GPUs' pinned limit at once |",
+            show_size(*chunk as u64),
+            x.show(1),
+            x.median / two_pinned
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nReplicated GB/s: the file's bytes over the time until every GPU holds all of it. \
+         Links: {}.{}",
+        v.links.join("; "),
+        if v.notes.is_empty() {
+            String::new()
+        } else {
+            format!(" Notes: {}.", v.notes.join("; "))
+        }
+    );
+}

@@ -1,0 +1,790 @@
+//! Several GPUs at once in one process: one host budget shared out between them, sharded loads
+//! (each GPU its own bytes: a share of the files, or its slice of every tensor) and replicated
+//! loads (each GPU reads 1/N of a file over its own PCIe link and gets the rest from the other
+//! GPUs over their peer links, NVLink where there is one, while it reads).
+//!
+//! # Example
+//! ```no_run
+//! use gpufeed::multi::{MultiLoader, ShardPlan};
+//! let multi = MultiLoader::open(&[0, 1], gpufeed::LoadOptions::for_gpus(2))?;
+//! // Every GPU gets the whole file; each reads half of it.
+//! let (copies, report) = multi.load_replicated("model.bin")?;
+//! println!("{} copies in {:.0} ms", copies.len(), report.seconds * 1e3);
+//! // Each GPU gets its share of the shards.
+//! let plan = ShardPlan::file_per_rank(&["a.bin", "b.bin", "c.bin"], multi.len())?;
+//! let (shares, report) = multi.load_sharded(&plan)?;
+//! println!("{:.1} GB/s in all", report.read_gbps());
+//! # Ok::<(), gpufeed::Error>(())
+//! ```
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use gpufeed_cuda::cudarc::driver::CudaViewMut;
+use gpufeed_cuda::{ContextGuard, DeviceAlloc, Gpu, PeerCopies, PeerLink};
+
+use crate::error::{Error, Result};
+use crate::load::{DeviceBuffer, LoadOptions, LoadReport, Loader, Strategy, file_len};
+use crate::safetensors::{self, Checkpoint, TensorParallel};
+
+/// Rank boundaries of a split fall on multiples of this (so `O_DIRECT` reads of a share stay
+/// aligned and no two GPUs read the same page).
+const ALIGN: u64 = 4096;
+
+/// Bytes each GPU of a replicated load reads per round before sending them to its peers: the
+/// peer copies of a round overlap the reads of the next, and the last round's (a few ms over
+/// NVLink) is all that is left after the reads. Each round costs about a millisecond more than
+/// its bytes (16 GiB on two H200s: 0.44 s in rounds of 64 MiB, 0.30 s of 256 MiB, 0.28 s of
+/// 1 GiB and of 4 GiB; docs/benchmarks.md, GPU run 39).
+const ROUND_BYTES: u64 = 1 << 30;
+
+/// A piece of a sharded load: bytes `range` of file `file` of the plan.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Span {
+    /// Index into [`ShardPlan::files`].
+    pub file: usize,
+    /// Byte range in that file.
+    pub range: Range<u64>,
+}
+
+/// Which bytes each GPU (rank) of a sharded load gets: for every rank a list of [`Span`]s,
+/// loaded back to back in that order into one device buffer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ShardPlan {
+    files: Vec<PathBuf>,
+    lens: Vec<u64>,
+    ranks: Vec<Vec<Span>>,
+}
+
+impl ShardPlan {
+    /// The files read one after another as one stream of bytes, cut into `ranks` contiguous
+    /// shares of nearly equal size (boundaries on 4 KiB multiples of the stream): for one
+    /// large file or a set of shards that every GPU should share evenly.
+    ///
+    /// # Errors
+    /// A missing or unreadable file; [`Error::InvalidSetting`] for no ranks.
+    pub fn split_bytes(files: &[impl AsRef<Path>], ranks: usize) -> Result<Self> {
+        let (files, lens) = stat_all(files, ranks)?;
+        let total: u64 = lens.iter().sum();
+        let shares = Self::split_len(total, ranks);
+        let bounds: Vec<u64> = std::iter::once(0)
+            .chain(shares.iter().map(|s| s.end))
+            .collect();
+        let mut plan = Vec::with_capacity(ranks);
+        for w in bounds.windows(2) {
+            let (lo, hi) = (w[0], w[1]);
+            let mut spans = Vec::new();
+            let mut at = 0u64;
+            for (file, &len) in lens.iter().enumerate() {
+                let (a, b) = (lo.max(at), hi.min(at + len));
+                if a < b {
+                    spans.push(Span {
+                        file,
+                        range: a - at..b - at,
+                    });
+                }
+                at += len;
+            }
+            plan.push(spans);
+        }
+        Ok(ShardPlan {
+            files,
+            lens,
+            ranks: plan,
+        })
+    }
+
+    /// Whole files shared out between `ranks`: the largest first, each to the rank with the
+    /// fewest bytes so far (the lowest rank on a tie), each rank's files in the given order.
+    /// For data stored a file per rank, or many shards.
+    ///
+    /// # Errors
+    /// As [`ShardPlan::split_bytes`].
+    pub fn file_per_rank(files: &[impl AsRef<Path>], ranks: usize) -> Result<Self> {
+        let (files, lens) = stat_all(files, ranks)?;
+        let mut order: Vec<usize> = (0..files.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(lens[i]));
+        let mut load = vec![0u64; ranks];
+        let mut owner = vec![0usize; files.len()];
+        for i in order {
+            let r = (0..ranks).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+            load[r] += lens[i];
+            owner[i] = r;
+        }
+        let ranks = (0..ranks)
+            .map(|r| {
+                (0..files.len())
+                    .filter(|&i| owner[i] == r && lens[i] > 0)
+                    .map(|i| Span {
+                        file: i,
+                        range: 0..lens[i],
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(ShardPlan { files, lens, ranks })
+    }
+
+    /// A plan of your own: `ranks[r]` is rank r's spans of `files`.
+    ///
+    /// # Errors
+    /// A missing file; [`Error::InvalidSetting`] for a span naming no file, or past the end of
+    /// its file, and for no ranks.
+    pub fn from_spans(files: &[impl AsRef<Path>], ranks: Vec<Vec<Span>>) -> Result<Self> {
+        let (files, lens) = stat_all(files, ranks.len())?;
+        for (r, spans) in ranks.iter().enumerate() {
+            for s in spans {
+                let Some(&len) = lens.get(s.file) else {
+                    return Err(Error::InvalidSetting(format!(
+                        "rank {r}: a span of file {} of {}",
+                        s.file,
+                        files.len()
+                    )));
+                };
+                if s.range.start > s.range.end || s.range.end > len {
+                    return Err(Error::InvalidSetting(format!(
+                        "rank {r}: span {:?} of {} ({len} bytes) is not inside the file",
+                        s.range,
+                        files[s.file].display()
+                    )));
+                }
+            }
+        }
+        Ok(ShardPlan { files, lens, ranks })
+    }
+
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The files.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// The files' lengths when the plan was made.
+    pub fn file_lens(&self) -> &[u64] {
+        &self.lens
+    }
+
+    /// Rank `rank`'s spans (empty past the last rank).
+    pub fn spans(&self, rank: usize) -> &[Span] {
+        self.ranks.get(rank).map_or(&[], Vec::as_slice)
+    }
+
+    /// Bytes rank `rank` loads.
+    pub fn bytes(&self, rank: usize) -> u64 {
+        self.spans(rank)
+            .iter()
+            .map(|s| s.range.end - s.range.start)
+            .sum()
+    }
+}
+
+/// The files' lengths, checking that there is at least one rank.
+fn stat_all(files: &[impl AsRef<Path>], ranks: usize) -> Result<(Vec<PathBuf>, Vec<u64>)> {
+    if ranks == 0 {
+        return Err(Error::InvalidSetting(
+            "a shard plan needs at least one rank".into(),
+        ));
+    }
+    let paths: Vec<PathBuf> = files.iter().map(|f| f.as_ref().to_path_buf()).collect();
+    let lens = paths.iter().map(|p| file_len(p)).collect::<Result<_>>()?;
+    Ok((paths, lens))
+}
+
+/// What a load onto several GPUs did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MultiReport {
+    /// The GPUs' ordinals, in the loader's order.
+    pub gpus: Vec<usize>,
+    /// Bytes each GPU read from the host over its own PCIe link.
+    pub read_bytes: Vec<u64>,
+    /// Bytes each GPU received from the other GPUs (replicated loads).
+    pub peer_bytes: Vec<u64>,
+    /// Wall seconds from the call until every GPU held its bytes.
+    pub seconds: f64,
+    /// Seconds each GPU's part took (its reads, and for a replicated load the peer copies it
+    /// sent).
+    pub gpu_seconds: Vec<f64>,
+    /// Each GPU's load reports.
+    pub loads: Vec<Vec<LoadReport>>,
+}
+
+impl MultiReport {
+    /// GB/s read from the host, all GPUs together.
+    pub fn read_gbps(&self) -> f64 {
+        gpufeed_os::gbps(self.read_bytes.iter().sum(), self.seconds)
+    }
+
+    /// GB/s arriving on the GPUs, all together (reads and peer copies): for a replicated load,
+    /// N times the file's bytes over the time.
+    pub fn delivered_gbps(&self) -> f64 {
+        let delivered = self.read_bytes.iter().sum::<u64>() + self.peer_bytes.iter().sum::<u64>();
+        gpufeed_os::gbps(delivered, self.seconds)
+    }
+}
+
+/// Loads onto several GPUs at once: one [`Loader`] per GPU, sized together from one host
+/// budget ([`LoadOptions::for_gpus`]), with peer access enabled between every pair of GPUs that
+/// allows it.
+pub struct MultiLoader {
+    loaders: Vec<Loader>,
+    links: Vec<PeerLink>,
+    notes: Vec<String>,
+    round_bytes: u64,
+}
+
+impl std::fmt::Debug for MultiLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultiLoader")
+            .field("gpus", &self.ordinals())
+            .field("links", &self.links)
+            .finish()
+    }
+}
+
+impl MultiLoader {
+    /// A loader over `gpus` (distinct GPUs), each GPU's [`Loader`] made with `opts` (their
+    /// staging reserved in parallel). Give it [`LoadOptions::for_gpus`]`(gpus.len())`: the
+    /// host's cores shared out between the GPUs; [`LoadOptions::default`] on each of several
+    /// GPUs sizes every loader for the whole host, and they fight over its cores and memory
+    /// bandwidth.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] for no GPU or a GPU given twice; [`Loader::new`]'s.
+    pub fn new(gpus: &[Gpu], opts: LoadOptions) -> Result<Self> {
+        let _keep = ContextGuard::new();
+        let ordinals: Vec<usize> = gpus.iter().map(|g| g.info().ordinal).collect();
+        check_ordinals(&ordinals)?;
+        let strategy = opts.strategy;
+        let loaders = std::thread::scope(|s| {
+            let handles: Vec<_> = gpus
+                .iter()
+                .map(|g| {
+                    let opts = opts.clone();
+                    s.spawn(move || Loader::new(g, opts))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().map_err(|_| Error::ThreadPanicked {
+                        what: "a thread setting up a GPU's loader",
+                    })?
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        Self::with_loaders(loaders, strategy)
+    }
+
+    /// Opens GPUs `ordinals` (their contexts created in parallel: 120-580 ms each on the H200
+    /// machine) and makes a loader over them, as [`MultiLoader::new`].
+    ///
+    /// # Errors
+    /// [`MultiLoader::new`]'s and [`Gpu::open`]'s (no driver, no such device).
+    pub fn open(ordinals: &[usize], opts: LoadOptions) -> Result<Self> {
+        let _keep = ContextGuard::new();
+        check_ordinals(ordinals)?;
+        let strategy = opts.strategy;
+        let loaders = std::thread::scope(|s| {
+            let handles: Vec<_> = ordinals
+                .iter()
+                .map(|&o| {
+                    let opts = opts.clone();
+                    s.spawn(move || Loader::open(o, opts))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().map_err(|_| Error::ThreadPanicked {
+                        what: "a thread opening a GPU",
+                    })?
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        Self::with_loaders(loaders, strategy)
+    }
+
+    /// Enables peer access between every pair that allows it and notes what will be slow.
+    fn with_loaders(loaders: Vec<Loader>, strategy: Strategy) -> Result<Self> {
+        let mut notes = Vec::new();
+        let links = if loaders.len() > 1 {
+            Gpu::peer_links()?
+                .into_iter()
+                .filter(|l| {
+                    loaders.iter().any(|x| x.gpu().info().ordinal == l.from)
+                        && loaders.iter().any(|x| x.gpu().info().ordinal == l.to)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for a in &loaders {
+            for b in &loaders {
+                let (x, y) = (a.gpu().info().ordinal, b.gpu().info().ordinal);
+                if x == y {
+                    continue;
+                }
+                match a.gpu().enable_peer_access(b.gpu()) {
+                    Ok(true) => {}
+                    Ok(false) => notes.push(format!(
+                        "GPU {x} cannot reach GPU {y} as a peer: copies between them go through host memory"
+                    )),
+                    Err(e) => notes.push(format!(
+                        "enabling peer access from GPU {x} to GPU {y} failed ({e}): copies between them go through host memory"
+                    )),
+                }
+            }
+        }
+        if strategy == Strategy::Registered && loaders.len() > 1 {
+            notes.push(
+                "Strategy::Registered on several GPUs: the driver serializes cuMemHostRegister \
+                 across GPUs (22 GB/s in all on two H200s, against 85 staged); Auto stages"
+                    .to_owned(),
+            );
+        }
+        Ok(MultiLoader {
+            loaders,
+            links,
+            notes,
+            round_bytes: ROUND_BYTES,
+        })
+    }
+
+    /// This loader with replicated loads sending their shares to the other GPUs every `bytes`
+    /// read (default 1 GiB, at least 1 MiB): smaller rounds start the peer copies sooner and
+    /// leave less to copy after the last read, at a fixed cost per round.
+    pub fn with_round_bytes(mut self, bytes: u64) -> Self {
+        self.round_bytes = bytes.max(1 << 20);
+        self
+    }
+
+    /// The loaders, one per GPU, in order.
+    pub fn loaders(&self) -> &[Loader] {
+        &self.loaders
+    }
+
+    /// The number of GPUs.
+    pub fn len(&self) -> usize {
+        self.loaders.len()
+    }
+
+    /// Whether it has no GPU (never: [`MultiLoader::new`] refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.loaders.is_empty()
+    }
+
+    /// The GPUs' ordinals, in order.
+    pub fn ordinals(&self) -> Vec<usize> {
+        self.loaders
+            .iter()
+            .map(|l| l.gpu().info().ordinal)
+            .collect()
+    }
+
+    /// The links between its GPUs, as the driver reports them.
+    pub fn links(&self) -> &[PeerLink] {
+        &self.links
+    }
+
+    /// What will run slower than it could (GPUs that are not peers, registration on several
+    /// GPUs).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// Loads each rank's spans of `plan` onto GPU `rank` of this loader, all GPUs at once: one
+    /// device buffer per GPU, its spans back to back.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the first
+    /// GPU's error of [`Loader::load_spans`] (the others stop at their next file).
+    pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(Vec<DeviceBuffer>, MultiReport)> {
+        self.check_ranks(plan.ranks())?;
+        let started = Instant::now();
+        let failed = AtomicBool::new(false);
+        let parts = self.each(|rank, loader| {
+            let t = Instant::now();
+            let spans = plan.spans(rank);
+            let len = plan.bytes(rank) as usize;
+            let (buf, reports) =
+                loader
+                    .gpu()
+                    .alloc_filled(len, loader.device_alloc(len), |dst| {
+                        // One load per run of spans of the same file, each into its part.
+                        let runs = runs(spans);
+                        let bounds: Vec<usize> = runs
+                            .iter()
+                            .scan(0usize, |at, r| {
+                                *at +=
+                                    r.1.iter()
+                                        .map(|s| (s.end - s.start) as usize)
+                                        .sum::<usize>();
+                                Some(*at)
+                            })
+                            .collect();
+                        let cut = &bounds[..bounds.len().saturating_sub(1)];
+                        let views = gpufeed_cuda::split_mut(dst, cut).ok_or_else(|| {
+                            Error::InvalidSetting("a shard plan's spans overflow".into())
+                        })?;
+                        let mut reports = Vec::with_capacity(runs.len());
+                        for ((file, spans), mut view) in runs.into_iter().zip(views) {
+                            if failed.load(Ordering::Relaxed) {
+                                return Err(Error::InvalidSetting("another GPU failed".into()));
+                            }
+                            let r = loader.load_spans_to(&plan.files[file], &spans, &mut view);
+                            if r.is_err() {
+                                failed.store(true, Ordering::Relaxed);
+                            }
+                            reports.push(r?);
+                        }
+                        Ok(reports)
+                    })?;
+            Ok((buf, reports, t.elapsed().as_secs_f64()))
+        })?;
+        let mut report = self.report(started);
+        let mut bufs = Vec::with_capacity(parts.len());
+        for (rank, (buf, reports, secs)) in parts.into_iter().enumerate() {
+            report.read_bytes[rank] = buf.len() as u64;
+            report.gpu_seconds[rank] = secs;
+            report.loads[rank] = reports;
+            bufs.push(buf);
+        }
+        Ok((bufs, report))
+    }
+
+    /// Loads a tensor-parallel plan of a checkpoint, rank `r` onto GPU `r` of this loader, all
+    /// GPUs at once ([`safetensors::load_shard`] on each).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the first
+    /// GPU's error of [`safetensors::load_shard`].
+    pub fn load_tensor_parallel(
+        &self,
+        plan: &TensorParallel,
+    ) -> Result<(Vec<Checkpoint>, MultiReport)> {
+        self.check_ranks(plan.ranks())?;
+        let started = Instant::now();
+        let parts = self.each(|rank, loader| {
+            let t = Instant::now();
+            let ckpt = safetensors::load_shard(loader, plan, rank)?;
+            Ok((ckpt, t.elapsed().as_secs_f64()))
+        })?;
+        let mut report = self.report(started);
+        let mut ckpts = Vec::with_capacity(parts.len());
+        for (rank, (ckpt, secs)) in parts.into_iter().enumerate() {
+            report.read_bytes[rank] = ckpt.bytes();
+            report.gpu_seconds[rank] = secs;
+            report.loads[rank] = ckpt.reports().to_vec();
+            ckpts.push(ckpt);
+        }
+        Ok((ckpts, report))
+    }
+
+    /// Loads all of `path` onto every GPU: GPU `g` reads the `g`-th of N contiguous shares of
+    /// the file over its own PCIe link, in rounds of 256 MiB, and after each round copies what
+    /// it read to every other GPU over their peer link (NVLink where there is one), overlapped
+    /// with its next round. Every GPU's copy is checked against the file's identity at the end.
+    ///
+    /// # Errors
+    /// A missing file, [`Error::FileChangedDuringLoad`], and the loads' and copies' errors.
+    pub fn load_replicated(
+        &self,
+        path: impl AsRef<Path>,
+    ) -> Result<(Vec<DeviceBuffer>, MultiReport)> {
+        let path = path.as_ref();
+        let (_, identity) = gpufeed_os::file::open_regular(path, false)?;
+        let len = identity.size;
+        let out = self.replicate(path, 0..len)?;
+        changed(path, &identity)?;
+        Ok(out)
+    }
+
+    /// Loads a safetensors checkpoint (a file or an index) whole onto every GPU, each file's
+    /// data section as [`MultiLoader::load_replicated`] does: one [`Checkpoint`] per GPU.
+    ///
+    /// # Errors
+    /// [`safetensors::load`]'s and [`MultiLoader::load_replicated`]'s.
+    pub fn load_replicated_safetensors(
+        &self,
+        path: impl AsRef<Path>,
+    ) -> Result<(Vec<Checkpoint>, MultiReport)> {
+        let path = path.as_ref();
+        let started = Instant::now();
+        let layouts = safetensors::inspect(path)?;
+        let mut per_gpu: Vec<Vec<DeviceBuffer>> = (0..self.len()).map(|_| Vec::new()).collect();
+        let mut report = self.report(started);
+        for layout in &layouts {
+            let range = layout.data_start..layout.data_start + layout.data_bytes;
+            let (bufs, r) = self.replicate(&layout.path, range)?;
+            for (g, buf) in bufs.into_iter().enumerate() {
+                per_gpu[g].push(buf);
+                report.read_bytes[g] += r.read_bytes[g];
+                report.peer_bytes[g] += r.peer_bytes[g];
+                report.gpu_seconds[g] += r.gpu_seconds[g];
+                report.loads[g].extend(r.loads[g].iter().cloned());
+            }
+        }
+        let ckpts = per_gpu
+            .into_iter()
+            .zip(&self.loaders)
+            .map(|(buffers, loader)| {
+                Checkpoint::from_layouts(path, loader.gpu().clone(), &layouts, buffers)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        report.seconds = started.elapsed().as_secs_f64();
+        Ok((ckpts, report))
+    }
+
+    /// Bytes `range` of `path` onto every GPU (see [`MultiLoader::load_replicated`]).
+    fn replicate(
+        &self,
+        path: &Path,
+        range: Range<u64>,
+    ) -> Result<(Vec<DeviceBuffer>, MultiReport)> {
+        let _keep = ContextGuard::new();
+        let started = Instant::now();
+        let n = self.len();
+        let len = range.end - range.start;
+        let shares = ShardPlan::split_len(len, n);
+        let gpus: Vec<Gpu> = self.loaders.iter().map(|l| l.gpu().clone()).collect();
+        let from = if len as usize >= crate::load::UNPOOLED_FROM {
+            DeviceAlloc::Unpooled
+        } else {
+            DeviceAlloc::Pool
+        };
+        let (bufs, parts) = Gpu::alloc_filled_each(&gpus, len as usize, from, |dsts| {
+            // views[h][g]: GPU h's copy of share g. Thread g fills its own share on its GPU
+            // (views[g][g]) and copies it into views[h][g] on every other GPU h.
+            let cut: Vec<usize> = shares[1..n].iter().map(|s| s.start as usize).collect();
+            let mut own: Vec<Option<CudaViewMut<'_, u8>>> = (0..n).map(|_| None).collect();
+            let mut to_peers: Vec<Vec<(usize, CudaViewMut<'_, u8>)>> =
+                (0..n).map(|_| Vec::new()).collect();
+            for (h, dst) in dsts.iter_mut().enumerate() {
+                let views = gpufeed_cuda::split_mut(dst, &cut)
+                    .ok_or_else(|| Error::InvalidSetting("replicated shares overflow".into()))?;
+                for (g, v) in views.into_iter().enumerate() {
+                    if g == h {
+                        own[g] = Some(v);
+                    } else {
+                        to_peers[g].push((h, v));
+                    }
+                }
+            }
+            let failed = AtomicBool::new(false);
+            let (shares, gpus, failed) = (&shares, &gpus, &failed);
+            std::thread::scope(|s| {
+                let handles: Vec<_> = own
+                    .into_iter()
+                    .zip(to_peers)
+                    .enumerate()
+                    .map(|(g, (own, peers))| {
+                        let loader = &self.loaders[g];
+                        let share = shares[g].clone();
+                        let round = self.round_bytes;
+                        s.spawn(move || {
+                            let out = share_out(
+                                loader,
+                                gpus,
+                                (path, range.start),
+                                share,
+                                round,
+                                own,
+                                peers,
+                                failed,
+                            );
+                            if out.is_err() {
+                                failed.store(true, Ordering::Relaxed);
+                            }
+                            out
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().map_err(|_| Error::ThreadPanicked {
+                            what: "a thread of a replicated load",
+                        })?
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+        })?;
+        let mut report = self.report(started);
+        for (g, (reports, secs)) in parts.into_iter().enumerate() {
+            let share = shares[g].end - shares[g].start;
+            report.read_bytes[g] = share;
+            report.peer_bytes[g] = len - share;
+            report.gpu_seconds[g] = secs;
+            report.loads[g] = reports;
+        }
+        Ok((bufs, report))
+    }
+
+    /// Runs `f(rank, loader)` for every GPU at once, on a thread each; the first error wins.
+    fn each<T: Send>(&self, f: impl Fn(usize, &Loader) -> Result<T> + Sync) -> Result<Vec<T>> {
+        let _keep = ContextGuard::new();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .loaders
+                .iter()
+                .enumerate()
+                .map(|(rank, loader)| {
+                    let f = &f;
+                    s.spawn(move || f(rank, loader))
+                })
+                .collect();
+            let results: Vec<Result<T>> = handles
+                .into_iter()
+                .map(|h| {
+                    h.join().map_err(|_| Error::ThreadPanicked {
+                        what: "a thread loading onto one GPU",
+                    })?
+                })
+                .collect();
+            results.into_iter().collect()
+        })
+    }
+
+    fn check_ranks(&self, ranks: usize) -> Result<()> {
+        if ranks != self.len() {
+            return Err(Error::InvalidSetting(format!(
+                "a plan for {ranks} ranks on a loader of {} GPUs; plan for {}",
+                self.len(),
+                self.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn report(&self, started: Instant) -> MultiReport {
+        let n = self.len();
+        MultiReport {
+            gpus: self.ordinals(),
+            read_bytes: vec![0; n],
+            peer_bytes: vec![0; n],
+            seconds: started.elapsed().as_secs_f64(),
+            gpu_seconds: vec![0.0; n],
+            loads: vec![Vec::new(); n],
+        }
+    }
+}
+
+impl ShardPlan {
+    /// `len` bytes cut into `ranks` contiguous shares, each boundary the 4 KiB multiple
+    /// nearest to an even cut (so a share is within 4 KiB of `len / ranks`).
+    fn split_len(len: u64, ranks: usize) -> Vec<Range<u64>> {
+        let at = |r: usize| {
+            if r == ranks {
+                len
+            } else {
+                let even = u128::from(len) * r as u128 / ranks as u128;
+                let nearest =
+                    (even + u128::from(ALIGN) / 2) / u128::from(ALIGN) * u128::from(ALIGN);
+                nearest.min(u128::from(len)) as u64
+            }
+        };
+        (0..ranks).map(|r| at(r)..at(r + 1)).collect()
+    }
+}
+
+/// GPU `g`'s part of a replicated load: reads its share (bytes `share` of the range starting at
+/// `base` in `path`) into `own`, `round` bytes at a time, copying each round to every peer's
+/// view while it reads the next.
+#[allow(clippy::too_many_arguments, reason = "the parts of one thread's work")]
+fn share_out(
+    loader: &Loader,
+    gpus: &[Gpu],
+    (path, base): (&Path, u64),
+    share: Range<u64>,
+    round: u64,
+    mut own: Option<CudaViewMut<'_, u8>>,
+    mut peers: Vec<(usize, CudaViewMut<'_, u8>)>,
+    failed: &AtomicBool,
+) -> Result<(Vec<LoadReport>, f64)> {
+    let t = Instant::now();
+    let Some(own) = own.as_mut() else {
+        return Ok((Vec::new(), 0.0));
+    };
+    // One stream on each peer GPU for the copies this GPU sends it.
+    let copies = PeerCopies::new(peers.iter().map(|(h, _)| &gpus[*h]))?;
+    let mut reports = Vec::new();
+    let len = share.end - share.start;
+    let mut at = 0u64;
+    while at < len {
+        if failed.load(Ordering::Relaxed) {
+            break;
+        }
+        let n = round.min(len - at);
+        let (a, b) = (at as usize, (at + n) as usize);
+        let file = base + share.start + at..base + share.start + at + n;
+        {
+            let mut round = own.slice_mut(a..b);
+            reports.push(loader.load_spans_to(path, std::slice::from_ref(&file), &mut round)?);
+        }
+        let sent = own.slice(a..b);
+        for (i, (_, view)) in peers.iter_mut().enumerate() {
+            copies.copy(i, &sent, &mut view.slice_mut(a..b))?;
+        }
+        at += n;
+    }
+    copies.wait()?;
+    Ok((reports, t.elapsed().as_secs_f64()))
+}
+
+/// Consecutive spans of the same file, grouped: `(file, ranges)`.
+fn runs(spans: &[Span]) -> Vec<(usize, Vec<Range<u64>>)> {
+    let mut out: Vec<(usize, Vec<Range<u64>>)> = Vec::new();
+    for s in spans {
+        match out.last_mut() {
+            Some((f, ranges)) if *f == s.file => ranges.push(s.range.clone()),
+            _ => out.push((s.file, vec![s.range.clone()])),
+        }
+    }
+    out
+}
+
+fn check_ordinals(ordinals: &[usize]) -> Result<()> {
+    if ordinals.is_empty() {
+        return Err(Error::InvalidSetting(
+            "a multi-GPU loader needs at least one GPU".into(),
+        ));
+    }
+    for (i, o) in ordinals.iter().enumerate() {
+        if ordinals[..i].contains(o) {
+            return Err(Error::InvalidSetting(format!(
+                "GPU {o} is given twice; give each GPU once"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn changed(path: &Path, before: &gpufeed_os::FileIdentity) -> Result<()> {
+    let now = gpufeed_os::file::stat_regular(path)?;
+    match before.difference(&now) {
+        Some(what) => Err(Error::FileChangedDuringLoad {
+            path: path.into(),
+            what,
+        }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_len_covers_in_aligned_shares() {
+        let s = ShardPlan::split_len(10 * 4096 + 3, 3);
+        assert_eq!(s, vec![0..12288, 12288..28672, 28672..40963]);
+        assert_eq!(ShardPlan::split_len(100, 2), vec![0..0, 0..100]);
+        assert_eq!(ShardPlan::split_len(6000, 2), vec![0..4096, 4096..6000]);
+    }
+}

@@ -1,0 +1,412 @@
+//! Several GPUs: shard plans (byte ranges, a file per rank, tensor-parallel slices) checked for
+//! exact coverage against the files on the CPU; sharded, tensor-parallel and replicated loads
+//! byte-exact on every GPU of the machine (one GPU: the N=1 path; two: N=1 and N=2).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use gpufeed::multi::{MultiLoader, ShardPlan, Span};
+use gpufeed::safetensors::{Split, TensorParallel};
+use gpufeed::{Error, Gpu, LoadOptions};
+use proptest::prelude::*;
+use safetensors::Dtype;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::random_bytes;
+
+/// Files of the given lengths (random bytes) in `dir`.
+fn files(dir: &Path, lens: &[usize], seed: u64) -> Vec<(PathBuf, Vec<u8>)> {
+    lens.iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let path = dir.join(format!("f{i}.bin"));
+            let data = random_bytes(len, seed + i as u64);
+            std::fs::write(&path, &data).expect("write");
+            (path, data)
+        })
+        .collect()
+}
+
+/// The bytes rank `rank` of `plan` should hold, read from the files' contents.
+fn expected(plan: &ShardPlan, rank: usize, data: &[Vec<u8>]) -> Vec<u8> {
+    plan.spans(rank)
+        .iter()
+        .flat_map(|s| data[s.file][s.range.start as usize..s.range.end as usize].to_vec())
+        .collect()
+}
+
+/// How many times each byte of each file is in the plan's spans, over all ranks.
+fn coverage(plan: &ShardPlan) -> Vec<Vec<u32>> {
+    let mut seen: Vec<Vec<u32>> = plan
+        .file_lens()
+        .iter()
+        .map(|&l| vec![0; l as usize])
+        .collect();
+    for r in 0..plan.ranks() {
+        for s in plan.spans(r) {
+            for b in s.range.start..s.range.end {
+                seen[s.file][b as usize] += 1;
+            }
+        }
+    }
+    seen
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Every byte of every file goes to exactly one rank; byte shares differ by at most 4 KiB
+    /// (their boundaries are on 4 KiB multiples); a file per rank keeps each file whole.
+    #[test]
+    fn shard_plans_cover_every_byte_once(
+        lens in prop::collection::vec(0usize..20_000, 1..5),
+        ranks in 1usize..6,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let paths: Vec<PathBuf> = files(dir.path(), &lens, 1).into_iter().map(|f| f.0).collect();
+        let bytes = ShardPlan::split_bytes(&paths, ranks).expect("plan");
+        prop_assert_eq!(bytes.ranks(), ranks);
+        prop_assert!(coverage(&bytes).iter().flatten().all(|&n| n == 1));
+        let total: u64 = lens.iter().map(|&l| l as u64).sum();
+        for r in 0..ranks {
+            let want = total / ranks as u64;
+            prop_assert!(bytes.bytes(r).abs_diff(want) <= 4096, "rank {} has {}", r, bytes.bytes(r));
+        }
+        let whole = ShardPlan::file_per_rank(&paths, ranks).expect("plan");
+        prop_assert!(coverage(&whole).iter().flatten().all(|&n| n == 1));
+        for r in 0..ranks {
+            for s in whole.spans(r) {
+                prop_assert_eq!(s.range.clone(), 0..lens[s.file] as u64);
+            }
+        }
+    }
+
+    /// Each rank's share of each tensor, read from the file through the plan's spans, equals
+    /// the slice of the tensor cut element by element; the shares of all ranks together hold
+    /// every element once (a tensor without the split dimension: whole on every rank).
+    #[test]
+    fn tensor_parallel_shares_match_an_element_by_element_cut(
+        tensors in prop::collection::vec(
+            (prop::collection::vec(1usize..7, 0..4), prop::sample::select(vec![Dtype::U8, Dtype::F16, Dtype::F32, Dtype::F64])),
+            1..5,
+        ),
+        dim in 0usize..3,
+        ranks in 1usize..5,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, want) = checkpoint(dir.path(), &tensors, 7);
+        let split = Split::Dim(dim);
+        let plan = TensorParallel::plan(&path, ranks, split).expect("plan");
+        let file = std::fs::read(&path).expect("read");
+        let mut counted: BTreeMap<String, usize> = BTreeMap::new();
+        for rank in 0..ranks {
+            let held: Vec<u8> = plan
+                .spans(rank, 0)
+                .iter()
+                .flat_map(|s| file[s.start as usize..s.end as usize].to_vec())
+                .collect();
+            prop_assert_eq!(held.len() as u64, plan.bytes(rank));
+            for share in plan.shares(rank, 0) {
+                let (dtype, shape, bytes) = &want[&share.name];
+                let reference = cut(bytes, shape, dtype.bitsize() / 8, dim, share.indices.clone());
+                prop_assert_eq!(&held[share.dst.clone()], &reference[..], "{} rank {}", share.name, rank);
+                prop_assert_eq!(share.share_shape(split).iter().product::<usize>() * dtype.bitsize() / 8, reference.len());
+                *counted.entry(share.name.clone()).or_default() += reference.len();
+            }
+        }
+        for (name, (dtype, shape, bytes)) in &want {
+            let copies = if dim < shape.len() { 1 } else { ranks };
+            prop_assert_eq!(counted[name], copies * bytes.len(), "{}", name);
+            let _ = dtype;
+        }
+    }
+}
+
+/// A safetensors file of `tensors` (shape, dtype) with random bytes; returns its path and each
+/// tensor's dtype, shape and bytes.
+#[allow(clippy::type_complexity, reason = "a test's table")]
+fn checkpoint(
+    dir: &Path,
+    tensors: &[(Vec<usize>, Dtype)],
+    seed: u64,
+) -> (PathBuf, BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>) {
+    let want: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (shape, dtype))| {
+            let n = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+            (
+                format!("t{i}"),
+                (*dtype, shape.clone(), random_bytes(n, seed + i as u64)),
+            )
+        })
+        .collect();
+    let views: Vec<_> = want
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view"),
+            )
+        })
+        .collect();
+    let path = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &path).expect("serialize");
+    (path, want)
+}
+
+/// The elements of a row-major tensor (`elem` bytes each) whose index along `dim` lies in
+/// `indices`, in row-major order: the reference cut, element by element (`None`: all).
+fn cut(
+    bytes: &[u8],
+    shape: &[usize],
+    elem: usize,
+    dim: usize,
+    indices: Option<std::ops::Range<usize>>,
+) -> Vec<u8> {
+    let Some(ix) = indices else {
+        return bytes.to_vec();
+    };
+    let count: usize = shape.iter().product();
+    let mut out = Vec::new();
+    for flat in 0..count {
+        // The index along `dim` of element `flat`.
+        let stride: usize = shape[dim + 1..].iter().product();
+        let i = (flat / stride) % shape[dim];
+        if ix.contains(&i) {
+            out.extend_from_slice(&bytes[flat * elem..(flat + 1) * elem]);
+        }
+    }
+    out
+}
+
+#[test]
+fn bad_plans_and_loaders_are_clear_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, _) = files(dir.path(), &[10], 3).remove(0);
+    let e = ShardPlan::split_bytes(&[&path], 0).expect_err("no ranks");
+    assert!(matches!(e, Error::InvalidSetting(_)), "{e}");
+    let e = ShardPlan::split_bytes(&[dir.path().join("missing.bin")], 2).expect_err("missing");
+    assert!(e.to_string().contains("missing.bin"), "{e}");
+    let e = ShardPlan::from_spans(
+        &[&path],
+        vec![vec![Span {
+            file: 0,
+            range: 5..11,
+        }]],
+    )
+    .expect_err("past the end");
+    assert!(e.to_string().contains("not inside the file"), "{e}");
+    let e = ShardPlan::from_spans(
+        &[&path],
+        vec![vec![Span {
+            file: 1,
+            range: 0..1,
+        }]],
+    )
+    .expect_err("no such file");
+    assert!(e.to_string().contains("file 1 of 1"), "{e}");
+    // A sub-byte dtype cut off a byte boundary: F4 [2, 3] by columns puts a slice at bit 4.
+    let (ckpt, _) = checkpoint(dir.path(), &[(vec![2, 3], Dtype::F4)], 4);
+    let e = TensorParallel::plan(&ckpt, 3, Split::Columns).expect_err("sub-byte cut");
+    assert!(e.to_string().contains("byte boundary"), "{e}");
+    assert!(
+        TensorParallel::plan(&ckpt, 1, Split::Columns).is_ok(),
+        "one rank holds it whole"
+    );
+    assert!(matches!(
+        TensorParallel::plan(&ckpt, 0, Split::Rows),
+        Err(Error::InvalidSetting(_))
+    ));
+    // Loaders: the GPU list is checked before any GPU is opened.
+    for ordinals in [&[][..], &[0, 0][..]] {
+        let e = MultiLoader::open(ordinals, LoadOptions::default()).expect_err("bad GPU list");
+        assert!(matches!(e, Error::InvalidSetting(_)), "{e}");
+    }
+    match Gpu::count() {
+        Err(_) => {
+            let e = MultiLoader::open(&[0, 1], LoadOptions::default()).expect_err("no GPU");
+            assert!(e.is_no_gpu(), "{e}");
+            assert!(Gpu::peer_links().is_err_and(|e| e.is_no_gpu()), "{e}");
+        }
+        Ok(n) => {
+            let e = MultiLoader::open(&[0, n], LoadOptions::default()).expect_err("GPU n");
+            assert!(e.to_string().contains(&n.to_string()), "{e}");
+        }
+    }
+}
+
+#[test]
+fn the_host_budget_is_shared_between_gpus() {
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let one = LoadOptions::for_gpus(1);
+    let default = LoadOptions::default();
+    assert_eq!(
+        one.transfer, default.transfer,
+        "one GPU: the single-GPU default"
+    );
+    for gpus in [2, 3, 8, 64] {
+        let o = LoadOptions::for_gpus(gpus);
+        let t = o.transfer.fill_threads;
+        assert_eq!(t, (cores / gpus).clamp(2, 16), "{gpus} GPUs");
+        assert_eq!(o.transfer.staging_buffers, 2 * t);
+        assert_eq!(o.transfer.chunk_bytes, 2 << 20);
+    }
+}
+
+/// Loaders over GPUs 0..n for every n the machine has, or None after a printed skip.
+fn loaders_or_skip(test: &str) -> Option<Vec<MultiLoader>> {
+    let count = match Gpu::count() {
+        Ok(n) if n > 0 => n,
+        Ok(_) => {
+            gpufeed_testkit::skip_without_gpu(test, &"no CUDA device");
+            return None;
+        }
+        Err(e) => {
+            gpufeed_testkit::skip_without_gpu(test, &e);
+            return None;
+        }
+    };
+    if count == 1 {
+        eprintln!("{test}: one GPU: only the N=1 path runs here (N=2 on the two-GPU machine)");
+    }
+    Some(
+        (1..=count.min(4))
+            .map(|n| {
+                let ordinals: Vec<usize> = (0..n).collect();
+                MultiLoader::open(&ordinals, LoadOptions::for_gpus(n)).expect("multi loader")
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn sharded_loads_are_byte_exact_on_every_gpu() {
+    let Some(multis) = loaders_or_skip("sharded_loads_are_byte_exact_on_every_gpu") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let made = files(
+        dir.path(),
+        &[(5 << 20) + 3, (17 << 20) + 1, 1, 0, (9 << 20) + 4095],
+        11,
+    );
+    let (paths, data): (Vec<PathBuf>, Vec<Vec<u8>>) = made.into_iter().unzip();
+    for multi in &multis {
+        let n = multi.len();
+        for plan in [
+            ShardPlan::split_bytes(&paths, n).expect("plan"),
+            ShardPlan::file_per_rank(&paths, n).expect("plan"),
+        ] {
+            let (bufs, report) = multi.load_sharded(&plan).expect("sharded load");
+            assert_eq!(bufs.len(), n);
+            for (rank, buf) in bufs.iter().enumerate() {
+                let gpu = multi.loaders()[rank].gpu();
+                let want = expected(&plan, rank, &data);
+                let got = gpu.to_vec(buf).expect("copy back");
+                assert_eq!(
+                    xxh3_64(&got),
+                    xxh3_64(&want),
+                    "N={n} rank {rank}: bytes differ"
+                );
+                assert_eq!(report.read_bytes[rank], want.len() as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_loads_match_the_cut_on_every_gpu() {
+    let Some(multis) = loaders_or_skip("tensor_parallel_loads_match_the_cut_on_every_gpu") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let tensors = [
+        (vec![1027, 515], Dtype::F16),
+        (vec![515], Dtype::F32),
+        (vec![3, 1001, 7], Dtype::BF16),
+        (vec![1], Dtype::U8),
+        (vec![4096, 1024], Dtype::F32),
+    ];
+    let (path, want) = checkpoint(dir.path(), &tensors, 21);
+    for multi in &multis {
+        for split in [Split::Rows, Split::Columns] {
+            let plan = TensorParallel::plan(&path, multi.len(), split).expect("plan");
+            let (ckpts, _) = multi.load_tensor_parallel(&plan).expect("load");
+            for (rank, ckpt) in ckpts.iter().enumerate() {
+                for share in plan.shares(rank, 0) {
+                    let (dtype, shape, bytes) = &want[&share.name];
+                    let (info, view) = ckpt.get(&share.name).expect("tensor");
+                    assert_eq!(info.shape, share.share_shape(split));
+                    let mut host = vec![0u8; view.len()];
+                    ckpt.gpu()
+                        .default_stream()
+                        .memcpy_dtoh(&view, &mut host)
+                        .expect("copy back");
+                    let reference = cut(
+                        bytes,
+                        shape,
+                        dtype.bitsize() / 8,
+                        split.dim(),
+                        share.indices.clone(),
+                    );
+                    assert!(
+                        host == reference,
+                        "N={} {split:?} rank {rank} {}: bytes differ",
+                        multi.len(),
+                        share.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn replicated_loads_are_byte_exact_on_every_gpu() {
+    let Some(multis) = loaders_or_skip("replicated_loads_are_byte_exact_on_every_gpu") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let (path, data) = files(dir.path(), &[(48 << 20) + 5], 31).remove(0);
+    let (ckpt, want) = checkpoint(
+        dir.path(),
+        &[(vec![3001, 1025], Dtype::F32), (vec![7], Dtype::U8)],
+        41,
+    );
+    for multi in multis {
+        let n = multi.len();
+        // Rounds of 4 MiB: several rounds per GPU, the last one short.
+        let multi = multi.with_round_bytes(4 << 20);
+        let (bufs, report) = multi.load_replicated(&path).expect("replicated load");
+        assert_eq!(bufs.len(), n);
+        for (g, buf) in bufs.iter().enumerate() {
+            let got = multi.loaders()[g].gpu().to_vec(buf).expect("copy back");
+            assert_eq!(xxh3_64(&got), xxh3_64(&data), "N={n} GPU {g}: bytes differ");
+            assert_eq!(
+                report.read_bytes[g] + report.peer_bytes[g],
+                data.len() as u64
+            );
+        }
+        assert_eq!(report.read_bytes.iter().sum::<u64>(), data.len() as u64);
+        let (ckpts, _) = multi
+            .load_replicated_safetensors(&ckpt)
+            .expect("replicated checkpoint");
+        for c in &ckpts {
+            for (name, (_, shape, bytes)) in &want {
+                let (info, view) = c.get(name).expect("tensor");
+                assert_eq!(&info.shape, shape);
+                let mut host = vec![0u8; view.len()];
+                c.gpu()
+                    .default_stream()
+                    .memcpy_dtoh(&view, &mut host)
+                    .expect("copy back");
+                assert!(
+                    &host == bytes,
+                    "N={n} {name} on GPU {}",
+                    c.gpu().info().ordinal
+                );
+            }
+        }
+    }
+}
