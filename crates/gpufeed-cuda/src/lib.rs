@@ -27,7 +27,8 @@
 //!   [`Gpu::alloc_filled`] and [`TransferScheduler::upload_new`].
 //! - Several GPUs: [`Gpu::peer_links`] (peer access and the link between each pair, from the
 //!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
-//!   disjoint parts that different threads fill at once (a replicated load's peer copies).
+//!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a
+//!   replicated buffer sent to the other GPUs over their peer links while it is filled.
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
@@ -61,7 +62,7 @@ pub use error::{CUresult, Error, Result};
 pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
-pub use peer::{PeerCopies, PeerLink, split_mut};
+pub use peer::{PeerFanout, PeerLink, split_mut};
 pub use transfer::{
     FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig, TransferScheduler,
     TransferStats,

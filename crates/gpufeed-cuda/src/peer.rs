@@ -2,7 +2,7 @@
 //! enabled between two contexts, and a device buffer cut into disjoint parts that different
 //! threads (or GPUs' copies) fill at once.
 
-use cudarc::driver::{CudaSlice, CudaViewMut, sys};
+use cudarc::driver::{CudaSlice, CudaViewMut, DeviceSlice, sys};
 
 use crate::error::{Error, Result, driver};
 use crate::gpu::Gpu;
@@ -149,64 +149,147 @@ pub fn split_mut<'a>(
     Some(parts)
 }
 
-/// Copies from one GPU's memory into other GPUs' (a replicated load's shares), each
-/// destination GPU on a stream of its own so that the copies run while the caller goes on;
-/// [`PeerCopies::wait`] waits for all of them. With peer access enabled
-/// ([`Gpu::enable_peer_access`]) they go straight over the link between the GPUs.
-#[derive(Debug)]
-pub struct PeerCopies {
+/// One GPU's share of a buffer replicated on several GPUs: its own part (`own`, on its GPU),
+/// filled by the caller piece by piece, and the same part of every other GPU's copy (`peers`),
+/// which [`PeerFanout::send`] fills from `own` over the peer links while the caller goes on.
+/// Each peer has a stream of its own; the copies carry no cudarc event of the buffers, so that
+/// they neither wait for nor hold up other work on other parts of the same buffers (the peers'
+/// own loads). It holds every view until the copies have completed: [`PeerFanout::finish`]
+/// waits for them, and so does dropping it.
+pub struct PeerFanout<'a> {
+    own: CudaViewMut<'a, u8>,
+    peers: Vec<CudaViewMut<'a, u8>>,
     streams: Vec<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
-impl PeerCopies {
-    /// A stream on each of `to`, in order.
+impl std::fmt::Debug for PeerFanout<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerFanout")
+            .field("len", &self.own.len())
+            .field("peers", &self.peers.len())
+            .finish()
+    }
+}
+
+impl<'a> PeerFanout<'a> {
+    /// `own` and the same-sized `peers` (views of other GPUs' buffers).
     ///
     /// # Errors
-    /// [`Error::Cuda`] when a stream cannot be made.
-    pub fn new<'g>(to: impl IntoIterator<Item = &'g Gpu>) -> Result<Self> {
+    /// [`Error::OutOfBounds`] for a peer of another length; [`Error::Cuda`] when a stream
+    /// cannot be made.
+    pub fn new(own: CudaViewMut<'a, u8>, peers: Vec<CudaViewMut<'a, u8>>) -> Result<Self> {
         driver()?;
-        let streams = to
-            .into_iter()
-            .map(|g| {
-                g.context()
+        if let Some(p) = peers.iter().find(|p| p.len() != own.len()) {
+            return Err(Error::OutOfBounds {
+                len: own.len() as u64,
+                offset: 0,
+                capacity: p.len() as u64,
+            });
+        }
+        let streams = peers
+            .iter()
+            .map(|p| {
+                p.stream()
+                    .context()
                     .new_stream()
                     .map_err(|e| Error::cuda("cuStreamCreate", e))
             })
             .collect::<Result<_>>()?;
-        Ok(PeerCopies { streams })
+        Ok(PeerFanout {
+            own,
+            peers,
+            streams,
+        })
     }
 
-    /// Enqueues a copy of `src` (device memory of any GPU, complete on its own stream) into
-    /// `dst` on the `i`-th destination GPU, after the work already enqueued on `src`'s stream.
+    /// The caller's part of its own GPU's buffer, `range` of it, to fill (a load into it).
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] for lengths that differ or an `i` past the destinations;
-    /// [`Error::Cuda`].
-    pub fn copy(
-        &self,
-        i: usize,
-        src: &cudarc::driver::CudaView<'_, u8>,
-        dst: &mut CudaViewMut<'_, u8>,
-    ) -> Result<()> {
-        let stream = self.streams.get(i);
-        let (Some(stream), true) = (stream, src.len() == dst.len()) else {
-            return Err(Error::OutOfBounds {
-                len: src.len() as u64,
-                offset: 0,
-                capacity: dst.len() as u64,
-            });
-        };
-        stream
-            .memcpy_dtod(src, dst)
-            .map_err(|e| Error::cuda("cuMemcpyPeerAsync", e))
+    /// [`Error::OutOfBounds`] for a range outside it.
+    pub fn own_mut(&mut self, range: std::ops::Range<usize>) -> Result<CudaViewMut<'_, u8>> {
+        let len = self.own.len();
+        let (start, end) = (range.start, range.end);
+        self.own.try_slice_mut(range).ok_or(Error::OutOfBounds {
+            len: end.saturating_sub(start) as u64,
+            offset: start as u64,
+            capacity: len as u64,
+        })
     }
 
-    /// Waits until every copy enqueued so far has completed.
-    pub fn wait(&self) -> Result<()> {
+    /// Enqueues copies of `range` of the own part into the same range of every peer, after
+    /// the work already enqueued on the own part's stream (which every upload of the
+    /// scheduler has completed when it returns).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] for a range outside the part; [`Error::Cuda`].
+    pub fn send(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        if range.start > range.end || range.end > self.own.len() {
+            return Err(Error::OutOfBounds {
+                len: range.end.saturating_sub(range.start) as u64,
+                offset: range.start as u64,
+                capacity: self.own.len() as u64,
+            });
+        }
+        let len = range.end - range.start;
+        if len == 0 {
+            return Ok(());
+        }
+        let own_stream = std::sync::Arc::clone(self.own.stream());
+        let ready = own_stream
+            .record_event(None)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        // Raw pointers: the guards would record the copies in the buffers' shared events,
+        // which the peers' own loads into other parts then wait for (and the copies for them).
+        let (src, guard) = self.own.device_ptr(&own_stream);
+        std::mem::forget(guard);
+        let src_ctx = own_stream.context().cu_ctx();
+        for (peer, stream) in self.peers.iter_mut().zip(&self.streams) {
+            let peer_stream = std::sync::Arc::clone(peer.stream());
+            let (dst, guard) = peer.device_ptr_mut(&peer_stream);
+            std::mem::forget(guard);
+            stream
+                .wait(&ready)
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+            // SAFETY: both ranges lie inside live device memory (the views, held by `self`
+            // until `finish` or drop has waited for these streams); the destination range is
+            // written by nothing else (the peers' parts belong to this fanout), and the source
+            // was complete when `ready` was recorded, which the stream waits for.
+            unsafe {
+                raw::memcpy_peer_async(
+                    dst + range.start as u64,
+                    peer_stream.context().cu_ctx(),
+                    src + range.start as u64,
+                    src_ctx,
+                    len,
+                    stream.cu_stream(),
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every copy sent has completed.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: a copy failed.
+    pub fn finish(self) -> Result<()> {
+        self.wait()
+    }
+
+    fn wait(&self) -> Result<()> {
         for s in &self.streams {
             s.synchronize()
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         }
         Ok(())
+    }
+}
+
+impl Drop for PeerFanout<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::warn!("waiting for peer copies failed: {e}");
+        }
     }
 }

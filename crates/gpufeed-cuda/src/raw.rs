@@ -93,3 +93,23 @@ pub(crate) unsafe fn device_p2p_attribute(
         .map_err(|e| Error::cuda("cuDeviceGetP2PAttribute", e))?;
     Ok(v)
 }
+
+/// `cuMemcpyPeerAsync`: enqueues a copy of `len` bytes from `src` (memory of `src_ctx`) to `dst`
+/// (memory of `dst_ctx`) on `stream`.
+///
+/// # Safety
+/// Both ranges are device memory of their contexts and stay allocated, the source unchanged
+/// and the destination touched by nothing else, until the copy has completed on `stream`.
+pub(crate) unsafe fn memcpy_peer_async(
+    dst: sys::CUdeviceptr,
+    dst_ctx: sys::CUcontext,
+    src: sys::CUdeviceptr,
+    src_ctx: sys::CUcontext,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, len, stream) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemcpyPeerAsync", e))
+}

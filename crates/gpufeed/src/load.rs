@@ -164,7 +164,7 @@ impl LoadOptions {
     /// MultiLoader`]): the host's cores shared out, `cores / gpus` fill threads per GPU (2 to
     /// 16), 2 MiB chunks and two staging buffers per thread, so that the staging in flight
     /// stays small. One GPU: [`LoadOptions::default`]. Measured on the two-GPU H200 machine
-    /// (32 cores; docs/benchmarks.md, GPU run 39): two GPUs sharded 95.2 GB/s in all with 16
+    /// (32 cores; docs/benchmarks.md, GPU runs 39-40): two GPUs sharded 95-96 GB/s in all with 16
     /// threads and 2 MiB chunks each, against 82.3 with 8 threads and 4 MiB chunks and 68.6
     /// with 16 threads and 4 MiB chunks (the single-GPU default on each).
     ///

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use gpufeed_cuda::cudarc::driver::CudaViewMut;
-use gpufeed_cuda::{ContextGuard, DeviceAlloc, Gpu, PeerCopies, PeerLink};
+use gpufeed_cuda::{ContextGuard, DeviceAlloc, Gpu, PeerFanout, PeerLink};
 
 use crate::error::{Error, Result};
 use crate::load::{DeviceBuffer, LoadOptions, LoadReport, Loader, Strategy, file_len};
@@ -36,8 +36,8 @@ const ALIGN: u64 = 4096;
 /// Bytes each GPU of a replicated load reads per round before sending them to its peers: the
 /// peer copies of a round overlap the reads of the next, and the last round's (a few ms over
 /// NVLink) is all that is left after the reads. Each round costs about a millisecond more than
-/// its bytes (16 GiB on two H200s: 0.44 s in rounds of 64 MiB, 0.30 s of 256 MiB, 0.28 s of
-/// 1 GiB and of 4 GiB; docs/benchmarks.md, GPU run 39).
+/// its bytes (16 GiB on two H200s: 0.39 s in rounds of 64 MiB, 0.29 s of 256 MiB, 0.255 s of
+/// 1 GiB, 0.26 s of 4 GiB; docs/benchmarks.md, GPU run 40).
 const ROUND_BYTES: u64 = 1 << 30;
 
 /// A piece of a sharded load: bytes `range` of file `file` of the plan.
@@ -487,9 +487,11 @@ impl MultiLoader {
     }
 
     /// Loads all of `path` onto every GPU: GPU `g` reads the `g`-th of N contiguous shares of
-    /// the file over its own PCIe link, in rounds of 256 MiB, and after each round copies what
-    /// it read to every other GPU over their peer link (NVLink where there is one), overlapped
-    /// with its next round. Every GPU's copy is checked against the file's identity at the end.
+    /// the file over its own PCIe link, in rounds of 1 GiB ([`MultiLoader::with_round_bytes`]),
+    /// and after each round copies what it read to every other GPU over their peer link
+    /// (NVLink where there is one), overlapped with its next round. The file's identity is
+    /// checked at the end (a file changed meanwhile is an error). On two H200s a warm 16 GiB
+    /// file took 0.255 s, 0.79x one GPU's load of it (docs/benchmarks.md, GPU run 40).
     ///
     /// # Errors
     /// A missing file, [`Error::FileChangedDuringLoad`], and the loads' and copies' errors.
@@ -521,7 +523,9 @@ impl MultiLoader {
         let mut report = self.report(started);
         for layout in &layouts {
             let range = layout.data_start..layout.data_start + layout.data_bytes;
+            let (_, identity) = gpufeed_os::file::open_regular(&layout.path, false)?;
             let (bufs, r) = self.replicate(&layout.path, range)?;
+            changed(&layout.path, &identity)?;
             for (g, buf) in bufs.into_iter().enumerate() {
                 per_gpu[g].push(buf);
                 report.read_bytes[g] += r.read_bytes[g];
@@ -577,7 +581,7 @@ impl MultiLoader {
                 }
             }
             let failed = AtomicBool::new(false);
-            let (shares, gpus, failed) = (&shares, &gpus, &failed);
+            let (shares, failed) = (&shares, &failed);
             std::thread::scope(|s| {
                 let handles: Vec<_> = own
                     .into_iter()
@@ -590,7 +594,6 @@ impl MultiLoader {
                         s.spawn(move || {
                             let out = share_out(
                                 loader,
-                                gpus,
                                 (path, range.start),
                                 share,
                                 round,
@@ -699,20 +702,18 @@ impl ShardPlan {
 #[allow(clippy::too_many_arguments, reason = "the parts of one thread's work")]
 fn share_out(
     loader: &Loader,
-    gpus: &[Gpu],
     (path, base): (&Path, u64),
     share: Range<u64>,
     round: u64,
-    mut own: Option<CudaViewMut<'_, u8>>,
-    mut peers: Vec<(usize, CudaViewMut<'_, u8>)>,
+    own: Option<CudaViewMut<'_, u8>>,
+    peers: Vec<(usize, CudaViewMut<'_, u8>)>,
     failed: &AtomicBool,
 ) -> Result<(Vec<LoadReport>, f64)> {
     let t = Instant::now();
-    let Some(own) = own.as_mut() else {
+    let Some(own) = own else {
         return Ok((Vec::new(), 0.0));
     };
-    // One stream on each peer GPU for the copies this GPU sends it.
-    let copies = PeerCopies::new(peers.iter().map(|(h, _)| &gpus[*h]))?;
+    let mut fanout = PeerFanout::new(own, peers.into_iter().map(|(_, v)| v).collect())?;
     let mut reports = Vec::new();
     let len = share.end - share.start;
     let mut at = 0u64;
@@ -724,16 +725,13 @@ fn share_out(
         let (a, b) = (at as usize, (at + n) as usize);
         let file = base + share.start + at..base + share.start + at + n;
         {
-            let mut round = own.slice_mut(a..b);
-            reports.push(loader.load_spans_to(path, std::slice::from_ref(&file), &mut round)?);
+            let mut part = fanout.own_mut(a..b)?;
+            reports.push(loader.load_spans_to(path, std::slice::from_ref(&file), &mut part)?);
         }
-        let sent = own.slice(a..b);
-        for (i, (_, view)) in peers.iter_mut().enumerate() {
-            copies.copy(i, &sent, &mut view.slice_mut(a..b))?;
-        }
+        fanout.send(a..b)?;
         at += n;
     }
-    copies.wait()?;
+    fanout.finish()?;
     Ok((reports, t.elapsed().as_secs_f64()))
 }
 
