@@ -104,109 +104,52 @@ pub fn measure(
     drop(data);
     let mut alone = Vec::new();
     for (pinned, dev, stream) in &mut setups {
-        let mut v = Vec::new();
-        for _ in 0..reps + 1 {
-            v.push(crate::gpu::pinned_copy_gbps(pinned, dev, stream)?);
-        }
-        v.remove(0);
-        alone.push(Samples::new(v));
+        alone.push(warm(reps, || {
+            crate::gpu::pinned_copy_gbps(pinned, dev, stream)
+        })?);
     }
-    let mut together = Vec::new();
-    for _ in 0..reps {
-        let barrier = Barrier::new(setups.len());
-        let (secs, res) = timed(|| {
-            std::thread::scope(|s| {
-                let hs: Vec<_> = setups
-                    .iter_mut()
-                    .map(|(p, d, st)| {
-                        let barrier = &barrier;
-                        s.spawn(move || {
-                            barrier.wait();
-                            crate::gpu::pinned_copy_gbps(p, d, st)
-                        })
-                    })
-                    .collect();
-                hs.into_iter()
-                    .map(|h| h.join().expect("copy thread"))
-                    .collect::<Result<Vec<_>>>()
-            })
-        });
-        res?;
-        together.push(gbps(pin_len as u64 * setups.len() as u64, secs));
-    }
+    let pinned_together_gbps = warm(reps, || {
+        let secs = together(&mut setups, |_, (p, d, st)| {
+            crate::gpu::pinned_copy_gbps(p, d, st).map(drop)
+        })?;
+        Ok(gbps(pin_len as u64 * count as u64, secs))
+    })?;
     drop(setups);
 
     progress("table 11: one GPU, then all GPUs sharded with one MultiLoader");
     let one = Loader::new(&gpus[0], LoadOptions::default())?;
-    let mut one_s = Vec::new();
-    for _ in 0..reps + 1 {
-        let (secs, r) = timed(|| one.load_file(&file));
-        drop(r?);
-        one_s.push(secs);
-    }
-    one_s.remove(0);
+    let one_gpu_seconds = warm(reps, || Ok(timed(|| one.load_file(&file).map(drop)).0))?;
     drop(one);
     let multi = MultiLoader::new(&gpus, LoadOptions::for_gpus(count))?;
     let plan = ShardPlan::split_bytes(&[&file], count)?;
-    let mut sharded = Vec::new();
-    for _ in 0..reps + 1 {
-        let (bufs, report) = multi.load_sharded(&plan)?;
-        sharded.push(report.read_gbps());
-        drop(bufs);
-    }
-    sharded.remove(0);
+    let sharded_gbps = warm(reps, || Ok(multi.load_sharded(&plan)?.1.read_gbps()))?;
 
     progress("table 11: a default Loader per GPU, the same shares");
-    let separate: Vec<Loader> = gpus
+    let mut separate: Vec<Loader> = gpus
         .iter()
         .map(|g| Loader::new(g, LoadOptions::default()))
         .collect::<Result<_, _>>()?;
-    let mut sep = Vec::new();
-    for _ in 0..reps + 1 {
-        let barrier = Barrier::new(count);
-        let (secs, res) = timed(|| {
-            std::thread::scope(|s| {
-                let hs: Vec<_> = separate
-                    .iter()
-                    .enumerate()
-                    .map(|(r, l)| {
-                        let (barrier, plan, file) = (&barrier, &plan, &file);
-                        s.spawn(move || {
-                            barrier.wait();
-                            let span = &plan.spans(r)[0];
-                            l.load_range(file, span.range.clone()).map(drop)
-                        })
-                    })
-                    .collect();
-                hs.into_iter()
-                    .map(|h| h.join().expect("load thread"))
-                    .collect::<Result<Vec<_>, _>>()
-            })
-        });
-        res?;
-        sep.push(gbps(file_bytes, secs));
-    }
-    sep.remove(0);
+    let separate_loaders_gbps = warm(reps, || {
+        let secs = together(&mut separate, |r, l| {
+            let span = &plan.spans(r)[0];
+            l.load_range(&file, span.range.clone())
+                .map(drop)
+                .map_err(Into::into)
+        })?;
+        Ok(gbps(file_bytes, secs))
+    })?;
     drop(separate);
 
     progress("table 11: replicated, then tensor-parallel rows and columns");
-    let mut replicated = Vec::new();
-    for _ in 0..reps + 1 {
-        let (secs, r) = timed(|| multi.load_replicated(&file));
-        drop(r?);
-        replicated.push(secs);
-    }
-    replicated.remove(0);
+    let replicated_seconds = warm(reps, || {
+        let (secs, r) = timed(|| multi.load_replicated(&file).map(drop));
+        r.map(|()| secs).map_err(Into::into)
+    })?;
     let tp = |split: Split| -> Result<Samples> {
         let plan = TensorParallel::plan(&ckpt, count, split)?;
-        let mut v = Vec::new();
-        for _ in 0..reps + 1 {
-            let (ckpts, report) = multi.load_tensor_parallel(&plan)?;
-            v.push(report.read_gbps());
-            drop(ckpts);
-        }
-        v.remove(0);
-        Ok(Samples::new(v))
+        warm(reps, || {
+            Ok(multi.load_tensor_parallel(&plan)?.1.read_gbps())
+        })
     };
     let tp_rows_gbps = tp(Split::Rows)?;
     let tp_columns_gbps = tp(Split::Columns)?;
@@ -222,14 +165,11 @@ pub fn measure(
     let mut multi = multi;
     for round in [64u64 << 20, 256 << 20, 4 << 30] {
         multi = multi.with_round_bytes(round);
-        let mut v = Vec::new();
-        for _ in 0..reps + 1 {
-            let (secs, r) = timed(|| multi.load_replicated(&file));
-            drop(r?);
-            v.push(secs);
-        }
-        v.remove(0);
-        replicated_by_round.push((round, Samples::new(v)));
+        let secs = warm(reps, || {
+            let (secs, r) = timed(|| multi.load_replicated(&file).map(drop));
+            r.map(|()| secs).map_err(Into::into)
+        })?;
+        replicated_by_round.push((round, secs));
     }
     drop(multi);
 
@@ -244,28 +184,21 @@ pub fn measure(
                 .with_staging_buffers(2 * threads)
                 .with_chunk_bytes(chunk);
             let m = MultiLoader::new(&gpus, opts)?;
-            let mut v = Vec::new();
-            for _ in 0..reps + 1 {
-                let (bufs, report) = m.load_sharded(&plan)?;
-                v.push(report.read_gbps());
-                drop(bufs);
-            }
-            v.remove(0);
-            sharded_sweep.push((threads, chunk, Samples::new(v)));
+            let x = warm(reps, || Ok(m.load_sharded(&plan)?.1.read_gbps()))?;
+            sharded_sweep.push((threads, chunk, x));
         }
     }
-    let one_gpu_seconds = Samples::new(one_s);
     Ok(Some(MultiBench {
         gpus: count,
         file_bytes,
         checkpoint_bytes,
         pinned_alone_gbps: alone,
-        pinned_together_gbps: Samples::new(together),
+        pinned_together_gbps,
         one_gpu_gbps: one_gpu_seconds.map(|s| gbps(file_bytes, s)),
         one_gpu_seconds,
-        sharded_gbps: Samples::new(sharded),
-        separate_loaders_gbps: Samples::new(sep),
-        replicated_seconds: Samples::new(replicated),
+        sharded_gbps,
+        separate_loaders_gbps,
+        replicated_seconds,
         tp_rows_gbps,
         tp_columns_gbps,
         sharded_sweep,
@@ -273,6 +206,47 @@ pub fn measure(
         links,
         notes,
     }))
+}
+
+/// `f` once to warm up, then `reps` times: the samples of those.
+fn warm(reps: usize, mut f: impl FnMut() -> Result<f64>) -> Result<Samples> {
+    f()?;
+    (0..reps)
+        .map(|_| f())
+        .collect::<Result<_>>()
+        .map(Samples::new)
+}
+
+/// `f(i, item)` for every item on a thread each, started together; the seconds until the last
+/// one ended.
+fn together<I: Send>(
+    items: &mut [I],
+    f: impl Fn(usize, &mut I) -> Result<()> + Sync,
+) -> Result<f64> {
+    let barrier = Barrier::new(items.len());
+    let (secs, res) = timed(|| {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = items
+                .iter_mut()
+                .enumerate()
+                .map(|(i, item)| {
+                    let (barrier, f) = (&barrier, &f);
+                    s.spawn(move || {
+                        barrier.wait();
+                        f(i, item)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("a bench thread panicked"))?
+                })
+                .collect::<Result<Vec<()>>>()
+        })
+    });
+    res?;
+    Ok(secs)
 }
 
 /// A safetensors checkpoint of about `bytes` in 2-D F16 tensors of `COLS` columns (256 MiB

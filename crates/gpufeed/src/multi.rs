@@ -261,22 +261,8 @@ impl MultiLoader {
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info().ordinal).collect();
         check_ordinals(&ordinals)?;
         let strategy = opts.strategy;
-        let loaders = std::thread::scope(|s| {
-            let handles: Vec<_> = gpus
-                .iter()
-                .map(|g| {
-                    let opts = opts.clone();
-                    s.spawn(move || Loader::new(g, opts))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().map_err(|_| Error::ThreadPanicked {
-                        what: "a thread setting up a GPU's loader",
-                    })?
-                })
-                .collect::<Result<Vec<_>>>()
+        let loaders = in_parallel(gpus, "a thread setting up a GPU's loader", |_, g| {
+            Loader::new(g, opts.clone())
         })?;
         Self::with_loaders(loaders, strategy)
     }
@@ -290,22 +276,8 @@ impl MultiLoader {
         let _keep = ContextGuard::new();
         check_ordinals(ordinals)?;
         let strategy = opts.strategy;
-        let loaders = std::thread::scope(|s| {
-            let handles: Vec<_> = ordinals
-                .iter()
-                .map(|&o| {
-                    let opts = opts.clone();
-                    s.spawn(move || Loader::open(o, opts))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().map_err(|_| Error::ThreadPanicked {
-                        what: "a thread opening a GPU",
-                    })?
-                })
-                .collect::<Result<Vec<_>>>()
+        let loaders = in_parallel(ordinals, "a thread opening a GPU", |_, &o| {
+            Loader::open(o, opts.clone())
         })?;
         Self::with_loaders(loaders, strategy)
     }
@@ -632,26 +604,7 @@ impl MultiLoader {
     /// Runs `f(rank, loader)` for every GPU at once, on a thread each; the first error wins.
     fn each<T: Send>(&self, f: impl Fn(usize, &Loader) -> Result<T> + Sync) -> Result<Vec<T>> {
         let _keep = ContextGuard::new();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .loaders
-                .iter()
-                .enumerate()
-                .map(|(rank, loader)| {
-                    let f = &f;
-                    s.spawn(move || f(rank, loader))
-                })
-                .collect();
-            let results: Vec<Result<T>> = handles
-                .into_iter()
-                .map(|h| {
-                    h.join().map_err(|_| Error::ThreadPanicked {
-                        what: "a thread loading onto one GPU",
-                    })?
-                })
-                .collect();
-            results.into_iter().collect()
-        })
+        in_parallel(&self.loaders, "a thread loading onto one GPU", f)
     }
 
     fn check_ranks(&self, ranks: usize) -> Result<()> {
@@ -745,6 +698,30 @@ fn runs(spans: &[Span]) -> Vec<(usize, Vec<Range<u64>>)> {
         }
     }
     out
+}
+
+/// `f(i, item)` for every item at once, on a thread each; the first error (in item order) wins,
+/// after every thread has ended.
+fn in_parallel<I: Sync, T: Send>(
+    items: &[I],
+    what: &'static str,
+    f: impl Fn(usize, &I) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let f = &f;
+                s.spawn(move || f(i, item))
+            })
+            .collect();
+        let results: Vec<Result<T>> = handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| Error::ThreadPanicked { what })?)
+            .collect();
+        results.into_iter().collect()
+    })
 }
 
 fn check_ordinals(ordinals: &[usize]) -> Result<()> {
