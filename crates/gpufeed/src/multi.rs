@@ -374,12 +374,11 @@ impl MultiLoader {
     /// device buffer per GPU, its spans back to back.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the first
-    /// GPU's error of [`Loader::load_spans`] (the others stop at their next file).
+    /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the error of
+    /// [`Loader::load_spans`] of the first GPU (in order) that failed.
     pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(Vec<DeviceBuffer>, MultiReport)> {
         self.check_ranks(plan.ranks())?;
         let started = Instant::now();
-        let failed = AtomicBool::new(false);
         let parts = self.each(|rank, loader| {
             let t = Instant::now();
             let spans = plan.spans(rank);
@@ -406,16 +405,13 @@ impl MultiLoader {
                         })?;
                         let mut reports = Vec::with_capacity(runs.len());
                         for ((file, spans), mut view) in runs.into_iter().zip(views) {
-                            if failed.load(Ordering::Relaxed) {
-                                return Err(Error::InvalidSetting("another GPU failed".into()));
-                            }
-                            let r = loader.load_spans_to(&plan.files[file], &spans, &mut view);
-                            if r.is_err() {
-                                failed.store(true, Ordering::Relaxed);
-                            }
-                            reports.push(r?);
+                            reports.push(loader.load_spans_to(
+                                &plan.files[file],
+                                &spans,
+                                &mut view,
+                            )?);
                         }
-                        Ok(reports)
+                        Ok::<_, Error>(reports)
                     })?;
             Ok((buf, reports, t.elapsed().as_secs_f64()))
         })?;
