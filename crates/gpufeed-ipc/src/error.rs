@@ -82,6 +82,58 @@ pub enum Error {
         lease_ms: u128,
     },
 
+    /// A rank of a [`crate::Rendezvous`] did not join within the join timeout.
+    #[error(
+        "rank {rank} of {world} did not join the rendezvous within {waited_ms} ms: was it \
+         started (LOCAL_RANK={rank}), with the same job name and world size?"
+    )]
+    RankNeverArrived {
+        /// The missing rank.
+        rank: usize,
+        /// The number of ranks.
+        world: usize,
+        /// How long this rank waited.
+        waited_ms: u128,
+    },
+
+    /// A rank of a [`crate::Rendezvous`] died (its process exited, or its heartbeat stood
+    /// still for a whole lease).
+    #[error(
+        "rank {rank} (pid {pid}) died or hangs: no heartbeat for {silent_ms} ms; see its own \
+         output for why, then restart the job"
+    )]
+    RankDied {
+        /// The rank.
+        rank: usize,
+        /// Its pid, in its own PID namespace.
+        pid: u32,
+        /// How long its heartbeat stood still.
+        silent_ms: u128,
+    },
+
+    /// A rank of a [`crate::Rendezvous`] left it (dropped its handle, as after an error of its
+    /// own) before reaching a barrier the others wait at.
+    #[error("rank {rank} left the rendezvous before this step (it failed: see its own output)")]
+    RankLeft {
+        /// The rank.
+        rank: usize,
+    },
+
+    /// Another live process already holds this rank of the rendezvous.
+    #[error(
+        "rank {rank} of the rendezvous is already held by pid {pid}{}: two processes were \
+         given the same LOCAL_RANK, or two jobs the same name",
+        if *.left { " (which has left it)" } else { "" }
+    )]
+    RankTaken {
+        /// The rank.
+        rank: usize,
+        /// The holder's pid.
+        pid: u32,
+        /// Whether the holder has left already.
+        left: bool,
+    },
+
     /// A lower-level error (shared memory, system calls).
     #[error(transparent)]
     Os(#[from] gpufeed_os::Error),

@@ -13,6 +13,11 @@
 //! copy, register [`BatchRing::segment`] with `gpufeed-pinned` (`HostRegistration::shm`) and
 //! copy from [`Batch::offset_in_segment`].
 //!
+//! [`Rendezvous`]: the processes of one job on one machine (one per GPU, as `torchrun` starts
+//! them) meet in a named segment, pass each other small payloads ([`Rendezvous::exchange`]:
+//! CUDA IPC handles, a plan's hash) and wait at barriers; a rank that never arrives, left or
+//! died makes the others fail with an error naming it, within the join timeout or one lease.
+//!
 //! Holders are named by their entry in the ring's process table (PID namespace, pid, start
 //! time, heartbeat): a process of our PID namespace is judged by its pid, one of another
 //! namespace (a container sharing /dev/shm) only by the lease it renews
@@ -49,6 +54,8 @@ mod fdpass;
 mod layout;
 mod members;
 #[cfg(not(loom))]
+mod rendezvous;
+#[cfg(not(loom))]
 mod ring;
 mod state;
 
@@ -60,5 +67,7 @@ pub use fdpass::{recv_fd, send_fd};
 pub use layout::{Layout, MAX_CONSUMERS, MAX_SLOTS, SLOT_ALIGN, parse_header};
 #[cfg(not(loom))]
 pub use members::MAX_PROCESSES;
+#[cfg(not(loom))]
+pub use rendezvous::{MAX_PAYLOAD, MAX_RANKS, Rendezvous, RendezvousOptions};
 #[cfg(not(loom))]
 pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, RingStats};

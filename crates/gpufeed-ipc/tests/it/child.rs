@@ -160,6 +160,12 @@ fn entry() {
             let ring = BatchRing::from_fd(fd).expect("map the ring");
             produce(&ring, 7, num("GPUFEED_IT_COUNT") as u32, false, None);
         }
+        "rendezvous" => crate::rendezvous::child(
+            &var("GPUFEED_IT_RDV"),
+            num("GPUFEED_IT_RANK") as usize,
+            num("GPUFEED_IT_WORLD") as usize,
+            &var("GPUFEED_IT_RDV_MODE"),
+        ),
         other => panic!("unknown role {other}"),
     }
 }

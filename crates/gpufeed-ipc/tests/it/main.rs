@@ -5,6 +5,7 @@ mod child;
 mod model;
 mod namespaces;
 mod processes;
+mod rendezvous;
 
 use xxhash_rust::xxh3::xxh3_64;
 

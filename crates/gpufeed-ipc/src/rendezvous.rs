@@ -1,0 +1,459 @@
+//! Ranks of one job on one machine meeting through shared memory: [`Rendezvous`].
+//!
+//! Rank 0 creates the segment `name` (removing a leftover of a crashed job first); the others
+//! open it once rank 0 has initialised it. Each rank owns a record: its state, identity (PID
+//! namespace, pid, start time), a heartbeat counter renewed by a thread, the last barrier it
+//! reached, and two payload buffers used in turn by [`Rendezvous::exchange`]. A barrier waits
+//! until every rank has reached it, and fails with the rank's number when a rank never arrives
+//! within the join timeout, left (its `Rendezvous` was dropped, as after an error), or died: a
+//! rank of our PID namespace is known dead by its pid, any rank by a heartbeat that stood still
+//! for a whole lease. Once every rank has joined, rank 0 removes the name, so nothing is left
+//! in /dev/shm when the job ends, however it ends.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpufeed_os::ShmSegment;
+use gpufeed_os::process::ProcessIdentity;
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::state::{AtomicU64, Ordering};
+
+/// Most ranks of one rendezvous.
+pub const MAX_RANKS: usize = 256;
+/// Most bytes a rank passes in one [`Rendezvous::exchange`].
+pub const MAX_PAYLOAD: usize = 1024;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"GFRDV001");
+const HEADER: usize = 256;
+const OFF_WORLD: usize = 8;
+const OFF_NONCE: usize = 16;
+const REC: usize = 64 + 2 * MAX_PAYLOAD;
+const R_STATE: usize = 0;
+const R_BEAT: usize = 8;
+const R_PID_NS: usize = 16;
+const R_PID: usize = 24;
+const R_START: usize = 32;
+const R_EPOCH: usize = 40;
+const R_LEN: usize = 48; // two words: the payload lengths of even and odd exchanges
+const R_PAYLOAD: usize = 64;
+
+const EMPTY: u64 = 0;
+const PRESENT: u64 = 1;
+const LEFT: u64 = 2;
+
+/// How a [`Rendezvous`] waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RendezvousOptions {
+    /// How long a rank waits for every other rank to arrive (30 s): a rank that has not joined
+    /// by then is named in [`Error::RankNeverArrived`].
+    pub join_timeout: Duration,
+    /// How long a rank's heartbeat may stand still before the others judge it dead (2 s; it
+    /// beats every lease / 8). Barriers otherwise wait as long as every rank lives: a rank
+    /// busy loading for minutes is not a dead one.
+    pub lease: Duration,
+}
+
+impl Default for RendezvousOptions {
+    fn default() -> Self {
+        RendezvousOptions {
+            join_timeout: Duration::from_secs(30),
+            lease: Duration::from_secs(2),
+        }
+    }
+}
+
+impl RendezvousOptions {
+    /// These options with `join_timeout`.
+    pub fn with_join_timeout(mut self, t: Duration) -> Self {
+        self.join_timeout = t;
+        self
+    }
+
+    /// These options with `lease` (at least 50 ms).
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(50));
+        self
+    }
+}
+
+/// One rank's handle on a rendezvous of `world` ranks on this machine (the processes of one
+/// job, as `torchrun` starts them: `LOCAL_RANK` of `LOCAL_WORLD_SIZE`).
+///
+/// # Example
+/// ```
+/// use gpufeed_ipc::{Rendezvous, RendezvousOptions};
+/// // A job of one rank (each process of a real job passes its own rank and the same name).
+/// let name = format!("gpufeed-doc-{}", std::process::id());
+/// let r = Rendezvous::join(&name, 0, 1, RendezvousOptions::default())?;
+/// let all = r.exchange(b"my IPC handle")?;
+/// assert_eq!(all, vec![b"my IPC handle".to_vec()]);
+/// r.barrier()?;
+/// # Ok::<(), gpufeed_ipc::Error>(())
+/// ```
+pub struct Rendezvous {
+    seg: ShmSegment,
+    rank: usize,
+    world: usize,
+    opts: RendezvousOptions,
+    joined: Instant,
+    epoch: std::sync::atomic::AtomicU64,
+    heartbeat: Option<std::thread::JoinHandle<()>>,
+    stop: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+impl Rendezvous {
+    /// Joins the rendezvous `name` (a shared-memory name: the same for every rank of a job and
+    /// different from any other job's) as `rank` of `world`, and waits until every rank has
+    /// joined.
+    ///
+    /// # Errors
+    /// [`Error::InvalidLayout`] for a rank outside the world, a world of 0 or more than
+    /// [`MAX_RANKS`], or a world other than rank 0's; [`Error::RankTaken`];
+    /// [`Error::RankNeverArrived`], [`Error::RankDied`], [`Error::RankLeft`]; shared-memory
+    /// errors.
+    pub fn join(name: &str, rank: usize, world: usize, opts: RendezvousOptions) -> Result<Self> {
+        if world == 0 || world > MAX_RANKS || rank >= world {
+            return Err(Error::InvalidLayout(format!(
+                "rank {rank} of a world of {world}: ranks are 0..world, world 1..={MAX_RANKS}"
+            )));
+        }
+        let joined = Instant::now();
+        let seg = if rank == 0 {
+            create(name, world)?
+        } else {
+            open(name, world, joined, opts)?
+        };
+        let mut r = Rendezvous {
+            seg,
+            rank,
+            world,
+            opts,
+            joined,
+            epoch: std::sync::atomic::AtomicU64::new(0),
+            heartbeat: None,
+            stop: Arc::new((Mutex::new(false), Condvar::new())),
+        };
+        r.claim()?;
+        r.start_heartbeat()?;
+        r.barrier()?;
+        if rank == 0 {
+            // Everyone has it mapped: the name is no longer needed.
+            r.seg.unlink()?;
+        }
+        Ok(r)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Waits until every rank has reached this barrier (each rank's n-th call meets the
+    /// others' n-th).
+    ///
+    /// # Errors
+    /// [`Error::RankNeverArrived`] (a rank that never joined, after the join timeout),
+    /// [`Error::RankLeft`], [`Error::RankDied`].
+    pub fn barrier(&self) -> Result<()> {
+        let k = self
+            .epoch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        self.word(self.rank, R_EPOCH).store(k, Ordering::Release);
+        self.wait_for(k)
+    }
+
+    /// Passes `payload` (at most [`MAX_PAYLOAD`] bytes) to every rank and returns every
+    /// rank's, in rank order: a barrier that carries data (CUDA IPC handles, a plan's hash).
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] for a payload over [`MAX_PAYLOAD`]; [`Rendezvous::barrier`]'s.
+    pub fn exchange(&self, payload: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if payload.len() > MAX_PAYLOAD {
+            return Err(Error::TooLarge {
+                len: payload.len() as u64,
+                capacity: MAX_PAYLOAD as u64,
+            });
+        }
+        // The exchange's barrier number: its parity picks the buffer. A rank writes buffer p
+        // again two exchanges later, after every rank passed the barrier in between, so after
+        // every rank read it.
+        let k = self.epoch.load(std::sync::atomic::Ordering::Relaxed) + 1;
+        let parity = (k % 2) as usize;
+        self.seg.write_at(
+            self.rec(self.rank) + R_PAYLOAD + parity * MAX_PAYLOAD,
+            payload,
+        )?;
+        self.word(self.rank, R_LEN + 8 * parity)
+            .store(payload.len() as u64, Ordering::Relaxed);
+        self.barrier()?;
+        (0..self.world)
+            .map(|r| {
+                let len = self.word(r, R_LEN + 8 * parity).load(Ordering::Acquire) as usize;
+                if len > MAX_PAYLOAD {
+                    return Err(Error::InvalidHeader(format!(
+                        "rank {r} passed {len} bytes, more than {MAX_PAYLOAD}"
+                    )));
+                }
+                let mut out = vec![0u8; len];
+                self.seg
+                    .read_at(self.rec(r) + R_PAYLOAD + parity * MAX_PAYLOAD, &mut out)?;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    fn rec(&self, rank: usize) -> usize {
+        HEADER + rank * REC
+    }
+
+    fn word(&self, rank: usize, field: usize) -> &AtomicU64 {
+        word(&self.seg, self.rec(rank) + field)
+    }
+
+    /// Takes this rank's record (EMPTY -> PRESENT), or fails naming the live holder.
+    fn claim(&self) -> Result<()> {
+        let me = ProcessIdentity::current();
+        let state = self.word(self.rank, R_STATE);
+        if let Err(now) =
+            state.compare_exchange(EMPTY, PRESENT, Ordering::AcqRel, Ordering::Acquire)
+        {
+            let holder = self.identity(self.rank);
+            return Err(Error::RankTaken {
+                rank: self.rank,
+                pid: holder.pid,
+                left: now == LEFT,
+            });
+        }
+        self.word(self.rank, R_PID_NS)
+            .store(me.pid_ns, Ordering::Relaxed);
+        self.word(self.rank, R_PID)
+            .store(u64::from(me.pid), Ordering::Relaxed);
+        self.word(self.rank, R_START)
+            .store(me.start_ticks, Ordering::Release);
+        Ok(())
+    }
+
+    fn identity(&self, rank: usize) -> ProcessIdentity {
+        ProcessIdentity {
+            pid_ns: self.word(rank, R_PID_NS).load(Ordering::Acquire),
+            pid: self.word(rank, R_PID).load(Ordering::Acquire) as u32,
+            start_ticks: self.word(rank, R_START).load(Ordering::Acquire),
+        }
+    }
+
+    fn start_heartbeat(&mut self) -> Result<()> {
+        let beat = self.word(self.rank, R_BEAT) as *const AtomicU64 as usize;
+        let period = (self.opts.lease / 8).max(Duration::from_millis(5));
+        let stop = Arc::clone(&self.stop);
+        let thread = std::thread::Builder::new()
+            .name("gpufeed-rendezvous".into())
+            .spawn(move || {
+                // SAFETY: the word lies in the segment's mapping, which `Rendezvous::drop`
+                // keeps mapped until this thread has been joined; it is only accessed
+                // atomically.
+                let beat = unsafe { &*(beat as *const AtomicU64) };
+                let (lock, cv) = &*stop;
+                let mut stopped = lock.lock();
+                while !*stopped {
+                    beat.fetch_add(1, Ordering::Relaxed);
+                    cv.wait_for(&mut stopped, period);
+                }
+            })
+            .map_err(|source| Error::Io {
+                op: "spawn the rendezvous heartbeat thread",
+                source,
+            })?;
+        self.heartbeat = Some(thread);
+        Ok(())
+    }
+
+    /// Waits until every rank's barrier count is at least `k`.
+    fn wait_for(&self, k: u64) -> Result<()> {
+        // Per rank: the heartbeat last seen and when it last changed.
+        let mut seen: Vec<(u64, Instant)> = (0..self.world)
+            .map(|r| (self.word(r, R_BEAT).load(Ordering::Relaxed), Instant::now()))
+            .collect();
+        let mut nap = Duration::from_micros(50);
+        loop {
+            let mut waiting = false;
+            for (r, seen) in seen.iter_mut().enumerate() {
+                if self.word(r, R_EPOCH).load(Ordering::Acquire) >= k {
+                    continue;
+                }
+                waiting = true;
+                match self.word(r, R_STATE).load(Ordering::Acquire) {
+                    LEFT => return Err(Error::RankLeft { rank: r }),
+                    EMPTY => {
+                        let waited = self.joined.elapsed();
+                        if waited > self.opts.join_timeout {
+                            return Err(Error::RankNeverArrived {
+                                rank: r,
+                                world: self.world,
+                                waited_ms: waited.as_millis(),
+                            });
+                        }
+                    }
+                    _ => {
+                        let beat = self.word(r, R_BEAT).load(Ordering::Relaxed);
+                        if beat != seen.0 {
+                            *seen = (beat, Instant::now());
+                        }
+                        let who = self.identity(r);
+                        let still = seen.1.elapsed();
+                        if who.is_dead() || still > self.opts.lease {
+                            return Err(Error::RankDied {
+                                rank: r,
+                                pid: who.pid,
+                                silent_ms: still.as_millis(),
+                            });
+                        }
+                    }
+                }
+            }
+            if !waiting {
+                return Ok(());
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        *self.stop.0.lock() = true;
+        self.stop.1.notify_all();
+        if let Some(t) = self.heartbeat.take() {
+            let _ = t.join();
+        }
+        self.word(self.rank, R_STATE).store(LEFT, Ordering::Release);
+    }
+}
+
+fn word(seg: &ShmSegment, off: usize) -> &AtomicU64 {
+    debug_assert!(off.is_multiple_of(8) && off + 8 <= seg.len());
+    // SAFETY: every offset used is a fixed field inside the segment (checked against its
+    // length when it was opened), 8-aligned in a page-aligned mapping that lives as long as
+    // the borrow; shared words are only accessed atomically, by every process.
+    unsafe { AtomicU64::from_ptr(seg.as_ptr().add(off).cast()) }
+}
+
+fn segment_len(world: usize) -> usize {
+    HEADER + world * REC
+}
+
+/// Rank 0: a fresh segment (a leftover of the same name, from a crashed job, removed first).
+fn create(name: &str, world: usize) -> Result<ShmSegment> {
+    let path = std::path::Path::new(gpufeed_os::shm::DEFAULT_DIR).join(name);
+    gpufeed_os::shm::validate_name(name)?;
+    match std::fs::remove_file(&path) {
+        Ok(()) => tracing::debug!("removed a leftover rendezvous {name}"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(Error::Io {
+                op: "remove a leftover rendezvous segment",
+                source,
+            });
+        }
+    }
+    let mut seg = ShmSegment::create(name, segment_len(world))?;
+    // Until every rank has joined, a failure must not leave the name behind.
+    seg.set_unlink_on_drop(true);
+    word(&seg, OFF_WORLD).store(world as u64, Ordering::Relaxed);
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id());
+    word(&seg, OFF_NONCE).store(nonce, Ordering::Relaxed);
+    word(&seg, 0).store(MAGIC, Ordering::Release);
+    Ok(seg)
+}
+
+/// A rank other than 0: opens the segment once rank 0 has made it, skipping a leftover whose
+/// rank 0 is dead or silent.
+fn open(name: &str, world: usize, joined: Instant, opts: RendezvousOptions) -> Result<ShmSegment> {
+    loop {
+        if let Some(seg) = try_open(name, world, opts.lease)? {
+            return Ok(seg);
+        }
+        if joined.elapsed() > opts.join_timeout {
+            return Err(Error::RankNeverArrived {
+                rank: 0,
+                world,
+                waited_ms: joined.elapsed().as_millis(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The segment if it is a live rendezvous for `world` ranks; `None` to try again later.
+fn try_open(name: &str, world: usize, lease: Duration) -> Result<Option<ShmSegment>> {
+    let seg = match ShmSegment::open(name) {
+        Ok(s) => s,
+        Err(gpufeed_os::Error::ShmNotFound { .. } | gpufeed_os::Error::ShmTooSmall { .. }) => {
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if seg.len() < HEADER || word(&seg, 0).load(Ordering::Acquire) != MAGIC {
+        return Ok(None); // not initialised yet
+    }
+    let theirs = word(&seg, OFF_WORLD).load(Ordering::Relaxed) as usize;
+    if theirs != world {
+        return Err(Error::InvalidLayout(format!(
+            "rendezvous {name} was made by rank 0 for {theirs} ranks, and this rank was told \
+             {world}: give every rank the same world size (LOCAL_WORLD_SIZE)"
+        )));
+    }
+    if seg.len() < segment_len(world) {
+        return Err(Error::InvalidHeader(format!(
+            "rendezvous {name}: segment of {} bytes for {world} ranks",
+            seg.len()
+        )));
+    }
+    // A leftover of a crashed job: its rank 0 is dead (same namespace), or its heartbeat stands
+    // still. Rank 0 of the new job removes and recreates the name; until then, wait.
+    let rec0 = HEADER;
+    let state = word(&seg, rec0 + R_STATE).load(Ordering::Acquire);
+    if state == LEFT {
+        return Ok(None);
+    }
+    if state == PRESENT {
+        let who = ProcessIdentity {
+            pid_ns: word(&seg, rec0 + R_PID_NS).load(Ordering::Acquire),
+            pid: word(&seg, rec0 + R_PID).load(Ordering::Acquire) as u32,
+            start_ticks: word(&seg, rec0 + R_START).load(Ordering::Acquire),
+        };
+        if who.is_dead() {
+            return Ok(None);
+        }
+        let beat = word(&seg, rec0 + R_BEAT).load(Ordering::Relaxed);
+        let t = Instant::now();
+        while word(&seg, rec0 + R_BEAT).load(Ordering::Relaxed) == beat {
+            if t.elapsed() > lease {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    Ok(Some(seg))
+}

@@ -1,0 +1,281 @@
+//! `Rendezvous` between real processes: ranks meet and pass payloads, and a rank that dies
+//! (here or in another PID namespace), never arrives, or leaves is named within bounded time.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use gpufeed_ipc::{Error, Rendezvous, RendezvousOptions};
+
+use crate::child;
+
+const LEASE: Duration = Duration::from_millis(400);
+
+fn opts() -> RendezvousOptions {
+    RendezvousOptions::default()
+        .with_join_timeout(Duration::from_secs(20))
+        .with_lease(LEASE)
+}
+
+fn name(test: &str) -> String {
+    format!("gpufeed-it-rdv-{test}-{}", std::process::id())
+}
+
+/// A child's part: join as `rank`, then per `mode`: `normal` exchanges twice with barriers
+/// between and prints what it got; `hang` prints `JOINED` and sleeps (to be killed); `leave`
+/// drops its handle after joining; `wait` waits at a barrier and prints the error it gets.
+pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
+    let r = Rendezvous::join(name, rank, world, opts()).expect("join");
+    println!("JOINED");
+    match mode {
+        "normal" => {
+            let a = r
+                .exchange(format!("rank {rank} first").as_bytes())
+                .expect("exchange");
+            r.barrier().expect("barrier");
+            r.barrier().expect("barrier");
+            let b = r
+                .exchange(&vec![rank as u8; 100 * (rank + 1)])
+                .expect("exchange");
+            let a: Vec<String> = a
+                .iter()
+                .map(|p| String::from_utf8_lossy(p).into_owned())
+                .collect();
+            let b: Vec<usize> = b.iter().map(Vec::len).collect();
+            println!("GOT {a:?} {b:?}");
+        }
+        "hang" => std::thread::sleep(Duration::from_secs(60)),
+        "leave" => drop(r),
+        "wait" => match r.barrier() {
+            Ok(()) => println!("ERROR none"),
+            Err(e) => println!("ERROR {e}"),
+        },
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+fn spawn(name: &str, rank: usize, world: usize, mode: &str) -> Child {
+    let mut cmd = child::command(
+        "rendezvous",
+        &[
+            ("GPUFEED_IT_RDV", name.to_owned()),
+            ("GPUFEED_IT_RANK", rank.to_string()),
+            ("GPUFEED_IT_WORLD", world.to_string()),
+            ("GPUFEED_IT_RDV_MODE", mode.to_owned()),
+        ],
+    );
+    cmd.stdout(Stdio::piped());
+    cmd.spawn().expect("spawn a rank")
+}
+
+/// Lines of a child's stdout until it exits.
+fn output(mut c: Child) -> (bool, Vec<String>) {
+    let lines = BufReader::new(c.stdout.take().expect("stdout"))
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    (c.wait().expect("wait").success(), lines)
+}
+
+fn wait_for_line(c: &mut Child, want: &str) -> BufReader<std::process::ChildStdout> {
+    let mut out = BufReader::new(c.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).expect("read") > 0,
+            "the child exited before printing {want}"
+        );
+        if line.trim() == want {
+            return out;
+        }
+    }
+}
+
+#[test]
+fn ranks_meet_and_exchange_between_processes() {
+    let name = name("meet");
+    let children: Vec<Child> = (1..3).map(|r| spawn(&name, r, 3, "normal")).collect();
+    let me = Rendezvous::join(&name, 0, 3, opts()).expect("join as rank 0");
+    assert!(
+        !std::path::Path::new("/dev/shm").join(&name).exists(),
+        "the name is removed once every rank joined"
+    );
+    let first = me.exchange(b"rank 0 first").expect("exchange");
+    assert_eq!(
+        first,
+        vec![
+            b"rank 0 first".to_vec(),
+            b"rank 1 first".to_vec(),
+            b"rank 2 first".to_vec()
+        ]
+    );
+    me.barrier().expect("barrier");
+    me.barrier().expect("barrier");
+    let second = me.exchange(&[0u8; 100]).expect("exchange");
+    assert_eq!(
+        second.iter().map(Vec::len).collect::<Vec<_>>(),
+        [100, 200, 300]
+    );
+    assert!(second[1].iter().all(|&b| b == 1) && second[2].iter().all(|&b| b == 2));
+    for c in children {
+        let (ok, lines) = output(c);
+        assert!(ok, "a rank failed: {lines:?}");
+        assert!(
+            lines.iter().any(|l| l
+                == "GOT [\"rank 0 first\", \"rank 1 first\", \"rank 2 first\"] [100, 200, 300]"),
+            "{lines:?}"
+        );
+    }
+    let e = me
+        .exchange(&[0u8; gpufeed_ipc::MAX_PAYLOAD + 1])
+        .expect_err("too large");
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+}
+
+#[test]
+fn a_killed_rank_is_named_within_a_lease() {
+    let name = name("killed");
+    let mut hang = spawn(&name, 1, 3, "hang");
+    let waiter = spawn(&name, 2, 3, "wait");
+    let me = Rendezvous::join(&name, 0, 3, opts()).expect("join");
+    let _out = wait_for_line(&mut hang, "JOINED");
+    hang.kill().expect("kill rank 1");
+    let t = Instant::now();
+    let e = me.barrier().expect_err("rank 1 is dead");
+    assert!(matches!(e, Error::RankDied { rank: 1, .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    hang.wait().expect("reap");
+    let (_, lines) = output(waiter);
+    assert!(
+        lines.iter().any(|l| l.starts_with("ERROR rank 1 ")),
+        "rank 2 names rank 1: {lines:?}"
+    );
+}
+
+/// A rank in another PID namespace (a container sharing /dev/shm): its pid means nothing here,
+/// so only its heartbeat tells that it died.
+#[test]
+fn a_killed_rank_in_another_pid_namespace_is_named_by_its_heartbeat() {
+    let test = "a_killed_rank_in_another_pid_namespace_is_named_by_its_heartbeat";
+    let name = name("ns");
+    let mut cmd = child::command(
+        "rendezvous",
+        &[
+            ("GPUFEED_IT_RDV", name.clone()),
+            ("GPUFEED_IT_RANK", "1".into()),
+            ("GPUFEED_IT_WORLD", "2".into()),
+            ("GPUFEED_IT_RDV_MODE", "hang".into()),
+        ],
+    );
+    cmd.stdout(Stdio::piped());
+    let Some(mut hang) = gpufeed_testkit::spawn_in_new_pid_namespace(test, &mut cmd) else {
+        return;
+    };
+    let me = Rendezvous::join(&name, 0, 2, opts()).expect("join");
+    let _out = wait_for_line(&mut hang, "JOINED");
+    hang.kill().expect("kill rank 1");
+    let t = Instant::now();
+    let e = me.barrier().expect_err("rank 1 is dead");
+    assert!(matches!(e, Error::RankDied { rank: 1, .. }), "{e}");
+    assert!(
+        t.elapsed() >= LEASE / 2 && t.elapsed() < Duration::from_secs(5),
+        "judged by the lease: {:?}",
+        t.elapsed()
+    );
+    hang.wait().expect("reap");
+}
+
+#[test]
+fn a_rank_that_never_arrives_or_leaves_is_named() {
+    let name = name("never");
+    let t = Instant::now();
+    let short = opts().with_join_timeout(Duration::from_millis(300));
+    let e = Rendezvous::join(&name, 0, 2, short).expect_err("rank 1 never comes");
+    assert!(
+        matches!(
+            e,
+            Error::RankNeverArrived {
+                rank: 1,
+                world: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert!(
+        !std::path::Path::new("/dev/shm").join(&name).exists(),
+        "a failed rank 0 leaves nothing behind"
+    );
+    // Rank 0 never comes either, seen from rank 1.
+    let e = Rendezvous::join(&name, 1, 2, short).expect_err("rank 0 never comes");
+    assert!(matches!(e, Error::RankNeverArrived { rank: 0, .. }), "{e}");
+
+    let name = self::name("leave");
+    let leaver = spawn(&name, 1, 2, "leave");
+    let me = Rendezvous::join(&name, 0, 2, opts()).expect("join");
+    let (ok, _) = output(leaver);
+    assert!(ok);
+    let e = me.barrier().expect_err("rank 1 left");
+    assert!(matches!(e, Error::RankLeft { rank: 1 }), "{e}");
+}
+
+#[test]
+fn a_leftover_of_a_crashed_job_and_bad_settings_are_handled() {
+    let name = name("leftover");
+    // A job whose rank 0 was killed while waiting for rank 1 leaves its segment behind.
+    let mut crashed = spawn(&name, 0, 2, "hang");
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    let t = Instant::now();
+    while !path.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "rank 0 never made the segment"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    crashed.kill().expect("kill");
+    crashed.wait().expect("reap");
+    assert!(path.exists(), "the crashed job's segment is left over");
+    // The next job of the same name meets normally: rank 1 starts first and must not join
+    // the leftover.
+    let rank1 = spawn(&name, 1, 2, "normal");
+    std::thread::sleep(Duration::from_millis(100));
+    let me = Rendezvous::join(&name, 0, 2, opts()).expect("join over a leftover");
+    me.exchange(b"rank 0 first").expect("exchange");
+    me.barrier().expect("barrier");
+    me.barrier().expect("barrier");
+    me.exchange(b"x").expect("exchange");
+    let (ok, lines) = output(rank1);
+    assert!(ok, "{lines:?}");
+    drop(me);
+
+    // Settings: ranks outside the world, worlds that disagree.
+    for (rank, world) in [(2, 2), (0, 0), (0, gpufeed_ipc::MAX_RANKS + 1)] {
+        let e = Rendezvous::join(&name, rank, world, opts()).expect_err("bad rank");
+        assert!(matches!(e, Error::InvalidLayout(_)), "{e}");
+    }
+    let name = self::name("worlds");
+    let other = spawn(&name, 0, 3, "hang");
+    let t = Instant::now();
+    let e = loop {
+        match Rendezvous::join(
+            &name,
+            1,
+            2,
+            opts().with_join_timeout(Duration::from_secs(10)),
+        ) {
+            Err(Error::InvalidLayout(m)) => break m,
+            Err(e) if t.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => panic!("expected a world mismatch, got {other:?}"),
+        }
+    };
+    assert!(e.contains("for 3 ranks") && e.contains("told 2"), "{e}");
+    let mut other = other;
+    other.kill().expect("kill");
+    other.wait().expect("reap");
+}
