@@ -28,7 +28,8 @@
 //! - Several GPUs: [`Gpu::peer_links`] (peer access and the link between each pair, from the
 //!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
 //!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a
-//!   replicated buffer sent to the other GPUs over their peer links while it is filled.
+//!   replicated buffer sent to the other GPUs over their peer links while it is filled, in this
+//!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]), in other processes.
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
@@ -62,7 +63,7 @@ pub use error::{CUresult, Error, Result};
 pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
-pub use peer::{PeerFanout, PeerLink, split_mut};
+pub use peer::{IpcHandle, IpcMemory, PeerFanout, PeerLink, split_mut};
 pub use transfer::{
     FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig, TransferScheduler,
     TransferStats,

@@ -150,16 +150,26 @@ pub fn split_mut<'a>(
 }
 
 /// One GPU's share of a buffer replicated on several GPUs: its own part (`own`, on its GPU),
-/// filled by the caller piece by piece, and the same part of every other GPU's copy (`peers`),
-/// which [`PeerFanout::send`] fills from `own` over the peer links while the caller goes on.
-/// Each peer has a stream of its own; the copies carry no cudarc event of the buffers, so that
-/// they neither wait for nor hold up other work on other parts of the same buffers (the peers'
-/// own loads). It holds every view until the copies have completed: [`PeerFanout::finish`]
-/// waits for them, and so does dropping it.
+/// filled by the caller piece by piece, and the same part of every other GPU's copy, which
+/// [`PeerFanout::send`] fills from `own` over the peer links while the caller goes on. The other
+/// copies are views of this process's buffers on other GPUs ([`PeerFanout::new`]) or another
+/// process's buffers opened through CUDA IPC ([`PeerFanout::to_ipc`]). Each destination has a
+/// stream of its own; the copies carry no cudarc event of the buffers, so that they neither
+/// wait for nor hold up other work on other parts of the same buffers (the peers' own loads).
+/// It holds every destination until the copies have completed: [`PeerFanout::finish`] waits
+/// for them, and so does dropping it.
 pub struct PeerFanout<'a> {
     own: CudaViewMut<'a, u8>,
-    peers: Vec<CudaViewMut<'a, u8>>,
+    peers: Vec<Dest<'a>>,
     streams: Vec<std::sync::Arc<cudarc::driver::CudaStream>>,
+}
+
+/// Where a fanout's copies go.
+enum Dest<'a> {
+    /// A view of a buffer on another GPU of this process.
+    View(CudaViewMut<'a, u8>),
+    /// Bytes from `offset` of another process's buffer, opened here.
+    Ipc { mem: &'a IpcMemory, offset: usize },
 }
 
 impl std::fmt::Debug for PeerFanout<'_> {
@@ -172,7 +182,7 @@ impl std::fmt::Debug for PeerFanout<'_> {
 }
 
 impl<'a> PeerFanout<'a> {
-    /// `own` and the same-sized `peers` (views of other GPUs' buffers).
+    /// `own` and the same-sized `peers` (views of other GPUs' buffers in this process).
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] for a peer of another length; [`Error::Cuda`] when a stream
@@ -188,16 +198,45 @@ impl<'a> PeerFanout<'a> {
         }
         let streams = peers
             .iter()
-            .map(|p| {
-                p.stream()
-                    .context()
-                    .new_stream()
-                    .map_err(|e| Error::cuda("cuStreamCreate", e))
-            })
+            .map(|p| new_stream(p.stream().context()))
             .collect::<Result<_>>()?;
         Ok(PeerFanout {
             own,
-            peers,
+            peers: peers.into_iter().map(Dest::View).collect(),
+            streams,
+        })
+    }
+
+    /// `own` and, for each other process, its buffer opened here and where in it the same
+    /// part lies (another process's copy of the same replicated buffer).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] where a part would pass the end of a peer's buffer;
+    /// [`Error::Cuda`] when a stream cannot be made.
+    pub fn to_ipc(own: CudaViewMut<'a, u8>, peers: Vec<(&'a IpcMemory, usize)>) -> Result<Self> {
+        driver()?;
+        if let Some((mem, offset)) = peers.iter().find(|(mem, offset)| {
+            offset
+                .checked_add(own.len())
+                .is_none_or(|end| end > mem.len())
+        }) {
+            return Err(Error::OutOfBounds {
+                len: own.len() as u64,
+                offset: *offset as u64,
+                capacity: mem.len() as u64,
+            });
+        }
+        let ctx = std::sync::Arc::clone(own.stream().context());
+        let streams = peers
+            .iter()
+            .map(|_| new_stream(&ctx))
+            .collect::<Result<_>>()?;
+        Ok(PeerFanout {
+            own,
+            peers: peers
+                .into_iter()
+                .map(|(mem, offset)| Dest::Ipc { mem, offset })
+                .collect(),
             streams,
         })
     }
@@ -243,28 +282,52 @@ impl<'a> PeerFanout<'a> {
         // which the peers' own loads into other parts then wait for (and the copies for them).
         let (src, guard) = self.own.device_ptr(&own_stream);
         std::mem::forget(guard);
+        let src = src + range.start as u64;
         let src_ctx = own_stream.context().cu_ctx();
         for (peer, stream) in self.peers.iter_mut().zip(&self.streams) {
-            let peer_stream = std::sync::Arc::clone(peer.stream());
-            let (dst, guard) = peer.device_ptr_mut(&peer_stream);
-            std::mem::forget(guard);
             stream
                 .wait(&ready)
                 .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
-            // SAFETY: both ranges lie inside live device memory (the views, held by `self`
-            // until `finish` or drop has waited for these streams); the destination range is
-            // written by nothing else (the peers' parts belong to this fanout), and the source
-            // was complete when `ready` was recorded, which the stream waits for.
-            unsafe {
-                raw::memcpy_peer_async(
-                    dst + range.start as u64,
-                    peer_stream.context().cu_ctx(),
-                    src + range.start as u64,
-                    src_ctx,
-                    len,
-                    stream.cu_stream(),
-                )
-            }?;
+            match peer {
+                Dest::View(view) => {
+                    let peer_stream = std::sync::Arc::clone(view.stream());
+                    let (dst, guard) = view.device_ptr_mut(&peer_stream);
+                    std::mem::forget(guard);
+                    // SAFETY: both ranges lie inside live device memory (the views, held by
+                    // `self` until `finish` or drop has waited for these streams); the
+                    // destination range is written by nothing else (the peers' parts belong to
+                    // this fanout), and the source was complete when `ready` was recorded,
+                    // which the stream waits for.
+                    unsafe {
+                        raw::memcpy_peer_async(
+                            dst + range.start as u64,
+                            peer_stream.context().cu_ctx(),
+                            src,
+                            src_ctx,
+                            len,
+                            stream.cu_stream(),
+                        )
+                    }?;
+                }
+                Dest::Ipc { mem, offset } => {
+                    own_stream
+                        .context()
+                        .bind_to_thread()
+                        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+                    // SAFETY: the destination lies inside the peer's buffer, mapped here until
+                    // `mem` is dropped, which outlives this fanout (its borrow), whose drop
+                    // waits for the copy; the part is this process's to write (the ranks'
+                    // parts are disjoint); the source as above.
+                    unsafe {
+                        raw::memcpy_dtod_async(
+                            mem.ptr + (*offset + range.start) as u64,
+                            src,
+                            len,
+                            stream.cu_stream(),
+                        )
+                    }?;
+                }
+            }
         }
         Ok(())
     }
@@ -283,6 +346,90 @@ impl<'a> PeerFanout<'a> {
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         }
         Ok(())
+    }
+}
+
+fn new_stream(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> Result<std::sync::Arc<cudarc::driver::CudaStream>> {
+    ctx.new_stream()
+        .map_err(|e| Error::cuda("cuStreamCreate", e))
+}
+
+/// A handle to device memory that another process can open ([`IpcMemory::open`]):
+/// `cuIpcGetMemHandle`, 64 bytes to pass along (through gpufeed-ipc's `Rendezvous`, a pipe).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl IpcHandle {
+    /// The handle of `buf`, which must come from `cuMemAlloc` ([`Gpu::alloc_unpooled`]; the
+    /// stream-ordered pool's memory cannot be shared this way).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: pool memory, or a driver that refuses IPC.
+    pub fn of(buf: &CudaSlice<u8>) -> Result<Self> {
+        use cudarc::driver::DevicePtr;
+        driver()?;
+        buf.stream()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let (ptr, guard) = buf.device_ptr(buf.stream());
+        std::mem::forget(guard);
+        // SAFETY: `ptr` is the start of a live allocation of the current context.
+        unsafe { raw::ipc_get_mem_handle(ptr) }.map(IpcHandle)
+    }
+}
+
+/// Another process's device memory opened in this process (`cuIpcOpenMemHandle`, peer access
+/// enabled lazily), closed when dropped. The other process must keep the memory allocated
+/// until this process has closed it and every copy into it has completed.
+#[derive(Debug)]
+pub struct IpcMemory {
+    gpu: Gpu,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl IpcMemory {
+    /// Opens `handle` (memory of `len` bytes, as its owner says) in `gpu`'s context.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: a handle of this process, of a GPU this one cannot reach, or of
+    /// memory already freed.
+    pub fn open(gpu: &Gpu, handle: IpcHandle, len: usize) -> Result<Self> {
+        driver()?;
+        gpu.context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the handle is 64 bytes as the driver made them; the driver checks it.
+        let ptr = unsafe { raw::ipc_open_mem_handle(handle.0) }?;
+        Ok(IpcMemory {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// Its length, as its owner said.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for IpcMemory {
+    fn drop(&mut self) {
+        if self.gpu.context().bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed once.
+            if let Err(e) = unsafe { raw::ipc_close_mem_handle(self.ptr) } {
+                tracing::warn!("closing another process's GPU memory failed: {e}");
+            }
+        }
     }
 }
 

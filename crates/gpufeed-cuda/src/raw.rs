@@ -113,3 +113,67 @@ pub(crate) unsafe fn memcpy_peer_async(
         .result()
         .map_err(|e| Error::cuda("cuMemcpyPeerAsync", e))
 }
+
+/// `cuMemcpyDtoDAsync` in the current context (unified addressing: either side may be memory
+/// of another GPU mapped here).
+///
+/// # Safety
+/// As [`memcpy_peer_async`], both ranges mapped in the current context.
+pub(crate) unsafe fn memcpy_dtod_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
+}
+
+/// `cuIpcGetMemHandle` of the allocation starting at `ptr`.
+///
+/// # Safety
+/// `ptr` is the start of a live `cuMemAlloc` allocation of the current context.
+pub(crate) unsafe fn ipc_get_mem_handle(ptr: sys::CUdeviceptr) -> Result<[u8; 64]> {
+    let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: the caller's promise; the call writes the 64-byte handle.
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }
+        .result()
+        .map_err(|e| Error::cuda("cuIpcGetMemHandle", e))?;
+    Ok(handle.reserved.map(|c| c as u8))
+}
+
+/// `cuIpcOpenMemHandle` (peer access enabled lazily) in the current context.
+///
+/// # Safety
+/// A context is current on this thread.
+pub(crate) unsafe fn ipc_open_mem_handle(handle: [u8; 64]) -> Result<sys::CUdeviceptr> {
+    let handle = sys::CUipcMemHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut ptr = 0;
+    // SAFETY: the caller's promise; the call writes one pointer.
+    unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            handle,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    }
+    .result()
+    .map_err(|e| Error::cuda("cuIpcOpenMemHandle", e))?;
+    Ok(ptr)
+}
+
+/// `cuIpcCloseMemHandle`.
+///
+/// # Safety
+/// `ptr` came from [`ipc_open_mem_handle`] in the current context and is closed once, after
+/// every use.
+pub(crate) unsafe fn ipc_close_mem_handle(ptr: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuIpcCloseMemHandle(ptr) }
+        .result()
+        .map_err(|e| Error::cuda("cuIpcCloseMemHandle", e))
+}

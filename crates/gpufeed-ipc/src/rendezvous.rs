@@ -165,13 +165,23 @@ impl Rendezvous {
         self.world
     }
 
+    /// Leaves the rendezvous now (as dropping it does): the other ranks' next barrier fails
+    /// naming this rank, and this handle's own barriers fail from here on. For a rank that hit
+    /// an error in the middle of a collective step, so that the others do not wait for it.
+    pub fn leave(&self) {
+        self.word(self.rank, R_STATE).store(LEFT, Ordering::Release);
+    }
+
     /// Waits until every rank has reached this barrier (each rank's n-th call meets the
     /// others' n-th).
     ///
     /// # Errors
     /// [`Error::RankNeverArrived`] (a rank that never joined, after the join timeout),
-    /// [`Error::RankLeft`], [`Error::RankDied`].
+    /// [`Error::RankLeft`] (this rank too, after [`Rendezvous::leave`]), [`Error::RankDied`].
     pub fn barrier(&self) -> Result<()> {
+        if self.word(self.rank, R_STATE).load(Ordering::Acquire) == LEFT {
+            return Err(Error::RankLeft { rank: self.rank });
+        }
         let k = self
             .epoch
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)

@@ -66,6 +66,26 @@ pub enum Error {
         reason: String,
     },
 
+    /// Another rank of a job failed its part of a collective load ([`crate::multi::RankLoader`]);
+    /// its own process says why.
+    #[error("rank {rank} failed its part of the load (its own output says why); nothing was kept")]
+    RankFailed {
+        /// The rank.
+        rank: usize,
+    },
+
+    /// The ranks of a job were given different inputs for one collective load.
+    #[error(
+        "rank {rank} was given another {what} than rank 0: every rank must pass the same one, \
+         in the same order of calls"
+    )]
+    RanksDisagree {
+        /// The first rank that differs.
+        rank: usize,
+        /// What differs.
+        what: &'static str,
+    },
+
     /// A setting that cannot work (an option, a size, `RANK`/`WORLD_SIZE`): the message says
     /// which and what to write instead.
     #[error("invalid setting: {0}")]

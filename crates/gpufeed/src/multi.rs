@@ -381,38 +381,7 @@ impl MultiLoader {
         let started = Instant::now();
         let parts = self.each(|rank, loader| {
             let t = Instant::now();
-            let spans = plan.spans(rank);
-            let len = plan.bytes(rank) as usize;
-            let (buf, reports) =
-                loader
-                    .gpu()
-                    .alloc_filled(len, loader.device_alloc(len), |dst| {
-                        // One load per run of spans of the same file, each into its part.
-                        let runs = runs(spans);
-                        let bounds: Vec<usize> = runs
-                            .iter()
-                            .scan(0usize, |at, r| {
-                                *at +=
-                                    r.1.iter()
-                                        .map(|s| (s.end - s.start) as usize)
-                                        .sum::<usize>();
-                                Some(*at)
-                            })
-                            .collect();
-                        let cut = &bounds[..bounds.len().saturating_sub(1)];
-                        let views = gpufeed_cuda::split_mut(dst, cut).ok_or_else(|| {
-                            Error::InvalidSetting("a shard plan's spans overflow".into())
-                        })?;
-                        let mut reports = Vec::with_capacity(runs.len());
-                        for ((file, spans), mut view) in runs.into_iter().zip(views) {
-                            reports.push(loader.load_spans_to(
-                                &plan.files[file],
-                                &spans,
-                                &mut view,
-                            )?);
-                        }
-                        Ok::<_, Error>(reports)
-                    })?;
+            let (buf, reports) = load_rank(loader, plan, rank)?;
             Ok((buf, reports, t.elapsed().as_secs_f64()))
         })?;
         let mut report = self.report(started);
@@ -627,6 +596,349 @@ impl MultiLoader {
     }
 }
 
+/// One process per GPU, as `torchrun` starts them: this process's rank of the job's ranks on
+/// this machine, its GPU's [`Loader`], and a [`gpufeed_ipc::Rendezvous`] with the other ranks
+/// (shared memory; no PyTorch or NCCL needed). Sharded and tensor-parallel loads check that
+/// every rank was given the same plan and load this rank's part; a replicated load has each
+/// rank read 1/N of the file and write it into every other rank's copy through CUDA IPC, over
+/// NVLink where there is one. A rank that dies, leaves after an error, or never arrives makes
+/// the others fail with an error naming it (within the rendezvous's lease or join timeout).
+///
+/// Every rank must make the same calls in the same order (they are collective). After an
+/// error a rank leaves the rendezvous: its later calls fail, and the other ranks' current
+/// or next call fails naming it. Across machines each machine's ranks meet on their own;
+/// each loads from its own storage.
+///
+/// # Example
+/// ```no_run
+/// // In each process torchrun starts (LOCAL_RANK, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID set):
+/// let rank = gpufeed::multi::RankLoader::from_env()?;
+/// let (weights, report) = rank.load_replicated("model.bin")?;
+/// println!("rank {}: {} bytes in {:.0} ms", rank.rank(), weights.len(), report.seconds * 1e3);
+/// # Ok::<(), gpufeed::Error>(())
+/// ```
+pub struct RankLoader {
+    loader: Loader,
+    rdv: gpufeed_ipc::Rendezvous,
+    round_bytes: u64,
+}
+
+impl std::fmt::Debug for RankLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankLoader")
+            .field("rank", &self.rank())
+            .field("world", &self.world())
+            .field("gpu", &self.loader.gpu().info().ordinal)
+            .finish()
+    }
+}
+
+/// What one rank's part of a collective load did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RankReport {
+    /// This rank.
+    pub rank: usize,
+    /// Bytes this rank read from the host over its own PCIe link.
+    pub read_bytes: u64,
+    /// Bytes this rank received from the other ranks (replicated loads).
+    pub peer_bytes: u64,
+    /// Wall seconds from the call until every rank held its bytes.
+    pub seconds: f64,
+    /// This rank's load reports.
+    pub loads: Vec<LoadReport>,
+}
+
+impl RankLoader {
+    /// Joins job `job`'s rendezvous as `rank` of `world` ranks on this machine and opens GPU
+    /// `ordinal` with `opts` ([`LoadOptions::for_gpus`]`(world)` shares the host between
+    /// the ranks as a [`MultiLoader`] does); returns once every rank has its GPU open.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] for a job name that cannot name shared memory;
+    /// [`gpufeed_ipc::Rendezvous::join`]'s (a rank that never arrives or dies is named);
+    /// [`Loader::open`]'s; a rank whose GPU failed to open is named by the others.
+    pub fn join(
+        job: &str,
+        rank: usize,
+        world: usize,
+        ordinal: usize,
+        opts: LoadOptions,
+        rendezvous: gpufeed_ipc::RendezvousOptions,
+    ) -> Result<Self> {
+        if job.is_empty() || job.len() > 200 || job.contains(['/', '\0']) {
+            return Err(Error::InvalidSetting(format!(
+                "job name {job:?}: use 1 to 200 characters, no '/'"
+            )));
+        }
+        let rdv =
+            gpufeed_ipc::Rendezvous::join(&format!("gpufeed-rdv-{job}"), rank, world, rendezvous)?;
+        let loader = Gpu::keeping_current_context(|| Loader::open(ordinal, opts))?;
+        rdv.barrier()?;
+        Ok(RankLoader {
+            loader,
+            rdv,
+            round_bytes: ROUND_BYTES,
+        })
+    }
+
+    /// [`RankLoader::join`] from the variables `torchrun` sets: `LOCAL_RANK` (also the GPU's
+    /// ordinal) of `LOCAL_WORLD_SIZE`, the job named by `GPUFEED_JOB`, else
+    /// `TORCHELASTIC_RUN_ID`, else `MASTER_ADDR` and `MASTER_PORT`; options
+    /// [`LoadOptions::for_gpus`]`(LOCAL_WORLD_SIZE)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] naming a missing or malformed variable; [`RankLoader::join`]'s.
+    pub fn from_env() -> Result<Self> {
+        let num = |name: &str| -> Result<usize> {
+            let v = std::env::var(name).map_err(|_| {
+                Error::InvalidSetting(format!(
+                    "{name} is not set: start the processes with torchrun (or set LOCAL_RANK and LOCAL_WORLD_SIZE)"
+                ))
+            })?;
+            v.trim()
+                .parse()
+                .map_err(|_| Error::InvalidSetting(format!("{name}={v:?} is not a number")))
+        };
+        let (rank, world) = (num("LOCAL_RANK")?, num("LOCAL_WORLD_SIZE")?);
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        let job = var("GPUFEED_JOB")
+            .or_else(|| var("TORCHELASTIC_RUN_ID"))
+            .or_else(|| Some(format!("{}-{}", var("MASTER_ADDR")?, var("MASTER_PORT")?)))
+            .ok_or_else(|| {
+                Error::InvalidSetting(
+                    "no job name: set GPUFEED_JOB (the same for every rank of the job), or start \
+                     the processes with torchrun (TORCHELASTIC_RUN_ID)"
+                        .into(),
+                )
+            })?;
+        let job: String = job
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        Self::join(
+            &job,
+            rank,
+            world,
+            rank,
+            LoadOptions::for_gpus(world),
+            gpufeed_ipc::RendezvousOptions::default(),
+        )
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rdv.rank()
+    }
+
+    /// The number of ranks on this machine.
+    pub fn world(&self) -> usize {
+        self.rdv.world()
+    }
+
+    /// This rank's loader (for loads of its own).
+    pub fn loader(&self) -> &Loader {
+        &self.loader
+    }
+
+    /// The rendezvous with the other ranks.
+    pub fn rendezvous(&self) -> &gpufeed_ipc::Rendezvous {
+        &self.rdv
+    }
+
+    /// This loader with replicated loads sending every `bytes` read (default 1 GiB).
+    pub fn with_round_bytes(mut self, bytes: u64) -> Self {
+        self.round_bytes = bytes.max(1 << 20);
+        self
+    }
+
+    /// Loads this rank's spans of `plan` (the same plan on every rank: checked) into one
+    /// device buffer.
+    ///
+    /// # Errors
+    /// [`Error::RanksDisagree`]; [`Error::InvalidSetting`] for a plan of another number of
+    /// ranks; [`Loader::load_spans`]'s.
+    pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(DeviceBuffer, RankReport)> {
+        self.collective(|| {
+            let started = Instant::now();
+            self.check_ranks(plan.ranks())?;
+            self.agree("shard plan", serde_json::to_vec(plan).unwrap_or_default())?;
+            let (buf, loads) = load_rank(&self.loader, plan, self.rank())?;
+            let report = self.report(started, buf.len() as u64, 0, loads);
+            Ok((buf, report))
+        })
+    }
+
+    /// Loads this rank's shares of a tensor-parallel plan (the same plan on every rank:
+    /// checked): [`safetensors::load_shard`].
+    ///
+    /// # Errors
+    /// [`Error::RanksDisagree`]; [`safetensors::load_shard`]'s.
+    pub fn load_tensor_parallel(&self, plan: &TensorParallel) -> Result<(Checkpoint, RankReport)> {
+        self.collective(|| {
+            let started = Instant::now();
+            self.check_ranks(plan.ranks())?;
+            let digest = format!(
+                "{:?} {:?} {:?}",
+                plan.files(),
+                plan.split(),
+                (0..plan.ranks()).map(|r| plan.bytes(r)).collect::<Vec<_>>()
+            );
+            self.agree("tensor-parallel plan", digest.into_bytes())?;
+            let ckpt = safetensors::load_shard(&self.loader, plan, self.rank())?;
+            let report = self.report(started, ckpt.bytes(), 0, ckpt.reports().to_vec());
+            Ok((ckpt, report))
+        })
+    }
+
+    /// Loads all of `path` onto every rank's GPU (the same file on every rank: checked): each
+    /// rank reads its 1/N share over its own PCIe link, in rounds, and writes each round into
+    /// every other rank's copy through CUDA IPC; it returns once every rank's copy is whole.
+    ///
+    /// # Errors
+    /// [`Error::RanksDisagree`]; [`Error::RankFailed`] naming a rank whose part failed;
+    /// rendezvous errors naming a rank that died or left; [`Error::FileChangedDuringLoad`];
+    /// this rank's load and CUDA errors (IPC refused: GPUs that cannot be peers).
+    pub fn load_replicated(&self, path: impl AsRef<Path>) -> Result<(DeviceBuffer, RankReport)> {
+        let path = path.as_ref();
+        self.collective(|| {
+            let started = Instant::now();
+            let (_, identity) = gpufeed_os::file::open_regular(path, false)?;
+            self.agree(
+                "replicated file",
+                format!("{} {} {}", path.display(), identity.size, identity.mtime_ns).into_bytes(),
+            )?;
+            let len = identity.size;
+            let (n, me) = (self.world(), self.rank());
+            let shares = ShardPlan::split_len(len, n);
+            let mine = shares[me].clone();
+            let gpu = self.loader.gpu().clone();
+            let (buf, loads) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
+                self.replicate_into(dst, path, &shares)
+            })?;
+            changed(path, &identity)?;
+            let read = mine.end - mine.start;
+            let report = self.report(started, read, len - read, loads);
+            Ok((buf, report))
+        })
+    }
+
+    /// The collective part of a replicated load into `dst` (this rank's copy).
+    fn replicate_into(
+        &self,
+        dst: &mut DeviceBuffer,
+        path: &Path,
+        shares: &[Range<u64>],
+    ) -> Result<Vec<LoadReport>> {
+        let (n, me) = (self.world(), self.rank());
+        let len = dst.len();
+        let gpu = self.loader.gpu();
+        let handle = gpufeed_cuda::IpcHandle::of(dst)?;
+        let handles = self.rdv.exchange(&handle.0)?;
+        // Open every other rank's copy; then this rank's part, sent to each of them.
+        let opened: Result<Vec<gpufeed_cuda::IpcMemory>> = handles
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != me)
+            .map(|(r, h)| {
+                let h: [u8; 64] = h.as_slice().try_into().map_err(|_| {
+                    Error::InvalidSetting(format!("rank {r} passed a handle of {} bytes", h.len()))
+                })?;
+                Ok(gpufeed_cuda::IpcMemory::open(
+                    gpu,
+                    gpufeed_cuda::IpcHandle(h),
+                    len,
+                )?)
+            })
+            .collect();
+        let outcome = opened.and_then(|peers| {
+            let cut: Vec<usize> = shares[1..n].iter().map(|s| s.start as usize).collect();
+            let own = gpufeed_cuda::split_mut(dst, &cut)
+                .and_then(|v| v.into_iter().nth(me))
+                .ok_or_else(|| Error::InvalidSetting("replicated shares overflow".into()))?;
+            let share = shares[me].clone();
+            let targets = peers.iter().map(|m| (m, share.start as usize)).collect();
+            let mut fanout = PeerFanout::to_ipc(own, targets)?;
+            let mut loads = Vec::new();
+            let mut at = 0u64;
+            let part = share.end - share.start;
+            while at < part {
+                let step = self.round_bytes.min(part - at);
+                let (a, b) = (at as usize, (at + step) as usize);
+                let file = share.start + at..share.start + at + step;
+                {
+                    let mut view = fanout.own_mut(a..b)?;
+                    loads.push(self.loader.load_spans_to(
+                        path,
+                        std::slice::from_ref(&file),
+                        &mut view,
+                    )?);
+                }
+                fanout.send(a..b)?;
+                at += step;
+            }
+            fanout.finish()?;
+            drop(peers);
+            Ok(loads)
+        });
+        // Every rank's copies into every other rank's memory have completed once all have
+        // said how their part went: only then may any of them give its memory back.
+        let status = self.rdv.exchange(&[u8::from(outcome.is_ok())])?;
+        let loads = outcome?;
+        if let Some(rank) = status.iter().position(|s| s.first() != Some(&1)) {
+            return Err(Error::RankFailed { rank });
+        }
+        Ok(loads)
+    }
+
+    /// Runs a collective step; on an error this rank leaves the rendezvous, so that the other
+    /// ranks do not wait for it.
+    fn collective<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _keep = ContextGuard::new();
+        let out = f();
+        if out.is_err() {
+            self.rdv.leave();
+        }
+        out
+    }
+
+    /// Checks that every rank passes the same `bytes` for `what`.
+    fn agree(&self, what: &'static str, bytes: Vec<u8>) -> Result<()> {
+        let digest = xxhash_rust::xxh3::xxh3_64(&bytes).to_le_bytes();
+        let all = self.rdv.exchange(&digest)?;
+        match all.iter().position(|d| d.as_slice() != all[0].as_slice()) {
+            Some(rank) => Err(Error::RanksDisagree { rank, what }),
+            None => Ok(()),
+        }
+    }
+
+    fn check_ranks(&self, ranks: usize) -> Result<()> {
+        if ranks != self.world() {
+            return Err(Error::InvalidSetting(format!(
+                "a plan for {ranks} ranks in a job of {} ranks on this machine; plan for {}",
+                self.world(),
+                self.world()
+            )));
+        }
+        Ok(())
+    }
+
+    fn report(&self, started: Instant, read: u64, peer: u64, loads: Vec<LoadReport>) -> RankReport {
+        RankReport {
+            rank: self.rank(),
+            read_bytes: read,
+            peer_bytes: peer,
+            seconds: started.elapsed().as_secs_f64(),
+            loads,
+        }
+    }
+}
+
 impl ShardPlan {
     /// `len` bytes cut into `ranks` contiguous shares, each boundary the 4 KiB multiple
     /// nearest to an even cut (so a share is within 4 KiB of `len / ranks`).
@@ -682,6 +994,40 @@ fn share_out(
     }
     fanout.finish()?;
     Ok((reports, t.elapsed().as_secs_f64()))
+}
+
+/// Rank `rank`'s spans of `plan` with `loader`, into one new device buffer: one load per run of
+/// spans of the same file, each into its part.
+fn load_rank(
+    loader: &Loader,
+    plan: &ShardPlan,
+    rank: usize,
+) -> Result<(DeviceBuffer, Vec<LoadReport>)> {
+    let spans = plan.spans(rank);
+    let len = plan.bytes(rank) as usize;
+    loader
+        .gpu()
+        .alloc_filled(len, loader.device_alloc(len), |dst| {
+            let runs = runs(spans);
+            let bounds: Vec<usize> = runs
+                .iter()
+                .scan(0usize, |at, r| {
+                    *at +=
+                        r.1.iter()
+                            .map(|s| (s.end - s.start) as usize)
+                            .sum::<usize>();
+                    Some(*at)
+                })
+                .collect();
+            let cut = &bounds[..bounds.len().saturating_sub(1)];
+            let views = gpufeed_cuda::split_mut(dst, cut)
+                .ok_or_else(|| Error::InvalidSetting("a shard plan's spans overflow".into()))?;
+            let mut reports = Vec::with_capacity(runs.len());
+            for ((file, spans), mut view) in runs.into_iter().zip(views) {
+                reports.push(loader.load_spans_to(&plan.files[file], &spans, &mut view)?);
+            }
+            Ok::<_, Error>(reports)
+        })
 }
 
 /// Consecutive spans of the same file, grouped: `(file, ranges)`.

@@ -410,3 +410,196 @@ fn replicated_loads_are_byte_exact_on_every_gpu() {
         }
     }
 }
+
+/// The variables `RankLoader::from_env` reads, cleared in the children unless given.
+const RANK_VARS: [&str; 7] = [
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GPUFEED_JOB",
+    "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+];
+
+fn rank_child(vars: &[(&str, String)]) -> std::process::Command {
+    let mut cmd = gpufeed_testkit::child_command("multi::rank_dispatcher", "rank", &[]);
+    for v in RANK_VARS {
+        cmd.env_remove(v);
+    }
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+fn run(cmd: &mut std::process::Command) -> (bool, String) {
+    let out = cmd.output().expect("spawn a rank");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// A rank process: `RankLoader::from_env`, then (with `GPUFEED_IT_FILE`) a replicated, a
+/// sharded and a tensor-parallel load, each checked against the files, then a plan that
+/// differs between ranks.
+#[test]
+fn rank_dispatcher() {
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok("rank") {
+        return;
+    }
+    let rank = match gpufeed::multi::RankLoader::from_env() {
+        Ok(r) => r,
+        Err(e) => {
+            println!("ERR {e}");
+            println!("NOGPU {}", e.is_no_gpu());
+            return;
+        }
+    };
+    let Ok(file) = std::env::var("GPUFEED_IT_FILE") else {
+        println!("JOINED {} of {}", rank.rank(), rank.world());
+        return;
+    };
+    let rank = rank.with_round_bytes(4 << 20);
+    let (r, n) = (rank.rank(), rank.world());
+    let gpu = rank.loader().gpu().clone();
+    let data = std::fs::read(&file).expect("read");
+    let (buf, report) = rank.load_replicated(&file).expect("replicated");
+    assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
+    assert_eq!(report.read_bytes + report.peer_bytes, data.len() as u64);
+    println!("VERIFIED replicated");
+    let other = std::env::var("GPUFEED_IT_FILE2").expect("file 2");
+    let plan = ShardPlan::split_bytes(&[&file, &other], n).expect("plan");
+    let (buf, _) = rank.load_sharded(&plan).expect("sharded");
+    let both = [data.clone(), std::fs::read(&other).expect("read")];
+    assert_eq!(
+        xxh3_64(&gpu.to_vec(&buf).expect("back")),
+        xxh3_64(&expected(&plan, r, &both))
+    );
+    println!("VERIFIED sharded");
+    let ckpt = std::env::var("GPUFEED_IT_CKPT").expect("checkpoint");
+    let plan = TensorParallel::plan(&ckpt, n, Split::Columns).expect("plan");
+    let (shard, _) = rank.load_tensor_parallel(&plan).expect("tensor-parallel");
+    let header = gpufeed::safetensors::inspect(&ckpt).expect("inspect");
+    let bytes = std::fs::read(&ckpt).expect("read");
+    for share in plan.shares(r, 0) {
+        let (_, dtype, shape, range) = header[0]
+            .tensors
+            .iter()
+            .find(|t| t.0 == share.name)
+            .expect("tensor");
+        let start = header[0].data_start as usize;
+        let whole = &bytes[start + range.start..start + range.end];
+        let want = cut(whole, shape, dtype.bitsize() / 8, 1, share.indices.clone());
+        let (_, view) = shard.get(&share.name).expect("tensor");
+        let mut host = vec![0u8; view.len()];
+        gpu.default_stream()
+            .memcpy_dtoh(&view, &mut host)
+            .expect("back");
+        assert!(host == want, "rank {r} {}", share.name);
+    }
+    println!("VERIFIED tensor-parallel");
+    if n > 1 {
+        // Rank 0 plans over one file, the others over the other: every rank is told.
+        let mine = if r == 0 { &file } else { &other };
+        let plan = ShardPlan::split_bytes(&[mine], n).expect("plan");
+        match rank.load_sharded(&plan) {
+            Err(Error::RanksDisagree { rank, .. }) => println!("DISAGREE {rank}"),
+            other => panic!("expected a disagreement, got {other:?}"),
+        }
+        match rank.load_replicated(&file) {
+            Err(e) => println!("AFTER {e}"),
+            Ok(_) => panic!("a rank that left still loads"),
+        }
+    }
+}
+
+#[test]
+fn a_rank_loader_names_what_is_missing() {
+    let (_, out) = run(&mut rank_child(&[]));
+    assert!(
+        out.contains("ERR invalid setting: LOCAL_RANK is not set"),
+        "{out}"
+    );
+    let (_, out) = run(&mut rank_child(&[
+        ("LOCAL_RANK", "x".into()),
+        ("LOCAL_WORLD_SIZE", "1".into()),
+    ]));
+    assert!(out.contains("LOCAL_RANK=\"x\" is not a number"), "{out}");
+    let (_, out) = run(&mut rank_child(&[
+        ("LOCAL_RANK", "0".into()),
+        ("LOCAL_WORLD_SIZE", "1".into()),
+    ]));
+    assert!(out.contains("no job name"), "{out}");
+    let job = format!("it-env-{}", std::process::id());
+    let (ok, out) = run(&mut rank_child(&[
+        ("LOCAL_RANK", "0".into()),
+        ("LOCAL_WORLD_SIZE", "1".into()),
+        ("GPUFEED_JOB", job),
+    ]));
+    assert!(ok, "{out}");
+    match Gpu::count() {
+        Ok(n) if n > 0 => assert!(out.contains("JOINED 0 of 1"), "{out}"),
+        _ => assert!(out.contains("NOGPU true"), "without a GPU: {out}"),
+    }
+}
+
+#[test]
+fn one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel() {
+    let test = "one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel";
+    let n = match Gpu::count() {
+        Ok(n) if n > 0 => n.min(4),
+        Ok(_) => return gpufeed_testkit::skip_without_gpu(test, &"no CUDA device"),
+        Err(e) => return gpufeed_testkit::skip_without_gpu(test, &e),
+    };
+    if n == 1 {
+        eprintln!("{test}: one GPU: one rank (N=1); two ranks on the two-GPU machine");
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let made = files(dir.path(), &[(21 << 20) + 7, (3 << 20) + 1], 51);
+    let (ckpt, _) = checkpoint(
+        dir.path(),
+        &[(vec![513, 1030], Dtype::F16), (vec![77], Dtype::F32)],
+        61,
+    );
+    let job = format!("it-ranks-{}", std::process::id());
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            rank_child(&[
+                ("LOCAL_RANK", r.to_string()),
+                ("LOCAL_WORLD_SIZE", n.to_string()),
+                ("GPUFEED_JOB", job.clone()),
+                ("GPUFEED_IT_FILE", made[0].0.display().to_string()),
+                ("GPUFEED_IT_FILE2", made[1].0.display().to_string()),
+                ("GPUFEED_IT_CKPT", ckpt.display().to_string()),
+                ("GPUFEED_REQUIRE_GPU", "1".into()),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn a rank")
+        })
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("wait");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "rank {r}:\n{text}");
+        for what in ["replicated", "sharded", "tensor-parallel"] {
+            assert!(
+                text.contains(&format!("VERIFIED {what}")),
+                "rank {r}: {what}\n{text}"
+            );
+        }
+        if n > 1 {
+            assert!(text.contains("DISAGREE 1"), "rank {r}\n{text}");
+            assert!(text.contains("AFTER "), "rank {r}\n{text}");
+        }
+    }
+}
