@@ -148,6 +148,14 @@ enum Internal {
         #[arg(long)]
         on: bool,
     },
+    /// One rank of table 11's one-process-per-GPU rows (started by the harness itself).
+    #[command(hide = true)]
+    Rank {
+        #[arg(long)]
+        path: std::path::PathBuf,
+        #[arg(long)]
+        reps: usize,
+    },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
     IpcChild {
@@ -171,6 +179,7 @@ fn main() -> Result<()> {
             target,
             count,
         }) => return ipc::child(role, &target, count),
+        Some(Internal::Rank { path, reps }) => return multi::rank_child(&path, reps),
         Some(Internal::OneShot {
             path,
             checkpoint,
@@ -328,7 +337,7 @@ fn main() -> Result<()> {
         None
     };
     let multi = if wanted(Part::Multi) {
-        multi::measure(&cli.dir, cli.multi_file, cli.reps, |what| {
+        multi::measure(&exe, &cli.dir, cli.multi_file, cli.reps, |what| {
             progress.line(&format!("      {what}"))
         })?
     } else {

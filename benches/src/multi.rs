@@ -41,6 +41,13 @@ pub struct MultiBench {
     pub separate_loaders_gbps: Samples,
     /// All GPUs, `MultiLoader::load_replicated` of the file.
     pub replicated_seconds: Samples,
+    /// One process per GPU (`RankLoader`), sharded by bytes: GB/s in all (the file over the
+    /// slowest rank's time).
+    pub ranks_sharded_gbps: Option<Samples>,
+    /// One process per GPU, replicated: seconds of the slowest rank.
+    pub ranks_replicated_seconds: Option<Samples>,
+    /// Why the one-process-per-GPU rows did not run.
+    pub ranks_error: Option<String>,
     /// Tensor-parallel loads of the checkpoint: GB/s in all.
     pub tp_rows_gbps: Samples,
     pub tp_columns_gbps: Samples,
@@ -54,6 +61,7 @@ pub struct MultiBench {
 }
 
 pub fn measure(
+    exe: &Path,
     dir: &Path,
     file_bytes: u64,
     reps: usize,
@@ -173,6 +181,13 @@ pub fn measure(
     }
     drop(multi);
 
+    progress("table 11: one process per GPU (RankLoader), sharded and replicated");
+    let (ranks_sharded_gbps, ranks_replicated_seconds, ranks_error) =
+        match ranks(exe, &file, count, reps) {
+            Ok((s, r)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
+            Err(e) => (None, None, Some(format!("{e:#}"))),
+        };
+
     progress("table 11: sharded by fill threads and chunk size");
     let mut sharded_sweep = Vec::new();
     for threads in [4usize, 8, 12, 16] {
@@ -203,9 +218,83 @@ pub fn measure(
         tp_columns_gbps,
         sharded_sweep,
         replicated_by_round,
+        ranks_sharded_gbps,
+        ranks_replicated_seconds,
+        ranks_error,
         links,
         notes,
     }))
+}
+
+/// `count` rank processes (this program's `rank` command) over `file`: per repetition, the
+/// slowest rank's seconds of a sharded and of a replicated load.
+fn ranks(exe: &Path, file: &Path, count: usize, reps: usize) -> Result<(Samples, Samples)> {
+    let job = format!("bench-{}", std::process::id());
+    let children = (0..count)
+        .map(|r| {
+            std::process::Command::new(exe)
+                .args(["rank", "--path"])
+                .arg(file)
+                .args(["--reps", &reps.to_string()])
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", count.to_string())
+                .env("GPUFEED_JOB", &job)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .context("start a rank process")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut per_rank = Vec::new();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output()?;
+        anyhow::ensure!(out.status.success(), "rank {r} failed ({})", out.status);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("rank {r}'s report"))?;
+        per_rank.push(v);
+    }
+    let slowest = |key: &str| -> Samples {
+        Samples::new(
+            (0..reps)
+                .map(|i| {
+                    per_rank
+                        .iter()
+                        .filter_map(|v| v[key][i].as_f64())
+                        .fold(0.0, f64::max)
+                })
+                .collect(),
+        )
+    };
+    Ok((slowest("sharded"), slowest("replicated")))
+}
+
+/// One rank: `RankLoader::from_env`, then a warm-up and `reps` sharded and replicated loads of
+/// `path`; prints their seconds as JSON.
+pub fn rank_child(path: &Path, reps: usize) -> Result<()> {
+    let rank = gpufeed::multi::RankLoader::from_env()?;
+    let plan = ShardPlan::split_bytes(&[path], rank.world())?;
+    // All sharded loads, then all replicated ones: as in the rows of one process above, a
+    // kind of load never follows the other's (large) frees.
+    let mut sharded = Vec::new();
+    for i in 0..reps + 1 {
+        let (buf, r) = rank.load_sharded(&plan)?;
+        drop(buf);
+        if i > 0 {
+            sharded.push(r.seconds);
+        }
+    }
+    let mut replicated = Vec::new();
+    for i in 0..reps + 1 {
+        let (buf, r) = rank.load_replicated(path)?;
+        drop(buf);
+        if i > 0 {
+            replicated.push(r.seconds);
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({"sharded": sharded, "replicated": replicated})
+    );
+    Ok(())
 }
 
 /// `f` once to warm up, then `reps` times: the samples of those.
@@ -350,6 +439,27 @@ pub fn table(s: &mut String, v: &MultiBench) {
         COLS * 2 / n,
         v.tp_columns_gbps.show(1)
     );
+    match (&v.ranks_sharded_gbps, &v.ranks_replicated_seconds, &v.ranks_error) {
+        (Some(sh), Some(rep), _) => {
+            let _ = writeln!(
+                s,
+                "| one process per GPU (`RankLoader`), sharded by bytes | {} | | {:.2} of {n} GPUs' pinned limit at once |",
+                sh.show(1),
+                sh.median / two_pinned
+            );
+            let _ = writeln!(
+                s,
+                "| one process per GPU, replicated (CUDA IPC) | {} | {} | {:.2}x one GPU's time |",
+                rep.map(|t| gbps(v.file_bytes, t)).show(1),
+                rep.show(3),
+                rep.median / v.one_gpu_seconds.median
+            );
+        }
+        (_, _, Some(e)) => {
+            let _ = writeln!(s, "| one process per GPU | did not run: {e} | | |");
+        }
+        _ => {}
+    }
     for (round, secs) in &v.replicated_by_round {
         let _ = writeln!(
             s,
