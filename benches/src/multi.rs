@@ -54,6 +54,9 @@ pub struct MultiBench {
     /// `load_sharded` by fill threads per GPU and chunk bytes (staging: two buffers per
     /// thread): (threads, chunk, GB/s in all).
     pub sharded_sweep: Vec<(usize, usize, Samples)>,
+    /// `load_replicated` of 1 GiB rounds with its peer copies skipped (a test hook): the reads
+    /// in rounds alone, seconds.
+    pub replicated_reads_only_seconds: Samples,
     /// `load_replicated` by round bytes: (round, seconds).
     pub replicated_by_round: Vec<(u64, Samples)>,
     pub links: Vec<String>,
@@ -149,10 +152,7 @@ pub fn measure(
     drop(separate);
 
     progress("table 11: replicated, then tensor-parallel rows and columns");
-    let replicated_seconds = warm(reps, || {
-        let (secs, r) = timed(|| multi.load_replicated(&file).map(drop));
-        r.map(|()| secs).map_err(Into::into)
-    })?;
+    let replicated_seconds = warm(reps, || Ok(multi.load_replicated(&file)?.1.seconds))?;
     let tp = |split: Split| -> Result<Samples> {
         let plan = TensorParallel::plan(&ckpt, count, split)?;
         warm(reps, || {
@@ -173,12 +173,13 @@ pub fn measure(
     let mut multi = multi;
     for round in [64u64 << 20, 256 << 20, 4 << 30] {
         multi = multi.with_round_bytes(round);
-        let secs = warm(reps, || {
-            let (secs, r) = timed(|| multi.load_replicated(&file).map(drop));
-            r.map(|()| secs).map_err(Into::into)
-        })?;
+        let secs = warm(reps, || Ok(multi.load_replicated(&file)?.1.seconds))?;
         replicated_by_round.push((round, secs));
     }
+    multi = multi
+        .with_round_bytes(1 << 30)
+        .testing_skip_peer_copies(true);
+    let replicated_reads_only_seconds = warm(reps, || Ok(multi.load_replicated(&file)?.1.seconds))?;
     drop(multi);
 
     progress("table 11: one process per GPU (RankLoader), sharded and replicated");
@@ -218,6 +219,7 @@ pub fn measure(
         tp_columns_gbps,
         sharded_sweep,
         replicated_by_round,
+        replicated_reads_only_seconds,
         ranks_sharded_gbps,
         ranks_replicated_seconds,
         ranks_error,
@@ -248,8 +250,8 @@ fn ranks(exe: &Path, file: &Path, count: usize, reps: usize) -> Result<(Samples,
     for (r, c) in children.into_iter().enumerate() {
         let out = c.wait_with_output()?;
         anyhow::ensure!(out.status.success(), "rank {r} failed ({})", out.status);
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("rank {r}'s report"))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).with_context(|| format!("rank {r}'s report"))?;
         per_rank.push(v);
     }
     let slowest = |key: &str| -> Samples {
@@ -439,7 +441,17 @@ pub fn table(s: &mut String, v: &MultiBench) {
         COLS * 2 / n,
         v.tp_columns_gbps.show(1)
     );
-    match (&v.ranks_sharded_gbps, &v.ranks_replicated_seconds, &v.ranks_error) {
+    let _ = writeln!(
+        s,
+        "| {n} GPUs replicated, rounds of 1 GiB, peer copies skipped (the reads alone; diagnostic) | | {} | {:.2}x one GPU's time |",
+        v.replicated_reads_only_seconds.show(3),
+        v.replicated_reads_only_seconds.median / v.one_gpu_seconds.median
+    );
+    match (
+        &v.ranks_sharded_gbps,
+        &v.ranks_replicated_seconds,
+        &v.ranks_error,
+    ) {
         (Some(sh), Some(rep), _) => {
             let _ = writeln!(
                 s,
@@ -481,7 +493,8 @@ pub fn table(s: &mut String, v: &MultiBench) {
     }
     let _ = writeln!(
         s,
-        "\nReplicated GB/s: the file's bytes over the time until every GPU holds all of it. \
+        "\nReplicated GB/s: the file's bytes over the time until every GPU holds all of it (the \
+         call's own report, device memory included, freeing it afterwards not). \
          Links: {}.{}",
         v.links.join("; "),
         if v.notes.is_empty() {

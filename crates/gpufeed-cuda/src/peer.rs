@@ -61,7 +61,8 @@ impl Gpu {
         Ok(links)
     }
 
-    /// Lets this GPU's context read and write `peer`'s memory directly (`cuCtxEnablePeerAccess`),
+    /// Lets this GPU's context read and write `peer`'s memory directly (`cuCtxEnablePeerAccess`,
+    /// and `cuMemPoolSetAccess` on `peer`'s stream-ordered pool for its pooled memory),
     /// so that copies between them ([`cudarc::driver::CudaStream::memcpy_dtod`] across the two
     /// contexts) go over the link between them. Returns `false`, changing nothing, where the
     /// two cannot be peers (copies between them then go through host memory, slower but
@@ -80,6 +81,13 @@ impl Gpu {
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: both contexts are alive (held by the two `Gpu`s) and this one is current.
         unsafe { raw::ctx_enable_peer_access(peer.context().cu_ctx()) }?;
+        // The same for the peer's stream-ordered pool, whose memory peer access to the context
+        // does not cover: without it copies from or into pool memory go through the host
+        // (28 GB/s instead of NVLink's hundreds on two H200s; docs/benchmarks.md, GPU run 44).
+        // SAFETY: both devices came from cuDeviceGet (the contexts' devices).
+        unsafe {
+            raw::mem_pool_grant_access(peer.context().cu_device(), self.context().cu_device())
+        }?;
         Ok(true)
     }
 }

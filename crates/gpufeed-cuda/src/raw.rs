@@ -177,3 +177,30 @@ pub(crate) unsafe fn ipc_close_mem_handle(ptr: sys::CUdeviceptr) -> Result<()> {
         .result()
         .map_err(|e| Error::cuda("cuIpcCloseMemHandle", e))
 }
+
+/// Lets device `accessor` read and write memory of device `owner`'s current memory pool (the
+/// stream-ordered allocator's), as `cuCtxEnablePeerAccess` does for `cuMemAlloc` memory.
+///
+/// # Safety
+/// Both came from `cuDeviceGet`.
+pub(crate) unsafe fn mem_pool_grant_access(
+    owner: sys::CUdevice,
+    accessor: sys::CUdevice,
+) -> Result<()> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the caller's promise; the call writes one handle.
+    unsafe { sys::cuDeviceGetMemPool(&mut pool, owner) }
+        .result()
+        .map_err(|e| Error::cuda("cuDeviceGetMemPool", e))?;
+    let desc = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: accessor,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: `pool` came from the driver; one descriptor is passed.
+    unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemPoolSetAccess", e))
+}

@@ -236,6 +236,9 @@ pub struct MultiLoader {
     links: Vec<PeerLink>,
     notes: Vec<String>,
     round_bytes: u64,
+    /// Test hook, not API: replicated loads skip their peer copies (each GPU then holds only
+    /// its own share), to time the reads of a replicated load alone.
+    skip_peer_copies: bool,
 }
 
 impl std::fmt::Debug for MultiLoader {
@@ -325,7 +328,16 @@ impl MultiLoader {
             links,
             notes,
             round_bytes: ROUND_BYTES,
+            skip_peer_copies: false,
         })
+    }
+
+    /// Test hook, not API: replicated loads without their peer copies (the bench times the
+    /// reads of a replicated load alone with it). The buffers then hold only each GPU's share.
+    #[doc(hidden)]
+    pub fn testing_skip_peer_copies(mut self, skip: bool) -> Self {
+        self.skip_peer_copies = skip;
+        self
     }
 
     /// This loader with replicated loads sending their shares to the other GPUs every `bytes`
@@ -494,11 +506,16 @@ impl MultiLoader {
         let len = range.end - range.start;
         let shares = ShardPlan::split_len(len, n);
         let gpus: Vec<Gpu> = self.loaders.iter().map(|l| l.gpu().clone()).collect();
-        let from = if len as usize >= crate::load::UNPOOLED_FROM {
-            DeviceAlloc::Unpooled
-        } else {
-            DeviceAlloc::Pool
-        };
+        // As a Loader does: the first large load's memory from cuMemAlloc, later ones from the
+        // contexts' pools (a replicated buffer freed and loaded again costs no cuMemFree and
+        // cuMemAlloc of its whole size).
+        let from = self
+            .loaders
+            .iter()
+            .map(|l| l.device_alloc(len as usize))
+            .fold(DeviceAlloc::Pool, |a, b| {
+                if b == DeviceAlloc::Unpooled { b } else { a }
+            });
         let (bufs, parts) = Gpu::alloc_filled_each(&gpus, len as usize, from, |dsts| {
             // views[h][g]: GPU h's copy of share g. Thread g fills its own share on its GPU
             // (views[g][g]) and copies it into views[h][g] on every other GPU h.
@@ -528,6 +545,11 @@ impl MultiLoader {
                         let loader = &self.loaders[g];
                         let share = shares[g].clone();
                         let round = self.round_bytes;
+                        let peers = if self.skip_peer_copies {
+                            Vec::new()
+                        } else {
+                            peers
+                        };
                         s.spawn(move || {
                             let out = share_out(
                                 loader,
