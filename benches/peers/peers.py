@@ -13,6 +13,10 @@ Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> lis
        peers.py --image-folder ROOT REPS -> PyTorch's DataLoader over an image folder (raw file
        bytes, batches of 256 shuffled, num_workers=8, pin_memory=True, each batch to the GPU):
        {name: list of GB/s per epoch}.
+       peers.py --multi SAFETENSORS N REPS -> table 11's peers on N GPUs, one process each
+       (torch.multiprocessing, NCCL): safetensors.torch load_file on every rank, and load_file on
+       rank 0 then torch.distributed.broadcast of every tensor; {name: list of seconds until
+       every rank holds the checkpoint}.
 Every peer is optional: one that cannot run reports {"error": "..."} instead.
 kvikio and fastsafetensors come from wheels (BENCH.md); torch, numpy, cupy and safetensors are
 on the GPU machine's image.
@@ -288,7 +292,82 @@ def records_peers(path, record, batch, reps):
     print(json.dumps(results))
 
 
+def _multi_rank(rank, world, st_path, reps, port, out):
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device(f"cuda:{rank}"))
+    dev = f"cuda:{rank}"
+
+    def every_rank():
+        t = load_file(st_path, device=dev)
+        torch.cuda.synchronize()
+        return t
+
+    def broadcast():
+        if rank == 0:
+            t = load_file(st_path, device=dev)
+        else:
+            from safetensors import safe_open
+
+            with safe_open(st_path, framework="pt") as f:
+                names = list(f.keys())
+                shapes = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in names}
+            dtypes = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                      "U8": torch.uint8}
+            t = {n: torch.empty(s, dtype=dtypes[d], device=dev) for n, (s, d) in shapes.items()}
+        for name in sorted(t):
+            dist.broadcast(t[name], src=0)
+        torch.cuda.synchronize()
+        return t
+
+    results = {}
+    for name, fn in [("safetensors load_file on every rank", every_rank),
+                     ("safetensors load_file on rank 0, torch.distributed.broadcast (NCCL)",
+                      broadcast)]:
+        secs = []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            tensors = fn()
+            dist.barrier()
+            if i:
+                secs.append(time.perf_counter() - t0)
+            del tensors
+            torch.cuda.empty_cache()
+        results[name] = secs
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def multi(st_path, world, reps):
+    """Table 11's peers: N processes (one per GPU) load the checkpoint; seconds from a barrier
+    before until a barrier after every rank holds it."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out = os.path.join(tempfile.mkdtemp(), "multi.json")
+    port = 29500 + os.getpid() % 1000
+    try:
+        mp.spawn(_multi_rank, args=(world, st_path, reps, port, out), nprocs=world)
+        with open(out) as f:
+            print(f.read())
+    except Exception as e:
+        print(json.dumps({"peers": {"error": f"{type(e).__name__}: {e}"}}))
+
+
 def main():
+    if sys.argv[1] == "--multi":
+        multi(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return
     if sys.argv[1] == "--one-shot":
         one_shot(sys.argv[2])
         return

@@ -337,9 +337,14 @@ fn main() -> Result<()> {
         None
     };
     let multi = if wanted(Part::Multi) {
-        multi::measure(&exe, &cli.dir, cli.multi_file, cli.reps, |what| {
-            progress.line(&format!("      {what}"))
-        })?
+        multi::measure(
+            &exe,
+            &cli.dir,
+            cli.multi_file,
+            cli.reps,
+            cli.peers,
+            |what| progress.line(&format!("      {what}")),
+        )?
     } else {
         None
     };

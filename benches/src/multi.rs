@@ -59,6 +59,10 @@ pub struct MultiBench {
     pub replicated_reads_only_seconds: Samples,
     /// `load_replicated` by round bytes: (round, seconds).
     pub replicated_by_round: Vec<(u64, Samples)>,
+    /// `MultiLoader::load_replicated_safetensors` of the checkpoint, seconds.
+    pub replicated_checkpoint_seconds: Samples,
+    /// The peers (peers.py --multi) on the checkpoint: name -> seconds, or their error.
+    pub peers: Option<serde_json::Value>,
     pub links: Vec<String>,
     pub notes: Vec<String>,
 }
@@ -68,6 +72,7 @@ pub fn measure(
     dir: &Path,
     file_bytes: u64,
     reps: usize,
+    peers: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<Option<MultiBench>> {
     let count = match Gpu::count() {
@@ -159,6 +164,9 @@ pub fn measure(
             Ok(multi.load_tensor_parallel(&plan)?.1.read_gbps())
         })
     };
+    let replicated_checkpoint_seconds = warm(reps, || {
+        Ok(multi.load_replicated_safetensors(&ckpt)?.1.seconds)
+    })?;
     let tp_rows_gbps = tp(Split::Rows)?;
     let tp_columns_gbps = tp(Split::Columns)?;
     let links = multi
@@ -188,6 +196,16 @@ pub fn measure(
             Ok((s, r)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
             Err(e) => (None, None, Some(format!("{e:#}"))),
         };
+
+    let peers = peers.then(|| {
+        progress("table 11: the peers on the checkpoint (peers.py --multi)");
+        crate::gpu::run_peer_script(&[
+            "--multi".into(),
+            ckpt.display().to_string(),
+            count.to_string(),
+            reps.to_string(),
+        ])
+    });
 
     progress("table 11: sharded by fill threads and chunk size");
     let mut sharded_sweep = Vec::new();
@@ -220,6 +238,8 @@ pub fn measure(
         sharded_sweep,
         replicated_by_round,
         replicated_reads_only_seconds,
+        replicated_checkpoint_seconds,
+        peers,
         ranks_sharded_gbps,
         ranks_replicated_seconds,
         ranks_error,
