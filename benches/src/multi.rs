@@ -467,6 +467,38 @@ pub fn table(s: &mut String, v: &MultiBench) {
         v.replicated_reads_only_seconds.show(3),
         v.replicated_reads_only_seconds.median / v.one_gpu_seconds.median
     );
+    let ck = v.replicated_checkpoint_seconds.median;
+    let _ = writeln!(
+        s,
+        "| {n} GPUs replicated, the checkpoint (`load_replicated_safetensors`) | {} | {} | |",
+        v.replicated_checkpoint_seconds
+            .map(|t| gbps(v.checkpoint_bytes, t))
+            .show(1),
+        v.replicated_checkpoint_seconds.show(3)
+    );
+    if let Some(p) = &v.peers {
+        for (name, runs) in p.as_object().into_iter().flatten() {
+            match runs.as_array() {
+                Some(runs) => {
+                    let secs = Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect());
+                    let _ = writeln!(
+                        s,
+                        "| peer, the checkpoint on {n} GPUs: {name} | {} | {} | gpufeed {:.1}x faster |",
+                        secs.map(|t| gbps(v.checkpoint_bytes, t)).show(1),
+                        secs.show(3),
+                        secs.median / ck
+                    );
+                }
+                None => {
+                    let why = runs
+                        .get("error")
+                        .and_then(|e| e.as_str())
+                        .unwrap_or("no figure");
+                    let _ = writeln!(s, "| peer: {name} | did not run: {why} | | |");
+                }
+            }
+        }
+    }
     match (
         &v.ranks_sharded_gbps,
         &v.ranks_replicated_seconds,
