@@ -27,11 +27,12 @@
 //!   pinned windows -> `O_DIRECT` writes, overlapped), crash-safe: a temporary file synced and
 //!   renamed over the target, so a process killed at any point leaves the old file or the new
 //!   one, whole.
-//! - [`multi`]: several GPUs in one process — [`multi::MultiLoader`] (a loader per GPU sized
-//!   together by [`LoadOptions::for_gpus`], peer access enabled) with sharded loads
-//!   ([`multi::ShardPlan`]), tensor-parallel checkpoints ([`safetensors::TensorParallel`],
-//!   rows, columns or any dimension) and replicated loads (each GPU reads 1/N, the rest
-//!   arrives from the other GPUs over NVLink while it reads).
+//! - [`multi`]: several GPUs — [`multi::MultiLoader`] in one process (a loader per GPU sized
+//!   together by [`LoadOptions::for_gpus`], peer access enabled) or [`multi::RankLoader`] in
+//!   one process per GPU (ranks meet through a shared-memory rendezvous, copies through CUDA
+//!   IPC), with sharded loads ([`multi::ShardPlan`]), tensor-parallel checkpoints
+//!   ([`safetensors::TensorParallel`], rows, columns or any dimension) and replicated loads
+//!   (each GPU reads 1/N, the rest arrives from the other GPUs over NVLink while it reads).
 //! - [`dataset`]: a record file or an image folder ([`dataset::ImageFolder`]: class folders,
 //!   labels), a seeded and sharded [`dataset::Sampler`], and a [`dataset::BatchLoader`]
 //!   yielding device batches (host batches without a GPU).

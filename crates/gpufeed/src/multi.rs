@@ -1,7 +1,8 @@
-//! Several GPUs at once in one process: one host budget shared out between them, sharded loads
-//! (each GPU its own bytes: a share of the files, or its slice of every tensor) and replicated
-//! loads (each GPU reads 1/N of a file over its own PCIe link and gets the rest from the other
-//! GPUs over their peer links, NVLink where there is one, while it reads).
+//! Several GPUs at once: one host budget shared out between them, sharded loads (each GPU its
+//! own bytes: a share of the files, or its slice of every tensor) and replicated loads (each
+//! GPU reads 1/N of a file over its own PCIe link and gets the rest from the other GPUs over
+//! their peer links, NVLink where there is one, while it reads) — in one process
+//! ([`MultiLoader`]) or one process per GPU as `torchrun` starts them ([`RankLoader`]).
 //!
 //! # Example
 //! ```no_run
@@ -36,8 +37,8 @@ const ALIGN: u64 = 4096;
 /// Bytes each GPU of a replicated load reads per round before sending them to its peers: the
 /// peer copies of a round overlap the reads of the next, and the last round's (a few ms over
 /// NVLink) is all that is left after the reads. Each round costs about a millisecond more than
-/// its bytes (16 GiB on two H200s: 0.39 s in rounds of 64 MiB, 0.29 s of 256 MiB, 0.255 s of
-/// 1 GiB, 0.26 s of 4 GiB; docs/benchmarks.md, GPU run 40).
+/// its bytes (16 GiB on two H200s: 0.32 s in rounds of 64 MiB, 0.21 s of 256 MiB, 0.19 s of
+/// 1 GiB and of 4 GiB; docs/benchmarks.md, GPU run 45).
 const ROUND_BYTES: u64 = 1 << 30;
 
 /// A piece of a sharded load: bytes `range` of file `file` of the plan.
@@ -440,7 +441,8 @@ impl MultiLoader {
     /// and after each round copies what it read to every other GPU over their peer link
     /// (NVLink where there is one), overlapped with its next round. The file's identity is
     /// checked at the end (a file changed meanwhile is an error). On two H200s a warm 16 GiB
-    /// file took 0.255 s, 0.79x one GPU's load of it (docs/benchmarks.md, GPU run 40).
+    /// file took 0.19-0.21 s, 0.59-0.62x one GPU's load of it (docs/benchmarks.md, GPU runs
+    /// 45-46).
     ///
     /// # Errors
     /// A missing file, [`Error::FileChangedDuringLoad`], and the loads' and copies' errors.
