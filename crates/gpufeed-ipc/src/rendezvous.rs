@@ -328,7 +328,9 @@ impl Rendezvous {
                         }
                         let who = self.identity(r);
                         let still = seen.1.elapsed();
-                        if who.is_dead() || still > self.opts.lease {
+                        // pid 0: the rank has claimed its record but not yet published who it
+                        // is (its heartbeat still judges it).
+                        if (who.pid != 0 && who.is_dead()) || still > self.opts.lease {
                             return Err(Error::RankDied {
                                 rank: r,
                                 pid: who.pid,
