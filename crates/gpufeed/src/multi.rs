@@ -869,51 +869,66 @@ impl RankLoader {
         let handle = gpufeed_cuda::IpcHandle::of(dst)?;
         let handles = self.rdv.exchange(&handle.0)?;
         // Open every other rank's copy; then this rank's part, sent to each of them.
-        let opened: Result<Vec<gpufeed_cuda::IpcMemory>> = handles
-            .iter()
-            .enumerate()
-            .filter(|(r, _)| *r != me)
-            .map(|(r, h)| {
-                let h: [u8; 64] = h.as_slice().try_into().map_err(|_| {
-                    Error::InvalidSetting(format!("rank {r} passed a handle of {} bytes", h.len()))
-                })?;
-                Ok(gpufeed_cuda::IpcMemory::open(
-                    gpu,
-                    gpufeed_cuda::IpcHandle(h),
-                    len,
-                )?)
-            })
-            .collect();
-        let outcome = opened.and_then(|peers| {
-            let cut: Vec<usize> = shares[1..n].iter().map(|s| s.start as usize).collect();
-            let own = gpufeed_cuda::split_mut(dst, &cut)
-                .and_then(|v| v.into_iter().nth(me))
-                .ok_or_else(|| Error::InvalidSetting("replicated shares overflow".into()))?;
-            let share = shares[me].clone();
-            let targets = peers.iter().map(|m| (m, share.start as usize)).collect();
-            let mut fanout = PeerFanout::to_ipc(own, targets)?;
-            let mut loads = Vec::new();
-            let mut at = 0u64;
-            let part = share.end - share.start;
-            while at < part {
-                let step = self.round_bytes.min(part - at);
-                let (a, b) = (at as usize, (at + step) as usize);
-                let file = share.start + at..share.start + at + step;
-                {
-                    let mut view = fanout.own_mut(a..b)?;
-                    loads.push(self.loader.load_spans_to(
-                        path,
-                        std::slice::from_ref(&file),
-                        &mut view,
-                    )?);
+        // Opening the others' copies (a mapping of all their bytes each) runs on a thread
+        // while this one reads its first round; the round is sent once they are open.
+        let open_peers = || -> Result<Vec<gpufeed_cuda::IpcMemory>> {
+            handles
+                .iter()
+                .enumerate()
+                .filter(|(r, _)| *r != me)
+                .map(|(r, h)| {
+                    let h: [u8; 64] = h.as_slice().try_into().map_err(|_| {
+                        Error::InvalidSetting(format!(
+                            "rank {r} passed a handle of {} bytes",
+                            h.len()
+                        ))
+                    })?;
+                    Ok(gpufeed_cuda::IpcMemory::open(
+                        gpu,
+                        gpufeed_cuda::IpcHandle(h),
+                        len,
+                    )?)
+                })
+                .collect()
+        };
+        let share = shares[me].clone();
+        let part = share.end - share.start;
+        let first = self.round_bytes.min(part);
+        let read = |view: &mut gpufeed_cuda::cudarc::driver::CudaViewMut<'_, u8>, at: u64| {
+            let file = share.start + at..share.start + at + view.len() as u64;
+            self.loader
+                .load_spans_to(path, std::slice::from_ref(&file), view)
+        };
+        let cut: Vec<usize> = shares[1..n].iter().map(|s| s.start as usize).collect();
+        let outcome = gpufeed_cuda::split_mut(dst, &cut)
+            .and_then(|v| v.into_iter().nth(me))
+            .ok_or_else(|| Error::InvalidSetting("replicated shares overflow".into()))
+            .and_then(|mut own| {
+                let (peers, first_load) = std::thread::scope(|s| {
+                    let opener = s.spawn(|| Gpu::keeping_current_context(open_peers));
+                    let first_load = read(&mut own.slice_mut(..first as usize), 0);
+                    let peers = opener.join().map_err(|_| Error::ThreadPanicked {
+                        what: "the thread opening the other ranks' memory",
+                    });
+                    (peers, first_load)
+                });
+                let peers = peers??;
+                let mut loads = vec![first_load?];
+                let targets = peers.iter().map(|m| (m, share.start as usize)).collect();
+                let mut fanout = PeerFanout::to_ipc(own, targets)?;
+                fanout.send(0..first as usize)?;
+                let mut at = first;
+                while at < part {
+                    let step = self.round_bytes.min(part - at);
+                    let (a, b) = (at as usize, (at + step) as usize);
+                    loads.push(read(&mut fanout.own_mut(a..b)?, at)?);
+                    fanout.send(a..b)?;
+                    at += step;
                 }
-                fanout.send(a..b)?;
-                at += step;
-            }
-            fanout.finish()?;
-            drop(peers);
-            Ok(loads)
-        });
+                fanout.finish()?;
+                drop(peers);
+                Ok(loads)
+            });
         // Every rank's copies into every other rank's memory have completed once all have
         // said how their part went: only then may any of them give its memory back.
         let status = self.rdv.exchange(&[u8::from(outcome.is_ok())])?;
