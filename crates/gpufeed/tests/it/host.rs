@@ -269,7 +269,7 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
     let path = dir.path().join("records.bin");
     std::fs::write(&path, random_bytes(64 * 10, 8)).expect("write");
     type RecordFn = fn(usize, &[u8], &mut Vec<u8>) -> Result<(), String>;
-    let loader_with = |transform: RecordFn| {
+    let loader_with = |transform: RecordFn, timeout_ms: u64| {
         // SAFETY: the file is private to this test and never changed.
         let records = unsafe { RecordFile::open_fixed(&path, 10) }.expect("records");
         BatchLoader::new(
@@ -278,17 +278,22 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
             LoaderConfig::default()
                 .with_batch_size(4)
                 .with_workers(2)
-                .with_batch_timeout(std::time::Duration::from_millis(500)),
+                .with_batch_timeout(std::time::Duration::from_millis(timeout_ms)),
             None,
         )
         .expect("loader")
         .with_transform(transform)
     };
-    let mut loader = loader_with(|i, r, out| {
-        assert!(i != 9, "corrupt record {i}");
-        out.extend_from_slice(r);
-        Ok(())
-    });
+    // A generous bound here: the panic's backtrace (where RUST_BACKTRACE is set) is symbolized on the
+    // worker before the batch fails, which took longer than 500 ms on a loaded 2-core machine.
+    let mut loader = loader_with(
+        |i, r, out| {
+            assert!(i != 9, "corrupt record {i}");
+            out.extend_from_slice(r);
+            Ok(())
+        },
+        20_000,
+    );
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let results: Vec<_> = loader.epoch(0).expect("epoch").collect();
@@ -317,13 +322,16 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
         "the epoch ends after a panic: {results:?}"
     );
 
-    let mut stuck = loader_with(|i, r, out| {
-        if i == 4 {
-            std::thread::sleep(std::time::Duration::from_secs(3));
-        }
-        out.extend_from_slice(r);
-        Ok(())
-    });
+    let mut stuck = loader_with(
+        |i, r, out| {
+            if i == 4 {
+                std::thread::sleep(std::time::Duration::from_secs(3));
+            }
+            out.extend_from_slice(r);
+            Ok(())
+        },
+        500,
+    );
     let t = std::time::Instant::now();
     let results: Vec<_> = stuck
         .epoch(0)
