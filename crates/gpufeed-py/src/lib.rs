@@ -683,6 +683,127 @@ fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>
     Ok(Arc::clone(map.entry(device).or_insert(made)))
 }
 
+/// One multi-GPU loader per list of devices for `load_replicated` and `load_sharded`.
+fn shared_multi(py: Python<'_>, devices: Vec<usize>) -> PyResult<Arc<gpufeed::multi::MultiLoader>> {
+    static MULTI: OnceLock<Mutex<HashMap<Vec<usize>, Arc<gpufeed::multi::MultiLoader>>>> =
+        OnceLock::new();
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let map = MULTI.get_or_init(Mutex::default);
+    if let Some(m) = map
+        .lock()
+        .map_err(|_| GpufeedError::new_err("a loader panicked"))?
+        .get(&devices)
+    {
+        return Ok(Arc::clone(m));
+    }
+    let opts = gpufeed::LoadOptions::for_gpus(devices.len());
+    let made = Arc::new(
+        py.detach(|| gpufeed::multi::MultiLoader::open(&devices, opts))
+            .map_err(py_err)?,
+    );
+    let mut map = map
+        .lock()
+        .map_err(|_| GpufeedError::new_err("a loader panicked"))?;
+    Ok(Arc::clone(map.entry(devices).or_insert(made)))
+}
+
+/// All of `path` on every GPU of `devices` (each reads its share, the GPUs' peer links bring
+/// the rest): one 1-D `U8` array per device, in order.
+#[pyfunction]
+fn load_replicated(py: Python<'_>, path: PathBuf, devices: Vec<usize>) -> PyResult<Vec<Array>> {
+    let multi = shared_multi(py, devices)?;
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let m = Arc::clone(&multi);
+    let bufs = py
+        .detach(move || {
+            reaper::wait_idle();
+            m.load_replicated(&path).map(|(bufs, _)| bufs)
+        })
+        .map_err(py_err)?;
+    Ok(bufs
+        .into_iter()
+        .zip(multi.loaders())
+        .map(|(buf, l)| device_bytes(l.gpu(), buf))
+        .collect())
+}
+
+/// The files `paths` read as one stream and cut into one share per device (4 KiB-aligned,
+/// nearly equal): one 1-D `U8` array per device, in order, and each share's `(file index,
+/// start, end)` pieces.
+#[pyfunction]
+#[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+fn load_sharded(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    devices: Vec<usize>,
+) -> PyResult<(Vec<Array>, Vec<Vec<(usize, u64, u64)>>)> {
+    let plan = gpufeed::multi::ShardPlan::split_bytes(&paths, devices.len()).map_err(py_err)?;
+    let multi = shared_multi(py, devices)?;
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let (m, p) = (Arc::clone(&multi), plan.clone());
+    let bufs = py
+        .detach(move || {
+            reaper::wait_idle();
+            m.load_sharded(&p).map(|(bufs, _)| bufs)
+        })
+        .map_err(py_err)?;
+    let pieces = (0..plan.ranks())
+        .map(|r| {
+            plan.spans(r)
+                .iter()
+                .map(|s| (s.file, s.range.start, s.range.end))
+                .collect()
+        })
+        .collect();
+    let arrays = bufs
+        .into_iter()
+        .zip(multi.loaders())
+        .map(|(buf, l)| device_bytes(l.gpu(), buf))
+        .collect();
+    Ok((arrays, pieces))
+}
+
+/// This process's rank of a `torchrun` job on this machine (`LOCAL_RANK` of
+/// `LOCAL_WORLD_SIZE`), joined once per process.
+fn rank_loader(py: Python<'_>) -> PyResult<Arc<gpufeed::multi::RankLoader>> {
+    static RANK: OnceLock<Mutex<Option<Arc<gpufeed::multi::RankLoader>>>> = OnceLock::new();
+    let cell = RANK.get_or_init(Mutex::default);
+    let mut held = cell
+        .lock()
+        .map_err(|_| GpufeedError::new_err("a loader panicked"))?;
+    if let Some(r) = held.as_ref() {
+        return Ok(Arc::clone(r));
+    }
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let made = Arc::new(
+        py.detach(gpufeed::multi::RankLoader::from_env)
+            .map_err(py_err)?,
+    );
+    *held = Some(Arc::clone(&made));
+    Ok(made)
+}
+
+/// All of `path` on this rank's GPU, each rank of the job reading its share and writing it
+/// into the others' copies (CUDA IPC): `(array, rank, world)`. Collective: every rank calls it
+/// with the same file.
+#[pyfunction]
+fn load_replicated_rank(py: Python<'_>, path: PathBuf) -> PyResult<(Array, usize, usize)> {
+    let rank = rank_loader(py)?;
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let r = Arc::clone(&rank);
+    let buf = py
+        .detach(move || {
+            reaper::wait_idle();
+            r.load_replicated(&path).map(|(buf, _)| buf)
+        })
+        .map_err(py_err)?;
+    Ok((
+        device_bytes(rank.loader().gpu(), buf),
+        rank.rank(),
+        rank.world(),
+    ))
+}
+
 /// `gpufeed.load_file` with this device's shared loader.
 #[pyfunction]
 #[pyo3(signature = (path, device=0))]
@@ -1265,6 +1386,9 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EpochIter>()?;
     m.add_function(wrap_pyfunction!(load_file, m)?)?;
     m.add_function(wrap_pyfunction!(load_range, m)?)?;
+    m.add_function(wrap_pyfunction!(load_replicated, m)?)?;
+    m.add_function(wrap_pyfunction!(load_sharded, m)?)?;
+    m.add_function(wrap_pyfunction!(load_replicated_rank, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors_files, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(doctor, m)?)?;

@@ -57,6 +57,36 @@ def test_gpu_calls_without_a_gpu_raise_no_gpu_error(tmp_path):
         gpufeed.Loader(0)
 
 
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the no-GPU error is not exercised")
+def test_several_gpus_without_a_gpu_raise_no_gpu_error(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 10_000)
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.load_replicated(path, devices=[0, 1])
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.load_sharded([path], devices=[0, 1])
+    for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("GPUFEED_JOB", f"pytest-{os.getpid()}")
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.load_replicated_rank(path)
+
+
+def test_several_gpus_name_bad_input_before_any_gpu(tmp_path, monkeypatch):
+    with pytest.raises(gpufeed.GpufeedError, match="given twice"):
+        gpufeed.load_replicated(tmp_path / "f.bin", devices=[0, 0])
+    with pytest.raises(gpufeed.GpufeedError, match="at least one GPU"):
+        gpufeed.load_replicated(tmp_path / "f.bin", devices=[])
+    with pytest.raises(gpufeed.GpufeedError, match="no such file"):
+        gpufeed.load_sharded([tmp_path / "missing.bin"], devices=[0, 1])
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(gpufeed.GpufeedError, match="LOCAL_RANK is not set"):
+        gpufeed.load_replicated_rank(tmp_path / "f.bin")
+
+
 def test_bad_files_are_named_before_the_gpu(tmp_path):
     with pytest.raises(gpufeed.GpufeedError, match="no such file; check the path"):
         gpufeed.load_safetensors(tmp_path / "missing.safetensors")

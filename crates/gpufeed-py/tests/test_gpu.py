@@ -321,6 +321,62 @@ def test_a_device_other_than_torchs_current_one():
             assert same_bits(torch, t, want[name]), name
 
 
+def test_replicated_and_sharded_on_every_gpu():
+    torch = torch_on_gpu()
+    devices = list(range(min(torch.cuda.device_count(), 4)))
+    with tempfile.TemporaryDirectory() as d:
+        paths, datas = [], []
+        for i, n in enumerate([(9 << 20) + 5, 3 << 20]):
+            path = os.path.join(d, f"f{i}.bin")
+            data = os.urandom(n)
+            with open(path, "wb") as f:
+                f.write(data)
+            paths.append(path)
+            datas.append(data)
+        torch.cuda.set_device(0)
+        copies = gpufeed.load_replicated(paths[0], devices=devices)
+        assert torch.cuda.current_device() == 0
+        assert len(copies) == len(devices)
+        for dev, t in zip(devices, copies):
+            assert t.device == torch.device(f"cuda:{dev}"), t.device
+            assert bytes(t.cpu().numpy()) == datas[0], dev
+        shares, pieces = gpufeed.load_sharded(paths, devices=devices)
+        for dev, t, parts in zip(devices, shares, pieces):
+            assert t.device == torch.device(f"cuda:{dev}")
+            want = b"".join(datas[i][a:b] for i, a, b in parts)
+            assert bytes(t.cpu().numpy()) == want, dev
+        assert sum(t.numel() for t in shares) == sum(len(x) for x in datas)
+
+
+def test_ranks_started_like_torchrun_load_replicated():
+    torch = torch_on_gpu()
+    world = min(torch.cuda.device_count(), 4)
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f.bin")
+        data = os.urandom((13 << 20) + 3)
+        with open(path, "wb") as f:
+            f.write(data)
+        code = (
+            "import sys, gpufeed, torch\n"
+            "t, rank, world = gpufeed.load_replicated_rank(sys.argv[1])\n"
+            "assert t.device == torch.device(f'cuda:{rank}'), t.device\n"
+            "assert bytes(t.cpu().numpy()) == open(sys.argv[1], 'rb').read()\n"
+            "print(f'OK {rank} of {world}')\n"
+        )
+        env = dict(os.environ, LOCAL_WORLD_SIZE=str(world), GPUFEED_JOB=f"pytest-{os.getpid()}")
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, path],
+                             env=dict(env, LOCAL_RANK=str(r)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(world)
+        ]
+        for r, p in enumerate(procs):
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0 and f"OK {r} of {world}" in out, out
+
+
 if __name__ == "__main__":
     failed = 0
     for name, fn in sorted(globals().items()):

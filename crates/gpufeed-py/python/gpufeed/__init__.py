@@ -9,6 +9,7 @@ GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host
     import gpufeed
     weights = gpufeed.load_safetensors("model.safetensors")      # dict of cuda tensors
     raw = gpufeed.load_file("data/shard-000.bin", device=0)     # uint8 cuda tensor
+    copies = gpufeed.load_replicated("model.bin", devices=[0, 1])  # one per GPU, NVLink
     for batch in gpufeed.BatchLoader("data/images.bin", record_bytes=3 * 224 * 224,
                                      device=0).epoch(0):
         x = gpufeed.as_tensor(batch.data)                        # [records, record_bytes]
@@ -17,7 +18,7 @@ GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host
 import gc
 from contextlib import contextmanager
 from os import PathLike
-from typing import Dict, Union
+from typing import Dict, List, Sequence, Union
 
 from . import _gpufeed
 from ._gpufeed import (  # noqa: F401  (re-exported)
@@ -44,7 +45,10 @@ __all__ = [
     "doctor",
     "load_file",
     "load_range",
+    "load_replicated",
+    "load_replicated_rank",
     "load_safetensors",
+    "load_sharded",
 ]
 
 Path = Union[str, "PathLike[str]"]
@@ -193,3 +197,28 @@ def load_safetensors(path: Path, device: int = 0) -> Dict[str, object]:
     of tensors. Headers are checked first: a bad file is named even without a GPU."""
     with _collector_paused():
         return _checkpoint(_gpufeed.load_safetensors_files(path, device))
+
+
+def load_replicated(path: Path, devices: Sequence[int] = (0, 1)) -> List[object]:
+    """All of ``path`` on every GPU of ``devices``: one 1-D uint8 tensor per device, in order.
+    Each GPU reads its share of the file over its own PCIe link; the GPUs' peer links (NVLink)
+    bring the rest while they read. One loader per list of devices is kept."""
+    return [as_tensor(a) for a in _gpufeed.load_replicated(path, list(devices))]
+
+
+def load_sharded(paths: Sequence[Path], devices: Sequence[int] = (0, 1)):
+    """The files ``paths`` read as one stream and cut into one nearly equal share per device
+    (boundaries on 4 KiB): ``(tensors, pieces)``, one 1-D uint8 tensor per device and, per
+    device, the ``(file index, start, end)`` pieces its tensor holds back to back."""
+    arrays, pieces = _gpufeed.load_sharded([p for p in paths], list(devices))
+    return [as_tensor(a) for a in arrays], pieces
+
+
+def load_replicated_rank(path: Path):
+    """In a process ``torchrun`` started (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, and
+    ``TORCHELASTIC_RUN_ID`` or ``GPUFEED_JOB``): all of ``path`` on this rank's GPU
+    (``cuda:LOCAL_RANK``), each rank reading its share and writing it into the others' copies.
+    Every rank of the machine must call it with the same file. Returns ``(tensor, rank,
+    world)``; a rank that dies or fails is named in the others' ``GpufeedError``."""
+    array, rank, world = _gpufeed.load_replicated_rank(path)
+    return as_tensor(array), rank, world
