@@ -1160,6 +1160,19 @@ fn check_spans(path: &Path, spans: &[Range<u64>]) -> Result<(u64, u64)> {
     Ok((file_len, total))
 }
 
+/// [`Error::FileChangedDuringLoad`] when `path` is no longer the file `before` identified
+/// (replaced, truncated, written since).
+pub(crate) fn check_unchanged(path: &Path, before: &gpufeed_os::FileIdentity) -> Result<()> {
+    let now = gpufeed_os::file::stat_regular(path)?;
+    match before.difference(&now) {
+        Some(what) => Err(Error::FileChangedDuringLoad {
+            path: path.into(),
+            what,
+        }),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn file_len(path: &Path) -> Result<u64> {
     Ok(gpufeed_os::file::stat_regular(path)?.size)
 }

@@ -27,7 +27,9 @@ use gpufeed_cuda::cudarc::driver::CudaViewMut;
 use gpufeed_cuda::{ContextGuard, DeviceAlloc, Gpu, PeerFanout, PeerLink};
 
 use crate::error::{Error, Result};
-use crate::load::{DeviceBuffer, LoadOptions, LoadReport, Loader, Strategy, file_len};
+use crate::load::{
+    DeviceBuffer, LoadOptions, LoadReport, Loader, Strategy, check_unchanged, file_len,
+};
 use crate::safetensors::{self, Checkpoint, TensorParallel};
 
 /// Rank boundaries of a split fall on multiples of this (so `O_DIRECT` reads of a share stay
@@ -265,7 +267,7 @@ impl MultiLoader {
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info().ordinal).collect();
         check_ordinals(&ordinals)?;
         let strategy = opts.strategy;
-        let loaders = in_parallel(gpus, "a thread setting up a GPU's loader", |_, g| {
+        let loaders = in_parallel(gpus, "a thread setting up a GPU's loader", |_, g: &Gpu| {
             Loader::new(g, opts.clone())
         })?;
         Self::with_loaders(loaders, strategy)
@@ -280,7 +282,7 @@ impl MultiLoader {
         let _keep = ContextGuard::new();
         check_ordinals(ordinals)?;
         let strategy = opts.strategy;
-        let loaders = in_parallel(ordinals, "a thread opening a GPU", |_, &o| {
+        let loaders = in_parallel(ordinals, "a thread opening a GPU", |_, &o: &usize| {
             Loader::open(o, opts.clone())
         })?;
         Self::with_loaders(loaders, strategy)
@@ -390,7 +392,7 @@ impl MultiLoader {
     /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the error of
     /// [`Loader::load_spans`] of the first GPU (in order) that failed.
     pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(Vec<DeviceBuffer>, MultiReport)> {
-        self.check_ranks(plan.ranks())?;
+        check_ranks(plan.ranks(), self.len(), "on a loader of")?;
         let started = Instant::now();
         let parts = self.each(|rank, loader| {
             let t = Instant::now();
@@ -418,7 +420,7 @@ impl MultiLoader {
         &self,
         plan: &TensorParallel,
     ) -> Result<(Vec<Checkpoint>, MultiReport)> {
-        self.check_ranks(plan.ranks())?;
+        check_ranks(plan.ranks(), self.len(), "on a loader of")?;
         let started = Instant::now();
         let parts = self.each(|rank, loader| {
             let t = Instant::now();
@@ -454,7 +456,7 @@ impl MultiLoader {
         let (_, identity) = gpufeed_os::file::open_regular(path, false)?;
         let len = identity.size;
         let out = self.replicate(path, 0..len)?;
-        changed(path, &identity)?;
+        check_unchanged(path, &identity)?;
         Ok(out)
     }
 
@@ -476,7 +478,7 @@ impl MultiLoader {
             let range = layout.data_start..layout.data_start + layout.data_bytes;
             let (_, identity) = gpufeed_os::file::open_regular(&layout.path, false)?;
             let (bufs, r) = self.replicate(&layout.path, range)?;
-            changed(&layout.path, &identity)?;
+            check_unchanged(&layout.path, &identity)?;
             for (g, buf) in bufs.into_iter().enumerate() {
                 per_gpu[g].push(buf);
                 report.read_bytes[g] += r.read_bytes[g];
@@ -511,20 +513,23 @@ impl MultiLoader {
         // As a Loader does: the first large load's memory from cuMemAlloc, later ones from the
         // contexts' pools (a replicated buffer freed and loaded again costs no cuMemFree and
         // cuMemAlloc of its whole size).
-        let from = self
+        // Every loader is asked, so that each counts this as a load.
+        let asked: Vec<DeviceAlloc> = self
             .loaders
             .iter()
             .map(|l| l.device_alloc(len as usize))
-            .fold(DeviceAlloc::Pool, |a, b| {
-                if b == DeviceAlloc::Unpooled { b } else { a }
-            });
+            .collect();
+        let from = if asked.contains(&DeviceAlloc::Unpooled) {
+            DeviceAlloc::Unpooled
+        } else {
+            DeviceAlloc::Pool
+        };
         let (bufs, parts) = Gpu::alloc_filled_each(&gpus, len as usize, from, |dsts| {
             // views[h][g]: GPU h's copy of share g. Thread g fills its own share on its GPU
             // (views[g][g]) and copies it into views[h][g] on every other GPU h.
             let cut: Vec<usize> = shares[1..n].iter().map(|s| s.start as usize).collect();
             let mut own: Vec<Option<CudaViewMut<'_, u8>>> = (0..n).map(|_| None).collect();
-            let mut to_peers: Vec<Vec<(usize, CudaViewMut<'_, u8>)>> =
-                (0..n).map(|_| Vec::new()).collect();
+            let mut to_peers: Vec<Vec<CudaViewMut<'_, u8>>> = (0..n).map(|_| Vec::new()).collect();
             for (h, dst) in dsts.iter_mut().enumerate() {
                 let views = gpufeed_cuda::split_mut(dst, &cut)
                     .ok_or_else(|| Error::InvalidSetting("replicated shares overflow".into()))?;
@@ -532,52 +537,33 @@ impl MultiLoader {
                     if g == h {
                         own[g] = Some(v);
                     } else {
-                        to_peers[g].push((h, v));
+                        to_peers[g].push(v);
                     }
                 }
             }
             let failed = AtomicBool::new(false);
-            let (shares, failed) = (&shares, &failed);
-            std::thread::scope(|s| {
-                let handles: Vec<_> = own
-                    .into_iter()
-                    .zip(to_peers)
-                    .enumerate()
-                    .map(|(g, (own, peers))| {
-                        let loader = &self.loaders[g];
-                        let share = shares[g].clone();
-                        let round = self.round_bytes;
-                        let peers = if self.skip_peer_copies {
-                            Vec::new()
-                        } else {
-                            peers
-                        };
-                        s.spawn(move || {
-                            let out = share_out(
-                                loader,
-                                (path, range.start),
-                                share,
-                                round,
-                                own,
-                                peers,
-                                failed,
-                            );
-                            if out.is_err() {
-                                failed.store(true, Ordering::Relaxed);
-                            }
-                            out
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join().map_err(|_| Error::ThreadPanicked {
-                            what: "a thread of a replicated load",
-                        })?
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
+            let peers = to_peers
+                .into_iter()
+                .map(|p| if self.skip_peer_copies { Vec::new() } else { p });
+            in_parallel(
+                own.into_iter().zip(peers),
+                "a thread of a replicated load",
+                |g, (own, peers)| {
+                    let out = share_out(
+                        &self.loaders[g],
+                        (path, range.start),
+                        shares[g].clone(),
+                        self.round_bytes,
+                        own,
+                        peers,
+                        &failed,
+                    );
+                    if out.is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                    }
+                    out
+                },
+            )
         })?;
         let mut report = self.report(started);
         for (g, (reports, secs)) in parts.into_iter().enumerate() {
@@ -594,17 +580,6 @@ impl MultiLoader {
     fn each<T: Send>(&self, f: impl Fn(usize, &Loader) -> Result<T> + Sync) -> Result<Vec<T>> {
         let _keep = ContextGuard::new();
         in_parallel(&self.loaders, "a thread loading onto one GPU", f)
-    }
-
-    fn check_ranks(&self, ranks: usize) -> Result<()> {
-        if ranks != self.len() {
-            return Err(Error::InvalidSetting(format!(
-                "a plan for {ranks} ranks on a loader of {} GPUs; plan for {}",
-                self.len(),
-                self.len()
-            )));
-        }
-        Ok(())
     }
 
     fn report(&self, started: Instant) -> MultiReport {
@@ -790,7 +765,7 @@ impl RankLoader {
     pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(DeviceBuffer, RankReport)> {
         self.collective(|| {
             let started = Instant::now();
-            self.check_ranks(plan.ranks())?;
+            check_ranks(plan.ranks(), self.world(), "in a job on this machine of")?;
             self.agree("shard plan", serde_json::to_vec(plan).unwrap_or_default())?;
             let (buf, loads) = load_rank(&self.loader, plan, self.rank())?;
             let report = self.report(started, buf.len() as u64, 0, loads);
@@ -806,7 +781,7 @@ impl RankLoader {
     pub fn load_tensor_parallel(&self, plan: &TensorParallel) -> Result<(Checkpoint, RankReport)> {
         self.collective(|| {
             let started = Instant::now();
-            self.check_ranks(plan.ranks())?;
+            check_ranks(plan.ranks(), self.world(), "in a job on this machine of")?;
             let digest = format!(
                 "{:?} {:?} {:?}",
                 plan.files(),
@@ -845,7 +820,7 @@ impl RankLoader {
             let (buf, loads) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
                 self.replicate_into(dst, path, &shares)
             })?;
-            changed(path, &identity)?;
+            check_unchanged(path, &identity)?;
             let read = mine.end - mine.start;
             let report = self.report(started, read, len - read, loads);
             Ok((buf, report))
@@ -960,17 +935,6 @@ impl RankLoader {
         }
     }
 
-    fn check_ranks(&self, ranks: usize) -> Result<()> {
-        if ranks != self.world() {
-            return Err(Error::InvalidSetting(format!(
-                "a plan for {ranks} ranks in a job of {} ranks on this machine; plan for {}",
-                self.world(),
-                self.world()
-            )));
-        }
-        Ok(())
-    }
-
     fn report(&self, started: Instant, read: u64, peer: u64, loads: Vec<LoadReport>) -> RankReport {
         RankReport {
             rank: self.rank(),
@@ -1010,14 +974,14 @@ fn share_out(
     share: Range<u64>,
     round: u64,
     own: Option<CudaViewMut<'_, u8>>,
-    peers: Vec<(usize, CudaViewMut<'_, u8>)>,
+    peers: Vec<CudaViewMut<'_, u8>>,
     failed: &AtomicBool,
 ) -> Result<(Vec<LoadReport>, f64)> {
     let t = Instant::now();
     let Some(own) = own else {
         return Ok((Vec::new(), 0.0));
     };
-    let mut fanout = PeerFanout::new(own, peers.into_iter().map(|(_, v)| v).collect())?;
+    let mut fanout = PeerFanout::new(own, peers)?;
     let mut reports = Vec::new();
     let len = share.end - share.start;
     let mut at = 0u64;
@@ -1085,16 +1049,16 @@ fn runs(spans: &[Span]) -> Vec<(usize, Vec<Range<u64>>)> {
     out
 }
 
-/// `f(i, item)` for every item at once, on a thread each; the first error (in item order) wins,
-/// after every thread has ended.
-fn in_parallel<I: Sync, T: Send>(
-    items: &[I],
+/// `f(i, item)` for every item at once, on a thread each (the items move into their
+/// threads); the first error (in item order) wins, after every thread has ended.
+fn in_parallel<I: Send, T: Send>(
+    items: impl IntoIterator<Item = I>,
     what: &'static str,
-    f: impl Fn(usize, &I) -> Result<T> + Sync,
+    f: impl Fn(usize, I) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = items
-            .iter()
+            .into_iter()
             .enumerate()
             .map(|(i, item)| {
                 let f = &f;
@@ -1107,6 +1071,17 @@ fn in_parallel<I: Sync, T: Send>(
             .collect();
         results.into_iter().collect()
     })
+}
+
+/// [`Error::InvalidSetting`] unless a plan of `ranks` ranks fits `have` GPUs (`on`: where
+/// they are, "on a loader of", "in a job on this machine of").
+fn check_ranks(ranks: usize, have: usize, on: &str) -> Result<()> {
+    if ranks != have {
+        return Err(Error::InvalidSetting(format!(
+            "a plan for {ranks} ranks {on} {have} GPUs; plan for {have}"
+        )));
+    }
+    Ok(())
 }
 
 fn check_ordinals(ordinals: &[usize]) -> Result<()> {
@@ -1123,17 +1098,6 @@ fn check_ordinals(ordinals: &[usize]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn changed(path: &Path, before: &gpufeed_os::FileIdentity) -> Result<()> {
-    let now = gpufeed_os::file::stat_regular(path)?;
-    match before.difference(&now) {
-        Some(what) => Err(Error::FileChangedDuringLoad {
-            path: path.into(),
-            what,
-        }),
-        None => Ok(()),
-    }
 }
 
 #[cfg(test)]

@@ -580,13 +580,7 @@ impl TensorParallel {
     /// Checks that no file changed since its header was read.
     fn unchanged(&self) -> Result<()> {
         for (file, identity) in self.files.iter().zip(&self.identities) {
-            let now = gpufeed_os::file::stat_regular(file)?;
-            if let Some(what) = identity.difference(&now) {
-                return Err(Error::FileChangedDuringLoad {
-                    path: file.clone(),
-                    what,
-                });
-            }
+            crate::load::check_unchanged(file, identity)?;
         }
         Ok(())
     }
@@ -788,45 +782,26 @@ fn plan(path: &Path) -> Result<Plan> {
 
 /// Loads the data sections of a planned checkpoint, one bulk transfer per file.
 fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<Checkpoint> {
-    let mut ckpt = Checkpoint {
-        gpu: loader.gpu().clone(),
-        files: Vec::new(),
-        buffers: Vec::new(),
-        tensors: BTreeMap::new(),
-        reports: Vec::new(),
-    };
-    for (i, (file, parsed)) in plan.files.into_iter().enumerate() {
+    let (mut layouts, mut buffers, mut reports) = (Vec::new(), Vec::new(), Vec::new());
+    for (file, parsed) in plan.files {
         let (buffer, report) = loader.load_range(
             &file,
             parsed.data_start..parsed.data_start + parsed.data_len,
         )?;
         // The data must come from the version of the file whose header we read: a writer
         // replacing or rewriting it meanwhile would pair one file's header with another's bytes.
-        let now = gpufeed_os::file::stat_regular(&file)?;
-        if let Some(what) = parsed.identity.difference(&now) {
-            return Err(Error::FileChangedDuringLoad { path: file, what });
-        }
-        for (name, dtype, shape, range) in parsed.tensors {
-            if ckpt.tensors.contains_key(&name) {
-                return Err(Error::Index {
-                    path: path.into(),
-                    reason: format!("tensor {name} appears in two files"),
-                });
-            }
-            ckpt.tensors.insert(
-                name,
-                TensorInfo {
-                    dtype,
-                    shape,
-                    file: i,
-                    range,
-                },
-            );
-        }
-        ckpt.files.push(file);
-        ckpt.buffers.push(buffer);
-        ckpt.reports.push(report);
+        crate::load::check_unchanged(&file, &parsed.identity)?;
+        layouts.push(FileLayout {
+            path: file,
+            data_start: parsed.data_start,
+            data_bytes: parsed.data_len,
+            tensors: parsed.tensors,
+        });
+        buffers.push(buffer);
+        reports.push(report);
     }
+    let mut ckpt = Checkpoint::from_layouts(path, loader.gpu().clone(), &layouts, buffers)?;
+    ckpt.reports = reports;
     Ok(ckpt)
 }
 
