@@ -662,49 +662,42 @@ fn has_shared_loader(device: usize) -> bool {
     loaders().lock().is_ok_and(|m| m.contains_key(&device))
 }
 
+/// The value kept in `map` under `key`, or a new one from `make` (run without the GIL and
+/// without the lock, since opening GPUs takes a while) kept there.
+fn kept<K: std::hash::Hash + Eq, V: Send + Sync>(
+    py: Python<'_>,
+    map: &Mutex<HashMap<K, Arc<V>>>,
+    key: K,
+    make: impl FnOnce() -> gpufeed::Result<V> + Send,
+) -> PyResult<Arc<V>> {
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let locked = || {
+        map.lock()
+            .map_err(|_| GpufeedError::new_err("a loader panicked"))
+    };
+    if let Some(v) = locked()?.get(&key) {
+        return Ok(Arc::clone(v));
+    }
+    let made = Arc::new(py.detach(make).map_err(py_err)?);
+    Ok(Arc::clone(locked()?.entry(key).or_insert(made)))
+}
+
 /// One loader per device for the module-level functions.
 fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
-    let _context = gpufeed::cuda::ContextGuard::new();
-    let loaders = loaders();
-    if let Some(l) = loaders
-        .lock()
-        .map_err(|_| GpufeedError::new_err("a loader panicked"))?
-        .get(&device)
-    {
-        return Ok(Arc::clone(l));
-    }
-    let made = Arc::new(
-        py.detach(|| gpufeed::Loader::open(device, gpufeed::LoadOptions::default()))
-            .map_err(py_err)?,
-    );
-    let mut map = loaders
-        .lock()
-        .map_err(|_| GpufeedError::new_err("a loader panicked"))?;
-    Ok(Arc::clone(map.entry(device).or_insert(made)))
+    kept(py, loaders(), device, || {
+        gpufeed::Loader::open(device, gpufeed::LoadOptions::default())
+    })
 }
 
 /// One multi-GPU loader per list of devices for `load_replicated` and `load_sharded`.
 fn shared_multi(py: Python<'_>, devices: Vec<usize>) -> PyResult<Arc<gpufeed::multi::MultiLoader>> {
     static MULTI: OnceLock<Mutex<HashMap<Vec<usize>, Arc<gpufeed::multi::MultiLoader>>>> =
         OnceLock::new();
-    let _context = gpufeed::cuda::ContextGuard::new();
-    let map = MULTI.get_or_init(Mutex::default);
-    if let Some(m) = map
-        .lock()
-        .map_err(|_| GpufeedError::new_err("a loader panicked"))?
-        .get(&devices)
-    {
-        return Ok(Arc::clone(m));
-    }
     let opts = gpufeed::LoadOptions::for_gpus(devices.len());
-    let made = Arc::new(
-        py.detach(|| gpufeed::multi::MultiLoader::open(&devices, opts))
-            .map_err(py_err)?,
-    );
-    let mut map = map
-        .lock()
-        .map_err(|_| GpufeedError::new_err("a loader panicked"))?;
-    Ok(Arc::clone(map.entry(devices).or_insert(made)))
+    let key = devices.clone();
+    kept(py, MULTI.get_or_init(Mutex::default), key, move || {
+        gpufeed::multi::MultiLoader::open(&devices, opts)
+    })
 }
 
 /// All of `path` on every GPU of `devices` (each reads its share, the GPUs' peer links bring
