@@ -19,6 +19,7 @@ mod reads;
 mod report;
 mod save;
 mod small;
+mod sweep;
 mod util;
 
 use std::path::PathBuf;
@@ -156,6 +157,15 @@ enum Internal {
         #[arg(long)]
         reps: usize,
     },
+    /// The probe behind the small-load defaults: loads of 1-256 MiB under several settings,
+    /// the wire and a 1 MiB load's fixed steps; one JSON object per line (GPU machine).
+    #[command(hide = true)]
+    SweepSmall {
+        #[arg(long, default_value = "/tmp/gpufeed-sweep")]
+        dir: std::path::PathBuf,
+        #[arg(long, default_value_t = 21)]
+        reps: usize,
+    },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
     IpcChild {
@@ -180,6 +190,7 @@ fn main() -> Result<()> {
             count,
         }) => return ipc::child(role, &target, count),
         Some(Internal::Rank { path, reps }) => return multi::rank_child(&path, reps),
+        Some(Internal::SweepSmall { dir, reps }) => return sweep::run(&dir, reps),
         Some(Internal::OneShot {
             path,
             checkpoint,

@@ -13,8 +13,9 @@
 //!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes: each fill thread owns a stream and
 //!   a few staging buffers, fills one, issues its copy and fills the next while the first is
 //!   on the wire (no single submitting thread to funnel through); the calling thread runs the
-//!   first lane and fill threads started by the first upload that needs them (and kept) run the
-//!   others. Each upload
+//!   first lane and fill threads started by the first upload that needs them (and kept, awake
+//!   for [`TransferConfig::idle_spin`] after each upload so that the next one starts at once)
+//!   run the others. Each upload
 //!   starts with [`TransferConfig::min_chunk_bytes`] pieces doubling up to a chunk, and small
 //!   uploads are shared out in smaller pieces ([`TransferConfig::piece_bytes_for`]). A staging
 //!   buffer is reused only after the event of its last copy completed (the pool's guard owns
@@ -33,7 +34,7 @@
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
-//! Depends on `cudarc` (driver API, dynamic loading), `rayon-core` (the kept fill threads),
+//! Depends on `cudarc` (driver API, dynamic loading),
 //! `gpufeed-pinned` (within layer 2: the staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
 //! of thin `unsafe fn`s returning `Result`.
 //!
@@ -53,6 +54,7 @@
 //! # Ok::<(), gpufeed_cuda::Error>(())
 //! ```
 
+mod crew;
 mod error;
 mod gpu;
 mod peer;

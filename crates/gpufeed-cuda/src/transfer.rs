@@ -13,6 +13,7 @@ use gpufeed_os::{Fallback, Refused};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
 
+use crate::crew::Crew;
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 use crate::raw;
@@ -137,6 +138,12 @@ pub struct TransferConfig {
     /// threads). Staged uploads give each fill thread `staging_buffers / fill_threads` of them
     /// (at least 2); staged downloads share them.
     pub staging_buffers: usize,
+    /// How long the kept fill threads stay awake after a staged upload, waiting for the next
+    /// (default 100 us): spinning, then yielding the core between checks, then parked. An
+    /// upload posted while they are awake starts on every thread within a microsecond; a
+    /// parked thread takes 14-40 us to wake on the H200 machine, as long as a 1 MiB load
+    /// takes in all. Zero parks them at once.
+    pub idle_spin: Duration,
     /// Threads filling (or draining) staging buffers (default: half the cores, 2 to 8).
     pub fill_threads: usize,
 }
@@ -167,6 +174,13 @@ impl TransferConfig {
         self
     }
 
+    /// These settings with `idle_spin` (how long the kept fill threads stay awake after an
+    /// upload).
+    pub fn with_idle_spin(mut self, idle_spin: Duration) -> Self {
+        self.idle_spin = idle_spin;
+        self
+    }
+
     /// These settings with `fill_threads` (threads filling or draining staging).
     pub fn with_fill_threads(mut self, fill_threads: usize) -> Self {
         self.fill_threads = fill_threads;
@@ -186,6 +200,7 @@ impl TransferConfig {
                 .next_multiple_of(4096)
                 .clamp(4096, chunk_bytes),
             staging_buffers: self.staging_buffers.max(2),
+            idle_spin: self.idle_spin,
             fill_threads: self.fill_threads.max(1),
         }
     }
@@ -244,6 +259,7 @@ impl Default for TransferConfig {
             chunk_bytes: 16 << 20,
             min_chunk_bytes: 1 << 20,
             staging_buffers: 2 * fill_threads,
+            idle_spin: Duration::from_micros(100),
             fill_threads,
         }
     }
@@ -301,10 +317,11 @@ pub struct TransferScheduler {
     /// The GPU's node on a machine of several, where fill and drain threads run.
     placement: Option<(gpufeed_numa::Topology, u32)>,
     /// The fill threads of staged uploads but one (the calling thread fills too), started by
-    /// the first upload that needs them and kept: starting threads per upload cost tens of
-    /// microseconds each, and a scheduler that never stages (a batch loader's, a saver's)
-    /// starts none. Holds why they could not be started, where they could not.
-    workers: std::sync::OnceLock<std::result::Result<rayon_core::ThreadPool, String>>,
+    /// the first upload that needs them and kept (awake for `idle_spin` after each upload):
+    /// starting threads per upload cost tens of microseconds each, and a scheduler that never
+    /// stages (a batch loader's, a saver's) starts none. Holds why they could not be started,
+    /// where they could not.
+    workers: std::sync::OnceLock<std::result::Result<Crew, String>>,
     fallbacks: Arc<Mutex<Vec<Fallback>>>,
 }
 
@@ -466,10 +483,15 @@ impl TransferScheduler {
 
     /// The kept fill threads (`fill_threads - 1` of them), started on first use, each placed
     /// on the GPU's node for good where there are several.
-    fn workers(&self) -> Result<&rayon_core::ThreadPool> {
+    fn workers(&self) -> Result<&Crew> {
         let started = self.workers.get_or_init(|| {
             let (placement, fallbacks) = (self.placement.clone(), Arc::clone(&self.fallbacks));
-            Self::start_workers(self.cfg.fill_threads - 1, placement, fallbacks)
+            Self::start_workers(
+                self.cfg.fill_threads - 1,
+                self.cfg.idle_spin,
+                placement,
+                fallbacks,
+            )
         });
         started.as_ref().map_err(|reason| Error::ThreadStart {
             what: "the fill threads",
@@ -479,29 +501,26 @@ impl TransferScheduler {
 
     fn start_workers(
         n: usize,
+        idle_spin: Duration,
         placement: Option<(gpufeed_numa::Topology, u32)>,
         fallbacks: Arc<Mutex<Vec<Fallback>>>,
-    ) -> std::result::Result<rayon_core::ThreadPool, String> {
-        rayon_core::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("gpufeed-fill-{i}"))
-            .start_handler(move |_| {
-                let Some((topology, node)) = &placement else {
-                    return;
-                };
-                match topology.bind_thread(*node) {
-                    // The thread keeps its place for its whole life.
-                    Ok(binding) => std::mem::forget(binding),
-                    Err(e) => Fallback::new(
-                        Refused::NumaPlacement,
-                        e.to_string(),
-                        "IO threads run unbound",
-                    )
-                    .push_once(&mut fallbacks.lock()),
-                }
-            })
-            .build()
-            .map_err(|e| e.to_string())
+    ) -> std::result::Result<Crew, String> {
+        Crew::start(n, idle_spin, "gpufeed-fill", move || {
+            let Some((topology, node)) = &placement else {
+                return;
+            };
+            match topology.bind_thread(*node) {
+                // The thread keeps its place for its whole life.
+                Ok(binding) => std::mem::forget(binding),
+                Err(e) => Fallback::new(
+                    Refused::NumaPlacement,
+                    e.to_string(),
+                    "IO threads run unbound",
+                )
+                .push_once(&mut fallbacks.lock()),
+            }
+        })
+        .map_err(|e| e.to_string())
     }
 
     /// Binds the calling (fill or drain) thread to the GPU's NUMA node on machines of several
@@ -873,7 +892,10 @@ impl TransferScheduler {
         let plan = PiecePlan::new(&self.cfg, len);
         let chunks = plan.count;
         let lanes = &self.lane_streams[..self.lane_streams.len().min(chunks).max(1)];
-        Self::streams_after(lanes, main)?;
+        // Each lane orders its stream after this event itself (the waits in parallel).
+        let after = main
+            .record_event(None)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
         let per_lane = (self.cfg.staging_buffers / self.cfg.fill_threads).max(2);
         let work = LaneWork {
             source,
@@ -890,7 +912,7 @@ impl TransferScheduler {
         let lane = |i: usize| {
             let mut timers = (Duration::ZERO, Duration::ZERO);
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.run_lane(&work, &lanes[i], &mut timers)
+                self.run_lane(&work, &lanes[i], &after, &mut timers)
             }))
             .unwrap_or(Err(Error::ThreadPanicked { what: "fill" }));
             if result.is_err() {
@@ -898,53 +920,58 @@ impl TransferScheduler {
             }
             *outcomes[i].lock() = Some((result, timers));
         };
+        let _placed = self.bind_worker();
         if lanes.len() > 1 {
             // More than one lane means more than one fill thread: the kept ones exist.
-            self.workers()?.in_place_scope(|scope| {
-                for i in 1..lanes.len() {
-                    let lane = &lane;
-                    scope.spawn(move |_| lane(i));
-                }
-                let _placed = self.bind_worker();
-                lane(0);
-            });
+            self.workers()?.run(lanes.len(), &lane);
         } else {
-            let _placed = self.bind_worker();
             lane(0);
         }
         let (mut filling, mut waiting) = (Duration::ZERO, Duration::ZERO);
         let mut outcome = Ok(());
-        for slot in outcomes {
+        // A lane that succeeded synchronized its stream; the others may still have copies
+        // in flight from their staging buffers.
+        let mut unsynced = Vec::new();
+        for (slot, stream) in outcomes.into_iter().zip(lanes) {
             let (result, (filled, waited)) = slot.into_inner().unwrap_or((
                 Err(Error::ThreadPanicked { what: "fill" }),
                 Default::default(),
             ));
             filling += filled;
             waiting += waited;
+            if result.is_err() {
+                unsynced.push(Arc::clone(stream));
+            }
             if outcome.is_ok() {
                 outcome = result;
             }
         }
         let n = lanes.len() as u32;
-        Self::finish_staged(lanes, outcome, len, chunks, filling / n, waiting / n)
+        Self::finish_staged(&unsynced, outcome, len, chunks, filling / n, waiting / n)
     }
 
-    /// One lane of a staged upload: takes pieces until none are left (or another lane
-    /// failed). `timers` gathers the seconds spent filling and waiting for a buffer's copy.
+    /// One lane of a staged upload: orders its stream after `after` (the destination's
+    /// allocation), takes pieces until none are left (or another lane failed), and waits for
+    /// its copies. `timers` gathers the seconds spent filling and waiting for a buffer's copy.
     fn run_lane(
         &self,
         work: &LaneWork<'_>,
         stream: &CudaStream,
+        after: &cudarc::driver::CudaEvent,
         timers: &mut (Duration, Duration),
     ) -> Result<()> {
         self.gpu
             .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        stream
+            .wait(after)
+            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
         // Buffers of the chunk's size class, whatever the piece: the ones reserved for the
         // scheduler. They go back to the pool on return carrying the events of their last
         // copies; finish_staged waits for the lanes' streams before the upload returns.
         let mut bufs: Vec<PooledBuffer> = Vec::with_capacity(work.per_lane);
+        let mut copied = false;
         for k in 0.. {
             if work.abort.load(Ordering::Acquire) {
                 break;
@@ -978,6 +1005,12 @@ impl TransferScheduler {
                 raw::memcpy_htod_async(work.dptr + off, buf.as_ptr(), size, stream.cu_stream())
             }?;
             buf.record_use(stream)?;
+            copied = true;
+        }
+        if copied {
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         }
         Ok(())
     }

@@ -217,6 +217,9 @@ pub struct LoadReport {
     pub seconds: f64,
     /// Share of the loaded range in the page cache before the load, estimated from 32
     /// windows of 1 MiB (`gpufeed_os::cache::residency_estimate`; exact up to 32 MiB).
+    /// `None` where the kernel does not tell, and for `Auto` loads under 8 MiB, which are
+    /// staged without looking (the answer could not change the strategy enough to pay for
+    /// the question).
     pub residency_before: Option<f64>,
     /// Slower paths taken: what was refused, why, and what ran instead.
     pub fallbacks: Vec<Fallback>,
@@ -329,6 +332,12 @@ pub struct LoaderSetup {
 /// not measured (a context's first pool allocation, even of 1 MiB, took 7-10 ms on the H200
 /// machine; a first `cuMemAlloc` was not timed alone).
 pub(crate) const UNPOOLED_FROM: usize = 64 << 20;
+
+/// `Auto` samples the page-cache residency of loads from this size to choose between `Staged`
+/// and `Direct`; smaller loads are staged without looking: buffered reads serve what is cached
+/// from memory, and for what is not, `O_DIRECT` would save one copy of a few MiB against a
+/// disk read many times longer.
+pub(crate) const SAMPLE_FROM: u64 = 8 << 20;
 
 /// Background unregistrations of earlier registered loads.
 #[derive(Default)]
@@ -666,9 +675,9 @@ impl Loader {
 
     /// Loads all of `path` into new GPU memory.
     pub fn load_file(&self, path: impl AsRef<Path>) -> Result<(DeviceBuffer, LoadReport)> {
-        let path = path.as_ref();
+        let (path, started) = (path.as_ref(), Instant::now());
         let len = file_len(path)?;
-        self.load_range(path, 0..len)
+        self.load_new(path, &[0..len], len, len, started)
     }
 
     /// Loads bytes `range` of `path` into new GPU memory.
@@ -677,9 +686,25 @@ impl Loader {
         path: impl AsRef<Path>,
         range: Range<u64>,
     ) -> Result<(DeviceBuffer, LoadReport)> {
-        let len = range.end.saturating_sub(range.start) as usize;
+        let (path, started) = (path.as_ref(), Instant::now());
+        let spans = std::slice::from_ref(&range);
+        let (file_len, len) = check_spans(path, spans)?;
+        self.load_new(path, spans, file_len, len, started)
+    }
+
+    /// `spans` of `path` (checked: a file of `file_len` bytes, `len` bytes in the spans) into
+    /// new device memory.
+    fn load_new(
+        &self,
+        path: &Path,
+        spans: &[Range<u64>],
+        file_len: u64,
+        len: u64,
+        started: Instant,
+    ) -> Result<(DeviceBuffer, LoadReport)> {
+        let len = len as usize;
         self.gpu.alloc_filled(len, self.device_alloc(len), |dst| {
-            self.load_into(path, range, dst, 0)
+            self.load_checked(path, spans, file_len, dst, started)
         })
     }
 
@@ -741,13 +766,9 @@ impl Loader {
         path: impl AsRef<Path>,
         spans: &[Range<u64>],
     ) -> Result<(DeviceBuffer, LoadReport)> {
-        let path = path.as_ref();
-        let started = Instant::now();
+        let (path, started) = (path.as_ref(), Instant::now());
         let (file_len, len) = check_spans(path, spans)?;
-        self.gpu
-            .alloc_filled(len as usize, self.device_alloc(len as usize), |dst| {
-                self.load_checked(path, spans, file_len, dst, started)
-            })
+        self.load_new(path, spans, file_len, len, started)
     }
 
     /// [`Loader::load_spans`] into `dst`, a device buffer or view exactly as long as the spans
@@ -794,7 +815,11 @@ impl Loader {
             (Some(a), Some(b)) => a..b,
             _ => 0..0,
         };
-        let residency = residency_of(path, hull);
+        let residency = if self.opts.strategy == Strategy::Auto && len < SAMPLE_FROM {
+            None
+        } else {
+            residency_of(path, hull)
+        };
         let mut report = LoadReport {
             path: path.into(),
             strategy: self.opts.strategy,
@@ -812,6 +837,13 @@ impl Loader {
             return Ok(report);
         }
         let (route, reason) = match self.opts.strategy {
+            Strategy::Auto if len < SAMPLE_FROM => (
+                Route::Staged,
+                format!(
+                    "a small load (under {} MiB): buffered reads into pinned staging, cached pages copied from memory and the rest read from the disk (residency not sampled: O_DIRECT would save little here)",
+                    SAMPLE_FROM >> 20
+                ),
+            ),
             Strategy::Auto => choose(path, file_len, residency),
             Strategy::Registered if spans.len() > 1 => (
                 Route::Staged,
@@ -997,10 +1029,15 @@ impl Loader {
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
+        let buffered = if direct {
+            None
+        } else {
+            Some(gpufeed_os::file::open_regular(path, false)?.0)
+        };
         let source = FileSource::new(
             path,
             spans,
-            if direct { Direct::On } else { Direct::Off },
+            buffered,
             self.opts.queue_depth,
             &self.readers,
         );
@@ -1009,9 +1046,16 @@ impl Loader {
             return Ok(());
         }
         // Open the file in one reader up front, so that open errors surface as such.
-        let uploaded = source.take().and_then(|first| {
-            report.io_backend = Some(first.reader.backend().to_string());
-            source.open.lock().push(first);
+        let first = if direct {
+            source.take().map(|first| {
+                report.io_backend = Some(first.reader.backend().to_string());
+                source.open.lock().push(first);
+            })
+        } else {
+            report.io_backend = Some("pread".to_owned());
+            Ok(())
+        };
+        let uploaded = first.and_then(|()| {
             self.sched
                 .upload(
                     HostSource::Fill {
@@ -1196,15 +1240,21 @@ fn stages(strategy: Strategy) -> bool {
     strategy != Strategy::Registered
 }
 
-/// A file range as a fill source: each fill thread reads with its own io_uring reader, taken
-/// from the loader's idle readers (or built) with the file opened in it, and given back with
-/// the file closed by [`FileSource::finish`].
+/// A file range as a fill source. Buffered (`Staged`): every fill thread `pread`s from one
+/// descriptor opened once per load — a read of cached pages completes inside the call, so
+/// io_uring adds nothing, and opening the file in a ring per thread cost each thread a few
+/// system calls before its first byte. `O_DIRECT` (`Direct`): each fill thread reads with its
+/// own io_uring reader (several reads in flight), taken from the loader's idle readers (or
+/// built) with the file opened in it, and given back with the file closed by
+/// [`FileSource::finish`].
 struct FileSource<'a> {
     path: &'a Path,
     /// The file's ranges, back to back in the stream the scheduler uploads.
     spans: &'a [Range<u64>],
     /// Where each span ends in that stream.
     ends: Vec<u64>,
+    /// The file, opened once, for buffered loads; `None`: O_DIRECT through readers.
+    buffered: Option<std::fs::File>,
     direct: Direct,
     queue_depth: usize,
     readers: &'a Readers,
@@ -1222,10 +1272,15 @@ impl<'a> FileSource<'a> {
     fn new(
         path: &'a Path,
         spans: &'a [Range<u64>],
-        direct: Direct,
+        buffered: Option<std::fs::File>,
         queue_depth: usize,
         readers: &'a Readers,
     ) -> Self {
+        let direct = if buffered.is_some() {
+            Direct::Off
+        } else {
+            Direct::On
+        };
         let ends = spans
             .iter()
             .scan(0u64, |end, s| {
@@ -1237,6 +1292,7 @@ impl<'a> FileSource<'a> {
             path,
             spans,
             ends,
+            buffered,
             direct,
             queue_depth,
             readers,
@@ -1277,39 +1333,87 @@ impl<'a> FileSource<'a> {
     }
 }
 
+impl FileSource<'_> {
+    /// Reads `[offset, offset + dst.len())` of the stream: the spans it covers, one by one,
+    /// each with `read(file offset, bytes)`.
+    fn read_spans(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+        mut read: impl FnMut(u64, &mut [u8]) -> std::result::Result<(), SourceError>,
+    ) -> std::result::Result<(), SourceError> {
+        let (mut at, mut done) = (offset, 0usize);
+        let mut i = self.ends.partition_point(|&end| end <= offset);
+        while done < dst.len() {
+            let (Some(span), Some(&end)) = (self.spans.get(i), self.ends.get(i)) else {
+                return Err(SourceError::from("a fill past the end of the spans"));
+            };
+            let span_start = end - (span.end - span.start);
+            let n = ((end - at) as usize).min(dst.len() - done);
+            read(span.start + (at - span_start), &mut dst[done..done + n])?;
+            done += n;
+            at += n as u64;
+            i += 1;
+        }
+        Ok(())
+    }
+}
+
 impl FillSource for FileSource<'_> {
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
+        if let Some(file) = &self.buffered {
+            return self.read_spans(offset, dst, |at, buf| {
+                pread_exact(file, self.path, at, buf).map_err(Into::into)
+            });
+        }
         let ready = self.open.lock().pop();
         let mut open = match ready {
             Some(r) => r,
             None => self.take()?,
         };
-        // The spans that [offset, offset + dst.len()) of the stream covers, read one by one.
-        let mut result = Ok(());
-        let (mut at, mut done) = (offset, 0usize);
-        let mut i = self.ends.partition_point(|&end| end <= offset);
-        while done < dst.len() && result.is_ok() {
-            let (Some(span), Some(&end)) = (self.spans.get(i), self.ends.get(i)) else {
-                result = Err(SourceError::from("a fill past the end of the spans"));
-                break;
-            };
-            let span_start = end - (span.end - span.start);
-            let n = ((end - at) as usize).min(dst.len() - done);
-            result = open
-                .reader
-                .read_exact_at(
-                    open.file,
-                    span.start + (at - span_start),
-                    &mut dst[done..done + n],
-                )
-                .map_err(Into::into);
-            done += n;
-            at += n as u64;
-            i += 1;
-        }
+        let result = self.read_spans(offset, dst, |at, buf| {
+            open.reader
+                .read_exact_at(open.file, at, buf)
+                .map_err(Into::into)
+        });
         self.open.lock().push(open);
         result
     }
+}
+
+/// Reads all of `buf` from `file` (at `path`) at `offset` with `pread`, with the errors an
+/// io_uring reader gives: [`gpufeed_uring::Error::UnexpectedEof`] where the file ends first,
+/// [`gpufeed_uring::Error::Read`] for a failed read.
+fn pread_exact(
+    file: &std::fs::File,
+    path: &Path,
+    offset: u64,
+    buf: &mut [u8],
+) -> std::result::Result<(), gpufeed_uring::Error> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(gpufeed_uring::Error::UnexpectedEof {
+                    path: path.into(),
+                    offset,
+                    got: done as u64,
+                    want: buf.len() as u64,
+                });
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(gpufeed_uring::Error::Read {
+                    path: path.into(),
+                    offset: offset + done as u64,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
