@@ -1,18 +1,28 @@
 //! `gpufeed-bench sweep-small` (hidden): the probe behind the small-load defaults (issue 22).
-//! A reused `Loader` per setting (smallest piece, fill threads, how long the kept threads stay
-//! awake) loads warm files of 1-256 MiB; beside them the wire at each size and what the fixed
-//! steps of a 1 MiB load cost alone. One JSON object per line on stdout, so that a run on the
+//! A scheduler and a reused `Loader` per setting (smallest piece, fewest bytes per lane, fill
+//! threads) upload nothing (the pipeline alone), a pageable buffer (the host copy) and warm
+//! files of 1-256 MiB into device memory that exists; then `load_file` with the defaults; beside
+//! them the wire at each size and what the fixed steps of a 1 MiB load cost alone. One JSON object per line on stdout, so that a run on the
 //! GPU machine can be read back and compared; docs/benchmarks.md keeps the findings.
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Result;
 use gpufeed::cuda::cudarc::driver::{DevicePtrMut, sys};
+use gpufeed::cuda::{FillSource, HostSource, SourceError, TransferScheduler};
 use gpufeed::os::cache;
 use gpufeed::pinned::PinnedBuffer;
 use gpufeed::{LoadOptions, Loader};
+
+/// A fill source that writes nothing: the staged pipeline's own cost.
+struct Nothing;
+
+impl FillSource for Nothing {
+    fn fill(&self, _offset: u64, _dst: &mut [u8]) -> std::result::Result<(), SourceError> {
+        Ok(())
+    }
+}
 
 use crate::util::{Samples, SplitMix, ensure_random_file, gbps, timed};
 
@@ -73,14 +83,17 @@ pub fn run(dir: &Path, reps: usize) -> Result<()> {
             drop(guard);
             Ok(())
         })?;
-        line(serde_json::json!({"what": "wire", "bytes": size, "us": s.median * 1e6,
-            "gbps": gbps(size, s.median)}));
+        line(
+            serde_json::json!({"what": "wire", "bytes": size, "us": s.median * 1e6,
+            "gbps": gbps(size, s.median)}),
+        );
     }
     drop((dev, pinned));
 
     // The fixed steps of a 1 MiB load, each alone.
     let one = &files[0].1;
-    let steps: Vec<(&str, Box<dyn FnMut() -> Result<()>>)> = vec![
+    type Step<'a> = (&'static str, Box<dyn FnMut() -> Result<()> + 'a>);
+    let steps: Vec<Step<'_>> = vec![
         (
             "statx",
             Box::new(|| {
@@ -129,37 +142,71 @@ pub fn run(dir: &Path, reps: usize) -> Result<()> {
     }
 
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    // (smallest piece, fewest bytes per lane, fill threads): every lane at every size (lane
+    // bytes 1) against one lane per 4, 8 and 16 MiB; and fewer threads.
     let mut settings = Vec::new();
-    for min in [64usize << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20] {
-        for spin_us in [0u64, 100] {
-            settings.push((min, spin_us, cores.clamp(2, 16)));
-        }
+    for lane_bytes in [1usize, 4 << 20, 8 << 20, 16 << 20] {
+        settings.push((1usize << 20, lane_bytes, cores.clamp(2, 16)));
     }
-    for min in [128usize << 10, 256 << 10] {
-        settings.push((min, 100, (cores / 2).clamp(2, 16)));
-    }
-    for (min, spin_us, threads) in settings {
+    settings.push((256 << 10, 8 << 20, cores.clamp(2, 16)));
+    settings.push((1 << 20, 8 << 20, (cores / 2).clamp(2, 16)));
+    let mut dev = gpu.alloc_zeroed(256 << 20)?;
+    let host = vec![7u8; 256 << 20];
+    for (min, lane_bytes, threads) in settings {
         let mut opts = LoadOptions::default();
         opts.transfer = opts
             .transfer
             .with_min_chunk_bytes(min)
-            .with_idle_spin(Duration::from_micros(spin_us))
+            .with_lane_bytes(lane_bytes)
             .with_fill_threads(threads)
             .with_staging_buffers(2 * threads);
-        let loader = Loader::new(&gpu, opts)?;
+        let loader = Loader::new(&gpu, opts.clone())?;
+        let sched = TransferScheduler::new(&gpu, opts.transfer)?;
+        sched.reserve_staging(None, None)?;
         for (size, path) in &files {
-            let mut strategy = String::new();
-            let s = median_of(reps, || {
-                let (buf, report) = loader.load_file(path)?;
-                strategy = report.strategy.to_string();
-                drop(buf);
+            let size = *size;
+            let probe = |what: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+                let s = median_of(reps, f)?;
+                line(serde_json::json!({"what": what, "min_piece_kib": min >> 10,
+                    "lane_kib": lane_bytes >> 10, "threads": threads, "bytes": size,
+                    "us": s.median * 1e6, "gbps": gbps(size, s.median)}));
+                Ok(())
+            };
+            if size <= 64 << 20 {
+                probe("upload nothing", &mut || {
+                    sched.upload(
+                        HostSource::Fill {
+                            source: &Nothing,
+                            len: size,
+                        },
+                        &mut dev,
+                        0,
+                    )?;
+                    Ok(())
+                })?;
+                probe("upload pageable", &mut || {
+                    sched.upload(HostSource::Pageable(&host[..size as usize]), &mut dev, 0)?;
+                    Ok(())
+                })?;
+            }
+            probe("load_into", &mut || {
+                loader.load_into(path, 0..size, &mut dev, 0)?;
                 Ok(())
             })?;
-            line(serde_json::json!({"what": "load", "min_piece_kib": min >> 10,
-                "idle_spin_us": spin_us, "threads": threads, "bytes": size,
-                "us": s.median * 1e6, "us_min": s.min * 1e6, "gbps": gbps(*size, s.median),
-                "strategy": strategy}));
         }
+    }
+    drop(dev);
+    // New device memory per load (the default options), as `load_file` gives.
+    let loader = Loader::new(&gpu, LoadOptions::default())?;
+    for (size, path) in &files {
+        let s = median_of(reps, || {
+            drop(loader.load_file(path)?);
+            Ok(())
+        })?;
+        line(
+            serde_json::json!({"what": "load_file", "bytes": size, "us": s.median * 1e6,
+            "gbps": gbps(*size, s.median)}),
+        );
     }
     Ok(())
 }

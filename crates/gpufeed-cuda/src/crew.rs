@@ -123,11 +123,12 @@ impl Crew {
 
     /// Runs `job(0)` on the calling thread and `job(1)` .. `job(jobs - 1)` on members at once;
     /// returns when every job has returned. A job that panics has its panic resumed here after
-    /// the others finished.
+    /// the others finished. `&mut`: one call at a time (callers that upload at once each take
+    /// a crew of their own).
     ///
     /// # Panics
     /// When `jobs - 1` is more than the crew's threads (a bug of the caller), or a job panicked.
-    pub(crate) fn run(&self, jobs: usize, job: &(dyn Fn(usize) + Sync)) {
+    pub(crate) fn run(&mut self, jobs: usize, job: &(dyn Fn(usize) + Sync)) {
         assert!(
             jobs <= self.members.len() + 1,
             "{jobs} jobs for a crew of {} threads and the caller",
@@ -245,8 +246,12 @@ mod tests {
     /// pause).
     #[test]
     fn every_job_runs_once_per_call() {
-        for spin in [Duration::ZERO, Duration::from_micros(50), Duration::from_millis(5)] {
-            let crew = Crew::start(3, spin, "test-crew", || {}).unwrap();
+        for spin in [
+            Duration::ZERO,
+            Duration::from_micros(50),
+            Duration::from_millis(5),
+        ] {
+            let mut crew = Crew::start(3, spin, "test-crew", || {}).unwrap();
             for call in 0..400 {
                 let jobs = call % 5;
                 let counts: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
@@ -271,7 +276,7 @@ mod tests {
     /// finished, and the crew serves the next call.
     #[test]
     fn a_panicking_job_is_resumed_and_the_crew_goes_on() {
-        let crew = Crew::start(2, Duration::from_micros(20), "test-crew", || {}).unwrap();
+        let mut crew = Crew::start(2, Duration::from_micros(20), "test-crew", || {}).unwrap();
         for bad in 0..3 {
             let finished = AtomicUsize::new(0);
             let r = catch_unwind(AssertUnwindSafe(|| {
@@ -288,7 +293,11 @@ mod tests {
                 msg.downcast_ref::<String>().map(String::as_str),
                 Some(format!("job {bad} fails").as_str())
             );
-            assert_eq!(finished.load(Ordering::SeqCst), 2, "the others ran to the end");
+            assert_eq!(
+                finished.load(Ordering::SeqCst),
+                2,
+                "the others ran to the end"
+            );
         }
         let n = AtomicUsize::new(0);
         crew.run(3, &|_| {
@@ -302,7 +311,7 @@ mod tests {
     fn members_start_placed_and_stop_when_dropped() {
         let started = Arc::new(AtomicUsize::new(0));
         let s = Arc::clone(&started);
-        let crew = Crew::start(4, Duration::from_secs(10), "test-crew", move || {
+        let mut crew = Crew::start(4, Duration::from_secs(10), "test-crew", move || {
             s.fetch_add(1, Ordering::SeqCst);
         })
         .unwrap();
@@ -310,6 +319,9 @@ mod tests {
         assert_eq!(started.load(Ordering::SeqCst), 4);
         let t = Instant::now();
         drop(crew);
-        assert!(t.elapsed() < Duration::from_secs(5), "stopped without waiting out the spin");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "stopped without waiting out the spin"
+        );
     }
 }

@@ -138,6 +138,13 @@ pub struct TransferConfig {
     /// threads). Staged uploads give each fill thread `staging_buffers / fill_threads` of them
     /// (at least 2); staged downloads share them.
     pub staging_buffers: usize,
+    /// The fewest bytes of a staged upload per lane (default 8 MiB): an upload smaller than
+    /// `fill_threads` times this runs on fewer lanes (one per `lane_bytes`, at least four or
+    /// all the fill threads where there are fewer), so that a few lanes keep the link busy
+    /// instead of every thread copying at once and then waiting for the link. On the H200
+    /// machine (16 fill threads) 16 MiB loaded best on 4 lanes (592 against 676 us on 16) and
+    /// 64 MiB on 8 (1.58 against 1.78 ms): docs/benchmarks.md, GPU run 51.
+    pub lane_bytes: usize,
     /// How long the kept fill threads stay awake after a staged upload, waiting for the next
     /// (default 100 us): spinning, then yielding the core between checks, then parked. An
     /// upload posted while they are awake starts on every thread within a microsecond; a
@@ -174,6 +181,12 @@ impl TransferConfig {
         self
     }
 
+    /// These settings with `lane_bytes` (the fewest bytes of a staged upload per lane).
+    pub fn with_lane_bytes(mut self, lane_bytes: usize) -> Self {
+        self.lane_bytes = lane_bytes;
+        self
+    }
+
     /// These settings with `idle_spin` (how long the kept fill threads stay awake after an
     /// upload).
     pub fn with_idle_spin(mut self, idle_spin: Duration) -> Self {
@@ -200,20 +213,38 @@ impl TransferConfig {
                 .next_multiple_of(4096)
                 .clamp(4096, chunk_bytes),
             staging_buffers: self.staging_buffers.max(2),
+            lane_bytes: self.lane_bytes.max(1),
             idle_spin: self.idle_spin,
             fill_threads: self.fill_threads.max(1),
         }
     }
 
+    /// The lanes (fill threads, each with its stream) a staged upload of `len` bytes runs on:
+    /// one per [`TransferConfig::lane_bytes`], at least four (or every fill thread, where
+    /// there are fewer), at most `fill_threads`.
+    ///
+    /// ```
+    /// let cfg = gpufeed_cuda::TransferConfig::default().with_fill_threads(16);
+    /// assert_eq!(cfg.lanes_for(16 << 20), 4);
+    /// assert_eq!(cfg.lanes_for(64 << 20), 8);
+    /// assert_eq!(cfg.lanes_for(1 << 30), 16);
+    /// ```
+    pub fn lanes_for(&self, len: u64) -> usize {
+        let cfg = self.normalized();
+        let wanted = usize::try_from(len.div_ceil(cfg.lane_bytes as u64)).unwrap_or(usize::MAX);
+        wanted.clamp(cfg.fill_threads.min(4), cfg.fill_threads)
+    }
+
     /// The largest copy of a staged upload of `len` bytes: `chunk_bytes`, or for an upload
-    /// smaller than two chunks per fill thread, an even share of two pieces per thread in whole
-    /// 64 KiB (at least `min_chunk_bytes`). The first copies are smaller still: each fill
-    /// thread starts with a `min_chunk_bytes` piece and doubles it every round up to this
-    /// size, so that the link starts working while the threads fill their first buffers.
+    /// smaller than two chunks per lane ([`TransferConfig::lanes_for`]), an even share of two
+    /// pieces per lane in whole 64 KiB (at least `min_chunk_bytes`). The first copies are
+    /// smaller still: each lane starts with a `min_chunk_bytes` piece and doubles it every
+    /// round up to this size, so that the link starts working while the lanes fill their
+    /// first buffers.
     pub fn piece_bytes_for(&self, len: u64) -> usize {
         let cfg = self.normalized();
         let even = len
-            .div_ceil(2 * cfg.fill_threads as u64)
+            .div_ceil(2 * cfg.lanes_for(len) as u64)
             .next_multiple_of(64 << 10);
         (even.min(cfg.chunk_bytes as u64) as usize).max(cfg.min_chunk_bytes)
     }
@@ -259,6 +290,7 @@ impl Default for TransferConfig {
             chunk_bytes: 16 << 20,
             min_chunk_bytes: 1 << 20,
             staging_buffers: 2 * fill_threads,
+            lane_bytes: 8 << 20,
             idle_spin: Duration::from_micros(100),
             fill_threads,
         }
@@ -316,12 +348,13 @@ pub struct TransferScheduler {
     cfg: TransferConfig,
     /// The GPU's node on a machine of several, where fill and drain threads run.
     placement: Option<(gpufeed_numa::Topology, u32)>,
-    /// The fill threads of staged uploads but one (the calling thread fills too), started by
-    /// the first upload that needs them and kept (awake for `idle_spin` after each upload):
-    /// starting threads per upload cost tens of microseconds each, and a scheduler that never
-    /// stages (a batch loader's, a saver's) starts none. Holds why they could not be started,
-    /// where they could not.
-    workers: std::sync::OnceLock<std::result::Result<Crew, String>>,
+    /// Idle crews of fill threads for staged uploads (`fill_threads - 1` each: the calling
+    /// thread fills too), the first started by the first upload that needs one and kept
+    /// (awake for `idle_spin` after each upload): starting threads per upload cost tens of
+    /// microseconds each, and a scheduler that never stages (a batch loader's, a saver's)
+    /// starts none. An upload takes a crew for its duration; threads uploading at once
+    /// through one scheduler each get one (started when none is idle).
+    crews: Mutex<Vec<Crew>>,
     fallbacks: Arc<Mutex<Vec<Fallback>>>,
 }
 
@@ -342,6 +375,28 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
 
+/// A crew taken by one upload; back among the idle ones when dropped.
+struct CrewLease<'a> {
+    crews: &'a Mutex<Vec<Crew>>,
+    crew: Option<Crew>,
+}
+
+impl CrewLease<'_> {
+    fn run(&mut self, jobs: usize, job: &(dyn Fn(usize) + Sync)) {
+        if let Some(crew) = &mut self.crew {
+            crew.run(jobs, job);
+        }
+    }
+}
+
+impl Drop for CrewLease<'_> {
+    fn drop(&mut self) {
+        if let Some(crew) = self.crew.take() {
+            self.crews.lock().push(crew);
+        }
+    }
+}
+
 /// What the lanes of one staged upload share.
 struct LaneWork<'a> {
     source: &'a dyn FillSource,
@@ -355,7 +410,7 @@ struct LaneWork<'a> {
     abort: AtomicBool,
 }
 
-/// How a staged upload is cut into copies: a ramp of rounds (one piece per fill thread each)
+/// How a staged upload is cut into copies: a ramp of rounds (one piece per lane each)
 /// from `min_chunk_bytes` doubling up to the cap ([`TransferConfig::piece_bytes_for`]), then
 /// pieces of the cap to the end. Offsets stay in whole 4 KiB pages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -378,7 +433,7 @@ impl PiecePlan {
         let mut off = 0u64;
         let mut size = cfg.min_chunk_bytes.min(cap);
         while size < cap && off < len {
-            for _ in 0..cfg.fill_threads {
+            for _ in 0..cfg.lanes_for(len) {
                 if off >= len {
                     break;
                 }
@@ -476,26 +531,35 @@ impl TransferScheduler {
             pool,
             cfg,
             placement,
-            workers: std::sync::OnceLock::new(),
+            crews: Mutex::new(Vec::new()),
             fallbacks: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
-    /// The kept fill threads (`fill_threads - 1` of them), started on first use, each placed
-    /// on the GPU's node for good where there are several.
-    fn workers(&self) -> Result<&Crew> {
-        let started = self.workers.get_or_init(|| {
-            let (placement, fallbacks) = (self.placement.clone(), Arc::clone(&self.fallbacks));
-            Self::start_workers(
-                self.cfg.fill_threads - 1,
-                self.cfg.idle_spin,
-                placement,
-                fallbacks,
-            )
-        });
-        started.as_ref().map_err(|reason| Error::ThreadStart {
-            what: "the fill threads",
-            reason: reason.clone(),
+    /// An idle crew of kept fill threads (`fill_threads - 1` of them, each placed on the
+    /// GPU's node for good where there are several), or a new one; given back when the lease
+    /// is dropped.
+    fn crew(&self) -> Result<CrewLease<'_>> {
+        let idle = self.crews.lock().pop();
+        let crew = match idle {
+            Some(c) => c,
+            None => {
+                let (placement, fallbacks) = (self.placement.clone(), Arc::clone(&self.fallbacks));
+                Self::start_workers(
+                    self.cfg.fill_threads - 1,
+                    self.cfg.idle_spin,
+                    placement,
+                    fallbacks,
+                )
+                .map_err(|reason| Error::ThreadStart {
+                    what: "the fill threads",
+                    reason,
+                })?
+            }
+        };
+        Ok(CrewLease {
+            crews: &self.crews,
+            crew: Some(crew),
         })
     }
 
@@ -891,7 +955,8 @@ impl TransferScheduler {
     ) -> Result<TransferStats> {
         let plan = PiecePlan::new(&self.cfg, len);
         let chunks = plan.count;
-        let lanes = &self.lane_streams[..self.lane_streams.len().min(chunks).max(1)];
+        let lanes = self.cfg.lanes_for(len).min(chunks).max(1);
+        let lanes = &self.lane_streams[..self.lane_streams.len().min(lanes)];
         // Each lane orders its stream after this event itself (the waits in parallel).
         let after = main
             .record_event(None)
@@ -922,8 +987,8 @@ impl TransferScheduler {
         };
         let _placed = self.bind_worker();
         if lanes.len() > 1 {
-            // More than one lane means more than one fill thread: the kept ones exist.
-            self.workers()?.run(lanes.len(), &lane);
+            // More than one lane means more than one fill thread: a crew has members.
+            self.crew()?.run(lanes.len(), &lane);
         } else {
             lane(0);
         }
@@ -1126,14 +1191,29 @@ mod tests {
         let piece = |len: u64| cfg.piece_bytes_for(len);
         assert_eq!(piece(1), 256 << 10, "never below the minimum");
         assert_eq!(piece(1 << 20), 256 << 10, "1 MiB: four pieces");
-        assert_eq!(piece(16 << 20), 512 << 10, "16 MiB: two pieces per thread");
-        assert_eq!(piece(64 << 20), 2 << 20);
+        assert_eq!(cfg.lanes_for(1 << 20), 4, "at least four lanes");
+        assert_eq!(cfg.lanes_for(16 << 20), 4);
+        assert_eq!(cfg.lanes_for(64 << 20), 8, "one lane per 8 MiB");
+        assert_eq!(cfg.lanes_for(1 << 30), 16, "at most the fill threads");
+        assert_eq!(
+            cfg.with_fill_threads(2).lanes_for(1),
+            2,
+            "fewer threads than four"
+        );
+        assert_eq!(
+            piece(16 << 20),
+            2 << 20,
+            "16 MiB: two pieces per lane on four lanes"
+        );
+        assert_eq!(piece(64 << 20), 4 << 20);
         assert_eq!(piece(256 << 20), 4 << 20, "never above a chunk");
         assert_eq!(piece(u64::MAX / 2), 4 << 20);
         assert_eq!(piece((10 << 20) + 1) % (64 << 10), 0, "whole 64 KiB");
         assert_eq!(cfg.staging_buffers_for(Some(1 << 20)), 4);
-        assert_eq!(cfg.staging_buffers_for(Some(16 << 20)), 32);
-        assert_eq!(cfg.staging_buffers_for(Some(5 << 20)), 20);
+        // 16 MiB: 4 x 256 KiB, 4 x 512 KiB, 4 x 1 MiB, then 2 MiB pieces.
+        assert_eq!(cfg.staging_buffers_for(Some(16 << 20)), 17);
+        assert_eq!(cfg.staging_buffers_for(Some(5 << 20)), 12);
+        assert_eq!(cfg.staging_buffers_for(Some(1 << 30)), 32);
         assert_eq!(cfg.staging_buffers_for(None), 32);
         // An odd minimum is rounded to whole pages, and capped at the chunk.
         let odd = cfg.with_min_chunk_bytes(5000).normalized();
@@ -1178,11 +1258,21 @@ mod tests {
         }
         let plan = PiecePlan::new(&cfg, 64 << 20);
         let sizes: Vec<usize> = (0..plan.count).map(|i| plan.get(i).unwrap().1).collect();
-        // 256 KiB, 512 KiB and 1 MiB rounds of 16, then the 2 MiB cap.
-        assert!(sizes[..16].iter().all(|&n| n == 256 << 10), "{sizes:?}");
-        assert!(sizes[16..32].iter().all(|&n| n == 512 << 10), "{sizes:?}");
-        assert!(sizes[32..48].iter().all(|&n| n == 1 << 20), "{sizes:?}");
-        assert!(sizes[48..].iter().all(|&n| n == 2 << 20), "{sizes:?}");
+        // 256 KiB, 512 KiB, 1 MiB and 2 MiB rounds of 8 lanes, then the 4 MiB cap (the last
+        // piece what is left: 2 MiB).
+        assert!(sizes[..8].iter().all(|&n| n == 256 << 10), "{sizes:?}");
+        assert!(sizes[8..16].iter().all(|&n| n == 512 << 10), "{sizes:?}");
+        assert!(sizes[16..24].iter().all(|&n| n == 1 << 20), "{sizes:?}");
+        assert!(sizes[24..32].iter().all(|&n| n == 2 << 20), "{sizes:?}");
+        assert!(sizes[32..40].iter().all(|&n| n == 4 << 20), "{sizes:?}");
+        assert_eq!(
+            sizes[32..],
+            [4 << 20; 8]
+                .iter()
+                .copied()
+                .chain([2 << 20])
+                .collect::<Vec<_>>()
+        );
         // No ramp where the minimum is the chunk.
         let flat = PiecePlan::new(&cfg.with_min_chunk_bytes(4 << 20), 64 << 20);
         assert_eq!(flat.count, 16);

@@ -39,7 +39,7 @@ pub enum Strategy {
     /// staging buffers `Staged` is faster (43.9 against 26.3 GB/s warm on the H200 machine),
     /// so `Auto` does not pick it. The file must not be truncated while it loads.
     Registered,
-    /// Read the file (io_uring, buffered) into pinned staging buffers that the scheduler
+    /// Read the file (buffered `pread`s, on every fill thread) into pinned staging buffers that the scheduler
     /// uploads, reads overlapped with copies. Safe for files that may change while loading.
     Staged,
     /// Like `Staged` with `O_DIRECT`: for files not in the page cache, or larger than it.
@@ -227,7 +227,8 @@ pub struct LoadReport {
     pub copy_waited_s: f64,
     /// Seconds the source waited for free staging buffers.
     pub source_waited_s: f64,
-    /// The IO backend of `Staged`/`Direct` loads.
+    /// How the file was read: `"pread"` for buffered (`Staged`) loads, the io_uring reader's
+    /// backend for `Direct` ones; `None` for `Registered`.
     pub io_backend: Option<String>,
 }
 
@@ -677,7 +678,7 @@ impl Loader {
     pub fn load_file(&self, path: impl AsRef<Path>) -> Result<(DeviceBuffer, LoadReport)> {
         let (path, started) = (path.as_ref(), Instant::now());
         let len = file_len(path)?;
-        self.load_new(path, &[0..len], len, len, started)
+        self.load_new(path, std::slice::from_ref(&(0..len)), len, len, started)
     }
 
     /// Loads bytes `range` of `path` into new GPU memory.
@@ -1034,13 +1035,7 @@ impl Loader {
         } else {
             Some(gpufeed_os::file::open_regular(path, false)?.0)
         };
-        let source = FileSource::new(
-            path,
-            spans,
-            buffered,
-            self.opts.queue_depth,
-            &self.readers,
-        );
+        let source = FileSource::new(path, spans, buffered, self.opts.queue_depth, &self.readers);
         let len = source.len();
         if len == 0 {
             return Ok(());
