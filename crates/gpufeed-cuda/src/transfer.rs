@@ -142,8 +142,9 @@ pub struct TransferConfig {
     /// `fill_threads` times this runs on fewer lanes (one per `lane_bytes`, at least four or
     /// all the fill threads where there are fewer), so that a few lanes keep the link busy
     /// instead of every thread copying at once and then waiting for the link. On the H200
-    /// machine (16 fill threads) 16 MiB loaded best on 4 lanes (592 against 676 us on 16) and
-    /// 64 MiB on 8 (1.58 against 1.78 ms): docs/benchmarks.md, GPU run 51.
+    /// machine 16 MiB loaded best on 4 threads (592 against 676 us on 16) and 64 MiB on 8
+    /// (1.58 against 1.78 ms) in GPU run 51; in run 52 this setting against every lane gave
+    /// 639-653 against 659 us at 16 MiB (docs/benchmarks.md).
     pub lane_bytes: usize,
     /// How long the kept fill threads stay awake after a staged upload, waiting for the next
     /// (default 100 us): spinning, then yielding the core between checks, then parked. An
