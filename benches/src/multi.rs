@@ -295,26 +295,34 @@ pub fn rank_child(path: &Path, reps: usize) -> Result<()> {
     let rank = gpufeed::multi::RankLoader::from_env()?;
     let plan = ShardPlan::split_bytes(&[path], rank.world())?;
     // All sharded loads, then all replicated ones: as in the rows of one process above, a
-    // kind of load never follows the other's (large) frees.
+    // kind of load never follows the other's (large) frees. Every load starts after a barrier,
+    // as the rows of one process start their threads together: without it a rank's time
+    // included waiting for the others to free the last load's memory (runs up to 48).
     let mut sharded = Vec::new();
     for i in 0..reps + 1 {
+        rank.barrier()?;
         let (buf, r) = rank.load_sharded(&plan)?;
         drop(buf);
         if i > 0 {
             sharded.push(r.seconds);
         }
     }
-    let mut replicated = Vec::new();
+    let (mut replicated, mut parts) = (Vec::new(), Vec::new());
     for i in 0..reps + 1 {
+        rank.barrier()?;
         let (buf, r) = rank.load_replicated(path)?;
         drop(buf);
         if i > 0 {
             replicated.push(r.seconds);
+            parts.push(serde_json::json!({"exchange": r.exchange_seconds,
+                "alloc": r.alloc_seconds, "peer_open": r.peer_open_seconds,
+                "peer_close": r.peer_close_seconds}));
         }
     }
     println!(
         "{}",
-        serde_json::json!({"sharded": sharded, "replicated": replicated})
+        serde_json::json!({"sharded": sharded, "replicated": replicated,
+            "replicated_parts": parts})
     );
     Ok(())
 }

@@ -620,6 +620,17 @@ pub struct RankLoader {
     loader: Loader,
     rdv: gpufeed_ipc::Rendezvous,
     round_bytes: u64,
+    /// Where the current collective call's time went (reset by each).
+    timings: parking_lot::Mutex<Timings>,
+}
+
+/// The parts of a collective call that [`RankReport`] breaks out.
+#[derive(Debug, Clone, Default)]
+struct Timings {
+    exchange: f64,
+    alloc: f64,
+    peer_open: f64,
+    peer_close: f64,
 }
 
 impl std::fmt::Debug for RankLoader {
@@ -643,6 +654,17 @@ pub struct RankReport {
     pub peer_bytes: u64,
     /// Wall seconds from the call until every rank held its bytes.
     pub seconds: f64,
+    /// Seconds this rank waited for the others at the rendezvous (agreeing on the plan,
+    /// passing handles, and for replicated loads the final outcome: the slowest rank's part).
+    pub exchange_seconds: f64,
+    /// Replicated loads: seconds getting this rank's device memory (`cuMemAlloc`, which CUDA
+    /// IPC needs); 0 otherwise.
+    pub alloc_seconds: f64,
+    /// Replicated loads: seconds opening the other ranks' copies (`cuIpcOpenMemHandle`, on a
+    /// thread of its own while this rank reads its first round); 0 otherwise.
+    pub peer_open_seconds: f64,
+    /// Replicated loads: seconds closing them again (`cuIpcCloseMemHandle`); 0 otherwise.
+    pub peer_close_seconds: f64,
     /// This rank's load reports.
     pub loads: Vec<LoadReport>,
 }
@@ -677,6 +699,7 @@ impl RankLoader {
             loader,
             rdv,
             round_bytes: ROUND_BYTES,
+            timings: parking_lot::Mutex::new(Timings::default()),
         })
     }
 
@@ -817,7 +840,9 @@ impl RankLoader {
             let shares = ShardPlan::split_len(len, n);
             let mine = shares[me].clone();
             let gpu = self.loader.gpu().clone();
+            let t = Instant::now();
             let (buf, loads) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
+                self.timings.lock().alloc = t.elapsed().as_secs_f64();
                 self.replicate_into(dst, path, &shares)
             })?;
             check_unchanged(path, &identity)?;
@@ -842,7 +867,7 @@ impl RankLoader {
         }
         let gpu = self.loader.gpu();
         let handle = gpufeed_cuda::IpcHandle::of(dst)?;
-        let handles = self.rdv.exchange(&handle.0)?;
+        let handles = self.exchange(&handle.0)?;
         // Open every other rank's copy; then this rank's part, sent to each of them.
         // Opening the others' copies (a mapping of all their bytes each) runs on a thread
         // while this one reads its first round; the round is sent once they are open.
@@ -880,7 +905,12 @@ impl RankLoader {
             .ok_or_else(|| Error::InvalidSetting("replicated shares overflow".into()))
             .and_then(|mut own| {
                 let (peers, first_load) = std::thread::scope(|s| {
-                    let opener = s.spawn(|| Gpu::keeping_current_context(open_peers));
+                    let opener = s.spawn(|| {
+                        let t = Instant::now();
+                        let opened = Gpu::keeping_current_context(open_peers);
+                        self.timings.lock().peer_open = t.elapsed().as_secs_f64();
+                        opened
+                    });
                     let first_load = read(&mut own.slice_mut(..first as usize), 0);
                     let peers = opener.join().map_err(|_| Error::ThreadPanicked {
                         what: "the thread opening the other ranks' memory",
@@ -901,12 +931,14 @@ impl RankLoader {
                     at += step;
                 }
                 fanout.finish()?;
+                let t = Instant::now();
                 drop(peers);
+                self.timings.lock().peer_close = t.elapsed().as_secs_f64();
                 Ok(loads)
             });
         // Every rank's copies into every other rank's memory have completed once all have
         // said how their part went: only then may any of them give its memory back.
-        let status = self.rdv.exchange(&[u8::from(outcome.is_ok())])?;
+        let status = self.exchange(&[u8::from(outcome.is_ok())])?;
         let loads = outcome?;
         if let Some(rank) = status.iter().position(|s| s.first() != Some(&1)) {
             return Err(Error::RankFailed { rank });
@@ -918,6 +950,7 @@ impl RankLoader {
     /// ranks do not wait for it.
     fn collective<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let _keep = ContextGuard::new();
+        *self.timings.lock() = Timings::default();
         let out = f();
         if out.is_err() {
             self.rdv.leave();
@@ -928,7 +961,7 @@ impl RankLoader {
     /// Checks that every rank passes the same `bytes` for `what`.
     fn agree(&self, what: &'static str, bytes: Vec<u8>) -> Result<()> {
         let digest = xxhash_rust::xxh3::xxh3_64(&bytes).to_le_bytes();
-        let all = self.rdv.exchange(&digest)?;
+        let all = self.exchange(&digest)?;
         match all.iter().position(|d| d.as_slice() != all[0].as_slice()) {
             Some(rank) => Err(Error::RanksDisagree { rank, what }),
             None => Ok(()),
@@ -936,13 +969,35 @@ impl RankLoader {
     }
 
     fn report(&self, started: Instant, read: u64, peer: u64, loads: Vec<LoadReport>) -> RankReport {
+        let t = self.timings.lock().clone();
         RankReport {
             rank: self.rank(),
             read_bytes: read,
             peer_bytes: peer,
             seconds: started.elapsed().as_secs_f64(),
+            exchange_seconds: t.exchange,
+            alloc_seconds: t.alloc,
+            peer_open_seconds: t.peer_open,
+            peer_close_seconds: t.peer_close,
             loads,
         }
+    }
+
+    /// Waits until every rank of the job has called `barrier` (as many times): ranks that
+    /// time their loads start them together this way.
+    ///
+    /// # Errors
+    /// The rendezvous's: a rank that died, left or never arrived, named.
+    pub fn barrier(&self) -> Result<()> {
+        Ok(self.rdv.barrier()?)
+    }
+
+    /// [`gpufeed_ipc::Rendezvous::exchange`], its wait counted in this call's timings.
+    fn exchange(&self, payload: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let t = Instant::now();
+        let out = self.rdv.exchange(payload);
+        self.timings.lock().exchange += t.elapsed().as_secs_f64();
+        Ok(out?)
     }
 }
 
