@@ -908,7 +908,9 @@ impl RankLoader {
                     let opener = s.spawn(|| {
                         let t = Instant::now();
                         let opened = Gpu::keeping_current_context(open_peers);
-                        self.timings.lock().peer_open = t.elapsed().as_secs_f64();
+                        if n > 1 {
+                            self.timings.lock().peer_open = t.elapsed().as_secs_f64();
+                        }
                         opened
                     });
                     let first_load = read(&mut own.slice_mut(..first as usize), 0);

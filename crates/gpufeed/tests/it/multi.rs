@@ -470,6 +470,19 @@ fn rank_dispatcher() {
     let (buf, report) = rank.load_replicated(&file).expect("replicated");
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
     assert_eq!(report.read_bytes + report.peer_bytes, data.len() as u64);
+    // The breakdown: memory was allocated; with another rank its copy was opened; no part
+    // is longer than the whole.
+    assert!(report.alloc_seconds > 0.0, "{report:?}");
+    assert_eq!(report.peer_open_seconds > 0.0, n > 1, "{report:?}");
+    for part in [
+        report.alloc_seconds,
+        report.peer_open_seconds,
+        report.peer_close_seconds,
+        report.exchange_seconds,
+    ] {
+        assert!(part <= report.seconds, "{report:?}");
+    }
+    rank.barrier().expect("barrier");
     println!("VERIFIED replicated");
     let other = std::env::var("GPUFEED_IT_FILE2").expect("file 2");
     let plan = ShardPlan::split_bytes(&[&file, &other], n).expect("plan");
