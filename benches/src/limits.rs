@@ -44,6 +44,16 @@ impl Limits {
             .max(self.memcpy_n_threads_gbps.median)
     }
 
+    /// The disk's limit for reads that bypass the page cache: the best median of the
+    /// `O_DIRECT` ways (fio's included).
+    pub fn direct_limit(&self) -> Option<&DiskWay> {
+        self.disk
+            .iter()
+            .filter(|w| w.gbps.median.is_finite())
+            .filter(|w| w.how.contains("O_DIRECT") || w.how.contains("fio"))
+            .max_by(|a, b| a.gbps.median.total_cmp(&b.gbps.median))
+    }
+
     /// The disk's sequential read limit: the best median of the ways measured.
     pub fn disk_limit(&self) -> Option<&DiskWay> {
         self.disk
@@ -198,7 +208,7 @@ fn open_direct(dataset: &Path) -> Result<File> {
 
 /// Reads the data set with O_DIRECT in `chunk`-byte reads on `threads` threads (thread `t`
 /// reads chunks t, t + threads, ...); returns GB/s.
-fn direct_read(dataset: &Path, len: u64, chunk: usize, threads: usize) -> Result<f64> {
+pub fn direct_read(dataset: &Path, len: u64, chunk: usize, threads: usize) -> Result<f64> {
     let file = open_direct(dataset)?;
     let dio = gpufeed_os::align::dio_alignment(&file)?;
     let aligned_len = len / dio.offset_align as u64 * dio.offset_align as u64;

@@ -12,6 +12,8 @@ use crate::util::{Samples, gbps, timed};
 
 pub const RECORD: usize = 64 << 10;
 pub const BATCH: usize = 64;
+/// Records per block of the cold `O_DIRECT` row (`Order::Blocks`): 1 MiB reads.
+pub const BLOCK: usize = 16;
 
 #[derive(Debug, Serialize)]
 pub struct LoaderBench {
@@ -25,6 +27,16 @@ pub struct LoaderBench {
     pub resume_records: usize,
     /// Milliseconds from `BatchLoader::resume` (rank 3 of 8, mid-epoch) to its first batch.
     pub resume_ms: Samples,
+    /// The data set evicted from the page cache before each epoch, read with `O_DIRECT`
+    /// (`LoaderConfig::direct`) in blocks of [`BLOCK`] records (`Order::Blocks`): GB/s.
+    pub direct_cold_gbps: Samples,
+    /// Mean bytes per `O_DIRECT` read of those epochs.
+    pub direct_read_bytes: f64,
+    /// Workers of those epochs (at least 8: they wait on the disk, not on a core).
+    pub direct_workers: usize,
+    /// The disk's own `O_DIRECT` reads of the same file in the same repetitions, each just
+    /// before an epoch (sequential 1 MiB `pread`s on as many threads as workers): GB/s.
+    pub direct_limit_gbps: Samples,
 }
 
 /// Seconds of CPU this process has used so far (user and system, all threads).
@@ -91,7 +103,9 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         .with_prefetch(2 * workers)
         .with_workers(workers);
     let (resume_records, resume_ms) = resume_ms(dataset, reps)?;
-    let host = epochs(dataset, RECORD, cfg, 3, None, reps)?;
+    let host = epochs(dataset, RECORD, cfg.clone(), 3, None, reps)?;
+    let (direct_cold_gbps, direct_read_bytes, direct_workers, direct_limit_gbps) =
+        direct_cold(dataset, cfg, reps)?;
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,
@@ -100,7 +114,53 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         host_cores_busy: host.cores_busy,
         resume_records,
         resume_ms,
+        direct_cold_gbps,
+        direct_read_bytes,
+        direct_workers,
+        direct_limit_gbps,
     })
+}
+
+/// Epochs of the data set read cold with `O_DIRECT` in blocks of [`BLOCK`] records (evicted
+/// before each), each after the disk's own `O_DIRECT` read of the file: the epochs' GB/s, the
+/// mean bytes per read, the workers, the disk's GB/s.
+fn direct_cold(
+    dataset: &Path,
+    cfg: LoaderConfig,
+    reps: usize,
+) -> Result<(Samples, f64, usize, Samples)> {
+    // SAFETY: the bench's data files are written once and never changed while mapped.
+    let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
+    let order = Order::Blocks {
+        seed: 5,
+        block: BLOCK,
+    };
+    // Reads wait on the disk, not on a core: at least 8 workers, so that 32 reads of a block
+    // are in flight (4 per batch of 64 records).
+    let workers = cfg.workers.max(8);
+    let cfg = cfg
+        .with_direct(true)
+        .with_workers(workers)
+        .with_prefetch(2 * workers);
+    let mut loader = BatchLoader::new(records, Sampler::new(order), cfg, None)?;
+    let (mut runs, mut limit) = (Vec::new(), Vec::new());
+    let len = dataset.metadata()?.len();
+    for epoch in 0..reps as u64 {
+        // In turns, so that a slow spell of a shared disk falls on both.
+        limit.push(crate::limits::direct_read(dataset, len, 1 << 20, workers)?);
+        cache::evict(dataset)?;
+        let (secs, bytes) = timed(|| -> Result<u64> {
+            let mut bytes = 0;
+            for b in loader.epoch(epoch)? {
+                bytes += b?.bytes() as u64;
+            }
+            Ok(bytes)
+        });
+        runs.push(gbps(bytes?, secs));
+    }
+    let st = loader.stats();
+    let per_read = st.direct_read_bytes as f64 / st.direct_reads.max(1) as f64;
+    Ok((Samples::new(runs), per_read, workers, Samples::new(limit)))
 }
 
 /// An elastic loader over 10 million records or more (the data set cut into records of the

@@ -161,6 +161,32 @@ impl Report {
             );
             let _ = writeln!(
                 s,
+                "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read) | {} records | {} | {} | {} | |",
+                show_size(b.record_bytes as u64),
+                crate::loader::BLOCK,
+                show_size(b.direct_read_bytes as u64),
+                b.batch_size,
+                b.direct_workers,
+                b.direct_cold_gbps.show(2),
+                share(
+                    b.direct_cold_gbps.median,
+                    b.direct_limit_gbps.median,
+                    "the disk's O_DIRECT reads (same repetitions)"
+                ),
+            );
+            let _ = writeln!(
+                s,
+                "\nThe cold row's limit: before each epoch, the disk's own `O_DIRECT` read of the same file \
+                 (sequential 1 MiB `pread`s on {} threads), {} GB/s; the best `O_DIRECT` way of the limits table: {}.",
+                b.direct_workers,
+                b.direct_limit_gbps.show(2),
+                self.limits.as_ref().and_then(Limits::direct_limit).map_or(
+                    "-".to_owned(),
+                    |d| format!("{} GB/s ({})", d.gbps.show(2), d.how)
+                ),
+            );
+            let _ = writeln!(
+                s,
                 "\nAn elastic loader (`Sampler::elastic`, global batch {}) over {} records resumed \
                  mid-epoch as rank 3 of 8 (`BatchLoader::resume`): {} ms to its first batch.",
                 8 * crate::loader::BATCH,

@@ -1083,6 +1083,11 @@ fn open_dataset(
 /// `EpochIter.position()` says where the run is (a dict, JSON-ready) and `resume(position)`
 /// goes on from there with the same or another world size.
 ///
+/// For data sets larger than the page cache: `block=K` shuffles blocks of K consecutive
+/// records (and the records within each block) instead of single records — a block's records
+/// always share a batch when K divides the batch — and `direct=True` reads the records with
+/// `O_DIRECT`, records next to each other in a file (a block) in one read.
+///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct BatchLoader {
@@ -1108,7 +1113,7 @@ pub struct BatchLoader {
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -1124,6 +1129,8 @@ impl BatchLoader {
         skip_bad: bool,
         global_batch: Option<usize>,
         prefetch: Option<usize>,
+        block: Option<usize>,
+        direct: bool,
     ) -> PyResult<Self> {
         let _context = gpufeed::cuda::ContextGuard::new();
         // One path (a file, a folder or a glob pattern), or a list of shard paths.
@@ -1141,10 +1148,10 @@ impl BatchLoader {
                 Dataset::Folder(f) => (f.classes().to_vec(), f.skipped().len()),
                 _ => (Vec::new(), 0),
             };
-            let order = if shuffle {
-                Order::Shuffled { seed }
-            } else {
-                Order::Sequential
+            let order = match (shuffle, block) {
+                (true, Some(block)) => Order::Blocks { seed, block },
+                (true, None) => Order::Shuffled { seed },
+                (false, _) => Order::Sequential,
             };
             let sampler = match global_batch {
                 Some(g) => Sampler::elastic_from_env(order, g, drop_last)?,
@@ -1160,6 +1167,7 @@ impl BatchLoader {
             });
             // Each worker gathers and uploads a batch: two in flight per worker.
             cfg.prefetch = prefetch.unwrap_or(2 * cfg.workers).max(1);
+            cfg.direct = direct;
             let gpu = device.map(gpufeed::Gpu::open).transpose()?;
             let loader = gpufeed::dataset::BatchLoader::new(records, sampler, cfg, gpu.as_ref())?;
             Ok((loader, gpu, classes, skipped, sampler, n, layout))

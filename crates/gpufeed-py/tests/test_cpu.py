@@ -367,3 +367,39 @@ def test_webdataset_tar_samples_arrive_whole(tmp_path):
     bad.write_bytes(bytes(raw))
     with pytest.raises(gpufeed.GpufeedError, match=r"bad\.tar.*offset"):
         gpufeed.BatchLoader(bad)
+
+
+def test_blocks_read_with_o_direct_resume_with_another_world_size(tmp_path, monkeypatch):
+    """block= and direct=: batches of whole blocks of neighbouring records, read with
+    O_DIRECT, byte for byte; the position names the block order and resumes with another
+    world size, every record once."""
+    count, size, block, global_batch = 640, 4099, 8, 32
+    path, data = records_file(tmp_path, count, size, seed=23)
+
+    def rank(r, world):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        return gpufeed.BatchLoader(path, record_bytes=size, global_batch=global_batch, seed=5,
+                                   block=block, direct=True, drop_last=True)
+
+    seen = []
+
+    def take(batch):
+        host = np.from_dlpack(batch.data)
+        np.testing.assert_array_equal(host, data[batch.indices])
+        idx = sorted(batch.indices)
+        for k in range(0, len(idx), block):  # whole blocks of neighbours
+            assert idx[k] % block == 0 and idx[k + block - 1] == idx[k] + block - 1, idx
+        seen.extend(batch.indices)
+
+    epochs = [rank(r, 2).epoch(0) for r in range(2)]
+    for _ in range(3):
+        for e in epochs:
+            take(next(e))
+    saved = epochs[0].position()
+    assert saved["order"] == {"kind": "blocks", "seed": 5, "block": block}
+    del epochs
+    for r in range(4):
+        for batch in rank(r, 4).resume(saved):
+            take(batch)
+    assert sorted(seen) == list(range(count)), "every record once"

@@ -1437,7 +1437,10 @@ fn gather_direct(
         // run's last byte (the reader reads a last partial page through its own buffer).
         let start = a / DIRECT_ALIGN * DIRECT_ALIGN;
         let len = b - start;
-        let buf = gpufeed_os::AlignedBuf::new(len.next_multiple_of(DIRECT_ALIGN).max(DIRECT_ALIGN), DIRECT_ALIGN)?;
+        let buf = gpufeed_os::AlignedBuf::new(
+            len.next_multiple_of(DIRECT_ALIGN).max(DIRECT_ALIGN),
+            DIRECT_ALIGN,
+        )?;
         bufs.push((f, start, buf, len));
     }
     let reads = bufs

@@ -186,7 +186,10 @@ fn direct_reads_of_a_folder_or_a_file_that_shrank_are_clear_errors() {
     let mut loader =
         BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None).expect("loader");
     let results: Vec<_> = loader.epoch(0).expect("epoch").collect();
-    assert!(results[..5].iter().all(Result::is_ok), "the first half is there");
+    assert!(
+        results[..5].iter().all(Result::is_ok),
+        "the first half is there"
+    );
     let err = results[5].as_ref().expect_err("past the end");
     assert!(err.to_string().contains("short.bin"), "{err}");
 }
