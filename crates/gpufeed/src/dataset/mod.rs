@@ -240,8 +240,11 @@ impl RecordFile {
             Records::Samples(s) => s.get(i)?.members.iter().map(|(_, r)| r.clone()).collect(),
             Records::Fixed {
                 base, size, count, ..
-            } => vec![(i < *count).then(|| base + i * size..base + (i + 1) * size)?],
-            Records::Indexed(o) => vec![(*o.get(i)? as usize)..(*o.get(i + 1)? as usize)],
+            } => std::iter::once((i < *count).then(|| base + i * size..base + (i + 1) * size)?)
+                .collect(),
+            Records::Indexed(o) => {
+                std::iter::once((*o.get(i)? as usize)..(*o.get(i + 1)? as usize)).collect()
+            }
         };
         ranges
             .iter()
