@@ -236,7 +236,7 @@ impl RecordFile {
 
     /// Where record `i`'s parts lie in the file (byte ranges, in order).
     fn ranges(&self, i: usize) -> Option<Vec<std::ops::Range<usize>>> {
-        let ranges = match &self.records {
+        let ranges: Vec<std::ops::Range<usize>> = match &self.records {
             Records::Samples(s) => s.get(i)?.members.iter().map(|(_, r)| r.clone()).collect(),
             Records::Fixed {
                 base, size, count, ..
