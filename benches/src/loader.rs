@@ -28,14 +28,11 @@ pub struct LoaderBench {
     /// Milliseconds from `BatchLoader::resume` (rank 3 of 8, mid-epoch) to its first batch.
     pub resume_ms: Samples,
     /// The data set evicted from the page cache before each epoch, read with `O_DIRECT`
-    /// (`LoaderConfig::direct`) in blocks of [`BLOCK`] records (`Order::Blocks`): GB/s.
-    pub direct_cold_gbps: Samples,
-    /// Mean bytes per `O_DIRECT` read of those epochs.
-    pub direct_read_bytes: f64,
-    /// Workers of those epochs (at least 8: they wait on the disk, not on a core).
-    pub direct_workers: usize,
+    /// (`LoaderConfig::direct`) in blocks of [`BLOCK`] records (`Order::Blocks`), with 2 and
+    /// with 4 workers.
+    pub direct_cold: Vec<DirectCold>,
     /// The disk's own `O_DIRECT` reads of the same file in the same repetitions, each just
-    /// before an epoch (sequential 1 MiB `pread`s on as many threads as workers): GB/s.
+    /// before the epochs (sequential 1 MiB `pread`s on 4 threads): GB/s.
     pub direct_limit_gbps: Samples,
 }
 
@@ -104,8 +101,7 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         .with_workers(workers);
     let (resume_records, resume_ms) = resume_ms(dataset, reps)?;
     let host = epochs(dataset, RECORD, cfg.clone(), 3, None, reps)?;
-    let (direct_cold_gbps, direct_read_bytes, direct_workers, direct_limit_gbps) =
-        direct_cold(dataset, cfg, reps)?;
+    let (direct_cold, direct_limit_gbps) = direct_cold(dataset, &cfg, reps)?;
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,
@@ -114,53 +110,77 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         host_cores_busy: host.cores_busy,
         resume_records,
         resume_ms,
-        direct_cold_gbps,
-        direct_read_bytes,
-        direct_workers,
+        direct_cold,
         direct_limit_gbps,
     })
 }
 
+/// One setting of the cold `O_DIRECT` rows.
+#[derive(Debug, Serialize)]
+pub struct DirectCold {
+    pub workers: usize,
+    pub gbps: Samples,
+    /// Mean bytes per `O_DIRECT` read.
+    pub read_bytes: f64,
+}
+
 /// Epochs of the data set read cold with `O_DIRECT` in blocks of [`BLOCK`] records (evicted
-/// before each), each after the disk's own `O_DIRECT` read of the file: the epochs' GB/s, the
-/// mean bytes per read, the workers, the disk's GB/s.
+/// before each) with 2 and 4 workers, each repetition after the disk's own `O_DIRECT` read of
+/// the file (in turns, so that a slow spell of a shared disk falls on all).
 fn direct_cold(
     dataset: &Path,
-    cfg: LoaderConfig,
+    cfg: &LoaderConfig,
     reps: usize,
-) -> Result<(Samples, f64, usize, Samples)> {
-    // SAFETY: the bench's data files are written once and never changed while mapped.
-    let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
+) -> Result<(Vec<DirectCold>, Samples)> {
     let order = Order::Blocks {
         seed: 5,
         block: BLOCK,
     };
-    // Reads wait on the disk, not on a core: at least 8 workers, so that 32 reads of a block
-    // are in flight (4 per batch of 64 records).
-    let workers = cfg.workers.max(8);
-    let cfg = cfg
-        .with_direct(true)
-        .with_workers(workers)
-        .with_prefetch(2 * workers);
-    let mut loader = BatchLoader::new(records, Sampler::new(order), cfg, None)?;
-    let (mut runs, mut limit) = (Vec::new(), Vec::new());
+    let mut loaders = [2usize, 4]
+        .into_iter()
+        .map(|workers| -> Result<(usize, BatchLoader, Vec<f64>)> {
+            // SAFETY: the bench's data files are written once and never changed while mapped.
+            let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
+            let cfg = cfg
+                .clone()
+                .with_direct(true)
+                .with_workers(workers)
+                .with_prefetch(2 * workers);
+            Ok((
+                workers,
+                BatchLoader::new(records, Sampler::new(order), cfg, None)?,
+                Vec::new(),
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut limit = Vec::new();
     let len = dataset.metadata()?.len();
     for epoch in 0..reps as u64 {
-        // In turns, so that a slow spell of a shared disk falls on both.
-        limit.push(crate::limits::direct_read(dataset, len, 1 << 20, workers)?);
-        cache::evict(dataset)?;
-        let (secs, bytes) = timed(|| -> Result<u64> {
-            let mut bytes = 0;
-            for b in loader.epoch(epoch)? {
-                bytes += b?.bytes() as u64;
-            }
-            Ok(bytes)
-        });
-        runs.push(gbps(bytes?, secs));
+        limit.push(crate::limits::direct_read(dataset, len, 1 << 20, 4)?);
+        for (_, loader, runs) in &mut loaders {
+            cache::evict(dataset)?;
+            let (secs, bytes) = timed(|| -> Result<u64> {
+                let mut bytes = 0;
+                for b in loader.epoch(epoch)? {
+                    bytes += b?.bytes() as u64;
+                }
+                Ok(bytes)
+            });
+            runs.push(gbps(bytes?, secs));
+        }
     }
-    let st = loader.stats();
-    let per_read = st.direct_read_bytes as f64 / st.direct_reads.max(1) as f64;
-    Ok((Samples::new(runs), per_read, workers, Samples::new(limit)))
+    let rows = loaders
+        .into_iter()
+        .map(|(workers, loader, runs)| {
+            let st = loader.stats();
+            DirectCold {
+                workers,
+                gbps: Samples::new(runs),
+                read_bytes: st.direct_read_bytes as f64 / st.direct_reads.max(1) as f64,
+            }
+        })
+        .collect();
+    Ok((rows, Samples::new(limit)))
 }
 
 /// An elastic loader over 10 million records or more (the data set cut into records of the

@@ -159,26 +159,27 @@ impl Report {
                 share(b.host_gbps.median, memory, "memcpy"),
                 b.host_cores_busy.median
             );
+            for d in &b.direct_cold {
+                let _ = writeln!(
+                    s,
+                    "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read) | {} records | {} | {} | {} | |",
+                    show_size(b.record_bytes as u64),
+                    crate::loader::BLOCK,
+                    show_size(d.read_bytes as u64),
+                    b.batch_size,
+                    d.workers,
+                    d.gbps.show(2),
+                    share(
+                        d.gbps.median,
+                        b.direct_limit_gbps.median,
+                        "the disk's O_DIRECT reads (same repetitions)"
+                    ),
+                );
+            }
             let _ = writeln!(
                 s,
-                "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read) | {} records | {} | {} | {} | |",
-                show_size(b.record_bytes as u64),
-                crate::loader::BLOCK,
-                show_size(b.direct_read_bytes as u64),
-                b.batch_size,
-                b.direct_workers,
-                b.direct_cold_gbps.show(2),
-                share(
-                    b.direct_cold_gbps.median,
-                    b.direct_limit_gbps.median,
-                    "the disk's O_DIRECT reads (same repetitions)"
-                ),
-            );
-            let _ = writeln!(
-                s,
-                "\nThe cold row's limit: before each epoch, the disk's own `O_DIRECT` read of the same file \
-                 (sequential 1 MiB `pread`s on {} threads), {} GB/s; the best `O_DIRECT` way of the limits table: {}.",
-                b.direct_workers,
+                "\nThe cold rows' limit: before each repetition, the disk's own `O_DIRECT` read of the same file \
+                 (sequential 1 MiB `pread`s on 4 threads), {} GB/s; the best `O_DIRECT` way of the limits table: {}.",
                 b.direct_limit_gbps.show(2),
                 self.limits.as_ref().and_then(Limits::direct_limit).map_or(
                     "-".to_owned(),
