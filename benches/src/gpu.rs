@@ -77,28 +77,41 @@ pub fn pinned_copy_gbps(
     stream: &Arc<gpufeed_cuda::cudarc::driver::CudaStream>,
 ) -> Result<f64> {
     let len = pinned.len().min(dev.len());
-    let (dptr, guard) = dev.device_ptr_mut(stream);
-    let (secs, res) = timed(|| -> Result<()> {
-        for off in (0..len).step_by(CHUNK) {
-            let n = CHUNK.min(len - off);
-            // SAFETY: pinned and dev both hold at least len bytes and outlive the synchronize
-            // below.
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dptr + off as u64,
-                    pinned.as_ptr().add(off).cast(),
-                    n,
-                    stream.cu_stream(),
-                )
-            }
-            .result()?;
-        }
-        stream.synchronize()?;
-        Ok(())
-    });
-    drop(guard);
+    let (secs, res) = timed(|| copy_pinned(pinned, dev, stream, len));
     res?;
     Ok(gbps(len as u64, secs))
+}
+
+/// The first `len` bytes of `pinned` into `dev` on `stream` in 16 MiB `cuMemcpyHtoDAsync`
+/// calls, synchronized: the wire alone.
+pub fn copy_pinned(
+    pinned: &PinnedBuffer,
+    dev: &mut gpufeed_cuda::cudarc::driver::CudaSlice<u8>,
+    stream: &Arc<gpufeed_cuda::cudarc::driver::CudaStream>,
+    len: usize,
+) -> Result<()> {
+    anyhow::ensure!(
+        len <= pinned.len().min(dev.len()),
+        "a copy past the buffers"
+    );
+    let (dptr, guard) = dev.device_ptr_mut(stream);
+    for off in (0..len).step_by(CHUNK) {
+        let n = CHUNK.min(len - off);
+        // SAFETY: pinned and dev both hold at least len bytes (checked) and outlive the
+        // synchronize below.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dptr + off as u64,
+                pinned.as_ptr().add(off).cast(),
+                n,
+                stream.cu_stream(),
+            )
+        }
+        .result()?;
+    }
+    stream.synchronize()?;
+    drop(guard);
+    Ok(())
 }
 
 pub fn measure(

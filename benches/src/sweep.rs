@@ -9,7 +9,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Result;
-use gpufeed::cuda::cudarc::driver::{DevicePtrMut, sys};
 use gpufeed::cuda::{FillSource, HostSource, SourceError, TransferScheduler};
 use gpufeed::os::cache;
 use gpufeed::pinned::PinnedBuffer;
@@ -63,25 +62,7 @@ pub fn run(dir: &Path, reps: usize) -> Result<()> {
     let stream = ctx.new_stream()?;
     for &size in &SIZES {
         let s = median_of(reps, || {
-            let (dptr, guard) = dev.device_ptr_mut(&stream);
-            let mut off = 0usize;
-            while (off as u64) < size {
-                let n = (16usize << 20).min(size as usize - off);
-                // SAFETY: both buffers hold 256 MiB and outlive the synchronize below.
-                unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dptr + off as u64,
-                        pinned.as_ptr().add(off).cast(),
-                        n,
-                        stream.cu_stream(),
-                    )
-                }
-                .result()?;
-                off += n;
-            }
-            stream.synchronize()?;
-            drop(guard);
-            Ok(())
+            crate::gpu::copy_pinned(&pinned, &mut dev, &stream, size as usize)
         })?;
         line(
             serde_json::json!({"what": "wire", "bytes": size, "us": s.median * 1e6,
