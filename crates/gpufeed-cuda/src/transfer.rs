@@ -356,6 +356,8 @@ pub struct TransferScheduler {
     /// starts none. An upload takes a crew for its duration; threads uploading at once
     /// through one scheduler each get one (started when none is idle).
     crews: Mutex<Vec<Crew>>,
+    /// The stream of the next [`TransferScheduler::upload_pooled_async`] (in turns).
+    next_stream: AtomicUsize,
     fallbacks: Arc<Mutex<Vec<Fallback>>>,
 }
 
@@ -533,6 +535,7 @@ impl TransferScheduler {
             cfg,
             placement,
             crews: Mutex::new(Vec::new()),
+            next_stream: AtomicUsize::new(0),
             fallbacks: Arc::new(Mutex::new(Vec::new())),
         })
     }
@@ -653,6 +656,50 @@ impl TransferScheduler {
             None => self.pool.reserve(chunk, count)?,
         };
         Ok(reserved * self.cfg.staging_bytes_for(Some(1)))
+    }
+
+    /// Copies the pooled (pinned) buffer `src` into new device memory from the context's pool
+    /// without waiting for the copy: it runs on one of the scheduler's streams, taken in
+    /// turns so that uploads from several threads run side by side and none waits for the
+    /// others', and the returned event completes when the bytes are on the GPU. `src`
+    /// records the copy, so that the pool does not hand it out again before the copy ended.
+    /// cudarc users of the memory are ordered after the copy (its write event); anyone else
+    /// waits for the event first. A batch loader's workers gather the next batch meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (allocation, copy, events).
+    pub fn upload_pooled_async(
+        &self,
+        src: &mut PooledBuffer,
+    ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let len = src.len();
+        let k = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+        let stream = &self.streams[k];
+        let mut dst = if len == 0 {
+            stream.null::<u8>()
+        } else {
+            // SAFETY: written by the copy below before anything reads it: cudarc users wait
+            // for its write event, others for the event returned.
+            unsafe { stream.alloc::<u8>(len) }
+        }
+        .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        if len > 0 {
+            let (dptr, guard) = dst.device_ptr_mut(stream);
+            // SAFETY: `src` is pinned and holds `len` bytes; it is not written again before
+            // the event recorded below completed (the pool waits for it before handing the
+            // buffer out again); `dst` holds `len` bytes.
+            unsafe { raw::memcpy_htod_async(dptr, src.as_ptr(), len, stream.cu_stream()) }?;
+            drop(guard);
+            src.record_use(stream)?;
+        }
+        let done = stream
+            .record_event(None)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        Ok((dst, done))
     }
 
     /// Copies `src` into new device memory of its length from `from` (see

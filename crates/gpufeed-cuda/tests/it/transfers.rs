@@ -440,3 +440,42 @@ fn a_context_guard_puts_the_current_context_back() {
     .join()
     .expect("the thread");
 }
+
+/// `upload_pooled_async` from several threads at once, each reusing its staging buffers at
+/// once (the pool waits for the copy): every device copy, after its event, equals what its
+/// buffer held when it was issued.
+#[test]
+fn pooled_uploads_not_waited_for_arrive_byte_for_byte() {
+    let Some(gpu) = gpu_or_skip("pooled_uploads_not_waited_for_arrive_byte_for_byte") else {
+        return;
+    };
+    let sched = TransferScheduler::new(&gpu, config(3, 4 << 20)).expect("scheduler");
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (gpu, sched) = (&gpu, &sched);
+            s.spawn(move || {
+                let mut issued = Vec::new();
+                for round in 0..12u64 {
+                    let len = [0usize, 1, 4095, (3 << 20) + 17, 9 << 20][(round % 5) as usize];
+                    let data = random_bytes(len, 7000 + 100 * t + round);
+                    let mut buf = sched.pool().get(len.max(1)).expect("staging");
+                    buf.set_len(len);
+                    buf.copy_from_slice(&data);
+                    let (dev, done) = sched.upload_pooled_async(&mut buf).expect("upload");
+                    assert_eq!(dev.len(), len);
+                    drop(buf); // back to the pool while the copy may still run
+                    issued.push((dev, done, xxh3_64(&data)));
+                }
+                for (k, (dev, done, want)) in issued.into_iter().enumerate() {
+                    done.synchronize().expect("event");
+                    let back = if dev.len() == 0 {
+                        Vec::new()
+                    } else {
+                        gpu.to_vec(&dev).expect("back")
+                    };
+                    assert_eq!(xxh3_64(&back), want, "thread {t}, upload {k}");
+                }
+            });
+        }
+    });
+}

@@ -14,7 +14,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{Gpu, TransferConfig, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode};
 use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
 use gpufeed_uring::{Direct, Reader};
@@ -860,9 +860,10 @@ pub struct LoaderStats {
     pub batches: u64,
     /// Bytes yielded.
     pub bytes: u64,
-    /// Seconds spent uploading, summed over the workers (their uploads overlap).
+    /// Seconds the workers spent issuing uploads, summed (a worker does not wait for its copy:
+    /// it gathers the next batch while the copy runs).
     pub upload_s: f64,
-    /// Seconds the consumer waited for workers.
+    /// Seconds the consumer waited for workers and for batches' copies to end.
     pub waited_s: f64,
     /// With [`LoaderConfig::direct`]: `O_DIRECT` reads issued (one per run of records next to
     /// each other in a file, per batch) and the bytes they read (from the 4 KiB page holding
@@ -1140,10 +1141,16 @@ struct Shared {
     ready: Condvar,
 }
 
-/// A gathered batch: record indices, offsets, bytes.
-/// A prepared batch: record indices, offsets, the bytes (on the GPU where there is one) and
-/// the seconds its upload took.
-type Gathered = (Vec<usize>, Vec<usize>, BatchData, f64);
+/// A prepared batch: record indices, offsets, the bytes (on the GPU where there is one), the
+/// seconds issuing its upload took, and the event that completes when its bytes are on the
+/// GPU.
+type Gathered = (
+    Vec<usize>,
+    Vec<usize>,
+    BatchData,
+    f64,
+    Option<gpufeed_cuda::cudarc::driver::CudaEvent>,
+);
 type Prepared = (usize, Result<Gathered>);
 
 /// What a worker thread prepares batches from.
@@ -1194,17 +1201,21 @@ fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
             (Dataset::Shards(s), None) => gather(s, pool, transform, &indices),
             (Dataset::Folder(f), _) => gather_files(f, &mut reader, pool, transform, &indices),
         }
-        .and_then(|(offsets, buf)| {
+        .and_then(|(offsets, mut buf)| {
             let Some(sched) = sched else {
-                return Ok((indices, offsets, BatchData::Host(buf), 0.0));
+                return Ok((indices, offsets, BatchData::Host(buf), 0.0, None));
             };
+            // Issued, not waited for: the worker gathers its next batch while the copy runs;
+            // the consumer waits for the event before it hands the batch out, and the pool
+            // for the copy before it hands `buf` out again.
             let t = Instant::now();
-            let (d, _) = sched.upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool)?;
+            let (d, done) = sched.upload_pooled_async(&mut buf)?;
             Ok((
                 indices,
                 offsets,
                 BatchData::Device(d),
                 t.elapsed().as_secs_f64(),
+                Some(done),
             ))
         });
         if tx.send((number, result)).is_err() {
@@ -1575,7 +1586,6 @@ impl Iterator for Epoch<'_> {
                 }
             }
         };
-        self.loader.stats.waited_s += t.elapsed().as_secs_f64();
         // Keep `prefetch` batches in preparation.
         if let Some(job) = self.pending.pop_front() {
             self.shared.queue.lock().jobs.push_back(job);
@@ -1583,6 +1593,17 @@ impl Iterator for Epoch<'_> {
         }
         let number = self.next;
         self.next += 1;
+        // A batch is handed out once its bytes are on the GPU.
+        let prepared = prepared.and_then(|(indices, offsets, data, upload_s, done)| {
+            if let Some(ev) = done {
+                ev.synchronize().map_err(|e| gpufeed_cuda::Error::Cuda {
+                    op: "cuEventSynchronize",
+                    result: e.0,
+                })?;
+            }
+            Ok((indices, offsets, data, upload_s))
+        });
+        self.loader.stats.waited_s += t.elapsed().as_secs_f64();
         let (indices, offsets, data, upload_s) = match prepared {
             Ok(p) => p,
             Err(e) => {
