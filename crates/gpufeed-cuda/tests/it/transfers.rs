@@ -468,7 +468,7 @@ fn pooled_uploads_not_waited_for_arrive_byte_for_byte() {
                 }
                 for (k, (dev, done, want)) in issued.into_iter().enumerate() {
                     done.synchronize().expect("event");
-                    let back = if dev.len() == 0 {
+                    let back = if dev.is_empty() {
                         Vec::new()
                     } else {
                         gpu.to_vec(&dev).expect("back")
