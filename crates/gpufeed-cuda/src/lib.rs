@@ -25,7 +25,9 @@
 //!   [`TransferStats`] says where time went.
 //!
 //! - New device memory filled before it is returned, without `unsafe` or a memset:
-//!   [`Gpu::alloc_filled`] and [`TransferScheduler::upload_new`].
+//!   [`Gpu::alloc_filled`] and [`TransferScheduler::upload_new`]; or filled without waiting
+//!   ([`TransferScheduler::upload_pooled_async`]: a pooled buffer's copy issued on a stream in
+//!   turns, an event to wait for).
 //! - Several GPUs: [`Gpu::peer_links`] (peer access and the link between each pair, from the
 //!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
 //!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a

@@ -1,9 +1,11 @@
 //! The hybrid data loader of the source material: a record file mapped read-only (or an
 //! [`ImageFolder`]: one file per sample in class folders), a sampler (sequential, shuffled by
 //! seed, sharded by rank; or elastic, whose [`Position`] resumes a run mid-epoch with another
-//! world size), and a [`BatchLoader`] whose worker threads gather records into
-//! pinned (or, without a GPU, locked) buffers and upload them, several batches in flight, and
-//! which yields the batches in a fixed order. Records come from a file of fixed or indexed
+//! world size; or in shuffled blocks of neighbouring records, [`Order::Blocks`]), and a
+//! [`BatchLoader`] whose worker threads gather records (out of the mapping, or with
+//! `O_DIRECT`: [`LoaderConfig::direct`]) into pinned (or, without a GPU, locked) buffers and
+//! issue their uploads, several batches in flight, and which yields the batches in a fixed
+//! order once each is on the GPU. Records come from a file of fixed or indexed
 //! records, an `.npy` array, a WebDataset tar shard ([`sources`]), or a [`ShardSet`] of them.
 
 use std::collections::{BTreeMap, VecDeque};
