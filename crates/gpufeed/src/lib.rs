@@ -4,9 +4,9 @@
 //! [`ipc`], [`pinned`], [`cuda`]):
 //!
 //! - [`load_file`] / [`Loader`]: a file (or a byte range of it) into GPU memory with the
-//!   fastest path the machine allows — [`Strategy::Staged`] / [`Strategy::Direct`] (io_uring
-//!   reads, buffered or `O_DIRECT`, into pinned staging buffers uploaded while the next ones
-//!   fill) chosen by [`Strategy::Auto`] from page-cache residency and available memory, or
+//!   fastest path the machine allows — [`Strategy::Staged`] / [`Strategy::Direct`] (buffered
+//!   `pread`s, or `O_DIRECT` io_uring reads, into pinned staging buffers uploaded while the
+//!   next ones fill) chosen by [`Strategy::Auto`] from page-cache residency and available memory, or
 //!   [`Strategy::Registered`] when asked (the GPU copies straight from the cached pages,
 //!   registered read-only in chunks ahead of the copies: the cheapest path per CPU thread); a
 //!   [`LoadReport`] says what ran, why, and where the time went. A `Loader` reserves its pinned
@@ -15,8 +15,8 @@
 //! - [`Loader::load_files`] / [`FileList`]: many files (a folder of images) into one GPU buffer
 //!   in one call, the fill threads reading pieces of the list in batches of io_uring reads;
 //!   file `i` at [`FileList::range`]. Loads of any size share the loader's kept readers and
-//!   the scheduler's kept fill threads, so a 1 MiB load costs 150-190 us on the H200 machine,
-//!   not ~0.5 ms.
+//!   the scheduler's kept fill threads (awake for a moment after each upload), so a 1 MiB load
+//!   costs about 100 us on the H200 machine, not ~0.5 ms.
 //! - One-shot loads for a process that loads once at start-up: [`load_file_on`],
 //!   [`safetensors::load_on`] and [`Loader::open`] take a device ordinal and open the GPU on
 //!   another thread while this one checks the files, reads headers and faults in the staging;
@@ -35,7 +35,10 @@
 //!   (each GPU reads 1/N, the rest arrives from the other GPUs over NVLink while it reads).
 //! - [`dataset`]: a record file or an image folder ([`dataset::ImageFolder`]: class folders,
 //!   labels), a seeded and sharded [`dataset::Sampler`], and a [`dataset::BatchLoader`]
-//!   yielding device batches (host batches without a GPU).
+//!   yielding device batches (host batches without a GPU); data larger than the page cache read
+//!   with `O_DIRECT` in shuffled blocks ([`dataset::Order::Blocks`]).
+//! - [`frames`]: frames between processes through a shared-memory ring (the real-time case
+//!   study's CPU half: a paced producer, the consumer, the pipe baseline, latency statistics).
 //!
 //! Without a GPU every GPU call returns an error for which [`Error::is_no_gpu`] is true; the
 //! CPU paths (records, samplers, host batches, every lower layer) keep working. Slower paths
@@ -70,6 +73,7 @@ pub mod dataset;
 pub mod doctor;
 mod error;
 mod files;
+pub mod frames;
 mod load;
 pub mod multi;
 pub mod safetensors;

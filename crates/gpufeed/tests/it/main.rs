@@ -4,6 +4,7 @@
 mod direct;
 mod elastic;
 mod files;
+mod frames;
 mod gpu;
 mod host;
 mod multi;
