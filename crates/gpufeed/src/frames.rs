@@ -1,7 +1,7 @@
 //! Frames between processes — the CPU half of the source's real-time case study (§6.2:
 //! "double buffering, 256-byte aligned frames, zero-copy into shared memory"): a producer that
 //! behaves like a camera paints frames straight into the slots of a gpufeed-ipc
-//! [`BatchRing`](gpufeed_ipc::BatchRing) at a frame rate, each stamped with its sequence
+//! [`BatchRing`] at a frame rate, each stamped with its sequence
 //! number and capture time; a consumer takes them in order and measures each frame's latency
 //! from capture to its result; the naive baseline passes the same frames through a pipe into a
 //! pageable buffer. Here are the parts both sides share: the frame format and header, the
@@ -158,7 +158,7 @@ pub fn check(seq: u64, format: FrameFormat, pixels: &[u8]) -> bool {
 }
 
 /// What a producer did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ProducerStats {
     /// Frames published.
     pub sent: u64,

@@ -1,0 +1,250 @@
+//! The real-time frame pipeline of the source's case study (§6.2), CPU half: a camera-like
+//! producer process paints frames into a shared-memory ring; this process takes them in order,
+//! transforms each (RGB8 -> planar f32, on the CPU) and measures capture-to-result latency;
+//! then the naive baseline, the same frames through a pipe into a pageable buffer.
+//!
+//! ```text
+//! cargo run --release -p gpufeed --example frames -- --width 1920 --height 1080 --fps 60 --seconds 5
+//! ```
+//!
+//! The GPU consumer (uploads from the registered ring, double buffered, a kernel) is not built
+//! yet: both paths here transform on the CPU.
+
+use std::io::{BufWriter, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use gpufeed::frames::{self, FrameFormat, FrameHeader, LatencyStats};
+use gpufeed::ipc::BatchRing;
+
+#[derive(Parser)]
+#[command(
+    about = "The real-time frame pipeline (case study 6.2): a shared-memory ring against a pipe"
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    /// Frame width in pixels (RGB8).
+    #[arg(long, default_value_t = 1920)]
+    width: u32,
+    /// Frame height.
+    #[arg(long, default_value_t = 1080)]
+    height: u32,
+    /// Frames per second the producer captures at.
+    #[arg(long, default_value_t = 60.0)]
+    fps: f64,
+    /// Seconds of capture per path.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Ring slots (frames in flight).
+    #[arg(long, default_value_t = 4)]
+    slots: u32,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum Role {
+    /// The producer over a ring (started by `frames` itself).
+    #[command(hide = true)]
+    Produce {
+        #[arg(long)]
+        ring: String,
+        #[arg(long)]
+        frames: u64,
+    },
+    /// The baseline's producer, frames to stdout (started by `frames` itself).
+    #[command(hide = true)]
+    ProducePipe {
+        #[arg(long)]
+        frames: u64,
+    },
+}
+
+/// One path's figures.
+#[derive(serde::Serialize)]
+struct PathReport {
+    path: &'static str,
+    latency: LatencyStats,
+    /// Frames the producer dropped at capture (no free slot).
+    producer_dropped: u64,
+    /// Seconds transforming over wall seconds.
+    busy_fraction: f64,
+    /// Frames per second taken, start to end.
+    frames_per_s: f64,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let cli = Cli::parse();
+    let format = FrameFormat {
+        width: cli.width,
+        height: cli.height,
+    };
+    match cli.role {
+        Some(Role::Produce { ring, frames }) => {
+            let ring = BatchRing::open(&ring)?;
+            let stats = frames::produce(&ring, format, cli.fps, frames)?;
+            println!("{}", serde_json::to_string(&stats)?);
+            return Ok(());
+        }
+        Some(Role::ProducePipe { frames }) => return produce_pipe(format, cli.fps, frames),
+        None => {}
+    }
+    let frames = (cli.fps * cli.seconds).round().max(1.0) as u64;
+    let interval = Duration::from_secs_f64(1.0 / cli.fps);
+    let ring = ring_path(&cli, format, frames, interval)?;
+    let pipe = pipe_path(&cli, format, frames, interval)?;
+    if cli.json {
+        println!(
+            "{}",
+            serde_json::json!({"format": format, "fps": cli.fps, "frames": frames,
+                "transform": "cpu", "paths": [ring, pipe]})
+        );
+        return Ok(());
+    }
+    println!(
+        "{}x{} RGB8 at {} fps, {} frames per path; each frame transformed to planar f32 on the CPU\n",
+        format.width, format.height, cli.fps, frames
+    );
+    println!("| path | p50 ms | p99 ms | max ms | dropped | late | busy | frames/s |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in [&ring, &pipe] {
+        println!(
+            "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0}% | {:.1} |",
+            r.path,
+            r.latency.p50_ms,
+            r.latency.p99_ms,
+            r.latency.max_ms,
+            r.latency.dropped,
+            r.latency.late,
+            100.0 * r.busy_fraction,
+            r.frames_per_s
+        );
+    }
+    Ok(())
+}
+
+/// This program again, as a producer.
+fn me() -> Result<Command, Box<dyn std::error::Error>> {
+    Ok(Command::new(std::env::current_exe()?))
+}
+
+fn common_args(cmd: &mut Command, cli: &Cli) {
+    cmd.args(["--width", &cli.width.to_string()])
+        .args(["--height", &cli.height.to_string()])
+        .args(["--fps", &cli.fps.to_string()]);
+}
+
+fn ring_path(
+    cli: &Cli,
+    format: FrameFormat,
+    frames: u64,
+    interval: Duration,
+) -> Result<PathReport, Box<dyn std::error::Error>> {
+    let ring = BatchRing::create_unique(cli.slots, format.slot_bytes())?;
+    let name = ring
+        .segment()
+        .name()
+        .ok_or("the ring has no name")?
+        .to_owned();
+    let mut cmd = me()?;
+    common_args(&mut cmd, cli);
+    let child = cmd
+        .args(["produce", "--ring", &name, "--frames", &frames.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut planar = vec![0f32; format.bytes()];
+    let mut busy = Duration::ZERO;
+    let start = Instant::now();
+    let seen = frames::consume(&ring, format, frames, Duration::from_secs(5), |h, px| {
+        let t = Instant::now();
+        frames::to_planar_f32(px, format, &mut planar);
+        busy += t.elapsed();
+        check_some(h, format, px)
+    })?;
+    let wall = start.elapsed();
+    let out = child.wait_with_output()?;
+    let stats: frames::ProducerStats = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    Ok(PathReport {
+        path: "shared-memory ring (zero-copy slots)",
+        latency: frames::latency_stats(&seen, frames, Some(interval)),
+        producer_dropped: stats.dropped,
+        busy_fraction: busy.as_secs_f64() / wall.as_secs_f64(),
+        frames_per_s: seen.len() as f64 / wall.as_secs_f64(),
+    })
+}
+
+fn pipe_path(
+    cli: &Cli,
+    format: FrameFormat,
+    frames: u64,
+    interval: Duration,
+) -> Result<PathReport, Box<dyn std::error::Error>> {
+    let mut cmd = me()?;
+    common_args(&mut cmd, cli);
+    let mut child = cmd
+        .args(["produce-pipe", "--frames", &frames.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut pipe = child.stdout.take().ok_or("no pipe")?;
+    let mut pixels = vec![0u8; format.bytes()];
+    let mut planar = vec![0f32; format.bytes()];
+    let (mut seen, mut busy) = (Vec::new(), Duration::ZERO);
+    let start = Instant::now();
+    while let Some(h) = frames::read_frame(&mut pipe, format, &mut pixels)? {
+        let t = Instant::now();
+        frames::to_planar_f32(&pixels, format, &mut planar);
+        busy += t.elapsed();
+        check_some(&h, format, &pixels)?;
+        seen.push((h.seq, frames::monotonic_ns().saturating_sub(h.capture_ns)));
+    }
+    let wall = start.elapsed();
+    child.wait()?;
+    Ok(PathReport {
+        path: "pipe into a pageable buffer (baseline)",
+        latency: frames::latency_stats(&seen, frames, Some(interval)),
+        producer_dropped: 0,
+        busy_fraction: busy.as_secs_f64() / wall.as_secs_f64(),
+        frames_per_s: seen.len() as f64 / wall.as_secs_f64(),
+    })
+}
+
+/// Every 16th frame's pixels checked against what the producer painted.
+fn check_some(h: &FrameHeader, format: FrameFormat, px: &[u8]) -> gpufeed::Result<()> {
+    if h.seq.is_multiple_of(16) && !frames::check(h.seq, format, px) {
+        return Err(gpufeed::Error::InvalidSetting(format!(
+            "frame {} arrived with other pixels",
+            h.seq
+        )));
+    }
+    Ok(())
+}
+
+/// The baseline's camera: frames painted into a pageable buffer and written to stdout at
+/// `fps` (a pipe blocks the camera when full: nothing is dropped, frames arrive late).
+fn produce_pipe(
+    format: FrameFormat,
+    fps: f64,
+    frames: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut out = BufWriter::with_capacity(1 << 20, std::io::stdout().lock());
+    let mut pixels = vec![0u8; format.bytes()];
+    let start = Instant::now();
+    for seq in 0..frames {
+        let tick = start + Duration::from_secs_f64(seq as f64 / fps);
+        if let Some(wait) = tick.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let h = FrameHeader {
+            seq,
+            capture_ns: frames::monotonic_ns(),
+            format,
+        };
+        frames::paint(seq, format, &mut pixels);
+        frames::write_frame(&mut out, &h, &pixels)?;
+        out.flush()?;
+    }
+    Ok(())
+}
