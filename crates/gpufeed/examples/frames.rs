@@ -94,13 +94,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let frames = (cli.fps * cli.seconds).round().max(1.0) as u64;
     let interval = Duration::from_secs_f64(1.0 / cli.fps);
-    let ring = ring_path(&cli, format, frames, interval)?;
+    let ring = ring_path(&cli, format, frames, interval, cli.fps)?;
     let pipe = pipe_path(&cli, format, frames, interval)?;
+    // The most this consumer sustains: the producer paints as fast as slots free up.
+    let fastest = ring_path(&cli, format, frames, interval, 0.0)?;
     if cli.json {
         println!(
             "{}",
             serde_json::json!({"format": format, "fps": cli.fps, "frames": frames,
-                "transform": "cpu", "paths": [ring, pipe]})
+                "transform": "cpu", "paths": [ring, pipe], "sustained": fastest})
         );
         return Ok(());
     }
@@ -110,7 +112,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("| path | p50 ms | p99 ms | max ms | dropped | late | busy | frames/s |");
     println!("|---|---|---|---|---|---|---|---|");
-    for r in [&ring, &pipe] {
+    for r in [&ring, &pipe, &fastest] {
         println!(
             "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0}% | {:.1} |",
             r.path,
@@ -131,10 +133,10 @@ fn me() -> Result<Command, Box<dyn std::error::Error>> {
     Ok(Command::new(std::env::current_exe()?))
 }
 
-fn common_args(cmd: &mut Command, cli: &Cli) {
+fn common_args(cmd: &mut Command, cli: &Cli, fps: f64) {
     cmd.args(["--width", &cli.width.to_string()])
         .args(["--height", &cli.height.to_string()])
-        .args(["--fps", &cli.fps.to_string()]);
+        .args(["--fps", &fps.to_string()]);
 }
 
 fn ring_path(
@@ -142,6 +144,7 @@ fn ring_path(
     format: FrameFormat,
     frames: u64,
     interval: Duration,
+    fps: f64,
 ) -> Result<PathReport, Box<dyn std::error::Error>> {
     let ring = BatchRing::create_unique(cli.slots, format.slot_bytes())?;
     let name = ring
@@ -150,7 +153,7 @@ fn ring_path(
         .ok_or("the ring has no name")?
         .to_owned();
     let mut cmd = me()?;
-    common_args(&mut cmd, cli);
+    common_args(&mut cmd, cli, fps);
     let child = cmd
         .args(["produce", "--ring", &name, "--frames", &frames.to_string()])
         .stdout(Stdio::piped())
@@ -168,7 +171,11 @@ fn ring_path(
     let out = child.wait_with_output()?;
     let stats: frames::ProducerStats = serde_json::from_slice(&out.stdout).unwrap_or_default();
     Ok(PathReport {
-        path: "shared-memory ring (zero-copy slots)",
+        path: if fps > 0.0 {
+            "shared-memory ring (zero-copy slots)"
+        } else {
+            "the ring, frames as fast as the consumer takes them (sustained rate)"
+        },
         latency: frames::latency_stats(&seen, frames, Some(interval)),
         producer_dropped: stats.dropped,
         busy_fraction: busy.as_secs_f64() / wall.as_secs_f64(),
@@ -183,7 +190,7 @@ fn pipe_path(
     interval: Duration,
 ) -> Result<PathReport, Box<dyn std::error::Error>> {
     let mut cmd = me()?;
-    common_args(&mut cmd, cli);
+    common_args(&mut cmd, cli, cli.fps);
     let mut child = cmd
         .args(["produce-pipe", "--frames", &frames.to_string()])
         .stdout(Stdio::piped())
