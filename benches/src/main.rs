@@ -7,6 +7,7 @@
 mod access;
 mod chart;
 mod facade;
+mod frames;
 mod gpu;
 mod handoff;
 mod ipc;
@@ -123,6 +124,7 @@ enum Part {
     Small,
     Python,
     Multi,
+    Frames,
 }
 
 #[derive(Subcommand)]
@@ -166,6 +168,16 @@ enum Internal {
         #[arg(long, default_value_t = 21)]
         reps: usize,
     },
+    /// The frame producer of table 12 (started by the harness itself).
+    #[command(hide = true)]
+    FramesProducer {
+        #[arg(long)]
+        ring: Option<String>,
+        #[arg(long)]
+        fps: f64,
+        #[arg(long)]
+        frames: u64,
+    },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
     IpcChild {
@@ -190,6 +202,9 @@ fn main() -> Result<()> {
             count,
         }) => return ipc::child(role, &target, count),
         Some(Internal::Rank { path, reps }) => return multi::rank_child(&path, reps),
+        Some(Internal::FramesProducer { ring, fps, frames }) => {
+            return frames::child(ring.as_deref(), fps, frames);
+        }
         Some(Internal::SweepSmall { dir, reps }) => return sweep::run(&dir, reps),
         Some(Internal::OneShot {
             path,
@@ -359,6 +374,12 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    let frames = if host_part(Part::Frames) {
+        progress.line("      table 12: frames through a shared-memory ring and through a pipe");
+        Some(frames::measure(&exe, if cli.quick { 1.0 } else { 5.0 })?)
+    } else {
+        None
+    };
     ensure!(
         !cli.gpu || gpu.is_some() || small.is_some() || python.is_some() || multi.is_some(),
         "--gpu: no GPU is usable here (see `gpufeed doctor`)"
@@ -380,6 +401,7 @@ fn main() -> Result<()> {
         small,
         python,
         multi,
+        frames,
     };
     progress.finish();
     let json = serde_json::to_string_pretty(&report)?;

@@ -79,6 +79,8 @@ pub struct Report {
     pub python: Option<crate::python::PythonBench>,
     /// Table 11: several GPUs at once.
     pub multi: Option<crate::multi::MultiBench>,
+    /// Table 12: the frame pipeline (CPU form).
+    pub frames: Option<crate::frames::FramesBench>,
 }
 
 impl Report {
@@ -207,6 +209,9 @@ impl Report {
         }
         if let Some(v) = &self.multi {
             crate::multi::table(&mut s, v);
+        }
+        if let Some(v) = &self.frames {
+            crate::frames::table(&mut s, v);
         }
         s
     }

@@ -10,12 +10,12 @@
 //! The GPU consumer (uploads from the registered ring, double buffered, a kernel) is not built
 //! yet: both paths here transform on the CPU.
 
-use std::io::{BufWriter, Write};
+use std::io::BufWriter;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use gpufeed::frames::{self, FrameFormat, FrameHeader, LatencyStats};
+use gpufeed::frames::{self, FrameFormat};
 use gpufeed::ipc::BatchRing;
 
 #[derive(Parser)]
@@ -67,13 +67,10 @@ enum Role {
 #[derive(serde::Serialize)]
 struct PathReport {
     path: &'static str,
-    latency: LatencyStats,
+    #[serde(flatten)]
+    run: frames::RunReport,
     /// Frames the producer dropped at capture (no free slot).
     producer_dropped: u64,
-    /// Seconds transforming over wall seconds.
-    busy_fraction: f64,
-    /// Frames per second taken, start to end.
-    frames_per_s: f64,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -89,7 +86,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("{}", serde_json::to_string(&stats)?);
             return Ok(());
         }
-        Some(Role::ProducePipe { frames }) => return produce_pipe(format, cli.fps, frames),
+        Some(Role::ProducePipe { frames }) => {
+            let mut out = BufWriter::with_capacity(1 << 20, std::io::stdout().lock());
+            frames::produce_pipe(&mut out, format, cli.fps, frames)?;
+            return Ok(());
+        }
         None => {}
     }
     let frames = (cli.fps * cli.seconds).round().max(1.0) as u64;
@@ -116,13 +117,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0}% | {:.1} |",
             r.path,
-            r.latency.p50_ms,
-            r.latency.p99_ms,
-            r.latency.max_ms,
-            r.latency.dropped,
-            r.latency.late,
-            100.0 * r.busy_fraction,
-            r.frames_per_s
+            r.run.latency.p50_ms,
+            r.run.latency.p99_ms,
+            r.run.latency.max_ms,
+            r.run.latency.dropped,
+            r.run.latency.late,
+            100.0 * r.run.busy_fraction,
+            r.run.frames_per_s
         );
     }
     Ok(())
@@ -159,15 +160,10 @@ fn ring_path(
         .stdout(Stdio::piped())
         .spawn()?;
     let mut planar = vec![0f32; format.bytes()];
-    let mut busy = Duration::ZERO;
-    let start = Instant::now();
-    let seen = frames::consume(&ring, format, frames, Duration::from_secs(5), |h, px| {
-        let t = Instant::now();
+    let run = frames::run_ring(&ring, format, frames, Duration::from_secs(5), |h, px| {
         frames::to_planar_f32(px, format, &mut planar);
-        busy += t.elapsed();
-        check_some(h, format, px)
+        frames::check_some(h, px)
     })?;
-    let wall = start.elapsed();
     let out = child.wait_with_output()?;
     let stats: frames::ProducerStats = serde_json::from_slice(&out.stdout).unwrap_or_default();
     Ok(PathReport {
@@ -176,10 +172,8 @@ fn ring_path(
         } else {
             "the ring, frames as fast as the consumer takes them (sustained rate)"
         },
-        latency: frames::latency_stats(&seen, frames, Some(interval)),
+        run: run.report(frames, Some(interval)),
         producer_dropped: stats.dropped,
-        busy_fraction: busy.as_secs_f64() / wall.as_secs_f64(),
-        frames_per_s: seen.len() as f64 / wall.as_secs_f64(),
     })
 }
 
@@ -196,62 +190,15 @@ fn pipe_path(
         .stdout(Stdio::piped())
         .spawn()?;
     let mut pipe = child.stdout.take().ok_or("no pipe")?;
-    let mut pixels = vec![0u8; format.bytes()];
     let mut planar = vec![0f32; format.bytes()];
-    let (mut seen, mut busy) = (Vec::new(), Duration::ZERO);
-    let start = Instant::now();
-    while let Some(h) = frames::read_frame(&mut pipe, format, &mut pixels)? {
-        let t = Instant::now();
-        frames::to_planar_f32(&pixels, format, &mut planar);
-        busy += t.elapsed();
-        check_some(&h, format, &pixels)?;
-        seen.push((h.seq, frames::monotonic_ns().saturating_sub(h.capture_ns)));
-    }
-    let wall = start.elapsed();
+    let run = frames::run_pipe(&mut pipe, format, |h, px| {
+        frames::to_planar_f32(px, format, &mut planar);
+        frames::check_some(h, px)
+    })?;
     child.wait()?;
     Ok(PathReport {
         path: "pipe into a pageable buffer (baseline)",
-        latency: frames::latency_stats(&seen, frames, Some(interval)),
+        run: run.report(frames, Some(interval)),
         producer_dropped: 0,
-        busy_fraction: busy.as_secs_f64() / wall.as_secs_f64(),
-        frames_per_s: seen.len() as f64 / wall.as_secs_f64(),
     })
-}
-
-/// Every 16th frame's pixels checked against what the producer painted.
-fn check_some(h: &FrameHeader, format: FrameFormat, px: &[u8]) -> gpufeed::Result<()> {
-    if h.seq.is_multiple_of(16) && !frames::check(h.seq, format, px) {
-        return Err(gpufeed::Error::InvalidSetting(format!(
-            "frame {} arrived with other pixels",
-            h.seq
-        )));
-    }
-    Ok(())
-}
-
-/// The baseline's camera: frames painted into a pageable buffer and written to stdout at
-/// `fps` (a pipe blocks the camera when full: nothing is dropped, frames arrive late).
-fn produce_pipe(
-    format: FrameFormat,
-    fps: f64,
-    frames: u64,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let mut out = BufWriter::with_capacity(1 << 20, std::io::stdout().lock());
-    let mut pixels = vec![0u8; format.bytes()];
-    let start = Instant::now();
-    for seq in 0..frames {
-        let tick = start + Duration::from_secs_f64(seq as f64 / fps);
-        if let Some(wait) = tick.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
-        let h = FrameHeader {
-            seq,
-            capture_ns: frames::monotonic_ns(),
-            format,
-        };
-        frames::paint(seq, format, &mut pixels);
-        frames::write_frame(&mut out, &h, &pixels)?;
-        out.flush()?;
-    }
-    Ok(())
 }

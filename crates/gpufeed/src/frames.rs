@@ -277,6 +277,134 @@ pub fn consume(
     Ok(seen)
 }
 
+/// A consumer's run: each frame's number and latency, the time spent in `on_frame` (the
+/// transform), the wall time from the first wait to the last frame.
+#[derive(Debug, Clone, Default)]
+pub struct Run {
+    /// Each frame's number and latency, in the order taken.
+    pub seen: Vec<Seen>,
+    /// Time inside `on_frame`.
+    pub busy: Duration,
+    /// Wall time of the run.
+    pub wall: Duration,
+}
+
+/// What a [`Run`] amounts to against frames `0..expected` captured every `interval`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct RunReport {
+    /// Latency, drops and late frames.
+    pub latency: LatencyStats,
+    /// Time transforming over wall time.
+    pub busy_fraction: f64,
+    /// Frames taken per second of the run.
+    pub frames_per_s: f64,
+}
+
+impl Run {
+    /// The run's figures against frames `0..expected` captured every `interval`.
+    pub fn report(&self, expected: u64, interval: Option<Duration>) -> RunReport {
+        let wall = self.wall.as_secs_f64();
+        RunReport {
+            latency: latency_stats(&self.seen, expected, interval),
+            busy_fraction: self.busy.as_secs_f64() / wall,
+            frames_per_s: self.seen.len() as f64 / wall,
+        }
+    }
+}
+
+/// [`consume`] timed: `on_frame`'s time and the run's wall time beside each frame's latency.
+///
+/// # Errors
+/// [`consume`]'s.
+pub fn run_ring(
+    ring: &BatchRing,
+    format: FrameFormat,
+    frames: u64,
+    idle: Duration,
+    mut on_frame: impl FnMut(&FrameHeader, &[u8]) -> Result<()>,
+) -> Result<Run> {
+    let mut busy = Duration::ZERO;
+    let start = Instant::now();
+    let seen = consume(ring, format, frames, idle, |h, px| {
+        let t = Instant::now();
+        let r = on_frame(h, px);
+        busy += t.elapsed();
+        r
+    })?;
+    Ok(Run {
+        seen,
+        busy,
+        wall: start.elapsed(),
+    })
+}
+
+/// The baseline's consumer: frames of `format` read from `r` (a pipe) into a pageable buffer
+/// until the stream ends, `on_frame` called on each, timed as [`run_ring`] does.
+///
+/// # Errors
+/// [`read_frame`]'s; `on_frame`'s.
+pub fn run_pipe(
+    r: &mut impl Read,
+    format: FrameFormat,
+    mut on_frame: impl FnMut(&FrameHeader, &[u8]) -> Result<()>,
+) -> Result<Run> {
+    let mut pixels = vec![0u8; format.bytes()];
+    let mut run = Run::default();
+    let start = Instant::now();
+    while let Some(h) = read_frame(r, format, &mut pixels)? {
+        let t = Instant::now();
+        on_frame(&h, &pixels)?;
+        run.busy += t.elapsed();
+        run.seen
+            .push((h.seq, monotonic_ns().saturating_sub(h.capture_ns)));
+    }
+    run.wall = start.elapsed();
+    Ok(run)
+}
+
+/// The baseline's camera: frames `0..frames` painted into a pageable buffer and written to
+/// `w` (a pipe) at `fps`, each flushed; a full pipe blocks the camera, so frames arrive late
+/// rather than dropped.
+///
+/// # Errors
+/// The writer's.
+pub fn produce_pipe(w: &mut impl Write, format: FrameFormat, fps: f64, frames: u64) -> Result<()> {
+    let mut pixels = vec![0u8; format.bytes()];
+    let start = Instant::now();
+    for seq in 0..frames {
+        if fps > 0.0 {
+            let tick = start + Duration::from_secs_f64(seq as f64 / fps);
+            if let Some(wait) = tick.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let h = FrameHeader {
+            seq,
+            capture_ns: monotonic_ns(),
+            format,
+        };
+        paint(seq, format, &mut pixels);
+        write_frame(w, &h, &pixels)?;
+        w.flush()
+            .map_err(|e| Error::InvalidSetting(format!("writing frame {seq}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Checks every 16th frame's pixels against what [`paint`] painted: the consumers' guard.
+///
+/// # Errors
+/// [`Error::InvalidSetting`] naming a frame that arrived with other pixels.
+pub fn check_some(h: &FrameHeader, px: &[u8]) -> Result<()> {
+    if h.seq.is_multiple_of(16) && !check(h.seq, h.format, px) {
+        return Err(Error::InvalidSetting(format!(
+            "frame {} arrived with other pixels",
+            h.seq
+        )));
+    }
+    Ok(())
+}
+
 /// Writes one frame (header and pixels) to a pipe or socket: the baseline's producer side.
 ///
 /// # Errors
