@@ -567,6 +567,40 @@ mod tests {
     }
 
     #[test]
+    fn the_pipe_camera_and_consumer_run_in_order() {
+        let f = FrameFormat {
+            width: 64,
+            height: 32,
+        };
+        let (mut r, mut w) = std::io::pipe().expect("pipe");
+        let run = std::thread::scope(|s| {
+            s.spawn(move || {
+                produce_pipe(&mut w, f, 500.0, 25).expect("camera");
+            });
+            run_pipe(&mut r, f, |h, px| {
+                assert!(check(h.seq, f, px), "frame {}", h.seq);
+                check_some(h, px)
+            })
+            .expect("consumer")
+        });
+        let order: Vec<u64> = run.seen.iter().map(|&(s, _)| s).collect();
+        assert_eq!(order, (0..25).collect::<Vec<_>>());
+        assert!(run.busy <= run.wall);
+        let report = run.report(25, Some(Duration::from_millis(2)));
+        assert_eq!(report.latency.dropped, 0);
+        assert!(report.frames_per_s > 0.0 && report.busy_fraction <= 1.0);
+        // A frame painted as another is caught by the sampled check.
+        let mut px = vec![0u8; f.bytes()];
+        paint(3, f, &mut px);
+        let h = FrameHeader {
+            seq: 16,
+            capture_ns: 0,
+            format: f,
+        };
+        assert!(check_some(&h, &px).is_err());
+    }
+
+    #[test]
     fn frames_pass_through_a_pipe_byte_for_byte() {
         let f = FrameFormat {
             width: 17,
