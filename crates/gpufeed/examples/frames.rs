@@ -165,7 +165,19 @@ fn ring_path(
         frames::check_some(h, px)
     })?;
     let out = child.wait_with_output()?;
-    let stats: frames::ProducerStats = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    // A producer that died (killed mid-frame) loses the frame it was painting; what it
+    // published arrived. Say so and report what was seen.
+    let stats: frames::ProducerStats = match serde_json::from_slice(&out.stdout) {
+        Ok(s) if out.status.success() => s,
+        _ => {
+            let last = run.seen.last().map_or(-1, |&(s, _)| s as i64);
+            eprintln!(
+                "the producer ended early ({}) after frame {last}: the frames after it are counted as dropped",
+                out.status
+            );
+            frames::ProducerStats::default()
+        }
+    };
     Ok(PathReport {
         path: if fps > 0.0 {
             "shared-memory ring (zero-copy slots)"

@@ -39,8 +39,9 @@ pub enum Strategy {
     /// staging buffers `Staged` is faster (43.9 against 26.3 GB/s warm on the H200 machine),
     /// so `Auto` does not pick it. The file must not be truncated while it loads.
     Registered,
-    /// Read the file (buffered `pread`s, on every fill thread) into pinned staging buffers that the scheduler
-    /// uploads, reads overlapped with copies. Safe for files that may change while loading.
+    /// Read the file (buffered `pread`s, on every fill thread) into pinned staging buffers
+    /// that the scheduler uploads, reads overlapped with copies. Safe for files that may
+    /// change while loading.
     Staged,
     /// Like `Staged` with `O_DIRECT`: for files not in the page cache, or larger than it.
     Direct,
