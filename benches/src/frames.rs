@@ -61,11 +61,13 @@ fn through_ring(exe: &std::path::Path, fps: f64, frames: u64) -> Result<(RunRepo
     let ring = BatchRing::create_unique(4, FORMAT.slot_bytes())?;
     let name = ring.segment().name().context("a named ring")?.to_owned();
     let child = producer(exe, Some(&name), fps, frames).spawn()?;
-    let mut planar = vec![0f32; FORMAT.bytes()];
-    let run = frames::run_ring(&ring, FORMAT, frames, Duration::from_secs(10), |h, px| {
-        frames::to_planar_f32(px, FORMAT, &mut planar);
-        frames::check_some(h, px)
-    })?;
+    let run = frames::run_ring(
+        &ring,
+        FORMAT,
+        frames,
+        Duration::from_secs(10),
+        frames::cpu_transform(FORMAT),
+    )?;
     let out = child.wait_with_output()?;
     anyhow::ensure!(out.status.success(), "the frame producer failed");
     let stats: frames::ProducerStats = serde_json::from_slice(&out.stdout)?;
@@ -81,11 +83,7 @@ pub fn measure(exe: &std::path::Path, seconds: f64) -> Result<FramesBench> {
     let (ring, dropped) = through_ring(exe, FPS, frames)?;
     let mut child = producer(exe, None, FPS, frames).spawn()?;
     let mut pipe = child.stdout.take().context("the producer's pipe")?;
-    let mut planar = vec![0f32; FORMAT.bytes()];
-    let run = frames::run_pipe(&mut pipe, FORMAT, |h, px| {
-        frames::to_planar_f32(px, FORMAT, &mut planar);
-        frames::check_some(h, px)
-    })?;
+    let run = frames::run_pipe(&mut pipe, FORMAT, frames::cpu_transform(FORMAT))?;
     anyhow::ensure!(child.wait()?.success(), "the pipe's frame producer failed");
     let (sustained, _) = through_ring(exe, 0.0, frames)?;
     Ok(FramesBench {

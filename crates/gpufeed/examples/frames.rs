@@ -159,11 +159,13 @@ fn ring_path(
         .args(["produce", "--ring", &name, "--frames", &frames.to_string()])
         .stdout(Stdio::piped())
         .spawn()?;
-    let mut planar = vec![0f32; format.bytes()];
-    let run = frames::run_ring(&ring, format, frames, Duration::from_secs(5), |h, px| {
-        frames::to_planar_f32(px, format, &mut planar);
-        frames::check_some(h, px)
-    })?;
+    let run = frames::run_ring(
+        &ring,
+        format,
+        frames,
+        Duration::from_secs(5),
+        frames::cpu_transform(format),
+    )?;
     let out = child.wait_with_output()?;
     // A producer that died (killed mid-frame) loses the frame it was painting; what it
     // published arrived. Say so and report what was seen.
@@ -202,11 +204,7 @@ fn pipe_path(
         .stdout(Stdio::piped())
         .spawn()?;
     let mut pipe = child.stdout.take().ok_or("no pipe")?;
-    let mut planar = vec![0f32; format.bytes()];
-    let run = frames::run_pipe(&mut pipe, format, |h, px| {
-        frames::to_planar_f32(px, format, &mut planar);
-        frames::check_some(h, px)
-    })?;
+    let run = frames::run_pipe(&mut pipe, format, frames::cpu_transform(format))?;
     child.wait()?;
     Ok(PathReport {
         path: "pipe into a pageable buffer (baseline)",

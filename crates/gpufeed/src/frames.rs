@@ -391,6 +391,17 @@ pub fn produce_pipe(w: &mut impl Write, format: FrameFormat, fps: f64, frames: u
     Ok(())
 }
 
+/// The CPU consumer's work on each frame: the planar transform ([`to_planar_f32`], into a
+/// buffer it keeps) and the sampled pixel check ([`check_some`]) — what the example and the
+/// bench pass as `on_frame`.
+pub fn cpu_transform(format: FrameFormat) -> impl FnMut(&FrameHeader, &[u8]) -> Result<()> {
+    let mut planar = vec![0f32; format.bytes()];
+    move |h, px| {
+        to_planar_f32(px, format, &mut planar);
+        check_some(h, px)
+    }
+}
+
 /// Checks every 16th frame's pixels against what [`paint`] painted: the consumers' guard.
 ///
 /// # Errors
