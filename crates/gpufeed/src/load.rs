@@ -116,7 +116,8 @@ pub struct LoadOptions {
     pub register_chunk_bytes: usize,
     /// Threads registering chunks ahead of the copies for `Registered` (2).
     pub register_threads: usize,
-    /// Reads in flight per IO thread for `Staged`/`Direct` (8).
+    /// Reads in flight per IO thread for `Direct` (8; `Staged` reads one piece per `pread`).
+    /// File lists ([`Loader::load_files`]) use at least 32.
     pub queue_depth: usize,
     /// Test hook, not API: registration fails as a driver refusing it would
     /// (`CUDA_ERROR_NOT_PERMITTED`, as under some container and WSL limits), to test the
@@ -263,8 +264,9 @@ pub struct Loader {
     unpooled: AtomicBool,
     /// Every load's device memory from `cuMemAlloc` (one-shot loaders).
     pub(crate) always_unpooled: bool,
-    /// io_uring readers kept between loads (building one sets up a ring: ~100 us), buffered
-    /// and `O_DIRECT`; each load opens its file in the readers it takes and closes it after.
+    /// io_uring readers kept between loads (building one sets up a ring: ~100 us): `O_DIRECT`
+    /// ones for `Direct` loads, buffered ones for file lists; a load opens its files in the
+    /// readers it takes and closes them after.
     pub(crate) readers: Readers,
 }
 
