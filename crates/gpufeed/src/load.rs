@@ -1253,7 +1253,6 @@ struct FileSource<'a> {
     ends: Vec<u64>,
     /// The file, opened once, for buffered loads; `None`: O_DIRECT through readers.
     buffered: Option<std::fs::File>,
-    direct: Direct,
     queue_depth: usize,
     readers: &'a Readers,
     /// Readers with the file open, not in use by a fill thread right now.
@@ -1274,11 +1273,6 @@ impl<'a> FileSource<'a> {
         queue_depth: usize,
         readers: &'a Readers,
     ) -> Self {
-        let direct = if buffered.is_some() {
-            Direct::Off
-        } else {
-            Direct::On
-        };
         let ends = spans
             .iter()
             .scan(0u64, |end, s| {
@@ -1291,7 +1285,6 @@ impl<'a> FileSource<'a> {
             spans,
             ends,
             buffered,
-            direct,
             queue_depth,
             readers,
             open: Mutex::new(Vec::new()),
@@ -1305,11 +1298,12 @@ impl<'a> FileSource<'a> {
 
     /// An idle reader (or a new one) with the file opened in it.
     fn take(&self) -> Result<OpenReader> {
-        let mut reader = self.readers.take(self.direct, self.queue_depth)?;
+        // Readers serve the O_DIRECT loads only (buffered ones pread `buffered`).
+        let mut reader = self.readers.take(Direct::On, self.queue_depth)?;
         match reader.open(self.path) {
             Ok(file) => Ok(OpenReader { reader, file }),
             Err(e) => {
-                self.readers.give_back(self.direct, reader);
+                self.readers.give_back(Direct::On, reader);
                 Err(e.into())
             }
         }
@@ -1324,7 +1318,7 @@ impl<'a> FileSource<'a> {
             }
             // Cannot fail: `file` was opened by this reader and not closed.
             if reader.close(file).is_ok() {
-                self.readers.give_back(self.direct, reader);
+                self.readers.give_back(Direct::On, reader);
             }
         }
         fallbacks

@@ -1300,19 +1300,23 @@ fn gather(
     transform: Option<&Transform>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
-    let parts = |i: usize| {
-        records.parts(i).ok_or_else(|| Error::Records {
-            path: records.path_of(i).into(),
-            reason: format!("record {i} does not exist"),
+    let parts = indices
+        .iter()
+        .map(|&i| {
+            records.parts(i).ok_or_else(|| Error::Records {
+                path: records.path_of(i).into(),
+                reason: format!("record {i} does not exist"),
+            })
         })
-    };
+        .collect::<Result<Vec<_>>>()?;
     assemble(parts, pool, transform, indices)
 }
 
-/// Copies (and transforms) the records `indices`, whose parts `parts` gives, into a pooled
-/// buffer; returns each record's start in it, then the end of the last.
-fn assemble<'a>(
-    parts: impl Fn(usize) -> Result<Vec<&'a [u8]>>,
+/// Copies (and transforms) the records `indices`, whose parts `parts` holds (one entry per
+/// index, in order), into a pooled buffer; returns each record's start in it, then the end of
+/// the last.
+fn assemble(
+    parts: Vec<Vec<&[u8]>>,
     pool: &PinnedPool,
     transform: Option<&Transform>,
     indices: &[usize],
@@ -1321,17 +1325,11 @@ fn assemble<'a>(
     offsets.push(0);
     match transform {
         None => {
-            let mut all = Vec::with_capacity(indices.len());
-            let mut total = 0;
-            for &i in indices {
-                let p = parts(i)?;
-                total += p.iter().map(|p| p.len()).sum::<usize>();
-                all.push(p);
-            }
+            let total = parts.iter().flatten().map(|p| p.len()).sum::<usize>();
             let mut buf = pool.get(total.max(1))?;
             buf.set_len(total);
             let mut at = 0;
-            for p in all {
+            for p in parts {
                 for r in p {
                     buf[at..at + r.len()].copy_from_slice(r);
                     at += r.len();
@@ -1343,9 +1341,8 @@ fn assemble<'a>(
         Some(f) => {
             let mut out = Vec::new();
             let mut joined = Vec::new();
-            for &i in indices {
-                let p = parts(i)?;
-                run_transform(f, i, contiguous(&p, &mut joined), &mut out)?;
+            for (&i, p) in indices.iter().zip(&parts) {
+                run_transform(f, i, contiguous(p, &mut joined), &mut out)?;
                 offsets.push(out.len());
             }
             let mut buf = pool.get(out.len().max(1))?;
@@ -1414,11 +1411,15 @@ fn gather_direct(
         path: records.path_of(i).into(),
         reason: format!("record {i} does not exist"),
     };
-    let mut spans = Vec::new();
-    for &i in indices {
-        let (f, ranges) = records.ranges(i).ok_or_else(|| missing(i))?;
-        spans.extend(ranges.into_iter().map(|r| (f, r.start, r.end)));
-    }
+    // Each record's file and byte ranges, in the batch's order (located once, read below).
+    let located = indices
+        .iter()
+        .map(|&i| records.ranges(i).ok_or_else(|| missing(i)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut spans: Vec<(usize, usize, usize)> = located
+        .iter()
+        .flat_map(|(f, ranges)| ranges.iter().map(move |r| (*f, r.start, r.end)))
+        .collect();
     spans.sort_unstable();
     // Runs: (file, start, end), records within a page of each other read together.
     let mut runs: Vec<(usize, usize, usize)> = Vec::new();
@@ -1469,24 +1470,27 @@ fn gather_direct(
         .bytes
         .fetch_add(bufs.iter().map(|b| b.3 as u64).sum(), Relaxed);
     let bufs = &bufs;
-    let parts = |i: usize| -> Result<Vec<&[u8]>> {
-        let (f, ranges) = records.ranges(i).ok_or_else(|| missing(i))?;
-        ranges
-            .into_iter()
-            .map(|r| {
-                if r.is_empty() {
-                    return Ok(&[][..]);
-                }
-                // The run holding it: the last buffer of file `f` starting at or before it.
-                let k = bufs.partition_point(|(bf, bs, ..)| (*bf, *bs) <= (f, r.start));
-                k.checked_sub(1)
-                    .map(|k| &bufs[k])
-                    .filter(|(bf, bs, _, len)| *bf == f && r.end <= bs + len)
-                    .map(|(_, bs, buf, _)| &buf[r.start - bs..r.end - bs])
-                    .ok_or_else(|| missing(i))
-            })
-            .collect()
-    };
+    let parts = indices
+        .iter()
+        .zip(&located)
+        .map(|(&i, (f, ranges))| {
+            ranges
+                .iter()
+                .map(|r| {
+                    if r.is_empty() {
+                        return Ok(&[][..]);
+                    }
+                    // The run holding it: the last buffer of file `f` starting at or before it.
+                    let k = bufs.partition_point(|(bf, bs, ..)| (*bf, *bs) <= (*f, r.start));
+                    k.checked_sub(1)
+                        .map(|k| &bufs[k])
+                        .filter(|(bf, bs, _, len)| bf == f && r.end <= bs + len)
+                        .map(|(_, bs, buf, _)| &buf[r.start - bs..r.end - bs])
+                        .ok_or_else(|| missing(i))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
     assemble(parts, pool, transform, indices)
 }
 
