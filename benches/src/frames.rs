@@ -35,7 +35,7 @@ pub fn child(ring: Option<&str>, fps: f64, frames: u64) -> Result<()> {
     match ring {
         Some(name) => {
             let ring = BatchRing::open(name)?;
-            let stats = frames::produce(&ring, FORMAT, fps, frames)?;
+            let stats = frames::produce(&ring, FORMAT, fps, 0..frames)?;
             println!("{}", serde_json::to_string(&stats)?);
         }
         None => {

@@ -82,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     match cli.role {
         Some(Role::Produce { ring, frames }) => {
             let ring = BatchRing::open(&ring)?;
-            let stats = frames::produce(&ring, format, cli.fps, frames)?;
+            let stats = frames::produce(&ring, format, cli.fps, 0..frames)?;
             println!("{}", serde_json::to_string(&stats)?);
             return Ok(());
         }

@@ -16,7 +16,7 @@
 //! let format = FrameFormat { width: 64, height: 48 };
 //! let ring = gpufeed::ipc::BatchRing::anonymous(4, format.slot_bytes())?;
 //! let seen = std::thread::scope(|s| {
-//!     s.spawn(|| produce(&ring, format, 0.0, 20));
+//!     s.spawn(|| produce(&ring, format, 0.0, 0..20));
 //!     consume(&ring, format, 20, std::time::Duration::from_secs(5), |_, _| Ok(()))
 //! })?;
 //! let stats = latency_stats(&seen, 20, None);
@@ -166,9 +166,10 @@ pub struct ProducerStats {
     pub dropped: u64,
 }
 
-/// Produces frames `0..frames` of `format` into `ring` at `fps` frames per second (each
-/// captured at its tick; one that finds no free slot is dropped), or with `fps` 0 as fast as
-/// the consumer frees slots (waiting for them: nothing dropped).
+/// Produces frames numbered `frames` (`0..n`; a camera started again goes on from where the
+/// last stopped) of `format` into `ring` at `fps` frames per second (each captured at its
+/// tick; one that finds no free slot is dropped), or with `fps` 0 as fast as the consumer
+/// frees slots (waiting for them: nothing dropped).
 ///
 /// # Errors
 /// The ring's (its consumer gone, this process judged gone); a slot smaller than
@@ -181,7 +182,7 @@ pub fn produce(
     ring: &BatchRing,
     format: FrameFormat,
     fps: f64,
-    frames: u64,
+    frames: std::ops::Range<u64>,
 ) -> Result<ProducerStats> {
     if ring.slot_bytes() < format.slot_bytes() {
         return Err(Error::InvalidSetting(format!(
@@ -194,9 +195,10 @@ pub fn produce(
     }
     let start = Instant::now();
     let mut stats = ProducerStats::default();
-    for seq in 0..frames {
+    let first = frames.start;
+    for seq in frames {
         let claim = if fps > 0.0 {
-            let tick = start + Duration::from_secs_f64(seq as f64 / fps);
+            let tick = start + Duration::from_secs_f64((seq - first) as f64 / fps);
             if let Some(wait) = tick.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }

@@ -37,35 +37,9 @@ fn producer_dispatcher() {
         .map(|x| x.parse().expect("number"))
         .collect();
     let ring = BatchRing::open(&name).expect("open the ring");
-    // Frames numbered from `first`: produce() counts from 0, so the header is shifted here.
     let (first, count, fps) = (v[0] as u64, v[1] as u64, v[2]);
-    let stats = produce_from(&ring, first, count, fps);
+    let stats = frames::produce(&ring, FORMAT, fps, first..first + count).expect("produce");
     println!("PRODUCED {} {}", stats.sent, stats.dropped);
-}
-
-/// `frames::produce` for frames numbered from `first` (a second producer goes on where the
-/// first stopped): the first `first` are skipped by producing nothing for them.
-fn produce_from(ring: &BatchRing, first: u64, count: u64, fps: f64) -> frames::ProducerStats {
-    if first == 0 {
-        return frames::produce(ring, FORMAT, fps, count).expect("produce");
-    }
-    let mut stats = frames::ProducerStats::default();
-    for seq in first..first + count {
-        let mut claim = ring.claim(Duration::from_secs(30)).expect("claim");
-        let header = frames::FrameHeader {
-            seq,
-            capture_ns: frames::monotonic_ns(),
-            format: FORMAT,
-        };
-        let mut bytes = vec![0u8; frames::HEADER_BYTES + FORMAT.bytes()];
-        bytes[..32].copy_from_slice(&header.encode());
-        frames::paint(seq, FORMAT, &mut bytes[frames::HEADER_BYTES..]);
-        claim.write_at(0, &bytes).expect("write");
-        claim.set_len(bytes.len() as u64).expect("len");
-        claim.publish().expect("publish");
-        stats.sent += 1;
-    }
-    stats
 }
 
 #[test]
