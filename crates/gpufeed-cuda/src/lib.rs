@@ -10,7 +10,8 @@
 //! - [`TransferScheduler`]: host -> device (and back) in chunks spread over several streams.
 //!   Pinned and registered memory is copied directly; pageable memory and [`FillSource`]s
 //!   (a file reader, a decoder) go through pinned staging buffers from a
-//!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes: each fill thread owns a stream and
+//!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes ([`TransferConfig::lanes_for`]: one
+//!   per 8 MiB, at least four, at most the fill threads): each lane owns a stream and
 //!   a few staging buffers, fills one, issues its copy and fills the next while the first is
 //!   on the wire (no single submitting thread to funnel through); the calling thread runs the
 //!   first lane and fill threads started by the first upload that needs them (and kept, awake
