@@ -69,6 +69,9 @@ pub fn moved(s: &Samples) -> Option<f64> {
     (spread.is_finite() && spread > MAX_SPREAD).then_some(spread)
 }
 
+/// The disk's `O_DIRECT` ways: sequential `pread`s of (bytes, on threads).
+pub const DIRECT_WAYS: [(usize, usize); 3] = [(READ_CHUNK, 1), (1 << 20, 4), (1 << 20, 16)];
+
 const COPY_BYTES: usize = 256 << 20;
 const READ_CHUNK: usize = 8 << 20;
 /// The warm read()'s buffer: 1 MiB, as table 3's requests.
@@ -130,12 +133,9 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<Limits> {
             read_all(true, READ_CHUNK)?,
         );
         if direct_ok {
-            for t in [1, 4, 16] {
-                let (chunk, how) = if t == 1 {
-                    (READ_CHUNK, "O_DIRECT pread, 8 MiB, 1 thread".to_owned())
-                } else {
-                    (1 << 20, format!("O_DIRECT pread, 1 MiB, {t} threads"))
-                };
+            for (chunk, t) in DIRECT_WAYS {
+                let (mib, s) = (chunk >> 20, if t == 1 { "" } else { "s" });
+                let how = format!("O_DIRECT pread, {mib} MiB, {t} thread{s}");
                 add(&how, direct_read(dataset, len, chunk, t)?);
             }
         }

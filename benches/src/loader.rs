@@ -12,8 +12,6 @@ use crate::util::{Samples, gbps, timed};
 
 pub const RECORD: usize = 64 << 10;
 pub const BATCH: usize = 64;
-/// Records per block of the cold `O_DIRECT` row (`Order::Blocks`): 1 MiB reads.
-pub const BLOCK: usize = 16;
 
 #[derive(Debug, Serialize)]
 pub struct LoaderBench {
@@ -28,11 +26,10 @@ pub struct LoaderBench {
     /// Milliseconds from `BatchLoader::resume` (rank 3 of 8, mid-epoch) to its first batch.
     pub resume_ms: Samples,
     /// The data set evicted from the page cache before each epoch, read with `O_DIRECT`
-    /// (`LoaderConfig::direct`) in blocks of [`BLOCK`] records (`Order::Blocks`), with 2 and
-    /// with 4 workers.
+    /// (`LoaderConfig::direct`) in blocks of records (`Order::Blocks`), with several block
+    /// sizes, numbers of workers and reads in flight.
     pub direct_cold: Vec<DirectCold>,
-    /// The disk's own `O_DIRECT` reads of the same file in the same repetitions, each just
-    /// before the epochs (sequential 1 MiB `pread`s on 4 threads): GB/s.
+    /// All the cold rows' limits together ([`DirectCold::limit_gbps`]): GB/s.
     pub direct_limit_gbps: Samples,
 }
 
@@ -118,46 +115,95 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
 /// One setting of the cold `O_DIRECT` rows.
 #[derive(Debug, Serialize)]
 pub struct DirectCold {
+    /// Records per block (`Order::Blocks`).
+    pub block: usize,
     pub workers: usize,
+    /// `LoaderConfig::direct_depth`: reads in flight per worker.
+    pub depth: usize,
     pub gbps: Samples,
+    /// The disk's own `O_DIRECT` reads of the file next to each of this row's epochs (the
+    /// fastest of the limits table's ways, `limits::DIRECT_WAYS`, and of io_uring at queue
+    /// depth [`DISK_QUEUE`]), GB/s: the row's limit.
+    pub limit_gbps: Samples,
+    /// The disk's own `O_DIRECT` reads of the file's blocks in a random order, through
+    /// io_uring at queue depth [`DISK_QUEUE`], next to each epoch: what this order costs the
+    /// disk with no loader around it, GB/s.
+    pub shuffled_gbps: Samples,
+    /// Each epoch's GB/s over its own limit's (the pairs taken together cancel the disk's
+    /// drift over the run, which moves it by a third and more on the GPU machine).
+    pub share: Samples,
     /// Mean bytes per `O_DIRECT` read.
     pub read_bytes: f64,
 }
 
-/// Epochs of the data set read cold with `O_DIRECT` in blocks of [`BLOCK`] records (evicted
-/// before each) with 2 and 4 workers, each repetition after the disk's own `O_DIRECT` read of
-/// the file (in turns, so that a slow spell of a shared disk falls on all).
+/// The (records per block, workers, reads in flight per worker) of the cold rows: 1 MiB and
+/// 4 MiB blocks, 16 reads in flight in all from 4, 8 and 16 workers (a worker waits for the
+/// last of its batch's reads before it copies: the fewer per worker, the less the queue
+/// empties), and 4 from 4 (bench runs 60-62 on the H200 machine).
+const DIRECT_ROWS: [(usize, usize, usize); 5] =
+    [(16, 4, 4), (16, 8, 2), (16, 16, 1), (16, 4, 1), (64, 4, 4)];
+
+/// The queue depth of the io_uring way of a cold row's limit: as many 1 MiB reads in flight
+/// as the rows' 4 workers with 4 each.
+pub const DISK_QUEUE: usize = 16;
+
+/// Epochs of the data set read cold with `O_DIRECT` in blocks of records (evicted before
+/// each) as [`DIRECT_ROWS`] say, each next to the disk's own `O_DIRECT` reads of the file (the
+/// fastest of the limits table's ways and of io_uring at queue depth [`DISK_QUEUE`]), before
+/// it and after it in turns: a disk that serves bursts or
+/// has slow spells favours neither.
 fn direct_cold(
     dataset: &Path,
     cfg: &LoaderConfig,
     reps: usize,
 ) -> Result<(Vec<DirectCold>, Samples)> {
-    let order = Order::Blocks {
-        seed: 5,
-        block: BLOCK,
-    };
-    let mut loaders = [2usize, 4]
+    type Row = (
+        (usize, usize, usize),
+        BatchLoader,
+        Vec<f64>,
+        Vec<f64>,
+        Vec<f64>,
+    );
+    let mut loaders = DIRECT_ROWS
         .into_iter()
-        .map(|workers| -> Result<(usize, BatchLoader, Vec<f64>)> {
+        .map(|(block, workers, depth)| -> Result<Row> {
+            let order = Order::Blocks { seed: 5, block };
             // SAFETY: the bench's data files are written once and never changed while mapped.
             let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
             let cfg = cfg
                 .clone()
                 .with_direct(true)
+                .with_direct_depth(depth)
                 .with_workers(workers)
                 .with_prefetch(2 * workers);
             Ok((
-                workers,
+                (block, workers, depth),
                 BatchLoader::new(records, Sampler::new(order), cfg, None)?,
+                Vec::new(),
+                Vec::new(),
                 Vec::new(),
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut limit = Vec::new();
     let len = dataset.metadata()?.len();
+    let disk = || -> Result<f64> {
+        let queued = crate::reads::uring_direct(dataset, DISK_QUEUE)?;
+        crate::limits::DIRECT_WAYS
+            .iter()
+            .try_fold(queued, |best, &(chunk, threads)| {
+                Ok(best.max(crate::limits::direct_read(dataset, len, chunk, threads)?))
+            })
+    };
     for epoch in 0..reps as u64 {
-        limit.push(crate::limits::direct_read(dataset, len, 1 << 20, 4)?);
-        for (_, loader, runs) in &mut loaders {
+        for (row, ((block, ..), loader, runs, limit, shuffled)) in loaders.iter_mut().enumerate() {
+            let first = (epoch as usize + row).is_multiple_of(2);
+            if first {
+                limit.push(disk()?);
+            }
+            let bytes = *block * RECORD;
+            shuffled.push(crate::reads::uring_direct_shuffled(
+                dataset, DISK_QUEUE, bytes, epoch,
+            )?);
             cache::evict(dataset)?;
             let (secs, bytes) = timed(|| -> Result<u64> {
                 let mut bytes = 0;
@@ -167,20 +213,31 @@ fn direct_cold(
                 Ok(bytes)
             });
             runs.push(gbps(bytes?, secs));
+            if !first {
+                limit.push(disk()?);
+            }
         }
     }
+    let all = loaders.iter().flat_map(|l| l.3.iter().copied()).collect();
+    // Before `Samples` sorts them: each epoch with its own limit.
+    let shares = |runs: &[f64], limit: &[f64]| runs.iter().zip(limit).map(|(r, l)| r / l).collect();
     let rows = loaders
         .into_iter()
-        .map(|(workers, loader, runs)| {
+        .map(|((block, workers, depth), loader, runs, limit, shuffled)| {
             let st = loader.stats();
             DirectCold {
+                block,
                 workers,
+                depth,
+                share: Samples::new(shares(&runs, &limit)),
                 gbps: Samples::new(runs),
+                limit_gbps: Samples::new(limit),
+                shuffled_gbps: Samples::new(shuffled),
                 read_bytes: st.direct_read_bytes as f64 / st.direct_reads.max(1) as f64,
             }
         })
         .collect();
-    Ok((rows, Samples::new(limit)))
+    Ok((rows, Samples::new(all)))
 }
 
 /// An elastic loader over 10 million records or more (the data set cut into records of the

@@ -51,6 +51,77 @@ fn buffer_pool(count: usize) -> Result<RefCell<Vec<AlignedBuf>>> {
     Ok(RefCell::new(pool))
 }
 
+/// All of `path` read with `O_DIRECT` through io_uring in 1 MiB requests, `qd` in flight:
+/// GB/s (a way of the disk's limit for the batch loader's cold rows, whose reads are queued).
+pub fn uring_direct(path: &Path, qd: usize) -> Result<f64> {
+    let pool = buffer_pool(qd)?;
+    let mut reader = Reader::builder()
+        .backend(Backend::IoUring)
+        .direct(Direct::On)
+        .queue_depth(qd)
+        .block_bytes(BLOCK)
+        .build()?;
+    read_whole(&mut reader, path, &pool)
+}
+
+/// All of `path` read with `O_DIRECT` through io_uring in `block`-byte requests, `qd` in
+/// flight, the blocks in a seeded random order: GB/s. What the disk gives the batch loader's
+/// cold rows' order (`Order::Blocks`) with no loader around it.
+pub fn uring_direct_shuffled(path: &Path, qd: usize, block: usize, seed: u64) -> Result<f64> {
+    let len = path.metadata()?.len() / 4096 * 4096;
+    let mut order: Vec<u64> = (0..len.div_ceil(block as u64)).collect();
+    // Fisher-Yates with a xorshift64*: the order only has to be fixed and far from sequential.
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for i in (1..order.len()).rev() {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let j = (x.wrapping_mul(0x2545_F491_4F6C_DD1D) % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    let mut reader = Reader::builder()
+        .backend(Backend::IoUring)
+        .direct(Direct::On)
+        .queue_depth(qd)
+        .block_bytes(block)
+        .build()?;
+    let file = reader.open(path)?;
+    let mut pool = (0..qd)
+        .map(|_| AlignedBuf::new(block, 4096))
+        .collect::<Result<Vec<_>, _>>()?;
+    for b in &mut pool {
+        b.fill(1);
+    }
+    let pool = RefCell::new(pool);
+    let failure = RefCell::new(None);
+    // Buffers go back to the pool as reads complete: `qd` of them serve the whole file.
+    let ops = order.into_iter().map_while(|i| {
+        let off = i * block as u64;
+        let n = (len - off).min(block as u64) as usize;
+        let buf = pool
+            .borrow_mut()
+            .pop()
+            .map_or_else(|| AlignedBuf::new(block, 4096), Ok);
+        buf.map(|b| ReadOp::new(file, off, b).len(n))
+            .map_err(|e| failure.borrow_mut().get_or_insert(e.to_string()).clone())
+            .ok()
+    });
+    let (secs, res) = timed(|| {
+        reader.read_all(ops, |c| {
+            if let Err(e) = &c.result {
+                failure.borrow_mut().get_or_insert_with(|| e.to_string());
+            }
+            pool.borrow_mut().push(c.buf);
+        })
+    });
+    let failure = failure.into_inner();
+    res?;
+    if let Some(e) = failure {
+        bail!("read failed: {e}");
+    }
+    Ok(gbps(len, secs))
+}
+
 /// Reads all of `path` with `reader` in 1 MiB requests, taking buffers from `pool` and
 /// returning them as requests complete; returns GB/s.
 fn read_whole(reader: &mut Reader, path: &Path, pool: &RefCell<Vec<AlignedBuf>>) -> Result<f64> {

@@ -164,24 +164,30 @@ impl Report {
             for d in &b.direct_cold {
                 let _ = writeln!(
                     s,
-                    "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read) | {} records | {} | {} | {} | |",
+                    "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read, {} in flight per worker) | {} records | {} | {} | {} ({} GB/s; per epoch {}-{}%; the disk reading such blocks in a random order: {} GB/s) | |",
                     show_size(b.record_bytes as u64),
-                    crate::loader::BLOCK,
+                    d.block,
                     show_size(d.read_bytes as u64),
+                    d.depth,
                     b.batch_size,
                     d.workers,
                     d.gbps.show(2),
                     share(
-                        d.gbps.median,
-                        b.direct_limit_gbps.median,
-                        "the disk's O_DIRECT reads (same repetitions)"
+                        d.share.median,
+                        1.0,
+                        "the disk's O_DIRECT reads next to each epoch"
                     ),
+                    d.limit_gbps.show(2),
+                    (100.0 * d.share.min).round(),
+                    (100.0 * d.share.max).round(),
+                    d.shuffled_gbps.show(2),
                 );
             }
             let _ = writeln!(
                 s,
-                "\nThe cold rows' limit: before each repetition, the disk's own `O_DIRECT` read of the same file \
-                 (sequential 1 MiB `pread`s on 4 threads), {} GB/s; the best `O_DIRECT` way of the limits table: {}.",
+                "\nThe cold rows' limit: next to each epoch (before it and after it in turns), the disk's own `O_DIRECT` reads of the same file \
+                 (sequential `pread`s of 8 MiB on 1 thread, of 1 MiB on 4 and on 16 threads, and 1 MiB reads through io_uring at queue depth {}: the fastest); all rows' together {} GB/s; the best `O_DIRECT` way of the limits table: {}.",
+                crate::loader::DISK_QUEUE,
                 b.direct_limit_gbps.show(2),
                 self.limits.as_ref().and_then(Limits::direct_limit).map_or(
                     "-".to_owned(),

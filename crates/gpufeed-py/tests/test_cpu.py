@@ -380,7 +380,8 @@ def test_blocks_read_with_o_direct_resume_with_another_world_size(tmp_path, monk
         monkeypatch.setenv("RANK", str(r))
         monkeypatch.setenv("WORLD_SIZE", str(world))
         return gpufeed.BatchLoader(path, record_bytes=size, global_batch=global_batch, seed=5,
-                                   block=block, direct=True, drop_last=True)
+                                   block=block, direct=True, direct_depth=1 + r,
+                                   drop_last=True)
 
     seen = []
 

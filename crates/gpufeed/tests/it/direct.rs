@@ -86,12 +86,14 @@ fn direct_reads_give_every_sample_once_with_its_bytes() {
         Order::Shuffled { seed: 9 },
         Order::Sequential,
     ] {
-        // Two ranks of an elastic run, each its own loader; together every sample once.
+        // Two ranks of an elastic run, each its own loader; together every sample once. Rank
+        // 0 keeps one read in flight per worker, rank 1 sixteen.
         let mut seen = vec![0u32; n];
         for rank in 0..2 {
             let sampler = Sampler::elastic(order, 32, rank, 2, false).expect("sampler");
             let cfg = LoaderConfig::default()
                 .with_direct(true)
+                .with_direct_depth([1, 16][rank])
                 .with_workers(3)
                 .with_prefetch(4);
             let mut loader =
