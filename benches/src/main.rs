@@ -91,6 +91,11 @@ struct Cli {
     #[arg(long)]
     quick: bool,
 
+    /// Seconds of capture per path of table 12's GPU rows (4K at 60 fps; issue 21's target
+    /// run is 60). Default 5, 1 with --quick.
+    #[arg(long)]
+    frame_seconds: Option<f64>,
+
     /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
     /// (tables 4, 6 and 8), small (table 9), python (table 10, which also runs with
     /// `--peers`), multi (table 11, several GPUs). Limits are measured whenever a host table is,
@@ -177,6 +182,12 @@ enum Internal {
         fps: f64,
         #[arg(long)]
         frames: u64,
+        #[arg(long)]
+        width: u32,
+        #[arg(long)]
+        height: u32,
+        #[arg(long)]
+        sparse: bool,
     },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
@@ -202,8 +213,16 @@ fn main() -> Result<()> {
             count,
         }) => return ipc::child(role, &target, count),
         Some(Internal::Rank { path, reps }) => return multi::rank_child(&path, reps),
-        Some(Internal::FramesProducer { ring, fps, frames }) => {
-            return frames::child(ring.as_deref(), fps, frames);
+        Some(Internal::FramesProducer {
+            ring,
+            fps,
+            frames,
+            width,
+            height,
+            sparse,
+        }) => {
+            let format = gpufeed::frames::FrameFormat { width, height };
+            return frames::child(ring.as_deref(), format, fps, frames, sparse);
         }
         Some(Internal::SweepSmall { dir, reps }) => return sweep::run(&dir, reps),
         Some(Internal::OneShot {
@@ -376,7 +395,15 @@ fn main() -> Result<()> {
     };
     let frames = if host_part(Part::Frames) {
         progress.line("      table 12: frames through a shared-memory ring and through a pipe");
-        Some(frames::measure(&exe, if cli.quick { 1.0 } else { 5.0 })?)
+        let seconds = if cli.quick { 1.0 } else { 5.0 };
+        let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
+        Some(frames::measure(
+            &exe,
+            seconds,
+            gpu.as_ref(),
+            cli.frame_seconds.unwrap_or(seconds),
+            cli.reps,
+        )?)
     } else {
         None
     };

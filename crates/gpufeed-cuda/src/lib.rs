@@ -34,6 +34,8 @@
 //!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a
 //!   replicated buffer sent to the other GPUs over their peer links while it is filled, in this
 //!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]), in other processes.
+//! - [`kernels::PlanarKernel`]: RGB8 -> planar `f32` on the GPU (the frame pipeline's
+//!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
@@ -60,6 +62,7 @@
 mod crew;
 mod error;
 mod gpu;
+pub mod kernels;
 mod peer;
 mod raw;
 mod transfer;

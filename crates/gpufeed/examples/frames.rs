@@ -1,14 +1,20 @@
-//! The real-time frame pipeline of the source's case study (§6.2), CPU half: a camera-like
-//! producer process paints frames into a shared-memory ring; this process takes them in order,
-//! transforms each (RGB8 -> planar f32, on the CPU) and measures capture-to-result latency;
-//! then the naive baseline, the same frames through a pipe into a pageable buffer.
+//! The real-time frame pipeline of the source's case study (§6.2): a camera-like producer
+//! process paints frames into a shared-memory ring; this process takes them in order,
+//! transforms each (RGB8 -> planar f32) and measures capture-to-result latency; then the naive
+//! baseline, the same frames through a pipe into a pageable buffer; then the ring with frames
+//! as fast as this process takes them (the rate it sustains).
 //!
 //! ```text
 //! cargo run --release -p gpufeed --example frames -- --width 1920 --height 1080 --fps 60 --seconds 5
+//! cargo run --release -p gpufeed --example frames -- --gpu 0 --width 3840 --height 2160 --seconds 60
 //! ```
 //!
-//! The GPU consumer (uploads from the registered ring, double buffered, a kernel) is not built
-//! yet: both paths here transform on the CPU.
+//! Without `--gpu` the transform runs on the CPU. With `--gpu N` each frame is copied from its
+//! slot of the registered ring into GPU N while the previous one is transformed there (double
+//! buffering, `gpufeed::frames::GpuFrames`), the baseline copies from its pageable buffer, and
+//! every `--check-every`-th frame's result is compared with the CPU's. For the sustained rate
+//! on the GPU the producer paints only the rows the checks read, so that painting 4K frames
+//! does not bound it.
 
 use std::io::BufWriter;
 use std::process::{Command, Stdio};
@@ -40,6 +46,12 @@ struct Cli {
     /// Ring slots (frames in flight).
     #[arg(long, default_value_t = 4)]
     slots: u32,
+    /// Transform on this GPU instead of the CPU.
+    #[arg(long)]
+    gpu: Option<usize>,
+    /// With --gpu: compare every N-th frame's result with the CPU's (0: never).
+    #[arg(long, default_value_t = 60)]
+    check_every: u64,
     /// One JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -54,6 +66,9 @@ enum Role {
         ring: String,
         #[arg(long)]
         frames: u64,
+        /// Paint only the rows the consumer's checks read.
+        #[arg(long)]
+        sparse: bool,
     },
     /// The baseline's producer, frames to stdout (started by `frames` itself).
     #[command(hide = true)]
@@ -71,6 +86,67 @@ struct PathReport {
     run: frames::RunReport,
     /// Frames the producer dropped at capture (no free slot).
     producer_dropped: u64,
+    /// With --gpu: the median copy and kernel, frames checked, copies from registered memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu: Option<GpuFigures>,
+}
+
+#[derive(serde::Serialize)]
+struct GpuFigures {
+    copy_ms: f64,
+    kernel_ms: f64,
+    checked: u64,
+    registered: bool,
+}
+
+/// How a path transforms: on the CPU, or on a GPU.
+enum Consumer {
+    Cpu,
+    Gpu(Box<frames::GpuFrames>),
+}
+
+impl Consumer {
+    fn ring(
+        &mut self,
+        ring: &BatchRing,
+        format: FrameFormat,
+        frames: u64,
+    ) -> Result<(frames::Run, Option<GpuFigures>), gpufeed::Error> {
+        let idle = Duration::from_secs(5);
+        match self {
+            Consumer::Cpu => Ok((
+                frames::run_ring(ring, format, frames, idle, frames::cpu_transform(format))?,
+                None,
+            )),
+            Consumer::Gpu(g) => Ok(split(g.run_ring(ring, frames, idle)?, frames)),
+        }
+    }
+
+    fn pipe(
+        &mut self,
+        r: &mut impl std::io::Read,
+        format: FrameFormat,
+        frames: u64,
+    ) -> Result<(frames::Run, Option<GpuFigures>), gpufeed::Error> {
+        match self {
+            Consumer::Cpu => Ok((
+                frames::run_pipe(r, format, frames::cpu_transform(format))?,
+                None,
+            )),
+            Consumer::Gpu(g) => Ok(split(g.run_pipe(r)?, frames)),
+        }
+    }
+}
+
+fn split(run: frames::GpuRun, frames: u64) -> (frames::Run, Option<GpuFigures>) {
+    let r = run.report(frames, None);
+    let figures = GpuFigures {
+        copy_ms: r.copy_ms,
+        kernel_ms: r.kernel_ms,
+        checked: r.checked,
+        registered: r.registered,
+    };
+    (run.run, Some(figures))
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -80,9 +156,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         height: cli.height,
     };
     match cli.role {
-        Some(Role::Produce { ring, frames }) => {
+        Some(Role::Produce {
+            ring,
+            frames,
+            sparse,
+        }) => {
             let ring = BatchRing::open(&ring)?;
-            let stats = frames::produce(&ring, format, cli.fps, 0..frames)?;
+            let paint = if sparse {
+                frames::Paint::Checked
+            } else {
+                frames::Paint::Full
+            };
+            let stats = frames::produce_with(&ring, format, cli.fps, 0..frames, paint)?;
             println!("{}", serde_json::to_string(&stats)?);
             return Ok(());
         }
@@ -95,27 +180,52 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let frames = (cli.fps * cli.seconds).round().max(1.0) as u64;
     let interval = Duration::from_secs_f64(1.0 / cli.fps);
-    let ring = ring_path(&cli, format, frames, interval, cli.fps)?;
-    let pipe = pipe_path(&cli, format, frames, interval)?;
+    let mut consumer = match cli.gpu {
+        Some(n) => Consumer::Gpu(Box::new(
+            frames::GpuFrames::new(&gpufeed::Gpu::open(n)?, format)?
+                .with_check_every(cli.check_every),
+        )),
+        None => Consumer::Cpu,
+    };
+    let on = if cli.gpu.is_some() {
+        "the GPU"
+    } else {
+        "the CPU"
+    };
+    let ring = ring_path(&cli, &mut consumer, format, frames, interval, cli.fps)?;
+    let pipe = pipe_path(&cli, &mut consumer, format, frames, interval)?;
     // The most this consumer sustains: the producer paints as fast as slots free up.
-    let fastest = ring_path(&cli, format, frames, interval, 0.0)?;
+    let fastest = ring_path(&cli, &mut consumer, format, frames, interval, 0.0)?;
     if cli.json {
         println!(
             "{}",
             serde_json::json!({"format": format, "fps": cli.fps, "frames": frames,
-                "transform": "cpu", "paths": [ring, pipe], "sustained": fastest})
+                "transform": if cli.gpu.is_some() { "gpu" } else { "cpu" },
+                "paths": [ring, pipe], "sustained": fastest})
         );
         return Ok(());
     }
     println!(
-        "{}x{} RGB8 at {} fps, {} frames per path; each frame transformed to planar f32 on the CPU\n",
+        "{}x{} RGB8 at {} fps, {} frames per path; each frame transformed to planar f32 on {on}\n",
         format.width, format.height, cli.fps, frames
     );
-    println!("| path | p50 ms | p99 ms | max ms | dropped | late | busy | frames/s |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| path | p50 ms | p99 ms | max ms | dropped | late | busy | frames/s | copy ms | kernel ms | checked |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in [&ring, &pipe, &fastest] {
+        let (copy, kernel, checked) =
+            r.gpu
+                .as_ref()
+                .map_or(("-".to_owned(), "-".to_owned(), "-".to_owned()), |g| {
+                    (
+                        format!("{:.3}", g.copy_ms),
+                        format!("{:.3}", g.kernel_ms),
+                        g.checked.to_string(),
+                    )
+                });
         println!(
-            "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0}% | {:.1} |",
+            "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0}% | {:.1} | {copy} | {kernel} | {checked} |",
             r.path,
             r.run.latency.p50_ms,
             r.run.latency.p99_ms,
@@ -124,6 +234,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             r.run.latency.late,
             100.0 * r.run.busy_fraction,
             r.run.frames_per_s
+        );
+    }
+    if let Some(g) = fastest.gpu.as_ref() {
+        println!(
+            "\nThe copy alone: {:.1} GB/s ({:.0} frames/s); sustained {:.0} frames/s.",
+            format.bytes() as f64 / g.copy_ms / 1e6,
+            1000.0 / g.copy_ms,
+            fastest.run.frames_per_s
         );
     }
     Ok(())
@@ -142,6 +260,7 @@ fn common_args(cmd: &mut Command, cli: &Cli, fps: f64) {
 
 fn ring_path(
     cli: &Cli,
+    consumer: &mut Consumer,
     format: FrameFormat,
     frames: u64,
     interval: Duration,
@@ -155,17 +274,12 @@ fn ring_path(
         .to_owned();
     let mut cmd = me()?;
     common_args(&mut cmd, cli, fps);
-    let child = cmd
-        .args(["produce", "--ring", &name, "--frames", &frames.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let run = frames::run_ring(
-        &ring,
-        format,
-        frames,
-        Duration::from_secs(5),
-        frames::cpu_transform(format),
-    )?;
+    cmd.args(["produce", "--ring", &name, "--frames", &frames.to_string()]);
+    if fps == 0.0 && matches!(consumer, Consumer::Gpu(_)) {
+        cmd.arg("--sparse");
+    }
+    let child = cmd.stdout(Stdio::piped()).spawn()?;
+    let (run, gpu) = consumer.ring(&ring, format, frames)?;
     let out = child.wait_with_output()?;
     // A producer that died (killed mid-frame) loses the frame it was painting; what it
     // published arrived. Say so and report what was seen.
@@ -188,11 +302,13 @@ fn ring_path(
         },
         run: run.report(frames, Some(interval)),
         producer_dropped: stats.dropped,
+        gpu,
     })
 }
 
 fn pipe_path(
     cli: &Cli,
+    consumer: &mut Consumer,
     format: FrameFormat,
     frames: u64,
     interval: Duration,
@@ -204,11 +320,12 @@ fn pipe_path(
         .stdout(Stdio::piped())
         .spawn()?;
     let mut pipe = child.stdout.take().ok_or("no pipe")?;
-    let run = frames::run_pipe(&mut pipe, format, frames::cpu_transform(format))?;
+    let (run, gpu) = consumer.pipe(&mut pipe, format, frames)?;
     child.wait()?;
     Ok(PathReport {
         path: "pipe into a pageable buffer (baseline)",
         run: run.report(frames, Some(interval)),
         producer_dropped: 0,
+        gpu,
     })
 }

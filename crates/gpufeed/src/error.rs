@@ -117,6 +117,14 @@ pub enum Error {
         reason: String,
     },
 
+    /// A result computed on the GPU differs from the CPU's reference for the same input (a
+    /// sampled check of the frame pipeline's kernel): a bug or a faulty GPU, never input.
+    #[error("the GPU's result differs from the CPU's reference: {what}")]
+    ResultMismatch {
+        /// Where: the frame, plane, row and pixel.
+        what: String,
+    },
+
     /// The batch loader's worker threads stopped before the epoch ended.
     #[error("the batch workers stopped before the epoch ended")]
     WorkersStopped,

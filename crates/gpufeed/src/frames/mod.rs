@@ -7,8 +7,11 @@
 //! pageable buffer. Here are the parts both sides share: the frame format and header, the
 //! paced producer (a camera does not wait: a frame that finds no free slot is dropped and
 //! counted), the ring consumer, the pipe's framing, the RGB8 -> planar `f32` transform on the
-//! CPU, and latency statistics. The GPU consumer (uploads from the registered ring, double
-//! buffered, a kernel) is not built yet.
+//! CPU, and latency statistics. [`GpuFrames`] is the GPU consumer: each frame copied
+//! straight out of its slot of the registered ring while the previous one is transformed
+//! (double buffering), the planar kernel on the GPU, latency to the kernel's end and the GPU's
+//! busy time from CUDA events, results checked against the CPU on sampled frames; and the
+//! baseline's GPU form (pipe, pageable buffer, staged copy, the same kernel).
 //!
 //! # Example (two threads here; two processes in `examples/frames.rs`)
 //! ```
@@ -23,6 +26,10 @@
 //! assert_eq!((stats.frames, stats.dropped), (20, 0));
 //! # Ok::<(), gpufeed::Error>(())
 //! ```
+
+mod gpu;
+
+pub use gpu::{GpuFrames, GpuReport, GpuRun};
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -144,6 +151,26 @@ pub fn paint(seq: u64, format: FrameFormat, pixels: &mut [u8]) {
     }
 }
 
+/// The rows [`check`] reads: every 16th and the last.
+fn checked_rows(rows: usize) -> impl Iterator<Item = usize> {
+    (0..rows)
+        .step_by(16)
+        .chain(rows.checked_sub(1).filter(|r| r % 16 != 0))
+}
+
+/// How a producer paints its frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[non_exhaustive]
+pub enum Paint {
+    /// Every row ([`paint`]): what a camera writes.
+    #[default]
+    Full,
+    /// Only the rows [`check`] reads (a 16th of the frame; the others keep what the slot
+    /// held): for measuring the most frames a consumer takes, where painting whole 4K frames
+    /// would make the producer the bound.
+    Checked,
+}
+
 /// Whether `pixels` hold frame `seq` (every 16th row and the last, each checked whole).
 pub fn check(seq: u64, format: FrameFormat, pixels: &[u8]) -> bool {
     let row = format.width as usize * 3;
@@ -151,7 +178,7 @@ pub fn check(seq: u64, format: FrameFormat, pixels: &[u8]) -> bool {
     if pixels.len() < format.bytes() {
         return false;
     }
-    (0..rows).step_by(16).chain(rows.checked_sub(1)).all(|r| {
+    checked_rows(rows).all(|r| {
         let b = row_byte(seq, r);
         pixels[r * row..(r + 1) * row].iter().all(|&x| x == b)
     })
@@ -174,15 +201,29 @@ pub struct ProducerStats {
 /// # Errors
 /// The ring's (its consumer gone, this process judged gone); a slot smaller than
 /// [`FrameFormat::slot_bytes`].
-#[allow(
-    unsafe_code,
-    reason = "paints the frame straight into its claimed slot"
-)]
 pub fn produce(
     ring: &BatchRing,
     format: FrameFormat,
     fps: f64,
     frames: std::ops::Range<u64>,
+) -> Result<ProducerStats> {
+    produce_with(ring, format, fps, frames, Paint::Full)
+}
+
+/// [`produce`] painting each frame as `how` says.
+///
+/// # Errors
+/// [`produce`]'s.
+#[allow(
+    unsafe_code,
+    reason = "paints the frame straight into its claimed slot"
+)]
+pub fn produce_with(
+    ring: &BatchRing,
+    format: FrameFormat,
+    fps: f64,
+    frames: std::ops::Range<u64>,
+    how: Paint,
 ) -> Result<ProducerStats> {
     if ring.slot_bytes() < format.slot_bytes() {
         return Err(Error::InvalidSetting(format!(
@@ -218,7 +259,16 @@ pub fn produce(
         // SAFETY: the slot is this claim's until it is published.
         let slot = unsafe { claim.as_mut_slice() };
         slot[..32].copy_from_slice(&header.encode());
-        paint(seq, format, &mut slot[HEADER_BYTES..]);
+        let pixels = &mut slot[HEADER_BYTES..];
+        match how {
+            Paint::Full => paint(seq, format, pixels),
+            Paint::Checked => {
+                let row = format.width as usize * 3;
+                for r in checked_rows(format.height as usize) {
+                    pixels[r * row..(r + 1) * row].fill(row_byte(seq, r));
+                }
+            }
+        }
         claim.set_len((HEADER_BYTES + format.bytes()) as u64)?;
         claim.publish()?;
         stats.sent += 1;
@@ -256,20 +306,8 @@ pub fn consume(
             Err(e) => return Err(e.into()),
         };
         // SAFETY: the slot is this consumer's until the batch drops.
-        let bytes = unsafe { batch.as_slice() };
-        let header = FrameHeader::decode(bytes)?;
-        if header.format != format || bytes.len() < HEADER_BYTES + format.bytes() {
-            return Err(Error::InvalidSetting(format!(
-                "frame {} is {}x{} in {} bytes, not {}x{}",
-                header.seq,
-                header.format.width,
-                header.format.height,
-                bytes.len(),
-                format.width,
-                format.height
-            )));
-        }
-        on_frame(&header, &bytes[HEADER_BYTES..HEADER_BYTES + format.bytes()])?;
+        let (header, pixels) = frame_in(unsafe { batch.as_slice() }, format)?;
+        on_frame(&header, pixels)?;
         seen.push((header.seq, monotonic_ns().saturating_sub(header.capture_ns)));
         drop(batch);
         if header.seq + 1 >= frames {
@@ -277,6 +315,23 @@ pub fn consume(
         }
     }
     Ok(seen)
+}
+
+/// A slot's frame: its header and its pixels, checked to be a frame of `format`.
+fn frame_in(bytes: &[u8], format: FrameFormat) -> Result<(FrameHeader, &[u8])> {
+    let header = FrameHeader::decode(bytes)?;
+    if header.format != format || bytes.len() < HEADER_BYTES + format.bytes() {
+        return Err(Error::InvalidSetting(format!(
+            "frame {} is {}x{} in {} bytes, not {}x{}",
+            header.seq,
+            header.format.width,
+            header.format.height,
+            bytes.len(),
+            format.width,
+            format.height
+        )));
+    }
+    Ok((header, &bytes[HEADER_BYTES..HEADER_BYTES + format.bytes()]))
 }
 
 /// A consumer's run: each frame's number and latency, the time spent in `on_frame` (the

@@ -1,0 +1,154 @@
+//! Kernels gpufeed runs on the GPU, shipped as PTX text inside the library and compiled by the
+//! driver's JIT when loaded: no CUDA toolkit and no NVRTC library is needed, only the driver
+//! that runs the copies (`cuModuleLoadData`). The PTX targets `sm_52` and ISA 7.0, which every
+//! driver since CUDA 11 compiles for its GPU.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use crate::{Error, Gpu, Result};
+
+/// `rgb8_to_planar_f32(src, dst, pixels)`: one thread per pixel reads its three bytes and
+/// writes `byte / 255` (IEEE division, rounded to nearest: the same value as the CPU's
+/// `f32::from(b) / 255.0`) into the red, green and blue planes of `dst`.
+const PLANAR_PTX: &str = r#"
+.version 7.0
+.target sm_52
+.address_size 64
+
+.visible .entry rgb8_to_planar_f32(
+    .param .u64 src,
+    .param .u64 dst,
+    .param .u32 pixels
+)
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<9>;
+    .reg .b64 %rd<12>;
+    .reg .f32 %f<7>;
+
+    ld.param.u64 %rd1, [src];
+    ld.param.u64 %rd2, [dst];
+    ld.param.u32 %r1, [pixels];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mad.lo.u32 %r5, %r2, %r3, %r4;
+    setp.ge.u32 %p1, %r5, %r1;
+    @%p1 bra DONE;
+    cvta.to.global.u64 %rd3, %rd1;
+    cvta.to.global.u64 %rd4, %rd2;
+    mul.wide.u32 %rd5, %r5, 3;
+    add.s64 %rd6, %rd3, %rd5;
+    ld.global.u8 %r6, [%rd6];
+    ld.global.u8 %r7, [%rd6+1];
+    ld.global.u8 %r8, [%rd6+2];
+    cvt.rn.f32.u32 %f1, %r6;
+    cvt.rn.f32.u32 %f2, %r7;
+    cvt.rn.f32.u32 %f3, %r8;
+    div.rn.f32 %f4, %f1, 0f437F0000;
+    div.rn.f32 %f5, %f2, 0f437F0000;
+    div.rn.f32 %f6, %f3, 0f437F0000;
+    mul.wide.u32 %rd7, %r5, 4;
+    add.s64 %rd8, %rd4, %rd7;
+    st.global.f32 [%rd8], %f4;
+    mul.wide.u32 %rd9, %r1, 4;
+    add.s64 %rd10, %rd8, %rd9;
+    st.global.f32 [%rd10], %f5;
+    add.s64 %rd11, %rd10, %rd9;
+    st.global.f32 [%rd11], %f6;
+DONE:
+    ret;
+}
+"#;
+
+/// Threads per block of [`PlanarKernel`].
+const BLOCK: u32 = 256;
+
+/// RGB8 pixels (interleaved) to planar `f32` in [0, 1] on the GPU — the real-time case study's
+/// kernel (`gpufeed::frames`): `dst` gets the red plane, then the green, then the blue.
+///
+/// # Example
+/// ```
+/// use gpufeed_cuda::{Gpu, kernels::PlanarKernel};
+/// let gpu = match Gpu::open(0) {
+///     Ok(gpu) => gpu,
+///     Err(e) if e.is_no_gpu() => return Ok(()), // a machine without a GPU
+///     Err(e) => return Err(e.into()),
+/// };
+/// let kernel = PlanarKernel::load(&gpu)?;
+/// let stream = gpu.default_stream();
+/// let rgb = stream.clone_htod(&[0u8, 51, 255, 255, 0, 102])?;
+/// let mut planar = stream.alloc_zeros::<f32>(6)?;
+/// kernel.launch(&stream, &rgb, &mut planar, 2)?;
+/// let out = stream.clone_dtoh(&planar)?;
+/// assert_eq!(out, [0.0, 1.0, 0.2, 0.0, 1.0, 0.4]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct PlanarKernel {
+    func: CudaFunction,
+}
+
+impl PlanarKernel {
+    /// Compiles the kernel for `gpu` (the driver's JIT, a few milliseconds once per process).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuModuleLoadData` where the driver refuses the PTX (a driver
+    /// older than CUDA 11).
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        let module = gpu
+            .context()
+            .load_module(Ptx::from_src(PLANAR_PTX))
+            .map_err(|e| Error::cuda("cuModuleLoadData (the planar kernel's PTX)", e))?;
+        let func = module
+            .load_function("rgb8_to_planar_f32")
+            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        Ok(PlanarKernel { func })
+    }
+
+    /// Queues the kernel on `stream`: `src` holds `pixels` RGB8 pixels, `dst` gets `3 *
+    /// pixels` values.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when `src` or `dst` is too short; [`Error::Cuda`] for a refused
+    /// launch.
+    pub fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &CudaSlice<u8>,
+        dst: &mut CudaSlice<f32>,
+        pixels: u32,
+    ) -> Result<()> {
+        let n = pixels as u64;
+        let short = |len: usize, need: u64| Error::OutOfBounds {
+            len: need,
+            offset: 0,
+            capacity: len as u64,
+        };
+        if (src.len() as u64) < 3 * n {
+            return Err(short(src.len(), 3 * n));
+        }
+        if (dst.len() as u64) < 3 * n {
+            return Err(short(dst.len(), 3 * n));
+        }
+        if pixels == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (pixels.div_ceil(BLOCK), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&self.func);
+        launch.arg(src).arg(dst).arg(&pixels);
+        // SAFETY: the arguments are what the PTX entry declares (two device pointers and a
+        // u32), and both buffers were checked to hold `pixels` pixels; the kernel touches
+        // nothing else.
+        unsafe { launch.launch(cfg) }
+            .map(drop)
+            .map_err(|e| Error::cuda("cuLaunchKernel (rgb8_to_planar_f32)", e))
+    }
+}
