@@ -83,7 +83,9 @@ pub struct FrameHeader {
     /// The frame's number, from 0.
     pub seq: u64,
     /// When it was captured: `CLOCK_MONOTONIC` nanoseconds ([`monotonic_ns`]), comparable
-    /// between the processes of one machine.
+    /// between the processes of one machine. The producers here stamp a frame once its pixels
+    /// are whole (painted into the slot or the buffer), as a camera stamps the frame it
+    /// delivers: latency is what the hand-off and the transform add, not the painting.
     pub capture_ns: u64,
     /// Its size.
     pub format: FrameFormat,
@@ -194,8 +196,8 @@ pub struct ProducerStats {
 }
 
 /// Produces frames numbered `frames` (`0..n`; a camera started again goes on from where the
-/// last stopped) of `format` into `ring` at `fps` frames per second (each captured at its
-/// tick; one that finds no free slot is dropped), or with `fps` 0 as fast as the consumer
+/// last stopped) of `format` into `ring` at `fps` frames per second (each claims a slot at its
+/// tick, and one that finds none free is dropped; then it is painted and stamped), or with `fps` 0 as fast as the consumer
 /// frees slots (waiting for them: nothing dropped).
 ///
 /// # Errors
@@ -251,14 +253,8 @@ pub fn produce_with(
             stats.dropped += 1;
             continue;
         };
-        let header = FrameHeader {
-            seq,
-            capture_ns: monotonic_ns(),
-            format,
-        };
         // SAFETY: the slot is this claim's until it is published.
         let slot = unsafe { claim.as_mut_slice() };
-        slot[..32].copy_from_slice(&header.encode());
         let pixels = &mut slot[HEADER_BYTES..];
         match how {
             Paint::Full => paint(seq, format, pixels),
@@ -269,6 +265,13 @@ pub fn produce_with(
                 }
             }
         }
+        // Captured: the frame is whole in its slot (painting stands for the sensor's readout).
+        let header = FrameHeader {
+            seq,
+            capture_ns: monotonic_ns(),
+            format,
+        };
+        slot[..32].copy_from_slice(&header.encode());
         claim.set_len((HEADER_BYTES + format.bytes()) as u64)?;
         claim.publish()?;
         stats.sent += 1;
@@ -435,12 +438,12 @@ pub fn produce_pipe(w: &mut impl Write, format: FrameFormat, fps: f64, frames: u
                 std::thread::sleep(wait);
             }
         }
+        paint(seq, format, &mut pixels);
         let h = FrameHeader {
             seq,
             capture_ns: monotonic_ns(),
             format,
         };
-        paint(seq, format, &mut pixels);
         write_frame(w, &h, &pixels)?;
         w.flush()
             .map_err(|e| Error::InvalidSetting(format!("writing frame {seq}: {e}")))?;
