@@ -12,7 +12,9 @@ use crate::{Error, Gpu, Result};
 
 /// `rgb8_to_planar_f32(src, dst, pixels)`: one thread per pixel reads its three bytes and
 /// writes `byte / 255` (IEEE division, rounded to nearest: the same value as the CPU's
-/// `f32::from(b) / 255.0`) into the red, green and blue planes of `dst`.
+/// `f32::from(b) / 255.0`) into the red, green and blue planes of `dst`. The grid's `y` is the
+/// image: image `y`'s pixels start at `src + 3 * pixels * y`, its planes at
+/// `dst + 3 * pixels * y` (floats).
 const PLANAR_PTX: &str = r#"
 .version 7.0
 .target sm_52
@@ -38,6 +40,13 @@ const PLANAR_PTX: &str = r#"
     mad.lo.u32 %r5, %r2, %r3, %r4;
     setp.ge.u32 %p1, %r5, %r1;
     @%p1 bra DONE;
+    mov.u32 %r2, %ctaid.y;
+    mul.wide.u32 %rd5, %r1, 3;
+    cvt.u64.u32 %rd6, %r2;
+    mul.lo.u64 %rd7, %rd5, %rd6;
+    add.s64 %rd1, %rd1, %rd7;
+    shl.b64 %rd7, %rd7, 2;
+    add.s64 %rd2, %rd2, %rd7;
     cvta.to.global.u64 %rd3, %rd1;
     cvta.to.global.u64 %rd4, %rd2;
     mul.wide.u32 %rd5, %r5, 3;
@@ -122,7 +131,32 @@ impl PlanarKernel {
         dst: &mut CudaSlice<f32>,
         pixels: u32,
     ) -> Result<()> {
-        let n = pixels as u64;
+        self.launch_images(stream, src, dst, pixels, 1)
+    }
+
+    /// [`PlanarKernel::launch`] on `images` images of `pixels` pixels each, back to back in
+    /// `src`; `dst` gets each image's three planes after the previous image's (CHW per image,
+    /// as a batch of training images). At most 65,535 images per launch.
+    ///
+    /// # Errors
+    /// As [`PlanarKernel::launch`]; [`Error::OutOfBounds`] for more images than a launch
+    /// takes.
+    pub fn launch_images(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &CudaSlice<u8>,
+        dst: &mut CudaSlice<f32>,
+        pixels: u32,
+        images: u32,
+    ) -> Result<()> {
+        if images > 65_535 {
+            return Err(Error::OutOfBounds {
+                len: u64::from(images),
+                offset: 0,
+                capacity: 65_535,
+            });
+        }
+        let n = u64::from(pixels) * u64::from(images);
         let short = |len: usize, need: u64| Error::OutOfBounds {
             len: need,
             offset: 0,
@@ -134,19 +168,19 @@ impl PlanarKernel {
         if (dst.len() as u64) < 3 * n {
             return Err(short(dst.len(), 3 * n));
         }
-        if pixels == 0 {
+        if n == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (pixels.div_ceil(BLOCK), 1, 1),
+            grid_dim: (pixels.div_ceil(BLOCK), images, 1),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut launch = stream.launch_builder(&self.func);
         launch.arg(src).arg(dst).arg(&pixels);
         // SAFETY: the arguments are what the PTX entry declares (two device pointers and a
-        // u32), and both buffers were checked to hold `pixels` pixels; the kernel touches
-        // nothing else.
+        // u32), and both buffers were checked to hold `images` images of `pixels` pixels; the
+        // kernel touches nothing else.
         unsafe { launch.launch(cfg) }
             .map(drop)
             .map_err(|e| Error::cuda("cuLaunchKernel (rgb8_to_planar_f32)", e))

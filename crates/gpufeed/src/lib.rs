@@ -74,6 +74,7 @@ pub mod doctor;
 mod error;
 mod files;
 pub mod frames;
+pub mod hybrid;
 mod load;
 pub mod multi;
 pub mod safetensors;

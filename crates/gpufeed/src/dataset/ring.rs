@@ -43,8 +43,32 @@ fn header_len(records: usize) -> usize {
     HEADER + 8 * (2 * records + 1)
 }
 
-fn data_offset(records: usize) -> usize {
+/// Where a slot's data starts for `records` records: after the header, 256-byte aligned.
+pub(crate) fn data_offset(records: usize) -> usize {
     header_len(records).next_multiple_of(256)
+}
+
+/// A slot's header (see the module's layout) for batch `number` of `epoch`: its records'
+/// `indices`, their data's `offsets` (one more than the records, from 0 to the data's length).
+pub(crate) fn slot_header(
+    epoch: u64,
+    number: usize,
+    indices: &[usize],
+    offsets: &[u64],
+) -> Vec<u8> {
+    let mut header = Vec::with_capacity(data_offset(indices.len()));
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(&(indices.len() as u32).to_le_bytes());
+    header.extend_from_slice(&epoch.to_le_bytes());
+    header.extend_from_slice(&(number as u64).to_le_bytes());
+    header.extend_from_slice(&offsets.last().copied().unwrap_or(0).to_le_bytes());
+    for o in offsets {
+        header.extend_from_slice(&o.to_le_bytes());
+    }
+    for &i in indices {
+        header.extend_from_slice(&(i as u64).to_le_bytes());
+    }
+    header
 }
 
 /// Which share of which epoch one worker process produces ([`produce_epoch`]).
@@ -145,19 +169,7 @@ pub fn produce_epoch(
         }
         let at = data_offset(indices.len());
         let mut claim = ring.claim(timeout)?;
-        let mut header = Vec::with_capacity(at);
-        header.extend_from_slice(MAGIC);
-        header.extend_from_slice(&(indices.len() as u32).to_le_bytes());
-        header.extend_from_slice(&epoch.to_le_bytes());
-        header.extend_from_slice(&(number as u64).to_le_bytes());
-        header.extend_from_slice(&(out.len() as u64).to_le_bytes());
-        for o in &offsets {
-            header.extend_from_slice(&o.to_le_bytes());
-        }
-        for &i in &indices {
-            header.extend_from_slice(&(i as u64).to_le_bytes());
-        }
-        claim.write_at(0, &header)?;
+        claim.write_at(0, &slot_header(epoch, number, &indices, &offsets))?;
         claim.write_at(at as u64, &out)?;
         claim.set_len((at + out.len()) as u64)?;
         claim.publish()?;

@@ -7,6 +7,7 @@ mod files;
 mod frames;
 mod gpu;
 mod host;
+mod hybrid;
 mod multi;
 mod oneshot;
 mod save;

@@ -1,0 +1,186 @@
+//! The hybrid training loader (`gpufeed::hybrid`) with real training processes: a loader
+//! preprocesses shuffled batches of RGB8 images (on the CPU, and on the GPU where there is
+//! one) and deals them out over two shared-memory rings; each trainer process takes its
+//! batches with a `RingLoader` and checks every record against the CPU's planar values of the
+//! record file it maps itself. Together they see every record once.
+
+use std::time::Duration;
+
+use gpufeed::dataset::ring::RingLoader;
+use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::frames::FrameFormat;
+use gpufeed::hybrid::{Fanout, GpuPlanar, Planar, batches_for, planar_transform};
+use gpufeed::ipc::BatchRing;
+
+const ROLE: &str = "hybrid-trainer";
+const IMAGE: FrameFormat = FrameFormat {
+    width: 17,
+    height: 9,
+};
+const RECORDS: usize = 300;
+const BATCH: usize = 32;
+
+/// A trainer process over ring `name`, taking `batches` batches of epoch 0.
+fn trainer(name: &str, records: &std::path::Path, batches: usize) -> std::process::Command {
+    let mut cmd = gpufeed_testkit::child_command("hybrid::trainer_dispatcher", ROLE, &[]);
+    cmd.env("GPUFEED_IT_RING", name)
+        .env("GPUFEED_IT_RECORDS", records)
+        .env("GPUFEED_IT_BATCHES", batches.to_string())
+        .stdout(std::process::Stdio::piped());
+    cmd
+}
+
+/// The trainer side, run only as a child of the tests below: prints the records it saw.
+#[test]
+fn trainer_dispatcher() {
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok(ROLE) {
+        return;
+    }
+    let ring = BatchRing::open(&std::env::var("GPUFEED_IT_RING").expect("ring")).expect("open");
+    let path = std::env::var("GPUFEED_IT_RECORDS").expect("records");
+    let batches: usize = std::env::var("GPUFEED_IT_BATCHES")
+        .expect("batches")
+        .parse()
+        .expect("a number");
+    // SAFETY: the test's record file is never changed.
+    let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
+    let reference = planar_transform(IMAGE);
+    let mut loader = RingLoader::new(&ring, None).expect("ring loader");
+    let mut seen = Vec::new();
+    let mut want = Vec::new();
+    for batch in loader.epoch(0, batches, Duration::from_secs(30)) {
+        let batch = batch.expect("batch");
+        let BatchData::Host(bytes) = &batch.data else {
+            panic!("host batches without a GPU")
+        };
+        for (k, &i) in batch.indices.iter().enumerate() {
+            want.clear();
+            reference(i, records.record(i).expect("record"), &mut want).expect("reference");
+            assert_eq!(
+                &bytes[batch.offsets[k]..batch.offsets[k + 1]],
+                &want[..],
+                "record {i}'s planar values"
+            );
+            seen.push(i);
+        }
+    }
+    println!(
+        "TRAINED {}",
+        seen.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+}
+
+/// The records file, the loader over it, two rings with a trainer process on each; runs
+/// `publish` on every batch of epoch 0 and checks that the trainers saw every record once.
+fn with_trainers(
+    gpu: Option<&gpufeed::Gpu>,
+    mut publish: impl FnMut(&mut Fanout<'_>, &gpufeed::dataset::Batch),
+) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("images.bin");
+    std::fs::write(
+        &path,
+        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), 31),
+    )
+    .expect("write");
+    // SAFETY: the test's record file is never changed.
+    let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
+    let cfg = LoaderConfig::default()
+        .with_batch_size(BATCH)
+        .with_workers(2);
+    let mut loader = BatchLoader::new(records, Sampler::new(Order::Shuffled { seed: 4 }), cfg, gpu)
+        .expect("loader");
+    if gpu.is_none() {
+        loader = loader.with_transform(planar_transform(IMAGE));
+    }
+    let batches = loader.batches_per_epoch();
+    let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
+    let rings = [
+        BatchRing::create_unique(3, slot).expect("ring"),
+        BatchRing::create_unique(3, slot).expect("ring"),
+    ];
+    let children: Vec<_> = rings
+        .iter()
+        .enumerate()
+        .map(|(t, r)| {
+            trainer(
+                r.segment().name().expect("named"),
+                &path,
+                batches_for(batches, 2, t),
+            )
+            .spawn()
+            .expect("trainer")
+        })
+        .collect();
+    let mut fanout = Fanout::new(&rings, gpu).expect("fanout");
+    assert_eq!(fanout.registered(0), gpu.is_some());
+    for batch in loader.epoch(0).expect("epoch") {
+        publish(&mut fanout, &batch.expect("batch"));
+    }
+    let mut seen = vec![0u32; RECORDS];
+    for child in children {
+        let out = child.wait_with_output().expect("trainer");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "trainer failed: {text}");
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("TRAINED"))
+            .expect("the trainer's records");
+        for i in line.split_whitespace() {
+            seen[i.parse::<usize>().expect("index")] += 1;
+        }
+    }
+    assert!(seen.iter().all(|&c| c == 1), "every record once: {seen:?}");
+}
+
+#[test]
+fn preprocessed_batches_reach_trainer_processes_on_the_cpu() {
+    with_trainers(None, |fanout, batch| {
+        let BatchData::Host(bytes) = &batch.data else {
+            panic!("host batches without a GPU")
+        };
+        fanout
+            .publish(0, &batch.indices, Planar::Host(&bytes[..batch.bytes()]))
+            .expect("publish");
+    });
+}
+
+#[test]
+fn batches_preprocessed_on_the_gpu_reach_trainer_processes() {
+    let Some(gpu) = crate::gpu_or_skip("batches_preprocessed_on_the_gpu_reach_trainer_processes")
+    else {
+        return;
+    };
+    let planar = GpuPlanar::new(&gpu, IMAGE).expect("kernel");
+    let reference = planar_transform(IMAGE);
+    let mut first = true;
+    with_trainers(Some(&gpu), |fanout, batch| {
+        let out = planar.apply(batch).expect("preprocess");
+        if first {
+            // In this process too: the result on the GPU equals the CPU's.
+            first = false;
+            let got = planar.stream().clone_dtoh(&out).expect("download");
+            let BatchData::Device(raw) = &batch.data else {
+                panic!("device batches with a GPU")
+            };
+            let raw = planar.stream().clone_dtoh(raw).expect("raw");
+            let mut want = Vec::new();
+            for (k, &i) in batch.indices.iter().enumerate() {
+                reference(
+                    i,
+                    &raw[k * IMAGE.bytes()..(k + 1) * IMAGE.bytes()],
+                    &mut want,
+                )
+                .expect("reference");
+            }
+            let got: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
+            assert_eq!(got, want, "the GPU's planar batch");
+        }
+        fanout
+            .publish(0, &batch.indices, Planar::Device(&out, planar.stream()))
+            .expect("publish");
+    });
+}
