@@ -10,6 +10,7 @@ mod facade;
 mod frames;
 mod gpu;
 mod handoff;
+mod hybrid;
 mod ipc;
 mod limits;
 mod loader;
@@ -98,8 +99,8 @@ struct Cli {
 
     /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
     /// (tables 4, 6 and 8), small (table 9), python (table 10, which also runs with
-    /// `--peers`), multi (table 11, several GPUs). Limits are measured whenever a host table is,
-    /// since ratios need them.
+    /// `--peers`), multi (table 11, several GPUs), frames (table 12), hybrid (table 13).
+    /// Limits are measured whenever a host table is, since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
 
@@ -130,6 +131,7 @@ enum Part {
     Python,
     Multi,
     Frames,
+    Hybrid,
 }
 
 #[derive(Subcommand)]
@@ -189,6 +191,18 @@ enum Internal {
         #[arg(long)]
         sparse: bool,
     },
+    /// A trainer process of table 13 (started by the harness itself).
+    #[command(hide = true)]
+    HybridTrainer {
+        #[arg(long)]
+        ring: String,
+        #[arg(long)]
+        records: PathBuf,
+        #[arg(long)]
+        epoch: u64,
+        #[arg(long)]
+        batches: usize,
+    },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
     IpcChild {
@@ -225,6 +239,12 @@ fn main() -> Result<()> {
             return frames::child(ring.as_deref(), format, fps, frames, sparse);
         }
         Some(Internal::SweepSmall { dir, reps }) => return sweep::run(&dir, reps),
+        Some(Internal::HybridTrainer {
+            ring,
+            records,
+            epoch,
+            batches,
+        }) => return hybrid::trainer_child(&ring, &records, epoch, batches),
         Some(Internal::OneShot {
             path,
             checkpoint,
@@ -407,6 +427,19 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    let hybrid = if host_part(Part::Hybrid) {
+        progress.line("      table 13: the hybrid training loader");
+        let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
+        Some(hybrid::measure(
+            &exe,
+            &cli.dir,
+            gpu.as_ref(),
+            cli.reps,
+            cli.quick,
+        )?)
+    } else {
+        None
+    };
     ensure!(
         !cli.gpu || gpu.is_some() || small.is_some() || python.is_some() || multi.is_some(),
         "--gpu: no GPU is usable here (see `gpufeed doctor`)"
@@ -429,6 +462,7 @@ fn main() -> Result<()> {
         python,
         multi,
         frames,
+        hybrid,
     };
     progress.finish();
     let json = serde_json::to_string_pretty(&report)?;

@@ -81,6 +81,8 @@ pub struct Report {
     pub multi: Option<crate::multi::MultiBench>,
     /// Table 12: the frame pipeline (CPU form).
     pub frames: Option<crate::frames::FramesBench>,
+    /// Table 13: the hybrid training loader.
+    pub hybrid: Option<crate::hybrid::HybridBench>,
 }
 
 impl Report {
@@ -218,6 +220,9 @@ impl Report {
         }
         if let Some(v) = &self.frames {
             crate::frames::table(&mut s, v);
+        }
+        if let Some(v) = &self.hybrid {
+            crate::hybrid::table(&mut s, v);
         }
         s
     }
