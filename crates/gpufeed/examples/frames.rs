@@ -5,8 +5,8 @@
 //! as fast as this process takes them (the rate it sustains).
 //!
 //! ```text
-//! cargo run --release -p gpufeed --example frames -- --width 1920 --height 1080 --fps 60 --seconds 5
-//! cargo run --release -p gpufeed --example frames -- --gpu 0 --width 3840 --height 2160 --seconds 60
+//! cargo run --release -p gpufeed --example frames -- --gpu 0 --seconds 60
+//! cargo run --release -p gpufeed --example frames -- --width 1920 --height 1080 --seconds 5
 //! ```
 //!
 //! Without `--gpu` the transform runs on the CPU. With `--gpu N` each frame is copied from its
@@ -32,10 +32,10 @@ struct Cli {
     #[command(subcommand)]
     role: Option<Role>,
     /// Frame width in pixels (RGB8).
-    #[arg(long, default_value_t = 1920)]
+    #[arg(long, default_value_t = 3840)]
     width: u32,
     /// Frame height.
-    #[arg(long, default_value_t = 1080)]
+    #[arg(long, default_value_t = 2160)]
     height: u32,
     /// Frames per second the producer captures at.
     #[arg(long, default_value_t = 60.0)]
