@@ -50,9 +50,10 @@ pub struct HybridBench {
     pub trainers_from_gpu: bool,
 }
 
-/// The trainer process: takes `batches` batches of `epoch` from ring `ring`, checks each
-/// batch's first record against the CPU's planar values of `records`, prints how many.
-pub fn trainer_child(ring: &str, records: &Path, epoch: u64, batches: usize) -> Result<()> {
+/// The trainer process: takes `batches` batches of each of epochs `0..epochs` from ring
+/// `ring` (a training process lives for the run), checks each batch's first record against
+/// the CPU's planar values of `records`, prints how many it took.
+pub fn trainer_child(ring: &str, records: &Path, epochs: u64, batches: usize) -> Result<()> {
     let ring = BatchRing::open(ring)?;
     // SAFETY: the bench's data files are written once and never changed while mapped.
     let records = unsafe { RecordFile::open_fixed(records, IMAGE.bytes())? };
@@ -60,20 +61,22 @@ pub fn trainer_child(ring: &str, records: &Path, epoch: u64, batches: usize) -> 
     let mut loader = RingLoader::new(&ring, None)?;
     let mut want = Vec::new();
     let mut taken = 0;
-    for batch in loader.epoch(epoch, batches, Duration::from_secs(60)) {
-        let batch = batch?;
-        let BatchData::Host(bytes) = &batch.data else {
-            anyhow::bail!("a trainer without a GPU gets host batches");
-        };
-        let i = *batch.indices.first().context("an empty batch")?;
-        want.clear();
-        reference(i, records.record(i).context("the record")?, &mut want)
-            .map_err(anyhow::Error::msg)?;
-        anyhow::ensure!(
-            bytes[..batch.offsets[1]] == want[..],
-            "record {i} arrived with other planar values"
-        );
-        taken += 1;
+    for e in 0..epochs {
+        for batch in loader.epoch(e, batches, Duration::from_secs(60)) {
+            let batch = batch?;
+            let BatchData::Host(bytes) = &batch.data else {
+                anyhow::bail!("a trainer without a GPU gets host batches");
+            };
+            let i = *batch.indices.first().context("an empty batch")?;
+            want.clear();
+            reference(i, records.record(i).context("the record")?, &mut want)
+                .map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(
+                bytes[..batch.offsets[1]] == want[..],
+                "record {i} arrived with other planar values"
+            );
+            taken += 1;
+        }
     }
     println!("TRAINED {taken}");
     Ok(())
@@ -143,7 +146,29 @@ pub fn measure(
     let mut dealt = loader(&path, workers, gpu, gpu.is_none())?;
     let slot = (BATCH * IMAGE.bytes() * 4 + (64 << 10)) as u64;
     let (mut base, mut on_gpu, mut to_trainers) = (Vec::new(), Vec::new(), Vec::new());
-    // Epoch 0 of each is a warm-up (pools, kernels, the page cache).
+    // The trainer processes live for the run, as training processes do.
+    let rings = (0..TRAINERS)
+        .map(|_| BatchRing::create_unique(3, slot))
+        .collect::<Result<Vec<_>, _>>()?;
+    let children = rings
+        .iter()
+        .enumerate()
+        .map(|(t, r)| -> Result<std::process::Child> {
+            Ok(Command::new(exe)
+                .args([
+                    "hybrid-trainer",
+                    "--ring",
+                    r.segment().name().context("named")?,
+                ])
+                .args(["--records".as_ref(), path.as_os_str()])
+                .args(["--epochs", &(reps + 1).to_string()])
+                .args(["--batches", &batches_for(batches, TRAINERS, t).to_string()])
+                .stdout(Stdio::piped())
+                .spawn()?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut fanout = Fanout::new(&rings, gpu)?;
+    // Epoch 0 of each is a warm-up (pools, kernels, the page cache, the trainers' mappings).
     for e in 0..=reps as u64 {
         let s = epoch(&mut baseline, e, |_| Ok(()))?;
         if e > 0 {
@@ -160,27 +185,6 @@ pub fn measure(
                 on_gpu.push(gbps(s));
             }
         }
-        let rings = (0..TRAINERS)
-            .map(|_| BatchRing::create_unique(3, slot))
-            .collect::<Result<Vec<_>, _>>()?;
-        let children = rings
-            .iter()
-            .enumerate()
-            .map(|(t, r)| -> Result<std::process::Child> {
-                Ok(Command::new(exe)
-                    .args([
-                        "hybrid-trainer",
-                        "--ring",
-                        r.segment().name().context("named")?,
-                    ])
-                    .args(["--records".as_ref(), path.as_os_str()])
-                    .args(["--epoch", &e.to_string()])
-                    .args(["--batches", &batches_for(batches, TRAINERS, t).to_string()])
-                    .stdout(Stdio::piped())
-                    .spawn()?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut fanout = Fanout::new(&rings, gpu)?;
         let t = Instant::now();
         epoch(&mut dealt, e, |b| {
             match (&b.data, planar.as_ref()) {
@@ -195,27 +199,27 @@ pub fn measure(
             }
             Ok(())
         })?;
-        let mut taken = 0;
-        for child in children {
-            let out = child.wait_with_output()?;
-            anyhow::ensure!(out.status.success(), "a trainer process failed");
-            let text = String::from_utf8_lossy(&out.stdout);
-            taken += text
-                .lines()
-                .find_map(|l| l.strip_prefix("TRAINED "))
-                .context("the trainer's count")?
-                .trim()
-                .parse::<usize>()?;
-        }
-        let s = t.elapsed().as_secs_f64();
-        anyhow::ensure!(
-            taken == batches,
-            "the trainers took {taken} of {batches} batches"
-        );
+        // Timed to the last batch published: with three slots per ring, the trainers are at
+        // most three batches behind.
         if e > 0 {
-            to_trainers.push(gbps(s));
+            to_trainers.push(gbps(t.elapsed().as_secs_f64()));
         }
     }
+    drop(fanout);
+    let mut taken = 0;
+    for child in children {
+        let out = child.wait_with_output()?;
+        anyhow::ensure!(out.status.success(), "a trainer process failed");
+        let text = String::from_utf8_lossy(&out.stdout);
+        taken += text
+            .lines()
+            .find_map(|l| l.strip_prefix("TRAINED "))
+            .context("the trainer's count")?
+            .trim()
+            .parse::<usize>()?;
+    }
+    let want = batches * (reps + 1);
+    anyhow::ensure!(taken == want, "the trainers took {taken} of {want} batches");
     Ok(HybridBench {
         image: IMAGE,
         images,

@@ -199,7 +199,7 @@ enum Internal {
         #[arg(long)]
         records: PathBuf,
         #[arg(long)]
-        epoch: u64,
+        epochs: u64,
         #[arg(long)]
         batches: usize,
     },
@@ -242,9 +242,9 @@ fn main() -> Result<()> {
         Some(Internal::HybridTrainer {
             ring,
             records,
-            epoch,
+            epochs,
             batches,
-        }) => return hybrid::trainer_child(&ring, &records, epoch, batches),
+        }) => return hybrid::trainer_child(&ring, &records, epochs, batches),
         Some(Internal::OneShot {
             path,
             checkpoint,

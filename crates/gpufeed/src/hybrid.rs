@@ -169,15 +169,17 @@ pub enum Planar<'a> {
 }
 
 /// Preprocessed batches handed to training processes: one shared-memory ring per process,
-/// batches dealt out in turns, each ring's batches numbered 0, 1, ... in its own order (what
-/// its [`RingLoader`](crate::dataset::ring::RingLoader) expects; [`batches_for`] says how
-/// many). With a GPU, each ring is registered with CUDA so that the device -> host copy lands
+/// batches dealt out in turns (from the first ring at each epoch's start), each ring's
+/// batches of an epoch numbered 0, 1, ... in its own order (what its
+/// [`RingLoader`](crate::dataset::ring::RingLoader) expects; [`batches_for`] says how many). With a GPU, each ring is registered with CUDA so that the device -> host copy lands
 /// in the slot directly.
 pub struct Fanout<'r> {
     rings: &'r [BatchRing],
     registrations: Vec<Option<HostRegistration<'r>>>,
     numbers: Vec<usize>,
     next: usize,
+    /// The epoch being published: a new one starts every ring's numbering and the turns over.
+    epoch: Option<u64>,
     timeout: Duration,
 }
 
@@ -228,6 +230,7 @@ impl<'r> Fanout<'r> {
             registrations,
             numbers: vec![0; rings.len()],
             next: 0,
+            epoch: None,
             timeout: Duration::from_secs(60),
         })
     }
@@ -244,7 +247,8 @@ impl<'r> Fanout<'r> {
     }
 
     /// Publishes one preprocessed batch — the records `indices` of `epoch`, equal shares of
-    /// `data` — to the next training process's ring; returns that ring's number.
+    /// `data` — to the next training process's ring; returns that ring's number. Publish an
+    /// epoch's batches in order, and epochs one after another.
     ///
     /// # Errors
     /// [`Error::InvalidSetting`] for data that does not split into the records, or a batch
@@ -264,6 +268,11 @@ impl<'r> Fanout<'r> {
                 "{len} bytes do not split into {} records",
                 indices.len()
             )));
+        }
+        if self.epoch != Some(epoch) {
+            self.epoch = Some(epoch);
+            self.numbers.fill(0);
+            self.next = 0;
         }
         let per = (len / indices.len()) as u64;
         let offsets: Vec<u64> = (0..=indices.len() as u64).map(|k| k * per).collect();

@@ -19,6 +19,8 @@ const IMAGE: FrameFormat = FrameFormat {
 };
 const RECORDS: usize = 300;
 const BATCH: usize = 32;
+/// Epochs each run publishes (a trainer process lives across them).
+const EPOCHS: u64 = 2;
 
 /// A trainer process over ring `name`, taking `batches` batches of epoch 0.
 fn trainer(name: &str, records: &std::path::Path, batches: usize) -> std::process::Command {
@@ -48,7 +50,11 @@ fn trainer_dispatcher() {
     let mut loader = RingLoader::new(&ring, None).expect("ring loader");
     let mut seen = Vec::new();
     let mut want = Vec::new();
-    for batch in loader.epoch(0, batches, Duration::from_secs(30)) {
+    for batch in (0..EPOCHS).flat_map(|e| {
+        loader
+            .epoch(e, batches, Duration::from_secs(30))
+            .collect::<Vec<_>>()
+    }) {
         let batch = batch.expect("batch");
         let BatchData::Host(bytes) = &batch.data else {
             panic!("host batches without a GPU")
@@ -74,10 +80,11 @@ fn trainer_dispatcher() {
 }
 
 /// The records file, the loader over it, two rings with a trainer process on each; runs
-/// `publish` on every batch of epoch 0 and checks that the trainers saw every record once.
+/// `publish` on every batch of [`EPOCHS`] epochs (with the epoch) and checks that the
+/// trainers saw every record once per epoch.
 fn with_trainers(
     gpu: Option<&gpufeed::Gpu>,
-    mut publish: impl FnMut(&mut Fanout<'_>, &gpufeed::dataset::Batch),
+    mut publish: impl FnMut(&mut Fanout<'_>, u64, &gpufeed::dataset::Batch),
 ) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("images.bin");
@@ -117,8 +124,10 @@ fn with_trainers(
         .collect();
     let mut fanout = Fanout::new(&rings, gpu).expect("fanout");
     assert_eq!(fanout.registered(0), gpu.is_some());
-    for batch in loader.epoch(0).expect("epoch") {
-        publish(&mut fanout, &batch.expect("batch"));
+    for e in 0..EPOCHS {
+        for batch in loader.epoch(e).expect("epoch") {
+            publish(&mut fanout, e, &batch.expect("batch"));
+        }
     }
     let mut seen = vec![0u32; RECORDS];
     for child in children {
@@ -133,17 +142,20 @@ fn with_trainers(
             seen[i.parse::<usize>().expect("index")] += 1;
         }
     }
-    assert!(seen.iter().all(|&c| c == 1), "every record once: {seen:?}");
+    assert!(
+        seen.iter().all(|&c| c == EPOCHS as u32),
+        "every record once per epoch: {seen:?}"
+    );
 }
 
 #[test]
 fn preprocessed_batches_reach_trainer_processes_on_the_cpu() {
-    with_trainers(None, |fanout, batch| {
+    with_trainers(None, |fanout, e, batch| {
         let BatchData::Host(bytes) = &batch.data else {
             panic!("host batches without a GPU")
         };
         fanout
-            .publish(0, &batch.indices, Planar::Host(&bytes[..batch.bytes()]))
+            .publish(e, &batch.indices, Planar::Host(&bytes[..batch.bytes()]))
             .expect("publish");
     });
 }
@@ -157,7 +169,7 @@ fn batches_preprocessed_on_the_gpu_reach_trainer_processes() {
     let planar = GpuPlanar::new(&gpu, IMAGE).expect("kernel");
     let reference = planar_transform(IMAGE);
     let mut first = true;
-    with_trainers(Some(&gpu), |fanout, batch| {
+    with_trainers(Some(&gpu), |fanout, e, batch| {
         let out = planar.apply(batch).expect("preprocess");
         if first {
             // In this process too: the result on the GPU equals the CPU's.
@@ -180,7 +192,7 @@ fn batches_preprocessed_on_the_gpu_reach_trainer_processes() {
             assert_eq!(got, want, "the GPU's planar batch");
         }
         fanout
-            .publish(0, &batch.indices, Planar::Device(&out, planar.stream()))
+            .publish(e, &batch.indices, Planar::Device(&out, planar.stream()))
             .expect("publish");
     });
 }
