@@ -39,29 +39,33 @@ pub struct Reads {
     pub warm_threads_gbps: Samples,
 }
 
-/// `count` 1 MiB buffers, touched once so that no measurement pays their page faults (a real
-/// pipeline reuses its staging buffers the same way).
-fn buffer_pool(count: usize) -> Result<RefCell<Vec<AlignedBuf>>> {
+/// `count` buffers of `size` bytes, touched once so that no measurement pays their page faults
+/// (a real pipeline reuses its staging buffers the same way).
+fn buffer_pool(count: usize, size: usize) -> Result<RefCell<Vec<AlignedBuf>>> {
     let mut pool = Vec::with_capacity(count);
     for _ in 0..count {
-        let mut buf = AlignedBuf::new(BLOCK, 4096)?;
+        let mut buf = AlignedBuf::new(size, 4096)?;
         buf.fill(1);
         pool.push(buf);
     }
     Ok(RefCell::new(pool))
 }
 
-/// All of `path` read with `O_DIRECT` through io_uring in 1 MiB requests, `qd` in flight:
-/// GB/s (a way of the disk's limit for the batch loader's cold rows, whose reads are queued).
-pub fn uring_direct(path: &Path, qd: usize) -> Result<f64> {
-    let pool = buffer_pool(qd)?;
-    let mut reader = Reader::builder()
+/// An io_uring `O_DIRECT` reader, `qd` reads of up to `block` bytes in flight.
+fn direct_uring(qd: usize, block: usize) -> Result<Reader> {
+    Ok(Reader::builder()
         .backend(Backend::IoUring)
         .direct(Direct::On)
         .queue_depth(qd)
-        .block_bytes(BLOCK)
-        .build()?;
-    read_whole(&mut reader, path, &pool)
+        .block_bytes(block)
+        .build()?)
+}
+
+/// All of `path` read with `O_DIRECT` through io_uring in 1 MiB requests, `qd` in flight:
+/// GB/s (a way of the disk's limit for the batch loader's cold rows, whose reads are queued).
+pub fn uring_direct(path: &Path, qd: usize) -> Result<f64> {
+    let pool = buffer_pool(qd, BLOCK)?;
+    read_whole(&mut direct_uring(qd, BLOCK)?, path, &pool)
 }
 
 /// All of `path` read with `O_DIRECT` through io_uring in `block`-byte requests, `qd` in
@@ -79,22 +83,30 @@ pub fn uring_direct_shuffled(path: &Path, qd: usize, block: usize, seed: u64) ->
         let j = (x.wrapping_mul(0x2545_F491_4F6C_DD1D) % (i as u64 + 1)) as usize;
         order.swap(i, j);
     }
-    let mut reader = Reader::builder()
-        .backend(Backend::IoUring)
-        .direct(Direct::On)
-        .queue_depth(qd)
-        .block_bytes(block)
-        .build()?;
+    let pool = buffer_pool(qd, block)?;
+    read_blocks(&mut direct_uring(qd, block)?, path, len, &pool, block, order)
+}
+
+/// Reads all of `path` with `reader` in 1 MiB requests, taking buffers from `pool` and
+/// returning them as requests complete; returns GB/s.
+fn read_whole(reader: &mut Reader, path: &Path, pool: &RefCell<Vec<AlignedBuf>>) -> Result<f64> {
+    let len = path.metadata()?.len();
+    read_blocks(reader, path, len, pool, BLOCK, 0..len.div_ceil(BLOCK as u64))
+}
+
+/// Reads the first `len` bytes of `path` with `reader` in `block`-byte requests, block by
+/// block in `order`, taking buffers from `pool` (of `block` bytes) and returning them as
+/// requests complete; returns GB/s of the bytes read.
+fn read_blocks(
+    reader: &mut Reader,
+    path: &Path,
+    len: u64,
+    pool: &RefCell<Vec<AlignedBuf>>,
+    block: usize,
+    order: impl IntoIterator<Item = u64>,
+) -> Result<f64> {
     let file = reader.open(path)?;
-    let mut pool = (0..qd)
-        .map(|_| AlignedBuf::new(block, 4096))
-        .collect::<Result<Vec<_>, _>>()?;
-    for b in &mut pool {
-        b.fill(1);
-    }
-    let pool = RefCell::new(pool);
     let failure = RefCell::new(None);
-    // Buffers go back to the pool as reads complete: `qd` of them serve the whole file.
     let ops = order.into_iter().map_while(|i| {
         let off = i * block as u64;
         let n = (len - off).min(block as u64) as usize;
@@ -106,6 +118,7 @@ pub fn uring_direct_shuffled(path: &Path, qd: usize, block: usize, seed: u64) ->
             .map_err(|e| failure.borrow_mut().get_or_insert(e.to_string()).clone())
             .ok()
     });
+    let before = reader.stats().bytes;
     let (secs, res) = timed(|| {
         reader.read_all(ops, |c| {
             if let Err(e) = &c.result {
@@ -114,41 +127,8 @@ pub fn uring_direct_shuffled(path: &Path, qd: usize, block: usize, seed: u64) ->
             pool.borrow_mut().push(c.buf);
         })
     });
-    let failure = failure.into_inner();
     res?;
-    if let Some(e) = failure {
-        bail!("read failed: {e}");
-    }
-    Ok(gbps(len, secs))
-}
-
-/// Reads all of `path` with `reader` in 1 MiB requests, taking buffers from `pool` and
-/// returning them as requests complete; returns GB/s.
-fn read_whole(reader: &mut Reader, path: &Path, pool: &RefCell<Vec<AlignedBuf>>) -> Result<f64> {
-    let file = reader.open(path)?;
-    let len = path.metadata()?.len();
-    let ops = (0..len.div_ceil(BLOCK as u64)).map(|i| {
-        let off = i * BLOCK as u64;
-        let n = (len - off).min(BLOCK as u64) as usize;
-        let buf = pool
-            .borrow_mut()
-            .pop()
-            .map_or_else(|| AlignedBuf::new(BLOCK, 4096), Ok)
-            .expect("1 MiB buffer");
-        ReadOp::new(file, off, buf).len(n)
-    });
-    let mut failure = None;
-    let before = reader.stats().bytes;
-    let (secs, res) = timed(|| {
-        reader.read_all(ops, |c| {
-            if let Err(e) = &c.result {
-                failure.get_or_insert_with(|| e.to_string());
-            }
-            pool.borrow_mut().push(c.buf);
-        })
-    });
-    res?;
-    if let Some(e) = failure {
+    if let Some(e) = failure.into_inner() {
         bail!("read failed: {e}");
     }
     let bytes = reader.stats().bytes - before;
@@ -196,7 +176,7 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
     } else {
         "fio not installed: skipped (install it with `apt-get install fio` to compare)".to_owned()
     };
-    let pool = buffer_pool(*DEPTHS.iter().max().unwrap_or(&1))?;
+    let pool = buffer_pool(*DEPTHS.iter().max().unwrap_or(&1), BLOCK)?;
     let mut direct = Vec::new();
     for qd in DEPTHS {
         progress(&format!("O_DIRECT, queue depth {qd}"));
