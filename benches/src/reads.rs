@@ -84,14 +84,28 @@ pub fn uring_direct_shuffled(path: &Path, qd: usize, block: usize, seed: u64) ->
         order.swap(i, j);
     }
     let pool = buffer_pool(qd, block)?;
-    read_blocks(&mut direct_uring(qd, block)?, path, len, &pool, block, order)
+    read_blocks(
+        &mut direct_uring(qd, block)?,
+        path,
+        len,
+        &pool,
+        block,
+        order,
+    )
 }
 
 /// Reads all of `path` with `reader` in 1 MiB requests, taking buffers from `pool` and
 /// returning them as requests complete; returns GB/s.
 fn read_whole(reader: &mut Reader, path: &Path, pool: &RefCell<Vec<AlignedBuf>>) -> Result<f64> {
     let len = path.metadata()?.len();
-    read_blocks(reader, path, len, pool, BLOCK, 0..len.div_ceil(BLOCK as u64))
+    read_blocks(
+        reader,
+        path,
+        len,
+        pool,
+        BLOCK,
+        0..len.div_ceil(BLOCK as u64),
+    )
 }
 
 /// Reads the first `len` bytes of `path` with `reader` in `block`-byte requests, block by

@@ -338,6 +338,31 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_that_does_not_fit_or_split_is_refused_before_a_slot_is_claimed() {
+        let rings = [BatchRing::anonymous(2, 4096).expect("ring")];
+        let mut fanout = Fanout::new(&rings, None).expect("fanout");
+        let err = fanout
+            .publish(0, &[1, 2], Planar::Host(&[0u8; 8000]))
+            .unwrap_err();
+        assert!(err.to_string().contains("make them at least"), "{err}");
+        let err = fanout
+            .publish(0, &[1, 2, 3], Planar::Host(&[0u8; 100]))
+            .unwrap_err();
+        assert!(err.to_string().contains("do not split"), "{err}");
+        assert_eq!(rings[0].stats().claimed, 0, "no slot was claimed");
+        assert!(Fanout::new(&[], None).is_err(), "no ring");
+        // What fits goes out, numbered from 0 in each epoch.
+        fanout
+            .publish(0, &[1, 2], Planar::Host(&[7u8; 64]))
+            .expect("publish");
+        assert_eq!(fanout.numbers, [1]);
+        fanout
+            .publish(1, &[3, 4], Planar::Host(&[7u8; 64]))
+            .expect("publish");
+        assert_eq!(fanout.numbers, [1], "epoch 1 starts again from 0");
+    }
+
+    #[test]
     fn batches_are_dealt_out_in_turns() {
         assert_eq!(
             (0..3).map(|t| batches_for(10, 3, t)).collect::<Vec<_>>(),
