@@ -117,6 +117,8 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
 pub struct DirectCold {
     /// Records per block (`Order::Blocks`).
     pub block: usize,
+    /// Records per batch.
+    pub batch: usize,
     pub workers: usize,
     /// `LoaderConfig::direct_depth`: reads in flight per worker.
     pub depth: usize,
@@ -136,12 +138,17 @@ pub struct DirectCold {
     pub read_bytes: f64,
 }
 
-/// The (records per block, workers, reads in flight per worker) of the cold rows: 1 MiB and
-/// 4 MiB blocks, 16 reads in flight in all from 4, 8 and 16 workers (a worker waits for the
-/// last of its batch's reads before it copies: the fewer per worker, the less the queue
-/// empties), and 4 from 4 (bench runs 60-62 on the H200 machine).
-const DIRECT_ROWS: [(usize, usize, usize); 5] =
-    [(16, 4, 4), (16, 8, 2), (16, 16, 1), (16, 4, 1), (64, 4, 4)];
+/// The (records per block, records per batch, workers, reads in flight per worker) of the
+/// cold rows: 1 MiB and 4 MiB blocks in batches of [`BATCH`] (4 MiB), and 8 MiB blocks in
+/// batches of 256 (16 MiB) — the H200 machine's disk reads 8 MiB requests fastest and random
+/// 1 MiB ones at 0.6-0.85 of sequential (bench runs 60-64).
+const DIRECT_ROWS: [(usize, usize, usize, usize); 5] = [
+    (16, BATCH, 4, 4),
+    (64, BATCH, 4, 4),
+    (128, 256, 4, 1),
+    (128, 256, 4, 2),
+    (128, 256, 8, 1),
+];
 
 /// The queue depth of the io_uring way of a cold row's limit: as many 1 MiB reads in flight
 /// as the rows' 4 workers with 4 each.
@@ -158,7 +165,7 @@ fn direct_cold(
     reps: usize,
 ) -> Result<(Vec<DirectCold>, Samples)> {
     type Row = (
-        (usize, usize, usize),
+        (usize, usize, usize, usize),
         BatchLoader,
         Vec<f64>,
         Vec<f64>,
@@ -166,7 +173,7 @@ fn direct_cold(
     );
     let mut loaders = DIRECT_ROWS
         .into_iter()
-        .map(|(block, workers, depth)| -> Result<Row> {
+        .map(|(block, batch, workers, depth)| -> Result<Row> {
             let order = Order::Blocks { seed: 5, block };
             // SAFETY: the bench's data files are written once and never changed while mapped.
             let records = unsafe { RecordFile::open_fixed(dataset, RECORD)? };
@@ -174,10 +181,11 @@ fn direct_cold(
                 .clone()
                 .with_direct(true)
                 .with_direct_depth(depth)
+                .with_batch_size(batch)
                 .with_workers(workers)
                 .with_prefetch(2 * workers);
             Ok((
-                (block, workers, depth),
+                (block, batch, workers, depth),
                 BatchLoader::new(records, Sampler::new(order), cfg, None)?,
                 Vec::new(),
                 Vec::new(),
@@ -223,19 +231,22 @@ fn direct_cold(
     let shares = |runs: &[f64], limit: &[f64]| runs.iter().zip(limit).map(|(r, l)| r / l).collect();
     let rows = loaders
         .into_iter()
-        .map(|((block, workers, depth), loader, runs, limit, shuffled)| {
-            let st = loader.stats();
-            DirectCold {
-                block,
-                workers,
-                depth,
-                share: Samples::new(shares(&runs, &limit)),
-                gbps: Samples::new(runs),
-                limit_gbps: Samples::new(limit),
-                shuffled_gbps: Samples::new(shuffled),
-                read_bytes: st.direct_read_bytes as f64 / st.direct_reads.max(1) as f64,
-            }
-        })
+        .map(
+            |((block, batch, workers, depth), loader, runs, limit, shuffled)| {
+                let st = loader.stats();
+                DirectCold {
+                    block,
+                    batch,
+                    workers,
+                    depth,
+                    share: Samples::new(shares(&runs, &limit)),
+                    gbps: Samples::new(runs),
+                    limit_gbps: Samples::new(limit),
+                    shuffled_gbps: Samples::new(shuffled),
+                    read_bytes: st.direct_read_bytes as f64 / st.direct_reads.max(1) as f64,
+                }
+            },
+        )
         .collect();
     Ok((rows, Samples::new(all)))
 }

@@ -171,7 +171,7 @@ impl Report {
                     d.block,
                     show_size(d.read_bytes as u64),
                     d.depth,
-                    b.batch_size,
+                    d.batch,
                     d.workers,
                     d.gbps.show(2),
                     share(
