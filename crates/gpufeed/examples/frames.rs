@@ -149,8 +149,18 @@ fn split(run: frames::GpuRun, frames: u64) -> (frames::Run, Option<GpuFigures>) 
     (run.run, Some(figures))
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    // The error's message (what to do), not its debug form.
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let format = FrameFormat {
         width: cli.width,
         height: cli.height,

@@ -65,8 +65,18 @@ enum Role {
 
 type Error = Box<dyn std::error::Error>;
 
-fn main() -> Result<(), Error> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    // The error's message (what to do), not its debug form.
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Error> {
     let image = FrameFormat {
         width: cli.size,
         height: cli.size,
@@ -79,6 +89,8 @@ fn main() -> Result<(), Error> {
     {
         return train(ring, records, *batches, image);
     }
+    // The GPU first: a missing one is said before any work.
+    let gpu = cli.gpu.map(gpufeed::Gpu::open).transpose()?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("images.bin");
     let mut state = 0x2545_F491_4F6C_DD1Du64;
@@ -91,7 +103,6 @@ fn main() -> Result<(), Error> {
         })
         .collect();
     std::fs::write(&path, bytes)?;
-    let gpu = cli.gpu.map(gpufeed::Gpu::open).transpose()?;
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
     let open = |transform: bool| -> Result<BatchLoader, Error> {
         // SAFETY: the example's record file is not changed while mapped.
