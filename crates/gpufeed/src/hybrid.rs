@@ -125,8 +125,8 @@ impl GpuPlanar {
     /// cudarc orders later uses of the result after it).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for a batch on the host (give the loader a GPU) or with a
-    /// record that is not one image; the driver's.
+    /// [`Error::InvalidSetting`] for a batch on the host (give the loader a GPU), with a
+    /// record that is not one image, or of more than 65,535 images; the driver's.
     pub fn apply(&self, batch: &Batch) -> Result<CudaSlice<f32>> {
         let BatchData::Device(src) = &batch.data else {
             return Err(Error::InvalidSetting(
@@ -145,13 +145,18 @@ impl GpuPlanar {
             )));
         }
         let images = batch.indices.len();
+        if images > 65_535 {
+            return Err(Error::InvalidSetting(format!(
+                "a batch of {images} images: GpuPlanar takes at most 65,535 per batch"
+            )));
+        }
         let pixels = u32::try_from(bytes / 3)
             .map_err(|_| Error::InvalidSetting("images of 2^32 pixels or more".into()))?;
         let mut dst = self
             .stream
             .alloc_zeros::<f32>(3 * (bytes / 3) * images)
             .map_err(cuda("cuMemAlloc (a planar batch)"))?;
-        // One launch: at most 65,535 images per batch (the grid's y), or an error saying so.
+        // One launch (the grid's y is the image).
         self.kernel
             .launch_images(&self.stream, src, &mut dst, pixels, images as u32)?;
         Ok(dst)

@@ -169,10 +169,17 @@ impl GpuFrames {
     /// its planar result: 15 bytes a pixel, twice).
     ///
     /// # Errors
-    /// A frame of more than 2^32 pixels; the driver's (kernel, memory, streams, events).
+    /// [`Error::InvalidSetting`] for frames of no pixels or of 2^32 or more; the driver's
+    /// (kernel, memory, streams, events).
     pub fn new(gpu: &Gpu, format: FrameFormat) -> Result<Self> {
         let pixels = u32::try_from(u64::from(format.width) * u64::from(format.height))
             .map_err(|_| Error::InvalidSetting("frames of 2^32 pixels or more".into()))?;
+        if pixels == 0 {
+            return Err(Error::InvalidSetting(format!(
+                "frames of {}x{} pixels: width and height must be at least 1",
+                format.width, format.height
+            )));
+        }
         let kernel = PlanarKernel::load(gpu)?;
         let ctx = gpu.context();
         let event = || {
