@@ -38,13 +38,18 @@
 //!   yielding device batches (host batches without a GPU); data larger than the page cache read
 //!   with `O_DIRECT` in shuffled blocks ([`dataset::Order::Blocks`]).
 //! - [`frames`]: frames between processes through a shared-memory ring (the real-time case
-//!   study's CPU half: a paced producer, the consumer, the pipe baseline, latency statistics).
+//!   study: a paced producer, the consumer, the pipe baseline, latency statistics; the GPU
+//!   consumer [`frames::GpuFrames`] copies each frame straight from the registered ring while
+//!   the previous one is transformed).
+//! - [`hybrid`]: the hybrid training loader (the other case study): a `BatchLoader`'s batches
+//!   preprocessed on the GPU ([`hybrid::GpuPlanar`]) and kept there, or dealt out to trainer
+//!   processes through shared-memory rings ([`hybrid::Fanout`]).
 //!
 //! Without a GPU every GPU call returns an error for which [`Error::is_no_gpu`] is true; the
 //! CPU paths (records, samplers, host batches, every lower layer) keep working. Slower paths
-//! taken are typed [`Fallback`]s in each [`LoadReport`]. The facade has no `unsafe` code of its
-//! own but where it passes on a mapped file's promise (`Strategy::Registered`,
-//! `dataset::RecordFile`).
+//! taken are typed [`Fallback`]s in each [`LoadReport`]. The facade's own `unsafe` code is where it
+//! passes on a mapped file's promise (`Strategy::Registered`, `dataset::RecordFile`) and where
+//! it reads or writes a claimed ring slot in place (`frames`, `hybrid`).
 //!
 //! Depends on every layer below: `gpufeed-os`, `gpufeed-numa`, `gpufeed-uring`, `gpufeed-ipc`,
 //! `gpufeed-pinned` and `gpufeed-cuda`.
