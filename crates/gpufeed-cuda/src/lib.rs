@@ -39,7 +39,7 @@
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
-//! Depends on `cudarc` (driver API, dynamic loading),
+//! Depends on `cudarc` (driver API, dynamic loading; its `nvrtc` feature only for loading PTX),
 //! `gpufeed-pinned` (within layer 2: the staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
 //! of thin `unsafe fn`s returning `Result`.
 //!
