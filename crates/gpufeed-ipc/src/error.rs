@@ -26,8 +26,9 @@ pub enum Error {
         ms: u128,
     },
 
-    /// Every consumer that registered has died: nobody will free slots again.
-    #[error("every consumer of the ring has exited; stop producing or start a consumer")]
+    /// Every consumer that registered has died or left (dropped its `Consumer`): nobody will
+    /// free slots again.
+    #[error("every consumer of the ring has exited or left; stop producing or start a consumer")]
     ConsumerGone,
 
     /// Data larger than a slot.

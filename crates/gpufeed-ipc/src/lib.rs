@@ -4,7 +4,7 @@
 //! but it has no synchronization of its own. [`BatchRing`] is that pairing: fixed slots
 //! (256-byte aligned) in a [`gpufeed_os::ShmSegment`], multi-producer multi-consumer, futex
 //! waits with timeouts, and crash safety — a slot claimed by a producer that died is reclaimed
-//! and never delivered torn, and producers learn when every consumer died
+//! and never delivered torn, and producers learn when every consumer died or left
 //! ([`Error::ConsumerGone`]) instead of blocking forever.
 //!
 //! Create a named ring ([`BatchRing::create`]) and [`BatchRing::open`] it elsewhere, or create

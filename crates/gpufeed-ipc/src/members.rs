@@ -56,6 +56,15 @@ pub(crate) fn holder_ref(index: usize, generation: u32) -> HolderRef {
     (generation << 8) | index as u32
 }
 
+/// The consumer word of a consumer that left (its `Consumer` dropped, also while unwinding
+/// from a panic): index 255 is past [`MAX_PROCESSES`], so nobody holds through it and it reads
+/// as gone, but unlike 0 ("never registered") it tells producers that a consumer was there.
+pub(crate) const LEFT: HolderRef = u32::MAX;
+const _: () = assert!(
+    MAX_PROCESSES <= 0xFF,
+    "LEFT's index must be past every entry"
+);
+
 pub(crate) fn ref_index(r: HolderRef) -> usize {
     (r & 0xFF) as usize
 }
@@ -329,9 +338,9 @@ mod loom_tests {
                     })
                 })
                 .collect();
-            // The gone consumer's drop, late: clears only its own registration.
+            // The gone consumer's drop, late: marks only its own registration LEFT.
             let cleared = word
-                .compare_exchange(gone, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(gone, LEFT, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok();
             let won: Vec<bool> = racers
                 .into_iter()
@@ -341,7 +350,7 @@ mod loom_tests {
             let now = word.load(Ordering::Acquire);
             if cleared {
                 assert_eq!(winners, 0);
-                assert_eq!(now, 0);
+                assert_eq!(now, LEFT);
             } else {
                 assert_eq!(winners, 1, "one newcomer holds the entry");
                 assert_eq!(now, if won[0] { a } else { b });

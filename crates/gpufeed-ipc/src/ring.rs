@@ -31,7 +31,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 /// futexes on the shared words, always with a timeout, re-checking every 20 ms whether the
 /// processes holding slots still live: the slot of a producer that died mid-write is reclaimed
 /// and never delivered, the slot of a consumer that died is given back; producers get
-/// [`Error::ConsumerGone`] when every registered consumer died.
+/// [`Error::ConsumerGone`] when every consumer that registered died or left (dropped its
+/// [`Consumer`]) and no slot is free.
 ///
 /// # Who holds a slot
 /// Every `BatchRing` value registers its process in the ring's process table: PID namespace,
@@ -507,7 +508,8 @@ impl BatchRing {
     /// Claims a free slot, waiting up to `timeout`.
     ///
     /// # Errors
-    /// [`Error::Timeout`]; [`Error::ConsumerGone`] when every registered consumer died;
+    /// [`Error::Timeout`]; [`Error::ConsumerGone`] when every consumer that registered died or
+    /// left and no slot is free;
     /// [`Error::Forked`], [`Error::Detached`].
     pub fn claim(&self, timeout: Duration) -> Result<Claim<'_>> {
         let deadline = Instant::now() + timeout;
@@ -567,7 +569,7 @@ impl BatchRing {
         Err(Error::TooManyConsumers(MAX_CONSUMERS))
     }
 
-    /// Whether consumers registered and all of them are gone.
+    /// Whether consumers registered and all of them are gone (dead or [`members::LEFT`]).
     fn consumers_all_dead(&self) -> bool {
         let mut any = false;
         for i in 0..MAX_CONSUMERS {
@@ -853,9 +855,12 @@ impl<'r> Consumer<'r> {
 impl Drop for Consumer<'_> {
     fn drop(&mut self) {
         if self.ring.in_owner() {
+            // LEFT, not 0: a consumer that was there and left (a trainer whose loop ended or
+            // panicked) must end producers' waits as a dead one does, not look like one that
+            // has not come yet.
             let _ = self.ring.consumer_word(self.entry).compare_exchange(
                 self.ring.me_ref,
-                0,
+                members::LEFT,
                 Ordering::AcqRel,
                 Ordering::Relaxed,
             );

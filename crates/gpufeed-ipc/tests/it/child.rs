@@ -153,6 +153,12 @@ fn entry() {
             // Exit without unregistering, as a killed consumer would.
             std::process::exit(0);
         }
+        // Registers, then panics: unwinding drops the consumer (it leaves, it is not killed).
+        "consume-and-panic" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let _consumer = ring.consumer().expect("register");
+            panic!("a trainer's bug");
+        }
         "fd-producer" => {
             let sock =
                 std::os::unix::net::UnixStream::connect(var("GPUFEED_IT_SOCKET")).expect("connect");

@@ -224,6 +224,57 @@ fn producers_learn_that_every_consumer_died() {
     ring.claim(Duration::from_secs(1)).expect("a slot again");
 }
 
+/// Fills the ring's `slots` slots and asserts that the next claim fails with `ConsumerGone`
+/// at once, not after its 10 s timeout.
+fn assert_producer_learns_consumers_are_gone(ring: &BatchRing, slots: usize) {
+    for _ in 0..slots {
+        let mut c = ring.claim(Duration::from_secs(1)).expect("free slot");
+        c.set_len(1).expect("len");
+        c.publish().expect("publish");
+    }
+    let t = Instant::now();
+    let err = ring.claim(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, Error::ConsumerGone), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "noticed only after {:?}",
+        t.elapsed()
+    );
+}
+
+/// A consumer that drops its `Consumer` (its loop ended, or it panicked and unwound) must not
+/// look like one that never came: producers waiting for its slots would wait out their timeout.
+#[test]
+fn producers_learn_that_every_consumer_left_or_panicked() {
+    let ring = BatchRing::create_unique(2, 4096).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    let out = child::command("consume-and-panic", &[("GPUFEED_IT_RING", name)])
+        .output()
+        .expect("run consumer");
+    assert!(!out.status.success(), "the consumer panicked");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("a trainer's bug")
+            || String::from_utf8_lossy(&out.stderr).contains("a trainer's bug"),
+        "the child ran the panicking role"
+    );
+    assert_producer_learns_consumers_are_gone(&ring, 2);
+
+    // In this process: a consumer that leaves cleanly, after taking its batches.
+    let ring = BatchRing::anonymous(2, 4096).expect("ring");
+    {
+        let consumer = ring.consumer().expect("consumer");
+        let mut c = ring.claim(Duration::from_secs(1)).expect("free slot");
+        c.set_len(1).expect("len");
+        c.publish().expect("publish");
+        drop(consumer.next(Duration::from_secs(1)).expect("the batch"));
+    }
+    assert_producer_learns_consumers_are_gone(&ring, 2);
+    // Its entry is free again: a new consumer registers and takes what was published.
+    let consumer = ring.consumer().expect("a consumer again");
+    assert!(consumer.try_next().expect("attached").is_some());
+    ring.claim(Duration::from_secs(1)).expect("a slot again");
+}
+
 #[test]
 fn timeouts_and_bounds() {
     let ring = BatchRing::anonymous(1, 1000).expect("ring");

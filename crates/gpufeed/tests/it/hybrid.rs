@@ -56,6 +56,9 @@ fn trainer_dispatcher() {
             .collect::<Vec<_>>()
     }) {
         let batch = batch.expect("batch");
+        if std::env::var_os("GPUFEED_IT_PANIC").is_some() {
+            panic!("a trainer's bug, at its first batch");
+        }
         let BatchData::Host(bytes) = &batch.data else {
             panic!("host batches without a GPU")
         };
@@ -195,4 +198,82 @@ fn batches_preprocessed_on_the_gpu_reach_trainer_processes() {
             .publish(e, &batch.indices, Planar::Device(&out, planar.stream()))
             .expect("publish");
     });
+}
+
+/// A trainer that panics (its loader unwinds and leaves the ring) ends the loader's
+/// `publish` with an error once that trainer's ring is full, not after the fanout's timeout.
+#[test]
+fn a_trainer_that_panics_ends_publishing_with_an_error_not_a_wait() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("images.bin");
+    std::fs::write(
+        &path,
+        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), 32),
+    )
+    .expect("write");
+    // SAFETY: the test's record file is never changed.
+    let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
+    let cfg = LoaderConfig::default()
+        .with_batch_size(BATCH)
+        .with_workers(2);
+    let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
+        .expect("loader")
+        .with_transform(planar_transform(IMAGE));
+    let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
+    let rings = [
+        BatchRing::create_unique(3, slot).expect("ring"),
+        BatchRing::create_unique(3, slot).expect("ring"),
+    ];
+    let batches = loader.batches_per_epoch();
+    let mut panicking = trainer(rings[0].segment().name().expect("named"), &path, batches);
+    let panicking = panicking
+        .env("GPUFEED_IT_PANIC", "1")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("trainer");
+    // The other trainer takes its batches as usual; it is stopped at the end.
+    let mut other = trainer(rings[1].segment().name().expect("named"), &path, batches)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("trainer");
+    let mut fanout = Fanout::new(&rings, None)
+        .expect("fanout")
+        .with_timeout(Duration::from_secs(60));
+    let started = std::time::Instant::now();
+    let mut failed = None;
+    // Epochs until it fails: however many batches the trainer took before it panicked, its
+    // ring of 3 slots is full within a few.
+    'epochs: for e in 0..4 {
+        for batch in loader.epoch(e).expect("epoch") {
+            let batch = batch.expect("batch");
+            let BatchData::Host(bytes) = &batch.data else {
+                panic!("host batches without a GPU")
+            };
+            if let Err(err) =
+                fanout.publish(e, &batch.indices, Planar::Host(&bytes[..batch.bytes()]))
+            {
+                failed = Some(err);
+                break 'epochs;
+            }
+        }
+    }
+    let _ = other.kill();
+    let _ = other.wait();
+    let out = panicking.wait_with_output().expect("trainer");
+    assert!(!out.status.success(), "the trainer panicked");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("a trainer's bug"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = failed.expect("publishing to the panicked trainer's full ring fails");
+    assert!(
+        err.to_string().contains("exited or left"),
+        "the error says the trainer is gone: {err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the loader learned after {:?} (its timeout is 60 s)",
+        started.elapsed()
+    );
 }
