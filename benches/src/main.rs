@@ -174,6 +174,13 @@ enum Internal {
         dir: std::path::PathBuf,
         #[arg(long, default_value_t = 21)]
         reps: usize,
+        /// Only these settings, each `MIN_PIECE_KIB:LANE_KIB:FILL_THREADS` (comma separated),
+        /// instead of the built-in grid.
+        #[arg(long, value_delimiter = ',')]
+        settings: Vec<String>,
+        /// Only sizes up to this many MiB (1, 4, 16, 64, 256).
+        #[arg(long, default_value_t = 256)]
+        max_mib: u64,
     },
     /// The frame producer of table 12 (started by the harness itself).
     #[command(hide = true)]
@@ -238,7 +245,12 @@ fn main() -> Result<()> {
             let format = gpufeed::frames::FrameFormat { width, height };
             return frames::child(ring.as_deref(), format, fps, frames, sparse);
         }
-        Some(Internal::SweepSmall { dir, reps }) => return sweep::run(&dir, reps),
+        Some(Internal::SweepSmall {
+            dir,
+            reps,
+            settings,
+            max_mib,
+        }) => return sweep::run(&dir, reps, &settings, max_mib << 20),
         Some(Internal::HybridTrainer {
             ring,
             records,

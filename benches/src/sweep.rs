@@ -44,11 +44,28 @@ fn line(v: serde_json::Value) {
     println!("{v}");
 }
 
-pub fn run(dir: &Path, reps: usize) -> Result<()> {
+/// A setting written `MIN_PIECE_KIB:LANE_KIB:FILL_THREADS`.
+fn parse_setting(s: &str) -> Result<(usize, usize, usize)> {
+    let parts: Vec<usize> = s
+        .split(':')
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("setting {s:?}: {e}"))?;
+    match parts[..] {
+        [min, lane, threads] if threads > 0 => Ok((min << 10, lane << 10, threads)),
+        _ => anyhow::bail!("setting {s:?}: write MIN_PIECE_KIB:LANE_KIB:FILL_THREADS"),
+    }
+}
+
+pub fn run(dir: &Path, reps: usize, only: &[String], max_bytes: u64) -> Result<()> {
+    let only = only
+        .iter()
+        .map(|s| parse_setting(s))
+        .collect::<Result<Vec<_>>>()?;
     let gpu = gpufeed::Gpu::open(0)?;
     std::fs::create_dir_all(dir)?;
     let mut files = Vec::new();
-    for &size in &SIZES {
+    for &size in SIZES.iter().filter(|&&s| s <= max_bytes) {
         let p = dir.join(format!("size-{size}.bin"));
         ensure_random_file(&p, size, 0x5123 ^ size)?;
         cache::warm(&p)?;
@@ -60,7 +77,7 @@ pub fn run(dir: &Path, reps: usize) -> Result<()> {
     SplitMix(0x317E).fill(&mut pinned);
     let mut dev = gpu.alloc_zeroed(256 << 20)?;
     let stream = ctx.new_stream()?;
-    for &size in &SIZES {
+    for &(size, _) in &files {
         let s = median_of(reps, || {
             crate::gpu::copy_pinned(&pinned, &mut dev, &stream, size as usize)
         })?;
@@ -131,6 +148,9 @@ pub fn run(dir: &Path, reps: usize) -> Result<()> {
     }
     settings.push((256 << 10, 8 << 20, cores.clamp(2, 16)));
     settings.push((1 << 20, 8 << 20, (cores / 2).clamp(2, 16)));
+    if !only.is_empty() {
+        settings = only;
+    }
     let mut dev = gpu.alloc_zeroed(256 << 20)?;
     let host = vec![7u8; 256 << 20];
     for (min, lane_bytes, threads) in settings {
