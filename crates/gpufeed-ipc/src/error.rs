@@ -31,6 +31,13 @@ pub enum Error {
     #[error("every consumer of the ring has exited or left; stop producing or start a consumer")]
     ConsumerGone,
 
+    /// Every producer that registered ([`crate::BatchRing::producer`]) has died or left, and
+    /// no published batch is left: nobody will publish again.
+    #[error(
+        "every producer of the ring has exited or left and no batch is waiting; the process feeding this ring stopped (see its own output) or start a producer"
+    )]
+    ProducerGone,
+
     /// Data larger than a slot.
     #[error("{len} bytes do not fit a slot of {capacity} bytes; create the ring with larger slots")]
     TooLarge {
@@ -43,6 +50,10 @@ pub enum Error {
     /// All consumer places are taken.
     #[error("the ring already has {0} live consumers, its maximum")]
     TooManyConsumers(usize),
+
+    /// All producer places are taken.
+    #[error("the ring already has {0} live producers registered, its maximum")]
+    TooManyProducers(usize),
 
     /// A slot changed under its holder (another process freed it): the ring is being misused.
     #[error(

@@ -31,6 +31,8 @@ pub const MAX_SLOTS: u32 = 4096;
 pub const MAX_SLOT_BYTES: u64 = 1 << 40;
 /// Consumers that can be registered at once.
 pub const MAX_CONSUMERS: usize = 16;
+/// Producers that can be registered at once ([`crate::BatchRing::producer`]).
+pub const MAX_PRODUCERS: usize = 16;
 
 // Byte offsets of header fields.
 pub(crate) const OFF_MAGIC: usize = 0;
@@ -52,6 +54,10 @@ pub(crate) const OFF_READY_WAITERS: usize = 84;
 pub(crate) const OFF_LEASE_MS: usize = 88;
 /// Consumer table: MAX_CONSUMERS words of a holder reference (u32; 0 = empty).
 pub(crate) const OFF_CONSUMERS: usize = 128;
+/// Producer table, the same (added within version 2: a ring made by an older gpufeed has zeros
+/// here, "no producer registered", and its consumers wait out their timeouts as before).
+pub(crate) const OFF_PRODUCERS: usize = OFF_CONSUMERS + 4 * MAX_CONSUMERS;
+const _: () = assert!(OFF_PRODUCERS + 4 * MAX_PRODUCERS <= HEADER_BYTES as usize);
 
 // Offsets inside one process-table entry.
 pub(crate) const PROC_CTL: usize = 0;

@@ -4,8 +4,9 @@
 //! but it has no synchronization of its own. [`BatchRing`] is that pairing: fixed slots
 //! (256-byte aligned) in a [`gpufeed_os::ShmSegment`], multi-producer multi-consumer, futex
 //! waits with timeouts, and crash safety — a slot claimed by a producer that died is reclaimed
-//! and never delivered torn, and producers learn when every consumer died or left
-//! ([`Error::ConsumerGone`]) instead of blocking forever.
+//! and never delivered torn, producers learn when every consumer died or left
+//! ([`Error::ConsumerGone`]) instead of blocking forever, and consumers when every registered
+//! producer did ([`Error::ProducerGone`], [`BatchRing::producer`]).
 //!
 //! Create a named ring ([`BatchRing::create`]) and [`BatchRing::open`] it elsewhere, or create
 //! an anonymous one ([`BatchRing::anonymous`]) and pass its memfd to related processes by
@@ -64,10 +65,10 @@ pub use error::{Error, Result};
 #[cfg(not(loom))]
 pub use fdpass::{recv_fd, send_fd};
 #[cfg(not(loom))]
-pub use layout::{Layout, MAX_CONSUMERS, MAX_SLOTS, SLOT_ALIGN, parse_header};
+pub use layout::{Layout, MAX_CONSUMERS, MAX_PRODUCERS, MAX_SLOTS, SLOT_ALIGN, parse_header};
 #[cfg(not(loom))]
 pub use members::MAX_PROCESSES;
 #[cfg(not(loom))]
 pub use rendezvous::{MAX_PAYLOAD, MAX_RANKS, Rendezvous, RendezvousOptions};
 #[cfg(not(loom))]
-pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, RingStats};
+pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats};

@@ -12,7 +12,9 @@ use parking_lot::{Condvar, Mutex};
 use rustix::thread::futex;
 
 use crate::error::{Error, Result};
-use crate::layout::{self, Layout, MAX_CONSUMERS, OFF_FREE_WAITERS, OFF_READY_WAITERS};
+use crate::layout::{
+    self, Layout, MAX_CONSUMERS, MAX_PRODUCERS, OFF_FREE_WAITERS, OFF_READY_WAITERS,
+};
 use crate::members::{self, HolderRef, MAX_PROCESSES};
 use crate::state;
 
@@ -355,8 +357,62 @@ impl BatchRing {
         }
     }
 
-    fn consumer_word(&self, i: usize) -> &AtomicU32 {
-        self.u32_at(layout::OFF_CONSUMERS + 4 * i)
+    /// Word `i` of `role`'s table: a holder reference, 0 (never registered) or
+    /// [`members::LEFT`].
+    fn role_word(&self, role: Role, i: usize) -> &AtomicU32 {
+        self.u32_at(role.table() + 4 * i)
+    }
+
+    /// Registers this process in `role`'s table: the entry taken, or None when it is full of
+    /// live members.
+    fn register(&self, role: Role) -> Result<Option<usize>> {
+        self.check_attached()?;
+        for i in 0..role.max() {
+            let word = self.role_word(role, i);
+            let cur = word.load(Ordering::Acquire);
+            // One word names the member (its process-table entry and generation), so there
+            // is no moment in which a new member is half registered.
+            if (cur == 0 || self.holder_gone(cur))
+                && word
+                    .compare_exchange(cur, self.me_ref, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Marks this process's entry `i` of `role` LEFT, not 0: a member that was there and left
+    /// (a trainer whose loop ended or panicked) must end the other side's waits as a dead one
+    /// does, not look like one that has not come yet. A forked child leaves the parent's
+    /// entry alone.
+    fn leave(&self, role: Role, i: usize) {
+        if self.in_owner() {
+            let _ = self.role_word(role, i).compare_exchange(
+                self.me_ref,
+                members::LEFT,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Whether members of `role` registered and all of them are gone (dead or
+    /// [`members::LEFT`]).
+    fn all_gone(&self, role: Role) -> bool {
+        let mut any = false;
+        for i in 0..role.max() {
+            let r = self.role_word(role, i).load(Ordering::Acquire);
+            if r == 0 {
+                continue;
+            }
+            any = true;
+            if !self.holder_gone(r) {
+                return false;
+            }
+        }
+        any
     }
 
     fn slot_ptr(&self, slot: u32) -> *mut u8 {
@@ -518,7 +574,7 @@ impl BatchRing {
                 return Ok(c);
             }
             self.reap();
-            if self.consumers_all_dead() {
+            if self.all_gone(Role::Consumer) {
                 return Err(Error::ConsumerGone);
             }
             let now = Instant::now();
@@ -549,40 +605,47 @@ impl BatchRing {
     /// [`Error::TooManyConsumers`] when 16 live consumers are registered; [`Error::Forked`],
     /// [`Error::Detached`].
     pub fn consumer(&self) -> Result<Consumer<'_>> {
-        self.check_attached()?;
-        for i in 0..MAX_CONSUMERS {
-            let word = self.consumer_word(i);
-            let cur = word.load(Ordering::Acquire);
-            // One word names the consumer (its process-table entry and generation), so there
-            // is no moment in which a new consumer is half registered.
-            if (cur == 0 || self.holder_gone(cur))
-                && word
-                    .compare_exchange(cur, self.me_ref, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            {
-                return Ok(Consumer {
-                    ring: self,
-                    entry: i,
-                });
-            }
+        match self.register(Role::Consumer)? {
+            Some(entry) => Ok(Consumer { ring: self, entry }),
+            None => Err(Error::TooManyConsumers(MAX_CONSUMERS)),
         }
-        Err(Error::TooManyConsumers(MAX_CONSUMERS))
     }
 
-    /// Whether consumers registered and all of them are gone (dead or [`members::LEFT`]).
-    fn consumers_all_dead(&self) -> bool {
-        let mut any = false;
-        for i in 0..MAX_CONSUMERS {
-            let r = self.consumer_word(i).load(Ordering::Acquire);
-            if r == 0 {
-                continue;
-            }
-            any = true;
-            if !self.holder_gone(r) {
-                return false;
-            }
+    /// Registers this process as a producer for as long as the value lives, so that consumers
+    /// can tell when producers are gone: once every registered producer died or dropped its
+    /// `Producer` and no published batch is left, [`Consumer::next`] answers
+    /// [`Error::ProducerGone`] at once instead of waiting out its timeout. Claiming needs no
+    /// registration; register a producer that feeds the ring for the whole stream (not one
+    /// of a series started one after another: between them, consumers would be told that
+    /// producers are gone).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let ring = gpufeed_ipc::BatchRing::anonymous(2, 4096)?;
+    /// let consumer = ring.consumer()?;
+    /// let producer = ring.producer()?;
+    /// let mut claim = ring.claim(Duration::from_secs(1))?;
+    /// claim.write_at(0, b"the last batch")?;
+    /// claim.set_len(14)?;
+    /// claim.publish()?;
+    /// drop(producer);
+    /// // What was published is still delivered; then the ring says nobody feeds it.
+    /// assert_eq!(consumer.next(Duration::from_secs(1))?.to_vec(), b"the last batch");
+    /// assert!(matches!(
+    ///     consumer.next(Duration::from_secs(10)),
+    ///     Err(gpufeed_ipc::Error::ProducerGone)
+    /// ));
+    /// # Ok::<(), gpufeed_ipc::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::TooManyProducers`] when 16 live producers are registered; [`Error::Forked`],
+    /// [`Error::Detached`].
+    pub fn producer(&self) -> Result<Producer<'_>> {
+        match self.register(Role::Producer)? {
+            Some(entry) => Ok(Producer { ring: self, entry }),
+            None => Err(Error::TooManyProducers(MAX_PRODUCERS)),
         }
-        any
     }
 
     /// Frees the slots held by processes that are gone (a producer's unfinished batch is
@@ -818,7 +881,9 @@ impl<'r> Consumer<'r> {
     /// gone are freed while waiting.
     ///
     /// # Errors
-    /// [`Error::Timeout`], [`Error::Forked`], [`Error::Detached`].
+    /// [`Error::Timeout`]; [`Error::ProducerGone`] when producers registered
+    /// ([`BatchRing::producer`]), every one of them died or left, and no batch is left;
+    /// [`Error::Forked`], [`Error::Detached`].
     pub fn next(&self, timeout: Duration) -> Result<Batch<'r>> {
         let ring = self.ring;
         let deadline = Instant::now() + timeout;
@@ -827,6 +892,14 @@ impl<'r> Consumer<'r> {
                 return Ok(b);
             }
             ring.reap();
+            if ring.all_gone(Role::Producer) {
+                // A producer publishes before it leaves: seen gone, anything it published is
+                // visible now.
+                return match self.try_next()? {
+                    Some(b) => Ok(b),
+                    None => Err(Error::ProducerGone),
+                };
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout {
@@ -854,16 +927,43 @@ impl<'r> Consumer<'r> {
 
 impl Drop for Consumer<'_> {
     fn drop(&mut self) {
-        if self.ring.in_owner() {
-            // LEFT, not 0: a consumer that was there and left (a trainer whose loop ended or
-            // panicked) must end producers' waits as a dead one does, not look like one that
-            // has not come yet.
-            let _ = self.ring.consumer_word(self.entry).compare_exchange(
-                self.ring.me_ref,
-                members::LEFT,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            );
+        self.ring.leave(Role::Consumer, self.entry);
+    }
+}
+
+/// This process as a registered producer of a ring ([`BatchRing::producer`]); marked as
+/// left when dropped.
+#[derive(Debug)]
+pub struct Producer<'r> {
+    ring: &'r BatchRing,
+    entry: usize,
+}
+
+impl Drop for Producer<'_> {
+    fn drop(&mut self) {
+        self.ring.leave(Role::Producer, self.entry);
+    }
+}
+
+/// The two tables of registered members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Consumer,
+    Producer,
+}
+
+impl Role {
+    fn table(self) -> usize {
+        match self {
+            Role::Consumer => layout::OFF_CONSUMERS,
+            Role::Producer => layout::OFF_PRODUCERS,
+        }
+    }
+
+    fn max(self) -> usize {
+        match self {
+            Role::Consumer => MAX_CONSUMERS,
+            Role::Producer => MAX_PRODUCERS,
         }
     }
 }

@@ -176,10 +176,14 @@ pub enum Planar<'a> {
 /// Preprocessed batches handed to training processes: one shared-memory ring per process,
 /// batches dealt out in turns (from the first ring at each epoch's start), each ring's
 /// batches of an epoch numbered 0, 1, ... in its own order (what its
-/// [`RingLoader`](crate::dataset::ring::RingLoader) expects; [`batches_for`] says how many). With a GPU, each ring is registered with CUDA so that the device -> host copy lands
-/// in the slot directly.
+/// [`RingLoader`](crate::dataset::ring::RingLoader) expects; [`batches_for`] says how many).
+/// With a GPU, each ring is registered with CUDA so that the device -> host copy lands in the
+/// slot directly. While it lives, the fanout is each ring's registered producer
+/// ([`BatchRing::producer`]): a trainer waiting for a batch once the fanout is dropped, or its
+/// process died, gets [`gpufeed_ipc::Error::ProducerGone`] at once, not after its timeout.
 pub struct Fanout<'r> {
     rings: &'r [BatchRing],
+    _producers: Vec<gpufeed_ipc::Producer<'r>>,
     registrations: Vec<Option<HostRegistration<'r>>>,
     numbers: Vec<usize>,
     next: usize,
@@ -211,13 +215,18 @@ impl<'r> Fanout<'r> {
     /// driver's staging, and logged).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for no ring.
+    /// [`Error::InvalidSetting`] for no ring; the ring's when it cannot take another producer
+    /// (16 live ones registered) or was attached before a fork.
     pub fn new(rings: &'r [BatchRing], gpu: Option<&Gpu>) -> Result<Self> {
         if rings.is_empty() {
             return Err(Error::InvalidSetting(
                 "a Fanout needs at least one ring (one per training process)".into(),
             ));
         }
+        let producers = rings
+            .iter()
+            .map(BatchRing::producer)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let registrations = rings
             .iter()
             .map(|r| {
@@ -232,6 +241,7 @@ impl<'r> Fanout<'r> {
             .collect();
         Ok(Fanout {
             rings,
+            _producers: producers,
             registrations,
             numbers: vec![0; rings.len()],
             next: 0,

@@ -74,6 +74,27 @@ fn entry() {
                 None,
             );
         }
+        // A registered producer: publishes its batches and leaves (drops its `Producer`).
+        "produce-registered" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let _me = ring.producer().expect("register");
+            produce(
+                &ring,
+                num("GPUFEED_IT_PRODUCER") as u32,
+                num("GPUFEED_IT_COUNT") as u32,
+                false,
+                None,
+            );
+        }
+        // A registered producer that says so and then publishes nothing until killed.
+        "producer-idle" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let _me = ring.producer().expect("register");
+            println!("REGISTERED");
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
         "produce-forever" => {
             let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
             let counter = ShmSegment::open(&var("GPUFEED_IT_COUNTER")).expect("counter");

@@ -275,6 +275,75 @@ fn producers_learn_that_every_consumer_left_or_panicked() {
     ring.claim(Duration::from_secs(1)).expect("a slot again");
 }
 
+/// A registered producer that published its batches and left, or that was killed: the
+/// consumer gets every published batch, then `ProducerGone` at once rather than its timeout;
+/// while one registered producer lives, an empty ring is only a wait.
+#[test]
+fn consumers_learn_that_every_registered_producer_is_gone() {
+    use std::io::BufRead;
+    let ring = BatchRing::create_unique(4, 64 * 1024).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    let consumer = ring.consumer().expect("consumer");
+    let status = child::command(
+        "produce-registered",
+        &[
+            ("GPUFEED_IT_RING", name.clone()),
+            ("GPUFEED_IT_PRODUCER", "3".into()),
+            ("GPUFEED_IT_COUNT", "3".into()),
+        ],
+    )
+    .status()
+    .expect("producer");
+    assert!(status.success());
+    for want in 0..3 {
+        let batch = consumer.next(Duration::from_secs(5)).expect("a batch");
+        assert_eq!(
+            decode(&batch.to_vec()),
+            Ok((3, want)),
+            "published, then left"
+        );
+    }
+    let t = Instant::now();
+    let err = consumer.next(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, Error::ProducerGone), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "after {:?}",
+        t.elapsed()
+    );
+    assert!(err.to_string().contains("producer"), "{err}");
+
+    // One registered producer alive (idle) beside the one that left: only a timeout.
+    let mut idle = child::command("producer-idle", &[("GPUFEED_IT_RING", name)])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("idle producer");
+    // The test harness prints its own lines first; the reader stays open until the end.
+    let mut out = std::io::BufReader::new(idle.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    while line.trim() != "REGISTERED" {
+        line.clear();
+        assert!(out.read_line(&mut line).expect("its line") > 0, "it ended");
+    }
+    let err = consumer.next(Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    // Killed, it is gone too.
+    idle.kill().expect("kill");
+    let t = Instant::now();
+    let err = consumer.next(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, Error::ProducerGone), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "after {:?}",
+        t.elapsed()
+    );
+    let _ = idle.wait();
+    // A new producer revives the ring.
+    let _me = ring.producer().expect("a producer again");
+    let err = consumer.next(Duration::from_millis(100)).unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+}
+
 #[test]
 fn timeouts_and_bounds() {
     let ring = BatchRing::anonymous(1, 1000).expect("ring");

@@ -284,6 +284,11 @@ impl<'r> RingLoader<'r> {
     }
 
     /// The `batches` batches of `epoch`, in batch order, each waited for up to `timeout`.
+    ///
+    /// An item is an error for a batch not there within `timeout`, or at once
+    /// ([`gpufeed_ipc::Error::ProducerGone`]) when the ring's registered producer (a
+    /// [`crate::hybrid::Fanout`]) is gone with nothing left to take; a slot that is not a
+    /// batch of this layout; or the upload's.
     pub fn epoch(
         &mut self,
         epoch: u64,

@@ -277,3 +277,74 @@ fn a_trainer_that_panics_ends_publishing_with_an_error_not_a_wait() {
         started.elapsed()
     );
 }
+
+/// A loader that stops publishing (its fanout dropped, as when its process ends or dies)
+/// ends its trainers' waits with an error at once, not after their 30 s timeout.
+#[test]
+fn trainers_learn_at_once_that_their_loader_stopped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("images.bin");
+    std::fs::write(
+        &path,
+        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), 33),
+    )
+    .expect("write");
+    // SAFETY: the test's record file is never changed.
+    let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
+    let cfg = LoaderConfig::default()
+        .with_batch_size(BATCH)
+        .with_workers(2);
+    let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
+        .expect("loader")
+        .with_transform(planar_transform(IMAGE));
+    let batches = loader.batches_per_epoch();
+    let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
+    let rings = [
+        BatchRing::create_unique(3, slot).expect("ring"),
+        BatchRing::create_unique(3, slot).expect("ring"),
+    ];
+    let mut fanout = Fanout::new(&rings, None).expect("fanout");
+    let trainers: Vec<_> = rings
+        .iter()
+        .enumerate()
+        .map(|(t, r)| {
+            trainer(
+                r.segment().name().expect("named"),
+                &path,
+                batches_for(batches, 2, t),
+            )
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("trainer")
+        })
+        .collect();
+    // One batch for each trainer, then the loader stops.
+    for batch in loader.epoch(0).expect("epoch").take(2) {
+        let batch = batch.expect("batch");
+        let BatchData::Host(bytes) = &batch.data else {
+            panic!("host batches without a GPU")
+        };
+        fanout
+            .publish(0, &batch.indices, Planar::Host(&bytes[..batch.bytes()]))
+            .expect("publish");
+    }
+    let stopped = std::time::Instant::now();
+    drop(fanout);
+    for child in trainers {
+        let out = child.wait_with_output().expect("trainer");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "the trainer got fewer batches than it wanted"
+        );
+        assert!(
+            err.contains("ProducerGone"),
+            "the trainer was told its loader stopped (its `expect` prints the error's Debug): {err}"
+        );
+    }
+    assert!(
+        stopped.elapsed() < Duration::from_secs(15),
+        "trainers learned after {:?} (their timeout is 30 s)",
+        stopped.elapsed()
+    );
+}
