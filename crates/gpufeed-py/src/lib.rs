@@ -446,6 +446,73 @@ type DtypeGroup = (
 /// `(name, dtype, shape, start, end)` of a tensor at an offset its element size does not divide.
 type OddTensor = (String, &'static str, Vec<usize>, usize, usize);
 
+/// A loaded checkpoint as `Loader.load_safetensors_files` hands it to Python: per file
+/// `(array, groups, odd)` (see there). A dtype torch cannot take is refused before any tensor
+/// is handed out.
+fn checkpoint_files(
+    py: Python<'_>,
+    ckpt: gpufeed::safetensors::Checkpoint,
+) -> PyResult<Vec<FileTensors>> {
+    let gpu = ckpt.gpu().clone();
+    let device = cuda(gpu.info().ordinal);
+    let files: Vec<(usize, usize)> = (0..ckpt.files().len())
+        .map(|i| {
+            ckpt.buffer(i)
+                .map_or((0, 0), |b| (device_address(&gpu, b), b.len()))
+        })
+        .collect();
+    let mut groups: Vec<Vec<DtypeGroup>> = files.iter().map(|_| Vec::new()).collect();
+    let mut odd: Vec<Vec<OddTensor>> = vec![Vec::new(); files.len()];
+    for name in ckpt.names() {
+        let Some(info) = ckpt.info(name) else {
+            continue;
+        };
+        let (_, dtype_name) = dlpack_dtype(info.dtype).map_err(|why| {
+            GpufeedError::new_err(format!(
+                "{}: tensor {name}: {why}",
+                ckpt.files()[info.file].display()
+            ))
+        })?;
+        // Every dtype `dlpack_dtype` takes is whole bytes wide.
+        let size = (info.dtype.bitsize() / 8).max(1);
+        if info.range.start % size != 0 {
+            odd[info.file].push((
+                name.to_owned(),
+                dtype_name,
+                info.shape.clone(),
+                info.range.start,
+                info.range.end,
+            ));
+            continue;
+        }
+        let file = &mut groups[info.file];
+        let at = match file.iter().position(|g| g.0 == dtype_name) {
+            Some(at) => at,
+            None => {
+                file.push((dtype_name, size, vec![], vec![], vec![], vec![]));
+                file.len() - 1
+            }
+        };
+        let g = &mut file[at];
+        g.2.push(name.to_owned());
+        g.3.push(PyTuple::new(py, &info.shape)?.unbind());
+        g.4.push(PyTuple::new(py, contiguous_strides(&info.shape))?.unbind());
+        g.5.push(info.range.start / size);
+    }
+    let owner = Arc::new(Owner::new(Storage::Checkpoint(ckpt), Some(gpu)));
+    Ok(files
+        .into_iter()
+        .zip(groups.into_iter().zip(odd))
+        .map(|((base, nbytes), (groups, odd))| {
+            (
+                Array::bytes(Arc::clone(&owner), base, nbytes, device, None),
+                groups,
+                odd,
+            )
+        })
+        .collect())
+}
+
 /// Row-major strides, in elements, of a tensor of `shape`.
 fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1usize; shape.len()];
@@ -582,64 +649,7 @@ impl Loader {
                 gpufeed::safetensors::load_with(&inner, &path)
             })
             .map_err(py_err)?;
-        let gpu = ckpt.gpu().clone();
-        let device = cuda(gpu.info().ordinal);
-        let files: Vec<(usize, usize)> = (0..ckpt.files().len())
-            .map(|i| {
-                ckpt.buffer(i)
-                    .map_or((0, 0), |b| (device_address(&gpu, b), b.len()))
-            })
-            .collect();
-        let mut groups: Vec<Vec<DtypeGroup>> = files.iter().map(|_| Vec::new()).collect();
-        let mut odd: Vec<Vec<OddTensor>> = vec![Vec::new(); files.len()];
-        for name in ckpt.names() {
-            let Some(info) = ckpt.info(name) else {
-                continue;
-            };
-            let (_, dtype_name) = dlpack_dtype(info.dtype).map_err(|why| {
-                GpufeedError::new_err(format!(
-                    "{}: tensor {name}: {why}",
-                    ckpt.files()[info.file].display()
-                ))
-            })?;
-            // Every dtype `dlpack_dtype` takes is whole bytes wide.
-            let size = (info.dtype.bitsize() / 8).max(1);
-            if info.range.start % size != 0 {
-                odd[info.file].push((
-                    name.to_owned(),
-                    dtype_name,
-                    info.shape.clone(),
-                    info.range.start,
-                    info.range.end,
-                ));
-                continue;
-            }
-            let file = &mut groups[info.file];
-            let at = match file.iter().position(|g| g.0 == dtype_name) {
-                Some(at) => at,
-                None => {
-                    file.push((dtype_name, size, vec![], vec![], vec![], vec![]));
-                    file.len() - 1
-                }
-            };
-            let g = &mut file[at];
-            g.2.push(name.to_owned());
-            g.3.push(PyTuple::new(py, &info.shape)?.unbind());
-            g.4.push(PyTuple::new(py, contiguous_strides(&info.shape))?.unbind());
-            g.5.push(info.range.start / size);
-        }
-        let owner = Arc::new(Owner::new(Storage::Checkpoint(ckpt), Some(gpu)));
-        Ok(files
-            .into_iter()
-            .zip(groups.into_iter().zip(odd))
-            .map(|((base, nbytes), (groups, odd))| {
-                (
-                    Array::bytes(Arc::clone(&owner), base, nbytes, device, None),
-                    groups,
-                    odd,
-                )
-            })
-            .collect())
+        checkpoint_files(py, ckpt)
     }
 
     /// The GPU's CUDA ordinal.
@@ -795,6 +805,96 @@ fn load_replicated_rank(py: Python<'_>, path: PathBuf) -> PyResult<(Array, usize
         rank.rank(),
         rank.world(),
     ))
+}
+
+/// The tensor-parallel cut of dimension `dim`: 0 is rows, 1 columns.
+fn split_of(dim: usize) -> gpufeed::safetensors::Split {
+    use gpufeed::safetensors::Split;
+    match dim {
+        0 => Split::Rows,
+        1 => Split::Columns,
+        d => Split::Dim(d),
+    }
+}
+
+/// A safetensors checkpoint (file or index) cut for tensor parallelism along `dim` over
+/// `devices`: per device, its share as `load_safetensors_files` hands a checkpoint over.
+/// Headers are checked and the plan made before any GPU is opened.
+#[pyfunction]
+#[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+fn load_tensor_parallel_files(
+    py: Python<'_>,
+    path: PathBuf,
+    devices: Vec<usize>,
+    dim: usize,
+) -> PyResult<Vec<Vec<FileTensors>>> {
+    let ranks = devices.len();
+    let plan = py
+        .detach(|| gpufeed::safetensors::TensorParallel::plan(&path, ranks, split_of(dim)))
+        .map_err(py_err)?;
+    let multi = shared_multi(py, devices)?;
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let m = Arc::clone(&multi);
+    let ckpts = py
+        .detach(move || {
+            reaper::wait_idle();
+            m.load_tensor_parallel(&plan).map(|(c, _)| c)
+        })
+        .map_err(py_err)?;
+    ckpts.into_iter().map(|c| checkpoint_files(py, c)).collect()
+}
+
+/// A whole safetensors checkpoint on every GPU of `devices` (each reads its share of every
+/// file, the peer links bring the rest): per device, as `load_safetensors_files`.
+#[pyfunction]
+#[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+fn load_replicated_safetensors_files(
+    py: Python<'_>,
+    path: PathBuf,
+    devices: Vec<usize>,
+) -> PyResult<Vec<Vec<FileTensors>>> {
+    // Before the GPUs are opened: a bad file is named even on a machine without one.
+    py.detach(|| gpufeed::safetensors::inspect(&path))
+        .map_err(py_err)?;
+    let multi = shared_multi(py, devices)?;
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let m = Arc::clone(&multi);
+    let ckpts = py
+        .detach(move || {
+            reaper::wait_idle();
+            m.load_replicated_safetensors(&path).map(|(c, _)| c)
+        })
+        .map_err(py_err)?;
+    ckpts.into_iter().map(|c| checkpoint_files(py, c)).collect()
+}
+
+/// This rank's tensor-parallel share (along `dim`) of a safetensors checkpoint, in a job
+/// `torchrun` started: `(files, rank, world)`. Collective: every rank calls it with the same
+/// checkpoint and dimension (a rank given another plan is named in every rank's error).
+#[pyfunction]
+#[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+fn load_tensor_parallel_rank_files(
+    py: Python<'_>,
+    path: PathBuf,
+    dim: usize,
+) -> PyResult<(Vec<FileTensors>, usize, usize)> {
+    // Before joining the job: a bad file is named on every rank alike, none waits for another.
+    py.detach(|| gpufeed::safetensors::inspect(&path))
+        .map_err(py_err)?;
+    let rank = rank_loader(py)?;
+    let world = rank.world();
+    let plan = py
+        .detach(|| gpufeed::safetensors::TensorParallel::plan(&path, world, split_of(dim)))
+        .map_err(py_err)?;
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let r = Arc::clone(&rank);
+    let ckpt = py
+        .detach(move || {
+            reaper::wait_idle();
+            r.load_tensor_parallel(&plan).map(|(c, _)| c)
+        })
+        .map_err(py_err)?;
+    Ok((checkpoint_files(py, ckpt)?, rank.rank(), world))
 }
 
 /// `gpufeed.load_file` with this device's shared loader.
@@ -1395,6 +1495,9 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_replicated, m)?)?;
     m.add_function(wrap_pyfunction!(load_sharded, m)?)?;
     m.add_function(wrap_pyfunction!(load_replicated_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(load_tensor_parallel_files, m)?)?;
+    m.add_function(wrap_pyfunction!(load_replicated_safetensors_files, m)?)?;
+    m.add_function(wrap_pyfunction!(load_tensor_parallel_rank_files, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors_files, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(doctor, m)?)?;

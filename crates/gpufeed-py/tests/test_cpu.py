@@ -40,6 +40,14 @@ def records_file(tmp_path, count, size, seed=7):
     return path, data
 
 
+def tiny_safetensors(path):
+    """A valid safetensors file of one 4 x 2 F32 tensor, written by hand."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 2], "data_offsets": [0, 32]}})
+    header = header.encode() + b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(range(32)))
+    return path
+
+
 def test_imports_with_a_version_and_the_documented_names():
     assert gpufeed.__version__
     for name in gpufeed.__all__:
@@ -65,6 +73,11 @@ def test_several_gpus_without_a_gpu_raise_no_gpu_error(tmp_path, monkeypatch):
         gpufeed.load_replicated(path, devices=[0, 1])
     with pytest.raises(gpufeed.NoGpuError):
         gpufeed.load_sharded([path], devices=[0, 1])
+    ckpt = tiny_safetensors(tmp_path / "m.safetensors")
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.load_tensor_parallel(ckpt, devices=[0, 1], split="columns")
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.load_replicated_safetensors(ckpt, devices=[0, 1])
     for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -72,6 +85,8 @@ def test_several_gpus_without_a_gpu_raise_no_gpu_error(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUFEED_JOB", f"pytest-{os.getpid()}")
     with pytest.raises(gpufeed.NoGpuError):
         gpufeed.load_replicated_rank(path)
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.load_tensor_parallel_rank(ckpt)
 
 
 def test_several_gpus_name_bad_input_before_any_gpu(tmp_path, monkeypatch):
@@ -81,10 +96,32 @@ def test_several_gpus_name_bad_input_before_any_gpu(tmp_path, monkeypatch):
         gpufeed.load_replicated(tmp_path / "f.bin", devices=[])
     with pytest.raises(gpufeed.GpufeedError, match="no such file"):
         gpufeed.load_sharded([tmp_path / "missing.bin"], devices=[0, 1])
+    ckpt = tiny_safetensors(tmp_path / "m.safetensors")
+    for split in ("diagonal", -1, 1.5, True):
+        with pytest.raises(gpufeed.GpufeedError, match="invalid setting: split"):
+            gpufeed.load_tensor_parallel(ckpt, devices=[0, 1], split=split)
+        with pytest.raises(gpufeed.GpufeedError, match="invalid setting: split"):
+            gpufeed.load_tensor_parallel_rank(ckpt, split=split)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    for load in (gpufeed.load_tensor_parallel, gpufeed.load_replicated_safetensors):
+        with pytest.raises(gpufeed.GpufeedError, match="not a valid safetensors file"):
+            load(bad, devices=[0, 1])
+        with pytest.raises(gpufeed.GpufeedError, match="no such file"):
+            load(tmp_path / "missing.safetensors", devices=[0, 1])
+    with pytest.raises(gpufeed.GpufeedError, match="at least one"):
+        gpufeed.load_tensor_parallel(ckpt, devices=[])
+    with pytest.raises(gpufeed.GpufeedError, match="given twice"):
+        gpufeed.load_replicated_safetensors(ckpt, devices=[1, 1])
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(gpufeed.GpufeedError, match="LOCAL_RANK is not set"):
         gpufeed.load_replicated_rank(tmp_path / "f.bin")
+    # A bad checkpoint is named before the rank joins its job (no other rank waits for it).
+    with pytest.raises(gpufeed.GpufeedError, match="not a valid safetensors file"):
+        gpufeed.load_tensor_parallel_rank(bad)
+    with pytest.raises(gpufeed.GpufeedError, match="LOCAL_RANK is not set"):
+        gpufeed.load_tensor_parallel_rank(ckpt)
 
 
 def test_bad_files_are_named_before_the_gpu(tmp_path):

@@ -1,7 +1,9 @@
 """On a GPU, against PyTorch: every tensor of a generated checkpoint equals
 ``safetensors.torch.load_file``'s bit for bit (every dtype torch has, odd shapes, empty and 0-d
-tensors, a sharded index), files and device batches arrive byte for byte, tensors outlive their
-loader, and device memory is given back when the tensors go.
+tensors, a sharded index), also cut for tensor parallelism (against ``torch.tensor_split``) and
+replicated on every GPU, in one process and in processes started like torchrun; files and
+device batches arrive byte for byte, tensors outlive their loader, and device memory is given
+back when the tensors go.
 
 Skipped (with the reason) without torch or a GPU, unless ``GPUFEED_REQUIRE_GPU=1`` (the GPU
 machine), where that is a failure. Runs under pytest, or alone: ``python3 test_gpu.py``."""
@@ -346,6 +348,77 @@ def test_replicated_and_sharded_on_every_gpu():
             want = b"".join(datas[i][a:b] for i, a, b in parts)
             assert bytes(t.cpu().numpy()) == want, dev
         assert sum(t.numel() for t in shares) == sum(len(x) for x in datas)
+
+
+def tensor_parallel_part(torch, t, dim, ranks, rank):
+    """What rank ``rank`` of ``ranks`` holds of ``t`` cut along ``dim``: torch.tensor_split's
+    part (numpy.array_split's shares), or all of it where ``t`` lacks the dimension."""
+    if t.dim() <= dim:
+        return t
+    return torch.tensor_split(t, ranks, dim)[rank]
+
+
+def test_tensor_parallel_and_replicated_checkpoints_on_every_gpu():
+    torch = torch_on_gpu()
+    from safetensors.torch import load_file
+
+    devices = list(range(min(torch.cuda.device_count(), 4)))
+    with tempfile.TemporaryDirectory() as d:
+        single, index = checkpoint(torch, d)
+        want = load_file(single, device="cpu")
+        torch.cuda.set_device(0)
+        for path in (single, index):
+            for split, dim in (("rows", 0), ("columns", 1), (2, 2)):
+                parts = gpufeed.load_tensor_parallel(path, devices=devices, split=split)
+                assert len(parts) == len(devices)
+                for rank, (dev, got) in enumerate(zip(devices, parts)):
+                    assert sorted(got) == sorted(want), (path, split)
+                    for name, t in got.items():
+                        assert t.device == torch.device(f"cuda:{dev}"), (name, t.device)
+                        part = tensor_parallel_part(torch, want[name], dim, len(devices), rank)
+                        assert same_bits(torch, t.cpu(), part), (path, split, rank, name)
+            copies = gpufeed.load_replicated_safetensors(path, devices=devices)
+            for dev, got in zip(devices, copies):
+                assert sorted(got) == sorted(want), path
+                for name, t in got.items():
+                    assert t.device == torch.device(f"cuda:{dev}"), (name, t.device)
+                    assert same_bits(torch, t.cpu(), want[name]), (path, dev, name)
+        assert torch.cuda.current_device() == 0
+
+
+def test_ranks_started_like_torchrun_load_tensor_parallel_shares():
+    torch = torch_on_gpu()
+    world = min(torch.cuda.device_count(), 4)
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as d:
+        single, _ = checkpoint(torch, d)
+        code = (
+            "import sys, gpufeed, torch\n"
+            "from safetensors.torch import load_file\n"
+            "got, rank, world = gpufeed.load_tensor_parallel_rank(sys.argv[1], split='columns')\n"
+            "want = load_file(sys.argv[1])\n"
+            "assert sorted(got) == sorted(want)\n"
+            "for name, t in got.items():\n"
+            "    assert t.device == torch.device(f'cuda:{rank}'), t.device\n"
+            "    w = want[name]\n"
+            "    part = torch.tensor_split(w, world, 1)[rank] if w.dim() > 1 else w\n"
+            "    a = t.cpu().contiguous().reshape(-1).view(torch.uint8)\n"
+            "    b = part.contiguous().reshape(-1).view(torch.uint8)\n"
+            "    assert t.shape == part.shape and torch.equal(a, b), name\n"
+            "print(f'OK {rank} of {world}')\n"
+        )
+        env = dict(os.environ, LOCAL_WORLD_SIZE=str(world),
+                   GPUFEED_JOB=f"pytest-tp-{os.getpid()}")
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, single],
+                             env=dict(env, LOCAL_RANK=str(r)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(world)
+        ]
+        for r, p in enumerate(procs):
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0 and f"OK {r} of {world}" in out, out
 
 
 def test_ranks_started_like_torchrun_load_replicated():

@@ -10,6 +10,7 @@ GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host
     weights = gpufeed.load_safetensors("model.safetensors")      # dict of cuda tensors
     raw = gpufeed.load_file("data/shard-000.bin", device=0)     # uint8 cuda tensor
     copies = gpufeed.load_replicated("model.bin", devices=[0, 1])  # one per GPU, NVLink
+    shards = gpufeed.load_tensor_parallel("model.safetensors", devices=[0, 1], split="rows")
     for batch in gpufeed.BatchLoader("data/images.bin", record_bytes=3 * 224 * 224,
                                      device=0).epoch(0):
         x = gpufeed.as_tensor(batch.data)                        # [records, record_bytes]
@@ -47,8 +48,11 @@ __all__ = [
     "load_range",
     "load_replicated",
     "load_replicated_rank",
+    "load_replicated_safetensors",
     "load_safetensors",
     "load_sharded",
+    "load_tensor_parallel",
+    "load_tensor_parallel_rank",
 ]
 
 Path = Union[str, "PathLike[str]"]
@@ -222,3 +226,54 @@ def load_replicated_rank(path: Path):
     world)``; a rank that dies or fails is named in the others' ``GpufeedError``."""
     array, rank, world = _gpufeed.load_replicated_rank(path)
     return as_tensor(array), rank, world
+
+
+def _split_dim(split) -> int:
+    """``"rows"`` (0), ``"columns"`` (1) or a dimension number."""
+    names = {"rows": 0, "columns": 1}
+    if isinstance(split, str):
+        if split not in names:
+            raise GpufeedError(
+                f"invalid setting: split {split!r}; use 'rows', 'columns' or a dimension number"
+            )
+        return names[split]
+    if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+        raise GpufeedError(
+            f"invalid setting: split {split!r}; use 'rows', 'columns' or a dimension number"
+        )
+    return split
+
+
+def load_tensor_parallel(path: Path, devices: Sequence[int] = (0, 1),
+                         split="rows") -> List[Dict[str, object]]:
+    """A safetensors file or ``*.index.json`` cut for tensor parallelism: one dict of tensors
+    per device of ``devices``, in order. Each tensor with the dimension ``split`` (``"rows"``,
+    ``"columns"`` or a number) is cut along it as ``torch.tensor_split`` cuts it, device ``i``
+    holding part ``i``; a tensor without that dimension is whole on every device. Each device
+    reads only the bytes of its parts. Headers are checked before any GPU is opened."""
+    dim = _split_dim(split)
+    with _collector_paused():
+        return [_checkpoint(files) for files in
+                _gpufeed.load_tensor_parallel_files(path, list(devices), dim)]
+
+
+def load_replicated_safetensors(path: Path,
+                                devices: Sequence[int] = (0, 1)) -> List[Dict[str, object]]:
+    """A whole safetensors checkpoint on every GPU of ``devices``: one dict of tensors per
+    device, in order. Each GPU reads its share of every file over its own PCIe link and the
+    peer links (NVLink) bring the rest."""
+    with _collector_paused():
+        return [_checkpoint(files) for files in
+                _gpufeed.load_replicated_safetensors_files(path, list(devices))]
+
+
+def load_tensor_parallel_rank(path: Path, split="rows"):
+    """In a process ``torchrun`` started (see ``load_replicated_rank``): this rank's
+    tensor-parallel share of a safetensors checkpoint on ``cuda:LOCAL_RANK``, cut as
+    ``load_tensor_parallel`` cuts it for ``LOCAL_WORLD_SIZE`` devices. Returns ``(tensors,
+    rank, world)``. Every rank of the machine must call it with the same checkpoint and split;
+    a rank given another plan, or one that dies, is named in the others' ``GpufeedError``."""
+    dim = _split_dim(split)
+    with _collector_paused():
+        files, rank, world = _gpufeed.load_tensor_parallel_rank_files(path, dim)
+        return _checkpoint(files), rank, world
