@@ -832,13 +832,27 @@ fn load_tensor_parallel_files(
     let plan = py
         .detach(|| gpufeed::safetensors::TensorParallel::plan(&path, ranks, split_of(dim)))
         .map_err(py_err)?;
+    multi_checkpoints(py, devices, move |m| {
+        m.load_tensor_parallel(&plan).map(|(c, _)| c)
+    })
+}
+
+/// The checkpoints `load` puts on the GPUs of `devices` (their kept multi-GPU loader), each
+/// as `load_safetensors_files` hands one over.
+fn multi_checkpoints(
+    py: Python<'_>,
+    devices: Vec<usize>,
+    load: impl FnOnce(
+        &gpufeed::multi::MultiLoader,
+    ) -> gpufeed::Result<Vec<gpufeed::safetensors::Checkpoint>>
+    + Send,
+) -> PyResult<Vec<Vec<FileTensors>>> {
     let multi = shared_multi(py, devices)?;
     let _context = gpufeed::cuda::ContextGuard::new();
-    let m = Arc::clone(&multi);
     let ckpts = py
-        .detach(move || {
+        .detach(|| {
             reaper::wait_idle();
-            m.load_tensor_parallel(&plan).map(|(c, _)| c)
+            load(&multi)
         })
         .map_err(py_err)?;
     ckpts.into_iter().map(|c| checkpoint_files(py, c)).collect()
@@ -856,16 +870,9 @@ fn load_replicated_safetensors_files(
     // Before the GPUs are opened: a bad file is named even on a machine without one.
     py.detach(|| gpufeed::safetensors::inspect(&path))
         .map_err(py_err)?;
-    let multi = shared_multi(py, devices)?;
-    let _context = gpufeed::cuda::ContextGuard::new();
-    let m = Arc::clone(&multi);
-    let ckpts = py
-        .detach(move || {
-            reaper::wait_idle();
-            m.load_replicated_safetensors(&path).map(|(c, _)| c)
-        })
-        .map_err(py_err)?;
-    ckpts.into_iter().map(|c| checkpoint_files(py, c)).collect()
+    multi_checkpoints(py, devices, move |m| {
+        m.load_replicated_safetensors(&path).map(|(c, _)| c)
+    })
 }
 
 /// This rank's tensor-parallel share (along `dim`) of a safetensors checkpoint, in a job

@@ -386,11 +386,26 @@ def test_tensor_parallel_and_replicated_checkpoints_on_every_gpu():
         assert torch.cuda.current_device() == 0
 
 
+def run_ranks(world, code, arg, job):
+    """``world`` Python processes started as torchrun starts them (``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, one job name) running ``code`` on ``arg``; each must print
+    ``OK <rank> of <world>``."""
+    import subprocess
+
+    env = dict(os.environ, LOCAL_WORLD_SIZE=str(world), GPUFEED_JOB=job)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, arg], env=dict(env, LOCAL_RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    for r, p in enumerate(procs):
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0 and f"OK {r} of {world}" in out, out
+
+
 def test_ranks_started_like_torchrun_load_tensor_parallel_shares():
     torch = torch_on_gpu()
     world = min(torch.cuda.device_count(), 4)
-    import subprocess
-
     with tempfile.TemporaryDirectory() as d:
         single, _ = checkpoint(torch, d)
         code = (
@@ -408,24 +423,12 @@ def test_ranks_started_like_torchrun_load_tensor_parallel_shares():
             "    assert t.shape == part.shape and torch.equal(a, b), name\n"
             "print(f'OK {rank} of {world}')\n"
         )
-        env = dict(os.environ, LOCAL_WORLD_SIZE=str(world),
-                   GPUFEED_JOB=f"pytest-tp-{os.getpid()}")
-        procs = [
-            subprocess.Popen([sys.executable, "-c", code, single],
-                             env=dict(env, LOCAL_RANK=str(r)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(world)
-        ]
-        for r, p in enumerate(procs):
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0 and f"OK {r} of {world}" in out, out
+        run_ranks(world, code, single, f"pytest-tp-{os.getpid()}")
 
 
 def test_ranks_started_like_torchrun_load_replicated():
     torch = torch_on_gpu()
     world = min(torch.cuda.device_count(), 4)
-    import subprocess
-
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "f.bin")
         data = os.urandom((13 << 20) + 3)
@@ -438,16 +441,7 @@ def test_ranks_started_like_torchrun_load_replicated():
             "assert bytes(t.cpu().numpy()) == open(sys.argv[1], 'rb').read()\n"
             "print(f'OK {rank} of {world}')\n"
         )
-        env = dict(os.environ, LOCAL_WORLD_SIZE=str(world), GPUFEED_JOB=f"pytest-{os.getpid()}")
-        procs = [
-            subprocess.Popen([sys.executable, "-c", code, path],
-                             env=dict(env, LOCAL_RANK=str(r)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(world)
-        ]
-        for r, p in enumerate(procs):
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0 and f"OK {r} of {world}" in out, out
+        run_ranks(world, code, path, f"pytest-{os.getpid()}")
 
 
 if __name__ == "__main__":

@@ -64,20 +64,11 @@ fn entry() {
         return;
     };
     match role.as_str() {
+        // With GPUFEED_IT_REGISTER: as a registered producer, which leaves when done.
         "produce" => {
             let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
-            produce(
-                &ring,
-                num("GPUFEED_IT_PRODUCER") as u32,
-                num("GPUFEED_IT_COUNT") as u32,
-                false,
-                None,
-            );
-        }
-        // A registered producer: publishes its batches and leaves (drops its `Producer`).
-        "produce-registered" => {
-            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
-            let _me = ring.producer().expect("register");
+            let _me =
+                std::env::var_os("GPUFEED_IT_REGISTER").map(|_| ring.producer().expect("register"));
             produce(
                 &ring,
                 num("GPUFEED_IT_PRODUCER") as u32,

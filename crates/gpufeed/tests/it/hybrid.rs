@@ -82,18 +82,21 @@ fn trainer_dispatcher() {
     );
 }
 
-/// The records file, the loader over it, two rings with a trainer process on each; runs
-/// `publish` on every batch of [`EPOCHS`] epochs (with the epoch) and checks that the
-/// trainers saw every record once per epoch.
-fn with_trainers(
-    gpu: Option<&gpufeed::Gpu>,
-    mut publish: impl FnMut(&mut Fanout<'_>, u64, &gpufeed::dataset::Batch),
-) {
+/// A record file of random images (from `seed`), a loader over it in `order` (with the CPU
+/// transform where there is no GPU), and two rings of three slots that fit a planar batch.
+struct Setup {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    loader: BatchLoader,
+    rings: [BatchRing; 2],
+}
+
+fn setup(seed: u64, order: Order, gpu: Option<&gpufeed::Gpu>) -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("images.bin");
     std::fs::write(
         &path,
-        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), 31),
+        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), seed),
     )
     .expect("write");
     // SAFETY: the test's record file is never changed.
@@ -101,17 +104,37 @@ fn with_trainers(
     let cfg = LoaderConfig::default()
         .with_batch_size(BATCH)
         .with_workers(2);
-    let mut loader = BatchLoader::new(records, Sampler::new(Order::Shuffled { seed: 4 }), cfg, gpu)
-        .expect("loader");
+    let mut loader = BatchLoader::new(records, Sampler::new(order), cfg, gpu).expect("loader");
     if gpu.is_none() {
         loader = loader.with_transform(planar_transform(IMAGE));
     }
-    let batches = loader.batches_per_epoch();
     let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
     let rings = [
         BatchRing::create_unique(3, slot).expect("ring"),
         BatchRing::create_unique(3, slot).expect("ring"),
     ];
+    Setup {
+        _dir: dir,
+        path,
+        loader,
+        rings,
+    }
+}
+
+/// The records file, the loader over it, two rings with a trainer process on each; runs
+/// `publish` on every batch of [`EPOCHS`] epochs (with the epoch) and checks that the
+/// trainers saw every record once per epoch.
+fn with_trainers(
+    gpu: Option<&gpufeed::Gpu>,
+    mut publish: impl FnMut(&mut Fanout<'_>, u64, &gpufeed::dataset::Batch),
+) {
+    let Setup {
+        _dir,
+        path,
+        mut loader,
+        rings,
+    } = setup(31, Order::Shuffled { seed: 4 }, gpu);
+    let batches = loader.batches_per_epoch();
     let children: Vec<_> = rings
         .iter()
         .enumerate()
@@ -204,26 +227,12 @@ fn batches_preprocessed_on_the_gpu_reach_trainer_processes() {
 /// `publish` with an error once that trainer's ring is full, not after the fanout's timeout.
 #[test]
 fn a_trainer_that_panics_ends_publishing_with_an_error_not_a_wait() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("images.bin");
-    std::fs::write(
-        &path,
-        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), 32),
-    )
-    .expect("write");
-    // SAFETY: the test's record file is never changed.
-    let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
-    let cfg = LoaderConfig::default()
-        .with_batch_size(BATCH)
-        .with_workers(2);
-    let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
-        .expect("loader")
-        .with_transform(planar_transform(IMAGE));
-    let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
-    let rings = [
-        BatchRing::create_unique(3, slot).expect("ring"),
-        BatchRing::create_unique(3, slot).expect("ring"),
-    ];
+    let Setup {
+        _dir,
+        path,
+        mut loader,
+        rings,
+    } = setup(32, Order::Sequential, None);
     let batches = loader.batches_per_epoch();
     let mut panicking = trainer(rings[0].segment().name().expect("named"), &path, batches);
     let panicking = panicking
@@ -282,27 +291,13 @@ fn a_trainer_that_panics_ends_publishing_with_an_error_not_a_wait() {
 /// ends its trainers' waits with an error at once, not after their 30 s timeout.
 #[test]
 fn trainers_learn_at_once_that_their_loader_stopped() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("images.bin");
-    std::fs::write(
-        &path,
-        gpufeed_testkit::random_bytes(RECORDS * IMAGE.bytes(), 33),
-    )
-    .expect("write");
-    // SAFETY: the test's record file is never changed.
-    let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
-    let cfg = LoaderConfig::default()
-        .with_batch_size(BATCH)
-        .with_workers(2);
-    let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
-        .expect("loader")
-        .with_transform(planar_transform(IMAGE));
+    let Setup {
+        _dir,
+        path,
+        mut loader,
+        rings,
+    } = setup(33, Order::Sequential, None);
     let batches = loader.batches_per_epoch();
-    let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
-    let rings = [
-        BatchRing::create_unique(3, slot).expect("ring"),
-        BatchRing::create_unique(3, slot).expect("ring"),
-    ];
     let mut fanout = Fanout::new(&rings, None).expect("fanout");
     let trainers: Vec<_> = rings
         .iter()
