@@ -263,6 +263,19 @@ fn producers_learn_that_every_consumer_left_or_panicked() {
     ring.claim(Duration::from_secs(1)).expect("a slot again");
 }
 
+/// The consumer's next wait fails with `ProducerGone` at once, not after its 10 s timeout.
+fn assert_consumer_learns_producers_are_gone(consumer: &gpufeed_ipc::Consumer<'_>) {
+    let t = Instant::now();
+    let err = consumer.next(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, Error::ProducerGone), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "after {:?}",
+        t.elapsed()
+    );
+    assert!(err.to_string().contains("producer"), "{err}");
+}
+
 /// A registered producer that published its batches and left, or that was killed: the
 /// consumer gets every published batch, then `ProducerGone` at once rather than its timeout;
 /// while one registered producer lives, an empty ring is only a wait.
@@ -292,15 +305,7 @@ fn consumers_learn_that_every_registered_producer_is_gone() {
             "published, then left"
         );
     }
-    let t = Instant::now();
-    let err = consumer.next(Duration::from_secs(10)).unwrap_err();
-    assert!(matches!(err, Error::ProducerGone), "{err:?}");
-    assert!(
-        t.elapsed() < Duration::from_secs(2),
-        "after {:?}",
-        t.elapsed()
-    );
-    assert!(err.to_string().contains("producer"), "{err}");
+    assert_consumer_learns_producers_are_gone(&consumer);
 
     // One registered producer alive (idle) beside the one that left: only a timeout.
     let mut idle = child::command("producer-idle", &[("GPUFEED_IT_RING", name)])
@@ -318,14 +323,7 @@ fn consumers_learn_that_every_registered_producer_is_gone() {
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     // Killed, it is gone too.
     idle.kill().expect("kill");
-    let t = Instant::now();
-    let err = consumer.next(Duration::from_secs(10)).unwrap_err();
-    assert!(matches!(err, Error::ProducerGone), "{err:?}");
-    assert!(
-        t.elapsed() < Duration::from_secs(2),
-        "after {:?}",
-        t.elapsed()
-    );
+    assert_consumer_learns_producers_are_gone(&consumer);
     let _ = idle.wait();
     // A new producer revives the ring.
     let _me = ring.producer().expect("a producer again");

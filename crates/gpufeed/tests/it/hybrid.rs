@@ -121,6 +121,30 @@ fn setup(seed: u64, order: Order, gpu: Option<&gpufeed::Gpu>) -> Setup {
     }
 }
 
+/// A trainer process on each ring, its share of an epoch of `batches` each, its stderr
+/// `stderr()`.
+fn spawn_trainers(
+    rings: &[BatchRing],
+    records: &std::path::Path,
+    batches: usize,
+    stderr: fn() -> std::process::Stdio,
+) -> Vec<std::process::Child> {
+    rings
+        .iter()
+        .enumerate()
+        .map(|(t, r)| {
+            trainer(
+                r.segment().name().expect("named"),
+                records,
+                batches_for(batches, rings.len(), t),
+            )
+            .stderr(stderr())
+            .spawn()
+            .expect("trainer")
+        })
+        .collect()
+}
+
 /// The records file, the loader over it, two rings with a trainer process on each; runs
 /// `publish` on every batch of [`EPOCHS`] epochs (with the epoch) and checks that the
 /// trainers saw every record once per epoch.
@@ -135,19 +159,7 @@ fn with_trainers(
         rings,
     } = setup(31, Order::Shuffled { seed: 4 }, gpu);
     let batches = loader.batches_per_epoch();
-    let children: Vec<_> = rings
-        .iter()
-        .enumerate()
-        .map(|(t, r)| {
-            trainer(
-                r.segment().name().expect("named"),
-                &path,
-                batches_for(batches, 2, t),
-            )
-            .spawn()
-            .expect("trainer")
-        })
-        .collect();
+    let children = spawn_trainers(&rings, &path, batches, std::process::Stdio::inherit);
     let mut fanout = Fanout::new(&rings, gpu).expect("fanout");
     assert_eq!(fanout.registered(0), gpu.is_some());
     for e in 0..EPOCHS {
@@ -299,20 +311,7 @@ fn trainers_learn_at_once_that_their_loader_stopped() {
     } = setup(33, Order::Sequential, None);
     let batches = loader.batches_per_epoch();
     let mut fanout = Fanout::new(&rings, None).expect("fanout");
-    let trainers: Vec<_> = rings
-        .iter()
-        .enumerate()
-        .map(|(t, r)| {
-            trainer(
-                r.segment().name().expect("named"),
-                &path,
-                batches_for(batches, 2, t),
-            )
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("trainer")
-        })
-        .collect();
+    let trainers = spawn_trainers(&rings, &path, batches, std::process::Stdio::piped);
     // One batch for each trainer, then the loader stops.
     for batch in loader.epoch(0).expect("epoch").take(2) {
         let batch = batch.expect("batch");
