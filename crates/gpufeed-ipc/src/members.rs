@@ -56,9 +56,10 @@ pub(crate) fn holder_ref(index: usize, generation: u32) -> HolderRef {
     (generation << 8) | index as u32
 }
 
-/// The consumer word of a consumer that left (its `Consumer` dropped, also while unwinding
-/// from a panic): index 255 is past [`MAX_PROCESSES`], so nobody holds through it and it reads
-/// as gone, but unlike 0 ("never registered") it tells producers that a consumer was there.
+/// The table word of a consumer or producer that left (its `Consumer` or `Producer` dropped,
+/// also while unwinding from a panic): index 255 is past [`MAX_PROCESSES`], so nobody holds
+/// through it and it reads as gone, but unlike 0 ("never registered") it tells the other side
+/// that a member was there.
 pub(crate) const LEFT: HolderRef = u32::MAX;
 const _: () = assert!(
     MAX_PROCESSES <= 0xFF,
