@@ -115,6 +115,10 @@ impl<'a> WorkerShare<'a> {
 /// Writes one worker's share of an epoch's batches — numbers `worker, worker + workers, ...` —
 /// into `ring` (from the worker's own process). Returns how many it wrote.
 ///
+/// It does not register the worker as the ring's producer: workers may be started per epoch.
+/// A worker that lives for the whole run can hold [`BatchRing::producer`] around its loop, so
+/// that the trainer's [`RingLoader`] gets `ProducerGone` at once when every worker is gone.
+///
 /// # Errors
 /// A batch larger than a slot ([`gpufeed_ipc::Error::TooLarge`]: make the slots larger), a
 /// failing transform, ring errors (`ConsumerGone` when the trainer died),
