@@ -825,7 +825,8 @@ impl Drop for Claim<'_> {
     }
 }
 
-/// This process as a registered consumer of a ring; unregistered when dropped.
+/// This process as a registered consumer of a ring; marked as left when dropped (producers
+/// then count it gone; its entry is free for a new consumer).
 #[derive(Debug)]
 pub struct Consumer<'r> {
     ring: &'r BatchRing,
