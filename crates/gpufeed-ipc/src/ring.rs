@@ -842,20 +842,15 @@ impl<'r> Consumer<'r> {
         let ring = self.ring;
         ring.check_attached()?;
         loop {
-            let mut best: Option<(u64, u32, u64)> = None;
-            for slot in 0..ring.layout.slots {
-                let word = ring.ctl(slot).load(Ordering::Acquire);
-                if state::state(word) != state::READY {
-                    continue;
-                }
-                let seq = ring
-                    .slot_u64(slot, layout::SLOT_SEQ)
-                    .load(Ordering::Relaxed);
-                if best.is_none_or(|(s, _, _)| seq < s) {
-                    best = Some((seq, slot, word));
-                }
-            }
-            let Some((_, slot, seen)) = best else {
+            let oldest = state::oldest_ready(
+                ring.layout.slots,
+                |slot| ring.ctl(slot),
+                |slot| {
+                    ring.slot_u64(slot, layout::SLOT_SEQ)
+                        .load(Ordering::Relaxed)
+                },
+            );
+            let Some((_, slot, seen)) = oldest else {
                 return Ok(None);
             };
             let Some(word) = state::try_take(ring.ctl(slot), seen, ring.me_ref) else {

@@ -90,6 +90,42 @@ pub(crate) fn free(ctl: &AtomicU64, word: u64) -> bool {
         .is_ok()
 }
 
+/// The READY slot holding the lowest publish sequence number, as `(seq, slot, word)`, of
+/// `slots` slots whose control words `ctl` and sequence numbers `seq` give.
+///
+/// One pass over the slots is no snapshot: while it runs, a producer may publish a batch in
+/// a slot the pass has already looked at and then a newer one in a slot the pass has not
+/// reached, and the pass would pick the newer. Every READY word is loaded with Acquire, so
+/// whatever its producer published before the chosen batch is visible to the next pass: look
+/// again until a pass finds nothing older. A producer's batches are thus taken in the order
+/// it published them.
+pub(crate) fn oldest_ready<'a>(
+    slots: u32,
+    ctl: impl Fn(u32) -> &'a AtomicU64,
+    seq: impl Fn(u32) -> u64,
+) -> Option<(u64, u32, u64)> {
+    let pass = || {
+        let mut best: Option<(u64, u32, u64)> = None;
+        for slot in 0..slots {
+            let word = ctl(slot).load(Ordering::Acquire);
+            if state(word) != READY {
+                continue;
+            }
+            let s = seq(slot);
+            if best.is_none_or(|(b, _, _)| s < b) {
+                best = Some((s, slot, word));
+            }
+        }
+        best
+    };
+    let mut best = pass()?;
+    // Terminates: each round lowers the sequence number.
+    while let Some(older) = pass().filter(|o| o.0 < best.0) {
+        best = older;
+    }
+    Some(best)
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -176,6 +212,40 @@ mod loom_tests {
             got.extend((0..2).filter_map(|slot| take(&ctls, &data, slot)));
             got.sort_unstable();
             assert_eq!(got, vec![100, 200], "each payload exactly once");
+        });
+    }
+
+    /// One producer publishes twice, into slot 0 and then slot 1, while a consumer looks for
+    /// the oldest batch: every interleaving finds the first batch (a single pass could find
+    /// slot 0 not yet ready, then slot 1 ready, and deliver the second batch first).
+    #[test]
+    fn the_oldest_batch_is_found_whatever_the_interleaving() {
+        loom::model(|| {
+            let ctls = Arc::new([AtomicU64::new(FREE), AtomicU64::new(FREE)]);
+            let seqs = Arc::new([AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)]);
+            let consumer = {
+                let (ctls, seqs) = (ctls.clone(), seqs.clone());
+                loom::thread::spawn(move || {
+                    oldest_ready(
+                        2,
+                        |s| &ctls[s as usize],
+                        |s| seqs[s as usize].load(Ordering::Relaxed),
+                    )
+                })
+            };
+            for slot in 0..2 {
+                let w = try_claim(&ctls[slot], 1).expect("free slot");
+                seqs[slot].store(slot as u64, Ordering::Relaxed);
+                assert!(publish(&ctls[slot], w));
+            }
+            let found = consumer.join().expect("consumer");
+            if let Some((seq, slot, _)) = found {
+                assert_eq!(
+                    (seq, slot),
+                    (0, 0),
+                    "the second batch found before the first"
+                );
+            }
         });
     }
 
