@@ -1,6 +1,7 @@
 //! Table 9 (GPU machine only): small loads. The size curve — one reused default `Loader`
-//! loading warm files of 1 MiB to 16 GiB, against the wire alone (a pinned buffer of the same
-//! size copied on one stream) in the same run — and a folder of small files (image-sized:
+//! loading warm files of 1 MiB to 16 GiB, and loading them from a `RegisteredFile` made once,
+//! against the wire alone (a pinned buffer of the same size copied on one stream) in the same
+//! run — and a folder of small files (image-sized:
 //! 60-160 KiB, 110 KiB on average), one `load_file` per file against `Loader::load_list` of
 //! all of them, warm and cold, the cold one against the disk's own O_DIRECT reads of the same
 //! files.
@@ -31,6 +32,12 @@ pub struct SizeRow {
     pub wire_seconds: Samples,
     pub wire_gbps: Samples,
     pub strategy: String,
+    /// Seconds per `Loader::load_registered` of the whole file from a `RegisteredFile` made
+    /// once (new device memory each time, as `load_file`): one copy out of the page cache.
+    pub registered_seconds: Samples,
+    pub registered_gbps: Samples,
+    /// Milliseconds `RegisteredFile::open` took (mapping and registration, once).
+    pub register_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -135,6 +142,18 @@ pub fn measure(
             secs.push(s);
             drop(buf);
         }
+        let file = loader.register_file(&path)?;
+        for _ in 0..2 {
+            drop(loader.load_registered(&file, 0..size)?);
+        }
+        let mut registered = Vec::new();
+        for _ in 0..n {
+            let (s, loaded) = timed(|| loader.load_registered(&file, 0..size));
+            drop(loaded?);
+            registered.push(s);
+        }
+        let register_ms = file.seconds() * 1e3;
+        drop(file);
         let mut wire = Vec::new();
         for _ in 0..n + 1 {
             let (dptr, guard) = dev.device_ptr_mut(&stream);
@@ -167,7 +186,11 @@ pub fn measure(
         wire.remove(0); // warm-up
         let seconds = Samples::new(secs);
         let wire_seconds = Samples::new(wire);
+        let registered_seconds = Samples::new(registered);
         curve.push(SizeRow {
+            registered_gbps: registered_seconds.map(|s| gbps(size, s)),
+            registered_seconds,
+            register_ms,
             bytes: size,
             gbps: seconds.map(|s| gbps(size, s)),
             seconds,

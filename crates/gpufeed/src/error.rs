@@ -48,6 +48,21 @@ pub enum Error {
         what: String,
     },
 
+    /// A [`crate::RegisteredFile`] whose file was replaced, truncated or written since it
+    /// was registered: the pages kept may no longer be the file's, so nothing was loaded (or
+    /// what was loaded was dropped).
+    #[error(
+        "{} changed since it was registered ({what}): the page-locked pages may no longer be \
+         the file's; drop the RegisteredFile and register the file again",
+        .path.display()
+    )]
+    RegisteredFileChanged {
+        /// The file.
+        path: PathBuf,
+        /// What changed.
+        what: String,
+    },
+
     /// A sharded checkpoint's index that cannot be used.
     #[error("{}: bad checkpoint index: {reason}", .path.display())]
     Index {

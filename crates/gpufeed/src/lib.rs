@@ -17,6 +17,9 @@
 //!   file `i` at [`FileList::range`]. Loads of any size share the loader's kept readers and
 //!   the scheduler's kept fill threads (awake for a moment after each upload), so a 1 MiB load
 //!   costs about 100 us on the H200 machine, not ~0.5 ms.
+//! - [`RegisteredFile`] / [`Loader::load_registered`]: a file loaded from again and again
+//!   (tensors on demand, ranges of a record file) registered once, its cached pages kept
+//!   page-locked; every later load is one copy by the GPU out of the page cache, no host copy.
 //! - One-shot loads for a process that loads once at start-up: [`load_file_on`],
 //!   [`safetensors::load_on`] and [`Loader::open`] take a device ordinal and open the GPU on
 //!   another thread while this one checks the files, reads headers and faults in the staging;
@@ -48,8 +51,9 @@
 //! Without a GPU every GPU call returns an error for which [`Error::is_no_gpu`] is true; the
 //! CPU paths (records, samplers, host batches, every lower layer) keep working. Slower paths
 //! taken are typed [`Fallback`]s in each [`LoadReport`]. The facade's own `unsafe` code is where it
-//! passes on a mapped file's promise (`Strategy::Registered`, `dataset::RecordFile`) and where
-//! it reads or writes a claimed ring slot in place (`frames`, `hybrid`).
+//! passes on a mapped file's promise (`Strategy::Registered`, `dataset::RecordFile`,
+//! `RegisteredFile`) and where it reads or writes a claimed ring slot in place (`frames`,
+//! `hybrid`).
 //!
 //! Depends on every layer below: `gpufeed-os`, `gpufeed-numa`, `gpufeed-uring`, `gpufeed-ipc`,
 //! `gpufeed-pinned` and `gpufeed-cuda`.
@@ -82,6 +86,7 @@ pub mod frames;
 pub mod hybrid;
 mod load;
 pub mod multi;
+mod registered;
 pub mod safetensors;
 mod save;
 pub mod units;
@@ -94,6 +99,7 @@ pub use load::{
     DeviceBuffer, LoadOptions, LoadReport, Loader, LoaderSetup, OneShotReport, Strategy, load_file,
     load_file_on,
 };
+pub use registered::RegisteredFile;
 pub use save::{Piece, SaveOptions, SaveReport, Saver, save_file};
 
 pub use gpufeed_cuda as cuda;

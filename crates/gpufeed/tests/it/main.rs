@@ -10,6 +10,7 @@ mod host;
 mod hybrid;
 mod multi;
 mod oneshot;
+mod registered;
 mod save;
 mod sources;
 mod workers;
