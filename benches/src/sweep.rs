@@ -1,7 +1,8 @@
 //! `gpufeed-bench sweep-small` (hidden): the probe behind the small-load defaults (issue 22).
 //! A scheduler and a reused `Loader` per setting (smallest piece, fewest bytes per lane, fill
 //! threads) upload nothing (the pipeline alone), a pageable buffer (the host copy) and warm
-//! files of 1-256 MiB into device memory that exists; then `load_file` with the defaults; beside
+//! files of 1-256 MiB into device memory that exists; then `load_file` with the defaults, and
+//! loads from a `RegisteredFile` with several copy chunks and streams; beside
 //! them the wire at each size and what the fixed steps of a 1 MiB load cost alone. One JSON object per line on stdout, so that a run on the
 //! GPU machine can be read back and compared; docs/benchmarks.md keeps the findings.
 
@@ -208,6 +209,28 @@ pub fn run(dir: &Path, reps: usize, only: &[String], max_bytes: u64) -> Result<(
             serde_json::json!({"what": "load_file", "bytes": size, "us": s.median * 1e6,
             "gbps": gbps(*size, s.median)}),
         );
+    }
+    // From a registered file: copy chunks and streams (the copies are all there is).
+    let mut dev = gpu.alloc_zeroed(256 << 20)?;
+    for (chunk_mib, streams) in [(4usize, 4usize), (16, 4), (16, 1), (64, 4), (64, 2)] {
+        let mut opts = LoadOptions::default();
+        opts.transfer = opts
+            .transfer
+            .with_chunk_bytes(chunk_mib << 20)
+            .with_streams(streams);
+        let loader = Loader::new(&gpu, opts)?;
+        for (size, path) in &files {
+            let file = loader.register_file(path)?;
+            let s = median_of(reps, || {
+                loader.load_registered_into(&file, 0..*size, &mut dev, 0)?;
+                Ok(())
+            })?;
+            line(
+                serde_json::json!({"what": "registered into", "chunk_mib": chunk_mib,
+                "streams": streams, "bytes": size, "us": s.median * 1e6,
+                "gbps": gbps(*size, s.median)}),
+            );
+        }
     }
     Ok(())
 }

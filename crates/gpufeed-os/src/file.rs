@@ -28,6 +28,15 @@ impl FileIdentity {
         Ok(Self::from_metadata(&meta))
     }
 
+    /// The identity of the file `path` names now (following symlinks), without opening it.
+    ///
+    /// # Errors
+    /// [`Error::Open`] where nothing is at `path` or it cannot be looked up.
+    pub fn of_path(path: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::open(path, e))?;
+        Ok(Self::from_metadata(&meta))
+    }
+
     pub(crate) fn from_metadata(meta: &std::fs::Metadata) -> Self {
         FileIdentity {
             dev: meta.dev(),

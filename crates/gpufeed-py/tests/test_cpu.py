@@ -137,6 +137,24 @@ def test_bad_files_are_named_before_the_gpu(tmp_path):
         gpufeed.load_safetensors(index)
 
 
+def test_safe_open_names_bad_input_before_the_gpu(tmp_path):
+    with pytest.raises(gpufeed.GpufeedError, match="no such file; check the path"):
+        gpufeed.safe_open(tmp_path / "missing.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    with pytest.raises(gpufeed.GpufeedError, match="not a valid safetensors file"):
+        gpufeed.safe_open(bad, device="cuda:0")
+    ckpt = tiny_safetensors(tmp_path / "m.safetensors")
+    with pytest.raises(gpufeed.GpufeedError, match="framework 'np'"):
+        gpufeed.safe_open(ckpt, framework="np")
+    for device in ("cpu", "cuda:x", True):
+        with pytest.raises(gpufeed.GpufeedError, match="invalid setting: device"):
+            gpufeed.safe_open(ckpt, device=device)
+    if not HAS_GPU:
+        with pytest.raises(gpufeed.NoGpuError):
+            gpufeed.safe_open(ckpt)
+
+
 def test_host_batches_reach_numpy_byte_for_byte(tmp_path):
     count, size = 1000, 4099  # an odd record size: nothing aligned by accident
     path, data = records_file(tmp_path, count, size)

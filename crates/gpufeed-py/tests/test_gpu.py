@@ -106,6 +106,40 @@ def test_checkpoints_equal_safetensors_bit_for_bit():
                 assert same_bits(torch, t, want[name]), (path, name, t.dtype, t.shape)
 
 
+def test_safe_open_loads_each_tensor_on_demand_bit_for_bit():
+    """``gpufeed.safe_open`` against safetensors' own ``safe_open``, tensor by tensor, for a
+    file and a sharded index; unknown names and a closed checkpoint are clear errors."""
+    torch = torch_on_gpu()
+    from safetensors import safe_open as st_open
+
+    with tempfile.TemporaryDirectory() as d:
+        single, index = checkpoint(torch, d)
+        with st_open(single, framework="pt", device="cpu") as f:
+            want = {n: f.get_tensor(n) for n in f.keys()}
+        for path in (single, index):
+            with gpufeed.safe_open(path, device="cuda:0") as f:
+                assert f.keys() == sorted(want) and len(f) == len(want), path
+                assert "layer0.t0" in f and "nope" not in f
+                for name in reversed(f.keys()):
+                    t = f.get_tensor(name)
+                    assert t.device == torch.device("cuda:0"), (name, t.device)
+                    assert same_bits(torch, t.cpu(), want[name]), (path, name, t.dtype)
+                try:
+                    f.get_tensor("nope")
+                except gpufeed.GpufeedError as e:
+                    assert "nope" in str(e), e
+                else:
+                    raise AssertionError("no error for an unknown tensor")
+                kept = f.get_tensor("layer0.t0")
+            try:
+                f.get_tensor("layer0.t0")
+            except gpufeed.GpufeedError as e:
+                assert "closed" in str(e), e
+            else:
+                raise AssertionError("a closed checkpoint still loads")
+            assert same_bits(torch, kept.cpu(), want["layer0.t0"]), "a tensor outlives close"
+
+
 def test_arrays_without_torch_hold_the_same_tensors():
     """The path taken where torch is not installed: ``Array`` views, one per tensor."""
     torch = torch_on_gpu()

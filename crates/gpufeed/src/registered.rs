@@ -29,7 +29,8 @@ use crate::{Error, Result};
 /// often, not a data set larger than memory.
 ///
 /// The file must not change while registered: every load checks its identity (inode, size,
-/// modification time) before and after the copy and answers
+/// modification time; of the mapped file and of what its path names now, so a file replaced
+/// by a rename is noticed too) before and after the copy and answers
 /// [`Error::RegisteredFileChanged`] when it moved (the pages kept may no longer be the
 /// file's; register it again). Nothing reads the mapping on the CPU after registration, so a
 /// file truncated meanwhile cannot raise `SIGBUS` here.
@@ -120,19 +121,40 @@ impl RegisteredFile {
         self.len == 0
     }
 
+    /// The identity of the file as mapped (`None` for an empty file, which is not mapped).
+    pub(crate) fn identity(&self) -> Option<gpufeed_os::FileIdentity> {
+        self.map.as_ref().map(FileMap::identity)
+    }
+
     /// Seconds the mapping and the registration took.
     pub fn seconds(&self) -> f64 {
         self.seconds
     }
 
-    /// [`Error::RegisteredFileChanged`] where the file moved since it was registered.
+    /// [`Error::RegisteredFileChanged`] where the file changed since it was registered: the
+    /// mapped file written or truncated (its descriptor's identity), or the path naming
+    /// another file now (replaced by a rename, as a crash-safe save does) or none.
     fn verify_unchanged(&self) -> Result<()> {
-        match self.map.as_ref().map(FileMap::verify_unchanged) {
-            Some(Err(gpufeed_os::Error::FileChanged { path, what })) => {
-                Err(Error::RegisteredFileChanged { path, what })
-            }
-            Some(Err(e)) => Err(e.into()),
-            _ => Ok(()),
+        let Some(map) = &self.map else {
+            return Ok(());
+        };
+        let changed = |what: String| {
+            Err(Error::RegisteredFileChanged {
+                path: self.path.clone(),
+                what,
+            })
+        };
+        match map.verify_unchanged() {
+            Ok(()) => {}
+            Err(gpufeed_os::Error::FileChanged { what, .. }) => return changed(what),
+            Err(e) => return Err(e.into()),
+        }
+        match gpufeed_os::FileIdentity::of_path(&self.path) {
+            Ok(now) => match map.identity().difference(&now) {
+                Some(what) => changed(what),
+                None => Ok(()),
+            },
+            Err(e) => changed(format!("the path names no file now: {e}")),
         }
     }
 

@@ -11,6 +11,8 @@ GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host
     raw = gpufeed.load_file("data/shard-000.bin", device=0)     # uint8 cuda tensor
     copies = gpufeed.load_replicated("model.bin", devices=[0, 1])  # one per GPU, NVLink
     shards = gpufeed.load_tensor_parallel("model.safetensors", devices=[0, 1], split="rows")
+    with gpufeed.safe_open("model.safetensors", device=0) as f:  # tensors on demand
+        w = f.get_tensor("lm_head.weight")
     for batch in gpufeed.BatchLoader("data/images.bin", record_bytes=3 * 224 * 224,
                                      device=0).epoch(0):
         x = gpufeed.as_tensor(batch.data)                        # [records, record_bytes]
@@ -53,6 +55,7 @@ __all__ = [
     "load_sharded",
     "load_tensor_parallel",
     "load_tensor_parallel_rank",
+    "safe_open",
 ]
 
 Path = Union[str, "PathLike[str]"]
@@ -277,3 +280,69 @@ def load_tensor_parallel_rank(path: Path, split="rows"):
     with _collector_paused():
         files, rank, world = _gpufeed.load_tensor_parallel_rank_files(path, dim)
         return _checkpoint(files), rank, world
+
+
+def _device_ordinal(device) -> int:
+    """A CUDA ordinal from ``0``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``."""
+    if isinstance(device, bool):
+        raise GpufeedError(f"invalid setting: device {device!r}; use a CUDA ordinal or 'cuda:N'")
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    if text == "cuda":
+        return 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise GpufeedError(
+        f"invalid setting: device {device!r}; gpufeed loads to GPUs: use a CUDA ordinal or "
+        "'cuda:N'"
+    )
+
+
+class safe_open:
+    """A safetensors file or ``*.index.json`` whose tensors load one at a time, when asked, as
+    safetensors' ``safe_open(path, framework="pt", device="cuda:N")`` does: every file is
+    registered once (its cached pages kept page-locked until ``close``, about 40 ms per GiB,
+    reading what is not cached), then each ``get_tensor`` is one copy by the GPU out of the
+    page cache into memory of its own, at the speed of the link from the smallest tensors up:
+    for weights streamed in on demand (experts of a mixture of experts, offloaded layers).
+    Headers are checked first: a bad file is named even without a GPU.
+
+        with gpufeed.safe_open("model.safetensors.index.json", device="cuda:0") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)   # torch.Tensor on cuda:0
+    """
+
+    def __init__(self, path: Path, framework: str = "pt", device=0):
+        if framework not in ("pt", "torch"):
+            raise GpufeedError(
+                f"invalid setting: framework {framework!r}; gpufeed.safe_open makes torch "
+                "tensors ('pt')"
+            )
+        self._native = _gpufeed.OnDemand(path, _device_ordinal(device))
+
+    def keys(self) -> List[str]:
+        """Tensor names, sorted."""
+        return self._native.keys()
+
+    def get_tensor(self, name: str):
+        """The tensor ``name`` on the GPU (a ``torch.Tensor``; a ``gpufeed.Array`` without
+        torch); unknown names raise ``GpufeedError``."""
+        return as_tensor(self._native.get(name))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._native
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def close(self) -> None:
+        """Undoes the registrations; tensors already loaded stay valid."""
+        self._native.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -213,6 +213,21 @@ fn safetensors_with_every_dtype_and_shards() {
         assert!(report.context_seconds > 0.0 && report.total_seconds >= report.ready_seconds);
         assert!(report.staging_bytes > 0, "{report:?}");
     }
+    // Tensor by tensor, on demand, from files registered once.
+    let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
+    for path in [&single, &index] {
+        let lazy = gpufeed::safetensors::OnDemand::open(&loader, path).expect("on demand");
+        assert_eq!(lazy.len(), want.len());
+        for (name, (dtype, shape, bytes)) in &want {
+            let (buf, info) = lazy.load(&loader, name).expect("tensor");
+            assert_eq!((&info.dtype, &info.shape), (dtype, shape), "{name}");
+            assert_eq!(&gpu.to_vec(&buf).expect("back"), bytes, "{name} on demand");
+        }
+        let missing = lazy
+            .load(&loader, "no.such.tensor")
+            .expect_err("unknown name");
+        assert!(missing.to_string().contains("no.such.tensor"), "{missing}");
+    }
     // An index naming a tensor its shard lacks.
     map.insert("ghost".into(), "model-00001-of-00002.safetensors".into());
     std::fs::write(&index, serde_json::json!({ "weight_map": map }).to_string()).expect("index");

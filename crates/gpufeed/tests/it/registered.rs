@@ -110,7 +110,7 @@ fn a_registered_file_that_changes_is_refused_until_registered_again() {
     let first = random_bytes((3 << 20) + 1, seed);
     std::fs::write(&path, &first).expect("write");
     let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
-    let changes: [(&str, &dyn Fn()); 3] = [
+    let changes: [(&str, &dyn Fn()); 4] = [
         ("truncated", &|| {
             std::fs::OpenOptions::new()
                 .write(true)
@@ -131,6 +131,7 @@ fn a_registered_file_that_changes_is_refused_until_registered_again() {
             std::fs::write(&tmp, &first).expect("write new");
             std::fs::rename(&tmp, &path).expect("rename");
         }),
+        ("removed", &|| std::fs::remove_file(&path).expect("remove")),
     ];
     for (what, change) in changes {
         std::fs::write(&path, &first).expect("rewrite");
@@ -147,6 +148,9 @@ fn a_registered_file_that_changes_is_refused_until_registered_again() {
             "{what}: {err}"
         );
         drop(file);
+        if what == "removed" {
+            std::fs::write(&path, &first[..1000]).expect("write anew");
+        }
         // Registered again, it loads what the file holds now.
         let now = std::fs::read(&path).expect("read");
         let file = loader.register_file(&path).expect("register again");
