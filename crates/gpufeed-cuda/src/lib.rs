@@ -73,8 +73,8 @@ pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 pub use gpufeed_os::{Fallback, Refused};
 pub use peer::{IpcHandle, IpcMemory, PeerFanout, PeerLink, split_mut};
 pub use transfer::{
-    FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig, TransferScheduler,
-    TransferStats,
+    DIRECT_CHUNK_BYTES, FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig,
+    TransferScheduler, TransferStats,
 };
 
 /// The cudarc crate, as this crate uses it.

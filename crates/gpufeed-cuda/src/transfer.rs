@@ -111,6 +111,12 @@ pub enum HostDest<'a> {
     },
 }
 
+/// The smallest chunk of a direct copy (from pinned or registered memory): 16 MiB. On the
+/// H200 machine a registered file copied in 16 MiB chunks ran at the wire from 16 MiB up
+/// (53.3 GB/s against the wire's 54.1), in 4 MiB chunks at 50.9 (docs/benchmarks.md, GPU run
+/// 74).
+pub const DIRECT_CHUNK_BYTES: usize = 16 << 20;
+
 /// Settings of a [`TransferScheduler`]: start from the default and change what you need (new
 /// settings may be added).
 ///
@@ -124,8 +130,10 @@ pub struct TransferConfig {
     /// Streams the chunks of direct copies and staged downloads are spread over (default 4);
     /// staged uploads use one stream per fill thread.
     pub streams: usize,
-    /// Bytes per copy, the largest of a staged upload's (default 16 MiB, where the pinned
-    /// ceiling is reached).
+    /// Bytes per copy of a staged transfer, the largest of a staged upload's (default 16 MiB,
+    /// where the pinned ceiling is reached): the size of its staging buffers. Direct copies
+    /// (from pinned or registered memory, which need no staging) go in chunks of this size
+    /// or [`DIRECT_CHUNK_BYTES`], whichever is larger.
     pub chunk_bytes: usize,
     /// The smallest copy of a staged upload (default 1 MiB): uploads too small to give every
     /// fill thread two chunks are cut into pieces down to this size, so that more threads
@@ -862,14 +870,19 @@ impl TransferScheduler {
         Ok(())
     }
 
+    /// Bytes per copy of a direct transfer: `chunk_bytes`, at least [`DIRECT_CHUNK_BYTES`].
+    fn direct_chunk(&self) -> u64 {
+        self.cfg.chunk_bytes.max(DIRECT_CHUNK_BYTES) as u64
+    }
+
     /// The streams a direct copy of `len` bytes uses: one per chunk, up to all of them.
     fn streams_for(&self, len: u64) -> &[Arc<CudaStream>] {
-        let chunks = len.div_ceil(self.cfg.chunk_bytes as u64).max(1) as usize;
+        let chunks = len.div_ceil(self.direct_chunk()).max(1) as usize;
         &self.streams[..self.streams.len().min(chunks)]
     }
 
-    fn chunks(&self, len: u64) -> impl Iterator<Item = (usize, u64, usize)> + use<> {
-        let chunk = self.cfg.chunk_bytes as u64;
+    /// `(index, offset, size)` of each `chunk`-byte piece of `len` bytes.
+    fn chunks(len: u64, chunk: u64) -> impl Iterator<Item = (usize, u64, usize)> {
         (0..len.div_ceil(chunk))
             .map(move |i| (i as usize, i * chunk, (len - i * chunk).min(chunk) as usize))
     }
@@ -885,7 +898,7 @@ impl TransferScheduler {
     ) -> Result<TransferStats> {
         let mut n = 0;
         let mut issued = Ok(());
-        for (i, off, size) in self.chunks(len as u64) {
+        for (i, off, size) in Self::chunks(len as u64, self.direct_chunk()) {
             let stream = &self.streams[i % self.streams.len()];
             if let Err(e) = copy(off, size, stream.cu_stream()) {
                 issued = Err(e);
@@ -1132,7 +1145,8 @@ impl TransferScheduler {
         let len = dst.len() as u64;
         let free = self.staging(len)?;
         let out = SendPtr(dst.as_mut_ptr());
-        let chunks: Vec<(usize, u64, usize)> = self.chunks(len).collect();
+        let chunks: Vec<(usize, u64, usize)> =
+            Self::chunks(len, self.cfg.chunk_bytes as u64).collect();
         let (work_tx, work_rx) = mpsc::channel::<(usize, PooledBuffer)>();
         let work_rx = Mutex::new(work_rx);
         let drain_waited = Mutex::new(Duration::ZERO);
