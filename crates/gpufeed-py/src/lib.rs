@@ -652,10 +652,117 @@ impl Loader {
         checkpoint_files(py, ckpt)
     }
 
+    /// Registers `path` for repeated loads (see `RegisteredFile`).
+    fn register_file(&self, py: Python<'_>, path: PathBuf) -> PyResult<RegisteredFile> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let inner = Arc::clone(&self.inner);
+        let file = py
+            .detach(move || inner.register_file(&path))
+            .map_err(py_err)?;
+        Ok(RegisteredFile {
+            inner: std::sync::RwLock::new(Some(file)),
+            restore: KeepContext::default(),
+        })
+    }
+
+    /// Bytes `start..end` (`end` None: to the end) of a registered file on this loader's GPU:
+    /// a 1-D `U8` array, one copy out of the page cache.
+    #[pyo3(signature = (file, start=0, end=None))]
+    fn load_registered(
+        &self,
+        py: Python<'_>,
+        file: &RegisteredFile,
+        start: u64,
+        end: Option<u64>,
+    ) -> PyResult<Array> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let held = file.held()?;
+        let Some(f) = held.as_ref() else {
+            return Err(GpufeedError::new_err(
+                "the registered file was closed: register it again",
+            ));
+        };
+        let end = end.unwrap_or(f.len());
+        if end < start {
+            return Err(GpufeedError::new_err(format!(
+                "invalid setting: the range {start}..{end} ends before it starts"
+            )));
+        }
+        let inner = &self.inner;
+        let buf = py
+            .detach(|| {
+                reaper::wait_idle();
+                inner.load_registered(f, start..end).map(|(buf, _)| buf)
+            })
+            .map_err(py_err)?;
+        Ok(device_bytes(self.inner.gpu(), buf))
+    }
+
     /// The GPU's CUDA ordinal.
     #[getter]
     fn device(&self) -> usize {
         self.inner.gpu().info().ordinal
+    }
+}
+
+/// A file registered once for repeated loads (`Loader.register_file`): its cached pages stay
+/// page-locked until `close` (or until the object goes), and every `Loader.load_registered`
+/// is one copy by the GPU out of the page cache.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct RegisteredFile {
+    /// `None` once closed.
+    inner: std::sync::RwLock<Option<gpufeed::RegisteredFile>>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
+    restore: KeepContext,
+}
+
+impl Drop for RegisteredFile {
+    fn drop(&mut self) {
+        self.restore.arm();
+    }
+}
+
+impl RegisteredFile {
+    fn held(&self) -> PyResult<std::sync::RwLockReadGuard<'_, Option<gpufeed::RegisteredFile>>> {
+        self.inner
+            .read()
+            .map_err(|_| GpufeedError::new_err("a load panicked"))
+    }
+}
+
+#[pymethods]
+impl RegisteredFile {
+    /// Its length in bytes when registered.
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.held()?.as_ref().map_or(0, |f| f.len() as usize))
+    }
+
+    /// The file's path.
+    #[getter]
+    fn path(&self) -> PyResult<Option<PathBuf>> {
+        Ok(self.held()?.as_ref().map(|f| f.path().to_path_buf()))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// Undoes the registration; arrays already loaded stay valid.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = self
+            .inner
+            .write()
+            .map_err(|_| GpufeedError::new_err("a load panicked"))?
+            .take();
+        let _context = gpufeed::cuda::ContextGuard::new();
+        py.detach(move || drop(taken));
+        Ok(())
     }
 }
 
@@ -1610,6 +1717,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BatchLoader>()?;
     m.add_class::<EpochIter>()?;
     m.add_class::<OnDemand>()?;
+    m.add_class::<RegisteredFile>()?;
     m.add_function(wrap_pyfunction!(load_file, m)?)?;
     m.add_function(wrap_pyfunction!(load_range, m)?)?;
     m.add_function(wrap_pyfunction!(load_replicated, m)?)?;

@@ -140,6 +140,42 @@ def test_safe_open_loads_each_tensor_on_demand_bit_for_bit():
             assert same_bits(torch, kept.cpu(), want["layer0.t0"]), "a tensor outlives close"
 
 
+def test_registered_files_load_ranges_byte_for_byte():
+    torch = torch_on_gpu()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "records.bin")
+        data = os.urandom((5 << 20) + 13)
+        with open(path, "wb") as f:
+            f.write(data)
+        loader = gpufeed.Loader(0)
+        with loader.register_file(path) as file:
+            assert len(file) == len(data) and file.path == path
+            for start, end in ((0, None), (1, 4099), ((1 << 20) + 5, (3 << 20) + 1), (7, 7)):
+                t = loader.load_registered(file, start, end)
+                assert t.device == torch.device("cuda:0") and t.dtype == torch.uint8
+                assert bytes(t.cpu().numpy()) == data[start:end], (start, end)
+            try:
+                loader.load_registered(file, 10, len(data) + 1)
+            except gpufeed.GpufeedError as e:
+                assert "reaches past the end of the file" in str(e), e
+            else:
+                raise AssertionError("a range past the end loaded")
+            with open(path, "ab") as f:
+                f.write(b"more")
+            try:
+                loader.load_registered(file, 0, 10)
+            except gpufeed.GpufeedError as e:
+                assert "register the file again" in str(e), e
+            else:
+                raise AssertionError("a changed file loaded")
+        try:
+            loader.load_registered(file, 0, 10)
+        except gpufeed.GpufeedError as e:
+            assert "closed" in str(e), e
+        else:
+            raise AssertionError("a closed file loaded")
+
+
 def test_arrays_without_torch_hold_the_same_tensors():
     """The path taken where torch is not installed: ``Array`` views, one per tensor."""
     torch = torch_on_gpu()
