@@ -737,7 +737,7 @@ impl RegisteredFile {
         Ok(self.held()?.as_ref().map_or(0, |f| f.len() as usize))
     }
 
-    /// The file's path.
+    /// The file's path (a `pathlib.Path`; `None` once closed).
     #[getter]
     fn path(&self) -> PyResult<Option<PathBuf>> {
         Ok(self.held()?.as_ref().map(|f| f.path().to_path_buf()))

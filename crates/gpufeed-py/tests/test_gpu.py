@@ -149,10 +149,11 @@ def test_registered_files_load_ranges_byte_for_byte():
             f.write(data)
         loader = gpufeed.Loader(0)
         with loader.register_file(path) as file:
-            assert len(file) == len(data) and file.path == path
+            assert len(file) == len(data), (len(file), len(data))
+            assert os.fspath(file.path) == path, file.path
             for start, end in ((0, None), (1, 4099), ((1 << 20) + 5, (3 << 20) + 1), (7, 7)):
                 t = loader.load_registered(file, start, end)
-                assert t.device == torch.device("cuda:0") and t.dtype == torch.uint8
+                assert t.device == torch.device("cuda:0") and t.dtype == torch.uint8, (t.device, t.dtype)
                 assert bytes(t.cpu().numpy()) == data[start:end], (start, end)
             try:
                 loader.load_registered(file, 10, len(data) + 1)
