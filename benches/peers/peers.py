@@ -202,6 +202,47 @@ def python_checkpoints(few, many, reps):
         part(f"{name} fresh", lambda m=mode, n=name: fresh_runs(m, few, reps, results,
                                                                f"{n} fresh with context"))
 
+    def on_demand(open_, path, count):
+        """GB/s of ``get_tensor`` of the first ``count`` tensors in name order, one at a time,
+        the file opened beforehand (not timed)."""
+        with open_(path) as f:
+            names = sorted(f.keys())[:count]
+
+            def run():
+                total = 0
+                for n in names:
+                    t = f.get_tensor(n)
+                    total += t.numel() * t.element_size()
+                    del t
+                sync()
+                return total
+
+            nbytes = run()  # warm-up
+            return timed(run, nbytes, reps)
+
+    def gf_open(p):
+        return gpufeed.safe_open(p, device="cuda:0")
+
+    def st_open(p):
+        from safetensors import safe_open
+
+        return safe_open(p, framework="pt", device="cuda:0")
+
+    def gf_open_seconds():
+        out = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f = gf_open(few)
+            out.append(time.perf_counter() - t)
+            f.close()
+        return out
+
+    part("gpufeed safe_open, 16 tensors", lambda: on_demand(gf_open, few, 16))
+    part("safetensors safe_open, 16 tensors", lambda: on_demand(st_open, few, 16))
+    part("gpufeed safe_open, 1000 of 10000 tensors", lambda: on_demand(gf_open, many, 1000))
+    part("safetensors safe_open, 1000 of 10000 tensors", lambda: on_demand(st_open, many, 1000))
+    part("seconds, gpufeed safe_open open", gf_open_seconds)
+
     def per_tensor():
         from safetensors.torch import save_file
 

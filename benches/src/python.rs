@@ -2,7 +2,8 @@
 //! against `safetensors.torch` on a warm checkpoint (16 GiB by default: the size the Python
 //! package's targets are stated at) and on the same bytes in 10,000 tensors, with a reused
 //! loader and in fresh processes, plus the cost of each tensor (10,000 x 16 KiB against
-//! 10 x 16,000 KiB). Measured by `benches/peers/peers.py --python-checkpoints`.
+//! 10 x 16,000 KiB), and tensors loaded one at a time (`gpufeed.safe_open` against
+//! safetensors' `safe_open`). Measured by `benches/peers/peers.py --python-checkpoints`.
 
 use std::path::Path;
 
@@ -36,6 +37,15 @@ pub struct PythonBench {
     /// Seconds to load 10 tensors of 16,000 KiB, and 10,000 of 16 KiB (the same bytes).
     pub few_large_seconds: Option<Samples>,
     pub many_small_seconds: Option<Samples>,
+    /// Tensors one at a time, the file opened beforehand: gpufeed's `safe_open` (registered
+    /// files) and safetensors' `safe_open(framework="pt", device="cuda:0")`, `get_tensor` of
+    /// each of the 16 tensors, and of the first 1,000 of the [`MANY`]: GB/s.
+    pub gpufeed_on_demand_gbps: Option<Samples>,
+    pub safetensors_on_demand_gbps: Option<Samples>,
+    pub gpufeed_on_demand_many_gbps: Option<Samples>,
+    pub safetensors_on_demand_many_gbps: Option<Samples>,
+    /// Seconds `gpufeed.safe_open` of the 16-tensor checkpoint took (headers, registration).
+    pub gpufeed_open_seconds: Option<Samples>,
     /// Parts that did not run, with the reason.
     pub errors: Vec<(String, String)>,
 }
@@ -108,6 +118,11 @@ pub fn measure(
         safetensors_fresh_with_context_gbps: get("safetensors fresh with context"),
         few_large_seconds: get("seconds, 10 tensors of 16000 KiB"),
         many_small_seconds: get("seconds, 10000 tensors of 16 KiB"),
+        gpufeed_on_demand_gbps: get("gpufeed safe_open, 16 tensors"),
+        safetensors_on_demand_gbps: get("safetensors safe_open, 16 tensors"),
+        gpufeed_on_demand_many_gbps: get("gpufeed safe_open, 1000 of 10000 tensors"),
+        safetensors_on_demand_many_gbps: get("safetensors safe_open, 1000 of 10000 tensors"),
+        gpufeed_open_seconds: get("seconds, gpufeed safe_open open"),
         errors,
     }))
 }

@@ -901,6 +901,34 @@ fn python_table(s: &mut String, v: &crate::python::PythonBench) {
             &v.safetensors_fresh_with_context_gbps,
             String::new(),
         ),
+        (
+            "tensors on demand: `gpufeed.safe_open(...).get_tensor` of each of the 16, file opened before",
+            &v.gpufeed_on_demand_gbps,
+            times(
+                &v.gpufeed_on_demand_gbps,
+                &v.safetensors_on_demand_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "tensors on demand: safetensors `safe_open(framework=\"pt\", device=\"cuda:0\").get_tensor`, the 16",
+            &v.safetensors_on_demand_gbps,
+            String::new(),
+        ),
+        (
+            "tensors on demand: `gpufeed.safe_open`, the first 1,000 of the 10,000 tensors",
+            &v.gpufeed_on_demand_many_gbps,
+            times(
+                &v.gpufeed_on_demand_many_gbps,
+                &v.safetensors_on_demand_many_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "tensors on demand: safetensors `safe_open`, the first 1,000 of the 10,000 tensors",
+            &v.safetensors_on_demand_many_gbps,
+            String::new(),
+        ),
     ];
     for (what, x, against) in rows {
         let _ = writeln!(s, "| {what} | {} | {against} |", gbps(x));
@@ -917,6 +945,14 @@ fn python_table(s: &mut String, v: &crate::python::PythonBench) {
             many.median * 1e3,
             few.median * 1e3,
             many.all.len()
+        );
+    }
+    if let Some(open) = &v.gpufeed_open_seconds {
+        let _ = writeln!(
+            s,
+            "\n`gpufeed.safe_open` of the 16-tensor checkpoint (headers read, every file \
+             registered: paid once per open, not in the on-demand rows) took {:.0} ms.",
+            open.median * 1e3
         );
     }
     for (what, why) in &v.errors {
