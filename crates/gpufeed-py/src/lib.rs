@@ -150,8 +150,9 @@ fn free_after_queued_work(gpu: &gpufeed::Gpu, storage: Storage) {
 
 /// The thread that frees device memory let go by Python objects, after the work queued on the
 /// device before it (one `cuCtxSynchronize` per device per round, whatever the number of
-/// buffers). A load waits for what is pending first ([`reaper::wait_idle`]), so that memory a
-/// caller has let go is back before the next load asks for its own.
+/// buffers). A load of 64 MiB or more waits for what is pending first
+/// ([`reaper::wait_idle_before`]), so that memory a caller has let go is back before the next
+/// load asks for its own.
 mod reaper {
     use std::sync::mpsc::{Receiver, Sender, channel};
     use std::sync::{Condvar, Mutex, OnceLock};
@@ -224,6 +225,21 @@ mod reaper {
             drop((tx, pending));
             let (gpu, storage) = back.0;
             free_after_queued_work(&gpu, storage);
+        }
+    }
+
+    /// Loads of fewer bytes do not wait for the reaper ([`wait_idle_before`]).
+    const WAIT_FROM: u64 = 64 << 20;
+
+    /// Before a load of `bytes`: [`wait_idle`] where the load is large enough for the memory
+    /// let go to matter (64 MiB and more). A small load does not wait: the hand-off to the
+    /// reaper and its context synchronization cost 20-40 us, as much as a registered load of
+    /// 1 MiB itself (a loop of `get_tensor` calls over 430 KB tensors ran at 57 us per
+    /// tensor while each waited; docs/benchmarks.md, GPU run 76), and what is pending is
+    /// freed a moment later anyway.
+    pub(super) fn wait_idle_before(bytes: u64) {
+        if bytes >= WAIT_FROM {
+            wait_idle();
         }
     }
 
@@ -586,11 +602,11 @@ impl Loader {
         let _context = gpufeed::cuda::ContextGuard::new();
         let inner = Arc::clone(&self.inner);
         let buf = py.detach(move || {
-            reaper::wait_idle();
             let end = match end {
                 Some(e) => e,
                 None => gpufeed::os::file::stat_regular(&path)?.size,
             };
+            reaper::wait_idle_before(end.saturating_sub(start));
             inner
                 .load_range(&path, start..end)
                 .map(|(buf, _report)| buf)
@@ -691,7 +707,7 @@ impl Loader {
         let inner = &self.inner;
         let buf = py
             .detach(|| {
-                reaper::wait_idle();
+                reaper::wait_idle_before(end - start);
                 inner.load_registered(f, start..end).map(|(buf, _)| buf)
             })
             .map_err(py_err)?;
@@ -1130,7 +1146,7 @@ impl OnDemand {
             let loader = &self.loader;
             let (buf, info) = py
                 .detach(|| {
-                    reaper::wait_idle();
+                    reaper::wait_idle_before((info.range.end - info.range.start) as u64);
                     c.load(loader, name)
                 })
                 .map_err(py_err)?;

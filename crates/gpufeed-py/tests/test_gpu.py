@@ -155,6 +155,18 @@ def test_registered_files_load_ranges_byte_for_byte():
                 t = loader.load_registered(file, start, end)
                 assert t.device == torch.device("cuda:0") and t.dtype == torch.uint8, (t.device, t.dtype)
                 assert bytes(t.cpu().numpy()) == data[start:end], (start, end)
+            # Small loads do not wait for the frees of the ones dropped before them; what they
+            # let go still comes back.
+            gpufeed._gpufeed._wait_for_frees()
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info(0)[0]
+            for _ in range(300):
+                t = loader.load_registered(file, 0, 1 << 20)
+                del t
+            gpufeed._gpufeed._wait_for_frees()
+            torch.cuda.synchronize()
+            lost = free_before - torch.cuda.mem_get_info(0)[0]
+            assert lost < 128 << 20, f"300 loads of 1 MiB, each dropped, kept {lost >> 20} MiB"
             try:
                 loader.load_registered(file, 10, len(data) + 1)
             except gpufeed.GpufeedError as e:
