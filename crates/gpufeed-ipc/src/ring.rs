@@ -21,6 +21,32 @@ use crate::state;
 /// Longest single futex wait: liveness is re-checked at least this often.
 const WAIT_SLICE: Duration = Duration::from_millis(20);
 
+/// How long a waiting producer (consumer) must see every registered consumer (producer) gone
+/// before it answers [`Error::ConsumerGone`] ([`Error::ProducerGone`]): a peer that leaves and
+/// comes back (a consumer that runs in rounds, registering for each; a restarted process)
+/// re-registers well within it, while a peer that is gone for good still ends the wait in a
+/// fraction of a second rather than the caller's timeout. (Without it, a producer spawned for
+/// a consumer's next round could fill the ring before that round registered and give up:
+/// seen on the 16-core H200 host, GPU run 77.)
+const GONE_GRACE: Duration = Duration::from_millis(250);
+
+/// When the peers of a waiter were first seen all gone, for [`GONE_GRACE`].
+#[derive(Default)]
+struct GoneFor(Option<Instant>);
+
+impl GoneFor {
+    /// Whether the peers, `gone` now, have been gone for the whole grace: resets when they
+    /// are not.
+    fn long_enough(&mut self, gone: bool) -> bool {
+        if !gone {
+            self.0 = None;
+            return false;
+        }
+        let since = *self.0.get_or_insert_with(Instant::now);
+        since.elapsed() >= GONE_GRACE
+    }
+}
+
 /// The lease of a new ring: how long a holder in another PID namespace may go without renewing
 /// before its slots are reclaimed.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
@@ -565,16 +591,18 @@ impl BatchRing {
     ///
     /// # Errors
     /// [`Error::Timeout`]; [`Error::ConsumerGone`] when every consumer that registered died or
-    /// left and no slot is free;
+    /// left, stayed so for a quarter of a second (a consumer coming back registers within
+    /// it), and no slot is free;
     /// [`Error::Forked`], [`Error::Detached`].
     pub fn claim(&self, timeout: Duration) -> Result<Claim<'_>> {
         let deadline = Instant::now() + timeout;
+        let mut gone = GoneFor::default();
         loop {
             if let Some(c) = self.try_claim()? {
                 return Ok(c);
             }
             self.reap();
-            if self.all_gone(Role::Consumer) {
+            if gone.long_enough(self.all_gone(Role::Consumer)) {
                 return Err(Error::ConsumerGone);
             }
             let now = Instant::now();
@@ -614,10 +642,11 @@ impl BatchRing {
     /// Registers this process as a producer for as long as the value lives, so that consumers
     /// can tell when producers are gone: once every registered producer died or dropped its
     /// `Producer` and no published batch is left, [`Consumer::next`] answers
-    /// [`Error::ProducerGone`] at once instead of waiting out its timeout. Claiming needs no
-    /// registration; register a producer that feeds the ring for the whole stream (not one
-    /// of a series started one after another: between them, consumers would be told that
-    /// producers are gone).
+    /// [`Error::ProducerGone`] a quarter of a second later instead of waiting out its
+    /// timeout. Claiming needs no registration; register a producer that feeds the ring for
+    /// the whole stream (not one of a series started one after another with gaps: after a
+    /// gap of more than a quarter of a second, consumers would be told that producers are
+    /// gone).
     ///
     /// ```
     /// # use std::time::Duration;
@@ -878,17 +907,19 @@ impl<'r> Consumer<'r> {
     ///
     /// # Errors
     /// [`Error::Timeout`]; [`Error::ProducerGone`] when producers registered
-    /// ([`BatchRing::producer`]), every one of them died or left, and no batch is left;
+    /// ([`BatchRing::producer`]), every one of them died or left and stayed so for a quarter
+    /// of a second, and no batch is left;
     /// [`Error::Forked`], [`Error::Detached`].
     pub fn next(&self, timeout: Duration) -> Result<Batch<'r>> {
         let ring = self.ring;
         let deadline = Instant::now() + timeout;
+        let mut gone = GoneFor::default();
         loop {
             if let Some(b) = self.try_next()? {
                 return Ok(b);
             }
             ring.reap();
-            if ring.all_gone(Role::Producer) {
+            if gone.long_enough(ring.all_gone(Role::Producer)) {
                 // A producer publishes before it leaves: seen gone, anything it published is
                 // visible now.
                 return match self.try_next()? {

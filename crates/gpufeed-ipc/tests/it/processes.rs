@@ -263,6 +263,46 @@ fn producers_learn_that_every_consumer_left_or_panicked() {
     ring.claim(Duration::from_secs(1)).expect("a slot again");
 }
 
+/// A consumer that runs in rounds leaves between them: a producer that fills the ring in that
+/// gap waits for the next round's registration instead of giving up (`ConsumerGone` only once
+/// every consumer has been gone for a quarter of a second).
+#[test]
+fn a_consumer_between_rounds_is_not_taken_for_gone() {
+    let ring = BatchRing::anonymous(2, 4096).expect("ring");
+    drop(ring.consumer().expect("the first round's consumer"));
+    for _ in 0..2 {
+        let mut c = ring.claim(Duration::from_secs(1)).expect("free slot");
+        c.set_len(1).expect("len");
+        c.publish().expect("publish");
+    }
+    std::thread::scope(|s| {
+        let (registered_tx, registered_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let ring = &ring;
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let consumer = ring.consumer().expect("the next round's consumer");
+            drop(consumer.next(Duration::from_secs(1)).expect("a batch"));
+            registered_tx.send(()).expect("send");
+            // The round lasts until the producer got its slot.
+            let _ = done_rx.recv();
+        });
+        let t = Instant::now();
+        let claim = ring.claim(Duration::from_secs(5));
+        done_tx.send(()).ok();
+        assert!(claim.is_ok(), "{:?} after {:?}", claim.err(), t.elapsed());
+        registered_rx.recv().expect("the round ran");
+    });
+    // Gone for good: the error still comes, within the grace and a wait slice.
+    let t = Instant::now();
+    let mut c = ring.claim(Duration::from_secs(1)).expect("the slot the round freed");
+    c.set_len(1).expect("len");
+    c.publish().expect("publish");
+    let err = ring.claim(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, Error::ConsumerGone), "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "after {:?}", t.elapsed());
+}
+
 /// The consumer's next wait fails with `ProducerGone` at once, not after its 10 s timeout.
 fn assert_consumer_learns_producers_are_gone(consumer: &gpufeed_ipc::Consumer<'_>) {
     let t = Instant::now();
