@@ -9,7 +9,8 @@
 //! - to training processes: the same batches (preprocessed on the GPU where there is one, on
 //!   the CPU otherwise) dealt out by a `Fanout` over two shared-memory rings (device -> host
 //!   into the registered slots), each taken by a trainer process of this program with a
-//!   `RingLoader`, which checks the first record of every batch against the CPU.
+//!   `RingLoader` — to GPU 0 where there is one (host -> device from its registered ring), as
+//!   a training process does — which checks the first record of every batch against the CPU.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -51,30 +52,44 @@ pub struct HybridBench {
 }
 
 /// The trainer process: takes `batches` batches of each of epochs `0..epochs` from ring
-/// `ring` (a training process lives for the run), checks each batch's first record against
-/// the CPU's planar values of `records`, prints how many it took.
-pub fn trainer_child(ring: &str, records: &Path, epochs: u64, batches: usize) -> Result<()> {
+/// `ring` (a training process lives for the run) — to GPU 0 with `gpu`, as a training process
+/// does, into host memory otherwise — checks each batch's first record against the CPU's
+/// planar values of `records`, prints how many it took.
+pub fn trainer_child(
+    ring: &str,
+    records: &Path,
+    epochs: u64,
+    batches: usize,
+    gpu: bool,
+) -> Result<()> {
     let ring = BatchRing::open(ring)?;
     // SAFETY: the bench's data files are written once and never changed while mapped.
     let records = unsafe { RecordFile::open_fixed(records, IMAGE.bytes())? };
     let reference = planar_transform(IMAGE);
-    let mut loader = RingLoader::new(&ring, None)?;
-    let mut want = Vec::new();
+    let gpu = if gpu { Some(Gpu::open(0)?) } else { None };
+    let mut loader = RingLoader::new(&ring, gpu.as_ref())?;
+    let (mut want, mut first) = (Vec::new(), Vec::new());
     let mut taken = 0;
     for e in 0..epochs {
         for batch in loader.epoch(e, batches, Duration::from_secs(60)) {
             let batch = batch?;
-            let BatchData::Host(bytes) = &batch.data else {
-                anyhow::bail!("a trainer without a GPU gets host batches");
+            let n = batch.offsets[1];
+            let got: &[u8] = match (&batch.data, gpu.as_ref()) {
+                (BatchData::Host(bytes), _) => &bytes[..n],
+                (BatchData::Device(buf), Some(g)) => {
+                    // The first record only: what a check needs, not a second full copy.
+                    first.resize(n, 0);
+                    g.default_stream()
+                        .memcpy_dtoh(&buf.slice(..n), &mut first)?;
+                    &first
+                }
+                (BatchData::Device(_), None) => anyhow::bail!("a device batch without a GPU"),
             };
             let i = *batch.indices.first().context("an empty batch")?;
             want.clear();
             reference(i, records.record(i).context("the record")?, &mut want)
                 .map_err(anyhow::Error::msg)?;
-            anyhow::ensure!(
-                bytes[..batch.offsets[1]] == want[..],
-                "record {i} arrived with other planar values"
-            );
+            anyhow::ensure!(got == want, "record {i} arrived with other planar values");
             taken += 1;
         }
     }
@@ -163,6 +178,7 @@ pub fn measure(
                 .args(["--records".as_ref(), path.as_os_str()])
                 .args(["--epochs", &(reps + 1).to_string()])
                 .args(["--batches", &batches_for(batches, TRAINERS, t).to_string()])
+                .args(gpu.map(|_| "--gpu"))
                 .stdout(Stdio::piped())
                 .spawn()?)
         })
@@ -271,12 +287,17 @@ pub fn table(s: &mut String, b: &HybridBench) {
     }
     row(
         &format!(
-            "to {} trainer processes: {} `Fanout` over shared-memory rings, each trainer's `RingLoader`",
+            "to {} trainer processes: {} `Fanout` over shared-memory rings, each trainer's `RingLoader` {}",
             b.trainers,
             if b.trainers_from_gpu {
                 "preprocessed on the GPU, device -> host into the registered slots,"
             } else {
                 "preprocessed on the CPU,"
+            },
+            if b.trainers_from_gpu {
+                "taking its batches to the GPU (host -> device from its registered ring)"
+            } else {
+                "taking host batches"
             }
         ),
         &b.trainers_gbps,

@@ -209,6 +209,9 @@ enum Internal {
         epochs: u64,
         #[arg(long)]
         batches: usize,
+        /// Take the batches to GPU 0 (the harness has a GPU), as a training process does.
+        #[arg(long)]
+        gpu: bool,
     },
     /// The producer side of table 5 (started by the harness itself).
     #[command(hide = true)]
@@ -256,7 +259,8 @@ fn main() -> Result<()> {
             records,
             epochs,
             batches,
-        }) => return hybrid::trainer_child(&ring, &records, epochs, batches),
+            gpu,
+        }) => return hybrid::trainer_child(&ring, &records, epochs, batches, gpu),
         Some(Internal::OneShot {
             path,
             checkpoint,

@@ -295,12 +295,18 @@ fn a_consumer_between_rounds_is_not_taken_for_gone() {
     });
     // Gone for good: the error still comes, within the grace and a wait slice.
     let t = Instant::now();
-    let mut c = ring.claim(Duration::from_secs(1)).expect("the slot the round freed");
+    let mut c = ring
+        .claim(Duration::from_secs(1))
+        .expect("the slot the round freed");
     c.set_len(1).expect("len");
     c.publish().expect("publish");
     let err = ring.claim(Duration::from_secs(10)).unwrap_err();
     assert!(matches!(err, Error::ConsumerGone), "{err:?}");
-    assert!(t.elapsed() < Duration::from_secs(2), "after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "after {:?}",
+        t.elapsed()
+    );
 }
 
 /// The consumer's next wait fails with `ProducerGone` at once, not after its 10 s timeout.
