@@ -2,15 +2,17 @@
 //! file, mapped read-only; shuffled batches gathered into pinned buffers and uploaded;
 //! preprocessed on the GPU (planar f32, `gpufeed::hybrid::GpuPlanar`); then copied device ->
 //! host straight into the shared-memory rings of training processes (`Fanout`), each taking
-//! its batches with a `RingLoader` and checking the first record of each. Against it, the baseline on the same
-//! records: the `BatchLoader` with the CPU transform on its workers.
+//! its batches with a `RingLoader` (to the same GPU, host -> device from its registered ring)
+//! and checking the first record of each. Against it, the baseline on the same records: the
+//! `BatchLoader` with the CPU transform on its workers.
 //!
 //! ```text
 //! cargo run --release -p gpufeed --example hybrid -- --images 4096 --trainers 2
 //! cargo run --release -p gpufeed --example hybrid -- --gpu 0 --images 4096 --trainers 2
 //! ```
 //!
-//! Without `--gpu` the preprocessing runs on the loader's workers (the CPU path).
+//! Without `--gpu` the preprocessing runs on the loader's workers and the trainers take host
+//! batches (the CPU path).
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -87,7 +89,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         batches,
     }) = &cli.role
     {
-        return train(ring, records, *batches, image);
+        return train(ring, records, *batches, image, cli.gpu);
     }
     // The GPU first: a missing one is said before any work.
     let gpu = cli.gpu.map(gpufeed::Gpu::open).transpose()?;
@@ -149,7 +151,14 @@ fn run(cli: Cli) -> Result<(), Error> {
         .enumerate()
         .map(|(t, r)| -> Result<std::process::Child, Error> {
             Ok(Command::new(&exe)
-                .args(["--size", &cli.size.to_string(), "train"])
+                .args(["--size", &cli.size.to_string()])
+                // A trainer takes its batches to the same GPU, as a training process does.
+                .args(
+                    cli.gpu
+                        .iter()
+                        .flat_map(|g| ["--gpu".to_owned(), g.to_string()]),
+                )
+                .arg("train")
                 .args(["--ring", r.segment().name().ok_or("the ring has no name")?])
                 .args(["--records".as_ref(), path.as_os_str()])
                 .args([
@@ -213,30 +222,41 @@ fn run(cli: Cli) -> Result<(), Error> {
     Ok(())
 }
 
-/// A training process: takes its batches from ring `ring` and checks the first record of
-/// each against the CPU's planar values of the record file, mapped read-only here too.
+/// A training process: takes its batches from ring `ring` (to GPU `gpu`, or into host
+/// memory without one) and checks the first record of each against the CPU's planar values of
+/// the record file, mapped read-only here too.
 fn train(
     ring: &str,
     records: &std::path::Path,
     batches: usize,
     image: FrameFormat,
+    gpu: Option<usize>,
 ) -> Result<(), Error> {
     let ring = BatchRing::open(ring)?;
     // SAFETY: the record file is not changed while mapped.
     let records = unsafe { RecordFile::open_fixed(records, image.bytes())? };
     let reference = planar_transform(image);
-    let mut loader = RingLoader::new(&ring, None)?;
-    let mut want = Vec::new();
+    let gpu = gpu.map(gpufeed::Gpu::open).transpose()?;
+    let mut loader = RingLoader::new(&ring, gpu.as_ref())?;
+    let (mut want, mut first) = (Vec::new(), Vec::new());
     for batch in loader.epoch(0, batches, Duration::from_secs(60)) {
         let batch = batch?;
-        let BatchData::Host(bytes) = &batch.data else {
-            return Err("a trainer without a GPU takes host batches".into());
-        };
         // The first record of each batch (the CPU reference costs what the baseline does).
+        let n = batch.offsets[1];
+        let got: &[u8] = match (&batch.data, gpu.as_ref()) {
+            (BatchData::Host(bytes), _) => &bytes[..n],
+            (BatchData::Device(buf), Some(g)) => {
+                first.resize(n, 0);
+                g.default_stream()
+                    .memcpy_dtoh(&buf.slice(..n), &mut first)?;
+                &first
+            }
+            (BatchData::Device(_), None) => return Err("a device batch without a GPU".into()),
+        };
         let i = *batch.indices.first().ok_or("an empty batch")?;
         want.clear();
         reference(i, records.record(i).ok_or("no such record")?, &mut want)?;
-        if bytes[..batch.offsets[1]] != want[..] {
+        if got != want {
             return Err(format!("record {i} arrived with other values").into());
         }
     }
