@@ -31,7 +31,7 @@ impl FileIdentity {
     /// The identity of the file `path` names now (following symlinks), without opening it.
     ///
     /// # Errors
-    /// [`Error::Open`] where nothing is at `path` or it cannot be looked up.
+    /// [`Error::NotFound`] where nothing is at `path`; [`Error::Io`] where it cannot be looked up.
     pub fn of_path(path: &Path) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|e| Error::open(path, e))?;
         Ok(Self::from_metadata(&meta))
