@@ -721,6 +721,19 @@ impl Loader {
     }
 }
 
+/// Takes what `held` holds (a registered file, an on-demand checkpoint) and drops it without
+/// the GIL, putting back the caller's current CUDA context after: the registrations are
+/// undone; later calls find `None`.
+fn close_registered<T: Send>(py: Python<'_>, held: &std::sync::RwLock<Option<T>>) -> PyResult<()> {
+    let taken = held
+        .write()
+        .map_err(|_| GpufeedError::new_err("a load panicked"))?
+        .take();
+    let _context = gpufeed::cuda::ContextGuard::new();
+    py.detach(move || drop(taken));
+    Ok(())
+}
+
 /// A file registered once for repeated loads (`Loader.register_file`): its cached pages stay
 /// page-locked until `close` (or until the object goes), and every `Loader.load_registered`
 /// is one copy by the GPU out of the page cache.
@@ -771,14 +784,7 @@ impl RegisteredFile {
 
     /// Undoes the registration; arrays already loaded stay valid.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self
-            .inner
-            .write()
-            .map_err(|_| GpufeedError::new_err("a load panicked"))?
-            .take();
-        let _context = gpufeed::cuda::ContextGuard::new();
-        py.detach(move || drop(taken));
-        Ok(())
+        close_registered(py, &self.inner)
     }
 }
 
@@ -1159,14 +1165,7 @@ impl OnDemand {
     /// Undoes the files' registrations (their pages become reclaimable again); later calls
     /// raise `GpufeedError`. Tensors already loaded stay valid.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let taken = self
-            .inner
-            .write()
-            .map_err(|_| GpufeedError::new_err("a load panicked"))?
-            .take();
-        let _context = gpufeed::cuda::ContextGuard::new();
-        py.detach(move || drop(taken));
-        Ok(())
+        close_registered(py, &self.inner)
     }
 }
 
