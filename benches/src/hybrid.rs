@@ -215,6 +215,7 @@ pub fn measure(
             }
             Ok(())
         })?;
+        fanout.flush()?;
         // Timed to the last batch published: with three slots per ring, the trainers are at
         // most three batches behind.
         if e > 0 {
