@@ -184,8 +184,6 @@ fn run(cli: Cli) -> Result<(), Error> {
             _ => return Err("a device batch without the GPU preprocessing".into()),
         }
     }
-    // The last batches' copies may still be in flight: publish them before waiting.
-    fanout.flush()?;
     for child in children {
         let out = child.wait_with_output()?;
         if !out.status.success() {

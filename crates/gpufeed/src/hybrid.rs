@@ -9,9 +9,8 @@
 //!    CHW image after another (gpufeed-cuda's planar kernel, compiled by the driver);
 //! 3. the result stays on the GPU for a training step in this process, or [`Fanout`] copies
 //!    it device -> host straight into a slot of a shared-memory ring (the ring registered with
-//!    CUDA: the copy is a DMA, the source's `memcpy_dtoh(shm)`, on a stream of its own while
-//!    the next batch is uploaded and preprocessed), one ring per training process, which
-//!    takes its batches with a [`RingLoader`](crate::dataset::ring::RingLoader).
+//!    CUDA: the copy is a DMA, the source's `memcpy_dtoh(shm)`), one ring per training
+//!    process, which takes its batches with a [`RingLoader`](crate::dataset::ring::RingLoader).
 //!
 //! Without a GPU the same path runs on the CPU: [`planar_transform`] is the loader's
 //! transform, and [`Fanout`] writes the host batches. The baseline the example and the bench
@@ -39,21 +38,19 @@
 //!     let BatchData::Host(bytes) = &batch.data else { unreachable!() };
 //!     fanout.publish(0, &batch.indices, Planar::Host(&bytes[..batch.bytes()]))?;
 //! }
-//! fanout.flush()?; // batches on the GPU may still be in flight after the last publish
 //! let mut trainer = RingLoader::new(&rings[0], None)?;
 //! let first = trainer.epoch(0, 2, std::time::Duration::from_secs(5)).next().unwrap()?;
 //! assert_eq!(first.bytes(), 5 * 3 * 32 * 4); // five planar f32 images of 8 x 4
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpufeed_cuda::Gpu;
-use gpufeed_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
+use gpufeed_cuda::cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use gpufeed_cuda::kernels::PlanarKernel;
-use gpufeed_ipc::{BatchRing, Claim};
+use gpufeed_ipc::BatchRing;
 use gpufeed_pinned::HostRegistration;
 
 use crate::dataset::ring::{data_offset, slot_header};
@@ -181,20 +178,11 @@ pub enum Planar<'a> {
 /// batches of an epoch numbered 0, 1, ... in its own order (what its
 /// [`RingLoader`](crate::dataset::ring::RingLoader) expects; [`batches_for`] says how many).
 /// With a GPU, each ring is registered with CUDA so that the device -> host copy lands in the
-/// slot directly, and that copy runs on a stream of the fanout's own while the caller goes on
-/// (the next batch's upload and preprocessing): a batch on the GPU is published once its
-/// copy completed, in order, at most [`Fanout::IN_FLIGHT`] of them in flight; call
-/// [`Fanout::flush`] after an epoch's last batch (dropping the fanout flushes too). While it
-/// lives, the fanout is each ring's registered producer ([`BatchRing::producer`]): a trainer
-/// waiting for a batch once the fanout is dropped, or its process died, gets
-/// [`gpufeed_ipc::Error::ProducerGone`] at once, not after its timeout.
+/// slot directly. While it lives, the fanout is each ring's registered producer
+/// ([`BatchRing::producer`]): a trainer waiting for a batch once the fanout is dropped, or its
+/// process died, gets [`gpufeed_ipc::Error::ProducerGone`] at once, not after its timeout.
 pub struct Fanout<'r> {
     rings: &'r [BatchRing],
-    /// Slots whose device -> host copy is in flight, oldest first (declared before the
-    /// registrations; `Drop` waits for them first).
-    in_flight: VecDeque<InFlight<'r>>,
-    /// The device -> host copies' stream (with a GPU).
-    copies: Option<Arc<CudaStream>>,
     _producers: Vec<gpufeed_ipc::Producer<'r>>,
     registrations: Vec<Option<HostRegistration<'r>>>,
     numbers: Vec<usize>,
@@ -202,12 +190,6 @@ pub struct Fanout<'r> {
     /// The epoch being published: a new one starts every ring's numbering and the turns over.
     epoch: Option<u64>,
     timeout: Duration,
-}
-
-/// A claimed slot being written by a device -> host copy: published once `done` completed.
-struct InFlight<'r> {
-    claim: Claim<'r>,
-    done: CudaEvent,
 }
 
 impl std::fmt::Debug for Fanout<'_> {
@@ -257,14 +239,8 @@ impl<'r> Fanout<'r> {
                 })
             })
             .collect();
-        let copies = gpu
-            .map(|g| g.context().new_stream())
-            .transpose()
-            .map_err(cuda("cuStreamCreate"))?;
         Ok(Fanout {
             rings,
-            in_flight: VecDeque::new(),
-            copies,
             _producers: producers,
             registrations,
             numbers: vec![0; rings.len()],
@@ -283,44 +259,6 @@ impl<'r> Fanout<'r> {
     /// Whether ring `i` is registered with CUDA.
     pub fn registered(&self, i: usize) -> bool {
         self.registrations.get(i).is_some_and(Option::is_some)
-    }
-
-    /// Batches on the GPU whose copy into their slot may be in flight at once (2: one being
-    /// copied while the next is preprocessed, one more queued behind it).
-    pub const IN_FLIGHT: usize = 2;
-
-    /// Publishes every batch whose copy is still in flight, waiting for the copies: call it
-    /// after an epoch's last batch, so that the trainers get it now.
-    ///
-    /// # Errors
-    /// A failed copy (its slot and those after it are given back unpublished); the ring's.
-    pub fn flush(&mut self) -> Result<()> {
-        self.retire(0)
-    }
-
-    /// Publishes the oldest in-flight batches, in order, until at most `keep` remain: those
-    /// whose copy completed without waiting, then waiting for the oldest.
-    fn retire(&mut self, keep: usize) -> Result<()> {
-        while let Some(front) = self.in_flight.front() {
-            if self.in_flight.len() <= keep && !front.done.is_complete() {
-                break;
-            }
-            if let Err(e) = front.done.synchronize() {
-                // Nothing may still write into a slot given back: wait for the stream, then
-                // let the claims go (freed unpublished).
-                if let Some(c) = &self.copies {
-                    let _ = c.synchronize();
-                }
-                self.in_flight.clear();
-                return Err(cuda(
-                    "cuEventSynchronize (a copy into a shared-memory slot)",
-                )(e));
-            }
-            if let Some(f) = self.in_flight.pop_front() {
-                f.claim.publish()?;
-            }
-        }
-        Ok(())
     }
 
     /// Publishes one preprocessed batch — the records `indices` of `epoch`, equal shares of
@@ -354,8 +292,7 @@ impl<'r> Fanout<'r> {
         let per = (len / indices.len()) as u64;
         let offsets: Vec<u64> = (0..=indices.len() as u64).map(|k| k * per).collect();
         let r = self.next;
-        let rings = self.rings;
-        let ring = &rings[r];
+        let ring = &self.rings[r];
         let at = data_offset(indices.len());
         if (at + len) as u64 > ring.slot_bytes() {
             return Err(Error::InvalidSetting(format!(
@@ -365,80 +302,29 @@ impl<'r> Fanout<'r> {
                 at + len
             )));
         }
-        if let Planar::Host(_) = data {
-            // Host batches are published at once: those before them go first.
-            self.flush()?;
-        } else {
-            // A slot free for this batch: no more than IN_FLIGHT held by copies.
-            self.retire(Self::IN_FLIGHT - 1)?;
-        }
-        let mut claim = match ring.try_claim()? {
-            Some(c) => c,
-            None => {
-                // Never wait for a slot while holding unpublished ones: the trainer may be
-                // waiting for those to give one back.
-                self.flush()?;
-                ring.claim(self.timeout)?
-            }
-        };
+        let mut claim = ring.claim(self.timeout)?;
         claim.write_at(0, &slot_header(epoch, self.numbers[r], indices, &offsets))?;
-        claim.set_len((at + len) as u64)?;
         match data {
-            Planar::Host(bytes) => {
-                claim.write_at(at as u64, bytes)?;
-                claim.publish()?;
-            }
+            Planar::Host(bytes) => claim.write_at(at as u64, bytes)?,
             Planar::Device(d, stream) => {
-                let copies = self.copies.as_ref().ok_or_else(|| {
-                    Error::InvalidSetting(
-                        "a batch on the GPU for a Fanout made without one: give Fanout::new the GPU"
-                            .into(),
-                    )
-                })?;
+                // SAFETY: the slot is this claim's until it is published, and the copy is
+                // waited for below, before that.
+                let slot = unsafe { claim.as_mut_slice() };
                 // SAFETY: f32s read as their bytes: every bit pattern is a valid u8.
                 let bytes = unsafe { d.transmute::<u8>(len) }.ok_or_else(|| {
                     Error::InvalidSetting("a planar batch shorter than its length".into())
                 })?;
-                // After the batch's preprocessing, on the copies' own stream.
-                let made = stream.record_event(None).map_err(cuda("cuEventRecord"))?;
-                copies.wait(&made).map_err(cuda("cuStreamWaitEvent"))?;
-                // SAFETY: the slot is this claim's until it is published, which `retire` does
-                // only once `done` completed; a failed copy's claims are let go only after the
-                // stream was waited for (`retire`, `Drop`). The ring's mapping outlives 'r.
-                let slot = unsafe { claim.as_mut_slice() }[at..at + len].as_mut_ptr();
-                {
-                    // The guard records the read on the copies' stream when dropped, so the
-                    // batch's memory is not freed under the copy (cudarc waits for it).
-                    let (src, _read) = bytes.device_ptr(copies);
-                    // SAFETY: `len` bytes at `src` are the batch's, at `slot` the claim's.
-                    unsafe {
-                        gpufeed_cuda::cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                            slot.cast(),
-                            src,
-                            len,
-                            copies.cu_stream(),
-                        )
-                    }
-                    .result()
+                stream
+                    .memcpy_dtoh(&bytes, &mut slot[at..at + len])
                     .map_err(cuda("cuMemcpyDtoHAsync (into a shared-memory slot)"))?;
-                }
-                let done = copies.record_event(None).map_err(cuda("cuEventRecord"))?;
-                self.in_flight.push_back(InFlight { claim, done });
-                self.retire(Self::IN_FLIGHT)?;
+                stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
             }
         }
+        claim.set_len((at + len) as u64)?;
+        claim.publish()?;
         self.numbers[r] += 1;
         self.next = (r + 1) % self.rings.len();
         Ok(r)
-    }
-}
-
-impl Drop for Fanout<'_> {
-    fn drop(&mut self) {
-        // What is in flight is published (the trainers wait for it); a failure is logged.
-        if let Err(e) = self.flush() {
-            tracing::warn!(error = %e, "publishing the last batches failed");
-        }
     }
 }
 
