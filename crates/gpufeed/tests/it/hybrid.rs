@@ -167,6 +167,12 @@ fn with_trainers(
             publish(&mut fanout, e, &batch.expect("batch"));
         }
     }
+    every_record_once_per_epoch(children);
+}
+
+/// Waits for the trainer processes and checks that together they saw every record once per
+/// epoch.
+fn every_record_once_per_epoch(children: Vec<std::process::Child>) {
     let mut seen = vec![0u32; RECORDS];
     for child in children {
         let out = child.wait_with_output().expect("trainer");
@@ -184,6 +190,41 @@ fn with_trainers(
         seen.iter().all(|&c| c == EPOCHS as u32),
         "every record once per epoch: {seen:?}"
     );
+}
+
+/// Batches on the GPU to one trainer through one ring of two slots (the trainer holds one,
+/// the fanout writes the other): every record arrives once per epoch, nothing waits out a
+/// timeout.
+#[test]
+fn gpu_batches_through_one_small_ring_reach_their_trainer() {
+    let Some(gpu) = crate::gpu_or_skip("gpu_batches_through_one_small_ring_reach_their_trainer")
+    else {
+        return;
+    };
+    let Setup {
+        _dir,
+        path,
+        mut loader,
+        ..
+    } = setup(37, Order::Shuffled { seed: 5 }, Some(&gpu));
+    let slot = (BATCH * IMAGE.bytes() * 4 + 4096) as u64;
+    let rings = [BatchRing::create_unique(2, slot).expect("ring")];
+    let batches = loader.batches_per_epoch();
+    let children = spawn_trainers(&rings, &path, batches, std::process::Stdio::inherit);
+    let planar = GpuPlanar::new(&gpu, IMAGE).expect("kernel");
+    let mut fanout = Fanout::new(&rings, Some(&gpu))
+        .expect("fanout")
+        .with_timeout(Duration::from_secs(20));
+    for e in 0..EPOCHS {
+        for batch in loader.epoch(e).expect("epoch") {
+            let batch = batch.expect("batch");
+            let out = planar.apply(&batch).expect("preprocess");
+            fanout
+                .publish(e, &batch.indices, Planar::Device(&out, planar.stream()))
+                .expect("publish");
+        }
+    }
+    every_record_once_per_epoch(children);
 }
 
 #[test]
