@@ -6,6 +6,8 @@ Usage: peers.py FILE SAFETENSORS REPS  -> one JSON object on stdout: name -> lis
        peers.py --one-shot SAFETENSORS   -> (internal) one fresh-process load, timed.
        peers.py --one-shot-gpufeed SAFETENSORS -> (internal) the same with gpufeed's Python
        package.
+       peers.py --one-shot-safe-open[-gpufeed] SAFETENSORS -> (internal) the same, tensor by
+       tensor through safetensors' (gpufeed's) `safe_open`, the open included.
        peers.py --python-checkpoints FEW MANY REPS -> table 10: the Python package against
        safetensors.torch on a checkpoint of 16 tensors and the same bytes in 10,000 tensors.
        peers.py --records FILE RECORD BATCH REPS -> PyTorch's DataLoader and gpufeed's Python
@@ -242,6 +244,11 @@ def python_checkpoints(few, many, reps):
     part("gpufeed safe_open, 1000 of 10000 tensors", lambda: on_demand(gf_open, many, 1000))
     part("safetensors safe_open, 1000 of 10000 tensors", lambda: on_demand(st_open, many, 1000))
     part("seconds, gpufeed safe_open open", gf_open_seconds)
+    for mode, name in (("--one-shot-safe-open-gpufeed", "gpufeed"),
+                       ("--one-shot-safe-open", "safetensors")):
+        part(f"{name} safe_open fresh",
+             lambda m=mode, n=name: fresh_runs(m, few, reps, results,
+                                               f"{n} safe_open fresh with context"))
 
     def per_tensor():
         from safetensors.torch import save_file
@@ -416,6 +423,24 @@ def main():
         import gpufeed
 
         one_shot(sys.argv[2], lambda p, device: gpufeed.load_safetensors(p, device=0))
+        return
+    if sys.argv[1] in ("--one-shot-safe-open", "--one-shot-safe-open-gpufeed"):
+        if sys.argv[1].endswith("gpufeed"):
+            import gpufeed
+
+            def opened(p):
+                return gpufeed.safe_open(p, device="cuda:0")
+        else:
+            from safetensors import safe_open
+
+            def opened(p):
+                return safe_open(p, framework="pt", device="cuda:0")
+
+        def every_tensor(p, device):
+            with opened(p) as f:
+                return {n: f.get_tensor(n) for n in f.keys()}
+
+        one_shot(sys.argv[2], every_tensor)
         return
     if sys.argv[1] == "--python-checkpoints":
         python_checkpoints(sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -46,6 +46,12 @@ pub struct PythonBench {
     pub safetensors_on_demand_many_gbps: Option<Samples>,
     /// Seconds `gpufeed.safe_open` of the 16-tensor checkpoint took (headers, registration).
     pub gpufeed_open_seconds: Option<Samples>,
+    /// Fresh processes: every tensor of the 16-tensor checkpoint through `safe_open` (the open
+    /// included), after the CUDA context and with it: GB/s.
+    pub gpufeed_safe_open_fresh_gbps: Option<Samples>,
+    pub safetensors_safe_open_fresh_gbps: Option<Samples>,
+    pub gpufeed_safe_open_fresh_with_context_gbps: Option<Samples>,
+    pub safetensors_safe_open_fresh_with_context_gbps: Option<Samples>,
     /// Parts that did not run, with the reason.
     pub errors: Vec<(String, String)>,
 }
@@ -123,6 +129,12 @@ pub fn measure(
         gpufeed_on_demand_many_gbps: get("gpufeed safe_open, 1000 of 10000 tensors"),
         safetensors_on_demand_many_gbps: get("safetensors safe_open, 1000 of 10000 tensors"),
         gpufeed_open_seconds: get("seconds, gpufeed safe_open open"),
+        gpufeed_safe_open_fresh_gbps: get("gpufeed safe_open fresh"),
+        safetensors_safe_open_fresh_gbps: get("safetensors safe_open fresh"),
+        gpufeed_safe_open_fresh_with_context_gbps: get("gpufeed safe_open fresh with context"),
+        safetensors_safe_open_fresh_with_context_gbps: get(
+            "safetensors safe_open fresh with context",
+        ),
         errors,
     }))
 }

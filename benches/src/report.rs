@@ -929,6 +929,34 @@ fn python_table(s: &mut String, v: &crate::python::PythonBench) {
             &v.safetensors_on_demand_many_gbps,
             String::new(),
         ),
+        (
+            "fresh process, after the context: every tensor through `gpufeed.safe_open` (the open included)",
+            &v.gpufeed_safe_open_fresh_gbps,
+            times(
+                &v.gpufeed_safe_open_fresh_gbps,
+                &v.safetensors_safe_open_fresh_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "fresh process, after the context: every tensor through safetensors' `safe_open`",
+            &v.safetensors_safe_open_fresh_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, context + every tensor through `gpufeed.safe_open`",
+            &v.gpufeed_safe_open_fresh_with_context_gbps,
+            times(
+                &v.gpufeed_safe_open_fresh_with_context_gbps,
+                &v.safetensors_safe_open_fresh_with_context_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "fresh process, context + every tensor through safetensors' `safe_open`",
+            &v.safetensors_safe_open_fresh_with_context_gbps,
+            String::new(),
+        ),
     ];
     for (what, x, against) in rows {
         let _ = writeln!(s, "| {what} | {} | {against} |", gbps(x));
