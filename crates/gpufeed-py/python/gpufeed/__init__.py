@@ -321,7 +321,10 @@ class safe_open:
     reading what is not cached), then each ``get_tensor`` is one copy by the GPU out of the
     page cache into memory of its own, at the speed of the link from the smallest tensors up:
     for weights streamed in on demand (experts of a mixture of experts, offloaded layers).
-    Headers are checked first: a bad file is named even without a GPU.
+    Headers are checked first: a bad file is named even without a GPU. To load a whole
+    checkpoint once, ``load_safetensors`` is faster: in a fresh process on an H200, 39 GB/s
+    against 19 for every tensor through ``safe_open``, which pays for the registration
+    (safetensors' own ``safe_open``: 7).
 
         with gpufeed.safe_open("model.safetensors.index.json", device="cuda:0") as f:
             for name in f.keys():
