@@ -721,17 +721,24 @@ impl Loader {
     }
 }
 
-/// Takes what `held` holds (a registered file, an on-demand checkpoint) and drops it without
-/// the GIL, putting back the caller's current CUDA context after: the registrations are
-/// undone; later calls find `None`.
-fn close_registered<T: Send>(py: Python<'_>, held: &std::sync::RwLock<Option<T>>) -> PyResult<()> {
-    let taken = held
-        .write()
-        .map_err(|_| GpufeedError::new_err("a load panicked"))?
-        .take();
+/// Takes what `held` holds (a registered file, an on-demand checkpoint) and drops it, putting
+/// back the caller's current CUDA context after: the registrations are undone; later calls
+/// find `None`. The lock is taken without the GIL: a load on another thread holds the read
+/// side while it runs without the GIL and needs the GIL back before it lets go, so waiting
+/// for the write side with the GIL held would deadlock.
+fn close_registered<T: Send + Sync>(
+    py: Python<'_>,
+    held: &std::sync::RwLock<Option<T>>,
+) -> PyResult<()> {
     let _context = gpufeed::cuda::ContextGuard::new();
-    py.detach(move || drop(taken));
-    Ok(())
+    py.detach(|| {
+        let taken = held
+            .write()
+            .map_err(|_| GpufeedError::new_err("a load panicked"))?
+            .take();
+        drop(taken);
+        Ok(())
+    })
 }
 
 /// A file registered once for repeated loads (`Loader.register_file`): its cached pages stay
@@ -1189,7 +1196,8 @@ impl OnDemand {
 }
 
 /// Waits until device memory let go by dropped arrays and tensors is freed (it is freed on a
-/// thread after the work queued on the device; loads wait for it themselves).
+/// thread after the work queued on the device; loads of 64 MiB and more wait for it
+/// themselves).
 #[pyfunction]
 fn _wait_for_frees(py: Python<'_>) {
     py.detach(reaper::wait_idle);

@@ -189,6 +189,52 @@ def test_registered_files_load_ranges_byte_for_byte():
             raise AssertionError("a closed file loaded")
 
 
+def test_closing_while_another_thread_loads_neither_hangs_nor_breaks_the_loads():
+    """``close`` on one thread while another thread loads from the same registered file and
+    the same ``safe_open`` checkpoint: every load either succeeds with the right bytes or says
+    the file was closed, and both threads end (a close waiting for the lock with the GIL
+    held would deadlock against a load that needs the GIL back)."""
+    import threading
+
+    torch = torch_on_gpu()
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.safetensors")
+        save_file({f"t{i}": torch.full((4096,), float(i)) for i in range(64)}, path)
+        loader = gpufeed.Loader(0)
+        for _ in range(20):
+            file = loader.register_file(path)
+            f = gpufeed.safe_open(path, device=0)
+            outcomes = []
+
+            def load():
+                for i in range(200):
+                    try:
+                        t = f.get_tensor(f"t{i % 64}")
+                        if not bool((t == float(i % 64)).all()):
+                            outcomes.append(f"wrong values in t{i % 64}")
+                            return
+                        loader.load_registered(file, 0, 4096)
+                        outcomes.append("ok")
+                    except gpufeed.GpufeedError as e:
+                        outcomes.append("closed" if "closed" in str(e) else f"error: {e}")
+                        return
+                    except Exception as e:  # noqa: BLE001 (reported to the main thread)
+                        outcomes.append(f"error: {type(e).__name__}: {e}")
+                        return
+
+            worker = threading.Thread(target=load)
+            worker.start()
+            f.close()
+            file.close()
+            worker.join(timeout=30)
+            assert not worker.is_alive(), "a load and a close deadlocked"
+            assert outcomes, "the loading thread ran"
+            bad = [o for o in outcomes if o not in ("ok", "closed")]
+            assert not bad, bad
+
+
 def test_arrays_without_torch_hold_the_same_tensors():
     """The path taken where torch is not installed: ``Array`` views, one per tensor."""
     torch = torch_on_gpu()
