@@ -20,7 +20,7 @@ pub enum Error {
     /// No slot became free or ready in time.
     #[error("timed out after {ms} ms waiting for {what}")]
     Timeout {
-        /// `"a free slot"` or `"a batch"`.
+        /// What was awaited: `"a free slot"`, `"a batch"`, or the other ranks' descriptors.
         what: &'static str,
         /// The timeout.
         ms: u128,
@@ -129,6 +129,20 @@ pub enum Error {
     RankLeft {
         /// The rank.
         rank: usize,
+    },
+
+    /// Passing a file descriptor to or from a rank ([`crate::Rendezvous::share_fd`]) failed
+    /// while that rank still lived (its socket refused or closed the connection).
+    #[error(
+        "passing a file descriptor with rank {rank} failed: {source} (did it fail or leave? see \
+         its own output)"
+    )]
+    FdPass {
+        /// The other rank.
+        rank: usize,
+        /// The error.
+        #[source]
+        source: std::io::Error,
     },
 
     /// Another live process already holds this rank of the rendezvous.

@@ -16,8 +16,9 @@
 //!
 //! [`Rendezvous`]: the processes of one job on one machine (one per GPU, as `torchrun` starts
 //! them) meet in a named segment, pass each other small payloads ([`Rendezvous::exchange`]:
-//! CUDA IPC handles, a plan's hash) and wait at barriers; a rank that never arrives, left or
-//! died makes the others fail with an error naming it, within the join timeout or one lease.
+//! CUDA IPC handles, a plan's hash) and file descriptors ([`Rendezvous::share_fd`]: an exported
+//! CUDA memory pool), and wait at barriers; a rank that never arrives, left or died makes the
+//! others fail with an error naming it, within the join timeout or one lease.
 //!
 //! Holders are named by their entry in the ring's process table (PID namespace, pid, start
 //! time, heartbeat): a process of our PID namespace is judged by its pid, one of another

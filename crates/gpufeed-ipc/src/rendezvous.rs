@@ -7,9 +7,15 @@
 //! until every rank has reached it, and fails with the rank's number when a rank never arrives
 //! within the join timeout, left (its `Rendezvous` was dropped, as after an error), or died: a
 //! rank of our PID namespace is known dead by its pid, any rank by a heartbeat that stood still
-//! for a whole lease. Once every rank has joined, rank 0 removes the name, so nothing is left
-//! in /dev/shm when the job ends, however it ends.
+//! for a whole lease. Once every rank has joined, rank 0 removes the name, so the segment is not
+//! left in /dev/shm when the job ends, however it ends. [`Rendezvous::share_fd`] passes a file
+//! descriptor from every rank to every other over Unix sockets in /dev/shm, each removed before
+//! the call returns (a rank killed inside the call leaves its socket file behind: an empty
+//! name, `.gpufeed-fd-*`).
 
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,6 +24,7 @@ use gpufeed_os::process::ProcessIdentity;
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
+use crate::fdpass::{recv_fd, send_fd};
 use crate::state::{AtomicU64, Ordering};
 
 /// Most ranks of one rendezvous.
@@ -230,6 +237,131 @@ impl Rendezvous {
             .collect()
     }
 
+    /// Passes `fd` to every other rank and returns theirs in rank order (`None` in this rank's
+    /// place): a collective call like [`Rendezvous::exchange`], for what only a descriptor can
+    /// carry (a CUDA memory pool exported as a POSIX file descriptor, a memfd). Each rank
+    /// listens on a Unix socket in /dev/shm (the directory the rendezvous already shares;
+    /// removed before the call returns) and connects to every other rank's; descriptors
+    /// travel as `SCM_RIGHTS`, so ranks in other PID or network namespaces that share
+    /// /dev/shm are reached too.
+    ///
+    /// # Example
+    /// ```
+    /// use std::os::fd::AsFd;
+    /// use gpufeed_ipc::{Rendezvous, RendezvousOptions};
+    /// let name = format!("gpufeed-doc-fd-{}", std::process::id());
+    /// let r = Rendezvous::join(&name, 0, 1, RendezvousOptions::default())?;
+    /// let file = std::fs::File::open("/dev/null").expect("open");
+    /// let theirs = r.share_fd(file.as_fd())?;
+    /// assert!(theirs[0].is_none()); // a world of one: nobody else's
+    /// # Ok::<(), gpufeed_ipc::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Rendezvous::barrier`]'s (a rank that died, left or never arrived, named);
+    /// [`Error::FdPass`] naming a rank whose socket refused or closed the connection;
+    /// [`Error::Timeout`] when a live rank did not connect within the join timeout.
+    pub fn share_fd(&self, fd: BorrowedFd<'_>) -> Result<Vec<Option<OwnedFd>>> {
+        use std::io::{Read, Write};
+        let (me, world) = (self.rank, self.world);
+        let mut out: Vec<Option<OwnedFd>> = (0..world).map(|_| None).collect();
+        if world == 1 {
+            return Ok(out);
+        }
+        // The barrier this call is about to take, and the job's nonce: a name no other call or
+        // job uses.
+        let k = self.epoch.load(std::sync::atomic::Ordering::Relaxed) + 1;
+        let nonce = word(&self.seg, OFF_NONCE).load(Ordering::Relaxed);
+        let path = |r: usize| {
+            PathBuf::from(format!(
+                "{}/.gpufeed-fd-{nonce:016x}-{k}-{r}",
+                gpufeed_os::shm::DEFAULT_DIR
+            ))
+        };
+        let mine = SocketFile(path(me));
+        let _ = std::fs::remove_file(&mine.0);
+        let listener = listen_at(&mine.0)?;
+        // Every rank listens once all have passed it.
+        self.barrier()?;
+        let fail = |rank: usize| move |source: std::io::Error| Error::FdPass { rank, source };
+        let mut inbound = Vec::with_capacity(world - 1);
+        for r in (0..world).filter(|&r| r != me) {
+            let mut s = UnixStream::connect(path(r)).map_err(fail(r))?;
+            s.write_all(&(me as u32).to_le_bytes()).map_err(fail(r))?;
+            s.set_nonblocking(true).map_err(fail(r))?;
+            inbound.push((r, s));
+        }
+        let mut served = vec![false; world];
+        served[me] = true;
+        let mut seen = self.heartbeats();
+        let started = Instant::now();
+        let mut nap = Duration::from_micros(50);
+        loop {
+            // Answer every rank that connected with this rank's descriptor.
+            loop {
+                let mut s = match listener.accept() {
+                    Ok((s, _)) => s,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(source) => {
+                        return Err(Error::Io {
+                            op: "accept a rank's connection",
+                            source,
+                        });
+                    }
+                };
+                // The rank wrote its number before this accept could see it; a connection
+                // that says nothing (its process died at once) is judged below by its rank's
+                // liveness.
+                let mut who = [0u8; 4];
+                let said = s
+                    .set_nonblocking(false)
+                    .and_then(|()| s.set_read_timeout(Some(self.opts.lease)))
+                    .and_then(|()| s.read_exact(&mut who));
+                let r = u32::from_le_bytes(who) as usize;
+                if said.is_err() || r >= world || served[r] {
+                    tracing::warn!("ignored a connection to rank {me}'s descriptor socket");
+                    continue;
+                }
+                send_fd(&s, fd).map_err(|e| match e {
+                    Error::Io { source, .. } => Error::FdPass { rank: r, source },
+                    other => other,
+                })?;
+                served[r] = true;
+            }
+            for (r, s) in &inbound {
+                if out[*r].is_some() {
+                    continue;
+                }
+                match recv_fd(s) {
+                    Ok(theirs) => out[*r] = Some(theirs),
+                    Err(Error::Io { source, .. })
+                        if source.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(Error::Io { source, .. }) => {
+                        return Err(Error::FdPass { rank: *r, source });
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            let pending: Vec<usize> = (0..world)
+                .filter(|&r| r != me && (!served[r] || out[r].is_none()))
+                .collect();
+            if pending.is_empty() {
+                return Ok(out);
+            }
+            for &r in &pending {
+                self.judge(r, &mut seen[r])?;
+            }
+            if started.elapsed() > self.opts.join_timeout {
+                return Err(Error::Timeout {
+                    what: "the other ranks' descriptors",
+                    ms: started.elapsed().as_millis(),
+                });
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
+    }
+
     fn rec(&self, rank: usize) -> usize {
         HEADER + rank * REC
     }
@@ -297,10 +429,7 @@ impl Rendezvous {
 
     /// Waits until every rank's barrier count is at least `k`.
     fn wait_for(&self, k: u64) -> Result<()> {
-        // Per rank: the heartbeat last seen and when it last changed.
-        let mut seen: Vec<(u64, Instant)> = (0..self.world)
-            .map(|r| (self.word(r, R_BEAT).load(Ordering::Relaxed), Instant::now()))
-            .collect();
+        let mut seen = self.heartbeats();
         let mut nap = Duration::from_micros(50);
         loop {
             let mut waiting = false;
@@ -309,36 +438,7 @@ impl Rendezvous {
                     continue;
                 }
                 waiting = true;
-                match self.word(r, R_STATE).load(Ordering::Acquire) {
-                    LEFT => return Err(Error::RankLeft { rank: r }),
-                    EMPTY => {
-                        let waited = self.joined.elapsed();
-                        if waited > self.opts.join_timeout {
-                            return Err(Error::RankNeverArrived {
-                                rank: r,
-                                world: self.world,
-                                waited_ms: waited.as_millis(),
-                            });
-                        }
-                    }
-                    _ => {
-                        let beat = self.word(r, R_BEAT).load(Ordering::Relaxed);
-                        if beat != seen.0 {
-                            *seen = (beat, Instant::now());
-                        }
-                        let who = self.identity(r);
-                        let still = seen.1.elapsed();
-                        // pid 0: the rank has claimed its record but not yet published who it
-                        // is (its heartbeat still judges it).
-                        if (who.pid != 0 && who.is_dead()) || still > self.opts.lease {
-                            return Err(Error::RankDied {
-                                rank: r,
-                                pid: who.pid,
-                                silent_ms: still.as_millis(),
-                            });
-                        }
-                    }
-                }
+                self.judge(r, seen)?;
             }
             if !waiting {
                 return Ok(());
@@ -347,6 +447,82 @@ impl Rendezvous {
             nap = (nap * 2).min(Duration::from_millis(2));
         }
     }
+
+    /// Per rank: the heartbeat seen now, and now (what [`Rendezvous::judge`] compares with).
+    fn heartbeats(&self) -> Vec<(u64, Instant)> {
+        (0..self.world)
+            .map(|r| (self.word(r, R_BEAT).load(Ordering::Relaxed), Instant::now()))
+            .collect()
+    }
+
+    /// Fails naming rank `r` when it left, never joined within the join timeout, or died (its
+    /// pid is gone, or its heartbeat stood still for a lease since `seen`, which is updated).
+    fn judge(&self, r: usize, seen: &mut (u64, Instant)) -> Result<()> {
+        match self.word(r, R_STATE).load(Ordering::Acquire) {
+            LEFT => Err(Error::RankLeft { rank: r }),
+            EMPTY => {
+                let waited = self.joined.elapsed();
+                if waited > self.opts.join_timeout {
+                    return Err(Error::RankNeverArrived {
+                        rank: r,
+                        world: self.world,
+                        waited_ms: waited.as_millis(),
+                    });
+                }
+                Ok(())
+            }
+            _ => {
+                let beat = self.word(r, R_BEAT).load(Ordering::Relaxed);
+                if beat != seen.0 {
+                    *seen = (beat, Instant::now());
+                }
+                let who = self.identity(r);
+                let still = seen.1.elapsed();
+                // pid 0: the rank has claimed its record but not yet published who it is (its
+                // heartbeat still judges it).
+                if (who.pid != 0 && who.is_dead()) || still > self.opts.lease {
+                    return Err(Error::RankDied {
+                        rank: r,
+                        pid: who.pid,
+                        silent_ms: still.as_millis(),
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A socket file that is removed when this is dropped.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A non-blocking Unix socket listening at `path`, with room for every rank's connection at
+/// once (so that no rank's `connect` waits for an `accept`).
+fn listen_at(path: &std::path::Path) -> Result<UnixListener> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let io = |op: &'static str| {
+        move |e: rustix::io::Errno| Error::Io {
+            op,
+            source: e.into(),
+        }
+    };
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(io("create a Unix socket"))?;
+    let addr = SocketAddrUnix::new(path).map_err(io("name a Unix socket"))?;
+    rustix::net::bind(&sock, &addr).map_err(io("bind a Unix socket in /dev/shm"))?;
+    rustix::net::listen(&sock, MAX_RANKS as i32).map_err(io("listen on a Unix socket"))?;
+    Ok(UnixListener::from(sock))
 }
 
 impl Drop for Rendezvous {

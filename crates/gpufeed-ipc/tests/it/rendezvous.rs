@@ -23,7 +23,8 @@ fn name(test: &str) -> String {
 
 /// A child's part: join as `rank`, then per `mode`: `normal` exchanges twice with barriers
 /// between and prints what it got; `hang` prints `JOINED` and sleeps (to be killed); `leave`
-/// drops its handle after joining; `wait` waits at a barrier and prints the error it gets.
+/// drops its handle after joining; `wait` waits at a barrier and prints the error it gets;
+/// `fd` passes descriptors ([`pass_descriptors`]) and prints what it read through them.
 pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
     let r = Rendezvous::join(name, rank, world, opts()).expect("join");
     println!("JOINED");
@@ -44,6 +45,7 @@ pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
             let b: Vec<usize> = b.iter().map(Vec::len).collect();
             println!("GOT {a:?} {b:?}");
         }
+        "fd" => println!("FDS {:?}", pass_descriptors(&r)),
         "hang" => std::thread::sleep(Duration::from_secs(60)),
         "leave" => drop(r),
         "wait" => match r.barrier() {
@@ -131,6 +133,102 @@ fn ranks_meet_and_exchange_between_processes() {
         .exchange(&[0u8; gpufeed_ipc::MAX_PAYLOAD + 1])
         .expect_err("too large");
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+}
+
+/// Two rounds of `share_fd`: each rank passes a memfd holding "rank R round K"; what it read
+/// through the others' descriptors, per round (`-` in its own place), or the error.
+fn pass_descriptors(r: &Rendezvous) -> Result<Vec<Vec<String>>, String> {
+    use std::io::{Read, Seek, Write};
+    (0..2)
+        .map(|round| {
+            let fd = rustix::fs::memfd_create("gpufeed-it", rustix::fs::MemfdFlags::CLOEXEC)
+                .map_err(|e| e.to_string())?;
+            let mut file = std::fs::File::from(fd);
+            write!(file, "rank {} round {round}", r.rank()).map_err(|e| e.to_string())?;
+            let theirs = r
+                .share_fd(std::os::fd::AsFd::as_fd(&file))
+                .map_err(|e| e.to_string())?;
+            Ok(theirs
+                .into_iter()
+                .map(|fd| match fd {
+                    None => "-".to_owned(),
+                    Some(fd) => {
+                        let mut f = std::fs::File::from(fd);
+                        let mut text = String::new();
+                        f.rewind()
+                            .and_then(|_| f.read_to_string(&mut text))
+                            .expect("read");
+                        text
+                    }
+                })
+                .collect())
+        })
+        .collect()
+}
+
+fn descriptor_sockets() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .expect("list /dev/shm")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(".gpufeed-fd-"))
+        .collect()
+}
+
+#[test]
+fn ranks_pass_descriptors_between_processes() {
+    let name = name("fds");
+    let before = descriptor_sockets();
+    let children: Vec<Child> = (1..3).map(|r| spawn(&name, r, 3, "fd")).collect();
+    let me = Rendezvous::join(&name, 0, 3, opts()).expect("join as rank 0");
+    let got = pass_descriptors(&me).expect("pass descriptors");
+    let want = |me: usize| -> Vec<Vec<String>> {
+        (0..2)
+            .map(|k| {
+                (0..3)
+                    .map(|r| {
+                        if r == me {
+                            "-".to_owned()
+                        } else {
+                            format!("rank {r} round {k}")
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    assert_eq!(got, want(0));
+    for (i, c) in children.into_iter().enumerate() {
+        let (ok, lines) = output(c);
+        assert!(ok, "{lines:?}");
+        assert!(
+            lines.contains(&format!("FDS Ok({:?})", want(i + 1))),
+            "{lines:?}"
+        );
+    }
+    assert_eq!(descriptor_sockets(), before, "every socket file is removed");
+}
+
+#[test]
+fn a_rank_killed_before_passing_descriptors_is_named() {
+    let name = name("fd-killed");
+    let mut hang = spawn(&name, 1, 3, "hang");
+    let other = spawn(&name, 2, 3, "fd");
+    let me = Rendezvous::join(&name, 0, 3, opts()).expect("join");
+    let _out = wait_for_line(&mut hang, "JOINED");
+    hang.kill().expect("kill rank 1");
+    let t = Instant::now();
+    let file = std::fs::File::open("/dev/null").expect("open");
+    let e = me
+        .share_fd(std::os::fd::AsFd::as_fd(&file))
+        .expect_err("rank 1 is dead");
+    assert!(matches!(e, Error::RankDied { rank: 1, .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    hang.wait().expect("reap");
+    let (_, lines) = output(other);
+    assert!(
+        lines.iter().any(|l| l.starts_with("FDS Err(\"rank 1 ")),
+        "rank 2 names rank 1: {lines:?}"
+    );
 }
 
 #[test]
