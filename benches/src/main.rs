@@ -158,6 +158,21 @@ enum Internal {
         #[arg(long)]
         on: bool,
     },
+    /// Table 11's one-process-per-GPU loads by hand: `world` rank processes (`rank`; more
+    /// ranks than GPUs share them) over `path`, sharded and replicated; prints the slowest
+    /// rank's seconds per repetition as JSON (GPU machine).
+    #[command(hide = true)]
+    Ranks {
+        #[arg(long)]
+        path: std::path::PathBuf,
+        #[arg(long)]
+        world: usize,
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// As `rank --ipc-handles`.
+        #[arg(long)]
+        ipc_handles: bool,
+    },
     /// One rank of table 11's one-process-per-GPU rows (started by the harness itself).
     #[command(hide = true)]
     Rank {
@@ -165,6 +180,10 @@ enum Internal {
         path: std::path::PathBuf,
         #[arg(long)]
         reps: usize,
+        /// Replicated loads through CUDA IPC handles of new `cuMemAlloc` memory rather than the
+        /// staging slots the ranks share (`RankLoader::with_shared_staging(false)`).
+        #[arg(long)]
+        ipc_handles: bool,
     },
     /// The probe behind the small-load defaults: loads of 1-256 MiB under several settings,
     /// the wire and a 1 MiB load's fixed steps; one JSON object per line (GPU machine).
@@ -236,7 +255,24 @@ fn main() -> Result<()> {
             target,
             count,
         }) => return ipc::child(role, &target, count),
-        Some(Internal::Rank { path, reps }) => return multi::rank_child(&path, reps),
+        Some(Internal::Ranks {
+            path,
+            world,
+            reps,
+            ipc_handles,
+        }) => {
+            let exe = std::env::current_exe()?;
+            let (sharded, replicated) = multi::ranks(&exe, &path, world, reps, !ipc_handles)?;
+            let json = serde_json::json!({"world": world, "shared_staging": !ipc_handles,
+                "sharded_seconds": sharded, "replicated_seconds": replicated});
+            println!("{json}");
+            return Ok(());
+        }
+        Some(Internal::Rank {
+            path,
+            reps,
+            ipc_handles,
+        }) => return multi::rank_child(&path, reps, !ipc_handles),
         Some(Internal::FramesProducer {
             ring,
             fps,

@@ -192,7 +192,7 @@ pub fn measure(
 
     progress("table 11: one process per GPU (RankLoader), sharded and replicated");
     let (ranks_sharded_gbps, ranks_replicated_seconds, ranks_error) =
-        match ranks(exe, &file, count, reps) {
+        match ranks(exe, &file, count, reps, true) {
             Ok((s, r)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
             Err(e) => (None, None, Some(format!("{e:#}"))),
         };
@@ -249,8 +249,15 @@ pub fn measure(
 }
 
 /// `count` rank processes (this program's `rank` command) over `file`: per repetition, the
-/// slowest rank's seconds of a sharded and of a replicated load.
-fn ranks(exe: &Path, file: &Path, count: usize, reps: usize) -> Result<(Samples, Samples)> {
+/// slowest rank's seconds of a sharded and of a replicated load (through shared staging if
+/// `shared_staging`, else CUDA IPC handles).
+pub fn ranks(
+    exe: &Path,
+    file: &Path,
+    count: usize,
+    reps: usize,
+    shared_staging: bool,
+) -> Result<(Samples, Samples)> {
     let job = format!("bench-{}", std::process::id());
     let children = (0..count)
         .map(|r| {
@@ -258,6 +265,7 @@ fn ranks(exe: &Path, file: &Path, count: usize, reps: usize) -> Result<(Samples,
                 .args(["rank", "--path"])
                 .arg(file)
                 .args(["--reps", &reps.to_string()])
+                .args((!shared_staging).then_some("--ipc-handles"))
                 .env("LOCAL_RANK", r.to_string())
                 .env("LOCAL_WORLD_SIZE", count.to_string())
                 .env("GPUFEED_JOB", &job)
@@ -289,10 +297,11 @@ fn ranks(exe: &Path, file: &Path, count: usize, reps: usize) -> Result<(Samples,
     Ok((slowest("sharded"), slowest("replicated")))
 }
 
-/// One rank: `RankLoader::from_env`, then a warm-up and `reps` sharded and replicated loads of
-/// `path`; prints their seconds as JSON.
-pub fn rank_child(path: &Path, reps: usize) -> Result<()> {
-    let rank = gpufeed::multi::RankLoader::from_env()?;
+/// One rank: `RankLoader::from_env` (replicated loads through shared staging slots if
+/// `shared_staging`, else CUDA IPC handles), then a warm-up and `reps` sharded and replicated loads of `path`; prints
+/// their seconds as JSON.
+pub fn rank_child(path: &Path, reps: usize, shared_staging: bool) -> Result<()> {
+    let rank = gpufeed::multi::RankLoader::from_env()?.with_shared_staging(shared_staging);
     let plan = ShardPlan::split_bytes(&[path], rank.world())?;
     // All sharded loads, then all replicated ones: as in the rows of one process above, a
     // kind of load never follows the other's (large) frees. Every load starts after a barrier,
@@ -322,7 +331,7 @@ pub fn rank_child(path: &Path, reps: usize) -> Result<()> {
     println!(
         "{}",
         serde_json::json!({"sharded": sharded, "replicated": replicated,
-            "replicated_parts": parts})
+            "replicated_parts": parts, "shared_staging": rank.shares_staging()})
     );
     Ok(())
 }

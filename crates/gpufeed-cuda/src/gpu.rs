@@ -205,21 +205,27 @@ impl Gpu {
             // SAFETY: an empty allocation has nothing to read.
             return unsafe { self.alloc(0) };
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        // cudarc's upgrade_device_ptr creates two events and unwraps their creation: create one
-        // here first, so that a context unable to make events is an error, not a panic.
-        drop(
-            self.ctx
-                .new_event(None)
-                .map_err(|e| Error::cuda("cuEventCreate", e))?,
-        );
+        self.check_events()?;
         // SAFETY: a plain allocation; the caller's obligation covers its contents.
         let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
         // SAFETY: `ptr` is a live allocation of `len` bytes of this context, owned from here on
         // by the slice, whose drop frees it (stream-ordered, after its recorded uses).
         Ok(unsafe { self.default_stream().upgrade_device_ptr::<u8>(ptr, len) })
+    }
+
+    /// Binds the context to this thread and makes an event: cudarc's `upgrade_device_ptr`
+    /// creates two events and unwraps their creation, so a context unable to make events must
+    /// be found first (an error, not a panic).
+    pub(crate) fn check_events(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        drop(
+            self.ctx
+                .new_event(None)
+                .map_err(|e| Error::cuda("cuEventCreate", e))?,
+        );
+        Ok(())
     }
 
     /// New device memory of `len` bytes from `from`, filled by `fill` before it is returned:

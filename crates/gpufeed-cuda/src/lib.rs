@@ -33,7 +33,8 @@
 //!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
 //!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a
 //!   replicated buffer sent to the other GPUs over their peer links while it is filled, in this
-//!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]), in other processes.
+//!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]; a pool other processes map,
+//!   [`SharedPool`] and [`ImportedPool`]), in other processes.
 //! - [`kernels::PlanarKernel`]: RGB8 -> planar `f32` on the GPU (the frame pipeline's
 //!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
@@ -71,7 +72,9 @@ pub use error::{CUresult, Error, Result};
 pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
-pub use peer::{IpcHandle, IpcMemory, PeerFanout, PeerLink, split_mut};
+pub use peer::{
+    ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerLink, SharedPointer, SharedPool, split_mut,
+};
 pub use transfer::{
     DIRECT_CHUNK_BYTES, FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig,
     TransferScheduler, TransferStats,

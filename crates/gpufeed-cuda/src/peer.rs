@@ -2,6 +2,9 @@
 //! enabled between two contexts, and a device buffer cut into disjoint parts that different
 //! threads (or GPUs' copies) fill at once.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
 use cudarc::driver::{CudaSlice, CudaViewMut, DeviceSlice, sys};
 
 use crate::error::{Error, Result, driver};
@@ -390,13 +393,16 @@ impl IpcHandle {
 }
 
 /// Another process's device memory opened in this process (`cuIpcOpenMemHandle`, peer access
-/// enabled lazily), closed when dropped. The other process must keep the memory allocated
+/// enabled lazily; or imported from a [`SharedPool`] of it, [`IpcMemory::import`]), closed
+/// when dropped. The other process must keep the memory allocated
 /// until this process has closed it and every copy into it has completed.
 #[derive(Debug)]
 pub struct IpcMemory {
     gpu: Gpu,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// The pool it was imported from ([`IpcMemory::import`]); `None`: opened from a handle.
+    pool: Option<Arc<ImportedPool>>,
 }
 
 impl IpcMemory {
@@ -416,12 +422,75 @@ impl IpcMemory {
             gpu: gpu.clone(),
             ptr,
             len,
+            pool: None,
+        })
+    }
+
+    /// Maps allocation `shared` (of `len` bytes, as its owner says) of another process's
+    /// [`SharedPool`], imported here as `pool` (`cuMemPoolImportPointer`); unmapped
+    /// (`cuMemFree`) when dropped.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: data of another pool, or of memory already freed.
+    pub fn import(pool: &Arc<ImportedPool>, shared: SharedPointer, len: usize) -> Result<Self> {
+        pool.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the pool was imported in this process and lives (held below); the driver
+        // checks the export data.
+        let ptr = unsafe { raw::mem_pool_import_pointer(pool.pool.0, shared.0) }?;
+        Ok(IpcMemory {
+            gpu: pool.gpu.clone(),
+            ptr,
+            len,
+            pool: Some(Arc::clone(pool)),
         })
     }
 
     /// Its length, as its owner said.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Enqueues a copy of `dst.len()` bytes from `offset` of this memory into `dst` on `stream`
+    /// (a stream of `dst`'s GPU, which must be the GPU this memory was opened for), over the
+    /// peer link between the GPUs. The caller orders the copy after the other process's
+    /// writes of those bytes and waits for it before the other process writes them again.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] for a range past the end; [`Error::Cuda`].
+    pub fn copy_into(
+        &self,
+        offset: usize,
+        dst: &mut CudaViewMut<'_, u8>,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<()> {
+        use cudarc::driver::DevicePtrMut;
+        let len = dst.len();
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::OutOfBounds {
+                len: len as u64,
+                offset: offset as u64,
+                capacity: self.len as u64,
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // A raw pointer: the guard would record the copy in the buffer's shared events.
+        let dst_stream = std::sync::Arc::clone(dst.stream());
+        let (to, guard) = dst.device_ptr_mut(&dst_stream);
+        std::mem::forget(guard);
+        // SAFETY: the source range lies inside this mapping (checked above), which lives while
+        // `self` does; the destination is the caller's view, borrowed mutably for the call; the
+        // caller orders the copy against the other process's writes and waits for it before
+        // either side is reused.
+        unsafe { raw::memcpy_dtod_async(to, self.ptr + offset as u64, len, stream.cu_stream()) }
     }
 
     /// Whether it is empty.
@@ -433,10 +502,242 @@ impl IpcMemory {
 impl Drop for IpcMemory {
     fn drop(&mut self) {
         if self.gpu.context().bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed once.
-            if let Err(e) = unsafe { raw::ipc_close_mem_handle(self.ptr) } {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle or cuMemPoolImportPointer in this
+            // context (as `pool` says) and is closed once; the copies into it have completed
+            // (a fanout borrowing it waits for them when it ends).
+            let closed = unsafe {
+                match self.pool {
+                    None => raw::ipc_close_mem_handle(self.ptr),
+                    Some(_) => raw::mem_free(self.ptr),
+                }
+            };
+            if let Err(e) = closed {
                 tracing::warn!("closing another process's GPU memory failed: {e}");
             }
+        }
+    }
+}
+
+/// A memory pool handle of the driver's (a pointer), used from any thread.
+#[derive(Debug)]
+struct PoolHandle(sys::CUmemoryPool);
+
+// SAFETY: a CUmemoryPool is a handle the driver accepts from any thread.
+unsafe impl Send for PoolHandle {}
+// SAFETY: as above; every call through it is a driver call, which the driver serializes.
+unsafe impl Sync for PoolHandle {}
+
+/// Device memory that other processes can map: a memory pool of one GPU made shareable
+/// (`cuMemPoolCreate` with POSIX file descriptor handles). Another process imports the pool
+/// once ([`SharedPool::export`], passed as a file descriptor; [`ImportedPool::import`]) and
+/// then each allocation by 64 bytes of data ([`SharedPool::share`], [`IpcMemory::import`]).
+/// Memory freed (its buffer dropped) goes back to the pool and is reused by the next
+/// allocation; the pool keeps it from the device until it is dropped (`cuMemPoolTrimTo` gave
+/// nothing back on the H200 machine, GPU run 88), so that loads repeated into it do not pay
+/// for new device memory (`cuMemAlloc`, which CUDA IPC
+/// handles need, costs a 16 GiB load 20% on the H200 machine: docs/benchmarks.md, run 54).
+///
+/// # Example
+/// ```no_run
+/// use gpufeed_cuda::{Gpu, HostSource, SharedPool, TransferConfig, TransferScheduler};
+/// let gpu = Gpu::open(0)?;
+/// let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+/// let pool = SharedPool::new(&gpu)?;
+/// let data = vec![7u8; 1 << 20];
+/// let (buf, _) = pool.alloc_filled(data.len(), |dst| {
+///     sched.upload(HostSource::Pageable(&data), dst, 0)
+/// })?;
+/// let fd = pool.export()?; // pass it once (gpufeed_ipc::Rendezvous::share_fd)
+/// let data = pool.share(&buf)?; // pass these 64 bytes per allocation
+/// # let _ = (fd, data);
+/// # Ok::<(), gpufeed_cuda::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct SharedPool {
+    gpu: Gpu,
+    pool: PoolHandle,
+}
+
+/// The 64 bytes another process maps one allocation of a [`SharedPool`] with
+/// (`cuMemPoolExportPointer`; [`IpcMemory::import`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedPointer(pub [u8; 64]);
+
+impl SharedPool {
+    /// A shareable pool of `gpu`'s memory.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] with `CUDA_ERROR_NOT_SUPPORTED` where the driver or device cannot share
+    /// pools through file descriptors (no stream-ordered allocator, or another handle type
+    /// only); other driver errors.
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        use cudarc::driver::{DriverError, result};
+        driver()?;
+        let ctx = gpu.context();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let unsupported =
+            |op| Error::cuda(op, DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED));
+        if !ctx.has_async_alloc() {
+            return Err(unsupported("cuMemAllocFromPoolAsync"));
+        }
+        // SAFETY: the device came from the driver; the call reads one attribute.
+        let types = unsafe {
+            result::device::get_attribute(
+                ctx.cu_device(),
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES,
+            )
+        }
+        .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))?;
+        let fd_type =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0 as i32;
+        if types & fd_type == 0 {
+            return Err(unsupported("cuMemPoolCreate with file descriptor handles"));
+        }
+        // SAFETY: the device came from the driver.
+        let pool = unsafe { raw::mem_pool_create_shareable(ctx.cu_device()) }?;
+        Ok(SharedPool {
+            gpu: gpu.clone(),
+            pool: PoolHandle(pool),
+        })
+    }
+
+    /// Its GPU.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// A new file descriptor of the pool, for another process to import
+    /// ([`ImportedPool::import`]); pass it over a Unix socket.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn export(&self) -> Result<OwnedFd> {
+        // SAFETY: the pool lives and was made with file descriptor handles.
+        unsafe { raw::mem_pool_export_fd(self.pool.0) }
+    }
+
+    /// New memory of `len` bytes from the pool, filled by `fill` before it is returned, as
+    /// [`Gpu::alloc_filled`] does. The allocation has completed when `fill` starts, so other
+    /// processes may map it ([`SharedPool::share`]) at once. Dropping the buffer gives the
+    /// memory back to the pool (stream-ordered, on the GPU's default stream).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (out of memory); `fill`'s.
+    pub fn alloc_filled<T, E: From<Error>>(
+        &self,
+        len: usize,
+        fill: impl FnOnce(&mut CudaSlice<u8>) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(CudaSlice<u8>, T), E> {
+        let mut dst = self.alloc(len)?;
+        let filled = fill(&mut dst)?;
+        Ok((dst, filled))
+    }
+
+    /// `len` zeroed bytes of the pool (for memory the caller and other processes fill in turn:
+    /// a staging area). The zeroing has completed when this returns.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (out of memory).
+    pub fn alloc_zeroed(&self, len: usize) -> Result<CudaSlice<u8>> {
+        let stream = self.gpu.default_stream();
+        self.alloc_filled(len, |dst| {
+            stream
+                .memset_zeros(dst)
+                .and_then(|()| stream.synchronize())
+                .map_err(|e| Error::cuda("cuMemsetD8", e))
+        })
+        .map(|(buf, ())| buf)
+    }
+
+    /// `len` bytes of the pool, not initialised; only [`SharedPool::alloc_filled`] hands them
+    /// out (written before anything reads them).
+    fn alloc(&self, len: usize) -> Result<CudaSlice<u8>> {
+        let stream = self.gpu.default_stream();
+        if len == 0 {
+            return stream
+                .null::<u8>()
+                .map_err(|e| Error::cuda("cuMemAlloc", e));
+        }
+        self.gpu.check_events()?;
+        // SAFETY: the pool is of this context's device (bound by `check_events`); the memory
+        // is not read before `fill` has written it.
+        let ptr = unsafe { raw::mem_alloc_from_pool(len, self.pool.0, stream.cu_stream()) }?;
+        // SAFETY: a live allocation of `len` bytes of this context, owned from here on by the
+        // slice, whose drop frees it on `stream` (back into the pool).
+        let slice = unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) };
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        Ok(slice)
+    }
+
+    /// The data another process maps `buf` with ([`IpcMemory::import`]), `buf` being memory
+    /// of this pool ([`SharedPool::alloc_filled`]). The other process must unmap it (drop its
+    /// [`IpcMemory`]) before `buf` is dropped here.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: memory of another pool.
+    pub fn share(&self, buf: &CudaSlice<u8>) -> Result<SharedPointer> {
+        use cudarc::driver::DevicePtr;
+        let (ptr, guard) = buf.device_ptr(buf.stream());
+        std::mem::forget(guard);
+        // SAFETY: `ptr` starts a live allocation; the driver refuses memory of other pools.
+        unsafe { raw::mem_pool_export_pointer(ptr) }.map(SharedPointer)
+    }
+}
+
+impl Drop for SharedPool {
+    fn drop(&mut self) {
+        // Memory still allocated from it stays valid; the driver releases the pool after it.
+        // SAFETY: the pool lives and is destroyed once.
+        if let Err(e) = unsafe { raw::mem_pool_destroy(self.pool.0) } {
+            tracing::warn!("destroying a shared memory pool failed: {e}");
+        }
+    }
+}
+
+/// Another process's [`SharedPool`], imported into this one for GPU `gpu` (which may be the
+/// pool's GPU or a peer of it: access is granted on import). Its allocations are mapped with
+/// [`IpcMemory::import`].
+#[derive(Debug)]
+pub struct ImportedPool {
+    gpu: Gpu,
+    pool: PoolHandle,
+}
+
+impl ImportedPool {
+    /// Imports the pool exported as `fd` ([`SharedPool::export`]; the descriptor stays the
+    /// caller's) for `gpu`'s use.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: not a pool's descriptor, or a pool `gpu` cannot reach.
+    pub fn import(gpu: &Gpu, fd: BorrowedFd<'_>) -> Result<Self> {
+        driver()?;
+        let ctx = gpu.context();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: a context is current; the driver checks the descriptor.
+        let pool = PoolHandle(unsafe { raw::mem_pool_import_fd(fd) }?);
+        // SAFETY: the pool was just imported; the device came from the driver.
+        unsafe {
+            if !raw::mem_pool_can_write(pool.0, ctx.cu_device())? {
+                raw::mem_pool_set_access(pool.0, ctx.cu_device())?;
+            }
+        }
+        Ok(ImportedPool {
+            gpu: gpu.clone(),
+            pool,
+        })
+    }
+}
+
+impl Drop for ImportedPool {
+    fn drop(&mut self) {
+        // SAFETY: the pool was imported here and is released once; its mappings hold an `Arc`
+        // of it, so none is left.
+        if let Err(e) = unsafe { raw::mem_pool_destroy(self.pool.0) } {
+            tracing::warn!("releasing an imported memory pool failed: {e}");
         }
     }
 }

@@ -192,15 +192,211 @@ pub(crate) unsafe fn mem_pool_grant_access(
     unsafe { sys::cuDeviceGetMemPool(&mut pool, owner) }
         .result()
         .map_err(|e| Error::cuda("cuDeviceGetMemPool", e))?;
+    // SAFETY: `pool` came from the driver; `accessor` from the caller.
+    unsafe { mem_pool_set_access(pool, accessor) }
+}
+
+fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device,
+    }
+}
+
+/// `cuMemPoolSetAccess`: device `accessor` may read and write `pool`'s memory.
+///
+/// # Safety
+/// `pool` is a live pool (made or imported here); `accessor` came from `cuDeviceGet`.
+pub(crate) unsafe fn mem_pool_set_access(
+    pool: sys::CUmemoryPool,
+    accessor: sys::CUdevice,
+) -> Result<()> {
     let desc = sys::CUmemAccessDesc {
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: accessor,
-        },
+        location: device_location(accessor),
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
-    // SAFETY: `pool` came from the driver; one descriptor is passed.
+    // SAFETY: the caller's promise; one descriptor is passed.
     unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }
         .result()
         .map_err(|e| Error::cuda("cuMemPoolSetAccess", e))
+}
+
+/// `cuMemPoolGetAccess`: whether device `accessor` may already read and write `pool`'s memory.
+///
+/// # Safety
+/// As [`mem_pool_set_access`].
+pub(crate) unsafe fn mem_pool_can_write(
+    pool: sys::CUmemoryPool,
+    accessor: sys::CUdevice,
+) -> Result<bool> {
+    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    let mut location = device_location(accessor);
+    // SAFETY: the caller's promise; the call writes one flag.
+    unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut location) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemPoolGetAccess", e))?;
+    Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+}
+
+/// `cuMemPoolCreate`: a pool of device `device`'s memory that other processes can import
+/// (POSIX file descriptor handles), keeping freed memory however much it holds (release
+/// threshold unlimited).
+///
+/// # Safety
+/// `device` came from `cuDeviceGet`.
+pub(crate) unsafe fn mem_pool_create_shareable(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    // SAFETY: a plain C struct of integers and a null pointer: all zero is its "unset" value.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    props.location = device_location(device);
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the properties are filled above; the call writes one handle.
+    unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemPoolCreate", e))?;
+    // SAFETY: `pool` was just made.
+    if let Err(e) = unsafe { mem_pool_set_release_threshold(pool, u64::MAX) } {
+        // SAFETY: the pool was made above and holds nothing.
+        let _ = unsafe { mem_pool_destroy(pool) };
+        return Err(e);
+    }
+    Ok(pool)
+}
+
+/// `cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)`: how much freed memory `pool` keeps
+/// from the device at synchronizations.
+///
+/// # Safety
+/// `pool` is a live pool.
+pub(crate) unsafe fn mem_pool_set_release_threshold(
+    pool: sys::CUmemoryPool,
+    mut bytes: u64,
+) -> Result<()> {
+    // SAFETY: the caller's promise; the attribute takes a u64.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut bytes).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| Error::cuda("cuMemPoolSetAttribute", e))
+}
+
+/// `cuMemPoolDestroy` (memory still allocated from it is released once freed).
+///
+/// # Safety
+/// `pool` is a live pool, destroyed once.
+pub(crate) unsafe fn mem_pool_destroy(pool: sys::CUmemoryPool) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuMemPoolDestroy(pool) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemPoolDestroy", e))
+}
+
+/// `cuMemPoolExportToShareableHandle`: a new file descriptor for `pool`.
+///
+/// # Safety
+/// `pool` is a live pool made with POSIX file descriptor handles.
+pub(crate) unsafe fn mem_pool_export_fd(pool: sys::CUmemoryPool) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: the caller's promise; for this handle type the call writes one int.
+    unsafe {
+        sys::cuMemPoolExportToShareableHandle(
+            (&raw mut fd).cast(),
+            pool,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    }
+    .result()
+    .map_err(|e| Error::cuda("cuMemPoolExportToShareableHandle", e))?;
+    // SAFETY: the driver made a new descriptor, now owned here alone.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// `cuMemPoolImportFromShareableHandle` of a pool exported as `fd` (which stays the caller's).
+///
+/// # Safety
+/// A context is current on this thread.
+pub(crate) unsafe fn mem_pool_import_fd(
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Result<sys::CUmemoryPool> {
+    use std::os::fd::AsRawFd;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: for POSIX file descriptors the handle is the descriptor's value; the driver
+    // checks it and writes one handle.
+    unsafe {
+        sys::cuMemPoolImportFromShareableHandle(
+            &mut pool,
+            fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    }
+    .result()
+    .map_err(|e| Error::cuda("cuMemPoolImportFromShareableHandle", e))?;
+    Ok(pool)
+}
+
+/// `cuMemAllocFromPoolAsync`: `len` bytes from `pool`, ordered on `stream`.
+///
+/// # Safety
+/// `pool` is a live pool of the current context's device and `stream` a stream of it; nothing
+/// reads the memory before the allocation has completed on `stream` and it has been written.
+pub(crate) unsafe fn mem_alloc_from_pool(
+    len: usize,
+    pool: sys::CUmemoryPool,
+    stream: sys::CUstream,
+) -> Result<sys::CUdeviceptr> {
+    let mut ptr = 0;
+    // SAFETY: the caller's promise; the call writes one pointer.
+    unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, len, pool, stream) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemAllocFromPoolAsync", e))?;
+    Ok(ptr)
+}
+
+/// `cuMemPoolExportPointer`: the 64 bytes another process imports `ptr` with.
+///
+/// # Safety
+/// `ptr` is the start of a live allocation from a shareable pool.
+pub(crate) unsafe fn mem_pool_export_pointer(ptr: sys::CUdeviceptr) -> Result<[u8; 64]> {
+    let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    // SAFETY: the caller's promise; the call writes the 64 bytes.
+    unsafe { sys::cuMemPoolExportPointer(&mut data, ptr) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemPoolExportPointer", e))?;
+    Ok(data.reserved)
+}
+
+/// `cuMemPoolImportPointer`: another process's allocation of the imported `pool`, mapped here.
+///
+/// # Safety
+/// `pool` came from [`mem_pool_import_fd`]; a context is current on this thread.
+pub(crate) unsafe fn mem_pool_import_pointer(
+    pool: sys::CUmemoryPool,
+    data: [u8; 64],
+) -> Result<sys::CUdeviceptr> {
+    let mut data = sys::CUmemPoolPtrExportData { reserved: data };
+    let mut ptr = 0;
+    // SAFETY: the caller's promise; the driver checks the data and writes one pointer.
+    unsafe { sys::cuMemPoolImportPointer(&mut ptr, pool, &mut data) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemPoolImportPointer", e))?;
+    Ok(ptr)
+}
+
+/// `cuMemFree` (synchronous).
+///
+/// # Safety
+/// `ptr` is a live allocation or import of the current context, freed once, after every use.
+pub(crate) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: the caller's promise above.
+    unsafe { sys::cuMemFree_v2(ptr) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemFree", e))
 }

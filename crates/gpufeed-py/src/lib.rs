@@ -922,9 +922,9 @@ fn rank_loader(py: Python<'_>) -> PyResult<Arc<gpufeed::multi::RankLoader>> {
     Ok(made)
 }
 
-/// All of `path` on this rank's GPU, each rank of the job reading its share and writing it
-/// into the others' copies (CUDA IPC): `(array, rank, world)`. Collective: every rank calls it
-/// with the same file.
+/// All of `path` on this rank's GPU, each rank of the job reading its share, which the other
+/// ranks copy out of staging slots they all map (CUDA IPC): `(array, rank, world)`.
+/// Collective: every rank calls it with the same file.
 #[pyfunction]
 fn load_replicated_rank(py: Python<'_>, path: PathBuf) -> PyResult<(Array, usize, usize)> {
     let rank = rank_loader(py)?;

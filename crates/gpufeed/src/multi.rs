@@ -595,12 +595,21 @@ impl MultiLoader {
     }
 }
 
+/// The most bytes of one staging slot of [`RankLoader`]'s replicated loads (4 GiB): on the H200
+/// machine's driver a process that maps (`cuMemPoolImportPointer`) another process's pool
+/// allocation of more than 4 GiB dies of a segmentation fault inside the driver (GPU runs
+/// 87-88: 6, 8 and 16 GiB; 4 GiB and less map and copy byte-exact), which no error check can
+/// catch; so the ranks never map each other's copies, only slots of at most this size.
+pub const SHARED_SLOT_MAX_BYTES: u64 = 4 << 30;
+
 /// One process per GPU, as `torchrun` starts them: this process's rank of the job's ranks on
 /// this machine, its GPU's [`Loader`], and a [`gpufeed_ipc::Rendezvous`] with the other ranks
 /// (shared memory; no PyTorch or NCCL needed). Sharded and tensor-parallel loads check that
 /// every rank was given the same plan and load this rank's part; a replicated load has each
 /// rank read 1/N of the file and write it into every other rank's copy through CUDA IPC, over
-/// NVLink where there is one. A rank that dies, leaves after an error, or never arrives makes
+/// NVLink where there is one: each round is read into a staging slot of a memory pool that the
+/// other ranks mapped once, and every rank copies it from there into its own copy
+/// ([`RankLoader::with_shared_staging`]). A rank that dies, leaves after an error, or never arrives makes
 /// the others fail with an error naming it (within the rendezvous's lease or join timeout).
 ///
 /// Every rank must make the same calls in the same order (they are collective). After an
@@ -620,6 +629,10 @@ pub struct RankLoader {
     loader: Loader,
     rdv: gpufeed_ipc::Rendezvous,
     round_bytes: u64,
+    /// Whether replicated loads go through staging slots the ranks share.
+    shared_staging: bool,
+    /// The staging slots, made by the first replicated load of several ranks.
+    pools: parking_lot::Mutex<Staging>,
     /// Where the current collective call's time went (reset by each).
     timings: parking_lot::Mutex<Timings>,
 }
@@ -631,6 +644,33 @@ struct Timings {
     alloc: f64,
     peer_open: f64,
     peer_close: f64,
+}
+
+/// Replicated loads' staging between the ranks.
+#[derive(Debug)]
+enum Staging {
+    /// No replicated load of several ranks yet.
+    NotYet,
+    /// Some rank cannot share a memory pool: copies through CUDA IPC handles.
+    Unshared,
+    /// Every rank shares one.
+    Shared(Box<RankPools>),
+}
+
+/// Staging when every rank shares a memory pool: this rank's pool and two slots in it that
+/// each round is read into in turn, and every other rank's pool and slots mapped here (made
+/// once; the slots again when a load needs larger ones). Fields drop in order: the mappings
+/// go before this rank's own slots.
+#[derive(Debug)]
+struct RankPools {
+    /// The other ranks' two slots, in rank order; `None` in this rank's place.
+    peer_slots: Vec<Option<[gpufeed_cuda::IpcMemory; 2]>>,
+    /// This rank's two slots (`slot_bytes` each; none before the first load).
+    slots: Vec<DeviceBuffer>,
+    slot_bytes: usize,
+    /// The other ranks' pools, imported here; `None` in this rank's place.
+    peer_pools: Vec<Option<std::sync::Arc<gpufeed_cuda::ImportedPool>>>,
+    own: gpufeed_cuda::SharedPool,
 }
 
 impl std::fmt::Debug for RankLoader {
@@ -657,13 +697,16 @@ pub struct RankReport {
     /// Seconds this rank waited for the others at the rendezvous (agreeing on the plan,
     /// passing handles, and for replicated loads the final outcome: the slowest rank's part).
     pub exchange_seconds: f64,
-    /// Replicated loads: seconds getting this rank's device memory (`cuMemAlloc`, which CUDA
-    /// IPC needs); 0 otherwise.
+    /// Replicated loads: seconds getting this rank's device memory (from the GPU's
+    /// stream-ordered pool; or `cuMemAlloc`, which CUDA IPC handles need:
+    /// [`RankLoader::with_shared_staging`]); 0 otherwise.
     pub alloc_seconds: f64,
-    /// Replicated loads: seconds opening the other ranks' copies (`cuIpcOpenMemHandle`, on a
-    /// thread of its own while this rank reads its first round); 0 otherwise.
+    /// Replicated loads through CUDA IPC handles: seconds opening the other ranks' copies
+    /// (`cuIpcOpenMemHandle`, on a thread of its own while this rank reads its first round); 0
+    /// otherwise (shared staging maps the other ranks' slots once).
     pub peer_open_seconds: f64,
-    /// Replicated loads: seconds closing them again (`cuIpcCloseMemHandle`); 0 otherwise.
+    /// Replicated loads through CUDA IPC handles: seconds closing them again
+    /// (`cuIpcCloseMemHandle`); 0 otherwise.
     pub peer_close_seconds: f64,
     /// This rank's load reports.
     pub loads: Vec<LoadReport>,
@@ -699,14 +742,19 @@ impl RankLoader {
             loader,
             rdv,
             round_bytes: ROUND_BYTES,
+            shared_staging: true,
+            pools: parking_lot::Mutex::new(Staging::NotYet),
             timings: parking_lot::Mutex::new(Timings::default()),
         })
     }
 
-    /// [`RankLoader::join`] from the variables `torchrun` sets: `LOCAL_RANK` (also the GPU's
-    /// ordinal) of `LOCAL_WORLD_SIZE`, the job named by `GPUFEED_JOB`, else
-    /// `TORCHELASTIC_RUN_ID`, else `MASTER_ADDR` and `MASTER_PORT`; options
-    /// [`LoadOptions::for_gpus`]`(LOCAL_WORLD_SIZE)`.
+    /// [`RankLoader::join`] from the variables `torchrun` sets: `LOCAL_RANK` of
+    /// `LOCAL_WORLD_SIZE`, the job named by `GPUFEED_JOB`, else `TORCHELASTIC_RUN_ID`, else
+    /// `MASTER_ADDR` and `MASTER_PORT`; options [`LoadOptions::for_gpus`]`(LOCAL_WORLD_SIZE)`.
+    /// The GPU is `LOCAL_RANK` of the GPUs this process sees, modulo their number (as
+    /// `torch.cuda.set_device(local_rank % torch.cuda.device_count())`): a launcher that gives
+    /// each rank one GPU through `CUDA_VISIBLE_DEVICES` makes it GPU 0 of each, and more ranks
+    /// than GPUs share them.
     ///
     /// # Errors
     /// [`Error::InvalidSetting`] naming a missing or malformed variable; [`RankLoader::join`]'s.
@@ -743,11 +791,16 @@ impl RankLoader {
                 }
             })
             .collect();
+        // Without a driver, `join` names the problem when it opens the GPU.
+        let ordinal = match Gpu::count() {
+            Ok(count) if count > 0 => rank % count,
+            _ => rank,
+        };
         Self::join(
             &job,
             rank,
             world,
-            rank,
+            ordinal,
             LoadOptions::for_gpus(world),
             gpufeed_ipc::RendezvousOptions::default(),
         )
@@ -777,6 +830,145 @@ impl RankLoader {
     pub fn with_round_bytes(mut self, bytes: u64) -> Self {
         self.round_bytes = bytes.max(1 << 20);
         self
+    }
+
+    /// Whether replicated loads go through staging slots in a memory pool that each rank keeps
+    /// and the other ranks map once (default `true`): each rank reads its share round by
+    /// round into its slots, and every rank copies each round from there (over NVLink where
+    /// there is one) into its own copy, which comes from the GPU's stream-ordered pool like
+    /// every other load's. Each rank keeps two slots of up to the round size (1 GiB by
+    /// default, [`RankLoader::with_round_bytes`]; at most [`SHARED_SLOT_MAX_BYTES`]) until the
+    /// loader is dropped. `false`, or where some rank's driver cannot share pools through
+    /// file descriptors: each copy is new `cuMemAlloc` memory (20% slower to fill on the H200
+    /// machine, GPU run 54) that the others open through CUDA IPC handles (`cuIpcOpenMemHandle`,
+    /// per load) and write into. Every rank must pass the same value.
+    pub fn with_shared_staging(mut self, shared: bool) -> Self {
+        self.shared_staging = shared;
+        self
+    }
+
+    /// Whether replicated loads go through staging slots the ranks share: known after the
+    /// first replicated load of several ranks (`None` before, and with shared staging off).
+    pub fn shares_staging(&self) -> Option<bool> {
+        match &*self.pools.lock() {
+            Staging::NotYet => None,
+            Staging::Unshared => Some(false),
+            Staging::Shared(_) => Some(true),
+        }
+    }
+
+    /// Makes the ranks' shared pools (collective: every rank's first replicated load of
+    /// several ranks). Every rank decides alike from what all of them report: `Unshared` when
+    /// some rank cannot make or import a shareable pool (said once, in its own output).
+    fn make_pools(&self) -> Result<Staging> {
+        use std::os::fd::AsFd;
+        let gpu = self.loader.gpu();
+        let own = gpufeed_cuda::SharedPool::new(gpu)
+            .inspect_err(|e| {
+                tracing::warn!(
+                    "replicated loads copy through CUDA IPC handles: no shareable memory pool ({e})"
+                )
+            })
+            .ok();
+        if !self.all_ranks(own.is_some())? {
+            return Ok(Staging::Unshared);
+        }
+        let Some(own) = own else {
+            return Ok(Staging::Unshared);
+        };
+        let theirs = self.rdv.share_fd(own.export()?.as_fd())?;
+        let imported: std::result::Result<Vec<_>, gpufeed_cuda::Error> = theirs
+            .iter()
+            .map(|fd| {
+                fd.as_ref()
+                    .map(|fd| {
+                        Gpu::keeping_current_context(|| {
+                            gpufeed_cuda::ImportedPool::import(gpu, fd.as_fd())
+                        })
+                        .map(std::sync::Arc::new)
+                    })
+                    .transpose()
+            })
+            .collect();
+        let imported = imported
+            .inspect_err(|e| {
+                tracing::warn!("replicated loads copy through CUDA IPC handles: another rank's pool could not be imported ({e})")
+            })
+            .ok();
+        if !self.all_ranks(imported.is_some())? {
+            return Ok(Staging::Unshared);
+        }
+        Ok(imported.map_or(Staging::Unshared, |peer_pools| {
+            Staging::Shared(Box::new(RankPools {
+                peer_slots: Vec::new(),
+                slots: Vec::new(),
+                slot_bytes: 0,
+                peer_pools,
+                own,
+            }))
+        }))
+    }
+
+    /// Makes every rank's slots at least `want` bytes (collective; every rank passes the same
+    /// `want`): the old ones unmapped everywhere and freed, new ones made, and the other
+    /// ranks' mapped.
+    fn grow_slots(&self, p: &mut RankPools, want: usize) -> Result<()> {
+        if p.slot_bytes >= want {
+            return Ok(());
+        }
+        p.peer_slots.clear();
+        // Every rank has unmapped the old slots before any frees its own.
+        self.rdv.barrier()?;
+        p.slots.clear();
+        p.slot_bytes = 0;
+        let made = (0..2)
+            .map(|_| p.own.alloc_zeroed(want))
+            .collect::<std::result::Result<Vec<_>, _>>();
+        let shared = made.as_ref().ok().and_then(|slots| {
+            let a = p.own.share(&slots[0]).ok()?;
+            let b = p.own.share(&slots[1]).ok()?;
+            Some([a.0, b.0].concat())
+        });
+        let all = self.exchange(shared.as_deref().unwrap_or_default())?;
+        if let Some(rank) = all.iter().position(|d| d.len() != 128) {
+            made?;
+            return Err(Error::RankFailed { rank });
+        }
+        p.slots = made?;
+        let mapped: Result<Vec<_>> = all
+            .iter()
+            .zip(&p.peer_pools)
+            .map(|(data, pool)| {
+                let Some(pool) = pool else {
+                    return Ok(None);
+                };
+                let map = |half: &[u8]| -> Result<gpufeed_cuda::IpcMemory> {
+                    let data: [u8; 64] = half.try_into().unwrap_or([0; 64]);
+                    Ok(Gpu::keeping_current_context(|| {
+                        gpufeed_cuda::IpcMemory::import(
+                            pool,
+                            gpufeed_cuda::SharedPointer(data),
+                            want,
+                        )
+                    })?)
+                };
+                Ok(Some([map(&data[..64])?, map(&data[64..])?]))
+            })
+            .collect();
+        let ok = mapped.is_ok();
+        let status = self.exchange(&[u8::from(ok)])?;
+        p.peer_slots = mapped?;
+        if let Some(rank) = status.iter().position(|s| s.first() != Some(&1)) {
+            return Err(Error::RankFailed { rank });
+        }
+        p.slot_bytes = want;
+        Ok(())
+    }
+
+    /// Whether every rank says `yes` (collective).
+    fn all_ranks(&self, yes: bool) -> Result<bool> {
+        let all = self.exchange(&[u8::from(yes)])?;
+        Ok(all.iter().all(|s| s.first() == Some(&1)))
     }
 
     /// Loads this rank's spans of `plan` (the same plan on every rank: checked) into one
@@ -819,8 +1011,10 @@ impl RankLoader {
     }
 
     /// Loads all of `path` onto every rank's GPU (the same file on every rank: checked): each
-    /// rank reads its 1/N share over its own PCIe link, in rounds, and writes each round into
-    /// every other rank's copy through CUDA IPC; it returns once every rank's copy is whole.
+    /// rank reads its 1/N share over its own PCIe link, in rounds, and every other rank copies
+    /// each round out of its staging slot (or, without shared staging, it writes each round
+    /// into every other rank's copy: [`RankLoader::with_shared_staging`]); it returns once
+    /// every rank's copy is whole.
     ///
     /// # Errors
     /// [`Error::RanksDisagree`]; [`Error::RankFailed`] naming a rank whose part failed;
@@ -839,12 +1033,45 @@ impl RankLoader {
             let (n, me) = (self.world(), self.rank());
             let shares = ShardPlan::split_len(len, n);
             let mine = shares[me].clone();
-            let gpu = self.loader.gpu().clone();
+            let gpu = self.loader.gpu();
+            let mut staging = self.pools.lock();
+            if self.shared_staging && n > 1 && len > 0 && matches!(*staging, Staging::NotYet) {
+                *staging = self.make_pools()?;
+            }
+            let shared = match &mut *staging {
+                Staging::Shared(p) if self.shared_staging && len > 0 => {
+                    // Slots of a round, whole MiB (so that loads a little larger than the last
+                    // do not make them again), at most the round size and the driver's limit.
+                    let largest = shares.iter().map(|s| s.end - s.start).max().unwrap_or(0);
+                    let want = largest
+                        .next_multiple_of(1 << 20)
+                        .min(self.round_bytes.min(SHARED_SLOT_MAX_BYTES));
+                    self.grow_slots(p, want as usize)?;
+                    Some(p)
+                }
+                _ => None,
+            };
+            // One rank alone loads like a plain load; several share staging slots, or else
+            // write into each other's copies, which CUDA IPC handles need from `cuMemAlloc`.
+            let alone = self.shared_staging && n == 1;
+            let alloc = match shared.is_some() || alone {
+                true => DeviceAlloc::Pool,
+                false => DeviceAlloc::Unpooled,
+            };
             let t = Instant::now();
-            let (buf, loads) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
+            let (buf, loads) = gpu.alloc_filled(len as usize, alloc, |dst| {
                 self.timings.lock().alloc = t.elapsed().as_secs_f64();
-                self.replicate_into(dst, path, &shares)
+                match shared {
+                    Some(p) => self.replicate_staged(dst, path, &shares, p),
+                    None if alone => {
+                        let whole = 0..len;
+                        let spans = std::slice::from_ref(&whole);
+                        Ok(vec![self.loader.load_spans_to(path, spans, dst)?])
+                    }
+                    None => self.replicate_into(dst, path, &shares),
+                }
             })?;
+            drop(staging);
             check_unchanged(path, &identity)?;
             let read = mine.end - mine.start;
             let report = self.report(started, read, len - read, loads);
@@ -852,7 +1079,100 @@ impl RankLoader {
         })
     }
 
-    /// The collective part of a replicated load into `dst` (this rank's copy).
+    /// The collective part of a replicated load through the ranks' staging slots, into `dst`
+    /// (this rank's copy). In lock step, round by round: each rank reads its round into slot
+    /// `i % 2` and copies it into place; all meet (saying whether their part went well, and
+    /// having finished their copies out of the other slot); each copies every other rank's
+    /// round out of that rank's slot while it reads its next round.
+    fn replicate_staged(
+        &self,
+        dst: &mut DeviceBuffer,
+        path: &Path,
+        shares: &[Range<u64>],
+        p: &mut RankPools,
+    ) -> Result<Vec<LoadReport>> {
+        let (n, me) = (self.world(), self.rank());
+        let round = p.slot_bytes as u64;
+        let rounds = shares
+            .iter()
+            .map(|s| (s.end - s.start).div_ceil(round))
+            .max()
+            .unwrap_or(0);
+        // The round `i` of `share`, if it has one.
+        let part = |share: &Range<u64>, i: u64| -> Option<Range<u64>> {
+            let start = share.start + i * round;
+            (start < share.end).then(|| start..share.end.min(start + round))
+        };
+        let cuda = |op| {
+            move |e: gpufeed_cuda::cudarc::driver::DriverError| {
+                Error::from(gpufeed_cuda::Error::Cuda { op, result: e.0 })
+            }
+        };
+        let ctx = self.loader.gpu().context();
+        // The copy's memory was allocated on its stream: the copies below, on streams of their
+        // own, come after.
+        dst.stream()
+            .synchronize()
+            .map_err(cuda("cuStreamSynchronize"))?;
+        let local = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let pulls = (0..n)
+            .map(|_| ctx.new_stream().map_err(cuda("cuStreamCreate")))
+            .collect::<Result<Vec<_>>>()?;
+        let all: Vec<_> = pulls.iter().chain(std::iter::once(&local)).collect();
+        let finish = || {
+            all.iter()
+                .try_for_each(|s| s.synchronize().map_err(cuda("cuStreamSynchronize")))
+        };
+        let mut loads = Vec::new();
+        let mut run = || -> Result<()> {
+            for i in 0..rounds {
+                let slot = (i % 2) as usize;
+                // This rank's round into its slot, and from there into place; then every copy
+                // out of the other slot (last round's) finished.
+                let mine = (|| -> Result<()> {
+                    if let Some(r) = part(&shares[me], i) {
+                        let len = (r.end - r.start) as usize;
+                        let mut view = p.slots[slot].slice_mut(..len);
+                        loads.push(self.loader.load_spans_to(
+                            path,
+                            std::slice::from_ref(&r),
+                            &mut view,
+                        )?);
+                        let mut into = dst.slice_mut(r.start as usize..r.end as usize);
+                        local
+                            .memcpy_dtod(&p.slots[slot].slice(..len), &mut into)
+                            .map_err(cuda("cuMemcpyDtoDAsync"))?;
+                    }
+                    finish()
+                })();
+                let status = self.exchange(&[u8::from(mine.is_ok())])?;
+                mine?;
+                if let Some(rank) = status.iter().position(|s| s.first() != Some(&1)) {
+                    return Err(Error::RankFailed { rank });
+                }
+                // Every rank's round `i` is in its slot: copy the others' here.
+                for (r, mapped) in p.peer_slots.iter().enumerate() {
+                    if let (Some(mapped), Some(range)) = (mapped, part(&shares[r], i)) {
+                        let mut into = dst.slice_mut(range.start as usize..range.end as usize);
+                        mapped[slot].copy_into(0, &mut into, &pulls[r])?;
+                    }
+                }
+            }
+            finish()
+        };
+        let outcome = run();
+        // Every rank's copies out of every other rank's slots have completed once all have
+        // said how their part went (each finished its copies first): the slots are free again.
+        let status = self.exchange(&[u8::from(outcome.is_ok())])?;
+        outcome?;
+        if let Some(rank) = status.iter().position(|s| s.first() != Some(&1)) {
+            return Err(Error::RankFailed { rank });
+        }
+        Ok(loads)
+    }
+
+    /// The collective part of a replicated load into `dst` (this rank's copy, `cuMemAlloc`
+    /// memory) through CUDA IPC handles: each rank writes its share into every other's copy.
     fn replicate_into(
         &self,
         dst: &mut DeviceBuffer,

@@ -324,6 +324,85 @@ fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
     assert_eq!(gpu.alloc_zeroed(4096).expect("alloc").len(), 4096);
 }
 
+/// A shareable pool (`SharedPool`, where one-process-per-GPU replicated loads stage their
+/// rounds) hands out memory filled byte for byte or zeroed, shares it only as its own, keeps
+/// what is dropped for the next allocation, and gives it back to the device when dropped.
+#[test]
+fn a_shared_pool_fills_shares_and_keeps_its_memory_until_dropped() {
+    use gpufeed_cuda::cudarc::driver::{DevicePtr, result};
+    use gpufeed_cuda::{Error, SharedPool};
+    let test = "a_shared_pool_fills_shares_and_keeps_its_memory_until_dropped";
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    let free = || {
+        gpu.default_stream().synchronize().expect("sync");
+        gpu.context().bind_to_thread().expect("bind");
+        result::mem_get_info().expect("mem info").0
+    };
+    let free_start = free();
+    let pool = SharedPool::new(&gpu).expect("a GPU machine's driver shares pools");
+    let fd = pool.export().expect("export");
+    assert!(
+        std::fs::File::from(fd).metadata().is_ok(),
+        "a live descriptor"
+    );
+    let sched = TransferScheduler::new(&gpu, config(2, 1 << 20)).expect("scheduler");
+    let data = random_bytes((3 << 30) + 4097, 43);
+    let address = |b: &gpufeed_cuda::cudarc::driver::CudaSlice<u8>| {
+        let (ptr, guard) = b.device_ptr(b.stream());
+        drop(guard);
+        ptr
+    };
+    let (buf, _) = pool
+        .alloc_filled(data.len(), |dst| {
+            sched.upload(HostSource::Pageable(&data), dst, 0)
+        })
+        .expect("filled");
+    let back = gpu.to_vec(&buf).expect("back");
+    assert_eq!(xxh3_64(&back), xxh3_64(&data));
+    drop(back);
+    let shared = pool.share(&buf).expect("share");
+    assert_ne!(shared.0, [0; 64]);
+    // SAFETY: never read.
+    let other = unsafe { gpu.alloc_unpooled(1 << 20) }.expect("alloc");
+    assert!(
+        matches!(pool.share(&other), Err(Error::Cuda { .. })),
+        "memory of another pool is refused"
+    );
+    drop(other);
+    let first = address(&buf);
+    drop(buf);
+    // A fill that fails frees its memory unread; the next allocation gets the same memory.
+    let failed: Result<_, Error> = pool.alloc_filled(data.len(), |_| {
+        Err::<(), _>(Error::OutOfBounds {
+            len: 1,
+            offset: 0,
+            capacity: 0,
+        })
+    });
+    assert!(failed.is_err());
+    let again = pool.alloc_zeroed(data.len()).expect("zeroed");
+    assert_eq!(address(&again), first, "dropped memory is kept and reused");
+    let back = gpu.to_vec(&again).expect("back");
+    assert!(back.iter().all(|&b| b == 0), "zeroed");
+    drop(back);
+    drop(again);
+    let free_kept = free();
+    drop(pool);
+    let free_dropped = free();
+    // The margins absorb the allocations of the tests running meanwhile.
+    assert!(
+        free_start.saturating_sub(free_kept) >= 2 << 30
+            && free_dropped.saturating_sub(free_kept) >= 2 << 30,
+        "3 GiB kept while the pool lives, given back when it goes: {free_start} at the start, \
+         {free_kept} kept, {free_dropped} after the drop"
+    );
+    gpu.context()
+        .check_err()
+        .expect("no error left on the context");
+}
+
 /// Small staged uploads are cut into pieces shared by the kept fill threads (the calling
 /// thread filling too): byte-exact at unaligned sizes and offsets, as many copies as
 /// `pieces_for` says, and a panicking source is an error after which the threads still

@@ -239,8 +239,9 @@ def load_sharded(paths: Sequence[Path], devices: Sequence[int] = (0, 1)):
 def load_replicated_rank(path: Path):
     """In a process ``torchrun`` started (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, and
     ``TORCHELASTIC_RUN_ID`` or ``GPUFEED_JOB``): all of ``path`` on this rank's GPU
-    (``cuda:LOCAL_RANK``), each rank reading its share and writing it into the others' copies.
-    Every rank of the machine must call it with the same file. Returns ``(tensor, rank,
+    (``cuda:LOCAL_RANK`` of the GPUs the process sees, modulo their number: with one GPU per
+    rank through ``CUDA_VISIBLE_DEVICES``, ``cuda:0``), each rank reading its share, which the
+    others copy out of staging slots they all map. Every rank of the machine must call it with the same file. Returns ``(tensor, rank,
     world)``; a rank that dies or fails is named in the others' ``GpufeedError``."""
     array, rank, world = _gpufeed.load_replicated_rank(path)
     return as_tensor(array), rank, world
@@ -287,7 +288,7 @@ def load_replicated_safetensors(path: Path,
 
 def load_tensor_parallel_rank(path: Path, split="rows"):
     """In a process ``torchrun`` started (see ``load_replicated_rank``): this rank's
-    tensor-parallel share of a safetensors checkpoint on ``cuda:LOCAL_RANK``, cut as
+    tensor-parallel share of a safetensors checkpoint on this rank's GPU (as there), cut as
     ``load_tensor_parallel`` cuts it for ``LOCAL_WORLD_SIZE`` devices. Returns ``(tensors,
     rank, world)``. Every rank of the machine must call it with the same checkpoint and split;
     a rank given another plan, or one that dies, is named in the others' ``GpufeedError``."""

@@ -463,17 +463,28 @@ fn rank_dispatcher() {
         println!("JOINED {} of {}", rank.rank(), rank.world());
         return;
     };
-    let rank = rank.with_round_bytes(4 << 20);
+    let staged = std::env::var("GPUFEED_IT_STAGING").as_deref() != Ok("0");
+    let rank = rank.with_round_bytes(4 << 20).with_shared_staging(staged);
     let (r, n) = (rank.rank(), rank.world());
     let gpu = rank.loader().gpu().clone();
     let data = std::fs::read(&file).expect("read");
+    assert_eq!(rank.shares_staging(), None);
     let (buf, report) = rank.load_replicated(&file).expect("replicated");
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
     assert_eq!(report.read_bytes + report.peer_bytes, data.len() as u64);
-    // The breakdown: memory was allocated; with another rank its copy was opened; no part
-    // is longer than the whole.
+    // A GPU machine's driver shares pools; a second load reuses the staging slots.
+    assert_eq!(rank.shares_staging(), staged.then_some(true));
+    drop(buf);
+    let (buf, report) = rank.load_replicated(&file).expect("replicated again");
+    assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
+    // The breakdown: memory was allocated; through IPC handles the other rank's copy was
+    // opened (staging maps the slots once); no part is longer than the whole.
     assert!(report.alloc_seconds > 0.0, "{report:?}");
-    assert_eq!(report.peer_open_seconds > 0.0, n > 1, "{report:?}");
+    assert_eq!(
+        report.peer_open_seconds > 0.0,
+        n > 1 && !staged,
+        "{report:?}"
+    );
     for part in [
         report.alloc_seconds,
         report.peer_open_seconds,
@@ -564,13 +575,11 @@ fn a_rank_loader_names_what_is_missing() {
 fn one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel() {
     let test = "one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel";
     let n = match Gpu::count() {
-        Ok(n) if n > 0 => n.min(4),
+        // One GPU: two ranks share it (`from_env` maps LOCAL_RANK modulo the GPUs).
+        Ok(n) if n > 0 => n.clamp(2, 4),
         Ok(_) => return gpufeed_testkit::skip_without_gpu(test, &"no CUDA device"),
         Err(e) => return gpufeed_testkit::skip_without_gpu(test, &e),
     };
-    if n == 1 {
-        eprintln!("{test}: one GPU: one rank (N=1); two ranks on the two-GPU machine");
-    }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let made = files(dir.path(), &[(21 << 20) + 7, (3 << 20) + 1], 51);
     let (ckpt, _) = checkpoint(
@@ -578,39 +587,41 @@ fn one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel() {
         &[(vec![513, 1030], Dtype::F16), (vec![77], Dtype::F32)],
         61,
     );
-    let job = format!("it-ranks-{}", std::process::id());
-    let children: Vec<_> = (0..n)
-        .map(|r| {
-            rank_child(&[
-                ("LOCAL_RANK", r.to_string()),
-                ("LOCAL_WORLD_SIZE", n.to_string()),
-                ("GPUFEED_JOB", job.clone()),
-                ("GPUFEED_IT_FILE", made[0].0.display().to_string()),
-                ("GPUFEED_IT_FILE2", made[1].0.display().to_string()),
-                ("GPUFEED_IT_CKPT", ckpt.display().to_string()),
-                ("GPUFEED_REQUIRE_GPU", "1".into()),
-            ])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn a rank")
-        })
-        .collect();
-    for (r, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().expect("wait");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(out.status.success(), "rank {r}:\n{text}");
-        for what in ["replicated", "sharded", "tensor-parallel"] {
-            assert!(
-                text.contains(&format!("VERIFIED {what}")),
-                "rank {r}: {what}\n{text}"
+    // Replicated loads through shared staging slots, then through CUDA IPC handles.
+    for staged in ["1", "0"] {
+        let job = format!("it-ranks-{}-{staged}", std::process::id());
+        let children: Vec<_> = (0..n)
+            .map(|r| {
+                rank_child(&[
+                    ("LOCAL_RANK", r.to_string()),
+                    ("LOCAL_WORLD_SIZE", n.to_string()),
+                    ("GPUFEED_JOB", job.clone()),
+                    ("GPUFEED_IT_STAGING", staged.into()),
+                    ("GPUFEED_IT_FILE", made[0].0.display().to_string()),
+                    ("GPUFEED_IT_FILE2", made[1].0.display().to_string()),
+                    ("GPUFEED_IT_CKPT", ckpt.display().to_string()),
+                    ("GPUFEED_REQUIRE_GPU", "1".into()),
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn a rank")
+            })
+            .collect();
+        for (r, c) in children.into_iter().enumerate() {
+            let out = c.wait_with_output().expect("wait");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
             );
-        }
-        if n > 1 {
+            assert!(out.status.success(), "rank {r}:\n{text}");
+            for what in ["replicated", "sharded", "tensor-parallel"] {
+                assert!(
+                    text.contains(&format!("VERIFIED {what}")),
+                    "rank {r}: {what}\n{text}"
+                );
+            }
             assert!(text.contains("DISAGREE 1"), "rank {r}\n{text}");
             assert!(text.contains("AFTER "), "rank {r}\n{text}");
         }
