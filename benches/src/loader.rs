@@ -139,15 +139,17 @@ pub struct DirectCold {
 }
 
 /// The (records per block, records per batch, workers, reads in flight per worker) of the
-/// cold rows: 1 MiB and 4 MiB blocks in batches of [`BATCH`] (4 MiB), and 8 MiB blocks in
-/// batches of 256 (16 MiB) — the H200 machine's disk reads 8 MiB requests fastest and random
-/// 1 MiB ones at 0.6-0.85 of sequential (bench runs 60-64).
-const DIRECT_ROWS: [(usize, usize, usize, usize); 5] = [
+/// cold rows: 1 MiB and 4 MiB blocks in batches of [`BATCH`] (4 MiB), 8 MiB blocks in batches
+/// of 256 (16 MiB), and 32 MiB blocks each a batch of its own — the H200 machine's disk reads
+/// random 1 MiB requests at 0.6-0.85 of sequential ones and comes closer with every doubling
+/// of the block (bench runs 60-64, 69).
+const DIRECT_ROWS: [(usize, usize, usize, usize); 6] = [
     (16, BATCH, 4, 4),
     (64, BATCH, 4, 4),
     (128, 256, 4, 1),
-    (128, 256, 4, 2),
     (128, 256, 8, 1),
+    (512, 512, 4, 1),
+    (512, 512, 4, 2),
 ];
 
 /// The queue depth of the io_uring way of a cold row's limit: as many 1 MiB reads in flight
