@@ -464,6 +464,9 @@ fn rank_dispatcher() {
         return;
     };
     let staged = std::env::var("GPUFEED_IT_STAGING").as_deref() != Ok("0");
+    if std::env::var("GPUFEED_IT_UNTIL_ERROR").is_ok() {
+        return replicate_until_an_error(rank.with_shared_staging(staged), &file);
+    }
     let rank = rank.with_round_bytes(4 << 20).with_shared_staging(staged);
     let (r, n) = (rank.rank(), rank.world());
     let gpu = rank.loader().gpu().clone();
@@ -538,6 +541,90 @@ fn rank_dispatcher() {
             Err(e) => println!("AFTER {e}"),
             Ok(_) => panic!("a rank that left still loads"),
         }
+    }
+}
+
+/// A rank's part in `a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works`:
+/// replicated loads of `file` (1 MiB rounds: hundreds of meetings per load) until one fails;
+/// prints the error, then loads the file through the rank's own loader and checks it.
+fn replicate_until_an_error(rank: gpufeed::multi::RankLoader, file: &str) {
+    let rank = rank.with_round_bytes(1 << 20);
+    let want = xxh3_64(&std::fs::read(file).expect("read"));
+    println!("LOADING");
+    let e = loop {
+        match rank.load_replicated(file) {
+            Ok((buf, _)) => drop(buf),
+            Err(e) => break e,
+        }
+    };
+    println!("ERR {e}");
+    let (buf, _) = rank
+        .loader()
+        .load_file(file)
+        .expect("a load after the error");
+    let back = rank.loader().gpu().to_vec(&buf).expect("back");
+    assert_eq!(xxh3_64(&back), want);
+    println!("GPU OK");
+}
+
+/// A rank killed (SIGKILL) in the middle of replicated loads, through shared staging and
+/// through IPC handles: the other rank's load fails naming it within a few seconds, and its GPU
+/// still loads byte for byte afterwards (the dead rank's memory it was copying out of, or into,
+/// leaves no error on its context).
+#[test]
+fn a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works() {
+    use std::io::BufRead;
+    let test = "a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works";
+    match Gpu::count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => return gpufeed_testkit::skip_without_gpu(test, &"no CUDA device"),
+        Err(e) => return gpufeed_testkit::skip_without_gpu(test, &e),
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let made = files(dir.path(), &[(512 << 20) + 4099], 71);
+    for staged in ["1", "0"] {
+        let job = format!("it-killed-{}-{staged}", std::process::id());
+        let spawn = |r: usize| {
+            rank_child(&[
+                ("LOCAL_RANK", r.to_string()),
+                ("LOCAL_WORLD_SIZE", "2".into()),
+                ("GPUFEED_JOB", job.clone()),
+                ("GPUFEED_IT_FILE", made[0].0.display().to_string()),
+                ("GPUFEED_IT_STAGING", staged.into()),
+                ("GPUFEED_IT_UNTIL_ERROR", "1".into()),
+                ("GPUFEED_REQUIRE_GPU", "1".into()),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn a rank")
+        };
+        let survivor = spawn(0);
+        let mut victim = spawn(1);
+        let mut lines = std::io::BufReader::new(victim.stdout.take().expect("stdout")).lines();
+        assert!(
+            lines.any(|l| l.is_ok_and(|l| l == "LOADING")),
+            "rank 1 never started loading"
+        );
+        // Some loads in.
+        std::thread::sleep(std::time::Duration::from_millis(700));
+        victim.kill().expect("kill rank 1");
+        let killed = std::time::Instant::now();
+        victim.wait().expect("reap");
+        let out = survivor.wait_with_output().expect("wait");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "staged {staged}:\n{text}");
+        assert!(text.contains("ERR rank 1 "), "staged {staged}:\n{text}");
+        assert!(text.contains("GPU OK"), "staged {staged}:\n{text}");
+        assert!(
+            killed.elapsed() < std::time::Duration::from_secs(15),
+            "staged {staged}: {:?}",
+            killed.elapsed()
+        );
     }
 }
 
