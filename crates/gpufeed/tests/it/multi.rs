@@ -611,7 +611,17 @@ fn a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works() {
         victim.kill().expect("kill rank 1");
         let killed = std::time::Instant::now();
         victim.wait().expect("reap");
-        let out = survivor.wait_with_output().expect("wait");
+        // A survivor that hangs fails the test instead of hanging it.
+        let pid = survivor.id();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(survivor.wait_with_output()));
+        let Ok(out) = rx.recv_timeout(std::time::Duration::from_secs(60)) else {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status();
+            panic!("staged {staged}: rank 0 still waits a minute after rank 1 was killed");
+        };
+        let out = out.expect("wait");
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
