@@ -532,9 +532,15 @@ def run_ranks(world, code, arg, job):
         assert p.returncode == 0 and f"OK {r} of {world}" in out, out
 
 
+def ranks_for(torch):
+    """Two ranks or one per GPU (at most 4): with one GPU two ranks share it (a rank's GPU is
+    LOCAL_RANK modulo the GPUs it sees)."""
+    return max(2, min(torch.cuda.device_count(), 4))
+
+
 def test_ranks_started_like_torchrun_load_tensor_parallel_shares():
     torch = torch_on_gpu()
-    world = min(torch.cuda.device_count(), 4)
+    world = ranks_for(torch)
     with tempfile.TemporaryDirectory() as d:
         single, _ = checkpoint(torch, d)
         code = (
@@ -544,7 +550,7 @@ def test_ranks_started_like_torchrun_load_tensor_parallel_shares():
             "want = load_file(sys.argv[1])\n"
             "assert sorted(got) == sorted(want)\n"
             "for name, t in got.items():\n"
-            "    assert t.device == torch.device(f'cuda:{rank}'), t.device\n"
+            "    assert t.device == torch.device(f'cuda:{rank % torch.cuda.device_count()}'), t.device\n"
             "    w = want[name]\n"
             "    part = torch.tensor_split(w, world, 1)[rank] if w.dim() > 1 else w\n"
             "    a = t.cpu().contiguous().reshape(-1).view(torch.uint8)\n"
@@ -557,7 +563,7 @@ def test_ranks_started_like_torchrun_load_tensor_parallel_shares():
 
 def test_ranks_started_like_torchrun_load_replicated():
     torch = torch_on_gpu()
-    world = min(torch.cuda.device_count(), 4)
+    world = ranks_for(torch)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "f.bin")
         data = os.urandom((13 << 20) + 3)
@@ -566,7 +572,7 @@ def test_ranks_started_like_torchrun_load_replicated():
         code = (
             "import sys, gpufeed, torch\n"
             "t, rank, world = gpufeed.load_replicated_rank(sys.argv[1])\n"
-            "assert t.device == torch.device(f'cuda:{rank}'), t.device\n"
+            "assert t.device == torch.device(f'cuda:{rank % torch.cuda.device_count()}'), t.device\n"
             "assert bytes(t.cpu().numpy()) == open(sys.argv[1], 'rb').read()\n"
             "print(f'OK {rank} of {world}')\n"
         )
