@@ -73,7 +73,8 @@ pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
 pub use peer::{
-    ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerLink, SharedPointer, SharedPool, split_mut,
+    ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerGather, PeerLink, SharedPointer,
+    SharedPool, split_mut,
 };
 pub use transfer::{
     DIRECT_CHUNK_BYTES, FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig,

@@ -360,6 +360,145 @@ impl<'a> PeerFanout<'a> {
     }
 }
 
+/// Copies out of other processes' memory ([`IpcMemory`]) into one buffer of this process, on a
+/// stream per source, over the peer links: the gathering side of a replicated load whose
+/// parts each process reads into memory the others mapped. It holds the buffer and the
+/// sources until every copy has completed ([`PeerGather::wait`], or its drop, waits).
+/// Whether a source's bytes are the ones meant when a copy runs is the caller's ordering
+/// (copies are enqueued at once and run later).
+///
+/// # Example
+/// ```no_run
+/// # fn f(dst: &mut gpufeed_cuda::cudarc::driver::CudaSlice<u8>, peer: &gpufeed_cuda::IpcMemory)
+/// # -> gpufeed_cuda::Result<()> {
+/// let mut gather = gpufeed_cuda::PeerGather::new(dst.as_view_mut(), vec![peer])?;
+/// gather.copy(0, 0, 0, 1 << 20)?; // the first MiB of the peer's memory to the start of `dst`
+/// gather.wait()?;
+/// # Ok(()) }
+/// ```
+pub struct PeerGather<'a> {
+    dst: CudaViewMut<'a, u8>,
+    sources: Vec<&'a IpcMemory>,
+    streams: Vec<std::sync::Arc<cudarc::driver::CudaStream>>,
+}
+
+impl std::fmt::Debug for PeerGather<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerGather")
+            .field("len", &self.dst.len())
+            .field("sources", &self.sources.len())
+            .finish()
+    }
+}
+
+impl<'a> PeerGather<'a> {
+    /// Gathers into `dst` from `sources` (each opened for `dst`'s GPU). Waits for the work
+    /// already enqueued on `dst`'s stream (its allocation) first.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn new(dst: CudaViewMut<'a, u8>, sources: Vec<&'a IpcMemory>) -> Result<Self> {
+        driver()?;
+        let stream = std::sync::Arc::clone(dst.stream());
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        let streams = sources
+            .iter()
+            .map(|_| new_stream(stream.context()))
+            .collect::<Result<_>>()?;
+        Ok(PeerGather {
+            dst,
+            sources,
+            streams,
+        })
+    }
+
+    /// `range` of the buffer, to fill otherwise (a load, a local copy) while copies into other
+    /// parts run.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] for a range outside it.
+    pub fn dst_mut(&mut self, range: std::ops::Range<usize>) -> Result<CudaViewMut<'_, u8>> {
+        let len = self.dst.len();
+        let (start, end) = (range.start, range.end);
+        self.dst.try_slice_mut(range).ok_or(Error::OutOfBounds {
+            len: end.saturating_sub(start) as u64,
+            offset: start as u64,
+            capacity: len as u64,
+        })
+    }
+
+    /// Enqueues a copy of `len` bytes from `from` of source `source` to `at` of the buffer, on
+    /// that source's stream.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] for a source that is not one, or a range past either end;
+    /// [`Error::Cuda`].
+    pub fn copy(&mut self, source: usize, from: usize, at: usize, len: usize) -> Result<()> {
+        use cudarc::driver::DevicePtrMut;
+        let out = |offset: usize, capacity: usize| Error::OutOfBounds {
+            len: len as u64,
+            offset: offset as u64,
+            capacity: capacity as u64,
+        };
+        let (Some(src), Some(stream)) = (self.sources.get(source), self.streams.get(source)) else {
+            return Err(out(source, self.sources.len()));
+        };
+        if from.checked_add(len).is_none_or(|end| end > src.len()) {
+            return Err(out(from, src.len()));
+        }
+        if at.checked_add(len).is_none_or(|end| end > self.dst.len()) {
+            return Err(out(at, self.dst.len()));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // A raw pointer: the guard would record the copy in the buffer's shared events, which
+        // the fills of its other parts would then wait for.
+        let dst_stream = std::sync::Arc::clone(self.dst.stream());
+        let (to, guard) = self.dst.device_ptr_mut(&dst_stream);
+        std::mem::forget(guard);
+        // SAFETY: both ranges lie inside their memory (checked above), the source mapped and
+        // the destination borrowed by `self` until `wait` or the drop has seen this copy
+        // complete; `dst_mut` hands out parts of the buffer only through `&mut self`, and the
+        // caller copies each part once (a part filled twice at once is a bug of its order, not
+        // memory safety: both are bytes).
+        unsafe {
+            raw::memcpy_dtod_async(
+                to + at as u64,
+                src.ptr + from as u64,
+                len,
+                stream.cu_stream(),
+            )
+        }
+    }
+
+    /// Waits until every copy enqueued has completed.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]: a copy failed.
+    pub fn wait(&self) -> Result<()> {
+        for s in &self.streams {
+            s.synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PeerGather<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::warn!("waiting for copies out of other processes' memory failed: {e}");
+        }
+    }
+}
+
 fn new_stream(
     ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
 ) -> Result<std::sync::Arc<cudarc::driver::CudaStream>> {
@@ -451,46 +590,6 @@ impl IpcMemory {
     /// Its length, as its owner said.
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Enqueues a copy of `dst.len()` bytes from `offset` of this memory into `dst` on `stream`
-    /// (a stream of `dst`'s GPU, which must be the GPU this memory was opened for), over the
-    /// peer link between the GPUs. The caller orders the copy after the other process's
-    /// writes of those bytes and waits for it before the other process writes them again.
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`] for a range past the end; [`Error::Cuda`].
-    pub fn copy_into(
-        &self,
-        offset: usize,
-        dst: &mut CudaViewMut<'_, u8>,
-        stream: &cudarc::driver::CudaStream,
-    ) -> Result<()> {
-        use cudarc::driver::DevicePtrMut;
-        let len = dst.len();
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(Error::OutOfBounds {
-                len: len as u64,
-                offset: offset as u64,
-                capacity: self.len as u64,
-            });
-        }
-        if len == 0 {
-            return Ok(());
-        }
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        // A raw pointer: the guard would record the copy in the buffer's shared events.
-        let dst_stream = std::sync::Arc::clone(dst.stream());
-        let (to, guard) = dst.device_ptr_mut(&dst_stream);
-        std::mem::forget(guard);
-        // SAFETY: the source range lies inside this mapping (checked above), which lives while
-        // `self` does; the destination is the caller's view, borrowed mutably for the call; the
-        // caller orders the copy against the other process's writes and waits for it before
-        // either side is reused.
-        unsafe { raw::memcpy_dtod_async(to, self.ptr + offset as u64, len, stream.cu_stream()) }
     }
 
     /// Whether it is empty.

@@ -598,7 +598,7 @@ impl MultiLoader {
 /// The most bytes of one staging slot of [`RankLoader`]'s replicated loads (4 GiB): on the H200
 /// machine's driver a process that maps (`cuMemPoolImportPointer`) another process's pool
 /// allocation of more than 4 GiB dies of a segmentation fault inside the driver (GPU runs
-/// 87-88: 6, 8 and 16 GiB; 4 GiB and less map and copy byte-exact), which no error check can
+/// 85-88: 6, 8 and 16 GiB; 4 GiB and less map and copy byte-exact), which no error check can
 /// catch; so the ranks never map each other's copies, only slots of at most this size.
 pub const SHARED_SLOT_MAX_BYTES: u64 = 4 << 30;
 
@@ -606,11 +606,11 @@ pub const SHARED_SLOT_MAX_BYTES: u64 = 4 << 30;
 /// this machine, its GPU's [`Loader`], and a [`gpufeed_ipc::Rendezvous`] with the other ranks
 /// (shared memory; no PyTorch or NCCL needed). Sharded and tensor-parallel loads check that
 /// every rank was given the same plan and load this rank's part; a replicated load has each
-/// rank read 1/N of the file and write it into every other rank's copy through CUDA IPC, over
-/// NVLink where there is one: each round is read into a staging slot of a memory pool that the
-/// other ranks mapped once, and every rank copies it from there into its own copy
-/// ([`RankLoader::with_shared_staging`]). A rank that dies, leaves after an error, or never arrives makes
-/// the others fail with an error naming it (within the rendezvous's lease or join timeout).
+/// rank read 1/N of the file, round by round, into a staging slot of a memory pool that the
+/// other ranks mapped once, out of which every rank copies it into its own copy (CUDA IPC, over
+/// NVLink where there is one; [`RankLoader::with_shared_staging`]). A rank that dies, leaves
+/// after an error, or never arrives makes the others fail with an error naming it (within the
+/// rendezvous's lease or join timeout).
 ///
 /// Every rank must make the same calls in the same order (they are collective). After an
 /// error a rank leaves the rendezvous: its later calls fail, and the other ranks' current
@@ -1091,7 +1091,7 @@ impl RankLoader {
         shares: &[Range<u64>],
         p: &mut RankPools,
     ) -> Result<Vec<LoadReport>> {
-        let (n, me) = (self.world(), self.rank());
+        let me = self.rank();
         let round = p.slot_bytes as u64;
         let rounds = shares
             .iter()
@@ -1108,23 +1108,23 @@ impl RankLoader {
                 Error::from(gpufeed_cuda::Error::Cuda { op, result: e.0 })
             }
         };
-        let ctx = self.loader.gpu().context();
-        // The copy's memory was allocated on its stream: the copies below, on streams of their
-        // own, come after.
-        dst.stream()
-            .synchronize()
-            .map_err(cuda("cuStreamSynchronize"))?;
-        let local = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
-        let pulls = (0..n)
-            .map(|_| ctx.new_stream().map_err(cuda("cuStreamCreate")))
-            .collect::<Result<Vec<_>>>()?;
-        let all: Vec<_> = pulls.iter().chain(std::iter::once(&local)).collect();
-        let finish = || {
-            all.iter()
-                .try_for_each(|s| s.synchronize().map_err(cuda("cuStreamSynchronize")))
-        };
+        let RankPools {
+            peer_slots, slots, ..
+        } = p;
+        // Sources: the other ranks' slots, two each, in rank order.
+        let ranks: Vec<usize> = (0..peer_slots.len())
+            .filter(|&r| peer_slots[r].is_some())
+            .collect();
+        let sources = peer_slots.iter().flatten().flat_map(|s| s.iter()).collect();
+        let local = self
+            .loader
+            .gpu()
+            .context()
+            .new_stream()
+            .map_err(cuda("cuStreamCreate"))?;
+        let mut gather = gpufeed_cuda::PeerGather::new(dst.as_view_mut(), sources)?;
         let mut loads = Vec::new();
-        let mut run = || -> Result<()> {
+        let mut run = |gather: &mut gpufeed_cuda::PeerGather<'_>| -> Result<()> {
             for i in 0..rounds {
                 let slot = (i % 2) as usize;
                 // This rank's round into its slot, and from there into place; then every copy
@@ -1132,35 +1132,44 @@ impl RankLoader {
                 let mine = (|| -> Result<()> {
                     if let Some(r) = part(&shares[me], i) {
                         let len = (r.end - r.start) as usize;
-                        let mut view = p.slots[slot].slice_mut(..len);
+                        let mut view = slots[slot].slice_mut(..len);
                         loads.push(self.loader.load_spans_to(
                             path,
                             std::slice::from_ref(&r),
                             &mut view,
                         )?);
-                        let mut into = dst.slice_mut(r.start as usize..r.end as usize);
+                        let mut into = gather.dst_mut(r.start as usize..r.end as usize)?;
                         local
-                            .memcpy_dtod(&p.slots[slot].slice(..len), &mut into)
+                            .memcpy_dtod(&slots[slot].slice(..len), &mut into)
                             .map_err(cuda("cuMemcpyDtoDAsync"))?;
                     }
-                    finish()
+                    gather.wait()?;
+                    local.synchronize().map_err(cuda("cuStreamSynchronize"))
                 })();
                 let status = self.exchange(&[u8::from(mine.is_ok())])?;
                 mine?;
                 if let Some(rank) = status.iter().position(|s| s.first() != Some(&1)) {
                     return Err(Error::RankFailed { rank });
                 }
-                // Every rank's round `i` is in its slot: copy the others' here.
-                for (r, mapped) in p.peer_slots.iter().enumerate() {
-                    if let (Some(mapped), Some(range)) = (mapped, part(&shares[r], i)) {
-                        let mut into = dst.slice_mut(range.start as usize..range.end as usize);
-                        mapped[slot].copy_into(0, &mut into, &pulls[r])?;
+                // Every rank's round `i` is in its slot: copy the others' here (rank `r`
+                // writes that slot again only after the next meeting, which this rank reaches
+                // once these copies are done).
+                for (k, &r) in ranks.iter().enumerate() {
+                    if let Some(range) = part(&shares[r], i) {
+                        let len = (range.end - range.start) as usize;
+                        gather.copy(2 * k + slot, 0, range.start as usize, len)?;
                     }
                 }
             }
-            finish()
+            gather.wait()?;
+            local.synchronize().map_err(cuda("cuStreamSynchronize"))
         };
-        let outcome = run();
+        let outcome = run(&mut gather);
+        // Whatever happened, nothing still copies into `dst` or out of a slot after this.
+        let outcome = outcome
+            .and(gather.wait().map_err(Error::from))
+            .and(local.synchronize().map_err(cuda("cuStreamSynchronize")));
+        drop(gather);
         // Every rank's copies out of every other rank's slots have completed once all have
         // said how their part went (each finished its copies first): the slots are free again.
         let status = self.exchange(&[u8::from(outcome.is_ok())])?;
