@@ -138,7 +138,7 @@ fn ranks_meet_and_exchange_between_processes() {
 /// Two rounds of `share_fd`: each rank passes a memfd holding "rank R round K"; what it read
 /// through the others' descriptors, per round (`-` in its own place), or the error.
 fn pass_descriptors(r: &Rendezvous) -> Result<Vec<Vec<String>>, String> {
-    use std::io::{Read, Seek, Write};
+    use std::io::Write;
     (0..2)
         .map(|round| {
             let fd = rustix::fs::memfd_create("gpufeed-it", rustix::fs::MemfdFlags::CLOEXEC)
@@ -153,12 +153,11 @@ fn pass_descriptors(r: &Rendezvous) -> Result<Vec<Vec<String>>, String> {
                 .map(|fd| match fd {
                     None => "-".to_owned(),
                     Some(fd) => {
-                        let mut f = std::fs::File::from(fd);
-                        let mut text = String::new();
-                        f.rewind()
-                            .and_then(|_| f.read_to_string(&mut text))
-                            .expect("read");
-                        text
+                        // `pread`: the ranks given the same descriptor share its file offset.
+                        use std::os::unix::fs::FileExt;
+                        let mut text = vec![0u8; 64];
+                        let n = std::fs::File::from(fd).read_at(&mut text, 0).expect("read");
+                        String::from_utf8_lossy(&text[..n]).into_owned()
                     }
                 })
                 .collect())
