@@ -257,13 +257,7 @@ impl<'a> PeerFanout<'a> {
     /// # Errors
     /// [`Error::OutOfBounds`] for a range outside it.
     pub fn own_mut(&mut self, range: std::ops::Range<usize>) -> Result<CudaViewMut<'_, u8>> {
-        let len = self.own.len();
-        let (start, end) = (range.start, range.end);
-        self.own.try_slice_mut(range).ok_or(Error::OutOfBounds {
-            len: end.saturating_sub(start) as u64,
-            offset: start as u64,
-            capacity: len as u64,
-        })
+        part_mut(&mut self.own, range)
     }
 
     /// Enqueues copies of `range` of the own part into the same range of every peer, after
@@ -420,13 +414,7 @@ impl<'a> PeerGather<'a> {
     /// # Errors
     /// [`Error::OutOfBounds`] for a range outside it.
     pub fn dst_mut(&mut self, range: std::ops::Range<usize>) -> Result<CudaViewMut<'_, u8>> {
-        let len = self.dst.len();
-        let (start, end) = (range.start, range.end);
-        self.dst.try_slice_mut(range).ok_or(Error::OutOfBounds {
-            len: end.saturating_sub(start) as u64,
-            offset: start as u64,
-            capacity: len as u64,
-        })
+        part_mut(&mut self.dst, range)
     }
 
     /// Enqueues a copy of `len` bytes from `from` of source `source` to `at` of the buffer, on
@@ -497,6 +485,20 @@ impl Drop for PeerGather<'_> {
             tracing::warn!("waiting for copies out of other processes' memory failed: {e}");
         }
     }
+}
+
+/// `range` of `view`, or [`Error::OutOfBounds`].
+fn part_mut<'b>(
+    view: &'b mut CudaViewMut<'_, u8>,
+    range: std::ops::Range<usize>,
+) -> Result<CudaViewMut<'b, u8>> {
+    let len = view.len();
+    let (start, end) = (range.start, range.end);
+    view.try_slice_mut(range).ok_or(Error::OutOfBounds {
+        len: end.saturating_sub(start) as u64,
+        offset: start as u64,
+        capacity: len as u64,
+    })
 }
 
 fn new_stream(
