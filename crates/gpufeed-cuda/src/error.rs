@@ -47,6 +47,19 @@ pub enum Error {
         capacity: u64,
     },
 
+    /// An allocation of a [`crate::SharedPool`] too large for another process to map safely
+    /// ([`crate::SHARED_MAP_MAX_BYTES`]).
+    #[error(
+        "{len} bytes cannot be shared with another process: mapping a pool allocation of more \
+         than {max} bytes crashes the driver; share it in parts of at most that size"
+    )]
+    TooLargeToShare {
+        /// The allocation's size.
+        len: u64,
+        /// The most that can be shared.
+        max: u64,
+    },
+
     /// A fill source failed to produce its bytes.
     #[error("fill source failed at offset {offset}: {source}")]
     Source {

@@ -33,8 +33,9 @@
 //!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
 //!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a
 //!   replicated buffer sent to the other GPUs over their peer links while it is filled, in this
-//!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]; a pool other processes map,
-//!   [`SharedPool`] and [`ImportedPool`]), in other processes.
+//!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]), in other processes; or
+//!   gathered the other way ([`PeerGather`]) out of slots of a pool other processes map
+//!   ([`SharedPool`], [`ImportedPool`], at most [`SHARED_MAP_MAX_BYTES`] per allocation).
 //! - [`kernels::PlanarKernel`]: RGB8 -> planar `f32` on the GPU (the frame pipeline's
 //!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
@@ -73,8 +74,8 @@ pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
 pub use peer::{
-    ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerGather, PeerLink, SharedPointer,
-    SharedPool, split_mut,
+    ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerGather, PeerLink, SHARED_MAP_MAX_BYTES,
+    SharedPointer, SharedPool, split_mut,
 };
 pub use transfer::{
     DIRECT_CHUNK_BYTES, FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig,

@@ -487,6 +487,17 @@ impl Drop for PeerGather<'_> {
     }
 }
 
+/// [`Error::TooLargeToShare`] for an allocation of `len` bytes over [`SHARED_MAP_MAX_BYTES`].
+fn check_shareable(len: usize) -> Result<()> {
+    match len > SHARED_MAP_MAX_BYTES {
+        true => Err(Error::TooLargeToShare {
+            len: len as u64,
+            max: SHARED_MAP_MAX_BYTES as u64,
+        }),
+        false => Ok(()),
+    }
+}
+
 /// `range` of `view`, or [`Error::OutOfBounds`].
 fn part_mut<'b>(
     view: &'b mut CudaViewMut<'_, u8>,
@@ -572,8 +583,10 @@ impl IpcMemory {
     /// (`cuMemFree`) when dropped.
     ///
     /// # Errors
-    /// [`Error::Cuda`]: data of another pool, or of memory already freed.
+    /// [`Error::TooLargeToShare`] for a `len` over [`SHARED_MAP_MAX_BYTES`]; [`Error::Cuda`]:
+    /// data of another pool, or of memory already freed.
     pub fn import(pool: &Arc<ImportedPool>, shared: SharedPointer, len: usize) -> Result<Self> {
+        check_shareable(len)?;
         pool.gpu
             .context()
             .bind_to_thread()
@@ -619,6 +632,14 @@ impl Drop for IpcMemory {
     }
 }
 
+/// The largest [`SharedPool`] allocation another process maps (4 GiB): on the H200 machine's
+/// driver a process that maps (`cuMemPoolImportPointer`) another process's pool allocation of
+/// more than 4 GiB dies of a segmentation fault inside the driver (GPU runs 85-88: 6, 8 and 16
+/// GiB; 4 GiB and less map and copy byte-exact), which no error check can catch. So
+/// [`SharedPool::share`] and [`IpcMemory::import`] refuse larger ones
+/// ([`Error::TooLargeToShare`]).
+pub const SHARED_MAP_MAX_BYTES: usize = 4 << 30;
+
 /// A memory pool handle of the driver's (a pointer), used from any thread.
 #[derive(Debug)]
 struct PoolHandle(sys::CUmemoryPool);
@@ -633,10 +654,9 @@ unsafe impl Sync for PoolHandle {}
 /// once ([`SharedPool::export`], passed as a file descriptor; [`ImportedPool::import`]) and
 /// then each allocation by 64 bytes of data ([`SharedPool::share`], [`IpcMemory::import`]).
 /// Memory freed (its buffer dropped) goes back to the pool and is reused by the next
-/// allocation; the pool keeps it from the device until it is dropped (`cuMemPoolTrimTo` gave
-/// nothing back on the H200 machine, GPU run 88), so that loads repeated into it do not pay
-/// for new device memory (`cuMemAlloc`, which CUDA IPC
-/// handles need, costs a 16 GiB load 20% on the H200 machine: docs/benchmarks.md, run 54).
+/// allocation; the pool keeps it from the device until the pool is dropped (`cuMemPoolTrimTo`
+/// gave nothing back on the H200 machine, GPU runs 85-88). Allocations of more than
+/// [`SHARED_MAP_MAX_BYTES`] cannot be shared.
 ///
 /// # Example
 /// ```no_run
@@ -778,9 +798,11 @@ impl SharedPool {
     /// [`IpcMemory`]) before `buf` is dropped here.
     ///
     /// # Errors
-    /// [`Error::Cuda`]: memory of another pool.
+    /// [`Error::TooLargeToShare`] for more than [`SHARED_MAP_MAX_BYTES`]; [`Error::Cuda`]:
+    /// memory of another pool.
     pub fn share(&self, buf: &CudaSlice<u8>) -> Result<SharedPointer> {
         use cudarc::driver::DevicePtr;
+        check_shareable(buf.len())?;
         let (ptr, guard) = buf.device_ptr(buf.stream());
         std::mem::forget(guard);
         // SAFETY: `ptr` starts a live allocation; the driver refuses memory of other pools.

@@ -595,12 +595,10 @@ impl MultiLoader {
     }
 }
 
-/// The most bytes of one staging slot of [`RankLoader`]'s replicated loads (4 GiB): on the H200
-/// machine's driver a process that maps (`cuMemPoolImportPointer`) another process's pool
-/// allocation of more than 4 GiB dies of a segmentation fault inside the driver (GPU runs
-/// 85-88: 6, 8 and 16 GiB; 4 GiB and less map and copy byte-exact), which no error check can
-/// catch; so the ranks never map each other's copies, only slots of at most this size.
-pub const SHARED_SLOT_MAX_BYTES: u64 = 4 << 30;
+/// The most bytes of one staging slot of [`RankLoader`]'s replicated loads: the most another
+/// process maps of a shared pool ([`gpufeed_cuda::SHARED_MAP_MAX_BYTES`], 4 GiB: larger ones
+/// crashed the driver). So the ranks never map each other's copies, only slots.
+pub const SHARED_SLOT_MAX_BYTES: u64 = gpufeed_cuda::SHARED_MAP_MAX_BYTES as u64;
 
 /// One process per GPU, as `torchrun` starts them: this process's rank of the job's ranks on
 /// this machine, its GPU's [`Loader`], and a [`gpufeed_ipc::Rendezvous`] with the other ranks
@@ -826,7 +824,9 @@ impl RankLoader {
         &self.rdv
     }
 
-    /// This loader with replicated loads sending every `bytes` read (default 1 GiB).
+    /// This loader with replicated loads in rounds of `bytes` (default 1 GiB, at least 1
+    /// MiB); with shared staging a round is at most a staging slot (the largest share, whole
+    /// MiB, at most [`SHARED_SLOT_MAX_BYTES`]).
     pub fn with_round_bytes(mut self, bytes: u64) -> Self {
         self.round_bytes = bytes.max(1 << 20);
         self
@@ -870,10 +870,8 @@ impl RankLoader {
                 )
             })
             .ok();
-        if !self.all_ranks(own.is_some())? {
-            return Ok(Staging::Unshared);
-        }
-        let Some(own) = own else {
+        let all = self.all_ranks(own.is_some())?;
+        let (true, Some(own)) = (all, own) else {
             return Ok(Staging::Unshared);
         };
         let theirs = self.rdv.share_fd(own.export()?.as_fd())?;
@@ -895,18 +893,17 @@ impl RankLoader {
                 tracing::warn!("replicated loads copy through CUDA IPC handles: another rank's pool could not be imported ({e})")
             })
             .ok();
-        if !self.all_ranks(imported.is_some())? {
+        let all = self.all_ranks(imported.is_some())?;
+        let (true, Some(peer_pools)) = (all, imported) else {
             return Ok(Staging::Unshared);
-        }
-        Ok(imported.map_or(Staging::Unshared, |peer_pools| {
-            Staging::Shared(Box::new(RankPools {
-                peer_slots: Vec::new(),
-                slots: Vec::new(),
-                slot_bytes: 0,
-                peer_pools,
-                own,
-            }))
-        }))
+        };
+        Ok(Staging::Shared(Box::new(RankPools {
+            peer_slots: Vec::new(),
+            slots: Vec::new(),
+            slot_bytes: 0,
+            peer_pools,
+            own,
+        })))
     }
 
     /// Makes every rank's slots at least `want` bytes (collective; every rank passes the same
@@ -1039,7 +1036,8 @@ impl RankLoader {
                 *staging = self.make_pools()?;
             }
             let shared = match &mut *staging {
-                Staging::Shared(p) if self.shared_staging && len > 0 => {
+                // Shared only if shared staging was on (set before the first load).
+                Staging::Shared(p) if len > 0 => {
                     // Slots of a round, whole MiB (so that loads a little larger than the last
                     // do not make them again), at most the round size and the driver's limit.
                     let largest = shares.iter().map(|s| s.end - s.start).max().unwrap_or(0);

@@ -325,8 +325,9 @@ fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
 }
 
 /// A shareable pool (`SharedPool`, where one-process-per-GPU replicated loads stage their
-/// rounds) hands out memory filled byte for byte or zeroed, shares it only as its own, keeps
-/// what is dropped for the next allocation, and gives it back to the device when dropped.
+/// rounds) hands out memory filled byte for byte or zeroed, shares it only as its own and only
+/// up to the size another process can map, keeps what is dropped for the next allocation, and
+/// gives it back to the device when dropped.
 #[test]
 fn a_shared_pool_fills_shares_and_keeps_its_memory_until_dropped() {
     use gpufeed_cuda::cudarc::driver::{DevicePtr, result};
@@ -388,6 +389,15 @@ fn a_shared_pool_fills_shares_and_keeps_its_memory_until_dropped() {
     assert!(back.iter().all(|&b| b == 0), "zeroed");
     drop(back);
     drop(again);
+    // More than another process can map: refused here, never handed to the driver.
+    let big = pool
+        .alloc_zeroed(gpufeed_cuda::SHARED_MAP_MAX_BYTES + 4096)
+        .expect("big");
+    assert!(
+        matches!(pool.share(&big), Err(Error::TooLargeToShare { .. })),
+        "an allocation over the limit is refused"
+    );
+    drop(big);
     let free_kept = free();
     drop(pool);
     let free_dropped = free();
