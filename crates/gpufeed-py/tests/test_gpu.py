@@ -84,6 +84,17 @@ def checkpoint(torch, directory):
     return single, index
 
 
+def raises(call, *texts, what):
+    """Calls ``call``; it must raise a ``GpufeedError`` whose message holds every one of
+    ``texts`` (``what`` names the case when it does not raise)."""
+    try:
+        call()
+    except gpufeed.GpufeedError as e:
+        assert all(t in str(e) for t in texts), e
+    else:
+        raise AssertionError(f"no error: {what}")
+
+
 def same_bits(torch, a, b):
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -124,19 +135,10 @@ def test_safe_open_loads_each_tensor_on_demand_bit_for_bit():
                     t = f.get_tensor(name)
                     assert t.device == torch.device("cuda:0"), (name, t.device)
                     assert same_bits(torch, t.cpu(), want[name]), (path, name, t.dtype)
-                try:
-                    f.get_tensor("nope")
-                except gpufeed.GpufeedError as e:
-                    assert "nope" in str(e), e
-                else:
-                    raise AssertionError("no error for an unknown tensor")
+                raises(lambda: f.get_tensor("nope"), "nope", what="an unknown tensor")
                 kept = f.get_tensor("layer0.t0")
-            try:
-                f.get_tensor("layer0.t0")
-            except gpufeed.GpufeedError as e:
-                assert "closed" in str(e), e
-            else:
-                raise AssertionError("a closed checkpoint still loads")
+            raises(lambda: f.get_tensor("layer0.t0"), "closed",
+                   what="a closed checkpoint still loads")
             assert same_bits(torch, kept.cpu(), want["layer0.t0"]), "a tensor outlives close"
 
 
@@ -167,26 +169,14 @@ def test_registered_files_load_ranges_byte_for_byte():
             torch.cuda.synchronize()
             lost = free_before - torch.cuda.mem_get_info(0)[0]
             assert lost < 128 << 20, f"300 loads of 1 MiB, each dropped, kept {lost >> 20} MiB"
-            try:
-                loader.load_registered(file, 10, len(data) + 1)
-            except gpufeed.GpufeedError as e:
-                assert "reaches past the end of the file" in str(e), e
-            else:
-                raise AssertionError("a range past the end loaded")
+            raises(lambda: loader.load_registered(file, 10, len(data) + 1),
+                   "reaches past the end of the file", what="a range past the end loaded")
             with open(path, "ab") as f:
                 f.write(b"more")
-            try:
-                loader.load_registered(file, 0, 10)
-            except gpufeed.GpufeedError as e:
-                assert "register the file again" in str(e), e
-            else:
-                raise AssertionError("a changed file loaded")
-        try:
-            loader.load_registered(file, 0, 10)
-        except gpufeed.GpufeedError as e:
-            assert "closed" in str(e), e
-        else:
-            raise AssertionError("a closed file loaded")
+            raises(lambda: loader.load_registered(file, 0, 10), "register the file again",
+                   what="a changed file loaded")
+        raises(lambda: loader.load_registered(file, 0, 10), "closed",
+               what="a closed file loaded")
 
 
 def test_closing_while_another_thread_loads_neither_hangs_nor_breaks_the_loads():
@@ -251,12 +241,8 @@ def test_arrays_without_torch_hold_the_same_tensors():
 
 def test_a_dtype_this_torch_lacks_is_a_clear_error():
     torch = torch_on_gpu()
-    try:
-        gpufeed._torch_dtype(torch, {}, "F8_E4M3")
-    except gpufeed.GpufeedError as e:
-        assert "F8_E4M3" in str(e) and "gpufeed.load_file" in str(e), e
-    else:
-        raise AssertionError("no error for a dtype missing from the table")
+    raises(lambda: gpufeed._torch_dtype(torch, {}, "F8_E4M3"), "F8_E4M3", "gpufeed.load_file",
+           what="a dtype missing from the table")
 
 
 def test_many_small_tensors_of_mixed_dtypes():

@@ -1,5 +1,6 @@
 //! safetensors checkpoints to GPU memory (one bulk transfer per file, a named view per tensor;
-//! or tensor by tensor on demand, [`OnDemand`]) and back to files ([`save`], [`save_sharded`]: crash-safe, `O_DIRECT` where it works).
+//! or tensor by tensor on demand, [`OnDemand`]) and back to files ([`save`], [`save_sharded`]:
+//! crash-safe, `O_DIRECT` where it works).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
