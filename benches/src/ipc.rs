@@ -9,6 +9,10 @@
 //! Latency: the producer stamps CLOCK_MONOTONIC into a 64-byte message and publishes it while
 //! the consumer sleeps in `next`; the consumer subtracts the stamp when it wakes. The producer
 //! pauses 200 us between messages so that every message finds the consumer asleep.
+//! Rendezvous: two ranks of a `gpufeed_ipc::Rendezvous` meet [`BARRIERS`] times; the other
+//! process arrives 5 ms after this one (as a rank finishing its round of a replicated load
+//! does) and stamps CLOCK_MONOTONIC into its payload; this one subtracts it when its
+//! `exchange` returns.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -24,6 +28,10 @@ use crate::util::{Samples, SplitMix, gbps, now_ns, timed};
 pub const BATCH: usize = 1 << 20;
 const SLOTS: u32 = 8;
 const LATENCY_MESSAGES: usize = 2000;
+/// Meetings of the rendezvous latency row.
+pub const BARRIERS: usize = 400;
+/// How long the late rank of the rendezvous latency row works before each meeting.
+const BARRIER_LAG: Duration = Duration::from_millis(5);
 
 #[derive(Debug, Serialize)]
 pub struct IpcBench {
@@ -33,6 +41,11 @@ pub struct IpcBench {
     pub latency_us: Samples,
     pub latency_p50_us: f64,
     pub latency_p99_us: f64,
+    /// The rendezvous: from the late rank's arrival at a meeting until the waiting rank's
+    /// `exchange` returns, microseconds.
+    pub barrier_us: Samples,
+    pub barrier_p50_us: f64,
+    pub barrier_p99_us: f64,
 }
 
 /// Which measurement a producer process serves.
@@ -41,6 +54,7 @@ pub enum Role {
     Ring,
     Socket,
     Latency,
+    Rendezvous,
 }
 
 fn spawn(exe: &Path, role: &str, target: &str, count: usize) -> Result<Child> {
@@ -126,17 +140,39 @@ pub fn measure(exe: &Path, dir: &Path, total_bytes: u64, reps: usize) -> Result<
         lat.push(woke.saturating_sub(u64::from_le_bytes(stamp)) as f64 / 1e3);
     }
     finish(child)?;
-    let mut sorted = lat.clone();
-    sorted.sort_by(f64::total_cmp);
-    let pct = |p: f64| sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)];
+    let (latency_p50_us, latency_p99_us) = (percentile(&lat, 0.50), percentile(&lat, 0.99));
+
+    // Wake-up latency of the rendezvous's meetings.
+    let name = format!("gpufeed-bench-rdv-{}", std::process::id());
+    let child = spawn(exe, "rendezvous", &name, BARRIERS)?;
+    let rdv = gpufeed_ipc::Rendezvous::join(&name, 0, 2, Default::default())?;
+    let mut waits = Vec::with_capacity(BARRIERS);
+    for _ in 0..BARRIERS {
+        let all = rdv.exchange(&[])?;
+        let woke = now_ns();
+        let stamp: [u8; 8] = all[1].as_slice().try_into().context("rank 1's stamp")?;
+        waits.push(woke.saturating_sub(u64::from_le_bytes(stamp)) as f64 / 1e3);
+    }
+    drop(rdv);
+    finish(child)?;
     Ok(IpcBench {
         batches,
         ring_gbps: Samples::new(ring_runs),
         socket_gbps: Samples::new(socket_runs),
-        latency_p50_us: pct(0.50),
-        latency_p99_us: pct(0.99),
+        latency_p50_us,
+        latency_p99_us,
         latency_us: Samples::new(lat),
+        barrier_p50_us: percentile(&waits, 0.50),
+        barrier_p99_us: percentile(&waits, 0.99),
+        barrier_us: Samples::new(waits),
     })
+}
+
+/// The `p` quantile of `v` (0..=1), by rank.
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut sorted = v.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
 
 /// The producer side, in its own process.
@@ -170,6 +206,13 @@ pub fn child(role: Role, target: &str, count: usize) -> Result<()> {
                 claim.write_at(0, &now_ns().to_le_bytes())?;
                 claim.set_len(64)?;
                 claim.publish()?;
+            }
+        }
+        Role::Rendezvous => {
+            let rdv = gpufeed_ipc::Rendezvous::join(target, 1, 2, Default::default())?;
+            for _ in 0..count {
+                std::thread::sleep(BARRIER_LAG);
+                rdv.exchange(&now_ns().to_le_bytes())?;
             }
         }
     }

@@ -172,6 +172,9 @@ enum Internal {
         /// As `rank --ipc-handles`.
         #[arg(long)]
         ipc_handles: bool,
+        /// As `rank --round-mib`.
+        #[arg(long)]
+        round_mib: Option<u64>,
     },
     /// One rank of table 11's one-process-per-GPU rows (started by the harness itself).
     #[command(hide = true)]
@@ -184,6 +187,9 @@ enum Internal {
         /// staging slots the ranks share (`RankLoader::with_shared_staging(false)`).
         #[arg(long)]
         ipc_handles: bool,
+        /// Replicated loads in rounds of this many MiB (`RankLoader::with_round_bytes`).
+        #[arg(long)]
+        round_mib: Option<u64>,
     },
     /// The probe behind the small-load defaults: loads of 1-256 MiB under several settings,
     /// the wire and a 1 MiB load's fixed steps; one JSON object per line (GPU machine).
@@ -260,11 +266,15 @@ fn main() -> Result<()> {
             world,
             reps,
             ipc_handles,
+            round_mib,
         }) => {
             let exe = std::env::current_exe()?;
-            let (sharded, replicated) = multi::ranks(&exe, &path, world, reps, !ipc_handles)?;
+            let round = round_mib.map(|m| m << 20);
+            let (sharded, replicated) =
+                multi::ranks(&exe, &path, world, reps, !ipc_handles, round)?;
             let json = serde_json::json!({"world": world, "shared_staging": !ipc_handles,
-                "sharded_seconds": sharded, "replicated_seconds": replicated});
+                "round_mib": round_mib, "sharded_seconds": sharded,
+                "replicated_seconds": replicated});
             println!("{json}");
             return Ok(());
         }
@@ -272,7 +282,8 @@ fn main() -> Result<()> {
             path,
             reps,
             ipc_handles,
-        }) => return multi::rank_child(&path, reps, !ipc_handles),
+            round_mib,
+        }) => return multi::rank_child(&path, reps, !ipc_handles, round_mib.map(|m| m << 20)),
         Some(Internal::FramesProducer {
             ring,
             fps,

@@ -192,7 +192,7 @@ pub fn measure(
 
     progress("table 11: one process per GPU (RankLoader), sharded and replicated");
     let (ranks_sharded_gbps, ranks_replicated_seconds, ranks_error) =
-        match ranks(exe, &file, count, reps, true) {
+        match ranks(exe, &file, count, reps, true, None) {
             Ok((s, r)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
             Err(e) => (None, None, Some(format!("{e:#}"))),
         };
@@ -257,6 +257,7 @@ pub fn ranks(
     count: usize,
     reps: usize,
     shared_staging: bool,
+    round_bytes: Option<u64>,
 ) -> Result<(Samples, Samples)> {
     let job = format!("bench-{}", std::process::id());
     let children = (0..count)
@@ -266,6 +267,7 @@ pub fn ranks(
                 .arg(file)
                 .args(["--reps", &reps.to_string()])
                 .args((!shared_staging).then_some("--ipc-handles"))
+                .args(round_bytes.map(|b| format!("--round-mib={}", b >> 20)))
                 .env("LOCAL_RANK", r.to_string())
                 .env("LOCAL_WORLD_SIZE", count.to_string())
                 .env("GPUFEED_JOB", &job)
@@ -300,8 +302,16 @@ pub fn ranks(
 /// One rank: `RankLoader::from_env` (replicated loads through shared staging slots if
 /// `shared_staging`, else CUDA IPC handles), then a warm-up and `reps` sharded and replicated loads of `path`; prints
 /// their seconds as JSON.
-pub fn rank_child(path: &Path, reps: usize, shared_staging: bool) -> Result<()> {
-    let rank = gpufeed::multi::RankLoader::from_env()?.with_shared_staging(shared_staging);
+pub fn rank_child(
+    path: &Path,
+    reps: usize,
+    shared_staging: bool,
+    round_bytes: Option<u64>,
+) -> Result<()> {
+    let mut rank = gpufeed::multi::RankLoader::from_env()?.with_shared_staging(shared_staging);
+    if let Some(bytes) = round_bytes {
+        rank = rank.with_round_bytes(bytes);
+    }
     let plan = ShardPlan::split_bytes(&[path], rank.world())?;
     // All sharded loads, then all replicated ones: as in the rows of one process above, a
     // kind of load never follows the other's (large) frees. Every load starts after a barrier,

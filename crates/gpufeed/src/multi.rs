@@ -1114,21 +1114,32 @@ impl RankLoader {
             .filter(|&r| peer_slots[r].is_some())
             .collect();
         let sources = peer_slots.iter().flatten().flat_map(|s| s.iter()).collect();
-        let local = self
-            .loader
-            .gpu()
-            .context()
-            .new_stream()
-            .map_err(cuda("cuStreamCreate"))?;
+        // A stream per slot for this rank's copies out of it: a round's copy is waited for
+        // only before its slot is read into again, two rounds later.
+        let ctx = self.loader.gpu().context();
+        let local = [
+            ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
+            ctx.new_stream().map_err(cuda("cuStreamCreate"))?,
+        ];
+        let sync_local = || -> Result<()> {
+            for s in &local {
+                s.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+            }
+            Ok(())
+        };
         let mut gather = gpufeed_cuda::PeerGather::new(dst.as_view_mut(), sources)?;
         let mut loads = Vec::new();
         let mut run = |gather: &mut gpufeed_cuda::PeerGather<'_>| -> Result<()> {
             for i in 0..rounds {
                 let slot = (i % 2) as usize;
-                // This rank's round into its slot, and from there into place; then every copy
-                // out of the other slot (last round's) finished.
+                // This rank's round into its slot (once its copy out of it two rounds ago
+                // has finished), and from there into place; then every copy out of the other
+                // ranks' other slots (last round's) finished.
                 let mine = (|| -> Result<()> {
                     if let Some(r) = part(&shares[me], i) {
+                        local[slot]
+                            .synchronize()
+                            .map_err(cuda("cuStreamSynchronize"))?;
                         let len = (r.end - r.start) as usize;
                         let mut view = slots[slot].slice_mut(..len);
                         loads.push(self.loader.load_spans_to(
@@ -1137,12 +1148,11 @@ impl RankLoader {
                             &mut view,
                         )?);
                         let mut into = gather.dst_mut(r.start as usize..r.end as usize)?;
-                        local
+                        local[slot]
                             .memcpy_dtod(&slots[slot].slice(..len), &mut into)
                             .map_err(cuda("cuMemcpyDtoDAsync"))?;
                     }
-                    gather.wait()?;
-                    local.synchronize().map_err(cuda("cuStreamSynchronize"))
+                    Ok(gather.wait()?)
                 })();
                 let status = self.exchange(&[u8::from(mine.is_ok())])?;
                 mine?;
@@ -1160,13 +1170,13 @@ impl RankLoader {
                 }
             }
             gather.wait()?;
-            local.synchronize().map_err(cuda("cuStreamSynchronize"))
+            sync_local()
         };
         let outcome = run(&mut gather);
         // Whatever happened, nothing still copies into `dst` or out of a slot after this.
         let outcome = outcome
             .and(gather.wait().map_err(Error::from))
-            .and(local.synchronize().map_err(cuda("cuStreamSynchronize")));
+            .and(sync_local());
         drop(gather);
         // Every rank's copies out of every other rank's slots have completed once all have
         // said how their part went (each finished its copies first): the slots are free again.
