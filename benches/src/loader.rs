@@ -31,6 +31,11 @@ pub struct LoaderBench {
     pub direct_cold: Vec<DirectCold>,
     /// All the cold rows' limits together ([`DirectCold::limit_gbps`]): GB/s.
     pub direct_limit_gbps: Samples,
+    /// The disk's way of reading with the highest median over every cold row's epochs (of
+    /// [`disk_way`]): the cold rows' limit ([`DirectCold::way_share`]).
+    pub direct_best_way: String,
+    /// That way's reads, all rows' together: GB/s.
+    pub direct_best_way_gbps: Samples,
 }
 
 /// Seconds of CPU this process has used so far (user and system, all threads).
@@ -98,7 +103,7 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         .with_workers(workers);
     let (resume_records, resume_ms) = resume_ms(dataset, reps)?;
     let host = epochs(dataset, RECORD, cfg.clone(), 3, None, reps)?;
-    let (direct_cold, direct_limit_gbps) = direct_cold(dataset, &cfg, reps)?;
+    let cold = direct_cold(dataset, &cfg, reps)?;
     Ok(LoaderBench {
         record_bytes: RECORD,
         batch_size: BATCH,
@@ -107,8 +112,10 @@ pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
         host_cores_busy: host.cores_busy,
         resume_records,
         resume_ms,
-        direct_cold,
-        direct_limit_gbps,
+        direct_cold: cold.rows,
+        direct_limit_gbps: cold.limit_gbps,
+        direct_best_way: cold.best_way,
+        direct_best_way_gbps: cold.best_way_gbps,
     })
 }
 
@@ -132,8 +139,13 @@ pub struct DirectCold {
     /// disk with no loader around it, GB/s.
     pub shuffled_gbps: Samples,
     /// Each epoch's GB/s over its own limit's (the pairs taken together cancel the disk's
-    /// drift over the run, which moves it by a third and more on the GPU machine).
+    /// drift over the run, which moves it by a third and more on the GPU machine). The
+    /// fastest of several noisy reads is biased high (the maximum of samples that move by a
+    /// third): [`DirectCold::way_share`] is the unbiased comparison.
     pub share: Samples,
+    /// Each epoch's GB/s over the read next to it of the run's best way
+    /// ([`LoaderBench::direct_best_way`]): one sample against one sample.
+    pub way_share: Samples,
     /// Mean bytes per `O_DIRECT` read.
     pub read_bytes: f64,
 }
@@ -156,21 +168,27 @@ const DIRECT_ROWS: [(usize, usize, usize, usize); 6] = [
 /// as the rows' 4 workers with 4 each.
 pub const DISK_QUEUE: usize = 16;
 
+/// The disk's ways of reading the file next to each cold epoch: 1 MiB reads through io_uring
+/// at queue depth [`DISK_QUEUE`], then `limits::DIRECT_WAYS`; way `w`'s name.
+fn disk_way(w: usize) -> String {
+    match w.checked_sub(1).map(|i| crate::limits::DIRECT_WAYS[i]) {
+        None => format!("1 MiB reads through io_uring at queue depth {DISK_QUEUE}"),
+        Some((chunk, 1)) => format!("sequential `pread`s of {} MiB on 1 thread", chunk >> 20),
+        Some((chunk, t)) => format!("sequential `pread`s of {} MiB on {t} threads", chunk >> 20),
+    }
+}
+
 /// Epochs of the data set read cold with `O_DIRECT` in blocks of records (evicted before
 /// each) as [`DIRECT_ROWS`] say, each next to the disk's own `O_DIRECT` reads of the file (the
 /// fastest of the limits table's ways and of io_uring at queue depth [`DISK_QUEUE`]), before
 /// it and after it in turns: a disk that serves bursts or
 /// has slow spells favours neither.
-fn direct_cold(
-    dataset: &Path,
-    cfg: &LoaderConfig,
-    reps: usize,
-) -> Result<(Vec<DirectCold>, Samples)> {
+fn direct_cold(dataset: &Path, cfg: &LoaderConfig, reps: usize) -> Result<DirectColdRows> {
     type Row = (
         (usize, usize, usize, usize),
         BatchLoader,
         Vec<f64>,
-        Vec<f64>,
+        Vec<Vec<f64>>,
         Vec<f64>,
     );
     let mut loaders = DIRECT_ROWS
@@ -196,13 +214,13 @@ fn direct_cold(
         })
         .collect::<Result<Vec<_>>>()?;
     let len = dataset.metadata()?.len();
-    let disk = || -> Result<f64> {
-        let queued = crate::reads::uring_direct(dataset, DISK_QUEUE)?;
-        crate::limits::DIRECT_WAYS
-            .iter()
-            .try_fold(queued, |best, &(chunk, threads)| {
-                Ok(best.max(crate::limits::direct_read(dataset, len, chunk, threads)?))
-            })
+    // Every way's GB/s, in `DISK_WAYS` order.
+    let disk = || -> Result<Vec<f64>> {
+        let mut ways = vec![crate::reads::uring_direct(dataset, DISK_QUEUE)?];
+        for &(chunk, threads) in &crate::limits::DIRECT_WAYS {
+            ways.push(crate::limits::direct_read(dataset, len, chunk, threads)?);
+        }
+        Ok(ways)
     };
     for epoch in 0..reps as u64 {
         for (row, ((block, ..), loader, runs, limit, shuffled)) in loaders.iter_mut().enumerate() {
@@ -228,20 +246,40 @@ fn direct_cold(
             }
         }
     }
-    let all = loaders.iter().flat_map(|l| l.3.iter().copied()).collect();
+    // The way with the highest median over the whole run.
+    let way = |w: usize| -> Vec<f64> {
+        let all = loaders.iter().flat_map(|l| l.3.iter());
+        all.map(|ways| ways[w]).collect()
+    };
+    let best = (0..=crate::limits::DIRECT_WAYS.len())
+        .max_by(|&a, &b| {
+            Samples::new(way(a))
+                .median
+                .total_cmp(&Samples::new(way(b)).median)
+        })
+        .unwrap_or(0);
+    let best_way_gbps = Samples::new(way(best));
+    let fastest = |ways: &Vec<f64>| ways.iter().copied().fold(0.0, f64::max);
+    let all = loaders
+        .iter()
+        .flat_map(|l| l.3.iter().map(fastest))
+        .collect();
     // Before `Samples` sorts them: each epoch with its own limit.
     let shares = |runs: &[f64], limit: &[f64]| runs.iter().zip(limit).map(|(r, l)| r / l).collect();
     let rows = loaders
         .into_iter()
         .map(
-            |((block, batch, workers, depth), loader, runs, limit, shuffled)| {
+            |((block, batch, workers, depth), loader, runs, ways, shuffled)| {
                 let st = loader.stats();
+                let limit: Vec<f64> = ways.iter().map(fastest).collect();
+                let theirs: Vec<f64> = ways.iter().map(|w| w[best]).collect();
                 DirectCold {
                     block,
                     batch,
                     workers,
                     depth,
                     share: Samples::new(shares(&runs, &limit)),
+                    way_share: Samples::new(shares(&runs, &theirs)),
                     gbps: Samples::new(runs),
                     limit_gbps: Samples::new(limit),
                     shuffled_gbps: Samples::new(shuffled),
@@ -250,7 +288,20 @@ fn direct_cold(
             },
         )
         .collect();
-    Ok((rows, Samples::new(all)))
+    Ok(DirectColdRows {
+        rows,
+        limit_gbps: Samples::new(all),
+        best_way: disk_way(best),
+        best_way_gbps,
+    })
+}
+
+/// [`direct_cold`]'s rows and their limits.
+struct DirectColdRows {
+    rows: Vec<DirectCold>,
+    limit_gbps: Samples,
+    best_way: String,
+    best_way_gbps: Samples,
 }
 
 /// An elastic loader over 10 million records or more (the data set cut into records of the

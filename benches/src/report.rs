@@ -166,7 +166,7 @@ impl Report {
             for d in &b.direct_cold {
                 let _ = writeln!(
                     s,
-                    "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read, {} in flight per worker) | {} records | {} | {} | {} ({} GB/s; per epoch {}-{}%; the disk reading such blocks in a random order: {} GB/s) | |",
+                    "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read, {} in flight per worker) | {} records | {} | {} | {} (per epoch {}-{}%); {} ({} GB/s); the disk reading such blocks in a random order: {} GB/s | |",
                     show_size(b.record_bytes as u64),
                     d.block,
                     show_size(d.read_bytes as u64),
@@ -175,21 +175,31 @@ impl Report {
                     d.workers,
                     d.gbps.show(2),
                     share(
+                        d.way_share.median,
+                        1.0,
+                        "the disk's best way next to each epoch"
+                    ),
+                    (100.0 * d.way_share.min).round(),
+                    (100.0 * d.way_share.max).round(),
+                    share(
                         d.share.median,
                         1.0,
-                        "the disk's O_DIRECT reads next to each epoch"
+                        "the fastest of the disk's ways at each epoch"
                     ),
                     d.limit_gbps.show(2),
-                    (100.0 * d.share.min).round(),
-                    (100.0 * d.share.max).round(),
                     d.shuffled_gbps.show(2),
                 );
             }
             let _ = writeln!(
                 s,
                 "\nThe cold rows' limit: next to each epoch (before it and after it in turns), the disk's own `O_DIRECT` reads of the same file \
-                 (sequential `pread`s of 8 MiB on 1 thread, of 1 MiB on 4 and on 16 threads, and 1 MiB reads through io_uring at queue depth {}: the fastest); all rows' together {} GB/s; the best `O_DIRECT` way of the limits table: {}.",
+                 (sequential `pread`s of 8 MiB on 1 thread, of 1 MiB on 4 and on 16 threads, and 1 MiB reads through io_uring at queue depth {}). \
+                 A row's share is the median of its epochs' shares of the read next to them of the way with the highest median over the run, {} ({} GB/s); \
+                 the fastest of the four at each epoch ({} GB/s, all rows') is biased high, the most of four samples of a disk that moves by a third, and is shown second. \
+                 The best `O_DIRECT` way of the limits table: {}.",
                 crate::loader::DISK_QUEUE,
+                b.direct_best_way,
+                b.direct_best_way_gbps.show(2),
                 b.direct_limit_gbps.show(2),
                 self.limits.as_ref().and_then(Limits::direct_limit).map_or(
                     "-".to_owned(),
