@@ -9,7 +9,10 @@
 //! within the join timeout, left (its `Rendezvous` was dropped, as after an error), or died: a
 //! rank of our PID namespace is known dead by its pid, any rank by a heartbeat that stood still
 //! for a whole lease. Once every rank has joined, rank 0 removes the name, so the segment is not
-//! left in /dev/shm when the job ends, however it ends. [`Rendezvous::share_fd`] passes a file
+//! left in /dev/shm when the job ends, however it ends. A rank that owns something the others
+//! hold (GPU memory they map) gives it back only after they let go of it:
+//! [`Rendezvous::wait_until_departed`] waits for every other rank's handle to be dropped (or
+//! [`Rendezvous::depart`]). [`Rendezvous::share_fd`] passes a file
 //! descriptor from every rank to every other over Unix sockets in /dev/shm, each removed before
 //! the call returns (a rank killed inside the call leaves its socket file behind: an empty
 //! name, `.gpufeed-fd-*`).
@@ -42,6 +45,8 @@ const OFF_NONCE: usize = 16;
 /// ranks asleep on it (a bump wakes them only when someone sleeps).
 const OFF_ARRIVALS: usize = 24;
 const OFF_SLEEPERS: usize = 28;
+/// A bit per rank, set when it departs ([`Rendezvous::depart`]): `MAX_RANKS` bits.
+const OFF_DEPARTED: usize = 32;
 /// Longest single sleep in a barrier: the other ranks' liveness is judged at least this often.
 const SLICE: Duration = Duration::from_millis(20);
 const REC: usize = 64 + 2 * MAX_PAYLOAD;
@@ -186,6 +191,45 @@ impl Rendezvous {
     pub fn leave(&self) {
         self.word(self.rank, R_STATE).store(LEFT, Ordering::Release);
         self.bump();
+    }
+
+    /// Departs for good: leaves the rendezvous (as [`Rendezvous::leave`]) and tells the other
+    /// ranks that this rank holds nothing of theirs any more, which their
+    /// [`Rendezvous::wait_until_departed`] waits for. Dropping the handle departs too.
+    pub fn depart(&self) {
+        let bit = 1u64 << (self.rank % 64);
+        word(&self.seg, OFF_DEPARTED + 8 * (self.rank / 64)).fetch_or(bit, Ordering::AcqRel);
+        self.leave();
+    }
+
+    /// Waits at most `timeout` until every other rank has departed ([`Rendezvous::depart`],
+    /// or its handle dropped) or died; `true` if they all have. The others do not wait for
+    /// this rank: for a rank that must not give back what the others hold (memory they map)
+    /// before they let go of it, when the ranks end at their own times. A rank that only left
+    /// ([`Rendezvous::leave`], as after an error) is still waited for.
+    pub fn wait_until_departed(&self, timeout: Duration) -> bool {
+        let started = Instant::now();
+        let mut seen = self.heartbeats();
+        loop {
+            let arrivals = self
+                .u32_at(OFF_ARRIVALS)
+                .load(std::sync::atomic::Ordering::SeqCst);
+            let staying = (0..self.world)
+                .filter(|&r| r != self.rank)
+                .any(|r| !self.departed(r) && self.dead(r, &mut seen[r]).is_none());
+            if !staying {
+                return true;
+            }
+            let Some(left) = timeout.checked_sub(started.elapsed()) else {
+                return false;
+            };
+            self.sleep(arrivals, left.min(SLICE));
+        }
+    }
+
+    fn departed(&self, r: usize) -> bool {
+        let bits = word(&self.seg, OFF_DEPARTED + 8 * (r / 64)).load(Ordering::Acquire);
+        bits & (1 << (r % 64)) != 0
     }
 
     /// Waits until every rank has reached this barrier (each rank's n-th call meets the
@@ -460,7 +504,7 @@ impl Rendezvous {
             if !waiting {
                 return Ok(());
             }
-            self.sleep(arrivals);
+            self.sleep(arrivals, SLICE);
         }
     }
 
@@ -474,14 +518,14 @@ impl Rendezvous {
         }
     }
 
-    /// Sleeps until the arrivals futex moves past `seen`, or for [`SLICE`].
-    fn sleep(&self, seen: u32) {
+    /// Sleeps until the arrivals futex moves past `seen`, or for `slice` (at most a second).
+    fn sleep(&self, seen: u32, slice: Duration) {
         use std::sync::atomic::Ordering::SeqCst;
         let sleepers = self.u32_at(OFF_SLEEPERS);
         sleepers.fetch_add(1, SeqCst);
         let ts = rustix::time::Timespec {
             tv_sec: 0,
-            tv_nsec: SLICE.as_nanos() as i64,
+            tv_nsec: slice.min(Duration::from_millis(999)).as_nanos() as i64,
         };
         // EAGAIN (moved already), ETIMEDOUT and EINTR all mean: look again.
         let _ = futex::wait(
@@ -524,25 +568,30 @@ impl Rendezvous {
                 }
                 Ok(())
             }
-            _ => {
-                let beat = self.word(r, R_BEAT).load(Ordering::Relaxed);
-                if beat != seen.0 {
-                    *seen = (beat, Instant::now());
-                }
-                let who = self.identity(r);
-                let still = seen.1.elapsed();
-                // pid 0: the rank has claimed its record but not yet published who it is (its
-                // heartbeat still judges it).
-                if (who.pid != 0 && who.is_dead()) || still > self.opts.lease {
-                    return Err(Error::RankDied {
-                        rank: r,
-                        pid: who.pid,
-                        silent_ms: still.as_millis(),
-                    });
-                }
-                Ok(())
-            }
+            _ => match self.dead(r, seen) {
+                Some((pid, silent_ms)) => Err(Error::RankDied {
+                    rank: r,
+                    pid,
+                    silent_ms,
+                }),
+                None => Ok(()),
+            },
         }
+    }
+
+    /// Rank `r`'s pid and how long its heartbeat stood still, if it is dead: its pid is gone,
+    /// or its heartbeat stood still for a lease since `seen` (which is updated).
+    fn dead(&self, r: usize, seen: &mut (u64, Instant)) -> Option<(u32, u128)> {
+        let beat = self.word(r, R_BEAT).load(Ordering::Relaxed);
+        if beat != seen.0 {
+            *seen = (beat, Instant::now());
+        }
+        let who = self.identity(r);
+        let still = seen.1.elapsed();
+        // pid 0: the rank has claimed its record but not yet published who it is (its
+        // heartbeat still judges it).
+        ((who.pid != 0 && who.is_dead()) || still > self.opts.lease)
+            .then_some((who.pid, still.as_millis()))
     }
 }
 
@@ -585,8 +634,7 @@ impl Drop for Rendezvous {
         if let Some(t) = self.heartbeat.take() {
             let _ = t.join();
         }
-        self.word(self.rank, R_STATE).store(LEFT, Ordering::Release);
-        self.bump();
+        self.depart();
     }
 }
 

@@ -42,6 +42,9 @@ const ALIGN: u64 = 4096;
 /// its bytes (16 GiB on two H200s: 0.32 s in rounds of 64 MiB, 0.21 s of 256 MiB, 0.19 s of
 /// 1 GiB and of 4 GiB; docs/benchmarks.md, GPU run 45).
 const ROUND_BYTES: u64 = 1 << 30;
+/// How long a dropped [`RankLoader`] with shared staging waits for the other ranks to let go
+/// of its slots (see its `Drop`).
+const LET_GO_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A piece of a sharded load: bytes `range` of file `file` of the plan.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -671,6 +674,32 @@ struct RankPools {
     own: gpufeed_cuda::SharedPool,
 }
 
+impl Drop for RankLoader {
+    /// With shared staging, CUDA wants memory imported from a pool freed in every process that
+    /// imported it before the process that owns it frees it. So a rank unmaps the other ranks'
+    /// slots, departs from the rendezvous (the others' next collective call fails naming this
+    /// rank), and frees its own slots once every other rank has departed or died — waiting at most
+    /// 10 s for a rank that keeps its loader longer, then freeing them
+    /// anyway, with a warning.
+    fn drop(&mut self) {
+        let Staging::Shared(p) = self.pools.get_mut() else {
+            return;
+        };
+        let _keep = ContextGuard::new();
+        p.peer_slots.clear();
+        p.peer_pools.clear();
+        self.rdv.depart();
+        if !self.rdv.wait_until_departed(LET_GO_WAIT) {
+            tracing::warn!(
+                "rank {}: freeing staging slots that another rank still maps (it kept its \
+                 RankLoader {} s longer): drop every rank's loader at about the same time",
+                self.rank(),
+                LET_GO_WAIT.as_secs()
+            );
+        }
+    }
+}
+
 impl std::fmt::Debug for RankLoader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RankLoader")
@@ -838,7 +867,8 @@ impl RankLoader {
     /// there is one) into its own copy, which comes from the GPU's stream-ordered pool like
     /// every other load's. Each rank keeps two slots of up to the round size (1 GiB by
     /// default, [`RankLoader::with_round_bytes`]; at most [`SHARED_SLOT_MAX_BYTES`]) until the
-    /// loader is dropped. `false`, or where some rank's driver cannot share pools through
+    /// loader is dropped, and frees them once every other rank has dropped its loader (which
+    /// maps them), waiting up to 10 s for that: drop the ranks' loaders at about the same time. `false`, or where some rank's driver cannot share pools through
     /// file descriptors: each copy is new `cuMemAlloc` memory (20% slower to fill on the H200
     /// machine, GPU run 54) that the others open through CUDA IPC handles (`cuIpcOpenMemHandle`,
     /// per load) and write into. Every rank must pass the same value.

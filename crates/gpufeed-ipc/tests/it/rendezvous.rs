@@ -23,7 +23,7 @@ fn name(test: &str) -> String {
 
 /// A child's part: join as `rank`, then per `mode`: `normal` exchanges twice with barriers
 /// between and prints what it got; `hang` prints `JOINED` and sleeps (to be killed); `leave`
-/// drops its handle after joining; `wait` waits at a barrier and prints the error it gets;
+/// drops its handle after joining; `linger` leaves, then drops it 300 ms later; `wait` waits at a barrier and prints the error it gets;
 /// `fd` passes descriptors ([`pass_descriptors`]) and prints what it read through them.
 pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
     let r = Rendezvous::join(name, rank, world, opts()).expect("join");
@@ -48,6 +48,13 @@ pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
         "fd" => println!("FDS {:?}", pass_descriptors(&r)),
         "hang" => std::thread::sleep(Duration::from_secs(60)),
         "leave" => drop(r),
+        "linger" => {
+            r.leave();
+            println!("LEFT");
+            std::thread::sleep(Duration::from_millis(300));
+            drop(r);
+            println!("DEPARTED");
+        }
         "wait" => match r.barrier() {
             Ok(()) => println!("ERROR none"),
             Err(e) => println!("ERROR {e}"),
@@ -375,4 +382,51 @@ fn a_leftover_of_a_crashed_job_and_bad_settings_are_handled() {
     let mut other = other;
     other.kill().expect("kill");
     other.wait().expect("reap");
+}
+
+#[test]
+fn a_rank_waits_until_the_others_have_departed() {
+    let name = self::name("linger");
+    let mut lingerer = spawn(&name, 1, 2, "linger");
+    let me = Rendezvous::join(&name, 0, 2, opts()).expect("join");
+    let mut out = wait_for_line(&mut lingerer, "JOINED");
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read");
+    assert_eq!(line.trim(), "LEFT");
+    // Rank 1 has left but keeps its handle for 300 ms: a shorter wait says it is still there.
+    let t = Instant::now();
+    assert!(
+        !me.wait_until_departed(Duration::from_millis(50)),
+        "rank 1 is still there"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(50),
+        "{:?}",
+        t.elapsed()
+    );
+    // Then it drops its handle, waking this rank long before the timeout.
+    let t = Instant::now();
+    assert!(
+        me.wait_until_departed(Duration::from_secs(20)),
+        "rank 1 departed"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let lines: Vec<String> = out.lines().map_while(Result::ok).collect();
+    assert!(lingerer.wait().expect("wait").success());
+    assert_eq!(
+        lines.first().map(String::as_str),
+        Some("DEPARTED"),
+        "{lines:?}"
+    );
+    // A rank that died is gone too.
+    let name = self::name("linger-killed");
+    let mut hang = spawn(&name, 1, 2, "hang");
+    let me = Rendezvous::join(&name, 0, 2, opts()).expect("join");
+    let _out = wait_for_line(&mut hang, "JOINED");
+    hang.kill().expect("kill rank 1");
+    hang.wait().expect("reap");
+    assert!(
+        me.wait_until_departed(Duration::from_secs(20)),
+        "a dead rank is gone"
+    );
 }

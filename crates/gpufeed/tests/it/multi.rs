@@ -542,6 +542,14 @@ fn rank_dispatcher() {
             Ok(_) => panic!("a rank that left still loads"),
         }
     }
+    // With shared staging a rank frees its slots only once every other rank has let go of
+    // them: the last rank keeps its loader a second longer, and the others' drops wait.
+    if r + 1 == n {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+    let t = std::time::Instant::now();
+    drop(rank);
+    println!("DROPPED {}", t.elapsed().as_millis());
 }
 
 /// A rank's part in `a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works`:
@@ -721,6 +729,17 @@ fn one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel() {
             }
             assert!(text.contains("DISAGREE 1"), "rank {r}\n{text}");
             assert!(text.contains("AFTER "), "rank {r}\n{text}");
+            let dropped: u64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix("DROPPED "))
+                .and_then(|ms| ms.trim().parse().ok())
+                .unwrap_or_else(|| panic!("rank {r}: no DROPPED\n{text}"));
+            if staged == "1" && r + 1 < n {
+                assert!(
+                    dropped >= 500,
+                    "rank {r} freed its slots after {dropped} ms\n{text}"
+                );
+            }
         }
     }
 }
