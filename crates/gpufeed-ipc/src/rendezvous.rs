@@ -5,17 +5,16 @@
 //! namespace, pid, start time), a heartbeat counter renewed by a thread, the last barrier it
 //! reached, and two payload buffers used in turn by [`Rendezvous::exchange`]. A barrier waits
 //! until every rank has reached it (asleep on a futex in the segment that every arrival and
-//! departure wakes), and fails with the rank's number when a rank never arrives
-//! within the join timeout, left (its `Rendezvous` was dropped, as after an error), or died: a
-//! rank of our PID namespace is known dead by its pid, any rank by a heartbeat that stood still
-//! for a whole lease. Once every rank has joined, rank 0 removes the name, so the segment is not
-//! left in /dev/shm when the job ends, however it ends. A rank that owns something the others
-//! hold (GPU memory they map) gives it back only after they let go of it:
+//! departure wakes), and fails with the rank's number when a rank never arrives within the join
+//! timeout, left (its `Rendezvous` was dropped, as after an error), or died: a rank of our PID
+//! namespace is known dead by its pid, any rank by a heartbeat that stood still for a whole
+//! lease. Once every rank has joined, rank 0 removes the name, so the segment is not left in
+//! /dev/shm when the job ends, however it ends. A rank that owns something the others hold (GPU
+//! memory they map) gives it back only after they let go of it:
 //! [`Rendezvous::wait_until_departed`] waits for every other rank's handle to be dropped (or
-//! [`Rendezvous::depart`]). [`Rendezvous::share_fd`] passes a file
-//! descriptor from every rank to every other over Unix sockets in /dev/shm, each removed before
-//! the call returns (a rank killed inside the call leaves its socket file behind: an empty
-//! name, `.gpufeed-fd-*`).
+//! [`Rendezvous::depart`]). [`Rendezvous::share_fd`] passes a file descriptor from every rank
+//! to every other over Unix sockets in /dev/shm, each removed before the call returns (a rank
+//! killed inside the call leaves its socket file behind: an empty name, `.gpufeed-fd-*`).
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};

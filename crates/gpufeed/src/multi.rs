@@ -678,9 +678,9 @@ impl Drop for RankLoader {
     /// With shared staging, CUDA wants memory imported from a pool freed in every process that
     /// imported it before the process that owns it frees it. So a rank unmaps the other ranks'
     /// slots, departs from the rendezvous (the others' next collective call fails naming this
-    /// rank), and frees its own slots once every other rank has departed or died — waiting at most
-    /// 10 s for a rank that keeps its loader longer, then freeing them
-    /// anyway, with a warning.
+    /// rank), and frees its own slots once every other rank has departed or died — waiting at
+    /// most 10 s for a rank that keeps its loader longer, then freeing them anyway, with a
+    /// warning.
     fn drop(&mut self) {
         let Staging::Shared(p) = self.pools.get_mut() else {
             return;
@@ -868,10 +868,11 @@ impl RankLoader {
     /// every other load's. Each rank keeps two slots of up to the round size (1 GiB by
     /// default, [`RankLoader::with_round_bytes`]; at most [`SHARED_SLOT_MAX_BYTES`]) until the
     /// loader is dropped, and frees them once every other rank has dropped its loader (which
-    /// maps them), waiting up to 10 s for that: drop the ranks' loaders at about the same time. `false`, or where some rank's driver cannot share pools through
-    /// file descriptors: each copy is new `cuMemAlloc` memory (20% slower to fill on the H200
-    /// machine, GPU run 54) that the others open through CUDA IPC handles (`cuIpcOpenMemHandle`,
-    /// per load) and write into. Every rank must pass the same value.
+    /// maps them), waiting up to 10 s for that: drop the ranks' loaders at about the same
+    /// time. `false`, or where some rank's driver cannot share pools through file
+    /// descriptors: each copy is new `cuMemAlloc` memory (20% slower to fill on the H200
+    /// machine, GPU run 54) that the others open through CUDA IPC handles
+    /// (`cuIpcOpenMemHandle`, per load) and write into. Every rank must pass the same value.
     pub fn with_shared_staging(mut self, shared: bool) -> Self {
         self.shared_staging = shared;
         self

@@ -23,8 +23,9 @@ fn name(test: &str) -> String {
 
 /// A child's part: join as `rank`, then per `mode`: `normal` exchanges twice with barriers
 /// between and prints what it got; `hang` prints `JOINED` and sleeps (to be killed); `leave`
-/// drops its handle after joining; `linger` leaves, then drops it 300 ms later; `wait` waits at a barrier and prints the error it gets;
-/// `fd` passes descriptors ([`pass_descriptors`]) and prints what it read through them.
+/// drops its handle after joining; `linger` leaves, then drops it 300 ms later; `wait` waits
+/// at a barrier and prints the error it gets; `fd` passes descriptors ([`pass_descriptors`])
+/// and prints what it read through them.
 pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
     let r = Rendezvous::join(name, rank, world, opts()).expect("join");
     println!("JOINED");
