@@ -54,6 +54,7 @@ const MAX_SIZE: u64 = 1 << 60;
   gpufeed advise --persistent --processes 8 --path /data/train.bin --measure
   gpufeed load model.safetensors --verify  a checkpoint: each tensor checked (xxh3)
   gpufeed load data/shard-000.bin           any file: its bytes as they are
+  gpufeed load model.bin --gpus 0,1 --replicate --verify  all of it on both GPUs
   gpufeed warm /data/*.bin             read files into the page cache
   gpufeed residency /data/*.bin --json how much of each file is cached
   gpufeed shm gc                       remove shared memory of dead gpufeed processes
@@ -98,12 +99,21 @@ enum Command {
     },
     /// Load a file into GPU memory and report how. A `.safetensors` file or a
     /// `.safetensors.index.json` is loaded as a checkpoint: its headers are checked and each
-    /// tensor placed (--raw loads the bytes as they are).
+    /// tensor placed (--raw loads the bytes as they are). With --gpus, onto several GPUs at
+    /// once: the file cut into one contiguous share per GPU, or with --replicate all of it on
+    /// every GPU (each reads a share, the rest arrives from the others over NVLink).
     Load {
         path: PathBuf,
         /// The GPU's CUDA ordinal.
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, conflicts_with = "gpus")]
         gpu: usize,
+        /// Several GPUs' ordinals, comma-separated (0,1): a share of the file on each, sized
+        /// together from one host budget.
+        #[arg(long, value_delimiter = ',', num_args = 1..)]
+        gpus: Vec<usize>,
+        /// With --gpus: all of the file (or checkpoint) on every GPU.
+        #[arg(long, requires = "gpus")]
+        replicate: bool,
         /// auto, registered, staged or direct.
         #[arg(long, default_value = "auto", value_parser = strategy_arg)]
         strategy: gpufeed::Strategy,
@@ -231,12 +241,41 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Load {
             path,
             gpu,
+            gpus,
+            replicate,
             strategy,
             verify,
             raw,
         } => {
+            let checkpoint = !raw && gpufeed::safetensors::is_checkpoint_name(&path);
+            if !gpus.is_empty() {
+                use clap::CommandFactory;
+                if let Some(g) = gpus
+                    .iter()
+                    .find(|&&g| gpus.iter().filter(|&&o| o == g).count() > 1)
+                {
+                    Cli::command()
+                        .error(
+                            clap::error::ErrorKind::ValueValidation,
+                            format!("--gpus names GPU {g} twice: give each GPU once"),
+                        )
+                        .exit();
+                }
+                if checkpoint && !replicate {
+                    Cli::command()
+                        .error(
+                            clap::error::ErrorKind::ArgumentConflict,
+                            "a checkpoint onto several GPUs: --replicate puts all of it on each \
+                             (--raw cuts the file's bytes into shares; tensor-parallel cuts \
+                             are gpufeed::safetensors::TensorParallel in the library)",
+                        )
+                        .exit();
+                }
+                let opts = gpufeed::LoadOptions::for_gpus(gpus.len()).with_strategy(strategy);
+                return load_multi(&path, &gpus, replicate, checkpoint, opts, verify, json);
+            }
             let opts = gpufeed::LoadOptions::default().with_strategy(strategy);
-            if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
+            if checkpoint {
                 load_checkpoint(&path, gpu, opts, verify, json)
             } else {
                 load(&path, gpu, opts, verify, json)
@@ -531,6 +570,172 @@ fn load(
             println!("strategy: {} ({})", r.strategy, r.reason);
         }
         print_verified(verified, "the bytes");
+    }
+    Ok(verify_code(verified))
+}
+
+/// What one GPU of `load --gpus` holds: the file's byte ranges (none for a checkpoint, held
+/// whole), whether they match the file (`None` without --verify), a checkpoint's tensors that
+/// differ.
+struct GpuHolds(Vec<std::ops::Range<u64>>, Option<bool>, Vec<String>);
+
+/// `load --gpus`: the file cut into one share per GPU, or (`replicate`) all of it, or of the
+/// checkpoint, on every GPU; `verify` compares each GPU's bytes with the file's.
+fn load_multi(
+    path: &Path,
+    gpus: &[usize],
+    replicate: bool,
+    checkpoint: bool,
+    opts: gpufeed::LoadOptions,
+    verify: bool,
+    json: bool,
+) -> Result<ExitCode> {
+    use gpufeed::multi::{MultiLoader, ShardPlan};
+    // The file (and a checkpoint's headers) first, then the GPUs.
+    let layout = match checkpoint {
+        true => Some(gpufeed::safetensors::inspect(path)?),
+        false => None,
+    };
+    // The bytes every GPU holds when replicated: a checkpoint's data sections, else the file.
+    let len = match &layout {
+        Some(layout) => layout.iter().map(|f| f.data_bytes).sum(),
+        None => gpufeed::os::file::stat_regular(path)?.size,
+    };
+    let multi = MultiLoader::open(gpus, opts)?;
+    let how = if replicate { "replicated" } else { "sharded" };
+    let pb = spinner(
+        &format!("load {} onto GPUs {gpus:?}, {how}", path.display()),
+        json,
+    );
+    // Each GPU's result: the bytes it should hold (their ranges of the file; none for a
+    // checkpoint, held whole) and whether it does (`None` without --verify); for a checkpoint
+    // the tensors that differ.
+    let mut per_gpu: Vec<GpuHolds> = Vec::new();
+    let report = if let Some(layout) = &layout {
+        let out = multi.load_replicated_safetensors(path);
+        pb.finish_and_clear();
+        let (ckpts, report) = out?;
+        for ckpt in &ckpts {
+            let bad = match verify {
+                true => Some(mismatched_tensors(ckpt, layout)?),
+                false => None,
+            };
+            let ok = bad.as_ref().map(Vec::is_empty);
+            per_gpu.push(GpuHolds(Vec::new(), ok, bad.unwrap_or_default()));
+        }
+        report
+    } else {
+        let plan = ShardPlan::split_bytes(&[path], gpus.len())?;
+        let out = match replicate {
+            true => multi.load_replicated(path),
+            false => multi.load_sharded(&plan),
+        };
+        pb.finish_and_clear();
+        let (bufs, report) = out?;
+        let file = match verify {
+            true => Some(
+                std::fs::read(path)
+                    .with_context(|| format!("read {} to verify", path.display()))?,
+            ),
+            false => None,
+        };
+        for (g, (buf, loader)) in bufs.iter().zip(multi.loaders()).enumerate() {
+            let whole = 0..len;
+            let ranges: Vec<std::ops::Range<u64>> = match replicate {
+                true => vec![whole],
+                false => plan.spans(g).iter().map(|s| s.range.clone()).collect(),
+            };
+            let ok = match &file {
+                Some(file) => {
+                    let want: Vec<u8> = ranges
+                        .iter()
+                        .flat_map(|r| &file[r.start as usize..r.end as usize])
+                        .copied()
+                        .collect();
+                    let back = loader.gpu().to_vec(buf)?;
+                    Some(xxhash_rust::xxh3::xxh3_64(&back) == xxhash_rust::xxh3::xxh3_64(&want))
+                }
+                None => None,
+            };
+            per_gpu.push(GpuHolds(ranges, ok, Vec::new()));
+        }
+        report
+    };
+    let verified = verify.then(|| per_gpu.iter().all(|g| g.1 == Some(true)));
+    let delivered: u64 = report.read_bytes.iter().chain(&report.peer_bytes).sum();
+    if json {
+        let each: Vec<_> = per_gpu
+            .iter()
+            .enumerate()
+            .map(|(g, GpuHolds(ranges, ok, bad))| {
+                let ranges: Vec<[u64; 2]> = ranges.iter().map(|r| [r.start, r.end]).collect();
+                json!({
+                    "gpu": report.gpus[g], "ranges": ranges,
+                    "read_bytes": report.read_bytes[g], "peer_bytes": report.peer_bytes[g],
+                    "seconds": report.gpu_seconds[g], "verified": ok,
+                    "mismatched_tensors": bad,
+                })
+            })
+            .collect();
+        print_json(
+            "load",
+            json!({
+                "kind": if checkpoint { "safetensors" } else { "file" }, "path": path,
+                "gpus": report.gpus, "mode": how, "bytes": len,
+                "seconds": report.seconds, "delivered_bytes": delivered,
+                "gbps": gpufeed::os::gbps(delivered, report.seconds),
+                "read_gbps": report.read_gbps(), "links": multi.links(),
+                "notes": multi.notes(), "per_gpu": each, "verified": verified,
+            }),
+        )?;
+    } else {
+        println!(
+            "{}: {} {how} onto GPUs {:?} in {:.3} s = {:.2} GB/s arriving on the GPUs ({:.2} GB/s read from the host)",
+            path.display(),
+            show_size(len),
+            report.gpus,
+            report.seconds,
+            gpufeed::os::gbps(delivered, report.seconds),
+            report.read_gbps(),
+        );
+        for (g, GpuHolds(ranges, ok, bad)) in per_gpu.iter().enumerate() {
+            let held: u64 = match checkpoint {
+                true => len,
+                false => ranges.iter().map(|r| r.end - r.start).sum(),
+            };
+            let check = match ok {
+                Some(true) => ", verified",
+                Some(false) => ", DIFFERS",
+                None => "",
+            };
+            println!(
+                "  GPU {}: {} ({} read, {} from the other GPUs) in {:.3} s{check}",
+                report.gpus[g],
+                show_size(held),
+                show_size(report.read_bytes[g]),
+                show_size(report.peer_bytes[g]),
+                report.gpu_seconds[g],
+            );
+            for name in bad.iter().take(20) {
+                println!("    differs: {name}");
+            }
+        }
+        for link in multi.links().iter().filter(|l| l.from < l.to) {
+            println!(
+                "  GPUs {} and {}: {}",
+                link.from,
+                link.to,
+                if link.access {
+                    link.kind()
+                } else {
+                    "no peer access (copies go through host memory)"
+                }
+            );
+        }
+        for note in multi.notes() {
+            println!("  note: {note}");
+        }
+        print_verified(verified, "every GPU's bytes");
     }
     Ok(verify_code(verified))
 }

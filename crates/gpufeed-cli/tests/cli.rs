@@ -202,7 +202,7 @@ fn bad_input_is_a_one_line_error() {
 /// the message says what would be right.
 #[test]
 fn bad_usage_exits_2_and_says_what_is_right() {
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 15] = [
         (&["advise"], "--size"),
         (&["advise", "--size", "1parsec"], "1.5GiB"),
         (&["advise", "--size", "0"], "at least 1 byte"),
@@ -213,6 +213,13 @@ fn bad_usage_exits_2_and_says_what_is_right() {
             &["load", "/etc/hostname", "--strategy", "warp"],
             "registered, staged",
         ),
+        (&["load", "/etc/hostname", "--replicate"], "--gpus"),
+        (
+            &["load", "/etc/hostname", "--gpu", "1", "--gpus", "0,1"],
+            "--gpus",
+        ),
+        (&["load", "/etc/hostname", "--gpus", "0,1,0"], "GPU 0 twice"),
+        (&["load", "m.safetensors", "--gpus", "0,1"], "--replicate"),
         (&["warm"], "PATHS"),
         (&["evict"], "PATHS"),
         (&["lock", "--seconds", "1"], "PATHS"),
@@ -259,13 +266,75 @@ fn load_without_a_gpu_says_so() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("f.bin");
     std::fs::write(&path, [1u8; 100]).expect("write");
-    let out = gpufeed().arg("load").arg(&path).output().expect("run");
-    if out.status.success() {
-        eprintln!("a GPU is present: the no-GPU path is not exercised");
-        return;
+    for gpus in [&[][..], &["--gpus", "0,1"], &["--gpus", "0", "--replicate"]] {
+        let out = gpufeed()
+            .arg("load")
+            .arg(&path)
+            .args(gpus)
+            .output()
+            .expect("run");
+        if out.status.success() {
+            eprintln!("a GPU is present: the no-GPU path is not exercised");
+            return;
+        }
+        assert_eq!(out.status.code(), Some(3), "{gpus:?}: {out:?}");
+        assert!(one_line_error(&out).contains("NVIDIA driver"), "{gpus:?}");
     }
-    assert_eq!(out.status.code(), Some(3));
-    assert!(one_line_error(&out).contains("NVIDIA driver"));
+}
+
+/// `load --gpus`: a file cut into one share per GPU, or replicated onto each, every GPU's
+/// bytes checked against the file (on one GPU: the N=1 path).
+#[test]
+fn load_onto_several_gpus_shares_or_replicates_the_file() {
+    let Some(_gpu) = gpufeed_testkit::opened_or_skip(
+        "load_onto_several_gpus_shares_or_replicates_the_file",
+        gpufeed::Gpu::open(0),
+    ) else {
+        return;
+    };
+    let n = gpufeed::Gpu::count().expect("count").min(4);
+    let gpus: Vec<String> = (0..n).map(|g| g.to_string()).collect();
+    let gpus = gpus.join(",");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("f.bin");
+    let len = (5 << 20) + 4099;
+    std::fs::write(&path, gpufeed_testkit::random_bytes(len, 77)).expect("write");
+    let (v, code) = json_of(
+        gpufeed()
+            .args(["load", "--verify", "--gpus", &gpus])
+            .arg(&path),
+    );
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(
+        (v["mode"].as_str(), v["verified"].as_bool()),
+        (Some("sharded"), Some(true)),
+        "{v}"
+    );
+    let each = v["per_gpu"].as_array().expect("per_gpu");
+    assert_eq!(each.len(), n, "{v}");
+    // The shares cover the file once, in order.
+    let mut at = 0;
+    for g in each {
+        assert_eq!(g["verified"], true, "{v}");
+        for r in g["ranges"].as_array().expect("ranges") {
+            assert_eq!(r[0], at, "{v}");
+            at = r[1].as_u64().expect("end");
+        }
+    }
+    assert_eq!(at, len as u64, "{v}");
+    let (v, code) = json_of(
+        gpufeed()
+            .args(["load", "--verify", "--replicate", "--gpus", &gpus])
+            .arg(&path),
+    );
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["mode"], "replicated", "{v}");
+    for g in v["per_gpu"].as_array().expect("per_gpu") {
+        assert_eq!(g["verified"], true, "{v}");
+        let got = g["read_bytes"].as_u64().expect("read") + g["peer_bytes"].as_u64().expect("peer");
+        assert_eq!(got, len as u64, "{v}");
+    }
+    assert_eq!(v["verified"], true, "{v}");
 }
 
 #[test]
@@ -549,5 +618,17 @@ fn load_reads_a_checkpoint_as_tensors() {
         std::fs::metadata(&one).expect("stat").len(),
         "{v}"
     );
+    assert_eq!(v["verified"], true, "{v}");
+    // The checkpoint on every GPU (--replicate), every tensor checked on each.
+    let n = gpufeed::Gpu::count().expect("count").min(4);
+    let gpus: Vec<String> = (0..n).map(|g| g.to_string()).collect();
+    let (v, code) = json_of(
+        gpufeed()
+            .args(["load", "--verify", "--replicate", "--gpus", &gpus.join(",")])
+            .arg(&index),
+    );
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["kind"], "safetensors", "{v}");
+    assert_eq!(v["per_gpu"].as_array().map(Vec::len), Some(n), "{v}");
     assert_eq!(v["verified"], true, "{v}");
 }
