@@ -109,7 +109,7 @@ enum Command {
         gpu: usize,
         /// Several GPUs' ordinals, comma-separated (0,1): a share of the file on each, sized
         /// together from one host budget.
-        #[arg(long, value_delimiter = ',', num_args = 1..)]
+        #[arg(long, value_delimiter = ',')]
         gpus: Vec<usize>,
         /// With --gpus: all of the file (or checkpoint) on every GPU.
         #[arg(long, requires = "gpus")]

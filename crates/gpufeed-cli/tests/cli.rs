@@ -266,11 +266,12 @@ fn load_without_a_gpu_says_so() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("f.bin");
     std::fs::write(&path, [1u8; 100]).expect("write");
+    // --gpus before the path too: it takes one list, not the path as another value.
     for gpus in [&[][..], &["--gpus", "0,1"], &["--gpus", "0", "--replicate"]] {
         let out = gpufeed()
             .arg("load")
-            .arg(&path)
             .args(gpus)
+            .arg(&path)
             .output()
             .expect("run");
         if out.status.success() {
