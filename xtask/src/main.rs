@@ -174,7 +174,10 @@ fn device(root: &Path) -> Result<()> {
     let script = format!(
         r#"#!/usr/bin/env bash
 # Made by `cargo xtask device`. Runs the test binaries with GPU tests required, then the bench.
-#   bash target/device/run.sh [tests|bench|all] [gpufeed-bench args...]
+#   bash target/device/run.sh [tests|bench|all|ranks] [gpufeed-bench args...]
+# `ranks`: one process per GPU, world 1 and 2 (two GPUs, or two ranks sharing one), sharded and
+# replicated loads of a file in /dev/shm (RANKS_FILE_SIZE, default 16G), through the staging
+# slots the ranks share and through CUDA IPC handles; one JSON line each in $OUT/ranks.jsonl.
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 what="${{1:-all}}"; shift || true
@@ -214,6 +217,21 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   "$here/gpufeed-bench" --dir /tmp/gpufeed-bench "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
   cp /tmp/gpufeed-bench/report.json /tmp/gpufeed-bench/report.svg "$out/" 2>/dev/null
   cat "$out/bench.md"; tail -n 5 "$out/bench.err"
+fi
+if [ "$what" = ranks ]; then
+  f=/dev/shm/gpufeed-ranks.bin
+  if fallocate -l "${{RANKS_FILE_SIZE:-16G}}" "$f"; then
+    for w in 1 2; do
+      for way in "" --ipc-handles; do
+        echo "=== ranks --world $w $way"
+        "$here/gpufeed-bench" ranks --path "$f" --world "$w" --reps 5 $way "$@" \
+          >> "$out/ranks.jsonl" && tail -n 1 "$out/ranks.jsonl" || status=1
+      done
+    done
+  else
+    status=1
+  fi
+  rm -f "$f"
 fi
 exit $status
 "#,
