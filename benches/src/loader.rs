@@ -130,9 +130,9 @@ pub struct DirectCold {
     /// `LoaderConfig::direct_depth`: reads in flight per worker.
     pub depth: usize,
     pub gbps: Samples,
-    /// The disk's own `O_DIRECT` reads of the file next to each of this row's epochs (the
-    /// fastest of the limits table's ways, `limits::DIRECT_WAYS`, and of io_uring at queue
-    /// depth [`DISK_QUEUE`]), GB/s: the row's limit.
+    /// The fastest of the disk's own `O_DIRECT` reads of the file next to each of this row's
+    /// epochs (the limits table's ways, `limits::DIRECT_WAYS`, and io_uring at queue depth
+    /// [`DISK_QUEUE`]), GB/s: the limit of [`DirectCold::share`].
     pub limit_gbps: Samples,
     /// The disk's own `O_DIRECT` reads of the file's blocks in a random order, through
     /// io_uring at queue depth [`DISK_QUEUE`], next to each epoch: what this order costs the
@@ -179,10 +179,10 @@ fn disk_way(w: usize) -> String {
 }
 
 /// Epochs of the data set read cold with `O_DIRECT` in blocks of records (evicted before
-/// each) as [`DIRECT_ROWS`] say, each next to the disk's own `O_DIRECT` reads of the file (the
-/// fastest of the limits table's ways and of io_uring at queue depth [`DISK_QUEUE`]), before
-/// it and after it in turns: a disk that serves bursts or
-/// has slow spells favours neither.
+/// each) as [`DIRECT_ROWS`] say, each next to the disk's own `O_DIRECT` reads of the file in
+/// every way of [`disk_way`], before it and after it in turns (a disk that serves bursts or
+/// has slow spells favours neither); each epoch is judged against the read next to it of the
+/// way with the best median over the run, and (second) against the fastest way next to it.
 fn direct_cold(dataset: &Path, cfg: &LoaderConfig, reps: usize) -> Result<DirectColdRows> {
     type Row = (
         (usize, usize, usize, usize),
@@ -214,7 +214,7 @@ fn direct_cold(dataset: &Path, cfg: &LoaderConfig, reps: usize) -> Result<Direct
         })
         .collect::<Result<Vec<_>>>()?;
     let len = dataset.metadata()?.len();
-    // Every way's GB/s, in `DISK_WAYS` order.
+    // Every way's GB/s, in `disk_way` order.
     let disk = || -> Result<Vec<f64>> {
         let mut ways = vec![crate::reads::uring_direct(dataset, DISK_QUEUE)?];
         for &(chunk, threads) in &crate::limits::DIRECT_WAYS {
