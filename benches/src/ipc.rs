@@ -31,7 +31,7 @@ const LATENCY_MESSAGES: usize = 2000;
 /// Meetings of the rendezvous latency row.
 pub const BARRIERS: usize = 400;
 /// How long the late rank of the rendezvous latency row works before each meeting.
-const BARRIER_LAG: Duration = Duration::from_millis(5);
+pub const BARRIER_LAG: Duration = Duration::from_millis(5);
 
 #[derive(Debug, Serialize)]
 pub struct IpcBench {

@@ -269,9 +269,8 @@ fn main() -> Result<()> {
             round_mib,
         }) => {
             let exe = std::env::current_exe()?;
-            let round = round_mib.map(|m| m << 20);
             let (sharded, replicated) =
-                multi::ranks(&exe, &path, world, reps, !ipc_handles, round)?;
+                multi::ranks(&exe, &path, world, reps, !ipc_handles, round_mib)?;
             let json = serde_json::json!({"world": world, "shared_staging": !ipc_handles,
                 "round_mib": round_mib, "sharded_seconds": sharded,
                 "replicated_seconds": replicated});
@@ -283,7 +282,7 @@ fn main() -> Result<()> {
             reps,
             ipc_handles,
             round_mib,
-        }) => return multi::rank_child(&path, reps, !ipc_handles, round_mib.map(|m| m << 20)),
+        }) => return multi::rank_child(&path, reps, !ipc_handles, round_mib),
         Some(Internal::FramesProducer {
             ring,
             fps,

@@ -250,14 +250,14 @@ pub fn measure(
 
 /// `count` rank processes (this program's `rank` command) over `file`: per repetition, the
 /// slowest rank's seconds of a sharded and of a replicated load (through shared staging if
-/// `shared_staging`, else CUDA IPC handles).
+/// `shared_staging`, else CUDA IPC handles; in rounds of `round_mib` MiB where given).
 pub fn ranks(
     exe: &Path,
     file: &Path,
     count: usize,
     reps: usize,
     shared_staging: bool,
-    round_bytes: Option<u64>,
+    round_mib: Option<u64>,
 ) -> Result<(Samples, Samples)> {
     let job = format!("bench-{}", std::process::id());
     let children = (0..count)
@@ -267,7 +267,7 @@ pub fn ranks(
                 .arg(file)
                 .args(["--reps", &reps.to_string()])
                 .args((!shared_staging).then_some("--ipc-handles"))
-                .args(round_bytes.map(|b| format!("--round-mib={}", b >> 20)))
+                .args(round_mib.map(|m| format!("--round-mib={m}")))
                 .env("LOCAL_RANK", r.to_string())
                 .env("LOCAL_WORLD_SIZE", count.to_string())
                 .env("GPUFEED_JOB", &job)
@@ -300,17 +300,17 @@ pub fn ranks(
 }
 
 /// One rank: `RankLoader::from_env` (replicated loads through shared staging slots if
-/// `shared_staging`, else CUDA IPC handles), then a warm-up and `reps` sharded and replicated loads of `path`; prints
-/// their seconds as JSON.
+/// `shared_staging`, else CUDA IPC handles; in rounds of `round_mib` MiB where given), then a
+/// warm-up and `reps` sharded and replicated loads of `path`; prints their seconds as JSON.
 pub fn rank_child(
     path: &Path,
     reps: usize,
     shared_staging: bool,
-    round_bytes: Option<u64>,
+    round_mib: Option<u64>,
 ) -> Result<()> {
     let mut rank = gpufeed::multi::RankLoader::from_env()?.with_shared_staging(shared_staging);
-    if let Some(bytes) = round_bytes {
-        rank = rank.with_round_bytes(bytes);
+    if let Some(mib) = round_mib {
+        rank = rank.with_round_bytes(mib << 20);
     }
     let plan = ShardPlan::split_bytes(&[path], rank.world())?;
     // All sharded loads, then all replicated ones: as in the rows of one process above, a

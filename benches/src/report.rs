@@ -1146,8 +1146,9 @@ fn ipc_table(s: &mut String, i: &IpcBench, memcpy: f64) {
     let _ = writeln!(
         s,
         "\nThe rendezvous of one process per GPU (`gpufeed_ipc::Rendezvous`, two ranks), one rank \
-         waiting 5 ms for the other at each meeting: from the late rank's arrival until the \
+         waiting {} ms for the other at each meeting: from the late rank's arrival until the \
          waiting rank's `exchange` returns, p50 {:.1} us, p99 {:.1} us ({} meetings).",
+        crate::ipc::BARRIER_LAG.as_millis(),
         i.barrier_p50_us,
         i.barrier_p99_us,
         i.barrier_us.all.len()

@@ -639,21 +639,30 @@ fn load_multi(
             ),
             false => None,
         };
+        // The xxh3 of the file's `ranges`, in order, without copying them out.
+        let expected = |file: &[u8], ranges: &[std::ops::Range<u64>]| {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            for r in ranges {
+                h.update(&file[r.start as usize..r.end as usize]);
+            }
+            h.digest()
+        };
+        // Replicated: every GPU holds the whole file, hashed once.
+        let whole = match (&file, replicate) {
+            (Some(file), true) => Some(xxhash_rust::xxh3::xxh3_64(file)),
+            _ => None,
+        };
         for (g, (buf, loader)) in bufs.iter().zip(multi.loaders()).enumerate() {
-            let whole = 0..len;
+            let all = 0..len;
             let ranges: Vec<std::ops::Range<u64>> = match replicate {
-                true => vec![whole],
+                true => vec![all],
                 false => plan.spans(g).iter().map(|s| s.range.clone()).collect(),
             };
             let ok = match &file {
                 Some(file) => {
-                    let want: Vec<u8> = ranges
-                        .iter()
-                        .flat_map(|r| &file[r.start as usize..r.end as usize])
-                        .copied()
-                        .collect();
+                    let want = whole.unwrap_or_else(|| expected(file, &ranges));
                     let back = loader.gpu().to_vec(buf)?;
-                    Some(xxhash_rust::xxh3::xxh3_64(&back) == xxhash_rust::xxh3::xxh3_64(&want))
+                    Some(xxhash_rust::xxh3::xxh3_64(&back) == want)
                 }
                 None => None,
             };
