@@ -169,9 +169,9 @@ enum Internal {
         world: usize,
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        /// As `rank --ipc-handles`.
-        #[arg(long)]
-        ipc_handles: bool,
+        /// As `rank --via`.
+        #[arg(long, value_enum, default_value = "staging")]
+        via: multi::Via,
         /// As `rank --round-mib`.
         #[arg(long)]
         round_mib: Option<u64>,
@@ -183,10 +183,11 @@ enum Internal {
         path: std::path::PathBuf,
         #[arg(long)]
         reps: usize,
-        /// Replicated loads through CUDA IPC handles of new `cuMemAlloc` memory rather than the
-        /// staging slots the ranks share (`RankLoader::with_shared_staging(false)`).
-        #[arg(long)]
-        ipc_handles: bool,
+        /// How replicated loads copy between the ranks: the staging slots they share, CUDA IPC
+        /// handles of new `cuMemAlloc` memory (`RankLoader::with_shared_staging(false)`), or
+        /// NCCL broadcasts (`RankLoader::with_nccl(true)`).
+        #[arg(long, value_enum, default_value = "staging")]
+        via: multi::Via,
         /// Replicated loads in rounds of this many MiB (`RankLoader::with_round_bytes`).
         #[arg(long)]
         round_mib: Option<u64>,
@@ -265,13 +266,12 @@ fn main() -> Result<()> {
             path,
             world,
             reps,
-            ipc_handles,
+            via,
             round_mib,
         }) => {
             let exe = std::env::current_exe()?;
-            let (sharded, replicated) =
-                multi::ranks(&exe, &path, world, reps, !ipc_handles, round_mib)?;
-            let json = serde_json::json!({"world": world, "shared_staging": !ipc_handles,
+            let (sharded, replicated) = multi::ranks(&exe, &path, world, reps, via, round_mib)?;
+            let json = serde_json::json!({"world": world, "via": via,
                 "round_mib": round_mib, "sharded_seconds": sharded,
                 "replicated_seconds": replicated});
             println!("{json}");
@@ -280,9 +280,9 @@ fn main() -> Result<()> {
         Some(Internal::Rank {
             path,
             reps,
-            ipc_handles,
+            via,
             round_mib,
-        }) => return multi::rank_child(&path, reps, !ipc_handles, round_mib),
+        }) => return multi::rank_child(&path, reps, via, round_mib),
         Some(Internal::FramesProducer {
             ring,
             fps,

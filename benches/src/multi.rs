@@ -44,10 +44,14 @@ pub struct MultiBench {
     /// One process per GPU (`RankLoader`), sharded by bytes: GB/s in all (the file over the
     /// slowest rank's time).
     pub ranks_sharded_gbps: Option<Samples>,
-    /// One process per GPU, replicated: seconds of the slowest rank.
+    /// One process per GPU, replicated through the staging slots the ranks share: seconds of
+    /// the slowest rank.
     pub ranks_replicated_seconds: Option<Samples>,
     /// Why the one-process-per-GPU rows did not run.
     pub ranks_error: Option<String>,
+    /// One process per GPU, replicated through NCCL broadcasts: seconds of the slowest rank;
+    /// or why not.
+    pub ranks_nccl_replicated_seconds: std::result::Result<Samples, String>,
     /// Tensor-parallel loads of the checkpoint: GB/s in all.
     pub tp_rows_gbps: Samples,
     pub tp_columns_gbps: Samples,
@@ -192,10 +196,17 @@ pub fn measure(
 
     progress("table 11: one process per GPU (RankLoader), sharded and replicated");
     let (ranks_sharded_gbps, ranks_replicated_seconds, ranks_error) =
-        match ranks(exe, &file, count, reps, true, None) {
+        match ranks(exe, &file, count, reps, Via::Staging, None) {
             Ok((s, r)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
             Err(e) => (None, None, Some(format!("{e:#}"))),
         };
+    progress("table 11: one process per GPU, replicated through NCCL");
+    let ranks_nccl_replicated_seconds = match gpufeed::cuda::nccl_version() {
+        Ok(_) => ranks(exe, &file, count, reps, Via::Nccl, None)
+            .map(|(_, r)| r)
+            .map_err(|e| format!("{e:#}")),
+        Err(e) => Err(e.to_string()),
+    };
 
     let peers = peers.then(|| {
         progress("table 11: the peers on the checkpoint (peers.py --multi)");
@@ -243,20 +254,33 @@ pub fn measure(
         ranks_sharded_gbps,
         ranks_replicated_seconds,
         ranks_error,
+        ranks_nccl_replicated_seconds,
         links,
         notes,
     }))
 }
 
+/// How a `RankLoader`'s replicated loads copy between the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// Staging slots the ranks share (the default).
+    Staging,
+    /// CUDA IPC handles of new `cuMemAlloc` memory (`with_shared_staging(false)`).
+    Ipc,
+    /// NCCL broadcasts (`with_nccl(true)`).
+    Nccl,
+}
+
 /// `count` rank processes (this program's `rank` command) over `file`: per repetition, the
-/// slowest rank's seconds of a sharded and of a replicated load (through shared staging if
-/// `shared_staging`, else CUDA IPC handles; in rounds of `round_mib` MiB where given).
+/// slowest rank's seconds of a sharded and of a replicated load (copied `via`; in rounds of
+/// `round_mib` MiB where given).
 pub fn ranks(
     exe: &Path,
     file: &Path,
     count: usize,
     reps: usize,
-    shared_staging: bool,
+    via: Via,
     round_mib: Option<u64>,
 ) -> Result<(Samples, Samples)> {
     let job = format!("bench-{}", std::process::id());
@@ -266,7 +290,12 @@ pub fn ranks(
                 .args(["rank", "--path"])
                 .arg(file)
                 .args(["--reps", &reps.to_string()])
-                .args((!shared_staging).then_some("--ipc-handles"))
+                .args([
+                    "--via",
+                    clap::ValueEnum::to_possible_value(&via)
+                        .expect("a value")
+                        .get_name(),
+                ])
                 .args(round_mib.map(|m| format!("--round-mib={m}")))
                 .env("LOCAL_RANK", r.to_string())
                 .env("LOCAL_WORLD_SIZE", count.to_string())
@@ -299,16 +328,13 @@ pub fn ranks(
     Ok((slowest("sharded"), slowest("replicated")))
 }
 
-/// One rank: `RankLoader::from_env` (replicated loads through shared staging slots if
-/// `shared_staging`, else CUDA IPC handles; in rounds of `round_mib` MiB where given), then a
-/// warm-up and `reps` sharded and replicated loads of `path`; prints their seconds as JSON.
-pub fn rank_child(
-    path: &Path,
-    reps: usize,
-    shared_staging: bool,
-    round_mib: Option<u64>,
-) -> Result<()> {
-    let mut rank = gpufeed::multi::RankLoader::from_env()?.with_shared_staging(shared_staging);
+/// One rank: `RankLoader::from_env` (replicated loads copied `via`; in rounds of `round_mib`
+/// MiB where given), then a warm-up and `reps` sharded and replicated loads of `path`; prints
+/// their seconds as JSON.
+pub fn rank_child(path: &Path, reps: usize, via: Via, round_mib: Option<u64>) -> Result<()> {
+    let mut rank = gpufeed::multi::RankLoader::from_env()?
+        .with_shared_staging(via == Via::Staging)
+        .with_nccl(via == Via::Nccl);
     if let Some(mib) = round_mib {
         rank = rank.with_round_bytes(mib << 20);
     }
@@ -540,7 +566,7 @@ pub fn table(s: &mut String, v: &MultiBench) {
             );
             let _ = writeln!(
                 s,
-                "| one process per GPU, replicated (CUDA IPC) | {} | {} | {:.2}x one GPU's time |",
+                "| one process per GPU, replicated (staging slots the ranks share) | {} | {} | {:.2}x one GPU's time |",
                 rep.map(|t| gbps(v.file_bytes, t)).show(1),
                 rep.show(3),
                 rep.median / v.one_gpu_seconds.median
@@ -550,6 +576,23 @@ pub fn table(s: &mut String, v: &MultiBench) {
             let _ = writeln!(s, "| one process per GPU | did not run: {e} | | |");
         }
         _ => {}
+    }
+    match &v.ranks_nccl_replicated_seconds {
+        Ok(rep) => {
+            let _ = writeln!(
+                s,
+                "| one process per GPU, replicated (NCCL broadcasts) | {} | {} | {:.2}x one GPU's time |",
+                rep.map(|t| gbps(v.file_bytes, t)).show(1),
+                rep.show(3),
+                rep.median / v.one_gpu_seconds.median
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(
+                s,
+                "| one process per GPU, replicated through NCCL | did not run: {e} | | |"
+            );
+        }
     }
     for (round, secs) in &v.replicated_by_round {
         let _ = writeln!(

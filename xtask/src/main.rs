@@ -177,7 +177,8 @@ fn device(root: &Path) -> Result<()> {
 #   bash target/device/run.sh [tests|bench|all|ranks] [gpufeed-bench args...]
 # `ranks`: one process per GPU, world 1 and 2 (two GPUs, or two ranks sharing one), sharded and
 # replicated loads of a file in /dev/shm (RANKS_FILE_SIZE, default 16G), through the staging
-# slots the ranks share and through CUDA IPC handles; one JSON line each in $OUT/ranks.jsonl.
+# slots the ranks share, CUDA IPC handles and NCCL (world 2 only with two GPUs: NCCL needs a
+# GPU per rank); one JSON line each in $OUT/ranks.jsonl.
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 what="${{1:-all}}"; shift || true
@@ -221,10 +222,12 @@ fi
 if [ "$what" = ranks ]; then
   f=/dev/shm/gpufeed-ranks.bin
   if fallocate -l "${{RANKS_FILE_SIZE:-16G}}" "$f"; then
+    gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
     for w in 1 2; do
-      for way in "" --ipc-handles; do
-        echo "=== ranks --world $w $way"
-        "$here/gpufeed-bench" ranks --path "$f" --world "$w" --reps 5 $way "$@" \
+      for way in staging ipc nccl; do
+        if [ "$way" = nccl ] && [ "$w" -gt "$gpus" ]; then continue; fi
+        echo "=== ranks --world $w --via $way"
+        "$here/gpufeed-bench" ranks --path "$f" --world "$w" --reps 5 --via "$way" "$@" \
           >> "$out/ranks.jsonl" && tail -n 1 "$out/ranks.jsonl" || status=1
       done
     done

@@ -60,6 +60,28 @@ pub enum Error {
         max: u64,
     },
 
+    /// NCCL could not be loaded (replicated loads through NCCL need it).
+    #[error(
+        "NCCL could not be loaded ({tried}): install NCCL 2.14 or later (Debian's libnccl2, or \
+         pip's nvidia-nccl-cu12 with its lib folder on LD_LIBRARY_PATH), or point \
+         GPUFEED_NCCL_LIBRARY at libnccl.so.2; or copy without NCCL (gpufeed's default)"
+    )]
+    NcclMissing {
+        /// Each library name tried and why it did not load.
+        tried: String,
+    },
+
+    /// An NCCL call failed (the communicator is aborted).
+    #[error("{op} failed: {message} (ncclResult_t {result})")]
+    Nccl {
+        /// The call.
+        op: &'static str,
+        /// What NCCL returned (`ncclResult_t`).
+        result: i32,
+        /// NCCL's name for it and its last message.
+        message: String,
+    },
+
     /// A fill source failed to produce its bytes.
     #[error("fill source failed at offset {offset}: {source}")]
     Source {

@@ -65,6 +65,7 @@ mod crew;
 mod error;
 mod gpu;
 pub mod kernels;
+mod nccl;
 mod peer;
 mod raw;
 mod transfer;
@@ -73,6 +74,7 @@ pub use error::{CUresult, Error, Result};
 pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
+pub use nccl::{NcclBroadcasts, NcclComm, NcclId, nccl_version};
 pub use peer::{
     ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerGather, PeerLink, SHARED_MAP_MAX_BYTES,
     SharedPointer, SharedPool, split_mut,

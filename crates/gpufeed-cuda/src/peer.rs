@@ -499,7 +499,7 @@ fn check_shareable(len: usize) -> Result<()> {
 }
 
 /// `range` of `view`, or [`Error::OutOfBounds`].
-fn part_mut<'b>(
+pub(crate) fn part_mut<'b>(
     view: &'b mut CudaViewMut<'_, u8>,
     range: std::ops::Range<usize>,
 ) -> Result<CudaViewMut<'b, u8>> {

@@ -400,3 +400,19 @@ pub(crate) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<()> {
         .result()
         .map_err(|e| Error::cuda("cuMemFree", e))
 }
+
+/// `cuStreamQuery`: whether every piece of work enqueued on `stream` has completed.
+///
+/// # Safety
+/// `stream` is a live stream of the current context.
+pub(crate) unsafe fn stream_done(stream: sys::CUstream) -> Result<bool> {
+    // SAFETY: the caller's promise above.
+    match unsafe { sys::cuStreamQuery(stream) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        result => Err(Error::Cuda {
+            op: "cuStreamQuery",
+            result,
+        }),
+    }
+}

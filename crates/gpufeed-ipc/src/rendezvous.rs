@@ -226,6 +226,27 @@ impl Rendezvous {
         }
     }
 
+    /// A watch over the other ranks, for a rank that waits on something other than this
+    /// rendezvous (a collective of another library, such as NCCL, that would wait forever for
+    /// a rank that is gone): [`RankWatch::check`] fails naming a rank that left or died.
+    ///
+    /// # Example
+    /// ```
+    /// use gpufeed_ipc::{Rendezvous, RendezvousOptions};
+    /// let name = format!("gpufeed-doc-watch-{}", std::process::id());
+    /// let r = Rendezvous::join(&name, 0, 1, RendezvousOptions::default())?;
+    /// let mut watch = r.watch();
+    /// // ... poll the other library's work, and between polls:
+    /// watch.check()?;
+    /// # Ok::<(), gpufeed_ipc::Error>(())
+    /// ```
+    pub fn watch(&self) -> RankWatch<'_> {
+        RankWatch {
+            rdv: self,
+            seen: self.heartbeats(),
+        }
+    }
+
     fn departed(&self, r: usize) -> bool {
         let bits = word(&self.seg, OFF_DEPARTED + 8 * (r / 64)).load(Ordering::Acquire);
         bits & (1 << (r % 64)) != 0
@@ -591,6 +612,32 @@ impl Rendezvous {
         // heartbeat still judges it).
         ((who.pid != 0 && who.is_dead()) || still > self.opts.lease)
             .then_some((who.pid, still.as_millis()))
+    }
+}
+
+/// The other ranks of a [`Rendezvous`], watched while this rank waits on something else
+/// ([`Rendezvous::watch`]).
+#[derive(Debug)]
+pub struct RankWatch<'a> {
+    rdv: &'a Rendezvous,
+    seen: Vec<(u64, Instant)>,
+}
+
+impl RankWatch<'_> {
+    /// Fails naming another rank that left the rendezvous (as after an error) or died (its
+    /// pid is gone, or its heartbeat stood still for a lease since the watch began or its
+    /// last move was seen). Cheap: a few atomic loads per rank.
+    ///
+    /// # Errors
+    /// [`Error::RankLeft`], [`Error::RankDied`].
+    pub fn check(&mut self) -> Result<()> {
+        let rdv = self.rdv;
+        for (r, seen) in self.seen.iter_mut().enumerate() {
+            if r != rdv.rank {
+                rdv.judge(r, seen)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -609,7 +609,9 @@ pub const SHARED_SLOT_MAX_BYTES: u64 = gpufeed_cuda::SHARED_MAP_MAX_BYTES as u64
 /// every rank was given the same plan and load this rank's part; a replicated load has each
 /// rank read 1/N of the file, round by round, into a staging slot of a memory pool that the
 /// other ranks mapped once, out of which every rank copies it into its own copy (CUDA IPC, over
-/// NVLink where there is one; [`RankLoader::with_shared_staging`]). A rank that dies, leaves
+/// NVLink where there is one; [`RankLoader::with_shared_staging`]), or, opted into, straight
+/// into its own copy, from which NCCL broadcasts it to the others
+/// ([`RankLoader::with_nccl`]). A rank that dies, leaves
 /// after an error, or never arrives makes the others fail with an error naming it (within the
 /// rendezvous's lease or join timeout).
 ///
@@ -632,6 +634,8 @@ pub struct RankLoader {
     round_bytes: u64,
     /// Whether replicated loads go through staging slots the ranks share.
     shared_staging: bool,
+    /// Whether replicated loads go through NCCL broadcasts instead.
+    nccl: bool,
     /// The staging slots, made by the first replicated load of several ranks.
     pools: parking_lot::Mutex<Staging>,
     /// Where the current collective call's time went (reset by each).
@@ -656,6 +660,8 @@ enum Staging {
     Unshared,
     /// Every rank shares one.
     Shared(Box<RankPools>),
+    /// Replicated loads go through NCCL ([`RankLoader::with_nccl`]): the ranks' communicator.
+    Nccl(Box<gpufeed_cuda::NcclComm>),
 }
 
 /// Staging when every rank shares a memory pool: this rank's pool and two slots in it that
@@ -770,6 +776,7 @@ impl RankLoader {
             rdv,
             round_bytes: ROUND_BYTES,
             shared_staging: true,
+            nccl: false,
             pools: parking_lot::Mutex::new(Staging::NotYet),
             timings: parking_lot::Mutex::new(Timings::default()),
         })
@@ -878,14 +885,79 @@ impl RankLoader {
         self
     }
 
+    /// Whether replicated loads go through NCCL (default `false`): each rank reads its share
+    /// round by round straight into its own copy, and one group of NCCL broadcasts per round
+    /// (each rank the root of its part, in place) sends it into every other rank's copy
+    /// while the rank reads its next round; no staging slots, no shared pools, no CUDA IPC of
+    /// gpufeed's own. The first such load makes the ranks' communicator (rank 0's
+    /// `ncclUniqueId` passed through the rendezvous; the time is the report's
+    /// `peer_open_seconds`), kept until the loader is dropped. Every wait on NCCL looks at
+    /// the other ranks between polls, so a rank that dies or leaves makes the others abort
+    /// the communicator and fail naming it, as on the other paths. Needs NCCL 2.14 or later
+    /// at run time (`libnccl.so.2`, or `GPUFEED_NCCL_LIBRARY`) and a GPU per rank (NCCL
+    /// refuses two ranks on one GPU); without either, the load fails saying so. Even a
+    /// job of one rank goes through NCCL (as the job's larger runs do). Choose it before the
+    /// first replicated load; every rank must pass the same value (checked with the file).
+    pub fn with_nccl(mut self, nccl: bool) -> Self {
+        self.nccl = nccl;
+        self
+    }
+
     /// Whether replicated loads go through staging slots the ranks share: known after the
-    /// first replicated load of several ranks (`None` before, and with shared staging off).
+    /// first replicated load of several ranks (`None` before, and with shared staging off);
+    /// `Some(false)` through NCCL.
     pub fn shares_staging(&self) -> Option<bool> {
         match &*self.pools.lock() {
             Staging::NotYet => None,
-            Staging::Unshared => Some(false),
+            Staging::Unshared | Staging::Nccl(_) => Some(false),
             Staging::Shared(_) => Some(true),
         }
+    }
+
+    /// Makes the ranks' NCCL communicator (collective: the first replicated load through
+    /// NCCL). Every rank first learns that every other rank has a GPU of its own and NCCL,
+    /// so that all fail alike, each saying why.
+    fn make_comm(&self) -> Result<Staging> {
+        let t = Instant::now();
+        let (n, me) = (self.world(), self.rank());
+        let gpu = self.loader.gpu();
+        let bus = &gpu.info().pci_bus_id;
+        let all = self.exchange(bus.as_bytes())?;
+        for (b, theirs) in all.iter().enumerate() {
+            if let Some(a) = all[..b].iter().position(|x| x == theirs) {
+                return Err(Error::InvalidSetting(format!(
+                    "replicated loads through NCCL need a GPU per rank, and ranks {a} and {b} \
+                     both use GPU {}: give each rank its own GPU (LOCAL_RANK < the GPUs it \
+                     sees), or replicate without NCCL (RankLoader::with_nccl(false), the \
+                     default)",
+                    String::from_utf8_lossy(theirs)
+                )));
+            }
+        }
+        let mine = gpufeed_cuda::nccl_version();
+        let all = self.exchange(&[u8::from(mine.is_ok())])?;
+        mine?;
+        if let Some(r) = all.iter().position(|s| s.first() != Some(&1)) {
+            return Err(Error::InvalidSetting(format!(
+                "rank {r} cannot load NCCL (its own error says why): install NCCL where every \
+                 rank runs, or replicate without NCCL (RankLoader::with_nccl(false))"
+            )));
+        }
+        let id = match me {
+            0 => Some(gpufeed_cuda::NcclId::new()?),
+            _ => None,
+        };
+        let ids = self.exchange(id.as_ref().map_or(&[][..], |id| &id.0[..]))?;
+        let id: [u8; 128] = ids[0]
+            .as_slice()
+            .try_into()
+            .map_err(|_| Error::RankFailed { rank: 0 })?;
+        let mut watch = self.rdv.watch();
+        let comm = gpufeed_cuda::NcclComm::init(gpu, &gpufeed_cuda::NcclId(id), me, n, || {
+            watch.check().map_err(Error::from)
+        })?;
+        self.timings.lock().peer_open = t.elapsed().as_secs_f64();
+        Ok(Staging::Nccl(Box::new(comm)))
     }
 
     /// Makes the ranks' shared pools (collective: every rank's first replicated load of
@@ -1053,9 +1125,20 @@ impl RankLoader {
         self.collective(|| {
             let started = Instant::now();
             let (_, identity) = gpufeed_os::file::open_regular(path, false)?;
+            let via = match (self.nccl, self.shared_staging) {
+                (true, _) => "NCCL",
+                (false, true) => "shared staging",
+                (false, false) => "IPC handles",
+            };
             self.agree(
-                "replicated file",
-                format!("{} {} {}", path.display(), identity.size, identity.mtime_ns).into_bytes(),
+                "replicated file and how it is copied",
+                format!(
+                    "{} {} {} {via}",
+                    path.display(),
+                    identity.size,
+                    identity.mtime_ns
+                )
+                .into_bytes(),
             )?;
             let len = identity.size;
             let (n, me) = (self.world(), self.rank());
@@ -1063,10 +1146,32 @@ impl RankLoader {
             let mine = shares[me].clone();
             let gpu = self.loader.gpu();
             let mut staging = self.pools.lock();
-            if self.shared_staging && n > 1 && len > 0 && matches!(*staging, Staging::NotYet) {
+            if self.nccl && len > 0 {
+                match &*staging {
+                    Staging::Nccl(c) if !c.is_broken() => {}
+                    // Aborted after an earlier failure: a new one.
+                    Staging::Nccl(_) | Staging::NotYet => {
+                        *staging = Staging::NotYet;
+                        *staging = self.make_comm()?;
+                    }
+                    Staging::Shared(_) | Staging::Unshared => {
+                        return Err(Error::InvalidSetting(
+                            "RankLoader::with_nccl(true) came after replicated loads without \
+                             NCCL: choose it before the first replicated load"
+                                .into(),
+                        ));
+                    }
+                }
+            } else if self.shared_staging
+                && !self.nccl
+                && n > 1
+                && len > 0
+                && matches!(*staging, Staging::NotYet)
+            {
                 *staging = self.make_pools()?;
             }
-            let shared = match &mut *staging {
+            let (shared, comm) = match &mut *staging {
+                Staging::Nccl(c) if len > 0 && self.nccl => (None, Some(c)),
                 // Shared only if shared staging was on (set before the first load).
                 Staging::Shared(p) if len > 0 => {
                     // Slots of a round, whole MiB (so that loads a little larger than the last
@@ -1076,28 +1181,30 @@ impl RankLoader {
                         .next_multiple_of(1 << 20)
                         .min(self.round_bytes.min(SHARED_SLOT_MAX_BYTES));
                     self.grow_slots(p, want as usize)?;
-                    Some(p)
+                    (Some(p), None)
                 }
-                _ => None,
+                _ => (None, None),
             };
-            // One rank alone loads like a plain load; several share staging slots, or else
-            // write into each other's copies, which CUDA IPC handles need from `cuMemAlloc`.
-            let alone = self.shared_staging && n == 1;
-            let alloc = match shared.is_some() || alone {
+            // One rank alone loads like a plain load; several share staging slots, or go
+            // through NCCL, or else write into each other's copies, which CUDA IPC handles
+            // need from `cuMemAlloc`.
+            let alone = self.shared_staging && n == 1 && comm.is_none();
+            let alloc = match shared.is_some() || comm.is_some() || alone {
                 true => DeviceAlloc::Pool,
                 false => DeviceAlloc::Unpooled,
             };
             let t = Instant::now();
             let (buf, loads) = gpu.alloc_filled(len as usize, alloc, |dst| {
                 self.timings.lock().alloc = t.elapsed().as_secs_f64();
-                match shared {
-                    Some(p) => self.replicate_staged(dst, path, &shares, p),
-                    None if alone => {
+                match (shared, comm) {
+                    (_, Some(c)) => self.replicate_nccl(dst, path, &shares, c),
+                    (Some(p), None) => self.replicate_staged(dst, path, &shares, p),
+                    (None, None) if alone => {
                         let whole = 0..len;
                         let spans = std::slice::from_ref(&whole);
                         Ok(vec![self.loader.load_spans_to(path, spans, dst)?])
                     }
-                    None => self.replicate_into(dst, path, &shares),
+                    (None, None) => self.replicate_into(dst, path, &shares),
                 }
             })?;
             drop(staging);
@@ -1106,6 +1213,57 @@ impl RankLoader {
             let report = self.report(started, read, len - read, loads);
             Ok((buf, report))
         })
+    }
+
+    /// The collective part of a replicated load through NCCL, into `dst` (this rank's copy):
+    /// round by round, this rank reads its round into place, then one group of broadcasts
+    /// (each rank the root of its round) fills the others' rounds while it reads the next.
+    /// Every wait on NCCL watches the other ranks: one that fails leaves the rendezvous, and
+    /// the others abort the communicator and fail naming it.
+    fn replicate_nccl(
+        &self,
+        dst: &mut DeviceBuffer,
+        path: &Path,
+        shares: &[Range<u64>],
+        comm: &mut gpufeed_cuda::NcclComm,
+    ) -> Result<Vec<LoadReport>> {
+        let me = self.rank();
+        let round = self.round_bytes;
+        let rounds = rounds_of(shares, round);
+        let mut watch = self.rdv.watch();
+        let mut alive = || watch.check().map_err(Error::from);
+        let mut loads = Vec::new();
+        let outcome = comm
+            .broadcasts(dst.as_view_mut())
+            .map_err(Error::from)
+            .and_then(|mut bc| {
+                for i in 0..rounds {
+                    if let Some(r) = round_part(&shares[me], i, round) {
+                        let mut view = bc.dst_mut(r.start as usize..r.end as usize)?;
+                        loads.push(self.loader.load_spans_to(
+                            path,
+                            std::slice::from_ref(&r),
+                            &mut view,
+                        )?);
+                    }
+                    let parts: Vec<(usize, Range<usize>)> = shares
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(r, s)| {
+                            round_part(s, i, round).map(|p| (r, p.start as usize..p.end as usize))
+                        })
+                        .collect();
+                    bc.round(&parts, &mut alive)?;
+                }
+                bc.wait(&mut alive)
+            });
+        // A rank whose part failed returns now and leaves the rendezvous (`collective`), so
+        // that the others, waiting in NCCL for its broadcasts, see it gone and fail naming it
+        // (an exchange here would wait for them while they wait for it).
+        outcome?;
+        // Every rank holds every byte once all are here.
+        self.exchange(&[])?;
+        Ok(loads)
     }
 
     /// The collective part of a replicated load through the ranks' staging slots, into `dst`
@@ -1122,16 +1280,8 @@ impl RankLoader {
     ) -> Result<Vec<LoadReport>> {
         let me = self.rank();
         let round = p.slot_bytes as u64;
-        let rounds = shares
-            .iter()
-            .map(|s| (s.end - s.start).div_ceil(round))
-            .max()
-            .unwrap_or(0);
-        // The round `i` of `share`, if it has one.
-        let part = |share: &Range<u64>, i: u64| -> Option<Range<u64>> {
-            let start = share.start + i * round;
-            (start < share.end).then(|| start..share.end.min(start + round))
-        };
+        let rounds = rounds_of(shares, round);
+        let part = |share: &Range<u64>, i: u64| round_part(share, i, round);
         let cuda = |op| {
             move |e: gpufeed_cuda::cudarc::driver::DriverError| {
                 Error::from(gpufeed_cuda::Error::Cuda { op, result: e.0 })
@@ -1393,6 +1543,21 @@ impl ShardPlan {
 /// `base` in `path`) into `own`, `round` bytes at a time, copying each round to every peer's
 /// view while it reads the next.
 #[allow(clippy::too_many_arguments, reason = "the parts of one thread's work")]
+/// How many rounds of `round` bytes the largest of `shares` takes.
+fn rounds_of(shares: &[Range<u64>], round: u64) -> u64 {
+    shares
+        .iter()
+        .map(|s| (s.end - s.start).div_ceil(round))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Round `i` (of `round` bytes) of `share`, if it has one.
+fn round_part(share: &Range<u64>, i: u64, round: u64) -> Option<Range<u64>> {
+    let start = share.start + i * round;
+    (start < share.end).then(|| start..share.end.min(start + round))
+}
+
 fn share_out(
     loader: &Loader,
     (path, base): (&Path, u64),

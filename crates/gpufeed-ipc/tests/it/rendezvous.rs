@@ -258,6 +258,46 @@ fn a_killed_rank_is_named_within_a_lease() {
     );
 }
 
+/// A rank waiting on something other than the rendezvous (an NCCL collective) watches the
+/// others: a live rank passes, one that left and one killed are named, without a barrier.
+#[test]
+fn a_watch_names_ranks_that_left_or_died_without_a_barrier() {
+    let name = name("watch");
+    let mut hang = spawn(&name, 1, 3, "hang");
+    let mut linger = spawn(&name, 2, 3, "linger");
+    let me = Rendezvous::join(&name, 0, 3, opts()).expect("join");
+    let mut watch = me.watch();
+    let _hang_out = wait_for_line(&mut hang, "JOINED");
+    let _linger_out = wait_for_line(&mut linger, "LEFT");
+    let e = watch.check().expect_err("rank 2 left");
+    assert!(matches!(e, Error::RankLeft { rank: 2 }), "{e}");
+    linger.wait().expect("reap rank 2");
+    // A watch over rank 1 alone (rank 2 is gone): alive, then killed.
+    let t = Instant::now();
+    let alive = |w: &mut gpufeed_ipc::RankWatch<'_>| match w.check() {
+        Err(Error::RankLeft { rank: 2 }) => Ok(()),
+        other => other,
+    };
+    while t.elapsed() < LEASE * 2 {
+        alive(&mut watch).expect("rank 1 lives");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    hang.kill().expect("kill rank 1");
+    let killed = Instant::now();
+    let e = loop {
+        match alive(&mut watch) {
+            Ok(()) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => break e,
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "rank 1 never named"
+        );
+    };
+    assert!(matches!(e, Error::RankDied { rank: 1, .. }), "{e}");
+    hang.wait().expect("reap rank 1");
+}
+
 /// A rank in another PID namespace (a container sharing /dev/shm): its pid means nothing here,
 /// so only its heartbeat tells that it died.
 #[test]

@@ -463,29 +463,52 @@ fn rank_dispatcher() {
         println!("JOINED {} of {}", rank.rank(), rank.world());
         return;
     };
-    let staged = std::env::var("GPUFEED_IT_STAGING").as_deref() != Ok("0");
+    // How replicated loads copy: "1" shared staging, "0" IPC handles, "nccl".
+    let via = std::env::var("GPUFEED_IT_STAGING").unwrap_or_else(|_| "1".into());
+    let (staged, nccl) = (via == "1", via == "nccl");
+    let rank = rank.with_shared_staging(staged).with_nccl(nccl);
     if std::env::var("GPUFEED_IT_UNTIL_ERROR").is_ok() {
-        return replicate_until_an_error(rank.with_shared_staging(staged), &file);
+        return replicate_until_an_error(rank, &file);
     }
-    let rank = rank.with_round_bytes(4 << 20).with_shared_staging(staged);
+    let rank = rank.with_round_bytes(4 << 20);
     let (r, n) = (rank.rank(), rank.world());
     let gpu = rank.loader().gpu().clone();
     let data = std::fs::read(&file).expect("read");
     assert_eq!(rank.shares_staging(), None);
-    let (buf, report) = rank.load_replicated(&file).expect("replicated");
+    let (buf, report) = match rank.load_replicated(&file) {
+        Err(e) if nccl => {
+            // Through NCCL: ranks sharing a GPU are refused, saying so.
+            println!("NCCL ERR {e}");
+            return;
+        }
+        other => other.expect("replicated"),
+    };
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
     assert_eq!(report.read_bytes + report.peer_bytes, data.len() as u64);
-    // A GPU machine's driver shares pools; a second load reuses the staging slots.
-    assert_eq!(rank.shares_staging(), staged.then_some(true));
+    // A GPU machine's driver shares pools; a second load reuses the staging slots (or the
+    // NCCL communicator).
+    let expect = match (nccl, staged && n > 1) {
+        (true, _) => Some(false),
+        (false, true) => Some(true),
+        (false, false) => None,
+    };
+    assert_eq!(rank.shares_staging(), expect);
+    if nccl {
+        assert!(
+            report.peer_open_seconds > 0.0,
+            "the communicator: {report:?}"
+        );
+    }
     drop(buf);
     let (buf, report) = rank.load_replicated(&file).expect("replicated again");
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
     // The breakdown: memory was allocated; through IPC handles the other rank's copy was
-    // opened (staging maps the slots once); no part is longer than the whole.
+    // opened (staging maps the slots once, NCCL's communicator is made once); no part is
+    // longer than the whole.
     assert!(report.alloc_seconds > 0.0, "{report:?}");
     assert_eq!(
         report.peer_open_seconds > 0.0,
-        n > 1 && !staged,
+        n > 1 && via == "0",
         "{report:?}"
     );
     for part in [
@@ -590,7 +613,13 @@ fn a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works() {
     }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let made = files(dir.path(), &[(512 << 20) + 4099], 71);
-    for staged in ["1", "0"] {
+    // Through NCCL too where it can run: a rank killed while the other waits inside NCCL.
+    let mut ways = vec!["1", "0"];
+    match nccl_ready(test, 2) {
+        Ok(()) => ways.push("nccl"),
+        Err(why) => println!("{test}: not through NCCL: {why}"),
+    }
+    for staged in ways {
         let job = format!("it-killed-{}-{staged}", std::process::id());
         let spawn = |r: usize| {
             rank_child(&[
@@ -644,6 +673,116 @@ fn a_rank_killed_during_replicated_loads_is_named_and_the_gpu_still_works() {
             killed.elapsed()
         );
     }
+}
+
+/// Whether replicated loads through NCCL can run here with `ranks` ranks: NCCL loads, and
+/// there is a GPU per rank; else why not. A GPU machine (`GPUFEED_REQUIRE_GPU=1`) without
+/// NCCL fails the test.
+fn nccl_ready(test: &str, ranks: usize) -> Result<(), String> {
+    if let Err(e) = gpufeed::cuda::nccl_version() {
+        assert!(
+            !gpufeed_testkit::gpu_required(),
+            "{test}: GPUFEED_REQUIRE_GPU=1 and {e}"
+        );
+        return Err(e.to_string());
+    }
+    match Gpu::count() {
+        Ok(n) if n >= ranks => Ok(()),
+        Ok(n) => Err(format!("{n} GPU(s) for {ranks} ranks")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Replicated loads through NCCL, a process per rank: a job of one rank (every NCCL call of
+/// the path: the communicator, broadcast groups, the waits, its teardown), a job of two where
+/// there are two GPUs (each rank's bytes checked); with one GPU, two ranks are each told that
+/// NCCL needs a GPU per rank; and a rank that cannot load NCCL says so.
+#[test]
+fn replicated_loads_through_nccl_are_byte_exact_or_say_why_not() {
+    let test = "replicated_loads_through_nccl_are_byte_exact_or_say_why_not";
+    let gpus = match Gpu::count() {
+        Ok(n) if n > 0 => n,
+        Ok(_) => return gpufeed_testkit::skip_without_gpu(test, &"no CUDA device"),
+        Err(e) => return gpufeed_testkit::skip_without_gpu(test, &e),
+    };
+    if let Err(why) = nccl_ready(test, 1) {
+        return gpufeed_testkit::skip(test, &why);
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let made = files(dir.path(), &[(21 << 20) + 7, (3 << 20) + 1], 53);
+    let (ckpt, _) = checkpoint(dir.path(), &[(vec![129, 514], Dtype::F16)], 63);
+    let ranks = |n: usize, tag: &str, extra: &[(&str, String)]| -> Vec<String> {
+        let job = format!("it-nccl-{}-{tag}", std::process::id());
+        let children: Vec<_> = (0..n)
+            .map(|r| {
+                let mut vars = vec![
+                    ("LOCAL_RANK", r.to_string()),
+                    ("LOCAL_WORLD_SIZE", n.to_string()),
+                    ("GPUFEED_JOB", job.clone()),
+                    ("GPUFEED_IT_STAGING", "nccl".into()),
+                    ("GPUFEED_IT_FILE", made[0].0.display().to_string()),
+                    ("GPUFEED_IT_FILE2", made[1].0.display().to_string()),
+                    ("GPUFEED_IT_CKPT", ckpt.display().to_string()),
+                    ("GPUFEED_REQUIRE_GPU", "1".into()),
+                ];
+                vars.extend(extra.iter().cloned());
+                rank_child(&vars)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("spawn a rank")
+            })
+            .collect();
+        children
+            .into_iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let (ok, text) = run_to_end(c);
+                assert!(ok, "{tag} rank {r}:\n{text}");
+                text
+            })
+            .collect()
+    };
+    let verified = |text: &str| {
+        ["replicated", "sharded", "tensor-parallel"]
+            .iter()
+            .all(|w| text.contains(&format!("VERIFIED {w}")))
+    };
+    for text in ranks(1, "one", &[]) {
+        assert!(verified(&text), "one rank:\n{text}");
+    }
+    for text in ranks(2, "two", &[]) {
+        if gpus >= 2 {
+            assert!(verified(&text), "two ranks:\n{text}");
+            assert!(text.contains("DISAGREE 1"), "{text}");
+        } else {
+            assert!(
+                text.contains("NCCL ERR") && text.contains("need a GPU per rank"),
+                "two ranks on one GPU:\n{text}"
+            );
+        }
+    }
+    let missing = [(
+        "GPUFEED_NCCL_LIBRARY",
+        "/nonexistent/libnccl.so.2".to_owned(),
+    )];
+    for text in ranks(1, "missing", &missing) {
+        assert!(
+            text.contains("NCCL ERR") && text.contains("NCCL could not be loaded (/nonexistent"),
+            "no NCCL:\n{text}"
+        );
+    }
+}
+
+/// A child's exit status and its stdout and stderr together.
+fn run_to_end(c: std::process::Child) -> (bool, String) {
+    let out = c.wait_with_output().expect("wait");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }
 
 #[test]
@@ -714,13 +853,8 @@ fn one_process_per_gpu_loads_replicated_sharded_and_tensor_parallel() {
             })
             .collect();
         for (r, c) in children.into_iter().enumerate() {
-            let out = c.wait_with_output().expect("wait");
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(out.status.success(), "rank {r}:\n{text}");
+            let (ok, text) = run_to_end(c);
+            assert!(ok, "rank {r}:\n{text}");
             for what in ["replicated", "sharded", "tensor-parallel"] {
                 assert!(
                     text.contains(&format!("VERIFIED {what}")),
