@@ -36,12 +36,18 @@
 //!   process or, through CUDA IPC ([`IpcHandle`], [`IpcMemory`]), in other processes; or
 //!   gathered the other way ([`PeerGather`]) out of slots of a pool other processes map
 //!   ([`SharedPool`], [`ImportedPool`], at most [`SHARED_MAP_MAX_BYTES`] per allocation).
+//!   Or through NCCL, loaded at run time ([`nccl_version`]; missing: [`Error::NcclMissing`]):
+//!   a non-blocking communicator ([`NcclComm`], its [`NcclId`] passed out of band) and rounds
+//!   of in-place broadcasts into a buffer while it is filled ([`NcclBroadcasts`]), every wait
+//!   calling the caller's check of the other ranks and aborting the communicator when it
+//!   fails.
 //! - [`kernels::PlanarKernel`]: RGB8 -> planar `f32` on the GPU (the frame pipeline's
 //!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
 //! Depends on `cudarc` (driver API, dynamic loading; its `nvrtc` feature only for loading PTX),
+//! `libloading` (NCCL),
 //! `gpufeed-pinned` (within layer 2: the staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
 //! of thin `unsafe fn`s returning `Result`.
 //!

@@ -5,8 +5,8 @@
 //! The library is opened on first use (`GPUFEED_NCCL_LIBRARY` if set, else `libnccl.so.2`,
 //! the name NCCL's runtime packages — Debian's `libnccl2`, pip's `nvidia-nccl-cu*` as PyTorch
 //! loads it — install, else `libnccl.so`): its absence is [`Error::NcclMissing`], never a
-//! panic. (cudarc's `nccl` module looks only for unversioned names and panics when none
-//! loads, so it is not used.) Communicators are non-blocking (`ncclConfig_t::blocking = 0`):
+//! panic. (cudarc's `nccl` module is not used: its list of names lacks `libnccl.so.2`, and it
+//! panics when none loads.) Communicators are non-blocking (`ncclConfig_t::blocking = 0`):
 //! every call returns at once and this module polls `ncclCommGetAsyncError`, asking the
 //! caller's check between polls whether the other ranks still live; when one is gone, the
 //! communicator is aborted (`ncclCommAbort`, which stops its kernels) and the check's error
@@ -194,8 +194,9 @@ fn nccl_error(lib: &Nccl, comm: Option<Comm>, op: &'static str, r: c_int) -> Err
         // SAFETY: NCCL returns NUL-terminated static or per-thread strings, or null.
         (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
     };
-    // SAFETY: both take any value (an unknown result gives a generic string).
+    // SAFETY: takes any value (an unknown result gives a generic string).
     let name = text(unsafe { (lib.error_string)(r) }).unwrap_or_default();
+    // SAFETY: a live communicator or null (NCCL reads the thread's last error either way).
     let last = text(unsafe { (lib.last_error)(comm.unwrap_or(std::ptr::null_mut())) })
         .filter(|s| !s.is_empty());
     Error::Nccl {
@@ -246,9 +247,7 @@ impl NcclComm {
     /// Joins the communicator `id` as `rank` of `world` on `gpu` (collective: every rank calls
     /// it with the same id). While it connects, `alive` is called every millisecond or so and
     /// its error returned (the communicator aborted) as soon as it gives one: pass a check
-    /// that fails when another rank left or died ([`gpufeed_ipc`'s `RankWatch`]).
-    ///
-    /// [`gpufeed_ipc`'s `RankWatch`]: https://docs.rs/gpufeed-ipc
+    /// that fails when another rank left or died (gpufeed-ipc's `Rendezvous::watch`).
     ///
     /// # Errors
     /// [`Error::NcclMissing`]; [`Error::Nccl`] (two ranks on one GPU: `ncclInvalidUsage`);
@@ -434,8 +433,8 @@ impl Drop for NcclComm {
             Ok(())
         });
         match finalized {
-            // SAFETY: finalized; destroyed once.
             Ok(()) => {
+                // SAFETY: finalized; destroyed once.
                 let r = unsafe { (self.lib.destroy)(self.comm) };
                 if r != NCCL_SUCCESS {
                     tracing::warn!("ncclCommDestroy returned {r}");
