@@ -148,6 +148,22 @@ fn doctor_json_has_the_documented_fields_and_exit_code() {
     ] {
         assert!(checks.iter().any(|c| c["name"] == name), "no {name} check");
     }
+    // With a GPU, whether NCCL loads (the GPU machines have it).
+    let gpu = checks
+        .iter()
+        .any(|c| c["name"] == "CUDA driver" && c["status"] == "ok")
+        && checks.iter().any(|c| c["name"] == "GPU 0");
+    let nccl = checks.iter().find(|c| c["name"] == "NCCL");
+    assert_eq!(nccl.is_some(), gpu, "an NCCL check exactly with a GPU: {v}");
+    if gpu && gpufeed_testkit::gpu_required() {
+        let observed = nccl
+            .and_then(|c| c["observed"].as_str())
+            .unwrap_or_default();
+        assert!(
+            observed.contains("libnccl"),
+            "NCCL on a GPU machine: {observed}"
+        );
+    }
 }
 
 #[test]

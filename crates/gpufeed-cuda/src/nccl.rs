@@ -25,6 +25,7 @@ use crate::gpu::Gpu;
 const OLDEST: c_int = 21400;
 /// `ncclResult_t` values used here.
 const NCCL_SUCCESS: c_int = 0;
+const NCCL_INVALID_USAGE: c_int = 5;
 const NCCL_IN_PROGRESS: c_int = 7;
 /// `ncclUint8`.
 const NCCL_UINT8: c_int = 1;
@@ -341,7 +342,7 @@ impl NcclComm {
         match self.broken {
             true => Err(Error::Nccl {
                 op: "a collective",
-                result: 0,
+                result: NCCL_INVALID_USAGE,
                 message: "the communicator was aborted after an earlier failure; make a new one"
                     .into(),
             }),

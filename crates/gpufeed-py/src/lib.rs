@@ -958,7 +958,8 @@ fn rank_loader(py: Python<'_>) -> PyResult<Arc<gpufeed::multi::RankLoader>> {
 }
 
 /// All of `path` on this rank's GPU, each rank of the job reading its share, which the other
-/// ranks copy out of staging slots they all map (CUDA IPC): `(array, rank, world)`.
+/// ranks copy out of staging slots they all map (CUDA IPC), or receive through NCCL
+/// (`GPUFEED_REPLICATE=nccl`: `RankLoader::from_env`): `(array, rank, world)`.
 /// Collective: every rank calls it with the same file.
 #[pyfunction]
 fn load_replicated_rank(py: Python<'_>, path: PathBuf) -> PyResult<(Array, usize, usize)> {

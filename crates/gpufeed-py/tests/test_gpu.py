@@ -501,13 +501,14 @@ def test_tensor_parallel_and_replicated_checkpoints_on_every_gpu():
         assert torch.cuda.current_device() == 0
 
 
-def run_ranks(world, code, arg, job):
+def run_ranks(world, code, arg, job, replicate="staging"):
     """``world`` Python processes started as torchrun starts them (``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, one job name) running ``code`` on ``arg``; each must print
-    ``OK <rank> of <world>``."""
+    ``LOCAL_WORLD_SIZE``, one job name; ``GPUFEED_REPLICATE`` as given) running ``code`` on
+    ``arg``; each must print ``OK <rank> of <world>``."""
     import subprocess
 
-    env = dict(os.environ, LOCAL_WORLD_SIZE=str(world), GPUFEED_JOB=job)
+    env = dict(os.environ, LOCAL_WORLD_SIZE=str(world), GPUFEED_JOB=job,
+               GPUFEED_REPLICATE=replicate)
     procs = [
         subprocess.Popen([sys.executable, "-c", code, arg], env=dict(env, LOCAL_RANK=str(r)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -563,6 +564,9 @@ def test_ranks_started_like_torchrun_load_replicated():
             "print(f'OK {rank} of {world}')\n"
         )
         run_ranks(world, code, path, f"pytest-{os.getpid()}")
+        # Through NCCL: a rank per GPU (NCCL refuses two ranks on one GPU), one on one GPU.
+        gpus = min(torch.cuda.device_count(), 4)
+        run_ranks(gpus, code, path, f"pytest-nccl-{os.getpid()}", replicate="nccl")
 
 
 if __name__ == "__main__":

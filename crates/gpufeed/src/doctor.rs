@@ -276,6 +276,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             if gpus.len() > 1 {
                 out.push(peer_links());
             }
+            out.push(nccl(gpus.len()));
             out.push(pinned_and_registration());
             if let (Some(t), Some(node)) = (&topology, gpus[0].numa_node) {
                 let here = t.node_of_cpu(rustix::thread::sched_getcpu() as u32);
@@ -444,6 +445,30 @@ fn peer_links() -> Check {
             }
         }
         Err(e) => check("GPU peers", Status::Warn, e.to_string(), None),
+    }
+}
+
+/// Whether NCCL loads (only `RankLoader::with_nccl`, `GPUFEED_REPLICATE=nccl`, needs it): a
+/// warning where it is missing on a machine of several GPUs.
+fn nccl(gpus: usize) -> Check {
+    match gpufeed_cuda::nccl_version() {
+        Ok(v) => check("NCCL", Status::Ok, v, None),
+        Err(e) if gpus > 1 => check(
+            "NCCL",
+            Status::Warn,
+            e.to_string(),
+            Some(
+                "only replicated loads through NCCL need it (RankLoader::with_nccl, \
+                 GPUFEED_REPLICATE=nccl): install libnccl2 or point GPUFEED_NCCL_LIBRARY at \
+                 libnccl.so.2",
+            ),
+        ),
+        Err(e) => check(
+            "NCCL",
+            Status::Ok,
+            format!("not loaded, one GPU: {e}"),
+            None,
+        ),
     }
 }
 

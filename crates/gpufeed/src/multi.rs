@@ -785,6 +785,10 @@ impl RankLoader {
     /// [`RankLoader::join`] from the variables `torchrun` sets: `LOCAL_RANK` of
     /// `LOCAL_WORLD_SIZE`, the job named by `GPUFEED_JOB`, else `TORCHELASTIC_RUN_ID`, else
     /// `MASTER_ADDR` and `MASTER_PORT`; options [`LoadOptions::for_gpus`]`(LOCAL_WORLD_SIZE)`.
+    /// `GPUFEED_REPLICATE` picks how replicated loads copy between the ranks: `staging` (the
+    /// default: [`RankLoader::with_shared_staging`]), `ipc` (CUDA IPC handles:
+    /// `with_shared_staging(false)`) or `nccl` ([`RankLoader::with_nccl`]), so that a launch
+    /// script chooses without a change to the code (Python's `load_replicated_rank` too).
     /// The GPU is `LOCAL_RANK` of the GPUs this process sees, modulo their number (as
     /// `torch.cuda.set_device(local_rank % torch.cuda.device_count())`): a launcher that gives
     /// each rank one GPU through `CUDA_VISIBLE_DEVICES` makes it GPU 0 of each, and more ranks
@@ -805,6 +809,16 @@ impl RankLoader {
         };
         let (rank, world) = (num("LOCAL_RANK")?, num("LOCAL_WORLD_SIZE")?);
         let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        let (staging, nccl) = match var("GPUFEED_REPLICATE").as_deref() {
+            None | Some("staging") => (true, false),
+            Some("ipc") => (false, false),
+            Some("nccl") => (true, true),
+            Some(other) => {
+                return Err(Error::InvalidSetting(format!(
+                    "GPUFEED_REPLICATE={other:?}: use staging (the default), ipc or nccl"
+                )));
+            }
+        };
         let job = var("GPUFEED_JOB")
             .or_else(|| var("TORCHELASTIC_RUN_ID"))
             .or_else(|| Some(format!("{}-{}", var("MASTER_ADDR")?, var("MASTER_PORT")?)))
@@ -830,14 +844,16 @@ impl RankLoader {
             Ok(count) if count > 0 => rank % count,
             _ => rank,
         };
-        Self::join(
+        Ok(Self::join(
             &job,
             rank,
             world,
             ordinal,
             LoadOptions::for_gpus(world),
             gpufeed_ipc::RendezvousOptions::default(),
-        )
+        )?
+        .with_shared_staging(staging)
+        .with_nccl(nccl))
     }
 
     /// This rank.

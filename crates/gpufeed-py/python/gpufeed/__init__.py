@@ -241,7 +241,10 @@ def load_replicated_rank(path: Path):
     ``TORCHELASTIC_RUN_ID`` or ``GPUFEED_JOB``): all of ``path`` on this rank's GPU
     (``cuda:LOCAL_RANK`` of the GPUs the process sees, modulo their number: with one GPU per
     rank through ``CUDA_VISIBLE_DEVICES``, ``cuda:0``), each rank reading its share, which the
-    others copy out of staging slots they all map. Every rank of the machine must call it with the same file. Returns ``(tensor, rank,
+    others copy out of staging slots they all map (with ``GPUFEED_REPLICATE=nccl`` in every
+    rank's environment: sent to the others by NCCL broadcasts instead, which needs
+    ``libnccl.so.2`` and a GPU per rank; ``ipc``: written into the others' copies through CUDA
+    IPC handles). Every rank of the machine must call it with the same file. Returns ``(tensor, rank,
     world)``; a rank that dies or fails is named in the others' ``GpufeedError``."""
     array, rank, world = _gpufeed.load_replicated_rank(path)
     return as_tensor(array), rank, world

@@ -412,7 +412,7 @@ fn replicated_loads_are_byte_exact_on_every_gpu() {
 }
 
 /// The variables `RankLoader::from_env` reads, cleared in the children unless given.
-const RANK_VARS: [&str; 7] = [
+const RANK_VARS: [&str; 8] = [
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "GPUFEED_JOB",
@@ -420,6 +420,7 @@ const RANK_VARS: [&str; 7] = [
     "MASTER_ADDR",
     "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES",
+    "GPUFEED_REPLICATE",
 ];
 
 fn rank_child(vars: &[(&str, String)]) -> std::process::Command {
@@ -802,6 +803,18 @@ fn a_rank_loader_names_what_is_missing() {
         ("LOCAL_WORLD_SIZE", "1".into()),
     ]));
     assert!(out.contains("no job name"), "{out}");
+    let (_, out) = run(&mut rank_child(&[
+        ("LOCAL_RANK", "0".into()),
+        ("LOCAL_WORLD_SIZE", "1".into()),
+        ("GPUFEED_JOB", "it-env-bogus".into()),
+        ("GPUFEED_REPLICATE", "carrier-pigeon".into()),
+    ]));
+    assert!(
+        out.contains(
+            "GPUFEED_REPLICATE=\"carrier-pigeon\": use staging (the default), ipc or nccl"
+        ),
+        "{out}"
+    );
     let job = format!("it-env-{}", std::process::id());
     let (ok, out) = run(&mut rank_child(&[
         ("LOCAL_RANK", "0".into()),
