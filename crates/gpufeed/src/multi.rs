@@ -1555,10 +1555,6 @@ impl ShardPlan {
     }
 }
 
-/// GPU `g`'s part of a replicated load: reads its share (bytes `share` of the range starting at
-/// `base` in `path`) into `own`, `round` bytes at a time, copying each round to every peer's
-/// view while it reads the next.
-#[allow(clippy::too_many_arguments, reason = "the parts of one thread's work")]
 /// How many rounds of `round` bytes the largest of `shares` takes.
 fn rounds_of(shares: &[Range<u64>], round: u64) -> u64 {
     shares
@@ -1574,6 +1570,10 @@ fn round_part(share: &Range<u64>, i: u64, round: u64) -> Option<Range<u64>> {
     (start < share.end).then(|| start..share.end.min(start + round))
 }
 
+/// GPU `g`'s part of a replicated load: reads its share (bytes `share` of the range starting at
+/// `base` in `path`) into `own`, `round` bytes at a time, copying each round to every peer's
+/// view while it reads the next.
+#[allow(clippy::too_many_arguments, reason = "the parts of one thread's work")]
 fn share_out(
     loader: &Loader,
     (path, base): (&Path, u64),

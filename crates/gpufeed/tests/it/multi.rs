@@ -435,13 +435,12 @@ fn rank_child(vars: &[(&str, String)]) -> std::process::Command {
 }
 
 fn run(cmd: &mut std::process::Command) -> (bool, String) {
-    let out = cmd.output().expect("spawn a rank");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn a rank");
+    run_to_end(child)
 }
 
 /// A rank process: `RankLoader::from_env`, then (with `GPUFEED_IT_FILE`) a replicated, a
