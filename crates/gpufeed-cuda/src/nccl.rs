@@ -298,8 +298,7 @@ impl NcclComm {
             broken: false,
         };
         if let Err(e) = check(lib, Some(comm), "ncclCommInitRankConfig", r) {
-            me.broken = true;
-            return Err(e.into());
+            return Err(me.abort_with(e.into()));
         }
         me.settle("ncclCommInitRankConfig", alive)?;
         Ok(me)
