@@ -248,16 +248,19 @@ impl NcclComm {
     /// Joins the communicator `id` as `rank` of `world` on `gpu` (collective: every rank calls
     /// it with the same id). While it connects, `alive` is called every millisecond or so and
     /// its error returned (the communicator aborted) as soon as it gives one: pass a check
-    /// that fails when another rank left or died (gpufeed-ipc's `Rendezvous::watch`).
+    /// that fails when another rank left or died (gpufeed-ipc's `Rendezvous::watch`). A
+    /// communicator not up within `timeout` while every rank lives (ranks that cannot reach
+    /// each other through NCCL's bootstrap sockets) is aborted too.
     ///
     /// # Errors
-    /// [`Error::NcclMissing`]; [`Error::Nccl`] (two ranks on one GPU: `ncclInvalidUsage`);
-    /// `alive`'s.
+    /// [`Error::NcclMissing`]; [`Error::Nccl`] (two ranks on one GPU: `ncclInvalidUsage`; the
+    /// timeout); `alive`'s.
     pub fn init<E: From<Error>>(
         gpu: &Gpu,
         id: &NcclId,
         rank: usize,
         world: usize,
+        timeout: Duration,
         alive: impl FnMut() -> std::result::Result<(), E>,
     ) -> std::result::Result<Self, E> {
         driver()?;
@@ -300,7 +303,11 @@ impl NcclComm {
         if let Err(e) = check(lib, Some(comm), "ncclCommInitRankConfig", r) {
             return Err(me.abort_with(e.into()));
         }
-        me.settle("ncclCommInitRankConfig", alive)?;
+        me.settle(
+            "ncclCommInitRankConfig",
+            alive,
+            Some(Instant::now() + timeout),
+        )?;
         Ok(me)
     }
 
@@ -350,12 +357,15 @@ impl NcclComm {
     }
 
     /// Polls until the communicator's last call has finished (`ncclCommGetAsyncError` no
-    /// longer in progress), calling `alive` between polls; aborts on any error.
+    /// longer in progress), calling `alive` between polls, at most until `deadline`; aborts
+    /// on any error.
     fn settle<E: From<Error>>(
         &mut self,
         op: &'static str,
         mut alive: impl FnMut() -> std::result::Result<(), E>,
+        deadline: Option<Instant>,
     ) -> std::result::Result<(), E> {
+        let started = Instant::now();
         let mut nap = Duration::from_micros(20);
         loop {
             match self.state(op) {
@@ -365,6 +375,20 @@ impl NcclComm {
             }
             if let Err(e) = alive() {
                 return Err(self.abort_with(e));
+            }
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                let e = Error::Nccl {
+                    op,
+                    result: NCCL_IN_PROGRESS,
+                    message: format!(
+                        "not done after {:.1} s while every rank lives: the ranks cannot reach \
+                         each other through NCCL's bootstrap sockets (separate network \
+                         namespaces? NCCL_SOCKET_IFNAME); replicate without NCCL (shared \
+                         staging needs only a shared /dev/shm)",
+                        started.elapsed().as_secs_f64()
+                    ),
+                };
+                return Err(self.abort_with(e.into()));
             }
             std::thread::sleep(nap);
             nap = (nap * 2).min(Duration::from_millis(1));
@@ -549,7 +573,7 @@ impl NcclBroadcasts<'_> {
         if let Err(e) = result.and(ended) {
             return Err(comm.abort_with(e.into()));
         }
-        comm.settle("ncclBroadcast", alive)
+        comm.settle("ncclBroadcast", alive, None)
     }
 
     /// Waits until every round has completed on this GPU (its parts sent, the others'

@@ -45,6 +45,8 @@ const ROUND_BYTES: u64 = 1 << 30;
 /// How long a dropped [`RankLoader`] with shared staging waits for the other ranks to let go
 /// of its slots (see its `Drop`).
 const LET_GO_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long the ranks' NCCL communicator may take to come up while every rank lives.
+const NCCL_SETUP_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A piece of a sharded load: bytes `range` of file `file` of the plan.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -969,7 +971,8 @@ impl RankLoader {
             .try_into()
             .map_err(|_| Error::RankFailed { rank: 0 })?;
         let mut watch = self.rdv.watch();
-        let comm = gpufeed_cuda::NcclComm::init(gpu, &gpufeed_cuda::NcclId(id), me, n, || {
+        let id = gpufeed_cuda::NcclId(id);
+        let comm = gpufeed_cuda::NcclComm::init(gpu, &id, me, n, NCCL_SETUP_WAIT, || {
             watch.check().map_err(Error::from)
         })?;
         self.timings.lock().peer_open = t.elapsed().as_secs_f64();
