@@ -29,7 +29,7 @@ fn a_communicator_of_one_broadcasts_in_place_and_refuses_bad_parts() {
         return;
     };
     let data = random_bytes((5 << 20) + 13, 91);
-    let mut buf = gpu.default_stream().memcpy_stod(&data).expect("upload");
+    let mut buf = gpu.default_stream().clone_htod(&data).expect("upload");
     let id = NcclId::new().expect("an id");
     let mut comm = NcclComm::init(&gpu, &id, 0, 1, Duration::from_secs(30), || {
         Ok::<(), Error>(())
@@ -97,6 +97,6 @@ fn a_communicator_whose_other_rank_never_comes_is_given_up() {
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     // The GPU still works.
     let data = random_bytes(1 << 20, 92);
-    let buf = gpu.default_stream().memcpy_stod(&data).expect("upload");
+    let buf = gpu.default_stream().clone_htod(&data).expect("upload");
     assert_eq!(gpu.to_vec(&buf).expect("download"), data);
 }
