@@ -33,7 +33,7 @@
 //! - [`multi`]: several GPUs — [`multi::MultiLoader`] in one process (a loader per GPU sized
 //!   together by [`LoadOptions::for_gpus`], peer access enabled) or [`multi::RankLoader`] in
 //!   one process per GPU (ranks meet through a shared-memory rendezvous, copies through CUDA
-//!   IPC), with sharded loads ([`multi::ShardPlan`]), tensor-parallel checkpoints
+//!   IPC, or NCCL broadcasts: [`multi::RankLoader::with_nccl`]), with sharded loads ([`multi::ShardPlan`]), tensor-parallel checkpoints
 //!   ([`safetensors::TensorParallel`], rows, columns or any dimension) and replicated loads
 //!   (each GPU reads 1/N, the rest arrives from the other GPUs over NVLink while it reads).
 //! - [`dataset`]: a record file or an image folder ([`dataset::ImageFolder`]: class folders,
