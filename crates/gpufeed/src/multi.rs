@@ -737,8 +737,9 @@ pub struct RankReport {
     /// [`RankLoader::with_shared_staging`]); 0 otherwise.
     pub alloc_seconds: f64,
     /// Replicated loads through CUDA IPC handles: seconds opening the other ranks' copies
-    /// (`cuIpcOpenMemHandle`, on a thread of its own while this rank reads its first round); 0
-    /// otherwise (shared staging maps the other ranks' slots once).
+    /// (`cuIpcOpenMemHandle`, on a thread of its own while this rank reads its first round);
+    /// through NCCL: seconds making the ranks' communicator (the first such load only, its
+    /// checks included); 0 otherwise (shared staging maps the other ranks' slots once).
     pub peer_open_seconds: f64,
     /// Replicated loads through CUDA IPC handles: seconds closing them again
     /// (`cuIpcCloseMemHandle`); 0 otherwise.
