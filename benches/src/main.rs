@@ -270,10 +270,11 @@ fn main() -> Result<()> {
             round_mib,
         }) => {
             let exe = std::env::current_exe()?;
-            let (sharded, replicated) = multi::ranks(&exe, &path, world, reps, via, round_mib)?;
+            let (sharded, replicated, first) =
+                multi::ranks(&exe, &path, world, reps, via, round_mib)?;
             let json = serde_json::json!({"world": world, "via": via,
                 "round_mib": round_mib, "sharded_seconds": sharded,
-                "replicated_seconds": replicated});
+                "replicated_seconds": replicated, "first_replicated": first});
             println!("{json}");
             return Ok(());
         }

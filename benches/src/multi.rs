@@ -197,13 +197,13 @@ pub fn measure(
     progress("table 11: one process per GPU (RankLoader), sharded and replicated");
     let (ranks_sharded_gbps, ranks_replicated_seconds, ranks_error) =
         match ranks(exe, &file, count, reps, Via::Staging, None) {
-            Ok((s, r)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
+            Ok((s, r, _)) => (Some(s.map(|t| gbps(file_bytes, t))), Some(r), None),
             Err(e) => (None, None, Some(format!("{e:#}"))),
         };
     progress("table 11: one process per GPU, replicated through NCCL");
     let ranks_nccl_replicated_seconds = match gpufeed::cuda::nccl_version() {
         Ok(_) => ranks(exe, &file, count, reps, Via::Nccl, None)
-            .map(|(_, r)| r)
+            .map(|(_, r, _)| r)
             .map_err(|e| format!("{e:#}")),
         Err(e) => Err(e.to_string()),
     };
@@ -274,7 +274,8 @@ pub enum Via {
 
 /// `count` rank processes (this program's `rank` command) over `file`: per repetition, the
 /// slowest rank's seconds of a sharded and of a replicated load (copied `via`; in rounds of
-/// `round_mib` MiB where given).
+/// `round_mib` MiB where given); and each rank's first replicated load (which sets up the
+/// staging slots or the NCCL communicator: seconds and parts), not among the repetitions.
 pub fn ranks(
     exe: &Path,
     file: &Path,
@@ -282,7 +283,7 @@ pub fn ranks(
     reps: usize,
     via: Via,
     round_mib: Option<u64>,
-) -> Result<(Samples, Samples)> {
+) -> Result<(Samples, Samples, Vec<serde_json::Value>)> {
     let job = format!("bench-{}", std::process::id());
     let children = (0..count)
         .map(|r| {
@@ -325,7 +326,11 @@ pub fn ranks(
                 .collect(),
         )
     };
-    Ok((slowest("sharded"), slowest("replicated")))
+    let first = per_rank
+        .iter()
+        .map(|v| v["first_replicated"].clone())
+        .collect();
+    Ok((slowest("sharded"), slowest("replicated"), first))
 }
 
 /// One rank: `RankLoader::from_env` (replicated loads copied `via`; in rounds of `round_mib`
@@ -352,22 +357,28 @@ pub fn rank_child(path: &Path, reps: usize, via: Via, round_mib: Option<u64>) ->
             sharded.push(r.seconds);
         }
     }
-    let (mut replicated, mut parts) = (Vec::new(), Vec::new());
+    let (mut replicated, mut parts, mut first) = (Vec::new(), Vec::new(), None);
     for i in 0..reps + 1 {
         rank.barrier()?;
         let (buf, r) = rank.load_replicated(path)?;
         drop(buf);
-        if i > 0 {
-            replicated.push(r.seconds);
-            parts.push(serde_json::json!({"exchange": r.exchange_seconds,
-                "alloc": r.alloc_seconds, "peer_open": r.peer_open_seconds,
-                "peer_close": r.peer_close_seconds}));
+        let part = serde_json::json!({"seconds": r.seconds, "exchange": r.exchange_seconds,
+            "alloc": r.alloc_seconds, "peer_open": r.peer_open_seconds,
+            "peer_close": r.peer_close_seconds});
+        match i {
+            // The first replicated load makes the staging slots or the NCCL communicator.
+            0 => first = Some(part),
+            _ => {
+                replicated.push(r.seconds);
+                parts.push(part);
+            }
         }
     }
     println!(
         "{}",
         serde_json::json!({"sharded": sharded, "replicated": replicated,
-            "replicated_parts": parts, "shared_staging": rank.shares_staging()})
+            "replicated_parts": parts, "first_replicated": first,
+            "shared_staging": rank.shares_staging()})
     );
     Ok(())
 }
