@@ -910,7 +910,8 @@ impl RankLoader {
     /// while the rank reads its next round; no staging slots, no shared pools, no CUDA IPC of
     /// gpufeed's own. The first such load makes the ranks' communicator (rank 0's
     /// `ncclUniqueId` passed through the rendezvous; the time is the report's
-    /// `peer_open_seconds`), kept until the loader is dropped. Every wait on NCCL looks at
+    /// `peer_open_seconds`: 0.46 s for one rank on the H200 machine, GPU run 109, against 0.1 s
+    /// for the staging slots), kept until the loader is dropped. Every wait on NCCL looks at
     /// the other ranks between polls, so a rank that dies or leaves makes the others abort
     /// the communicator and fail naming it, as on the other paths. Needs NCCL 2.14 or later
     /// at run time (`libnccl.so.2`, or `GPUFEED_NCCL_LIBRARY`) and a GPU per rank (NCCL
