@@ -228,6 +228,12 @@ pub struct NcclComm {
     rank: usize,
     world: usize,
     broken: bool,
+    /// Whether its setup has finished ([`NcclComm::start`] returns before).
+    up: bool,
+    /// When its setup must have finished.
+    setup_deadline: Instant,
+    /// How long callers blocked waiting for the setup.
+    setup_waited: Duration,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (`&mut self` for
@@ -240,6 +246,7 @@ impl std::fmt::Debug for NcclComm {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("broken", &self.broken)
+            .field("up", &self.up)
             .finish()
     }
 }
@@ -263,6 +270,26 @@ impl NcclComm {
         timeout: Duration,
         alive: impl FnMut() -> std::result::Result<(), E>,
     ) -> std::result::Result<Self, E> {
+        let mut me = Self::start(gpu, id, rank, world, timeout)?;
+        me.until_up(alive)?;
+        Ok(me)
+    }
+
+    /// [`NcclComm::init`] without waiting for the communicator to come up (its setup, 0.4-0.5
+    /// s on the H200 machine, runs on NCCL's threads): broadcasts issued meanwhile are queued
+    /// until it is up ([`NcclBroadcasts::round`]), and [`NcclBroadcasts::wait`] (or
+    /// [`NcclComm::until_up`]) waits for it, watching the other ranks, at most until
+    /// `timeout` from now.
+    ///
+    /// # Errors
+    /// [`Error::NcclMissing`]; [`Error::Nccl`].
+    pub fn start(
+        gpu: &Gpu,
+        id: &NcclId,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
         driver()?;
         let lib = nccl()?;
         let ctx = gpu.context();
@@ -289,8 +316,7 @@ impl NcclComm {
                 op: "ncclCommInitRankConfig",
                 result: r,
                 message: "no communicator returned".into(),
-            }
-            .into());
+            });
         }
         let mut me = NcclComm {
             lib,
@@ -299,16 +325,62 @@ impl NcclComm {
             rank,
             world,
             broken: false,
+            up: false,
+            setup_deadline: Instant::now() + timeout,
+            setup_waited: Duration::ZERO,
         };
         if let Err(e) = check(lib, Some(comm), "ncclCommInitRankConfig", r) {
-            return Err(me.abort_with(e.into()));
+            return Err(me.abort_with(e));
         }
-        me.settle(
-            "ncclCommInitRankConfig",
-            alive,
-            Some(Instant::now() + timeout),
-        )?;
         Ok(me)
+    }
+
+    /// Waits until the communicator is up (at once if it is), calling `alive` between polls.
+    ///
+    /// # Errors
+    /// [`Error::Nccl`] (its setup failed, or did not finish within the timeout given to
+    /// [`NcclComm::start`]); `alive`'s; the communicator is aborted.
+    pub fn until_up<E: From<Error>>(
+        &mut self,
+        alive: impl FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        if self.up {
+            return Ok(());
+        }
+        self.usable()?;
+        let t = Instant::now();
+        let settled = self.settle("ncclCommInitRankConfig", alive, Some(self.setup_deadline));
+        self.setup_waited += t.elapsed();
+        settled?;
+        self.up = true;
+        Ok(())
+    }
+
+    /// Whether the communicator is up, without waiting.
+    ///
+    /// # Errors
+    /// [`Error::Nccl`]: its setup failed (the communicator is aborted).
+    fn poll_up(&mut self) -> Result<bool> {
+        if !self.up {
+            self.usable()?;
+            match self.state("ncclCommInitRankConfig") {
+                Ok(up) => self.up = up,
+                Err(e) => return Err(self.abort_with(e)),
+            }
+        }
+        Ok(self.up)
+    }
+
+    /// Whether the communicator's setup has finished (as far as the last call that looked
+    /// knows).
+    pub fn is_up(&self) -> bool {
+        self.up
+    }
+
+    /// How long callers have blocked waiting for the communicator to come up (the part of
+    /// its setup that nothing else overlapped).
+    pub fn setup_waited(&self) -> Duration {
+        self.setup_waited
     }
 
     /// This rank.
@@ -341,6 +413,7 @@ impl NcclComm {
             comm: self,
             dst,
             pending: false,
+            queued: Vec::new(),
         })
     }
 
@@ -438,6 +511,11 @@ impl Drop for NcclComm {
         if self.broken || self.comm.is_null() {
             return;
         }
+        // Still coming up (or never seen up): nothing of it is worth finalizing.
+        if !self.up && !self.poll_up().unwrap_or(false) {
+            self.abort();
+            return;
+        }
         let _ = self.stream.context().bind_to_thread();
         // SAFETY: a live communicator with nothing in flight (every collective was waited for
         // or aborted), not used after this.
@@ -483,6 +561,8 @@ pub struct NcclBroadcasts<'a> {
     comm: &'a mut NcclComm,
     dst: CudaViewMut<'a, u8>,
     pending: bool,
+    /// Rounds given before the communicator was up, in order.
+    queued: Vec<Vec<(usize, std::ops::Range<usize>)>>,
 }
 
 impl std::fmt::Debug for NcclBroadcasts<'_> {
@@ -490,6 +570,7 @@ impl std::fmt::Debug for NcclBroadcasts<'_> {
         f.debug_struct("NcclBroadcasts")
             .field("len", &self.dst.len())
             .field("pending", &self.pending)
+            .field("queued", &self.queued.len())
             .finish()
     }
 }
@@ -506,7 +587,9 @@ impl NcclBroadcasts<'_> {
     /// One round: for every `(root, range)` of `parts`, rank `root`'s bytes at `range` of its
     /// buffer are sent into `range` of every other rank's (every rank passes the same parts,
     /// and its own are in its buffer by now). Returns once the round is enqueued, calling
-    /// `alive` while NCCL connects (the first round) or is otherwise busy.
+    /// `alive` while NCCL connects (the first round) or is otherwise busy; or, while the
+    /// communicator is still coming up ([`NcclComm::start`]), at once with the round queued
+    /// (issued, in order, by the first call that finds it up, or by `wait`).
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] for a part outside the buffer or a root that is no rank;
@@ -514,9 +597,8 @@ impl NcclBroadcasts<'_> {
     pub fn round<E: From<Error>>(
         &mut self,
         parts: &[(usize, std::ops::Range<usize>)],
-        alive: impl FnMut() -> std::result::Result<(), E>,
+        mut alive: impl FnMut() -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
-        use cudarc::driver::DevicePtrMut;
         self.comm.usable()?;
         let (len, world) = (self.dst.len(), self.comm.world);
         for (root, range) in parts {
@@ -529,6 +611,32 @@ impl NcclBroadcasts<'_> {
                 .into());
             }
         }
+        self.pending = true;
+        self.queued.push(parts.to_vec());
+        if self.comm.poll_up()? {
+            self.flush(&mut alive)?;
+        }
+        Ok(())
+    }
+
+    /// Issues the queued rounds, in order (the communicator is up).
+    fn flush<E: From<Error>>(
+        &mut self,
+        mut alive: impl FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        for parts in std::mem::take(&mut self.queued) {
+            self.issue(&parts, &mut alive)?;
+        }
+        Ok(())
+    }
+
+    /// One round's group of broadcasts, enqueued on the communicator's stream.
+    fn issue<E: From<Error>>(
+        &mut self,
+        parts: &[(usize, std::ops::Range<usize>)],
+        alive: impl FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        use cudarc::driver::DevicePtrMut;
         let comm = &mut *self.comm;
         let lib = comm.lib;
         comm.stream
@@ -540,7 +648,6 @@ impl NcclBroadcasts<'_> {
         let stream = Arc::clone(&comm.stream);
         let (base, guard) = self.dst.device_ptr_mut(&stream);
         std::mem::forget(guard);
-        self.pending = true;
         // SAFETY: no arguments.
         let mut result = check(lib, Some(comm.comm), "ncclGroupStart", unsafe {
             (lib.group_start)()
@@ -577,7 +684,8 @@ impl NcclBroadcasts<'_> {
     }
 
     /// Waits until every round has completed on this GPU (its parts sent, the others'
-    /// received), calling `alive` between polls of the stream.
+    /// received), calling `alive` between polls: first for the communicator to come up and
+    /// the queued rounds to be issued, then for its stream.
     ///
     /// # Errors
     /// [`Error::Nccl`], [`Error::Cuda`] (the communicator aborted); `alive`'s (aborted too).
@@ -588,7 +696,8 @@ impl NcclBroadcasts<'_> {
         if !self.pending {
             return Ok(());
         }
-        self.comm.usable()?;
+        self.comm.until_up(&mut alive)?;
+        self.flush(&mut alive)?;
         let mut nap = Duration::from_micros(20);
         loop {
             let comm = &mut *self.comm;

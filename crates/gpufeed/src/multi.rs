@@ -738,8 +738,9 @@ pub struct RankReport {
     pub alloc_seconds: f64,
     /// Replicated loads through CUDA IPC handles: seconds opening the other ranks' copies
     /// (`cuIpcOpenMemHandle`, on a thread of its own while this rank reads its first round);
-    /// through NCCL: seconds making the ranks' communicator (the first such load only, its
-    /// checks included); 0 otherwise (shared staging maps the other ranks' slots once).
+    /// through NCCL: seconds making the ranks' communicator that the load's reads did not hide
+    /// (the first such load only, its checks included); 0 otherwise (shared staging maps the
+    /// other ranks' slots once).
     pub peer_open_seconds: f64,
     /// Replicated loads through CUDA IPC handles: seconds closing them again
     /// (`cuIpcCloseMemHandle`); 0 otherwise.
@@ -909,9 +910,10 @@ impl RankLoader {
     /// (each rank the root of its part, in place) sends it into every other rank's copy
     /// while the rank reads its next round; no staging slots, no shared pools, no CUDA IPC of
     /// gpufeed's own. The first such load makes the ranks' communicator (rank 0's
-    /// `ncclUniqueId` passed through the rendezvous; the time is the report's
-    /// `peer_open_seconds`: 0.46 s for one rank on the H200 machine, GPU run 109, against 0.1 s
-    /// for the staging slots), kept until the loader is dropped. Every wait on NCCL looks at
+    /// `ncclUniqueId` passed through the rendezvous), kept until the loader is dropped; NCCL
+    /// sets it up (0.4-0.5 s on the H200 machine, GPU runs 109 and 111) while the load reads,
+    /// its first rounds' broadcasts queued until it is up; the part of the setup the reads did
+    /// not hide is in the report's `peer_open_seconds`. Every wait on NCCL looks at
     /// the other ranks between polls, so a rank that dies or leaves makes the others abort
     /// the communicator and fail naming it, as on the other paths. Needs NCCL 2.14 or later
     /// at run time (`libnccl.so.2`, or `GPUFEED_NCCL_LIBRARY`) and a GPU per rank (NCCL
@@ -972,11 +974,10 @@ impl RankLoader {
             .as_slice()
             .try_into()
             .map_err(|_| Error::RankFailed { rank: 0 })?;
-        let mut watch = self.rdv.watch();
-        let id = gpufeed_cuda::NcclId(id);
-        let comm = gpufeed_cuda::NcclComm::init(gpu, &id, me, n, NCCL_SETUP_WAIT, || {
-            watch.check().map_err(Error::from)
-        })?;
+        // Its setup (0.4-0.5 s) runs while this load reads: the first rounds' broadcasts wait
+        // for it in `replicate_nccl`.
+        let comm =
+            gpufeed_cuda::NcclComm::start(gpu, &gpufeed_cuda::NcclId(id), me, n, NCCL_SETUP_WAIT)?;
         self.timings.lock().peer_open = t.elapsed().as_secs_f64();
         Ok(Staging::Nccl(Box::new(comm)))
     }
@@ -1254,6 +1255,7 @@ impl RankLoader {
         let mut watch = self.rdv.watch();
         let mut alive = || watch.check().map_err(Error::from);
         let mut loads = Vec::new();
+        let waited = comm.setup_waited();
         let outcome = comm
             .broadcasts(dst.as_view_mut())
             .map_err(Error::from)
@@ -1278,6 +1280,8 @@ impl RankLoader {
                 }
                 bc.wait(&mut alive)
             });
+        // The communicator's setup that the reads did not hide.
+        self.timings.lock().peer_open += (comm.setup_waited() - waited).as_secs_f64();
         // A rank whose part failed returns now and leaves the rendezvous (`collective`), so
         // that the others, waiting in NCCL for its broadcasts, see it gone and fail naming it
         // (an exchange here would wait for them while they wait for it).

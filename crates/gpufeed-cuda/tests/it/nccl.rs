@@ -56,6 +56,31 @@ fn a_communicator_of_one_broadcasts_in_place_and_refuses_bad_parts() {
     drop(comm);
     let back = gpu.to_vec(&buf).expect("download");
     assert_eq!(xxh3_64(&back), xxh3_64(&data), "in place: the bytes stay");
+
+    // Started without waiting: rounds given while it comes up are queued, `wait` issues them.
+    let id = NcclId::new().expect("an id");
+    let t = Instant::now();
+    let mut comm = NcclComm::start(&gpu, &id, 0, 1, Duration::from_secs(30)).expect("started");
+    {
+        let mut bc = comm.broadcasts(buf.as_view_mut()).expect("broadcasts");
+        let len = data.len();
+        for k in 0..4 {
+            bc.round(&[(0, k * len / 4..(k + 1) * len / 4)], || {
+                Ok::<(), Error>(())
+            })
+            .expect("a round, queued or issued");
+        }
+        bc.wait(|| Ok::<(), Error>(())).expect("wait");
+    }
+    assert!(comm.is_up() && !comm.is_broken());
+    assert!(
+        comm.setup_waited() <= t.elapsed(),
+        "{:?}",
+        comm.setup_waited()
+    );
+    drop(comm);
+    let back = gpu.to_vec(&buf).expect("download");
+    assert_eq!(xxh3_64(&back), xxh3_64(&data), "started: the bytes stay");
 }
 
 #[test]
@@ -79,6 +104,29 @@ fn a_communicator_whose_other_rank_never_comes_is_given_up() {
         waited >= Duration::from_secs(2) && waited < Duration::from_secs(20),
         "{waited:?}"
     );
+    // The same through `start`: a round is queued, `wait` gives up after the timeout.
+    let id = NcclId::new().expect("an id");
+    let mut comm = NcclComm::start(&gpu, &id, 0, 2, Duration::from_secs(2)).expect("started");
+    let mut buf = gpu
+        .default_stream()
+        .clone_htod(&[7u8; 4096])
+        .expect("upload");
+    let t = Instant::now();
+    {
+        let mut bc = comm.broadcasts(buf.as_view_mut()).expect("broadcasts");
+        bc.round(&[(0, 0..2048), (1, 2048..4096)], || Ok::<(), Error>(()))
+            .expect("queued");
+        let e = bc
+            .wait(|| Ok::<(), Error>(()))
+            .expect_err("rank 1 never joins");
+        assert!(
+            matches!(&e, Error::Nccl { message, .. } if message.contains("not done after")),
+            "{e}"
+        );
+    }
+    assert!(comm.is_broken());
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    drop(comm);
     // The caller's check fails (another rank died): given up at once, with its error.
     let id = NcclId::new().expect("an id");
     let t = Instant::now();
