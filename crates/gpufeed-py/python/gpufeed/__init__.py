@@ -246,6 +246,13 @@ def load_replicated_rank(path: Path):
     ``libnccl.so.2`` and a GPU per rank; ``ipc``: written into the others' copies through CUDA
     IPC handles). Every rank of the machine must call it with the same file. Returns ``(tensor, rank,
     world)``; a rank that dies or fails is named in the others' ``GpufeedError``."""
+    # torch first (its tensor is what is returned anyway): with GPUFEED_REPLICATE=nccl gpufeed
+    # then uses the libnccl.so.2 torch loaded, instead of loading the system's under the same
+    # name, to which torch's own library would then be bound.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     array, rank, world = _gpufeed.load_replicated_rank(path)
     return as_tensor(array), rank, world
 
