@@ -161,8 +161,10 @@ enum ShmCommand {
         #[arg(long, default_value = gpufeed::os::shm::DEFAULT_PREFIX)]
         prefix: String,
     },
-    /// Remove the segments whose owner process died. Segments made in another PID namespace
-    /// (a container sharing /dev/shm) are kept: their owner's pid says nothing here.
+    /// Remove the segments whose owner process died, and the descriptor sockets
+    /// (`.gpufeed-fd-*`) that ranks killed while passing descriptors left, once an hour old.
+    /// Segments made in another PID namespace (a container sharing /dev/shm) are kept: their
+    /// owner's pid says nothing here.
     Gc {
         #[arg(long, default_value = gpufeed::os::shm::DEFAULT_PREFIX)]
         prefix: String,
@@ -1078,11 +1080,13 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
     } else {
         ForeignSegments::Keep
     };
-    let report = shm::gc_in_with(std::path::Path::new(shm::DEFAULT_DIR), prefix, foreign)?;
+    let dir = std::path::Path::new(shm::DEFAULT_DIR);
+    let report = shm::gc_in_with(dir, prefix, foreign)?;
+    let sockets = gpufeed::ipc::remove_stale_sockets(dir, gpufeed::ipc::STALE_SOCKET_AGE)?;
     if json {
         print_json(
             "shm gc",
-            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace }),
+            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "removed_sockets": sockets }),
         )?;
     } else {
         println!(
@@ -1099,6 +1103,12 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
         );
         for n in &report.removed {
             println!("  removed {n}");
+        }
+        if !sockets.is_empty() {
+            println!(
+                "removed {} descriptor socket(s) left by ranks killed while passing descriptors",
+                sockets.len()
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

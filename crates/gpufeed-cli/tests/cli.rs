@@ -435,6 +435,7 @@ fn shm_gc_removes_a_dead_process_segment() {
     let (v, code) = json_of(gpufeed().args(["shm", "gc", "--prefix", &prefix]));
     assert_eq!(code, 0);
     assert_eq!(v["removed"], serde_json::json!([name]), "{v}");
+    assert!(v["removed_sockets"].is_array(), "{v}");
     assert_eq!(v["other_namespace"], serde_json::json!([foreign]), "{v}");
     assert!(!dev_shm.join(&name).exists());
     assert!(dev_shm.join(&foreign).exists());

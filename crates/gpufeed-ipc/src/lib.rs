@@ -70,6 +70,9 @@ pub use layout::{Layout, MAX_CONSUMERS, MAX_PRODUCERS, MAX_SLOTS, SLOT_ALIGN, pa
 #[cfg(not(loom))]
 pub use members::MAX_PROCESSES;
 #[cfg(not(loom))]
-pub use rendezvous::{MAX_PAYLOAD, MAX_RANKS, RankWatch, Rendezvous, RendezvousOptions};
+pub use rendezvous::{
+    MAX_PAYLOAD, MAX_RANKS, RankWatch, Rendezvous, RendezvousOptions, STALE_SOCKET_AGE,
+    remove_stale_sockets,
+};
 #[cfg(not(loom))]
 pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats};

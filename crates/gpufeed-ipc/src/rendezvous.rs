@@ -14,7 +14,8 @@
 //! [`Rendezvous::wait_until_departed`] waits for every other rank's handle to be dropped (or
 //! [`Rendezvous::depart`]). [`Rendezvous::share_fd`] passes a file descriptor from every rank
 //! to every other over Unix sockets in /dev/shm, each removed before the call returns (a rank
-//! killed inside the call leaves its socket file behind: an empty name, `.gpufeed-fd-*`).
+//! killed inside the call leaves its socket file behind: an empty name, `.gpufeed-fd-*`, which
+//! [`remove_stale_sockets`] — `gpufeed shm gc` — removes once it is an hour old).
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -348,7 +349,7 @@ impl Rendezvous {
         let nonce = word(&self.seg, OFF_NONCE).load(Ordering::Relaxed);
         let path = |r: usize| {
             PathBuf::from(format!(
-                "{}/.gpufeed-fd-{nonce:016x}-{k}-{r}",
+                "{}/{SOCKET_PREFIX}{nonce:016x}-{k}-{r}",
                 gpufeed_os::shm::DEFAULT_DIR
             ))
         };
@@ -639,6 +640,54 @@ impl RankWatch<'_> {
         }
         Ok(())
     }
+}
+
+/// The name prefix of the sockets [`Rendezvous::share_fd`] listens on.
+const SOCKET_PREFIX: &str = ".gpufeed-fd-";
+
+/// How old a `.gpufeed-fd-*` socket file must be before `gpufeed shm gc` removes it (an
+/// hour): a live [`Rendezvous::share_fd`] removes its own within its join timeout (30 s by
+/// default), so one this old belongs to a rank killed inside the call.
+pub const STALE_SOCKET_AGE: Duration = Duration::from_secs(3600);
+
+/// Removes the socket files `.gpufeed-fd-*` in `dir` (`/dev/shm` for a job's ranks) that this
+/// user owns and that were last changed more than `older_than` ago: those left by ranks killed
+/// inside [`Rendezvous::share_fd`] (their names say nothing of their owner, so age is the
+/// test; see [`STALE_SOCKET_AGE`]). Other files are left alone. Returns the names removed.
+///
+/// # Errors
+/// [`Error::Io`] when `dir` cannot be read or a stale socket cannot be removed.
+pub fn remove_stale_sockets(dir: &std::path::Path, older_than: Duration) -> Result<Vec<String>> {
+    let io = |op: &'static str| move |source: std::io::Error| Error::Io { op, source };
+    let me = rustix::process::geteuid().as_raw();
+    let now = std::time::SystemTime::now();
+    let mut removed = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io("read the shared-memory directory"))? {
+        let entry = entry.map_err(io("read the shared-memory directory"))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with(SOCKET_PREFIX) {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(entry.path()) else {
+            continue; // gone meanwhile
+        };
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let old = meta
+            .modified()
+            .ok()
+            .and_then(|m| now.duration_since(m).ok())
+            .is_some_and(|age| age > older_than);
+        if !meta.file_type().is_socket() || meta.uid() != me || !old {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => removed.push(name),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("remove a stale descriptor socket")(e)),
+        }
+    }
+    removed.sort();
+    Ok(removed)
 }
 
 /// A socket file that is removed when this is dropped.

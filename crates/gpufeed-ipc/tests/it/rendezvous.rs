@@ -471,3 +471,44 @@ fn a_rank_waits_until_the_others_have_departed() {
         "a dead rank is gone"
     );
 }
+
+/// The socket files of ranks killed inside `share_fd` (`.gpufeed-fd-*`) are removed once they
+/// are old enough; a young one (a live call's), a regular file of that name and other names are
+/// left alone.
+#[test]
+fn stale_descriptor_sockets_are_removed_and_nothing_else() {
+    use rustix::fs::{AtFlags, CWD, Timespec, Timestamps, utimensat};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let old = dir.path().join(".gpufeed-fd-00ab-3-1");
+    let young = dir.path().join(".gpufeed-fd-00ab-3-0");
+    let regular = dir.path().join(".gpufeed-fd-regular");
+    let other = dir.path().join("other-socket");
+    let _listeners: Vec<_> = [&old, &young, &other]
+        .iter()
+        .map(|p| std::os::unix::net::UnixListener::bind(p).expect("bind"))
+        .collect();
+    std::fs::write(&regular, b"").expect("file");
+    let two_hours_ago = std::time::SystemTime::now() - Duration::from_secs(7200);
+    let secs = two_hours_ago
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs() as i64;
+    let then = Timespec {
+        tv_sec: secs,
+        tv_nsec: 0,
+    };
+    let times = Timestamps {
+        last_access: then,
+        last_modification: then,
+    };
+    for p in [&old, &regular, &other] {
+        utimensat(CWD, p.as_path(), &times, AtFlags::SYMLINK_NOFOLLOW).expect("age it");
+    }
+    let removed =
+        gpufeed_ipc::remove_stale_sockets(dir.path(), gpufeed_ipc::STALE_SOCKET_AGE).expect("gc");
+    assert_eq!(removed, vec![".gpufeed-fd-00ab-3-1".to_owned()]);
+    assert!(!old.exists());
+    for kept in [&young, &regular, &other] {
+        assert!(kept.exists(), "{} kept", kept.display());
+    }
+}
