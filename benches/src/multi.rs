@@ -593,6 +593,17 @@ pub fn table(s: &mut String, v: &MultiBench) {
             }
         }
     }
+    // A one-process-per-GPU replicated row: warm medians, then the first load.
+    let replicated_row = |s: &mut String, way: &str, rep: &Samples, first: Option<f64>| {
+        let _ = writeln!(
+            s,
+            "| one process per GPU, replicated ({way}) | {} | {} | {:.2}x one GPU's time{} |",
+            rep.map(|t| gbps(v.file_bytes, t)).show(1),
+            rep.show(3),
+            rep.median / v.one_gpu_seconds.median,
+            first_load(first)
+        );
+    };
     match (
         &v.ranks_sharded_gbps,
         &v.ranks_replicated_seconds,
@@ -605,13 +616,11 @@ pub fn table(s: &mut String, v: &MultiBench) {
                 sh.show(1),
                 sh.median / two_pinned
             );
-            let _ = writeln!(
+            replicated_row(
                 s,
-                "| one process per GPU, replicated (staging slots the ranks share) | {} | {} | {:.2}x one GPU's time{} |",
-                rep.map(|t| gbps(v.file_bytes, t)).show(1),
-                rep.show(3),
-                rep.median / v.one_gpu_seconds.median,
-                first_load(v.ranks_first_replicated_seconds)
+                "staging slots the ranks share",
+                rep,
+                v.ranks_first_replicated_seconds,
             );
         }
         (_, _, Some(e)) => {
@@ -620,16 +629,12 @@ pub fn table(s: &mut String, v: &MultiBench) {
         _ => {}
     }
     match &v.ranks_nccl_replicated_seconds {
-        Ok(rep) => {
-            let _ = writeln!(
-                s,
-                "| one process per GPU, replicated (NCCL broadcasts) | {} | {} | {:.2}x one GPU's time{} |",
-                rep.map(|t| gbps(v.file_bytes, t)).show(1),
-                rep.show(3),
-                rep.median / v.one_gpu_seconds.median,
-                first_load(v.ranks_nccl_first_replicated_seconds)
-            );
-        }
+        Ok(rep) => replicated_row(
+            s,
+            "NCCL broadcasts",
+            rep,
+            v.ranks_nccl_first_replicated_seconds,
+        ),
         Err(e) => {
             let _ = writeln!(
                 s,
