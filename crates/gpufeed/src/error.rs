@@ -72,6 +72,24 @@ pub enum Error {
         reason: String,
     },
 
+    /// A sharded checkpoint whose files are not all of the save its index names: a save was
+    /// stopped between files, or a file was replaced on its own. Nothing was loaded.
+    #[error(
+        "{}: the checkpoint mixes versions: {} {} not of the save the index names ({index_save}); \
+         save the checkpoint again, or restore the files of one save",
+        .index.display(),
+        files.iter().map(|(p, why)| format!("{} ({why})", p.display())).collect::<Vec<_>>().join(", "),
+        if files.len() == 1 { "is" } else { "are" }
+    )]
+    MixedCheckpoint {
+        /// The index file.
+        index: PathBuf,
+        /// The save the index records (`metadata.gpufeed_save_id`).
+        index_save: String,
+        /// Each file that does not belong to it, and why.
+        files: Vec<(PathBuf, String)>,
+    },
+
     /// A record file that cannot be used.
     #[error("{}: {reason}", .path.display())]
     Records {

@@ -134,6 +134,8 @@ struct Parsed {
     data_start: u64,
     data_len: u64,
     tensors: Vec<HeaderEntry>,
+    /// The save that wrote it ([`SAVE_ID_KEY`] of its `__metadata__`), where one did.
+    save_id: Option<String>,
     identity: FileIdentity,
     /// Held open until the load was checked: an open file's inode cannot be reused by a file
     /// that replaces it, so an identity match means the same file.
@@ -157,11 +159,12 @@ fn parse(path: &Path) -> Result<Parsed> {
     let mut prefix = vec![0u8; 8 + header_len as usize];
     prefix[..8].copy_from_slice(&n);
     read_exact_at(&file, &mut prefix[8..], 8, len).map_err(bad)?;
-    let (data_start, tensors) = header_of(&prefix, len).map_err(bad)?;
+    let (data_start, tensors, save_id) = header_parts(&prefix, len).map_err(bad)?;
     Ok(Parsed {
         data_start,
         data_len: len - data_start,
         tensors,
+        save_id,
         identity,
         _file: file,
     })
@@ -225,6 +228,14 @@ pub fn header_of(
     prefix: &[u8],
     file_len: u64,
 ) -> std::result::Result<(u64, Vec<HeaderEntry>), String> {
+    header_parts(prefix, file_len).map(|(start, tensors, _)| (start, tensors))
+}
+
+/// [`header_of`], with the save id ([`SAVE_ID_KEY`]) of the header's `__metadata__`.
+fn header_parts(
+    prefix: &[u8],
+    file_len: u64,
+) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<String>), String> {
     let Some(n) = prefix.get(..8) else {
         return Err(format!(
             "the file has {} bytes, fewer than the 8 that give the header's length",
@@ -237,7 +248,7 @@ pub fn header_of(
     };
     let json =
         std::str::from_utf8(json).map_err(|e| format!("the header is not UTF-8 text ({e})"))?;
-    let Listed(mut tensors) = serde_json::from_str(json)
+    let Listed(mut tensors, save_id) = serde_json::from_str(json)
         .map_err(|e| format!("the header does not describe valid tensors: {e}"))?;
     let data_len = file_len - 8 - n;
     let covered = tile(&mut tensors)?;
@@ -251,15 +262,16 @@ pub fn header_of(
     if let Some(w) = tensors.windows(2).find(|w| w[0].0 == w[1].0) {
         return Err(format!("tensor {} appears twice in the header", w[0].0));
     }
-    Ok((8 + n, tensors))
+    Ok((8 + n, tensors, save_id))
 }
 
 /// A header's tensors in the order listed, read in one pass. (The `safetensors` crate's own
 /// `Metadata` goes through serde's `flatten`, which buffers the whole header as generic values
 /// first: 11 ms for a header of 10,000 tensors on the development machine, against 2-3 ms for
 /// this.) Its checks are the crate's (property-tested against it below):
-/// `__metadata__` a map of strings, each tensor a dtype, a shape and two offsets.
-struct Listed(Vec<HeaderEntry>);
+/// `__metadata__` a map of strings, each tensor a dtype, a shape and two offsets. The second
+/// field is the metadata's [`SAVE_ID_KEY`], where present.
+struct Listed(Vec<HeaderEntry>, Option<String>);
 
 impl<'de> serde::Deserialize<'de> for Listed {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -275,20 +287,23 @@ impl<'de> serde::Deserialize<'de> for Listed {
             ) -> std::result::Result<Listed, A::Error> {
                 let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0).min(1 << 16));
                 let mut metadata = false;
+                let mut save_id = None;
                 while let Some(name) = map.next_key::<String>()? {
                     if name == "__metadata__" {
                         if metadata {
                             return Err(serde::de::Error::duplicate_field("__metadata__"));
                         }
                         metadata = true;
-                        map.next_value::<Option<std::collections::HashMap<String, String>>>()?;
+                        save_id = map
+                            .next_value::<Option<std::collections::HashMap<String, String>>>()?
+                            .and_then(|mut m| m.remove(SAVE_ID_KEY));
                     } else {
                         let info = map.next_value::<safetensors::tensor::TensorInfo>()?;
                         let (a, b) = info.data_offsets;
                         tensors.push((name, info.dtype, info.shape, a..b));
                     }
                 }
-                Ok(Listed(tensors))
+                Ok(Listed(tensors, save_id))
             }
         }
         d.deserialize_map(Tensors)
@@ -862,13 +877,17 @@ impl Plan {
 
 /// Reads and checks the headers of `path` (a file, or the shards of an index).
 fn plan(path: &Path) -> Result<Plan> {
-    let files = if path.to_string_lossy().ends_with(".json") {
+    let index = if path.to_string_lossy().ends_with(".json") {
         shards(path)?
     } else {
-        vec![(path.to_path_buf(), None)]
+        Index {
+            files: vec![(path.to_path_buf(), None)],
+            save: None,
+        }
     };
-    let mut planned = Vec::with_capacity(files.len());
-    for (file, expected) in files {
+    let is_index = index.files.iter().any(|f| f.1.is_some());
+    let mut planned = Vec::with_capacity(index.files.len());
+    for (file, expected) in index.files {
         let parsed = parse(&file)?;
         if let Some(expected) = &expected {
             for name in expected {
@@ -885,7 +904,71 @@ fn plan(path: &Path) -> Result<Plan> {
         }
         planned.push((file, parsed));
     }
+    if is_index {
+        check_one_save(path, index.save.as_ref(), &planned)?;
+    }
     Ok(Plan { files: planned })
+}
+
+/// Checks that the shards of the index `index` are all of one save: of the save the index
+/// records (its id in each shard's header, each shard's size as recorded), or, for an index
+/// that records none (one not written by gpufeed), that the shards that carry a save id all
+/// carry the same one.
+fn check_one_save(
+    index: &Path,
+    save: Option<&IndexSave>,
+    files: &[(PathBuf, Parsed)],
+) -> Result<()> {
+    let (index_save, mut wrong) = match save {
+        Some(save) => {
+            let mut wrong = Vec::new();
+            for (file, parsed) in files {
+                let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+                let why = match (
+                    &parsed.save_id,
+                    name.and_then(|n| save.sizes.get(&n).copied()),
+                ) {
+                    (Some(id), _) if *id != save.id => Some(format!("written by save {id}")),
+                    (None, _) => Some("written by no recorded save".to_owned()),
+                    (_, Some(size)) if size != parsed.identity.size => Some(format!(
+                        "{} bytes where the index records {size}",
+                        parsed.identity.size
+                    )),
+                    _ => None,
+                };
+                wrong.extend(why.map(|w| (file.clone(), w)));
+            }
+            (save.id.clone(), wrong)
+        }
+        None => {
+            let mut ids = files
+                .iter()
+                .filter_map(|(f, p)| Some((f, p.save_id.as_ref()?)));
+            let Some((_, first)) = ids.next() else {
+                return Ok(());
+            };
+            let wrong: Vec<_> = files
+                .iter()
+                .filter_map(|(f, p)| {
+                    let id = p.save_id.as_ref()?;
+                    (id != first).then(|| (f.clone(), format!("written by save {id}")))
+                })
+                .collect();
+            if wrong.is_empty() {
+                return Ok(());
+            }
+            (format!("none recorded; {first} by the first shard"), wrong)
+        }
+    };
+    if wrong.is_empty() {
+        return Ok(());
+    }
+    wrong.sort();
+    Err(Error::MixedCheckpoint {
+        index: index.into(),
+        index_save,
+        files: wrong,
+    })
 }
 
 /// Loads the data sections of a planned checkpoint, one bulk transfer per file.
@@ -913,9 +996,31 @@ fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<Checkpoint> 
     Ok(ckpt)
 }
 
+/// The metadata key, in each shard's header and in the index, of the save that wrote a sharded
+/// checkpoint ([`save_sharded`]): a random id per save.
+pub const SAVE_ID_KEY: &str = "gpufeed_save_id";
+
+/// The index metadata key of the shard files' sizes (`{"file": bytes}`), written by
+/// [`save_sharded`].
+pub const FILE_SIZES_KEY: &str = "gpufeed_file_sizes";
+
+/// What an index says of its shards.
+struct Index {
+    /// Each shard file, with the tensors the index maps to it.
+    files: Vec<(PathBuf, Option<Vec<String>>)>,
+    /// The save that wrote the shards, where the index records one.
+    save: Option<IndexSave>,
+}
+
+/// The save an index records ([`SAVE_ID_KEY`], [`FILE_SIZES_KEY`]).
+struct IndexSave {
+    id: String,
+    sizes: BTreeMap<String, u64>,
+}
+
 /// The shard files of an index (`{"weight_map": {"tensor": "file", ...}}`), each with the
-/// tensors the index maps to it.
-fn shards(index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
+/// tensors the index maps to it, and the save it records.
+fn shards(index: &Path) -> Result<Index> {
     let bad = |reason: String| Error::Index {
         path: index.into(),
         reason,
@@ -929,7 +1034,7 @@ fn shards(index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
 }
 
 /// [`shards`] of an index's text (untrusted: property-tested).
-fn shards_of(text: &str, index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
+fn shards_of(text: &str, index: &Path) -> Result<Index> {
     let bad = |reason: String| Error::Index {
         path: index.into(),
         reason,
@@ -965,10 +1070,40 @@ fn shards_of(text: &str, index: &Path) -> Result<Vec<(PathBuf, Option<Vec<String
     if by_file.is_empty() {
         return Err(bad("the weight map is empty".into()));
     }
-    Ok(by_file
-        .into_iter()
-        .map(|(f, names)| (dir.join(f), Some(names)))
-        .collect())
+    let metadata = json.get("metadata");
+    let save = match metadata.and_then(|m| m.get(SAVE_ID_KEY)) {
+        None => None,
+        Some(id) => {
+            let id = id
+                .as_str()
+                .ok_or_else(|| bad(format!("metadata.{SAVE_ID_KEY} is not a string")))?;
+            let mut sizes = BTreeMap::new();
+            if let Some(recorded) = metadata.and_then(|m| m.get(FILE_SIZES_KEY)) {
+                let recorded = recorded
+                    .as_object()
+                    .ok_or_else(|| bad(format!("metadata.{FILE_SIZES_KEY} is not an object")))?;
+                for (file, size) in recorded {
+                    let size = size.as_u64().ok_or_else(|| {
+                        bad(format!(
+                            "metadata.{FILE_SIZES_KEY}.{file} is not a byte count"
+                        ))
+                    })?;
+                    sizes.insert(file.clone(), size);
+                }
+            }
+            Some(IndexSave {
+                id: id.to_owned(),
+                sizes,
+            })
+        }
+    };
+    Ok(Index {
+        files: by_file
+            .into_iter()
+            .map(|(f, names)| (dir.join(f), Some(names)))
+            .collect(),
+        save,
+    })
 }
 
 /// A tensor to save: its name, element type, shape, and bytes (on the GPU or the host).
@@ -1087,10 +1222,44 @@ pub fn save(
 }
 
 /// Saves `tensors` as shards of at most `max_shard_bytes` of data each (a tensor larger than
-/// that gets a shard of its own), `<prefix>-00001-of-0000N.safetensors` in `dir`, and the index
-/// `<prefix>.safetensors.index.json` (`metadata.total_size`, `weight_map`) written last, so
-/// that a crash leaves the old index, which names the old shards. Returns one report per shard;
-/// load it back with [`load`] on the index.
+/// that gets a shard of its own) in `dir`, and the index `<prefix>.safetensors.index.json`
+/// (`metadata.total_size`, `weight_map`) last. Returns one report per shard; load it back with
+/// [`load`] on the index.
+///
+/// Crash-safe as a whole, not only file by file: the index on disk always names shards of one
+/// save. The new shards go under names that no file in `dir` has yet
+/// (`<prefix>-00001-of-0000N.safetensors` where those are free, else
+/// `<prefix>-<save id>-00001-of-0000N.safetensors`), so the old index keeps naming the old,
+/// untouched shards until the new index replaces it in one rename ([`Saver::save_bytes`]).
+/// Only then are the files the old index named removed (and shards of earlier saves of this
+/// prefix that a crash left unnamed). A save that fails or is killed midway leaves the old
+/// checkpoint as it was (a failed save removes the shards it wrote; a killed one leaves them
+/// for the next save of the prefix to remove). Each shard's header metadata and the index record
+/// the save's random id ([`SAVE_ID_KEY`]) and the index each shard's size ([`FILE_SIZES_KEY`]):
+/// [`load`], [`inspect`] and the other readers of an index refuse a set of files of different
+/// saves with [`Error::MixedCheckpoint`] naming the files.
+///
+/// # Example
+/// ```
+/// use gpufeed::safetensors::{Dtype, SaveTensor, inspect, save_sharded};
+/// use gpufeed::{Piece, SaveOptions, Saver};
+/// # let dir = tempfile::tempdir()?;
+/// let saver = Saver::host(SaveOptions::default())?;
+/// let (a, b) = (vec![1u8; 4096], vec![2u8; 4096]);
+/// let tensors = [
+///     SaveTensor { name: "a", dtype: Dtype::U8, shape: &[4096], data: Piece::Host(&a) },
+///     SaveTensor { name: "b", dtype: Dtype::U8, shape: &[4096], data: Piece::Host(&b) },
+/// ];
+/// let reports = save_sharded(&saver, &tensors, None, dir.path(), "model", 4096)?;
+/// assert_eq!(reports.len(), 2);
+/// let files = inspect(dir.path().join("model.safetensors.index.json"))?;
+/// assert_eq!(files.len(), 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// [`save`]'s for each shard and [`Saver::save_bytes`]' for the index; the old checkpoint is
+/// then left as it was.
 pub fn save_sharded(
     saver: &Saver,
     tensors: &[SaveTensor<'_>],
@@ -1100,37 +1269,146 @@ pub fn save_sharded(
     max_shard_bytes: u64,
 ) -> Result<Vec<SaveReport>> {
     let dir = dir.as_ref();
-    let mut shards: Vec<Vec<SaveTensor<'_>>> = vec![Vec::new()];
+    let mut groups: Vec<Vec<SaveTensor<'_>>> = vec![Vec::new()];
     let (mut in_shard, mut total) = (0u64, 0u64);
     for t in tensors {
         let len = tensor_bytes(t)? as u64;
         total += len;
-        let last = shards.last_mut().expect("one shard at least");
+        let last = groups.last_mut().expect("one shard at least");
         if !last.is_empty() && in_shard + len > max_shard_bytes {
-            shards.push(Vec::new());
+            groups.push(Vec::new());
             in_shard = 0;
         }
-        shards.last_mut().expect("one shard at least").push(*t);
+        groups.last_mut().expect("one shard at least").push(*t);
         in_shard += len;
     }
-    let n = shards.len();
+    let index_path = dir.join(format!("{prefix}.safetensors.index.json"));
+    // What the index on disk names now: removed once the new index replaces it.
+    let previous = shards(&index_path)
+        .map(|i| i.files.into_iter().map(|f| f.0).collect::<Vec<_>>())
+        .unwrap_or_default();
+    let save_id = new_save_id();
+    let names = shard_names(dir, prefix, groups.len(), &save_id);
+    let mut shard_metadata = metadata.cloned().unwrap_or_default();
+    shard_metadata.insert(SAVE_ID_KEY.to_owned(), save_id.clone());
+
     let mut weight_map = BTreeMap::new();
-    let mut reports = Vec::with_capacity(n);
-    for (i, shard) in shards.iter().enumerate() {
-        let file = format!("{prefix}-{:05}-of-{n:05}.safetensors", i + 1);
-        for t in shard {
-            weight_map.insert(t.name.to_owned(), file.clone());
+    let mut sizes = BTreeMap::new();
+    let mut reports = Vec::with_capacity(groups.len());
+    let mut written = Vec::with_capacity(groups.len());
+    let outcome = (|| {
+        for (shard, name) in groups.iter().zip(&names) {
+            for t in shard {
+                weight_map.insert(t.name.to_owned(), name.clone());
+            }
+            let path = dir.join(name);
+            let report = save(saver, shard, Some(&shard_metadata), &path)?;
+            written.push(path);
+            sizes.insert(name.clone(), report.bytes);
+            reports.push(report);
         }
-        reports.push(save(saver, shard, metadata, dir.join(&file))?);
+        let index = serde_json::json!({
+            "metadata": {
+                "total_size": total,
+                SAVE_ID_KEY: save_id,
+                FILE_SIZES_KEY: sizes,
+            },
+            "weight_map": weight_map,
+        });
+        let text = serde_json::to_vec_pretty(&index)
+            .map_err(|e| Error::InvalidSetting(format!("the index cannot be written: {e}")))?;
+        // The one switch from the old save to the new.
+        saver.save_bytes(&text, &index_path)
+    })();
+    if let Err(e) = outcome {
+        // The old index still names the old shards; the new ones are of no index.
+        for path in &written {
+            remove_shard(path);
+        }
+        return Err(e);
     }
-    let index = serde_json::json!({
-        "metadata": { "total_size": total },
-        "weight_map": weight_map,
-    });
-    let text = serde_json::to_vec_pretty(&index)
-        .map_err(|e| Error::InvalidSetting(format!("the index cannot be written: {e}")))?;
-    saver.save_bytes(&text, dir.join(format!("{prefix}.safetensors.index.json")))?;
+    let new: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+    for path in previous.iter().chain(&unnamed_shards(dir, prefix)) {
+        if !new.contains(path) {
+            remove_shard(path);
+        }
+    }
     Ok(reports)
+}
+
+/// A random id for one [`save_sharded`]: 16 hex digits (std's randomly keyed hasher over the
+/// pid and the time).
+fn new_save_id() -> String {
+    use std::hash::BuildHasher;
+    let random = std::collections::hash_map::RandomState::new()
+        .hash_one((std::process::id(), std::time::SystemTime::now()));
+    format!("{random:016x}")
+}
+
+/// The shard names of a save of `n` shards: `<prefix>-0000i-of-0000N.safetensors` where no
+/// file of any of those names is in `dir`, else with the save's id after the prefix (names no
+/// earlier save used).
+fn shard_names(dir: &Path, prefix: &str, n: usize, save_id: &str) -> Vec<String> {
+    let plain: Vec<String> = (1..=n)
+        .map(|i| format!("{prefix}-{i:05}-of-{n:05}.safetensors"))
+        .collect();
+    if plain
+        .iter()
+        .all(|name| std::fs::symlink_metadata(dir.join(name)).is_err())
+    {
+        return plain;
+    }
+    (1..=n)
+        .map(|i| format!("{prefix}-{save_id}-{i:05}-of-{n:05}.safetensors"))
+        .collect()
+}
+
+/// Files in `dir` named like a shard of `prefix` by [`shard_names`] (with or without a save
+/// id): after a new index is in place, those it does not name are left by saves that stopped.
+fn unnamed_shards(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix(prefix)?.strip_prefix('-'))
+                .is_some_and(is_shard_suffix)
+        })
+        .map(|e| e.path())
+        .collect()
+}
+
+/// `00001-of-00004.safetensors` or `<16 hex>-00001-of-00004.safetensors`.
+fn is_shard_suffix(rest: &str) -> bool {
+    let Some(rest) = rest.strip_suffix(".safetensors") else {
+        return false;
+    };
+    let digits = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit());
+    let count = |s: &str| {
+        s.split_once("-of-")
+            .is_some_and(|(i, n)| digits(i, 5) && digits(n, 5))
+    };
+    match rest.split_once('-') {
+        Some((id, tail)) if id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            count(tail)
+        }
+        _ => count(rest),
+    }
+}
+
+/// Removes a shard file no index names; a failure is only logged (the file is of no index).
+fn remove_shard(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(
+            path = %path.display(),
+            "could not remove a shard no index names: {e}"
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -1247,9 +1525,9 @@ mod tests {
                 .collect();
             let structured = serde_json::json!({ "weight_map": map }).to_string();
             for t in [text.as_str(), structured.as_str()] {
-                if let Ok(files) = shards_of(t, &index) {
-                    proptest::prop_assert!(!files.is_empty());
-                    for (f, _) in files {
+                if let Ok(parsed) = shards_of(t, &index) {
+                    proptest::prop_assert!(!parsed.files.is_empty());
+                    for (f, _) in parsed.files {
                         proptest::prop_assert_eq!(f.parent(), Some(dir));
                     }
                 }

@@ -12,6 +12,7 @@ mod multi;
 mod oneshot;
 mod registered;
 mod save;
+mod sharded;
 mod sources;
 mod workers;
 
