@@ -786,9 +786,62 @@ impl RankLoader {
         })
     }
 
+    /// The job name [`RankLoader::from_env`] meets the other ranks under: `GPUFEED_JOB` as it
+    /// is where set (the same for every rank of the job, different for every other job on the
+    /// machine); else what concurrent jobs on one machine differ in: `TORCHELASTIC_RUN_ID`
+    /// (torchrun's `--rdzv-id`, whose default is the string `none`, the same for every job),
+    /// `MASTER_ADDR` and `MASTER_PORT`, the launcher's pid (the parent process: torchrun's
+    /// agent starts every local rank itself) and the launcher's restart count
+    /// (`TORCHELASTIC_RESTART_COUNT`: a restarted attempt never meets the remains of the one
+    /// before). Characters a shared-memory name cannot hold become `_`.
+    ///
+    /// Ranks of one job started by different parent processes (a launcher that is not
+    /// torchrun's agent) must set `GPUFEED_JOB`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] when neither `GPUFEED_JOB`, `TORCHELASTIC_RUN_ID` nor
+    /// `MASTER_ADDR` and `MASTER_PORT` are set.
+    pub fn job_from_env() -> Result<String> {
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        let job = match var("GPUFEED_JOB") {
+            Some(job) => job,
+            None => {
+                let run = var("TORCHELASTIC_RUN_ID");
+                let master = var("MASTER_ADDR").zip(var("MASTER_PORT"));
+                if run.is_none() && master.is_none() {
+                    return Err(Error::InvalidSetting(
+                        "no job name: set GPUFEED_JOB (the same for every rank of the job), or \
+                         start the processes with torchrun (TORCHELASTIC_RUN_ID)"
+                            .into(),
+                    ));
+                }
+                let launcher = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
+                let mut parts: Vec<String> = run.into_iter().collect();
+                if let Some((addr, port)) = master {
+                    parts.extend([addr, port]);
+                }
+                parts.push(format!("launcher{launcher}"));
+                parts.push(format!(
+                    "attempt{}",
+                    var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
+                ));
+                parts.join("-")
+            }
+        };
+        Ok(job
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect())
+    }
+
     /// [`RankLoader::join`] from the variables `torchrun` sets: `LOCAL_RANK` of
-    /// `LOCAL_WORLD_SIZE`, the job named by `GPUFEED_JOB`, else `TORCHELASTIC_RUN_ID`, else
-    /// `MASTER_ADDR` and `MASTER_PORT`; options [`LoadOptions::for_gpus`]`(LOCAL_WORLD_SIZE)`.
+    /// `LOCAL_WORLD_SIZE`, the job [`RankLoader::job_from_env`] names; options [`LoadOptions::for_gpus`]`(LOCAL_WORLD_SIZE)`.
     /// `GPUFEED_REPLICATE` picks how replicated loads copy between the ranks: `staging` (the
     /// default: [`RankLoader::with_shared_staging`]), `ipc` (CUDA IPC handles:
     /// `with_shared_staging(false)`) or `nccl` ([`RankLoader::with_nccl`]), so that a launch
@@ -823,26 +876,7 @@ impl RankLoader {
                 )));
             }
         };
-        let job = var("GPUFEED_JOB")
-            .or_else(|| var("TORCHELASTIC_RUN_ID"))
-            .or_else(|| Some(format!("{}-{}", var("MASTER_ADDR")?, var("MASTER_PORT")?)))
-            .ok_or_else(|| {
-                Error::InvalidSetting(
-                    "no job name: set GPUFEED_JOB (the same for every rank of the job), or start \
-                     the processes with torchrun (TORCHELASTIC_RUN_ID)"
-                        .into(),
-                )
-            })?;
-        let job: String = job
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let job = Self::job_from_env()?;
         // Without a driver, `join` names the problem when it opens the GPU.
         let ordinal = match Gpu::count() {
             Ok(count) if count > 0 => rank % count,

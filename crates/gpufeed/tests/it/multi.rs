@@ -412,11 +412,12 @@ fn replicated_loads_are_byte_exact_on_every_gpu() {
 }
 
 /// The variables `RankLoader::from_env` reads, cleared in the children unless given.
-const RANK_VARS: [&str; 8] = [
+const RANK_VARS: [&str; 9] = [
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "GPUFEED_JOB",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
     "MASTER_ADDR",
     "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES",
@@ -783,6 +784,86 @@ fn run_to_end(c: std::process::Child) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// `cmd` (a rank child) run by a shell of its own with `LOCAL_RANK` set to each of `ranks`: the
+/// shell is the ranks' launcher (their parent), as torchrun's agent is, in a process group of
+/// its own (killed whole by [`kill_group`]).
+fn launched(cmd: &std::process::Command, ranks: &[usize]) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let script: String = ranks
+        .iter()
+        .map(|r| format!("LOCAL_RANK={r} \"$@\" & "))
+        .chain(["wait".to_owned()])
+        .collect();
+    let mut sh = std::process::Command::new("sh");
+    sh.arg("-c").arg(script).arg("sh").arg(cmd.get_program());
+    sh.args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => sh.env(k, v),
+            None => sh.env_remove(k),
+        };
+    }
+    sh.process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn a launcher")
+}
+
+fn kill_group(c: &std::process::Child) {
+    let group = rustix::process::Pid::from_child(c);
+    let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+}
+
+/// Two torchrun-like jobs on one machine with torchrun's default run id (`none`) and the same
+/// master address never meet (before, both ranks named their rendezvous `gpufeed-rdv-none`
+/// and joined each other's job); the ranks of one launcher do.
+#[test]
+fn two_jobs_with_torchruns_default_run_id_never_meet() {
+    let port = (20_000 + std::process::id() % 40_000).to_string();
+    let rank = rank_child(&[
+        ("LOCAL_WORLD_SIZE", "2".into()),
+        ("TORCHELASTIC_RUN_ID", "none".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.clone()),
+    ]);
+    // Job A's rank 0 and job B's rank 1, each started by its own launcher.
+    let (a, b) = (launched(&rank, &[0]), launched(&rank, &[1]));
+    let t = std::time::Instant::now();
+    let mut a_b = [a, b];
+    while t.elapsed() < std::time::Duration::from_secs(4) {
+        for c in &mut a_b {
+            if let Some(status) = c.try_wait().expect("wait") {
+                panic!("a rank finished ({status}): ranks of two jobs met");
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for c in a_b {
+        kill_group(&c);
+        let (_, out) = run_to_end(c);
+        assert!(!out.contains("JOINED") && !out.contains("NOGPU"), "{out}");
+    }
+    // Rank 0 of job A created its rendezvous before it was killed.
+    for e in std::fs::read_dir("/dev/shm")
+        .expect("ls /dev/shm")
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("gpufeed-rdv-none-127.0.0.1-{port}-")) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    // Both ranks from one launcher: one job, they meet (and without a GPU both say so).
+    let (ok, out) = run_to_end(launched(&rank, &[0, 1]));
+    assert!(ok, "{out}");
+    let met = match Gpu::count() {
+        Ok(n) if n > 0 => out.matches("JOINED").count(),
+        _ => out.matches("NOGPU true").count(),
+    };
+    assert_eq!(met, 2, "{out}");
 }
 
 #[test]
