@@ -184,6 +184,54 @@ pub enum Error {
         /// The bound waited.
         ms: u128,
     },
+
+    /// A batch of worker processes did not come to a
+    /// [`RingLoader`](crate::dataset::ring::RingLoader) in time: the worker that makes it is
+    /// hung, stopped or far behind the others, whose later batches the loader held meanwhile
+    /// (at most its window copied out, the rest left in their ring slots).
+    #[error(
+        "batch {batch} did not come from the ring {}: {} is hung, stopped or far behind the \
+         others, whose {held} later batches were waiting for it (a RingLoader copies at most \
+         its window of batches out of order, RingLoader::with_window)",
+        waited_for(*.ms, *.stalled),
+        made_by(*.worker, *.workers)
+    )]
+    RingBatchMissing {
+        /// The batch's number in its epoch.
+        batch: usize,
+        /// The worker that makes it (`batch % workers`: `produce_epoch`'s share), where the
+        /// loader saw a slot of this epoch saying how many workers there are.
+        worker: Option<usize>,
+        /// The number of workers, from the slots of this epoch (`None`: no slot came).
+        workers: Option<usize>,
+        /// Later batches the loader held when it gave up (released with the error).
+        held: usize,
+        /// How long it waited for the batch.
+        ms: u128,
+        /// Whether it gave up before its timeout because every slot of the ring held a later
+        /// batch, so that no worker could publish the one it needed.
+        stalled: bool,
+    },
+}
+
+/// How long a [`Error::RingBatchMissing`] waited, and why it stopped.
+fn waited_for(ms: u128, stalled: bool) -> String {
+    if stalled {
+        format!(
+            "after {ms} ms, and cannot: every slot of the ring holds a later batch, so no worker \
+             can publish it"
+        )
+    } else {
+        format!("within {ms} ms")
+    }
+}
+
+/// Who makes the batch of a [`Error::RingBatchMissing`].
+fn made_by(worker: Option<usize>, workers: Option<usize>) -> String {
+    match (worker, workers) {
+        (Some(w), Some(n)) => format!("worker {w} of {n}, which makes it,"),
+        _ => "the worker that makes it".to_owned(),
+    }
 }
 
 impl Error {

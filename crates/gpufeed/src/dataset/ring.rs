@@ -3,11 +3,13 @@
 //! straight from the registered shared memory. Start the workers however your launcher does
 //! (each calls [`produce_epoch`] for its share); the consumer is a [`RingLoader`].
 //!
-//! Slot layout: `"GFBT" | records u32 | epoch u64 | number u64 | data bytes u64 | offsets
-//! (records + 1) x u64 | record indices (records) x u64 | data at the next 256-byte boundary`.
+//! Slot layout: `"GFB2" | records u32 | epoch u64 | number u64 | data bytes u64 | worker u32 |
+//! workers u32 | offsets (records + 1) x u64 | record indices (records) x u64 | data at the next
+//! 256-byte boundary` (the worker that wrote it and how many share the epoch: batch `number` is
+//! worker `number % workers`'s).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
 use gpufeed_ipc::{BatchRing, Consumer};
@@ -16,8 +18,8 @@ use gpufeed_pinned::{HostRegistration, PinnedPool, PoolConfig, PoolMode};
 use crate::dataset::{Batch, BatchData, LoaderConfig, RecordFile, Sampler, Transform};
 use crate::error::{Error, Result};
 
-const MAGIC: &[u8; 4] = b"GFBT";
-const HEADER: usize = 32;
+const MAGIC: &[u8; 4] = b"GFB2";
+const HEADER: usize = 40;
 
 /// The batches (number, record indices) of `epoch`, as [`crate::dataset::BatchLoader`] makes
 /// them.
@@ -48,11 +50,23 @@ pub(crate) fn data_offset(records: usize) -> usize {
     header_len(records).next_multiple_of(256)
 }
 
-/// A slot's header (see the module's layout) for batch `number` of `epoch`: its records'
-/// `indices`, their data's `offsets` (one more than the records, from 0 to the data's length).
+/// A slot's header (see the module's layout) for batch `number` of `epoch` from a ring's only
+/// producer (worker 0 of 1): its records' `indices`, their data's `offsets` (one more than the
+/// records, from 0 to the data's length).
 pub(crate) fn slot_header(
     epoch: u64,
     number: usize,
+    indices: &[usize],
+    offsets: &[u64],
+) -> Vec<u8> {
+    slot_header_of(epoch, number, (0, 1), indices, offsets)
+}
+
+/// [`slot_header`] for worker `worker` of `workers` (`(worker, workers)`).
+fn slot_header_of(
+    epoch: u64,
+    number: usize,
+    (worker, workers): (usize, usize),
     indices: &[usize],
     offsets: &[u64],
 ) -> Vec<u8> {
@@ -62,6 +76,8 @@ pub(crate) fn slot_header(
     header.extend_from_slice(&epoch.to_le_bytes());
     header.extend_from_slice(&(number as u64).to_le_bytes());
     header.extend_from_slice(&offsets.last().copied().unwrap_or(0).to_le_bytes());
+    header.extend_from_slice(&(worker as u32).to_le_bytes());
+    header.extend_from_slice(&(workers as u32).to_le_bytes());
     for o in offsets {
         header.extend_from_slice(&o.to_le_bytes());
     }
@@ -137,9 +153,10 @@ pub fn produce_epoch(
         transform,
         timeout,
     } = *share;
-    if workers == 0 || worker >= workers {
+    if workers == 0 || worker >= workers || u32::try_from(workers).is_err() {
         return Err(Error::InvalidSetting(format!(
-            "worker {worker} of {workers}: workers must be at least 1 and worker below it"
+            "worker {worker} of {workers}: workers must be at least 1 (and fit a u32), and \
+             worker below it"
         )));
     }
     let mut written = 0;
@@ -173,7 +190,8 @@ pub fn produce_epoch(
         }
         let at = data_offset(indices.len());
         let mut claim = ring.claim(timeout)?;
-        claim.write_at(0, &slot_header(epoch, number, &indices, &offsets))?;
+        let header = slot_header_of(epoch, number, (worker, workers), &indices, &offsets);
+        claim.write_at(0, &header)?;
         claim.write_at(at as u64, &out)?;
         claim.set_len((at + out.len()) as u64)?;
         claim.publish()?;
@@ -182,8 +200,20 @@ pub fn produce_epoch(
     Ok(written)
 }
 
-/// A slot's header: epoch, batch number, data offset, record offsets, record indices.
-type SlotHeader = (u64, usize, usize, Vec<usize>, Vec<usize>);
+/// A slot's header, read and checked.
+#[derive(Debug)]
+struct SlotHeader {
+    epoch: u64,
+    number: usize,
+    /// The worker that wrote it, and how many share the epoch.
+    worker: usize,
+    workers: usize,
+    /// Where the data starts in the slot.
+    at: usize,
+    /// Each record's start in the data, then the end of the last.
+    offsets: Vec<usize>,
+    indices: Vec<usize>,
+}
 
 /// Reads a slot's header, treating the bytes as untrusted (another process wrote them).
 fn parse_slot(head: &[u8], slot_len: u64) -> Result<SlotHeader> {
@@ -191,14 +221,25 @@ fn parse_slot(head: &[u8], slot_len: u64) -> Result<SlotHeader> {
         reason: format!("its slot is malformed: {why}"),
     };
     if head.len() < HEADER || &head[..4] != MAGIC {
-        return Err(bad("bad magic"));
+        return Err(bad(
+            "bad magic (not a batch, or one written by another version of gpufeed)",
+        ));
     }
     let u64_at = |o: usize| u64::from_le_bytes(head[o..o + 8].try_into().expect("8 bytes"));
-    let count = u32::from_le_bytes(head[4..8].try_into().expect("4 bytes")) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(head[o..o + 4].try_into().expect("4 bytes"));
+    let count = u32_at(4) as usize;
     if head.len() < header_len(count) {
         return Err(bad("header shorter than its record count"));
     }
-    let (epoch, number, data_len) = (u64_at(8), u64_at(16) as usize, u64_at(24));
+    let (epoch, number, data_len) = (u64_at(8), u64_at(16), u64_at(24));
+    let (worker, workers) = (u32_at(32) as usize, u32_at(36) as usize);
+    let number = usize::try_from(number).map_err(|_| bad("a batch number past usize"))?;
+    if workers == 0 || number % workers != worker {
+        return Err(bad(&format!(
+            "batch {number} says it is worker {worker}'s of {workers}, whose batches are those \
+             of numbers {worker} mod {workers}"
+        )));
+    }
     let at = data_offset(count);
     if (at as u64)
         .checked_add(data_len)
@@ -206,30 +247,44 @@ fn parse_slot(head: &[u8], slot_len: u64) -> Result<SlotHeader> {
     {
         return Err(bad("lengths exceed the slot"));
     }
-    let offsets: Vec<usize> = (0..=count)
-        .map(|k| u64_at(HEADER + 8 * k) as usize)
-        .collect();
-    if offsets[0] != 0
-        || offsets.windows(2).any(|w| w[1] < w[0])
-        || offsets[count] as u64 != data_len
-    {
+    // Each offset is at most `data_len`, which fits the slot (checked above), so a usize.
+    let offsets: Vec<u64> = (0..=count).map(|k| u64_at(HEADER + 8 * k)).collect();
+    if offsets[0] != 0 || offsets.windows(2).any(|w| w[1] < w[0]) || offsets[count] != data_len {
         return Err(bad("offsets out of order"));
     }
+    let offsets = offsets.into_iter().map(|o| o as usize).collect();
     let indices = (0..count)
         .map(|k| u64_at(HEADER + 8 * (count + 1 + k)) as usize)
         .collect();
-    Ok((epoch, number, at, offsets, indices))
+    Ok(SlotHeader {
+        epoch,
+        number,
+        worker,
+        workers,
+        at,
+        offsets,
+        indices,
+    })
 }
 
 /// The training side of worker processes: takes their batches from the ring in batch order
 /// and uploads each from the registered shared memory (no staging copy), or hands out host
 /// copies without a GPU.
+///
+/// Batches that come before their turn (their worker is ahead of another) wait in the loader:
+/// at most [`RingLoader::window`] of them are moved out of the ring (to the GPU, or a pooled host
+/// buffer: at most a slot's bytes each), the others stay in their ring slots, taking no more
+/// memory, until their turn. So one hung or stopped worker holds the loader's memory at
+/// `window` batches (and, once every slot of the ring holds a later batch, holds back the other
+/// workers, which wait for free slots), and its batch ends the epoch with
+/// [`Error::RingBatchMissing`] naming it and its worker.
 pub struct RingLoader<'r> {
     ring: &'r BatchRing,
     consumer: Consumer<'r>,
     gpu: Option<(Gpu, TransferScheduler)>,
     registration: Option<HostRegistration<'r>>,
     pool: PinnedPool,
+    window: usize,
     /// Slower paths taken, with reasons.
     pub notes: Vec<String>,
 }
@@ -238,14 +293,19 @@ impl std::fmt::Debug for RingLoader<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RingLoader")
             .field("slots", &self.ring.slots())
+            .field("window", &self.window)
             .field("gpu", &self.gpu.is_some())
             .field("registered", &self.registration.is_some())
             .finish()
     }
 }
 
+/// The default window of a [`RingLoader`], in rings' worth of batches.
+const WINDOW_RINGS: usize = 4;
+
 impl<'r> RingLoader<'r> {
     /// Registers as the ring's consumer and, with a GPU, registers the ring's memory with CUDA.
+    /// Its window is four times the ring's slots ([`RingLoader::with_window`]).
     pub fn new(ring: &'r BatchRing, gpu: Option<&Gpu>) -> Result<Self> {
         let consumer = ring.consumer()?;
         let mut notes = Vec::new();
@@ -283,58 +343,55 @@ impl<'r> RingLoader<'r> {
             gpu,
             registration,
             pool,
+            window: WINDOW_RINGS * ring.slots() as usize,
             notes,
         })
     }
 
-    /// The `batches` batches of `epoch`, in batch order, each waited for up to `timeout`.
-    ///
-    /// An item is an error for a batch not there within `timeout`, or at once
-    /// ([`gpufeed_ipc::Error::ProducerGone`]) when the ring's registered producer (a
-    /// [`crate::hybrid::Fanout`]) is gone with nothing left to take; a slot that is not a
-    /// batch of this layout; or the upload's.
-    pub fn epoch(
-        &mut self,
-        epoch: u64,
-        batches: usize,
-        timeout: Duration,
-    ) -> impl Iterator<Item = Result<Batch>> + '_ {
-        let mut held: BTreeMap<usize, Batch> = BTreeMap::new();
-        let mut next = 0;
-        std::iter::from_fn(move || {
-            if next >= batches {
-                return None;
-            }
-            loop {
-                if let Some(b) = held.remove(&next) {
-                    next += 1;
-                    return Some(Ok(b));
-                }
-                match self.take(epoch, timeout) {
-                    Ok(b) if b.number >= batches => {
-                        next = batches;
-                        return Some(Err(Error::MalformedBatch {
-                            reason: format!(
-                                "batch number {} beyond the epoch's {batches}",
-                                b.number
-                            ),
-                        }));
-                    }
-                    Ok(b) => {
-                        held.insert(b.number, b);
-                    }
-                    Err(e) => {
-                        next = batches;
-                        return Some(Err(e));
-                    }
-                }
-            }
-        })
+    /// This loader moving at most `batches` batches out of the ring ahead of their turn (0:
+    /// none, every early batch waits in its slot). A larger window lets workers differ more
+    /// in speed before the fast ones wait for the slow one, at up to a slot's bytes of memory
+    /// (GPU memory with a GPU) per batch.
+    pub fn with_window(mut self, batches: usize) -> Self {
+        self.window = batches;
+        self
     }
 
-    /// Takes one batch from the ring and moves it out of its slot (to the GPU, or a pooled host
-    /// buffer), releasing the slot.
-    fn take(&mut self, epoch: u64, timeout: Duration) -> Result<Batch> {
+    /// The most batches moved out of the ring ahead of their turn (default: four times the
+    /// ring's slots).
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// The `batches` batches of `epoch`, in batch order, each waited for up to `timeout`.
+    ///
+    /// An item is an error for a batch not there within `timeout`, or once every slot of the
+    /// ring holds a later batch so that it cannot come ([`Error::RingBatchMissing`], naming the
+    /// batch and its worker); at once ([`gpufeed_ipc::Error::ProducerGone`]) when the ring's
+    /// registered producer (a [`crate::hybrid::Fanout`]) is gone with nothing left to take; a
+    /// slot that is not a batch of this layout and epoch, or a batch number that comes twice
+    /// ([`Error::MalformedBatch`]); or the upload's. An error ends the epoch and releases the
+    /// batches held.
+    pub fn epoch(&mut self, epoch: u64, batches: usize, timeout: Duration) -> RingEpoch<'_, 'r> {
+        RingEpoch {
+            loader: self,
+            epoch,
+            batches,
+            timeout,
+            next: 0,
+            held: BTreeMap::new(),
+            parked: BTreeMap::new(),
+            workers: None,
+            failed: None,
+        }
+    }
+
+    /// Takes one slot from the ring and reads its header (the slot stays taken).
+    fn take_slot(
+        &self,
+        epoch: u64,
+        timeout: Duration,
+    ) -> Result<(gpufeed_ipc::Batch<'r>, SlotHeader)> {
         let slot = self.consumer.next(timeout)?;
         let mut fixed = [0u8; HEADER];
         if slot.len() < HEADER as u64 {
@@ -352,12 +409,29 @@ impl<'r> RingLoader<'r> {
         }
         let mut head = vec![0u8; need];
         slot.read_at(0, &mut head)?;
-        let (got_epoch, number, at, offsets, indices) = parse_slot(&head, slot.len())?;
-        if got_epoch != epoch {
+        let header = parse_slot(&head, slot.len())?;
+        if header.epoch != epoch {
             return Err(Error::MalformedBatch {
-                reason: format!("a worker produced epoch {got_epoch} while epoch {epoch} is read"),
+                reason: format!(
+                    "a worker produced epoch {} while epoch {epoch} is read",
+                    header.epoch
+                ),
             });
         }
+        Ok((slot, header))
+    }
+
+    /// Moves a taken slot's batch out (to the GPU, or a pooled host buffer), releasing the
+    /// slot.
+    fn move_out(&self, slot: gpufeed_ipc::Batch<'r>, header: SlotHeader) -> Result<Batch> {
+        let SlotHeader {
+            epoch,
+            number,
+            at,
+            offsets,
+            indices,
+            ..
+        } = header;
         let len = *offsets.last().expect("count + 1 offsets");
         let data = match (&self.gpu, &self.registration) {
             (Some((gpu, sched)), Some(reg)) if len > 0 => {
@@ -394,6 +468,168 @@ impl<'r> RingLoader<'r> {
     }
 }
 
+/// The batches of one epoch from a [`RingLoader`], in batch order ([`RingLoader::epoch`]).
+pub struct RingEpoch<'l, 'r> {
+    loader: &'l mut RingLoader<'r>,
+    epoch: u64,
+    batches: usize,
+    timeout: Duration,
+    /// The batch handed out next.
+    next: usize,
+    /// Later batches moved out of the ring (at most the loader's window).
+    held: BTreeMap<usize, Batch>,
+    /// Later batches left in their ring slots, past the window.
+    parked: BTreeMap<usize, (gpufeed_ipc::Batch<'r>, SlotHeader)>,
+    /// Workers sharing the epoch, as the first slot said.
+    workers: Option<usize>,
+    /// An error of moving a parked batch out, for the next call.
+    failed: Option<Error>,
+}
+
+impl std::fmt::Debug for RingEpoch<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingEpoch")
+            .field("epoch", &self.epoch)
+            .field("next", &self.next)
+            .field("batches", &self.batches)
+            .field("held", &self.held.len())
+            .field("parked", &self.parked.len())
+            .finish()
+    }
+}
+
+impl RingEpoch<'_, '_> {
+    /// Batches that came ahead of their turn and wait in the loader: moved out of the ring (at
+    /// most its window) or in their slots.
+    pub fn held(&self) -> usize {
+        self.held.len() + self.parked.len()
+    }
+
+    /// Bytes of the batches moved out of the ring ahead of their turn (host or GPU memory).
+    pub fn held_bytes(&self) -> usize {
+        self.held.values().map(Batch::bytes).sum()
+    }
+
+    /// Ends the epoch at `e`, releasing what it holds.
+    fn end(&mut self, e: Error) -> Error {
+        self.next = self.batches;
+        self.held.clear();
+        self.parked.clear();
+        e
+    }
+
+    /// The error for batch `want`, waited for since `since`.
+    fn missing(&self, want: usize, since: Instant, stalled: bool) -> Error {
+        Error::RingBatchMissing {
+            batch: want,
+            worker: self.workers.map(|n| want % n),
+            workers: self.workers,
+            held: self.held(),
+            ms: since.elapsed().as_millis(),
+            stalled,
+        }
+    }
+
+    /// Checks a taken slot's batch against the epoch: a number in range, not seen before, of
+    /// as many workers as the others.
+    fn check(&mut self, h: &SlotHeader) -> Result<()> {
+        let bad = |reason: String| Err(Error::MalformedBatch { reason });
+        if h.number >= self.batches {
+            return bad(format!(
+                "batch number {} beyond the epoch's {}",
+                h.number, self.batches
+            ));
+        }
+        if h.number < self.next
+            || self.held.contains_key(&h.number)
+            || self.parked.contains_key(&h.number)
+        {
+            return bad(format!("batch {} came twice", h.number));
+        }
+        match self.workers {
+            Some(n) if n != h.workers => bad(format!(
+                "batch {} is of worker {} of {}, others of this epoch of {n} workers",
+                h.number, h.worker, h.workers
+            )),
+            _ => {
+                self.workers = Some(h.workers);
+                Ok(())
+            }
+        }
+    }
+
+    /// Moves parked batches out of the ring (lowest numbers first) while the window has room,
+    /// so that their slots go back to the workers.
+    fn unpark(&mut self) {
+        while self.held.len() < self.loader.window && self.failed.is_none() {
+            let Some((_, (slot, header))) = self.parked.pop_first() else {
+                return;
+            };
+            match self.loader.move_out(slot, header) {
+                Ok(b) => {
+                    self.held.insert(b.number, b);
+                }
+                Err(e) => self.failed = Some(e),
+            }
+        }
+    }
+
+    /// Batch `want`: held, parked, or taken from the ring, waiting up to the timeout.
+    fn wait_for(&mut self, want: usize) -> Result<Batch> {
+        let since = Instant::now();
+        loop {
+            if let Some(b) = self.held.remove(&want) {
+                return Ok(b);
+            }
+            if let Some((slot, header)) = self.parked.remove(&want) {
+                return self.loader.move_out(slot, header);
+            }
+            if self.parked.len() >= self.loader.ring.slots() as usize {
+                // Every slot holds a later batch: no worker can publish this one.
+                return Err(self.missing(want, since, true));
+            }
+            let left = self.timeout.saturating_sub(since.elapsed());
+            let (slot, header) = match self.loader.take_slot(self.epoch, left) {
+                Err(Error::Ipc(gpufeed_ipc::Error::Timeout { .. })) => {
+                    return Err(self.missing(want, since, false));
+                }
+                taken => taken?,
+            };
+            self.check(&header)?;
+            if header.number == want {
+                return self.loader.move_out(slot, header);
+            }
+            if self.held.len() < self.loader.window {
+                let b = self.loader.move_out(slot, header)?;
+                self.held.insert(b.number, b);
+            } else {
+                self.parked.insert(header.number, (slot, header));
+            }
+        }
+    }
+}
+
+impl Iterator for RingEpoch<'_, '_> {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        if self.next >= self.batches {
+            return None;
+        }
+        if let Some(e) = self.failed.take() {
+            return Some(Err(self.end(e)));
+        }
+        match self.wait_for(self.next) {
+            Ok(b) => {
+                self.next += 1;
+                self.unpark();
+                Some(Ok(b))
+            }
+            Err(e) => Some(Err(self.end(e))),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,11 +650,12 @@ mod tests {
                 head.extend_from_slice(&count.to_le_bytes());
             }
             head.extend_from_slice(&body);
-            if let Ok((_, _, at, offsets, indices)) = parse_slot(&head, slot_len) {
-                let data_len = *offsets.last().expect("count + 1 offsets") as u64;
-                proptest::prop_assert!(at as u64 + data_len <= slot_len);
-                proptest::prop_assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
-                proptest::prop_assert_eq!(offsets.len(), indices.len() + 1);
+            if let Ok(h) = parse_slot(&head, slot_len) {
+                let data_len = *h.offsets.last().expect("count + 1 offsets") as u64;
+                proptest::prop_assert!(h.at as u64 + data_len <= slot_len);
+                proptest::prop_assert!(h.offsets.windows(2).all(|w| w[0] <= w[1]));
+                proptest::prop_assert_eq!(h.offsets.len(), h.indices.len() + 1);
+                proptest::prop_assert_eq!(h.number % h.workers, h.worker);
             }
         }
     }
