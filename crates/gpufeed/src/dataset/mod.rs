@@ -183,8 +183,18 @@ impl RecordFile {
 
     /// Variable records delimited by the offsets in `index`.
     ///
+    /// The index is opened like the data (a regular file of a real file system: a FIFO or a
+    /// device is refused without blocking) and read whole into memory, so its size is bounded
+    /// first: at most one record per byte of data, `8 x (data bytes + 1)` bytes of offsets (an
+    /// index of more records than that, which could only be empty ones, is not of this data).
+    ///
     /// # Safety
     /// As for [`RecordFile::open_fixed`].
+    ///
+    /// # Errors
+    /// The data file's errors and the index's ([`gpufeed_os::Error::NotRegularFile`] for a
+    /// FIFO or device), and [`Error::Records`] naming the index when it is larger than that
+    /// bound, its offsets decrease or pass the data's end, or memory for it cannot be had.
     #[allow(
         unsafe_code,
         reason = "passes on the mapped-file promise of FileMap::open"
@@ -197,8 +207,8 @@ impl RecordFile {
             path: index.into(),
             reason,
         };
-        let raw = std::fs::read(index).map_err(|e| bad(format!("cannot read the index: {e}")))?;
-        let offsets = parse_record_index(&raw, map.len() as u64).map_err(bad)?;
+        let (file, identity) = gpufeed_os::file::open_regular(index, false)?;
+        let offsets = read_record_index(file, identity.size, map.len() as u64).map_err(bad)?;
         Ok(RecordFile {
             map,
             path: path.into(),
@@ -1271,19 +1281,80 @@ pub(crate) fn run_transform(f: &Transform, i: usize, r: &[u8], out: &mut Vec<u8>
     }
 }
 
-/// Parses a record index (little-endian u64 offsets, at least two, not decreasing, the last
-/// within `data_len`): a file another program wrote, so untrusted. Property-tested below.
-fn parse_record_index(raw: &[u8], data_len: u64) -> std::result::Result<Vec<u64>, String> {
-    if !raw.len().is_multiple_of(8) || raw.len() < 16 {
+/// Reads the record index `file` of `size` bytes (its `fstat` size) for data of `data_len`
+/// bytes: checks its size ([`check_index_size`]) before reading, reads exactly `size` bytes
+/// into offsets (memory reserved fallibly) and checks them ([`check_record_index`]).
+fn read_record_index(
+    mut file: std::fs::File,
+    size: u64,
+    data_len: u64,
+) -> std::result::Result<Vec<u64>, String> {
+    use std::io::Read;
+    let count = check_index_size(size, data_len)?;
+    let mut offsets: Vec<u64> = Vec::new();
+    offsets
+        .try_reserve_exact(count)
+        .map_err(|_| format!("{size} bytes of offsets do not fit in memory"))?;
+    let mut chunk = vec![0u8; 64 << 10];
+    let mut left = size;
+    while left > 0 {
+        // `left` is below the chunk's length here, so it fits a usize.
+        let n = chunk.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        file.read_exact(&mut chunk[..n]).map_err(|e| {
+            format!(
+                "cannot read the index ({} of {size} bytes read): {e}",
+                size - left
+            )
+        })?;
+        offsets.extend(
+            chunk[..n]
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+        );
+        left -= n as u64;
+    }
+    check_record_index(offsets, data_len)
+}
+
+/// The number of offsets in an index of `size` bytes for data of `data_len` bytes, or why
+/// it cannot be one: a whole number of little-endian `u64`s, at least two, and at most one
+/// record per byte of data (`data_len + 1` offsets), checked before anything is read.
+fn check_index_size(size: u64, data_len: u64) -> std::result::Result<usize, String> {
+    if !size.is_multiple_of(8) || size < 16 {
         return Err(format!(
-            "{} bytes: an index is at least two little-endian u64 offsets",
-            raw.len()
+            "{size} bytes: an index is at least two little-endian u64 offsets"
         ));
     }
+    let count = size / 8;
+    let most = data_len.saturating_add(1);
+    if count > most {
+        return Err(format!(
+            "{size} bytes hold {} records, more records than the {data_len} bytes of data \
+             can hold (one per byte at most): not an index of this data file",
+            count - 1
+        ));
+    }
+    usize::try_from(count).map_err(|_| format!("{count} offsets do not fit in memory"))
+}
+
+/// Parses a record index (little-endian u64 offsets, at least two, not decreasing, the last
+/// within `data_len`, at most one record per byte of data): a file another program wrote, so
+/// untrusted. Property-tested below.
+fn parse_record_index(raw: &[u8], data_len: u64) -> std::result::Result<Vec<u64>, String> {
+    check_index_size(raw.len() as u64, data_len)?;
     let offsets: Vec<u64> = raw
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect();
+    check_record_index(offsets, data_len)
+}
+
+/// Checks a record index's offsets (at least two, not decreasing, the last within
+/// `data_len`).
+fn check_record_index(offsets: Vec<u64>, data_len: u64) -> std::result::Result<Vec<u64>, String> {
+    if offsets.len() < 2 {
+        return Err("an index is at least two offsets".into());
+    }
     if let Some(w) = offsets.windows(2).position(|w| w[1] < w[0]) {
         return Err(format!("offsets decrease at record {w}"));
     }
@@ -1734,10 +1805,11 @@ mod tests {
                 proptest::prop_assert!(offsets.len() >= 2);
                 proptest::prop_assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
                 proptest::prop_assert!(*offsets.last().expect("two") <= data_len);
+                proptest::prop_assert!(offsets.len() as u64 - 1 <= data_len, "a record per byte at most");
             }
         }
 
-        /// Valid indexes are accepted as they are.
+        /// Valid indexes (at most a record per byte of data) are accepted as they are.
         #[test]
         fn valid_record_indexes_round_trip(mut lens in proptest::collection::vec(0u64..1000, 1..50)) {
             let mut offsets = vec![0u64];
@@ -1746,7 +1818,8 @@ mod tests {
             }
             let raw: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
             let end = *offsets.last().expect("one");
-            proptest::prop_assert_eq!(parse_record_index(&raw, end), Ok(offsets));
+            let data_len = end.max(offsets.len() as u64 - 1);
+            proptest::prop_assert_eq!(parse_record_index(&raw, data_len), Ok(offsets));
         }
     }
 

@@ -125,3 +125,85 @@ fn corrupt_shards_are_named_when_opened() {
     let err = shard_paths(dir.path().join("none-*.tar")).expect_err("no match");
     assert!(err.to_string().contains("no shard file"), "{err}");
 }
+
+/// `f` run on a thread, waited for at most `limit`: `None` when it did not return in time (the
+/// thread is left behind).
+fn within<T: Send + 'static>(
+    limit: std::time::Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+/// `RecordFile::open_indexed(data, index)`'s error text, run on a thread that may take at most
+/// 5 s (an open that blocks fails the test instead of hanging it).
+fn indexed_error(data: &std::path::Path, index: &std::path::Path) -> String {
+    let (d, i) = (data.to_owned(), index.to_owned());
+    // SAFETY: the test's files are never changed.
+    let opened = within(std::time::Duration::from_secs(5), move || {
+        unsafe { RecordFile::open_indexed(&d, &i) }
+            .map(|r| r.len())
+            .map_err(|e| e.to_string())
+    });
+    let Some(result) = opened else {
+        if std::fs::symlink_metadata(index).is_ok_and(|m| m.file_type().is_fifo()) {
+            // Let the reader left behind go: a writer that opens and closes gives it EOF.
+            drop(std::fs::OpenOptions::new().write(true).open(index));
+        }
+        panic!("open_indexed({}) blocked for 5 s", index.display());
+    };
+    match result {
+        Ok(n) => panic!("{} opened as an index of {n} records", index.display()),
+        Err(e) => e,
+    }
+}
+
+use std::os::unix::fs::FileTypeExt;
+
+/// An index that is a FIFO, or a device, is refused at once like every other input; one with
+/// more records than the data has bytes (here: empty records past that, a sparse file of
+/// zeros) is refused by its size, before anything is read.
+#[test]
+fn an_index_that_is_a_fifo_a_device_or_oversized_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data.bin");
+    std::fs::write(&data, random_bytes(100, 5)).expect("write");
+    let fifo = dir.path().join("index.fifo");
+    gpufeed_testkit::mkfifo(&fifo);
+    let err = indexed_error(&data, &fifo);
+    assert!(
+        err.contains("index.fifo") && err.contains("not a regular file"),
+        "{err}"
+    );
+    let err = indexed_error(&data, std::path::Path::new("/dev/zero"));
+    assert!(
+        err.contains("/dev/zero") && err.contains("not a regular file"),
+        "{err}"
+    );
+    // 100 bytes of data hold at most 100 records: 101 offsets. One more is refused.
+    let index = dir.path().join("index.bin");
+    let file = std::fs::File::create(&index).expect("create");
+    file.set_len(8 * 102).expect("set_len");
+    let err = indexed_error(&data, &index);
+    assert!(
+        err.contains("index.bin") && err.contains("more records than"),
+        "{err}"
+    );
+    // A sparse terabyte: refused by its size, not read into memory.
+    file.set_len(1 << 40).expect("set_len");
+    let err = indexed_error(&data, &index);
+    assert!(
+        err.contains("index.bin") && err.contains("more records than"),
+        "{err}"
+    );
+    // At the bound: 100 empty records.
+    file.set_len(8 * 101).expect("set_len");
+    // SAFETY: the test's files are never changed.
+    let records = unsafe { RecordFile::open_indexed(&data, &index) }.expect("100 empty records");
+    assert_eq!(records.len(), 100);
+    assert_eq!(records.record(99), Some(&[][..]));
+}
