@@ -4,7 +4,7 @@
 //! ```text
 //! 0      header (64 bytes of fixed fields, then counters, the lease and the consumer table)
 //! 4096   process table: 128 entries of 64 bytes (control word, PID namespace, pid, start
-//!        time, heartbeat), see the `members` module
+//!        time, heartbeat, flags), see the `members` module
 //! 12288  slot table: 64 bytes per slot (control word, sequence, length)
 //! D      data: `slots` x `slot_bytes`, D page-aligned, each slot 256-byte aligned
 //! ```
@@ -13,8 +13,9 @@ use crate::error::{Error, Result};
 
 /// `GPUFRNG1`
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUFRNG1");
-/// Layout version (2: holders named by process-table entries, leases).
-pub const VERSION: u32 = 2;
+/// Layout version (2: holders named by process-table entries, leases; 3: slots quarantined
+/// from silent holders, a state of 3 bits, entry locks).
+pub const VERSION: u32 = 3;
 /// Alignment of each slot (CUDA copies and 256-byte frames).
 pub const SLOT_ALIGN: u64 = 256;
 /// Bytes of the header page.
@@ -54,8 +55,7 @@ pub(crate) const OFF_READY_WAITERS: usize = 84;
 pub(crate) const OFF_LEASE_MS: usize = 88;
 /// Consumer table: MAX_CONSUMERS words of a holder reference (u32; 0 = empty).
 pub(crate) const OFF_CONSUMERS: usize = 128;
-/// Producer table, the same (added within version 2: a ring made by an older gpufeed has zeros
-/// here, "no producer registered", and its consumers wait out their timeouts as before).
+/// Producer table, the same.
 pub(crate) const OFF_PRODUCERS: usize = OFF_CONSUMERS + 4 * MAX_CONSUMERS;
 const _: () = assert!(OFF_PRODUCERS + 4 * MAX_PRODUCERS <= HEADER_BYTES as usize);
 
@@ -65,6 +65,7 @@ pub(crate) const PROC_NS: usize = 8;
 pub(crate) const PROC_PID: usize = 16;
 pub(crate) const PROC_START: usize = 24;
 pub(crate) const PROC_HEARTBEAT: usize = 32;
+pub(crate) const PROC_FLAGS: usize = 40;
 
 // Offsets inside one slot's metadata.
 pub(crate) const SLOT_CTL: usize = 0;

@@ -21,9 +21,14 @@
 //! others fail with an error naming it, within the join timeout or one lease.
 //!
 //! Holders are named by their entry in the ring's process table (PID namespace, pid, start
-//! time, heartbeat): a process of our PID namespace is judged by its pid, one of another
-//! namespace (a container sharing /dev/shm) only by the lease it renews
-//! ([`BatchRing::set_lease`]); a forked child gets [`Error::Forked`] and attaches on its own.
+//! time, heartbeat) and hold a lock on a byte of the segment that the kernel releases when they
+//! die: a holder whose lock is released is dead, one of our PID namespace is judged by its pid,
+//! one of another namespace (a container sharing /dev/shm) by the lease it renews
+//! ([`BatchRing::set_lease`]). A holder of another namespace silent for a whole lease (maybe
+//! only stopped: `docker pause`) is detached and its slots quarantined, handed to nobody until
+//! it lets go of them or is known dead, so that a stopped producer resumed never writes into
+//! another producer's batch nor a stopped consumer's batch is refilled under it; its next call
+//! answers [`Error::Detached`]. A forked child gets [`Error::Forked`] and attaches on its own.
 //!
 //! The slot state machine ([`state`](self) module docs) and the process table's identity
 //! handshake are checked with `loom`
@@ -55,6 +60,8 @@ mod fdpass;
 #[cfg(not(loom))]
 mod layout;
 mod members;
+#[cfg(not(loom))]
+mod oflock;
 #[cfg(not(loom))]
 mod rendezvous;
 #[cfg(not(loom))]

@@ -1,13 +1,19 @@
 //! The table of processes attached to a ring, and how a holder is named in the shared words.
 //!
 //! Each attached process owns one entry: a control word (state and generation) and its
-//! identity (PID namespace, pid, start time), plus a heartbeat counter it renews. The identity is
-//! published as one unit, seqlock style:
+//! identity (PID namespace, pid, start time, flags), plus a heartbeat counter it renews. The
+//! identity is published as one unit, seqlock style:
 //!
 //! ```text
-//!   FREE(g) --claim (CAS)--> WRITING(g+1) --fields written, Release--> ACTIVE(g+1)
-//!   ACTIVE(g) / WRITING(g) --detach, or judged gone (CAS)--> FREE(g)
+//!   FREE(g) --claim (CAS)--> WRITING(g+1) --fields written, CAS Release--> ACTIVE(g+1)
+//!   ACTIVE(g) / WRITING(g) --detach, or judged dead (CAS)--> FREE(g)
+//!   ACTIVE(g) --judged silent: lease out, maybe only stopped (CAS)--> REVOKED(g)
+//!   REVOKED(g) --its process detaches, or is known dead (CAS)--> FREE(g)
 //! ```
+//!
+//! A REVOKED entry tells its process that it was detached (its next call answers
+//! `Error::Detached`) while keeping its generation out of reuse: the slots quarantined under
+//! it (see the `state` module) stay recognisably its own until it lets go or is known dead.
 //!
 //! A reader loads the control word (Acquire), reads the fields, and loads the control word
 //! again: the fields belong to that generation only if both loads agree, so nobody ever pairs
@@ -26,6 +32,12 @@ pub const MAX_PROCESSES: usize = 128;
 pub(crate) const FREE: u64 = 0;
 pub(crate) const WRITING: u64 = 1;
 pub(crate) const ACTIVE: u64 = 2;
+pub(crate) const REVOKED: u64 = 3;
+
+/// A flag of [`Identity::flags`]: the process holds an open-file-description lock on its
+/// entry's first byte for as long as it is attached (see `ring::EntryLock`), so that a lock
+/// found released means that it is gone, whatever its PID namespace.
+pub(crate) const FLAG_LOCKED: u64 = 1;
 
 const STATE_MASK: u64 = 0b11;
 const GEN_SHIFT: u32 = 8;
@@ -66,6 +78,10 @@ const _: () = assert!(
     "LEFT's index must be past every entry"
 );
 
+#[cfg_attr(
+    loom,
+    allow(dead_code, reason = "used by the ring, which loom does not build")
+)]
 pub(crate) fn ref_index(r: HolderRef) -> usize {
     (r & 0xFF) as usize
 }
@@ -80,6 +96,7 @@ pub(crate) struct Entry<'a> {
     pub pid_ns: &'a AtomicU64,
     pub pid: &'a AtomicU64,
     pub start: &'a AtomicU64,
+    pub flags: &'a AtomicU64,
 }
 
 /// The identity an entry publishes.
@@ -88,10 +105,13 @@ pub(crate) struct Identity {
     pub pid_ns: u64,
     pub pid: u32,
     pub start_ticks: u64,
+    /// [`FLAG_LOCKED`] or 0.
+    pub flags: u64,
 }
 
-/// FREE -> WRITING -> ACTIVE with `id`; returns the new generation.
-pub(crate) fn try_register(e: &Entry<'_>, id: Identity) -> Option<u32> {
+/// FREE -> WRITING; returns the new generation. The caller then publishes its identity with
+/// [`finish_register`] (or gives the entry back with [`retire`]).
+pub(crate) fn begin_register(e: &Entry<'_>) -> Option<u32> {
     let cur = e.ctl.load(Ordering::Relaxed);
     if state(cur) != FREE {
         return None;
@@ -108,11 +128,31 @@ pub(crate) fn try_register(e: &Entry<'_>, id: Identity) -> Option<u32> {
             Ordering::Relaxed,
         )
         .ok()?;
+    Some(generation)
+}
+
+/// WRITING(`generation`) -> ACTIVE with `id`; false if a peer retired the entry meanwhile (this
+/// process was stopped in the middle of registering for a whole lease): the entry is not ours.
+pub(crate) fn finish_register(e: &Entry<'_>, generation: u32, id: Identity) -> bool {
     e.pid_ns.store(id.pid_ns, Ordering::Relaxed);
     e.pid.store(u64::from(id.pid), Ordering::Relaxed);
     e.start.store(id.start_ticks, Ordering::Relaxed);
-    e.ctl.store(make(ACTIVE, generation), Ordering::Release);
-    Some(generation)
+    e.flags.store(id.flags, Ordering::Relaxed);
+    e.ctl
+        .compare_exchange(
+            make(WRITING, generation),
+            make(ACTIVE, generation),
+            Ordering::Release,
+            Ordering::Relaxed,
+        )
+        .is_ok()
+}
+
+/// FREE -> WRITING -> ACTIVE with `id`; returns the new generation.
+#[cfg(test)]
+pub(crate) fn try_register(e: &Entry<'_>, id: Identity) -> Option<u32> {
+    let generation = begin_register(e)?;
+    finish_register(e, generation, id).then_some(generation)
 }
 
 /// What a reference's entry says now.
@@ -124,6 +164,9 @@ pub(crate) enum Lookup {
     Writing(u64),
     /// The entry's published identity, and the control word it was read under.
     Active(Identity, u64),
+    /// The entry was revoked (its process judged silent) and keeps its identity: the control
+    /// word it was read under.
+    Revoked(Identity, u64),
 }
 
 /// Reads the entry that `generation` refers to (seqlock read: a torn read retries).
@@ -140,17 +183,44 @@ pub(crate) fn lookup(e: &Entry<'_>, generation_wanted: u32) -> Lookup {
             pid_ns: e.pid_ns.load(Ordering::Relaxed),
             pid: e.pid.load(Ordering::Relaxed) as u32,
             start_ticks: e.start.load(Ordering::Relaxed),
+            flags: e.flags.load(Ordering::Relaxed),
         };
         // Orders the field loads before the second control load (a writer that began since
         // changed the control word first).
         crate::state::fence_acquire();
         if e.ctl.load(Ordering::Relaxed) == c1 {
-            return Lookup::Active(id, c1);
+            return if state(c1) == REVOKED {
+                Lookup::Revoked(id, c1)
+            } else {
+                Lookup::Active(id, c1)
+            };
         }
     }
 }
 
-/// ACTIVE/WRITING `ctl` -> FREE of the same generation (a stale `ctl` fails).
+/// ACTIVE `ctl` -> REVOKED of the same generation (a stale `ctl` fails).
+pub(crate) fn revoke(e: &Entry<'_>, ctl: u64) -> bool {
+    state(ctl) == ACTIVE
+        && e.ctl
+            .compare_exchange(
+                ctl,
+                make(REVOKED, generation(ctl)),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+}
+
+/// The REVOKED control word of an ACTIVE `ctl`.
+#[cfg_attr(
+    loom,
+    allow(dead_code, reason = "used by the ring, which loom does not build")
+)]
+pub(crate) fn revoked(ctl: u64) -> u64 {
+    make(REVOKED, generation(ctl))
+}
+
+/// ACTIVE/WRITING/REVOKED `ctl` -> FREE of the same generation (a stale `ctl` fails).
 pub(crate) fn retire(e: &Entry<'_>, ctl: u64) -> bool {
     e.ctl
         .compare_exchange(
@@ -162,17 +232,18 @@ pub(crate) fn retire(e: &Entry<'_>, ctl: u64) -> bool {
         .is_ok()
 }
 
-/// The four words of an entry, in private memory, for the tests.
+/// The five words of an entry, in private memory, for the tests.
 #[cfg(test)]
 mod tests_support {
     use super::*;
 
-    pub(super) fn entry(words: &[AtomicU64; 4]) -> Entry<'_> {
+    pub(super) fn entry(words: &[AtomicU64; 5]) -> Entry<'_> {
         Entry {
             ctl: &words[0],
             pid_ns: &words[1],
             pid: &words[2],
             start: &words[3],
+            flags: &words[4],
         }
     }
 }
@@ -185,12 +256,13 @@ mod tests {
 
     #[test]
     fn register_lookup_retire() {
-        let words = [0u64; 4].map(AtomicU64::new);
+        let words = [0u64; 5].map(AtomicU64::new);
         let e = entry(&words);
         let id = Identity {
             pid_ns: 7,
             pid: 42,
             start_ticks: 99,
+            flags: FLAG_LOCKED,
         };
         let g = try_register(&e, id).expect("free entry");
         assert_eq!(try_register(&e, id), None, "registered twice");
@@ -210,8 +282,41 @@ mod tests {
     }
 
     #[test]
+    fn a_revoked_entry_keeps_its_generation_until_retired() {
+        let words = [0u64; 5].map(AtomicU64::new);
+        let e = entry(&words);
+        let id = Identity {
+            pid_ns: 7,
+            pid: 42,
+            start_ticks: 99,
+            flags: FLAG_LOCKED,
+        };
+        let g = try_register(&e, id).expect("free entry");
+        let Lookup::Active(_, ctl) = lookup(&e, g) else {
+            panic!("not active")
+        };
+        assert!(revoke(&e, ctl));
+        assert!(!revoke(&e, ctl), "revoked twice");
+        assert_eq!(lookup(&e, g), Lookup::Revoked(id, revoked(ctl)));
+        assert_eq!(try_register(&e, id), None, "a revoked entry was reused");
+        assert!(!retire(&e, ctl), "retired through its ACTIVE word");
+        assert!(retire(&e, revoked(ctl)));
+        assert_eq!(lookup(&e, g), Lookup::Gone);
+        let g2 = begin_register(&e).expect("free");
+        assert!(
+            retire(&e, make(WRITING, g2)),
+            "a stopped registration retired"
+        );
+        assert!(
+            !finish_register(&e, g2, id),
+            "a retired registration was published"
+        );
+        assert_eq!(lookup(&e, g2), Lookup::Gone);
+    }
+
+    #[test]
     fn generations_wrap_without_zero() {
-        let words = [make(FREE, GEN_MASK as u32), 0, 0, 0].map(AtomicU64::new);
+        let words = [make(FREE, GEN_MASK as u32), 0, 0, 0, 0].map(AtomicU64::new);
         let e = entry(&words);
         let g = try_register(
             &e,
@@ -219,6 +324,7 @@ mod tests {
                 pid_ns: 1,
                 pid: 1,
                 start_ticks: 1,
+                flags: 0,
             },
         )
         .expect("free");
@@ -239,6 +345,7 @@ mod loom_tests {
             pid_ns: u64::from(p) * 1000,
             pid: p,
             start_ticks: u64::from(p) * 10,
+            flags: u64::from(p) & FLAG_LOCKED,
         }
     }
 
@@ -248,7 +355,7 @@ mod loom_tests {
     #[test]
     fn identities_are_published_whole() {
         loom::model(|| {
-            let words = Arc::new([0u64; 4].map(AtomicU64::new));
+            let words = Arc::new([0u64; 5].map(AtomicU64::new));
             let g1 = try_register(&entry(&words), id(1)).expect("free");
             let writer = {
                 let words = words.clone();
@@ -265,6 +372,7 @@ mod loom_tests {
                 Lookup::Active(got, _) => assert_eq!(got, id(1), "torn identity"),
                 Lookup::Gone => {}
                 Lookup::Writing(_) => panic!("generation 1 is never WRITING after publish"),
+                Lookup::Revoked(..) => panic!("nobody revoked it"),
             }
             let g2 = writer.join().expect("writer");
             assert_ne!(g2, g1);
@@ -283,7 +391,7 @@ mod loom_tests {
     fn a_reaper_never_frees_a_new_holders_slot() {
         use crate::state;
         loom::model(|| {
-            let words = Arc::new([0u64; 4].map(AtomicU64::new));
+            let words = Arc::new([0u64; 5].map(AtomicU64::new));
             let slot = Arc::new(AtomicU64::new(state::FREE));
             let g1 = try_register(&entry(&words), id(1)).expect("free");
             let old = state::try_claim(&slot, holder_ref(0, g1)).expect("claim");
@@ -316,6 +424,38 @@ mod loom_tests {
                     "the new holder's claim was freed"
                 );
             }
+        });
+    }
+
+    /// A reaper revokes a silent holder's entry and then quarantines its slot while the holder
+    /// resumes: a holder that finds its slot quarantined also finds its entry revoked (its
+    /// calls answer `Detached`), whatever the interleaving.
+    #[test]
+    fn a_holder_that_finds_its_slot_quarantined_finds_itself_revoked() {
+        use crate::state;
+        loom::model(|| {
+            let words = Arc::new([0u64; 5].map(AtomicU64::new));
+            let slot = Arc::new(AtomicU64::new(state::FREE));
+            let g = try_register(&entry(&words), id(1)).expect("free");
+            let ctl = active(g);
+            let w = state::try_claim(&slot, holder_ref(0, g)).expect("claim");
+            let reaper = {
+                let (words, slot) = (words.clone(), slot.clone());
+                loom::thread::spawn(move || {
+                    revoke(&entry(&words), ctl) && state::quarantine(&slot, w)
+                })
+            };
+            let now = slot.load(Ordering::Acquire);
+            if now != w {
+                assert_eq!(state::state(now), state::QUARANTINED);
+                assert_ne!(
+                    words[0].load(Ordering::Relaxed),
+                    ctl,
+                    "the slot was quarantined while its holder was still attached"
+                );
+            }
+            assert!(reaper.join().expect("reaper"));
+            assert!(state::release_quarantined(&slot, state::quarantined(w)));
         });
     }
 

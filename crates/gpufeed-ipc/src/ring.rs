@@ -1,6 +1,6 @@
 //! The batch ring in a shared-memory segment.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -16,6 +16,7 @@ use crate::layout::{
     self, Layout, MAX_CONSUMERS, MAX_PRODUCERS, OFF_FREE_WAITERS, OFF_READY_WAITERS,
 };
 use crate::members::{self, HolderRef, MAX_PROCESSES};
+use crate::oflock::{self, ByteLock, Probe};
 use crate::state;
 
 /// Longest single futex wait: liveness is re-checked at least this often.
@@ -68,10 +69,23 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 /// (every quarter of the [lease](BatchRing::set_lease), at least once a second) until the
 /// value drops. A holder of our
 /// PID namespace is judged by its pid (pidfd, start time, zombies count as dead); a holder of
-/// another namespace (a container sharing /dev/shm with `--ipc=host`) only by its heartbeat:
-/// it is reclaimed once it has not renewed for a whole lease, never because its pid means
-/// nothing here. A process stopped (SIGSTOP, a debugger) for longer than the lease loses its
-/// slots to the others; its next call fails with [`Error::Detached`].
+/// another namespace (a container sharing /dev/shm with `--ipc=host`) by its heartbeat, never
+/// because its pid means nothing here. Each value also holds a lock on its entry's byte of the
+/// segment through a file description of its own (`F_OFD_SETLK`, released by the kernel when
+/// the process dies, in any namespace): a holder whose lock is found released is known dead at
+/// once, and one whose lock is held is never judged dead by its pid.
+///
+/// A holder of another namespace whose heartbeat stood still for a whole lease is *silent*:
+/// dead, or only stopped (SIGSTOP, `docker pause`, a debugger). Its registration is revoked
+/// and its slots are quarantined (see below), not handed to anyone: a stopped producer resumed
+/// may finish a copy it began before it stopped, so its slot must not hold another producer's
+/// batch by then, and a stopped consumer may still be reading its batch. A quarantined slot is
+/// free again once its holder lets go of it (the [`Claim`] or [`Batch`] drops) or is known
+/// dead (its lock released). The silent process's next call answers [`Error::Detached`]:
+/// [`Claim::write_at`] then writes nothing, [`Batch::read_at`] reads nothing, and
+/// [`Claim::publish`] publishes nothing; it opens the ring again to go on. What a resumed
+/// producer wrote into its quarantined slot is never delivered, and a delivered batch holds
+/// only its own producer's bytes.
 ///
 /// A `BatchRing` belongs to the process that attached it: after `fork` the child gets
 /// [`Error::Forked`] from every call and its drops leave the parent's slots alone; the child
@@ -111,6 +125,20 @@ pub struct BatchRing {
     /// Heartbeats of other namespaces' holders as this process last saw them change.
     leases: Mutex<Vec<Option<Observed>>>,
     heartbeat: Heartbeat,
+    /// The lock on our entry's byte ([`members::FLAG_LOCKED`]), dropped after the entry is
+    /// retired; `None` where it could not be taken.
+    _lock: Option<ByteLock>,
+}
+
+/// What the process holding a slot is, for the one judging it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// It runs, or may, and renews its lease.
+    Live,
+    /// Its lease ran out but it may only be stopped: its slots are quarantined.
+    Silent,
+    /// It is gone (dead, or detached): its slots are free for others.
+    Dead,
 }
 
 /// Forks of this process's ancestry since it started, counted by a `pthread_atfork` child
@@ -237,11 +265,6 @@ impl BatchRing {
     /// Registers this process in the process table and starts its heartbeat.
     fn join(seg: ShmSegment, layout: Layout) -> Result<Self> {
         let me = ProcessIdentity::current();
-        let id = members::Identity {
-            pid_ns: me.pid_ns,
-            pid: me.pid,
-            start_ticks: me.start_ticks,
-        };
         let mut ring = BatchRing {
             seg,
             layout,
@@ -256,17 +279,36 @@ impl BatchRing {
                 stop: Arc::new((Mutex::new(false), Condvar::new())),
                 thread: None,
             },
+            _lock: None,
+        };
+        // The entry is taken (WRITING), then its byte locked, then the identity published
+        // (ACTIVE) saying whether the lock is held: nobody reads a lock before it exists.
+        let register = |ring: &BatchRing, i: usize| {
+            let e = ring.proc_entry(i);
+            let generation = members::begin_register(&e)?;
+            let lock = ByteLock::take(ring.seg.as_fd(), ring.lock_byte(i));
+            let id = members::Identity {
+                pid_ns: me.pid_ns,
+                pid: me.pid,
+                start_ticks: me.start_ticks,
+                flags: if lock.is_some() {
+                    members::FLAG_LOCKED
+                } else {
+                    0
+                },
+            };
+            members::finish_register(&e, generation, id).then_some((i, generation, lock))
         };
         let registered = (0..2).find_map(|attempt| {
             if attempt == 1 {
                 ring.retire_gone_processes();
             }
-            (0..MAX_PROCESSES)
-                .find_map(|i| members::try_register(&ring.proc_entry(i), id).map(|g| (i, g)))
+            (0..MAX_PROCESSES).find_map(|i| register(&ring, i))
         });
-        let Some((entry, generation)) = registered else {
+        let Some((entry, generation, lock)) = registered else {
             return Err(Error::TooManyProcesses(MAX_PROCESSES));
         };
+        ring._lock = lock;
         ring.entry = entry;
         ring.entry_ctl = members::active(generation);
         ring.me_ref = members::holder_ref(entry, generation);
@@ -380,7 +422,13 @@ impl BatchRing {
             pid_ns: self.u64_at(base + layout::PROC_NS),
             pid: self.u64_at(base + layout::PROC_PID),
             start: self.u64_at(base + layout::PROC_START),
+            flags: self.u64_at(base + layout::PROC_FLAGS),
         }
+    }
+
+    /// The byte of the segment that the process of entry `i` holds locked: the entry's first.
+    fn lock_byte(&self, i: usize) -> u64 {
+        self.layout.proc_offset(i) as u64
     }
 
     /// Word `i` of `role`'s table: a holder reference, 0 (never registered) or
@@ -398,7 +446,7 @@ impl BatchRing {
             let cur = word.load(Ordering::Acquire);
             // One word names the member (its process-table entry and generation), so there
             // is no moment in which a new member is half registered.
-            if (cur == 0 || self.holder_gone(cur))
+            if (cur == 0 || self.judge(cur) != Holder::Live)
                 && word
                     .compare_exchange(cur, self.me_ref, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
@@ -434,7 +482,7 @@ impl BatchRing {
                 continue;
             }
             any = true;
-            if !self.holder_gone(r) {
+            if self.judge(r) == Holder::Live {
                 return false;
             }
         }
@@ -465,43 +513,102 @@ impl BatchRing {
             });
         }
         if self.proc_entry(self.entry).ctl.load(Ordering::Acquire) != self.entry_ctl {
-            return Err(Error::Detached {
-                lease_ms: self.lease().as_millis(),
-            });
+            return Err(self.detached());
         }
         Ok(())
     }
 
-    /// Whether the holder `r` is gone: its entry was retired or reused, its process (of our
-    /// namespace) died, or (another namespace, or mid-registration) its heartbeat stood still
-    /// for a whole lease. A holder judged gone has its entry retired.
-    fn holder_gone(&self, r: HolderRef) -> bool {
+    fn detached(&self) -> Error {
+        Error::Detached {
+            lease_ms: self.lease().as_millis(),
+        }
+    }
+
+    /// What the holder `r` is: [`Holder::Dead`] when its entry was retired or reused, its
+    /// lock is released, or its process (of our namespace, holding no lock we can see) died;
+    /// [`Holder::Silent`] when it is of another namespace (or its pid was judged dead while it
+    /// holds its lock) and its heartbeat stood still for a whole lease; [`Holder::Live`]
+    /// otherwise. Judging acts on the entry: a dead holder's is retired, a silent one's
+    /// revoked (before any of its slots is quarantined, so that a holder that finds its slot
+    /// quarantined finds itself detached).
+    fn judge(&self, r: HolderRef) -> Holder {
+        use members::Lookup;
         let index = members::ref_index(r);
         if index >= MAX_PROCESSES {
-            return true; // garbage from a peer: nobody can hold through it
+            return Holder::Dead; // garbage from a peer: nobody can hold through it
         }
         let entry = self.proc_entry(index);
-        let (gone, ctl) = match members::lookup(&entry, members::ref_generation(r)) {
-            members::Lookup::Gone => return true,
-            members::Lookup::Writing(ctl) => (self.lease_expired(index, ctl), ctl),
-            members::Lookup::Active(id, ctl) => {
-                let identity = ProcessIdentity {
-                    pid_ns: id.pid_ns,
-                    pid: id.pid,
-                    start_ticks: id.start_ticks,
-                };
-                let gone = match identity.liveness() {
-                    Liveness::Alive => false,
-                    Liveness::Dead => true,
-                    Liveness::OtherNamespace => self.lease_expired(index, ctl),
-                };
-                (gone, ctl)
+        match members::lookup(&entry, members::ref_generation(r)) {
+            Lookup::Gone => Holder::Dead,
+            // Mid-registration: it holds no slot yet, only the entry.
+            Lookup::Writing(ctl) => {
+                if !self.lease_expired(index, ctl) {
+                    return Holder::Live;
+                }
+                if members::retire(&entry, ctl) {
+                    tracing::warn!(entry = index, "a process died registering in the ring");
+                }
+                Holder::Dead
             }
-        };
-        if gone && members::retire(&entry, ctl) {
-            tracing::warn!(entry = index, "a process attached to the ring is gone");
+            Lookup::Active(id, ctl) => {
+                let verdict = self.verdict(index, id, ctl);
+                match verdict {
+                    Holder::Dead if members::retire(&entry, ctl) => {
+                        tracing::warn!(entry = index, "a process attached to the ring is gone");
+                    }
+                    Holder::Silent if members::revoke(&entry, ctl) => {
+                        tracing::warn!(
+                            entry = index,
+                            pid = id.pid,
+                            pid_ns = id.pid_ns,
+                            "a process attached to the ring was silent for a whole lease: \
+                             detached, its slots quarantined until it lets go or is known dead"
+                        );
+                    }
+                    _ => {}
+                }
+                verdict
+            }
+            Lookup::Revoked(id, ctl) => {
+                let dead = match self.lock_probe(index, &id) {
+                    Probe::Free => true,
+                    Probe::Held => false,
+                    Probe::Unknown => identity(&id).liveness() == Liveness::Dead,
+                };
+                if !dead {
+                    return Holder::Silent;
+                }
+                if members::retire(&entry, ctl) {
+                    tracing::warn!(entry = index, "a detached process of the ring is gone");
+                }
+                Holder::Dead
+            }
         }
-        gone
+    }
+
+    /// The verdict on an ACTIVE entry `index` (identity `id`, read under `ctl`).
+    fn verdict(&self, index: usize, id: members::Identity, ctl: u64) -> Holder {
+        let lock = self.lock_probe(index, &id);
+        if lock == Probe::Free {
+            return Holder::Dead;
+        }
+        match (identity(&id).liveness(), lock) {
+            (Liveness::Alive, _) => Holder::Live,
+            (Liveness::Dead, Probe::Unknown) => Holder::Dead,
+            // Another namespace, or a pid that reads as dead while its lock is held (a /proc
+            // that is not ours): only the heartbeat can tell, and it tells silence, not death.
+            _ if self.lease_expired(index, ctl) => Holder::Silent,
+            _ => Holder::Live,
+        }
+    }
+
+    /// The lock of entry `index`, if its process published that it holds one.
+    fn lock_probe(&self, index: usize, id: &members::Identity) -> Probe {
+        if id.flags & members::FLAG_LOCKED == 0 {
+            return Probe::Unknown;
+        }
+        // Through the mapped segment's descriptor, which never holds a lock itself.
+        oflock::probe(self.seg.as_fd(), self.lock_byte(index))
     }
 
     /// Whether entry `index` (read under `ctl`) has not renewed its heartbeat for a lease,
@@ -532,7 +639,7 @@ impl BatchRing {
         for i in 0..MAX_PROCESSES {
             let ctl = self.proc_entry(i).ctl.load(Ordering::Acquire);
             if members::state(ctl) != members::FREE {
-                self.holder_gone(members::holder_ref(i, members::generation(ctl).max(1)));
+                self.judge(members::holder_ref(i, members::generation(ctl).max(1)));
             }
         }
     }
@@ -555,13 +662,28 @@ impl BatchRing {
         self.u32_at(waiters_off).fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// CLAIMED/TAKEN `word` -> FREE, waking claimers.
+    /// CLAIMED/TAKEN/QUARANTINED `word` -> FREE, waking claimers.
     fn free_word(&self, slot: u32, word: u64) -> bool {
         let freed = state::free(self.ctl(slot), word);
         if freed {
             self.bump(layout::OFF_FREE_SEQ, OFF_FREE_WAITERS);
         }
         freed
+    }
+
+    /// The holder of CLAIMED/TAKEN `word` lets go of its slot: frees it, or, when a peer
+    /// quarantined it meanwhile, ends the quarantine (this process is done with it now).
+    fn let_go(&self, slot: u32, word: u64) {
+        if !self.free_word(slot, word)
+            && state::release_quarantined(self.ctl(slot), state::quarantined(word))
+        {
+            self.bump(layout::OFF_FREE_SEQ, OFF_FREE_WAITERS);
+        }
+    }
+
+    /// Whether slot `slot` still holds the word `word` this process claimed or took it under.
+    fn holds(&self, slot: u32, word: u64) -> bool {
+        self.ctl(slot).load(Ordering::Relaxed) == word
     }
 
     /// Claims a free slot without waiting.
@@ -678,25 +800,39 @@ impl BatchRing {
     }
 
     /// Frees the slots held by processes that are gone (a producer's unfinished batch is
-    /// dropped, never delivered; a consumer's taken batch is given back). Returns how many
-    /// were freed. A holder of another PID namespace is gone only once its lease expired.
+    /// dropped, never delivered; a consumer's taken batch is dropped too), and quarantines
+    /// those of silent ones (see [`BatchRing`]: freed once they let go or are known dead).
+    /// Returns how many were freed. A holder of another PID namespace is silent once its lease
+    /// expired, dead once its lock is released.
     pub fn reap(&self) -> usize {
         let mut freed = 0;
         for slot in 0..self.layout.slots {
             let word = self.ctl(slot).load(Ordering::Acquire);
             let st = state::state(word);
-            if st != state::CLAIMED && st != state::TAKEN {
+            if st != state::CLAIMED && st != state::TAKEN && st != state::QUARANTINED {
                 continue;
             }
             let holder = state::holder(word);
             if holder == self.me_ref {
                 continue;
             }
-            // The compare-and-swap in free_word fails if the slot moved on since `word` was
-            // read, so a judgement of an old holder never frees a new holder's slot.
-            if self.holder_gone(holder) && self.free_word(slot, word) {
-                tracing::warn!(slot, "freed a slot held by a process that is gone");
-                freed += 1;
+            // The compare-and-swaps fail if the slot moved on since `word` was read, so a
+            // judgement of an old holder never frees or quarantines a new holder's slot.
+            match self.judge(holder) {
+                Holder::Dead if self.free_word(slot, word) => {
+                    tracing::warn!(slot, "freed a slot held by a process that is gone");
+                    freed += 1;
+                }
+                Holder::Silent
+                    if st != state::QUARANTINED && state::quarantine(self.ctl(slot), word) =>
+                {
+                    tracing::warn!(
+                        slot,
+                        "quarantined a slot of a silent process: nobody uses it until that \
+                         process lets go of it or is known dead"
+                    );
+                }
+                _ => {}
             }
         }
         freed
@@ -710,7 +846,8 @@ impl BatchRing {
                 state::FREE => s.free += 1,
                 state::CLAIMED => s.claimed += 1,
                 state::READY => s.ready += 1,
-                _ => s.taken += 1,
+                state::TAKEN => s.taken += 1,
+                _ => s.quarantined += 1,
             }
         }
         s
@@ -731,7 +868,21 @@ impl Drop for BatchRing {
         if let Some(t) = thread {
             let _ = t.join();
         }
-        members::retire(&self.proc_entry(self.entry), self.entry_ctl);
+        // ACTIVE, or REVOKED by a peer that judged us silent: either way we are done with the
+        // entry (no claim or batch outlives the ring value). The lock goes after.
+        let entry = self.proc_entry(self.entry);
+        if !members::retire(&entry, self.entry_ctl) {
+            members::retire(&entry, members::revoked(self.entry_ctl));
+        }
+    }
+}
+
+/// The identity an entry published, as `gpufeed-os` judges it.
+fn identity(id: &members::Identity) -> ProcessIdentity {
+    ProcessIdentity {
+        pid_ns: id.pid_ns,
+        pid: id.pid,
+        start_ticks: id.start_ticks,
     }
 }
 
@@ -746,6 +897,9 @@ pub struct RingStats {
     pub ready: u32,
     /// Being read by a consumer.
     pub taken: u32,
+    /// Taken away from a silent holder (stopped longer than the lease?) and used by nobody
+    /// until it lets go or is known dead.
+    pub quarantined: u32,
 }
 
 /// A slot claimed by this producer. Write into it, set the length, and
@@ -770,7 +924,10 @@ impl Claim<'_> {
         self.ring.layout.slot_bytes
     }
 
-    /// The slot's first byte (256-byte aligned), for writing `capacity()` bytes.
+    /// The slot's first byte (256-byte aligned), for writing `capacity()` bytes. Writes through
+    /// it must be done before the claim's next call ([`Claim::publish`]) or its drop: a claim
+    /// taken away from this process meanwhile is quarantined until then, so that such writes
+    /// land in no other producer's batch; after that the slot may be anyone's.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ring.slot_ptr(self.slot)
     }
@@ -779,7 +936,10 @@ impl Claim<'_> {
     ///
     /// # Safety
     /// 1. No other process writes this slot while the slice lives (true for cooperating
-    ///    processes: the slot is this claim's until published or dropped).
+    ///    processes: the slot is this claim's until published or dropped, and quarantined
+    ///    while this process may still write it).
+    /// 2. The slice is not used after the claim is published or dropped (see
+    ///    [`Claim::as_mut_ptr`]).
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         let cap = self.capacity() as usize;
         // SAFETY: the slot's memory is inside the mapping; exclusivity is the caller's promise.
@@ -787,6 +947,12 @@ impl Claim<'_> {
     }
 
     /// Copies `data` into the slot at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] past the slot's end; [`Error::Detached`] (nothing written) when a
+    /// peer took the claim away (this process was silent for a whole lease); [`Error::Forked`].
+    /// A copy that began before this process was stopped ends in its own quarantined slot,
+    /// which nobody uses until this claim drops.
     pub fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<()> {
         if !self.ring.in_owner() {
             return self.ring.check_attached();
@@ -798,7 +964,11 @@ impl Claim<'_> {
                 capacity: self.capacity(),
             });
         }
-        // SAFETY: in bounds (checked); the slot is ours; data is private memory.
+        if !self.ring.holds(self.slot, self.word) {
+            return Err(self.ring.detached());
+        }
+        // SAFETY: in bounds (checked); the slot is ours, or quarantined from us (nobody else's
+        // until this claim drops); data is private memory.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
@@ -824,11 +994,16 @@ impl Claim<'_> {
     /// Hands the batch to the consumers.
     ///
     /// # Errors
-    /// [`Error::SlotLost`] if another process freed the slot meanwhile (this process was
-    /// judged gone: stopped for longer than the lease); [`Error::Forked`], [`Error::Detached`].
+    /// [`Error::Detached`] (nothing published) when a peer took the claim away (this process
+    /// was silent for a whole lease: stopped?); [`Error::SlotLost`] if that happened within
+    /// this call; [`Error::Forked`]. A claim that fails lets go of its slot.
     pub fn publish(mut self) -> Result<()> {
         let ring = self.ring;
         ring.check_attached()?;
+        if !ring.holds(self.slot, self.word) {
+            return Err(ring.detached());
+        }
+        // Into our slot, or (stopped right here) our quarantined one, which nobody else uses.
         ring.slot_u64(self.slot, layout::SLOT_LEN)
             .store(self.len, Ordering::Relaxed);
         let seq = ring
@@ -836,10 +1011,14 @@ impl Claim<'_> {
             .fetch_add(1, Ordering::Relaxed);
         ring.slot_u64(self.slot, layout::SLOT_SEQ)
             .store(seq, Ordering::Relaxed);
-        self.done = true;
         if !state::publish(ring.ctl(self.slot), self.word) {
-            return Err(Error::SlotLost { slot: self.slot });
+            // Dropping `self` lets go of the quarantined slot.
+            return Err(ring
+                .check_attached()
+                .err()
+                .unwrap_or(Error::SlotLost { slot: self.slot }));
         }
+        self.done = true;
         ring.bump(layout::OFF_READY_SEQ, OFF_READY_WAITERS);
         Ok(())
     }
@@ -849,7 +1028,7 @@ impl Drop for Claim<'_> {
     fn drop(&mut self) {
         // In a forked child the claim is the parent's: leave it.
         if !self.done && self.ring.in_owner() {
-            self.ring.free_word(self.slot, self.word);
+            self.ring.let_go(self.slot, self.word);
         }
     }
 }
@@ -1025,7 +1204,8 @@ impl Batch<'_> {
         self.ring.layout.slot_offset(self.slot)
     }
 
-    /// The batch's first byte.
+    /// The batch's first byte. Its bytes stay this batch's until the `Batch` drops, also when
+    /// a peer took it away from this process meanwhile (quarantined: see [`BatchRing`]).
     pub fn as_ptr(&self) -> *const u8 {
         self.ring.slot_ptr(self.slot)
     }
@@ -1034,13 +1214,18 @@ impl Batch<'_> {
     ///
     /// # Safety
     /// 1. No other process writes this slot while the slice lives (true for cooperating
-    ///    processes: the slot is this consumer's until the batch drops).
+    ///    processes: the slot is this consumer's until the batch drops, quarantined while
+    ///    this process may still read it).
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: inside the mapping; exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
     }
 
     /// Copies `dst.len()` bytes starting at `offset` out of the batch.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] past the batch's end; [`Error::Detached`] (nothing read) when a
+    /// peer took the batch away (this process was silent for a whole lease: stopped?).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         let end = offset.checked_add(dst.len() as u64);
         if end.is_none_or(|e| e > self.len) {
@@ -1049,7 +1234,19 @@ impl Batch<'_> {
                 capacity: self.len,
             });
         }
-        // SAFETY: in bounds of the batch (checked); dst is private memory.
+        if !self.ring.holds(self.slot, self.word) {
+            return Err(self.ring.detached());
+        }
+        self.copy_out(offset, dst);
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` (in bounds: checked by the callers).
+    fn copy_out(&self, offset: u64, dst: &mut [u8]) {
+        debug_assert!(offset + dst.len() as u64 <= self.len);
+        // SAFETY: in bounds of the batch (the callers check); the slot is this batch's, or
+        // quarantined from it (refilled by nobody until this batch drops); dst is private
+        // memory.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.as_ptr().add(offset as usize),
@@ -1057,14 +1254,14 @@ impl Batch<'_> {
                 dst.len(),
             )
         };
-        Ok(())
     }
 
-    /// The batch copied into a `Vec`.
+    /// The batch copied into a `Vec`: this batch's bytes, also after a peer took it away
+    /// (quarantined, so never refilled under this copy; [`Batch::read_at`] says
+    /// [`Error::Detached`] then).
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len as usize];
-        self.read_at(0, &mut v)
-            .expect("the whole batch is in bounds");
+        self.copy_out(0, &mut v);
         v
     }
 }
@@ -1073,7 +1270,7 @@ impl Drop for Batch<'_> {
     fn drop(&mut self) {
         // In a forked child the batch is the parent's: leave it.
         if self.ring.in_owner() {
-            self.ring.free_word(self.slot, self.word);
+            self.ring.let_go(self.slot, self.word);
         }
     }
 }

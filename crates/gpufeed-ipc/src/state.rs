@@ -2,10 +2,12 @@
 //!
 //! ```text
 //!   FREE --claim--> CLAIMED --publish--> READY --take--> TAKEN --release--> FREE
-//!                      \--abort / owner died--> FREE        \--taker died--> FREE
+//!                    |  \--abort / owner dead--> FREE       |  \--taker dead--> FREE
+//!                    \--owner silent--> QUARANTINED <--------/ taker silent
+//!                                          \--holder let go (its drop) / holder dead--> FREE
 //! ```
 //!
-//! The word packs `state` (bits 0-1), a generation (bits 2-31, bumped by every claim) and a
+//! The word packs `state` (bits 0-2), a generation (bits 3-31, bumped by every claim) and a
 //! reference to the holder's entry in the process table (bits 32-63, 0 when free; see the
 //! `members` module: an entry index and generation, never a bare pid). Every transition is one
 //! compare-and-swap of the whole word, so the holder is known atomically with the state and a
@@ -13,6 +15,18 @@
 //! since (no ABA). Producers' writes into the slot happen-before the consumer's reads through
 //! the Release of `publish` and the Acquire of `take`, and the consumer's reads happen-before
 //! the next producer's writes through `release` / `claim`.
+//!
+//! # Quarantine
+//! A holder that is *silent* (its lease ran out, but it may only be stopped: SIGSTOP,
+//! `docker pause`, a debugger) is not known to be done with its slot: resumed, it finishes the
+//! copy it was in the middle of, whatever any check said before it stopped. Its slot therefore
+//! goes to QUARANTINED, keeping its generation and holder, and nobody claims or takes a
+//! quarantined slot. It becomes FREE only when the holder lets go of it itself (its `Claim` or
+//! `Batch` drops, after its last access in program order: the Release of that transition
+//! orders the holder's writes and reads before the next claimer's Acquire) or is known dead
+//! (its process-table entry moved on, or the lock it holds for its life was released by the
+//! kernel). So the bytes of a stopped producer land only in its own quarantined slot, never in
+//! another producer's batch, and a stopped consumer's batch is not refilled under it.
 //!
 //! This module is also compiled under `--cfg loom`, where the model checker explores every
 //! interleaving of these transitions.
@@ -36,9 +50,14 @@ pub(crate) const FREE: u64 = 0;
 pub(crate) const CLAIMED: u64 = 1;
 pub(crate) const READY: u64 = 2;
 pub(crate) const TAKEN: u64 = 3;
+/// Taken away from a silent holder (CLAIMED or TAKEN before): nobody may use it until the
+/// holder lets go or is known dead.
+pub(crate) const QUARANTINED: u64 = 4;
 
-const STATE_MASK: u64 = 0b11;
-const GEN_MASK: u64 = 0xFFFF_FFFC;
+const STATE_MASK: u64 = 0b111;
+const GEN_MASK: u64 = 0xFFFF_FFF8;
+/// What a claim adds to the generation bits.
+const GEN_STEP: u64 = 8;
 
 pub(crate) fn state(word: u64) -> u64 {
     word & STATE_MASK
@@ -58,7 +77,7 @@ pub(crate) fn try_claim(ctl: &AtomicU64, me: u32) -> Option<u64> {
     if state(cur) != FREE {
         return None;
     }
-    let next = make(CLAIMED, (cur & GEN_MASK).wrapping_add(4), me);
+    let next = make(CLAIMED, (cur & GEN_MASK).wrapping_add(GEN_STEP), me);
     ctl.compare_exchange(cur, next, Ordering::Acquire, Ordering::Relaxed)
         .ok()
         .map(|_| next)
@@ -88,6 +107,28 @@ pub(crate) fn free(ctl: &AtomicU64, word: u64) -> bool {
     let next = make(FREE, word, 0);
     ctl.compare_exchange(word, next, Ordering::Release, Ordering::Relaxed)
         .is_ok()
+}
+
+/// The QUARANTINED word of a CLAIMED or TAKEN `word` (same generation and holder).
+pub(crate) fn quarantined(word: u64) -> u64 {
+    make(QUARANTINED, word, holder(word))
+}
+
+/// CLAIMED or TAKEN (as read in `word`) -> QUARANTINED: a reclaimer taking the slot away from
+/// a silent holder without giving it to anyone.
+pub(crate) fn quarantine(ctl: &AtomicU64, word: u64) -> bool {
+    let st = state(word);
+    (st == CLAIMED || st == TAKEN)
+        && ctl
+            .compare_exchange(word, quarantined(word), Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+}
+
+/// QUARANTINED (as read in `word`) -> FREE: the holder letting go (it passes the
+/// QUARANTINED word of its own CLAIMED or TAKEN word) or a reclaimer once the holder is known
+/// dead. Release: the holder's accesses happen-before the next claimer's writes.
+pub(crate) fn release_quarantined(ctl: &AtomicU64, word: u64) -> bool {
+    state(word) == QUARANTINED && free(ctl, word)
 }
 
 /// The READY slot holding the lowest publish sequence number, as `(seq, slot, word)`, of
@@ -154,6 +195,38 @@ mod tests {
             !publish(&ctl, w),
             "the old claim cannot publish the new one"
         );
+    }
+
+    #[test]
+    fn a_quarantined_slot_is_nobodys_until_its_holder_lets_go() {
+        let ctl = AtomicU64::new(FREE);
+        let w = try_claim(&ctl, 42).expect("free slot");
+        assert!(quarantine(&ctl, w));
+        assert!(!quarantine(&ctl, w), "quarantined twice");
+        assert_eq!(state(ctl.load(Ordering::Acquire)), QUARANTINED);
+        assert!(
+            try_claim(&ctl, 43).is_none(),
+            "a quarantined slot was claimed"
+        );
+        assert!(!publish(&ctl, w), "the silent holder published");
+        assert!(!free(&ctl, w), "freed through the old claim");
+        assert!(!release_quarantined(&ctl, w), "not the quarantined word");
+        assert!(release_quarantined(&ctl, quarantined(w)));
+        let w2 = try_claim(&ctl, 43).expect("free after the holder let go");
+        assert!(
+            !release_quarantined(&ctl, quarantined(w)),
+            "a late release freed the new claim"
+        );
+        assert!(publish(&ctl, w2));
+        let r = ctl.load(Ordering::Acquire);
+        assert!(
+            !quarantine(&ctl, r),
+            "a READY slot has no holder to be silent"
+        );
+        let t = try_take(&ctl, r, 7).expect("ready");
+        assert!(quarantine(&ctl, t));
+        assert!(release_quarantined(&ctl, quarantined(t)));
+        assert_eq!(state(ctl.load(Ordering::Acquire)), FREE);
     }
 }
 
@@ -246,6 +319,111 @@ mod loom_tests {
                     "the second batch found before the first"
                 );
             }
+        });
+    }
+
+    /// A producer stopped past its lease while a reaper takes its slot away and another
+    /// producer wants a slot. The stopped producer's copy lands after the check it passed
+    /// before it stopped (write_at checks, then copies: a stop can fall in between); its next
+    /// call sees the claim gone and its drop lets go. In every interleaving the other producer
+    /// gets the slot only after that, so its batch holds only its own bytes. (With the reaper
+    /// freeing the slot instead of quarantining it, loom finds the late write in the other
+    /// producer's batch.)
+    #[test]
+    fn a_silent_producers_late_write_never_lands_in_another_batch() {
+        loom::model(|| {
+            let ctl = Arc::new(AtomicU64::new(FREE));
+            let data = Arc::new(AtomicU64::new(0));
+            let w = try_claim(&ctl, 1).expect("claim");
+            let silent = {
+                let (ctl, data) = (ctl.clone(), data.clone());
+                loom::thread::spawn(move || {
+                    data.store(1, Ordering::Relaxed);
+                    if ctl.load(Ordering::Acquire) == w && publish(&ctl, w) {
+                        return;
+                    }
+                    // Claim::drop: abort, or let go of the quarantined slot.
+                    if !free(&ctl, w) {
+                        assert!(release_quarantined(&ctl, quarantined(w)));
+                    }
+                })
+            };
+            let reaper = {
+                let ctl = ctl.clone();
+                loom::thread::spawn(move || quarantine(&ctl, w))
+            };
+            let other = {
+                let (ctl, data) = (ctl.clone(), data.clone());
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        if let Some(w2) = try_claim(&ctl, 2) {
+                            data.store(2, Ordering::Relaxed);
+                            assert!(publish(&ctl, w2));
+                            return true;
+                        }
+                        loom::thread::yield_now();
+                    }
+                    false
+                })
+            };
+            silent.join().expect("silent producer");
+            reaper.join().expect("reaper");
+            if other.join().expect("other producer") {
+                assert_eq!(
+                    data.load(Ordering::Relaxed),
+                    2,
+                    "the silent producer's write landed in the other producer's batch"
+                );
+            }
+        });
+    }
+
+    /// A consumer stopped past its lease while it reads its batch: a reaper quarantines the
+    /// slot and a producer wants it. The consumer's read, whenever it resumes, sees its own
+    /// batch: the slot is claimed again only after the consumer let go of it.
+    #[test]
+    fn a_silent_consumers_batch_is_not_refilled_under_it() {
+        loom::model(|| {
+            let ctl = Arc::new(AtomicU64::new(FREE));
+            let data = Arc::new(AtomicU64::new(0));
+            let w = try_claim(&ctl, 1).expect("claim");
+            data.store(100, Ordering::Relaxed);
+            assert!(publish(&ctl, w));
+            let seen = ctl.load(Ordering::Acquire);
+            let t = try_take(&ctl, seen, 9).expect("take");
+            let consumer = {
+                let (ctl, data) = (ctl.clone(), data.clone());
+                loom::thread::spawn(move || {
+                    assert_eq!(
+                        data.load(Ordering::Relaxed),
+                        100,
+                        "the batch was refilled under its consumer"
+                    );
+                    // Batch::drop: release, or let go of the quarantined slot.
+                    if !free(&ctl, t) {
+                        assert!(release_quarantined(&ctl, quarantined(t)));
+                    }
+                })
+            };
+            let reaper = {
+                let ctl = ctl.clone();
+                loom::thread::spawn(move || quarantine(&ctl, t))
+            };
+            let producer = {
+                let (ctl, data) = (ctl.clone(), data.clone());
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        if try_claim(&ctl, 2).is_some() {
+                            data.store(200, Ordering::Relaxed);
+                            return;
+                        }
+                        loom::thread::yield_now();
+                    }
+                })
+            };
+            consumer.join().expect("consumer");
+            reaper.join().expect("reaper");
+            producer.join().expect("producer");
         });
     }
 

@@ -58,6 +58,16 @@ pub fn produce(
     }
 }
 
+/// What a call answered, in a word for the test to match.
+fn outcome(r: gpufeed_ipc::Result<()>) -> String {
+    match r {
+        Ok(()) => "Ok".into(),
+        Err(gpufeed_ipc::Error::Detached { .. }) => "Detached".into(),
+        Err(gpufeed_ipc::Error::SlotLost { .. }) => "SlotLost".into(),
+        Err(e) => format!("other: {e}"),
+    }
+}
+
 #[test]
 fn entry() {
     let Ok(role) = std::env::var(ROLE) else {
@@ -125,6 +135,46 @@ fn entry() {
             claim.set_len(batch.len() as u64).expect("len");
             claim.publish().expect("publish");
             println!("PUBLISHED");
+        }
+        // In another PID namespace: claims a slot, writes the first half of a batch, says so,
+        // and when stdin says `go` (after the test stopped and resumed it) writes the second
+        // half and publishes, printing what each call answered.
+        "ns-stop-produce" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let batch = encode(9, 0, &random_bytes(60_000, 9));
+            let mut claim = ring.claim(Duration::from_secs(20)).expect("claim");
+            claim.write_at(0, &batch[..30_000]).expect("write");
+            println!("CLAIMED");
+            let mut line = String::new();
+            if std::io::stdin().read_line(&mut line).expect("stdin") == 0 {
+                std::process::exit(3);
+            }
+            println!(
+                "WRITE {}",
+                outcome(claim.write_at(30_000, &batch[30_000..]))
+            );
+            claim.set_len(batch.len() as u64).expect("len");
+            println!("PUBLISH {}", outcome(claim.publish()));
+            println!("CLAIM {}", outcome(ring.try_claim().map(|_| ())));
+        }
+        // In another PID namespace: takes a batch, says so, and when stdin says `go` reads it,
+        // printing what the read answered (and the bytes' hash), then what the next take does.
+        "ns-stop-consume" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let consumer = ring.consumer().expect("register");
+            let batch = consumer.next(Duration::from_secs(20)).expect("a batch");
+            println!("TAKEN {}", batch.len());
+            let mut line = String::new();
+            if std::io::stdin().read_line(&mut line).expect("stdin") == 0 {
+                std::process::exit(3);
+            }
+            let mut bytes = vec![0u8; batch.len() as usize];
+            match batch.read_at(0, &mut bytes) {
+                Ok(()) => println!("READ Ok {:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)),
+                Err(e) => println!("READ {}", outcome(Err(e))),
+            }
+            drop(batch);
+            println!("NEXT {}", outcome(consumer.try_next().map(|_| ())));
         }
         // Forks after attaching; the child must be refused the parent's ring, attaches on its
         // own, claims a slot and holds it until killed. The parent waits for stdin to close.
