@@ -1363,8 +1363,10 @@ fn shard_names(dir: &Path, prefix: &str, n: usize, save_id: &str) -> Vec<String>
         .collect()
 }
 
-/// Files in `dir` named like a shard of `prefix` by [`shard_names`] (with or without a save
-/// id): after a new index is in place, those it does not name are left by saves that stopped.
+/// Files in `dir` that a sharded save of `prefix` wrote ([`shard_names`]'s names, a save id in
+/// the header, and for a name with an id, that id): after a new index is in place, those it
+/// does not name are left by saves that stopped. Files of other tools, and shards of a
+/// checkpoint whose prefix only looks like `<prefix>-<id>`, are not among them.
 fn unnamed_shards(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
@@ -1372,20 +1374,28 @@ fn unnamed_shards(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     entries
         .flatten()
         .filter(|e| {
-            e.file_name()
+            let name = e.file_name();
+            let Some(named_id) = name
                 .to_str()
                 .and_then(|n| n.strip_prefix(prefix)?.strip_prefix('-'))
-                .is_some_and(is_shard_suffix)
+                .and_then(shard_suffix_id)
+            else {
+                return false;
+            };
+            parse(&e.path()).is_ok_and(|p| match (named_id, p.save_id) {
+                (Some(named), Some(id)) => named == id,
+                (None, id) => id.is_some(),
+                (Some(_), None) => false,
+            })
         })
         .map(|e| e.path())
         .collect()
 }
 
-/// `00001-of-00004.safetensors` or `<16 hex>-00001-of-00004.safetensors`.
-fn is_shard_suffix(rest: &str) -> bool {
-    let Some(rest) = rest.strip_suffix(".safetensors") else {
-        return false;
-    };
+/// For `00001-of-00004.safetensors`, `Some(None)`; for `<16 hex>-00001-of-00004.safetensors`,
+/// `Some(Some(id))`; else `None`.
+fn shard_suffix_id(rest: &str) -> Option<Option<&str>> {
+    let rest = rest.strip_suffix(".safetensors")?;
     let digits = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit());
     let count = |s: &str| {
         s.split_once("-of-")
@@ -1393,9 +1403,9 @@ fn is_shard_suffix(rest: &str) -> bool {
     };
     match rest.split_once('-') {
         Some((id, tail)) if id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) => {
-            count(tail)
+            count(tail).then_some(Some(id))
         }
-        _ => count(rest),
+        _ => count(rest).then_some(None),
     }
 }
 

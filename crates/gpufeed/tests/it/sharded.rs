@@ -303,3 +303,44 @@ fn shards_of_different_saves_are_refused_naming_the_files() {
         "new names, the old shards removed: {after:?}"
     );
 }
+
+/// A save removes the shards the old index named and what stopped saves of its own prefix
+/// left, nothing else: not another checkpoint whose prefix looks like `<prefix>-<id>`, not a
+/// shard-named file that gpufeed did not write.
+#[test]
+fn a_save_removes_only_what_earlier_saves_of_its_prefix_left() {
+    let saver = saver();
+    let dir = tempfile::tempdir().expect("tmp");
+    let v = |n| Version::new(n, 4096 + 3, 4096 + 5);
+    let (v1, v2, other) = (v(1), v(2), v(3));
+    let max = 4096 + 5;
+    save_sharded(
+        &saver,
+        &other.tensors(),
+        None,
+        dir.path(),
+        "model-0123456789abcdef",
+        max,
+    )
+    .expect("another checkpoint");
+    // A file named like a shard that no save of "model" wrote (no save id in its header).
+    let plain = safetensors::serialize(
+        [(
+            "x",
+            safetensors::tensor::TensorView::new(Dtype::U8, vec![3], &[1, 2, 3]).expect("view"),
+        )],
+        None,
+    )
+    .expect("serialize");
+    let unwritten = dir.path().join("model-00008-of-00009.safetensors");
+    std::fs::write(&unwritten, plain).expect("write");
+    let others_before = shard_files(dir.path());
+    v1.save(&saver, dir.path()).expect("save");
+    v2.save(&saver, dir.path()).expect("save");
+    let now = shard_files(dir.path());
+    assert_eq!(version_held(dir.path(), &[&v1, &v2]), 1);
+    for name in others_before.keys() {
+        assert!(now.contains_key(name), "{name} was removed: {now:?}");
+    }
+    assert_eq!(now.len(), others_before.len() + 2, "{now:?}");
+}
