@@ -88,9 +88,18 @@ impl FileList {
         list.offsets.push(0);
         let mut end = 0u64;
         for (index, (path, size)) in paths.into_iter().zip(sizes).enumerate() {
+            // Sizes come from the file system (sparse files can be huge): checked.
+            let size = size.and_then(|s| {
+                end.checked_add(s).ok_or_else(|| Error::Records {
+                    path: path.clone(),
+                    reason: format!(
+                        "its {s} bytes bring the list past 2^64 bytes ({end} before it)"
+                    ),
+                })
+            });
             match size {
                 Ok(size) => {
-                    end += size;
+                    end = size;
                     list.paths.push(path);
                     list.offsets.push(end);
                 }

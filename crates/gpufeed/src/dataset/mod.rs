@@ -236,7 +236,7 @@ impl RecordFile {
         let range = match &self.records {
             Records::Fixed {
                 base, size, count, ..
-            } => (i < *count).then(|| base + i * size..base + (i + 1) * size)?,
+            } => fixed_range(*base, *size, *count, i)?,
             Records::Indexed(o) => (*o.get(i)? as usize)..(*o.get(i + 1)? as usize),
             Records::Samples(s) => match s.get(i)?.members.as_slice() {
                 [(_, r)] => r.clone(),
@@ -252,8 +252,7 @@ impl RecordFile {
             Records::Samples(s) => s.get(i)?.members.iter().map(|(_, r)| r.clone()).collect(),
             Records::Fixed {
                 base, size, count, ..
-            } => std::iter::once((i < *count).then(|| base + i * size..base + (i + 1) * size)?)
-                .collect(),
+            } => vec![fixed_range(*base, *size, *count, i)?],
             Records::Indexed(o) => {
                 std::iter::once((*o.get(i)? as usize)..(*o.get(i + 1)? as usize)).collect()
             }
@@ -281,6 +280,16 @@ impl RecordFile {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// Where fixed record `i` of `count` records of `size` bytes from byte `base` lies (checked:
+/// `None` past the end or where the numbers overflow).
+fn fixed_range(base: usize, size: usize, count: usize, i: usize) -> Option<std::ops::Range<usize>> {
+    if i >= count {
+        return None;
+    }
+    let start = size.checked_mul(i)?.checked_add(base)?;
+    Some(start..start.checked_add(size)?)
 }
 
 /// What a [`BatchLoader`] reads: a record file, or a folder of one file per sample (both
@@ -579,7 +588,8 @@ impl Sampler {
             left.div_ceil(global)
         };
         let (epoch, samples) = if steps >= total {
-            (epoch + 1, 0)
+            // A position read back from a checkpoint may say any epoch: no overflow.
+            (epoch.saturating_add(1), 0)
         } else {
             (epoch, start + (steps * global) as u64)
         };
@@ -1619,9 +1629,12 @@ fn gather_files(
     };
     let mut offsets = Vec::with_capacity(indices.len() + 1);
     offsets.push(0);
-    let mut at = 0;
+    let mut at = 0usize;
     for &i in indices {
-        at += size(i)?;
+        at = at.checked_add(size(i)?).ok_or_else(|| Error::Records {
+            path: folder.root().into(),
+            reason: "a batch of its files is larger than this machine's memory".into(),
+        })?;
         offsets.push(at);
     }
     let mut buf = pool.get(at.max(1))?;

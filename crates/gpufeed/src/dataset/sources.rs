@@ -28,9 +28,20 @@ impl NpyLayout {
         self.shape.first().copied().unwrap_or(1)
     }
 
-    /// Bytes of one row (a 0-d or 1-d array: one element per row).
+    /// Bytes of one row (a 0-d or 1-d array: one element per row); `usize::MAX` where that
+    /// overflows, which a layout from [`parse_npy`] never does (see
+    /// [`NpyLayout::checked_row_bytes`]).
     pub fn row_bytes(&self) -> usize {
-        self.shape.iter().skip(1).product::<usize>() * self.item_bytes
+        self.checked_row_bytes().unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of one row, `None` where the product of the dimensions after the first and the
+    /// element size overflows a `usize`.
+    pub fn checked_row_bytes(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .skip(1)
+            .try_fold(self.item_bytes, |n, &d| n.checked_mul(d))
     }
 
     /// The element type as a safetensors [`Dtype`], for a little-endian (or byte-wide) bool,
@@ -62,7 +73,10 @@ impl NpyLayout {
 
 /// Parses the header of an `.npy` file of `file_len` bytes from its first bytes `head` (at
 /// least the whole header): versions 1 to 3, C order, a simple type (structured and object
-/// arrays are refused), and data that fits the file exactly.
+/// arrays are refused), and data that fits the file exactly. The header's numbers are
+/// multiplied with checked arithmetic: a shape whose dimensions other than 0, times the
+/// element size, overflow a `usize` is refused (as numpy refuses it), even one of no data such
+/// as `(0, 2^33, 2^33)`.
 pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, String> {
     if head.len() < 10 || &head[..6] != b"\x93NUMPY" {
         return Err("not an .npy file: it does not start with \\x93NUMPY".into());
@@ -117,10 +131,25 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
         })
         .collect::<std::result::Result<Vec<usize>, String>>()?;
     let data_start = start + header_len;
-    let bytes = shape
+    let layout = NpyLayout {
+        descr,
+        item_bytes,
+        shape,
+        data_start,
+    };
+    let (descr, shape) = (&layout.descr, &layout.shape);
+    // As numpy: the product of the dimensions that are not 0 must fit, whatever their order
+    // (then every partial product does, and a row and the whole are computed safely).
+    let too_large = || format!("shape {shape:?} of {descr} is too large for this machine");
+    shape
         .iter()
+        .filter(|&&d| d != 0)
         .try_fold(item_bytes, |n, &d| n.checked_mul(d))
-        .ok_or_else(|| format!("shape {shape:?} is too large"))?;
+        .ok_or_else(too_large)?;
+    let bytes = layout
+        .checked_row_bytes()
+        .and_then(|row| row.checked_mul(layout.rows()))
+        .ok_or_else(too_large)?;
     let data_len = file_len.saturating_sub(data_start as u64);
     if bytes as u64 != data_len {
         return Err(format!(
@@ -128,12 +157,7 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
              but the file has {data_len}: it is truncated or not this array"
         ));
     }
-    Ok(NpyLayout {
-        descr,
-        item_bytes,
-        shape,
-        data_start,
-    })
+    Ok(layout)
 }
 
 /// The text of `key`'s value in a Python dict literal as numpy writes it (`{'descr': '<f4',

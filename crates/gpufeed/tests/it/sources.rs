@@ -207,3 +207,222 @@ fn an_index_that_is_a_fifo_a_device_or_oversized_is_refused() {
     assert_eq!(records.len(), 100);
     assert_eq!(records.record(99), Some(&[][..]));
 }
+
+/// `RecordFile::open_npy` of `bytes` written to a file, a panic caught and returned as `Err`.
+fn open_npy_bytes(
+    dir: &std::path::Path,
+    bytes: &[u8],
+) -> std::thread::Result<gpufeed::Result<RecordFile>> {
+    let path = dir.join("x.npy");
+    std::fs::write(&path, bytes).expect("write");
+    // SAFETY: the test's file is not changed while it is used.
+    std::panic::catch_unwind(|| unsafe { RecordFile::open_npy(&path) })
+}
+
+/// Issue 37: an `.npy` of shape (0, 2^33, 2^33) holds no data, so its size matches the file;
+/// its row of 2^66 bytes is refused by name when opened, never an overflow (a panic in debug
+/// builds).
+#[test]
+fn an_npy_whose_rows_overflow_is_refused_when_opened() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bytes = gpufeed_testkit::npy_bytes("|u1", false, "(0, 8589934592, 8589934592)", &[]);
+    let err = open_npy_bytes(dir.path(), &bytes)
+        .expect("no panic")
+        .expect_err("a row of 2^66 bytes");
+    let text = err.to_string();
+    assert!(
+        text.contains("x.npy") && text.contains("too large"),
+        "{text}"
+    );
+}
+
+/// Every record of an opened data set, read through a `BatchLoader` epoch (host batches): each
+/// as long as `row` bytes, all together `total` bytes.
+fn read_all(records: RecordFile, row: Option<usize>, total: usize) -> Result<(), String> {
+    let n = records.len();
+    let mut loader = BatchLoader::new(
+        records,
+        Sampler::new(Order::Sequential),
+        LoaderConfig::default().with_batch_size(7).with_workers(1),
+        None,
+    )
+    .map_err(|e| e.to_string())?;
+    let mut seen = (0, 0);
+    for batch in loader.epoch(0).map_err(|e| e.to_string())? {
+        let batch = batch.map_err(|e| e.to_string())?;
+        for w in batch.offsets.windows(2) {
+            if row.is_some_and(|r| w[1] - w[0] != r) {
+                return Err(format!(
+                    "a record of {} bytes, rows of {row:?}",
+                    w[1] - w[0]
+                ));
+            }
+        }
+        seen.0 += batch.indices.len();
+        seen.1 += batch.bytes();
+    }
+    if seen != (n, total) {
+        return Err(format!("read {seen:?} of ({n}, {total})"));
+    }
+    Ok(())
+}
+
+fn dimension() -> impl proptest::strategy::Strategy<Value = u64> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => 0u64..6,
+        1 => Just(1u64 << 33),
+        1 => Just(1u64 << 62),
+        1 => any::<u64>(),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+    /// Any `.npy` header numbers (dimensions up to 2^64, dtypes of 1 to 16 bytes) over data of
+    /// the right size, one byte off, or none, written to a file and opened as a data set: an
+    /// error naming the file, or records that tile the data exactly and all read back through
+    /// the loader; never a panic.
+    #[test]
+    fn any_npy_header_opens_as_a_data_set_or_is_refused(
+        first in proptest::prop_oneof![proptest::prelude::Just(0u64), dimension()],
+        rest in proptest::collection::vec(dimension(), 0..4),
+        scalar in proptest::prelude::any::<bool>(),
+        descr in proptest::sample::select(vec!["|u1", "<u2", "<f4", "<f8", "|V3", "<c16"]),
+        off in -1i64..=1,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // The leading dimension (often 0: no data, whatever the rows), or a 0-d array.
+        let dims: Vec<u64> = if scalar && rest.is_empty() {
+            Vec::new()
+        } else {
+            std::iter::once(first).chain(rest).collect()
+        };
+        let shape = match dims.as_slice() {
+            [one] => format!("({one},)"),
+            d => format!("({})", d.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")),
+        };
+        let item: u64 = descr[2..].parse().expect("size");
+        let bytes = dims.iter().try_fold(item, |n, &d| n.checked_mul(d));
+        let len = bytes.filter(|&b| b <= 4096).map_or(16, |b| (b as i64 + off).max(0) as usize);
+        let file = gpufeed_testkit::npy_bytes(descr, false, &shape, &vec![3u8; len]);
+        let opened = open_npy_bytes(dir.path(), &file);
+        proptest::prop_assert!(opened.is_ok(), "open_npy panicked on shape {} {}", shape, descr);
+        match opened.expect("no panic") {
+            Err(e) => proptest::prop_assert!(e.to_string().contains("x.npy"), "{}", e),
+            Ok(records) => {
+                let npy = records.npy().expect("an npy").clone();
+                let row = npy.row_bytes();
+                proptest::prop_assert_eq!(Some(npy.data_start + len), Some(file.len()));
+                let total = if row == 0 { 0 } else { len };
+                proptest::prop_assert_eq!(records.len() * row, total);
+                let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    read_all(records, Some(row), total)
+                }));
+                proptest::prop_assert!(read.is_ok(), "reading {} {} panicked", shape, descr);
+                let read = read.expect("no panic");
+                proptest::prop_assert!(read.is_ok(), "{:?}", read);
+            }
+        }
+    }
+
+    /// Any bytes as a tar shard, or a valid one with a byte changed or cut short, opened as a
+    /// data set: an error naming the file, or samples inside it that all read back.
+    #[test]
+    fn any_tar_opens_as_a_data_set_or_is_refused(
+        noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1600),
+        at in 0usize..4096,
+        val in proptest::prelude::any::<u8>(),
+        cut in 0usize..5000,
+        valid in proptest::prelude::any::<bool>(),
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut bytes = if valid {
+            let mut t = tar::Builder::new(Vec::new());
+            for (name, data) in [("k.a", &[1u8; 600][..]), ("k.b", b"22"), ("j.a", b"3")] {
+                let mut h = tar::Header::new_ustar();
+                h.set_size(data.len() as u64);
+                h.set_mode(0o644);
+                t.append_data(&mut h, name, data).expect("append");
+            }
+            t.into_inner().expect("tar")
+        } else {
+            noise
+        };
+        if at < bytes.len() {
+            bytes[at] = val;
+        }
+        bytes.truncate(cut.min(bytes.len()));
+        let path = dir.path().join("x.tar");
+        std::fs::write(&path, &bytes).expect("write");
+        // SAFETY: the test's file is not changed while it is used.
+        let opened = std::panic::catch_unwind(|| unsafe { RecordFile::open_tar(&path) });
+        proptest::prop_assert!(opened.is_ok(), "open_tar panicked");
+        match opened.expect("no panic") {
+            Err(e) => proptest::prop_assert!(e.to_string().contains("x.tar"), "{}", e),
+            Ok(records) => {
+                let total: usize = (0..records.len())
+                    .map(|i| records.sample(i).expect("sample").bytes())
+                    .sum();
+                proptest::prop_assert!(total <= bytes.len());
+                let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    read_all(records, None, total)
+                }));
+                proptest::prop_assert!(read.is_ok(), "reading the tar panicked");
+                let read = read.expect("no panic");
+                proptest::prop_assert!(read.is_ok(), "{:?}", read);
+            }
+        }
+    }
+
+    /// Any index bytes over a data file, opened as a data set: an error naming the index, or
+    /// records inside the data that all read back.
+    #[test]
+    fn any_record_index_opens_as_a_data_set_or_is_refused(
+        offsets in proptest::collection::vec(
+            proptest::prop_oneof![0u64..300, proptest::prelude::any::<u64>()], 0..40),
+        tail in 0usize..8,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("data.bin");
+        std::fs::write(&data, random_bytes(256, 9)).expect("write");
+        let index = dir.path().join("x.idx");
+        let mut raw: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+        raw.extend(std::iter::repeat_n(0u8, tail));
+        std::fs::write(&index, &raw).expect("write");
+        // SAFETY: the test's files are not changed while they are used.
+        let opened = std::panic::catch_unwind(|| unsafe { RecordFile::open_indexed(&data, &index) });
+        proptest::prop_assert!(opened.is_ok(), "open_indexed panicked");
+        match opened.expect("no panic") {
+            Err(e) => proptest::prop_assert!(e.to_string().contains("x.idx"), "{}", e),
+            Ok(records) => {
+                proptest::prop_assert_eq!(records.len() + 1, offsets.len());
+                let total = (offsets[offsets.len() - 1] - offsets[0]) as usize;
+                let read = read_all(records, None, total);
+                proptest::prop_assert!(read.is_ok(), "{:?}", read);
+            }
+        }
+    }
+}
+
+/// An image folder whose files' sizes add up past 2^64 bytes (four sparse files of 2^62 on a
+/// tmpfs, which allows them): refused by name when listed, never an overflow.
+#[test]
+fn a_folder_of_files_past_2_64_bytes_is_refused_when_opened() {
+    const TEST: &str = "a_folder_of_files_past_2_64_bytes_is_refused_when_opened";
+    let mount = match gpufeed_testkit::TestMount::tmpfs("1m") {
+        Ok(m) => m,
+        Err(why) => return gpufeed_testkit::skip_unless_root(TEST, &why),
+    };
+    let class = mount.path().join("huge");
+    std::fs::create_dir(&class).expect("class folder");
+    for i in 0..4 {
+        let f = std::fs::File::create(class.join(format!("{i}.bin"))).expect("create");
+        f.set_len(1 << 62).expect("a sparse file of 2^62 bytes");
+    }
+    let opened = std::panic::catch_unwind(|| gpufeed::dataset::ImageFolder::open(mount.path()));
+    let err = opened.expect("no panic").expect_err("2^64 bytes");
+    let text = err.to_string();
+    assert!(text.contains("3.bin") && text.contains("2^64"), "{text}");
+}
