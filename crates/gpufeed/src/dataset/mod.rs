@@ -145,7 +145,9 @@ impl RecordFile {
     ///
     /// # Errors
     /// The file's errors, and [`Error::Records`] naming the file and the header's offset for a
-    /// corrupt or truncated tar, or a sample with two members of one name.
+    /// corrupt or truncated tar (a member's size, from its header or a pax `size` record, past
+    /// the end of the file; a pax record that cannot be read), a sparse member, or a sample with
+    /// two members of one name ([`sources::index_tar`]).
     #[allow(
         unsafe_code,
         reason = "passes on the mapped-file promise of FileMap::open"

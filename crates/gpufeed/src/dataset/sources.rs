@@ -215,17 +215,32 @@ impl TarSample {
 
 const BLOCK: usize = 512;
 
+/// What the extended headers before a tar member (pax `x`, GNU `L`) say about it.
+#[derive(Default)]
+struct Extended {
+    /// A pax `path` or GNU long name.
+    path: Option<String>,
+    /// A pax `size`: the member's size, whatever its ustar field says.
+    size: Option<u64>,
+    /// A pax `GNU.sparse.*` record: the member is stored sparse.
+    sparse: bool,
+}
+
 /// Indexes a tar file held in `tar` (its mapping) into WebDataset samples: regular members
 /// grouped by key, consecutive members of one key being one sample (as `webdataset` groups
-/// them). Reads ustar, GNU long names and pax `path` records; directories and links are
-/// skipped. Errors name the header's offset: a bad checksum, a member running past the end of
-/// the file, a name used twice within a sample.
+/// them). Reads ustar, GNU long names, sizes in GNU base-256, and pax `path` and `size`
+/// records (a member of 8 GiB or more, which a ustar size field cannot hold, is written with
+/// one of the last two); directories and links are skipped. Every size is checked against
+/// the file's length before it is used. Errors name the header's offset: a bad checksum, a
+/// member running past the end of the file, a pax record that cannot be read (its `size` not
+/// a number), a sparse member (GNU `S`, or pax `GNU.sparse`: its stored bytes are not the
+/// file's), a name used twice within a sample.
 pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
     let mut samples: Vec<TarSample> = Vec::new();
     let mut at = 0usize;
-    let mut long_name: Option<String> = None;
+    let mut ext = Extended::default();
     loop {
-        let Some(header) = tar.get(at..at + BLOCK) else {
+        let Some(header) = at.checked_add(BLOCK).and_then(|e| tar.get(at..e)) else {
             if at == tar.len() {
                 break; // no end-of-archive blocks: accepted, as GNU tar does
             }
@@ -237,8 +252,13 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
             break; // end of the archive
         }
         check_sum(header).map_err(|why| format!("the header at offset {at}: {why}"))?;
-        let size = octal(&header[124..136])
-            .ok_or_else(|| format!("the header at offset {at} has an unreadable size"))?;
+        let kind = header[156];
+        // Extended headers have their own size; a pax `size` is the next member's.
+        let size = match (kind, ext.size) {
+            (b'x' | b'g' | b'L' | b'K', _) | (_, None) => octal(&header[124..136])
+                .ok_or_else(|| format!("the header at offset {at} has an unreadable size"))?,
+            (_, Some(pax)) => pax,
+        };
         let data = at + BLOCK;
         let end = usize::try_from(size)
             .ok()
@@ -251,20 +271,47 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
                     tar.len()
                 )
             })?;
+        // `end` is within the file, so rounding it up to a block cannot overflow.
         let next = data + (end - data).div_ceil(BLOCK) * BLOCK;
-        match header[156] {
-            b'L' => long_name = Some(c_string(&tar[data..end])),
+        let body = &tar[data..end];
+        let bad_pax = |why: String| format!("the pax header at offset {at}: {why}");
+        match kind {
+            b'L' => ext.path = Some(c_string(body)),
+            b'K' => {} // a long link name: for links, which are skipped
             b'x' => {
-                if let Some(p) = pax_path(&tar[data..end]) {
-                    long_name = Some(p);
+                for (key, value) in pax_records(body).map_err(bad_pax)? {
+                    match key {
+                        b"path" => ext.path = Some(String::from_utf8_lossy(value).into_owned()),
+                        b"size" => ext.size = Some(pax_number(value).map_err(bad_pax)?),
+                        k if k.starts_with(b"GNU.sparse.") => ext.sparse = true,
+                        _ => {}
+                    }
                 }
             }
-            b'0' | 0 | b'7' => {
-                let name = long_name.take().unwrap_or_else(|| ustar_name(header));
+            b'g' => {
+                if pax_records(body)
+                    .map_err(bad_pax)?
+                    .iter()
+                    .any(|(k, _)| *k == b"size")
+                {
+                    return Err(bad_pax(
+                        "a global `size` record (every member's size) is not read".into(),
+                    ));
+                }
+            }
+            b'0' | 0 | b'7' | b'S' => {
+                let name = ext.path.take().unwrap_or_else(|| ustar_name(header));
+                if kind == b'S' || ext.sparse {
+                    return Err(format!(
+                        "the member at offset {at} ({name}) is stored sparse (GNU sparse): its \
+                         stored bytes are not the file's; write the tar without --sparse"
+                    ));
+                }
                 add_member(&mut samples, &name, data..end)
                     .map_err(|why| format!("the member at offset {at} ({name}): {why}"))?;
+                ext = Extended::default();
             }
-            _ => long_name = None, // directories, links, global pax headers: skipped
+            _ => ext = Extended::default(), // directories, links, devices: skipped
         }
         at = next;
     }
@@ -320,10 +367,14 @@ fn check_sum(header: &[u8]) -> std::result::Result<(), String> {
     }
 }
 
-/// A tar numeric field: octal digits (space or NUL padded), or base-256 (high bit set).
+/// A tar numeric field: octal digits (space or NUL padded), or GNU base-256 (high bit set;
+/// a negative one, `0xff` first, is `None`), checked.
 fn octal(field: &[u8]) -> Option<u64> {
     if field.first().is_some_and(|b| b & 0x80 != 0) {
-        let mut n: u64 = u64::from(field[0] & 0x7f);
+        if field[0] & 0x40 != 0 {
+            return None; // negative
+        }
+        let mut n: u64 = u64::from(field[0] & 0x3f);
         for &b in &field[1..] {
             n = n.checked_mul(256)?.checked_add(u64::from(b))?;
         }
@@ -358,20 +409,48 @@ fn ustar_name(header: &[u8]) -> String {
     }
 }
 
-/// The `path` record of a pax extended header (`"<len> path=<value>\n"` records).
-fn pax_path(data: &[u8]) -> Option<String> {
-    let mut rest = data;
-    while !rest.is_empty() {
-        let space = rest.iter().position(|&b| b == b' ')?;
-        let len: usize = std::str::from_utf8(&rest[..space]).ok()?.parse().ok()?;
-        let record = rest.get(space + 1..len)?;
-        if let Some(value) = record.strip_prefix(b"path=") {
-            let value = value.strip_suffix(b"\n").unwrap_or(value);
-            return Some(String::from_utf8_lossy(value).into_owned());
-        }
+/// The records of a pax extended header (`"<len> <key>=<value>\n"`, `len` counting the
+/// whole record), as (key, value); trailing NUL padding is allowed. A record that cannot be
+/// read is an error: skipping it could skip a `size`.
+fn pax_records(mut rest: &[u8]) -> std::result::Result<Vec<(&[u8], &[u8])>, String> {
+    let mut records = Vec::new();
+    while rest.first().is_some_and(|&b| b != 0) {
+        let bad = || "a record that is not `<length> <key>=<value>\n`".to_owned();
+        let space = rest
+            .iter()
+            .take(20)
+            .position(|&b| b == b' ')
+            .ok_or_else(bad)?;
+        let len: usize = std::str::from_utf8(&rest[..space])
+            .ok()
+            .and_then(|l| l.parse().ok())
+            .ok_or_else(bad)?;
+        let record = rest
+            .get(space + 1..len)
+            .and_then(|r| r.strip_suffix(b"\n"))
+            .ok_or_else(bad)?;
+        let eq = record.iter().position(|&b| b == b'=').ok_or_else(bad)?;
+        records.push((&record[..eq], &record[eq + 1..]));
         rest = &rest[len..];
     }
-    None
+    if rest.iter().any(|&b| b != 0) {
+        return Err("bytes after its NUL padding".into());
+    }
+    Ok(records)
+}
+
+/// A pax numeric value (`size`): decimal digits that fit a `u64`.
+fn pax_number(value: &[u8]) -> std::result::Result<u64, String> {
+    std::str::from_utf8(value)
+        .ok()
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| {
+            format!(
+                "its size {:?} is not a number of bytes",
+                String::from_utf8_lossy(value)
+            )
+        })
 }
 
 /// The files of a data set split into shards: `spec` a directory (its regular files, sorted

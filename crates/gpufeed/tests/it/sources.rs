@@ -426,3 +426,154 @@ fn a_folder_of_files_past_2_64_bytes_is_refused_when_opened() {
     let text = err.to_string();
     assert!(text.contains("3.bin") && text.contains("2^64"), "{text}");
 }
+
+/// A ustar header block for `name` with `size` as its 12-byte size field and `kind` as its
+/// type flag, checksummed.
+fn tar_header(name: &str, size: [u8; 12], kind: u8) -> Vec<u8> {
+    let mut h = vec![0u8; 512];
+    h[..name.len()].copy_from_slice(name.as_bytes());
+    h[100..108].copy_from_slice(b"0000644\0");
+    h[108..116].copy_from_slice(b"0000000\0");
+    h[116..124].copy_from_slice(b"0000000\0");
+    h[124..136].copy_from_slice(&size);
+    h[136..148].copy_from_slice(b"00000000000\0");
+    h[156] = kind;
+    h[257..263].copy_from_slice(b"ustar\0");
+    h[263..265].copy_from_slice(b"00");
+    h[148..156].copy_from_slice(b"        ");
+    let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+    h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    h
+}
+
+/// A size field in octal (at most 8 GiB - 1).
+fn octal_size(n: u64) -> [u8; 12] {
+    format!("{n:011o}\0")
+        .as_bytes()
+        .try_into()
+        .expect("12 bytes")
+}
+
+/// A size field in GNU base-256 (any size).
+fn base256_size(n: u64) -> [u8; 12] {
+    let mut f = [0u8; 12];
+    f[0] = 0x80;
+    f[4..].copy_from_slice(&n.to_be_bytes());
+    f
+}
+
+/// `data` padded with zeros to whole 512-byte blocks.
+fn blocks(data: &[u8]) -> Vec<u8> {
+    let mut d = data.to_vec();
+    d.resize(data.len().div_ceil(512) * 512, 0);
+    d
+}
+
+/// A pax extended header ('x') and its records (`"<len> key=value\n"`), in blocks.
+fn pax_header(records: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (k, v) in records {
+        let rest = k.len() + v.len() + 3; // space, '=', newline
+        let mut len = rest + 1;
+        while len != rest + len.to_string().len() {
+            len = rest + len.to_string().len();
+        }
+        body.extend_from_slice(format!("{len} {k}={v}\n").as_bytes());
+    }
+    let mut out = tar_header("PaxHeaders/x", octal_size(body.len() as u64), b'x');
+    out.extend(blocks(&body));
+    out
+}
+
+/// Each sample's members (extension, byte range) of the tar `bytes` opened from a file.
+fn tar_members(bytes: &[u8]) -> Result<Vec<(String, std::ops::Range<usize>)>, String> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("x.tar");
+    std::fs::write(&path, bytes).expect("write");
+    // SAFETY: the test's file is not changed while it is used.
+    let records = unsafe { RecordFile::open_tar(&path) }.map_err(|e| e.to_string())?;
+    Ok((0..records.len())
+        .flat_map(|i| records.sample(i).expect("sample").members.clone())
+        .collect())
+}
+
+/// A pax `size` record is the member's size, not the ustar field (here 10 while the member
+/// holds 1000 bytes): the member and the one after it are where the records say. A `size`
+/// past the archive's end, or not a number, is refused.
+#[test]
+fn a_pax_size_record_sets_the_member_size() {
+    let data = random_bytes(1000, 8);
+    let mut tar = pax_header(&[("size", "1000"), ("path", "s0.bin")]);
+    tar.extend(tar_header("ignored.bin", octal_size(10), b'0'));
+    let at = tar.len();
+    tar.extend(blocks(&data));
+    tar.extend(tar_header("s0.cls", octal_size(3), b'0'));
+    let cls = tar.len();
+    tar.extend(blocks(b"cat"));
+    tar.extend([0u8; 1024]);
+    let members = tar_members(&tar).expect("a valid pax tar");
+    assert_eq!(
+        members,
+        [
+            ("bin".to_owned(), at..at + 1000),
+            ("cls".to_owned(), cls..cls + 3)
+        ]
+    );
+    assert_eq!(&tar[at..at + 1000], &data[..]);
+
+    // A size past the end of the archive: refused, not indexed from the ustar field.
+    let mut big = pax_header(&[("size", "1000000")]);
+    big.extend(tar_header("a.bin", octal_size(10), b'0'));
+    big.extend(blocks(&random_bytes(10, 1)));
+    big.extend([0u8; 1024]);
+    let err = tar_members(&big).expect_err("a size past the end");
+    assert!(err.contains("x.tar") && err.contains("1000000"), "{err}");
+    let mut bad = pax_header(&[("size", "12a")]);
+    bad.extend(tar_header("a.bin", octal_size(10), b'0'));
+    bad.extend(blocks(&random_bytes(10, 1)));
+    let err = tar_members(&bad).expect_err("a size that is not a number");
+    assert!(err.contains("size"), "{err}");
+}
+
+/// A member of 8 GiB + 5 bytes (more than a ustar size field holds) in a sparse tar file: its
+/// size from a pax `size` record, or from a GNU base-256 size field, puts it and the next
+/// member where they are.
+#[test]
+fn a_member_past_8_gib_is_indexed_from_pax_or_base_256_sizes() {
+    use std::io::{Seek, SeekFrom, Write};
+    const BIG: u64 = (8 << 30) + 5;
+    for pax in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("big.tar");
+        let mut file = std::fs::File::create(&path).expect("create");
+        let mut head = Vec::new();
+        if pax {
+            head.extend(pax_header(&[("size", &BIG.to_string())]));
+            head.extend(tar_header("k.bin", octal_size(0), b'0'));
+        } else {
+            head.extend(tar_header("k.bin", base256_size(BIG), b'0'));
+        }
+        file.write_all(&head).expect("write");
+        let at = head.len() as u64;
+        let next = at + BIG.next_multiple_of(512);
+        file.seek(SeekFrom::Start(next)).expect("seek");
+        let mut tail = tar_header("k.cls", octal_size(1), b'0');
+        tail.extend(blocks(b"7"));
+        tail.extend([0u8; 1024]);
+        file.write_all(&tail).expect("write");
+        drop(file);
+        // SAFETY: the test's file is not changed while it is used.
+        let records = unsafe { RecordFile::open_tar(&path) }.expect("a tar of a big member");
+        let sample = records.sample(0).expect("one sample");
+        let (at, next) = (at as usize, next as usize);
+        assert_eq!(
+            sample.members,
+            [
+                ("bin".to_owned(), at..at + BIG as usize),
+                ("cls".to_owned(), next + 512..next + 513)
+            ],
+            "pax {pax}"
+        );
+        assert_eq!(records.parts(0).expect("parts")[1], b"7");
+    }
+}
