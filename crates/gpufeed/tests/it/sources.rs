@@ -577,3 +577,23 @@ fn a_member_past_8_gib_is_indexed_from_pax_or_base_256_sizes() {
         assert_eq!(records.parts(0).expect("parts")[1], b"7");
     }
 }
+
+/// A member stored sparse (GNU `S`, or pax `GNU.sparse` records) is refused by name: its
+/// stored bytes are a map and the data, not the file.
+#[test]
+fn a_sparse_tar_member_is_refused_not_misread() {
+    let mut gnu = tar_header("s0.bin", octal_size(512), b'S');
+    gnu.extend(blocks(&random_bytes(512, 2)));
+    gnu.extend([0u8; 1024]);
+    let mut pax = pax_header(&[("GNU.sparse.major", "1"), ("GNU.sparse.minor", "0")]);
+    pax.extend(tar_header("s0.bin", octal_size(512), b'0'));
+    pax.extend(blocks(&random_bytes(512, 2)));
+    pax.extend([0u8; 1024]);
+    for (what, tar) in [("GNU S", gnu), ("pax GNU.sparse", pax)] {
+        let err = tar_members(&tar).expect_err(what);
+        assert!(
+            err.contains("s0.bin") && err.contains("sparse"),
+            "{what}: {err}"
+        );
+    }
+}
