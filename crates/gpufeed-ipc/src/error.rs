@@ -145,6 +145,25 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A process that is not the rank it should be took part in a
+    /// [`crate::Rendezvous::share_fd`]: it claimed a rank whose pid it does not have, asked
+    /// for a descriptor a second time, or listened in a rank's place. It was given nothing.
+    #[error(
+        "a process (pid {pid} as seen here, uid {uid}) {why} in the rendezvous's descriptor \
+         exchange; it was given nothing. Two jobs under one rendezvous name, or a process that \
+         is not part of this job: find it by its pid"
+    )]
+    FdImpostor {
+        /// The rank it claimed or stood in for.
+        rank: usize,
+        /// Its pid in our PID namespace (0 where it is not visible here).
+        pid: u32,
+        /// Its uid.
+        uid: u32,
+        /// What it did.
+        why: String,
+    },
+
     /// Another live process already holds this rank of the rendezvous.
     #[error(
         "rank {rank} of the rendezvous is already held by pid {pid}{}: two processes were \

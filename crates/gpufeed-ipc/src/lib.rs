@@ -66,6 +66,8 @@ mod oflock;
 mod rendezvous;
 #[cfg(not(loom))]
 mod ring;
+#[cfg(not(loom))]
+mod sockdir;
 mod state;
 
 #[cfg(not(loom))]

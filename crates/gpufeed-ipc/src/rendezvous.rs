@@ -13,13 +13,13 @@
 //! memory they map) gives it back only after they let go of it:
 //! [`Rendezvous::wait_until_departed`] waits for every other rank's handle to be dropped (or
 //! [`Rendezvous::depart`]). [`Rendezvous::share_fd`] passes a file descriptor from every rank
-//! to every other over Unix sockets in /dev/shm, each removed before the call returns (a rank
-//! killed inside the call leaves its socket file behind: an empty name, `.gpufeed-fd-*`, which
-//! [`remove_stale_sockets`] — `gpufeed shm gc` — removes once it is an hour old).
+//! to every other over Unix sockets, each in a private directory (0700) in /dev/shm, with the
+//! peers' credentials checked, each removed before the call returns (a rank killed inside the
+//! call leaves its directory behind: `.gpufeed-fd-*`, which [`remove_stale_sockets`] —
+//! `gpufeed shm gc` — removes once it is an hour old).
 
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,7 @@ use rustix::thread::futex;
 
 use crate::error::{Error, Result};
 use crate::fdpass::{recv_fd, send_fd};
+use crate::sockdir::{self, SOCKET_PREFIX};
 use crate::state::{AtomicU64, Ordering};
 
 /// Most ranks of one rendezvous.
@@ -315,10 +316,17 @@ impl Rendezvous {
     /// Passes `fd` to every other rank and returns theirs in rank order (`None` in this rank's
     /// place): a collective call like [`Rendezvous::exchange`], for what only a descriptor can
     /// carry (a CUDA memory pool exported as a POSIX file descriptor, a memfd). Each rank
-    /// listens on a Unix socket in /dev/shm (the directory the rendezvous already shares;
-    /// removed before the call returns) and connects to every other rank's; descriptors
-    /// travel as `SCM_RIGHTS`, so ranks in other PID or network namespaces that share
-    /// /dev/shm are reached too.
+    /// listens on a Unix socket in a private directory of its own in /dev/shm (the directory
+    /// the rendezvous already shares; mode 0700, a random name that the ranks learn through
+    /// the rendezvous; removed before the call returns) and connects to every other rank's;
+    /// descriptors travel as `SCM_RIGHTS`, so ranks in other PID or network namespaces that
+    /// share /dev/shm are reached too.
+    ///
+    /// Who is at the other end is checked (`SO_PEERCRED`) before anything is sent or
+    /// trusted: a connection of another user is refused (logged, given nothing; the call goes
+    /// on), and a process of our user that claims a rank whose pid (in our PID namespace) it
+    /// does not have, or a rank served twice, or a listener that is not the rank it should be,
+    /// fails the call with [`Error::FdImpostor`] naming it.
     ///
     /// # Example
     /// ```
@@ -335,7 +343,8 @@ impl Rendezvous {
     /// # Errors
     /// [`Rendezvous::barrier`]'s (a rank that died, left or never arrived, named);
     /// [`Error::FdPass`] naming a rank whose socket refused or closed the connection;
-    /// [`Error::Timeout`] when a live rank did not connect within the join timeout.
+    /// [`Error::FdImpostor`]; [`Error::Timeout`] when a live rank did not connect within the
+    /// join timeout.
     pub fn share_fd(&self, fd: BorrowedFd<'_>) -> Result<Vec<Option<OwnedFd>>> {
         use std::io::{Read, Write};
         let (me, world) = (self.rank, self.world);
@@ -344,24 +353,37 @@ impl Rendezvous {
             return Ok(out);
         }
         // The barrier this call is about to take, and the job's nonce: a name no other call or
-        // job uses.
+        // job uses (the directory adds a random part).
         let k = self.epoch.load(std::sync::atomic::Ordering::Relaxed) + 1;
         let nonce = word(&self.seg, OFF_NONCE).load(Ordering::Relaxed);
-        let path = |r: usize| {
-            PathBuf::from(format!(
-                "{}/{SOCKET_PREFIX}{nonce:016x}-{k}-{r}",
-                gpufeed_os::shm::DEFAULT_DIR
-            ))
-        };
-        let mine = SocketFile(path(me));
-        let _ = std::fs::remove_file(&mine.0);
-        let listener = listen_at(&mine.0)?;
-        // Every rank listens once all have passed it.
-        self.barrier()?;
+        let stem = |r: usize| format!("{SOCKET_PREFIX}{nonce:016x}-{k}-{r}");
+        let shm = std::path::Path::new(gpufeed_os::shm::DEFAULT_DIR);
+        let mine = sockdir::PrivateDir::create(shm, &stem(me))?;
+        let listener = sockdir::listen_at(&mine.socket_path(), MAX_RANKS)?;
+        // Every rank learns where the others listen, once all of them do.
+        let dirs = self.exchange(mine.name().as_bytes())?;
         let fail = |rank: usize| move |source: std::io::Error| Error::FdPass { rank, source };
         let mut inbound = Vec::with_capacity(world - 1);
         for r in (0..world).filter(|&r| r != me) {
-            let mut s = UnixStream::connect(path(r)).map_err(fail(r))?;
+            let name = std::str::from_utf8(&dirs[r])
+                .ok()
+                .filter(|n| n.starts_with(&format!("{}-", stem(r))) && !n.contains('/'))
+                .ok_or_else(|| {
+                    Error::InvalidHeader(format!(
+                        "rank {r} named its descriptor socket {:?}",
+                        String::from_utf8_lossy(&dirs[r])
+                    ))
+                })?;
+            let mut s = UnixStream::connect(sockdir::socket_in(shm, name)).map_err(fail(r))?;
+            // The listener's credentials are those it had when it listened.
+            let cred = sockdir::peer_cred(&s).map_err(fail(r))?;
+            if let Some(why) = self.not_rank(r, cred) {
+                return Err(impostor(
+                    r,
+                    cred,
+                    format!("listened in rank {r}'s place ({why})"),
+                ));
+            }
             s.write_all(&(me as u32).to_le_bytes()).map_err(fail(r))?;
             s.set_nonblocking(true).map_err(fail(r))?;
             inbound.push((r, s));
@@ -384,6 +406,22 @@ impl Rendezvous {
                         });
                     }
                 };
+                let Ok(cred) = sockdir::peer_cred(&s) else {
+                    tracing::warn!(
+                        "refused a connection to rank {me}'s descriptor socket whose credentials cannot be read"
+                    );
+                    continue;
+                };
+                if cred.uid != our_uid() {
+                    // Our private directory keeps other users out; one that got in anyway
+                    // (root, for a job of another user) is given nothing.
+                    tracing::warn!(
+                        pid = cred.pid,
+                        uid = cred.uid,
+                        "refused a connection of another user to rank {me}'s descriptor socket"
+                    );
+                    continue;
+                }
                 // The rank wrote its number before this accept could see it; a connection
                 // that says nothing (its process died at once) is judged below by its rank's
                 // liveness.
@@ -393,9 +431,28 @@ impl Rendezvous {
                     .and_then(|()| s.set_read_timeout(Some(self.opts.lease)))
                     .and_then(|()| s.read_exact(&mut who));
                 let r = u32::from_le_bytes(who) as usize;
-                if said.is_err() || r >= world || served[r] {
-                    tracing::warn!("ignored a connection to rank {me}'s descriptor socket");
+                if said.is_err() || r >= world || r == me {
+                    tracing::warn!(
+                        pid = cred.pid,
+                        "ignored a connection to rank {me}'s descriptor socket that named no other rank"
+                    );
                     continue;
+                }
+                if served[r] {
+                    return Err(impostor(
+                        r,
+                        cred,
+                        format!(
+                            "asked for rank {me}'s descriptor as rank {r}, which was given it already"
+                        ),
+                    ));
+                }
+                if let Some(why) = self.not_rank(r, cred) {
+                    return Err(impostor(
+                        r,
+                        cred,
+                        format!("asked for rank {me}'s descriptor as rank {r} ({why})"),
+                    ));
                 }
                 send_fd(&s, fd).map_err(|e| match e {
                     Error::Io { source, .. } => Error::FdPass { rank: r, source },
@@ -435,6 +492,19 @@ impl Rendezvous {
             std::thread::sleep(nap);
             nap = (nap * 2).min(Duration::from_millis(2));
         }
+    }
+
+    /// Why a peer with credentials `cred` is not rank `r`, if it is not: another user, or
+    /// (where rank `r` lives in our PID namespace, so that its pid means something here)
+    /// another pid than the one rank `r` joined with.
+    fn not_rank(&self, r: usize, cred: sockdir::PeerCred) -> Option<String> {
+        if cred.uid != our_uid() {
+            return Some(format!("uid {} is not ours, {}", cred.uid, our_uid()));
+        }
+        let id = self.identity(r);
+        let ours = gpufeed_os::process::current_pid_ns();
+        (id.pid != 0 && ours != 0 && id.pid_ns == ours && cred.pid != id.pid)
+            .then(|| format!("rank {r} is pid {}", id.pid))
     }
 
     fn rec(&self, rank: usize) -> usize {
@@ -642,84 +712,35 @@ impl RankWatch<'_> {
     }
 }
 
-/// The name prefix of the sockets [`Rendezvous::share_fd`] listens on.
-const SOCKET_PREFIX: &str = ".gpufeed-fd-";
-
-/// How old a `.gpufeed-fd-*` socket file must be before `gpufeed shm gc` removes it (an
+/// How old a `.gpufeed-fd-*` socket directory must be before `gpufeed shm gc` removes it (an
 /// hour): a live [`Rendezvous::share_fd`] removes its own within its join timeout (30 s by
 /// default), so one this old belongs to a rank killed inside the call.
 pub const STALE_SOCKET_AGE: Duration = Duration::from_secs(3600);
 
-/// Removes the socket files `.gpufeed-fd-*` in `dir` (`/dev/shm` for a job's ranks) that this
-/// user owns and that were last changed more than `older_than` ago: those left by ranks killed
-/// inside [`Rendezvous::share_fd`] (their names say nothing of their owner, so age is the
+/// Removes what ranks killed inside [`Rendezvous::share_fd`] left in `dir` (`/dev/shm` for a
+/// job's ranks): the private socket directories `.gpufeed-fd-*` of this user with the socket
+/// in each (and sockets of that name, which earlier versions made in `dir` itself) last
+/// changed more than `older_than` ago (their names say nothing of their owner, so age is the
 /// test; see [`STALE_SOCKET_AGE`]). Other files are left alone. Returns the names removed.
 ///
 /// # Errors
 /// [`Error::Io`] when `dir` cannot be read or a stale socket cannot be removed.
 pub fn remove_stale_sockets(dir: &std::path::Path, older_than: Duration) -> Result<Vec<String>> {
-    let io = |op: &'static str| move |source: std::io::Error| Error::Io { op, source };
-    let me = rustix::process::geteuid().as_raw();
-    let now = std::time::SystemTime::now();
-    let mut removed = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(io("read the shared-memory directory"))? {
-        let entry = entry.map_err(io("read the shared-memory directory"))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with(SOCKET_PREFIX) {
-            continue;
-        }
-        let Ok(meta) = std::fs::symlink_metadata(entry.path()) else {
-            continue; // gone meanwhile
-        };
-        use std::os::unix::fs::{FileTypeExt, MetadataExt};
-        let old = meta
-            .modified()
-            .ok()
-            .and_then(|m| now.duration_since(m).ok())
-            .is_some_and(|age| age > older_than);
-        if !meta.file_type().is_socket() || meta.uid() != me || !old {
-            continue;
-        }
-        match std::fs::remove_file(entry.path()) {
-            Ok(()) => removed.push(name),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io("remove a stale descriptor socket")(e)),
-        }
-    }
-    removed.sort();
-    Ok(removed)
+    sockdir::remove_stale(dir, older_than)
 }
 
-/// A socket file that is removed when this is dropped.
-struct SocketFile(PathBuf);
-
-impl Drop for SocketFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+fn our_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
 }
 
-/// A non-blocking Unix socket listening at `path`, with room for every rank's connection at
-/// once (so that no rank's `connect` waits for an `accept`).
-fn listen_at(path: &std::path::Path) -> Result<UnixListener> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let io = |op: &'static str| {
-        move |e: rustix::io::Errno| Error::Io {
-            op,
-            source: e.into(),
-        }
-    };
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )
-    .map_err(io("create a Unix socket"))?;
-    let addr = SocketAddrUnix::new(path).map_err(io("name a Unix socket"))?;
-    rustix::net::bind(&sock, &addr).map_err(io("bind a Unix socket in /dev/shm"))?;
-    rustix::net::listen(&sock, MAX_RANKS as i32).map_err(io("listen on a Unix socket"))?;
-    Ok(UnixListener::from(sock))
+fn impostor(rank: usize, cred: sockdir::PeerCred, why: String) -> Error {
+    tracing::warn!(rank, pid = cred.pid, uid = cred.uid, "{why}");
+    Error::FdImpostor {
+        rank,
+        pid: cred.pid,
+        uid: cred.uid,
+        why,
+    }
 }
 
 impl Drop for Rendezvous {

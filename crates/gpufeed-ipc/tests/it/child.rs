@@ -228,6 +228,14 @@ fn entry() {
             let ring = BatchRing::from_fd(fd).expect("map the ring");
             produce(&ring, 7, num("GPUFEED_IT_COUNT") as u32, false, None);
         }
+        "fd-intruder" => {
+            let got = crate::rendezvous::intrude(
+                num("GPUFEED_IT_OWNER") as u32,
+                num("GPUFEED_IT_CLAIM") as u32,
+                Duration::from_millis(num("GPUFEED_IT_FOR_MS")),
+            );
+            println!("INTRUSION {got:?} ");
+        }
         "rendezvous" => crate::rendezvous::child(
             &var("GPUFEED_IT_RDV"),
             num("GPUFEED_IT_RANK") as usize,

@@ -47,6 +47,14 @@ pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
             println!("GOT {a:?} {b:?}");
         }
         "fd" => println!("FDS {:?}", pass_descriptors(&r)),
+        // Rank 0 passes at once; the others arrive 1.5 s later, so that rank 0's socket waits
+        // for them (and for whoever else tries it) that long.
+        "fd-late" => {
+            if rank != 0 {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            println!("FDS {:?}", pass_descriptors(&r));
+        }
         "hang" => std::thread::sleep(Duration::from_secs(60)),
         "leave" => drop(r),
         "linger" => {
@@ -64,7 +72,7 @@ pub fn child(name: &str, rank: usize, world: usize, mode: &str) {
     }
 }
 
-fn spawn(name: &str, rank: usize, world: usize, mode: &str) -> Child {
+fn rank_command(name: &str, rank: usize, world: usize, mode: &str) -> std::process::Command {
     let mut cmd = child::command(
         "rendezvous",
         &[
@@ -75,7 +83,13 @@ fn spawn(name: &str, rank: usize, world: usize, mode: &str) -> Child {
         ],
     );
     cmd.stdout(Stdio::piped());
-    cmd.spawn().expect("spawn a rank")
+    cmd
+}
+
+fn spawn(name: &str, rank: usize, world: usize, mode: &str) -> Child {
+    rank_command(name, rank, world, mode)
+        .spawn()
+        .expect("spawn a rank")
 }
 
 /// Lines of a child's stdout until it exits.
@@ -472,9 +486,9 @@ fn a_rank_waits_until_the_others_have_departed() {
     );
 }
 
-/// The socket files of ranks killed inside `share_fd` (`.gpufeed-fd-*`) are removed once they
-/// are old enough; a young one (a live call's), a regular file of that name and other names are
-/// left alone.
+/// What ranks killed inside `share_fd` leave (`.gpufeed-fd-*`: a private directory with the
+/// socket in it, or a socket of the earlier form) is removed once it is old enough; a young one
+/// (a live call's), a regular file of that name and other names are left alone.
 #[test]
 fn stale_descriptor_sockets_are_removed_and_nothing_else() {
     use rustix::fs::{AtFlags, CWD, Timespec, Timestamps, utimensat};
@@ -483,10 +497,22 @@ fn stale_descriptor_sockets_are_removed_and_nothing_else() {
     let young = dir.path().join(".gpufeed-fd-00ab-3-0");
     let regular = dir.path().join(".gpufeed-fd-regular");
     let other = dir.path().join("other-socket");
-    let _listeners: Vec<_> = [&old, &young, &other]
-        .iter()
-        .map(|p| std::os::unix::net::UnixListener::bind(p).expect("bind"))
-        .collect();
+    // Today's form: a private directory holding the socket.
+    let old_dir = dir.path().join(".gpufeed-fd-00ab-4-1-0123456789abcdef");
+    let young_dir = dir.path().join(".gpufeed-fd-00ab-4-0-0123456789abcdef");
+    for d in [&old_dir, &young_dir] {
+        std::fs::create_dir(d).expect("mkdir");
+    }
+    let _listeners: Vec<_> = [
+        &old,
+        &young,
+        &other,
+        &old_dir.join("s"),
+        &young_dir.join("s"),
+    ]
+    .iter()
+    .map(|p| std::os::unix::net::UnixListener::bind(p).expect("bind"))
+    .collect();
     std::fs::write(&regular, b"").expect("file");
     let two_hours_ago = std::time::SystemTime::now() - Duration::from_secs(7200);
     let secs = two_hours_ago
@@ -501,14 +527,193 @@ fn stale_descriptor_sockets_are_removed_and_nothing_else() {
         last_access: then,
         last_modification: then,
     };
-    for p in [&old, &regular, &other] {
+    for p in [&old, &regular, &other, &old_dir] {
         utimensat(CWD, p.as_path(), &times, AtFlags::SYMLINK_NOFOLLOW).expect("age it");
     }
     let removed =
         gpufeed_ipc::remove_stale_sockets(dir.path(), gpufeed_ipc::STALE_SOCKET_AGE).expect("gc");
-    assert_eq!(removed, vec![".gpufeed-fd-00ab-3-1".to_owned()]);
-    assert!(!old.exists());
-    for kept in [&young, &regular, &other] {
+    assert_eq!(
+        removed,
+        vec![
+            ".gpufeed-fd-00ab-3-1".to_owned(),
+            ".gpufeed-fd-00ab-4-1-0123456789abcdef".to_owned()
+        ]
+    );
+    assert!(!old.exists() && !old_dir.exists());
+    for kept in [&young, &regular, &other, &young_dir] {
         assert!(kept.exists(), "{} kept", kept.display());
     }
+}
+
+/// What an intruder got: descriptor sockets (or their directories) of the owner it saw, the
+/// sockets it could connect to, and the descriptors it was given.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Intrusion {
+    pub seen: usize,
+    pub connected: usize,
+    pub stolen: usize,
+}
+
+/// For `for_time`, connects to every descriptor socket of uid `owner` in /dev/shm that this
+/// process can reach (`.gpufeed-fd-*` itself, or a socket in such a directory that it can
+/// list), claims to be rank `claim` and waits for a descriptor.
+pub fn intrude(owner: u32, claim: u32, for_time: Duration) -> Intrusion {
+    use std::io::Write;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let mut seen = std::collections::HashSet::new();
+    let mut tried = std::collections::HashSet::new();
+    let mut got = Intrusion::default();
+    let t = Instant::now();
+    while t.elapsed() < for_time {
+        for e in std::fs::read_dir("/dev/shm")
+            .expect("list /dev/shm")
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            if !name.starts_with(".gpufeed-fd-") || meta.uid() != owner {
+                continue;
+            }
+            seen.insert(name);
+            let sockets: Vec<std::path::PathBuf> = if meta.file_type().is_socket() {
+                vec![e.path()]
+            } else if meta.is_dir() {
+                std::fs::read_dir(e.path())
+                    .map(|d| d.flatten().map(|x| x.path()).collect())
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            for sock in sockets {
+                if !tried.insert(sock.clone()) {
+                    continue;
+                }
+                let Ok(mut s) = std::os::unix::net::UnixStream::connect(&sock) else {
+                    continue;
+                };
+                got.connected += 1;
+                let _ = s.write_all(&claim.to_le_bytes());
+                let _ = s.set_read_timeout(Some(Duration::from_secs(4)));
+                if gpufeed_ipc::recv_fd(&s).is_ok() {
+                    got.stolen += 1;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    got.seen = seen.len();
+    got
+}
+
+const NOBODY: u32 = 65534;
+
+/// The two ranks' `FDS` lines, as `ranks_pass_descriptors_between_processes` checks them.
+fn assert_both_ranks_got_their_descriptors(ranks: Vec<Child>) {
+    for (r, c) in ranks.into_iter().enumerate() {
+        let (ok, lines) = output(c);
+        let want: Vec<Vec<String>> = (0..2)
+            .map(|k| {
+                (0..2)
+                    .map(|o| {
+                        if o == r {
+                            "-".to_owned()
+                        } else {
+                            format!("rank {o} round {k}")
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        assert!(
+            ok && lines.contains(&format!("FDS Ok({want:?})")),
+            "rank {r}: {lines:?}"
+        );
+    }
+}
+
+/// A process of another user (`nobody`) tries every descriptor socket of our ranks while rank
+/// 0 waits for rank 1 in `share_fd`, claiming to be rank 1: it reaches none (each is in a
+/// private 0700 directory), and both ranks get their descriptors. The ranks run with umask 0,
+/// the worst a job may have. (Before, the socket lay in /dev/shm itself with the umask's mode:
+/// the intruder connected first and was given rank 0's descriptor.)
+#[test]
+fn a_process_of_another_user_gets_no_descriptor_from_share_fd() {
+    let test = "a_process_of_another_user_gets_no_descriptor_from_share_fd";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(test, &"running a process as nobody needs root");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let name = name("fd-intruder");
+    let mut intruder = child::command("fd-intruder", &[]);
+    intruder
+        .env("GPUFEED_IT_OWNER", "0")
+        .env("GPUFEED_IT_CLAIM", "1")
+        .env("GPUFEED_IT_FOR_MS", "3500")
+        .stdout(Stdio::piped())
+        .uid(NOBODY)
+        .gid(NOBODY);
+    let intruder = intruder.spawn().expect("spawn the intruder as nobody");
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            let mut cmd = rank_command(&name, r, 2, "fd-late");
+            // SAFETY: umask is async-signal-safe and allocates nothing.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::umask(0);
+                    Ok(())
+                })
+            };
+            cmd.spawn().expect("spawn a rank")
+        })
+        .collect();
+    let (ok, lines) = output(intruder);
+    assert!(ok, "the intruder failed: {lines:?}");
+    let got = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("INTRUSION "))
+        .unwrap_or_else(|| panic!("the intruder said nothing: {lines:?}"))
+        .to_owned();
+    assert!(
+        got.contains(" stolen: 0 "),
+        "a process of another user was given a rank's descriptor: {got}"
+    );
+    assert_both_ranks_got_their_descriptors(ranks);
+    assert!(
+        !got.contains("seen: 0,"),
+        "the intruder never saw a descriptor socket: the test tested nothing: {got}"
+    );
+}
+
+/// Ranks of `nobody` pass descriptors while a process of another user that can reach their
+/// sockets anyway (root) connects first and claims to be rank 1: its credentials
+/// (`SO_PEERCRED`) give it away, it gets nothing, and both ranks still get their descriptors.
+/// (Before, nothing was checked and root was given rank 0's descriptor.)
+#[test]
+fn a_rank_gives_its_descriptor_only_to_its_own_user() {
+    let test = "a_rank_gives_its_descriptor_only_to_its_own_user";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(test, &"running ranks as nobody needs root");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let name = name("fd-peercred");
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            rank_command(&name, r, 2, "fd-late")
+                .uid(NOBODY)
+                .gid(NOBODY)
+                .spawn()
+                .expect("spawn a rank as nobody")
+        })
+        .collect();
+    let got = intrude(NOBODY, 1, Duration::from_millis(3500));
+    assert_eq!(got.stolen, 0, "root was given a rank's descriptor: {got:?}");
+    assert_both_ranks_got_their_descriptors(ranks);
+    assert!(
+        got.connected > 0,
+        "root never connected to a rank's socket: the test tested nothing: {got:?}"
+    );
 }
