@@ -319,3 +319,87 @@ fn a_hung_worker_past_a_large_window_fails_after_the_timeout() {
         other => panic!("not the missing batch after the timeout: {other:?}"),
     }
 }
+
+/// Nine batches of three workers published out of turn into a ring of 9 slots (worker 2's,
+/// then worker 1's, then worker 0's: 2 5 8 1 4 7 0 3 6) and read by a `RingLoader` whose
+/// window is 2: batches past the window wait in their slots and are moved out (uploaded, with
+/// a GPU: from the registered ring) when their turn or room comes. Every batch comes in order
+/// with its bytes; a batch that comes twice is an error.
+fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(90 * RECORD, 41);
+    std::fs::write(&path, &data).expect("write");
+    // SAFETY: the test's record file is never changed.
+    let records = unsafe { RecordFile::open_fixed(&path, RECORD) }.expect("records");
+    let cfg = LoaderConfig::default().with_batch_size(10);
+    let want = epoch_batches(90, &sampler(), &cfg, 4);
+    assert_eq!(want.len(), 9);
+    let ring = BatchRing::anonymous(9, 4096).expect("ring");
+    let mut loader = RingLoader::new(&ring, gpu)
+        .expect("ring loader")
+        .with_window(2);
+    for w in [2, 1, 0] {
+        let share = WorkerShare::new(4, w, 3).with_timeout(Duration::from_secs(5));
+        assert_eq!(
+            produce_epoch(&ring, &records, &sampler(), &cfg, &share).expect("produce"),
+            3
+        );
+    }
+    let mut epoch = loader.epoch(4, 9, Duration::from_secs(5));
+    let mut most = 0;
+    for n in 0..9 {
+        let batch = epoch.next().expect("a batch").expect("in order");
+        most = most.max(epoch.held());
+        assert!(
+            epoch.held_bytes() <= 2 * 10 * RECORD,
+            "the window: two batches moved out"
+        );
+        assert_eq!(batch.number, n);
+        assert_eq!(batch.indices, want[n].1);
+        let bytes = match &batch.data {
+            BatchData::Host(b) => b.to_vec(),
+            BatchData::Device(d) => gpu.expect("a GPU").to_vec(d).expect("copy back"),
+        };
+        let expect: Vec<u8> = batch
+            .indices
+            .iter()
+            .flat_map(|&i| data[i * RECORD..(i + 1) * RECORD].iter().copied())
+            .collect();
+        assert!(bytes == expect, "batch {n} bytes differ");
+    }
+    assert!(epoch.next().is_none());
+    assert_eq!(
+        most, 6,
+        "after batch 0: 2 and 5 moved out, 8 1 4 7 left in their slots"
+    );
+    drop(epoch);
+    // Worker 0's share twice: its batch 0 again, once batch 0 was handed out.
+    let share = WorkerShare::new(5, 0, 3).with_timeout(Duration::from_secs(5));
+    for _ in 0..2 {
+        produce_epoch(&ring, &records, &sampler(), &cfg, &share).expect("produce");
+    }
+    let err = loader
+        .epoch(5, 9, Duration::from_secs(5))
+        .find_map(Result::err)
+        .expect("an error");
+    assert!(
+        matches!(&err, gpufeed::Error::MalformedBatch { reason } if reason.contains("batch 0 came twice")),
+        "{err}"
+    );
+}
+
+#[test]
+fn batches_past_the_window_wait_in_their_slots_and_come_in_order() {
+    check_parked_batches(None);
+}
+
+#[test]
+fn device_batches_past_the_window_wait_in_their_slots_and_come_in_order() {
+    let Some(gpu) =
+        crate::gpu_or_skip("device_batches_past_the_window_wait_in_their_slots_and_come_in_order")
+    else {
+        return;
+    };
+    check_parked_batches(Some(&gpu));
+}
