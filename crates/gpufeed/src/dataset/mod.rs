@@ -1351,7 +1351,8 @@ fn check_index_size(size: u64, data_len: u64) -> std::result::Result<usize, Stri
 
 /// Parses a record index (little-endian u64 offsets, at least two, not decreasing, the last
 /// within `data_len`, at most one record per byte of data): a file another program wrote, so
-/// untrusted. Property-tested below.
+/// untrusted. Property-tested below (`open_indexed` reads the file in chunks instead).
+#[cfg(test)]
 fn parse_record_index(raw: &[u8], data_len: u64) -> std::result::Result<Vec<u64>, String> {
     check_index_size(raw.len() as u64, data_len)?;
     let offsets: Vec<u64> = raw

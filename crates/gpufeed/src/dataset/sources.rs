@@ -409,10 +409,13 @@ fn ustar_name(header: &[u8]) -> String {
     }
 }
 
+/// A pax record: its key and value.
+type PaxRecord<'a> = (&'a [u8], &'a [u8]);
+
 /// The records of a pax extended header (`"<len> <key>=<value>\n"`, `len` counting the
 /// whole record), as (key, value); trailing NUL padding is allowed. A record that cannot be
 /// read is an error: skipping it could skip a `size`.
-fn pax_records(mut rest: &[u8]) -> std::result::Result<Vec<(&[u8], &[u8])>, String> {
+fn pax_records(mut rest: &[u8]) -> std::result::Result<Vec<PaxRecord<'_>>, String> {
     let mut records = Vec::new();
     while rest.first().is_some_and(|&b| b != 0) {
         let bad = || "a record that is not `<length> <key>=<value>\n`".to_owned();

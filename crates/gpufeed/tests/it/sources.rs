@@ -143,8 +143,8 @@ fn within<T: Send + 'static>(
 /// 5 s (an open that blocks fails the test instead of hanging it).
 fn indexed_error(data: &std::path::Path, index: &std::path::Path) -> String {
     let (d, i) = (data.to_owned(), index.to_owned());
-    // SAFETY: the test's files are never changed.
     let opened = within(std::time::Duration::from_secs(5), move || {
+        // SAFETY: the test's files are never changed.
         unsafe { RecordFile::open_indexed(&d, &i) }
             .map(|r| r.len())
             .map_err(|e| e.to_string())

@@ -348,7 +348,7 @@ fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
     }
     let mut epoch = loader.epoch(4, 9, Duration::from_secs(5));
     let mut most = 0;
-    for n in 0..9 {
+    for (n, (_, indices)) in want.iter().enumerate() {
         let batch = epoch.next().expect("a batch").expect("in order");
         most = most.max(epoch.held());
         assert!(
@@ -356,7 +356,7 @@ fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
             "the window: two batches moved out"
         );
         assert_eq!(batch.number, n);
-        assert_eq!(batch.indices, want[n].1);
+        assert_eq!(&batch.indices, indices);
         let bytes = match &batch.data {
             BatchData::Host(b) => b.to_vec(),
             BatchData::Device(d) => gpu.expect("a GPU").to_vec(d).expect("copy back"),
