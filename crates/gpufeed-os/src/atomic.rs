@@ -1,20 +1,47 @@
-//! Files replaced whole or not at all: [`AtomicFile`] writes under a temporary name in the
-//! target's directory, and [`AtomicFile::commit`] syncs the data, renames it over the target and
-//! syncs the directory. A process killed at any point leaves the old file or the new one,
-//! complete; its temporary file is removed by the next [`AtomicFile::create`] for the same
-//! target once its owner is known dead.
+//! Files replaced whole or not at all: [`AtomicFile`] writes a temporary file in a private
+//! directory beside the target, and [`AtomicFile::commit`] syncs the data, renames it over the
+//! target and syncs the directory. A process killed at any point leaves the old file or the new
+//! one, complete; its temporary is removed by a later [`AtomicFile::create`] in the same
+//! directory once its owner is known dead.
 //!
-//! Temporary names: `.<target name>.gpufeed-tmp-<pid>-<start ticks>-<pid namespace>-<random>`
-//! ([`crate::process::ProcessIdentity::unique_tag`]), in the target's directory so that the
-//! rename never crosses a file system.
+//! # Layout and naming
+//! `create` opens the target's directory once (`O_DIRECTORY`) and makes in it a private
+//! directory `.gpufeed-tmp-<pid>-<start ticks>-<pid namespace>-<random>`
+//! ([`crate::process::ProcessIdentity::unique_tag`]), mode 0700, opened with
+//! `O_DIRECTORY | O_NOFOLLOW` and checked by `fstat` (our uid, no group/other bits). The
+//! temporary file is created inside it with `openat` (`O_EXCL | O_NOFOLLOW`, mode 0600) under the
+//! target's own name, so the name in the shared directory does not grow with the target's (a
+//! 255-byte target name works). The commit is `renameat(private dir, name, target dir, name)`:
+//! descriptor-relative, it never follows a symlink planted at the target (the symlink is
+//! replaced), and no name another user can change is ever resolved again. The bytes go only to
+//! the descriptor `create` made: [`AtomicFile::file`], or [`AtomicFile::reopen`] /
+//! [`AtomicFile::path`] (`/proc/self/fd/<n>`, which the kernel resolves to the open file, not
+//! by name) for a second descriptor with other flags (`O_DIRECT`).
+//!
+//! # Mode and owner
+//! Before the rename the new file gets the permission bits (0777; set-id bits are dropped) and,
+//! where permitted (as root; `EPERM` is ignored), the owner and group of the file it replaces,
+//! judged by `fstatat` on the directory's descriptor without following symlinks and only when
+//! that is a regular file. A new target gets `0666 & ~umask`, as a plain create would (the
+//! umask read from `/proc/self/status`, 022 assumed where it cannot be). ACLs and extended
+//! attributes are not copied.
 
+use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
-use std::io;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
 
 use crate::error::{Error, Result};
 use crate::process::ProcessIdentity;
+use crate::procfs;
+
+/// The prefix of the private directories that hold temporary files.
+const TMP_PREFIX: &str = ".gpufeed-tmp-";
 
 /// A file being written under a temporary name, to replace its target in one step.
 ///
@@ -37,22 +64,107 @@ use crate::process::ProcessIdentity;
 #[derive(Debug)]
 pub struct AtomicFile {
     target: PathBuf,
-    tmp: PathBuf,
+    /// The target's directory, opened once.
+    dir: OwnedFd,
+    /// The target's name in `dir`, also the temporary's name in `private`.
+    name: OsString,
+    private: PrivateDir,
     file: File,
+    /// `/proc/self/fd/<file>`.
+    fd_path: PathBuf,
+    /// Permission bits of a new target (`0666 & ~umask`).
+    new_mode: u32,
     committed: bool,
     cleaned: Vec<PathBuf>,
 }
 
-/// The prefix of `target`'s temporary files in its directory.
-fn tmp_prefix(target: &Path) -> Result<String> {
-    let name = target
-        .file_name()
-        .ok_or_else(|| Error::Unsupported {
-            what: "a target path without a file name",
-            reason: format!("{} names no file", target.display()),
-        })?
-        .to_string_lossy();
-    Ok(format!(".{name}.gpufeed-tmp-"))
+/// The private directory a temporary lives in.
+#[derive(Debug)]
+struct PrivateDir {
+    fd: OwnedFd,
+    /// Its name in the target's directory.
+    name: OsString,
+    /// Its device and inode, to remove it by name only while the name is still it.
+    id: (u64, u64),
+    /// Its path, for messages.
+    path: PathBuf,
+}
+
+impl PrivateDir {
+    /// Makes a fresh private directory in `dir` and opens it, checked.
+    fn create(dir: &OwnedFd, dir_path: &Path, needed: u64) -> Result<Self> {
+        let owner = ProcessIdentity::current();
+        let euid = rustix::process::geteuid().as_raw();
+        loop {
+            let name = OsString::from(format!("{TMP_PREFIX}{}", owner.unique_tag()?));
+            let path = dir_path.join(&name);
+            match rustix::fs::mkdirat(dir, name.as_os_str(), Mode::RWXU) {
+                Ok(()) => {}
+                Err(Errno::EXIST) => continue,
+                Err(Errno::NOSPC) => {
+                    return Err(Error::NoSpace {
+                        path: dir_path.into(),
+                        needed,
+                    });
+                }
+                Err(e) => return Err(Error::io("mkdir", path, e)),
+            }
+            let fd = match rustix::fs::openat(
+                dir,
+                name.as_os_str(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    return Err(Error::UnsafeTemporary {
+                        path,
+                        reason: format!(
+                            "the private directory just made was moved or replaced before it \
+                             could be opened ({e})"
+                        ),
+                    });
+                }
+            };
+            let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat", path.clone(), e))?;
+            if st.st_uid != euid {
+                return Err(Error::UnsafeTemporary {
+                    path,
+                    reason: format!(
+                        "the private directory just made belongs to uid {}, not to us (uid {euid})",
+                        st.st_uid
+                    ),
+                });
+            }
+            // Exactly 0700 (a umask may have taken bits); a set-group-id bit inherited from
+            // the target's directory stays, so the file gets the group a plain create would.
+            let mode = Mode::from_raw_mode(0o700 | (st.st_mode & 0o2000));
+            rustix::fs::fchmod(&fd, mode).map_err(|e| Error::io("fchmod", path.clone(), e))?;
+            return Ok(PrivateDir {
+                fd,
+                name,
+                id: (st.st_dev, st.st_ino),
+                path,
+            });
+        }
+    }
+
+    /// Removes the (emptied) directory from `dir`, if its name still names it.
+    fn remove(&self, dir: &OwnedFd) {
+        if !same_entry(dir, &self.name, self.id) {
+            tracing::warn!(path = %self.path.display(), "a temporary's private directory was moved or replaced; left where it is");
+            return;
+        }
+        if let Err(e) = rustix::fs::unlinkat(dir, self.name.as_os_str(), AtFlags::REMOVEDIR) {
+            tracing::warn!(path = %self.path.display(), "could not remove a temporary's private directory: {e}");
+        }
+    }
+}
+
+/// Whether `name` in `dir` is (without following symlinks) the file `id` (device, inode).
+fn same_entry(dir: &OwnedFd, name: &OsStr, id: (u64, u64)) -> bool {
+    rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)
+        .is_ok_and(|st| (st.st_dev, st.st_ino) == id)
 }
 
 /// The directory `target` lives in (`.` for a bare name).
@@ -63,42 +175,84 @@ fn dir_of(target: &Path) -> &Path {
     }
 }
 
+/// This process's umask, from `/proc/self/status`; `None` where it does not say.
+fn umask() -> Option<u32> {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| procfs::status_umask(&s))
+}
+
 impl AtomicFile {
-    /// Creates the temporary file for `target` (mode 0644 before the umask), with `len` bytes
-    /// of space reserved (`fallocate`) when given, so that a full file system is an error now
-    /// ([`Error::NoSpace`]) and not halfway through. First removes temporary files of earlier
-    /// writers of the same target that are known dead ([`AtomicFile::cleaned`]).
+    /// Creates the temporary file for `target` (mode 0600, in a private directory beside it;
+    /// see the module docs), with `len` bytes of space reserved (`fallocate`) when given, so
+    /// that a full file system is an error now ([`Error::NoSpace`]) and not halfway through.
+    /// First removes temporaries in the directory of earlier writers that are known dead
+    /// ([`AtomicFile::cleaned`]).
     ///
     /// # Errors
     /// [`Error::NotFound`] when the directory is missing, [`Error::IsDirectory`] when the
-    /// target is one, [`Error::NoSpace`], and I/O errors naming the path.
+    /// target is one, [`Error::NoSpace`], [`Error::UnsafeTemporary`] when the private
+    /// directory just made was replaced (another user writes the directory), and I/O errors
+    /// naming the path.
     pub fn create(target: impl AsRef<Path>, len: Option<u64>) -> Result<Self> {
         let target = target.as_ref();
-        if target.is_dir() {
+        let name = target
+            .file_name()
+            .ok_or_else(|| Error::Unsupported {
+                what: "a target path without a file name",
+                reason: format!("{} names no file", target.display()),
+            })?
+            .to_owned();
+        let dir_path = dir_of(target);
+        let dir = rustix::fs::open(
+            dir_path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| match e {
+            Errno::NOENT | Errno::NOTDIR => Error::NotFound {
+                path: dir_path.into(),
+            },
+            e => Error::io("open the directory", dir_path.to_path_buf(), e),
+        })?;
+        if let Ok(st) = rustix::fs::statat(&dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
+            && FileType::from_raw_mode(st.st_mode) == FileType::Directory
+        {
             return Err(Error::IsDirectory {
                 path: target.into(),
             });
         }
-        let dir = dir_of(target);
-        if !dir.is_dir() {
-            return Err(Error::NotFound { path: dir.into() });
-        }
-        let prefix = tmp_prefix(target)?;
-        let cleaned = clean_stale(dir, &prefix);
-        let tag = ProcessIdentity::current().unique_tag()?;
-        let tmp = dir.join(format!("{prefix}{tag}"));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(|e| Error::io("create", tmp.clone(), e))?;
+        let cleaned = clean_stale(&dir, dir_path);
+        let private = PrivateDir::create(&dir, dir_path, len.unwrap_or(0))?;
+        // From here on, an error drops `f` (or removes the directory), leaving nothing behind.
+        let file = match rustix::fs::openat(
+            &private.fd,
+            name.as_os_str(),
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::RUSR | Mode::WUSR,
+        ) {
+            Ok(fd) => File::from(fd),
+            Err(e) => {
+                private.remove(&dir);
+                return Err(match e {
+                    Errno::NOSPC => Error::NoSpace {
+                        path: target.into(),
+                        needed: len.unwrap_or(0),
+                    },
+                    e => Error::io("create", private.path.join(&name), e),
+                });
+            }
+        };
+        let fd_path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
         let f = AtomicFile {
             target: target.into(),
-            tmp,
+            dir,
+            name,
+            private,
             file,
+            fd_path,
+            // Without /proc: the common default umask 022.
+            new_mode: 0o666 & !umask().unwrap_or(0o022),
             committed: false,
             cleaned,
         };
@@ -113,16 +267,21 @@ impl AtomicFile {
     fn reserve(&self, len: u64) -> Result<()> {
         match rustix::fs::fallocate(&self.file, rustix::fs::FallocateFlags::empty(), 0, len) {
             Ok(()) => Ok(()),
-            Err(rustix::io::Errno::NOSPC) => Err(Error::NoSpace {
+            Err(Errno::NOSPC) => Err(Error::NoSpace {
                 path: self.target.clone(),
                 needed: len,
             }),
-            Err(rustix::io::Errno::OPNOTSUPP) => self
+            Err(Errno::OPNOTSUPP) => self
                 .file
                 .set_len(len)
-                .map_err(|e| Error::io("ftruncate", self.tmp.clone(), e)),
-            Err(e) => Err(Error::io("fallocate", self.tmp.clone(), e)),
+                .map_err(|e| Error::io("ftruncate", self.tmp_path(), e)),
+            Err(e) => Err(Error::io("fallocate", self.tmp_path(), e)),
         }
+    }
+
+    /// Where the temporary file lives, for messages (never opened by this path).
+    fn tmp_path(&self) -> PathBuf {
+        self.private.path.join(&self.name)
     }
 
     /// The temporary file, open for reading and writing.
@@ -130,9 +289,51 @@ impl AtomicFile {
         &self.file
     }
 
-    /// The temporary file's path (to open it again, e.g. with `O_DIRECT`).
+    /// A path that opens the temporary file itself: `/proc/self/fd/<n>` of [`AtomicFile::file`],
+    /// which the kernel resolves to the open file, not by name, so no rename or symlink in the
+    /// directory can redirect it. For APIs that take a path (a writer that opens it again with
+    /// `O_DIRECT`); valid while this value lives; fails to open where /proc is not mounted.
+    /// [`AtomicFile::reopen`] also checks that the result is the same file.
     pub fn path(&self) -> &Path {
-        &self.tmp
+        &self.fd_path
+    }
+
+    /// Opens the temporary file again, for reading and writing with `custom_flags` added (e.g.
+    /// `libc::O_DIRECT`), through [`AtomicFile::path`], and checks that the new descriptor is
+    /// the same file (device and inode).
+    ///
+    /// # Errors
+    /// The open's error (`EINVAL` where the file system refuses `O_DIRECT`; `ENOENT` without
+    /// /proc), [`Error::UnsafeTemporary`] where the path led to another file.
+    pub fn reopen(&self, custom_flags: i32) -> Result<File> {
+        let again = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(custom_flags | libc::O_CLOEXEC)
+            .open(&self.fd_path)
+            .map_err(|e| Error::io("reopen", self.fd_path.clone(), e))?;
+        self.check_same_file(again.as_fd())?;
+        Ok(again)
+    }
+
+    /// Checks that `fd` is the temporary file (device and inode), e.g. a descriptor another
+    /// API opened from [`AtomicFile::path`].
+    ///
+    /// # Errors
+    /// [`Error::UnsafeTemporary`] where it is another file.
+    pub fn check_same_file(&self, fd: BorrowedFd<'_>) -> Result<()> {
+        let ours = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io("fstat", self.tmp_path(), e))?;
+        let theirs = rustix::fs::fstat(fd).map_err(|e| Error::io("fstat", None, e))?;
+        if (theirs.st_dev, theirs.st_ino) != (ours.dev(), ours.ino()) {
+            return Err(Error::UnsafeTemporary {
+                path: self.fd_path.clone(),
+                reason: "a descriptor opened from it is another file (is /proc procfs?)".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The target it will replace.
@@ -140,95 +341,179 @@ impl AtomicFile {
         &self.target
     }
 
-    /// Temporary files of dead earlier writers removed by [`AtomicFile::create`].
+    /// Temporaries (private directories) of dead earlier writers in the target's directory,
+    /// removed by [`AtomicFile::create`].
     pub fn cleaned(&self) -> &[PathBuf] {
         &self.cleaned
     }
 
-    /// Makes the file the target: `fsync` of its data, `rename` over the target, `fsync` of the
-    /// directory (so that the rename survives a power loss).
+    /// Makes the file the target: the old target's mode and owner (see the module docs),
+    /// `fsync` of its data, `renameat` over the target, `fsync` of the directory (so that the
+    /// rename survives a power loss).
     ///
     /// # Errors
     /// I/O errors naming the path (`ENOSPC` while syncing is [`Error::NoSpace`]); the target is
     /// then left as it was and the temporary file removed.
     pub fn commit(mut self) -> Result<()> {
+        self.take_mode_of_target()?;
         let len = self.file.metadata().map(|m| m.len()).unwrap_or(0);
         self.file.sync_all().map_err(|e| match e.raw_os_error() {
             Some(libc::ENOSPC) => Error::NoSpace {
                 path: self.target.clone(),
                 needed: len,
             },
-            _ => Error::io("fsync", self.tmp.clone(), e),
+            _ => Error::io("fsync", self.tmp_path(), e),
         })?;
-        std::fs::rename(&self.tmp, &self.target)
-            .map_err(|e| Error::io("rename", self.target.clone(), e))?;
+        rustix::fs::renameat(
+            &self.private.fd,
+            self.name.as_os_str(),
+            &self.dir,
+            self.name.as_os_str(),
+        )
+        .map_err(|e| Error::io("rename", self.target.clone(), e))?;
         self.committed = true;
-        let dir = dir_of(&self.target);
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| Error::io("fsync the directory", dir.to_path_buf(), e))
+        self.private.remove(&self.dir);
+        rustix::fs::fsync(&self.dir)
+            .map_err(|e| Error::io("fsync the directory", dir_of(&self.target).to_path_buf(), e))
+    }
+
+    /// Gives the temporary the permission bits, and where permitted the owner and group, of
+    /// the regular file at the target now; `new_mode` where there is none.
+    fn take_mode_of_target(&self) -> Result<()> {
+        let old = rustix::fs::statat(&self.dir, self.name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
+            .ok()
+            .filter(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile);
+        let mode = match old {
+            Some(st) => {
+                let ours = rustix::fs::fstat(&self.file)
+                    .map_err(|e| Error::io("fstat", self.tmp_path(), e))?;
+                if (st.st_uid, st.st_gid) != (ours.st_uid, ours.st_gid) {
+                    let (uid, gid) = (
+                        rustix::fs::Uid::from_raw(st.st_uid),
+                        rustix::fs::Gid::from_raw(st.st_gid),
+                    );
+                    // Where not permitted (not root, or ids unmapped here): the group alone,
+                    // else ours.
+                    if rustix::fs::fchown(&self.file, Some(uid), Some(gid)).is_err()
+                        && st.st_gid != ours.st_gid
+                    {
+                        let _ = rustix::fs::fchown(&self.file, None, Some(gid));
+                    }
+                }
+                st.st_mode & 0o777
+            }
+            None => self.new_mode,
+        };
+        rustix::fs::fchmod(&self.file, Mode::from_raw_mode(mode))
+            .map_err(|e| Error::io("fchmod", self.tmp_path(), e))
     }
 }
 
 impl Drop for AtomicFile {
     fn drop(&mut self) {
-        if !self.committed
-            && let Err(e) = std::fs::remove_file(&self.tmp)
-            && e.kind() != io::ErrorKind::NotFound
-        {
-            tracing::warn!(path = %self.tmp.display(), "could not remove a temporary file: {e}");
+        if self.committed {
+            return;
+        }
+        match rustix::fs::unlinkat(&self.private.fd, self.name.as_os_str(), AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => self.private.remove(&self.dir),
+            Err(e) => {
+                tracing::warn!(path = %self.tmp_path().display(), "could not remove a temporary file: {e}");
+            }
         }
     }
 }
 
-/// Removes the temporary files in `dir` starting with `prefix` whose writer is known dead;
-/// returns their paths. Files of live writers, of other PID namespaces, and names that do not
-/// parse are left alone.
-fn clean_stale(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
+/// Removes the private directories in `dir` (at `dir_path`) whose writer is known dead, with
+/// what they hold; returns their paths. Those of live writers, of other PID namespaces, names
+/// that do not parse, and anything that is not a directory are left alone.
+fn clean_stale(dir: &OwnedFd, dir_path: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = rustix::fs::Dir::read_from(dir) else {
         return Vec::new();
     };
     let mut cleaned = Vec::new();
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(tag) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+        let name = OsStr::from_bytes(entry.file_name().to_bytes());
+        let Some(tag) = name.to_str().and_then(|n| n.strip_prefix(TMP_PREFIX)) else {
             continue;
         };
         let dead = ProcessIdentity::from_tag(tag).is_some_and(|owner| owner.is_dead());
-        if dead && std::fs::remove_file(entry.path()).is_ok() {
-            tracing::info!(path = %entry.path().display(), "removed a dead writer's temporary file");
-            cleaned.push(entry.path());
+        if dead && remove_private_dir(dir, name) {
+            let path = dir_path.join(name);
+            tracing::info!(path = %path.display(), "removed a dead writer's temporary file");
+            cleaned.push(path);
         }
     }
     cleaned
+}
+
+/// Removes the directory `name` of `dir` and the files in it, through descriptors (a symlink
+/// is not followed); whether it is gone.
+fn remove_private_dir(dir: &OwnedFd, name: &OsStr) -> bool {
+    let Ok(sub) = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return false;
+    };
+    let Ok(st) = rustix::fs::fstat(&sub) else {
+        return false;
+    };
+    if let Ok(inside) = rustix::fs::Dir::read_from(&sub) {
+        for e in inside.flatten() {
+            let n = e.file_name().to_bytes();
+            if n != b"." && n != b".." {
+                let _ = rustix::fs::unlinkat(&sub, OsStr::from_bytes(n), AtFlags::empty());
+            }
+        }
+    }
+    same_entry(dir, name, (st.st_dev, st.st_ino))
+        && rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).is_ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn entries(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .expect("ls")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
     #[test]
-    fn temporary_names_sit_beside_the_target_and_say_who_wrote_them() {
+    fn temporaries_sit_in_a_private_directory_that_says_who_wrote_them() {
         let dir = tempfile::tempdir().expect("tempdir");
         let target = dir.path().join("w.safetensors");
         let f = AtomicFile::create(&target, Some(10_000)).expect("create");
-        let name = f.path().file_name().and_then(|n| n.to_str()).expect("name");
-        let tag = name
-            .strip_prefix(".w.safetensors.gpufeed-tmp-")
-            .expect("prefix");
+        let names = entries(dir.path());
+        assert_eq!(names.len(), 1, "{names:?}");
+        let tag = names[0].strip_prefix(TMP_PREFIX).expect("prefix");
         assert_eq!(
             ProcessIdentity::from_tag(tag),
             Some(ProcessIdentity::current())
         );
-        assert_eq!(f.path().parent(), Some(dir.path()));
+        let private = dir.path().join(&names[0]);
+        let meta = std::fs::symlink_metadata(&private).expect("lstat");
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o7777, 0o700);
+        let inner = private.join("w.safetensors");
+        let inner_meta = std::fs::symlink_metadata(&inner).expect("inner");
+        assert_eq!(inner_meta.mode() & 0o777, 0o600);
+        assert_eq!(inner_meta.len(), 10_000);
         assert_eq!(f.file().metadata().expect("meta").len(), 10_000);
+        let again = f.reopen(0).expect("reopen");
+        assert_eq!(again.metadata().expect("meta").ino(), inner_meta.ino());
         drop(f);
         assert!(!target.exists(), "never committed: no target");
-        assert_eq!(std::fs::read_dir(dir.path()).expect("ls").count(), 0);
+        assert!(entries(dir.path()).is_empty(), "{:?}", entries(dir.path()));
     }
 
     #[test]
-    fn only_dead_writers_temporary_files_are_cleaned() {
+    fn only_dead_writers_temporaries_are_cleaned() {
         let dir = tempfile::tempdir().expect("tempdir");
         let target = dir.path().join("ckpt.bin");
         let me = ProcessIdentity::current();
@@ -239,36 +524,30 @@ mod tests {
             pid: 1 << 23,
             ..me
         };
-        let names = [
-            (
-                format!(".ckpt.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag")),
-                true,
-            ),
-            (
-                format!(".ckpt.bin.gpufeed-tmp-{}", me.unique_tag().expect("tag")),
-                false,
-            ),
-            (
-                format!(
-                    ".ckpt.bin.gpufeed-tmp-{}",
-                    other_ns.unique_tag().expect("tag")
-                ),
-                false,
-            ),
-            (".ckpt.bin.gpufeed-tmp-not-a-tag".to_owned(), false),
-            (
-                format!(".other.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag")),
-                false,
-            ),
+        let tag = |p: ProcessIdentity| format!("{TMP_PREFIX}{}", p.unique_tag().expect("tag"));
+        let dirs = [
+            (tag(dead), true),
+            (tag(me), false),
+            (tag(other_ns), false),
+            (format!("{TMP_PREFIX}not-a-tag"), false),
         ];
-        for (n, _) in &names {
-            std::fs::write(dir.path().join(n), b"partial").expect("write");
+        for (n, _) in &dirs {
+            std::fs::create_dir(dir.path().join(n)).expect("mkdir");
+            std::fs::write(dir.path().join(n).join("ckpt.bin"), b"partial").expect("write");
         }
+        // A dead writer's name on a plain file, and on a symlink: not ours, left alone.
+        let file = tag(dead);
+        std::fs::write(dir.path().join(&file), b"x").expect("file");
+        let link = tag(dead);
+        std::os::unix::fs::symlink(dir.path().join(&dirs[1].0), dir.path().join(&link))
+            .expect("symlink");
         let f = AtomicFile::create(&target, None).expect("create");
         assert_eq!(f.cleaned().len(), 1, "{:?}", f.cleaned());
-        for (n, removed) in &names {
+        for (n, removed) in &dirs {
             assert_eq!(!dir.path().join(n).exists(), *removed, "{n}");
         }
+        assert!(dir.path().join(&file).exists());
+        assert!(dir.path().join(&dirs[1].0).join("ckpt.bin").exists());
         f.commit().expect("commit");
         assert!(target.exists());
     }

@@ -52,6 +52,20 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// The private directory or the temporary file of an [`crate::AtomicFile`] is not what
+    /// gpufeed created: replaced by another user's, or not reachable through its descriptor.
+    #[error(
+        "{}: {reason}; gpufeed writes a temporary file only through the descriptor it created: \
+         if other users can write this directory, save into one only you can write, else retry",
+        .path.display()
+    )]
+    UnsafeTemporary {
+        /// The temporary's directory or file.
+        path: PathBuf,
+        /// What did not match.
+        reason: String,
+    },
+
     /// A device, FIFO or socket was given where a regular file is needed.
     #[error("{} is not a regular file; gpufeed maps and caches regular files only", .path.display())]
     NotRegularFile {

@@ -44,6 +44,14 @@ pub(crate) fn stat_starttime(text: &str) -> Option<u64> {
     after_comm.split_whitespace().nth(22 - 3)?.parse().ok()
 }
 
+/// The `Umask:` line of `/proc/<pid>/status` text (octal, Linux 4.7+).
+pub(crate) fn status_umask(text: &str) -> Option<u32> {
+    text.lines().find_map(|line| {
+        let value = line.strip_prefix("Umask:")?.trim();
+        u32::from_str_radix(value, 8).ok().filter(|&m| m <= 0o777)
+    })
+}
+
 /// One line of a pressure-stall file.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PsiLine {
@@ -133,7 +141,11 @@ Hugepagesize:       2048 kB\n";
 VmLck:\t       8 kB\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
 
     #[test]
-    fn status_vmlck() {
+    fn status_vmlck_and_umask() {
+        assert_eq!(status_umask(STATUS), Some(0o022));
+        assert_eq!(status_umask("Umask:\t0077\n"), Some(0o077));
+        assert_eq!(status_umask("Name:\tx\n"), None);
+        assert_eq!(status_umask("Umask:\t9\n"), None);
         assert_eq!(meminfo_bytes(STATUS, "VmLck"), Some(8192));
         assert_eq!(meminfo_bytes(STATUS, "Name"), None, "not a number");
     }

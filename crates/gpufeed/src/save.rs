@@ -3,10 +3,14 @@
 //!
 //! The bytes go device -> pinned windows (multi-stream copies) -> the file through a
 //! `gpufeed-uring` [`Writer`] (`O_DIRECT` where the file system takes it, a buffered tail), the
-//! next window filling while the last is written. The file is written under a temporary name
-//! beside the target and renamed over it only once synced ([`gpufeed_os::AtomicFile`]): a
-//! process killed at any point leaves the old file or the new one, complete, and the next save
-//! of the same target removes the dead writer's temporary file.
+//! next window filling while the last is written. The file is written as a temporary in a
+//! private directory beside the target and renamed over it only once synced
+//! ([`gpufeed_os::AtomicFile`]): a process killed at any point leaves the old file or the new
+//! one, complete, and a later save into the same directory removes the dead writer's temporary.
+//! The writer reaches the temporary only through the descriptor `AtomicFile` created
+//! (`/proc/self/fd/<n>`, checked by device and inode), so another user who may write the
+//! directory cannot redirect the bytes; the saved file keeps the mode (and, as root, the owner)
+//! of the file it replaces.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -89,7 +93,7 @@ pub struct SaveReport {
     pub io_backend: String,
     /// Slower paths taken (O_DIRECT refused, io_uring refused, an unaligned write).
     pub fallbacks: Vec<Fallback>,
-    /// Temporary files of dead earlier writers of this target, removed first.
+    /// Temporaries of dead earlier writers in the target's directory, removed first.
     pub cleaned: Vec<PathBuf>,
 }
 
@@ -202,11 +206,14 @@ impl Saver {
             ));
         }
         let file = AtomicFile::create(path, Some(total as u64))?;
+        // `path()` is /proc/self/fd/<n>: the writer's descriptors (buffered and O_DIRECT) are
+        // the temporary itself, whatever happens to names in the directory.
         let mut writer = Writer::builder()
             .direct(self.opts.direct)
             .queue_depth(self.opts.queue_depth)
             .block_bytes(self.opts.block_bytes)
             .open(file.path())?;
+        file.check_same_file(std::os::fd::AsFd::as_fd(&writer))?;
         let window = self
             .opts
             .window_bytes

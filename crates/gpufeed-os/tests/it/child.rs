@@ -60,6 +60,17 @@ fn entry() {
             let mut line = String::new();
             let _ = std::io::stdin().read_line(&mut line);
         }
+        // As another user: swaps temporaries in GPUFEED_IT_DIR for symlinks to
+        // GPUFEED_IT_VICTIM until killed.
+        "tmp-swapper" => crate::atomic::swap_temporaries_forever(
+            std::path::Path::new(&var("GPUFEED_IT_DIR")),
+            std::path::Path::new(&var("GPUFEED_IT_VICTIM")),
+        ),
+        // Saves a file with the umask GPUFEED_IT_UMASK (octal).
+        "atomic-save" => crate::atomic::save_with_umask(
+            std::path::Path::new(&var("GPUFEED_IT_PATH")),
+            u32::from_str_radix(&var("GPUFEED_IT_UMASK"), 8).expect("an octal umask"),
+        ),
         // Lowers RLIMIT_MEMLOCK, drops CAP_IPC_LOCK, and checks what mlock says.
         "memlock" => crate::lock::in_child_with_low_limit(),
         other => panic!("unknown child role {other}"),

@@ -2,6 +2,7 @@
 
 mod advise_cache;
 mod align;
+mod atomic;
 mod child;
 mod lock;
 mod map;

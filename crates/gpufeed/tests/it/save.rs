@@ -362,3 +362,163 @@ fn a_save_where_o_direct_is_refused_is_buffered_and_says_why() {
         xxh3_64(&data)
     );
 }
+
+/// Child role `tmp-swapper` (run as `nobody`): every name with `gpufeed-tmp-` in it in
+/// GPUFEED_IT_DIR that is not a symlink is renamed aside and replaced by a symlink to
+/// GPUFEED_IT_VICTIM, until killed.
+#[test]
+fn tmp_swapper_child() {
+    use std::io::Write;
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok("tmp-swapper") {
+        return;
+    }
+    let dir = std::path::PathBuf::from(std::env::var("GPUFEED_IT_DIR").expect("dir"));
+    let victim = std::path::PathBuf::from(std::env::var("GPUFEED_IT_VICTIM").expect("victim"));
+    assert_ne!(
+        rustix::process::geteuid().as_raw(),
+        0,
+        "the attacker runs as root"
+    );
+    println!("READY");
+    std::io::stdout().flush().expect("flush");
+    let mut n = 0u64;
+    loop {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.contains("gpufeed-tmp-") || name.contains(".moved") {
+                continue;
+            }
+            if e.file_type().map_or(true, |t| t.is_symlink()) {
+                continue;
+            }
+            n += 1;
+            let from = dir.join(&name);
+            if std::fs::rename(&from, dir.join(format!("{name}.moved{n}"))).is_ok() {
+                let _ = std::os::unix::fs::symlink(&victim, &from);
+            }
+        }
+    }
+}
+
+/// A child killed and reaped when dropped (also when the test panics).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Root saves 2 MiB checkpoints (O_DIRECT where the file system takes it) 60 times into a
+/// team directory (0777 and 2775, no sticky bit) while `nobody` swaps whatever temporary it
+/// sees for a symlink to a file outside: that file is never written, and every save that
+/// returns `Ok` leaves the target a regular file with exactly the saved bytes.
+#[test]
+fn another_user_swapping_the_temporary_never_redirects_a_save() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    const TEST: &str = "save::another_user_swapping_the_temporary_never_redirects_a_save";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(TEST, &"needs root to run an attacker as nobody");
+        return;
+    }
+    let saver = saver();
+    for mode in [0o777, 0o2775] {
+        let base = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+        std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        let team = base.path().join("team");
+        std::fs::create_dir(&team).expect("mkdir");
+        rustix::fs::chown(&team, None, Some(rustix::fs::Gid::from_raw(65534))).expect("chgrp");
+        std::fs::set_permissions(&team, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        let victim = base.path().join("victim.bin");
+        let victim_bytes = random_bytes(20_000, 5);
+        std::fs::write(&victim, &victim_bytes).expect("victim");
+        let mut cmd = gpufeed_testkit::child_command(
+            "save::tmp_swapper_child",
+            "tmp-swapper",
+            &[
+                ("GPUFEED_IT_DIR", team.display().to_string()),
+                ("GPUFEED_IT_VICTIM", victim.display().to_string()),
+            ],
+        );
+        cmd.uid(65534)
+            .gid(65534)
+            .stdout(std::process::Stdio::piped());
+        let mut attacker = KillOnDrop(cmd.spawn().expect("spawn the attacker"));
+        let out = std::io::BufReader::new(attacker.0.stdout.take().expect("stdout"));
+        assert!(
+            std::io::BufRead::lines(out)
+                .map_while(Result::ok)
+                .any(|l| l.trim() == "READY"),
+            "the attacker did not start"
+        );
+        let target = team.join("ckpt.bin");
+        let (mut ok, mut direct) = (0, 0);
+        for i in 0..60u64 {
+            let data = random_bytes((2 << 20) + 4096 * (i as usize % 3) + 7, i);
+            let saved = saver.save_bytes(&data, &target);
+            assert!(
+                std::fs::read(&victim).expect("victim") == victim_bytes,
+                "{mode:o}: save {i} wrote into the file outside the directory"
+            );
+            if let Err(e) = &saved {
+                eprintln!("{mode:o}: save {i} failed (allowed): {e}");
+            }
+            if let Ok(report) = saved {
+                ok += 1;
+                direct += usize::from(report.direct_bytes > 0);
+                let meta = std::fs::symlink_metadata(&target).expect("lstat");
+                assert!(
+                    meta.file_type().is_file(),
+                    "{mode:o}: save {i} returned Ok but the target is {:?}",
+                    meta.file_type()
+                );
+                let back = std::fs::read(&target).expect("read");
+                assert_eq!(xxh3_64(&back), xxh3_64(&data), "{mode:o}: save {i}");
+            }
+        }
+        drop(attacker);
+        let moved = std::fs::read_dir(&team)
+            .expect("ls")
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains(".moved"))
+            .count();
+        eprintln!(
+            "{mode:o}: {ok} of 60 saves succeeded ({direct} with O_DIRECT); {moved} names swapped"
+        );
+        assert!(ok > 0, "{mode:o}: no save succeeded: the test did not test");
+        assert!(
+            moved > 0,
+            "{mode:o}: the attacker swapped nothing: the test did not test"
+        );
+    }
+}
+
+/// A save keeps the mode of the file it replaces (0600 stays 0600, 0640 stays 0640).
+#[test]
+fn a_save_keeps_the_mode_of_the_file_it_replaces() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let saver = saver();
+    for mode in [0o600, 0o640] {
+        let path = dir.path().join(format!("m{mode:o}.bin"));
+        std::fs::write(&path, b"old").expect("old");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        saver
+            .save_bytes(&random_bytes(5000, 1), &path)
+            .expect("save");
+        let got = std::fs::metadata(&path).expect("stat").mode() & 0o7777;
+        assert_eq!(got, mode, "saved over a {mode:o} file");
+    }
+    // A name of NAME_MAX bytes saves too (the temporary's name does not grow with it).
+    let path = dir.path().join("x".repeat(255));
+    saver
+        .save_bytes(b"long name", &path)
+        .expect("a 255-byte name");
+    assert_eq!(std::fs::read(&path).expect("read"), b"long name");
+}
