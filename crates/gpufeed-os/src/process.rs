@@ -10,9 +10,18 @@
 //! namespace; for any other it answers [`Liveness::OtherNamespace`], and callers must use
 //! something the process renews (a lease) instead. Shared-memory segment names
 //! ([`crate::shm`]) and the batch ring of `gpufeed-ipc` record this identity.
+//!
+//! A PID namespace need not have its own /proc (`unshare --pid --fork` without
+//! `--mount-proc`, a sandbox binding the host's /proc): there `/proc/<pid>` is the host's
+//! process of that number. [`proc_is_ours`] tells (`readlink /proc/self` is our pid); where it
+//! is not, a process is found by `pidfd_open` (which works in the caller's namespace), its
+//! start time read through the pid its pidfd has in that /proc (`Pid:` of
+//! `/proc/self/fdinfo/<pidfd>`), and where even that cannot tell, the pidfd alone judges. A
+//! live process is never judged dead.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use rustix::event::{PollFd, PollFlags};
 use rustix::io::Errno;
@@ -48,7 +57,7 @@ impl ProcessIdentity {
     ///
     /// Not cached: after `fork` the child gets its own identity.
     pub fn current() -> Self {
-        let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+        let pid = getpid();
         // /proc/self, not /proc/<pid>: in a child PID namespace without its own /proc mount
         // `pid` names another process in the /proc we see.
         let start_ticks = std::fs::read_to_string("/proc/self/stat")
@@ -62,12 +71,37 @@ impl ProcessIdentity {
         }
     }
 
-    /// The process of our namespace that has `pid` now, if any.
+    /// The process of our namespace that has `pid` now, if any. Its start time is read where
+    /// /proc can tell it (see [`proc_is_ours`]; in a namespace without its own /proc, through
+    /// the pidfd's pid in that /proc), else 0 (unknown): never another process's.
     pub fn of(pid: u32) -> Option<Self> {
+        let pid_ns = current_pid_ns();
+        if proc_is_ours() {
+            return Some(ProcessIdentity {
+                pid_ns,
+                pid,
+                start_ticks: start_ticks(pid)?,
+            });
+        }
+        let raw = i32::try_from(pid).ok().and_then(Pid::from_raw)?;
+        let start_ticks = match rustix::process::pidfd_open(raw, PidfdFlags::empty()) {
+            Err(Errno::SRCH) => return None,
+            Ok(fd) => {
+                let start = start_ticks_of(pid, Some(&fd));
+                if has_exited(&fd) {
+                    return None;
+                }
+                start.unwrap_or(0)
+            }
+            Err(_) => match rustix::process::test_kill_process(raw) {
+                Err(Errno::SRCH) => return None,
+                _ => 0,
+            },
+        };
         Some(ProcessIdentity {
-            pid_ns: current_pid_ns(),
+            pid_ns,
             pid,
-            start_ticks: start_ticks(pid)?,
+            start_ticks,
         })
     }
 
@@ -75,8 +109,12 @@ impl ProcessIdentity {
     ///
     /// In our namespace: `pidfd_open(pid)` (else `kill(pid, 0)`, where `EPERM` means it exists
     /// under another user), the start time where recorded, and the pidfd polled so that an
-    /// exited process not yet waited for (a zombie) counts as dead. In another namespace, or
-    /// when either namespace is unknown: [`Liveness::OtherNamespace`], never `Dead`.
+    /// exited process not yet waited for (a zombie) counts as dead. The start time is read
+    /// from `/proc/<pid>/stat` where /proc is our namespace's ([`proc_is_ours`]); where it is
+    /// another's (no `--mount-proc`), from the pid the pidfd has in that /proc
+    /// (`/proc/self/fdinfo`), and where that cannot tell, the pidfd alone judges: a live
+    /// process is never judged dead. In another namespace, or when either namespace is
+    /// unknown: [`Liveness::OtherNamespace`], never `Dead`.
     pub fn liveness(&self) -> Liveness {
         let ours = current_pid_ns();
         if self.pid_ns == 0 || ours == 0 || self.pid_ns != ours {
@@ -130,17 +168,51 @@ impl ProcessIdentity {
     }
 }
 
-/// The inode of our PID namespace (0 where /proc cannot tell). `fork` keeps the namespace, and
-/// `unshare(CLONE_NEWPID)` moves only children, so it is read once per process.
+/// The inode of our PID namespace (0 where /proc cannot tell). Read once per process and
+/// again after a `fork` (the cache is keyed by our pid: a child forked after
+/// `unshare(CLONE_NEWPID)` lives in the new namespace).
 pub fn current_pid_ns() -> u64 {
-    static NS: OnceLock<u64> = OnceLock::new();
-    *NS.get_or_init(|| {
-        std::fs::metadata("/proc/self/ns/pid")
-            .map(|m| m.ino())
-            .unwrap_or(0)
-    })
+    static PID: AtomicU32 = AtomicU32::new(0);
+    static NS: AtomicU64 = AtomicU64::new(0);
+    let me = getpid();
+    if PID.load(Ordering::Acquire) == me {
+        return NS.load(Ordering::Relaxed);
+    }
+    let ns = std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .unwrap_or(0);
+    NS.store(ns, Ordering::Relaxed);
+    PID.store(me, Ordering::Release);
+    ns
 }
 
+/// Whether the /proc we see shows pids of our own PID namespace: `readlink /proc/self` names
+/// our pid. Not where the namespace has no /proc of its own (`unshare --pid --fork` without
+/// `--mount-proc`, a sandbox binding the host's /proc: there `/proc/<pid>` is the host's
+/// process of that number), nor where /proc is missing. Cached per process, keyed by pid so
+/// that a forked child asks again.
+pub fn proc_is_ours() -> bool {
+    // 0: not known; else (pid << 1) | ours.
+    static CACHE: AtomicU64 = AtomicU64::new(0);
+    let me = getpid();
+    let cached = CACHE.load(Ordering::Relaxed);
+    if cached != 0 && (cached >> 1) as u32 == me {
+        return cached & 1 == 1;
+    }
+    let ours = std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|l| l.to_str().and_then(|s| s.parse::<u32>().ok()))
+        == Some(me);
+    CACHE.store((u64::from(me) << 1) | u64::from(ours), Ordering::Relaxed);
+    ours
+}
+
+fn getpid() -> u32 {
+    rustix::process::getpid().as_raw_nonzero().get() as u32
+}
+
+/// Whether the process `raw` of our namespace runs and, where `recorded_start` is known and
+/// /proc can tell, started then. Never false for a process that runs.
 fn pid_alive(raw: u32, recorded_start: u64) -> bool {
     let Some(pid) = i32::try_from(raw).ok().and_then(Pid::from_raw) else {
         return false;
@@ -155,26 +227,49 @@ fn pid_alive(raw: u32, recorded_start: u64) -> bool {
         },
     };
     if recorded_start != 0 {
-        match start_ticks(raw) {
+        match start_ticks_of(raw, pidfd.as_ref()) {
             Some(now) if now == recorded_start => {}
-            // Another process has the pid now, or it vanished between the checks.
-            _ => return false,
+            // Another process has the pid now.
+            Some(_) => return false,
+            // Vanished between the checks (our /proc shows every pid of ours).
+            None if proc_is_ours() => return false,
+            // A /proc of another namespace that cannot show it: the pidfd alone judges.
+            None => {}
         }
     }
     match pidfd {
-        // Readable when the process has exited (also while it is a zombie).
-        Some(fd) => {
-            let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-            let zero = rustix::time::Timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            !matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
-        }
+        Some(fd) => !has_exited(&fd),
         None => true,
     }
 }
 
+/// Whether the process of `pidfd` has exited: the pidfd polls readable (also while it is a
+/// zombie).
+fn has_exited(pidfd: &OwnedFd) -> bool {
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+}
+
+/// The start time of the process `raw` of our namespace, read from /proc where /proc shows
+/// it: `/proc/<raw>/stat` where /proc is ours; else through the pidfd, whose
+/// `/proc/self/fdinfo` line `Pid:` gives its pid in the namespace of this /proc (0 where it is
+/// not visible there, -1 once it exited). The caller polls the pidfd afterwards: a process
+/// that had not exited then still had the translated pid while it was read.
+fn start_ticks_of(raw: u32, pidfd: Option<&OwnedFd>) -> Option<u64> {
+    if proc_is_ours() {
+        return start_ticks(raw);
+    }
+    let fdinfo =
+        std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd?.as_raw_fd())).ok()?;
+    let here = procfs::fdinfo_pid(&fdinfo).filter(|&p| p > 0)?;
+    start_ticks(u32::try_from(here).ok()?)
+}
+
+/// Field 22 of `/proc/<pid>/stat` in the /proc we see.
 fn start_ticks(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     procfs::stat_starttime(&stat)

@@ -52,6 +52,13 @@ pub(crate) fn status_umask(text: &str) -> Option<u32> {
     })
 }
 
+/// The `Pid:` line of a pidfd's `/proc/<pid>/fdinfo/<fd>` text: the process's pid in the PID
+/// namespace of that /proc, 0 where it has none there, -1 once it exited (Linux 5.3+).
+pub(crate) fn fdinfo_pid(text: &str) -> Option<i64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix("Pid:")?.trim().parse().ok())
+}
+
 /// One line of a pressure-stall file.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PsiLine {
@@ -166,6 +173,16 @@ VmLck:\t       8 kB\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
         assert_eq!(single_u64(" 67584 \n"), Some(67584));
         assert_eq!(single_u64("-1\n"), None);
         assert_eq!(single_u64(""), None);
+    }
+
+    #[test]
+    fn pidfd_fdinfo_pid() {
+        let text =
+            "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\nPid:\t4242\nNSpid:\t4242\t7\n";
+        assert_eq!(fdinfo_pid(text), Some(4242));
+        assert_eq!(fdinfo_pid("Pid:\t-1\nNSpid:\t-1\n"), Some(-1));
+        assert_eq!(fdinfo_pid("Pid:\t0\n"), Some(0));
+        assert_eq!(fdinfo_pid("pos:\t0\n"), None);
     }
 
     #[test]

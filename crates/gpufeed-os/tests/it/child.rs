@@ -71,6 +71,12 @@ fn entry() {
             std::path::Path::new(&var("GPUFEED_IT_PATH")),
             u32::from_str_radix(&var("GPUFEED_IT_UMASK"), 8).expect("an octal umask"),
         ),
+        // Prints its own identity and waits until stdin closes.
+        "identity-wait" => crate::pidns::print_identity_and_wait(),
+        // Holds an AtomicFile's temporary until stdin closes.
+        "atomic-hold" => crate::pidns::hold_a_temporary(),
+        // In a PID namespace whose /proc is the parent's: judges live and dead processes.
+        "pidns-foreign-proc" => crate::pidns::in_pid_namespace_with_foreign_proc(),
         // Lowers RLIMIT_MEMLOCK, drops CAP_IPC_LOCK, and checks what mlock says.
         "memlock" => crate::lock::in_child_with_low_limit(),
         other => panic!("unknown child role {other}"),

@@ -6,6 +6,7 @@ mod atomic;
 mod child;
 mod lock;
 mod map;
+mod pidns;
 mod shm;
 mod sys;
 
