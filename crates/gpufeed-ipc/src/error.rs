@@ -164,6 +164,37 @@ pub enum Error {
         why: String,
     },
 
+    /// The rendezvous name is taken by a file of another user: another user's job of the same
+    /// name, or a squatter. It is never opened or removed.
+    #[error(
+        "the rendezvous name {name} in /dev/shm is taken by a file of uid {owner_uid}, not ours \
+         ({our_uid}): another user's job of the same name, or a squatter; give this job a name \
+         of its own (or have uid {owner_uid} remove the file)"
+    )]
+    RendezvousSquatted {
+        /// The name.
+        name: String,
+        /// The file's owner.
+        owner_uid: u32,
+        /// Our effective uid.
+        our_uid: u32,
+    },
+
+    /// Rank 0 found the rendezvous name held by a live job (its rank 0 lives): never removed.
+    #[error(
+        "the rendezvous {name} is in use by a live job: its rank 0 is pid {pid} (a world of \
+         {world}); two jobs were given one name: give each its own (for torchrun, a --rdzv-id \
+         or MASTER_PORT of its own), or wait until that job has met"
+    )]
+    RendezvousInUse {
+        /// The name.
+        name: String,
+        /// The live rank 0's pid (in its own PID namespace).
+        pid: u32,
+        /// Its world size.
+        world: usize,
+    },
+
     /// Another live process already holds this rank of the rendezvous.
     #[error(
         "rank {rank} of the rendezvous is already held by pid {pid}{}: two processes were \

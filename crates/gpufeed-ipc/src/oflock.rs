@@ -59,6 +59,31 @@ impl ByteLock {
     }
 }
 
+/// A write lock on one byte of a file, exclusive of every other lock on it, released when
+/// this drops (or the process dies).
+#[derive(Debug)]
+pub(crate) struct ExclusiveLock {
+    _fd: OwnedFd,
+}
+
+impl ExclusiveLock {
+    /// Takes a write lock on byte `byte` of the file `file` refers to, through a new open file
+    /// description of it: `Ok(None)` when someone else holds a lock on the byte.
+    pub(crate) fn try_take(file: BorrowedFd<'_>, byte: u64) -> std::io::Result<Option<Self>> {
+        let fd = reopen_as(file, rustix::fs::OFlags::RDWR)?;
+        match fcntl_lock(
+            fd.as_fd(),
+            libc::F_OFD_SETLK,
+            libc::F_WRLCK as libc::c_short,
+            byte,
+        ) {
+            Ok(_) => Ok(Some(ExclusiveLock { _fd: fd })),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 /// Whether anyone holds byte `byte` of `file`, asked through `file`'s own open file
 /// description (which must not hold it).
 pub(crate) fn probe(file: BorrowedFd<'_>, byte: u64) -> Probe {
@@ -77,13 +102,13 @@ pub(crate) fn probe(file: BorrowedFd<'_>, byte: u64) -> Probe {
 /// The same file through a new open file description (read-only: read locks need no more),
 /// checked to be the same inode.
 fn reopen(file: BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+    reopen_as(file, rustix::fs::OFlags::RDONLY)
+}
+
+fn reopen_as(file: BorrowedFd<'_>, access: rustix::fs::OFlags) -> std::io::Result<OwnedFd> {
     use rustix::fs::{Mode, OFlags};
     let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-    let fd = rustix::fs::open(
-        path.as_str(),
-        OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
+    let fd = rustix::fs::open(path.as_str(), access | OFlags::CLOEXEC, Mode::empty())?;
     let (a, b) = (rustix::fs::fstat(file)?, rustix::fs::fstat(&fd)?);
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
         return Err(std::io::Error::other(
@@ -134,5 +159,17 @@ mod tests {
         assert_eq!(probe(file.as_fd(), 7), Probe::Held, "the second holder");
         drop(again);
         assert_eq!(probe(file.as_fd(), 7), Probe::Free);
+        let excl = ExclusiveLock::try_take(file.as_fd(), 0)
+            .expect("lock")
+            .expect("free");
+        let second = ExclusiveLock::try_take(file.as_fd(), 0).expect("lock");
+        assert!(second.is_none(), "taken twice");
+        assert_eq!(probe(file.as_fd(), 0), Probe::Held);
+        drop(excl);
+        assert!(
+            ExclusiveLock::try_take(file.as_fd(), 0)
+                .expect("lock")
+                .is_some()
+        );
     }
 }

@@ -1,9 +1,14 @@
 //! Ranks of one job on one machine meeting through shared memory: [`Rendezvous`].
 //!
-//! Rank 0 creates the segment `name` (removing a leftover of a crashed job first); the others
-//! open it once rank 0 has initialised it. Each rank owns a record: its state, identity (PID
-//! namespace, pid, start time), a heartbeat counter renewed by a thread, the last barrier it
-//! reached, and two payload buffers used in turn by [`Rendezvous::exchange`]. A barrier waits
+//! Rank 0 creates the segment `name`; the others open it once rank 0 has initialised it. What
+//! the name held before is judged first: a crashed job's leftover (its rank 0 dead, left, or
+//! silent for its lease; of any world size) is replaced by rank 0 and waited past by the
+//! others, a live job's segment is never removed ([`Error::RendezvousInUse`]) and another
+//! user's file never touched ([`Error::RendezvousSquatted`]). Each rank owns a record: its
+//! state, identity (PID namespace, pid, start time), a lock on the record's first byte held
+//! through a file description of its own (released by the kernel when the rank dies, in any
+//! PID namespace), a heartbeat counter renewed by a thread, the last barrier it reached, and
+//! two payload buffers used in turn by [`Rendezvous::exchange`]. A barrier waits
 //! until every rank has reached it (asleep on a futex in the segment that every arrival and
 //! departure wakes), and fails with the rank's number when a rank never arrives within the join
 //! timeout, left (its `Rendezvous` was dropped, as after an error), or died: a rank of our PID
@@ -23,13 +28,16 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsFd;
+
 use gpufeed_os::ShmSegment;
-use gpufeed_os::process::ProcessIdentity;
+use gpufeed_os::process::{Liveness, ProcessIdentity};
 use parking_lot::{Condvar, Mutex};
 use rustix::thread::futex;
 
 use crate::error::{Error, Result};
 use crate::fdpass::{recv_fd, send_fd};
+use crate::oflock::{self, ByteLock, ExclusiveLock, Probe};
 use crate::sockdir::{self, SOCKET_PREFIX};
 use crate::state::{AtomicU64, Ordering};
 
@@ -38,7 +46,12 @@ pub const MAX_RANKS: usize = 256;
 /// Most bytes a rank passes in one [`Rendezvous::exchange`].
 pub const MAX_PAYLOAD: usize = 1024;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"GFRDV001");
+/// Layout 2: records of 128 bytes before the payloads, each rank's flags (its lock), rank 0's
+/// identity written before the magic, rank 0's lease in the header.
+const MAGIC: u64 = u64::from_le_bytes(*b"GFRDV002");
+/// Layout 1 (records of 64 bytes before the payloads, no locks): recognised so that a
+/// leftover of an older gpufeed is judged, replaced and collected, never joined.
+const MAGIC_V1: u64 = u64::from_le_bytes(*b"GFRDV001");
 const HEADER: usize = 256;
 const OFF_WORLD: usize = 8;
 const OFF_NONCE: usize = 16;
@@ -48,9 +61,16 @@ const OFF_ARRIVALS: usize = 24;
 const OFF_SLEEPERS: usize = 28;
 /// A bit per rank, set when it departs ([`Rendezvous::depart`]): `MAX_RANKS` bits.
 const OFF_DEPARTED: usize = 32;
+/// Rank 0's lease in milliseconds, for judging its silence from outside the job.
+const OFF_LEASE_MS: usize = 64;
+/// The byte of the segment that rank 0 of a new job, or `gpufeed shm gc`, holds a write lock
+/// on while it replaces or removes a leftover (so that two of them never remove each other's
+/// new segment).
+const REPLACE_LOCK_BYTE: u64 = 0;
 /// Longest single sleep in a barrier: the other ranks' liveness is judged at least this often.
 const SLICE: Duration = Duration::from_millis(20);
-const REC: usize = 64 + 2 * MAX_PAYLOAD;
+const REC: usize = 128 + 2 * MAX_PAYLOAD;
+const REC_V1: usize = 64 + 2 * MAX_PAYLOAD;
 const R_STATE: usize = 0;
 const R_BEAT: usize = 8;
 const R_PID_NS: usize = 16;
@@ -58,7 +78,11 @@ const R_PID: usize = 24;
 const R_START: usize = 32;
 const R_EPOCH: usize = 40;
 const R_LEN: usize = 48; // two words: the payload lengths of even and odd exchanges
-const R_PAYLOAD: usize = 64;
+/// [`FLAG_LOCKED`] when the rank holds a read lock on its record's first byte for as long as
+/// it is in the rendezvous (through a file description of its own; see `oflock`).
+const R_FLAGS: usize = 64;
+const R_PAYLOAD: usize = 128;
+const FLAG_LOCKED: u64 = 1;
 
 const EMPTY: u64 = 0;
 const PRESENT: u64 = 1;
@@ -123,6 +147,8 @@ pub struct Rendezvous {
     epoch: std::sync::atomic::AtomicU64,
     heartbeat: Option<std::thread::JoinHandle<()>>,
     stop: Arc<(Mutex<bool>, Condvar)>,
+    /// The lock on this rank's record byte, held until the handle drops.
+    _lock: Option<ByteLock>,
 }
 
 impl std::fmt::Debug for Rendezvous {
@@ -139,9 +165,17 @@ impl Rendezvous {
     /// different from any other job's) as `rank` of `world`, and waits until every rank has
     /// joined.
     ///
+    /// What is found under the name first: a segment whose rank 0 is dead (its lock released,
+    /// or its pid gone), left, or silent for its lease — a crashed job's leftover, of whatever
+    /// world size or layout — is replaced by rank 0 and waited past by the others; a segment
+    /// whose rank 0 lives is never removed (rank 0 fails with [`Error::RendezvousInUse`], the
+    /// others join it only if its world is theirs); a file of another user is never touched
+    /// ([`Error::RendezvousSquatted`], at once, for every rank).
+    ///
     /// # Errors
     /// [`Error::InvalidLayout`] for a rank outside the world, a world of 0 or more than
-    /// [`MAX_RANKS`], or a world other than rank 0's; [`Error::RankTaken`];
+    /// [`MAX_RANKS`], or a world other than the live rank 0's; [`Error::RendezvousInUse`],
+    /// [`Error::RendezvousSquatted`]; [`Error::RankTaken`];
     /// [`Error::RankNeverArrived`], [`Error::RankDied`], [`Error::RankLeft`]; shared-memory
     /// errors.
     pub fn join(name: &str, rank: usize, world: usize, opts: RendezvousOptions) -> Result<Self> {
@@ -151,11 +185,14 @@ impl Rendezvous {
             )));
         }
         let joined = Instant::now();
-        let seg = if rank == 0 {
-            create(name, world)?
+        let (seg, lock) = if rank == 0 {
+            create(name, world, joined, opts)?
         } else {
-            open(name, world, joined, opts)?
+            let seg = open(name, world, joined, opts)?;
+            let lock = ByteLock::take(seg.as_fd(), (HEADER + rank * REC) as u64);
+            (seg, lock)
         };
+        let locked = lock.is_some();
         let mut r = Rendezvous {
             seg,
             rank,
@@ -165,8 +202,9 @@ impl Rendezvous {
             epoch: std::sync::atomic::AtomicU64::new(0),
             heartbeat: None,
             stop: Arc::new((Mutex::new(false), Condvar::new())),
+            _lock: lock,
         };
-        r.claim()?;
+        r.claim(locked)?;
         r.start_heartbeat()?;
         r.barrier()?;
         if rank == 0 {
@@ -516,7 +554,7 @@ impl Rendezvous {
     }
 
     /// Takes this rank's record (EMPTY -> PRESENT), or fails naming the live holder.
-    fn claim(&self) -> Result<()> {
+    fn claim(&self, locked: bool) -> Result<()> {
         let me = ProcessIdentity::current();
         let state = self.word(self.rank, R_STATE);
         if let Err(now) =
@@ -529,12 +567,7 @@ impl Rendezvous {
                 left: now == LEFT,
             });
         }
-        self.word(self.rank, R_PID_NS)
-            .store(me.pid_ns, Ordering::Relaxed);
-        self.word(self.rank, R_PID)
-            .store(u64::from(me.pid), Ordering::Relaxed);
-        self.word(self.rank, R_START)
-            .store(me.start_ticks, Ordering::Release);
+        publish_identity(&self.seg, self.rec(self.rank), &me, locked);
         Ok(())
     }
 
@@ -766,21 +799,87 @@ fn segment_len(world: usize) -> usize {
     HEADER + world * REC
 }
 
-/// Rank 0: a fresh segment (a leftover of the same name, from a crashed job, removed first).
-fn create(name: &str, world: usize) -> Result<ShmSegment> {
-    let path = std::path::Path::new(gpufeed_os::shm::DEFAULT_DIR).join(name);
+/// Writes `me` and its flags into the record at `rec` (the start time last, with Release).
+fn publish_identity(seg: &ShmSegment, rec: usize, me: &ProcessIdentity, locked: bool) {
+    let flags = if locked { FLAG_LOCKED } else { 0 };
+    word(seg, rec + R_FLAGS).store(flags, Ordering::Relaxed);
+    word(seg, rec + R_PID_NS).store(me.pid_ns, Ordering::Relaxed);
+    word(seg, rec + R_PID).store(u64::from(me.pid), Ordering::Relaxed);
+    word(seg, rec + R_START).store(me.start_ticks, Ordering::Release);
+}
+
+/// Rank 0: a fresh segment, and the lock on rank 0's record. What the name holds first: a
+/// leftover nobody uses (see [`inspect`]) is removed (under [`REPLACE_LOCK_BYTE`], and only
+/// if the name still refers to the file judged), a live rendezvous or another user's file is
+/// an error, a segment not initialised yet is given a lease to become one.
+fn create(
+    name: &str,
+    world: usize,
+    joined: Instant,
+    opts: RendezvousOptions,
+) -> Result<(ShmSegment, Option<ByteLock>)> {
     gpufeed_os::shm::validate_name(name)?;
-    match std::fs::remove_file(&path) {
-        Ok(()) => tracing::debug!("removed a leftover rendezvous {name}"),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => {
-            return Err(Error::Io {
-                op: "remove a leftover rendezvous segment",
-                source,
+    let shm = std::path::Path::new(gpufeed_os::shm::DEFAULT_DIR);
+    let mut unready_since: Option<Instant> = None;
+    loop {
+        if joined.elapsed() > opts.join_timeout {
+            return Err(Error::Timeout {
+                what: "the rendezvous name to be free of another rank 0's segment",
+                ms: joined.elapsed().as_millis(),
             });
         }
+        // Held (where taken) until the new segment exists under the name.
+        let mut _replacing = None;
+        match inspect(shm, name, opts.lease)? {
+            Found::Nothing => {}
+            Found::Live(live) => {
+                return Err(Error::RendezvousInUse {
+                    name: name.to_owned(),
+                    pid: live.rank0_pid,
+                    world: live.world,
+                });
+            }
+            Found::Unready(_)
+                if unready_since.get_or_insert_with(Instant::now).elapsed() < opts.lease =>
+            {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            // Never initialised within a lease (its maker died in between), or a leftover.
+            found @ (Found::Unready(_) | Found::Leftover(_)) => {
+                let fd = match &found {
+                    Found::Unready(fd) => fd.as_fd(),
+                    Found::Leftover(seg) => seg.as_fd(),
+                    _ => unreachable!("matched above"),
+                };
+                match remove_leftover(shm, name, fd)? {
+                    Some(lock) => _replacing = Some(lock),
+                    None => {
+                        // Another process is replacing or removing it: look again.
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                }
+            }
+        }
+        match ShmSegment::create(name, segment_len(world)) {
+            Ok(seg) => return init(seg, world, opts),
+            Err(gpufeed_os::Error::ShmExists { .. }) => {
+                // Another rank 0 was faster: judge its segment.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
-    let mut seg = ShmSegment::create(name, segment_len(world))?;
+}
+
+/// Initialises a fresh segment: geometry, nonce, lease, rank 0's identity and lock, then the
+/// magic (Release), so that whoever sees the magic can judge rank 0.
+fn init(
+    mut seg: ShmSegment,
+    world: usize,
+    opts: RendezvousOptions,
+) -> Result<(ShmSegment, Option<ByteLock>)> {
     // Until every rank has joined, a failure must not leave the name behind.
     seg.set_unlink_on_drop(true);
     word(&seg, OFF_WORLD).store(world as u64, Ordering::Relaxed);
@@ -789,15 +888,20 @@ fn create(name: &str, world: usize) -> Result<ShmSegment> {
         .map_or(0, |d| d.as_nanos() as u64)
         ^ u64::from(std::process::id());
     word(&seg, OFF_NONCE).store(nonce, Ordering::Relaxed);
+    word(&seg, OFF_LEASE_MS).store(opts.lease.as_millis() as u64, Ordering::Relaxed);
+    let lock = ByteLock::take(seg.as_fd(), HEADER as u64);
+    publish_identity(&seg, HEADER, &ProcessIdentity::current(), lock.is_some());
     word(&seg, 0).store(MAGIC, Ordering::Release);
-    Ok(seg)
+    Ok((seg, lock))
 }
 
-/// A rank other than 0: opens the segment once rank 0 has made it, skipping a leftover whose
-/// rank 0 is dead or silent.
+/// A rank other than 0: opens the segment once rank 0 has made it, waiting past a leftover
+/// whose rank 0 is dead, left or silent (whatever its world size).
 fn open(name: &str, world: usize, joined: Instant, opts: RendezvousOptions) -> Result<ShmSegment> {
+    gpufeed_os::shm::validate_name(name)?;
+    let shm = std::path::Path::new(gpufeed_os::shm::DEFAULT_DIR);
     loop {
-        if let Some(seg) = try_open(name, world, opts.lease)? {
+        if let Some(seg) = try_open(shm, name, world, opts.lease)? {
             return Ok(seg);
         }
         if joined.elapsed() > opts.join_timeout {
@@ -812,54 +916,271 @@ fn open(name: &str, world: usize, joined: Instant, opts: RendezvousOptions) -> R
 }
 
 /// The segment if it is a live rendezvous for `world` ranks; `None` to try again later.
-fn try_open(name: &str, world: usize, lease: Duration) -> Result<Option<ShmSegment>> {
-    let seg = match ShmSegment::open(name) {
-        Ok(s) => s,
-        Err(gpufeed_os::Error::ShmNotFound { .. } | gpufeed_os::Error::ShmTooSmall { .. }) => {
-            return Ok(None);
+fn try_open(
+    shm: &std::path::Path,
+    name: &str,
+    world: usize,
+    lease: Duration,
+) -> Result<Option<ShmSegment>> {
+    let live = match inspect(shm, name, lease)? {
+        Found::Live(live) => live,
+        // Not made yet, or a leftover that our rank 0 will replace.
+        Found::Nothing | Found::Unready(_) | Found::Leftover(_) => return Ok(None),
+    };
+    if live.version != MAGIC {
+        return Err(Error::InvalidHeader(format!(
+            "rendezvous {name} was made by another gpufeed version (rank 0 is pid {}): give \
+             every rank the same gpufeed",
+            live.rank0_pid
+        )));
+    }
+    if live.world != world {
+        return Err(Error::InvalidLayout(format!(
+            "rendezvous {name} was made by rank 0 (pid {}) for {} ranks, and this rank was told \
+             {world}: give every rank the same world size (LOCAL_WORLD_SIZE)",
+            live.rank0_pid, live.world
+        )));
+    }
+    if live.seg.len() < segment_len(world) {
+        return Err(Error::InvalidHeader(format!(
+            "rendezvous {name}: segment of {} bytes for {world} ranks",
+            live.seg.len()
+        )));
+    }
+    Ok(Some(live.seg))
+}
+
+/// What a rendezvous name holds.
+enum Found {
+    /// No file.
+    Nothing,
+    /// A rendezvous whose rank 0 lives.
+    Live(LiveRendezvous),
+    /// A file of ours that is not (yet) a rendezvous: being made, or a crash's leftover.
+    Unready(OwnedFd),
+    /// A rendezvous nobody uses: its rank 0 died, left, or was silent for its lease.
+    Leftover(ShmSegment),
+}
+
+struct LiveRendezvous {
+    seg: ShmSegment,
+    /// Its magic (its layout).
+    version: u64,
+    world: usize,
+    rank0_pid: u32,
+}
+
+/// Looks at what the name `name` in `shm` holds. Another user's file is
+/// [`Error::RendezvousSquatted`], never opened; rank 0 of a rendezvous is judged by its lock
+/// (released: dead, in any PID namespace), its pid (in our namespace), whether it left, and
+/// its heartbeat, watched for up to its lease (`default_lease` for a segment that does not
+/// record one).
+fn inspect(shm: &std::path::Path, name: &str, default_lease: Duration) -> Result<Found> {
+    let path = shm.join(name);
+    let st = match rustix::fs::lstat(&path) {
+        Ok(st) => st,
+        Err(rustix::io::Errno::NOENT) => return Ok(Found::Nothing),
+        Err(e) => {
+            return Err(Error::Io {
+                op: "look at the rendezvous name in /dev/shm",
+                source: e.into(),
+            });
+        }
+    };
+    let ours = rustix::process::geteuid().as_raw();
+    if st.st_uid != ours {
+        return Err(squatted(name, st.st_uid));
+    }
+    let seg = match gpufeed_os::shm::ShmOptions::new().dir(shm).open(name) {
+        Ok(seg) => seg,
+        Err(gpufeed_os::Error::ShmNotFound { .. }) => return Ok(Found::Nothing),
+        Err(gpufeed_os::Error::ShmTooSmall { .. }) => {
+            // Empty: just made, not sized yet (or never).
+            return match open_unmapped(&path) {
+                Ok(fd) => Ok(Found::Unready(fd)),
+                Err(rustix::io::Errno::NOENT) => Ok(Found::Nothing),
+                Err(e) => Err(Error::Io {
+                    op: "open the rendezvous name in /dev/shm",
+                    source: e.into(),
+                }),
+            };
+        }
+        Err(gpufeed_os::Error::ShmForeignOwner { owner_uid, .. }) => {
+            return Err(squatted(name, owner_uid));
         }
         Err(e) => return Err(e.into()),
     };
-    if seg.len() < HEADER || word(&seg, 0).load(Ordering::Acquire) != MAGIC {
-        return Ok(None); // not initialised yet
+    let magic = if seg.len() >= HEADER + 64 {
+        word(&seg, 0).load(Ordering::Acquire)
+    } else {
+        0
+    };
+    if magic != MAGIC && magic != MAGIC_V1 {
+        let fd = rustix::io::fcntl_dupfd_cloexec(&seg, 0).map_err(|e| Error::Io {
+            op: "dup",
+            source: e.into(),
+        })?;
+        return Ok(Found::Unready(fd));
     }
-    let theirs = word(&seg, OFF_WORLD).load(Ordering::Relaxed) as usize;
-    if theirs != world {
-        return Err(Error::InvalidLayout(format!(
-            "rendezvous {name} was made by rank 0 for {theirs} ranks, and this rank was told \
-             {world}: give every rank the same world size (LOCAL_WORLD_SIZE)"
-        )));
+    let lease = match word(&seg, OFF_LEASE_MS).load(Ordering::Relaxed) {
+        ms if magic == MAGIC && ms > 0 => Duration::from_millis(ms.min(3_600_000)),
+        _ => default_lease,
+    };
+    let world = word(&seg, OFF_WORLD).load(Ordering::Relaxed) as usize;
+    match rank0_lives(&seg, magic, lease) {
+        Some(rank0_pid) => Ok(Found::Live(LiveRendezvous {
+            seg,
+            version: magic,
+            world,
+            rank0_pid,
+        })),
+        None => Ok(Found::Leftover(seg)),
     }
-    if seg.len() < segment_len(world) {
-        return Err(Error::InvalidHeader(format!(
-            "rendezvous {name}: segment of {} bytes for {world} ranks",
-            seg.len()
-        )));
+}
+
+/// A descriptor of the file at `path` (ours: checked by the caller), not following a link and
+/// not blocking on a FIFO.
+fn open_unmapped(path: &std::path::Path) -> rustix::io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+}
+
+fn squatted(name: &str, owner_uid: u32) -> Error {
+    Error::RendezvousSquatted {
+        name: name.to_owned(),
+        owner_uid,
+        our_uid: rustix::process::geteuid().as_raw(),
     }
-    // A leftover of a crashed job: its rank 0 is dead (same namespace), or its heartbeat stands
-    // still. Rank 0 of the new job removes and recreates the name; until then, wait.
-    let rec0 = HEADER;
-    let state = word(&seg, rec0 + R_STATE).load(Ordering::Acquire);
-    if state == LEFT {
-        return Ok(None);
+}
+
+/// Rank 0's pid if it may live: it has not left or departed, its lock is not released, its pid
+/// (where it means something here) is not dead, and its heartbeat moves within `lease`.
+fn rank0_lives(seg: &ShmSegment, magic: u64, lease: Duration) -> Option<u32> {
+    let rank = RankRecord::read(seg, magic, 0)?;
+    if rank.gone_for_good(seg) {
+        return None;
     }
-    if state == PRESENT {
-        let who = ProcessIdentity {
-            pid_ns: word(&seg, rec0 + R_PID_NS).load(Ordering::Acquire),
-            pid: word(&seg, rec0 + R_PID).load(Ordering::Acquire) as u32,
-            start_ticks: word(&seg, rec0 + R_START).load(Ordering::Acquire),
+    // Alive or only stopped (or, without a lock, of another namespace): its heartbeat tells.
+    let beat = word(seg, HEADER + R_BEAT).load(Ordering::Relaxed);
+    let t = Instant::now();
+    while word(seg, HEADER + R_BEAT).load(Ordering::Relaxed) == beat {
+        if t.elapsed() > lease {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Some(rank.id.pid)
+}
+
+/// One rank's record as read from a segment of layout `magic` (untrusted: bounds checked).
+struct RankRecord {
+    rank: usize,
+    rec: usize,
+    state: u64,
+    id: ProcessIdentity,
+    flags: u64,
+}
+
+impl RankRecord {
+    fn read(seg: &ShmSegment, magic: u64, rank: usize) -> Option<Self> {
+        let (rec_len, fields) = if magic == MAGIC {
+            (REC, R_FLAGS + 8)
+        } else {
+            (REC_V1, R_LEN + 16)
         };
-        if who.is_dead() {
-            return Ok(None);
+        let rec = HEADER.checked_add(rank.checked_mul(rec_len)?)?;
+        if rank >= MAX_RANKS || rec.checked_add(fields)? > seg.len() {
+            return None;
         }
-        let beat = word(&seg, rec0 + R_BEAT).load(Ordering::Relaxed);
-        let t = Instant::now();
-        while word(&seg, rec0 + R_BEAT).load(Ordering::Relaxed) == beat {
-            if t.elapsed() > lease {
-                return Ok(None);
-            }
-            std::thread::sleep(Duration::from_millis(2));
+        let flags = if magic == MAGIC {
+            word(seg, rec + R_FLAGS).load(Ordering::Acquire)
+        } else {
+            0
+        };
+        Some(RankRecord {
+            rank,
+            rec,
+            state: word(seg, rec + R_STATE).load(Ordering::Acquire),
+            id: ProcessIdentity {
+                pid_ns: word(seg, rec + R_PID_NS).load(Ordering::Acquire),
+                pid: word(seg, rec + R_PID).load(Ordering::Acquire) as u32,
+                start_ticks: word(seg, rec + R_START).load(Ordering::Acquire),
+            },
+            flags,
+        })
+    }
+
+    fn departed(&self, seg: &ShmSegment) -> bool {
+        let bits = word(seg, OFF_DEPARTED + 8 * (self.rank / 64)).load(Ordering::Acquire);
+        bits & (1 << (self.rank % 64)) != 0
+    }
+
+    /// What can be said without waiting: gone (left, departed, its lock released, or its pid
+    /// of our namespace dead while it holds no lock we can see), alive (its lock held, or its
+    /// pid alive here), or unknown (of another namespace, no lock).
+    fn liveness(&self, seg: &ShmSegment) -> Liveness {
+        if self.state == LEFT || self.departed(seg) {
+            return Liveness::Dead;
+        }
+        let lock = if self.flags & FLAG_LOCKED != 0 {
+            oflock::probe(seg.as_fd(), self.rec as u64)
+        } else {
+            Probe::Unknown
+        };
+        match lock {
+            Probe::Free => Liveness::Dead,
+            Probe::Held => Liveness::Alive,
+            Probe::Unknown if self.id.pid == 0 => Liveness::OtherNamespace,
+            Probe::Unknown => self.id.liveness(),
         }
     }
-    Ok(Some(seg))
+
+    /// Known never to come back (left, departed, lock released, pid dead).
+    fn gone_for_good(&self, seg: &ShmSegment) -> bool {
+        self.liveness(seg) == Liveness::Dead
+    }
+}
+
+/// Removes the leftover `seg` (a descriptor of it) under `name` in `shm` if the name still
+/// refers to it, holding a write lock on its [`REPLACE_LOCK_BYTE`] (returned: hold it until
+/// the replacement exists). `None` when someone else holds that lock (replacing or removing
+/// it now).
+fn remove_leftover(
+    shm: &std::path::Path,
+    name: &str,
+    seg: BorrowedFd<'_>,
+) -> Result<Option<Option<ExclusiveLock>>> {
+    let lock = match ExclusiveLock::try_take(seg, REPLACE_LOCK_BYTE) {
+        Ok(Some(lock)) => Some(lock),
+        Ok(None) => return Ok(None),
+        // No lock to be had here (no /proc): go on with the inode check alone.
+        Err(e) => {
+            tracing::debug!(%e, "removing a leftover rendezvous without a lock");
+            None
+        }
+    };
+    let path = shm.join(name);
+    let same = match (rustix::fs::fstat(seg), rustix::fs::lstat(&path)) {
+        (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
+        _ => false,
+    };
+    if same {
+        match rustix::fs::unlink(&path) {
+            Ok(()) => {
+                tracing::info!("removed the leftover rendezvous {name} of a job that is gone")
+            }
+            Err(rustix::io::Errno::NOENT) => {}
+            Err(e) => {
+                return Err(Error::Io {
+                    op: "remove a leftover rendezvous segment",
+                    source: e.into(),
+                });
+            }
+        }
+    }
+    Ok(Some(lock))
 }

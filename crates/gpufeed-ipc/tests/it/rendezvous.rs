@@ -717,3 +717,136 @@ fn a_rank_gives_its_descriptor_only_to_its_own_user() {
         "root never connected to a rank's socket: the test tested nothing: {got:?}"
     );
 }
+
+/// Waits until `/dev/shm/<name>` exists (a rank 0 made it); returns its inode.
+fn wait_for_segment(name: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let path = std::path::Path::new("/dev/shm").join(name);
+    let t = Instant::now();
+    loop {
+        if let Ok(m) = std::fs::metadata(&path) {
+            return m.ino();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "rank 0 never made the segment"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A job of 4 ranks whose rank 0 was SIGKILLed while waiting leaves its segment; the next job
+/// under the name has 2 ranks, and its rank 1, started first, waits past the leftover for its
+/// own rank 0 instead of failing at once: both meet. (Before, rank 1 failed at once: "made by
+/// rank 0 for 4 ranks, and this rank was told 2".)
+#[test]
+fn a_leftover_of_another_world_size_is_replaced() {
+    let name = name("world4");
+    let mut crashed = spawn(&name, 0, 4, "hang");
+    wait_for_segment(&name);
+    crashed.kill().expect("kill");
+    crashed.wait().expect("reap");
+    assert!(
+        std::path::Path::new("/dev/shm").join(&name).exists(),
+        "the crashed job's segment is left over"
+    );
+    let rank1 = spawn(&name, 1, 2, "normal");
+    std::thread::sleep(Duration::from_millis(300));
+    let me = Rendezvous::join(
+        &name,
+        0,
+        2,
+        opts().with_join_timeout(Duration::from_secs(5)),
+    )
+    .expect("rank 0 joins over a leftover of another world size");
+    me.exchange(b"rank 0 first").expect("exchange");
+    me.barrier().expect("barrier");
+    me.barrier().expect("barrier");
+    me.exchange(b"x").expect("exchange");
+    let (ok, lines) = output(rank1);
+    assert!(ok, "rank 1: {lines:?}");
+}
+
+/// A file of another user (`nobody`) under the rendezvous name: every rank says at once that
+/// the name is squatted, naming the owner, and the file is left as it was. (Before, rank 0 —
+/// root — removed it and waited out its timeout for ranks that could not follow, and the
+/// other ranks failed with a bare "owned by another user".)
+#[test]
+fn a_rendezvous_name_squatted_by_another_user_is_reported_and_left_alone() {
+    let test = "a_rendezvous_name_squatted_by_another_user_is_reported_and_left_alone";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(test, &"making a file as nobody needs root");
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    let name = name("squat");
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    let made = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("umask 077 && printf x > '{}'", path.display()))
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .status()
+        .expect("run sh as nobody");
+    assert!(made.success(), "nobody could not make {}", path.display());
+    let ino = std::fs::metadata(&path).expect("the squatter's file").ino();
+    let t = Instant::now();
+    for rank in [0, 1] {
+        let e = Rendezvous::join(
+            &name,
+            rank,
+            2,
+            opts().with_join_timeout(Duration::from_secs(3)),
+        )
+        .expect_err("the name is squatted");
+        assert!(
+            matches!(
+                e,
+                Error::RendezvousSquatted {
+                    owner_uid: NOBODY,
+                    ..
+                }
+            ),
+            "rank {rank}: {e}"
+        );
+        assert!(e.to_string().contains("uid 65534"), "{e}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let m = std::fs::metadata(&path).expect("the squatter's file is left");
+    assert_eq!((m.ino(), m.uid()), (ino, NOBODY));
+    std::fs::remove_file(&path).expect("clean up");
+}
+
+/// Job A's rank 0 waits in the rendezvous for its rank 1 when job B's rank 0 comes under the
+/// same name: B is told the name is in use (naming A's rank 0), A's segment stays, and A's
+/// ranks meet. (Before, B's rank 0 removed A's segment and made its own.)
+#[test]
+fn a_rendezvous_whose_rank_0_lives_is_never_removed() {
+    use std::os::unix::fs::MetadataExt;
+    let name = name("in-use");
+    let a0 = spawn(&name, 0, 2, "normal");
+    let ino = wait_for_segment(&name);
+    let e = Rendezvous::join(
+        &name,
+        0,
+        3,
+        opts().with_join_timeout(Duration::from_secs(3)),
+    )
+    .expect_err("the name is in use");
+    assert!(
+        matches!(e, Error::RendezvousInUse { pid, world: 2, .. } if pid == a0.id()),
+        "{e}"
+    );
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    assert_eq!(
+        std::fs::metadata(&path).map(|m| m.ino()).ok(),
+        Some(ino),
+        "job A's segment was removed or replaced"
+    );
+    let a1 = spawn(&name, 1, 2, "normal");
+    for (r, c) in [a0, a1].into_iter().enumerate() {
+        let (ok, lines) = output(c);
+        assert!(ok, "job A's rank {r}: {lines:?}");
+    }
+}
