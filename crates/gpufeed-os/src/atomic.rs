@@ -2,12 +2,13 @@
 //! directory beside the target, and [`AtomicFile::commit`] syncs the data, renames it over the
 //! target and syncs the directory. A process killed at any point leaves the old file or the new
 //! one, complete; its temporary is removed by a later [`AtomicFile::create`] in the same
-//! directory once its owner is known dead.
+//! directory once it is known stale (see below).
 //!
 //! # Layout and naming
 //! `create` opens the target's directory once (`O_DIRECTORY`) and makes in it a private
-//! directory `.gpufeed-tmp-<pid>-<start ticks>-<pid namespace>-<random>`
-//! ([`crate::process::ProcessIdentity::unique_tag`]), mode 0700, opened with
+//! directory `.gpufeed-tmp-<boot id>-<pid>-<start ticks>-<pid namespace>-<random>` (the boot id
+//! of `/proc/sys/kernel/random/boot_id` as 32 hex digits, zeros where unreadable, then
+//! [`crate::process::ProcessIdentity::unique_tag`]), mode 0700, opened with
 //! `O_DIRECTORY | O_NOFOLLOW` and checked by `fstat` (our uid, no group/other bits). The
 //! temporary file is created inside it with `openat` (`O_EXCL | O_NOFOLLOW`, mode 0600) under the
 //! target's own name, so the name in the shared directory does not grow with the target's (a
@@ -17,6 +18,17 @@
 //! the descriptor `create` made: [`AtomicFile::file`], or [`AtomicFile::reopen`] /
 //! [`AtomicFile::path`] (`/proc/self/fd/<n>`, which the kernel resolves to the open file, not
 //! by name) for a second descriptor with other flags (`O_DIRECT`).
+//!
+//! # Stale temporaries
+//! A directory on a network file system (NFS, Lustre) is shared by hosts whose pids mean
+//! nothing to each other, and whose init PID namespaces have the same inode. So `create`
+//! removes a temporary only when all of these hold: its name carries this boot's id (this
+//! host, since its last boot; a name without a boot id, as earlier versions wrote, is never
+//! judged, and is left for a person to remove), its writer is known dead
+//! ([`ProcessIdentity::is_dead`]: of our PID namespace, gone or its pid reused), it belongs to
+//! our uid, and neither it nor what it holds was modified for [`STALE_AFTER`] (15 minutes).
+//! Removal goes through descriptors (`openat` with `O_NOFOLLOW`, `unlinkat`), never following
+//! a symlink.
 //!
 //! # Mode and owner
 //! Before the rename the new file gets the permission bits (0777; set-id bits are dropped) and,
@@ -42,6 +54,51 @@ use crate::procfs;
 
 /// The prefix of the private directories that hold temporary files.
 const TMP_PREFIX: &str = ".gpufeed-tmp-";
+
+/// How long a dead writer's temporary must have gone unmodified before [`AtomicFile::create`]
+/// removes it: a guard for what the boot id and the pid cannot tell (a host cloned with its
+/// boot id), long enough for any writer to have touched its file.
+pub const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`, dashes removed, 32 lower-case hex
+/// digits); `None` where unreadable.
+fn boot_id() -> Option<&'static str> {
+    static ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let hex: String = text.trim().chars().filter(|&c| c != '-').collect();
+        let hex = hex.to_ascii_lowercase();
+        (hex.len() == 32
+            && hex.bytes().all(|b| b.is_ascii_hexdigit())
+            && hex.bytes().any(|b| b != b'0'))
+        .then_some(hex)
+    })
+    .as_deref()
+}
+
+/// The name of a private directory for `owner` (see the module docs).
+fn temporary_name(owner: &ProcessIdentity) -> Result<String> {
+    Ok(format!(
+        "{TMP_PREFIX}{}-{}",
+        boot_id().unwrap_or("00000000000000000000000000000000"),
+        owner.unique_tag()?
+    ))
+}
+
+/// The boot id and writer a temporary's name records: `(None, writer)` for names without a boot
+/// id (written by earlier versions: `.gpufeed-tmp-<tag>`, or `.<target>.gpufeed-tmp-<tag>`
+/// beside the target); `None` for names that are no temporary's.
+fn temporary_owner(name: &str) -> Option<(Option<&str>, ProcessIdentity)> {
+    if let Some(rest) = name.strip_prefix(TMP_PREFIX)
+        && let Some((boot, tag)) = rest.split_once('-')
+        && boot.len() == 32
+        && boot.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Some((Some(boot), ProcessIdentity::from_tag(tag)?));
+    }
+    let (_, tag) = name.split_once(TMP_PREFIX)?;
+    Some((None, ProcessIdentity::from_tag(tag)?))
+}
 
 /// A file being written under a temporary name, to replace its target in one step.
 ///
@@ -96,7 +153,7 @@ impl PrivateDir {
         let owner = ProcessIdentity::current();
         let euid = rustix::process::geteuid().as_raw();
         loop {
-            let name = OsString::from(format!("{TMP_PREFIX}{}", owner.unique_tag()?));
+            let name = OsString::from(temporary_name(&owner)?);
             let path = dir_path.join(&name);
             match rustix::fs::mkdirat(dir, name.as_os_str(), Mode::RWXU) {
                 Ok(()) => {}
@@ -186,8 +243,8 @@ impl AtomicFile {
     /// Creates the temporary file for `target` (mode 0600, in a private directory beside it;
     /// see the module docs), with `len` bytes of space reserved (`fallocate`) when given, so
     /// that a full file system is an error now ([`Error::NoSpace`]) and not halfway through.
-    /// First removes temporaries in the directory of earlier writers that are known dead
-    /// ([`AtomicFile::cleaned`]).
+    /// First removes stale temporaries in the directory: of this boot's writers known dead,
+    /// ours, unmodified for [`STALE_AFTER`] ([`AtomicFile::cleaned`]).
     ///
     /// # Errors
     /// [`Error::NotFound`] when the directory is missing, [`Error::IsDirectory`] when the
@@ -342,7 +399,8 @@ impl AtomicFile {
     }
 
     /// Temporaries (private directories) of dead earlier writers in the target's directory,
-    /// removed by [`AtomicFile::create`].
+    /// removed by [`AtomicFile::create`]: of this boot, ours, unmodified for [`STALE_AFTER`]
+    /// (see the module docs).
     pub fn cleaned(&self) -> &[PathBuf] {
         &self.cleaned
     }
@@ -423,21 +481,25 @@ impl Drop for AtomicFile {
     }
 }
 
-/// Removes the private directories in `dir` (at `dir_path`) whose writer is known dead, with
-/// what they hold; returns their paths. Those of live writers, of other PID namespaces, names
-/// that do not parse, and anything that is not a directory are left alone.
+/// Removes the stale private directories in `dir` (at `dir_path`), with what they hold; returns
+/// their paths. Stale: this boot's, the writer known dead, ours, unmodified for
+/// [`STALE_AFTER`]. Those of other boots (other hosts), of live writers, of other PID
+/// namespaces, of other users, recent ones, names without a boot id and anything that is not a
+/// directory are left alone.
 fn clean_stale(dir: &OwnedFd, dir_path: &Path) -> Vec<PathBuf> {
+    let Some(boot) = boot_id() else {
+        return Vec::new();
+    };
     let Ok(entries) = rustix::fs::Dir::read_from(dir) else {
         return Vec::new();
     };
     let mut cleaned = Vec::new();
     for entry in entries.flatten() {
         let name = OsStr::from_bytes(entry.file_name().to_bytes());
-        let Some(tag) = name.to_str().and_then(|n| n.strip_prefix(TMP_PREFIX)) else {
+        let Some((Some(theirs), owner)) = name.to_str().and_then(temporary_owner) else {
             continue;
         };
-        let dead = ProcessIdentity::from_tag(tag).is_some_and(|owner| owner.is_dead());
-        if dead && remove_private_dir(dir, name) {
+        if theirs.eq_ignore_ascii_case(boot) && owner.is_dead() && remove_stale_dir(dir, name) {
             let path = dir_path.join(name);
             tracing::info!(path = %path.display(), "removed a dead writer's temporary file");
             cleaned.push(path);
@@ -447,8 +509,9 @@ fn clean_stale(dir: &OwnedFd, dir_path: &Path) -> Vec<PathBuf> {
 }
 
 /// Removes the directory `name` of `dir` and the files in it, through descriptors (a symlink
-/// is not followed); whether it is gone.
-fn remove_private_dir(dir: &OwnedFd, name: &OsStr) -> bool {
+/// is not followed), if it is ours and neither it nor anything in it was modified for
+/// [`STALE_AFTER`]; whether it is gone.
+fn remove_stale_dir(dir: &OwnedFd, name: &OsStr) -> bool {
     let Ok(sub) = rustix::fs::openat(
         dir,
         name,
@@ -460,13 +523,36 @@ fn remove_private_dir(dir: &OwnedFd, name: &OsStr) -> bool {
     let Ok(st) = rustix::fs::fstat(&sub) else {
         return false;
     };
-    if let Ok(inside) = rustix::fs::Dir::read_from(&sub) {
-        for e in inside.flatten() {
+    if st.st_uid != rustix::process::geteuid().as_raw() {
+        return false;
+    }
+    let mut inside = Vec::new();
+    let mut newest = st.st_mtime;
+    if let Ok(entries) = rustix::fs::Dir::read_from(&sub) {
+        for e in entries.flatten() {
             let n = e.file_name().to_bytes();
-            if n != b"." && n != b".." {
-                let _ = rustix::fs::unlinkat(&sub, OsStr::from_bytes(n), AtFlags::empty());
+            if n == b"." || n == b".." {
+                continue;
             }
+            let n = OsStr::from_bytes(n).to_owned();
+            match rustix::fs::statat(&sub, n.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(est) => newest = newest.max(est.st_mtime),
+                Err(_) => return false,
+            }
+            inside.push(n);
         }
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let age = i64::try_from(now)
+        .unwrap_or(i64::MAX)
+        .saturating_sub(newest);
+    if age < STALE_AFTER.as_secs() as i64 {
+        return false;
+    }
+    for n in &inside {
+        let _ = rustix::fs::unlinkat(&sub, n.as_os_str(), AtFlags::empty());
     }
     same_entry(dir, name, (st.st_dev, st.st_ino))
         && rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).is_ok()
@@ -491,10 +577,9 @@ mod tests {
         let f = AtomicFile::create(&target, Some(10_000)).expect("create");
         let names = entries(dir.path());
         assert_eq!(names.len(), 1, "{names:?}");
-        let tag = names[0].strip_prefix(TMP_PREFIX).expect("prefix");
         assert_eq!(
-            ProcessIdentity::from_tag(tag),
-            Some(ProcessIdentity::current())
+            temporary_owner(&names[0]),
+            Some((boot_id(), ProcessIdentity::current()))
         );
         let private = dir.path().join(&names[0]);
         let meta = std::fs::symlink_metadata(&private).expect("lstat");
@@ -512,43 +597,116 @@ mod tests {
         assert!(entries(dir.path()).is_empty(), "{:?}", entries(dir.path()));
     }
 
+    /// Sets the modification time of `path` and what it holds an hour back.
+    fn age(path: &Path) {
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        for e in std::fs::read_dir(path).expect("ls").flatten() {
+            File::open(e.path())
+                .and_then(|f| f.set_modified(old))
+                .expect("mtime");
+        }
+        File::open(path)
+            .and_then(|f| f.set_modified(old))
+            .expect("mtime");
+    }
+
     #[test]
-    fn only_dead_writers_temporaries_are_cleaned() {
+    fn only_stale_temporaries_of_this_boot_ours_and_of_dead_writers_are_cleaned() {
         let dir = tempfile::tempdir().expect("tempdir");
         let target = dir.path().join("ckpt.bin");
         let me = ProcessIdentity::current();
+        let boot = boot_id().expect("/proc/sys/kernel/random/boot_id readable here");
         // A pid above any pid_max (2^22) in our namespace: known dead.
         let dead = ProcessIdentity { pid: 1 << 23, ..me };
         let other_ns = ProcessIdentity {
             pid_ns: me.pid_ns.wrapping_add(1),
-            pid: 1 << 23,
-            ..me
+            ..dead
         };
-        let tag = |p: ProcessIdentity| format!("{TMP_PREFIX}{}", p.unique_tag().expect("tag"));
-        let dirs = [
-            (tag(dead), true),
-            (tag(me), false),
-            (tag(other_ns), false),
-            (format!("{TMP_PREFIX}not-a-tag"), false),
+        let this_boot = |p: ProcessIdentity| temporary_name(&p).expect("name");
+        let other_boot = |p: ProcessIdentity| {
+            let other = if boot.starts_with('0') { "1" } else { "0" };
+            format!(
+                "{TMP_PREFIX}{other}{}-{}",
+                &boot[1..],
+                p.unique_tag().expect("tag")
+            )
+        };
+        let no_boot = |p: ProcessIdentity| format!("{TMP_PREFIX}{}", p.unique_tag().expect("tag"));
+        // (name, made an hour old, removed)
+        let mut dirs = vec![
+            (this_boot(dead), true, true),
+            (this_boot(dead), false, false), // fresh: a writer might still be at it
+            (other_boot(dead), true, false), // another host's (NFS): its pid means nothing here
+            (no_boot(dead), true, false),    // an earlier version's name: never judged
+            (this_boot(me), true, false),    // alive
+            (this_boot(other_ns), true, false),
+            (format!("{TMP_PREFIX}{boot}-not-a-tag"), true, false),
         ];
-        for (n, _) in &dirs {
-            std::fs::create_dir(dir.path().join(n)).expect("mkdir");
-            std::fs::write(dir.path().join(n).join("ckpt.bin"), b"partial").expect("write");
+        let root = gpufeed_testkit::is_root();
+        if root {
+            dirs.push((this_boot(dead), true, false)); // nobody's (chowned below)
         }
-        // A dead writer's name on a plain file, and on a symlink: not ours, left alone.
-        let file = tag(dead);
+        for (n, old, _) in &dirs {
+            let d = dir.path().join(n);
+            std::fs::create_dir(&d).expect("mkdir");
+            std::fs::write(d.join("ckpt.bin"), b"partial").expect("write");
+            if *old {
+                age(&d);
+            }
+        }
+        if root {
+            let nobodys = dir.path().join(&dirs.last().expect("pushed").0);
+            for p in [nobodys.join("ckpt.bin"), nobodys.clone()] {
+                rustix::fs::chown(&p, Some(rustix::fs::Uid::from_raw(65534)), None).expect("chown");
+            }
+        } else {
+            gpufeed_testkit::skip(
+                "atomic::tests::only_stale_temporaries (another user's part)",
+                &"only root can give a directory to another user",
+            );
+        }
+        // A temporary of the format of versions before the private directories: a file
+        // beside the target, without a boot id.
+        let beside = format!(".ckpt.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag"));
+        std::fs::write(dir.path().join(&beside), b"x").expect("file");
+        // This boot's dead writer's name on a plain file, and on a symlink: left alone.
+        let file = this_boot(dead);
         std::fs::write(dir.path().join(&file), b"x").expect("file");
-        let link = tag(dead);
-        std::os::unix::fs::symlink(dir.path().join(&dirs[1].0), dir.path().join(&link))
+        let link = this_boot(dead);
+        std::os::unix::fs::symlink(dir.path().join(&dirs[0].0), dir.path().join(&link))
             .expect("symlink");
         let f = AtomicFile::create(&target, None).expect("create");
-        assert_eq!(f.cleaned().len(), 1, "{:?}", f.cleaned());
-        for (n, removed) in &dirs {
-            assert_eq!(!dir.path().join(n).exists(), *removed, "{n}");
+        for (n, old, removed) in &dirs {
+            assert_eq!(
+                !dir.path().join(n).exists(),
+                *removed,
+                "{n} (old: {old}): {:?}",
+                f.cleaned()
+            );
         }
-        assert!(dir.path().join(&file).exists());
-        assert!(dir.path().join(&dirs[1].0).join("ckpt.bin").exists());
+        assert_eq!(f.cleaned(), [dir.path().join(&dirs[0].0)]);
+        for n in [&beside, &file] {
+            assert!(dir.path().join(n).exists(), "{n}");
+        }
+        assert!(std::fs::symlink_metadata(dir.path().join(&link)).is_ok());
         f.commit().expect("commit");
         assert!(target.exists());
+    }
+
+    #[test]
+    fn temporary_names_parse_back() {
+        let me = ProcessIdentity::current();
+        let name = temporary_name(&me).expect("name");
+        let (boot, owner) = temporary_owner(&name).expect("parses");
+        assert_eq!(boot, boot_id());
+        assert_eq!(owner, me);
+        let old = format!("{TMP_PREFIX}{}", me.unique_tag().expect("tag"));
+        assert_eq!(temporary_owner(&old), Some((None, me)));
+        let beside = format!(".x.bin.gpufeed-tmp-{}", me.unique_tag().expect("tag"));
+        assert_eq!(temporary_owner(&beside), Some((None, me)));
+        assert_eq!(temporary_owner("x.bin"), None);
+        assert_eq!(temporary_owner(&format!("{TMP_PREFIX}zz")), None);
+        // 13 + 32 + 1 + at most 10 + 1 + 20 + 1 + 20 + 1 + 16 bytes: far below NAME_MAX.
+        assert!(name.len() < 120, "{name}");
     }
 }

@@ -259,8 +259,8 @@ fn crash_saver_child() {
 }
 
 /// 60 saver processes killed with SIGKILL at random points of their saves: the target is
-/// always a complete checkpoint of one saved version, and the next save removes every
-/// temporary file the killed ones left.
+/// always a complete checkpoint of one saved version, and a later save removes every
+/// temporary the killed ones left once it is old enough (`gpufeed_os::atomic::STALE_AFTER`).
 #[test]
 fn processes_killed_mid_save_never_leave_a_broken_checkpoint() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
@@ -321,9 +321,25 @@ fn processes_killed_mid_save_never_leave_a_broken_checkpoint() {
         advanced > 0,
         "no child completed a save: the test did not test"
     );
-    // Each child removed the temporaries of the ones killed before it; the next save here
-    // removes the last one's.
+    // Fresh temporaries of dead writers are kept (a writer on another host, or a slow one,
+    // might still be at it): the next save removes them only once they are STALE_AFTER
+    // old, here set an hour back.
     let left = temporaries(dir.path());
+    let report = saver.save_bytes(b"again", &path).expect("save");
+    assert!(report.cleaned.is_empty(), "{report:?}");
+    assert_eq!(temporaries(dir.path()), left, "fresh temporaries removed");
+    let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for t in &left {
+        let private = dir.path().join(t);
+        for e in std::fs::read_dir(&private).expect("ls").flatten() {
+            std::fs::File::open(e.path())
+                .and_then(|f| f.set_modified(hour_ago))
+                .expect("mtime");
+        }
+        std::fs::File::open(&private)
+            .and_then(|f| f.set_modified(hour_ago))
+            .expect("mtime");
+    }
     let report = saver.save_bytes(b"final", &path).expect("final save");
     assert_eq!(report.cleaned.len(), left.len(), "{report:?}");
     assert!(
