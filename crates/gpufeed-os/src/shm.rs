@@ -20,7 +20,9 @@
 //! ([`ShmSegment::create_unique`]) carry the owner's pid, start time and PID namespace, so
 //! [`gc`] can remove exactly the segments of dead owners. A segment created in another PID
 //! namespace (a container sharing /dev/shm with `--ipc=host`) is never judged by its pid: gc
-//! leaves it unless asked otherwise ([`gc_in_with`]).
+//! leaves it unless asked otherwise ([`gc_in_with`]). "Ours" is judged by the file's owner
+//! ([`uid_is_ours`]); in a user namespace where our uid reads as the overflow uid (no uid map),
+//! owners cannot be told apart and no segment counts as ours.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -556,15 +558,49 @@ pub struct ShmEntry {
     pub owner: Liveness,
 }
 
+/// Whether a file whose owner reads as `uid` here belongs to us (our effective uid).
+///
+/// In a user namespace that does not map every uid (`unshare --user` without a uid map, a
+/// rootless container), the owner of every file of an unmapped user reads as the overflow uid
+/// (`/proc/sys/kernel/overflowuid`, 65534). Where our own uid reads as that too (we are not
+/// mapped ourselves, or we are that uid in a namespace where others are unmapped), a file's
+/// uid cannot tell ours from others': nothing is ours by uid. Only a namespace that maps all
+/// 2^32 - 1 uids (the initial one) lets the overflow uid be a real owner.
+pub fn uid_is_ours(uid: u32) -> bool {
+    let euid = rustix::process::geteuid().as_raw();
+    uid == euid && (euid != overflow_uid() || maps_every_uid())
+}
+
+/// `/proc/sys/kernel/overflowuid` (65534 where unreadable).
+fn overflow_uid() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/overflowuid")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65534)
+}
+
+/// Whether our user namespace maps every uid (`/proc/self/uid_map` covers 4294967295 ids);
+/// false where it cannot be read.
+fn maps_every_uid() -> bool {
+    let Ok(map) = std::fs::read_to_string("/proc/self/uid_map") else {
+        return false;
+    };
+    let mapped: u64 = map
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u64>().ok())
+        .sum();
+    mapped >= u64::from(u32::MAX)
+}
+
 /// The segments in [`DEFAULT_DIR`] whose names were generated with `prefix`
-/// (`<prefix>-<pid>-<start>-<pid namespace>-<random>`) and which belong to our user.
+/// (`<prefix>-<pid>-<start>-<pid namespace>-<random>`) and which belong to our user
+/// ([`uid_is_ours`]: none where our uid is the overflow uid of an unmapped user namespace).
 pub fn list(prefix: &str) -> Result<Vec<ShmEntry>> {
     list_in(Path::new(DEFAULT_DIR), prefix)
 }
 
 /// Like [`list`], in another directory.
 pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
-    let our_uid = rustix::process::geteuid().as_raw();
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io("read_dir", Some(dir.into()), e))?;
     let mut found = Vec::new();
     for entry in entries.flatten() {
@@ -583,7 +619,7 @@ pub fn list_in(dir: &Path, prefix: &str) -> Result<Vec<ShmEntry>> {
         };
         let regular =
             rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::RegularFile;
-        if !regular || stat.st_uid != our_uid {
+        if !regular || !uid_is_ours(stat.st_uid) {
             continue;
         }
         found.push(ShmEntry {
@@ -610,6 +646,18 @@ pub struct GcReport {
     /// Names kept because their owner lives in another PID namespace (or its namespace is not
     /// recorded), where its pid cannot tell whether it runs.
     pub other_namespace: Vec<String>,
+    /// Segments of dead owners that could not be removed (`EPERM`, `EACCES`, ...), with why;
+    /// gc went on with the others.
+    pub skipped: Vec<GcSkipped>,
+}
+
+/// A segment [`gc`] would have removed but could not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GcSkipped {
+    /// Its name.
+    pub name: String,
+    /// Why, in words (the kernel's error).
+    pub reason: String,
 }
 
 /// What [`gc_in_with`] does with segments whose creator lives in another PID namespace.
@@ -623,9 +671,13 @@ pub enum ForeignSegments {
 }
 
 /// Removes the segments in `/dev/shm` named `<prefix>-<pid>-<start>-<ns>-<random>` that belong
-/// to our user and whose creator, of our PID namespace, is dead, and only those. Segments whose
-/// creator runs, whose creator lives in another PID namespace, of other users and names of any
-/// other form are left alone.
+/// to our user ([`uid_is_ours`]) and whose creator, of our PID namespace, is dead, and only
+/// those. Segments whose creator runs, whose creator lives in another PID namespace, of other
+/// users and names of any other form are left alone. A segment that cannot be removed
+/// (`EPERM`) is recorded in [`GcReport::skipped`] and gc goes on.
+///
+/// # Errors
+/// [`Error::Io`] only where the directory cannot be read.
 pub fn gc(prefix: &str) -> Result<GcReport> {
     gc_in(Path::new(DEFAULT_DIR), prefix)
 }
@@ -657,11 +709,11 @@ pub fn gc_in_with(dir: &Path, prefix: &str, foreign: ForeignSegments) -> Result<
             }
             Err(Errno::NOENT) => {} // removed by someone else meanwhile
             Err(e) => {
-                return Err(Error::io(
-                    "unlink shared memory",
-                    Some(dir.join(&entry.name)),
-                    e,
-                ));
+                tracing::warn!(name = %entry.name, "gc could not remove a dead owner's segment: {e}");
+                report.skipped.push(GcSkipped {
+                    name: entry.name,
+                    reason: format!("unlink: {e}"),
+                });
             }
         }
     }

@@ -77,6 +77,10 @@ fn entry() {
         "atomic-hold" => crate::pidns::hold_a_temporary(),
         // In a PID namespace whose /proc is the parent's: judges live and dead processes.
         "pidns-foreign-proc" => crate::pidns::in_pid_namespace_with_foreign_proc(),
+        // In an unmapped user namespace: lists and gcs segments of GPUFEED_IT_PREFIX.
+        "userns-list-gc" => crate::userns::list_and_gc_unmapped(),
+        // gc of GPUFEED_IT_DIR (run as a user who cannot remove what it finds).
+        "shm-gc-dir" => crate::userns::gc_dir(),
         // Lowers RLIMIT_MEMLOCK, drops CAP_IPC_LOCK, and checks what mlock says.
         "memlock" => crate::lock::in_child_with_low_limit(),
         other => panic!("unknown child role {other}"),

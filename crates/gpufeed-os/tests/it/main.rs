@@ -9,6 +9,7 @@ mod map;
 mod pidns;
 mod shm;
 mod sys;
+mod userns;
 
 /// Held by every test that locks memory, so that `VmLck` readings are not disturbed by
 /// another test locking at the same time.
