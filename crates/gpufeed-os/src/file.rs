@@ -6,9 +6,15 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 
-/// What identifies one version of a file: device, inode, size and modification time.
+/// What identifies one version of a file: device, inode, size, modification time and status
+/// change time.
 ///
-/// Two identities differ when the file was replaced, truncated, extended or written.
+/// Two identities differ when the file was replaced, truncated, extended or written, also
+/// by a rewrite that kept its size and set its modification time back (`touch -d`,
+/// `utimensat`, `rsync --times`): that changes the status change time (ctime), which no call
+/// can set. ctime also changes with the file's metadata (mode, owner, links), which then also
+/// counts as a change: a false alarm at worst, never a rewrite missed (within the file
+/// system's timestamp granularity).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FileIdentity {
     /// Device number of the file system.
@@ -19,6 +25,8 @@ pub struct FileIdentity {
     pub size: u64,
     /// Modification time, nanoseconds since the epoch.
     pub mtime_ns: i128,
+    /// Status change time (ctime), nanoseconds since the epoch.
+    pub ctime_ns: i128,
 }
 
 impl FileIdentity {
@@ -43,6 +51,7 @@ impl FileIdentity {
             ino: meta.ino(),
             size: meta.size(),
             mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
         }
     }
 
@@ -54,6 +63,8 @@ impl FileIdentity {
             Some(format!("size {} -> {} bytes", self.size, later.size))
         } else if self.mtime_ns != later.mtime_ns {
             Some("modified (mtime changed)".to_owned())
+        } else if self.ctime_ns != later.ctime_ns {
+            Some("modified or its metadata changed (ctime changed; size and mtime kept)".to_owned())
         } else {
             None
         }

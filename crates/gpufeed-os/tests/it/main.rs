@@ -4,6 +4,7 @@ mod advise_cache;
 mod align;
 mod atomic;
 mod child;
+mod file;
 mod lock;
 mod map;
 mod pidns;
