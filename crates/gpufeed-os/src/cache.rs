@@ -376,6 +376,9 @@ pub fn evict(path: impl AsRef<Path>) -> Result<Residency> {
 
 /// Reads the whole file into the page cache and returns the residency afterwards.
 ///
+/// A file larger than the machine's memory (`MemTotal`) is refused before anything is read
+/// ([`Error::FileLargerThanMemory`]): it could never be resident whole, and reading it through
+/// (a 1 TiB sparse file, say) would take long and only push everything else out of the cache.
 /// [`Error::ResidencyUnknown`] comes after the file was read in (only the measurement
 /// afterwards was refused).
 ///
@@ -395,6 +398,17 @@ pub fn warm_with_progress(
     let path = path.as_ref();
     let (file, identity) = open_regular(path, false)?;
     let total = identity.size;
+    if let Some(mem_total) = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| crate::procfs::meminfo_bytes(&m, "MemTotal"))
+        && total > mem_total
+    {
+        return Err(Error::FileLargerThanMemory {
+            path: path.into(),
+            size: total,
+            mem_total,
+        });
+    }
     let _ = advise::fadvise(&file, 0, 0, FileAdvice::Sequential);
     let mut done = 0u64;
     while done < total {

@@ -274,6 +274,22 @@ pub enum Error {
         margin: u64,
     },
 
+    /// A file to be read into the page cache is larger than the machine's memory.
+    #[error(
+        "{} is {size} bytes, more than this machine's memory ({mem_total} bytes, MemTotal): it \
+         can never be in the page cache whole, and reading it through would only push everything \
+         else out; warm the files (or a smaller file) you need next, or read it with a loader",
+        .path.display()
+    )]
+    FileLargerThanMemory {
+        /// The file.
+        path: PathBuf,
+        /// Its size in bytes.
+        size: u64,
+        /// `MemTotal` in bytes.
+        mem_total: u64,
+    },
+
     /// The file changed since it was mapped.
     #[error(
         "{} changed while mapped ({what}): a file that shrinks under a mapping raises SIGBUS; \

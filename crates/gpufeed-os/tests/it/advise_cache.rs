@@ -200,3 +200,39 @@ fn residency_estimates_follow_what_was_read() {
         Err(Error::RangePastEof { .. })
     ));
 }
+
+/// A sparse file twice the size of the machine's memory is refused before a byte is read
+/// (reading it through would take long and evict everything else), with what to do.
+#[test]
+fn warming_a_file_larger_than_memory_is_refused_before_reading() {
+    let mem_total = std::fs::read_to_string("/proc/meminfo")
+        .expect("meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .expect("MemTotal")
+        * 1024;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("sparse.bin");
+    let f = std::fs::File::create(&path).expect("create");
+    f.set_len(2 * mem_total)
+        .expect("a sparse file of twice the memory");
+    drop(f);
+    let r = cache::warm_with_progress(&path, |done, _| {
+        assert!(
+            done <= 64 << 20,
+            "warm read {done} bytes of a file larger than memory"
+        );
+    });
+    match r {
+        Err(Error::FileLargerThanMemory {
+            size, mem_total: m, ..
+        }) => {
+            assert_eq!((size, m), (2 * mem_total, mem_total));
+        }
+        other => panic!("{other:?}"),
+    }
+    let err = cache::warm(&path).unwrap_err();
+    assert!(err.to_string().contains("MemTotal"), "{err}");
+}
