@@ -156,15 +156,17 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ShmCommand {
-    /// List segments, with their owners and whether they still run.
+    /// List segments, with their owners and whether they still run, and rendezvous segments
+    /// (`<prefix>-rdv-*`: jobs whose ranks are still meeting, or crashed jobs' leftovers) with
+    /// rank 0's pid and whether a rank may still use them.
     Ls {
         #[arg(long, default_value = gpufeed::os::shm::DEFAULT_PREFIX)]
         prefix: String,
     },
-    /// Remove the segments whose owner process died, and the descriptor sockets
-    /// (`.gpufeed-fd-*`) that ranks killed while passing descriptors left, once an hour old.
-    /// Segments made in another PID namespace (a container sharing /dev/shm) are kept: their
-    /// owner's pid says nothing here.
+    /// Remove the segments whose owner process died, rendezvous segments whose ranks all died
+    /// (crashed jobs'), and the descriptor sockets (`.gpufeed-fd-*`) that ranks killed while
+    /// passing descriptors left, once an hour old. Segments made in another PID namespace (a
+    /// container sharing /dev/shm) are kept: their owner's pid says nothing here.
     Gc {
         #[arg(long, default_value = gpufeed::os::shm::DEFAULT_PREFIX)]
         prefix: String,
@@ -1042,13 +1044,22 @@ fn lock(paths: &[PathBuf], seconds: Option<u64>, json: bool) -> Result<ExitCode>
 
 fn shm_ls(prefix: &str, json: bool) -> Result<ExitCode> {
     let list = gpufeed::os::shm::list(prefix)?;
+    let dir = std::path::Path::new(gpufeed::os::shm::DEFAULT_DIR);
+    let rendezvous = gpufeed::ipc::list_rendezvous(dir, prefix)?;
     if json {
         let rows: Vec<_> = list
             .iter()
             .map(|e| json!({ "name": e.name, "bytes": e.len, "owner_pid": e.owner_pid, "owner_pid_ns": e.owner_pid_ns, "owner": liveness_word(e.owner) }))
             .collect();
-        print_json("shm ls", json!({ "prefix": prefix, "segments": rows }))?;
-    } else if list.is_empty() {
+        let meetings: Vec<_> = rendezvous
+            .iter()
+            .map(|r| json!({ "name": r.name, "bytes": r.bytes, "world": r.world, "joined": r.joined, "rank0_pid": r.rank0.pid, "rank0_pid_ns": r.rank0.pid_ns, "ranks": liveness_word(r.ranks) }))
+            .collect();
+        print_json(
+            "shm ls",
+            json!({ "prefix": prefix, "segments": rows, "rendezvous": meetings }),
+        )?;
+    } else if list.is_empty() && rendezvous.is_empty() {
         println!("no {prefix}-* segments in /dev/shm");
     } else {
         for e in &list {
@@ -1058,6 +1069,17 @@ fn shm_ls(prefix: &str, json: bool) -> Result<ExitCode> {
                 e.owner_pid,
                 liveness_word(e.owner),
                 e.name
+            );
+        }
+        for r in &rendezvous {
+            println!(
+                "{:<10} pid {:<8} {:<5} {} (rendezvous: {} of {} ranks joined; pid is rank 0's)",
+                show_size(r.bytes),
+                r.rank0.pid,
+                liveness_word(r.ranks),
+                r.name,
+                r.joined,
+                r.world
             );
         }
     }
@@ -1082,11 +1104,13 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
     };
     let dir = std::path::Path::new(shm::DEFAULT_DIR);
     let report = shm::gc_in_with(dir, prefix, foreign)?;
+    let rendezvous = gpufeed::ipc::gc_rendezvous(dir, prefix, foreign)?;
     let sockets = gpufeed::ipc::remove_stale_sockets(dir, gpufeed::ipc::STALE_SOCKET_AGE)?;
     if json {
+        let meetings = json!({ "removed": rendezvous.removed, "removed_bytes": rendezvous.removed_bytes, "kept": rendezvous.kept, "other_namespace": rendezvous.other_namespace });
         print_json(
             "shm gc",
-            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "removed_sockets": sockets }),
+            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "rendezvous": meetings, "removed_sockets": sockets }),
         )?;
     } else {
         println!(
@@ -1103,6 +1127,19 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
         );
         for n in &report.removed {
             println!("  removed {n}");
+        }
+        let r = &rendezvous;
+        if !(r.removed.is_empty() && r.kept.is_empty() && r.other_namespace.is_empty()) {
+            println!(
+                "removed {} rendezvous segment(s) of crashed jobs ({}); kept {} that a rank may still use, {} of other PID namespaces",
+                r.removed.len(),
+                show_size(r.removed_bytes),
+                r.kept.len(),
+                r.other_namespace.len()
+            );
+            for n in &r.removed {
+                println!("  removed {n}");
+            }
         }
         if !sockets.is_empty() {
             println!(

@@ -444,6 +444,103 @@ fn shm_gc_removes_a_dead_process_segment() {
     assert!(!dev_shm.join(&foreign).exists());
 }
 
+/// Child processes of these tests: this binary re-run with `GPUFEED_IT_CHILD` set runs only
+/// this test (`gpufeed_testkit::child_command`); without the variable it returns at once.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(gpufeed_testkit::CHILD_ROLE) else {
+        return;
+    };
+    match role.as_str() {
+        // Rank 0 of a rendezvous of 2, waiting up to a minute for a rank 1 that never comes.
+        "rendezvous-rank0" => {
+            let name = std::env::var("GPUFEED_IT_RDV").expect("GPUFEED_IT_RDV");
+            let opts = gpufeed::ipc::RendezvousOptions::default()
+                .with_join_timeout(std::time::Duration::from_secs(60));
+            let _ = gpufeed::ipc::Rendezvous::join(&name, 0, 2, opts);
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Waits up to 20 s for `done`.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !done() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "never: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A job whose rank 0 was SIGKILLed while it waited for the others leaves its rendezvous
+/// segment: `shm ls` lists it (rank 0's pid, its ranks dead) beside a live job's, and `shm gc`
+/// removes it and keeps the live one, until that one's rank 0 dies too. (Before, rendezvous
+/// segments were invisible to both and never removed.)
+#[test]
+fn shm_gc_removes_a_crashed_jobs_rendezvous_and_keeps_a_live_one() {
+    let prefix = format!("gpufeedclirdv{}", std::process::id());
+    let dev_shm = std::path::Path::new("/dev/shm");
+    let (crashed, live) = (format!("{prefix}-crashed"), format!("{prefix}-live"));
+    let rank0 = |name: &str| {
+        gpufeed_testkit::child_command(
+            "child_entry",
+            "rendezvous-rank0",
+            &[("GPUFEED_IT_RDV", name.to_owned())],
+        )
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn a rank 0")
+    };
+    let ls = || json_of(gpufeed().args(["shm", "ls", "--prefix", &prefix])).0;
+    let row = |v: &Value, name: &str| {
+        v["rendezvous"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["name"] == name).cloned())
+    };
+    let joined = |v: &Value, name: &str| row(v, name).is_some_and(|r| r["joined"] == 1);
+    let mut dead = rank0(&crashed);
+    let dead_pid = dead.id();
+    wait_until("the crashed job's rank 0 is listed", || {
+        joined(&ls(), &crashed)
+    });
+    dead.kill().expect("SIGKILL");
+    dead.wait().expect("reap");
+    let mut alive = rank0(&live);
+    wait_until("the live job's rank 0 is listed", || joined(&ls(), &live));
+    let v = ls();
+    let (c, l) = (
+        row(&v, &crashed).expect("listed"),
+        row(&v, &live).expect("listed"),
+    );
+    assert_eq!(
+        (&c["ranks"], &c["rank0_pid"], &c["world"]),
+        (&"dead".into(), &dead_pid.into(), &2.into()),
+        "{v}"
+    );
+    assert_eq!(
+        (&l["ranks"], &l["rank0_pid"], &l["world"]),
+        (&"live".into(), &alive.id().into(), &2.into()),
+        "{v}"
+    );
+    let (v, code) = json_of(gpufeed().args(["shm", "gc", "--prefix", &prefix]));
+    assert_eq!(code, 0);
+    assert_eq!(
+        v["rendezvous"]["removed"],
+        serde_json::json!([crashed]),
+        "{v}"
+    );
+    assert_eq!(v["rendezvous"]["kept"], serde_json::json!([live]), "{v}");
+    assert!(!dev_shm.join(&crashed).exists() && dev_shm.join(&live).exists());
+    alive.kill().expect("SIGKILL");
+    alive.wait().expect("reap");
+    let (v, _) = json_of(gpufeed().args(["shm", "gc", "--prefix", &prefix]));
+    assert_eq!(v["rendezvous"]["removed"], serde_json::json!([live]), "{v}");
+    assert!(!dev_shm.join(&live).exists());
+}
+
 #[test]
 fn lock_holds_files_for_the_time_asked() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -17,8 +17,12 @@
 //! [`Rendezvous`]: the processes of one job on one machine (one per GPU, as `torchrun` starts
 //! them) meet in a named segment, pass each other small payloads ([`Rendezvous::exchange`]:
 //! CUDA IPC handles, a plan's hash) and file descriptors ([`Rendezvous::share_fd`]: an exported
-//! CUDA memory pool), and wait at barriers; a rank that never arrives, left or died makes the
-//! others fail with an error naming it, within the join timeout or one lease.
+//! CUDA memory pool, over sockets in private directories with the peers' credentials checked),
+//! and wait at barriers; a rank that never arrives, left or died makes the others fail with an
+//! error naming it, within the join timeout or one lease. A crashed job's leftover segment is
+//! replaced by the next job's rank 0 (whatever its world size) and collectable by
+//! [`gc_rendezvous`] (`gpufeed shm gc`); a live job's is never removed, another user's file
+//! under the name never touched.
 //!
 //! Holders are named by their entry in the ring's process table (PID namespace, pid, start
 //! time, heartbeat) and hold a lock on a byte of the segment that the kernel releases when they
@@ -80,8 +84,8 @@ pub use layout::{Layout, MAX_CONSUMERS, MAX_PRODUCERS, MAX_SLOTS, SLOT_ALIGN, pa
 pub use members::MAX_PROCESSES;
 #[cfg(not(loom))]
 pub use rendezvous::{
-    MAX_PAYLOAD, MAX_RANKS, RankWatch, Rendezvous, RendezvousOptions, STALE_SOCKET_AGE,
-    remove_stale_sockets,
+    MAX_PAYLOAD, MAX_RANKS, RankWatch, Rendezvous, RendezvousOptions, RendezvousSegment,
+    STALE_SOCKET_AGE, gc_rendezvous, list_rendezvous, remove_stale_sockets,
 };
 #[cfg(not(loom))]
 pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats};

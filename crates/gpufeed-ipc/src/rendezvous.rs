@@ -32,6 +32,7 @@ use std::os::fd::AsFd;
 
 use gpufeed_os::ShmSegment;
 use gpufeed_os::process::{Liveness, ProcessIdentity};
+use gpufeed_os::shm::{ForeignSegments, GcReport};
 use parking_lot::{Condvar, Mutex};
 use rustix::thread::futex;
 
@@ -853,7 +854,7 @@ fn create(
                     _ => unreachable!("matched above"),
                 };
                 match remove_leftover(shm, name, fd)? {
-                    Some(lock) => _replacing = Some(lock),
+                    Some(replacing) => _replacing = Some(replacing),
                     None => {
                         // Another process is replacing or removing it: look again.
                         std::thread::sleep(Duration::from_millis(5));
@@ -1114,6 +1115,11 @@ impl RankRecord {
         })
     }
 
+    /// Whether the rank never came: no state, no identity.
+    fn never_came(&self) -> bool {
+        self.state == EMPTY && self.id.pid == 0
+    }
+
     fn departed(&self, seg: &ShmSegment) -> bool {
         let bits = word(seg, OFF_DEPARTED + 8 * (self.rank / 64)).load(Ordering::Acquire);
         bits & (1 << (self.rank % 64)) != 0
@@ -1145,15 +1151,23 @@ impl RankRecord {
     }
 }
 
+/// A leftover removed (or found replaced already) under its replacement lock.
+struct Replacing {
+    /// The write lock on the old file's [`REPLACE_LOCK_BYTE`]: hold it until the replacement
+    /// exists. `None` where no lock could be taken (no /proc).
+    _lock: Option<ExclusiveLock>,
+    /// Whether this call removed the name (false: it referred to another file by then).
+    removed: bool,
+}
+
 /// Removes the leftover `seg` (a descriptor of it) under `name` in `shm` if the name still
-/// refers to it, holding a write lock on its [`REPLACE_LOCK_BYTE`] (returned: hold it until
-/// the replacement exists). `None` when someone else holds that lock (replacing or removing
-/// it now).
+/// refers to it, holding a write lock on its [`REPLACE_LOCK_BYTE`]. `None` when someone else
+/// holds that lock (replacing or removing it now).
 fn remove_leftover(
     shm: &std::path::Path,
     name: &str,
     seg: BorrowedFd<'_>,
-) -> Result<Option<Option<ExclusiveLock>>> {
+) -> Result<Option<Replacing>> {
     let lock = match ExclusiveLock::try_take(seg, REPLACE_LOCK_BYTE) {
         Ok(Some(lock)) => Some(lock),
         Ok(None) => return Ok(None),
@@ -1168,10 +1182,12 @@ fn remove_leftover(
         (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
         _ => false,
     };
+    let mut removed = false;
     if same {
         match rustix::fs::unlink(&path) {
             Ok(()) => {
-                tracing::info!("removed the leftover rendezvous {name} of a job that is gone")
+                removed = true;
+                tracing::info!("removed the leftover rendezvous {name} of a job that is gone");
             }
             Err(rustix::io::Errno::NOENT) => {}
             Err(e) => {
@@ -1182,5 +1198,187 @@ fn remove_leftover(
             }
         }
     }
-    Ok(Some(lock))
+    Ok(Some(Replacing {
+        _lock: lock,
+        removed,
+    }))
+}
+
+/// A rendezvous segment in a shared-memory directory ([`list_rendezvous`]): a job whose ranks
+/// have not all met yet (once they have, rank 0 removes the name), or a crashed job's
+/// leftover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RendezvousSegment {
+    /// Its name.
+    pub name: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// The number of ranks rank 0 made it for.
+    pub world: usize,
+    /// Rank 0's identity (rank 0 makes the segment); pid 0 where none was recorded.
+    pub rank0: ProcessIdentity,
+    /// How many ranks had joined.
+    pub joined: usize,
+    /// Whether a rank may still use it: [`Liveness::Alive`] when one may (its lock is held,
+    /// or its pid lives here), [`Liveness::Dead`] when every rank that came is known gone
+    /// (left, its lock released, its pid dead), [`Liveness::OtherNamespace`] when none is
+    /// known alive but some can only be judged from their own PID namespace.
+    pub ranks: Liveness,
+}
+
+/// The rendezvous segments of this user in `dir` (`/dev/shm` for [`Rendezvous`]) whose names
+/// start with `<prefix>-` (`gpufeed-rdv-<job>` for `RankLoader` with the prefix `gpufeed`),
+/// recognised by their header, with what their ranks are; sorted by name. Other files are
+/// left unopened or unmapped.
+///
+/// # Errors
+/// [`Error::Io`] when `dir` cannot be read.
+pub fn list_rendezvous(dir: &std::path::Path, prefix: &str) -> Result<Vec<RendezvousSegment>> {
+    let mut found: Vec<RendezvousSegment> = rendezvous_in(dir, prefix)?
+        .into_iter()
+        .map(|(entry, _)| entry)
+        .collect();
+    found.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(found)
+}
+
+/// Removes the rendezvous segments of this user in `dir` whose names start with `<prefix>-`
+/// and whose ranks are all known gone ([`Liveness::Dead`] in [`list_rendezvous`]): crashed
+/// jobs' leftovers. One whose rank may live is kept; one whose ranks can only be judged from
+/// another PID namespace is kept unless `foreign` says [`ForeignSegments::Remove`]. A
+/// segment is removed only if its name still refers to the file judged, under the lock rank 0
+/// of a new job takes to replace a leftover, so that a new job's segment is never removed.
+///
+/// # Errors
+/// [`Error::Io`] when `dir` cannot be read or a segment cannot be removed.
+pub fn gc_rendezvous(
+    dir: &std::path::Path,
+    prefix: &str,
+    foreign: ForeignSegments,
+) -> Result<GcReport> {
+    let mut report = GcReport::default();
+    let mut found = rendezvous_in(dir, prefix)?;
+    found.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+    for (entry, seg) in found {
+        match (entry.ranks, foreign) {
+            (Liveness::Alive, _) => report.kept.push(entry.name),
+            (Liveness::OtherNamespace, ForeignSegments::Keep) => {
+                report.other_namespace.push(entry.name)
+            }
+            _ => {
+                // Removed if we got the lock and the name still was this file; a locked one is
+                // being replaced right now.
+                if remove_leftover(dir, &entry.name, seg.as_fd())?.is_some_and(|r| r.removed) {
+                    report.removed_bytes += entry.bytes;
+                    report.removed.push(entry.name);
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// How long a rendezvous file without any rank's identity may be (its rank 0 between making it
+/// and writing its identity, in layout 1) before it counts as a leftover.
+const NOBODY_GRACE: Duration = Duration::from_secs(60);
+
+/// The rendezvous segments in `dir` named `<prefix>-*`, judged, with the mapping judged.
+fn rendezvous_in(
+    dir: &std::path::Path,
+    prefix: &str,
+) -> Result<Vec<(RendezvousSegment, ShmSegment)>> {
+    let io = |source: std::io::Error| Error::Io {
+        op: "read the shared-memory directory",
+        source,
+    };
+    let ours = rustix::process::geteuid().as_raw();
+    let stem = format!("{prefix}-");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if !name.starts_with(&stem) {
+            continue;
+        }
+        let Ok(st) = rustix::fs::lstat(entry.path()) else {
+            continue; // gone meanwhile
+        };
+        let regular =
+            rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
+        if !regular || st.st_uid != ours || (st.st_size as u64) < (HEADER + 64) as u64 {
+            continue;
+        }
+        // The magic first, through a descriptor: other segments (rings, GBs) stay unmapped.
+        let Ok(fd) = open_unmapped(&entry.path()) else {
+            continue;
+        };
+        let mut magic = [0u8; 8];
+        if !matches!(rustix::io::pread(&fd, &mut magic, 0), Ok(8)) {
+            continue;
+        }
+        let magic = u64::from_le_bytes(magic);
+        if magic != MAGIC && magic != MAGIC_V1 {
+            continue;
+        }
+        let Ok(seg) = gpufeed_os::shm::ShmOptions::new().dir(dir).open(&name) else {
+            continue;
+        };
+        let age = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .and_then(|now| now.checked_sub(Duration::new(st.st_mtime as u64, 0)));
+        found.push((judge_segment(&seg, magic, name, age), seg));
+    }
+    Ok(found)
+}
+
+/// What a rendezvous segment's ranks are, from its records alone (no waiting).
+fn judge_segment(
+    seg: &ShmSegment,
+    magic: u64,
+    name: String,
+    age: Option<Duration>,
+) -> RendezvousSegment {
+    let world = word(seg, OFF_WORLD).load(Ordering::Relaxed) as usize;
+    let (mut joined, mut alive, mut unknown, mut anyone) = (0, false, false, false);
+    let mut rank0 = ProcessIdentity {
+        pid_ns: 0,
+        pid: 0,
+        start_ticks: 0,
+    };
+    for r in 0..world.min(MAX_RANKS) {
+        let Some(rec) = RankRecord::read(seg, magic, r) else {
+            break; // the segment ends (a hostile or torn world size)
+        };
+        if r == 0 {
+            rank0 = rec.id;
+        }
+        if rec.never_came() {
+            continue;
+        }
+        anyone = true;
+        joined += usize::from(rec.state != EMPTY);
+        match rec.liveness(seg) {
+            Liveness::Alive => alive = true,
+            Liveness::OtherNamespace => unknown = true,
+            Liveness::Dead => {}
+        }
+    }
+    let ranks = if alive || (!anyone && age.is_none_or(|a| a < NOBODY_GRACE)) {
+        Liveness::Alive
+    } else if unknown {
+        Liveness::OtherNamespace
+    } else {
+        Liveness::Dead
+    };
+    RendezvousSegment {
+        name,
+        bytes: seg.len() as u64,
+        world,
+        rank0,
+        joined,
+        ranks,
+    }
 }

@@ -6,6 +6,8 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use gpufeed_ipc::{Error, Rendezvous, RendezvousOptions};
+use gpufeed_os::process::Liveness;
+use gpufeed_os::shm::ForeignSegments;
 
 use crate::child;
 
@@ -437,6 +439,12 @@ fn a_leftover_of_a_crashed_job_and_bad_settings_are_handled() {
     let mut other = other;
     other.kill().expect("kill");
     other.wait().expect("reap");
+    // Its segment is a crashed job's leftover now: collected, not left in /dev/shm.
+    let shm = std::path::Path::new("/dev/shm");
+    let prefix = name.rsplit_once('-').expect("a pid suffix").0;
+    let report = gpufeed_ipc::gc_rendezvous(shm, prefix, ForeignSegments::Keep).expect("gc");
+    assert!(report.removed.contains(&name), "{report:?}");
+    assert!(!shm.join(&name).exists());
 }
 
 #[test]
@@ -849,4 +857,66 @@ fn a_rendezvous_whose_rank_0_lives_is_never_removed() {
         let (ok, lines) = output(c);
         assert!(ok, "job A's rank {r}: {lines:?}");
     }
+}
+
+/// The rendezvous segments named `<prefix>-*` in /dev/shm, once `ready` holds for them.
+fn rendezvous_when(
+    prefix: &str,
+    ready: impl Fn(&[gpufeed_ipc::RendezvousSegment]) -> bool,
+) -> Vec<gpufeed_ipc::RendezvousSegment> {
+    let t = Instant::now();
+    loop {
+        let found = gpufeed_ipc::list_rendezvous(std::path::Path::new("/dev/shm"), prefix)
+            .expect("list rendezvous segments");
+        if ready(&found) {
+            return found;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{found:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A job whose rank 0 was SIGKILLed while it waited leaves its rendezvous segment; gc lists it
+/// with its rank 0 dead and removes it, and keeps a live job's (its rank 0 waiting for rank 1),
+/// which then meets and removes its own name. (Before, neither was visible to `shm ls` or
+/// `shm gc`, and the test suite left such a segment in /dev/shm on every run.)
+#[test]
+fn a_crashed_jobs_rendezvous_is_collected_and_a_live_one_is_not() {
+    let prefix = format!("gpufeed-it-gc{}", std::process::id());
+    let (crashed_name, live_name) = (format!("{prefix}-crashed"), format!("{prefix}-live"));
+    let shm = std::path::Path::new("/dev/shm");
+    let mut crashed = spawn(&crashed_name, 0, 2, "hang");
+    let crashed_pid = crashed.id();
+    // Once it has claimed its record.
+    rendezvous_when(&prefix, |f| f.iter().any(|e| e.joined == 1));
+    crashed.kill().expect("kill");
+    crashed.wait().expect("reap");
+    let live = spawn(&live_name, 0, 2, "normal");
+    let found = rendezvous_when(&prefix, |f| f.len() == 2 && f.iter().all(|e| e.joined == 1));
+    let summary: Vec<_> = found
+        .iter()
+        .map(|e| (e.name.as_str(), e.world, e.rank0.pid, e.ranks))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (crashed_name.as_str(), 2, crashed_pid, Liveness::Dead),
+            (live_name.as_str(), 2, live.id(), Liveness::Alive),
+        ]
+    );
+    let report = gpufeed_ipc::gc_rendezvous(shm, &prefix, ForeignSegments::Keep).expect("gc");
+    assert_eq!(report.removed, vec![crashed_name.clone()], "{report:?}");
+    assert_eq!(report.kept, vec![live_name.clone()], "{report:?}");
+    assert!(report.removed_bytes > 0);
+    assert!(!shm.join(&crashed_name).exists() && shm.join(&live_name).exists());
+    let rank1 = spawn(&live_name, 1, 2, "normal");
+    for (r, c) in [live, rank1].into_iter().enumerate() {
+        let (ok, lines) = output(c);
+        assert!(ok, "rank {r}: {lines:?}");
+    }
+    assert_eq!(
+        gpufeed_ipc::list_rendezvous(shm, &prefix).expect("list"),
+        vec![],
+        "the live job's name is removed once it met"
+    );
 }
