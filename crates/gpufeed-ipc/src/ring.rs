@@ -681,9 +681,11 @@ impl BatchRing {
         }
     }
 
-    /// Whether slot `slot` still holds the word `word` this process claimed or took it under.
+    /// Whether this process is still attached (a peer has not revoked or retired its entry)
+    /// and slot `slot` still holds the word `word` it claimed or took the slot under.
     fn holds(&self, slot: u32, word: u64) -> bool {
-        self.ctl(slot).load(Ordering::Relaxed) == word
+        self.proc_entry(self.entry).ctl.load(Ordering::Relaxed) == self.entry_ctl
+            && self.ctl(slot).load(Ordering::Relaxed) == word
     }
 
     /// Claims a free slot without waiting.
@@ -950,7 +952,8 @@ impl Claim<'_> {
     ///
     /// # Errors
     /// [`Error::TooLarge`] past the slot's end; [`Error::Detached`] (nothing written) when a
-    /// peer took the claim away (this process was silent for a whole lease); [`Error::Forked`].
+    /// peer detached this process or took the claim away (it was silent for a whole lease);
+    /// [`Error::Forked`].
     /// A copy that began before this process was stopped ends in its own quarantined slot,
     /// which nobody uses until this claim drops.
     pub fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<()> {
@@ -1225,7 +1228,8 @@ impl Batch<'_> {
     ///
     /// # Errors
     /// [`Error::TooLarge`] past the batch's end; [`Error::Detached`] (nothing read) when a
-    /// peer took the batch away (this process was silent for a whole lease: stopped?).
+    /// peer detached this process or took the batch away (it was silent for a whole lease:
+    /// stopped?).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         let end = offset.checked_add(dst.len() as u64);
         if end.is_none_or(|e| e > self.len) {
