@@ -1107,7 +1107,12 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
     let rendezvous = gpufeed::ipc::gc_rendezvous(dir, prefix, foreign)?;
     let sockets = gpufeed::ipc::remove_stale_sockets(dir, gpufeed::ipc::STALE_SOCKET_AGE)?;
     if json {
-        let meetings = json!({ "removed": rendezvous.removed, "removed_bytes": rendezvous.removed_bytes, "kept": rendezvous.kept, "other_namespace": rendezvous.other_namespace });
+        let skipped: Vec<_> = rendezvous
+            .skipped
+            .iter()
+            .map(|k| json!({ "name": k.name, "reason": k.reason }))
+            .collect();
+        let meetings = json!({ "removed": rendezvous.removed, "removed_bytes": rendezvous.removed_bytes, "kept": rendezvous.kept, "other_namespace": rendezvous.other_namespace, "skipped": skipped });
         print_json(
             "shm gc",
             json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "rendezvous": meetings, "removed_sockets": sockets }),

@@ -988,8 +988,9 @@ fn inspect(shm: &std::path::Path, name: &str, default_lease: Duration) -> Result
             });
         }
     };
-    let ours = rustix::process::geteuid().as_raw();
-    if st.st_uid != ours {
+    // Not ours, or not known to be ours (an unmapped user namespace, where every other
+    // user's file reads as our overflow uid): never opened, never removed.
+    if !gpufeed_os::shm::uid_is_ours(st.st_uid) {
         return Err(squatted(name, st.st_uid));
     }
     let seg = match gpufeed_os::shm::ShmOptions::new().dir(shm).open(name) {
@@ -1226,7 +1227,8 @@ pub struct RendezvousSegment {
     pub ranks: Liveness,
 }
 
-/// The rendezvous segments of this user in `dir` (`/dev/shm` for [`Rendezvous`]) whose names
+/// The rendezvous segments of this user ([`gpufeed_os::shm::uid_is_ours`]) in `dir`
+/// (`/dev/shm` for [`Rendezvous`]) whose names
 /// start with `<prefix>-` (`gpufeed-rdv-<job>` for `RankLoader` with the prefix `gpufeed`),
 /// recognised by their header, with what their ranks are; sorted by name. Other files are
 /// left unopened or unmapped.
@@ -1242,15 +1244,17 @@ pub fn list_rendezvous(dir: &std::path::Path, prefix: &str) -> Result<Vec<Rendez
     Ok(found)
 }
 
-/// Removes the rendezvous segments of this user in `dir` whose names start with `<prefix>-`
-/// and whose ranks are all known gone ([`Liveness::Dead`] in [`list_rendezvous`]): crashed
-/// jobs' leftovers. One whose rank may live is kept; one whose ranks can only be judged from
-/// another PID namespace is kept unless `foreign` says [`ForeignSegments::Remove`]. A
-/// segment is removed only if its name still refers to the file judged, under the lock rank 0
-/// of a new job takes to replace a leftover, so that a new job's segment is never removed.
+/// Removes the rendezvous segments of this user ([`gpufeed_os::shm::uid_is_ours`]) in `dir`
+/// whose names start with `<prefix>-` and whose ranks are all known gone ([`Liveness::Dead`]
+/// in [`list_rendezvous`]): crashed jobs' leftovers. One whose rank may live is kept; one
+/// whose ranks can only be judged from another PID namespace is kept unless `foreign` says
+/// [`ForeignSegments::Remove`]. A segment is removed only if its name still refers to the file
+/// judged, under the lock rank 0 of a new job takes to replace a leftover, so that a new job's
+/// segment is never removed; one that cannot be removed (`EPERM`) is recorded in
+/// [`GcReport::skipped`] and gc goes on.
 ///
 /// # Errors
-/// [`Error::Io`] when `dir` cannot be read or a segment cannot be removed.
+/// [`Error::Io`] when `dir` cannot be read.
 pub fn gc_rendezvous(
     dir: &std::path::Path,
     prefix: &str,
@@ -1265,14 +1269,23 @@ pub fn gc_rendezvous(
             (Liveness::OtherNamespace, ForeignSegments::Keep) => {
                 report.other_namespace.push(entry.name)
             }
-            _ => {
-                // Removed if we got the lock and the name still was this file; a locked one is
-                // being replaced right now.
-                if remove_leftover(dir, &entry.name, seg.as_fd())?.is_some_and(|r| r.removed) {
+            // Removed if we got the lock and the name still was this file; a locked one is
+            // being replaced right now.
+            _ => match remove_leftover(dir, &entry.name, seg.as_fd()) {
+                Ok(Some(Replacing { removed: true, .. })) => {
                     report.removed_bytes += entry.bytes;
                     report.removed.push(entry.name);
                 }
-            }
+                Ok(_) => {}
+                Err(Error::Io { source, .. }) => {
+                    tracing::warn!(name = %entry.name, "gc could not remove a crashed job's rendezvous: {source}");
+                    report.skipped.push(gpufeed_os::shm::GcSkipped {
+                        name: entry.name,
+                        reason: format!("unlink: {source}"),
+                    });
+                }
+                Err(e) => return Err(e),
+            },
         }
     }
     Ok(report)
@@ -1291,7 +1304,6 @@ fn rendezvous_in(
         op: "read the shared-memory directory",
         source,
     };
-    let ours = rustix::process::geteuid().as_raw();
     let stem = format!("{prefix}-");
     let mut found = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io)? {
@@ -1307,7 +1319,10 @@ fn rendezvous_in(
         };
         let regular =
             rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
-        if !regular || st.st_uid != ours || (st.st_size as u64) < (HEADER + 64) as u64 {
+        if !regular
+            || !gpufeed_os::shm::uid_is_ours(st.st_uid)
+            || (st.st_size as u64) < (HEADER + 64) as u64
+        {
             continue;
         }
         // The magic first, through a descriptor: other segments (rings, GBs) stay unmapped.
