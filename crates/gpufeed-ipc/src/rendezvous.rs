@@ -150,6 +150,9 @@ pub struct Rendezvous {
     stop: Arc<(Mutex<bool>, Condvar)>,
     /// The lock on this rank's record byte, held until the handle drops.
     _lock: Option<ByteLock>,
+    /// Whether this handle took its rank's record: only then does dropping it depart (a join
+    /// refused with `RankTaken` must leave the holder's record alone).
+    claimed: bool,
 }
 
 impl std::fmt::Debug for Rendezvous {
@@ -204,8 +207,10 @@ impl Rendezvous {
             heartbeat: None,
             stop: Arc::new((Mutex::new(false), Condvar::new())),
             _lock: lock,
+            claimed: false,
         };
         r.claim(locked)?;
+        r.claimed = true;
         r.start_heartbeat()?;
         r.barrier()?;
         if rank == 0 {
@@ -784,7 +789,9 @@ impl Drop for Rendezvous {
         if let Some(t) = self.heartbeat.take() {
             let _ = t.join();
         }
-        self.depart();
+        if self.claimed {
+            self.depart();
+        }
     }
 }
 

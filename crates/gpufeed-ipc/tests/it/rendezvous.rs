@@ -920,3 +920,35 @@ fn a_crashed_jobs_rendezvous_is_collected_and_a_live_one_is_not() {
         "the live job's name is removed once it met"
     );
 }
+
+/// A second process given a rank that a live process holds is refused (`RankTaken`), and its
+/// failed join leaves the holder's record alone: the job meets. (Before, the refused handle's
+/// drop marked the holder's rank as left, and the whole job failed naming it.)
+#[test]
+fn a_rank_given_twice_fails_alone_and_the_job_still_meets() {
+    let name = name("twice");
+    let rank0 = spawn(&name, 0, 3, "normal");
+    let rank1 = spawn(&name, 1, 3, "normal");
+    // Once the segment is live under the name with ranks 0 and 1 in it.
+    let prefix = name.rsplit_once('-').expect("a pid suffix").0;
+    rendezvous_when(prefix, |f| {
+        f.iter().any(|e| e.name == name && e.joined == 2)
+    });
+    let e = Rendezvous::join(&name, 1, 3, opts()).expect_err("rank 1 is taken");
+    assert!(
+        matches!(
+            e,
+            Error::RankTaken {
+                rank: 1,
+                left: false,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let rank2 = spawn(&name, 2, 3, "normal");
+    for (r, c) in [rank0, rank1, rank2].into_iter().enumerate() {
+        let (ok, lines) = output(c);
+        assert!(ok, "rank {r}: {lines:?}");
+    }
+}
