@@ -1106,16 +1106,23 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
     let report = shm::gc_in_with(dir, prefix, foreign)?;
     let rendezvous = gpufeed::ipc::gc_rendezvous(dir, prefix, foreign)?;
     let sockets = gpufeed::ipc::remove_stale_sockets(dir, gpufeed::ipc::STALE_SOCKET_AGE)?;
+    // Segments gc would have removed but could not (EPERM, ...): shown, never fatal.
+    let skipped: Vec<(&str, &str)> = report
+        .skipped
+        .iter()
+        .chain(&rendezvous.skipped)
+        .map(|k| (k.name.as_str(), k.reason.as_str()))
+        .collect();
     if json {
-        let skipped: Vec<_> = rendezvous
-            .skipped
-            .iter()
-            .map(|k| json!({ "name": k.name, "reason": k.reason }))
-            .collect();
-        let meetings = json!({ "removed": rendezvous.removed, "removed_bytes": rendezvous.removed_bytes, "kept": rendezvous.kept, "other_namespace": rendezvous.other_namespace, "skipped": skipped });
+        let listed = |list: &[gpufeed::os::shm::GcSkipped]| -> Vec<serde_json::Value> {
+            list.iter()
+                .map(|k| json!({ "name": k.name, "reason": k.reason }))
+                .collect()
+        };
+        let meetings = json!({ "removed": rendezvous.removed, "removed_bytes": rendezvous.removed_bytes, "kept": rendezvous.kept, "other_namespace": rendezvous.other_namespace, "skipped": listed(&rendezvous.skipped) });
         print_json(
             "shm gc",
-            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "rendezvous": meetings, "removed_sockets": sockets }),
+            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "skipped": listed(&report.skipped), "rendezvous": meetings, "removed_sockets": sockets }),
         )?;
     } else {
         println!(
@@ -1151,6 +1158,15 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
                 "removed {} descriptor socket(s) left by ranks killed while passing descriptors",
                 sockets.len()
             );
+        }
+        if !skipped.is_empty() {
+            println!(
+                "could not remove {} segment(s) of dead owners (they stay; remove them as their owner or root):",
+                skipped.len()
+            );
+            for (name, reason) in &skipped {
+                println!("  {name}: {reason}");
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -444,6 +444,69 @@ fn shm_gc_removes_a_dead_process_segment() {
     assert!(!dev_shm.join(&foreign).exists());
 }
 
+/// A dead owner's segment that cannot be removed (immutable: EPERM even for root) is reported
+/// under `skipped` with the kernel's reason, gc goes on with the others and exits 0 (before,
+/// gc stopped at the first EPERM with an error).
+#[test]
+fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
+    const TEST: &str = "shm_gc_reports_what_it_cannot_remove_and_goes_on";
+    let mut child = std::process::Command::new("true").spawn().expect("spawn");
+    let pid = child.id();
+    child.wait().expect("reap");
+    let prefix = format!("gpufeedclisk{}", std::process::id());
+    let ns = gpufeed::os::process::current_pid_ns();
+    let dev_shm = std::path::Path::new("/dev/shm");
+    let (stuck, gone) = (
+        format!("{prefix}-{pid}-1-{ns}-00aa"),
+        format!("{prefix}-{pid}-1-{ns}-00bb"),
+    );
+    for n in [&stuck, &gone] {
+        std::fs::write(dev_shm.join(n), [0u8; 4096]).expect("segment");
+    }
+    let chattr = |flag: &str| {
+        std::process::Command::new("chattr")
+            .arg(flag)
+            .arg(dev_shm.join(&stuck))
+            .output()
+    };
+    match chattr("+i") {
+        Ok(o) if o.status.success() => {}
+        refused => {
+            let _ = std::fs::remove_file(dev_shm.join(&stuck));
+            let _ = std::fs::remove_file(dev_shm.join(&gone));
+            let why = match refused {
+                Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_owned(),
+                Err(e) => format!("chattr: {e}"),
+            };
+            return gpufeed_testkit::skip_unless_root(
+                TEST,
+                &format!("chattr +i on /dev/shm: {why}"),
+            );
+        }
+    }
+    let (v, code) = json_of(gpufeed().args(["shm", "gc", "--prefix", &prefix]));
+    let text = gpufeed()
+        .args(["shm", "gc", "--prefix", &prefix])
+        .output()
+        .expect("run");
+    let _ = chattr("-i");
+    let _ = std::fs::remove_file(dev_shm.join(&stuck));
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["removed"], serde_json::json!([gone]), "{v}");
+    let skipped = v["skipped"].as_array().expect("skipped");
+    assert_eq!(skipped.len(), 1, "{v}");
+    assert_eq!(skipped[0]["name"], stuck.as_str(), "{v}");
+    assert!(
+        !skipped[0]["reason"].as_str().unwrap_or("").is_empty(),
+        "{v}"
+    );
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("could not remove 1 segment") && text.contains(&stuck),
+        "{text}"
+    );
+}
+
 /// Child processes of these tests: this binary re-run with `GPUFEED_IT_CHILD` set runs only
 /// this test (`gpufeed_testkit::child_command`); without the variable it returns at once.
 #[test]
