@@ -104,11 +104,13 @@ struct Cli {
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
 
-    /// Fail when no GPU is usable (instead of reporting the GPU tables as not measured).
+    /// Fail at once when no GPU is usable (instead of reporting the GPU tables as not
+    /// measured), whichever tables are selected.
     #[arg(long)]
     gpu: bool,
 
-    /// Skip the CPU tables (1-3, 5), e.g. to spend the GPU machine's time on the GPU tables.
+    /// Skip the host-only tables (1-3, 5 and 7, and the limits they need), e.g. to spend the
+    /// GPU machine's time on the tables with GPU rows (4, 6, 8-13).
     #[arg(long)]
     gpu_only: bool,
 
@@ -119,7 +121,7 @@ struct Cli {
 
 /// A part of the run, for `--only`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Part {
+pub(crate) enum Part {
     Limits,
     Handoff,
     Access,
@@ -132,6 +134,49 @@ enum Part {
     Multi,
     Frames,
     Hybrid,
+}
+
+impl Part {
+    const ALL: [Part; 12] = [
+        Part::Limits,
+        Part::Handoff,
+        Part::Access,
+        Part::Reads,
+        Part::Ipc,
+        Part::Loader,
+        Part::Gpu,
+        Part::Small,
+        Part::Python,
+        Part::Multi,
+        Part::Frames,
+        Part::Hybrid,
+    ];
+
+    /// A part without GPU rows (skipped by `--gpu-only`).
+    fn host_only(self) -> bool {
+        matches!(
+            self,
+            Part::Limits | Part::Handoff | Part::Access | Part::Reads | Part::Ipc | Part::Loader
+        )
+    }
+
+    /// The tables it renders, for the report's list of what a run left out.
+    pub(crate) fn tables(self) -> &'static str {
+        match self {
+            Part::Limits => "the machine's limits",
+            Part::Handoff => "table 1 (handoff)",
+            Part::Access => "table 2 (access)",
+            Part::Reads => "table 3 (reads)",
+            Part::Ipc => "table 5 (ipc)",
+            Part::Loader => "table 7 (loader)",
+            Part::Gpu => "tables 4, 6 and 8 (gpu)",
+            Part::Small => "table 9 (small)",
+            Part::Python => "table 10 (python)",
+            Part::Multi => "table 11 (multi)",
+            Part::Frames => "table 12 (frames)",
+            Part::Hybrid => "table 13 (hybrid)",
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -333,8 +378,40 @@ fn main() -> Result<()> {
         cli.checkpoint = 256 << 20;
         cli.multi_file = 256 << 20;
     }
-    let wanted = |p: Part| cli.only.is_empty() || cli.only.contains(&p);
-    let host_part = |p: Part| !cli.gpu_only && wanted(p);
+    let wanted = |p: Part| {
+        (cli.only.is_empty() || cli.only.contains(&p)) && !(cli.gpu_only && p.host_only())
+    };
+    let host_part = wanted;
+    // What this run leaves out, said in the report (a table not selected is not "not measured").
+    let left_out: Vec<&'static str> = Part::ALL
+        .into_iter()
+        .filter(|&p| match p {
+            // Limits run whenever a host table does.
+            Part::Limits => false,
+            Part::Python => {
+                !(cli.only.contains(&Part::Python) || (cli.only.is_empty() && cli.peers))
+            }
+            p => !wanted(p),
+        })
+        .map(Part::tables)
+        .collect();
+    ensure!(
+        left_out.len() < Part::ALL.len() - 1 || cli.only.contains(&Part::Limits) && !cli.gpu_only,
+        "no table is selected: --only {} with{} --gpu-only leaves nothing to run",
+        cli.only
+            .iter()
+            .map(|p| format!("{p:?}").to_lowercase())
+            .collect::<Vec<_>>()
+            .join(","),
+        if cli.gpu_only { "" } else { "out" }
+    );
+    if cli.gpu {
+        // The GPU itself, not whether a table with GPU rows happened to run.
+        ensure!(
+            gpu::open_gpu(&mut |what| eprintln!("{what}"))?.is_some(),
+            "--gpu: no GPU is usable here (see `gpufeed doctor`)"
+        );
+    }
     let any_host = [
         Part::Limits,
         Part::Handoff,
@@ -503,10 +580,6 @@ fn main() -> Result<()> {
     } else {
         None
     };
-    ensure!(
-        !cli.gpu || gpu.is_some() || small.is_some() || python.is_some() || multi.is_some(),
-        "--gpu: no GPU is usable here (see `gpufeed doctor`)"
-    );
 
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
@@ -526,6 +599,7 @@ fn main() -> Result<()> {
         multi,
         frames,
         hybrid,
+        left_out,
     };
     progress.finish();
     let json = serde_json::to_string_pretty(&report)?;

@@ -83,6 +83,8 @@ pub struct Report {
     pub frames: Option<crate::frames::FramesBench>,
     /// Table 13: the hybrid training loader.
     pub hybrid: Option<crate::hybrid::HybridBench>,
+    /// The tables this run did not select (`--only`, `--gpu-only`; table 10 without `--peers`).
+    pub left_out: Vec<&'static str>,
 }
 
 impl Report {
@@ -134,9 +136,11 @@ impl Report {
         // The GPU tables (4, 6, 8, 9) need the GPU machine; the host tables (1-3, 5, 7) run
         // everywhere. Printed in their numbers' order.
         let gpu_ran = self.gpu.is_some() || self.small.is_some() || self.python.is_some();
+        let gpu_selected = !self.left_out.contains(&crate::Part::Gpu.tables())
+            || !self.left_out.contains(&crate::Part::Small.tables());
         match &self.gpu {
             Some(g) => gpu_table(&mut s, g),
-            None if !gpu_ran => {
+            None if !gpu_ran && gpu_selected => {
                 let _ = writeln!(
                     s,
                     "\n## Tables 4, 6, 8 and 9 — GPU\n\nNot measured: no GPU on this machine \
@@ -233,6 +237,14 @@ impl Report {
         }
         if let Some(v) = &self.hybrid {
             crate::hybrid::table(&mut s, v);
+        }
+        if !self.left_out.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nLeft out of this run (not selected: `--only`, `--gpu-only`; table 10 runs with \
+                 `--only python` or `--peers`): {}.",
+                self.left_out.join(", ")
+            );
         }
         s
     }

@@ -150,3 +150,52 @@ fn the_share_rule_catches_an_unflagged_share() {
     assert_no_unflagged_share_above_100("| cold | 113% of the disk: above 100%, so suspect |");
     assert_no_unflagged_share_above_100("| warm | 87% of the pinned limit |");
 }
+
+/// The selection flags say what they did: a table not selected is listed as left out (never
+/// "not measured: no GPU"), a selection that leaves nothing fails, and `--gpu` checks the GPU
+/// itself whichever tables are selected.
+#[test]
+fn selection_flags_say_what_ran_and_what_was_left_out() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let bench = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_gpufeed-bench"))
+            .args(["--size", "4MiB", "--batch", "1MiB", "--reps", "1"])
+            .args(args)
+            .arg("--dir")
+            .arg(dir.path())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .expect("run gpufeed-bench")
+    };
+    let out = bench(&["--only", "limits"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = String::from_utf8_lossy(&out.stdout);
+    assert!(!md.contains("Not measured: no GPU"), "{md}");
+    assert!(
+        md.contains("Left out of this run") && md.contains("tables 4, 6 and 8 (gpu)"),
+        "{md}"
+    );
+    let out = bench(&["--only", "limits", "--gpu-only"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no table is selected"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // `--gpu` fails exactly when there is no GPU, before any table runs.
+    let out = bench(&["--only", "limits", "--gpu", "--json"]);
+    let has_gpu = gpufeed::Gpu::count().is_ok_and(|n| n > 0);
+    assert_eq!(
+        out.status.success(),
+        has_gpu,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !has_gpu {
+        assert!(String::from_utf8_lossy(&out.stderr).contains("--gpu: no GPU is usable here"));
+    }
+}
