@@ -2,7 +2,8 @@
 //! process wrote (untrusted input: checked arithmetic, every field bounded).
 //!
 //! ```text
-//! 0      header (64 bytes of fixed fields, then counters, the lease and the consumer table)
+//! 0      header (64 bytes of fixed fields, then counters, the lease, the consumer's
+//!        watermark and the consumer and producer tables)
 //! 4096   process table: 128 entries of 64 bytes (control word, PID namespace, pid, start
 //!        time, heartbeat, flags), see the `members` module
 //! 12288  slot table: 64 bytes per slot (control word, sequence, length)
@@ -14,8 +15,10 @@ use crate::error::{Error, Result};
 /// `GPUFRNG1`
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUFRNG1");
 /// Layout version (2: holders named by process-table entries, leases; 3: slots quarantined
-/// from silent holders, a state of 3 bits, entry locks).
-pub const VERSION: u32 = 3;
+/// from silent holders, a state of 3 bits, entry locks; 4: the consumer's watermark, which
+/// producers of this version wait on, so a ring of version 3 (whose consumers never advance
+/// it) is refused rather than stalling them).
+pub const VERSION: u32 = 4;
 /// Alignment of each slot (CUDA copies and 256-byte frames).
 pub const SLOT_ALIGN: u64 = 256;
 /// Bytes of the header page.
@@ -53,11 +56,22 @@ pub(crate) const OFF_FREE_WAITERS: usize = 80;
 pub(crate) const OFF_READY_WAITERS: usize = 84;
 /// The lease of holders in other PID namespaces, in milliseconds.
 pub(crate) const OFF_LEASE_MS: usize = 88;
+/// The consumer's watermark ([`crate::Watermark`]), a seqlock: its sequence (odd while a
+/// consumer writes the words after it; also the futex word producers wait on), the position,
+/// the round, the window, flags (paced, in a round), and the number of producers waiting.
+pub(crate) const OFF_WM_SEQ: usize = 92;
+pub(crate) const OFF_WM_POSITION: usize = 96;
+pub(crate) const OFF_WM_ROUND: usize = 104;
+pub(crate) const OFF_WM_WINDOW: usize = 112;
+pub(crate) const OFF_WM_FLAGS: usize = 120;
+pub(crate) const OFF_WM_WAITERS: usize = 124;
 /// Consumer table: MAX_CONSUMERS words of a holder reference (u32; 0 = empty).
 pub(crate) const OFF_CONSUMERS: usize = 128;
 /// Producer table, the same.
 pub(crate) const OFF_PRODUCERS: usize = OFF_CONSUMERS + 4 * MAX_CONSUMERS;
 const _: () = assert!(OFF_PRODUCERS + 4 * MAX_PRODUCERS <= HEADER_BYTES as usize);
+const _: () = assert!(OFF_LEASE_MS + 4 <= OFF_WM_SEQ && OFF_WM_WAITERS + 4 <= OFF_CONSUMERS);
+const _: () = assert!(OFF_WM_POSITION.is_multiple_of(8) && OFF_WM_WINDOW.is_multiple_of(8));
 
 // Offsets inside one process-table entry.
 pub(crate) const PROC_CTL: usize = 0;
@@ -227,9 +241,11 @@ mod tests {
     fn hostile_fields_are_refused() {
         let l = Layout::new(4, 4096).expect("layout");
         let good = l.header_bytes();
-        let cases: [(usize, &[u8]); 6] = [
+        let cases: [(usize, &[u8]); 7] = [
             (OFF_MAGIC, b"NOTARING"),
             (OFF_VERSION, &(VERSION + 1).to_le_bytes()),
+            // A ring of the previous layout: no watermark, which producers would wait on.
+            (OFF_VERSION, &3u32.to_le_bytes()),
             (OFF_SLOTS, &u32::MAX.to_le_bytes()),
             (OFF_SLOT_BYTES, &u64::MAX.to_le_bytes()),
             (OFF_SLOT_BYTES, &4097u64.to_le_bytes()),

@@ -6,7 +6,10 @@
 //! waits with timeouts, and crash safety — a slot claimed by a producer that died is reclaimed
 //! and never delivered torn, producers learn when every consumer died or left
 //! ([`Error::ConsumerGone`]) instead of blocking forever, and consumers when every registered
-//! producer did ([`Error::ProducerGone`], [`BatchRing::producer`]).
+//! producer did ([`Error::ProducerGone`], [`BatchRing::producer`]). A consumer can publish
+//! how far it got and how far ahead of it producers may run ([`Watermark`], in the ring's
+//! header), so that producers of numbered items wait ([`BatchRing::wait_watermark`]) instead
+//! of filling the ring with items it cannot take yet.
 //!
 //! Create a named ring ([`BatchRing::create`]) and [`BatchRing::open`] it elsewhere, or create
 //! an anonymous one ([`BatchRing::anonymous`]) and pass its memfd to related processes by
@@ -88,4 +91,4 @@ pub use rendezvous::{
     STALE_SOCKET_AGE, gc_rendezvous, list_rendezvous, remove_stale_sockets,
 };
 #[cfg(not(loom))]
-pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats};
+pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats, Watermark};

@@ -52,6 +52,60 @@ impl GoneFor {
 /// before its slots are reclaimed.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
+/// How often a reader of the watermark looks again for a copy that no write was in the middle
+/// of, before it takes the words as they are.
+const WATERMARK_TRIES: u32 = 64;
+
+/// How far a ring's consumer got, published in the ring's header so that producers can hold
+/// back instead of running ahead of it: the consumer publishes it
+/// ([`Consumer::publish_watermark`], [`Consumer::advance_watermark`]), producers read it
+/// ([`BatchRing::watermark`]) or wait on it ([`BatchRing::wait_watermark`], woken by a futex
+/// when it moves). Items are numbered within a round (an epoch of batches, say); what the
+/// numbers mean is the caller's.
+///
+/// It is written by another process: a producer uses it only to decide whether to wait, never
+/// to address memory, so a garbled or hostile watermark can make producers wait (up to their
+/// timeout) or run ahead, nothing else. Its words are published as one unit (seqlock style):
+/// a copy never pairs one round with another round's position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Watermark {
+    /// How many items past `position` producers may produce: `None` when the consumer does
+    /// not pace them (a new ring's watermark).
+    pub window: Option<u64>,
+    /// The round the consumer reads, or `None` between rounds.
+    pub round: Option<u64>,
+    /// The item of the round the consumer waits for: it has every item below it. Only rises
+    /// within a round ([`Consumer::advance_watermark`]).
+    pub position: u64,
+}
+
+impl Watermark {
+    /// The highest item producers may produce now, `position + window` (saturating), or
+    /// `None` when the consumer does not pace producers.
+    pub fn limit(&self) -> Option<u64> {
+        self.window.map(|w| self.position.saturating_add(w))
+    }
+
+    fn from_fields(f: state::WatermarkFields) -> Self {
+        Watermark {
+            window: (f.flags & state::WM_PACED != 0).then_some(f.window),
+            round: (f.flags & state::WM_IN_ROUND != 0).then_some(f.round),
+            position: f.position,
+        }
+    }
+
+    fn fields(&self) -> state::WatermarkFields {
+        let flag = |on: bool, f: u32| if on { f } else { 0 };
+        state::WatermarkFields {
+            flags: flag(self.window.is_some(), state::WM_PACED)
+                | flag(self.round.is_some(), state::WM_IN_ROUND),
+            round: self.round.unwrap_or(0),
+            position: self.position,
+            window: self.window.unwrap_or(0),
+        }
+    }
+}
+
 /// A ring of fixed-size slots in shared memory, for batches handed between processes.
 ///
 /// Producers [`claim`](BatchRing::claim) a free slot, write into it, and
@@ -405,6 +459,99 @@ impl BatchRing {
         debug_assert!(off.is_multiple_of(8) && off + 8 <= self.seg.len());
         // SAFETY: as in u32_at, 8-aligned.
         unsafe { AtomicU64::from_ptr(self.seg.as_ptr().add(off).cast()) }
+    }
+
+    /// The watermark's words in the header.
+    fn wm_words(&self) -> state::WatermarkWords<'_> {
+        state::WatermarkWords {
+            seq: self.u32_at(layout::OFF_WM_SEQ),
+            flags: self.u32_at(layout::OFF_WM_FLAGS),
+            round: self.u64_at(layout::OFF_WM_ROUND),
+            position: self.u64_at(layout::OFF_WM_POSITION),
+            window: self.u64_at(layout::OFF_WM_WINDOW),
+        }
+    }
+
+    /// Wakes producers waiting on the watermark, after a write.
+    fn wake_watermark_waiters(&self) {
+        if self.u32_at(layout::OFF_WM_WAITERS).load(Ordering::SeqCst) > 0 {
+            let _ = futex::wake(
+                self.u32_at(layout::OFF_WM_SEQ),
+                futex::Flags::empty(),
+                i32::MAX as u32,
+            );
+        }
+    }
+
+    /// The consumer's watermark as last published ([`Watermark`]: a hint from another
+    /// process). A consumer that died in the middle of publishing leaves the words as they
+    /// are until the next one publishes.
+    pub fn watermark(&self) -> Watermark {
+        Watermark::from_fields(self.wm_words().read(WATERMARK_TRIES))
+    }
+
+    /// Waits until `ready` accepts the consumer's watermark, up to `timeout`, and returns
+    /// the watermark it accepted. It is looked at again whenever a consumer publishes (a
+    /// futex wake), and at least every 20 ms.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// use gpufeed_ipc::{BatchRing, Watermark};
+    /// let ring = BatchRing::anonymous(2, 4096)?;
+    /// let consumer = ring.consumer()?;
+    /// consumer.publish_watermark(Watermark { window: Some(4), round: Some(0), position: 0 })?;
+    /// // A producer of item 6 of round 0 waits until the consumer is within 4 items of it.
+    /// let allows_6 = |w: &Watermark| w.round == Some(0) && w.limit().is_some_and(|l| l >= 6);
+    /// assert!(!allows_6(&ring.watermark()));
+    /// consumer.advance_watermark(2)?;
+    /// assert_eq!(ring.wait_watermark(allows_6, Duration::from_secs(1))?.position, 2);
+    /// # Ok::<(), gpufeed_ipc::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; [`Error::ConsumerGone`] when every consumer that registered died
+    /// or left and stayed so for a quarter of a second (as for [`BatchRing::claim`]);
+    /// [`Error::Forked`], [`Error::Detached`].
+    pub fn wait_watermark(
+        &self,
+        mut ready: impl FnMut(&Watermark) -> bool,
+        timeout: Duration,
+    ) -> Result<Watermark> {
+        let deadline = Instant::now() + timeout;
+        let mut gone = GoneFor::default();
+        let waiters = self.u32_at(layout::OFF_WM_WAITERS);
+        loop {
+            self.check_attached()?;
+            let w = self.watermark();
+            if ready(&w) {
+                return Ok(w);
+            }
+            if gone.long_enough(self.all_gone(Role::Consumer)) {
+                return Err(Error::ConsumerGone);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: "the consumer's watermark to come within reach",
+                    ms: timeout.as_millis(),
+                });
+            }
+            // Counted as a waiter before reading the sequence: a consumer that publishes
+            // after this read sees the count and wakes us (both SeqCst).
+            waiters.fetch_add(1, Ordering::SeqCst);
+            let seen = self.u32_at(layout::OFF_WM_SEQ).load(Ordering::SeqCst);
+            let w = self.watermark();
+            if ready(&w) {
+                waiters.fetch_sub(1, Ordering::SeqCst);
+                return Ok(w);
+            }
+            self.wait(
+                layout::OFF_WM_SEQ,
+                layout::OFF_WM_WAITERS,
+                seen,
+                (deadline - now).min(WAIT_SLICE),
+            );
+        }
     }
 
     fn ctl(&self, slot: u32) -> &state::AtomicU64 {
@@ -1131,6 +1278,34 @@ impl<'r> Consumer<'r> {
                 (deadline - now).min(WAIT_SLICE),
             );
         }
+    }
+}
+
+impl Consumer<'_> {
+    /// Publishes `watermark` as the ring's (all of it: the window, a round begun or ended,
+    /// its position), so that producers can pace themselves ([`Watermark`]), and wakes the
+    /// producers waiting on it. One consumer of a ring should publish: two that publish
+    /// at once leave producers a watermark that may be either's (still only a hint).
+    ///
+    /// # Errors
+    /// [`Error::Forked`], [`Error::Detached`] (nothing published).
+    pub fn publish_watermark(&self, watermark: Watermark) -> Result<()> {
+        self.ring.check_attached()?;
+        self.ring.wm_words().publish(watermark.fields());
+        self.ring.wake_watermark_waiters();
+        Ok(())
+    }
+
+    /// Moves the watermark's position up to `position` (never down: a maximum, as
+    /// `fetch_max`), keeping its round and window, and wakes the producers waiting on it.
+    ///
+    /// # Errors
+    /// [`Error::Forked`], [`Error::Detached`] (nothing published).
+    pub fn advance_watermark(&self, position: u64) -> Result<()> {
+        self.ring.check_attached()?;
+        self.ring.wm_words().advance(position);
+        self.ring.wake_watermark_waiters();
+        Ok(())
     }
 }
 

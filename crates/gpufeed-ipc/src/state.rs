@@ -28,15 +28,21 @@
 //! kernel). So the bytes of a stopped producer land only in its own quarantined slot, never in
 //! another producer's batch, and a stopped consumer's batch is not refilled under it.
 //!
+//! # The consumer's watermark
+//! The header also holds how far the consumer got ([`WatermarkWords`]: flags, round,
+//! position, window), written by the consumer and read by producers that pace themselves. The
+//! words are published as one unit, seqlock style: the writer makes the sequence odd, writes,
+//! and makes it even again; a reader keeps a copy only if the sequence was even and the same
+//! before and after it read the words, so it never pairs one round with another round's
+//! position. The words are a hint from another process: nothing indexes memory with them.
+//!
 //! This module is also compiled under `--cfg loom`, where the model checker explores every
 //! interleaving of these transitions.
 
-#[cfg(all(loom, test))]
-pub(crate) use loom::sync::atomic::AtomicU32;
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// An acquire fence (loom's under the model checker).
 pub(crate) fn fence_acquire() {
@@ -44,6 +50,14 @@ pub(crate) fn fence_acquire() {
     loom::sync::atomic::fence(Ordering::Acquire);
     #[cfg(not(loom))]
     std::sync::atomic::fence(Ordering::Acquire);
+}
+
+/// A release fence (loom's under the model checker).
+fn fence_release() {
+    #[cfg(loom)]
+    loom::sync::atomic::fence(Ordering::Release);
+    #[cfg(not(loom))]
+    std::sync::atomic::fence(Ordering::Release);
 }
 
 pub(crate) const FREE: u64 = 0;
@@ -167,6 +181,101 @@ pub(crate) fn oldest_ready<'a>(
     Some(best)
 }
 
+/// A flag of the watermark: the consumer paces producers (the window word holds).
+pub(crate) const WM_PACED: u32 = 1;
+/// A flag of the watermark: the consumer reads a round (the round word holds).
+pub(crate) const WM_IN_ROUND: u32 = 2;
+
+/// The watermark's fields, as written or read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct WatermarkFields {
+    pub(crate) flags: u32,
+    pub(crate) round: u64,
+    pub(crate) position: u64,
+    pub(crate) window: u64,
+}
+
+/// The watermark's words in the ring's header (see the module docs).
+pub(crate) struct WatermarkWords<'a> {
+    /// Odd while a writer is in the words after it; also the futex word producers wait on.
+    pub(crate) seq: &'a AtomicU32,
+    pub(crate) flags: &'a AtomicU32,
+    pub(crate) round: &'a AtomicU64,
+    pub(crate) position: &'a AtomicU64,
+    pub(crate) window: &'a AtomicU64,
+}
+
+impl WatermarkWords<'_> {
+    fn load_fields(&self) -> WatermarkFields {
+        WatermarkFields {
+            flags: self.flags.load(Ordering::Relaxed),
+            round: self.round.load(Ordering::Relaxed),
+            position: self.position.load(Ordering::Relaxed),
+            window: self.window.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Writes between an odd and an even sequence. A sequence left odd by a writer that died
+    /// mid-write is taken as it is (made even at the end), so the next writer repairs it.
+    /// The closing store is SeqCst: a producer that counted itself a waiter and then read
+    /// the old sequence is woken (the caller wakes waiters after this).
+    fn write(&self, body: impl FnOnce(&Self)) {
+        let odd = self.seq.load(Ordering::Relaxed) | 1;
+        self.seq.store(odd, Ordering::Relaxed);
+        // Orders the odd sequence before the words: a reader that sees a word of this write
+        // sees the sequence move when it looks again.
+        fence_release();
+        body(self);
+        self.seq.store(odd.wrapping_add(1), Ordering::SeqCst);
+    }
+
+    /// Publishes all the fields (a round begun or ended, the window set).
+    pub(crate) fn publish(&self, f: WatermarkFields) {
+        self.write(|w| {
+            w.flags.store(f.flags, Ordering::Relaxed);
+            w.round.store(f.round, Ordering::Relaxed);
+            w.position.store(f.position, Ordering::Relaxed);
+            w.window.store(f.window, Ordering::Relaxed);
+        });
+    }
+
+    /// Moves the position up to `position`, never down.
+    pub(crate) fn advance(&self, position: u64) {
+        self.write(|w| {
+            w.position.fetch_max(position, Ordering::Relaxed);
+        });
+    }
+
+    /// A copy of the fields that no write was in the middle of, or None (a write was in
+    /// progress or came between: look again).
+    pub(crate) fn try_read(&self) -> Option<WatermarkFields> {
+        let before = self.seq.load(Ordering::Acquire);
+        if before & 1 == 1 {
+            return None;
+        }
+        let f = self.load_fields();
+        // Orders the reads of the words before the second look at the sequence.
+        fence_acquire();
+        (self.seq.load(Ordering::Relaxed) == before).then_some(f)
+    }
+
+    /// Like [`Self::try_read`], looking again up to `tries` times; then the words as they are
+    /// (a writer died mid-write, or a peer scribbles: only a hint either way).
+    #[cfg_attr(
+        loom,
+        allow(dead_code, reason = "used by the ring, which loom does not build")
+    )]
+    pub(crate) fn read(&self, tries: u32) -> WatermarkFields {
+        for _ in 0..tries {
+            if let Some(f) = self.try_read() {
+                return f;
+            }
+            std::hint::spin_loop();
+        }
+        self.load_fields()
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -195,6 +304,39 @@ mod tests {
             !publish(&ctl, w),
             "the old claim cannot publish the new one"
         );
+    }
+
+    #[test]
+    fn watermarks_are_written_whole_and_positions_only_rise() {
+        let cells: [AtomicU64; 3] = Default::default();
+        let (seq, flags) = (AtomicU32::new(0), AtomicU32::new(0));
+        let w = WatermarkWords {
+            seq: &seq,
+            flags: &flags,
+            round: &cells[0],
+            position: &cells[1],
+            window: &cells[2],
+        };
+        assert_eq!(w.try_read(), Some(WatermarkFields::default()));
+        let f = WatermarkFields {
+            flags: WM_PACED | WM_IN_ROUND,
+            round: 7,
+            position: 0,
+            window: 4,
+        };
+        w.publish(f);
+        w.advance(5);
+        w.advance(3);
+        assert_eq!(w.read(1).position, 5, "a position never goes down");
+        assert_eq!(seq.load(Ordering::Relaxed) % 2, 0);
+        // A writer that died mid-write left the sequence odd: readers get no whole copy, and
+        // the next write repairs it.
+        seq.store(13, Ordering::Relaxed);
+        assert_eq!(w.try_read(), None);
+        assert_eq!(w.read(3).round, 7, "the words as they are");
+        w.advance(6);
+        assert_eq!(seq.load(Ordering::Relaxed), 14);
+        assert_eq!(w.try_read().map(|f| f.position), Some(6));
     }
 
     #[test]
@@ -424,6 +566,63 @@ mod loom_tests {
             consumer.join().expect("consumer");
             reaper.join().expect("reaper");
             producer.join().expect("producer");
+        });
+    }
+
+    /// A consumer begins round 1 (position 0) over round 0's position 9, then advances to 3,
+    /// while a producer reads the watermark: in every interleaving a copy it keeps is one the
+    /// consumer published (round 0 at 9, round 1 at 0 or at 3), never round 1 with round 0's
+    /// position (which would let the producer run 9 items ahead) nor round 0 with a later
+    /// position.
+    #[test]
+    fn a_watermark_is_read_whole_or_not_at_all() {
+        loom::model(|| {
+            let cells = Arc::new((
+                AtomicU32::new(0),
+                AtomicU32::new(WM_PACED | WM_IN_ROUND),
+                [AtomicU64::new(0), AtomicU64::new(9), AtomicU64::new(4)],
+            ));
+            let words = |c: &(AtomicU32, AtomicU32, [AtomicU64; 3])| -> (u32, u64, u64) {
+                let w = WatermarkWords {
+                    seq: &c.0,
+                    flags: &c.1,
+                    round: &c.2[0],
+                    position: &c.2[1],
+                    window: &c.2[2],
+                };
+                match w.try_read() {
+                    Some(f) => (1, f.round, f.position),
+                    None => (0, 0, 0),
+                }
+            };
+            let consumer = {
+                let c = cells.clone();
+                loom::thread::spawn(move || {
+                    let w = WatermarkWords {
+                        seq: &c.0,
+                        flags: &c.1,
+                        round: &c.2[0],
+                        position: &c.2[1],
+                        window: &c.2[2],
+                    };
+                    w.publish(WatermarkFields {
+                        flags: WM_PACED | WM_IN_ROUND,
+                        round: 1,
+                        position: 0,
+                        window: 4,
+                    });
+                    w.advance(3);
+                })
+            };
+            let (whole, round, position) = words(&cells);
+            if whole == 1 {
+                assert!(
+                    matches!((round, position), (0, 9) | (1, 0) | (1, 3)),
+                    "a torn watermark: round {round} at {position}"
+                );
+            }
+            consumer.join().expect("consumer");
+            assert_eq!(words(&cells), (1, 1, 3), "the last write, once it is done");
         });
     }
 

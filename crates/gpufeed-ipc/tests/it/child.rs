@@ -87,6 +87,23 @@ fn entry() {
                 None,
             );
         }
+        // A producer of item GPUFEED_IT_ITEM of round GPUFEED_IT_ROUND: says it waits, waits
+        // until the consumer's watermark allows it (10 s at most), and prints what it saw (the
+        // position, or the error).
+        "wait-watermark" => {
+            use std::io::Write;
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let (round, item) = (num("GPUFEED_IT_ROUND"), num("GPUFEED_IT_ITEM"));
+            println!("WAITING");
+            std::io::stdout().flush().expect("flush");
+            let allows = |w: &gpufeed_ipc::Watermark| {
+                w.round == Some(round) && w.limit().is_some_and(|l| l >= item)
+            };
+            match ring.wait_watermark(allows, Duration::from_secs(10)) {
+                Ok(w) => println!("ALLOWED at {}", w.position),
+                Err(e) => println!("ERROR {e}"),
+            }
+        }
         // A registered producer that says so and then publishes nothing until killed.
         "producer-idle" => {
             let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");

@@ -1,11 +1,13 @@
 //! Integration tests of gpufeed-ipc: a VecDeque model, real producer and consumer processes,
-//! producers SIGKILLed mid-write, dead consumers, fd passing, hostile headers.
+//! producers SIGKILLed mid-write, dead consumers, fd passing, hostile headers, the consumer's
+//! watermark across processes.
 
 mod child;
 mod model;
 mod namespaces;
 mod processes;
 mod rendezvous;
+mod watermark;
 
 use xxhash_rust::xxh3::xxh3_64;
 
