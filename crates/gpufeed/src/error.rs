@@ -212,6 +212,59 @@ pub enum Error {
         /// batch, so that no worker could publish the one it needed.
         stalled: bool,
     },
+
+    /// A worker process ([`produce_epoch`](crate::dataset::ring::produce_epoch)) gave up on a
+    /// batch that its trainer's [`RingLoader`](crate::dataset::ring::RingLoader) was not ready
+    /// for: the loader lets workers run at most its window ahead of the batch it waits for,
+    /// and it did not come within reach of this one in time (the batch it waits for is late:
+    /// its worker is hung or far slower; or the trainer stopped taking batches), or it ended
+    /// the epoch (an error, or it stopped reading) or went on to another first.
+    #[error(
+        "worker {worker} gave up on batch {batch} of epoch {epoch} after {ms} ms: {}",
+        held_back(*.epoch, *.reading, *.position, *.window, *.ended)
+    )]
+    RingWorkerHeldBack {
+        /// The worker's epoch.
+        epoch: u64,
+        /// The batch it was to produce.
+        batch: usize,
+        /// The worker.
+        worker: usize,
+        /// The epoch the trainer read when the worker gave up (`None`: between epochs).
+        reading: Option<u64>,
+        /// The batch the trainer waited for in that epoch.
+        position: u64,
+        /// How many batches past it the trainer lets workers produce.
+        window: u64,
+        /// How long the worker waited.
+        ms: u128,
+        /// Whether the trainer ended this epoch (or went on to another) after the worker had
+        /// seen it read it; otherwise the wait timed out (`WorkerShare::with_timeout`).
+        ended: bool,
+    },
+}
+
+/// What the trainer did while a worker of [`Error::RingWorkerHeldBack`] waited.
+fn held_back(epoch: u64, reading: Option<u64>, position: u64, window: u64, ended: bool) -> String {
+    match (ended, reading) {
+        (true, _) => format!(
+            "the trainer ended epoch {epoch} (it failed, or stopped reading it) or went on to \
+             another before it could take this batch"
+        ),
+        (false, Some(r)) if r == epoch => format!(
+            "the trainer still waited for batch {position} and takes at most {window} batches \
+             ahead of the one it waits for (RingLoader::with_window): the worker of batch \
+             {position} is hung, stopped or far behind, or the trainer stopped taking batches"
+        ),
+        (false, Some(r)) => format!(
+            "the trainer reads epoch {r}, not {epoch}: this worker is of another epoch than its \
+             trainer's"
+        ),
+        (false, None) => format!(
+            "the trainer did not begin epoch {epoch} (between epochs it lets workers produce \
+             batches 0 to {window} only)"
+        ),
+    }
 }
 
 /// How long a [`Error::RingBatchMissing`] waited, and why it stopped.

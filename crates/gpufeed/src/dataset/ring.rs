@@ -7,12 +7,19 @@
 //! workers u32 | offsets (records + 1) x u64 | record indices (records) x u64 | data at the next
 //! 256-byte boundary` (the worker that wrote it and how many share the epoch: batch `number` is
 //! worker `number % workers`'s).
+//!
+//! # Back-pressure
+//! The loader publishes in the ring's header ([`gpufeed_ipc::Watermark`]) the epoch it reads,
+//! the batch it waits for (`next`) and its window `W` ([`RingLoader::with_window`]); a worker
+//! transforms batch `n`, and claims a slot for it, only once `n <= next + W` (between epochs:
+//! `n <= W`). So a worker that is faster than another waits for the loader instead of filling
+//! the ring with batches it cannot take yet (see [`RingLoader`] for the invariant).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
-use gpufeed_ipc::{BatchRing, Consumer};
+use gpufeed_ipc::{BatchRing, Claim, Consumer, Watermark};
 use gpufeed_pinned::{HostRegistration, PinnedPool, PoolConfig, PoolMode};
 
 use crate::dataset::{Batch, BatchData, LoaderConfig, RecordFile, Sampler, Transform};
@@ -99,12 +106,13 @@ pub struct WorkerShare<'a> {
     pub workers: usize,
     /// Applied to every record (none: records as they are).
     pub transform: Option<&'a Transform>,
-    /// Longest wait for a free slot (default 60 s).
+    /// Longest wait for a free slot, and for the trainer's loader to come within its window
+    /// of a batch (each wait; default 60 s).
     pub timeout: Duration,
 }
 
 impl<'a> WorkerShare<'a> {
-    /// Worker `worker` of `workers` in `epoch`, records untransformed, 60 s per free slot.
+    /// Worker `worker` of `workers` in `epoch`, records untransformed, 60 s per wait.
     pub fn new(epoch: u64, worker: usize, workers: usize) -> Self {
         WorkerShare {
             epoch,
@@ -121,7 +129,8 @@ impl<'a> WorkerShare<'a> {
         self
     }
 
-    /// This share waiting at most `timeout` for each free slot.
+    /// This share waiting at most `timeout` for each free slot, and for the loader to come
+    /// within its window of each batch.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -131,13 +140,20 @@ impl<'a> WorkerShare<'a> {
 /// Writes one worker's share of an epoch's batches — numbers `worker, worker + workers, ...` —
 /// into `ring` (from the worker's own process). Returns how many it wrote.
 ///
+/// Before transforming a batch, and again once it has a slot for it, the worker waits until
+/// the trainer's [`RingLoader`] is within its window of the batch (the watermark it publishes
+/// in the ring: see the module's back-pressure section); a ring that no `RingLoader` paces
+/// is not waited on.
+///
 /// It does not register the worker as the ring's producer: workers may be started per epoch.
 /// A worker that lives for the whole run can hold [`BatchRing::producer`] around its loop, so
 /// that the trainer's [`RingLoader`] gets `ProducerGone` at once when every worker is gone.
 ///
 /// # Errors
 /// A batch larger than a slot ([`gpufeed_ipc::Error::TooLarge`]: make the slots larger), a
-/// failing transform, ring errors (`ConsumerGone` when the trainer died),
+/// failing transform, ring errors (`ConsumerGone` when the trainer died or dropped its loader,
+/// also while the worker waits for its turn), [`Error::RingWorkerHeldBack`] when the loader did
+/// not come within its window of a batch within the timeout or ended the epoch first,
 /// [`Error::InvalidSetting`] for a worker number not below `workers`.
 pub fn produce_epoch(
     ring: &BatchRing,
@@ -161,11 +177,20 @@ pub fn produce_epoch(
     }
     let mut written = 0;
     let mut out = Vec::new();
+    let mut turn = Turn {
+        epoch,
+        worker,
+        number: 0,
+        seen: false,
+    };
     for (number, indices) in epoch_batches(records.len(), sampler, cfg, epoch)
         .into_iter()
         .skip(worker)
         .step_by(workers)
     {
+        turn.number = number;
+        // Before transforming: a batch past the loader's window costs no memory or work yet.
+        turn.wait(ring, timeout)?;
         let parts = |i: usize| {
             records.parts(i).ok_or_else(|| Error::Records {
                 path: records.path().into(),
@@ -189,7 +214,7 @@ pub fn produce_epoch(
             offsets.push(out.len() as u64);
         }
         let at = data_offset(indices.len());
-        let mut claim = ring.claim(timeout)?;
+        let mut claim = turn.claim(ring, timeout)?;
         let header = slot_header_of(epoch, number, (worker, workers), &indices, &offsets);
         claim.write_at(0, &header)?;
         claim.write_at(at as u64, &out)?;
@@ -198,6 +223,97 @@ pub fn produce_epoch(
         written += 1;
     }
     Ok(written)
+}
+
+/// What a worker may do with its batch under the loader's watermark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// Produce it: within the window, or nobody paces the ring.
+    Go,
+    /// Wait for the loader to come nearer (or to begin this epoch).
+    Wait,
+    /// The loader ended this epoch, or went on to another, after the worker saw it read it.
+    Ended,
+}
+
+/// One worker's batch and what it saw of the loader's watermark.
+struct Turn {
+    epoch: u64,
+    worker: usize,
+    number: usize,
+    /// Whether the loader was seen reading this epoch.
+    seen: bool,
+}
+
+impl Turn {
+    /// What the worker may do with its batch under `w` (a hint from the trainer's process:
+    /// it decides waits, nothing else). Unpaced (no `RingLoader` published a window): go.
+    /// Reading this epoch: go once `number <= position + window`. Between epochs (as at its
+    /// start, position 0): the same bound, unless this epoch was seen and so has ended.
+    /// Reading another epoch: wait for this one, or, seen before, it has ended.
+    fn pace(&mut self, w: &Watermark) -> Pace {
+        let Some(limit) = w.limit() else {
+            return Pace::Go;
+        };
+        let within = if self.number as u64 <= limit {
+            Pace::Go
+        } else {
+            Pace::Wait
+        };
+        match w.round {
+            Some(r) if r == self.epoch => {
+                self.seen = true;
+                within
+            }
+            _ if self.seen => Pace::Ended,
+            None => within,
+            Some(_) => Pace::Wait,
+        }
+    }
+
+    /// Waits until the worker may produce its batch, up to `timeout`.
+    fn wait(&mut self, ring: &BatchRing, timeout: Duration) -> Result<()> {
+        let since = Instant::now();
+        let (mut last, mut pace) = (Watermark::default(), Pace::Wait);
+        let waited = ring.wait_watermark(
+            |w| {
+                (last, pace) = (*w, self.pace(w));
+                pace != Pace::Wait
+            },
+            timeout,
+        );
+        let held_back = |ended| Error::RingWorkerHeldBack {
+            epoch: self.epoch,
+            batch: self.number,
+            worker: self.worker,
+            reading: last.round,
+            position: last.position,
+            window: last.window.unwrap_or(0),
+            ms: since.elapsed().as_millis(),
+            ended,
+        };
+        match waited {
+            Ok(_) if pace == Pace::Ended => Err(held_back(true)),
+            Ok(_) => Ok(()),
+            Err(gpufeed_ipc::Error::Timeout { .. }) => Err(held_back(false)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Claims a slot for the batch, each wait up to `timeout`, once the worker may produce
+    /// it: looked at again after the claim, since the loader may have begun pacing the ring
+    /// (or narrowed its window) while the worker transformed or waited for the slot; then
+    /// the slot is given back and the worker waits for its turn first.
+    fn claim<'r>(&mut self, ring: &'r BatchRing, timeout: Duration) -> Result<Claim<'r>> {
+        loop {
+            let claim = ring.claim(timeout)?;
+            if self.pace(&ring.watermark()) == Pace::Go {
+                return Ok(claim);
+            }
+            drop(claim);
+            self.wait(ring, timeout)?;
+        }
+    }
 }
 
 /// A slot's header, read and checked.
@@ -271,13 +387,31 @@ fn parse_slot(head: &[u8], slot_len: u64) -> Result<SlotHeader> {
 /// and uploads each from the registered shared memory (no staging copy), or hands out host
 /// copies without a GPU.
 ///
-/// Batches that come before their turn (their worker is ahead of another) wait in the loader:
-/// at most [`RingLoader::window`] of them are moved out of the ring (to the GPU, or a pooled host
-/// buffer: at most a slot's bytes each), the others stay in their ring slots, taking no more
-/// memory, until their turn. So one hung or stopped worker holds the loader's memory at
-/// `window` batches (and, once every slot of the ring holds a later batch, holds back the other
-/// workers, which wait for free slots), and its batch ends the epoch with
-/// [`Error::RingBatchMissing`] naming it and its worker.
+/// # Back-pressure and the window
+/// The loader publishes in the ring which epoch it reads, the batch it waits for (`next`, from
+/// the epoch's start and after each batch it hands out) and its window `W`
+/// ([`RingLoader::window`]); [`produce_epoch`] transforms batch `n`, and claims a slot for it,
+/// only once `n <= next + W`. The invariant: every batch that a worker produced so, in the
+/// ring or held by the loader, other than `next` itself, lies in `next + 1 ..= next + W` (it
+/// was below an earlier `next + W`, and batches below `next` were handed out): at most `W`,
+/// so the loader holds at most `W` batches ahead of their turn, each moved out of the ring
+/// (to the GPU, or a pooled host buffer: at most a slot's bytes each) as soon as it is taken,
+/// and never has to leave one in its slot: the slots keep going back to the workers, and
+/// the worker of `next` always gets one. So a worker that is slower than the others holds
+/// them back (they wait for the loader) and the epoch completes; a window below the ring's
+/// slots leaves slots unused (0: workers produce only the batch the loader waits for).
+///
+/// A hung or stopped worker holds the others at `W` batches ahead (they transform nothing
+/// past it), the loader waits the epoch's timeout for its batch and ends the epoch with
+/// [`Error::RingBatchMissing`] naming it and its worker; the workers waiting for their turn
+/// then stop with [`Error::RingWorkerHeldBack`] (the epoch ended).
+///
+/// Batches that come before their turn without having waited — workers that checked before
+/// the loader existed or published its window, or producers that do not pace themselves —
+/// are handled as before: at most `W` moved out, the others left in their ring slots, taking
+/// no more memory, until their turn; once every slot holds a later batch, no worker can
+/// publish the one needed and the epoch ends at once with [`Error::RingBatchMissing`]
+/// (stalled).
 pub struct RingLoader<'r> {
     ring: &'r BatchRing,
     consumer: Consumer<'r>,
@@ -303,11 +437,24 @@ impl std::fmt::Debug for RingLoader<'_> {
 /// The default window of a [`RingLoader`], in rings' worth of batches.
 const WINDOW_RINGS: usize = 4;
 
+/// The watermark of a loader of window `window` reading `round` (`None`: between epochs)
+/// and waiting for batch `position` (0 between epochs).
+fn watermark(window: usize, round: Option<u64>, position: usize) -> Watermark {
+    Watermark {
+        window: Some(window as u64),
+        round,
+        position: position as u64,
+    }
+}
+
 impl<'r> RingLoader<'r> {
     /// Registers as the ring's consumer and, with a GPU, registers the ring's memory with CUDA.
-    /// Its window is four times the ring's slots ([`RingLoader::with_window`]).
+    /// Its window is four times the ring's slots ([`RingLoader::with_window`]), published in
+    /// the ring at once (between epochs: workers may produce batches 0 to the window).
     pub fn new(ring: &'r BatchRing, gpu: Option<&Gpu>) -> Result<Self> {
         let consumer = ring.consumer()?;
+        let window = WINDOW_RINGS * ring.slots() as usize;
+        consumer.publish_watermark(watermark(window, None, 0))?;
         let mut notes = Vec::new();
         let (gpu, registration, pool) = match gpu {
             Some(g) => {
@@ -343,22 +490,26 @@ impl<'r> RingLoader<'r> {
             gpu,
             registration,
             pool,
-            window: WINDOW_RINGS * ring.slots() as usize,
+            window,
             notes,
         })
     }
 
-    /// This loader moving at most `batches` batches out of the ring ahead of their turn (0:
-    /// none, every early batch waits in its slot). A larger window lets workers differ more
-    /// in speed before the fast ones wait for the slow one, at up to a slot's bytes of memory
-    /// (GPU memory with a GPU) per batch.
+    /// This loader letting workers run at most `batches` batches ahead of the one it waits
+    /// for, and holding (moving out of the ring) at most that many ahead of their turn (0:
+    /// workers produce only the batch it waits for). Set it between epochs: it is published
+    /// in the ring at once. A larger window lets workers differ more in speed before the fast
+    /// ones wait for the slow one, at up to a slot's bytes of memory (GPU memory with a GPU)
+    /// per batch; one below the ring's slots leaves slots unused.
     pub fn with_window(mut self, batches: usize) -> Self {
         self.window = batches;
+        // An error here (this process forked or detached) is the next take's too.
+        let _ = self.consumer.publish_watermark(watermark(batches, None, 0));
         self
     }
 
-    /// The most batches moved out of the ring ahead of their turn (default: four times the
-    /// ring's slots).
+    /// How far ahead of the batch it waits for workers may run, and the most batches held
+    /// ahead of their turn (default: four times the ring's slots).
     pub fn window(&self) -> usize {
         self.window
     }
@@ -372,7 +523,15 @@ impl<'r> RingLoader<'r> {
     /// slot that is not a batch of this layout and epoch, or a batch number that comes twice
     /// ([`Error::MalformedBatch`]); or the upload's. An error ends the epoch and releases the
     /// batches held.
+    ///
+    /// The epoch, and then each batch it waits for, is published in the ring for the workers
+    /// (see the back-pressure section above); once it ends (its last batch handed out, an
+    /// error, or the iterator dropped) the ring says "between epochs" again, and workers still
+    /// waiting for a turn in it stop.
     pub fn epoch(&mut self, epoch: u64, batches: usize, timeout: Duration) -> RingEpoch<'_, 'r> {
+        let begun = self
+            .consumer
+            .publish_watermark(watermark(self.window, Some(epoch), 0));
         RingEpoch {
             loader: self,
             epoch,
@@ -382,7 +541,8 @@ impl<'r> RingLoader<'r> {
             held: BTreeMap::new(),
             parked: BTreeMap::new(),
             workers: None,
-            failed: None,
+            failed: begun.err().map(Error::from),
+            closed: false,
         }
     }
 
@@ -482,8 +642,11 @@ pub struct RingEpoch<'l, 'r> {
     parked: BTreeMap<usize, (gpufeed_ipc::Batch<'r>, SlotHeader)>,
     /// Workers sharing the epoch, as the first slot said.
     workers: Option<usize>,
-    /// An error of moving a parked batch out, for the next call.
+    /// An error of moving a parked batch out or of publishing the watermark, for the next
+    /// call.
     failed: Option<Error>,
+    /// Whether the ring says "between epochs" again.
+    closed: bool,
 }
 
 impl std::fmt::Debug for RingEpoch<'_, '_> {
@@ -515,7 +678,21 @@ impl RingEpoch<'_, '_> {
         self.next = self.batches;
         self.held.clear();
         self.parked.clear();
+        self.close();
         e
+    }
+
+    /// Publishes "between epochs" (once): the workers of this epoch still waiting stop.
+    fn close(&mut self) {
+        if !self.closed {
+            self.closed = true;
+            let window = self.loader.window;
+            // An error here (this process forked or detached) leaves nothing to close.
+            let _ = self
+                .loader
+                .consumer
+                .publish_watermark(watermark(window, None, 0));
+        }
     }
 
     /// The error for batch `want`, waited for since `since`.
@@ -622,11 +799,22 @@ impl Iterator for RingEpoch<'_, '_> {
         match self.wait_for(self.next) {
             Ok(b) => {
                 self.next += 1;
+                if self.next == self.batches {
+                    self.close();
+                } else if let Err(e) = self.loader.consumer.advance_watermark(self.next as u64) {
+                    self.failed = Some(e.into());
+                }
                 self.unpark();
                 Some(Ok(b))
             }
             Err(e) => Some(Err(self.end(e))),
         }
+    }
+}
+
+impl Drop for RingEpoch<'_, '_> {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 

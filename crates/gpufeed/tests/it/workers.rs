@@ -166,7 +166,8 @@ fn hanging_worker_entry() {
     let share = WorkerShare::new(0, worker, 3)
         .with_transform(&transform)
         .with_timeout(Duration::from_secs(20));
-    // The trainer gives up and leaves: the others end with ConsumerGone (or a timeout).
+    // The trainer gives up on batch 1 and ends the epoch: the others, waiting for their turn,
+    // end with RingWorkerHeldBack (the epoch ended), or Ok with a window past the epoch.
     let result = produce_epoch(&ring, &records, &sampler(), &hang_cfg(), &share);
     println!("worker {worker}: {result:?}");
 }
@@ -190,6 +191,8 @@ struct Hung {
     waited: Duration,
     /// Records the two live workers transformed by then.
     written: usize,
+    /// What the two live workers (0 and 2) printed: `produce_epoch`'s result.
+    results: Vec<String>,
 }
 
 const HANG_SLOTS: u32 = 4;
@@ -210,7 +213,8 @@ fn hung_epoch(window: Option<usize>, timeout: Duration) -> Hung {
     if let Some(w) = window {
         loader = loader.with_window(w);
     }
-    let _children = Children(
+    let out = |w: usize| dir.path().join(format!("worker-{w}.out"));
+    let mut children = Children(
         (0..3)
             .map(|w| {
                 let vars = [
@@ -219,8 +223,9 @@ fn hung_epoch(window: Option<usize>, timeout: Duration) -> Hung {
                     ("GPUFEED_IT_RECORDS", path.display().to_string()),
                     ("GPUFEED_IT_PROGRESS", progress.display().to_string()),
                 ];
+                let stdout = std::fs::File::create(out(w)).expect("worker output");
                 gpufeed_testkit::child_command("workers::hanging_worker_entry", "worker", &vars)
-                    .stdout(Stdio::null())
+                    .stdout(stdout)
                     .spawn()
                     .expect("spawn worker")
             })
@@ -253,45 +258,74 @@ fn hung_epoch(window: Option<usize>, timeout: Duration) -> Hung {
     );
     assert_eq!(epoch.held(), 0, "released at the error");
     assert!(epoch.next().is_none(), "the epoch ended at the error");
+    // The live workers end soon (the epoch ended, or they were done), with the ring and its
+    // consumer still there: not at their own 20 s timeout.
+    let t = std::time::Instant::now();
+    for w in [0, 2] {
+        while children.0[w].try_wait().expect("try_wait").is_none() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "worker {w} still runs {:?} after the epoch ended",
+                t.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let results = [0, 2]
+        .map(|w| std::fs::read_to_string(out(w)).expect("worker output"))
+        .to_vec();
+    eprintln!(
+        "the live workers ended after {:?}: {results:?}",
+        t.elapsed()
+    );
     Hung {
         err,
         waited,
         written,
+        results,
     }
 }
 
 /// One of three worker processes hangs in its transform on its first batch (batch 1): the
-/// trainer's `RingLoader` does not buffer the rest of the epoch from the two others. It holds
-/// at most its window of batches out of order, plus the ring's slots (the two others are held
-/// back: they transformed at most those, the batch handed out, the ring's slots again once
-/// the error released them and one batch each in hand), and ends the epoch at once, since no
-/// slot is left for batch 1, with an error naming batch 1 and worker 1.
+/// trainer's `RingLoader` does not buffer the rest of the epoch from the two others. They are
+/// held back at its window (16) past batch 1: they transform batch 0 and their 11 batches
+/// numbered 2 to 17, nothing more; the loader holds those 11 (moved out of the ring, none left
+/// in a slot), waits its timeout for batch 1 and ends the epoch with an error naming batch 1
+/// and worker 1; the two others, waiting for their turn, then stop at once with
+/// `RingWorkerHeldBack` (the epoch ended). Before the loader published its position the two
+/// others ran on until every slot held a later batch (the window moved out, the ring's slots
+/// parked) and the epoch failed at once, stalled; the same premise, now held back instead.
 #[test]
 fn a_hung_worker_ends_the_epoch_naming_it_with_bounded_memory() {
     let window = 4 * HANG_SLOTS as usize;
-    let slots = HANG_SLOTS as usize;
-    let hung = hung_epoch(None, Duration::from_secs(3));
-    let bound = (1 + window + 2 * slots + 2) * HANG_BATCH;
-    assert!(
-        hung.written <= bound,
-        "the two live workers transformed {} records, more than the {bound} that the window, \
-         the ring and a batch in hand each allow: the trainer buffered them",
-        hung.written
+    let timeout = Duration::from_secs(3);
+    let hung = hung_epoch(None, timeout);
+    // Batches 0 to 1 + window, less worker 1's (1, 4, ..., 16): batch 0 and 11 held.
+    let theirs = (0..=1 + window).filter(|n| n % 3 != 1).count();
+    assert_eq!(theirs, 12);
+    assert_eq!(
+        hung.written,
+        theirs * HANG_BATCH,
+        "the two live workers transformed other than the batches within the window: the \
+         trainer buffered them, or did not let them run ahead"
     );
+    assert!(hung.waited >= timeout, "gave up after {:?}", hung.waited);
     match hung.err {
         gpufeed::Error::RingBatchMissing {
             batch: 1,
             worker: Some(1),
             workers: Some(3),
             held,
-            stalled: true,
+            stalled: false,
             ..
-        } => assert_eq!(
-            held,
-            window + slots,
-            "the window moved out, every slot parked"
-        ),
-        other => panic!("not the missing batch, stalled: {other:?}"),
+        } => assert_eq!(held, theirs - 1, "the window's batches, moved out"),
+        other => panic!("not the missing batch after the timeout: {other:?}"),
+    }
+    for r in &hung.results {
+        assert!(
+            r.contains("RingWorkerHeldBack") && r.contains("ended: true"),
+            "a live worker did not end because the epoch ended: {r}"
+        );
     }
 }
 
@@ -318,6 +352,9 @@ fn a_hung_worker_past_a_large_window_fails_after_the_timeout() {
         } => assert!(ms >= timeout.as_millis(), "{ms} ms"),
         other => panic!("not the missing batch after the timeout: {other:?}"),
     }
+    for r in &hung.results {
+        assert!(r.contains("Ok(200)"), "a live worker: {r}");
+    }
 }
 
 /// Nine batches of three workers published out of turn into a ring of 9 slots (worker 2's,
@@ -325,6 +362,11 @@ fn a_hung_worker_past_a_large_window_fails_after_the_timeout() {
 /// window is 2: batches past the window wait in their slots and are moved out (uploaded, with
 /// a GPU: from the registered ring) when their turn or room comes. Every batch comes in order
 /// with its bytes; a batch that comes twice is an error.
+///
+/// The workers run before the loader exists, so nothing paces them (workers held back by a
+/// loader's window never get past it: this is the path for batches that did not wait, e.g.
+/// produced before the trainer started reading); the duplicate part runs with the loader's
+/// window at 9, so that the worker's share of 3 batches, twice, is within it.
 fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("records.bin");
@@ -336,9 +378,7 @@ fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
     let want = epoch_batches(90, &sampler(), &cfg, 4);
     assert_eq!(want.len(), 9);
     let ring = BatchRing::anonymous(9, 4096).expect("ring");
-    let mut loader = RingLoader::new(&ring, gpu)
-        .expect("ring loader")
-        .with_window(2);
+    assert_eq!(ring.watermark().window, None, "a ring nobody paces");
     for w in [2, 1, 0] {
         let share = WorkerShare::new(4, w, 3).with_timeout(Duration::from_secs(5));
         assert_eq!(
@@ -346,6 +386,9 @@ fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
             3
         );
     }
+    let mut loader = RingLoader::new(&ring, gpu)
+        .expect("ring loader")
+        .with_window(2);
     let mut epoch = loader.epoch(4, 9, Duration::from_secs(5));
     let mut most = 0;
     for (n, (_, indices)) in want.iter().enumerate() {
@@ -374,6 +417,7 @@ fn check_parked_batches(gpu: Option<&gpufeed::Gpu>) {
         "after batch 0: 2 and 5 moved out, 8 1 4 7 left in their slots"
     );
     drop(epoch);
+    let mut loader = loader.with_window(9);
     // Worker 0's share twice: its batch 0 again, once batch 0 was handed out.
     let share = WorkerShare::new(5, 0, 3).with_timeout(Duration::from_secs(5));
     for _ in 0..2 {
@@ -402,4 +446,123 @@ fn device_batches_past_the_window_wait_in_their_slots_and_come_in_order() {
         return;
     };
     check_parked_batches(Some(&gpu));
+}
+
+/// The slow-worker test: 800 records of 16 bytes in batches of 4 (200 batches), three workers
+/// on a ring of 3 slots read with a window of 4: the epoch is 20 times the window and the
+/// ring together.
+const SLOW_RECORD: usize = 16;
+const SLOW_RECORDS: usize = 800;
+const SLOW_BATCH: usize = 4;
+const SLOW_SLOTS: u32 = 3;
+const SLOW_WINDOW: usize = 4;
+const SLOW_EPOCH: u64 = 2;
+
+fn slow_cfg() -> LoaderConfig {
+    LoaderConfig::default().with_batch_size(SLOW_BATCH)
+}
+
+/// Runs in a child: worker `GPUFEED_IT_SLOW_WORKER` of 3 writes its share of epoch 2. Worker
+/// 1's transform sleeps 3 ms per record (12 ms a batch), the others' do not sleep: worker 1 is
+/// slower, never hung.
+#[test]
+fn slow_worker_entry() {
+    let Ok(worker) = std::env::var("GPUFEED_IT_SLOW_WORKER") else {
+        return;
+    };
+    let worker: usize = worker.parse().expect("number");
+    let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+    // SAFETY: the test's record file is never changed.
+    let records =
+        unsafe { RecordFile::open_fixed(var("GPUFEED_IT_RECORDS"), SLOW_RECORD) }.expect("records");
+    let transform: gpufeed::dataset::Transform = std::sync::Arc::new(move |_, r, out| {
+        if worker == 1 {
+            std::thread::sleep(Duration::from_millis(3));
+        }
+        out.extend_from_slice(r);
+        Ok(())
+    });
+    let share = WorkerShare::new(SLOW_EPOCH, worker, 3)
+        .with_transform(&transform)
+        .with_timeout(Duration::from_secs(20));
+    let n = produce_epoch(&ring, &records, &sampler(), &slow_cfg(), &share).expect("produce");
+    println!("worker {worker}: {n} batches");
+}
+
+/// One of three worker processes is slower than the others (it sleeps 3 ms per record in its
+/// transform; the others do not sleep), over an epoch of 200 batches through a ring of 3 slots
+/// read with a window of 4. The fast workers are held back by the loader's position (they
+/// wait before transforming a batch more than the window ahead of it), so they never fill
+/// the ring with later batches: the epoch completes, every batch in order with its records'
+/// bytes, and the loader never holds more than its window. (Before the back-pressure, the
+/// fast workers ran window + slots batches ahead and the epoch failed with
+/// `RingBatchMissing`, stalled.)
+#[test]
+fn a_slower_worker_holds_the_others_back_and_the_epoch_completes() {
+    use xxhash_rust::xxh3::xxh3_64;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(SLOW_RECORDS * SLOW_RECORD, 53);
+    std::fs::write(&path, &data).expect("write");
+    let ring = BatchRing::create_unique(SLOW_SLOTS, 4096).expect("ring");
+    let name = ring.segment().name().expect("named").to_owned();
+    let mut loader = RingLoader::new(&ring, None)
+        .expect("ring loader")
+        .with_window(SLOW_WINDOW);
+    let mut children = Children(
+        (0..3)
+            .map(|w| {
+                let vars = [
+                    ("GPUFEED_IT_SLOW_WORKER", w.to_string()),
+                    ("GPUFEED_IT_RING", name.clone()),
+                    ("GPUFEED_IT_RECORDS", path.display().to_string()),
+                ];
+                gpufeed_testkit::child_command("workers::slow_worker_entry", "worker", &vars)
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .expect("spawn worker")
+            })
+            .collect(),
+    );
+    let want = epoch_batches(SLOW_RECORDS, &sampler(), &slow_cfg(), SLOW_EPOCH);
+    assert_eq!(want.len(), 200);
+    let t = std::time::Instant::now();
+    let mut epoch = loader.epoch(SLOW_EPOCH, want.len(), Duration::from_secs(20));
+    let mut most = 0;
+    for (n, (_, indices)) in want.iter().enumerate() {
+        let batch = epoch
+            .next()
+            .expect("a batch")
+            .unwrap_or_else(|e| panic!("batch {n}: {e}"));
+        most = most.max(epoch.held());
+        assert!(
+            epoch.held() <= SLOW_WINDOW,
+            "after batch {n} the loader holds {} batches, past its window of {SLOW_WINDOW}",
+            epoch.held()
+        );
+        assert!(epoch.held_bytes() <= SLOW_WINDOW * SLOW_BATCH * SLOW_RECORD);
+        assert_eq!(batch.number, n, "batch order");
+        assert_eq!(&batch.indices, indices);
+        let BatchData::Host(bytes) = &batch.data else {
+            panic!("a host batch without a GPU");
+        };
+        let expect: Vec<u8> = indices
+            .iter()
+            .flat_map(|&i| data[i * SLOW_RECORD..(i + 1) * SLOW_RECORD].iter().copied())
+            .collect();
+        assert_eq!(xxh3_64(bytes), xxh3_64(&expect), "batch {n} bytes differ");
+    }
+    assert!(epoch.next().is_none(), "200 batches, no more");
+    drop(epoch);
+    eprintln!(
+        "200 batches in {:?}, at most {most} held ahead of their turn",
+        t.elapsed()
+    );
+    assert!(
+        most > 0,
+        "the fast workers never ran ahead: the test tested nothing"
+    );
+    for (w, c) in children.0.iter_mut().enumerate() {
+        assert!(c.wait().expect("wait").success(), "worker {w} failed");
+    }
 }
