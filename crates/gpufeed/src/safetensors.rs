@@ -1231,8 +1231,10 @@ pub fn save(
 /// (`<prefix>-00001-of-0000N.safetensors` where those are free, else
 /// `<prefix>-<save id>-00001-of-0000N.safetensors`), so the old index keeps naming the old,
 /// untouched shards until the new index replaces it in one rename ([`Saver::save_bytes`]).
-/// Only then are the files the old index named removed (and shards of earlier saves of this
-/// prefix that a crash left unnamed). A save that fails or is killed midway leaves the old
+/// Only then are the safetensors files the old index named removed (and shards that earlier
+/// stopped saves of this prefix wrote and no index names: gpufeed's names with a save id in the
+/// header). Saves into one directory hold an exclusive `flock` on it throughout, so that
+/// overlapping saves (several ranks saving without a rank-0 guard) run one after the other. A save that fails or is killed midway leaves the old
 /// checkpoint as it was (a failed save removes the shards it wrote; a killed one leaves them
 /// for the next save of the prefix to remove). Each shard's header metadata and the index record
 /// the save's random id ([`SAVE_ID_KEY`]) and the index each shard's size ([`FILE_SIZES_KEY`]):
@@ -1283,10 +1285,17 @@ pub fn save_sharded(
         in_shard += len;
     }
     let index_path = dir.join(format!("{prefix}.safetensors.index.json"));
-    // What the index on disk names now: removed once the new index replaces it.
+    // One sharded save in the directory at a time: the cleanup below must never take another
+    // save's new shards for leftovers.
+    let _lock = DirLock::acquire(dir)?;
+    // What the index on disk names now: removed once the new index replaces it (the
+    // safetensors files among them: an index is no licence to remove anything else).
     let previous = shards(&index_path)
         .map(|i| i.files.into_iter().map(|f| f.0).collect::<Vec<_>>())
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| p.to_string_lossy().ends_with(".safetensors") && parse(p).is_ok())
+        .collect::<Vec<_>>();
     let save_id = new_save_id();
     let names = shard_names(dir, prefix, groups.len(), &save_id);
     let mut shard_metadata = metadata.cloned().unwrap_or_default();
@@ -1334,6 +1343,50 @@ pub fn save_sharded(
         }
     }
     Ok(reports)
+}
+
+/// An exclusive `flock` on a directory, held for the whole of a [`save_sharded`] into it: saves
+/// into one directory (several ranks saving without a rank-0 guard, an asynchronous checkpoint
+/// overlapping the one before) run one after the other. A file system without `flock` on
+/// directories saves without it (said once with `tracing` at warn).
+struct DirLock {
+    /// Held open: the lock lives as long as the descriptor.
+    _dir: std::fs::File,
+}
+
+impl DirLock {
+    fn acquire(dir: &Path) -> Result<Self> {
+        use rustix::fs::FlockOperation;
+        let file =
+            std::fs::File::open(dir).map_err(|e| Error::Os(gpufeed_os::Error::open(dir, e)))?;
+        let mut waited = std::time::Instant::now();
+        loop {
+            match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(DirLock { _dir: file }),
+                Err(rustix::io::Errno::WOULDBLOCK) => {
+                    if waited.elapsed() >= std::time::Duration::from_secs(30) {
+                        tracing::warn!(
+                            dir = %dir.display(),
+                            "still waiting for another sharded save into this directory to end"
+                        );
+                        waited = std::time::Instant::now();
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(e) => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| {
+                        tracing::warn!(
+                            dir = %dir.display(),
+                            "cannot lock the directory ({e}): sharded saves into it are not \
+                             kept apart"
+                        )
+                    });
+                    return Ok(DirLock { _dir: file });
+                }
+            }
+        }
+    }
 }
 
 /// A random id for one [`save_sharded`]: 16 hex digits (std's randomly keyed hasher over the

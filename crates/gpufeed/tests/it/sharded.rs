@@ -306,7 +306,8 @@ fn shards_of_different_saves_are_refused_naming_the_files() {
 
 /// A save removes the shards the old index named and what stopped saves of its own prefix
 /// left, nothing else: not another checkpoint whose prefix looks like `<prefix>-<id>`, not a
-/// shard-named file that gpufeed did not write.
+/// shard-named file that gpufeed did not write, not a file that is no shard named by the old
+/// index.
 #[test]
 fn a_save_removes_only_what_earlier_saves_of_its_prefix_left() {
     let saver = saver();
@@ -334,8 +335,18 @@ fn a_save_removes_only_what_earlier_saves_of_its_prefix_left() {
     .expect("serialize");
     let unwritten = dir.path().join("model-00008-of-00009.safetensors");
     std::fs::write(&unwritten, plain).expect("write");
+    // An index (written by anyone who may write the directory) naming a file that is no
+    // safetensors shard: the save replaces the index but never removes that file.
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, b"not a shard").expect("write");
+    std::fs::write(
+        index_of(dir.path()),
+        br#"{"metadata": {}, "weight_map": {"x": "notes.txt"}}"#,
+    )
+    .expect("write");
     let others_before = shard_files(dir.path());
     v1.save(&saver, dir.path()).expect("save");
+    assert!(notes.exists(), "a file the old index named but no shard was removed");
     v2.save(&saver, dir.path()).expect("save");
     let now = shard_files(dir.path());
     assert_eq!(version_held(dir.path(), &[&v1, &v2]), 1);
@@ -343,4 +354,61 @@ fn a_save_removes_only_what_earlier_saves_of_its_prefix_left() {
         assert!(now.contains_key(name), "{name} was removed: {now:?}");
     }
     assert_eq!(now.len(), others_before.len() + 2, "{now:?}");
+}
+
+/// Two sharded saves of one prefix at once (ranks saving without a rank-0 guard, an
+/// asynchronous checkpoint overlapping the last): they run one after the other and the
+/// checkpoint is one of them, whole (before, each save's cleanup removed the other's new
+/// shards: both returned `Ok` and the index named files that were gone).
+#[test]
+fn overlapping_sharded_saves_of_one_prefix_leave_one_whole_checkpoint() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let saver = saver();
+    let first = Version::new(0, 4099, 4101);
+    first.save(&saver, dir.path()).expect("first save");
+    // B: many shards, slow; A: two small shards, started while B writes.
+    let b_tensors: Vec<Vec<u8>> = (0..12)
+        .map(|i| crate::random_bytes((8 << 20) + i, 100 + i as u64))
+        .collect();
+    let b_shapes: Vec<[usize; 1]> = b_tensors.iter().map(|t| [t.len()]).collect();
+    let names: Vec<String> = (0..12).map(|i| format!("t{i:02}")).collect();
+    let a = Version::new(1, 4099, 4101);
+    let b_hashes: BTreeMap<String, u64> = names
+        .iter()
+        .zip(&b_tensors)
+        .map(|(n, t)| (n.clone(), xxh3_64(t)))
+        .collect();
+    std::thread::scope(|scope| {
+        let b = scope.spawn(|| {
+            let tensors: Vec<SaveTensor<'_>> = names
+                .iter()
+                .zip(&b_tensors)
+                .zip(&b_shapes)
+                .map(|((n, t), s)| SaveTensor {
+                    name: n,
+                    dtype: Dtype::U8,
+                    shape: s,
+                    data: Piece::Host(t),
+                })
+                .collect();
+            save_sharded(&saver, &tensors, None, dir.path(), "model", 8 << 20).map(|_| ())
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        let a_done = a.save(&saver, dir.path());
+        b.join().expect("B's thread").expect("save B");
+        a_done.expect("save A");
+    });
+    let got = read_checkpoint(&index_of(dir.path())).expect("the checkpoint reads whole");
+    assert!(
+        got == a.hashes() || got == b_hashes,
+        "neither save whole: {:?}",
+        got.keys().collect::<Vec<_>>()
+    );
+    // Only the last save's shards remain.
+    assert_eq!(
+        shard_files(dir.path()).len(),
+        got.len(),
+        "{:?}",
+        shard_files(dir.path())
+    );
 }
