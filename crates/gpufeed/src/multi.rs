@@ -882,16 +882,26 @@ impl RankLoader {
             Ok(count) if count > 0 => rank % count,
             _ => rank,
         };
-        Ok(Self::join(
+        let joined = Self::join(
             &job,
             rank,
             world,
             ordinal,
             LoadOptions::for_gpus(world),
             gpufeed_ipc::RendezvousOptions::default(),
-        )?
-        .with_shared_staging(staging)
-        .with_nccl(nccl))
+        );
+        if let Err(Error::Ipc(gpufeed_ipc::Error::RankNeverArrived { .. })) = &joined
+            && std::env::var_os("GPUFEED_JOB").is_none()
+        {
+            tracing::warn!(
+                job = %job,
+                "this rank waited under a job name made from torchrun's variables and this \
+                 process's parent (RankLoader::job_from_env): ranks started by different parent \
+                 processes (e.g. `torchrun bash train.sh`) never meet; set GPUFEED_JOB to the \
+                 same value in every rank of the job"
+            );
+        }
+        Ok(joined?.with_shared_staging(staging).with_nccl(nccl))
     }
 
     /// This rank.
