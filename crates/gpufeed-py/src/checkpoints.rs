@@ -1,0 +1,128 @@
+//! safetensors checkpoints as the Python layer takes them: one array per file with its tensors
+//! grouped by dtype, which `__init__.py` turns into torch tensors (`load_safetensors_files`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::GpufeedError;
+use crate::array::{Array, Owner, Storage, cuda, device_address, dlpack_dtype};
+use crate::context::KeepContext;
+use crate::errors::py_err;
+use crate::loads::{Loader, has_shared_loader, shared_loader};
+
+/// One file's tensors as the Python layer takes them (see `Loader.load_safetensors_files`).
+pub(crate) type FileTensors = (Array, Vec<DtypeGroup>, Vec<OddTensor>);
+/// `(dtype, element size, names, shapes, strides, element offsets)` of one dtype's tensors;
+/// shapes and strides are tuples (a tuple of ints is untracked by Python's garbage collector,
+/// a list is not).
+type DtypeGroup = (
+    &'static str,
+    usize,
+    Vec<String>,
+    Vec<Py<PyTuple>>,
+    Vec<Py<PyTuple>>,
+    Vec<usize>,
+);
+/// `(name, dtype, shape, start, end)` of a tensor at an offset its element size does not divide.
+type OddTensor = (String, &'static str, Vec<usize>, usize, usize);
+
+/// A loaded checkpoint as `Loader.load_safetensors_files` hands it to Python: per file
+/// `(array, groups, odd)` (see there). A dtype torch cannot take is refused before any tensor
+/// is handed out.
+pub(crate) fn checkpoint_files(
+    py: Python<'_>,
+    ckpt: gpufeed::safetensors::Checkpoint,
+) -> PyResult<Vec<FileTensors>> {
+    let gpu = ckpt.gpu().clone();
+    let device = cuda(gpu.info().ordinal);
+    let files: Vec<(usize, usize)> = (0..ckpt.files().len())
+        .map(|i| {
+            ckpt.buffer(i)
+                .map_or((0, 0), |b| (device_address(&gpu, b), b.len()))
+        })
+        .collect();
+    let mut groups: Vec<Vec<DtypeGroup>> = files.iter().map(|_| Vec::new()).collect();
+    let mut odd: Vec<Vec<OddTensor>> = vec![Vec::new(); files.len()];
+    for name in ckpt.names() {
+        let Some(info) = ckpt.info(name) else {
+            continue;
+        };
+        let (_, dtype_name) = dlpack_dtype(info.dtype).map_err(|why| {
+            GpufeedError::new_err(format!(
+                "{}: tensor {name}: {why}",
+                ckpt.files()[info.file].display()
+            ))
+        })?;
+        // Every dtype `dlpack_dtype` takes is whole bytes wide.
+        let size = (info.dtype.bitsize() / 8).max(1);
+        if info.range.start % size != 0 {
+            odd[info.file].push((
+                name.to_owned(),
+                dtype_name,
+                info.shape.clone(),
+                info.range.start,
+                info.range.end,
+            ));
+            continue;
+        }
+        let file = &mut groups[info.file];
+        let at = match file.iter().position(|g| g.0 == dtype_name) {
+            Some(at) => at,
+            None => {
+                file.push((dtype_name, size, vec![], vec![], vec![], vec![]));
+                file.len() - 1
+            }
+        };
+        let g = &mut file[at];
+        g.2.push(name.to_owned());
+        g.3.push(PyTuple::new(py, &info.shape)?.unbind());
+        g.4.push(PyTuple::new(py, contiguous_strides(&info.shape))?.unbind());
+        g.5.push(info.range.start / size);
+    }
+    let owner = Arc::new(Owner::new(Storage::Checkpoint(ckpt), Some(gpu)));
+    Ok(files
+        .into_iter()
+        .zip(groups.into_iter().zip(odd))
+        .map(|((base, nbytes), (groups, odd))| {
+            (
+                Array::bytes(Arc::clone(&owner), base, nbytes, device, None),
+                groups,
+                odd,
+            )
+        })
+        .collect())
+}
+
+/// Row-major strides, in elements, of a tensor of `shape`.
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
+    for i in (1..shape.len()).rev() {
+        strides[i - 1] = strides[i].saturating_mul(shape[i].max(1));
+    }
+    strides
+}
+
+/// `load_safetensors_files` with this device's shared loader (headers checked before the GPU
+/// is opened).
+#[pyfunction]
+#[pyo3(signature = (path, device=0))]
+#[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+pub(crate) fn load_safetensors_files(
+    py: Python<'_>,
+    path: PathBuf,
+    device: usize,
+) -> PyResult<Vec<FileTensors>> {
+    if !has_shared_loader(device) {
+        // Before the GPU is opened: a bad file is named even on a machine without one.
+        py.detach(|| gpufeed::safetensors::inspect(&path))
+            .map_err(py_err)?;
+    }
+    Loader {
+        inner: shared_loader(py, device)?,
+        restore: KeepContext::default(),
+    }
+    .load_safetensors_files(py, path)
+}

@@ -1,0 +1,312 @@
+//! Loads onto one GPU: `Loader` (files, byte ranges, registered files), `RegisteredFile`, and
+//! the loaders the module-level functions keep, one per device (`load_file`, `load_range`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::array::{Array, device_bytes};
+use crate::checkpoints::{FileTensors, checkpoint_files};
+use crate::context::KeepContext;
+use crate::errors::py_err;
+use crate::{GpufeedError, reaper};
+
+fn strategy(name: &str) -> PyResult<gpufeed::Strategy> {
+    name.parse().map_err(py_err)
+}
+
+/// A reusable loader of one GPU: its pinned staging and threads serve every load.
+///
+/// `gpufeed.load_file` and `gpufeed.load_safetensors` keep one per device; make one yourself
+/// for other options.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct Loader {
+    pub(crate) inner: Arc<gpufeed::Loader>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
+    pub(crate) restore: KeepContext,
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.restore.arm();
+    }
+}
+
+impl Loader {
+    fn load_range_array(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        start: u64,
+        end: Option<u64>,
+    ) -> PyResult<Array> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let inner = Arc::clone(&self.inner);
+        let buf = py.detach(move || {
+            let end = match end {
+                Some(e) => e,
+                None => gpufeed::os::file::stat_regular(&path)?.size,
+            };
+            reaper::wait_idle_before(end.saturating_sub(start));
+            inner
+                .load_range(&path, start..end)
+                .map(|(buf, _report)| buf)
+        });
+        Ok(device_bytes(self.inner.gpu(), buf.map_err(py_err)?))
+    }
+}
+
+#[pymethods]
+impl Loader {
+    /// A loader of GPU `device` with a strategy: `auto`, `registered`, `staged` or `direct`.
+    #[new]
+    #[pyo3(signature = (device=0, strategy="auto"))]
+    fn py_new(py: Python<'_>, device: usize, strategy: &str) -> PyResult<Self> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let opts = gpufeed::LoadOptions::default().with_strategy(self::strategy(strategy)?);
+        let inner = py
+            .detach(|| gpufeed::Loader::open(device, opts))
+            .map_err(py_err)?;
+        Ok(Loader {
+            inner: Arc::new(inner),
+            restore: KeepContext::default(),
+        })
+    }
+
+    /// All of `path` on the GPU: a 1-D `U8` array.
+    fn load_file(&self, py: Python<'_>, path: PathBuf) -> PyResult<Array> {
+        self.load_range_array(py, path, 0, None)
+    }
+
+    /// Bytes `start..end` of `path` on the GPU: a 1-D `U8` array.
+    fn load_range(&self, py: Python<'_>, path: PathBuf, start: u64, end: u64) -> PyResult<Array> {
+        if end < start {
+            return Err(GpufeedError::new_err(format!(
+                "invalid setting: the range {start}..{end} ends before it starts"
+            )));
+        }
+        self.load_range_array(py, path, start, Some(end))
+    }
+
+    /// A safetensors file or index as one `U8` array per file with its tensors, what the Python
+    /// layer turns into torch tensors with one `torch.from_dlpack` per file and one
+    /// `as_strided` per tensor: per file `(array, groups, odd)`, where each group holds the
+    /// tensors of one dtype at offsets its element size divides, as `(dtype, element size,
+    /// names, shapes, strides, element offsets)`, and `odd` the others as `(name, dtype, shape,
+    /// start, end)` in bytes.
+    pub(crate) fn load_safetensors_files(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+    ) -> PyResult<Vec<FileTensors>> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        // The headers are read once, by the load (a second parse would cost 0.2-0.3 us per
+        // tensor); a dtype torch cannot take is refused after it, before any tensor is handed
+        // out.
+        let inner = Arc::clone(&self.inner);
+        let ckpt = py
+            .detach(move || {
+                reaper::wait_idle();
+                gpufeed::safetensors::load_with(&inner, &path)
+            })
+            .map_err(py_err)?;
+        checkpoint_files(py, ckpt)
+    }
+
+    /// Registers `path` for repeated loads (see `RegisteredFile`).
+    fn register_file(&self, py: Python<'_>, path: PathBuf) -> PyResult<RegisteredFile> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let inner = Arc::clone(&self.inner);
+        let file = py
+            .detach(move || inner.register_file(&path))
+            .map_err(py_err)?;
+        Ok(RegisteredFile {
+            inner: std::sync::RwLock::new(Some(file)),
+            restore: KeepContext::default(),
+        })
+    }
+
+    /// Bytes `start..end` (`end` None: to the end) of a registered file on this loader's GPU:
+    /// a 1-D `U8` array, one copy out of the page cache.
+    #[pyo3(signature = (file, start=0, end=None))]
+    fn load_registered(
+        &self,
+        py: Python<'_>,
+        file: &RegisteredFile,
+        start: u64,
+        end: Option<u64>,
+    ) -> PyResult<Array> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let held = file.held()?;
+        let Some(f) = held.as_ref() else {
+            return Err(GpufeedError::new_err(
+                "the registered file was closed: register it again",
+            ));
+        };
+        let end = end.unwrap_or(f.len());
+        if end < start {
+            return Err(GpufeedError::new_err(format!(
+                "invalid setting: the range {start}..{end} ends before it starts"
+            )));
+        }
+        let inner = &self.inner;
+        let buf = py
+            .detach(|| {
+                reaper::wait_idle_before(end - start);
+                inner.load_registered(f, start..end).map(|(buf, _)| buf)
+            })
+            .map_err(py_err)?;
+        Ok(device_bytes(self.inner.gpu(), buf))
+    }
+
+    /// The GPU's CUDA ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.inner.gpu().info().ordinal
+    }
+}
+
+/// Takes what `held` holds (a registered file, an on-demand checkpoint) and drops it, putting
+/// back the caller's current CUDA context after: the registrations are undone; later calls
+/// find `None`. The lock is taken without the GIL: a load on another thread holds the read
+/// side while it runs without the GIL and needs the GIL back before it lets go, so waiting
+/// for the write side with the GIL held would deadlock.
+pub(crate) fn close_registered<T: Send + Sync>(
+    py: Python<'_>,
+    held: &std::sync::RwLock<Option<T>>,
+) -> PyResult<()> {
+    let _context = gpufeed::cuda::ContextGuard::new();
+    py.detach(|| {
+        let taken = held
+            .write()
+            .map_err(|_| GpufeedError::new_err("a load panicked"))?
+            .take();
+        drop(taken);
+        Ok(())
+    })
+}
+
+/// A file registered once for repeated loads (`Loader.register_file`): its cached pages stay
+/// page-locked until `close` (or until the object goes), and every `Loader.load_registered`
+/// is one copy by the GPU out of the page cache.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct RegisteredFile {
+    /// `None` once closed.
+    inner: std::sync::RwLock<Option<gpufeed::RegisteredFile>>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
+    restore: KeepContext,
+}
+
+impl Drop for RegisteredFile {
+    fn drop(&mut self) {
+        self.restore.arm();
+    }
+}
+
+impl RegisteredFile {
+    fn held(&self) -> PyResult<std::sync::RwLockReadGuard<'_, Option<gpufeed::RegisteredFile>>> {
+        self.inner
+            .read()
+            .map_err(|_| GpufeedError::new_err("a load panicked"))
+    }
+}
+
+#[pymethods]
+impl RegisteredFile {
+    /// Its length in bytes when registered.
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.held()?.as_ref().map_or(0, |f| f.len() as usize))
+    }
+
+    /// The file's path (a `pathlib.Path`; `None` once closed).
+    #[getter]
+    fn path(&self) -> PyResult<Option<PathBuf>> {
+        Ok(self.held()?.as_ref().map(|f| f.path().to_path_buf()))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// Undoes the registration; arrays already loaded stay valid.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        close_registered(py, &self.inner)
+    }
+}
+
+type Loaders = Mutex<HashMap<usize, Arc<gpufeed::Loader>>>;
+
+/// The module-level functions' loaders, one per device.
+fn loaders() -> &'static Loaders {
+    static LOADERS: OnceLock<Loaders> = OnceLock::new();
+    LOADERS.get_or_init(Default::default)
+}
+
+/// Whether the module-level functions made a loader for `device` (and so opened its GPU).
+pub(crate) fn has_shared_loader(device: usize) -> bool {
+    loaders().lock().is_ok_and(|m| m.contains_key(&device))
+}
+
+/// The value kept in `map` under `key`, or a new one from `make` (run without the GIL and
+/// without the lock, since opening GPUs takes a while) kept there.
+pub(crate) fn kept<K: std::hash::Hash + Eq, V: Send + Sync>(
+    py: Python<'_>,
+    map: &Mutex<HashMap<K, Arc<V>>>,
+    key: K,
+    make: impl FnOnce() -> gpufeed::Result<V> + Send,
+) -> PyResult<Arc<V>> {
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let locked = || {
+        map.lock()
+            .map_err(|_| GpufeedError::new_err("a loader panicked"))
+    };
+    if let Some(v) = locked()?.get(&key) {
+        return Ok(Arc::clone(v));
+    }
+    let made = Arc::new(py.detach(make).map_err(py_err)?);
+    Ok(Arc::clone(locked()?.entry(key).or_insert(made)))
+}
+
+/// One loader per device for the module-level functions.
+pub(crate) fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
+    kept(py, loaders(), device, || {
+        gpufeed::Loader::open(device, gpufeed::LoadOptions::default())
+    })
+}
+
+/// `gpufeed.load_file` with this device's shared loader.
+#[pyfunction]
+#[pyo3(signature = (path, device=0))]
+pub(crate) fn load_file(py: Python<'_>, path: PathBuf, device: usize) -> PyResult<Array> {
+    Loader {
+        inner: shared_loader(py, device)?,
+        restore: KeepContext::default(),
+    }
+    .load_file(py, path)
+}
+
+/// `gpufeed.load_range` with this device's shared loader.
+#[pyfunction]
+#[pyo3(signature = (path, start, end, device=0))]
+pub(crate) fn load_range(
+    py: Python<'_>,
+    path: PathBuf,
+    start: u64,
+    end: u64,
+    device: usize,
+) -> PyResult<Array> {
+    Loader {
+        inner: shared_loader(py, device)?,
+        restore: KeepContext::default(),
+    }
+    .load_range(py, path, start, end)
+}
