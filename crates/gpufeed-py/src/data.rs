@@ -2,12 +2,13 @@
 //! image folders), its epochs (`EpochIter`, fed by a thread) and their `Batch`es.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 
 use dlpark::ffi::DLDevice;
 use gpufeed::dataset::{
     BatchData, Dataset, ImageFolder, Order, Position, RecordFile, Sampler, ShardSet,
 };
+use parking_lot::Mutex;
 use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 
@@ -337,16 +338,11 @@ impl BatchLoader {
     /// Runs epoch `epoch` (from `at` when resuming) on a thread feeding the returned iterator.
     fn run(&self, epoch: u64, at: Option<Position>) -> PyResult<EpochIter> {
         let start = at.map_or(0, |a| a.samples);
-        let loader = self
-            .slot
-            .lock()
-            .map_err(|_| GpufeedError::new_err("a previous epoch panicked"))?
-            .take()
-            .ok_or_else(|| {
-                GpufeedError::new_err(
-                    "an epoch is already running: iterate it to the end (or drop it) first",
-                )
-            })?;
+        let loader = self.slot.lock().take().ok_or_else(|| {
+            GpufeedError::new_err(
+                "an epoch is already running: iterate it to the end (or drop it) first",
+            )
+        })?;
         let (tx, rx) = mpsc::sync_channel(2);
         let slot = Arc::clone(&self.slot);
         std::thread::Builder::new()
@@ -369,9 +365,7 @@ impl BatchLoader {
                         let _ = tx.send(Err(e));
                     }
                 }
-                if let Ok(mut s) = slot.lock() {
-                    *s = Some(loader);
-                }
+                *slot.lock() = Some(loader);
             })
             .map_err(|e| GpufeedError::new_err(format!("cannot start the epoch's thread: {e}")))?;
         Ok(EpochIter {
@@ -422,10 +416,7 @@ impl EpochIter {
     /// model's checkpoint (JSON) and give to `BatchLoader.resume`; after the epoch's last batch,
     /// the start of the next epoch. Only for an elastic loader (`global_batch=`).
     fn position<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let handed = *self
-            .handed
-            .lock()
-            .map_err(|_| GpufeedError::new_err("the epoch panicked"))?;
+        let handed = *self.handed.lock();
         let at = self
             .sampler
             .position_after(self.records, self.epoch, self.start, handed)
@@ -441,19 +432,12 @@ impl EpochIter {
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
         let _context = gpufeed::cuda::ContextGuard::new();
-        let next = py.detach(|| {
-            self.rx
-                .lock()
-                .map_err(|_| GpufeedError::new_err("the epoch panicked"))
-                .map(|rx| rx.recv().ok())
-        })?;
+        let next = py.detach(|| self.rx.lock().recv().ok());
         let Some(batch) = next else {
             return Err(PyStopIteration::new_err(()));
         };
         let b = batch.map_err(py_err)?;
-        if let Ok(mut handed) = self.handed.lock() {
-            *handed += 1;
-        }
+        *self.handed.lock() += 1;
         let records = b.indices.len();
         let nbytes = b.bytes();
         let (base, device, owner) = match b.data {

@@ -3,8 +3,9 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -124,7 +125,7 @@ impl Loader {
             .detach(move || inner.register_file(&path))
             .map_err(py_err)?;
         Ok(RegisteredFile {
-            inner: std::sync::RwLock::new(Some(file)),
+            inner: RwLock::new(Some(file)),
             restore: KeepContext::default(),
         })
     }
@@ -140,7 +141,7 @@ impl Loader {
         end: Option<u64>,
     ) -> PyResult<Array> {
         let _context = gpufeed::cuda::ContextGuard::new();
-        let held = file.held()?;
+        let held = file.held();
         let Some(f) = held.as_ref() else {
             return Err(GpufeedError::new_err(
                 "the registered file was closed: register it again",
@@ -176,17 +177,14 @@ impl Loader {
 /// for the write side with the GIL held would deadlock.
 pub(crate) fn close_registered<T: Send + Sync>(
     py: Python<'_>,
-    held: &std::sync::RwLock<Option<T>>,
+    held: &RwLock<Option<T>>,
 ) -> PyResult<()> {
     let _context = gpufeed::cuda::ContextGuard::new();
     py.detach(|| {
-        let taken = held
-            .write()
-            .map_err(|_| GpufeedError::new_err("a load panicked"))?
-            .take();
+        let taken = held.write().take();
         drop(taken);
-        Ok(())
-    })
+    });
+    Ok(())
 }
 
 /// A file registered once for repeated loads (`Loader.register_file`): its cached pages stay
@@ -195,7 +193,7 @@ pub(crate) fn close_registered<T: Send + Sync>(
 #[pyclass(frozen, module = "gpufeed._gpufeed")]
 pub struct RegisteredFile {
     /// `None` once closed.
-    inner: std::sync::RwLock<Option<gpufeed::RegisteredFile>>,
+    inner: RwLock<Option<gpufeed::RegisteredFile>>,
     /// Set when dropped, dropped last: see [`KeepContext`].
     restore: KeepContext,
 }
@@ -207,24 +205,22 @@ impl Drop for RegisteredFile {
 }
 
 impl RegisteredFile {
-    fn held(&self) -> PyResult<std::sync::RwLockReadGuard<'_, Option<gpufeed::RegisteredFile>>> {
-        self.inner
-            .read()
-            .map_err(|_| GpufeedError::new_err("a load panicked"))
+    fn held(&self) -> RwLockReadGuard<'_, Option<gpufeed::RegisteredFile>> {
+        self.inner.read()
     }
 }
 
 #[pymethods]
 impl RegisteredFile {
     /// Its length in bytes when registered.
-    fn __len__(&self) -> PyResult<usize> {
-        Ok(self.held()?.as_ref().map_or(0, |f| f.len() as usize))
+    fn __len__(&self) -> usize {
+        self.held().as_ref().map_or(0, |f| f.len() as usize)
     }
 
     /// The file's path (a `pathlib.Path`; `None` once closed).
     #[getter]
-    fn path(&self) -> PyResult<Option<PathBuf>> {
-        Ok(self.held()?.as_ref().map(|f| f.path().to_path_buf()))
+    fn path(&self) -> Option<PathBuf> {
+        self.held().as_ref().map(|f| f.path().to_path_buf())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -253,7 +249,7 @@ fn loaders() -> &'static Loaders {
 
 /// Whether the module-level functions made a loader for `device` (and so opened its GPU).
 pub(crate) fn has_shared_loader(device: usize) -> bool {
-    loaders().lock().is_ok_and(|m| m.contains_key(&device))
+    loaders().lock().contains_key(&device)
 }
 
 /// The value kept in `map` under `key`, or a new one from `make` (run without the GIL and
@@ -265,15 +261,11 @@ pub(crate) fn kept<K: std::hash::Hash + Eq, V: Send + Sync>(
     make: impl FnOnce() -> gpufeed::Result<V> + Send,
 ) -> PyResult<Arc<V>> {
     let _context = gpufeed::cuda::ContextGuard::new();
-    let locked = || {
-        map.lock()
-            .map_err(|_| GpufeedError::new_err("a loader panicked"))
-    };
-    if let Some(v) = locked()?.get(&key) {
+    if let Some(v) = map.lock().get(&key) {
         return Ok(Arc::clone(v));
     }
     let made = Arc::new(py.detach(make).map_err(py_err)?);
-    Ok(Arc::clone(locked()?.entry(key).or_insert(made)))
+    Ok(Arc::clone(map.lock().entry(key).or_insert(made)))
 }
 
 /// One loader per device for the module-level functions.

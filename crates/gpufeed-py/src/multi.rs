@@ -3,15 +3,16 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
+use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use crate::array::{Array, device_bytes};
 use crate::checkpoints::{FileTensors, checkpoint_files};
 use crate::errors::py_err;
 use crate::loads::kept;
-use crate::{GpufeedError, reaper};
+use crate::reaper;
 
 /// One multi-GPU loader per list of devices for `load_replicated` and `load_sharded`.
 fn shared_multi(py: Python<'_>, devices: Vec<usize>) -> PyResult<Arc<gpufeed::multi::MultiLoader>> {
@@ -89,9 +90,7 @@ pub(crate) fn load_sharded(
 fn rank_loader(py: Python<'_>) -> PyResult<Arc<gpufeed::multi::RankLoader>> {
     static RANK: OnceLock<Mutex<Option<Arc<gpufeed::multi::RankLoader>>>> = OnceLock::new();
     let cell = RANK.get_or_init(Mutex::default);
-    let mut held = cell
-        .lock()
-        .map_err(|_| GpufeedError::new_err("a loader panicked"))?;
+    let mut held = cell.lock();
     if let Some(r) = held.as_ref() {
         return Ok(Arc::clone(r));
     }

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use parking_lot::RwLock;
 use pyo3::prelude::*;
 
 use crate::array::{Array, device_bytes, dlpack_dtype};
@@ -19,7 +20,7 @@ use crate::{GpufeedError, reaper};
 pub struct OnDemand {
     loader: Arc<gpufeed::Loader>,
     /// `None` once closed (the files' registrations undone).
-    inner: std::sync::RwLock<Option<gpufeed::safetensors::OnDemand>>,
+    inner: RwLock<Option<gpufeed::safetensors::OnDemand>>,
     /// Set when dropped, dropped last: see [`KeepContext`].
     restore: KeepContext,
 }
@@ -49,7 +50,7 @@ impl OnDemand {
             .map_err(py_err)?;
         Ok(OnDemand {
             loader,
-            inner: std::sync::RwLock::new(Some(inner)),
+            inner: RwLock::new(Some(inner)),
             restore: KeepContext::default(),
         })
     }
@@ -104,10 +105,7 @@ impl OnDemand {
         &self,
         f: impl FnOnce(&gpufeed::safetensors::OnDemand) -> PyResult<T>,
     ) -> PyResult<T> {
-        let held = self
-            .inner
-            .read()
-            .map_err(|_| GpufeedError::new_err("a load panicked"))?;
+        let held = self.inner.read();
         match held.as_ref() {
             Some(c) => f(c),
             None => Err(GpufeedError::new_err(

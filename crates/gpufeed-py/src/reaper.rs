@@ -6,10 +6,11 @@
 //! ([`wait_idle_before`], which cuts the round's gathering short), so that memory a
 //! caller has let go is back before the next load asks for its own.
 
+use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
-use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex};
 use pyo3::prelude::*;
 
 use crate::array::Storage;
@@ -17,7 +18,7 @@ use crate::array::Storage;
 /// Waits for `gpu`'s queued work, then frees `storage`.
 fn free_after_queued_work(gpu: &gpufeed::Gpu, storage: Storage) {
     if let Err(e) = gpu.context().synchronize() {
-        eprintln!("gpufeed: synchronizing before freeing device memory failed: {e}");
+        tracing::warn!(error = %e, "synchronizing before freeing device memory failed");
     }
     drop(storage);
 }
@@ -87,9 +88,8 @@ fn run(rx: &Receiver<Msg>) {
                 free_after_queued_work(&gpu, storage);
             }
         }
-        if let Some(r) = reaper()
-            && let Ok(mut pending) = r.pending.lock()
-        {
+        if let Some(r) = reaper() {
+            let mut pending = r.pending.lock();
             *pending = pending.saturating_sub(n);
             r.idle.notify_all();
         }
@@ -102,9 +102,7 @@ pub(super) fn free_later(gpu: gpufeed::Gpu, storage: Storage) {
     let Some(r) = reaper() else {
         return free_after_queued_work(&gpu, storage);
     };
-    let (Ok(tx), Ok(mut pending)) = (r.tx.lock(), r.pending.lock()) else {
-        return free_after_queued_work(&gpu, storage);
-    };
+    let (tx, mut pending) = (r.tx.lock(), r.pending.lock());
     *pending += 1;
     if let Err(back) = tx.send(Msg::Free(Box::new((gpu, storage)))) {
         *pending -= 1;
@@ -138,19 +136,13 @@ pub(super) fn wait_idle() {
         return;
     };
     // Not holding `pending` while taking `tx` (`free_later` takes them the other way).
-    if r.pending.lock().is_ok_and(|p| *p > 0)
-        && let Ok(tx) = r.tx.lock()
-    {
-        let _ = tx.send(Msg::Hurry);
+    let busy = *r.pending.lock() > 0;
+    if busy {
+        let _ = r.tx.lock().send(Msg::Hurry);
     }
-    let Ok(mut pending) = r.pending.lock() else {
-        return;
-    };
+    let mut pending = r.pending.lock();
     while *pending > 0 {
-        match r.idle.wait(pending) {
-            Ok(p) => pending = p,
-            Err(_) => return,
-        }
+        r.idle.wait(&mut pending);
     }
 }
 
