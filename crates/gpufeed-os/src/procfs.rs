@@ -59,6 +59,20 @@ pub(crate) fn fdinfo_pid(text: &str) -> Option<i64> {
         .find_map(|line| line.strip_prefix("Pid:")?.trim().parse().ok())
 }
 
+/// The boot-time offset of `/proc/<pid>/timens_offsets` text (`boottime <s> <ns>`), in
+/// nanoseconds (negative offsets allowed).
+pub(crate) fn timens_boottime_ns(text: &str) -> Option<i64> {
+    text.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        if words.next()? != "boottime" {
+            return None;
+        }
+        let secs: i64 = words.next()?.parse().ok()?;
+        let nanos: i64 = words.next()?.parse().ok()?;
+        secs.checked_mul(1_000_000_000)?.checked_add(nanos)
+    })
+}
+
 /// One line of a pressure-stall file.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PsiLine {
@@ -142,6 +156,18 @@ Hugepagesize:       2048 kB\n";
         assert_eq!(meminfo_bytes(MEMINFO, "Mem"), None, "a prefix is not a key");
         assert_eq!(meminfo_bytes(MEMINFO, "Missing"), None);
         assert_eq!(meminfo_bytes("Bad: x kB", "Bad"), None);
+    }
+
+    #[test]
+    fn timens_offsets_boottime() {
+        let text = "monotonic           0         0\nboottime         1000       500\n";
+        assert_eq!(timens_boottime_ns(text), Some(1_000_000_000_500));
+        assert_eq!(
+            timens_boottime_ns("boottime        -2 250000000\n"),
+            Some(-1_750_000_000)
+        );
+        assert_eq!(timens_boottime_ns("monotonic 5 0\n"), None);
+        assert_eq!(timens_boottime_ns("boottime x 0\n"), None);
     }
 
     const STATUS: &str = "Name:\tcat\nUmask:\t0022\nState:\tR (running)\n\

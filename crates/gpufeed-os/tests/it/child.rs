@@ -19,6 +19,53 @@ pub fn run(role: &str, vars: &[(&str, String)]) -> String {
     gpufeed_testkit::run_child("child::entry", role, vars)
 }
 
+/// Runs the child role `role` under the wrapper command `wrapper` (e.g. `unshare --time
+/// --fork`), which gets the child's program and arguments after its own; its stdout, or `None`
+/// after printing why `test` is skipped (the program is missing, or we are not root and the
+/// kernel refused what the wrapper asked for).
+pub fn run_wrapped(
+    test: &str,
+    wrapper: &[&str],
+    role: &str,
+    vars: &[(&str, String)],
+) -> Option<String> {
+    let inner = command(role, vars);
+    let mut cmd = Command::new(wrapper[0]);
+    cmd.args(&wrapper[1..])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .stdin(std::process::Stdio::null());
+    for (k, v) in inner.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let out = match cmd.output() {
+        Ok(out) => out,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            gpufeed_testkit::skip(test, &format_args!("no `{}` program", wrapper[0]));
+            return None;
+        }
+        Err(e) => panic!("{test}: spawn {}: {e}", wrapper[0]),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() && !gpufeed_testkit::is_root() && stderr.contains("unshare failed") {
+        gpufeed_testkit::skip(
+            test,
+            &format_args!("the kernel refused a namespace: {}", stderr.trim()),
+        );
+        return None;
+    }
+    assert!(
+        out.status.success(),
+        "{test}: the child failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    Some(stdout)
+}
+
 fn var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("child needs {name}"))
 }
@@ -83,6 +130,10 @@ fn entry() {
         "shm-gc-dir" => crate::userns::gc_dir(),
         // Lowers RLIMIT_MEMLOCK, drops CAP_IPC_LOCK, and checks what mlock says.
         "memlock" => crate::lock::in_child_with_low_limit(),
+        // Judges the process GPUFEED_IT_ID (`<pid> <start ticks> <pid ns>`): must be alive.
+        "judge-alive" => crate::liveness::judge_alive(),
+        // Pid 1 of a PID namespace: caches its identity, unshares a new PID namespace, forks.
+        "fork-new-pidns" => crate::liveness::fork_into_a_new_pid_namespace(),
         other => panic!("unknown child role {other}"),
     }
 }

@@ -5,6 +5,7 @@ mod align;
 mod atomic;
 mod child;
 mod file;
+mod liveness;
 mod lock;
 mod map;
 mod pidns;
