@@ -21,8 +21,8 @@
 //! [`gc`] can remove exactly the segments of dead owners. A segment created in another PID
 //! namespace (a container sharing /dev/shm with `--ipc=host`) is never judged by its pid: gc
 //! leaves it unless asked otherwise ([`gc_in_with`]). "Ours" is judged by the file's owner
-//! ([`uid_is_ours`]); in a user namespace where our uid reads as the overflow uid (no uid map),
-//! owners cannot be told apart and no segment counts as ours.
+//! ([`uid_is_ours`]); in a user namespace where our uid reads as the overflow uid because we
+//! are not mapped (no uid map), owners cannot be told apart and no segment counts as ours.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -562,13 +562,16 @@ pub struct ShmEntry {
 ///
 /// In a user namespace that does not map every uid (`unshare --user` without a uid map, a
 /// rootless container), the owner of every file of an unmapped user reads as the overflow uid
-/// (`/proc/sys/kernel/overflowuid`, 65534). Where our own uid reads as that too (we are not
-/// mapped ourselves, or we are that uid in a namespace where others are unmapped), a file's
-/// uid cannot tell ours from others': nothing is ours by uid. Only a namespace that maps all
-/// 2^32 - 1 uids (the initial one) lets the overflow uid be a real owner.
+/// (`/proc/sys/kernel/overflowuid`, 65534). Where our own uid reads as that too because we
+/// are not mapped ourselves (`/proc/self/uid_map` does not cover our effective uid), a file's
+/// uid cannot tell ours from others': nothing is ours by uid. Where we are mapped, our uid is
+/// ours, the overflow uid too (a job really running as 65534, `unshare --user
+/// --map-user=65534`); there a file of an unmapped user also reads as 65534 and so as ours
+/// (the kernel still refuses to let us remove or open it as its owner: gc records it as
+/// skipped). The map is read once per process (again after a `fork`).
 pub fn uid_is_ours(uid: u32) -> bool {
     let euid = rustix::process::geteuid().as_raw();
-    uid == euid && (euid != overflow_uid() || maps_every_uid())
+    uid == euid && (euid != overflow_uid() || euid_is_mapped(euid))
 }
 
 /// `/proc/sys/kernel/overflowuid` (65534 where unreadable).
@@ -579,22 +582,37 @@ fn overflow_uid() -> u32 {
         .unwrap_or(65534)
 }
 
-/// Whether our user namespace maps every uid (`/proc/self/uid_map` covers 4294967295 ids);
-/// false where it cannot be read.
-fn maps_every_uid() -> bool {
-    let Ok(map) = std::fs::read_to_string("/proc/self/uid_map") else {
-        return false;
-    };
-    let mapped: u64 = map
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u64>().ok())
-        .sum();
-    mapped >= u64::from(u32::MAX)
+/// Whether `/proc/self/uid_map` maps our effective uid `euid` (a line `inside outside count`
+/// with `inside <= euid < inside + count`); false where it cannot be read. Cached per process
+/// together with the uid it was asked about.
+fn euid_is_mapped(euid: u32) -> bool {
+    static MAPPED: crate::process::PerProcess = crate::process::PerProcess::new();
+    let read = || (u64::from(euid) << 1) | u64::from(uid_map_covers(euid));
+    let mut cached = MAPPED.get(read);
+    if (cached >> 1) as u32 != euid {
+        // Our uid changed since (setuid): ask again, without caching.
+        cached = read();
+    }
+    cached & 1 == 1
+}
+
+/// Whether `/proc/self/uid_map` covers `uid` (false where unreadable).
+fn uid_map_covers(uid: u32) -> bool {
+    std::fs::read_to_string("/proc/self/uid_map").is_ok_and(|map| {
+        map.lines().any(|l| {
+            let n: Vec<u64> = l
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            matches!(n[..], [inside, _, count] if inside <= u64::from(uid) && u64::from(uid) < inside + count)
+        })
+    })
 }
 
 /// The segments in [`DEFAULT_DIR`] whose names were generated with `prefix`
 /// (`<prefix>-<pid>-<start>-<pid namespace>-<random>`) and which belong to our user
-/// ([`uid_is_ours`]: none where our uid is the overflow uid of an unmapped user namespace).
+/// ([`uid_is_ours`]: none where we are unmapped in a user namespace, our uid the overflow
+/// uid).
 pub fn list(prefix: &str) -> Result<Vec<ShmEntry>> {
     list_in(Path::new(DEFAULT_DIR), prefix)
 }

@@ -134,6 +134,8 @@ fn entry() {
         "judge-alive" => crate::liveness::judge_alive(),
         // Pid 1 of a PID namespace: caches its identity, unshares a new PID namespace, forks.
         "fork-new-pidns" => crate::liveness::fork_into_a_new_pid_namespace(),
+        // As uid 65534 mapped in a user namespace: its own segments are its own.
+        "userns-mapped-own" => crate::userns::own_segments_as_mapped_overflow_uid(),
         other => panic!("unknown child role {other}"),
     }
 }

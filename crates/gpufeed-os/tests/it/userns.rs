@@ -171,3 +171,63 @@ pub fn gc_dir() {
     }
     println!("SKIPPED={}", report.skipped.len());
 }
+
+/// Under `unshare --user --map-user=65534 --map-group=65534` a job really runs as uid 65534
+/// (mapped: `/proc/self/uid_map` covers it), which is also the overflow uid: its own segment
+/// is its own (`uid_is_ours`), and `shm::list` lists it.
+#[test]
+fn as_uid_65534_mapped_in_a_user_namespace_our_own_segments_are_ours() {
+    const TEST: &str = "userns::as_uid_65534_mapped_in_a_user_namespace_our_own_segments_are_ours";
+    let out = child::run_wrapped(
+        TEST,
+        &[
+            "unshare",
+            "--user",
+            "--map-user=65534",
+            "--map-group=65534",
+            "--",
+        ],
+        "userns-mapped-own",
+        &[("GPUFEED_IT_PREFIX", unique_prefix("um"))],
+    );
+    if let Some(out) = out {
+        assert!(out.contains("MAPPED-OK"), "{out}");
+    }
+}
+
+/// Child role `userns-mapped-own`: as uid 65534, mapped; creates a segment of
+/// GPUFEED_IT_PREFIX and finds it listed as ours.
+pub fn own_segments_as_mapped_overflow_uid() {
+    use std::os::unix::fs::MetadataExt;
+    let prefix = std::env::var("GPUFEED_IT_PREFIX").expect("prefix");
+    let euid = rustix::process::geteuid().as_raw();
+    let overflow: u32 = std::fs::read_to_string("/proc/sys/kernel/overflowuid")
+        .expect("overflowuid")
+        .trim()
+        .parse()
+        .expect("a number");
+    assert_eq!(
+        euid, overflow,
+        "not the overflow uid: the test does not test"
+    );
+    let map = std::fs::read_to_string("/proc/self/uid_map").expect("uid_map");
+    assert!(
+        map.split_whitespace().next() == Some(&euid.to_string()),
+        "our uid is not mapped ({map:?}): the test does not test"
+    );
+    let seg = shm::ShmOptions::new()
+        .prefix(&prefix)
+        .create_unique(8192)
+        .expect("create");
+    let uid = std::fs::metadata(seg.path().expect("named"))
+        .expect("stat")
+        .uid();
+    assert_eq!(uid, euid);
+    assert!(
+        shm::uid_is_ours(uid),
+        "our own segment (uid {uid}, mapped) judged not ours"
+    );
+    let listed = shm::list(&prefix).expect("list");
+    assert_eq!(listed.len(), 1, "our own segment not listed: {listed:?}");
+    println!("MAPPED-OK");
+}
