@@ -8,6 +8,12 @@
 //! expected. An anonymous segment ([`ShmSegment::anonymous`]) is a sealed memfd: it has no name
 //! to leak, and its fd can be inherited by or sent to another process.
 //!
+//! A handle removes its segment's name (on drop where it created it, [`ShmSegment::unlink`],
+//! after a create that failed halfway) only while the name still names its file (`lstat`'s
+//! device and inode against its descriptor's), so a process that resumes after its name was
+//! taken over by a new segment leaves that one alone. Linux cannot unlink by descriptor: a
+//! replacement made between that `lstat` and the `unlink` is still removed.
+//!
 //! Memory another process can write is never handed out as a `&[u8]`: use [`ShmSegment::as_ptr`]
 //! with atomics or volatile access, or the copying helpers [`ShmSegment::read_at`] and
 //! [`ShmSegment::write_at`].
@@ -158,8 +164,8 @@ impl ShmOptions {
             ),
             e => Error::io("create shared memory", Some(path.clone()), e),
         })?;
-        // From here on, remove the name again if anything fails.
-        let created = RemoveOnError(Some(&path));
+        // From here on, remove the name again if anything fails (while it is still ours).
+        let created = RemoveOnError(file_id(&fd).map(|id| (path.as_path(), id)));
         // The umask may only have removed bits, but make the mode exactly 0600.
         rustix::fs::fchmod(&fd, Mode::RUSR | Mode::WUSR)
             .map_err(|e| Error::io("fchmod", Some(path.clone()), e))?;
@@ -244,8 +250,9 @@ impl ShmOptions {
     }
 }
 
-/// Removes a half-created segment's name unless disarmed.
-struct RemoveOnError<'a>(Option<&'a Path>);
+/// Removes a half-created segment's name unless disarmed, if the name is still that file
+/// (device, inode).
+struct RemoveOnError<'a>(Option<(&'a Path, (u64, u64))>);
 
 impl RemoveOnError<'_> {
     fn disarm(mut self) {
@@ -255,9 +262,32 @@ impl RemoveOnError<'_> {
 
 impl Drop for RemoveOnError<'_> {
     fn drop(&mut self) {
-        if let Some(path) = self.0 {
-            let _ = rustix::fs::unlink(path);
+        if let Some((path, id)) = self.0 {
+            let _ = unlink_if_same(path, id);
         }
+    }
+}
+
+/// The device and inode of `fd`; `None` where `fstat` fails.
+fn file_id(fd: impl AsFd) -> Option<(u64, u64)> {
+    rustix::fs::fstat(fd).ok().map(|st| (st.st_dev, st.st_ino))
+}
+
+/// Removes `path` only while it names (without following symlinks) the file `id` (device,
+/// inode): `Ok(true)` when removed, `Ok(false)` when the name is gone or names another file
+/// (another process removed ours and made a new one of that name). Linux cannot unlink by
+/// descriptor, so a replacement made between the `lstat` and the `unlink` is still removed:
+/// in `/dev/shm` (sticky) only a process of the file's owner, or root, can do that.
+fn unlink_if_same(path: &Path, id: (u64, u64)) -> std::result::Result<bool, Errno> {
+    match rustix::fs::lstat(path) {
+        Ok(st) if (st.st_dev, st.st_ino) == id => {}
+        Ok(_) | Err(Errno::NOENT) => return Ok(false),
+        Err(e) => return Err(e),
+    }
+    match rustix::fs::unlink(path) {
+        Ok(()) => Ok(true),
+        Err(Errno::NOENT) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -454,14 +484,27 @@ impl ShmSegment {
     }
 
     /// Removes the segment's name now: no new process can open it, while every process that
-    /// has it mapped keeps using it. A no-op for anonymous segments.
+    /// has it mapped keeps using it. Only while the name is still this segment (device and
+    /// inode of its descriptor): where another process removed it and made a new segment of
+    /// that name meanwhile (a new job, while this one was stopped), the new one is left alone.
+    /// A no-op for anonymous segments.
+    ///
+    /// # Errors
+    /// [`Error::Io`] where the name cannot be examined or removed (`EPERM`, `EACCES`).
     pub fn unlink(&mut self) -> Result<()> {
         self.unlink_on_drop = false;
         let Some(path) = &self.path else {
             return Ok(());
         };
-        match rustix::fs::unlink(path) {
-            Ok(()) | Err(Errno::NOENT) => Ok(()),
+        let id = rustix::fs::fstat(&self.fd)
+            .map(|st| (st.st_dev, st.st_ino))
+            .map_err(|e| Error::io("fstat", Some(path.clone()), e))?;
+        match unlink_if_same(path, id) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                tracing::debug!(path = %path.display(), "the segment's name now names another file (or none); left alone");
+                Ok(())
+            }
             Err(e) => Err(Error::io("unlink shared memory", Some(path.clone()), e)),
         }
     }
@@ -531,12 +574,10 @@ impl Drop for ShmSegment {
         }
         let Some(path) = &self.path else { return };
         // Remove the name only if it still refers to our file: someone may have unlinked it
-        // and created another segment of the same name since.
-        let ours = match (rustix::fs::fstat(&self.fd), rustix::fs::lstat(path)) {
-            (Ok(a), Ok(b)) => a.st_dev == b.st_dev && a.st_ino == b.st_ino,
-            _ => false,
-        };
-        if ours && let Err(err) = rustix::fs::unlink(path) {
+        // and created another segment of the same name since (see `unlink_if_same`).
+        if let Some(id) = file_id(&self.fd)
+            && let Err(err) = unlink_if_same(path, id)
+        {
             tracing::warn!(%err, path = %path.display(), "could not remove shared memory");
         }
     }

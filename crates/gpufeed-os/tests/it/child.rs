@@ -136,6 +136,8 @@ fn entry() {
         "fork-new-pidns" => crate::liveness::fork_into_a_new_pid_namespace(),
         // As uid 65534 mapped in a user namespace: its own segments are its own.
         "userns-mapped-own" => crate::userns::own_segments_as_mapped_overflow_uid(),
+        // Removes the segment GPUFEED_IT_NAME and creates a new one of that name (kept).
+        "shm-replace" => crate::shm::replace_segment(),
         other => panic!("unknown child role {other}"),
     }
 }

@@ -467,3 +467,42 @@ fn symlinks_at_segment_names_are_never_followed() {
             .is_symlink()
     );
 }
+
+/// A handle's `unlink` removes the name only while it is still its segment: a process that
+/// resumes (it was stopped) after another job of this user replaced the name with a new
+/// segment leaves the new one alone.
+#[test]
+fn unlink_leaves_a_replacement_of_the_same_name_alone() {
+    use std::os::unix::fs::MetadataExt;
+    let mut first = ShmOptions::new()
+        .prefix(unique_prefix("ur"))
+        .create_unique(4096)
+        .expect("create");
+    let name = first.name().expect("named").to_owned();
+    let path = first.path().expect("path").to_owned();
+    let old_ino = std::fs::metadata(&path).expect("stat").ino();
+    // Another process removes the name and makes a new segment under it.
+    child::run("shm-replace", &[("GPUFEED_IT_NAME", name.clone())]);
+    let new_ino = std::fs::metadata(&path).expect("the new segment").ino();
+    assert_ne!(new_ino, old_ino, "not replaced: the test does not test");
+    first.unlink().expect("unlink");
+    let after = std::fs::metadata(&path).map(|m| m.ino());
+    // Clean up the new segment whatever happened.
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(
+        after.ok(),
+        Some(new_ino),
+        "unlink removed the segment that replaced ours"
+    );
+}
+
+/// Child role `shm-replace`: removes the segment GPUFEED_IT_NAME and creates a new one of
+/// that name, which it keeps.
+pub fn replace_segment() {
+    let name = std::env::var("GPUFEED_IT_NAME").expect("name");
+    std::fs::remove_file(Path::new(shm::DEFAULT_DIR).join(&name)).expect("remove");
+    ShmOptions::new()
+        .unlink_on_drop(false)
+        .create(&name, 8192)
+        .expect("recreate");
+}
