@@ -8,35 +8,71 @@
 //! `create` opens the target's directory once (`O_DIRECTORY`) and makes in it a private
 //! directory `.gpufeed-tmp-<boot id>-<pid>-<start ticks>-<pid namespace>-<random>` (the boot id
 //! of `/proc/sys/kernel/random/boot_id` as 32 hex digits, zeros where unreadable, then
-//! [`crate::process::ProcessIdentity::unique_tag`]), mode 0700, opened with
-//! `O_DIRECTORY | O_NOFOLLOW` and checked by `fstat` (our uid, no group/other bits). The
-//! temporary file is created inside it with `openat` (`O_EXCL | O_NOFOLLOW`, mode 0600) under the
-//! target's own name, so the name in the shared directory does not grow with the target's (a
-//! 255-byte target name works). The commit is `renameat(private dir, name, target dir, name)`:
-//! descriptor-relative, it never follows a symlink planted at the target (the symlink is
-//! replaced), and no name another user can change is ever resolved again. The bytes go only to
-//! the descriptor `create` made: [`AtomicFile::file`], or [`AtomicFile::reopen`] /
+//! [`crate::process::ProcessIdentity::unique_tag`]) with `mkdirat(.., 0700)`, and opens it by
+//! that name (`O_DIRECTORY | O_NOFOLLOW`). Another user who may write the target's directory
+//! can exchange the name for another directory (`renameat2(RENAME_EXCHANGE)`) between the two
+//! calls, so what was opened is checked before anything is done in it: ours (our uid), mode
+//! exactly what `mkdir` gives (0700 less the umask, set-group-id only where the target's
+//! directory has it), no subdirectory (`nlink` at most 2) and empty; anything else is
+//! [`Error::UnsafeTemporary`], and nothing in it is changed. Only where the umask took bits
+//! from 0700 is the verified directory then `fchmod`ed to 0700. The temporary file is created
+//! inside it with `openat` (`O_EXCL | O_NOFOLLOW`, mode 0600) under the target's own name, so
+//! the name in the shared directory does not grow with the target's (a 255-byte target name
+//! works). The commit is `renameat(private dir, name, target dir, name)`: descriptor-relative,
+//! it never follows a symlink planted at the target (the symlink is replaced), and no name
+//! another user can change is ever resolved again. The private directory is then removed by
+//! name only while that name is still it (device and inode). The bytes go only to the
+//! descriptor `create` made: [`AtomicFile::file`], or [`AtomicFile::reopen`] /
 //! [`AtomicFile::path`] (`/proc/self/fd/<n>`, which the kernel resolves to the open file, not
-//! by name) for a second descriptor with other flags (`O_DIRECT`).
+//! by name) for a second descriptor with other flags (`O_DIRECT`), checked by
+//! [`AtomicFile::check_same_file`].
 //!
 //! # Stale temporaries
 //! A directory on a network file system (NFS, Lustre) is shared by hosts whose pids mean
-//! nothing to each other, and whose init PID namespaces have the same inode. So `create`
-//! removes a temporary only when all of these hold: its name carries this boot's id (this
-//! host, since its last boot; a name without a boot id, as earlier versions wrote, is never
-//! judged, and is left for a person to remove), its writer is known dead
-//! ([`ProcessIdentity::is_dead`]: of our PID namespace, gone or its pid reused), it belongs to
-//! our uid, and neither it nor what it holds was modified for [`STALE_AFTER`] (15 minutes).
-//! Removal goes through descriptors (`openat` with `O_NOFOLLOW`, `unlinkat`), never following
-//! a symlink.
+//! nothing to each other, and whose init PID namespaces have the same inode. And in a
+//! directory others may write without the sticky bit (a team directory, 0777 or 2775), anyone
+//! can rename any entry, our own directories included, to a temporary's name. So `create`
+//! removes a private directory only when all of these hold:
+//! - its name carries this boot's id (this host, since its last boot; a name without a boot
+//!   id, as earlier versions wrote, is never judged, and is left for a person to remove);
+//! - its writer is known dead ([`ProcessIdentity::is_dead`]: of our PID namespace, gone or its
+//!   pid reused);
+//! - it has exactly a temporary's shape: a directory (not followed if a symlink) of our uid,
+//!   mode 0700 (set-group-id allowed), no subdirectory (`nlink` at most 2), holding nothing or
+//!   one regular file of our uid with one link;
+//! - when it holds that file, it was not renamed since the file was created in it: its ctime
+//!   equals its mtime (every rename sets the ctime of what it moves, and nobody can set a
+//!   ctime back). An old directory of ours that another user renamed to such a name therefore
+//!   keeps its file. (Timestamps are coarse, one clock tick: a rename within a tick of the
+//!   file's creation is not told apart.) On a file system whose directories' ctime and mtime
+//!   differ after a create, temporaries are never removed (the safe direction);
+//! - neither the file (or, for an empty directory, the directory) was modified for
+//!   [`STALE_AFTER`] (15 minutes).
+//!
+//! Removal goes through descriptors: the directory opened with `O_NOFOLLOW` and checked by
+//! `fstat`, the file unlinked with `unlinkat` on that descriptor after its device and inode
+//! were checked again, then the directory removed by name while the name is still it. What
+//! remains: between that last check and the `rmdir` another user who may write the directory
+//! can put another empty directory of ours under the name, which is then removed (an empty
+//! directory such a user could remove anyway).
 //!
 //! # Mode and owner
-//! Before the rename the new file gets the permission bits (0777; set-id bits are dropped) and,
-//! where permitted (as root; `EPERM` is ignored), the owner and group of the file it replaces,
-//! judged by `fstatat` on the directory's descriptor without following symlinks and only when
-//! that is a regular file. A new target gets `0666 & ~umask`, as a plain create would (the
-//! umask read from `/proc/self/status`, 022 assumed where it cannot be). ACLs and extended
-//! attributes are not copied.
+//! Before the rename the new file gets, from the entry it replaces (`fstatat` on the
+//! directory's descriptor, not following symlinks):
+//! - a regular file of ours: its permission bits (0777; set-id bits are dropped) and, where
+//!   permitted, its group;
+//! - a regular file of another user who could not have planted it (it has one link, and the
+//!   target's directory is not writable by group or others, or belongs to that user): its
+//!   permission bits and, where permitted (as root; `EPERM` is ignored), its owner and group;
+//!   where the owner could not be given (not root), the bits less the umask;
+//! - a regular file another user could have planted (a sticky or team directory, or a hard
+//!   link to another file): our uid and group, and its permission bits less the umask (a
+//!   squatter's 0777 becomes 0755 under umask 022), so that nobody else can rewrite our save;
+//! - anything else (a symlink, a FIFO, ...): 0600, since its target's mode is unknown.
+//!
+//! A new target gets `0666 & ~umask`, as a plain create would (the umask read from
+//! `/proc/self/status`, 022 assumed where it cannot be). ACLs and extended attributes are not
+//! copied.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
@@ -129,8 +165,8 @@ pub struct AtomicFile {
     file: File,
     /// `/proc/self/fd/<file>`.
     fd_path: PathBuf,
-    /// Permission bits of a new target (`0666 & ~umask`).
-    new_mode: u32,
+    /// Our umask (022 where /proc does not say).
+    umask: u32,
     committed: bool,
     cleaned: Vec<PathBuf>,
 }
@@ -148,10 +184,17 @@ struct PrivateDir {
 }
 
 impl PrivateDir {
-    /// Makes a fresh private directory in `dir` and opens it, checked.
-    fn create(dir: &OwnedFd, dir_path: &Path, needed: u64) -> Result<Self> {
+    /// Makes a fresh private directory in `dir` and opens it, checked (see the module docs:
+    /// a directory exchanged for ours between the `mkdirat` and the `openat` is refused,
+    /// untouched).
+    fn create(dir: &OwnedFd, dir_path: &Path, needed: u64, umask: u32) -> Result<Self> {
         let owner = ProcessIdentity::current();
         let euid = rustix::process::geteuid().as_raw();
+        let parent =
+            rustix::fs::fstat(dir).map_err(|e| Error::io("fstat", dir_path.to_path_buf(), e))?;
+        let setgid = parent.st_mode & 0o2000;
+        // What mkdir(0700) gives here: the umask only takes bits.
+        let made_bits = 0o700 & !umask;
         loop {
             let name = OsString::from(temporary_name(&owner)?);
             let path = dir_path.join(&name);
@@ -166,37 +209,52 @@ impl PrivateDir {
                 }
                 Err(e) => return Err(Error::io("mkdir", path, e)),
             }
-            let fd = match rustix::fs::openat(
+            let unsafe_dir = |reason: String| Error::UnsafeTemporary {
+                path: path.clone(),
+                reason,
+            };
+            let fd = rustix::fs::openat(
                 dir,
                 name.as_os_str(),
                 OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::empty(),
-            ) {
-                Ok(fd) => fd,
-                Err(e) => {
-                    return Err(Error::UnsafeTemporary {
-                        path,
-                        reason: format!(
-                            "the private directory just made was moved or replaced before it \
-                             could be opened ({e})"
-                        ),
-                    });
-                }
-            };
+            )
+            .map_err(|e| {
+                unsafe_dir(format!(
+                    "the private directory just made was moved or replaced before it could be \
+                     opened ({e})"
+                ))
+            })?;
             let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("fstat", path.clone(), e))?;
+            let mode = st.st_mode & 0o7777;
             if st.st_uid != euid {
-                return Err(Error::UnsafeTemporary {
-                    path,
-                    reason: format!(
-                        "the private directory just made belongs to uid {}, not to us (uid {euid})",
-                        st.st_uid
-                    ),
-                });
+                return Err(unsafe_dir(format!(
+                    "the directory opened under the name just made belongs to uid {}, not to us \
+                     (uid {euid}): another user replaced it",
+                    st.st_uid
+                )));
             }
-            // Exactly 0700 (a umask may have taken bits); a set-group-id bit inherited from
-            // the target's directory stays, so the file gets the group a plain create would.
-            let mode = Mode::from_raw_mode(0o700 | (st.st_mode & 0o2000));
-            rustix::fs::fchmod(&fd, mode).map_err(|e| Error::io("fchmod", path.clone(), e))?;
+            // Set-group-id only where inherited from the parent (some file systems do not
+            // pass it on: `grpid`).
+            if mode & !0o2000 != made_bits || (mode & 0o2000 != 0 && setgid == 0) {
+                return Err(unsafe_dir(format!(
+                    "the directory opened under the name just made has mode {mode:04o}, not the \
+                     {:04o} of a new one: another user replaced it",
+                    made_bits | setgid
+                )));
+            }
+            if st.st_nlink > 2 || !is_empty_dir(&fd) {
+                return Err(unsafe_dir(
+                    "the directory opened under the name just made is not empty: another user \
+                     replaced it"
+                        .into(),
+                ));
+            }
+            if made_bits != 0o700 {
+                // Verified ours, new and empty: give back what the umask took.
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700 | (mode & 0o2000)))
+                    .map_err(|e| Error::io("fchmod", path.clone(), e))?;
+            }
             return Ok(PrivateDir {
                 fd,
                 name,
@@ -216,6 +274,15 @@ impl PrivateDir {
             tracing::warn!(path = %self.path.display(), "could not remove a temporary's private directory: {e}");
         }
     }
+}
+
+/// Whether the directory `fd` holds nothing but `.` and `..` (false where unreadable).
+fn is_empty_dir(fd: &OwnedFd) -> bool {
+    rustix::fs::Dir::read_from(fd).is_ok_and(|entries| {
+        entries
+            .into_iter()
+            .all(|e| e.is_ok_and(|e| matches!(e.file_name().to_bytes(), b"." | b"..")))
+    })
 }
 
 /// Whether `name` in `dir` is (without following symlinks) the file `id` (device, inode).
@@ -244,12 +311,15 @@ impl AtomicFile {
     /// see the module docs), with `len` bytes of space reserved (`fallocate`) when given, so
     /// that a full file system is an error now ([`Error::NoSpace`]) and not halfway through.
     /// First removes stale temporaries in the directory: of this boot's writers known dead,
-    /// ours, unmodified for [`STALE_AFTER`] ([`AtomicFile::cleaned`]).
+    /// of a temporary's exact shape and ours, not renamed since, unmodified for
+    /// [`STALE_AFTER`] ([`AtomicFile::cleaned`]; see the module docs).
     ///
     /// # Errors
     /// [`Error::NotFound`] when the directory is missing, [`Error::IsDirectory`] when the
     /// target is one, [`Error::NoSpace`], [`Error::UnsafeTemporary`] when the private
-    /// directory just made was replaced (another user writes the directory), and I/O errors
+    /// directory just made was replaced before it was opened (another user who writes the
+    /// directory exchanged it: what was opened is not ours, not of a new directory's mode, or
+    /// not empty; nothing in it was changed), and I/O errors
     /// naming the path.
     pub fn create(target: impl AsRef<Path>, len: Option<u64>) -> Result<Self> {
         let target = target.as_ref();
@@ -279,8 +349,10 @@ impl AtomicFile {
                 path: target.into(),
             });
         }
+        // Without /proc: the common default umask 022.
+        let umask = umask().unwrap_or(0o022);
         let cleaned = clean_stale(&dir, dir_path);
-        let private = PrivateDir::create(&dir, dir_path, len.unwrap_or(0))?;
+        let private = PrivateDir::create(&dir, dir_path, len.unwrap_or(0), umask)?;
         // From here on, an error drops `f` (or removes the directory), leaving nothing behind.
         let file = match rustix::fs::openat(
             &private.fd,
@@ -308,8 +380,7 @@ impl AtomicFile {
             private,
             file,
             fd_path,
-            // Without /proc: the common default umask 022.
-            new_mode: 0o666 & !umask().unwrap_or(0o022),
+            umask,
             committed: false,
             cleaned,
         };
@@ -399,7 +470,8 @@ impl AtomicFile {
     }
 
     /// Temporaries (private directories) of dead earlier writers in the target's directory,
-    /// removed by [`AtomicFile::create`]: of this boot, ours, unmodified for [`STALE_AFTER`]
+    /// removed by [`AtomicFile::create`]: of this boot, of a temporary's exact shape and ours,
+    /// not renamed since, unmodified for [`STALE_AFTER`]
     /// (see the module docs).
     pub fn cleaned(&self) -> &[PathBuf] {
         &self.cleaned
@@ -435,35 +507,54 @@ impl AtomicFile {
             .map_err(|e| Error::io("fsync the directory", dir_of(&self.target).to_path_buf(), e))
     }
 
-    /// Gives the temporary the permission bits, and where permitted the owner and group, of
-    /// the regular file at the target now; `new_mode` where there is none.
+    /// Gives the temporary the mode, and where the rules of the module docs allow and the
+    /// kernel permits the owner and group, of the entry at the target now; `0666 & ~umask`
+    /// where there is none.
     fn take_mode_of_target(&self) -> Result<()> {
-        let old = rustix::fs::statat(&self.dir, self.name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
-            .ok()
-            .filter(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile);
-        let mode = match old {
-            Some(st) => {
-                let ours = rustix::fs::fstat(&self.file)
-                    .map_err(|e| Error::io("fstat", self.tmp_path(), e))?;
-                if (st.st_uid, st.st_gid) != (ours.st_uid, ours.st_gid) {
-                    let (uid, gid) = (
-                        rustix::fs::Uid::from_raw(st.st_uid),
-                        rustix::fs::Gid::from_raw(st.st_gid),
-                    );
-                    // Where not permitted (not root, or ids unmapped here): the group alone,
-                    // else ours.
-                    if rustix::fs::fchown(&self.file, Some(uid), Some(gid)).is_err()
-                        && st.st_gid != ours.st_gid
-                    {
-                        let _ = rustix::fs::fchown(&self.file, None, Some(gid));
-                    }
-                }
-                st.st_mode & 0o777
-            }
-            None => self.new_mode,
-        };
+        let mode =
+            match rustix::fs::statat(&self.dir, self.name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) {
+                Err(_) => 0o666 & !self.umask,
+                Ok(st) if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile => 0o600,
+                Ok(st) => self.take_owner_of(&st)?,
+            };
         rustix::fs::fchmod(&self.file, Mode::from_raw_mode(mode))
             .map_err(|e| Error::io("fchmod", self.tmp_path(), e))
+    }
+
+    /// Gives the temporary the owner and group of the regular file `old` where it is ours or
+    /// its owner could not have planted it, and permitted; the permission bits the temporary
+    /// gets then (see the module docs).
+    fn take_owner_of(&self, old: &rustix::fs::Stat) -> Result<u32> {
+        let bits = old.st_mode & 0o777;
+        let ours =
+            rustix::fs::fstat(&self.file).map_err(|e| Error::io("fstat", self.tmp_path(), e))?;
+        let gid = rustix::fs::Gid::from_raw(old.st_gid);
+        if old.st_uid == ours.st_uid {
+            if old.st_gid != ours.st_gid {
+                // Where permitted (a group of ours, or root).
+                let _ = rustix::fs::fchown(&self.file, None, Some(gid));
+            }
+            return Ok(bits);
+        }
+        let dir = rustix::fs::fstat(&self.dir)
+            .map_err(|e| Error::io("fstat", dir_of(&self.target).to_path_buf(), e))?;
+        let could_plant =
+            old.st_nlink != 1 || (dir.st_mode & 0o022 != 0 && dir.st_uid != old.st_uid);
+        if could_plant {
+            // Another user's file, maybe planted for us to save into (a sticky or team
+            // directory, a hard link): ours, and not writable by anyone a plain create would
+            // not let write it.
+            return Ok(bits & !self.umask);
+        }
+        let uid = rustix::fs::Uid::from_raw(old.st_uid);
+        // Where not permitted (not root, or ids unmapped here): the group alone, else ours.
+        if rustix::fs::fchown(&self.file, Some(uid), Some(gid)).is_ok() {
+            return Ok(bits);
+        }
+        if old.st_gid != ours.st_gid {
+            let _ = rustix::fs::fchown(&self.file, None, Some(gid));
+        }
+        Ok(bits & !self.umask)
     }
 }
 
@@ -482,10 +573,10 @@ impl Drop for AtomicFile {
 }
 
 /// Removes the stale private directories in `dir` (at `dir_path`), with what they hold; returns
-/// their paths. Stale: this boot's, the writer known dead, ours, unmodified for
-/// [`STALE_AFTER`]. Those of other boots (other hosts), of live writers, of other PID
-/// namespaces, of other users, recent ones, names without a boot id and anything that is not a
-/// directory are left alone.
+/// their paths. Stale (see the module docs): this boot's, the writer known dead, a
+/// temporary's exact shape, not renamed since, unmodified for [`STALE_AFTER`]. Those of other
+/// boots (other hosts), of live writers, of other PID namespaces, of other users, recent ones,
+/// names without a boot id and anything of another shape are left alone.
 fn clean_stale(dir: &OwnedFd, dir_path: &Path) -> Vec<PathBuf> {
     let Some(boot) = boot_id() else {
         return Vec::new();
@@ -493,13 +584,17 @@ fn clean_stale(dir: &OwnedFd, dir_path: &Path) -> Vec<PathBuf> {
     let Ok(entries) = rustix::fs::Dir::read_from(dir) else {
         return Vec::new();
     };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     let mut cleaned = Vec::new();
     for entry in entries.flatten() {
         let name = OsStr::from_bytes(entry.file_name().to_bytes());
         let Some((Some(theirs), owner)) = name.to_str().and_then(temporary_owner) else {
             continue;
         };
-        if theirs.eq_ignore_ascii_case(boot) && owner.is_dead() && remove_stale_dir(dir, name) {
+        if theirs.eq_ignore_ascii_case(boot) && owner.is_dead() && remove_stale_dir(dir, name, now)
+        {
             let path = dir_path.join(name);
             tracing::info!(path = %path.display(), "removed a dead writer's temporary file");
             cleaned.push(path);
@@ -508,10 +603,11 @@ fn clean_stale(dir: &OwnedFd, dir_path: &Path) -> Vec<PathBuf> {
     cleaned
 }
 
-/// Removes the directory `name` of `dir` and the files in it, through descriptors (a symlink
-/// is not followed), if it is ours and neither it nor anything in it was modified for
-/// [`STALE_AFTER`]; whether it is gone.
-fn remove_stale_dir(dir: &OwnedFd, name: &OsStr) -> bool {
+/// Removes the directory `name` of `dir` and the file in it, through descriptors (a symlink
+/// is not followed), if it has a temporary's exact shape, was not renamed since its file was
+/// made, and was not modified for [`STALE_AFTER`] before `now` (seconds since the epoch);
+/// whether it is gone.
+fn remove_stale_dir(dir: &OwnedFd, name: &OsStr, now: i64) -> bool {
     let Ok(sub) = rustix::fs::openat(
         dir,
         name,
@@ -523,36 +619,49 @@ fn remove_stale_dir(dir: &OwnedFd, name: &OsStr) -> bool {
     let Ok(st) = rustix::fs::fstat(&sub) else {
         return false;
     };
-    if st.st_uid != rustix::process::geteuid().as_raw() {
+    let euid = rustix::process::geteuid().as_raw();
+    if st.st_uid != euid || st.st_mode & 0o7777 & !0o2000 != 0o700 || st.st_nlink > 2 {
         return false;
     }
+    let Ok(entries) = rustix::fs::Dir::read_from(&sub) else {
+        return false;
+    };
     let mut inside = Vec::new();
-    let mut newest = st.st_mtime;
-    if let Ok(entries) = rustix::fs::Dir::read_from(&sub) {
-        for e in entries.flatten() {
-            let n = e.file_name().to_bytes();
-            if n == b"." || n == b".." {
-                continue;
-            }
-            let n = OsStr::from_bytes(n).to_owned();
-            match rustix::fs::statat(&sub, n.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(est) => newest = newest.max(est.st_mtime),
-                Err(_) => return false,
-            }
-            inside.push(n);
+    for e in entries {
+        let Ok(e) = e else {
+            return false;
+        };
+        let n = e.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            inside.push(OsStr::from_bytes(n).to_owned());
         }
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let age = i64::try_from(now)
-        .unwrap_or(i64::MAX)
-        .saturating_sub(newest);
-    if age < STALE_AFTER.as_secs() as i64 {
+    let (newest, file) = match &inside[..] {
+        [] => (st.st_mtime, None),
+        [n] => {
+            let Ok(fst) = rustix::fs::statat(&sub, n.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) else {
+                return false;
+            };
+            let regular = FileType::from_raw_mode(fst.st_mode) == FileType::RegularFile;
+            // Renamed since its file was made: a rename sets the ctime of what it moves.
+            let renamed = (st.st_ctime, st.st_ctime_nsec) != (st.st_mtime, st.st_mtime_nsec);
+            if !regular || fst.st_uid != euid || fst.st_nlink != 1 || renamed {
+                return false;
+            }
+            (fst.st_mtime, Some((n, (fst.st_dev, fst.st_ino))))
+        }
+        _ => return false,
+    };
+    if now.saturating_sub(newest) < STALE_AFTER.as_secs() as i64 {
         return false;
     }
-    for n in &inside {
-        let _ = rustix::fs::unlinkat(&sub, n.as_os_str(), AtFlags::empty());
+    if let Some((n, id)) = file {
+        // Only we may write a 0700 directory of ours; checked again all the same.
+        let still = rustix::fs::statat(&sub, n.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
+            .is_ok_and(|s| (s.st_dev, s.st_ino) == id);
+        if !still || rustix::fs::unlinkat(&sub, n.as_os_str(), AtFlags::empty()).is_err() {
+            return false;
+        }
     }
     same_entry(dir, name, (st.st_dev, st.st_ino))
         && rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).is_ok()
@@ -561,6 +670,7 @@ fn remove_stale_dir(dir: &OwnedFd, name: &OsStr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn entries(dir: &Path) -> Vec<String> {
         std::fs::read_dir(dir)
@@ -597,17 +707,30 @@ mod tests {
         assert!(entries(dir.path()).is_empty(), "{:?}", entries(dir.path()));
     }
 
-    /// Sets the modification time of `path` and what it holds an hour back.
+    /// Sets the modification time of what the private directory `path` holds an hour back
+    /// (the directory's own only where it is empty: setting it would change its ctime, which
+    /// then reads as a rename).
     fn age(path: &Path) {
         let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        let mut empty = true;
         for e in std::fs::read_dir(path).expect("ls").flatten() {
+            empty = false;
             File::open(e.path())
                 .and_then(|f| f.set_modified(old))
                 .expect("mtime");
         }
-        File::open(path)
-            .and_then(|f| f.set_modified(old))
-            .expect("mtime");
+        if empty {
+            File::open(path)
+                .and_then(|f| f.set_modified(old))
+                .expect("mtime");
+        }
+    }
+
+    /// Makes a private directory `d` as `create` does (0700), holding `ckpt.bin`.
+    fn make_private(d: &Path) {
+        std::fs::create_dir(d).expect("mkdir");
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        std::fs::write(d.join("ckpt.bin"), b"partial").expect("write");
     }
 
     #[test]
@@ -648,23 +771,62 @@ mod tests {
         }
         for (n, old, _) in &dirs {
             let d = dir.path().join(n);
-            std::fs::create_dir(&d).expect("mkdir");
-            std::fs::write(d.join("ckpt.bin"), b"partial").expect("write");
+            make_private(&d);
             if *old {
                 age(&d);
             }
         }
         if root {
             let nobodys = dir.path().join(&dirs.last().expect("pushed").0);
-            for p in [nobodys.join("ckpt.bin"), nobodys.clone()] {
-                rustix::fs::chown(&p, Some(rustix::fs::Uid::from_raw(65534)), None).expect("chown");
-            }
+            rustix::fs::chown(
+                nobodys.join("ckpt.bin"),
+                Some(rustix::fs::Uid::from_raw(65534)),
+                None,
+            )
+            .expect("chown");
         } else {
             gpufeed_testkit::skip(
                 "atomic::tests::only_stale_temporaries (another user's part)",
                 &"only root can give a directory to another user",
             );
         }
+        // Of this boot, the writer dead, old, but not a temporary's exact shape: left alone.
+        let mut shapes = Vec::new();
+        let mut shape = |why: &'static str, make: &dyn Fn(&Path)| {
+            let n = this_boot(dead);
+            let d = dir.path().join(&n);
+            make_private(&d);
+            make(&d);
+            age(&d);
+            shapes.push((n, why));
+        };
+        shape("mode 0755", &|d| {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).expect("chmod")
+        });
+        shape("two files", &|d| {
+            std::fs::write(d.join("b.bin"), b"b").expect("write")
+        });
+        shape("a subdirectory", &|d| {
+            std::fs::remove_file(d.join("ckpt.bin")).expect("rm");
+            std::fs::create_dir(d.join("sub")).expect("mkdir");
+        });
+        shape("a file with two links", &|d| {
+            std::fs::hard_link(d.join("ckpt.bin"), dir.path().join("linked.bin")).expect("ln")
+        });
+        shape("renamed since its file was made", &|d| {
+            // Timestamps are coarse (a clock tick): rename a tick later, as any rename of an
+            // old directory is.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let aside = d.with_extension("aside");
+            std::fs::rename(d, &aside).expect("rename");
+            std::fs::rename(&aside, d).expect("rename back");
+        });
+        // An empty one (its writer died after the rename, before the rmdir): removed.
+        let empty = this_boot(dead);
+        let d = dir.path().join(&empty);
+        make_private(&d);
+        std::fs::remove_file(d.join("ckpt.bin")).expect("rm");
+        age(&d);
         // A temporary of the format of versions before the private directories: a file
         // beside the target, without a boot id.
         let beside = format!(".ckpt.bin.gpufeed-tmp-{}", dead.unique_tag().expect("tag"));
@@ -684,7 +846,14 @@ mod tests {
                 f.cleaned()
             );
         }
-        assert_eq!(f.cleaned(), [dir.path().join(&dirs[0].0)]);
+        for (n, why) in &shapes {
+            assert!(dir.path().join(n).exists(), "{why}: removed");
+        }
+        let mut cleaned = f.cleaned().to_vec();
+        cleaned.sort();
+        let mut expected = vec![dir.path().join(&dirs[0].0), dir.path().join(&empty)];
+        expected.sort();
+        assert_eq!(cleaned, expected);
         for n in [&beside, &file] {
             assert!(dir.path().join(n).exists(), "{n}");
         }

@@ -11,7 +11,7 @@
 //! |---|---|
 //! | [`shm`] | [`ShmSegment`]: POSIX shm (reserved with `fallocate`, mode 0600, checked on open), memfd; [`shm::gc`] for segments of dead processes |
 //! | [`file`](mod@file) | [`file::open_regular`] / [`file::stat_regular`]: regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
-//! | [`atomic`] | [`AtomicFile`]: a file replaced whole or not at all (a temporary in a private 0700 directory, written through its descriptor, `fsync`, `renameat`, directory `fsync`; the replaced file's mode kept); dead writers' temporaries cleaned |
+//! | [`atomic`] | [`AtomicFile`]: a file replaced whole or not at all (a temporary in a private 0700 directory, checked after it is opened, written through its descriptor, `fsync`, `renameat`, directory `fsync`; the replaced file's mode kept, its owner where it could not have been planted); dead writers' temporaries of a temporary's exact shape cleaned |
 //! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
 //! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |

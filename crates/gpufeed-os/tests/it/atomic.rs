@@ -258,7 +258,8 @@ fn a_save_keeps_the_mode_and_owner_of_the_file_it_replaces() {
 
 /// A new target gets `0666 & ~umask`, like a plain create (umask set in a child process, since
 /// it is shared by every thread of this one); a symlink at the target is replaced, its target
-/// neither written nor its mode taken.
+/// neither written nor its mode taken: the saved file is 0600 (it may hold what the symlink's
+/// target held, whose mode we do not know).
 #[test]
 fn a_new_file_gets_the_umasks_mode_and_a_symlink_at_the_target_is_replaced() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -292,7 +293,11 @@ fn a_new_file_gets_the_umasks_mode_and_a_symlink_at_the_target_is_replaced() {
         ],
     );
     assert!(std::fs::symlink_metadata(&target).expect("lstat").is_file());
-    assert_eq!(mode_of(&target), 0o644, "a symlink's target lends no mode");
+    assert_eq!(
+        mode_of(&target),
+        0o600,
+        "a symlink at the target (to a 0600 file) left the saved file more open than 0600"
+    );
     assert_eq!(std::fs::read(&outside).expect("read"), b"outside");
 }
 
@@ -320,4 +325,372 @@ fn a_target_name_of_255_bytes_saves() {
         .map(|e| e.file_name().len())
         .collect();
     assert_eq!(names.len(), 2, "temporaries left: {names:?}");
+}
+
+/// This boot's id as a temporary's name has it (32 hex digits, no dashes).
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .expect("boot_id")
+        .trim()
+        .replace('-', "")
+}
+
+/// Sets the modification time of `path` an hour back.
+fn set_mtime_an_hour_back(path: &Path) {
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::open(path)
+        .and_then(|f| f.set_modified(old))
+        .unwrap_or_else(|e| panic!("mtime of {}: {e}", path.display()));
+}
+
+/// Runs `mv -T from to` as `nobody`.
+fn rename_as_nobody(from: &Path, to: &Path) {
+    use std::os::unix::process::CommandExt;
+    let st = std::process::Command::new("mv")
+        .arg("-T")
+        .arg(from)
+        .arg(to)
+        .uid(65534)
+        .gid(65534)
+        .status()
+        .expect("spawn mv as nobody");
+    assert!(st.success(), "nobody could not rename {}", from.display());
+}
+
+/// In a team directory (0777, no sticky bit) `nobody` renames root's old directories to the
+/// names of dead writers' temporaries of this boot: one of a temporary's exact shape (0700,
+/// one regular file) and one not (0755, two files). Root's next `AtomicFile::create` there
+/// leaves both and their files alone, while a real leftover of a killed writer (its file an
+/// hour old) is still removed.
+#[test]
+fn a_directory_renamed_to_a_temporarys_name_is_never_cleaned() {
+    use std::os::unix::fs::MetadataExt;
+    const TEST: &str = "atomic::a_directory_renamed_to_a_temporarys_name_is_never_cleaned";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(TEST, &"needs root to rename as nobody");
+        return;
+    }
+    let t = TeamDir::new(0o777);
+    let ns = std::fs::metadata("/proc/self/ns/pid")
+        .expect("pid ns")
+        .ino();
+    let boot = boot_id();
+    let mut victims = Vec::new();
+    for (k, (dir, mode, files)) in [
+        ("results", 0o700, &["data.bin"][..]),
+        ("runs", 0o755, &["a.bin", "b.bin"][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let d = t.team.join(dir);
+        std::fs::create_dir(&d).expect("mkdir");
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        let mut contents = Vec::new();
+        for (i, f) in files.iter().enumerate() {
+            let bytes = random_bytes(3000 + i, k as u64 * 10 + i as u64);
+            std::fs::write(d.join(f), &bytes).expect("write");
+            std::fs::set_permissions(d.join(f), std::fs::Permissions::from_mode(0o600))
+                .expect("chmod");
+            set_mtime_an_hour_back(&d.join(f));
+            contents.push((f.to_string(), bytes));
+        }
+        // Only the files are made old: the directory keeps the times of its last entry's
+        // creation, as one left alone for an hour would (its ctime equal to its mtime).
+        // Timestamps are coarse: the rename comes a clock tick later, as it would.
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        // A pid above any pid_max (2^22): its writer reads as dead.
+        let fake = t.team.join(format!(
+            ".gpufeed-tmp-{boot}-8388608-1-{ns}-0123456789abcde{k}"
+        ));
+        rename_as_nobody(&d, &fake);
+        victims.push((fake, contents));
+    }
+    // A real leftover: a writer killed while it held its temporary.
+    let mut writer = child::command(
+        "atomic-hold",
+        &[(
+            "GPUFEED_IT_PATH",
+            t.team.join("w.bin").display().to_string(),
+        )],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .spawn()
+    .expect("spawn a writer");
+    let ready = std::io::BufRead::lines(std::io::BufReader::new(
+        writer.stdout.take().expect("stdout"),
+    ))
+    .map_while(Result::ok)
+    .any(|l| l.trim() == "READY=1");
+    assert!(ready, "the writer did not start");
+    writer.kill().expect("SIGKILL");
+    writer.wait().expect("reap");
+    let leftover: Vec<PathBuf> = std::fs::read_dir(&t.team)
+        .expect("ls")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(".gpufeed-tmp-"))
+                && !victims.iter().any(|(v, _)| v == p)
+        })
+        .collect();
+    assert_eq!(leftover.len(), 1, "{leftover:?}");
+    set_mtime_an_hour_back(&leftover[0].join("w.bin"));
+
+    let f = AtomicFile::create(t.team.join("ckpt.bin"), None).expect("create");
+    for (dir, contents) in &victims {
+        for (name, bytes) in contents {
+            let now = std::fs::read(dir.join(name));
+            assert!(
+                now.as_ref().is_ok_and(|b| b == bytes),
+                "root's {} (renamed by nobody to {}) was deleted or changed by the cleanup: \
+                 {:?}",
+                name,
+                dir.display(),
+                now.err()
+            );
+        }
+    }
+    assert_eq!(f.cleaned(), &leftover[..], "the killed writer's leftover");
+    drop(f);
+}
+
+/// The attacker (child role `tmp-exchanger`, run as another user): on every private directory
+/// made in `dir` (inotify), exchanges it with `victim` (`renameat2(RENAME_EXCHANGE)`), and
+/// after a millisecond back.
+pub fn exchange_private_dirs_forever(dir: &Path, victim: &str) -> ! {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    assert_ne!(
+        rustix::process::geteuid().as_raw(),
+        0,
+        "the attacker runs as root"
+    );
+    let cdir = CString::new(dir.as_os_str().as_bytes()).expect("path");
+    let cvictim = CString::new(victim).expect("name");
+    // SAFETY: plain system calls on valid C strings and our own buffers.
+    unsafe {
+        let inotify = libc::inotify_init1(libc::IN_CLOEXEC);
+        assert!(inotify >= 0, "inotify_init1");
+        assert!(libc::inotify_add_watch(inotify, cdir.as_ptr(), libc::IN_CREATE) >= 0);
+        let dirfd = libc::open(cdir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+        assert!(dirfd >= 0, "open dir");
+        println!("READY");
+        std::io::stdout().flush().expect("flush");
+        let mut buf = [0u8; 8192];
+        loop {
+            let n = libc::read(inotify, buf.as_mut_ptr().cast(), buf.len());
+            if n <= 0 {
+                continue;
+            }
+            let mut at = 0usize;
+            while at + std::mem::size_of::<libc::inotify_event>() <= n as usize {
+                let ev = buf
+                    .as_ptr()
+                    .add(at)
+                    .cast::<libc::inotify_event>()
+                    .read_unaligned();
+                let name_at = at + std::mem::size_of::<libc::inotify_event>();
+                at = name_at + ev.len as usize;
+                if ev.len == 0 || ev.mask & libc::IN_ISDIR == 0 {
+                    continue;
+                }
+                let name = std::ffi::CStr::from_ptr(buf.as_ptr().add(name_at).cast());
+                if !name.to_bytes().starts_with(b".gpufeed-tmp-") {
+                    continue;
+                }
+                let swap = || {
+                    libc::syscall(
+                        libc::SYS_renameat2,
+                        dirfd,
+                        name.as_ptr(),
+                        dirfd,
+                        cvictim.as_ptr(),
+                        libc::RENAME_EXCHANGE,
+                    ) == 0
+                };
+                if swap() {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    swap();
+                }
+            }
+        }
+    }
+}
+
+/// In a team directory (0777) `nobody` exchanges each private directory root makes with
+/// root's sticky `shared/` (1777) right after the `mkdir`: root never changes `shared`'s mode,
+/// never puts a file in it and never removes it; a create that opened the exchanged directory
+/// fails with `UnsafeTemporary`, and every save that succeeds leaves the saved bytes.
+#[test]
+fn a_private_directory_exchanged_for_another_is_refused_and_never_changed() {
+    use std::os::unix::fs::MetadataExt;
+    const TEST: &str = "atomic::a_private_directory_exchanged_for_another_is_refused";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(TEST, &"needs root to run an attacker as nobody");
+        return;
+    }
+    let t = TeamDir::new(0o777);
+    let shared = t.team.join("shared");
+    std::fs::create_dir(&shared).expect("mkdir shared");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let shared_ino = std::fs::metadata(&shared).expect("stat").ino();
+    let mut cmd = child::command(
+        "tmp-exchanger",
+        &[
+            ("GPUFEED_IT_DIR", t.team.display().to_string()),
+            ("GPUFEED_IT_VICTIM", "shared".into()),
+        ],
+    );
+    {
+        use std::os::unix::process::CommandExt;
+        cmd.uid(65534).gid(65534).stdout(Stdio::piped());
+    }
+    let mut attacker = Attacker(cmd.spawn().expect("spawn the attacker as nobody"));
+    let out = std::io::BufReader::new(attacker.0.stdout.take().expect("stdout"));
+    assert!(
+        std::io::BufRead::lines(out)
+            .map_while(Result::ok)
+            .any(|l| l.trim() == "READY"),
+        "the attacker did not start"
+    );
+    let target = t.team.join("ckpt.bin");
+    let started = std::time::Instant::now();
+    let (mut ok, mut refused, mut other) = (0, 0, 0);
+    let mut i = 0u64;
+    while refused < 3 && started.elapsed() < std::time::Duration::from_secs(60) {
+        i += 1;
+        let data = random_bytes(4096 + (i as usize % 7), i);
+        match AtomicFile::create(&target, None) {
+            Ok(f) => {
+                f.file().write_all_at(&data, 0).expect("write");
+                match f.commit() {
+                    Ok(()) => {
+                        ok += 1;
+                        assert_eq!(std::fs::read(&target).expect("read"), data, "save {i}");
+                    }
+                    Err(_) => other += 1,
+                }
+            }
+            Err(gpufeed_os::Error::UnsafeTemporary { .. }) => refused += 1,
+            Err(_) => other += 1,
+        }
+        // The attacker swaps back after a millisecond: wait for it before looking.
+        let waited = std::time::Instant::now();
+        let meta = loop {
+            let meta = std::fs::symlink_metadata(&shared);
+            if meta.as_ref().is_ok_and(|m| m.ino() == shared_ino)
+                || waited.elapsed() > std::time::Duration::from_secs(2)
+            {
+                break meta;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
+        let meta = meta.unwrap_or_else(|e| panic!("save {i}: `shared` is gone ({e})"));
+        assert_eq!(
+            meta.ino(),
+            shared_ino,
+            "save {i}: root removed the sticky directory `shared` (the attacker could not \
+             swap it back)"
+        );
+        assert_eq!(
+            meta.mode() & 0o7777,
+            0o1777,
+            "save {i}: root changed the mode of the sticky directory `shared`"
+        );
+        let inside: Vec<_> = std::fs::read_dir(&shared)
+            .expect("ls shared")
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert!(
+            inside.is_empty(),
+            "save {i}: root made {inside:?} in `shared`"
+        );
+    }
+    drop(attacker);
+    eprintln!(
+        "{TEST}: {i} creates: {ok} saved, {refused} refused (UnsafeTemporary), {other} failed"
+    );
+    assert!(
+        refused > 0,
+        "the attacker never won the race between mkdir and open: the test did not test"
+    );
+    assert!(ok > 0, "no save succeeded");
+}
+
+/// In a sticky directory anyone may write (1777, like /tmp) `nobody` plants `ckpt.bin`
+/// (0777), and a hard link to a file of its own: root's saves over them give the files to
+/// root, with no write bit for others, and nobody's own file stays as it was. Where the old
+/// owner could not have planted the file (a directory only root writes) the owner is kept.
+#[test]
+fn a_save_over_a_file_another_user_planted_stays_ours() {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    const TEST: &str = "atomic::a_save_over_a_file_another_user_planted_stays_ours";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(TEST, &"needs root to plant files as nobody");
+        return;
+    }
+    let t = TeamDir::new(0o1777);
+    let nobodys_dir = t.victim.parent().expect("base").with_file_name("nobodys");
+    std::fs::create_dir(&nobodys_dir).expect("mkdir");
+    rustix::fs::chown(
+        &nobodys_dir,
+        Some(rustix::fs::Uid::from_raw(65534)),
+        Some(rustix::fs::Gid::from_raw(65534)),
+    )
+    .expect("chown");
+    let as_nobody = |script: &str| {
+        let st = std::process::Command::new("sh")
+            .args(["-c", script])
+            .current_dir(&t.team)
+            .uid(65534)
+            .gid(65534)
+            .status()
+            .expect("sh as nobody");
+        assert!(st.success(), "as nobody: {script}");
+    };
+    let own = nobodys_dir.join("own.bin");
+    as_nobody("umask 0; echo squatted > ckpt.bin && chmod 0777 ckpt.bin");
+    as_nobody(&format!(
+        "umask 0; echo nobodys > {0} && chmod 0666 {0} && ln {0} link.bin",
+        own.display()
+    ));
+    for (name, expected) in [("ckpt.bin", 0o755), ("link.bin", 0o644)] {
+        let target = t.team.join(name);
+        child::run(
+            "atomic-save",
+            &[
+                ("GPUFEED_IT_PATH", target.display().to_string()),
+                ("GPUFEED_IT_UMASK", "022".into()),
+            ],
+        );
+        let meta = std::fs::symlink_metadata(&target).expect("lstat");
+        assert_eq!(
+            (meta.uid(), meta.mode() & 0o7777),
+            (0, expected),
+            "root's save over {name} planted by nobody (uid, mode)"
+        );
+        assert_eq!(std::fs::read(&target).expect("read"), b"saved by a child");
+    }
+    assert_eq!(std::fs::read(&own).expect("read"), b"nobodys\n");
+    // nobody's own directory: the file's owner is the directory's, so it stays nobody's.
+    let theirs = nobodys_dir.join("theirs.bin");
+    std::fs::write(&theirs, b"old").expect("write");
+    rustix::fs::chown(
+        &theirs,
+        Some(rustix::fs::Uid::from_raw(65534)),
+        Some(rustix::fs::Gid::from_raw(65534)),
+    )
+    .expect("chown");
+    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+    save(&theirs, b"new");
+    let meta = std::fs::symlink_metadata(&theirs).expect("lstat");
+    assert_eq!(
+        (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+        (65534, 65534, 0o640)
+    );
 }

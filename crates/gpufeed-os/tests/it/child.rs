@@ -130,6 +130,12 @@ fn entry() {
         "shm-gc-dir" => crate::userns::gc_dir(),
         // Lowers RLIMIT_MEMLOCK, drops CAP_IPC_LOCK, and checks what mlock says.
         "memlock" => crate::lock::in_child_with_low_limit(),
+        // As another user: exchanges every private directory made in GPUFEED_IT_DIR with
+        // GPUFEED_IT_VICTIM (a name in that directory) and back, until killed.
+        "tmp-exchanger" => crate::atomic::exchange_private_dirs_forever(
+            std::path::Path::new(&var("GPUFEED_IT_DIR")),
+            &var("GPUFEED_IT_VICTIM"),
+        ),
         // Judges the process GPUFEED_IT_ID (`<pid> <start ticks> <pid ns>`): must be alive.
         "judge-alive" => crate::liveness::judge_alive(),
         // Pid 1 of a PID namespace: caches its identity, unshares a new PID namespace, forks.
