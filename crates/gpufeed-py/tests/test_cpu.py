@@ -1,15 +1,20 @@
 """The Python package on a machine without a GPU (CI): it imports, the CPU paths work (host
 batches through DLPack into numpy, byte for byte), and the GPU calls and bad input raise the
-Rust errors' messages as Python exceptions. Run: ``pytest crates/gpufeed-py/tests``."""
+Rust errors' messages as Python exceptions; the stubs (``.pyi``) name every public function and
+class with its parameters. Run: ``pytest crates/gpufeed-py/tests``."""
 
+import ast
+import inspect
 import json
 import os
+import pathlib
 import struct
 
 import numpy as np
 import pytest
 
 import gpufeed
+from gpufeed import _gpufeed
 
 
 def _has_gpu():
@@ -459,3 +464,214 @@ def test_blocks_read_with_o_direct_resume_with_another_world_size(tmp_path, monk
         for batch in rank(r, 4).resume(saved):
             take(batch)
     assert sorted(seen) == list(range(count)), "every record once"
+
+
+# The stubs (python/gpufeed/__init__.pyi and _gpufeed.pyi, shipped with py.typed) against the
+# installed package: every public name of `gpufeed` and of the native module is in its stub and
+# every name in a stub exists, classes have the same members, bases and finality (a pyo3 class
+# cannot be subclassed: `@final`), and every function, method and constructor has the same
+# parameters: names, kinds and defaults (`inspect.signature`, which reads `__text_signature__`
+# for pyo3 functions).
+
+_PACKAGE_DIR = pathlib.Path(gpufeed.__file__).parent
+# What Python or pyo3 puts in every class (the constructor is compared on its own).
+_CLASS_DUNDERS = {"__dict__", "__doc__", "__firstlineno__", "__init__", "__module__", "__new__",
+                  "__qualname__", "__static_attributes__", "__weakref__"}
+
+
+def _stub(module):
+    """The stub of ``module`` as ``{name: ast node}``: its classes, functions and variables, and
+    what it re-exports (``from m import X as X``, PEP 484); imports without ``as`` are the
+    stub's own helpers."""
+    path = _PACKAGE_DIR / (
+        "__init__.pyi" if module is gpufeed else module.__name__.rpartition(".")[2] + ".pyi"
+    )
+    assert path.is_file(), f"{path} is not in the installed package"
+    names = {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names[node.name] = node
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node
+        elif isinstance(node, ast.Assign):
+            names.update((t.id, node) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.ImportFrom):
+            names.update((a.name, node) for a in node.names if a.asname == a.name)
+    return names
+
+
+def _stub_all(stub):
+    return ast.literal_eval(stub["__all__"].value) if "__all__" in stub else None
+
+
+def _public(name):
+    return not name.startswith("_") or name == "__version__"
+
+
+def _runtime_names(module):
+    """The public names of ``module``: its ``__all__``; for the package also every public
+    function and class defined in ``__init__.py`` and every name it re-exports from the native
+    module (whether or not ``__all__`` lists it)."""
+    names = set(module.__all__)
+    if module is gpufeed:
+        for name, obj in vars(gpufeed).items():
+            if not _public(name):
+                continue
+            defined_here = ((inspect.isfunction(obj) or inspect.isclass(obj))
+                            and obj.__module__ == "gpufeed")
+            if defined_here or getattr(_gpufeed, name, None) is obj:
+                names.add(name)
+    return names
+
+
+def _stub_params(fn, method):
+    """``[(name, kind, default)]`` of a stub function (``default``: ``inspect.Parameter.empty``
+    when there is none, ``...`` when the stub does not say)."""
+    a = fn.args
+    empty, kinds = inspect.Parameter.empty, inspect.Parameter
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + a.defaults
+    params = []
+    for i, (arg, default) in enumerate(zip(positional, defaults)):
+        kind = kinds.POSITIONAL_ONLY if i < len(a.posonlyargs) else kinds.POSITIONAL_OR_KEYWORD
+        params.append((arg.arg, kind, default))
+    if a.vararg:
+        params.append((a.vararg.arg, kinds.VAR_POSITIONAL, None))
+    params += [(arg.arg, kinds.KEYWORD_ONLY, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults)]
+    if a.kwarg:
+        params.append((a.kwarg.arg, kinds.VAR_KEYWORD, None))
+    out = [(name, kind, empty if d is None else ast.literal_eval(d)) for name, kind, d in params]
+    return out[1:] if method else out
+
+
+def _runtime_params(obj, method):
+    params = [(p.name, p.kind, p.default) for p in inspect.signature(obj).parameters.values()]
+    return params[1:] if method else params
+
+
+def _signature(params):
+    try:
+        return str(inspect.Signature([inspect.Parameter(n, k, default=d) for n, k, d in params]))
+    except (TypeError, ValueError):  # not a valid signature (a stub with the kinds misordered)
+        return repr(params)
+
+
+def _check_signature(where, fn, obj, problems, method=True, constructor=False):
+    """``fn`` of the stub against ``obj``; for a method without its first parameter, for a
+    constructor against the class's own signature (which has none)."""
+    stub = _stub_params(fn, method or constructor)
+    runtime = _runtime_params(obj, method and not constructor)
+    # A default the stub leaves as `...` is not compared.
+    stub = [(n, k, d2 if d is ... else d) for (n, k, d), (_, _, d2) in zip(stub, runtime)] \
+        + stub[len(runtime):]
+    if stub != runtime:
+        problems.append(f"{where}: the stub says {_signature(stub)}, the package "
+                        f"{_signature(runtime)}")
+
+
+def _is_final(node):
+    return any(isinstance(d, ast.Name) and d.id == "final" for d in node.decorator_list)
+
+
+def _is_property(node):
+    return any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
+
+
+def _check_class(where, node, cls, problems):
+    bases = [b.id for b in node.bases if isinstance(b, ast.Name)] or ["object"]
+    if bases != [b.__name__ for b in cls.__bases__]:
+        problems.append(f"{where}: bases {bases} in the stub, {cls.__bases__} in the package")
+    subclassable = bool(cls.__flags__ & (1 << 10))  # Py_TPFLAGS_BASETYPE
+    if _is_final(node) == subclassable:
+        problems.append(f"{where}: @final must mark exactly the classes Python cannot subclass "
+                        f"(this one: {'can' if subclassable else 'cannot'})")
+    members = {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
+    members.update((m.target.id, m) for m in node.body
+                   if isinstance(m, ast.AnnAssign) and isinstance(m.target, ast.Name))
+    runtime = {k for k in vars(cls) if k not in _CLASS_DUNDERS
+               and (not k.startswith("_") or (k.startswith("__") and k.endswith("__")))}
+    stub = set(members) - {"__init__", "__new__"}
+    for name in sorted(runtime - stub):
+        problems.append(f"{where}.{name} is not in the stub")
+    for name in sorted(stub - runtime):
+        problems.append(f"{where}.{name} is in the stub, not in the package")
+    # The constructor: Python's `__init__`, pyo3's `#[new]` (its `__text_signature__`).
+    ctor = members.get("__init__") or members.get("__new__")
+    native = cls.__module__ == _gpufeed.__name__
+    has_ctor = cls.__text_signature__ is not None if native else "__init__" in vars(cls)
+    if not issubclass(cls, BaseException) and (ctor is not None) != has_ctor:
+        problems.append(f"{where}: a constructor in the stub: {ctor is not None}, in the "
+                        f"package: {has_ctor}")
+    elif ctor is not None:
+        _check_signature(f"{where}()", ctor, cls, problems, constructor=True)
+    for name in sorted(stub & runtime):
+        attr = vars(cls)[name]
+        if isinstance(members[name], ast.AnnAssign) or _is_property(members[name]):
+            if not inspect.isdatadescriptor(attr):
+                problems.append(f"{where}.{name}: an attribute in the stub, a method here")
+        elif inspect.isdatadescriptor(attr) or not callable(attr):
+            problems.append(f"{where}.{name}: a method in the stub, an attribute here")
+        else:
+            _check_signature(f"{where}.{name}", members[name], getattr(cls, name), problems)
+
+
+def _stub_problems(module):
+    stub, problems = _stub(module), []
+    name = module.__name__
+    stub_all = set(_stub_all(stub) or ())
+    if _stub_all(stub) is None:
+        problems.append(f"{name}: the stub has no __all__")
+    elif stub_all != set(module.__all__):
+        lacks, besides = set(module.__all__) - stub_all, stub_all - set(module.__all__)
+        problems.append(f"{name}: __all__ of the stub lacks {sorted(lacks)} and has "
+                        f"{sorted(besides)} besides")
+    runtime = _runtime_names(module)
+    in_stub = {n for n in stub if _public(n) and n != "__all__"} | stub_all
+    for missing in sorted(runtime - in_stub):
+        problems.append(f"{name}.{missing} is not in the stub")
+    for extra in sorted(n for n in in_stub if not hasattr(module, n)):
+        problems.append(f"{name}.{extra} is in the stub, not in the package")
+    for n in sorted(in_stub & runtime):
+        node, obj = stub.get(n), getattr(module, n)
+        if isinstance(node, ast.ClassDef):
+            _check_class(f"{name}.{n}", node, obj, problems)
+        elif isinstance(node, ast.FunctionDef):
+            if inspect.isclass(obj) or not callable(obj):
+                problems.append(f"{name}.{n}: a function in the stub, {obj!r} here")
+            else:
+                _check_signature(f"{name}.{n}", node, obj, problems, method=False)
+        elif node is None:
+            problems.append(f"{name}.{n} is in the stub's __all__ but not defined there")
+        elif inspect.isclass(obj) or inspect.isroutine(obj):
+            if not isinstance(node, ast.ImportFrom):
+                problems.append(f"{name}.{n}: not a class or function in the stub")
+    return problems
+
+
+def test_the_package_is_typed_and_ships_its_stubs():
+    assert (_PACKAGE_DIR / "py.typed").is_file()
+    for stub in ("__init__.pyi", "_gpufeed.pyi"):
+        assert (_PACKAGE_DIR / stub).is_file(), stub
+
+
+@pytest.mark.parametrize("module", [gpufeed, _gpufeed], ids=["gpufeed", "gpufeed._gpufeed"])
+def test_the_stub_names_every_public_function_and_class_with_its_parameters(module):
+    problems = _stub_problems(module)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_stub_check_finds_what_is_missing(monkeypatch):
+    """The check itself: a function, a parameter or a method added to the package without its
+    stub entry is found."""
+
+    def load_everything(path, device=0):
+        pass
+
+    load_everything.__module__ = "gpufeed"
+    monkeypatch.setattr(gpufeed, "load_everything", load_everything, raising=False)
+    monkeypatch.setattr(gpufeed, "load_file", lambda path, device=0, strict=False: None)
+    monkeypatch.setattr(gpufeed.Loader, "prefetch", lambda self, path: None, raising=False)
+    problems = "\n".join(_stub_problems(gpufeed))
+    assert "gpufeed.load_everything is not in the stub" in problems, problems
+    assert "gpufeed.load_file: the stub says" in problems, problems
+    assert "gpufeed.Loader.prefetch is not in the stub" in problems, problems

@@ -1,0 +1,239 @@
+"""The native module ``gpufeed._gpufeed`` (``crates/gpufeed-py/src``); the package ``gpufeed``
+re-exports its classes and wraps its loads. ``tests/test_cpu.py`` checks that this stub names
+every public function and class of the module, with their parameters."""
+
+from os import PathLike
+from pathlib import Path
+from typing import Any, Literal, Sequence, TypedDict, final
+
+_Path = str | PathLike[str]
+
+# One file of a checkpoint as `Loader.load_safetensors_files` hands it over: the file's bytes,
+# its tensors grouped by dtype as `(dtype, element size, names, shapes, strides, element
+# offsets)`, and those at an offset their element size does not divide as `(name, dtype, shape,
+# start, end)` in bytes.
+_DtypeGroup = tuple[str, int, list[str], list[tuple[int, ...]], list[tuple[int, ...]], list[int]]
+_OddTensor = tuple[str, str, list[int], int, int]
+_FileTensors = tuple[Array, list[_DtypeGroup], list[_OddTensor]]
+
+# What the module registers (pyo3 keeps it in the module's `__all__`), in that order.
+__all__ = [
+    "__version__",
+    "GpufeedError",
+    "NoGpuError",
+    "Array",
+    "Loader",
+    "Batch",
+    "BatchLoader",
+    "EpochIter",
+    "OnDemand",
+    "RegisteredFile",
+    "load_file",
+    "load_range",
+    "load_replicated",
+    "load_sharded",
+    "load_replicated_rank",
+    "load_tensor_parallel_files",
+    "load_replicated_safetensors_files",
+    "load_tensor_parallel_rank_files",
+    "load_safetensors_files",
+    "_wait_for_frees",
+    "doctor",
+    "advise",
+]
+
+__version__: str
+
+class GpufeedError(Exception):
+    """An error of gpufeed; the message says what went wrong and what to do."""
+
+class NoGpuError(GpufeedError):
+    """No usable GPU (no CUDA driver, no such device): the CPU paths still work."""
+
+@final
+class Array:
+    """A block of memory with a dtype and shape, on the GPU or the host, that any DLPack
+    consumer takes without a copy: ``torch.from_dlpack(a)``, ``numpy.from_dlpack(a)``."""
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def dtype(self) -> str:
+        """The element type's safetensors name (``U8``, ``BF16``, ...)."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> str:
+        """``cuda:N`` or ``cpu``."""
+    def view_of(self, start: int, end: int, dtype: str, shape: Sequence[int]) -> Array:
+        """Bytes ``start:end`` of this array as an array of ``dtype`` (a safetensors name) and
+        ``shape``, sharing its memory."""
+    def __repr__(self) -> str: ...
+
+@final
+class Loader:
+    """A reusable loader of one GPU: its pinned staging and threads serve every load."""
+
+    def __new__(
+        cls, device: int = 0, strategy: Literal["auto", "registered", "staged", "direct"] = "auto"
+    ) -> Loader: ...
+    @property
+    def device(self) -> int: ...
+    def load_file(self, path: _Path) -> Array: ...
+    def load_range(self, path: _Path, start: int, end: int) -> Array: ...
+    def load_safetensors_files(self, path: _Path) -> list[_FileTensors]: ...
+    def register_file(self, path: _Path) -> RegisteredFile: ...
+    def load_registered(
+        self, file: RegisteredFile, start: int = 0, end: int | None = None
+    ) -> Array: ...
+
+@final
+class RegisteredFile:
+    """A file registered once for repeated loads (``Loader.register_file``): its cached pages
+    stay page-locked until ``close`` (or until the object goes)."""
+
+    def __len__(self) -> int: ...
+    @property
+    def path(self) -> Path | None:
+        """The file's path (``None`` once closed)."""
+    def __enter__(self) -> RegisteredFile: ...
+    def __exit__(self, *_exc: object) -> Literal[False]: ...
+    def close(self) -> None:
+        """Undoes the registration; arrays already loaded stay valid."""
+
+@final
+class OnDemand:
+    """A safetensors file or index whose tensors load one at a time, when asked (what
+    ``gpufeed.safe_open`` wraps)."""
+
+    def __new__(cls, path: _Path, device: int = 0) -> OnDemand: ...
+    def keys(self) -> list[str]: ...
+    def __contains__(self, key: str, /) -> bool: ...
+    def __len__(self) -> int: ...
+    def get(self, name: str) -> Array: ...
+    def close(self) -> None: ...
+
+@final
+class Batch:
+    """One batch: ``data`` (the records' bytes back to back; ``[records, record_bytes]`` for
+    fixed-size records, ``[records, *row shape]`` of its dtype for ``.npy`` rows), the record
+    ``indices``, the byte ``offsets`` of each record and the end, an image folder's ``labels``,
+    the ``epoch`` and the batch's ``number``."""
+
+    @property
+    def data(self) -> Array: ...
+    @property
+    def indices(self) -> list[int]: ...
+    @property
+    def offsets(self) -> list[int]: ...
+    @property
+    def labels(self) -> list[int]: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def number(self) -> int: ...
+
+@final
+class BatchLoader:
+    """Batches of a data set (a record file, shards, an ``.npy`` array, a WebDataset ``.tar``
+    or an image folder), shuffled with a seed and sharded by ``RANK``/``WORLD_SIZE``, on GPU
+    ``device`` (host batches with ``device=None``). Iterate ``loader.epoch(n)``."""
+
+    def __new__(
+        cls,
+        path: _Path | Sequence[_Path],
+        record_bytes: int | None = None,
+        batch_size: int = 256,
+        shuffle: bool = True,
+        seed: int = 0,
+        device: int | None = None,
+        workers: int | None = None,
+        drop_last: bool = False,
+        index: _Path | None = None,
+        skip_bad: bool = False,
+        global_batch: int | None = None,
+        prefetch: int | None = None,
+        block: int | None = None,
+        direct: bool = False,
+        direct_depth: int | None = None,
+    ) -> BatchLoader: ...
+    @property
+    def classes(self) -> list[str]:
+        """An image folder's class names, in label order; empty for record files."""
+    @property
+    def skipped(self) -> int:
+        """Entries an image folder left out (``skip_bad=True``)."""
+    def __len__(self) -> int: ...
+    def epoch(self, epoch: int) -> EpochIter:
+        """The batches of epoch ``epoch``; one epoch at a time."""
+    def resume(self, position: dict[str, Any]) -> EpochIter:
+        """The rest of an epoch from ``position`` (from ``EpochIter.position()``; needs
+        ``global_batch=``)."""
+
+@final
+class EpochIter:
+    """The batches of one epoch (see ``BatchLoader.epoch``)."""
+
+    def __iter__(self) -> EpochIter: ...
+    def __next__(self) -> Batch: ...
+    def position(self) -> dict[str, Any]:
+        """Where the run is after the batches handed out so far (a JSON-ready dict for
+        ``BatchLoader.resume``); only for an elastic loader (``global_batch=``)."""
+
+def load_file(path: _Path, device: int = 0) -> Array: ...
+def load_range(path: _Path, start: int, end: int, device: int = 0) -> Array: ...
+def load_safetensors_files(path: _Path, device: int = 0) -> list[_FileTensors]: ...
+def load_replicated(path: _Path, devices: Sequence[int]) -> list[Array]: ...
+def load_sharded(
+    paths: Sequence[_Path], devices: Sequence[int]
+) -> tuple[list[Array], list[list[tuple[int, int, int]]]]: ...
+def load_replicated_rank(path: _Path) -> tuple[Array, int, int]: ...
+def load_tensor_parallel_files(
+    path: _Path, devices: Sequence[int], dim: int
+) -> list[list[_FileTensors]]: ...
+def load_replicated_safetensors_files(
+    path: _Path, devices: Sequence[int]
+) -> list[list[_FileTensors]]: ...
+def load_tensor_parallel_rank_files(
+    path: _Path, dim: int
+) -> tuple[list[_FileTensors], int, int]: ...
+def _wait_for_frees() -> None: ...
+
+class _Check(TypedDict):
+    name: str
+    status: Literal["ok", "warn", "fail"]
+    observed: str
+    fix: str | None
+
+class _Workload(TypedDict):
+    persistent: bool
+    processes: int
+    size_bytes: int
+    resident: float | None
+
+class _Advice(TypedDict):
+    workload: _Workload
+    recommendation: dict[str, Any]
+    trials: dict[str, Any] | None
+
+def doctor(path: _Path | None = None) -> list[_Check]:
+    """The machine's checks (``gpufeed doctor``): ``{name, status, observed, fix}`` each."""
+
+def advise(
+    size: int | None = None,
+    path: _Path | None = None,
+    persistent: bool = False,
+    processes: int = 1,
+    measure: bool = False,
+) -> _Advice:
+    """Where data should live and how it should reach the GPU (``gpufeed advise``);
+    ``measure=True`` runs short trials on ``path``."""
