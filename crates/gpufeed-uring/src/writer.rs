@@ -256,6 +256,13 @@ impl Writer {
         &self.path
     }
 
+    /// The `O_DIRECT` descriptor, where one is used ([`WriteStats::direct`]); the buffered one
+    /// is [`AsFd::as_fd`]. Both were opened from the path, so a caller that must know they are
+    /// one file (`gpufeed_os::AtomicFile::check_same_file`) checks both.
+    pub fn direct_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.direct.as_ref().map(|(f, _, _)| f.as_fd())
+    }
+
     /// Writes all of `buf` at `offset`: the largest aligned part with `O_DIRECT` where the
     /// offset and the buffer's address are aligned, the rest buffered. Returns when every byte
     /// was handed to the kernel (not synced: `fsync` the file, or commit an

@@ -8,9 +8,10 @@
 //! ([`gpufeed_os::AtomicFile`]): a process killed at any point leaves the old file or the new
 //! one, complete, and a later save into the same directory removes the dead writer's temporary.
 //! The writer reaches the temporary only through the descriptor `AtomicFile` created
-//! (`/proc/self/fd/<n>`, checked by device and inode), so another user who may write the
-//! directory cannot redirect the bytes; the saved file keeps the mode (and, as root, the owner)
-//! of the file it replaces.
+//! (`/proc/self/fd/<n>`; both of its descriptors, buffered and `O_DIRECT`, checked by device
+//! and inode), so another user who may write the directory cannot redirect the bytes; the
+//! saved file keeps the mode (and, as root, the owner) of the file it replaces where that is
+//! safe ([`gpufeed_os::atomic`]'s "Mode and owner").
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -213,7 +214,20 @@ impl Saver {
             .queue_depth(self.opts.queue_depth)
             .block_bytes(self.opts.block_bytes)
             .open(file.path())?;
+        // Both were opened by path: where /proc/self/fd is not procfs each could reach
+        // another file.
         file.check_same_file(std::os::fd::AsFd::as_fd(&writer))?;
+        if let Some(direct) = writer.direct_fd() {
+            file.check_same_file(direct).map_err(|e| match e {
+                gpufeed_os::Error::UnsafeTemporary { path, reason } => {
+                    gpufeed_os::Error::UnsafeTemporary {
+                        path,
+                        reason: format!("the writer's O_DIRECT descriptor: {reason}"),
+                    }
+                }
+                e => e,
+            })?;
+        }
         let window = self
             .opts
             .window_bytes

@@ -545,3 +545,158 @@ fn a_save_keeps_the_mode_of_the_file_it_replaces() {
         .expect("a 255-byte name");
     assert_eq!(std::fs::read(&path).expect("read"), b"long name");
 }
+
+/// The writer opens the temporary twice through `AtomicFile::path()` (`/proc/self/fd/<n>`):
+/// buffered, then with `O_DIRECT`. Where `/proc/self/fd` is not procfs (here a tmpfs mounted
+/// over it in a private mount namespace, whose entries flip between a link to the real
+/// descriptor and a file outside) the second open can reach another file than the first: the
+/// save checks both descriptors, so the file outside is never written, and a save that
+/// returns `Ok` holds exactly its bytes.
+#[test]
+fn a_writer_descriptor_that_is_another_file_is_refused() {
+    const TEST: &str = "save::a_writer_descriptor_that_is_another_file_is_refused";
+    if !gpufeed_testkit::is_root() {
+        gpufeed_testkit::skip(TEST, &"needs root to mount a tmpfs over /proc/self/fd");
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let inner = gpufeed_testkit::child_command(
+        "save::direct_swap_child",
+        "direct-swap",
+        &[("GPUFEED_IT_DIR", dir.path().display().to_string())],
+    );
+    // The shell mounts the tmpfs over its own /proc/<pid>/fd, then execs the child, which
+    // keeps the pid.
+    let mut cmd = std::process::Command::new("unshare");
+    cmd.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        "mount -t tmpfs fds /proc/$$/fd && exec \"$0\" \"$@\"",
+    ])
+    .arg(inner.get_program())
+    .args(inner.get_args());
+    for (k, v) in inner.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let out = cmd.output().expect("spawn unshare");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if let Some(why) = stdout.lines().find_map(|l| l.strip_prefix("NO-DIRECT ")) {
+        gpufeed_testkit::skip(TEST, &why);
+        return;
+    }
+    assert!(
+        out.status.success() && stdout.contains("DIRECT-SWAP-OK"),
+        "{TEST} ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+}
+
+/// Child role `direct-swap`: run with a tmpfs over its /proc/<pid>/fd; saves into
+/// GPUFEED_IT_DIR while a thread flips each entry `<n>` of that tmpfs between a link to
+/// `/proc/<pid>/task/<pid>/fd/<n>` (the real descriptor) and a link to a file outside.
+#[test]
+fn direct_swap_child() {
+    use gpufeed::Error;
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok("direct-swap") {
+        return;
+    }
+    let dir = std::path::PathBuf::from(std::env::var("GPUFEED_IT_DIR").expect("dir"));
+    let pid = std::process::id();
+    let fds = std::path::PathBuf::from(format!("/proc/{pid}/fd"));
+    assert!(
+        std::fs::read_link(fds.join("0")).is_err(),
+        "/proc/self/fd is procfs: the test does not test"
+    );
+    let victim = dir.join("victim.bin");
+    let victim_bytes = random_bytes(4 << 20, 77);
+    std::fs::write(&victim, &victim_bytes).expect("victim");
+    let target = dir.join("ckpt.bin");
+    let saver = Saver::host(SaveOptions::default().with_window_bytes(4 << 20)).expect("saver");
+    // A save uses the lowest free descriptors: a few from here.
+    let low = std::fs::File::open("/dev/null").expect("open").as_raw_fd();
+    let range = low..low + 10;
+    for n in range.clone() {
+        std::os::unix::fs::symlink(
+            format!("/proc/{pid}/task/{pid}/fd/{n}"),
+            fds.join(n.to_string()),
+        )
+        .expect("symlink");
+        std::os::unix::fs::symlink(&victim, fds.join(format!("{n}.alt"))).expect("symlink");
+    }
+    // A first save with every entry linked to the real descriptor: does O_DIRECT run here?
+    let first = saver.save_bytes(&random_bytes((2 << 20) + 7, 1), &target);
+    match &first {
+        Ok(r) if r.direct_bytes > 0 => {}
+        Ok(r) => {
+            println!("NO-DIRECT O_DIRECT not used here: {:?}", r.fallbacks);
+            return;
+        }
+        Err(e) => panic!("the first save (no flips yet) failed: {e}"),
+    }
+    let stop = AtomicBool::new(false);
+    let (mut ok, mut direct_refused, mut other) = (0, 0, 0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                for n in range.clone() {
+                    let _ = rustix::fs::renameat_with(
+                        rustix::fs::CWD,
+                        fds.join(n.to_string()),
+                        rustix::fs::CWD,
+                        fds.join(format!("{n}.alt")),
+                        rustix::fs::RenameFlags::EXCHANGE,
+                    );
+                }
+            }
+        });
+        let started = std::time::Instant::now();
+        let mut i = 0u64;
+        while direct_refused < 3 && started.elapsed() < Duration::from_secs(60) {
+            i += 1;
+            let data = random_bytes((2 << 20) + 7, 100 + i);
+            let saved = saver.save_bytes(&data, &target);
+            let now = std::fs::read(&victim).expect("read the victim");
+            if now != victim_bytes {
+                stop.store(true, Ordering::Relaxed);
+                panic!(
+                    "save {i} ({:?}) wrote into the file outside through its O_DIRECT \
+                     descriptor",
+                    saved.as_ref().map(|r| r.direct_bytes)
+                );
+            }
+            match saved {
+                Ok(_) => {
+                    ok += 1;
+                    let back = std::fs::read(&target).expect("read");
+                    assert!(back == data, "save {i} returned Ok with other bytes");
+                }
+                Err(Error::Os(gpufeed_os::Error::UnsafeTemporary { reason, .. }))
+                    if reason.contains("O_DIRECT") =>
+                {
+                    direct_refused += 1;
+                }
+                Err(_) => other += 1,
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        eprintln!(
+            "{i} saves: {ok} ok, {direct_refused} refused for the O_DIRECT descriptor, \
+             {other} failed otherwise"
+        );
+    });
+    assert!(
+        direct_refused > 0,
+        "the flips never split the two opens: the test did not test"
+    );
+    println!("DIRECT-SWAP-OK");
+}
