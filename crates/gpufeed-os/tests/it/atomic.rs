@@ -358,9 +358,9 @@ fn rename_as_nobody(from: &Path, to: &Path) {
 }
 
 /// In a team directory (0777, no sticky bit) `nobody` renames root's old directories to the
-/// names of dead writers' temporaries of this boot: one of a temporary's exact shape (0700,
+/// names of dead writers' temporaries of this boot: two of a temporary's exact shape (0700,
 /// one regular file) and one not (0755, two files). Root's next `AtomicFile::create` there
-/// leaves both and their files alone, while a real leftover of a killed writer (its file an
+/// leaves them and their files alone, while a real leftover of a killed writer (its file an
 /// hour old) is still removed.
 #[test]
 fn a_directory_renamed_to_a_temporarys_name_is_never_cleaned() {
@@ -376,9 +376,11 @@ fn a_directory_renamed_to_a_temporarys_name_is_never_cleaned() {
         .ino();
     let boot = boot_id();
     let mut victims = Vec::new();
-    for (k, (dir, mode, files)) in [
-        ("results", 0o700, &["data.bin"][..]),
-        ("runs", 0o755, &["a.bin", "b.bin"][..]),
+    // (name, mode, files, whether the directory's own mtime is set back too)
+    for (k, (dir, mode, files, dir_old)) in [
+        ("results", 0o700, &["data.bin"][..], true),
+        ("latest", 0o700, &["data.bin"][..], false),
+        ("runs", 0o755, &["a.bin", "b.bin"][..], true),
     ]
     .into_iter()
     .enumerate()
@@ -395,8 +397,13 @@ fn a_directory_renamed_to_a_temporarys_name_is_never_cleaned() {
             set_mtime_an_hour_back(&d.join(f));
             contents.push((f.to_string(), bytes));
         }
-        // Only the files are made old: the directory keeps the times of its last entry's
-        // creation, as one left alone for an hour would (its ctime equal to its mtime).
+        // A directory left alone for an hour has an old mtime and its ctime equal to it; a
+        // test can set the mtime back (`results`, `runs`: which moves the ctime to now) or
+        // leave the directory as its last entry's creation left it (`latest`: ctime equal to
+        // mtime, as after an hour, only recent).
+        if dir_old {
+            set_mtime_an_hour_back(&d);
+        }
         // Timestamps are coarse: the rename comes a clock tick later, as it would.
         std::thread::sleep(std::time::Duration::from_millis(30));
         // A pid above any pid_max (2^22): its writer reads as dead.
