@@ -11,11 +11,14 @@
 //! [`crate::process::ProcessIdentity::unique_tag`]) with `mkdirat(.., 0700)`, and opens it by
 //! that name (`O_DIRECTORY | O_NOFOLLOW`). Another user who may write the target's directory
 //! can exchange the name for another directory (`renameat2(RENAME_EXCHANGE)`) between the two
-//! calls, so what was opened is checked before anything is done in it: ours (our uid), mode
-//! exactly what `mkdir` gives (0700 less the umask, set-group-id only where the target's
-//! directory has it), no subdirectory (`nlink` at most 2) and empty; anything else is
-//! [`Error::UnsafeTemporary`], and nothing in it is changed. Only where the umask took bits
-//! from 0700 is the verified directory then `fchmod`ed to 0700. The temporary file is created
+//! calls, so what was opened is checked before anything is done in it: ours (our uid), no
+//! mode bit a new directory of ours lacks that would let others in (write for group or
+//! others, sticky, set-user-id; set-group-id only where the target's directory has it), no
+//! subdirectory (`nlink` at most 2) and empty; anything else is [`Error::UnsafeTemporary`],
+//! and nothing in it is changed. `mkdir` gives 0700 less the umask; a file system that shows
+//! every directory with one mode (a CIFS `dir_mode`) is taken as it shows where that mode
+//! lets nobody else write. Only where the umask took bits from 0700 (the mode is exactly
+//! what it left) is the verified directory then `fchmod`ed to 0700. The temporary file is created
 //! inside it with `openat` (`O_EXCL | O_NOFOLLOW`, mode 0600) under the target's own name, so
 //! the name in the shared directory does not grow with the target's (a 255-byte target name
 //! works). The commit is `renameat(private dir, name, target dir, name)`: descriptor-relative,
@@ -234,9 +237,13 @@ impl PrivateDir {
                     st.st_uid
                 )));
             }
-            // Set-group-id only where inherited from the parent (some file systems do not
-            // pass it on: `grpid`).
-            if mode & !0o2000 != made_bits || (mode & 0o2000 != 0 && setgid == 0) {
+            // mkdir(0700) gives `made_bits`: no bit for group or others, no sticky or set-user-id
+            // bit, set-group-id only where inherited from the parent (some file systems do not
+            // pass it on: `grpid`). A file system that shows every directory with one mode (a
+            // CIFS `dir_mode`, vfat's `dmask`) is taken as it shows, unless that lets others
+            // write: a directory of ours that others may not write, empty, is no way in (who
+            // can exchange it for ours can remove it anyway).
+            if mode & 0o5022 != 0 || (mode & 0o2000 != 0 && setgid == 0) {
                 return Err(unsafe_dir(format!(
                     "the directory opened under the name just made has mode {mode:04o}, not the \
                      {:04o} of a new one: another user replaced it",
@@ -250,7 +257,7 @@ impl PrivateDir {
                         .into(),
                 ));
             }
-            if made_bits != 0o700 {
+            if made_bits != 0o700 && mode & 0o777 == made_bits {
                 // Verified ours, new and empty: give back what the umask took.
                 rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700 | (mode & 0o2000)))
                     .map_err(|e| Error::io("fchmod", path.clone(), e))?;
@@ -318,8 +325,8 @@ impl AtomicFile {
     /// [`Error::NotFound`] when the directory is missing, [`Error::IsDirectory`] when the
     /// target is one, [`Error::NoSpace`], [`Error::UnsafeTemporary`] when the private
     /// directory just made was replaced before it was opened (another user who writes the
-    /// directory exchanged it: what was opened is not ours, not of a new directory's mode, or
-    /// not empty; nothing in it was changed), and I/O errors
+    /// directory exchanged it: what was opened is not ours, writable by others, sticky or
+    /// set-id, or not empty; nothing in it was changed), and I/O errors
     /// naming the path.
     pub fn create(target: impl AsRef<Path>, len: Option<u64>) -> Result<Self> {
         let target = target.as_ref();

@@ -527,11 +527,12 @@ pub fn exchange_private_dirs_forever(dir: &Path, victim: &str) -> ! {
     }
 }
 
-/// In a team directory (0777) `nobody` exchanges each private directory root makes with
-/// root's sticky `shared/` (1777) right after the `mkdir`: root never changes `shared`'s mode,
-/// never puts a file in it and never removes it; a create that opened the exchanged directory
-/// fails with `UnsafeTemporary`, every save that succeeds leaves the saved bytes, and once the
-/// attacker is gone saves succeed again.
+/// In a team directory (0777) `nobody` exchanges each private directory root makes, right
+/// after the `mkdir`, with a directory of root's: the sticky `shared/` (1777, empty) and
+/// `data/` (0755, holding a file). Root never changes such a directory's mode, never puts a
+/// file in it and never removes it; a create that opened the exchanged directory fails with
+/// `UnsafeTemporary`, every save that succeeds leaves the saved bytes, and once the attacker
+/// is gone saves succeed again.
 #[test]
 fn a_private_directory_exchanged_for_another_is_refused_and_never_changed() {
     use std::os::unix::fs::MetadataExt;
@@ -540,95 +541,103 @@ fn a_private_directory_exchanged_for_another_is_refused_and_never_changed() {
         gpufeed_testkit::skip(TEST, &"needs root to run an attacker as nobody");
         return;
     }
-    let t = TeamDir::new(0o777);
-    let shared = t.team.join("shared");
-    std::fs::create_dir(&shared).expect("mkdir shared");
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
-    let shared_ino = std::fs::metadata(&shared).expect("stat").ino();
-    let mut cmd = child::command(
-        "tmp-exchanger",
-        &[
-            ("GPUFEED_IT_DIR", t.team.display().to_string()),
-            ("GPUFEED_IT_VICTIM", "shared".into()),
-        ],
-    );
-    {
-        use std::os::unix::process::CommandExt;
-        cmd.uid(65534).gid(65534).stdout(Stdio::piped());
-    }
-    let mut attacker = Attacker(cmd.spawn().expect("spawn the attacker as nobody"));
-    let out = std::io::BufReader::new(attacker.0.stdout.take().expect("stdout"));
-    assert!(
-        std::io::BufRead::lines(out)
-            .map_while(Result::ok)
-            .any(|l| l.trim() == "READY"),
-        "the attacker did not start"
-    );
-    let target = t.team.join("ckpt.bin");
-    let started = std::time::Instant::now();
-    let (mut ok, mut refused, mut other) = (0, 0, 0);
-    let mut i = 0u64;
-    while refused < 3 && started.elapsed() < std::time::Duration::from_secs(60) {
-        i += 1;
-        let data = random_bytes(4096 + (i as usize % 7), i);
-        match AtomicFile::create(&target, None) {
-            Ok(f) => {
-                f.file().write_all_at(&data, 0).expect("write");
-                match f.commit() {
-                    Ok(()) => {
-                        ok += 1;
-                        assert_eq!(std::fs::read(&target).expect("read"), data, "save {i}");
-                    }
-                    Err(_) => other += 1,
-                }
-            }
-            Err(gpufeed_os::Error::UnsafeTemporary { .. }) => refused += 1,
-            Err(_) => other += 1,
+    for (victim, mode, file) in [("shared", 0o1777, None), ("data", 0o755, Some("kept.bin"))] {
+        let t = TeamDir::new(0o777);
+        let victim_dir = t.team.join(victim);
+        std::fs::create_dir(&victim_dir).expect("mkdir");
+        if let Some(f) = file {
+            std::fs::write(victim_dir.join(f), b"root's").expect("write");
         }
-        // The attacker swaps back after a millisecond: wait for it before looking.
-        let waited = std::time::Instant::now();
-        let meta = loop {
-            let meta = std::fs::symlink_metadata(&shared);
-            if meta.as_ref().is_ok_and(|m| m.ino() == shared_ino)
-                || waited.elapsed() > std::time::Duration::from_secs(2)
-            {
-                break meta;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        };
-        let meta = meta.unwrap_or_else(|e| panic!("save {i}: `shared` is gone ({e})"));
-        assert_eq!(
-            meta.ino(),
-            shared_ino,
-            "save {i}: root removed the sticky directory `shared` (the attacker could not \
-             swap it back)"
+        std::fs::set_permissions(&victim_dir, std::fs::Permissions::from_mode(mode))
+            .expect("chmod");
+        let victim_ino = std::fs::metadata(&victim_dir).expect("stat").ino();
+        let expected: Vec<std::ffi::OsString> = file.into_iter().map(Into::into).collect();
+        let mut cmd = child::command(
+            "tmp-exchanger",
+            &[
+                ("GPUFEED_IT_DIR", t.team.display().to_string()),
+                ("GPUFEED_IT_VICTIM", victim.into()),
+            ],
         );
-        assert_eq!(
-            meta.mode() & 0o7777,
-            0o1777,
-            "save {i}: root changed the mode of the sticky directory `shared`"
-        );
-        let inside: Vec<_> = std::fs::read_dir(&shared)
-            .expect("ls shared")
-            .flatten()
-            .map(|e| e.file_name())
-            .collect();
+        {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(65534).gid(65534).stdout(Stdio::piped());
+        }
+        let mut attacker = Attacker(cmd.spawn().expect("spawn the attacker as nobody"));
+        let out = std::io::BufReader::new(attacker.0.stdout.take().expect("stdout"));
         assert!(
-            inside.is_empty(),
-            "save {i}: root made {inside:?} in `shared`"
+            std::io::BufRead::lines(out)
+                .map_while(Result::ok)
+                .any(|l| l.trim() == "READY"),
+            "the attacker did not start"
         );
+        let target = t.team.join("ckpt.bin");
+        let started = std::time::Instant::now();
+        let (mut ok, mut refused, mut other) = (0, 0, 0);
+        let mut i = 0u64;
+        while refused < 3 && started.elapsed() < std::time::Duration::from_secs(60) {
+            i += 1;
+            let data = random_bytes(4096 + (i as usize % 7), i);
+            match AtomicFile::create(&target, None) {
+                Ok(f) => {
+                    f.file().write_all_at(&data, 0).expect("write");
+                    match f.commit() {
+                        Ok(()) => {
+                            ok += 1;
+                            assert_eq!(std::fs::read(&target).expect("read"), data, "save {i}");
+                        }
+                        Err(_) => other += 1,
+                    }
+                }
+                Err(gpufeed_os::Error::UnsafeTemporary { .. }) => refused += 1,
+                Err(_) => other += 1,
+            }
+            // The attacker swaps back after a millisecond: wait for it before looking.
+            let waited = std::time::Instant::now();
+            let meta = loop {
+                let meta = std::fs::symlink_metadata(&victim_dir);
+                if meta.as_ref().is_ok_and(|m| m.ino() == victim_ino)
+                    || waited.elapsed() > std::time::Duration::from_secs(2)
+                {
+                    break meta;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            };
+            let meta = meta.unwrap_or_else(|e| panic!("{victim}: save {i}: it is gone ({e})"));
+            assert_eq!(
+                meta.ino(),
+                victim_ino,
+                "{victim}: save {i}: root removed it (the attacker could not swap it back)"
+            );
+            assert_eq!(
+                meta.mode() & 0o7777,
+                mode,
+                "{victim}: save {i}: root changed its mode"
+            );
+            let inside: Vec<_> = std::fs::read_dir(&victim_dir)
+                .expect("ls")
+                .flatten()
+                .map(|e| e.file_name())
+                .collect();
+            assert_eq!(
+                inside, expected,
+                "{victim}: save {i}: root changed what it holds"
+            );
+        }
+        drop(attacker);
+        eprintln!(
+            "{TEST}: {victim}: {i} creates: {ok} saved, {refused} refused (UnsafeTemporary), \
+             {other} failed"
+        );
+        assert!(
+            refused > 0,
+            "{victim}: the attacker never won the race between mkdir and open: the test did \
+             not test"
+        );
+        // Without the attacker a save goes through.
+        save(&target, b"after the attack");
+        assert_eq!(std::fs::read(&target).expect("read"), b"after the attack");
     }
-    drop(attacker);
-    eprintln!(
-        "{TEST}: {i} creates: {ok} saved, {refused} refused (UnsafeTemporary), {other} failed"
-    );
-    assert!(
-        refused > 0,
-        "the attacker never won the race between mkdir and open: the test did not test"
-    );
-    // Without the attacker a save goes through.
-    save(&target, b"after the attack");
-    assert_eq!(std::fs::read(&target).expect("read"), b"after the attack");
 }
 
 /// In a sticky directory anyone may write (1777, like /tmp) `nobody` plants `ckpt.bin`
