@@ -12,6 +12,7 @@
 //! (`fdatasync` + `POSIX_FADV_DONTNEED`, checked with `cachestat`); warm: the file is read
 //! into the page cache first.
 
+use std::fmt::Write as _;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -21,7 +22,9 @@ use gpufeed_os::advise::MemAdvice;
 use gpufeed_os::{FileMap, MapMode, cache};
 use serde::Serialize;
 
-use crate::util::{Samples, SplitMix, timed};
+use crate::limits::Limits;
+use crate::report::share;
+use crate::util::{Samples, SplitMix, show_size, timed};
 
 pub const RANDOM_READS: usize = 1000;
 pub const RANDOM_BYTES: usize = 4096;
@@ -190,4 +193,70 @@ fn random_reads(dataset: &Path, access: Access, offsets: &[u64]) -> Result<f64> 
     });
     res?;
     Ok(secs)
+}
+
+/// Table 2: the data set loaded and read at random.
+pub fn table(s: &mut String, dataset_bytes: u64, limits: Option<&Limits>, access: &[AccessRow]) {
+    let _ = writeln!(
+        s,
+        "\n## Table 2 — a {} data set: load and {} random {} KiB reads\n",
+        show_size(dataset_bytes),
+        RANDOM_READS,
+        RANDOM_BYTES / 1024
+    );
+    let _ = writeln!(
+        s,
+        "| access | cache | first load ms | full pass ms (GB/s) | full pass, share of a limit | {RANDOM_READS} random reads ms | source: first load / random ms (1 GB) |\n|---|---|---|---|---|---|---|"
+    );
+    for r in access {
+        let (src_load, src_rand) = r.access.source();
+        let pass_gbps = dataset_bytes as f64 / (r.full_pass_ms.median / 1e3) / 1e9;
+        // Cold passes are bound by the disk, a warm read() by the warm read() loop; a warm
+        // mapping's pass copies nothing (it touches each page), so no limit bounds it.
+        let of = match (limits, r.temperature, r.access.label().starts_with("mmap")) {
+            (Some(l), Temperature::Cold, _) => share(
+                pass_gbps,
+                l.disk_limit().map_or(f64::NAN, |d| d.gbps.median),
+                "the disk",
+            ),
+            (Some(l), Temperature::Warm, false) => {
+                share(pass_gbps, l.read_warm_gbps.median, "warm read()")
+            }
+            _ => "-".to_owned(),
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} ({:.2}) | {of} | {} | {} / {} |",
+            r.access.label(),
+            match r.temperature {
+                Temperature::Cold => "cold",
+                Temperature::Warm => "warm",
+            },
+            r.first_load_ms.show(3),
+            r.full_pass_ms.show(1),
+            pass_gbps,
+            r.random_ms.show(2),
+            src_load,
+            src_rand
+        );
+    }
+    let cold_max = access
+        .iter()
+        .map(|r| r.cold_residency_max)
+        .fold(0.0, f64::max);
+    let _ = writeln!(
+        s,
+        "\nWhat the columns measure: *first load* = what makes the data addressable (the whole \
+         read() for file IO; only the mmap() call for the mappings — the source's 5.2 ms is \
+         this, not a read); *full pass* = until every byte was available once (read(), or \
+         mmap + touching every page); *random* = {RANDOM_READS} reads of {} KiB at random \
+         aligned offsets, copied into a buffer (mmap call included); *share of a limit*: cold \
+         passes of the disk's limit, the warm read() of the warm read() limit, warm mappings \
+         none (touching each page copies nothing, so no limit of this machine bounds them). \
+         *source* = the source material's figures for a 1 GB file. Cold = the file's pages \
+         dropped with fdatasync + POSIX_FADV_DONTNEED before each measurement (at most \
+         {:.2}% stayed resident); warm = read into the page cache first.",
+        RANDOM_BYTES / 1024,
+        cold_max * 100.0
+    );
 }

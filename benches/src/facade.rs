@@ -2,6 +2,7 @@
 //! warm and cold, against the raw O_DIRECT read of the same disk in the same run.
 
 use std::cell::RefCell;
+use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -10,7 +11,8 @@ use gpufeed_os::{AlignedBuf, cache};
 use gpufeed_uring::{Backend, Direct, ReadOp, Reader};
 use serde::Serialize;
 
-use crate::util::{Samples, SplitMix, gbps, timed};
+use crate::report::share;
+use crate::util::{Samples, SplitMix, gbps, show_size, timed};
 
 #[derive(Debug, Serialize)]
 pub struct FacadeBench {
@@ -222,4 +224,84 @@ pub fn measure(
         batch_loader_cores: batch_loader.cores_busy,
         batch_loader_4k,
     })
+}
+
+/// Table 6: the facade's loads, against the pinned limit `limit` (GB/s) of table 4.
+pub fn table(s: &mut String, f: &FacadeBench, limit: f64) {
+    let _ = writeln!(
+        s,
+        "\n## Table 6 — gpufeed facade: a {} file and a {} safetensors checkpoint to the GPU\n",
+        show_size(f.file_bytes),
+        show_size(f.safetensors_bytes)
+    );
+    let _ = writeln!(s, "| load | GB/s | against |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| warm, default options: {} | {} | {} |",
+        f.warm_default_strategy,
+        f.warm_default_gbps.show(1),
+        share(f.warm_default_gbps.median, limit, "the pinned limit")
+    );
+    let _ = writeln!(
+        s,
+        "| warm, one IO thread (LoadOptions::one_thread: registered, one registering thread) | {} | {}; target 30 |",
+        f.warm_one_thread_gbps.show(1),
+        share(f.warm_one_thread_gbps.median, limit, "the pinned limit")
+    );
+    let _ = writeln!(
+        s,
+        "| warm, Strategy::Registered (two registering threads) | {} | {} |",
+        f.warm_registered_gbps.show(1),
+        share(f.warm_registered_gbps.median, limit, "the pinned limit")
+    );
+    let _ = writeln!(
+        s,
+        "| warm, Strategy::Staged right after a registered load (whose unregistration still runs in the background and holds off copies) | {} | {} |",
+        f.warm_staged_gbps.show(1),
+        share(f.warm_staged_gbps.median, limit, "the pinned limit")
+    );
+    let _ = writeln!(
+        s,
+        "| warm, safetensors::load (one bulk transfer) | {} | {}; target 45 |",
+        f.safetensors_gbps.show(1),
+        share(f.safetensors_gbps.median, limit, "the pinned limit")
+    );
+    let _ = writeln!(
+        s,
+        "| cold, default options: {} | {} | {} |",
+        f.cold_default_strategy,
+        f.cold_default_gbps.show(2),
+        share(
+            f.cold_default_gbps.median,
+            f.raw_direct_read_gbps.median,
+            "the raw O_DIRECT read"
+        )
+    );
+    let _ = writeln!(
+        s,
+        "| raw O_DIRECT read of the same file (io_uring, qd 32, 1 MiB, to host memory) | {} | the disk's limit |",
+        f.raw_direct_read_gbps.show(2)
+    );
+    let _ = writeln!(
+        s,
+        "| BatchLoader: 64 KiB records in shuffled batches of 256, 8 workers, device batches | {} | {}; {:.1} cores busy, {:.1} GB/s per core |",
+        f.batch_loader_gbps.show(1),
+        share(f.batch_loader_gbps.median, limit, "the pinned limit"),
+        f.batch_loader_cores.median,
+        f.batch_loader_gbps.median / f.batch_loader_cores.median
+    );
+    let _ = writeln!(
+        s,
+        "| BatchLoader: the same as 4 KiB records | {} | {}; {:.1} cores busy |",
+        f.batch_loader_4k.gbps.show(1),
+        share(f.batch_loader_4k.gbps.median, limit, "the pinned limit"),
+        f.batch_loader_4k.cores_busy.median
+    );
+    let _ = writeln!(
+        s,
+        "\n`gpufeed::load_file` (a new `Loader`: its staging reserved, then its first load) moved the warm file at {:.1} GB/s; \
+         the rows above reuse one `Loader` per setting.",
+        f.first_load_gbps
+    );
+    crate::oneshot::table(s, f);
 }

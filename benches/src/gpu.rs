@@ -1,6 +1,7 @@
 //! Table 4 (GPU machine only): the PCIe limit, the scheduler from each source, the registered
 //! file mapping on one thread, and the pool's steady-state `get`.
 
+use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -12,7 +13,8 @@ use gpufeed_os::{FileMap, MapMode, cache};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PoolMode};
 use serde::Serialize;
 
-use crate::util::{Samples, SplitMix, ensure_random_file, gbps, timed};
+use crate::report::share;
+use crate::util::{Samples, SplitMix, ensure_random_file, gbps, show_size, timed};
 
 #[derive(Debug, Serialize)]
 pub struct GpuBench {
@@ -298,6 +300,109 @@ pub fn run_peer_script(args: &[String]) -> serde_json::Value {
         }
         Err(e) => {
             serde_json::json!({ "peers": { "error": format!("cannot run python3 {}: {e}", script.display()) } })
+        }
+    }
+}
+
+/// Table 4: host -> GPU transfers.
+pub fn table(s: &mut String, g: &GpuBench) {
+    let limit = g.pinned_limit_gbps.median;
+    let _ = writeln!(
+        s,
+        "\n## Table 4 — {} ({}, {}, NUMA node {}): host -> GPU, {} per transfer\n",
+        g.gpu,
+        g.pci_bus_id,
+        g.pcie,
+        g.numa_node.map_or("unknown".into(), |n| n.to_string()),
+        show_size(g.bytes)
+    );
+    let _ = writeln!(s, "| path | GB/s | share of a limit |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| the pinned limit: pinned memory, 1 stream, 16 MiB cuMemcpyHtoDAsync | {} | the limit |",
+        g.pinned_limit_gbps.show(1)
+    );
+    for (name, v) in [
+        (
+            "TransferScheduler from pinned (4 streams, 16 MiB)",
+            &g.sched_pinned_gbps,
+        ),
+        (
+            "TransferScheduler from a pageable Vec (staged, default fill threads)",
+            &g.sched_pageable_gbps,
+        ),
+        (
+            "naive cuMemcpyHtoD from a pageable Vec",
+            &g.naive_pageable_gbps,
+        ),
+    ] {
+        let _ = writeln!(
+            s,
+            "| {name} | {} | {} |",
+            v.show(1),
+            share(v.median, limit, "the pinned limit")
+        );
+    }
+    let _ = writeln!(
+        s,
+        "| {} registered read-only file mapping (page cache), copies from one thread | {} | {} |",
+        show_size(g.file_bytes),
+        g.registered_copy_gbps.show(1),
+        share(g.registered_copy_gbps.median, limit, "the pinned limit")
+    );
+    let _ = writeln!(
+        s,
+        "| same, including cuMemHostRegister ({} ms) | {} | {} |",
+        g.register_ms.show(0),
+        g.registered_with_register_gbps.show(1),
+        share(
+            g.registered_with_register_gbps.median,
+            limit,
+            "the pinned limit"
+        )
+    );
+    let sweep: Vec<String> = g
+        .pageable_by_fill_threads
+        .iter()
+        .map(|(t, v)| format!("{t}: {:.1}", v.median))
+        .collect();
+    let _ = writeln!(
+        s,
+        "\nStaged pageable upload by fill threads (GB/s, median): {}; the default here is {} threads.",
+        sweep.join(", "),
+        g.default_fill_threads
+    );
+    let _ = writeln!(
+        s,
+        "\nPool: steady-state `get` of a 64 MiB pinned buffer {} us (median, min-max of 1000) against \
+         {:.1} ms for cuMemHostAlloc of 64 MiB; cuMemHostAlloc of {} took {:.0} ms.",
+        g.pool_get_us.show(2),
+        g.alloc_64mib_ms,
+        show_size(g.bytes),
+        g.pinned_alloc_ms
+    );
+}
+
+/// The peers' rows of the GPU run (`--peers`), after table 8.
+pub fn peers_table(s: &mut String, g: &GpuBench) {
+    if let Some(peers) = g.peers.as_ref().and_then(|p| p.as_object()) {
+        let _ = writeln!(
+            s,
+            "\n## Peers — same run, same files (warm)\n\n| peer | GB/s |\n|---|---|"
+        );
+        for (name, v) in peers {
+            let cell = match v.as_array() {
+                Some(runs) => {
+                    let samples =
+                        crate::util::Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect());
+                    samples.show(1)
+                }
+                None => format!(
+                    "did not run: {}",
+                    v.get("error").and_then(|e| e.as_str()).unwrap_or("?")
+                ),
+            };
+            let _ = writeln!(s, "| {name} | {cell} |");
         }
     }
 }

@@ -14,6 +14,7 @@
 //! does) and stamps CLOCK_MONOTONIC into its payload; this one subtracts it when its
 //! `exchange` returns.
 
+use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -217,4 +218,47 @@ pub fn child(role: Role, target: &str, count: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Table 5: gpufeed-ipc's ring, wake-ups and rendezvous.
+pub fn table(s: &mut String, i: &IpcBench, memcpy: f64) {
+    let _ = writeln!(
+        s,
+        "\n## Table 5 — gpufeed-ipc: {} batches of 1 MiB, producer process -> consumer process\n",
+        i.batches
+    );
+    let _ = writeln!(
+        s,
+        "| path | GB/s | vs 1-thread memcpy ({memcpy:.1} GB/s, same run) |\n|---|---|---|"
+    );
+    let _ = writeln!(
+        s,
+        "| BatchRing (copy into the slot, zero-copy take) | {} | {:.2}x |",
+        i.ring_gbps.show(2),
+        i.ring_gbps.median / memcpy
+    );
+    let _ = writeln!(
+        s,
+        "| Unix socket (write + read) | {} | {:.2}x |",
+        i.socket_gbps.show(2),
+        i.socket_gbps.median / memcpy
+    );
+    let _ = writeln!(
+        s,
+        "\n64-byte messages, consumer asleep in `next`: wake-up latency p50 {:.1} us, p99 {:.1} us \
+         ({} messages; target p50 <= 5 us).",
+        i.latency_p50_us,
+        i.latency_p99_us,
+        i.latency_us.all.len()
+    );
+    let _ = writeln!(
+        s,
+        "\nThe rendezvous of one process per GPU (`gpufeed_ipc::Rendezvous`, two ranks), one rank \
+         waiting {} ms for the other at each meeting: from the late rank's arrival until the \
+         waiting rank's `exchange` returns, p50 {:.1} us, p99 {:.1} us ({} meetings).",
+        BARRIER_LAG.as_millis(),
+        i.barrier_p50_us,
+        i.barrier_p99_us,
+        i.barrier_us.all.len()
+    );
 }

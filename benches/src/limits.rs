@@ -1,5 +1,6 @@
 //! The limits of this machine, measured in the same run as everything else.
 
+use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -243,4 +244,81 @@ pub fn direct_read(dataset: &Path, len: u64, chunk: usize, threads: usize) -> Re
     });
     res.context("O_DIRECT read")?;
     Ok(gbps(aligned_len, secs))
+}
+
+/// The limits table: what this machine does at best, the figure every share divides by.
+pub fn table(s: &mut String, l: &Limits) {
+    let _ = writeln!(s, "## Limits of this machine (same run)\n");
+    let _ = writeln!(
+        s,
+        "What this machine does at best, measured in this run with plain code that is not \
+         gpufeed's: every *share of a limit* in the tables divides by one of these. Nothing \
+         measured here can truly pass its limit, so a share above 100% is printed with \
+         \"suspect\": the limit was measured low (a disk whose speed moved during the run, \
+         a limit measured one way while the figure used another).\n"
+    );
+    let _ = writeln!(s, "| limit | how | GB/s |\n|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| memcpy | 1 thread, 256 MiB | {} |",
+        l.memcpy_1_thread_gbps.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "| memcpy | {} threads started together, 256 MiB split among them, copied 8 times | {} |",
+        l.memcpy_threads,
+        l.memcpy_n_threads_gbps.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "| warm read() | one read() loop, 1 MiB buffer, the file in the page cache | {} |",
+        l.read_warm_gbps.show(2)
+    );
+    for w in &l.disk {
+        let _ = writeln!(s, "| the disk, one way | {} | {} |", w.how, w.gbps.show(2));
+    }
+    match l.disk_limit() {
+        Some(best) => {
+            let _ = writeln!(
+                s,
+                "| **the disk** | the best of the ways above: {} | **{}** |",
+                best.how,
+                best.gbps.show(2)
+            );
+        }
+        None => {
+            let _ = writeln!(s, "| the disk | not measured | - |");
+        }
+    }
+    for note in &l.disk_notes {
+        let _ = writeln!(s, "\nThe disk: {note}.");
+    }
+    let mut moved = Vec::new();
+    let named = [
+        ("memcpy, 1 thread", Some(&l.memcpy_1_thread_gbps)),
+        ("memcpy, all threads", Some(&l.memcpy_n_threads_gbps)),
+        ("warm read()", Some(&l.read_warm_gbps)),
+        ("the disk", l.disk_limit().map(|d| &d.gbps)),
+    ];
+    for (name, samples) in named {
+        if let Some(v) = samples.and_then(self::moved) {
+            moved.push(format!("{name} ({:.0}%)", v * 100.0));
+        }
+    }
+    if moved.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nEvery limit's repetitions stayed within {:.0}% of its median.",
+            MAX_SPREAD * 100.0
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "\n**Limits that moved during this run** (repetitions spread more than {:.0}% of \
+             the median): {}. Shares of these are unreliable in this run; run again on a \
+             quieter machine.",
+            MAX_SPREAD * 100.0,
+            moved.join(", ")
+        );
+    }
 }

@@ -1,6 +1,7 @@
 //! Table 7: the dataset BatchLoader on the host (no GPU): shuffled fixed-size records of the data
 //! set gathered by worker threads into pooled (locked) batch buffers.
 
+use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Result;
@@ -8,7 +9,9 @@ use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, Position, RecordFile, S
 use gpufeed_os::cache;
 use serde::Serialize;
 
-use crate::util::{Samples, gbps, timed};
+use crate::limits::Limits;
+use crate::report::share;
+use crate::util::{Samples, gbps, show_size, timed};
 
 pub const RECORD: usize = 64 << 10;
 pub const BATCH: usize = 64;
@@ -338,4 +341,73 @@ fn resume_ms(dataset: &Path, reps: usize) -> Result<(usize, Samples)> {
         runs.push(secs * 1e3);
     }
     Ok((records, Samples::new(runs)))
+}
+
+/// Table 7: the dataset BatchLoader on the host.
+pub fn table(s: &mut String, b: &LoaderBench, limits: Option<&Limits>) {
+    let memory = limits.map_or(f64::NAN, Limits::memory_gbps);
+    let _ = writeln!(
+        s,
+        "\n## Table 7 — dataset BatchLoader, host batches (no GPU)\n\n| records | batch | workers | GB/s | share of a limit | cores busy |\n|---|---|---|---|---|---|\n| {} shuffled | {} records | {} | {} | {} | {:.1} |",
+        show_size(b.record_bytes as u64),
+        b.batch_size,
+        b.workers,
+        b.host_gbps.show(2),
+        share(b.host_gbps.median, memory, "memcpy"),
+        b.host_cores_busy.median
+    );
+    for d in &b.direct_cold {
+        let _ = writeln!(
+            s,
+            "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read, {} in flight per worker) | {} records | {} | {} | {} (per epoch {}-{}%); {} ({} GB/s); the disk reading such blocks in a random order: {} GB/s | |",
+            show_size(b.record_bytes as u64),
+            d.block,
+            show_size(d.read_bytes as u64),
+            d.depth,
+            d.batch,
+            d.workers,
+            d.gbps.show(2),
+            share(
+                d.way_share.median,
+                1.0,
+                "the disk's best way next to each epoch"
+            ),
+            (100.0 * d.way_share.min).round(),
+            (100.0 * d.way_share.max).round(),
+            share(
+                d.share.median,
+                1.0,
+                "the fastest of the disk's ways at each epoch"
+            ),
+            d.limit_gbps.show(2),
+            d.shuffled_gbps.show(2),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nThe cold rows' limit: next to each epoch (before it and after it in turns), the disk's own `O_DIRECT` reads of the same file \
+             (sequential `pread`s of 8 MiB on 1 thread, of 1 MiB on 4 and on 16 threads, and 1 MiB reads through io_uring at queue depth {}). \
+             A row's share is the median of its epochs' shares of the read next to them of the way with the highest median over the run, {} ({} GB/s); \
+             the fastest of the four at each epoch ({} GB/s, all rows') is biased high, the most of four samples of a disk that moves by a third, and is shown second. \
+             The best `O_DIRECT` way of the limits table: {}.",
+        DISK_QUEUE,
+        b.direct_best_way,
+        b.direct_best_way_gbps.show(2),
+        b.direct_limit_gbps.show(2),
+        limits
+            .and_then(Limits::direct_limit)
+            .map_or("-".to_owned(), |d| format!(
+                "{} GB/s ({})",
+                d.gbps.show(2),
+                d.how
+            )),
+    );
+    let _ = writeln!(
+        s,
+        "\nAn elastic loader (`Sampler::elastic`, global batch {}) over {} records resumed \
+             mid-epoch as rank 3 of 8 (`BatchLoader::resume`): {} ms to its first batch.",
+        8 * BATCH,
+        b.resume_records,
+        b.resume_ms.show(0)
+    );
 }

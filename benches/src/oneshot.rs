@@ -4,6 +4,7 @@
 //! second. (What a first load pays for that a second does not, part by part, was measured in GPU
 //! runs 8-13 and is kept in docs/benchmarks.md.)
 
+use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Instant;
 
@@ -11,7 +12,7 @@ use anyhow::{Context, Result};
 use gpufeed::{Gpu, LoadOptions, Loader};
 use serde::{Deserialize, Serialize};
 
-use crate::util::gbps;
+use crate::util::{gbps, show_size};
 
 /// What one fresh process measured.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -202,4 +203,75 @@ fn children<T: serde::de::DeserializeOwned>(
             serde_json::from_str(line.trim()).context("the one-shot child's JSON")
         })
         .collect()
+}
+
+/// One-shot loads: a fresh process per run (medians over the runs, min-max in parentheses).
+pub fn table(s: &mut String, f: &crate::facade::FacadeBench) {
+    let _ = writeln!(
+        s,
+        "\n### One-shot: a fresh process opens the GPU, makes a `Loader` and loads three times (warm page cache)\n\n\
+         | what | `Gpu::open` ms | `Loader::new` ms (staging reserved) | first load GB/s | second load GB/s (device pool grows) | third load GB/s (warm) | first / third |\n\
+         |---|---|---|---|---|---|---|"
+    );
+    for (what, runs) in [
+        ("file (`Loader::load_file`)", &f.one_shot_file),
+        (
+            "safetensors checkpoint (`safetensors::load_with`)",
+            &f.one_shot_checkpoint,
+        ),
+    ] {
+        if runs.is_empty() {
+            continue;
+        }
+        let col =
+            |g: fn(&OneShotRun) -> f64| crate::util::Samples::new(runs.iter().map(g).collect());
+        let (first, second, third) = (
+            col(OneShotRun::first_gbps),
+            col(OneShotRun::second_gbps),
+            col(OneShotRun::third_gbps),
+        );
+        let _ = writeln!(
+            s,
+            "| {what}, {} | {} | {} | {} | {} | {} | {:.2} |",
+            show_size(runs[0].bytes),
+            col(|r| r.open_ms).show(0),
+            col(|r| r.loader_ms).show(1),
+            first.show(1),
+            second.show(1),
+            third.show(1),
+            first.median / third.median
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\n### One-shot in one call: `load_file_on(0, path)` / `safetensors::load_on(0, path)` in a fresh process \
+         (the context created on another thread while the staging is faulted in and headers read)\n\n\
+         | what | context ms | ready ms | loads ms | total ms | GB/s from the call | warm load ms (same process) | (total - context) / warm (target <= 1.1) | staging |\n\
+         |---|---|---|---|---|---|---|---|---|"
+    );
+    for (what, runs) in [
+        ("file (`load_file_on`)", &f.one_shot_on_file),
+        (
+            "safetensors checkpoint (`safetensors::load_on`)",
+            &f.one_shot_on_checkpoint,
+        ),
+    ] {
+        if runs.is_empty() {
+            continue;
+        }
+        let col = |g: fn(&OnRun) -> f64| crate::util::Samples::new(runs.iter().map(g).collect());
+        let _ = writeln!(
+            s,
+            "| {what}, {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            show_size(runs[0].bytes),
+            col(|r| r.context_ms).show(0),
+            col(|r| r.ready_ms).show(0),
+            col(|r| r.load_ms).show(1),
+            col(|r| r.total_ms).show(0),
+            col(OnRun::total_gbps).show(1),
+            col(|r| r.second_ms).show(1),
+            col(OnRun::past_context_ratio).show(2),
+            show_size(runs[0].staging_bytes)
+        );
+    }
 }

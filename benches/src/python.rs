@@ -5,6 +5,7 @@
 //! 10 x 16,000 KiB), and tensors loaded one at a time (`gpufeed.safe_open` against
 //! safetensors' `safe_open`). Measured by `benches/peers/peers.py --python-checkpoints`.
 
+use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Result;
@@ -12,7 +13,7 @@ use serde::Serialize;
 
 use gpufeed_os::cache;
 
-use crate::util::Samples;
+use crate::util::{Samples, show_size};
 
 /// Tensors of the "many tensors" checkpoint.
 pub const MANY: usize = 10_000;
@@ -137,4 +138,160 @@ pub fn measure(
         ),
         errors,
     }))
+}
+
+/// Table 10: the Python package against safetensors.torch.
+pub fn table(s: &mut String, v: &PythonBench) {
+    let _ = writeln!(
+        s,
+        "\n## Table 10 — the Python package: a {} safetensors checkpoint into a dict of torch \
+         tensors (warm)\n\n\
+         Time from the call until every tensor is on `cuda:0`, synchronized. *Fresh process*: a \
+         new Python process that has imported torch and created the CUDA context (timed apart), \
+         then loads once. The 10,000-tensor checkpoint holds the same bytes as the 16-tensor \
+         one.\n\n| load | GB/s | against |\n|---|---|---|",
+        show_size(v.checkpoint_bytes)
+    );
+    let gbps = |x: &Option<crate::util::Samples>| {
+        x.as_ref().map_or("did not run".to_owned(), |x| x.show(1))
+    };
+    let times =
+        |a: &Option<crate::util::Samples>, b: &Option<crate::util::Samples>, what: &str| match (
+            a, b,
+        ) {
+            (Some(a), Some(b)) => format!("{:.1}x {what}", a.median / b.median),
+            _ => "-".to_owned(),
+        };
+    let st = "safetensors.torch";
+    let rows = [
+        (
+            "gpufeed `Loader.load_safetensors`, reused loader, 16 tensors",
+            &v.gpufeed_reused_gbps,
+            times(&v.gpufeed_reused_gbps, &v.safetensors_reused_gbps, st),
+        ),
+        (
+            "the same, the same bytes in 10,000 tensors",
+            &v.gpufeed_many_gbps,
+            match (&v.gpufeed_reused_gbps, &v.gpufeed_many_gbps) {
+                (Some(few), Some(many)) => format!(
+                    "takes {:.2}x the 16 tensors' time",
+                    few.median / many.median
+                ),
+                _ => "-".to_owned(),
+            },
+        ),
+        (
+            "`safetensors.torch.load_file(device=\"cuda\")`, same process",
+            &v.safetensors_reused_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, after the context: gpufeed `load_safetensors`",
+            &v.gpufeed_fresh_gbps,
+            times(&v.gpufeed_fresh_gbps, &v.safetensors_fresh_gbps, st),
+        ),
+        (
+            "fresh process, after the context: `safetensors.torch.load_file`",
+            &v.safetensors_fresh_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, context + load: gpufeed",
+            &v.gpufeed_fresh_with_context_gbps,
+            times(
+                &v.gpufeed_fresh_with_context_gbps,
+                &v.safetensors_fresh_with_context_gbps,
+                st,
+            ),
+        ),
+        (
+            "fresh process, context + load: safetensors.torch",
+            &v.safetensors_fresh_with_context_gbps,
+            String::new(),
+        ),
+        (
+            "tensors on demand: `gpufeed.safe_open(...).get_tensor` of each of the 16, file opened before",
+            &v.gpufeed_on_demand_gbps,
+            times(
+                &v.gpufeed_on_demand_gbps,
+                &v.safetensors_on_demand_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "tensors on demand: safetensors `safe_open(framework=\"pt\", device=\"cuda:0\").get_tensor`, the 16",
+            &v.safetensors_on_demand_gbps,
+            String::new(),
+        ),
+        (
+            "tensors on demand: `gpufeed.safe_open`, the first 1,000 of the 10,000 tensors",
+            &v.gpufeed_on_demand_many_gbps,
+            times(
+                &v.gpufeed_on_demand_many_gbps,
+                &v.safetensors_on_demand_many_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "tensors on demand: safetensors `safe_open`, the first 1,000 of the 10,000 tensors",
+            &v.safetensors_on_demand_many_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, after the context: every tensor through `gpufeed.safe_open` (the open included)",
+            &v.gpufeed_safe_open_fresh_gbps,
+            times(
+                &v.gpufeed_safe_open_fresh_gbps,
+                &v.safetensors_safe_open_fresh_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "fresh process, after the context: every tensor through safetensors' `safe_open`",
+            &v.safetensors_safe_open_fresh_gbps,
+            String::new(),
+        ),
+        (
+            "fresh process, context + every tensor through `gpufeed.safe_open`",
+            &v.gpufeed_safe_open_fresh_with_context_gbps,
+            times(
+                &v.gpufeed_safe_open_fresh_with_context_gbps,
+                &v.safetensors_safe_open_fresh_with_context_gbps,
+                "safetensors' safe_open",
+            ),
+        ),
+        (
+            "fresh process, context + every tensor through safetensors' `safe_open`",
+            &v.safetensors_safe_open_fresh_with_context_gbps,
+            String::new(),
+        ),
+    ];
+    for (what, x, against) in rows {
+        let _ = writeln!(s, "| {what} | {} | {against} |", gbps(x));
+    }
+    if let (Some(us), Some(few), Some(many)) = (
+        v.per_tensor_us(),
+        &v.few_large_seconds,
+        &v.many_small_seconds,
+    ) {
+        let _ = writeln!(
+            s,
+            "\nPer tensor: 10,000 tensors of 16 KiB load in {:.1} ms, the same bytes in 10 \
+             tensors in {:.1} ms: {us:.2} us per tensor (medians of {}).",
+            many.median * 1e3,
+            few.median * 1e3,
+            many.all.len()
+        );
+    }
+    if let Some(open) = &v.gpufeed_open_seconds {
+        let _ = writeln!(
+            s,
+            "\n`gpufeed.safe_open` of the 16-tensor checkpoint (headers read, every file \
+             registered: paid once per open, not in the on-demand rows) took {:.0} ms.",
+            open.median * 1e3
+        );
+    }
+    for (what, why) in &v.errors {
+        let _ = writeln!(s, "\n{what}: did not run: {why}");
+    }
 }

@@ -6,6 +6,7 @@
 //!   compares them with the limits' warm `read()` loop, one 1 MiB buffer).
 
 use std::cell::RefCell;
+use std::fmt::Write as _;
 use std::path::Path;
 use std::process::Command;
 
@@ -14,7 +15,9 @@ use gpufeed_os::{AlignedBuf, cache};
 use gpufeed_uring::{Backend, Direct, ReadOp, Reader};
 use serde::Serialize;
 
-use crate::util::{Samples, gbps, timed};
+use crate::limits::Limits;
+use crate::report::share;
+use crate::util::{Samples, gbps, show_size, timed};
 
 pub const BLOCK: usize = 1 << 20;
 pub const DEPTHS: [usize; 4] = [1, 8, 32, 64];
@@ -258,4 +261,74 @@ pub fn measure(dataset: &Path, reps: usize, mut progress: impl FnMut(&str)) -> R
         warm_queue_depth: warm_qd,
         warm_threads_gbps: Samples::new(t),
     })
+}
+
+/// Table 3: gpufeed-uring's sequential reads, cold and warm.
+pub fn table(s: &mut String, dataset_bytes: u64, limits: Option<&Limits>, r: &Reads) {
+    let _ = writeln!(
+        s,
+        "\n## Table 3 — gpufeed-uring: {} read sequentially in 1 MiB requests\n",
+        show_size(dataset_bytes)
+    );
+    let _ = writeln!(
+        s,
+        "| O_DIRECT, queue depth | gpufeed-uring io_uring GB/s | threads (one per request) GB/s | fio GB/s | io_uring / fio | io_uring, share of a limit |\n|---|---|---|---|---|---|"
+    );
+    let disk = limits
+        .and_then(Limits::disk_limit)
+        .map_or(f64::NAN, |d| d.gbps.median);
+    let memory = limits.map_or(f64::NAN, Limits::memory_gbps);
+    let warm_read = limits.map_or(f64::NAN, |l| l.read_warm_gbps.median);
+    for row in &r.direct {
+        let (fio, ratio) = match &row.fio_gbps {
+            Some(f) => (
+                f.show(2),
+                format!("{:.2}x", row.uring_gbps.median / f.median),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} |",
+            row.queue_depth,
+            row.uring_gbps.show(2),
+            row.threads_gbps.show(2),
+            fio,
+            ratio,
+            share(row.uring_gbps.median, disk, "the disk")
+        );
+    }
+    let _ = writeln!(s, "\nfio: {}.\n", r.fio_note);
+    let _ = writeln!(
+        s,
+        "| page cache warm | GB/s | vs the warm read() limit | share of a limit |\n|---|---|---|---|"
+    );
+    let _ = writeln!(
+        s,
+        "| one read() loop, 1 MiB buffer (the limits' warm read(), same measurement) | {} | 1.00x | {} |",
+        limits.map_or("-".into(), |l| l.read_warm_gbps.show(2)),
+        share(warm_read, memory, "memcpy")
+    );
+    let _ = writeln!(
+        s,
+        "| gpufeed-uring io_uring (qd {}, IOSQE_ASYNC) | {} | {:.2}x | {} |",
+        r.warm_queue_depth,
+        r.warm_uring_gbps.show(2),
+        r.warm_uring_gbps.median / warm_read,
+        share(r.warm_uring_gbps.median, memory, "memcpy")
+    );
+    let _ = writeln!(
+        s,
+        "| gpufeed-uring threads({}), qd {} | {} | {:.2}x | {} |",
+        r.warm_threads,
+        r.warm_queue_depth,
+        r.warm_threads_gbps.show(2),
+        r.warm_threads_gbps.median / warm_read,
+        share(r.warm_threads_gbps.median, memory, "memcpy")
+    );
+    let _ = writeln!(
+        s,
+        "\nA warm read copies out of the page cache, so memcpy (the better of 1 and all threads) \
+         bounds it."
+    );
 }

@@ -3,6 +3,7 @@
 //! against the disk's own O_DIRECT write limit (gpufeed-uring's `Writer` from one aligned host
 //! buffer, and `fio` where installed) and the device -> pinned limit, in the same run.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,7 +15,8 @@ use gpufeed_os::{AlignedBuf, AtomicFile};
 use gpufeed_uring::{Direct, Writer};
 use serde::Serialize;
 
-use crate::util::{Samples, gbps, timed};
+use crate::report::share;
+use crate::util::{Samples, gbps, show_size, timed};
 
 #[derive(Debug, Serialize)]
 pub struct SaveBench {
@@ -199,4 +201,84 @@ pub fn measure(
         checkpoint_save_gbps: Samples::new(ckpt_runs),
         checkpoint_saved: saved,
     })
+}
+
+/// Table 8: checkpoints saved from GPU memory.
+pub fn table(s: &mut String, v: &SaveBench) {
+    let disk = v.raw_direct_write_gbps.median;
+    let pct = |x: f64| share(x, disk, "the disk's O_DIRECT write");
+    let _ = writeln!(
+        s,
+        "\n## Table 8 — checkpoints out: the {} file saved back from GPU memory\n\n\
+         Each save writes a temporary file beside the target and renames it over the target once \
+         synced (crash-safe); the time runs from the call until the file is in place.\n\n\
+         | what | GB/s | against |\n|---|---|---|",
+        show_size(v.bytes)
+    );
+    let _ = writeln!(
+        s,
+        "| `Saver::save_file`: device -> pinned windows -> O_DIRECT writes, synced and renamed | {} | {} |",
+        v.save_gbps.show(2),
+        pct(v.save_gbps.median)
+    );
+    let _ = writeln!(
+        s,
+        "| `gpufeed::save_file`: a new `Saver` per call (pinned windows allocated on the way) | {} | {} |",
+        v.one_shot_save_gbps.show(2),
+        pct(v.one_shot_save_gbps.median)
+    );
+    let _ = writeln!(
+        s,
+        "| `safetensors::save` of the {} checkpoint of table 6, every tensor from its device view | {} | {} |",
+        show_size(v.checkpoint_bytes),
+        v.checkpoint_save_gbps.show(2),
+        pct(v.checkpoint_save_gbps.median)
+    );
+    let _ = writeln!(
+        s,
+        "| the disk's limit: O_DIRECT writes of one aligned host buffer (gpufeed-uring `Writer`, qd 16, 1 MiB), synced | {} | the limit |",
+        v.raw_direct_write_gbps.show(2)
+    );
+    match &v.fio_write_gbps {
+        Some(f) => {
+            let _ = writeln!(
+                s,
+                "| fio: {} | {} | {} |",
+                v.fio_note,
+                f.show(2),
+                pct(f.median)
+            );
+        }
+        None => {
+            let _ = writeln!(s, "| fio | {} | |", v.fio_note);
+        }
+    }
+    let _ = writeln!(
+        s,
+        "| the saves' device -> pinned part (window fills) | {} | {} |",
+        v.save_fill_gbps.show(1),
+        share(
+            v.save_fill_gbps.median,
+            v.d2h_limit_gbps.median,
+            "the device -> host limit"
+        )
+    );
+    let _ = writeln!(
+        s,
+        "| device -> host limit: `TransferScheduler::download` of 1 GiB into pinned memory | {} | |",
+        v.d2h_limit_gbps.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "\n{} of {} bytes written with O_DIRECT{}. The saved checkpoint stays at {} for checks \
+         with other readers.",
+        v.save_direct_bytes,
+        v.bytes,
+        if v.save_fallbacks.is_empty() {
+            String::new()
+        } else {
+            format!("; fallbacks: {}", v.save_fallbacks.join("; "))
+        },
+        v.checkpoint_saved.display()
+    );
 }

@@ -6,6 +6,7 @@
 //! all of them, warm and cold, the cold one against the disk's own O_DIRECT reads of the same
 //! files.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -18,7 +19,8 @@ use gpufeed::uring::{Direct, Reader};
 use gpufeed::{FileList, LoadOptions, Loader};
 use serde::Serialize;
 
-use crate::util::{Samples, SplitMix, ensure_random_file, gbps, timed};
+use crate::report::share;
+use crate::util::{Samples, SplitMix, ensure_random_file, gbps, show_size, timed};
 
 #[derive(Debug, Serialize)]
 pub struct SizeRow {
@@ -431,4 +433,120 @@ fn measure_files(
         image_folder_open_ms: open_s * 1e3,
         torch_dataloader,
     })
+}
+
+/// Table 9: small loads, the size curve and a folder of small files.
+pub fn table(s: &mut String, v: &SmallBench) {
+    let _ = writeln!(
+        s,
+        "\n## Table 9 — small loads on {}: the size curve and a folder of small files\n\n\
+         One reused `Loader` with default options loads warm files of each size; a load's time \
+         runs from the call until the bytes are on the GPU (device memory, checks, reads, \
+         copies). \"The wire\" copies the same number of bytes from a pinned buffer on one \
+         stream (chunks of up to 16 MiB), synchronized: what the link alone takes. \
+         \"Registered\" loads the same file with `Loader::load_registered` from a \
+         `RegisteredFile` opened once (its mapping and registration, paid once, in the last \
+         column): one copy by the GPU out of the page cache, new device memory each time. \
+         Median of 15 repetitions up to 256 MiB, of the run's repetitions above.\n\n\
+         | size | gpufeed GB/s | time per load | registered GB/s | registered, time per load | the wire GB/s | the wire's time | gpufeed / registered, share of the wire | registering once |\n\
+         |---|---|---|---|---|---|---|---|---|",
+        v.gpu
+    );
+    let time = |secs: f64| {
+        if secs < 1e-3 {
+            format!("{:.0} us", secs * 1e6)
+        } else {
+            format!("{:.2} ms", secs * 1e3)
+        }
+    };
+    for r in &v.curve {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {:.0}% / {:.0}% | {:.1} ms |",
+            show_size(r.bytes),
+            r.gbps.show(1),
+            time(r.seconds.median),
+            r.registered_gbps.show(1),
+            time(r.registered_seconds.median),
+            r.wire_gbps.show(1),
+            time(r.wire_seconds.median),
+            100.0 * r.gbps.median / r.wire_gbps.median,
+            100.0 * r.registered_gbps.median / r.wire_gbps.median,
+            r.register_ms
+        );
+    }
+    let f = &v.files;
+    let _ = writeln!(
+        s,
+        "\n{} files of 60-160 KiB ({} in all, in ten class folders under {}); listing them \
+         (`FileList::new`, statx of each) took {} ms.\n\n\
+         | how | GB/s | files per second | against |\n|---|---|---|---|",
+        f.files,
+        show_size(f.bytes),
+        f.folder.display(),
+        f.list_ms.show(1)
+    );
+    let _ = writeln!(
+        s,
+        "| one `Loader::load_file` per file, warm | {} | {:.0} ({:.0} us per file) | |",
+        f.per_file_gbps.show(2),
+        f.files as f64 / (f.bytes as f64 / 1e9 / f.per_file_gbps.median),
+        f.per_file_us.median
+    );
+    let _ = writeln!(
+        s,
+        "| `Loader::load_list` of all of them, warm: {} | {} | {:.0} | {:.1}x one load per file |",
+        f.warm_strategy,
+        f.warm_gbps.show(1),
+        f.warm_files_per_s.median,
+        f.warm_gbps.median / f.per_file_gbps.median
+    );
+    let _ = writeln!(
+        s,
+        "| `Loader::load_list`, cold: {} | {} | {:.0} | {} |",
+        f.cold_strategy,
+        f.cold_gbps.show(2),
+        f.cold_files_per_s.median,
+        share(
+            f.cold_gbps.median,
+            f.cold_limit_gbps.median,
+            "the disk's limit"
+        )
+    );
+    let _ = writeln!(
+        s,
+        "| the disk's limit: O_DIRECT reads of the same files into host memory (gpufeed-uring, 256 files per batch; the best of 1 thread at queue depth 64 and 1 per core at 32), cold | {} | | the limit |",
+        f.cold_limit_gbps.show(2)
+    );
+    let _ = writeln!(
+        s,
+        "| `dataset::BatchLoader` over the folder as an `ImageFolder` (listed in {:.0} ms): shuffled batches of 256 files with labels, 8 workers, to the GPU, warm; one epoch | {} | {:.0} | |",
+        f.image_folder_open_ms,
+        f.batch_loader_gbps.show(1),
+        f.batch_loader_files_per_s.median
+    );
+    if let Some(peers) = f.torch_dataloader.as_ref().and_then(|p| p.as_object()) {
+        for (name, v) in peers {
+            match v.as_array() {
+                Some(runs) => {
+                    let g =
+                        crate::util::Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect());
+                    let _ = writeln!(
+                        s,
+                        "| peer: {name}, same folder, one epoch | {} | {:.0} | gpufeed's BatchLoader {:.1}x |",
+                        g.show(2),
+                        g.median * 1e9 * f.files as f64 / f.bytes as f64,
+                        f.batch_loader_gbps.median / g.median
+                    );
+                }
+                None => {
+                    let _ = writeln!(
+                        s,
+                        "| peer: {name} | did not run: {} | | |",
+                        v.get("error").and_then(|e| e.as_str()).unwrap_or("?")
+                    );
+                }
+            }
+        }
+    }
 }
