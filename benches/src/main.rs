@@ -412,16 +412,10 @@ fn main() -> Result<()> {
             "--gpu: no GPU is usable here (see `gpufeed doctor`)"
         );
     }
-    let any_host = [
-        Part::Limits,
-        Part::Handoff,
-        Part::Access,
-        Part::Reads,
-        Part::Ipc,
-        Part::Loader,
-    ]
-    .into_iter()
-    .any(host_part);
+    let any_host = Part::ALL
+        .into_iter()
+        .filter(|p| p.host_only())
+        .any(host_part);
     ensure!(cli.reps > 0, "--reps must be at least 1");
     ensure!(cli.size >= 1 << 20, "--size must be at least 1 MiB");
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
