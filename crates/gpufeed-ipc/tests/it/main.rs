@@ -3,6 +3,7 @@
 //! watermark across processes.
 
 mod child;
+mod lockholders;
 mod model;
 mod namespaces;
 mod processes;
