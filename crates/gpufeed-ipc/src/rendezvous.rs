@@ -1,10 +1,16 @@
 //! Ranks of one job on one machine meeting through shared memory: [`Rendezvous`].
 //!
 //! Rank 0 creates the segment `name`; the others open it once rank 0 has initialised it. What
-//! the name held before is judged first: a crashed job's leftover (its rank 0 dead, left, or
-//! silent for its lease; of any world size) is replaced by rank 0 and waited past by the
-//! others, a live job's segment is never removed ([`Error::RendezvousInUse`]) and another
-//! user's file never touched ([`Error::RendezvousSquatted`]). Each rank owns a record: its
+//! the name held before is judged first: a crashed job's leftover (of any world size) is
+//! replaced by rank 0 and waited past by the others, a live job's segment is never removed
+//! ([`Error::RendezvousInUse`]) and another user's file never touched
+//! ([`Error::RendezvousSquatted`]). A rank 0 that holds its lock, or whose pid (with its start
+//! time) lives in our PID namespace, is alive however long it has been silent: a stopped job
+//! (SIGSTOP, a debugger, `docker pause`) keeps its name, and the other ranks wait until its
+//! heartbeat moves before they join it. Only a rank 0 whose liveness nothing else can tell (no
+//! lock published — no /proc where it ran — and a pid of another or unknown PID namespace) is
+//! judged by its heartbeat: silent for its lease, it counts as a leftover, since a name taken
+//! for ever by a dead process would stop every later job. Each rank owns a record: its
 //! state, identity (PID namespace, pid, start time), a lock on the record's first byte held
 //! through a file description of its own (released by the kernel when the rank dies, in any
 //! PID namespace), a heartbeat counter renewed by a thread, the last barrier it reached, and
@@ -13,8 +19,11 @@
 //! departure wakes), and fails with the rank's number when a rank never arrives within the join
 //! timeout, left (its `Rendezvous` was dropped, as after an error), or died: a rank of our PID
 //! namespace is known dead by its pid, any rank by a heartbeat that stood still for a whole
-//! lease. Once every rank has joined, rank 0 removes the name, so the segment is not left in
-//! /dev/shm when the job ends, however it ends. A rank that owns something the others hold (GPU
+//! lease. Once every rank has joined (or when its handle drops before that), rank 0 removes the
+//! name, so the segment is not left in /dev/shm when the job ends, however it ends — only while
+//! the name still refers to its own segment, under the lock a replacing rank 0 takes
+//! ([`REPLACE_LOCK_BYTE`]), so that a rank 0 that resumes after a new job replaced it never
+//! removes the new job's name. A rank that owns something the others hold (GPU
 //! memory they map) gives it back only after they let go of it:
 //! [`Rendezvous::wait_until_departed`] waits for every other rank's handle to be dropped (or
 //! [`Rendezvous::depart`]). [`Rendezvous::share_fd`] passes a file descriptor from every rank
@@ -153,6 +162,9 @@ pub struct Rendezvous {
     /// Whether this handle took its rank's record: only then does dropping it depart (a join
     /// refused with `RankTaken` must leave the holder's record alone).
     claimed: bool,
+    /// Whether this handle made the segment under its name and has not removed the name yet
+    /// (rank 0 until every rank joined): dropping it removes the name ([`release_name`]).
+    named: bool,
 }
 
 impl std::fmt::Debug for Rendezvous {
@@ -170,11 +182,16 @@ impl Rendezvous {
     /// joined.
     ///
     /// What is found under the name first: a segment whose rank 0 is dead (its lock released,
-    /// or its pid gone), left, or silent for its lease — a crashed job's leftover, of whatever
-    /// world size or layout — is replaced by rank 0 and waited past by the others; a segment
-    /// whose rank 0 lives is never removed (rank 0 fails with [`Error::RendezvousInUse`], the
-    /// others join it only if its world is theirs); a file of another user is never touched
-    /// ([`Error::RendezvousSquatted`], at once, for every rank).
+    /// or its pid gone), or left — a crashed job's leftover, of whatever world size or layout
+    /// — is replaced by rank 0 and waited past by the others; so is one whose rank 0 nothing
+    /// but its heartbeat can judge (it took no lock, and its pid is of another PID namespace)
+    /// once that stood still for its lease. A segment whose rank 0 lives — its lock held, or
+    /// its pid alive here, even if stopped — is never removed: rank 0 fails at once with
+    /// [`Error::RendezvousInUse`], the others join it only if its world is theirs and once its
+    /// heartbeat moves (a stopped rank 0 is waited for, within the join timeout). A file of
+    /// another user is never touched ([`Error::RendezvousSquatted`], at once, for every rank).
+    /// Rank 0 removes the name once every rank joined, or when it fails before, only while the
+    /// name still refers to its segment.
     ///
     /// # Errors
     /// [`Error::InvalidLayout`] for a rank outside the world, a world of 0 or more than
@@ -208,6 +225,7 @@ impl Rendezvous {
             stop: Arc::new((Mutex::new(false), Condvar::new())),
             _lock: lock,
             claimed: false,
+            named: rank == 0,
         };
         r.claim(locked)?;
         r.claimed = true;
@@ -215,7 +233,8 @@ impl Rendezvous {
         r.barrier()?;
         if rank == 0 {
             // Everyone has it mapped: the name is no longer needed.
-            r.seg.unlink()?;
+            r.named = false;
+            release_name(&r.seg)?;
         }
         Ok(r)
     }
@@ -784,6 +803,13 @@ fn impostor(rank: usize, cred: sockdir::PeerCred, why: String) -> Error {
 
 impl Drop for Rendezvous {
     fn drop(&mut self) {
+        if self.named {
+            // Before departing: a departed rank 0 is a leftover to a new job's rank 0.
+            self.named = false;
+            if let Err(e) = release_name(&self.seg) {
+                tracing::warn!(%e, "could not remove the rendezvous name");
+            }
+        }
         *self.stop.0.lock() = true;
         self.stop.1.notify_all();
         if let Some(t) = self.heartbeat.take() {
@@ -838,7 +864,7 @@ fn create(
         }
         // Held (where taken) until the new segment exists under the name.
         let mut _replacing = None;
-        match inspect(shm, name, opts.lease)? {
+        match inspect(shm, name, opts.lease, Watch::UnknownOnly)? {
             Found::Nothing => {}
             Found::Live(live) => {
                 return Err(Error::RendezvousInUse {
@@ -888,8 +914,10 @@ fn init(
     world: usize,
     opts: RendezvousOptions,
 ) -> Result<(ShmSegment, Option<ByteLock>)> {
-    // Until every rank has joined, a failure must not leave the name behind.
-    seg.set_unlink_on_drop(true);
+    // Until every rank has joined, a failure must not leave the name behind: the handle's drop
+    // removes it (`release_name`, under the replace lock), never the segment's own drop, which
+    // would not take that lock.
+    seg.set_unlink_on_drop(false);
     word(&seg, OFF_WORLD).store(world as u64, Ordering::Relaxed);
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -930,8 +958,11 @@ fn try_open(
     world: usize,
     lease: Duration,
 ) -> Result<Option<ShmSegment>> {
-    let live = match inspect(shm, name, lease)? {
-        Found::Live(live) => live,
+    let live = match inspect(shm, name, lease, Watch::Always)? {
+        Found::Live(live) if live.beating => live,
+        // Its rank 0 lives but its heartbeat stood still for its lease: stopped (or starved).
+        // Joining would only fail naming it; look again until it moves (or the join timeout).
+        Found::Live(_) => return Ok(None),
         // Not made yet, or a leftover that our rank 0 will replace.
         Found::Nothing | Found::Unready(_) | Found::Leftover(_) => return Ok(None),
     };
@@ -976,14 +1007,31 @@ struct LiveRendezvous {
     version: u64,
     world: usize,
     rank0_pid: u32,
+    /// Whether rank 0's heartbeat was seen to move (false: not watched, or still for a lease).
+    beating: bool,
+}
+
+/// Whose heartbeat [`inspect`] watches (for up to a lease).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watch {
+    /// Only a rank 0 that nothing else can judge (rank 0 of a new job deciding whether to
+    /// replace: a rank 0 known alive keeps its name whether it beats or not).
+    UnknownOnly,
+    /// Every rank 0 not known gone (a rank about to join it).
+    Always,
 }
 
 /// Looks at what the name `name` in `shm` holds. Another user's file is
 /// [`Error::RendezvousSquatted`], never opened; rank 0 of a rendezvous is judged by its lock
-/// (released: dead, in any PID namespace), its pid (in our namespace), whether it left, and
-/// its heartbeat, watched for up to its lease (`default_lease` for a segment that does not
-/// record one).
-fn inspect(shm: &std::path::Path, name: &str, default_lease: Duration) -> Result<Found> {
+/// (released: dead; held: alive, in any PID namespace), its pid (in our namespace), whether it
+/// left, and, as `watch` says, its heartbeat, watched for up to its lease (`default_lease` for a
+/// segment that does not record one). See [`rank0_lives`].
+fn inspect(
+    shm: &std::path::Path,
+    name: &str,
+    default_lease: Duration,
+    watch: Watch,
+) -> Result<Found> {
     let path = shm.join(name);
     let st = match rustix::fs::lstat(&path) {
         Ok(st) => st,
@@ -1036,14 +1084,15 @@ fn inspect(shm: &std::path::Path, name: &str, default_lease: Duration) -> Result
         _ => default_lease,
     };
     let world = word(&seg, OFF_WORLD).load(Ordering::Relaxed) as usize;
-    match rank0_lives(&seg, magic, lease) {
-        Some(rank0_pid) => Ok(Found::Live(LiveRendezvous {
+    match rank0_lives(&seg, magic, lease, watch) {
+        Rank0::Lives { pid, beating } => Ok(Found::Live(LiveRendezvous {
             seg,
             version: magic,
             world,
-            rank0_pid,
+            rank0_pid: pid,
+            beating,
         })),
-        None => Ok(Found::Leftover(seg)),
+        Rank0::Gone => Ok(Found::Leftover(seg)),
     }
 }
 
@@ -1066,23 +1115,60 @@ fn squatted(name: &str, owner_uid: u32) -> Error {
     }
 }
 
-/// Rank 0's pid if it may live: it has not left or departed, its lock is not released, its pid
-/// (where it means something here) is not dead, and its heartbeat moves within `lease`.
-fn rank0_lives(seg: &ShmSegment, magic: u64, lease: Duration) -> Option<u32> {
-    let rank = RankRecord::read(seg, magic, 0)?;
-    if rank.gone_for_good(seg) {
-        return None;
+/// What rank 0 of a rendezvous segment is ([`rank0_lives`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rank0 {
+    /// Its segment is a leftover: rank 0 is known gone (left, departed, its lock released, its
+    /// pid dead), or nothing but its heartbeat can judge it and that stood still for a lease.
+    Gone,
+    /// It lives, or may: `pid` (in its own PID namespace); `beating` when its heartbeat was
+    /// seen to move.
+    Lives { pid: u32, beating: bool },
+}
+
+/// Judges rank 0 of `seg`. Known alive — its lock held (it lives or is only stopped, in any
+/// PID namespace: the kernel drops the lock when it dies, and a child it forked does not keep
+/// it), or its pid alive in our namespace with the start time it recorded — it lives whether
+/// its heartbeat moves or not: a stopped job keeps its name. Known gone: left, departed, its
+/// lock released, its pid dead. Otherwise (it published no lock — it could take none, having no
+/// /proc — and its pid is of another or unknown namespace, or recorded no start time) only its
+/// heartbeat can tell, and a heartbeat that stood still for `lease` makes it gone: it may only
+/// be stopped, but a name kept for ever by a dead process would stop every later job (and the
+/// resumed rank 0 removes the name only while it is still its own segment's: see
+/// [`release_name`]). `watch` says whether the heartbeat of a rank 0 known alive is watched too
+/// (for `beating`).
+fn rank0_lives(seg: &ShmSegment, magic: u64, lease: Duration, watch: Watch) -> Rank0 {
+    let Some(rank) = RankRecord::read(seg, magic, 0) else {
+        return Rank0::Gone;
+    };
+    let pid = rank.id.pid;
+    let known_alive = match rank.liveness(seg) {
+        Liveness::Dead => return Rank0::Gone,
+        Liveness::Alive => rank.lock(seg) == Probe::Held || rank.id.start_ticks != 0,
+        Liveness::OtherNamespace => false,
+    };
+    if known_alive && watch == Watch::UnknownOnly {
+        return Rank0::Lives {
+            pid,
+            beating: false,
+        };
     }
-    // Alive or only stopped (or, without a lock, of another namespace): its heartbeat tells.
     let beat = word(seg, HEADER + R_BEAT).load(Ordering::Relaxed);
     let t = Instant::now();
     while word(seg, HEADER + R_BEAT).load(Ordering::Relaxed) == beat {
         if t.elapsed() > lease {
-            return None;
+            return if known_alive {
+                Rank0::Lives {
+                    pid,
+                    beating: false,
+                }
+            } else {
+                Rank0::Gone
+            };
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    Some(rank.id.pid)
+    Rank0::Lives { pid, beating: true }
 }
 
 /// One rank's record as read from a segment of layout `magic` (untrusted: bounds checked).
@@ -1140,12 +1226,7 @@ impl RankRecord {
         if self.state == LEFT || self.departed(seg) {
             return Liveness::Dead;
         }
-        let lock = if self.flags & FLAG_LOCKED != 0 {
-            oflock::probe(seg.as_fd(), self.rec as u64)
-        } else {
-            Probe::Unknown
-        };
-        match lock {
+        match self.lock(seg) {
             Probe::Free => Liveness::Dead,
             Probe::Held => Liveness::Alive,
             Probe::Unknown if self.id.pid == 0 => Liveness::OtherNamespace,
@@ -1153,9 +1234,13 @@ impl RankRecord {
         }
     }
 
-    /// Known never to come back (left, departed, lock released, pid dead).
-    fn gone_for_good(&self, seg: &ShmSegment) -> bool {
-        self.liveness(seg) == Liveness::Dead
+    /// The rank's lock, if it published that it holds one.
+    fn lock(&self, seg: &ShmSegment) -> Probe {
+        if self.flags & FLAG_LOCKED != 0 {
+            oflock::probe(seg.as_fd(), self.rec as u64)
+        } else {
+            Probe::Unknown
+        }
     }
 }
 
@@ -1185,31 +1270,76 @@ fn remove_leftover(
             None
         }
     };
-    let path = shm.join(name);
-    let same = match (rustix::fs::fstat(seg), rustix::fs::lstat(&path)) {
-        (Ok(a), Ok(b)) => (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino),
-        _ => false,
-    };
-    let mut removed = false;
-    if same {
-        match rustix::fs::unlink(&path) {
-            Ok(()) => {
-                removed = true;
-                tracing::info!("removed the leftover rendezvous {name} of a job that is gone");
-            }
-            Err(rustix::io::Errno::NOENT) => {}
-            Err(e) => {
-                return Err(Error::Io {
-                    op: "remove a leftover rendezvous segment",
-                    source: e.into(),
-                });
-            }
-        }
+    let removed = unlink_if_same(&shm.join(name), seg).map_err(|e| Error::Io {
+        op: "remove a leftover rendezvous segment",
+        source: e.into(),
+    })?;
+    if removed {
+        tracing::info!("removed the leftover rendezvous {name} of a job that is gone");
     }
     Ok(Some(Replacing {
         _lock: lock,
         removed,
     }))
+}
+
+/// Removes `path` if it still refers (not following a link) to the file `fd` is open on:
+/// `Ok(true)` when removed, `Ok(false)` when the name is gone or names another file. Call it
+/// holding the file's [`REPLACE_LOCK_BYTE`] lock, which every remover of a rendezvous name
+/// takes on the file it removes, so that the name cannot be replaced between the check and the
+/// unlink.
+fn unlink_if_same(path: &std::path::Path, fd: BorrowedFd<'_>) -> rustix::io::Result<bool> {
+    let ours = rustix::fs::fstat(fd)?;
+    match rustix::fs::lstat(path) {
+        Ok(st) if (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino) => {}
+        Ok(_) | Err(rustix::io::Errno::NOENT) => return Ok(false),
+        Err(e) => return Err(e),
+    }
+    match rustix::fs::unlink(path) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::NOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Rank 0 removes its segment's name (all ranks joined, or its handle dropped before): only
+/// while the name still refers to its segment, and holding the segment's
+/// [`REPLACE_LOCK_BYTE`] lock, as a rank 0 replacing a leftover or `gc_rendezvous` does —
+/// so a rank 0 that resumes after a new job judged it gone and replaced its segment leaves the
+/// new job's name alone, even when the new job replaces it at that very moment. Where another
+/// process holds that lock it is removing this segment's name itself (if still this one's),
+/// and this call leaves it to it; where no lock can be taken (no /proc), the name is checked
+/// and removed without it.
+fn release_name(seg: &ShmSegment) -> Result<()> {
+    let Some(path) = seg.path() else {
+        return Ok(());
+    };
+    let _lock = match ExclusiveLock::try_take(seg.as_fd(), REPLACE_LOCK_BYTE) {
+        Ok(Some(lock)) => Some(lock),
+        Ok(None) => {
+            tracing::debug!(path = %path.display(), "another process is removing the rendezvous name");
+            return Ok(());
+        }
+        Err(e) => {
+            tracing::debug!(%e, "removing the rendezvous name without a lock");
+            None
+        }
+    };
+    match unlink_if_same(path, seg.as_fd()) {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            tracing::info!(
+                path = %path.display(),
+                "the rendezvous name refers to another job's segment now (this rank 0 was \
+                 judged gone while stopped?): left alone"
+            );
+            Ok(())
+        }
+        Err(e) => Err(Error::Io {
+            op: "remove the rendezvous name",
+            source: e.into(),
+        }),
+    }
 }
 
 /// A rendezvous segment in a shared-memory directory ([`list_rendezvous`]): a job whose ranks

@@ -8,6 +8,7 @@ mod model;
 mod namespaces;
 mod processes;
 mod rendezvous;
+mod stopped_rank0;
 mod watermark;
 
 use xxhash_rust::xxh3::xxh3_64;
