@@ -1,12 +1,14 @@
 //! Data sets in batches: `BatchLoader` (the data set told by its path: record files, shards,
-//! image folders), its epochs (`EpochIter`, fed by a thread) and their `Batch`es.
+//! image folders), its epochs (`EpochIter`, iterating the loader's owned epoch) and their
+//! `Batch`es.
 
 use std::path::PathBuf;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 
 use dlpark::ffi::DLDevice;
 use gpufeed::dataset::{
-    BatchData, Dataset, ImageFolder, Order, Position, RecordFile, Sampler, ShardSet,
+    BatchData, Dataset, ImageFolder, NotStarted, Order, OwnedEpoch, Position, RecordFile, Sampler,
+    ShardSet,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyStopIteration;
@@ -200,8 +202,9 @@ fn open_dataset(
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct BatchLoader {
-    /// The loader, while no epoch runs; an epoch's thread holds it and puts it back.
-    slot: Arc<Mutex<Option<gpufeed::dataset::BatchLoader>>>,
+    /// The loader, while no epoch runs; a running epoch owns it and its `EpochIter` puts it
+    /// back at the epoch's end or when dropped.
+    slot: Slot,
     gpu: Option<gpufeed::Gpu>,
     /// How records come out as arrays.
     rows: RowLayout,
@@ -212,9 +215,6 @@ pub struct BatchLoader {
     /// Entries an image folder left out (`skip_bad=True`).
     #[pyo3(get)]
     skipped: usize,
-    /// The sampler and the number of records, for positions (`EpochIter.position`).
-    sampler: Sampler,
-    records: usize,
     /// Set when dropped, dropped last: see [`KeepContext`].
     restore: KeepContext,
 }
@@ -273,7 +273,6 @@ impl BatchLoader {
                 Some(g) => Sampler::elastic_from_env(order, g, drop_last)?,
                 None => Sampler::from_env(order)?,
             };
-            let n = records.len();
             // An elastic sampler sets the batch size itself (BatchLoader::new).
             let mut cfg = gpufeed::dataset::LoaderConfig::default().with_batch_size(batch_size);
             cfg.drop_last = drop_last;
@@ -289,9 +288,9 @@ impl BatchLoader {
             }
             let gpu = device.map(gpufeed::Gpu::open).transpose()?;
             let loader = gpufeed::dataset::BatchLoader::new(records, sampler, cfg, gpu.as_ref())?;
-            Ok((loader, gpu, classes, skipped, sampler, n, layout))
+            Ok((loader, gpu, classes, skipped, layout))
         });
-        let (loader, gpu, classes, skipped, sampler, records, layout) = made.map_err(py_err)?;
+        let (loader, gpu, classes, skipped, layout) = made.map_err(py_err)?;
         let batches = loader.batches_per_epoch();
         Ok(BatchLoader {
             slot: Arc::new(Mutex::new(Some(loader))),
@@ -300,8 +299,6 @@ impl BatchLoader {
             batches,
             classes,
             skipped,
-            sampler,
-            records,
             restore: KeepContext::default(),
         })
     }
@@ -311,15 +308,16 @@ impl BatchLoader {
         self.batches
     }
 
-    /// The batches of epoch `epoch`, in the sampler's order; one epoch at a time.
-    fn epoch(&self, epoch: u64) -> PyResult<EpochIter> {
-        self.run(epoch, None)
+    /// The batches of epoch `epoch`, in the sampler's order; one epoch at a time (the next
+    /// once this one has ended or its iterator is dropped).
+    fn epoch(&self, py: Python<'_>, epoch: u64) -> PyResult<EpochIter> {
+        self.run(py, epoch, None)
     }
 
     /// The rest of an epoch from `position` (a dict from `EpochIter.position()`, maybe saved
     /// by a run with another `WORLD_SIZE`): the samples that run had not consumed, this rank's
     /// share. Needs `global_batch=` (an elastic loader) with the same seed and global batch,
-    /// over the same data set.
+    /// over the same data set. A position that does not fit raises here.
     fn resume(&self, py: Python<'_>, position: Bound<'_, PyAny>) -> PyResult<EpochIter> {
         let text: String = py
             .import("json")?
@@ -330,72 +328,72 @@ impl BatchLoader {
                 "invalid setting: not a position (a dict from EpochIter.position()): {e}"
             ))
         })?;
-        self.run(at.epoch, Some(at))
+        self.run(py, at.epoch, Some(at))
     }
 }
 
+/// Where a loader waits between epochs.
+type Slot = Arc<Mutex<Option<gpufeed::dataset::BatchLoader>>>;
+
 impl BatchLoader {
-    /// Runs epoch `epoch` (from `at` when resuming) on a thread feeding the returned iterator.
-    fn run(&self, epoch: u64, at: Option<Position>) -> PyResult<EpochIter> {
-        let start = at.map_or(0, |a| a.samples);
+    /// Starts epoch `epoch` (from `at` when resuming): the loader moves into the returned
+    /// iterator's epoch, which puts it back when it ends or is dropped.
+    fn run(&self, py: Python<'_>, epoch: u64, at: Option<Position>) -> PyResult<EpochIter> {
+        let _context = gpufeed::cuda::ContextGuard::new();
         let loader = self.slot.lock().take().ok_or_else(|| {
             GpufeedError::new_err(
                 "an epoch is already running: iterate it to the end (or drop it) first",
             )
         })?;
-        let (tx, rx) = mpsc::sync_channel(2);
-        let slot = Arc::clone(&self.slot);
-        std::thread::Builder::new()
-            .name("gpufeed-epoch".into())
-            .spawn(move || {
-                let mut loader = loader;
-                match match &at {
-                    Some(at) => loader.resume(at),
-                    None => loader.epoch(epoch),
-                } {
-                    Ok(batches) => {
-                        for b in batches {
-                            // The iterator was dropped: stop reading, give the loader back.
-                            if tx.send(b).is_err() {
-                                break;
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(e));
-                    }
-                }
-                *slot.lock() = Some(loader);
-            })
-            .map_err(|e| GpufeedError::new_err(format!("cannot start the epoch's thread: {e}")))?;
+        let started = py.detach(|| match &at {
+            Some(at) => loader.into_resume(at),
+            None => loader.into_epoch(epoch),
+        });
+        let running = match started {
+            Ok(running) => running,
+            Err(NotStarted { error, loader }) => {
+                *self.slot.lock() = Some(*loader);
+                return Err(py_err(error));
+            }
+        };
         Ok(EpochIter {
-            rx: Mutex::new(rx),
+            state: Mutex::new(State::Running(Box::new(running))),
+            slot: Arc::clone(&self.slot),
             gpu: self.gpu.clone(),
             rows: self.rows.clone(),
-            sampler: self.sampler,
-            records: self.records,
-            epoch,
-            start,
-            handed: Mutex::new(0),
             restore: KeepContext::default(),
         })
     }
 }
 
-/// The batches of one epoch (see `BatchLoader.epoch`).
+/// An epoch running, or ended with its last position (the loader back in its slot).
+enum State {
+    Running(Box<OwnedEpoch>),
+    Ended(Option<Position>),
+}
+
+impl State {
+    /// Ends the epoch, if it runs: its workers stop, the loader goes back to `slot`.
+    fn end(&mut self, slot: &Slot) {
+        let position = match self {
+            State::Running(e) => OwnedEpoch::position(e),
+            State::Ended(_) => return,
+        };
+        if let State::Running(e) = std::mem::replace(self, State::Ended(position)) {
+            *slot.lock() = Some(e.into_loader());
+        }
+    }
+}
+
+/// The batches of one epoch (see `BatchLoader.epoch`), straight from the loader's epoch; at
+/// its end, or when dropped, the loader is free for the next.
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct EpochIter {
-    rx: Mutex<mpsc::Receiver<gpufeed::Result<gpufeed::dataset::Batch>>>,
+    state: Mutex<State>,
+    /// Where the loader goes back.
+    slot: Slot,
     gpu: Option<gpufeed::Gpu>,
     rows: RowLayout,
-    /// The loader's sampler and records, the epoch and the sample it started from: what a
-    /// position is made of.
-    sampler: Sampler,
-    records: usize,
-    epoch: u64,
-    start: u64,
-    /// Batches handed to Python (the thread may have prepared more).
-    handed: Mutex<usize>,
     /// Set when dropped, dropped last: see [`KeepContext`].
     restore: KeepContext,
 }
@@ -403,6 +401,9 @@ pub struct EpochIter {
 impl Drop for EpochIter {
     fn drop(&mut self) {
         self.restore.arm();
+        // Mid-epoch: the workers finish the batch in hand, without the GIL held meanwhile.
+        let (state, slot) = (&mut self.state, &self.slot);
+        Python::attach(|py| py.detach(|| state.get_mut().end(slot)));
     }
 }
 
@@ -416,10 +417,12 @@ impl EpochIter {
     /// model's checkpoint (JSON) and give to `BatchLoader.resume`; after the epoch's last batch,
     /// the start of the next epoch. Only for an elastic loader (`global_batch=`).
     fn position<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let handed = *self.handed.lock();
-        let at = self
-            .sampler
-            .position_after(self.records, self.epoch, self.start, handed)
+        // A `__next__` of another thread may hold the epoch while it waits for a batch.
+        let at = py
+            .detach(|| match &*self.state.lock() {
+                State::Running(e) => OwnedEpoch::position(e),
+                State::Ended(at) => *at,
+            })
             .ok_or_else(|| {
                 GpufeedError::new_err(
                     "invalid setting: positions are for elastic loaders: BatchLoader(..., \
@@ -432,12 +435,22 @@ impl EpochIter {
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
         let _context = gpufeed::cuda::ContextGuard::new();
-        let next = py.detach(|| self.rx.lock().recv().ok());
+        let next = py.detach(|| {
+            let mut state = self.state.lock();
+            let State::Running(epoch) = &mut *state else {
+                return None;
+            };
+            let next = epoch.next();
+            if next.is_none() {
+                // The epoch's end: the loader goes back for the next one.
+                state.end(&self.slot);
+            }
+            next
+        });
         let Some(batch) = next else {
             return Err(PyStopIteration::new_err(()));
         };
         let b = batch.map_err(py_err)?;
-        *self.handed.lock() += 1;
         let records = b.indices.len();
         let nbytes = b.bytes();
         let (base, device, owner) = match b.data {

@@ -395,6 +395,53 @@ def test_npy_rows_come_out_with_their_dtype_and_shape(tmp_path):
         gpufeed.BatchLoader(cut)
 
 
+def test_an_epoch_iterates_the_loaders_own_epoch_and_gives_the_loader_back(tmp_path, monkeypatch):
+    """An epoch's batches come straight from the loader's epoch: byte for byte, its position
+    advancing a global batch per step; the loader is back when the epoch ends (no need to drop
+    the iterator), when it is dropped mid-epoch, and when a resume is refused."""
+    count, size, global_batch = 250, 33, 16
+    path, data = records_file(tmp_path, count, size, seed=29)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader = gpufeed.BatchLoader(path, record_bytes=size, global_batch=global_batch, seed=4,
+                                 workers=3)
+    steps = (count + global_batch - 1) // global_batch
+    assert len(loader) == steps
+    it = loader.epoch(3)
+    assert it.position() == {"epoch": 3, "samples": 0, "records": count,
+                             "order": {"kind": "shuffled", "seed": 4},
+                             "global_batch": global_batch}
+    first = []
+    for k, batch in enumerate(it):
+        assert (batch.epoch, batch.number) == (3, k)
+        np.testing.assert_array_equal(np.from_dlpack(batch.data), data[batch.indices])
+        first.append(list(batch.indices))
+        at = it.position()
+        if k + 1 < steps:
+            assert (at["epoch"], at["samples"]) == (3, (k + 1) * global_batch)
+    assert len(first) == steps
+    assert (it.position()["epoch"], it.position()["samples"]) == (4, 0)
+    with pytest.raises(StopIteration):
+        next(it)
+    # Ended: the loader is back although `it` lives; the same seed, the same batches.
+    again = loader.epoch(3)
+    assert [list(b.indices) for b in again] == first
+    # Dropped mid-epoch: the loader is back; resumed from a saved position, the rest.
+    it = loader.epoch(3)
+    for _ in range(4):
+        next(it)
+    saved = it.position()
+    with pytest.raises(gpufeed.GpufeedError, match="already running"):
+        loader.epoch(0)
+    del it
+    rest = loader.resume(saved)
+    assert [list(b.indices) for b in rest] == first[4:]
+    # A refused resume raises at once and leaves the loader as it was.
+    with pytest.raises(gpufeed.GpufeedError, match="global batch"):
+        loader.resume(dict(saved, global_batch=2 * global_batch))
+    assert [list(b.indices) for b in loader.epoch(3)] == first
+
+
 def test_webdataset_tar_samples_arrive_whole(tmp_path):
     import io
     import tarfile

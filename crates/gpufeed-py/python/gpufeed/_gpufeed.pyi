@@ -174,14 +174,16 @@ class BatchLoader:
         """Entries an image folder left out (``skip_bad=True``)."""
     def __len__(self) -> int: ...
     def epoch(self, epoch: int) -> EpochIter:
-        """The batches of epoch ``epoch``; one epoch at a time."""
+        """The batches of epoch ``epoch``; one epoch at a time (the next once this one has
+        ended or its iterator is dropped)."""
     def resume(self, position: dict[str, Any]) -> EpochIter:
         """The rest of an epoch from ``position`` (from ``EpochIter.position()``; needs
-        ``global_batch=``)."""
+        ``global_batch=``); a position that does not fit raises here."""
 
 @final
 class EpochIter:
-    """The batches of one epoch (see ``BatchLoader.epoch``)."""
+    """The batches of one epoch (see ``BatchLoader.epoch``), straight from the loader's
+    epoch; at its end, or when dropped, the loader is free for the next."""
 
     def __iter__(self) -> EpochIter: ...
     def __next__(self) -> Batch: ...

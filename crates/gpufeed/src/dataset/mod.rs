@@ -759,6 +759,32 @@ pub struct Position {
 pub type Transform =
     Arc<dyn Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String> + Send + Sync>;
 
+/// A per-record transform of a fixed output size run on the worker threads
+/// ([`BatchLoader::with_transform_into`]): gets the record's index and bytes and fills `out`,
+/// the record's place in the batch's pooled (pinned) buffer, so its output is written once.
+pub type TransformInto =
+    Arc<dyn Fn(usize, &[u8], &mut [u8]) -> std::result::Result<(), String> + Send + Sync>;
+
+/// The loader's transform, of either kind.
+#[derive(Clone)]
+enum Transformer {
+    /// Appends to a vector, copied into the batch's buffer after ([`BatchLoader::with_transform`]).
+    Append(Transform),
+    /// Writes `bytes` per record straight into the batch's buffer
+    /// ([`BatchLoader::with_transform_into`]).
+    Into { bytes: usize, f: TransformInto },
+}
+
+/// A worker's buffers, kept from batch to batch: a transform's output (before it is copied
+/// into the batch), a tar sample's members joined for a transform, and an image folder's files
+/// read for a transform (which writes the batch's buffer).
+#[derive(Default)]
+struct Scratch {
+    out: Vec<u8>,
+    joined: Vec<u8>,
+    files: Vec<u8>,
+}
+
 /// Settings of a [`BatchLoader`]: start from the default and change what you need (new
 /// settings may be added).
 ///
@@ -930,7 +956,7 @@ pub struct BatchLoader {
     records: Arc<Dataset>,
     sampler: Sampler,
     cfg: LoaderConfig,
-    transform: Option<Transform>,
+    transform: Option<Transformer>,
     pool: PinnedPool,
     /// The GPU and the scheduler the workers upload their batches through.
     gpu: Option<(Gpu, Arc<TransferScheduler>)>,
@@ -997,7 +1023,10 @@ impl BatchLoader {
         })
     }
 
-    /// Applies `f` to every record on the worker threads.
+    /// Applies `f` to every record on the worker threads: it appends the record's output to
+    /// the vector, which is then copied into the batch's pooled buffer (a transform of a fixed
+    /// output size writes that buffer itself: [`BatchLoader::with_transform_into`]). Replaces
+    /// a transform set before.
     pub fn with_transform(
         mut self,
         f: impl Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String>
@@ -1005,7 +1034,47 @@ impl BatchLoader {
         + Sync
         + 'static,
     ) -> Self {
-        self.transform = Some(Arc::new(f));
+        self.transform = Some(Transformer::Append(Arc::new(f)));
+        self
+    }
+
+    /// Applies `f`, whose output is `out_bytes` for every record (a decode to a fixed shape, a
+    /// conversion of fixed records), to every record on the worker threads: it writes the
+    /// record's output straight into `out`, the record's `out_bytes` of the batch's pooled
+    /// (pinned) buffer, and must fill them (they hold what the buffer last held). Each batch
+    /// is then `out_bytes` per record, its offsets multiples of it; errors and panics are as
+    /// for [`BatchLoader::with_transform`]. Replaces a transform set before.
+    ///
+    /// ```
+    /// use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("records.bin");
+    /// std::fs::write(&path, (0..12u8).collect::<Vec<_>>())?;
+    /// // SAFETY: the file is not changed while it is used.
+    /// let records = unsafe { RecordFile::open_fixed(&path, 3)? }; // 4 records of 3 bytes
+    /// let cfg = LoaderConfig::default().with_batch_size(4);
+    /// let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)?
+    ///     // Each record's bytes summed into one little-endian u16.
+    ///     .with_transform_into(2, |_, r, out| {
+    ///         let sum: u16 = r.iter().map(|&b| u16::from(b)).sum();
+    ///         out.copy_from_slice(&sum.to_le_bytes());
+    ///         Ok(())
+    ///     });
+    /// let batch = loader.epoch(0)?.next().transpose()?.expect("a batch");
+    /// let BatchData::Host(buf) = &batch.data else { unreachable!("no GPU given") };
+    /// assert_eq!(&buf[..], &[3, 0, 12, 0, 21, 0, 30, 0]);
+    /// assert_eq!(batch.offsets, [0, 2, 4, 6, 8]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_transform_into(
+        mut self,
+        out_bytes: usize,
+        f: impl Fn(usize, &[u8], &mut [u8]) -> std::result::Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.transform = Some(Transformer::Into {
+            bytes: out_bytes,
+            f: Arc::new(f),
+        });
         self
     }
 
@@ -1026,7 +1095,41 @@ impl BatchLoader {
 
     /// The batches of `epoch`, in order.
     pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
-        self.epoch_from(epoch, 0)
+        let run = self.start(epoch, 0)?;
+        Ok(Epoch { run, loader: self })
+    }
+
+    /// The batches of `epoch`, in order, as [`BatchLoader::epoch`] yields them, in an epoch
+    /// that owns the loader ([`OwnedEpoch::into_loader`] gives it back).
+    ///
+    /// # Errors
+    /// [`BatchLoader::epoch`]'s, with the loader ([`NotStarted`]).
+    pub fn into_epoch(mut self, epoch: u64) -> std::result::Result<OwnedEpoch, NotStarted> {
+        match self.start(epoch, 0) {
+            Ok(run) => Ok(OwnedEpoch { run, loader: self }),
+            Err(error) => Err(NotStarted {
+                error,
+                loader: Box::new(self),
+            }),
+        }
+    }
+
+    /// The rest of the epoch at `at`, as [`BatchLoader::resume`] yields it, in an epoch that
+    /// owns the loader.
+    ///
+    /// # Errors
+    /// [`BatchLoader::resume`]'s, with the loader ([`NotStarted`]).
+    pub fn into_resume(mut self, at: &Position) -> std::result::Result<OwnedEpoch, NotStarted> {
+        match self
+            .check_resume(at)
+            .and_then(|()| self.start(at.epoch, at.samples))
+        {
+            Ok(run) => Ok(OwnedEpoch { run, loader: self }),
+            Err(error) => Err(NotStarted {
+                error,
+                loader: Box::new(self),
+            }),
+        }
     }
 
     /// The rest of the epoch at `at` (saved by [`Epoch::position`], maybe by a run with
@@ -1064,6 +1167,13 @@ impl BatchLoader {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn resume(&mut self, at: &Position) -> Result<Epoch<'_>> {
+        self.check_resume(at)?;
+        let run = self.start(at.epoch, at.samples)?;
+        Ok(Epoch { run, loader: self })
+    }
+
+    /// Whether this loader can resume from `at` ([`BatchLoader::resume`]'s checks).
+    fn check_resume(&self, at: &Position) -> Result<()> {
         let bad = |why: String| Err(Error::InvalidSetting(format!("cannot resume: {why}")));
         let Some(global) = self.sampler.global_batch else {
             return bad("the sampler is not elastic (Sampler::elastic)".into());
@@ -1093,10 +1203,11 @@ impl BatchLoader {
                 at.samples
             ));
         }
-        self.epoch_from(at.epoch, at.samples)
+        Ok(())
     }
 
-    fn epoch_from(&mut self, epoch: u64, start: u64) -> Result<Epoch<'_>> {
+    /// Starts the workers of `epoch` from sample `start` of its global order.
+    fn start(&mut self, epoch: u64, start: u64) -> Result<Running> {
         let indices = self.sampler.epoch_from(self.records.len(), epoch, start);
         let mut jobs: VecDeque<(usize, Vec<usize>)> = indices
             .chunks(self.cfg.batch_size)
@@ -1151,8 +1262,7 @@ impl BatchLoader {
                     })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Epoch {
-            loader: self,
+        Ok(Running {
             epoch,
             start,
             handed: 0,
@@ -1163,6 +1273,7 @@ impl BatchLoader {
             rx,
             shared,
             workers,
+            timeout: self.cfg.batch_timeout,
         })
     }
 }
@@ -1193,7 +1304,7 @@ type Prepared = (usize, Result<Gathered>);
 struct Job<'a> {
     records: &'a Dataset,
     pool: &'a PinnedPool,
-    transform: Option<&'a Transform>,
+    transform: Option<&'a Transformer>,
     /// Where there is a GPU: each worker uploads the batch it gathered, so that the uploads
     /// of several batches overlap each other and the gathering of the next ones.
     sched: Option<&'a TransferScheduler>,
@@ -1214,6 +1325,7 @@ fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
     // are the O_DIRECT reader and its open files.
     let mut reader = None;
     let mut direct_reader = None;
+    let mut scratch = Scratch::default();
     loop {
         let (number, indices) = {
             let mut q = shared.queue.lock();
@@ -1227,16 +1339,19 @@ fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
                 shared.ready.wait(&mut q);
             }
         };
+        let out = Out {
+            pool,
+            transform,
+            scratch: &mut scratch,
+        };
         let result = match (records, direct) {
             (Dataset::Records(r), Some(d)) => {
-                gather_direct(r, &mut direct_reader, d, pool, transform, &indices)
+                gather_direct(r, &mut direct_reader, d, out, &indices)
             }
-            (Dataset::Shards(s), Some(d)) => {
-                gather_direct(s, &mut direct_reader, d, pool, transform, &indices)
-            }
-            (Dataset::Records(r), None) => gather(r, pool, transform, &indices),
-            (Dataset::Shards(s), None) => gather(s, pool, transform, &indices),
-            (Dataset::Folder(f), _) => gather_files(f, &mut reader, pool, transform, &indices),
+            (Dataset::Shards(s), Some(d)) => gather_direct(s, &mut direct_reader, d, out, &indices),
+            (Dataset::Records(r), None) => gather(r, out, &indices),
+            (Dataset::Shards(s), None) => gather(s, out, &indices),
+            (Dataset::Folder(f), _) => gather_files(f, &mut reader, out, &indices),
         }
         .and_then(|(offsets, mut buf)| {
             let Some(sched) = sched else {
@@ -1278,7 +1393,17 @@ pub(crate) fn contiguous<'a>(parts: &[&'a [u8]], scratch: &'a mut Vec<u8>) -> &'
 /// [`Error::Transform`] (a panic must not kill the worker, which would leave the epoch waiting
 /// for a batch that nobody makes).
 pub(crate) fn run_transform(f: &Transform, i: usize, r: &[u8], out: &mut Vec<u8>) -> Result<()> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i, r, out))) {
+    caught(i, || f(i, r, out))
+}
+
+/// Runs the user's fixed-size transform on record `i` into `out`, as [`run_transform`].
+fn run_transform_into(f: &TransformInto, i: usize, r: &[u8], out: &mut [u8]) -> Result<()> {
+    caught(i, || f(i, r, out))
+}
+
+/// Runs a transform of record `i`: its error, or its panic, becomes [`Error::Transform`].
+fn caught(i: usize, call: impl FnOnce() -> std::result::Result<(), String>) -> Result<()> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
         Ok(Ok(())) => Ok(()),
         Ok(Err(message)) => Err(Error::Transform {
             record: i,
@@ -1389,12 +1514,19 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
+/// Where a worker puts a batch: a buffer of its pool, through the loader's transform, with
+/// the worker's scratch buffers.
+struct Out<'a> {
+    pool: &'a PinnedPool,
+    transform: Option<&'a Transformer>,
+    scratch: &'a mut Scratch,
+}
+
 /// Copies (and transforms) the records of one batch out of the file's mapping into a pooled
 /// buffer.
 fn gather(
     records: &dyn Source,
-    pool: &PinnedPool,
-    transform: Option<&Transform>,
+    out: Out<'_>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
     let parts = indices
@@ -1406,7 +1538,7 @@ fn gather(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    assemble(parts, pool, transform, indices)
+    assemble(parts, out, indices)
 }
 
 /// Copies (and transforms) the records `indices`, whose parts `parts` holds (one entry per
@@ -1414,10 +1546,14 @@ fn gather(
 /// the last.
 fn assemble(
     parts: Vec<Vec<&[u8]>>,
-    pool: &PinnedPool,
-    transform: Option<&Transform>,
+    out: Out<'_>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
+    let Out {
+        pool,
+        transform,
+        scratch,
+    } = out;
     let mut offsets = Vec::with_capacity(indices.len() + 1);
     offsets.push(0);
     match transform {
@@ -1435,19 +1571,45 @@ fn assemble(
             }
             Ok((offsets, buf))
         }
-        Some(f) => {
-            let mut out = Vec::new();
-            let mut joined = Vec::new();
+        Some(Transformer::Append(f)) => {
+            let Scratch { out, joined, .. } = scratch;
+            out.clear();
             for (&i, p) in indices.iter().zip(&parts) {
-                run_transform(f, i, contiguous(p, &mut joined), &mut out)?;
+                run_transform(f, i, contiguous(p, joined), out)?;
                 offsets.push(out.len());
             }
             let mut buf = pool.get(out.len().max(1))?;
             buf.set_len(out.len());
-            buf.copy_from_slice(&out);
+            buf.copy_from_slice(out);
             Ok((offsets, buf))
         }
+        Some(Transformer::Into { bytes, f }) => {
+            let mut buf = sized_buffer(pool, *bytes, indices.len())?;
+            let joined = &mut scratch.joined;
+            for (k, (&i, p)) in indices.iter().zip(&parts).enumerate() {
+                let out = &mut buf[k * bytes..(k + 1) * bytes];
+                run_transform_into(f, i, contiguous(p, joined), out)?;
+            }
+            Ok((sized_offsets(*bytes, indices.len()), buf))
+        }
     }
+}
+
+/// A pooled buffer for `records` outputs of `bytes` each ([`Transformer::Into`]).
+fn sized_buffer(pool: &PinnedPool, bytes: usize, records: usize) -> Result<PooledBuffer> {
+    let total = bytes.checked_mul(records).ok_or_else(|| {
+        Error::InvalidSetting(format!(
+            "{records} records of {bytes} bytes out of the transform do not fit in memory"
+        ))
+    })?;
+    let mut buf = pool.get(total.max(1))?;
+    buf.set_len(total);
+    Ok(buf)
+}
+
+/// The offsets of `records` outputs of `bytes` each, back to back.
+fn sized_offsets(bytes: usize, records: usize) -> Vec<usize> {
+    (0..=records).map(|k| k * bytes).collect()
 }
 
 /// A worker's `O_DIRECT` reader ([`LoaderConfig::direct`]) with the files it opened, by
@@ -1504,8 +1666,7 @@ fn gather_direct(
     records: &dyn Source,
     direct: &mut Option<DirectReader>,
     (counters, depth): (&DirectCounters, usize),
-    pool: &PinnedPool,
-    transform: Option<&Transform>,
+    out: Out<'_>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
     use std::sync::atomic::Ordering::Relaxed;
@@ -1603,17 +1764,22 @@ fn gather_direct(
                 .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<Vec<_>>>()?;
-    assemble(parts, pool, transform, indices)
+    assemble(parts, out, indices)
 }
 
-/// Reads (and transforms) the files of one batch into a pooled buffer.
+/// Reads (and transforms) the files of one batch into a pooled buffer: straight into it
+/// without a transform; with one into the worker's scratch buffer, which the transform reads.
 fn gather_files(
     folder: &ImageFolder,
     reader: &mut Option<Reader>,
-    pool: &PinnedPool,
-    transform: Option<&Transform>,
+    out: Out<'_>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
+    let Out {
+        pool,
+        transform,
+        scratch,
+    } = out;
     let reader = match reader {
         Some(r) => r,
         None => reader.insert(
@@ -1640,27 +1806,117 @@ fn gather_files(
         })?;
         offsets.push(at);
     }
-    let mut buf = pool.get(at.max(1))?;
-    buf.set_len(at);
-    folder.read_samples(reader, indices, &mut buf)?;
-    let Some(f) = transform else {
+    let Some(transform) = transform else {
+        let mut buf = pool.get(at.max(1))?;
+        buf.set_len(at);
+        folder.read_samples(reader, indices, &mut buf)?;
         return Ok((offsets, buf));
     };
-    let mut out = Vec::new();
-    let mut ends = vec![0];
-    for (k, &i) in indices.iter().enumerate() {
-        run_transform(f, i, &buf[offsets[k]..offsets[k + 1]], &mut out)?;
-        ends.push(out.len());
+    // Grown to the largest batch, never cleared: every byte used is read over.
+    if scratch.files.len() < at {
+        scratch.files.resize(at, 0);
     }
-    let mut transformed = pool.get(out.len().max(1))?;
-    transformed.set_len(out.len());
-    transformed.copy_from_slice(&out);
-    Ok((ends, transformed))
+    let files = &mut scratch.files[..at];
+    folder.read_samples(reader, indices, files)?;
+    let file = |k: usize| &files[offsets[k]..offsets[k + 1]];
+    match transform {
+        Transformer::Append(f) => {
+            let out = &mut scratch.out;
+            out.clear();
+            let mut ends = vec![0];
+            for (k, &i) in indices.iter().enumerate() {
+                run_transform(f, i, file(k), out)?;
+                ends.push(out.len());
+            }
+            let mut buf = pool.get(out.len().max(1))?;
+            buf.set_len(out.len());
+            buf.copy_from_slice(out);
+            Ok((ends, buf))
+        }
+        Transformer::Into { bytes, f } => {
+            let mut buf = sized_buffer(pool, *bytes, indices.len())?;
+            for (k, &i) in indices.iter().enumerate() {
+                run_transform_into(f, i, file(k), &mut buf[k * bytes..(k + 1) * bytes])?;
+            }
+            Ok((sized_offsets(*bytes, indices.len()), buf))
+        }
+    }
 }
 
-/// The batches of one epoch, in order; see [`BatchLoader::epoch`].
+/// The batches of one epoch, in order, borrowing its loader; see [`BatchLoader::epoch`]
+/// ([`OwnedEpoch`] owns it instead). Dropping it stops its workers.
 pub struct Epoch<'l> {
+    run: Running,
     loader: &'l mut BatchLoader,
+}
+
+/// The batches of one epoch, in order, owning its loader ([`BatchLoader::into_epoch`]): what
+/// a caller that cannot hold a borrow keeps (a Python iterator, a struct of its own); `Send`.
+/// It yields what the borrowing [`Epoch`] yields, its position included;
+/// [`OwnedEpoch::into_loader`] (or dropping it) stops its workers as dropping an [`Epoch`]
+/// does, and gives the loader back for the next epoch, its counters kept.
+///
+/// # Example (host batches)
+/// ```
+/// use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+/// # let dir = tempfile::tempdir()?;
+/// # let path = dir.path().join("records.bin");
+/// std::fs::write(&path, (0..100u8).collect::<Vec<_>>())?;
+/// // SAFETY: the file is not changed while it is used.
+/// let records = unsafe { RecordFile::open_fixed(&path, 10)? };
+/// let cfg = LoaderConfig::default().with_batch_size(4);
+/// let loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)?;
+/// let mut epoch = loader.into_epoch(0)?; // moved: it can be stored or sent to a thread
+/// assert_eq!(epoch.next().transpose()?.map(|b| b.indices), Some(vec![0, 1, 2, 3]));
+/// let mut loader = epoch.into_loader(); // mid-epoch: the workers stop
+/// assert_eq!(loader.stats().batches, 1);
+/// assert_eq!(loader.epoch(1)?.count(), 3);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct OwnedEpoch {
+    // Stopped (dropped) before the loader goes.
+    run: Running,
+    loader: BatchLoader,
+}
+
+/// Why [`BatchLoader::into_epoch`] or [`BatchLoader::into_resume`] started no epoch, with the
+/// loader given back unchanged; `?` turns it into its [`Error`] (dropping the loader).
+#[derive(Debug)]
+pub struct NotStarted {
+    /// What went wrong: [`BatchLoader::epoch`]'s or [`BatchLoader::resume`]'s error.
+    pub error: Error,
+    /// The loader.
+    pub loader: Box<BatchLoader>,
+}
+
+impl std::fmt::Display for NotStarted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for NotStarted {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.error)
+    }
+}
+
+impl From<NotStarted> for Error {
+    fn from(n: NotStarted) -> Self {
+        n.error
+    }
+}
+
+// Held by a Python iterator (a pyclass is Send) and moved between threads.
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<OwnedEpoch>();
+    send::<NotStarted>();
+};
+
+/// A running epoch apart from its loader (borrowed by [`Epoch`], owned by [`OwnedEpoch`]):
+/// its jobs, the batches prepared out of order, the workers. Dropping it stops them.
+struct Running {
     epoch: u64,
     /// Samples of the global order before this epoch's first batch (a resume point).
     start: u64,
@@ -1674,17 +1930,17 @@ pub struct Epoch<'l> {
     rx: Receiver<Prepared>,
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
+    /// The loader's batch timeout (its settings do not change while an epoch runs).
+    timeout: Duration,
 }
 
-impl Iterator for Epoch<'_> {
-    type Item = Result<Batch>;
-
-    fn next(&mut self) -> Option<Result<Batch>> {
+impl Running {
+    fn next(&mut self, loader: &mut BatchLoader) -> Option<Result<Batch>> {
         if self.next >= self.total {
             return None;
         }
         let t = Instant::now();
-        let timeout = self.loader.cfg.batch_timeout;
+        let timeout = self.timeout;
         let prepared = loop {
             if let Some(p) = self.done.remove(&self.next) {
                 break p;
@@ -1724,7 +1980,7 @@ impl Iterator for Epoch<'_> {
             }
             Ok((indices, offsets, data, upload_s))
         });
-        self.loader.stats.waited_s += t.elapsed().as_secs_f64();
+        loader.stats.waited_s += t.elapsed().as_secs_f64();
         let (indices, offsets, data, upload_s) = match prepared {
             Ok(p) => p,
             Err(e) => {
@@ -1738,12 +1994,12 @@ impl Iterator for Epoch<'_> {
             }
         };
         let bytes = *offsets.last().unwrap_or(&0);
-        self.loader.stats.upload_s += upload_s;
-        self.loader.stats.direct_reads = self.loader.direct.reads.load(Ordering::Relaxed);
-        self.loader.stats.direct_read_bytes = self.loader.direct.bytes.load(Ordering::Relaxed);
-        self.loader.stats.batches += 1;
-        self.loader.stats.bytes += bytes as u64;
-        let labels = match &*self.loader.records {
+        loader.stats.upload_s += upload_s;
+        loader.stats.direct_reads = loader.direct.reads.load(Ordering::Relaxed);
+        loader.stats.direct_read_bytes = loader.direct.bytes.load(Ordering::Relaxed);
+        loader.stats.batches += 1;
+        loader.stats.bytes += bytes as u64;
+        let labels = match &*loader.records {
             Dataset::Folder(f) => indices
                 .iter()
                 .map(|&i| f.labels().get(i).copied().unwrap_or(u32::MAX))
@@ -1753,45 +2009,101 @@ impl Iterator for Epoch<'_> {
         self.handed = number + 1;
         Some(Ok(Batch {
             epoch: self.epoch,
-            number: number + self.first_number(),
+            number: number + self.first_number(loader),
             indices,
             offsets,
             labels,
             data,
         }))
     }
-}
 
-impl Epoch<'_> {
     /// The number of this epoch's first batch: the steps a resumed epoch skipped.
-    fn first_number(&self) -> usize {
-        match self.loader.sampler.global_batch {
+    fn first_number(&self, loader: &BatchLoader) -> usize {
+        match loader.sampler.global_batch {
             Some(g) => (self.start / g as u64) as usize,
             None => 0,
         }
     }
 
+    fn position(&self, loader: &BatchLoader) -> Option<Position> {
+        loader
+            .sampler
+            .position_after(loader.records.len(), self.epoch, self.start, self.handed)
+    }
+
+    /// Batches left to yield (a batch or its error each), at most.
+    fn left(&self) -> usize {
+        self.total - self.next
+    }
+}
+
+impl Iterator for Epoch<'_> {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        self.run.next(self.loader)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, Some(self.run.left()))
+    }
+}
+
+impl Iterator for OwnedEpoch {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        self.run.next(&mut self.loader)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, Some(self.run.left()))
+    }
+}
+
+impl Epoch<'_> {
     /// Where the run is after the batches yielded so far (an elastic sampler's; `None` for
     /// others): save it once the step that used the last batch is done, resume from it with
     /// [`BatchLoader::resume`]. After the epoch's last batch it is the start of the next epoch.
     pub fn position(&self) -> Option<Position> {
-        self.loader.sampler.position_after(
-            self.loader.records.len(),
-            self.epoch,
-            self.start,
-            self.handed,
-        )
+        self.run.position(self.loader)
     }
 }
 
-impl Drop for Epoch<'_> {
+impl OwnedEpoch {
+    /// Where the run is after the batches yielded so far, as [`Epoch::position`] says.
+    pub fn position(&self) -> Option<Position> {
+        self.run.position(&self.loader)
+    }
+
+    /// The epoch's number.
+    pub fn epoch(&self) -> u64 {
+        self.run.epoch
+    }
+
+    /// The loader (its counters so far, its batches per epoch).
+    pub fn loader(&self) -> &BatchLoader {
+        &self.loader
+    }
+
+    /// The loader back, for the next epoch: the workers stop first, as when an [`Epoch`] is
+    /// dropped (those still busy finish their batch; one stuck past the batch timeout is left
+    /// behind).
+    pub fn into_loader(self) -> BatchLoader {
+        let OwnedEpoch { run, loader } = self;
+        drop(run);
+        loader
+    }
+}
+
+impl Drop for Running {
     fn drop(&mut self) {
         self.shared.queue.lock().stop = true;
         self.shared.ready.notify_all();
         // Workers finish the batch in hand; one stuck in a transform that never returns is
         // left behind after the batch timeout (it owns everything it uses) rather than
         // blocking the caller forever.
-        let deadline = Instant::now() + self.loader.cfg.batch_timeout;
+        let deadline = Instant::now() + self.timeout;
         while self.workers.iter().any(|w| !w.is_finished()) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }

@@ -398,3 +398,276 @@ fn a_checkpoint_is_inspected_without_a_gpu() {
     let err = gpufeed::safetensors::inspect(&index).expect_err("z is not in the shard");
     assert!(err.to_string().contains("does not hold"), "{err}");
 }
+
+/// What an epoch yields, batch by batch: the epoch and number, the indices, a hash of the
+/// bytes and offsets, and the position after it.
+type Seen = Vec<(
+    u64,
+    usize,
+    Vec<usize>,
+    u64,
+    Option<gpufeed::dataset::Position>,
+)>;
+
+fn seen_batch(batch: &host_batch::Batch) -> (u64, usize, Vec<usize>, u64) {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    host_bytes(batch).hash(&mut h);
+    batch.offsets.hash(&mut h);
+    (batch.epoch, batch.number, batch.indices.clone(), h.finish())
+}
+
+/// An elastic host loader of 203 records of 29 bytes (global batch 12, rank 1 of 2), with a
+/// transform of either kind (or none).
+fn elastic_loader(path: &std::path::Path, transform: u8) -> BatchLoader {
+    // SAFETY: the file is private to the test and never changed.
+    let records = unsafe { RecordFile::open_fixed(path, 29) }.expect("records");
+    let sampler = Sampler::elastic(Order::Shuffled { seed: 5 }, 12, 1, 2, false).expect("elastic");
+    let cfg = LoaderConfig::default().with_workers(3).with_prefetch(4);
+    let loader = BatchLoader::new(records, sampler, cfg, None).expect("loader");
+    match transform {
+        1 => loader.with_transform(|i, r, out| {
+            out.extend(r.iter().rev());
+            out.extend_from_slice(&(i as u32).to_le_bytes());
+            Ok(())
+        }),
+        2 => loader.with_transform_into(33, |i, r, out| {
+            let (head, tail) = out.split_at_mut(29);
+            head.iter_mut()
+                .zip(r.iter().rev())
+                .for_each(|(o, b)| *o = *b);
+            tail.copy_from_slice(&(i as u32).to_le_bytes());
+            Ok(())
+        }),
+        _ => loader,
+    }
+}
+
+/// An owned epoch (`BatchLoader::into_epoch`) yields the batches a borrowing one does, byte
+/// for byte, with the same positions; it resumes from a position as `resume` does; a refused
+/// resume gives the loader back; and a transform writing into the batch's buffer
+/// (`with_transform_into`) yields what the appending one does.
+#[test]
+fn owned_host_epochs_match_borrowed_ones_and_resume() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    std::fs::write(&path, random_bytes(203 * 29, 17)).expect("write");
+    for transform in 0..3u8 {
+        let mut borrowed: Seen = Vec::new();
+        let mut loader = elastic_loader(&path, transform);
+        let mut epoch = loader.epoch(2).expect("epoch");
+        while let Some(b) = epoch.next() {
+            let (e, n, i, h) = seen_batch(&b.expect("batch"));
+            borrowed.push((e, n, i, h, epoch.position()));
+        }
+        drop(epoch);
+        assert_eq!(
+            borrowed.len(),
+            17,
+            "203 records: 17 steps of 12, the last padded"
+        );
+        let mut owned: Seen = Vec::new();
+        let mut epoch = elastic_loader(&path, transform)
+            .into_epoch(2)
+            .expect("epoch");
+        assert_eq!(epoch.epoch(), 2);
+        while let Some(b) = epoch.next() {
+            let (e, n, i, h) = seen_batch(&b.expect("batch"));
+            owned.push((e, n, i, h, epoch.position()));
+        }
+        assert_eq!(owned, borrowed, "transform kind {transform}");
+        let last = owned.last().and_then(|s| s.4).expect("position");
+        assert_eq!(
+            (last.epoch, last.samples),
+            (3, 0),
+            "the start of the next epoch"
+        );
+        assert!(epoch.next().is_none(), "ended");
+        let loader = epoch.into_loader();
+        assert_eq!(loader.stats().batches, 17);
+        // Resumed from the position after step 5: the rest, numbered on.
+        let at = owned[4].4.expect("position");
+        assert_eq!((at.epoch, at.samples), (2, 60));
+        let mut rest = loader.into_resume(&at).expect("resume");
+        let mut resumed: Seen = Vec::new();
+        while let Some(b) = rest.next() {
+            let (e, n, i, h) = seen_batch(&b.expect("batch"));
+            resumed.push((e, n, i, h, rest.position()));
+        }
+        assert_eq!(resumed, owned[5..], "transform kind {transform}");
+        let mut loader = rest.into_loader();
+        let again: Vec<_> = loader
+            .resume(&at)
+            .expect("resume")
+            .map(|b| seen_batch(&b.expect("batch")))
+            .collect();
+        let expected: Vec<_> = owned[5..]
+            .iter()
+            .map(|(e, n, i, h, _)| (*e, *n, i.clone(), *h))
+            .collect();
+        assert_eq!(again, expected, "the borrowing resume");
+        // A refused resume gives the loader back, unchanged.
+        let bad = gpufeed::dataset::Position {
+            global_batch: 24,
+            ..at
+        };
+        let refused = loader
+            .into_resume(&bad)
+            .map(|_| ())
+            .expect_err("another global batch");
+        assert!(
+            refused.error.to_string().contains("global batch"),
+            "{}",
+            refused.error
+        );
+        let mut loader = *refused.loader;
+        assert_eq!(loader.epoch(2).expect("epoch").count(), 17);
+        let e: Error = loader
+            .into_resume(&bad)
+            .map(|_| ())
+            .expect_err("refused")
+            .into();
+        assert!(matches!(e, Error::InvalidSetting(_)), "{e:?}");
+    }
+    // The fixed-size transform's batches are the appending one's, byte for byte.
+    let bytes = |kind| {
+        let mut loader = elastic_loader(&path, kind);
+        loader
+            .epoch(0)
+            .expect("epoch")
+            .map(|b| seen_batch(&b.expect("batch")))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bytes(1), bytes(2));
+}
+
+/// An owned epoch stopped mid-epoch (given back with `into_loader`, or dropped) lets its
+/// workers go: no transform runs after it, and the loader runs a whole epoch again.
+#[test]
+fn an_owned_epoch_stopped_mid_epoch_lets_its_workers_go() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    std::fs::write(&path, random_bytes(400 * 8, 23)).expect("write");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let open = |calls: &Arc<AtomicUsize>| {
+        let calls = Arc::clone(calls);
+        // SAFETY: the file is private to the test and never changed.
+        let records = unsafe { RecordFile::open_fixed(&path, 8) }.expect("records");
+        let cfg = LoaderConfig::default()
+            .with_batch_size(10)
+            .with_workers(2)
+            .with_prefetch(4);
+        BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)
+            .expect("loader")
+            .with_transform_into(8, move |_, r, out| {
+                calls.fetch_add(1, SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                out.copy_from_slice(r);
+                Ok(())
+            })
+    };
+    let quiet = |calls: &AtomicUsize| {
+        let before = calls.load(SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(
+            calls.load(SeqCst),
+            before,
+            "a transform ran after the epoch stopped"
+        );
+    };
+    let mut epoch = open(&calls).into_epoch(0).expect("epoch");
+    for _ in 0..3 {
+        epoch.next().expect("a batch").expect("batch");
+    }
+    let mut loader = epoch.into_loader();
+    assert!(
+        calls.load(SeqCst) < 400,
+        "the workers stopped before the epoch's end"
+    );
+    quiet(&calls);
+    // The loader again: a whole epoch, in order.
+    let mut n = 0;
+    for (k, b) in loader.epoch(0).expect("epoch").enumerate() {
+        let b = b.expect("batch");
+        assert_eq!(b.indices, (10 * k..10 * k + 10).collect::<Vec<_>>());
+        n += 1;
+    }
+    assert_eq!(n, 40);
+    assert_eq!(loader.stats().batches, 43);
+    // Dropped, not given back: the same.
+    let mut epoch = loader.into_epoch(1).expect("epoch");
+    epoch.next().expect("a batch").expect("batch");
+    drop(epoch);
+    quiet(&calls);
+    // A thread can own the epoch.
+    let epoch = open(&calls).into_epoch(0).expect("epoch");
+    let count = std::thread::spawn(move || epoch.count())
+        .join()
+        .expect("thread");
+    assert_eq!(count, 40);
+}
+
+/// An image folder's files through either kind of transform (read into the worker's scratch
+/// buffer, the output into the batch's): the same batches, each file's bytes seen whole.
+#[test]
+fn host_folder_transforms_of_both_kinds_agree() {
+    use gpufeed::dataset::ImageFolder;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut files = Vec::new();
+    for (c, class) in ["cat", "dog"].iter().enumerate() {
+        std::fs::create_dir(dir.path().join(class)).expect("mkdir");
+        for k in 0..23 {
+            let bytes = random_bytes(1 + (k * 131 + c * 7) % 900, (c * 100 + k) as u64);
+            std::fs::write(dir.path().join(class).join(format!("{k:02}.bin")), &bytes)
+                .expect("write");
+            files.push(bytes);
+        }
+    }
+    let digest = |r: &[u8]| -> [u8; 8] {
+        let sum: u32 = r.iter().map(|&b| u32::from(b)).sum();
+        let mut out = [0u8; 8];
+        out[..4].copy_from_slice(&(r.len() as u32).to_le_bytes());
+        out[4..].copy_from_slice(&sum.to_le_bytes());
+        out
+    };
+    let run = |into: bool| {
+        let folder = ImageFolder::open(dir.path()).expect("folder");
+        let cfg = LoaderConfig::default().with_batch_size(8).with_workers(2);
+        let sampler = Sampler::new(Order::Shuffled { seed: 4 });
+        let loader = BatchLoader::new(folder, sampler, cfg, None).expect("loader");
+        let loader = if into {
+            loader.with_transform_into(8, move |_, r, out| {
+                out.copy_from_slice(&digest(r));
+                Ok(())
+            })
+        } else {
+            loader.with_transform(move |_, r, out| {
+                out.extend_from_slice(&digest(r));
+                Ok(())
+            })
+        };
+        let mut epoch = loader.into_epoch(0).expect("epoch");
+        let mut seen = Vec::new();
+        for b in &mut epoch {
+            let b = b.expect("batch");
+            let bytes = host_bytes(&b);
+            assert_eq!(
+                b.offsets,
+                (0..=b.indices.len()).map(|k| 8 * k).collect::<Vec<_>>()
+            );
+            seen.push((b.indices, b.labels, bytes));
+        }
+        seen
+    };
+    let (a, b) = (run(false), run(true));
+    assert_eq!(a, b);
+    assert_eq!(a.iter().map(|s| s.0.len()).sum::<usize>(), 46);
+    // Files are listed by class, then name: file i is `files[i]`.
+    for (indices, _, bytes) in &a {
+        for (k, &i) in indices.iter().enumerate() {
+            assert_eq!(&bytes[8 * k..8 * k + 8], &digest(&files[i]), "file {i}");
+        }
+    }
+}
