@@ -1128,11 +1128,13 @@ enum Rank0 {
 
 /// Judges rank 0 of `seg`. Known alive — its lock held (it lives or is only stopped, in any
 /// PID namespace: the kernel drops the lock when it dies, and a child it forked does not keep
-/// it), or its pid alive in our namespace with the start time it recorded — it lives whether
-/// its heartbeat moves or not: a stopped job keeps its name. Known gone: left, departed, its
-/// lock released, its pid dead. Otherwise (it published no lock — it could take none, having no
-/// /proc — and its pid is of another or unknown namespace, or recorded no start time) only its
-/// heartbeat can tell, and a heartbeat that stood still for `lease` makes it gone: it may only
+/// it) and its pid not dead here, or, without a lock, its pid alive in our namespace with the
+/// start time it recorded — it lives whether its heartbeat moves or not: a stopped job keeps
+/// its name. Known gone: left, departed, its lock released, or, without a lock, its pid dead.
+/// Otherwise (it published no lock — it could take none, having no /proc — and its pid is of
+/// another or unknown namespace, or recorded no start time; or its lock is held while its pid
+/// is dead here: by a child forked a moment before it died, or through a /proc not ours) only
+/// its heartbeat can tell, and a heartbeat that stood still for `lease` makes it gone: it may only
 /// be stopped, but a name kept for ever by a dead process would stop every later job (and the
 /// resumed rank 0 removes the name only while it is still its own segment's: see
 /// [`release_name`]). `watch` says whether the heartbeat of a rank 0 known alive is watched too
@@ -1142,10 +1144,23 @@ fn rank0_lives(seg: &ShmSegment, magic: u64, lease: Duration, watch: Watch) -> R
         return Rank0::Gone;
     };
     let pid = rank.id.pid;
-    let known_alive = match rank.liveness(seg) {
-        Liveness::Dead => return Rank0::Gone,
-        Liveness::Alive => rank.lock(seg) == Probe::Held || rank.id.start_ticks != 0,
-        Liveness::OtherNamespace => false,
+    if rank.state == LEFT || rank.departed(seg) {
+        return Rank0::Gone;
+    }
+    let by_pid = if pid == 0 {
+        Liveness::OtherNamespace
+    } else {
+        rank.id.liveness()
+    };
+    let known_alive = match (rank.lock(seg), by_pid) {
+        (Probe::Free, _) | (Probe::Unknown, Liveness::Dead) => return Rank0::Gone,
+        // Held while its pid, here, is dead: by a child that has not yet run its fork handler
+        // (or one made without fork), or through a /proc that is not ours: let the heartbeat
+        // tell.
+        (Probe::Held, Liveness::Dead) => false,
+        (Probe::Held, _) => true,
+        (Probe::Unknown, Liveness::Alive) => rank.id.start_ticks != 0,
+        (Probe::Unknown, Liveness::OtherNamespace) => false,
     };
     if known_alive && watch == Watch::UnknownOnly {
         return Rank0::Lives {

@@ -37,10 +37,28 @@ fn say(line: &str) {
 /// worker would keep running; returns its pid. The child lets go of stdout and stderr (so that
 /// nobody reading them waits for it) and dies of `SIGALRM` after a minute at the latest (a
 /// failed test leaves no process behind for long).
-fn fork_idle_child() -> i32 {
+///
+/// With `raw`, the child is made by the `clone` system call itself, which runs no fork handlers
+/// (as a runtime that forks by `clone` would), so that it keeps every descriptor, the locks'
+/// included.
+fn fork_idle_child(raw: bool) -> i32 {
     // SAFETY: the child only calls close, alarm and pause (async-signal-safe) until a signal
-    // kills it; it never returns into Rust code.
-    let pid = unsafe { libc::fork() };
+    // kills it; it never returns into Rust code. A raw clone with only SIGCHLD and no stack
+    // makes a copy of this process as fork does.
+    let pid = unsafe {
+        if raw {
+            libc::syscall(
+                libc::SYS_clone,
+                libc::SIGCHLD as libc::c_ulong,
+                0usize,
+                0usize,
+                0usize,
+                0usize,
+            ) as i32
+        } else {
+            libc::fork()
+        }
+    };
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
         // SAFETY: as above.
@@ -83,11 +101,13 @@ fn entry() {
             }
         }
         // Rank 0 of 2 of rendezvous GPUFEED_IT_RDV (listed under GPUFEED_IT_PREFIX) that,
-        // once its record is claimed (so its lock is held), forks an idle child and prints
-        // `FORKED <pid>`; it waits for its rank 1 (a minute) until killed.
+        // once its record is claimed (so its lock is held), forks an idle child (by a raw
+        // clone where GPUFEED_IT_RAW_CLONE=1) and prints `FORKED <pid>`; it waits for its rank
+        // 1 (a minute) until killed.
         "rdv-fork-rank0" => {
             let name = var("GPUFEED_IT_RDV");
             let prefix = var("GPUFEED_IT_PREFIX");
+            let raw = var("GPUFEED_IT_RAW_CLONE") == "1";
             let watcher = std::thread::spawn(move || {
                 let t = Instant::now();
                 loop {
@@ -100,7 +120,7 @@ fn entry() {
                     assert!(t.elapsed() < Duration::from_secs(10), "never claimed");
                     std::thread::sleep(Duration::from_millis(5));
                 }
-                let pid = fork_idle_child();
+                let pid = fork_idle_child(raw);
                 say(&format!("FORKED {pid}"));
             });
             let opts = RendezvousOptions::default()
@@ -116,7 +136,7 @@ fn entry() {
             let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
             let mut claim = ring.claim(Duration::from_secs(10)).expect("claim");
             claim.write_at(0, b"half a batch").expect("write");
-            let pid = fork_idle_child();
+            let pid = fork_idle_child(false);
             say(&format!("FORKED {pid} {}", claim.slot()));
             loop {
                 std::thread::sleep(Duration::from_secs(1));
@@ -249,7 +269,20 @@ fn a_killed_holders_forked_child_does_not_keep_its_slot() {
 /// ranks meet.
 #[test]
 fn a_killed_rank_0s_forked_child_does_not_keep_the_name() {
-    let prefix = format!("gpufeed-it-fork{}", std::process::id());
+    killed_rank_0_with_a_child("fork", false);
+}
+
+/// The same with a child made by a raw `clone` (no fork handlers run: it keeps the lock): the
+/// lock is held while rank 0's pid is dead, so rank 0's heartbeat judges it, and after a
+/// silent lease the next job replaces the leftover. (A lock held alone would have kept the
+/// name for as long as the child lived: RendezvousInUse naming the dead rank 0.)
+#[test]
+fn a_killed_rank_0s_cloned_child_keeps_the_name_only_for_a_lease() {
+    killed_rank_0_with_a_child("clone", true);
+}
+
+fn killed_rank_0_with_a_child(how: &str, raw: bool) {
+    let prefix = format!("gpufeed-it-{how}{}", std::process::id());
     let name = format!("{prefix}-rdv");
     let lease = Duration::from_millis(400);
     let mut rank0 = Proc::spawn(&mut command(
@@ -258,6 +291,7 @@ fn a_killed_rank_0s_forked_child_does_not_keep_the_name() {
             ("GPUFEED_IT_RDV", name.clone()),
             ("GPUFEED_IT_PREFIX", prefix.clone()),
             ("GPUFEED_IT_LEASE_MS", lease.as_millis().to_string()),
+            ("GPUFEED_IT_RAW_CLONE", if raw { "1" } else { "0" }.into()),
         ],
     ))
     .expect("spawn");
@@ -268,7 +302,7 @@ fn a_killed_rank_0s_forked_child_does_not_keep_the_name() {
     let orphan = Orphan(pid.parse().expect("pid"));
     rank0.child.kill().expect("SIGKILL rank 0");
     rank0.child.wait().expect("reap");
-    assert!(orphan.alive(), "the forked child runs on");
+    assert!(orphan.alive(), "the {how}ed child runs on");
     let rank1 = Proc::spawn(&mut command(
         "rdv-join",
         &[
@@ -288,8 +322,9 @@ fn a_killed_rank_0s_forked_child_does_not_keep_the_name() {
             .with_join_timeout(Duration::from_secs(10))
             .with_lease(lease),
     );
-    assert!(orphan.alive(), "the forked child still runs");
+    assert!(orphan.alive(), "the {how}ed child still runs");
     let me = joined.unwrap_or_else(|e| {
+        let _ = std::fs::remove_file(std::path::Path::new("/dev/shm").join(&name));
         panic!("the next job's rank 0 could not replace the killed rank 0's segment: {e}")
     });
     let mut rank1 = rank1;
