@@ -779,11 +779,22 @@ pub const STALE_SOCKET_AGE: Duration = Duration::from_secs(3600);
 /// job's ranks): the private socket directories `.gpufeed-fd-*` of this user with the socket
 /// in each (and sockets of that name, which earlier versions made in `dir` itself) last
 /// changed more than `older_than` ago (their names say nothing of their owner, so age is the
-/// test; see [`STALE_SOCKET_AGE`]). Other files are left alone. Returns the names removed.
+/// test; see [`STALE_SOCKET_AGE`]). Other files are left alone; one that cannot be removed
+/// (`EPERM`, `EACCES`) is skipped with a warning and the others are still removed. Returns the
+/// names removed.
 ///
 /// # Errors
-/// [`Error::Io`] when `dir` cannot be read or a stale socket cannot be removed.
+/// [`Error::Io`] when `dir` cannot be read.
 pub fn remove_stale_sockets(dir: &std::path::Path, older_than: Duration) -> Result<Vec<String>> {
+    Ok(gc_stale_sockets(dir, older_than)?.removed)
+}
+
+/// [`remove_stale_sockets`], saying also what it could not remove: the names removed in
+/// [`GcReport::removed`], those that stay in [`GcReport::skipped`] with why.
+///
+/// # Errors
+/// [`Error::Io`] when `dir` cannot be read.
+pub fn gc_stale_sockets(dir: &std::path::Path, older_than: Duration) -> Result<GcReport> {
     sockdir::remove_stale(dir, older_than)
 }
 

@@ -8,6 +8,7 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use gpufeed_os::shm::{GcReport, GcSkipped};
 use rustix::fs::Mode;
 
 use crate::error::{Error, Result};
@@ -146,12 +147,18 @@ pub(crate) fn peer_cred(socket: impl AsFd) -> std::io::Result<PeerCred> {
 
 /// Removes what ranks killed inside `share_fd` left in `dir`: the private directories
 /// `.gpufeed-fd-*` of this user with their sockets, and sockets of that name of the earlier
-/// form, last changed more than `older_than` ago. Returns the names removed.
-pub(crate) fn remove_stale(dir: &Path, older_than: Duration) -> Result<Vec<String>> {
+/// form, last changed more than `older_than` ago. One that cannot be removed (`EPERM` of an
+/// immutable directory, `EACCES`, ...) is recorded in [`GcReport::skipped`] with why, and the
+/// others are still removed. Returns the names removed ([`GcReport::removed`], sorted) and
+/// those skipped.
+///
+/// # Errors
+/// [`Error::Io`] only when `dir` itself cannot be read.
+pub(crate) fn remove_stale(dir: &Path, older_than: Duration) -> Result<GcReport> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let me = rustix::process::geteuid().as_raw();
     let now = std::time::SystemTime::now();
-    let mut removed = Vec::new();
+    let mut report = GcReport::default();
     for entry in std::fs::read_dir(dir).map_err(io("read the shared-memory directory"))? {
         let entry = entry.map_err(io("read the shared-memory directory"))?;
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -177,13 +184,20 @@ pub(crate) fn remove_stale(dir: &Path, older_than: Duration) -> Result<Vec<Strin
             continue;
         };
         match gone {
-            Ok(()) => removed.push(name),
+            Ok(()) => report.removed.push(name),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io("remove a stale descriptor socket")(e)),
+            Err(e) => {
+                tracing::warn!(%name, "could not remove a stale descriptor socket: {e}");
+                report.skipped.push(GcSkipped {
+                    name,
+                    reason: format!("remove: {e}"),
+                });
+            }
         }
     }
-    removed.sort();
-    Ok(removed)
+    report.removed.sort();
+    report.skipped.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(report)
 }
 
 /// Empties and removes a socket directory of ours: opened without following links, its
@@ -207,4 +221,82 @@ fn remove_socket_dir(path: &Path) -> std::io::Result<()> {
         }
     }
     std::fs::remove_dir(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `FS_IMMUTABLE_FL` (`chattr +i`), from linux/fs.h.
+    const FS_IMMUTABLE_FL: libc::c_int = 0x10;
+
+    /// Sets or clears the immutable flag of the directory `path`.
+    fn set_immutable(path: &Path, on: bool) -> std::io::Result<()> {
+        use rustix::fs::OFlags;
+        let fd = rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut flags: libc::c_int = 0;
+        // SAFETY: `fd` is open; FS_IOC_GETFLAGS and FS_IOC_SETFLAGS read or write one int
+        // through the pointer, which is valid and exclusively borrowed.
+        unsafe {
+            if libc::ioctl(fd.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            flags = if on {
+                flags | FS_IMMUTABLE_FL
+            } else {
+                flags & !FS_IMMUTABLE_FL
+            };
+            if libc::ioctl(fd.as_raw_fd(), libc::FS_IOC_SETFLAGS, &flags) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
+    /// A stale socket directory that cannot be emptied (immutable: `EPERM`, even for root) is
+    /// reported as skipped, and gc goes on: another stale one is removed. (Before, the first
+    /// error ended the whole `gpufeed shm gc` with it, leaving the other directory too.)
+    #[test]
+    fn a_stale_socket_directory_that_cannot_be_removed_is_skipped_and_gc_goes_on() {
+        let test = "a_stale_socket_directory_that_cannot_be_removed_is_skipped_and_gc_goes_on";
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stuck = dir.path().join(".gpufeed-fd-00aa-2-1-0123456789abcdef");
+        let stale = dir.path().join(".gpufeed-fd-00aa-2-0-0123456789abcdef");
+        for d in [&stuck, &stale] {
+            std::fs::create_dir(d).expect("mkdir");
+            drop(std::os::unix::net::UnixListener::bind(d.join(SOCKET_NAME)).expect("bind"));
+        }
+        if let Err(e) = set_immutable(&stuck, true) {
+            assert!(
+                !matches!(e.raw_os_error(), Some(libc::EPERM))
+                    || rustix::process::geteuid().as_raw() != 0,
+                "{test}: chattr +i as root failed: {e}"
+            );
+            eprintln!("SKIP {test}: cannot make a directory immutable here: {e}");
+            return;
+        }
+        // Stale at once (older than nothing).
+        std::thread::sleep(Duration::from_millis(20));
+        let report = remove_stale(dir.path(), Duration::from_millis(1));
+        set_immutable(&stuck, false).expect("chattr -i");
+        let report = report.expect("gc goes on past what it cannot remove");
+        assert_eq!(
+            report.removed,
+            vec![".gpufeed-fd-00aa-2-0-0123456789abcdef".to_owned()]
+        );
+        assert_eq!(report.skipped.len(), 1, "{report:?}");
+        assert_eq!(
+            report.skipped[0].name,
+            ".gpufeed-fd-00aa-2-1-0123456789abcdef"
+        );
+        assert!(
+            report.skipped[0].reason.contains("not permitted"),
+            "{report:?}"
+        );
+        assert!(stuck.join(SOCKET_NAME).exists() && !stale.exists());
+    }
 }
