@@ -142,6 +142,17 @@ fn entry() {
                 std::thread::sleep(Duration::from_secs(1));
             }
         }
+        // Opens ring GPUFEED_IT_RING, claims a slot, writes half a batch, prints `CLAIMED
+        // <slot>` and holds the claim until killed.
+        "ring-claim-hold" => {
+            let ring = BatchRing::open(&var("GPUFEED_IT_RING")).expect("open ring");
+            let mut claim = ring.claim(Duration::from_secs(10)).expect("claim");
+            claim.write_at(0, b"half a batch").expect("write");
+            say(&format!("CLAIMED {}", claim.slot()));
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
         other => panic!("unknown role {other}"),
     }
 }
