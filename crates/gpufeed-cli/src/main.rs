@@ -1105,12 +1105,13 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
     let dir = std::path::Path::new(shm::DEFAULT_DIR);
     let report = shm::gc_in_with(dir, prefix, foreign)?;
     let rendezvous = gpufeed::ipc::gc_rendezvous(dir, prefix, foreign)?;
-    let sockets = gpufeed::ipc::remove_stale_sockets(dir, gpufeed::ipc::STALE_SOCKET_AGE)?;
+    let sockets = gpufeed::ipc::gc_stale_sockets(dir, gpufeed::ipc::STALE_SOCKET_AGE)?;
     // Segments gc would have removed but could not (EPERM, ...): shown, never fatal.
     let skipped: Vec<(&str, &str)> = report
         .skipped
         .iter()
         .chain(&rendezvous.skipped)
+        .chain(&sockets.skipped)
         .map(|k| (k.name.as_str(), k.reason.as_str()))
         .collect();
     if json {
@@ -1122,7 +1123,7 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
         let meetings = json!({ "removed": rendezvous.removed, "removed_bytes": rendezvous.removed_bytes, "kept": rendezvous.kept, "other_namespace": rendezvous.other_namespace, "skipped": listed(&rendezvous.skipped) });
         print_json(
             "shm gc",
-            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "skipped": listed(&report.skipped), "rendezvous": meetings, "removed_sockets": sockets }),
+            json!({ "removed": report.removed, "removed_bytes": report.removed_bytes, "kept": report.kept, "other_namespace": report.other_namespace, "skipped": listed(&report.skipped), "rendezvous": meetings, "removed_sockets": sockets.removed, "skipped_sockets": listed(&sockets.skipped) }),
         )?;
     } else {
         println!(
@@ -1153,15 +1154,15 @@ fn shm_gc(prefix: &str, other_namespaces: bool, json: bool) -> Result<ExitCode> 
                 println!("  removed {n}");
             }
         }
-        if !sockets.is_empty() {
+        if !sockets.removed.is_empty() {
             println!(
                 "removed {} descriptor socket(s) left by ranks killed while passing descriptors",
-                sockets.len()
+                sockets.removed.len()
             );
         }
         if !skipped.is_empty() {
             println!(
-                "could not remove {} segment(s) of dead owners (they stay; remove them as their owner or root):",
+                "could not remove {} segment(s) or socket(s) of dead owners (they stay; remove them as their owner or root):",
                 skipped.len()
             );
             for (name, reason) in &skipped {

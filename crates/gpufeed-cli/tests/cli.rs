@@ -502,7 +502,7 @@ fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
     );
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
-        text.contains("could not remove 1 segment") && text.contains(&stuck),
+        text.contains("could not remove 1 segment(s) or socket(s)") && text.contains(&stuck),
         "{text}"
     );
 }

@@ -88,7 +88,7 @@ pub use members::MAX_PROCESSES;
 #[cfg(not(loom))]
 pub use rendezvous::{
     MAX_PAYLOAD, MAX_RANKS, RankWatch, Rendezvous, RendezvousOptions, RendezvousSegment,
-    STALE_SOCKET_AGE, gc_rendezvous, list_rendezvous, remove_stale_sockets,
+    STALE_SOCKET_AGE, gc_rendezvous, gc_stale_sockets, list_rendezvous, remove_stale_sockets,
 };
 #[cfg(not(loom))]
 pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats, Watermark};
