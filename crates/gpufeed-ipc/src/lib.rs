@@ -91,4 +91,7 @@ pub use rendezvous::{
     STALE_SOCKET_AGE, gc_rendezvous, gc_stale_sockets, list_rendezvous, remove_stale_sockets,
 };
 #[cfg(not(loom))]
-pub use ring::{Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, Producer, RingStats, Watermark};
+pub use ring::{
+    Batch, BatchRing, Claim, Consumer, DEFAULT_LEASE, LOCKLESS_QUARANTINE_LEASES, Producer,
+    RingStats, Watermark,
+};

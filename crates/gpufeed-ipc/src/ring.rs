@@ -52,6 +52,11 @@ impl GoneFor {
 /// before its slots are reclaimed.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
+/// How many leases past its revocation a detached holder that holds no lock, in another PID
+/// namespace, keeps its slots quarantined (nothing can prove such a holder dead): 30, 5 minutes
+/// at [`DEFAULT_LEASE`].
+pub const LOCKLESS_QUARANTINE_LEASES: u32 = 30;
+
 /// How often a reader of the watermark looks again for a copy that no write was in the middle
 /// of, before it takes the words as they are.
 const WATERMARK_TRIES: u32 = 64;
@@ -135,7 +140,11 @@ impl Watermark {
 /// may finish a copy it began before it stopped, so its slot must not hold another producer's
 /// batch by then, and a stopped consumer may still be reading its batch. A quarantined slot is
 /// free again once its holder lets go of it (the [`Claim`] or [`Batch`] drops) or is known
-/// dead (its lock released). The silent process's next call answers [`Error::Detached`]:
+/// dead (its lock released). A holder that could take no lock (no /proc to reopen the segment
+/// through) and lives in another namespace can never be known dead: its quarantine ends once
+/// its heartbeat has stood still for [`LOCKLESS_QUARANTINE_LEASES`] more leases (5 minutes at
+/// the default lease), the one case where a stopped holder resumed after so long could finish
+/// one copy it began into a slot that holds another batch by then. The silent process's next call answers [`Error::Detached`]:
 /// [`Claim::write_at`] then writes nothing, [`Batch::read_at`] reads nothing, and
 /// [`Claim::publish`] publishes nothing; it opens the ring again to go on. What a resumed
 /// producer wrote into its quarantined slot is never delivered, and a delivered batch holds
@@ -720,7 +729,28 @@ impl BatchRing {
                 let dead = match self.lock_probe(index, &id) {
                     Probe::Free => true,
                     Probe::Held => false,
-                    Probe::Unknown => identity(&id).liveness() == Liveness::Dead,
+                    Probe::Unknown => match identity(&id).liveness() {
+                        Liveness::Dead => true,
+                        Liveness::Alive => false,
+                        // No lock and a pid that means nothing here: nothing can ever prove it
+                        // dead. Its slots come back once it has been silent for a bound.
+                        Liveness::OtherNamespace => {
+                            let silent = self.silent_for(index, ctl);
+                            let gone = silent > self.lease() * LOCKLESS_QUARANTINE_LEASES;
+                            if gone {
+                                tracing::warn!(
+                                    entry = index,
+                                    pid = id.pid,
+                                    pid_ns = id.pid_ns,
+                                    silent_s = silent.as_secs_f64(),
+                                    "a detached process of another PID namespace that holds no \
+                                     lock stayed silent past the quarantine bound: its slots \
+                                     are freed"
+                                );
+                            }
+                            gone
+                        }
+                    },
                 };
                 if !dead {
                     return Holder::Silent;
@@ -761,22 +791,27 @@ impl BatchRing {
     /// Whether entry `index` (read under `ctl`) has not renewed its heartbeat for a lease,
     /// as seen by this process's clock since it first saw the current heartbeat value.
     fn lease_expired(&self, index: usize, ctl: u64) -> bool {
+        self.silent_for(index, ctl) > self.lease()
+    }
+
+    /// How long entry `index` (read under `ctl`) has not renewed its heartbeat, as seen by this
+    /// process's clock since it first saw the current heartbeat value (zero at the first look,
+    /// and again whenever the heartbeat or the entry changes).
+    fn silent_for(&self, index: usize, ctl: u64) -> Duration {
         let beat = self
             .u64_at(self.layout.proc_offset(index) + layout::PROC_HEARTBEAT)
             .load(Ordering::Relaxed);
         let now = Instant::now();
         let mut leases = self.leases.lock();
         match &mut leases[index] {
-            Some(seen) if seen.ctl == ctl && seen.beat == beat => {
-                now.duration_since(seen.since) > self.lease()
-            }
+            Some(seen) if seen.ctl == ctl && seen.beat == beat => now.duration_since(seen.since),
             other => {
                 *other = Some(Observed {
                     ctl,
                     beat,
                     since: now,
                 });
-                false
+                Duration::ZERO
             }
         }
     }

@@ -4,6 +4,7 @@
 
 mod child;
 mod lockholders;
+mod lockless_ring;
 mod model;
 mod namespaces;
 mod processes;
