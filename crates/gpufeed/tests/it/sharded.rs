@@ -346,7 +346,10 @@ fn a_save_removes_only_what_earlier_saves_of_its_prefix_left() {
     .expect("write");
     let others_before = shard_files(dir.path());
     v1.save(&saver, dir.path()).expect("save");
-    assert!(notes.exists(), "a file the old index named but no shard was removed");
+    assert!(
+        notes.exists(),
+        "a file the old index named but no shard was removed"
+    );
     v2.save(&saver, dir.path()).expect("save");
     let now = shard_files(dir.path());
     assert_eq!(version_held(dir.path(), &[&v1, &v2]), 1);
