@@ -99,6 +99,24 @@ pub fn child_command(dispatcher: &str, role: &str, vars: &[(&str, String)]) -> C
     cmd
 }
 
+/// A command that runs `inner` under a wrapper program: `wrapper[0]` with the rest of
+/// `wrapper` as its first arguments, then `inner`'s program and arguments (`unshare --user --`,
+/// `sh -c 'script' sh`, ...), with `inner`'s environment changes (set and removed variables).
+/// Standard streams and the rest are left to the caller.
+pub fn wrapped(wrapper: &[&str], inner: &Command) -> Command {
+    let mut cmd = Command::new(wrapper[0]);
+    cmd.args(&wrapper[1..])
+        .arg(inner.get_program())
+        .args(inner.get_args());
+    for (k, v) in inner.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    cmd
+}
+
 /// Runs a child to completion; panics with its output if it failed; returns its stdout.
 pub fn run_child(dispatcher: &str, role: &str, vars: &[(&str, String)]) -> String {
     let out = child_command(dispatcher, role, vars)

@@ -29,18 +29,8 @@ pub fn run_wrapped(
     role: &str,
     vars: &[(&str, String)],
 ) -> Option<String> {
-    let inner = command(role, vars);
-    let mut cmd = Command::new(wrapper[0]);
-    cmd.args(&wrapper[1..])
-        .arg(inner.get_program())
-        .args(inner.get_args())
-        .stdin(std::process::Stdio::null());
-    for (k, v) in inner.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
+    let mut cmd = gpufeed_testkit::wrapped(wrapper, &command(role, vars));
+    cmd.stdin(std::process::Stdio::null());
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

@@ -4,7 +4,7 @@
 //! namespace after its identity was cached. A live process is never judged dead.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use gpufeed_os::process::{self, Liveness, ProcessIdentity};
 
@@ -56,20 +56,10 @@ fn a_live_process_of_another_time_namespace_is_alive() {
         "--",
     ];
     // Outside judges inside.
-    let inner = child::command("identity-wait", &[]);
-    let mut cmd = Command::new(wrapper[0]);
-    cmd.args(&wrapper[1..])
-        .arg(inner.get_program())
-        .args(inner.get_args())
-        .stdin(Stdio::piped())
+    let mut cmd = gpufeed_testkit::wrapped(&wrapper, &child::command("identity-wait", &[]));
+    cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    for (k, v) in inner.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
     let mut waiter = match cmd.spawn() {
         Ok(c) => c,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

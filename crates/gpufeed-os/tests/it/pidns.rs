@@ -3,7 +3,7 @@
 //! that number. Live processes must still be judged alive.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 
 use gpufeed_os::AtomicFile;
 use gpufeed_os::process::{Liveness, ProcessIdentity};
@@ -18,18 +18,11 @@ fn run_in_pid_namespace_without_proc(
     role: &str,
     vars: &[(&str, String)],
 ) -> Option<String> {
-    let inner = child::command(role, vars);
-    let mut cmd = Command::new("unshare");
-    cmd.args(["--pid", "--fork", "--kill-child", "--"])
-        .arg(inner.get_program())
-        .args(inner.get_args())
-        .stdin(Stdio::null());
-    for (k, v) in inner.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
+    let mut cmd = gpufeed_testkit::wrapped(
+        &["unshare", "--pid", "--fork", "--kill-child", "--"],
+        &child::command(role, vars),
+    );
+    cmd.stdin(Stdio::null());
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

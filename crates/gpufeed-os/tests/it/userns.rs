@@ -4,7 +4,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use gpufeed_os::process::ProcessIdentity;
 use gpufeed_os::shm;
@@ -61,17 +61,8 @@ fn in_an_unmapped_user_namespace_no_segment_is_ours() {
         dead_owners_segment(dir, &prefix, 12345),
     ]);
     let inner = child::command("userns-list-gc", &[("GPUFEED_IT_PREFIX", prefix.clone())]);
-    let mut cmd = Command::new("unshare");
-    cmd.args(["--user", "--"])
-        .arg(inner.get_program())
-        .args(inner.get_args())
-        .stdin(Stdio::null());
-    for (k, v) in inner.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
+    let mut cmd = gpufeed_testkit::wrapped(&["unshare", "--user", "--"], &inner);
+    cmd.stdin(Stdio::null());
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

@@ -796,16 +796,8 @@ fn launched(cmd: &std::process::Command, ranks: &[usize]) -> std::process::Child
         .map(|r| format!("LOCAL_RANK={r} \"$@\" & "))
         .chain(["wait".to_owned()])
         .collect();
-    let mut sh = std::process::Command::new("sh");
-    sh.arg("-c").arg(script).arg("sh").arg(cmd.get_program());
-    sh.args(cmd.get_args());
-    for (k, v) in cmd.get_envs() {
-        match v {
-            Some(v) => sh.env(k, v),
-            None => sh.env_remove(k),
-        };
-    }
-    sh.process_group(0)
+    gpufeed_testkit::wrapped(&["sh", "-c", &script, "sh"], cmd)
+        .process_group(0)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

@@ -567,24 +567,19 @@ fn a_writer_descriptor_that_is_another_file_is_refused() {
     );
     // The shell mounts the tmpfs over its own /proc/<pid>/fd, then execs the child, which
     // keeps the pid.
-    let mut cmd = std::process::Command::new("unshare");
-    cmd.args([
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        "mount -t tmpfs fds /proc/$$/fd && exec \"$0\" \"$@\"",
-    ])
-    .arg(inner.get_program())
-    .args(inner.get_args());
-    for (k, v) in inner.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
+    let mut cmd = gpufeed_testkit::wrapped(
+        &[
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            "mount -t tmpfs fds /proc/$$/fd && exec \"$0\" \"$@\"",
+        ],
+        &inner,
+    );
     let out = cmd.output().expect("spawn unshare");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
