@@ -192,6 +192,7 @@ fn strategy_arg(text: &str) -> Result<gpufeed::Strategy, String> {
 }
 
 fn main() -> ExitCode {
+    gpufeed::log_to_stderr();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

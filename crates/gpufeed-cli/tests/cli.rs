@@ -4,7 +4,10 @@ use assert_cmd::Command;
 use serde_json::Value;
 
 fn gpufeed() -> Command {
-    Command::cargo_bin("gpufeed").expect("the gpufeed binary")
+    let mut cmd = Command::cargo_bin("gpufeed").expect("the gpufeed binary");
+    // Warnings on stderr at the default level, whatever the caller's shell sets.
+    cmd.env_remove("GPUFEED_LOG");
+    cmd
 }
 
 /// The `--json` output of `cmd`, checked for the shape every command shares (docs/cli.md):
@@ -489,6 +492,11 @@ fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
         .args(["shm", "gc", "--prefix", &prefix])
         .output()
         .expect("run");
+    let quiet = gpufeed()
+        .args(["shm", "gc", "--prefix", &prefix])
+        .env("GPUFEED_LOG", "off")
+        .output()
+        .expect("run");
     let _ = chattr("-i");
     let _ = std::fs::remove_file(dev_shm.join(&stuck));
     assert_eq!(code, 0, "{v}");
@@ -499,6 +507,19 @@ fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
     assert!(
         !skipped[0]["reason"].as_str().unwrap_or("").is_empty(),
         "{v}"
+    );
+    // The library's warning reaches stderr (gpufeed::log_to_stderr); GPUFEED_LOG=off silences
+    // it.
+    let warned = "gc could not remove a dead owner's segment";
+    let stderr = String::from_utf8_lossy(&text.stderr);
+    assert!(
+        stderr.contains(warned) && stderr.contains(&stuck),
+        "{stderr}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&quiet.stderr).contains(warned),
+        "GPUFEED_LOG=off: {}",
+        String::from_utf8_lossy(&quiet.stderr)
     );
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(

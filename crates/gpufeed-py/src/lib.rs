@@ -68,6 +68,8 @@ pyo3::create_exception!(
 /// The native module `gpufeed._gpufeed`.
 #[pymodule]
 fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // gpufeed's warnings (fallbacks, the reaper's failures) on stderr; GPUFEED_LOG=off silences.
+    gpufeed::log_to_stderr();
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("GpufeedError", py.get_type::<GpufeedError>())?;

@@ -85,6 +85,8 @@ mod files;
 pub mod frames;
 pub mod hybrid;
 mod load;
+#[cfg(feature = "stderr-log")]
+mod log;
 pub mod multi;
 mod registered;
 pub mod safetensors;
@@ -99,6 +101,8 @@ pub use load::{
     DeviceBuffer, LoadOptions, LoadReport, Loader, LoaderSetup, OneShotReport, Strategy, load_file,
     load_file_on,
 };
+#[cfg(feature = "stderr-log")]
+pub use log::{LOG_VAR, log_to_stderr};
 pub use registered::RegisteredFile;
 pub use save::{Piece, SaveOptions, SaveReport, Saver, save_file};
 
