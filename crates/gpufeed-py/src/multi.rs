@@ -87,20 +87,24 @@ pub(crate) fn load_sharded(
 
 /// This process's rank of a `torchrun` job on this machine (`LOCAL_RANK` of
 /// `LOCAL_WORLD_SIZE`), joined once per process.
+///
+/// The lock is taken with the GIL released: a thread waiting for it never holds the GIL that
+/// the thread joining needs to return (two threads calling a rank function at once deadlocked
+/// when the lock was taken first).
 fn rank_loader(py: Python<'_>) -> PyResult<Arc<gpufeed::multi::RankLoader>> {
     static RANK: OnceLock<Mutex<Option<Arc<gpufeed::multi::RankLoader>>>> = OnceLock::new();
     let cell = RANK.get_or_init(Mutex::default);
-    let mut held = cell.lock();
-    if let Some(r) = held.as_ref() {
-        return Ok(Arc::clone(r));
-    }
     let _context = gpufeed::cuda::ContextGuard::new();
-    let made = Arc::new(
-        py.detach(gpufeed::multi::RankLoader::from_env)
-            .map_err(py_err)?,
-    );
-    *held = Some(Arc::clone(&made));
-    Ok(made)
+    py.detach(|| {
+        let mut held = cell.lock();
+        if let Some(r) = held.as_ref() {
+            return Ok(Arc::clone(r));
+        }
+        let made = Arc::new(gpufeed::multi::RankLoader::from_env()?);
+        *held = Some(Arc::clone(&made));
+        Ok(made)
+    })
+    .map_err(py_err)
 }
 
 /// All of `path` on this rank's GPU, each rank of the job reading its share, which the other

@@ -94,6 +94,42 @@ def test_several_gpus_without_a_gpu_raise_no_gpu_error(tmp_path, monkeypatch):
         gpufeed.load_tensor_parallel_rank(ckpt)
 
 
+def test_two_threads_calling_rank_functions_at_once_do_not_deadlock(tmp_path):
+    """Two Python threads calling ``load_replicated_rank`` at the same time (each joining this
+    process's rank, or failing to without a GPU) both finish: before, the second blocked on the
+    rank's lock while holding the GIL that the first needed to return (a deadlock)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(10_007))
+    code = (
+        "import sys, threading, gpufeed\n"
+        "done = []\n"
+        "def go():\n"
+        "    for _ in range(20):\n"
+        "        try:\n"
+        "            gpufeed.load_replicated_rank(sys.argv[1])\n"
+        "        except gpufeed.GpufeedError:\n"
+        "            pass\n"
+        "    done.append(1)\n"
+        "ts = [threading.Thread(target=go) for _ in range(2)]\n"
+        "[t.start() for t in ts]\n"
+        "[t.join() for t in ts]\n"
+        "print('DONE', len(done))\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RESTART_COUNT", "GPUFEED_REPLICATE")}
+    env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GPUFEED_JOB=f"pytest-threads-{os.getpid()}")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
+                             capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("two threads calling load_replicated_rank at once deadlocked")
+    assert out.returncode == 0 and "DONE 2" in out.stdout, out.stdout + out.stderr
+
+
 def test_several_gpus_name_bad_input_before_any_gpu(tmp_path, monkeypatch):
     with pytest.raises(gpufeed.GpufeedError, match="given twice"):
         gpufeed.load_replicated(tmp_path / "f.bin", devices=[0, 0])
