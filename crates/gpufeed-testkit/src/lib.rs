@@ -308,3 +308,45 @@ pub fn npy_bytes(descr: &str, fortran: bool, shape: &str, data: &[u8]) -> Vec<u8
     out.extend_from_slice(data);
     out
 }
+
+/// A child process killed and reaped when dropped (also when a test panics).
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The loop of an attacker who may write `dir` (a child run as another user): every name with
+/// `gpufeed-tmp-` in it that is not a symlink is renamed aside (`<name>.moved<n>`) and replaced
+/// by a symlink to `victim`, for ever. Prints `READY` first. Panics when run as root (the
+/// attacker must be another user).
+pub fn swap_temporaries_forever(dir: &std::path::Path, victim: &std::path::Path) -> ! {
+    use std::io::Write;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    assert_ne!(unsafe { libc::geteuid() }, 0, "the attacker runs as root");
+    println!("READY");
+    std::io::stdout().flush().expect("flush");
+    let mut n = 0u64;
+    loop {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.contains("gpufeed-tmp-") || name.contains(".moved") {
+                continue;
+            }
+            if e.file_type().map_or(true, |t| t.is_symlink()) {
+                continue;
+            }
+            n += 1;
+            let from = dir.join(&name);
+            if std::fs::rename(&from, dir.join(format!("{name}.moved{n}"))).is_ok() {
+                let _ = std::os::unix::fs::symlink(victim, &from);
+            }
+        }
+    }
+}

@@ -86,47 +86,8 @@ pub fn spawn_swapper(dir: &Path, victim: &Path) -> Attacker {
     child
 }
 
-/// A child process killed and reaped when dropped (also when a test panics).
-pub struct Attacker(pub std::process::Child);
-
-impl Drop for Attacker {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The attacker's loop (child role `tmp-swapper`): every name with `gpufeed-tmp-` in it that is
-/// not a symlink is renamed aside and replaced by a symlink to the victim.
-pub fn swap_temporaries_forever(dir: &Path, victim: &Path) -> ! {
-    assert_ne!(
-        rustix::process::geteuid().as_raw(),
-        0,
-        "the attacker runs as root"
-    );
-    println!("READY");
-    std::io::stdout().flush().expect("flush");
-    let mut n = 0u64;
-    loop {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if !name.contains("gpufeed-tmp-") || name.contains(".moved") {
-                continue;
-            }
-            if e.file_type().map_or(true, |t| t.is_symlink()) {
-                continue;
-            }
-            n += 1;
-            let from = dir.join(&name);
-            if std::fs::rename(&from, dir.join(format!("{name}.moved{n}"))).is_ok() {
-                let _ = std::os::unix::fs::symlink(victim, &from);
-            }
-        }
-    }
-}
+/// A child process killed and reaped when dropped.
+pub use gpufeed_testkit::KillOnDrop as Attacker;
 
 /// Root saves 1 MiB files into a team directory 100 times while `nobody` swaps the
 /// temporaries for symlinks to a file outside: that file is never written, and every save that

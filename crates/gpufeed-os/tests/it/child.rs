@@ -99,7 +99,7 @@ fn entry() {
         }
         // As another user: swaps temporaries in GPUFEED_IT_DIR for symlinks to
         // GPUFEED_IT_VICTIM until killed.
-        "tmp-swapper" => crate::atomic::swap_temporaries_forever(
+        "tmp-swapper" => gpufeed_testkit::swap_temporaries_forever(
             std::path::Path::new(&var("GPUFEED_IT_DIR")),
             std::path::Path::new(&var("GPUFEED_IT_VICTIM")),
         ),

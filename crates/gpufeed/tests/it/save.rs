@@ -391,49 +391,12 @@ fn a_save_where_o_direct_is_refused_is_buffered_and_says_why() {
 /// GPUFEED_IT_VICTIM, until killed.
 #[test]
 fn tmp_swapper_child() {
-    use std::io::Write;
     if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok("tmp-swapper") {
         return;
     }
     let dir = std::path::PathBuf::from(std::env::var("GPUFEED_IT_DIR").expect("dir"));
     let victim = std::path::PathBuf::from(std::env::var("GPUFEED_IT_VICTIM").expect("victim"));
-    assert_ne!(
-        rustix::process::geteuid().as_raw(),
-        0,
-        "the attacker runs as root"
-    );
-    println!("READY");
-    std::io::stdout().flush().expect("flush");
-    let mut n = 0u64;
-    loop {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if !name.contains("gpufeed-tmp-") || name.contains(".moved") {
-                continue;
-            }
-            if e.file_type().map_or(true, |t| t.is_symlink()) {
-                continue;
-            }
-            n += 1;
-            let from = dir.join(&name);
-            if std::fs::rename(&from, dir.join(format!("{name}.moved{n}"))).is_ok() {
-                let _ = std::os::unix::fs::symlink(&victim, &from);
-            }
-        }
-    }
-}
-
-/// A child killed and reaped when dropped (also when the test panics).
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    gpufeed_testkit::swap_temporaries_forever(&dir, &victim)
 }
 
 /// Root saves 2 MiB checkpoints (O_DIRECT where the file system takes it) 60 times into a
@@ -472,7 +435,7 @@ fn another_user_swapping_the_temporary_never_redirects_a_save() {
         cmd.uid(65534)
             .gid(65534)
             .stdout(std::process::Stdio::piped());
-        let mut attacker = KillOnDrop(cmd.spawn().expect("spawn the attacker"));
+        let mut attacker = gpufeed_testkit::KillOnDrop(cmd.spawn().expect("spawn the attacker"));
         let out = std::io::BufReader::new(attacker.0.stdout.take().expect("stdout"));
         assert!(
             std::io::BufRead::lines(out)
