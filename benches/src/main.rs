@@ -381,7 +381,6 @@ fn main() -> Result<()> {
     let wanted = |p: Part| {
         (cli.only.is_empty() || cli.only.contains(&p)) && !(cli.gpu_only && p.host_only())
     };
-    let host_part = wanted;
     // What this run leaves out, said in the report (a table not selected is not "not measured").
     let left_out: Vec<&'static str> = Part::ALL
         .into_iter()
@@ -415,7 +414,7 @@ fn main() -> Result<()> {
     let any_host = Part::ALL
         .into_iter()
         .filter(|p| p.host_only())
-        .any(host_part);
+        .any(wanted);
     ensure!(cli.reps > 0, "--reps must be at least 1");
     ensure!(cli.size >= 1 << 20, "--size must be at least 1 MiB");
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
@@ -451,7 +450,7 @@ fn main() -> Result<()> {
                 show_size(cli.batch)
             ),
         );
-        if host_part(Part::Handoff) {
+        if wanted(Part::Handoff) {
             handoff = Some(handoff::measure(
                 &exe,
                 &cli.dir,
@@ -461,7 +460,7 @@ fn main() -> Result<()> {
         }
 
         step(4, "table 2: load and random reads, cold and warm");
-        if host_part(Part::Access) {
+        if wanted(Part::Access) {
             access = Some(access::measure(&dataset, cli.reps, |what| {
                 progress.line(&format!("      {what}"))
             })?);
@@ -471,7 +470,7 @@ fn main() -> Result<()> {
             5,
             "table 3: gpufeed-uring reads, O_DIRECT by queue depth (with fio) and warm",
         );
-        if host_part(Part::Reads) {
+        if wanted(Part::Reads) {
             reads = Some(reads::measure(&dataset, cli.reps, |what| {
                 progress.line(&format!("      {what}"))
             })?);
@@ -481,10 +480,10 @@ fn main() -> Result<()> {
             6,
             "table 5: gpufeed-ipc batch ring between processes (1 MiB batches, 64-byte wake-ups)",
         );
-        if host_part(Part::Ipc) {
+        if wanted(Part::Ipc) {
             ipc = Some(ipc::measure(&exe, &cli.dir, 4 * cli.batch, cli.reps)?);
         }
-        if host_part(Part::Loader) {
+        if wanted(Part::Loader) {
             step(
                 7,
                 "table 7: the dataset BatchLoader on the host (64 KiB records, shuffled)",
@@ -547,7 +546,7 @@ fn main() -> Result<()> {
     } else {
         None
     };
-    let frames = if host_part(Part::Frames) {
+    let frames = if wanted(Part::Frames) {
         progress.line("      table 12: frames through a shared-memory ring and through a pipe");
         let seconds = if cli.quick { 1.0 } else { 5.0 };
         let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
@@ -561,7 +560,7 @@ fn main() -> Result<()> {
     } else {
         None
     };
-    let hybrid = if host_part(Part::Hybrid) {
+    let hybrid = if wanted(Part::Hybrid) {
         progress.line("      table 13: the hybrid training loader");
         let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
         Some(hybrid::measure(
