@@ -411,10 +411,7 @@ fn main() -> Result<()> {
             "--gpu: no GPU is usable here (see `gpufeed doctor`)"
         );
     }
-    let any_host = Part::ALL
-        .into_iter()
-        .filter(|p| p.host_only())
-        .any(wanted);
+    let any_host = Part::ALL.into_iter().filter(|p| p.host_only()).any(wanted);
     ensure!(cli.reps > 0, "--reps must be at least 1");
     ensure!(cli.size >= 1 << 20, "--size must be at least 1 MiB");
     ensure!(cli.batch >= 4096, "--batch must be at least 4 KiB");
