@@ -301,11 +301,17 @@ mod tests {
 
     use super::*;
 
+    /// Held by the tests that fork and by those that check a lock is released: a fork from
+    /// another test thread while a lock is being taken (its descriptor open, not yet in the
+    /// table the fork handler closes) would leave the lock held by that child for its life.
+    static FORKS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
     /// A child forked while this process holds a lock does not keep it: once the parent
     /// drops it, it is free while the child still runs. (Before, the child shared the lock's
     /// open file description, and the byte stayed held until the child exited.)
     #[test]
     fn a_forked_child_does_not_keep_a_lock() {
+        let _forks = FORKS.lock();
         let file = tempfile::tempfile().expect("temp file");
         file.set_len(4096).expect("size");
         let lock = ByteLock::take(file.as_fd(), 3).expect("lock");
@@ -361,6 +367,7 @@ mod tests {
 
     #[test]
     fn a_lock_is_seen_through_other_descriptions_and_gone_when_dropped() {
+        let _forks = FORKS.lock();
         let file = tempfile::tempfile().expect("temp file");
         file.set_len(4096).expect("size");
         assert_eq!(probe(file.as_fd(), 7), Probe::Free);
