@@ -5,7 +5,11 @@
 //!   (in code spans) exactly the gpufeed crates its `[dependencies]` hold, and shows an example
 //!   (`# Example` followed by a code block);
 //! - a crate depends only on gpufeed crates of its own layer or lower (within layer 2,
-//!   `gpufeed-cuda` builds on `gpufeed-pinned`);
+//!   `gpufeed-cuda` builds on `gpufeed-pinned`; within layer 3, `gpufeed-multi` builds on
+//!   `gpufeed-safetensors` and `gpufeed-frames` on `gpufeed-data`);
+//! - no crate but the bindings ([`FACADE_USERS`]: the CLI and the Python package) depends on
+//!   the facade `gpufeed`: a capability crate names the crates it uses, so that a user of one
+//!   capability compiles only what it needs;
 //! - the workspace's `rust-version` is at least every dependency's (the features our own code
 //!   uses are checked by clippy's `incompatible_msrv` lint, which reads `rust-version`).
 
@@ -113,6 +117,19 @@ fn header(name: &str, text: &str) -> std::result::Result<Header, String> {
     Ok(Header { layer, depends_on })
 }
 
+/// The crates that may depend on the facade `gpufeed` (the bench harness is not checked).
+pub const FACADE_USERS: [&str; 2] = ["gpufeed-cli", "gpufeed-py"];
+
+/// A crate of the workspace depending on the facade that should not (see [`FACADE_USERS`]).
+fn facade_problem(name: &str, deps: &BTreeSet<String>) -> Option<String> {
+    (deps.contains("gpufeed") && !FACADE_USERS.contains(&name)).then(|| {
+        format!(
+            "{name} depends on the facade gpufeed: depend on the capability crates it uses \
+             (gpufeed-load, gpufeed-safetensors, ...) instead"
+        )
+    })
+}
+
 /// Every problem with the workspace's written contracts (empty: all hold).
 pub fn problems(meta: &Metadata) -> Result<Vec<String>> {
     let members: BTreeSet<&str> = meta.workspace_members.iter().map(String::as_str).collect();
@@ -161,6 +178,7 @@ pub fn problems(meta: &Metadata) -> Result<Vec<String>> {
                 p.name, h.depends_on, deps
             ));
         }
+        problems.extend(facade_problem(&p.name, &deps));
         for d in &deps {
             if let Some(dh) = headers.get(d)
                 && dh.layer > h.layer
@@ -227,6 +245,17 @@ mod tests {
         assert!(problems.is_empty(), "{}", problems.join("\n"));
         // And the check can fail: a declared version below the newest dependency's.
         assert!(!msrv_problems(&meta, "1.60").is_empty());
+    }
+
+    #[test]
+    fn only_the_bindings_depend_on_the_facade() {
+        let deps = BTreeSet::from(["gpufeed".to_owned(), "gpufeed-load".to_owned()]);
+        assert!(facade_problem("gpufeed-cli", &deps).is_none());
+        assert!(facade_problem("gpufeed-py", &deps).is_none());
+        let p = facade_problem("gpufeed-data", &deps).expect("a capability crate on the facade");
+        assert!(p.contains("gpufeed-data depends on the facade"), "{p}");
+        let own = BTreeSet::from(["gpufeed-load".to_owned()]);
+        assert!(facade_problem("gpufeed-data", &own).is_none());
     }
 
     #[test]

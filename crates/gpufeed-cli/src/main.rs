@@ -188,7 +188,8 @@ fn size_arg(text: &str) -> Result<u64, String> {
 }
 
 fn strategy_arg(text: &str) -> Result<gpufeed::Strategy, String> {
-    text.parse().map_err(|e: gpufeed::Error| e.to_string())
+    text.parse()
+        .map_err(|e: gpufeed::load::Error| e.to_string())
 }
 
 fn main() -> ExitCode {

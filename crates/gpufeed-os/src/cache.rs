@@ -158,25 +158,22 @@ pub fn residency_estimate(
 ) -> Result<Residency> {
     let path = path.as_ref();
     let (file, _) = open_regular(path, false)?;
-    let file_bytes = file
-        .metadata()
-        .map_err(|e| Error::io("fstat", Some(path.into()), e))?
-        .len();
-    if range.start > range.end || range.end > file_bytes {
-        return Err(Error::RangePastEof {
-            path: path.into(),
-            offset: range.start,
-            len: range.end.saturating_sub(range.start),
-            file_len: file_bytes,
-        });
-    }
-    let estimate = match residency_estimate_with(&file, range.clone(), ResidencyMethod::Cachestat) {
+    residency_estimate_of(&file, range).map_err(|e| with_path(e, path))
+}
+
+/// [`residency_estimate`] of an open file (`cachestat`, else `mincore`): what a load that
+/// opened its file once samples.
+///
+/// # Errors
+/// A range past the end of the file ([`Error::RangePastEof`], without a path); failures of
+/// `cachestat` or `mincore`.
+pub fn residency_estimate_of(file: &File, range: std::ops::Range<u64>) -> Result<Residency> {
+    match residency_estimate_with(file, range.clone(), ResidencyMethod::Cachestat) {
         Err(Error::Unsupported { .. }) => {
-            residency_estimate_with(&file, range, ResidencyMethod::Mincore)
+            residency_estimate_with(file, range, ResidencyMethod::Mincore)
         }
         other => other,
-    };
-    estimate.map_err(|e| with_path(e, path))
+    }
 }
 
 /// [`residency_estimate`] of an open file with the given method.
@@ -462,6 +459,17 @@ fn with_path(err: Error, path: &Path) -> Error {
             op,
             path: Some(path.into()),
             source,
+        },
+        Error::RangePastEof {
+            path: p,
+            offset,
+            len,
+            file_len,
+        } if p.as_os_str().is_empty() => Error::RangePastEof {
+            path: path.into(),
+            offset,
+            len,
+            file_len,
         },
         other => other,
     }

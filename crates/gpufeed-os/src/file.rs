@@ -1,8 +1,9 @@
 //! Opening regular files with clear errors, and recording their identity.
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
@@ -103,6 +104,138 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
     rustix::fs::fcntl_setfl(&file, flags - rustix::fs::OFlags::NONBLOCK)
         .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
     Ok((file, FileIdentity::from_metadata(&meta)))
+}
+
+/// A regular file opened once for a whole load: the descriptor, the path it was opened by (for
+/// messages) and its identity then. Every check, residency sample, alignment query and read of
+/// the load uses this descriptor, so the bytes read are all of the version opened, even if
+/// another file is renamed over the path meanwhile; [`OpenedFile::changed`] asks the
+/// descriptor afterwards whether that version was written, truncated or extended meanwhile,
+/// or lost its name (its ctime changes when its last link goes).
+///
+/// # Example
+/// ```
+/// let dir = tempfile::tempdir()?;
+/// let path = dir.path().join("data.bin");
+/// std::fs::write(&path, b"hello")?;
+/// let f = gpufeed_os::OpenedFile::open(&path)?;
+/// assert_eq!((f.len(), f.changed()?), (5, None));
+/// // Another file renamed over the path: reads still see the version opened ...
+/// std::fs::write(dir.path().join("other"), b"other!")?;
+/// std::fs::rename(dir.path().join("other"), &path)?;
+/// let mut buf = [0u8; 5];
+/// std::os::unix::fs::FileExt::read_exact_at(f.file(), &mut buf, 0)?;
+/// assert_eq!(&buf, b"hello");
+/// // ... and `changed` tells that it is no longer the file at the path.
+/// assert!(f.changed()?.is_some());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct OpenedFile {
+    file: File,
+    path: PathBuf,
+    identity: FileIdentity,
+}
+
+impl OpenedFile {
+    /// Opens `path` for reading with [`open_regular`]'s checks.
+    ///
+    /// # Errors
+    /// As for [`open_regular`].
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let (file, identity) = open_regular(path, false)?;
+        Ok(OpenedFile {
+            file,
+            path: path.into(),
+            identity,
+        })
+    }
+
+    /// The descriptor.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The path it was opened by.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Its identity when it was opened.
+    pub fn identity(&self) -> &FileIdentity {
+        &self.identity
+    }
+
+    /// Its length when it was opened.
+    pub fn len(&self) -> u64 {
+        self.identity.size
+    }
+
+    /// Whether it was empty when it was opened.
+    pub fn is_empty(&self) -> bool {
+        self.identity.size == 0
+    }
+
+    /// How the opened file differs now from when it was opened (written, truncated, extended:
+    /// [`FileIdentity::difference`], asked of the descriptor), `None` when it does not.
+    ///
+    /// # Errors
+    /// [`Error::Io`] where `fstat` fails.
+    pub fn changed(&self) -> Result<Option<String>> {
+        let now = FileIdentity::of(&self.file).map_err(|e| with_path(e, &self.path))?;
+        Ok(self.identity.difference(&now))
+    }
+
+    /// A duplicate of the descriptor (`dup`: the same file description, offset and flags).
+    ///
+    /// # Errors
+    /// [`Error::Io`] where the process is out of descriptors.
+    pub fn duplicate(&self) -> Result<File> {
+        self.file
+            .try_clone()
+            .map_err(|e| Error::io("dup", Some(self.path.clone()), e))
+    }
+
+    /// A second, independent descriptor of the same file (its own file description, so flags
+    /// such as `O_DIRECT` in `extra_flags` do not touch this one), opened through
+    /// `/proc/self/fd`, not the path: a file renamed over the path since is not the one opened.
+    ///
+    /// # Errors
+    /// The open's own error (`EINVAL` for `O_DIRECT` on a file system without it, `ENOENT`
+    /// without `/proc`), or an error of kind `Other` where the descriptor opened is not the
+    /// same file.
+    pub fn reopen(&self, extra_flags: i32) -> std::io::Result<File> {
+        let link = format!("/proc/self/fd/{}", self.file.as_raw_fd());
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(extra_flags)
+            .open(&link)?;
+        let meta = file.metadata()?;
+        if (meta.dev(), meta.ino()) != (self.identity.dev, self.identity.ino) {
+            return Err(std::io::Error::other(format!(
+                "{link} is not {} as opened (another file)",
+                self.path.display()
+            )));
+        }
+        Ok(file)
+    }
+}
+
+/// `e` with `path` filled in where it names none.
+fn with_path(e: Error, path: &Path) -> Error {
+    match e {
+        Error::Io {
+            op,
+            path: None,
+            source,
+        } => Error::Io {
+            op,
+            path: Some(path.into()),
+            source,
+        },
+        other => other,
+    }
 }
 
 /// The identity of the regular file at `path`, read without opening it (so a FIFO cannot

@@ -10,16 +10,17 @@
 //! | module | what |
 //! |---|---|
 //! | [`shm`] | [`ShmSegment`]: POSIX shm (reserved with `fallocate`, mode 0600, checked on open), memfd; [`shm::gc`] for segments of dead processes |
-//! | [`file`](mod@file) | [`file::open_regular`] / [`file::stat_regular`]: regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
+//! | [`file`](mod@file) | [`file::open_regular`] / [`file::stat_regular`] / [`OpenedFile`] (one descriptor for a whole load): regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
 //! | [`atomic`] | [`AtomicFile`]: a file replaced whole or not at all (a temporary in a private 0700 directory, checked after it is opened, written through its descriptor, `fsync`, `renameat`, directory `fsync`; the replaced file's mode kept, its owner where it could not have been planted); dead writers' temporaries of a temporary's exact shape cleaned |
 //! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
 //! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
-//! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::residency_estimate`] (sampled), [`cache::evict`], [`cache::warm`] |
+//! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::residency_estimate`] / [`cache::residency_estimate_of`] (sampled), [`cache::evict`], [`cache::warm`] |
 //! | [`align`] | [`AlignedBuf`], [`align::dio_alignment`] (statx DIOALIGN) |
 //! | [`process`] | [`process::ProcessIdentity`]: PID namespace + pid + start time; alive, dead, or of another namespace (never judged by its pid) |
 //! | [`fallback`] | [`Fallback`]: what was refused ([`Refused`]), why, and what ran instead — reported by every layer that degrades instead of failing |
 //! | [`sys`] | [`SystemInfo::read`]: page sizes, THP, swappiness, memlock, /dev/shm, io_uring, memory |
+//! | [`units`] | [`units::parse_size`] / [`units::show_size`]: `1.5GiB` and back |
 //!
 //! Sibling crates: `gpufeed-numa` (placement), `gpufeed-uring` (reads), `gpufeed-ipc` (a batch
 //! ring in a [`ShmSegment`]), `gpufeed-pinned` (registers [`FileMap`]s and segments with CUDA).
@@ -57,12 +58,13 @@ pub mod process;
 mod procfs;
 pub mod shm;
 pub mod sys;
+pub mod units;
 
 pub use align::AlignedBuf;
 pub use atomic::AtomicFile;
 pub use error::{Error, Result};
 pub use fallback::{Fallback, Refused};
-pub use file::FileIdentity;
+pub use file::{FileIdentity, OpenedFile};
 pub use lock::LockedRegion;
 pub use map::{FileMap, MapMode};
 pub use shm::{ShmOptions, ShmSegment};

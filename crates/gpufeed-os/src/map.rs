@@ -14,7 +14,7 @@ use memmap2::{Mmap, MmapMut, MmapOptions};
 
 use crate::advise::{self, MemAdvice};
 use crate::error::{Error, Result};
-use crate::file::{FileIdentity, open_regular};
+use crate::file::{FileIdentity, OpenedFile, open_regular};
 use crate::lock::{self, LockedRegion};
 
 /// How a file is mapped.
@@ -96,8 +96,45 @@ impl FileMap {
         unsafe { Self::map(path.as_ref(), offset, Some(len), mode) }
     }
 
+    /// Maps `len` bytes at `offset` of a file opened once for a load ([`OpenedFile`]), read
+    /// only, through a duplicate of its descriptor (the path is not looked up again); the
+    /// identity the mapping checks against is the one the file had when it was opened.
+    ///
+    /// # Safety
+    /// As for [`FileMap::open`].
+    ///
+    /// # Errors
+    /// As for [`FileMap::open_range`], plus [`Error::Io`] where the descriptor cannot be
+    /// duplicated.
+    pub unsafe fn of_opened(opened: &OpenedFile, offset: u64, len: u64) -> Result<Self> {
+        let file = opened.duplicate()?;
+        // SAFETY: the caller's promise is passed on unchanged.
+        unsafe {
+            Self::map_file(
+                file,
+                *opened.identity(),
+                opened.path(),
+                offset,
+                Some(len),
+                MapMode::ReadOnly,
+            )
+        }
+    }
+
     unsafe fn map(path: &Path, offset: u64, len: Option<u64>, mode: MapMode) -> Result<Self> {
         let (file, identity) = open_regular(path, mode == MapMode::Shared)?;
+        // SAFETY: the caller's promise is passed on unchanged.
+        unsafe { Self::map_file(file, identity, path, offset, len, mode) }
+    }
+
+    unsafe fn map_file(
+        file: File,
+        identity: FileIdentity,
+        path: &Path,
+        offset: u64,
+        len: Option<u64>,
+        mode: MapMode,
+    ) -> Result<Self> {
         let file_len = identity.size;
         if len == Some(0) {
             return Err(Error::ZeroLength { what: "FileMap" });

@@ -68,12 +68,12 @@ fn open_record_file(
         // SAFETY: as above.
         (_, Some(n), None) => unsafe { RecordFile::open_fixed(path, n)? },
         (_, Some(_), Some(_)) => {
-            return Err(gpufeed::Error::InvalidSetting(
+            return Err(gpufeed::Error::invalid(
                 "give record_bytes (fixed-size records) or index (variable ones), not both".into(),
             ));
         }
         (_, None, None) => {
-            return Err(gpufeed::Error::InvalidSetting(format!(
+            return Err(gpufeed::Error::invalid(format!(
                 "{} is a record file: say how its records are cut, record_bytes=N or \
                  index=OFFSETS_FILE (.npy and .tar files need neither)",
                 path.display()
@@ -127,7 +127,7 @@ fn open_dataset(
         && path.is_dir()
     {
         if record_bytes.is_some() || index.is_some() {
-            return Err(gpufeed::Error::InvalidSetting(format!(
+            return Err(gpufeed::Error::invalid(format!(
                 "{} is a folder, read as an image folder: record_bytes and index are for \
                  record files (shards in a folder: give \"{}/*\")",
                 path.display(),
@@ -150,7 +150,7 @@ fn open_dataset(
         return Ok((Dataset::Records(file), layout));
     }
     if index.is_some() {
-        return Err(gpufeed::Error::InvalidSetting(
+        return Err(gpufeed::Error::invalid(
             "index= is for one record file; shards are fixed records, .npy or .tar files".into(),
         ));
     }
@@ -159,9 +159,7 @@ fn open_dataset(
         None => paths.to_vec(),
     };
     if paths.is_empty() {
-        return Err(gpufeed::Error::InvalidSetting(
-            "an empty list of shards".into(),
-        ));
+        return Err(gpufeed::Error::invalid("an empty list of shards".into()));
     }
     let files = paths
         .iter()

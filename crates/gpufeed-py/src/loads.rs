@@ -271,7 +271,10 @@ pub(crate) fn kept<K: std::hash::Hash + Eq, V: Send + Sync>(
 /// One loader per device for the module-level functions.
 pub(crate) fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
     kept(py, loaders(), device, || {
-        gpufeed::Loader::open(device, gpufeed::LoadOptions::default())
+        Ok(gpufeed::Loader::open(
+            device,
+            gpufeed::LoadOptions::default(),
+        )?)
     })
 }
 

@@ -50,7 +50,7 @@ pub(crate) fn advise(
             },
             (None, Some(p)) => gpufeed::advise::Workload::of_file(p, persistent, processes)?,
             (None, None) => {
-                return Err(gpufeed::Error::InvalidSetting(
+                return Err(gpufeed::Error::invalid(
                     "say how large the data is: size=4 << 30 or path=FILE".into(),
                 ));
             }
@@ -59,7 +59,7 @@ pub(crate) fn advise(
         let trials = match (measure, &path) {
             (true, Some(p)) => Some(gpufeed::advise::measure(p, 1 << 30)?),
             (true, None) => {
-                return Err(gpufeed::Error::InvalidSetting(
+                return Err(gpufeed::Error::invalid(
                     "measure=True runs trials on a file: give it with path=FILE".into(),
                 ));
             }

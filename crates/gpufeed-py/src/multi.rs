@@ -21,7 +21,7 @@ fn shared_multi(py: Python<'_>, devices: Vec<usize>) -> PyResult<Arc<gpufeed::mu
     let opts = gpufeed::LoadOptions::for_gpus(devices.len());
     let key = devices.clone();
     kept(py, MULTI.get_or_init(Mutex::default), key, move || {
-        gpufeed::multi::MultiLoader::open(&devices, opts)
+        Ok(gpufeed::multi::MultiLoader::open(&devices, opts)?)
     })
 }
 
@@ -98,7 +98,7 @@ fn rank_loader(py: Python<'_>) -> PyResult<Arc<gpufeed::multi::RankLoader>> {
     py.detach(|| {
         let mut held = cell.lock();
         if let Some(r) = held.as_ref() {
-            return Ok(Arc::clone(r));
+            return Ok::<_, gpufeed::multi::Error>(Arc::clone(r));
         }
         let made = Arc::new(gpufeed::multi::RankLoader::from_env()?);
         *held = Some(Arc::clone(&made));
@@ -158,7 +158,7 @@ pub(crate) fn load_tensor_parallel_files(
         .detach(|| gpufeed::safetensors::TensorParallel::plan(&path, ranks, split_of(dim)))
         .map_err(py_err)?;
     multi_checkpoints(py, devices, move |m| {
-        m.load_tensor_parallel(&plan).map(|(c, _)| c)
+        Ok(m.load_tensor_parallel(&plan).map(|(c, _)| c)?)
     })
 }
 
@@ -196,7 +196,7 @@ pub(crate) fn load_replicated_safetensors_files(
     py.detach(|| gpufeed::safetensors::inspect(&path))
         .map_err(py_err)?;
     multi_checkpoints(py, devices, move |m| {
-        m.load_replicated_safetensors(&path).map(|(c, _)| c)
+        Ok(m.load_replicated_safetensors(&path).map(|(c, _)| c)?)
     })
 }
 

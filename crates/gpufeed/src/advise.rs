@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use crate::units::show_size;
+use gpufeed_os::units::show_size;
 
 /// What the data is and how it is used.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -249,10 +249,7 @@ pub fn trial_options() -> Vec<crate::LoadOptions> {
         crate::Strategy::Direct,
     ]
     .into_iter()
-    .map(|strategy| crate::LoadOptions {
-        strategy,
-        ..crate::LoadOptions::default()
-    })
+    .map(|strategy| crate::LoadOptions::default().with_strategy(strategy))
     .collect()
 }
 
@@ -311,10 +308,10 @@ pub fn verdict(trials: &[Trial], auto: crate::Strategy) -> (Option<bool>, String
 /// # Errors
 /// A missing file, or one `Auto` cannot judge.
 pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
-    let file_len = crate::load::file_len(path)?;
-    let len = file_len.min(limit);
+    let file = gpufeed_os::OpenedFile::open(path)?;
+    let len = file.len().min(limit);
     // Judged before any trial moves the file through the page cache.
-    let (auto, auto_reason) = crate::load::auto_choice(path, file_len, 0..len);
+    let (auto, auto_reason) = gpufeed_load::internal::auto_choice(&file, 0..len);
     let mut trials = Vec::new();
     let mut loads_per_trial = 1 + MEASURED_LOADS;
     let mut no_gpu_reason = None;
@@ -339,7 +336,7 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                 trials.push(Trial::of(
                     format!("load, {strategy} (default options, warm loader)"),
                     Some(strategy),
-                    result,
+                    result.map_err(crate::Error::from),
                 ));
             }
         }
@@ -437,13 +434,7 @@ mod tests {
         for t in &trials {
             // Everything but the strategy is what a default `Loader` (and so `Auto`) uses.
             assert_eq!(
-                format!(
-                    "{:?}",
-                    crate::LoadOptions {
-                        strategy: defaults.strategy,
-                        ..t.clone()
-                    }
-                ),
+                format!("{:?}", t.clone().with_strategy(defaults.strategy)),
                 format!("{defaults:?}")
             );
         }
@@ -453,8 +444,8 @@ mod tests {
         let path = dir.path().join("f.bin");
         std::fs::write(&path, vec![1u8; 1 << 20]).expect("write");
         for residency in [None, Some(0.0), Some(0.5), Some(0.95), Some(1.0)] {
-            let (auto, reason) = crate::load::choose(&path, 1 << 20, residency);
-            let auto = auto.strategy();
+            let file = gpufeed_os::OpenedFile::open(&path).expect("open");
+            let (auto, reason) = gpufeed_load::internal::auto_choice_at(&file, residency);
             assert!(strategies.contains(&auto), "{auto} ({reason}) not tried");
         }
         assert_eq!(

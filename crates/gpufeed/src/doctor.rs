@@ -5,7 +5,7 @@ use std::path::Path;
 
 use gpufeed_os::sys::{SystemInfo, ThpMode};
 
-use crate::units::show_size;
+use gpufeed_os::units::show_size;
 
 /// How a check came out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -1,299 +1,104 @@
-//! The facade's error type: every layer's errors, plus those of files and checkpoints.
-
-use std::path::PathBuf;
+//! The umbrella error: every capability crate's error, so that `?` from any of them goes into
+//! one type.
 
 /// Result alias of the facade.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything that can go wrong in gpufeed.
+/// Everything that can go wrong in gpufeed. Each capability crate's error converts into it
+/// (`?` works across them); a load's error inside a capability's is always [`Error::Load`]
+/// (a missing file is `Error::Load(gpufeed_load::Error::Os(..))` whichever crate met it).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// Shared memory, mappings, files (gpufeed-os).
+    /// Loads and saves, and every layer below: files, reads, pinned memory, the GPU, settings
+    /// ([`gpufeed_load::Error`]).
     #[error(transparent)]
-    Os(#[from] gpufeed_os::Error),
-    /// Reads (gpufeed-uring).
-    #[error(transparent)]
-    Read(#[from] gpufeed_uring::Error),
-    /// Pinned and registered memory (gpufeed-pinned).
-    #[error(transparent)]
-    Pinned(#[from] gpufeed_pinned::Error),
-    /// GPUs and transfers (gpufeed-cuda), including `NoCudaDriver`.
-    #[error(transparent)]
-    Cuda(#[from] gpufeed_cuda::Error),
-    /// The batch ring (gpufeed-ipc).
+    Load(gpufeed_load::Error),
+
+    /// Shared-memory rings and rendezvous (gpufeed-ipc).
     #[error(transparent)]
     Ipc(#[from] gpufeed_ipc::Error),
 
-    /// A safetensors file that cannot be used.
-    #[error("{}: not a valid safetensors file: {reason}", .path.display())]
-    Safetensors {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
-    },
+    /// Checkpoints: headers, indexes, mixed saves ([`gpufeed_safetensors::Error`]).
+    #[cfg(feature = "safetensors")]
+    #[error(transparent)]
+    Safetensors(gpufeed_safetensors::Error),
 
-    /// The file changed (replaced, truncated, written) between reading its header and the
-    /// end of the load: the bytes on the GPU may mix two versions, so they were dropped.
-    #[error(
-        "{} changed while it was being loaded ({what}): a writer replaced or modified it, so \
-         what was loaded was dropped; load it again once the writer is done",
-        .path.display()
-    )]
-    FileChangedDuringLoad {
-        /// The file.
-        path: PathBuf,
-        /// What changed.
-        what: String,
-    },
+    /// The batch loader: records, batches, workers ([`gpufeed_data::Error`]).
+    #[cfg(feature = "data")]
+    #[error(transparent)]
+    Data(gpufeed_data::Error),
 
-    /// A [`crate::RegisteredFile`] whose file was replaced, truncated or written since it
-    /// was registered: the pages kept may no longer be the file's, so nothing was loaded (or
-    /// what was loaded was dropped).
-    #[error(
-        "{} changed since it was registered ({what}): the page-locked pages may no longer be \
-         the file's; drop the RegisteredFile and register the file again",
-        .path.display()
-    )]
-    RegisteredFileChanged {
-        /// The file.
-        path: PathBuf,
-        /// What changed.
-        what: String,
-    },
+    /// Several GPUs: ranks that failed or disagree ([`gpufeed_multi::Error`]).
+    #[cfg(feature = "multi")]
+    #[error(transparent)]
+    Multi(gpufeed_multi::Error),
 
-    /// A sharded checkpoint's index that cannot be used.
-    #[error("{}: bad checkpoint index: {reason}", .path.display())]
-    Index {
-        /// The index file.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
-    },
-
-    /// A sharded checkpoint whose files are not all of the save its index names: a save was
-    /// stopped between files, or a file was replaced on its own. Nothing was loaded.
-    #[error(
-        "{}: the checkpoint mixes versions: {} {} not of the save the index names ({index_save}); \
-         save the checkpoint again, or restore the files of one save",
-        .index.display(),
-        files.iter().map(|(p, why)| format!("{} ({why})", p.display())).collect::<Vec<_>>().join(", "),
-        if files.len() == 1 { "is" } else { "are" }
-    )]
-    MixedCheckpoint {
-        /// The index file.
-        index: PathBuf,
-        /// The save the index records (`metadata.gpufeed_save_id`).
-        index_save: String,
-        /// Each file that does not belong to it, and why.
-        files: Vec<(PathBuf, String)>,
-    },
-
-    /// A record file that cannot be used.
-    #[error("{}: {reason}", .path.display())]
-    Records {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
-    },
-
-    /// Another rank of a job failed its part of a collective load ([`crate::multi::RankLoader`]);
-    /// its own process says why.
-    #[error("rank {rank} failed its part of the load (its own output says why); nothing was kept")]
-    RankFailed {
-        /// The rank.
-        rank: usize,
-    },
-
-    /// The ranks of a job were given different inputs for one collective load.
-    #[error(
-        "rank {rank} was given another {what} than rank 0: every rank must pass the same one, \
-         in the same order of calls"
-    )]
-    RanksDisagree {
-        /// The first rank that differs.
-        rank: usize,
-        /// What differs.
-        what: &'static str,
-    },
-
-    /// A setting that cannot work (an option, a size, `RANK`/`WORLD_SIZE`): the message says
-    /// which and what to write instead.
-    #[error("invalid setting: {0}")]
-    InvalidSetting(String),
-
-    /// A thread gpufeed needs could not be started (the process's thread limit?).
-    #[error("could not start {what}: {source}; the process may be at its thread limit (ulimit -u)")]
-    ThreadStart {
-        /// The thread's job.
-        what: &'static str,
-        /// The error of `std::thread::Builder::spawn`.
-        #[source]
-        source: std::io::Error,
-    },
-
-    /// A thread of gpufeed panicked (a bug: please report it with the message logged above).
-    #[error("{what} panicked; what it was doing was abandoned")]
-    ThreadPanicked {
-        /// The thread's job.
-        what: &'static str,
-    },
-
-    /// A batch that a worker process wrote into the shared ring cannot be read: its slot is
-    /// malformed, out of range or of another epoch (another process writes these bytes, so
-    /// they are checked like input).
-    #[error("a batch from a worker process is malformed: {reason}")]
-    MalformedBatch {
-        /// What is wrong with it.
-        reason: String,
-    },
-
-    /// A result computed on the GPU differs from the CPU's reference for the same input (a
-    /// sampled check of the frame pipeline's kernel): a bug or a faulty GPU, never input.
-    #[error("the GPU's result differs from the CPU's reference: {what}")]
-    ResultMismatch {
-        /// Where: the frame, plane, row and pixel.
-        what: String,
-    },
-
-    /// The batch loader's worker threads stopped before the epoch ended.
-    #[error("the batch workers stopped before the epoch ended")]
-    WorkersStopped,
-
-    /// A user transform failed (or panicked) on a record.
-    #[error("transform failed on record {record}: {message}")]
-    Transform {
-        /// The record's index.
-        record: usize,
-        /// The transform's error, or its panic message.
-        message: String,
-        /// Whether it panicked (which ends the epoch) rather than returned an error.
-        panicked: bool,
-    },
-
-    /// A batch was not ready in time: a worker is stuck (a transform that never returns?).
-    #[error(
-        "batch {batch} was not ready after {ms} ms: a worker is stuck (a transform that never \
-         returns?); raise LoaderConfig::batch_timeout if batches really take this long"
-    )]
-    BatchTimeout {
-        /// The batch's number in its epoch.
-        batch: usize,
-        /// The bound waited.
-        ms: u128,
-    },
-
-    /// A batch of worker processes did not come to a
-    /// [`RingLoader`](crate::dataset::ring::RingLoader) in time: the worker that makes it is
-    /// hung, stopped or far behind the others, whose later batches the loader held meanwhile
-    /// (at most its window copied out, the rest left in their ring slots).
-    #[error(
-        "batch {batch} did not come from the ring {}: {} is hung, stopped or far behind the \
-         others, whose {held} later batches were waiting for it (a RingLoader copies at most \
-         its window of batches out of order, RingLoader::with_window)",
-        waited_for(*.ms, *.stalled),
-        made_by(*.worker, *.workers)
-    )]
-    RingBatchMissing {
-        /// The batch's number in its epoch.
-        batch: usize,
-        /// The worker that makes it (`batch % workers`: `produce_epoch`'s share), where the
-        /// loader saw a slot of this epoch saying how many workers there are.
-        worker: Option<usize>,
-        /// The number of workers, from the slots of this epoch (`None`: no slot came).
-        workers: Option<usize>,
-        /// Later batches the loader held when it gave up (released with the error).
-        held: usize,
-        /// How long it waited for the batch.
-        ms: u128,
-        /// Whether it gave up before its timeout because every slot of the ring held a later
-        /// batch, so that no worker could publish the one it needed.
-        stalled: bool,
-    },
-
-    /// A worker process ([`produce_epoch`](crate::dataset::ring::produce_epoch)) gave up on a
-    /// batch that its trainer's [`RingLoader`](crate::dataset::ring::RingLoader) was not ready
-    /// for: the loader lets workers run at most its window ahead of the batch it waits for,
-    /// and it did not come within reach of this one in time (the batch it waits for is late:
-    /// its worker is hung or far slower; or the trainer stopped taking batches), or it ended
-    /// the epoch (an error, or it stopped reading) or went on to another first.
-    #[error(
-        "worker {worker} gave up on batch {batch} of epoch {epoch} after {ms} ms: {}",
-        held_back(*.epoch, *.reading, *.position, *.window, *.ended)
-    )]
-    RingWorkerHeldBack {
-        /// The worker's epoch.
-        epoch: u64,
-        /// The batch it was to produce.
-        batch: usize,
-        /// The worker.
-        worker: usize,
-        /// The epoch the trainer read when the worker gave up (`None`: between epochs).
-        reading: Option<u64>,
-        /// The batch the trainer waited for in that epoch.
-        position: u64,
-        /// How many batches past it the trainer lets workers produce.
-        window: u64,
-        /// How long the worker waited.
-        ms: u128,
-        /// Whether the trainer ended this epoch (or went on to another) after the worker had
-        /// seen it read it; otherwise the wait timed out (`WorkerShare::with_timeout`).
-        ended: bool,
-    },
+    /// The case studies ([`gpufeed_frames::Error`]).
+    #[cfg(feature = "frames")]
+    #[error(transparent)]
+    Frames(gpufeed_frames::Error),
 }
 
-/// What the trainer did while a worker of [`Error::RingWorkerHeldBack`] waited.
-fn held_back(epoch: u64, reading: Option<u64>, position: u64, window: u64, ended: bool) -> String {
-    match (ended, reading) {
-        (true, _) => format!(
-            "the trainer ended epoch {epoch} (it failed, or stopped reading it) or went on to \
-             another before it could take this batch"
-        ),
-        (false, Some(r)) if r == epoch => format!(
-            "the trainer still waited for batch {position} and takes at most {window} batches \
-             ahead of the one it waits for (RingLoader::with_window): the worker of batch \
-             {position} is hung, stopped or far behind, or the trainer stopped taking batches"
-        ),
-        (false, Some(r)) => format!(
-            "the trainer reads epoch {r}, not {epoch}: this worker is of another epoch than its \
-             trainer's"
-        ),
-        (false, None) => format!(
-            "the trainer did not begin epoch {epoch} (between epochs it lets workers produce \
-             batches 0 to {window} only)"
-        ),
+gpufeed_load::load_error_conversions!(Error);
+
+#[cfg(feature = "safetensors")]
+impl From<gpufeed_safetensors::Error> for Error {
+    fn from(e: gpufeed_safetensors::Error) -> Self {
+        match e {
+            gpufeed_safetensors::Error::Load(e) => Error::Load(e),
+            other => Error::Safetensors(other),
+        }
     }
 }
 
-/// How long a [`Error::RingBatchMissing`] waited, and why it stopped.
-fn waited_for(ms: u128, stalled: bool) -> String {
-    if stalled {
-        format!(
-            "after {ms} ms, and cannot: every slot of the ring holds a later batch, so no worker \
-             can publish it"
-        )
-    } else {
-        format!("within {ms} ms")
+#[cfg(feature = "data")]
+impl From<gpufeed_data::Error> for Error {
+    fn from(e: gpufeed_data::Error) -> Self {
+        match e {
+            gpufeed_data::Error::Load(e) => Error::Load(e),
+            gpufeed_data::Error::Ipc(e) => Error::Ipc(e),
+            other => Error::Data(other),
+        }
     }
 }
 
-/// Who makes the batch of a [`Error::RingBatchMissing`].
-fn made_by(worker: Option<usize>, workers: Option<usize>) -> String {
-    match (worker, workers) {
-        (Some(w), Some(n)) => format!("worker {w} of {n}, which makes it,"),
-        _ => "the worker that makes it".to_owned(),
+#[cfg(feature = "multi")]
+impl From<gpufeed_multi::Error> for Error {
+    fn from(e: gpufeed_multi::Error) -> Self {
+        match e {
+            gpufeed_multi::Error::Load(e) => Error::Load(e),
+            gpufeed_multi::Error::Ipc(e) => Error::Ipc(e),
+            gpufeed_multi::Error::Safetensors(e) => e.into(),
+            other => Error::Multi(other),
+        }
+    }
+}
+
+#[cfg(feature = "frames")]
+impl From<gpufeed_frames::Error> for Error {
+    fn from(e: gpufeed_frames::Error) -> Self {
+        match e {
+            gpufeed_frames::Error::Load(e) => Error::Load(e),
+            gpufeed_frames::Error::Ipc(e) => Error::Ipc(e),
+            gpufeed_frames::Error::Data(e) => e.into(),
+            other => Error::Frames(other),
+        }
     }
 }
 
 impl Error {
     /// Whether the error means no GPU can be used here (no driver, no device).
     pub fn is_no_gpu(&self) -> bool {
+        matches!(self, Error::Load(e) if e.is_no_gpu())
+    }
+
+    /// The load's error, where it is one ([`Error::Load`]): the files, reads, pinned memory,
+    /// GPU and settings errors of every capability.
+    pub fn as_load(&self) -> Option<&gpufeed_load::Error> {
         match self {
-            Error::Cuda(e) => e.is_no_gpu(),
-            Error::Pinned(gpufeed_pinned::Error::NoCudaDriver) => true,
-            _ => false,
+            Error::Load(e) => Some(e),
+            _ => None,
         }
     }
 }

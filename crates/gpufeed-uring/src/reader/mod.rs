@@ -12,7 +12,6 @@ use session::Session;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use gpufeed_os::{AlignedBuf, Fallback, Refused};
@@ -163,9 +162,21 @@ impl Reader {
     /// `NotFound`, `IsDirectory`, `NotRegularFile` (as [`Error::Os`]), and
     /// [`Error::DirectUnsupported`] for [`Direct::On`] on a file system that refuses it.
     pub fn open(&mut self, path: impl AsRef<Path>) -> Result<FileId> {
-        let path = path.as_ref();
-        let (file, _) = gpufeed_os::file::open_regular(path, false)?;
-        let (file, direct, reason) = self.choose_direct(path, file)?;
+        let opened = gpufeed_os::OpenedFile::open(path)?;
+        self.open_opened(&opened)
+    }
+
+    /// [`Reader::open`] of a file already opened ([`gpufeed_os::OpenedFile`]: a load that
+    /// opened its file once): buffered reads go through a duplicate of its descriptor, and an
+    /// `O_DIRECT` descriptor is opened through `/proc/self/fd`, so the path is never looked up
+    /// again and every read is of the file opened.
+    ///
+    /// # Errors
+    /// As for [`Reader::open`].
+    pub fn open_opened(&mut self, opened: &gpufeed_os::OpenedFile) -> Result<FileId> {
+        let path = opened.path();
+        let file = opened.duplicate()?;
+        let (file, direct, reason) = self.choose_direct(opened, file)?;
         let slot = match self.files.iter().position(Option::is_none) {
             Some(free) => free,
             None => {
@@ -223,7 +234,12 @@ impl Reader {
 
     /// Decides O_DIRECT for one file: returns the file to read, its (offset, memory)
     /// alignment when direct, and why not when not.
-    fn choose_direct(&self, path: &Path, buffered: File) -> Result<DirectChoice> {
+    fn choose_direct(
+        &self,
+        opened: &gpufeed_os::OpenedFile,
+        buffered: File,
+    ) -> Result<DirectChoice> {
+        let path = opened.path();
         if self.cfg.direct == Direct::Off {
             return Ok((buffered, None, Some("Direct::Off".into())));
         }
@@ -263,10 +279,7 @@ impl Reader {
         {
             Err(io::Error::from_raw_os_error(libc::EINVAL))
         } else {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(path)
+            opened.reopen(libc::O_DIRECT)
         };
         match opened {
             Ok(direct) => {

@@ -134,7 +134,7 @@ fn a_file_that_changes_after_listing_is_named() {
     f.set_len((r.end - r.start) / 2).expect("truncate");
     let e = list.read_into(&mut all).expect_err("a truncated file");
     assert!(
-        matches!(&e, gpufeed::Error::Read(gpufeed::uring::Error::UnexpectedEof { path, .. }) if path == cut),
+        matches!(&e, gpufeed::load::Error::Read(gpufeed::uring::Error::UnexpectedEof { path, .. }) if path == cut),
         "{e:?}"
     );
 }

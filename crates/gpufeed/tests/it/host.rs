@@ -1,7 +1,8 @@
 //! Without a GPU: errors of GPU calls, and byte-exact host pipelines.
 
+use gpufeed::Gpu;
+use gpufeed::dataset::Error;
 use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
-use gpufeed::{Error, Gpu};
 
 use crate::random_bytes;
 
@@ -527,7 +528,10 @@ fn owned_host_epochs_match_borrowed_ones_and_resume() {
             .map(|_| ())
             .expect_err("refused")
             .into();
-        assert!(matches!(e, Error::InvalidSetting(_)), "{e:?}");
+        assert!(
+            matches!(e, Error::Load(gpufeed::load::Error::InvalidSetting(_))),
+            "{e:?}"
+        );
     }
     // The fixed-size transform's batches are the appending one's, byte for byte.
     let bytes = |kind| {

@@ -1,20 +1,12 @@
-//! Integration tests of the facade. GPU tests skip with a printed reason where no GPU is
+//! Integration tests of the facade: loads, checkpoints and batches together, through the
+//! paths a user of `gpufeed` takes (each capability crate has its own tests as well). GPU tests skip with a printed reason where no GPU is
 //! usable, and fail instead when GPUFEED_REQUIRE_GPU=1 (how they run on the GPU machine).
 
-mod direct;
-mod elastic;
 mod files;
-mod frames;
 mod gpu;
 mod host;
-mod hybrid;
-mod multi;
 mod oneshot;
-mod registered;
 mod save;
-mod sharded;
-mod sources;
-mod workers;
 
 use gpufeed::Gpu;
 

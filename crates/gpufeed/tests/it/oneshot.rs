@@ -2,7 +2,8 @@
 //! device is a clear error, and no thread is left behind (the thread opening the GPU is always
 //! joined). Run in a child process, whose thread count no other test moves.
 
-use gpufeed::Error;
+use gpufeed::load::Error;
+use gpufeed::safetensors::Error as CkptError;
 
 const DISPATCHER: &str = "oneshot::child_dispatcher";
 
@@ -62,7 +63,7 @@ fn child_dispatcher() {
         .map(|_| ())
         .unwrap_err();
     assert!(
-        matches!(err, Error::Safetensors { .. }),
+        matches!(err, CkptError::Safetensors { .. }),
         "a file that is no checkpoint is said so first: {err:?}"
     );
     assert_eq!(
@@ -91,7 +92,7 @@ fn child_dispatcher() {
             .map(|_| ())
             .unwrap_err();
         match &err {
-            Error::Safetensors { path, reason } => {
+            CkptError::Safetensors { path, reason } => {
                 assert_eq!(path, &bad);
                 assert!(reason.contains("header"), "{reason}");
             }
@@ -101,7 +102,10 @@ fn child_dispatcher() {
             .map(|_| ())
             .unwrap_err();
         assert!(
-            matches!(err, Error::Os(gpufeed::os::Error::NotFound { .. })),
+            matches!(
+                err,
+                CkptError::Load(Error::Os(gpufeed::os::Error::NotFound { .. }))
+            ),
             "{err:?}"
         );
         assert_eq!(

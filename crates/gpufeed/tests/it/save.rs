@@ -144,7 +144,13 @@ fn tensors_that_do_not_match_their_shape_are_refused_and_nothing_is_written() {
     ];
     for (t, why) in cases {
         let err = save(&saver, &[t], None, &path).unwrap_err();
-        assert!(matches!(err, gpufeed::Error::InvalidSetting(_)), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                gpufeed::safetensors::Error::Load(gpufeed::load::Error::InvalidSetting(_))
+            ),
+            "{err:?}"
+        );
         assert!(err.to_string().contains(why), "{err}");
     }
     let t = SaveTensor {
@@ -161,14 +167,17 @@ fn tensors_that_do_not_match_their_shape_are_refused_and_nothing_is_written() {
         .save_bytes(b"x", dir.path().join("missing/f.bin"))
         .unwrap_err();
     assert!(
-        matches!(err, gpufeed::Error::Os(gpufeed::os::Error::NotFound { .. })),
+        matches!(
+            err,
+            gpufeed::load::Error::Os(gpufeed::os::Error::NotFound { .. })
+        ),
         "{err:?}"
     );
     let err = saver.save_bytes(b"x", dir.path()).unwrap_err();
     assert!(
         matches!(
             err,
-            gpufeed::Error::Os(gpufeed::os::Error::IsDirectory { .. })
+            gpufeed::load::Error::Os(gpufeed::os::Error::IsDirectory { .. })
         ),
         "{err:?}"
     );
@@ -191,7 +200,10 @@ fn a_full_file_system_is_a_clear_error_and_the_old_file_stays() {
     std::fs::write(&path, &old).expect("old");
     let err = saver().save_bytes(&vec![7u8; 4 << 20], &path).unwrap_err();
     assert!(
-        matches!(err, gpufeed::Error::Os(gpufeed::os::Error::NoSpace { .. })),
+        matches!(
+            err,
+            gpufeed::load::Error::Os(gpufeed::os::Error::NoSpace { .. })
+        ),
         "{err:?}"
     );
     assert!(err.to_string().contains("left as it was"), "{err}");
@@ -562,7 +574,7 @@ fn a_writer_descriptor_that_is_another_file_is_refused() {
 /// `/proc/<pid>/task/<pid>/fd/<n>` (the real descriptor) and a link to a file outside.
 #[test]
 fn direct_swap_child() {
-    use gpufeed::Error;
+    use gpufeed::load::Error;
     use std::os::fd::AsRawFd;
     use std::sync::atomic::{AtomicBool, Ordering};
     if std::env::var(gpufeed_testkit::CHILD_ROLE).as_deref() != Ok("direct-swap") {
@@ -638,7 +650,7 @@ fn direct_swap_child() {
                     let back = std::fs::read(&target).expect("read");
                     assert!(back == data, "save {i} returned Ok with other bytes");
                 }
-                Err(Error::Os(gpufeed_os::Error::UnsafeTemporary { reason, .. }))
+                Err(Error::Os(gpufeed::os::Error::UnsafeTemporary { reason, .. }))
                     if reason.contains("O_DIRECT") =>
                 {
                     direct_refused += 1;

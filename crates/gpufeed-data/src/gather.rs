@@ -1,0 +1,507 @@
+//! The worker threads of a [`BatchLoader`]: each gathers a batch's records (out of the mapping,
+//! with `O_DIRECT` reads, or file by file), transforms them and issues the upload.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::mpsc::{self};
+use std::time::Instant;
+
+use gpufeed_cuda::TransferScheduler;
+use gpufeed_pinned::{PinnedPool, PooledBuffer};
+use gpufeed_uring::{Direct, Reader};
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::folder::ImageFolder;
+use crate::loader::{BatchData, Scratch, Transform, TransformInto, Transformer};
+use crate::records::{Dataset, RecordFile, Source};
+
+pub(crate) struct Queue {
+    pub(crate) jobs: VecDeque<(usize, Vec<usize>)>,
+    pub(crate) stop: bool,
+}
+
+pub(crate) struct Shared {
+    pub(crate) queue: Mutex<Queue>,
+    pub(crate) ready: Condvar,
+}
+
+/// A prepared batch: record indices, offsets, the bytes (on the GPU where there is one), the
+/// seconds issuing its upload took, and the event that completes when its bytes are on the
+/// GPU.
+pub(crate) type Gathered = (
+    Vec<usize>,
+    Vec<usize>,
+    BatchData,
+    f64,
+    Option<gpufeed_cuda::cudarc::driver::CudaEvent>,
+);
+pub(crate) type Prepared = (usize, Result<Gathered>);
+
+/// What a worker thread prepares batches from.
+pub(crate) struct Job<'a> {
+    pub(crate) records: &'a Dataset,
+    pub(crate) pool: &'a PinnedPool,
+    pub(crate) transform: Option<&'a Transformer>,
+    /// Where there is a GPU: each worker uploads the batch it gathered, so that the uploads
+    /// of several batches overlap each other and the gathering of the next ones.
+    pub(crate) sched: Option<&'a TransferScheduler>,
+    /// With [`LoaderConfig::direct`]: records are read with `O_DIRECT`, counted here, this
+    /// many in flight ([`LoaderConfig::direct_depth`]).
+    pub(crate) direct: Option<(&'a DirectCounters, usize)>,
+}
+
+pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
+    let Job {
+        records,
+        pool,
+        transform,
+        sched,
+        direct,
+    } = *job;
+    // A folder's files are read with one io_uring reader per worker, kept for the epoch; so
+    // are the O_DIRECT reader and its open files.
+    let mut reader = None;
+    let mut direct_reader = None;
+    let mut scratch = Scratch::default();
+    loop {
+        let (number, indices) = {
+            let mut q = shared.queue.lock();
+            loop {
+                if q.stop {
+                    return;
+                }
+                if let Some(j) = q.jobs.pop_front() {
+                    break j;
+                }
+                shared.ready.wait(&mut q);
+            }
+        };
+        let out = Out {
+            pool,
+            transform,
+            scratch: &mut scratch,
+        };
+        let result = match (records, direct) {
+            (Dataset::Records(r), Some(d)) => {
+                gather_direct(r, &mut direct_reader, d, out, &indices)
+            }
+            (Dataset::Shards(s), Some(d)) => gather_direct(s, &mut direct_reader, d, out, &indices),
+            (Dataset::Records(r), None) => gather(r, out, &indices),
+            (Dataset::Shards(s), None) => gather(s, out, &indices),
+            (Dataset::Folder(f), _) => gather_files(f, &mut reader, out, &indices),
+        }
+        .and_then(|(offsets, mut buf)| {
+            let Some(sched) = sched else {
+                return Ok((indices, offsets, BatchData::Host(buf), 0.0, None));
+            };
+            // Issued, not waited for: the worker gathers its next batch while the copy runs;
+            // the consumer waits for the event before it hands the batch out, and the pool
+            // for the copy before it hands `buf` out again.
+            let t = Instant::now();
+            let (d, done) = sched.upload_pooled_async(&mut buf)?;
+            Ok((
+                indices,
+                offsets,
+                BatchData::Device(d),
+                t.elapsed().as_secs_f64(),
+                Some(done),
+            ))
+        });
+        if tx.send((number, result)).is_err() {
+            return;
+        }
+    }
+}
+
+/// A record's parts as one slice: the part itself, or the parts copied into `scratch` (a tar
+/// sample's members, for a transform that takes one slice).
+pub(crate) fn contiguous<'a>(parts: &[&'a [u8]], scratch: &'a mut Vec<u8>) -> &'a [u8] {
+    match parts {
+        [one] => one,
+        many => {
+            scratch.clear();
+            many.iter().for_each(|m| scratch.extend_from_slice(m));
+            scratch
+        }
+    }
+}
+
+/// Runs the user's transform on record `i`: its error, or its panic, becomes
+/// [`Error::Transform`] (a panic must not kill the worker, which would leave the epoch waiting
+/// for a batch that nobody makes).
+pub(crate) fn run_transform(f: &Transform, i: usize, r: &[u8], out: &mut Vec<u8>) -> Result<()> {
+    caught(i, || f(i, r, out))
+}
+
+/// Runs the user's fixed-size transform on record `i` into `out`, as [`run_transform`].
+pub(crate) fn run_transform_into(
+    f: &TransformInto,
+    i: usize,
+    r: &[u8],
+    out: &mut [u8],
+) -> Result<()> {
+    caught(i, || f(i, r, out))
+}
+
+/// Runs a transform of record `i`: its error, or its panic, becomes [`Error::Transform`].
+pub(crate) fn caught(
+    i: usize,
+    call: impl FnOnce() -> std::result::Result<(), String>,
+) -> Result<()> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(message)) => Err(Error::Transform {
+            record: i,
+            message,
+            panicked: false,
+        }),
+        Err(payload) => Err(Error::Transform {
+            record: i,
+            message: format!("it panicked: {}", panic_message(&*payload)),
+            panicked: true,
+        }),
+    }
+}
+
+/// The text of a panic's payload (`&str` or `String`; anything else unnamed).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// Where a worker puts a batch: a buffer of its pool, through the loader's transform, with
+/// the worker's scratch buffers.
+pub(crate) struct Out<'a> {
+    pub(crate) pool: &'a PinnedPool,
+    pub(crate) transform: Option<&'a Transformer>,
+    pub(crate) scratch: &'a mut Scratch,
+}
+
+/// Copies (and transforms) the records of one batch out of the file's mapping into a pooled
+/// buffer.
+pub(crate) fn gather(
+    records: &dyn Source,
+    out: Out<'_>,
+    indices: &[usize],
+) -> Result<(Vec<usize>, PooledBuffer)> {
+    let parts = indices
+        .iter()
+        .map(|&i| {
+            records.parts(i).ok_or_else(|| Error::Records {
+                path: records.path_of(i).into(),
+                reason: format!("record {i} does not exist"),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    assemble(parts, out, indices)
+}
+
+/// Copies (and transforms) the records `indices`, whose parts `parts` holds (one entry per
+/// index, in order), into a pooled buffer; returns each record's start in it, then the end of
+/// the last.
+pub(crate) fn assemble(
+    parts: Vec<Vec<&[u8]>>,
+    out: Out<'_>,
+    indices: &[usize],
+) -> Result<(Vec<usize>, PooledBuffer)> {
+    let Out {
+        pool,
+        transform,
+        scratch,
+    } = out;
+    let mut offsets = Vec::with_capacity(indices.len() + 1);
+    offsets.push(0);
+    match transform {
+        None => {
+            let total = parts.iter().flatten().map(|p| p.len()).sum::<usize>();
+            let mut buf = pool.get(total.max(1))?;
+            buf.set_len(total);
+            let mut at = 0;
+            for p in parts {
+                for r in p {
+                    buf[at..at + r.len()].copy_from_slice(r);
+                    at += r.len();
+                }
+                offsets.push(at);
+            }
+            Ok((offsets, buf))
+        }
+        Some(Transformer::Append(f)) => {
+            let Scratch { out, joined, .. } = scratch;
+            out.clear();
+            for (&i, p) in indices.iter().zip(&parts) {
+                run_transform(f, i, contiguous(p, joined), out)?;
+                offsets.push(out.len());
+            }
+            let mut buf = pool.get(out.len().max(1))?;
+            buf.set_len(out.len());
+            buf.copy_from_slice(out);
+            Ok((offsets, buf))
+        }
+        Some(Transformer::Into { bytes, f }) => {
+            let mut buf = sized_buffer(pool, *bytes, indices.len())?;
+            let joined = &mut scratch.joined;
+            for (k, (&i, p)) in indices.iter().zip(&parts).enumerate() {
+                let out = &mut buf[k * bytes..(k + 1) * bytes];
+                run_transform_into(f, i, contiguous(p, joined), out)?;
+            }
+            Ok((sized_offsets(*bytes, indices.len()), buf))
+        }
+    }
+}
+
+/// A pooled buffer for `records` outputs of `bytes` each ([`Transformer::Into`]).
+pub(crate) fn sized_buffer(
+    pool: &PinnedPool,
+    bytes: usize,
+    records: usize,
+) -> Result<PooledBuffer> {
+    let total = bytes.checked_mul(records).ok_or_else(|| {
+        Error::invalid(format!(
+            "{records} records of {bytes} bytes out of the transform do not fit in memory"
+        ))
+    })?;
+    let mut buf = pool.get(total.max(1))?;
+    buf.set_len(total);
+    Ok(buf)
+}
+
+/// The offsets of `records` outputs of `bytes` each, back to back.
+pub(crate) fn sized_offsets(bytes: usize, records: usize) -> Vec<usize> {
+    (0..=records).map(|k| k * bytes).collect()
+}
+
+/// A worker's `O_DIRECT` reader ([`LoaderConfig::direct`]) with the files it opened, by
+/// their number in the source, and the aligned buffer its batches' runs are read into (kept
+/// from batch to batch: a fresh one would be faulted in and zeroed for every batch).
+pub(crate) struct DirectReader {
+    pub(crate) reader: Reader,
+    pub(crate) open: std::collections::HashMap<usize, gpufeed_uring::FileId>,
+    pub(crate) scratch: gpufeed_os::AlignedBuf,
+}
+
+/// The `O_DIRECT` reads of a loader's workers, counted.
+#[derive(Debug, Default)]
+pub(crate) struct DirectCounters {
+    pub(crate) reads: std::sync::atomic::AtomicU64,
+    pub(crate) bytes: std::sync::atomic::AtomicU64,
+}
+
+/// The largest single `O_DIRECT` read of a batch's runs: a longer run is split.
+pub(crate) const DIRECT_MAX_READ: usize = 8 << 20;
+
+/// The page size `O_DIRECT` reads are aligned to.
+pub(crate) const DIRECT_ALIGN: usize = 4096;
+
+/// Checks that `records` can be read with `O_DIRECT` ([`LoaderConfig::direct`]): record files
+/// on file systems that allow it.
+pub(crate) fn check_direct(records: &Dataset) -> Result<()> {
+    let files: Vec<&RecordFile> = match records {
+        Dataset::Records(r) => vec![r],
+        Dataset::Shards(s) => s.shards().iter().collect(),
+        Dataset::Folder(_) => {
+            return Err(Error::invalid(
+                "LoaderConfig::direct reads record files; an ImageFolder's files are read whole already (leave direct off)".into(),
+            ));
+        }
+    };
+    for f in files {
+        let (file, _) = gpufeed_os::file::open_regular(f.path(), false)?;
+        if !gpufeed_os::align::dio_alignment(&file)?.supported() {
+            return Err(Error::from(gpufeed_uring::Error::DirectUnsupported {
+                path: f.path().into(),
+                reason: "the file system reports no O_DIRECT support (statx DIOALIGN = 0): leave LoaderConfig::direct off".into(),
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the records of one batch with `O_DIRECT` ([`LoaderConfig::direct`]): their byte
+/// ranges sorted by file and offset, ranges within a page of each other merged into runs,
+/// every run read (from the page holding its first byte) into an aligned buffer at once; then copied (and
+/// transformed) into a pooled buffer as [`gather`] does.
+pub(crate) fn gather_direct(
+    records: &dyn Source,
+    direct: &mut Option<DirectReader>,
+    (counters, depth): (&DirectCounters, usize),
+    out: Out<'_>,
+    indices: &[usize],
+) -> Result<(Vec<usize>, PooledBuffer)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let missing = |i: usize| Error::Records {
+        path: records.path_of(i).into(),
+        reason: format!("record {i} does not exist"),
+    };
+    // Each record's file and byte ranges, in the batch's order (located once, read below).
+    let located = indices
+        .iter()
+        .map(|&i| records.ranges(i).ok_or_else(|| missing(i)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut spans: Vec<(usize, usize, usize)> = located
+        .iter()
+        .flat_map(|(f, ranges)| ranges.iter().map(move |r| (*f, r.start, r.end)))
+        .collect();
+    spans.sort_unstable();
+    // Runs: (file, start, end), records within a page of each other read together.
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    for (f, a, b) in spans {
+        match runs.last_mut() {
+            Some(last) if last.0 == f && a <= last.2 + DIRECT_ALIGN => last.2 = last.2.max(b),
+            _ => runs.push((f, a, b)),
+        }
+    }
+    let dr = match direct {
+        Some(d) => d,
+        None => direct.insert(DirectReader {
+            reader: Reader::builder()
+                .direct(Direct::On)
+                .queue_depth(depth)
+                .block_bytes(DIRECT_MAX_READ)
+                .build()?,
+            open: std::collections::HashMap::new(),
+            scratch: gpufeed_os::AlignedBuf::new(DIRECT_ALIGN, DIRECT_ALIGN)?,
+        }),
+    };
+    // (file, offset of the run's first byte read, its place in the scratch buffer, bytes
+    // read): from the page holding the run's first byte (read straight into the buffer) to
+    // the run's last byte (the reader reads a last partial page through its own buffer).
+    let mut placed = Vec::with_capacity(runs.len());
+    let mut total = 0;
+    for &(f, a, b) in &runs {
+        let file = records.file(f).ok_or_else(|| Error::Records {
+            path: PathBuf::new(),
+            reason: format!("file {f} of the data set does not exist"),
+        })?;
+        if let std::collections::hash_map::Entry::Vacant(e) = dr.open.entry(f) {
+            e.insert(dr.reader.open(file.path())?);
+        }
+        let start = a / DIRECT_ALIGN * DIRECT_ALIGN;
+        placed.push((f, start, total, b - start));
+        total += (b - start).next_multiple_of(DIRECT_ALIGN);
+    }
+    if dr.scratch.len() < total {
+        // The old buffer goes first: two batches' worth at once is not needed.
+        dr.scratch = gpufeed_os::AlignedBuf::new(DIRECT_ALIGN, DIRECT_ALIGN)?;
+        dr.scratch = gpufeed_os::AlignedBuf::new(total, DIRECT_ALIGN)?;
+    }
+    let mut rest = &mut dr.scratch[..total];
+    let mut reads = Vec::with_capacity(placed.len());
+    for &(f, start, _, len) in &placed {
+        let (this, tail) =
+            std::mem::take(&mut rest).split_at_mut(len.next_multiple_of(DIRECT_ALIGN));
+        rest = tail;
+        if len > 0 {
+            reads.push((dr.open[&f], start as u64, &mut this[..len]));
+        }
+    }
+    dr.reader.read_exact_many(reads)?;
+    counters.reads.fetch_add(placed.len() as u64, Relaxed);
+    counters
+        .bytes
+        .fetch_add(placed.iter().map(|p| p.3 as u64).sum(), Relaxed);
+    let scratch = &dr.scratch[..total];
+    let placed = &placed;
+    let parts = indices
+        .iter()
+        .zip(&located)
+        .map(|(&i, (f, ranges))| {
+            ranges
+                .iter()
+                .map(|r| {
+                    if r.is_empty() {
+                        return Ok(&[][..]);
+                    }
+                    // The run holding it: the last run of file `f` starting at or before it.
+                    let k = placed.partition_point(|(pf, ps, ..)| (*pf, *ps) <= (*f, r.start));
+                    k.checked_sub(1)
+                        .map(|k| placed[k])
+                        .filter(|&(pf, ps, _, len)| pf == *f && r.end <= ps + len)
+                        .map(|(_, ps, at, _)| &scratch[at + r.start - ps..at + r.end - ps])
+                        .ok_or_else(|| missing(i))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    assemble(parts, out, indices)
+}
+
+/// Reads (and transforms) the files of one batch into a pooled buffer: straight into it
+/// without a transform; with one into the worker's scratch buffer, which the transform reads.
+pub(crate) fn gather_files(
+    folder: &ImageFolder,
+    reader: &mut Option<Reader>,
+    out: Out<'_>,
+    indices: &[usize],
+) -> Result<(Vec<usize>, PooledBuffer)> {
+    let Out {
+        pool,
+        transform,
+        scratch,
+    } = out;
+    let reader = match reader {
+        Some(r) => r,
+        None => reader.insert(
+            Reader::builder()
+                .direct(Direct::Off)
+                .queue_depth(32)
+                .async_buffered(false)
+                .build()?,
+        ),
+    };
+    let size = |i: usize| {
+        folder.sample_len(i).ok_or_else(|| Error::Records {
+            path: folder.root().into(),
+            reason: format!("sample {i} does not exist ({} samples)", folder.len()),
+        })
+    };
+    let mut offsets = Vec::with_capacity(indices.len() + 1);
+    offsets.push(0);
+    let mut at = 0usize;
+    for &i in indices {
+        at = at.checked_add(size(i)?).ok_or_else(|| Error::Records {
+            path: folder.root().into(),
+            reason: "a batch of its files is larger than this machine's memory".into(),
+        })?;
+        offsets.push(at);
+    }
+    let Some(transform) = transform else {
+        let mut buf = pool.get(at.max(1))?;
+        buf.set_len(at);
+        folder.read_samples(reader, indices, &mut buf)?;
+        return Ok((offsets, buf));
+    };
+    // Grown to the largest batch, never cleared: every byte used is read over.
+    if scratch.files.len() < at {
+        scratch.files.resize(at, 0);
+    }
+    let files = &mut scratch.files[..at];
+    folder.read_samples(reader, indices, files)?;
+    let file = |k: usize| &files[offsets[k]..offsets[k + 1]];
+    match transform {
+        Transformer::Append(f) => {
+            let out = &mut scratch.out;
+            out.clear();
+            let mut ends = vec![0];
+            for (k, &i) in indices.iter().enumerate() {
+                run_transform(f, i, file(k), out)?;
+                ends.push(out.len());
+            }
+            let mut buf = pool.get(out.len().max(1))?;
+            buf.set_len(out.len());
+            buf.copy_from_slice(out);
+            Ok((ends, buf))
+        }
+        Transformer::Into { bytes, f } => {
+            let mut buf = sized_buffer(pool, *bytes, indices.len())?;
+            for (k, &i) in indices.iter().enumerate() {
+                run_transform_into(f, i, file(k), &mut buf[k * bytes..(k + 1) * bytes])?;
+            }
+            Ok((sized_offsets(*bytes, indices.len()), buf))
+        }
+    }
+}

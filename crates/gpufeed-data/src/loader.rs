@@ -1,0 +1,562 @@
+//! The [`BatchLoader`] and its settings ([`LoaderConfig`]): batches of records assembled by
+//! worker threads into pinned buffers and uploaded, several in flight.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::sync::mpsc::{self};
+use std::time::Duration;
+
+use gpufeed_cuda::{Gpu, TransferConfig, TransferScheduler};
+use gpufeed_load::DeviceBuffer;
+use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
+use parking_lot::{Condvar, Mutex};
+
+use crate::epoch::{Epoch, NotStarted, OwnedEpoch, Running};
+use crate::error::{Error, Result};
+use crate::gather::{DirectCounters, Job, Queue, Shared, check_direct, worker};
+use crate::records::Dataset;
+use crate::sampler::{Order, Sampler};
+
+/// Where an elastic loader is: the epoch and how many samples of its global order all ranks
+/// together have consumed. Small and serializable (serde; JSON for a checkpoint beside the
+/// model's): a loader resumed from it ([`BatchLoader::resume`]), with the same or another
+/// world size that divides the global batch, yields exactly the rest of the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Position {
+    /// The epoch.
+    pub epoch: u64,
+    /// Samples of the epoch's global order consumed (a multiple of `global_batch`).
+    pub samples: u64,
+    /// Records in the data set (a resume on another data set is refused).
+    pub records: u64,
+    /// The order (a resume with another seed is refused).
+    pub order: Order,
+    /// Records per global batch.
+    pub global_batch: usize,
+}
+
+/// A per-record transform run on the worker threads: gets the record's index and bytes and
+/// appends its output to the vector.
+pub type Transform =
+    Arc<dyn Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String> + Send + Sync>;
+
+/// A per-record transform of a fixed output size run on the worker threads
+/// ([`BatchLoader::with_transform_into`]): gets the record's index and bytes and fills `out`,
+/// the record's place in the batch's pooled (pinned) buffer, so its output is written once.
+pub type TransformInto =
+    Arc<dyn Fn(usize, &[u8], &mut [u8]) -> std::result::Result<(), String> + Send + Sync>;
+
+/// The loader's transform, of either kind.
+#[derive(Clone)]
+pub(crate) enum Transformer {
+    /// Appends to a vector, copied into the batch's buffer after ([`BatchLoader::with_transform`]).
+    Append(Transform),
+    /// Writes `bytes` per record straight into the batch's buffer
+    /// ([`BatchLoader::with_transform_into`]).
+    Into { bytes: usize, f: TransformInto },
+}
+
+/// A worker's buffers, kept from batch to batch: a transform's output (before it is copied
+/// into the batch), a tar sample's members joined for a transform, and an image folder's files
+/// read for a transform (which writes the batch's buffer).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(crate) out: Vec<u8>,
+    pub(crate) joined: Vec<u8>,
+    pub(crate) files: Vec<u8>,
+}
+
+/// Settings of a [`BatchLoader`]: start from the default and change what you need (new
+/// settings may be added).
+///
+/// ```
+/// let cfg = gpufeed_data::LoaderConfig::default().with_batch_size(256).with_workers(8);
+/// assert_eq!((cfg.batch_size, cfg.workers, cfg.prefetch), (256, 8, 2));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LoaderConfig {
+    /// Records per batch.
+    pub batch_size: usize,
+    /// Drop a last batch smaller than `batch_size`.
+    pub drop_last: bool,
+    /// Batches prepared ahead of the one being consumed (default 2: double buffering). Each
+    /// is gathered (and, with a GPU, uploaded) by one worker: below `workers`, some workers
+    /// wait; the bench's rows use two per worker.
+    pub prefetch: usize,
+    /// Worker threads gathering records (default 2).
+    pub workers: usize,
+    /// Longest wait for one batch before [`Error::BatchTimeout`] ends the epoch (default 60 s).
+    pub batch_timeout: Duration,
+    /// Read the records with `O_DIRECT` instead of copying them out of the file's mapping
+    /// (default off): for record files and shard sets larger than the page cache, which would
+    /// otherwise be read a page fault at a time and push everything else out of the cache.
+    /// Each worker reads its batch's records in runs: records next to each other in the file
+    /// are read together (an order that keeps them together, [`Order::Blocks`], makes each
+    /// block one read), up to [`LoaderConfig::direct_depth`] of them in flight. Not for an
+    /// [`ImageFolder`] (whose files are read whole already). A file system that refuses
+    /// `O_DIRECT` is an error when the loader is made.
+    pub direct: bool,
+    /// With `direct`: reads each worker keeps in flight (default 4; at least 1). The disk sees
+    /// `workers * direct_depth` reads at once: local NVMe drives want deep queues, while
+    /// network and cloud volumes often read fastest at a few (bench table 7 measures it).
+    pub direct_depth: usize,
+}
+
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        LoaderConfig {
+            batch_size: 32,
+            drop_last: false,
+            prefetch: 2,
+            workers: 2,
+            batch_timeout: Duration::from_secs(60),
+            direct: false,
+            direct_depth: 4,
+        }
+    }
+}
+
+impl LoaderConfig {
+    /// These settings with `direct` (read records with `O_DIRECT`).
+    pub fn with_direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
+    }
+
+    /// These settings with `direct_depth` (`O_DIRECT` reads in flight per worker; at least 1).
+    pub fn with_direct_depth(mut self, depth: usize) -> Self {
+        self.direct_depth = depth.max(1);
+        self
+    }
+
+    /// These settings with `batch_size` (records per batch).
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// These settings with `drop_last` (drop a last, smaller batch).
+    pub fn with_drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// These settings with `prefetch` (batches prepared ahead).
+    pub fn with_prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// These settings with `workers` (worker threads).
+    pub fn with_workers(mut self, workers: usize) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// These settings with `batch_timeout` (longest wait for one batch).
+    pub fn with_batch_timeout(mut self, batch_timeout: Duration) -> Self {
+        self.batch_timeout = batch_timeout;
+        self
+    }
+}
+
+/// Where a batch's bytes are: on the GPU, or on the host without one (exhaustive: match both).
+#[derive(Debug)]
+pub enum BatchData {
+    /// In GPU memory.
+    Device(DeviceBuffer),
+    /// In a pooled host buffer (no GPU): pinned, or locked in CPU mode.
+    Host(PooledBuffer),
+}
+
+/// One batch: the records' bytes back to back, with their indices and offsets.
+#[derive(Debug)]
+pub struct Batch {
+    /// The epoch.
+    pub epoch: u64,
+    /// The batch's number in its epoch.
+    pub number: usize,
+    /// The record indices, in order.
+    pub indices: Vec<usize>,
+    /// Start of each record's bytes in the batch, then the end of the last.
+    pub offsets: Vec<usize>,
+    /// Each sample's label, for an [`ImageFolder`] (its class); empty for record files.
+    /// Host memory: a few bytes per sample, copied where the caller needs them.
+    pub labels: Vec<u32>,
+    /// The bytes.
+    pub data: BatchData,
+}
+
+impl Batch {
+    /// Bytes in the batch.
+    pub fn bytes(&self) -> usize {
+        *self.offsets.last().unwrap_or(&0)
+    }
+}
+
+/// Counters of a [`BatchLoader`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LoaderStats {
+    /// Batches yielded.
+    pub batches: u64,
+    /// Bytes yielded.
+    pub bytes: u64,
+    /// Seconds the workers spent issuing uploads, summed (a worker does not wait for its copy:
+    /// it gathers the next batch while the copy runs).
+    pub upload_s: f64,
+    /// Seconds the consumer waited for workers and for batches' copies to end.
+    pub waited_s: f64,
+    /// With [`LoaderConfig::direct`]: `O_DIRECT` reads issued (one per run of records next to
+    /// each other in a file, per batch) and the bytes they read (from the 4 KiB page holding
+    /// each run's first byte; against `bytes`, what alignment and records read twice cost).
+    pub direct_reads: u64,
+    /// See `direct_reads`.
+    pub direct_read_bytes: u64,
+}
+
+/// Yields batches of a [`RecordFile`] or an [`ImageFolder`] in the [`Sampler`]'s order, on the GPU (or, without one,
+/// in host memory), with workers preparing the next batches while the current ones upload.
+///
+/// # Example (runs without a GPU: host batches)
+/// ```
+/// use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+/// # let dir = tempfile::tempdir()?;
+/// # let path = dir.path().join("records.bin");
+/// std::fs::write(&path, (0..100u8).collect::<Vec<_>>())?;
+/// // SAFETY: the file is not changed while it is used.
+/// let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 10 records of 10 bytes
+/// let sampler = Sampler::new(Order::Shuffled { seed: 7 });
+/// let cfg = LoaderConfig::default().with_batch_size(4);
+/// let mut loader = BatchLoader::new(records, sampler, cfg, None)?;
+/// let sizes: Vec<usize> = loader.epoch(0)?.map(|b| b.map(|b| b.indices.len())).collect::<Result<_, _>>()?;
+/// assert_eq!(sizes, [4, 4, 2]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct BatchLoader {
+    pub(crate) records: Arc<Dataset>,
+    pub(crate) sampler: Sampler,
+    pub(crate) cfg: LoaderConfig,
+    pub(crate) transform: Option<Transformer>,
+    pub(crate) pool: PinnedPool,
+    /// The GPU and the scheduler the workers upload their batches through.
+    pub(crate) gpu: Option<(Gpu, Arc<TransferScheduler>)>,
+    pub(crate) stats: LoaderStats,
+    /// The workers' `O_DIRECT` reads ([`LoaderConfig::direct`]).
+    pub(crate) direct: Arc<DirectCounters>,
+}
+
+impl std::fmt::Debug for BatchLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchLoader")
+            .field("records", &self.records.len())
+            .field("cfg", &self.cfg)
+            .field("gpu", &self.gpu.is_some())
+            .finish()
+    }
+}
+
+impl BatchLoader {
+    /// A loader of `records` (a [`RecordFile`] or an [`ImageFolder`]) onto `gpu` (or host
+    /// batches with `None`).
+    ///
+    /// With an elastic sampler ([`Sampler::elastic`]) the batch size is the sampler's per-rank
+    /// batch and `drop_last` the sampler's (`cfg`'s are replaced).
+    pub fn new(
+        records: impl Into<Dataset>,
+        sampler: Sampler,
+        mut cfg: LoaderConfig,
+        gpu: Option<&Gpu>,
+    ) -> Result<Self> {
+        (cfg.batch_size, cfg.drop_last) = sampler.batching(&cfg);
+        if cfg.batch_size == 0 || cfg.workers == 0 || cfg.prefetch == 0 {
+            return Err(Error::invalid(
+                "batch_size, workers and prefetch must be at least 1".into(),
+            ));
+        }
+        let records = records.into();
+        if cfg.direct {
+            check_direct(&records)?;
+        }
+        let node = gpu.and_then(|g| g.info().numa_node);
+        let pool_cfg = PoolConfig::default()
+            .with_budget_bytes(None)
+            .with_numa_node(node);
+        let (pool, gpu) = match gpu {
+            Some(g) => {
+                let sched = TransferScheduler::new(g, TransferConfig::default())?;
+                (
+                    PinnedPool::new(PoolMode::Cuda(g.context().clone()), pool_cfg)?,
+                    Some((g.clone(), Arc::new(sched))),
+                )
+            }
+            None => (PinnedPool::new(PoolMode::Cpu, pool_cfg)?, None),
+        };
+        Ok(BatchLoader {
+            records: Arc::new(records),
+            sampler,
+            cfg,
+            transform: None,
+            pool,
+            gpu,
+            stats: LoaderStats::default(),
+            direct: Arc::new(DirectCounters::default()),
+        })
+    }
+
+    /// Applies `f` to every record on the worker threads: it appends the record's output to
+    /// the vector, which is then copied into the batch's pooled buffer (a transform of a fixed
+    /// output size writes that buffer itself: [`BatchLoader::with_transform_into`]). Replaces
+    /// a transform set before.
+    pub fn with_transform(
+        mut self,
+        f: impl Fn(usize, &[u8], &mut Vec<u8>) -> std::result::Result<(), String>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.transform = Some(Transformer::Append(Arc::new(f)));
+        self
+    }
+
+    /// Applies `f`, whose output is `out_bytes` for every record (a decode to a fixed shape, a
+    /// conversion of fixed records), to every record on the worker threads: it writes the
+    /// record's output straight into `out`, the record's `out_bytes` of the batch's pooled
+    /// (pinned) buffer, and must fill them (they hold what the buffer last held). Each batch
+    /// is then `out_bytes` per record, its offsets multiples of it; errors and panics are as
+    /// for [`BatchLoader::with_transform`]. Replaces a transform set before.
+    ///
+    /// ```
+    /// use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("records.bin");
+    /// std::fs::write(&path, (0..12u8).collect::<Vec<_>>())?;
+    /// // SAFETY: the file is not changed while it is used.
+    /// let records = unsafe { RecordFile::open_fixed(&path, 3)? }; // 4 records of 3 bytes
+    /// let cfg = LoaderConfig::default().with_batch_size(4);
+    /// let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)?
+    ///     // Each record's bytes summed into one little-endian u16.
+    ///     .with_transform_into(2, |_, r, out| {
+    ///         let sum: u16 = r.iter().map(|&b| u16::from(b)).sum();
+    ///         out.copy_from_slice(&sum.to_le_bytes());
+    ///         Ok(())
+    ///     });
+    /// let batch = loader.epoch(0)?.next().transpose()?.expect("a batch");
+    /// let BatchData::Host(buf) = &batch.data else { unreachable!("no GPU given") };
+    /// assert_eq!(&buf[..], &[3, 0, 12, 0, 21, 0, 30, 0]);
+    /// assert_eq!(batch.offsets, [0, 2, 4, 6, 8]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_transform_into(
+        mut self,
+        out_bytes: usize,
+        f: impl Fn(usize, &[u8], &mut [u8]) -> std::result::Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.transform = Some(Transformer::Into {
+            bytes: out_bytes,
+            f: Arc::new(f),
+        });
+        self
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> &LoaderStats {
+        &self.stats
+    }
+
+    /// Number of batches in an epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        let n = self.sampler.epoch(self.records.len(), 0).len();
+        if self.cfg.drop_last {
+            n / self.cfg.batch_size
+        } else {
+            n.div_ceil(self.cfg.batch_size)
+        }
+    }
+
+    /// The batches of `epoch`, in order.
+    pub fn epoch(&mut self, epoch: u64) -> Result<Epoch<'_>> {
+        let run = self.start(epoch, 0)?;
+        Ok(Epoch { run, loader: self })
+    }
+
+    /// The batches of `epoch`, in order, as [`BatchLoader::epoch`] yields them, in an epoch
+    /// that owns the loader ([`OwnedEpoch::into_loader`] gives it back).
+    ///
+    /// # Errors
+    /// [`BatchLoader::epoch`]'s, with the loader ([`NotStarted`]).
+    pub fn into_epoch(mut self, epoch: u64) -> std::result::Result<OwnedEpoch, NotStarted> {
+        match self.start(epoch, 0) {
+            Ok(run) => Ok(OwnedEpoch { run, loader: self }),
+            Err(error) => Err(NotStarted {
+                error,
+                loader: Box::new(self),
+            }),
+        }
+    }
+
+    /// The rest of the epoch at `at`, as [`BatchLoader::resume`] yields it, in an epoch that
+    /// owns the loader.
+    ///
+    /// # Errors
+    /// [`BatchLoader::resume`]'s, with the loader ([`NotStarted`]).
+    pub fn into_resume(mut self, at: &Position) -> std::result::Result<OwnedEpoch, NotStarted> {
+        match self
+            .check_resume(at)
+            .and_then(|()| self.start(at.epoch, at.samples))
+        {
+            Ok(run) => Ok(OwnedEpoch { run, loader: self }),
+            Err(error) => Err(NotStarted {
+                error,
+                loader: Box::new(self),
+            }),
+        }
+    }
+
+    /// The rest of the epoch at `at` (saved by [`Epoch::position`], maybe by a run with
+    /// another world size): this rank's share of the samples after `at.samples`, none that
+    /// the run before consumed. Needs an elastic sampler with the same order and global batch,
+    /// over the same number of records.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSetting`] when the sampler is not elastic or `at` does not match it
+    /// or the data set (it says which), then [`BatchLoader::epoch`]'s.
+    ///
+    /// # Example (host batches)
+    /// ```
+    /// use gpufeed_data::{BatchLoader, LoaderConfig, Order, Position, RecordFile, Sampler};
+    /// # let dir = tempfile::tempdir()?;
+    /// # let path = dir.path().join("records.bin");
+    /// std::fs::write(&path, vec![7u8; 1000])?;
+    /// let open = |rank, world| -> gpufeed_data::Result<BatchLoader> {
+    ///     // SAFETY: the file is not changed while it is used.
+    ///     let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 100 records
+    ///     let sampler = Sampler::elastic(Order::Shuffled { seed: 1 }, 8, rank, world, true)?;
+    ///     BatchLoader::new(records, sampler, LoaderConfig::default(), None)
+    /// };
+    /// // One rank of a world of two runs three steps, then stops: its position is saved.
+    /// let mut loader = open(0, 2)?;
+    /// let mut epoch = loader.epoch(0)?;
+    /// for _ in 0..3 { epoch.next().transpose()?; }
+    /// let json = serde_json::to_string(&epoch.position().expect("elastic"))?;
+    /// drop(epoch);
+    /// // Resumed by a world of four: each rank gets 2 records per step, 9 more steps.
+    /// let at: Position = serde_json::from_str(&json)?;
+    /// let mut loader = open(3, 4)?;
+    /// let rest: Vec<usize> = loader.resume(&at)?.map(|b| b.map(|b| b.indices.len())).collect::<Result<_, _>>()?;
+    /// assert_eq!(rest, vec![2; 9]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn resume(&mut self, at: &Position) -> Result<Epoch<'_>> {
+        self.check_resume(at)?;
+        let run = self.start(at.epoch, at.samples)?;
+        Ok(Epoch { run, loader: self })
+    }
+
+    /// Whether this loader can resume from `at` ([`BatchLoader::resume`]'s checks).
+    fn check_resume(&self, at: &Position) -> Result<()> {
+        let bad = |why: String| Err(Error::invalid(format!("cannot resume: {why}")));
+        let Some(global) = self.sampler.global_batch else {
+            return bad("the sampler is not elastic (Sampler::elastic)".into());
+        };
+        let n = self.records.len() as u64;
+        if at.records != n {
+            return bad(format!(
+                "the position is of a data set of {} records, this one has {n}",
+                at.records
+            ));
+        }
+        if at.order != self.sampler.order {
+            return bad(format!(
+                "the position's order is {:?}, this sampler's {:?}",
+                at.order, self.sampler.order
+            ));
+        }
+        if at.global_batch != global {
+            return bad(format!(
+                "the position's global batch is {}, this sampler's {global}",
+                at.global_batch
+            ));
+        }
+        if !at.samples.is_multiple_of(global as u64) {
+            return bad(format!(
+                "{} samples is not a whole number of global batches of {global}",
+                at.samples
+            ));
+        }
+        Ok(())
+    }
+
+    /// Starts the workers of `epoch` from sample `start` of its global order.
+    fn start(&mut self, epoch: u64, start: u64) -> Result<Running> {
+        let indices = self.sampler.epoch_from(self.records.len(), epoch, start);
+        let mut jobs: VecDeque<(usize, Vec<usize>)> = indices
+            .chunks(self.cfg.batch_size)
+            .filter(|c| !self.cfg.drop_last || c.len() == self.cfg.batch_size)
+            .map(<[usize]>::to_vec)
+            .enumerate()
+            .collect();
+        let total = jobs.len();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue {
+                jobs: VecDeque::new(),
+                stop: false,
+            }),
+            ready: Condvar::new(),
+        });
+        // Hand out the first `prefetch` jobs; one more per batch consumed.
+        {
+            let mut q = shared.queue.lock();
+            for _ in 0..self.cfg.prefetch {
+                if let Some(j) = jobs.pop_front() {
+                    q.jobs.push_back(j);
+                }
+            }
+        }
+        let (tx, rx) = mpsc::channel();
+        let workers = (0..self.cfg.workers.min(total.max(1)))
+            .map(|i| {
+                let (shared, tx) = (Arc::clone(&shared), tx.clone());
+                let (records, pool, transform) = (
+                    Arc::clone(&self.records),
+                    self.pool.clone(),
+                    self.transform.clone(),
+                );
+                let sched = self.gpu.as_ref().map(|(_, s)| Arc::clone(s));
+                let counters = self.cfg.direct.then(|| Arc::clone(&self.direct));
+                let depth = self.cfg.direct_depth.max(1);
+                std::thread::Builder::new()
+                    .name(format!("gpufeed-batch-{i}"))
+                    .spawn(move || {
+                        let job = Job {
+                            records: &records,
+                            pool: &pool,
+                            transform: transform.as_ref(),
+                            sched: sched.as_deref(),
+                            direct: counters.as_deref().map(|c| (c, depth)),
+                        };
+                        worker(&shared, &tx, &job);
+                    })
+                    .map_err(|source| {
+                        Error::from(gpufeed_load::Error::ThreadStart {
+                            what: "a batch worker thread",
+                            source,
+                        })
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Running {
+            epoch,
+            start,
+            handed: 0,
+            next: 0,
+            total,
+            pending: jobs,
+            done: BTreeMap::new(),
+            rx,
+            shared,
+            workers,
+            timeout: self.cfg.batch_timeout,
+        })
+    }
+}

@@ -1,0 +1,644 @@
+//! The data set formats training data is stored in, parsed from untrusted bytes (never a panic,
+//! a sentence naming the offset): `.npy` headers (one sample per row of the leading dimension)
+//! and WebDataset tar shards (samples grouped by key, indexed from the tar headers once), and
+//! the sets of shard files a data set is split into (a directory, a glob or a list).
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use safetensors::Dtype;
+
+/// What an `.npy` file holds: its element type, shape and where the data starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NpyLayout {
+    /// The numpy type string, e.g. `<f4`, `|u1`.
+    pub descr: String,
+    /// Bytes per element.
+    pub item_bytes: usize,
+    /// The array's shape; a record is one row of the leading dimension.
+    pub shape: Vec<usize>,
+    /// Where the data starts (after the header).
+    pub data_start: usize,
+}
+
+impl NpyLayout {
+    /// Rows (records).
+    pub fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Bytes of one row (a 0-d or 1-d array: one element per row); `usize::MAX` where that
+    /// overflows, which a layout from [`parse_npy`] never does (see
+    /// [`NpyLayout::checked_row_bytes`]).
+    pub fn row_bytes(&self) -> usize {
+        self.checked_row_bytes().unwrap_or(usize::MAX)
+    }
+
+    /// Bytes of one row, `None` where the product of the dimensions after the first and the
+    /// element size overflows a `usize`.
+    pub fn checked_row_bytes(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .skip(1)
+            .try_fold(self.item_bytes, |n, &d| n.checked_mul(d))
+    }
+
+    /// The element type as a safetensors [`Dtype`], for a little-endian (or byte-wide) bool,
+    /// integer or float type; `None` for the others (big-endian, complex, bytes, times).
+    pub fn dtype(&self) -> Option<Dtype> {
+        let body = self.descr.strip_prefix(['<', '|', '=']);
+        let body = match body {
+            Some(b) => b,
+            // Big-endian: only byte-wide types read the same.
+            None => self.descr.strip_prefix('>').filter(|b| b.ends_with('1'))?,
+        };
+        Some(match body {
+            "b1" => Dtype::BOOL,
+            "u1" => Dtype::U8,
+            "i1" => Dtype::I8,
+            "u2" => Dtype::U16,
+            "i2" => Dtype::I16,
+            "u4" => Dtype::U32,
+            "i4" => Dtype::I32,
+            "u8" => Dtype::U64,
+            "i8" => Dtype::I64,
+            "f2" => Dtype::F16,
+            "f4" => Dtype::F32,
+            "f8" => Dtype::F64,
+            _ => return None,
+        })
+    }
+}
+
+/// Parses the header of an `.npy` file of `file_len` bytes from its first bytes `head` (at
+/// least the whole header): versions 1 to 3, C order, a simple type (structured and object
+/// arrays are refused), and data that fits the file exactly. The header's numbers are
+/// multiplied with checked arithmetic: a shape whose dimensions other than 0, times the
+/// element size, overflow a `usize` is refused (as numpy refuses it), even one of no data such
+/// as `(0, 2^33, 2^33)`.
+pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, String> {
+    if head.len() < 10 || &head[..6] != b"\x93NUMPY" {
+        return Err("not an .npy file: it does not start with \\x93NUMPY".into());
+    }
+    let (len_bytes, start) = match head[6] {
+        1 => (2, 10),
+        2 | 3 => (4, 12),
+        v => return Err(format!("npy format version {v} is not known (1 to 3 are)")),
+    };
+    if head.len() < start {
+        return Err("the header is cut short".into());
+    }
+    let header_len = if len_bytes == 2 {
+        u16::from_le_bytes([head[8], head[9]]) as usize
+    } else {
+        u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize
+    };
+    let Some(text) = head.get(start..start + header_len) else {
+        return Err(format!(
+            "the header claims {header_len} bytes but the file is shorter: it is truncated"
+        ));
+    };
+    let text = std::str::from_utf8(text).map_err(|_| "the header is not text".to_owned())?;
+    let descr = dict_value(text, "descr").ok_or("the header has no 'descr'")?;
+    let descr = descr
+        .strip_prefix('\'')
+        .and_then(|d| d.strip_suffix('\''))
+        .ok_or_else(|| {
+            format!("dtype {descr} is structured or not a simple type; only simple types are read")
+        })?
+        .to_owned();
+    let item_bytes = item_bytes(&descr)?;
+    match dict_value(text, "fortran_order") {
+        Some("False") => {}
+        Some("True") => {
+            return Err("the array is in Fortran order: its rows are not contiguous".into());
+        }
+        _ => return Err("the header has no 'fortran_order' of True or False".into()),
+    }
+    let shape = dict_value(text, "shape").ok_or("the header has no 'shape'")?;
+    let shape = shape
+        .strip_prefix('(')
+        .and_then(|s| s.strip_suffix(')'))
+        .ok_or_else(|| format!("shape {shape} is not a tuple"))?;
+    let shape = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| {
+            d.parse::<usize>()
+                .map_err(|_| format!("shape has a dimension {d:?}"))
+        })
+        .collect::<std::result::Result<Vec<usize>, String>>()?;
+    let data_start = start + header_len;
+    let layout = NpyLayout {
+        descr,
+        item_bytes,
+        shape,
+        data_start,
+    };
+    let (descr, shape) = (&layout.descr, &layout.shape);
+    // As numpy: the product of the dimensions that are not 0 must fit, whatever their order
+    // (then every partial product does, and a row and the whole are computed safely).
+    let too_large = || format!("shape {shape:?} of {descr} is too large for this machine");
+    shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(item_bytes, |n, &d| n.checked_mul(d))
+        .ok_or_else(too_large)?;
+    let bytes = layout
+        .checked_row_bytes()
+        .and_then(|row| row.checked_mul(layout.rows()))
+        .ok_or_else(too_large)?;
+    let data_len = file_len.saturating_sub(data_start as u64);
+    if bytes as u64 != data_len {
+        return Err(format!(
+            "shape {shape:?} of {descr} needs {bytes} bytes after the header (at {data_start}) \
+             but the file has {data_len}: it is truncated or not this array"
+        ));
+    }
+    Ok(layout)
+}
+
+/// The text of `key`'s value in a Python dict literal as numpy writes it (`{'descr': '<f4',
+/// 'fortran_order': False, 'shape': (3, 4), }`): up to the next top-level comma.
+fn dict_value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    let at = text.find(&format!("'{key}'"))? + key.len() + 2;
+    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
+    let mut depth = 0i32;
+    let mut quoted = false;
+    for (i, c) in rest.char_indices() {
+        match c {
+            '\'' => quoted = !quoted,
+            '(' | '[' | '{' if !quoted => depth += 1,
+            ')' | ']' | '}' if !quoted => {
+                if depth == 0 {
+                    return Some(rest[..i].trim());
+                }
+                depth -= 1;
+            }
+            ',' if !quoted && depth == 0 => return Some(rest[..i].trim()),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Bytes per element of a numpy type string (`<f4`, `|u1`, `>i8`, `<c16`, `|b1`, `|V16`).
+fn item_bytes(descr: &str) -> std::result::Result<usize, String> {
+    let body = descr.trim_start_matches(['<', '>', '|', '=']);
+    let kind = body.chars().next().ok_or("an empty dtype")?;
+    let bytes: usize = body[kind.len_utf8()..]
+        .parse()
+        .map_err(|_| format!("dtype {descr} has no size (object and string types are not read)"))?;
+    if !matches!(kind, 'b' | 'i' | 'u' | 'f' | 'c' | 'V' | 'S' | 'm' | 'M') || bytes == 0 {
+        return Err(format!("dtype {descr} is not a fixed-size numeric type"));
+    }
+    Ok(bytes)
+}
+
+/// One WebDataset sample: the tar members sharing a key, in the order stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TarSample {
+    /// The key: the member path up to the first dot of its file name.
+    pub key: String,
+    /// Each member's extension (after that dot) and byte range in the tar file.
+    pub members: Vec<(String, Range<usize>)>,
+}
+
+impl TarSample {
+    /// Bytes of all the members.
+    pub fn bytes(&self) -> usize {
+        self.members.iter().map(|(_, r)| r.len()).sum()
+    }
+}
+
+const BLOCK: usize = 512;
+
+/// What the extended headers before a tar member (pax `x`, GNU `L`) say about it.
+#[derive(Default)]
+struct Extended {
+    /// A pax `path` or GNU long name.
+    path: Option<String>,
+    /// A pax `size`: the member's size, whatever its ustar field says.
+    size: Option<u64>,
+    /// A pax `GNU.sparse.*` record: the member is stored sparse.
+    sparse: bool,
+}
+
+/// Indexes a tar file held in `tar` (its mapping) into WebDataset samples: regular members
+/// grouped by key, consecutive members of one key being one sample (as `webdataset` groups
+/// them). Reads ustar, GNU long names, sizes in GNU base-256, and pax `path` and `size`
+/// records (a member of 8 GiB or more, which a ustar size field cannot hold, is written with
+/// one of the last two); directories and links are skipped. Every size is checked against
+/// the file's length before it is used. Errors name the header's offset: a bad checksum, a
+/// member running past the end of the file, a pax record that cannot be read (its `size` not
+/// a number), a sparse member (GNU `S`, or pax `GNU.sparse`: its stored bytes are not the
+/// file's), a name used twice within a sample.
+pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
+    let mut samples: Vec<TarSample> = Vec::new();
+    let mut at = 0usize;
+    let mut ext = Extended::default();
+    loop {
+        let Some(header) = at.checked_add(BLOCK).and_then(|e| tar.get(at..e)) else {
+            if at == tar.len() {
+                break; // no end-of-archive blocks: accepted, as GNU tar does
+            }
+            return Err(format!(
+                "the file ends inside the header at offset {at}: it is truncated"
+            ));
+        };
+        if header.iter().all(|&b| b == 0) {
+            break; // end of the archive
+        }
+        check_sum(header).map_err(|why| format!("the header at offset {at}: {why}"))?;
+        let kind = header[156];
+        // Extended headers have their own size; a pax `size` is the next member's.
+        let size = match (kind, ext.size) {
+            (b'x' | b'g' | b'L' | b'K', _) | (_, None) => octal(&header[124..136])
+                .ok_or_else(|| format!("the header at offset {at} has an unreadable size"))?,
+            (_, Some(pax)) => pax,
+        };
+        let data = at + BLOCK;
+        let end = usize::try_from(size)
+            .ok()
+            .and_then(|s| data.checked_add(s))
+            .filter(|&e| e <= tar.len())
+            .ok_or_else(|| {
+                format!(
+                    "the member at offset {at} claims {size} bytes but the file ends at {}: it \
+                     is truncated",
+                    tar.len()
+                )
+            })?;
+        // `end` is within the file, so rounding it up to a block cannot overflow.
+        let next = data + (end - data).div_ceil(BLOCK) * BLOCK;
+        let body = &tar[data..end];
+        let bad_pax = |why: String| format!("the pax header at offset {at}: {why}");
+        match kind {
+            b'L' => ext.path = Some(c_string(body)),
+            b'K' => {} // a long link name: for links, which are skipped
+            b'x' => {
+                for (key, value) in pax_records(body).map_err(bad_pax)? {
+                    match key {
+                        b"path" => ext.path = Some(String::from_utf8_lossy(value).into_owned()),
+                        b"size" => ext.size = Some(pax_number(value).map_err(bad_pax)?),
+                        k if k.starts_with(b"GNU.sparse.") => ext.sparse = true,
+                        _ => {}
+                    }
+                }
+            }
+            b'g' => {
+                if pax_records(body)
+                    .map_err(bad_pax)?
+                    .iter()
+                    .any(|(k, _)| *k == b"size")
+                {
+                    return Err(bad_pax(
+                        "a global `size` record (every member's size) is not read".into(),
+                    ));
+                }
+            }
+            b'0' | 0 | b'7' | b'S' => {
+                let name = ext.path.take().unwrap_or_else(|| ustar_name(header));
+                if kind == b'S' || ext.sparse {
+                    return Err(format!(
+                        "the member at offset {at} ({name}) is stored sparse (GNU sparse): its \
+                         stored bytes are not the file's; write the tar without --sparse"
+                    ));
+                }
+                add_member(&mut samples, &name, data..end)
+                    .map_err(|why| format!("the member at offset {at} ({name}): {why}"))?;
+                ext = Extended::default();
+            }
+            _ => ext = Extended::default(), // directories, links, devices: skipped
+        }
+        at = next;
+    }
+    Ok(samples)
+}
+
+/// Adds member `name` at `range` to the last sample when it has the same key, else starts one.
+fn add_member(
+    samples: &mut Vec<TarSample>,
+    name: &str,
+    range: Range<usize>,
+) -> std::result::Result<(), String> {
+    let file_start = name.rfind('/').map_or(0, |i| i + 1);
+    let (key, ext) = match name[file_start..].find('.') {
+        Some(dot) => (&name[..file_start + dot], &name[file_start + dot + 1..]),
+        None => (name, ""),
+    };
+    match samples.last_mut() {
+        Some(last) if last.key == key => {
+            if last.members.iter().any(|(e, _)| e == ext) {
+                return Err(format!("sample {key} has two members named .{ext}"));
+            }
+            last.members.push((ext.to_owned(), range));
+        }
+        _ => samples.push(TarSample {
+            key: key.to_owned(),
+            members: vec![(ext.to_owned(), range)],
+        }),
+    }
+    Ok(())
+}
+
+/// The checksum of a header: the sum of its bytes with the checksum field as spaces.
+fn check_sum(header: &[u8]) -> std::result::Result<(), String> {
+    let stored = octal(&header[148..156]).ok_or("an unreadable checksum: not a tar file")?;
+    let sum: u64 = header
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| {
+            if (148..156).contains(&i) {
+                32
+            } else {
+                u64::from(b)
+            }
+        })
+        .sum();
+    if sum == stored {
+        Ok(())
+    } else {
+        Err(format!(
+            "checksum {stored} but the bytes sum to {sum}: not a tar file, or corrupt"
+        ))
+    }
+}
+
+/// A tar numeric field: octal digits (space or NUL padded), or GNU base-256 (high bit set;
+/// a negative one, `0xff` first, is `None`), checked.
+fn octal(field: &[u8]) -> Option<u64> {
+    if field.first().is_some_and(|b| b & 0x80 != 0) {
+        if field[0] & 0x40 != 0 {
+            return None; // negative
+        }
+        let mut n: u64 = u64::from(field[0] & 0x3f);
+        for &b in &field[1..] {
+            n = n.checked_mul(256)?.checked_add(u64::from(b))?;
+        }
+        return Some(n);
+    }
+    let text = std::str::from_utf8(field).ok()?;
+    let digits = text.trim_matches(|c: char| c == ' ' || c == '\0');
+    if digits.is_empty() {
+        return Some(0);
+    }
+    u64::from_str_radix(digits, 8).ok()
+}
+
+/// A NUL-terminated string (lossy UTF-8).
+fn c_string(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// A ustar header's name: `prefix/name` when the prefix field is used.
+fn ustar_name(header: &[u8]) -> String {
+    let name = c_string(&header[..100]);
+    let prefix = if &header[257..262] == b"ustar" {
+        c_string(&header[345..500])
+    } else {
+        String::new()
+    };
+    if prefix.is_empty() {
+        name
+    } else {
+        format!("{prefix}/{name}")
+    }
+}
+
+/// A pax record: its key and value.
+type PaxRecord<'a> = (&'a [u8], &'a [u8]);
+
+/// The records of a pax extended header (`"<len> <key>=<value>\n"`, `len` counting the
+/// whole record), as (key, value); trailing NUL padding is allowed. A record that cannot be
+/// read is an error: skipping it could skip a `size`.
+fn pax_records(mut rest: &[u8]) -> std::result::Result<Vec<PaxRecord<'_>>, String> {
+    let mut records = Vec::new();
+    while rest.first().is_some_and(|&b| b != 0) {
+        let bad = || "a record that is not `<length> <key>=<value>\n`".to_owned();
+        let space = rest
+            .iter()
+            .take(20)
+            .position(|&b| b == b' ')
+            .ok_or_else(bad)?;
+        let len: usize = std::str::from_utf8(&rest[..space])
+            .ok()
+            .and_then(|l| l.parse().ok())
+            .ok_or_else(bad)?;
+        let record = rest
+            .get(space + 1..len)
+            .and_then(|r| r.strip_suffix(b"\n"))
+            .ok_or_else(bad)?;
+        let eq = record.iter().position(|&b| b == b'=').ok_or_else(bad)?;
+        records.push((&record[..eq], &record[eq + 1..]));
+        rest = &rest[len..];
+    }
+    if rest.iter().any(|&b| b != 0) {
+        return Err("bytes after its NUL padding".into());
+    }
+    Ok(records)
+}
+
+/// A pax numeric value (`size`): decimal digits that fit a `u64`.
+fn pax_number(value: &[u8]) -> std::result::Result<u64, String> {
+    std::str::from_utf8(value)
+        .ok()
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| {
+            format!(
+                "its size {:?} is not a number of bytes",
+                String::from_utf8_lossy(value)
+            )
+        })
+}
+
+/// The files of a data set split into shards: `spec` a directory (its regular files, sorted
+/// by name), a glob pattern (`data/train-*.tar`; its matches sorted), or one file.
+///
+/// # Errors
+/// [`Error::Records`] naming `spec` when nothing matches, a match that cannot be read, or a
+/// bad pattern.
+pub fn shard_paths(spec: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
+    let spec = spec.as_ref();
+    let bad = |reason: String| Error::Records {
+        path: spec.into(),
+        reason,
+    };
+    let text = spec.to_string_lossy();
+    let mut paths: Vec<PathBuf> = if spec.is_dir() {
+        std::fs::read_dir(spec)
+            .map_err(|e| bad(format!("cannot list the folder: {e}")))?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| bad(format!("cannot list the folder: {e}")))?
+            .into_iter()
+            .filter(|p| p.is_file())
+            .collect()
+    } else if text.contains(['*', '?', '[']) {
+        glob::glob(&text)
+            .map_err(|e| bad(format!("not a usable pattern: {e}")))?
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| bad(format!("a match cannot be read: {e}")))?
+    } else {
+        vec![spec.to_path_buf()]
+    };
+    paths.sort();
+    if paths.is_empty() {
+        return Err(bad("no shard file is there".into()));
+    }
+    Ok(paths)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use gpufeed_testkit::npy_bytes as npy;
+
+    #[test]
+    fn npy_headers_give_rows_or_say_what_is_wrong() {
+        let f = npy("<f4", false, "(3, 2, 5)", &[0u8; 120]);
+        let l = parse_npy(&f, f.len() as u64).expect("parse");
+        assert_eq!(
+            (l.rows(), l.row_bytes(), l.data_start),
+            (3, 40, f.len() - 120)
+        );
+        assert_eq!(l.data_start % 64, 0, "numpy pads the header to 64 bytes");
+        assert_eq!(l.descr, "<f4");
+        assert_eq!(l.dtype(), Some(Dtype::F32));
+        let f = npy("|u1", false, "(7,)", &[1u8; 7]);
+        let l = parse_npy(&f, f.len() as u64).expect("parse");
+        assert_eq!((l.rows(), l.row_bytes()), (7, 1));
+        assert_eq!(l.dtype(), Some(Dtype::U8));
+        let f = npy(">f4", false, "(2,)", &[0u8; 8]);
+        let l = parse_npy(&f, f.len() as u64).expect("big-endian parses");
+        assert_eq!(
+            l.dtype(),
+            None,
+            "no little-endian type for big-endian floats"
+        );
+        let f = npy("<i8", false, "()", &[1u8; 8]);
+        let l = parse_npy(&f, f.len() as u64).expect("a 0-d array");
+        assert_eq!((l.rows(), l.row_bytes()), (1, 8));
+        for (what, bytes, says) in [
+            ("fortran", npy("<f4", true, "(2, 2)", &[0; 16]), "Fortran"),
+            (
+                "truncated",
+                npy("<f4", false, "(3, 2)", &[0; 20]),
+                "truncated",
+            ),
+            ("object", npy("|O", false, "(2,)", &[0; 16]), "object"),
+            ("not npy", b"PK\x03\x04 a zip file".to_vec(), "NUMPY"),
+        ] {
+            let err = parse_npy(&bytes, bytes.len() as u64).expect_err(what);
+            assert!(err.contains(says), "{what}: {err}");
+        }
+        let structured = b"\x93NUMPY\x01\x00\x3a\x00{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }\n";
+        let err = parse_npy(structured, structured.len() as u64 + 4).expect_err("structured");
+        assert!(err.contains("structured"), "{err}");
+    }
+
+    /// A tar of `members` (name, bytes) written by the `tar` crate, GNU headers (long names
+    /// as `L` entries).
+    fn tar_of(members: &[(&str, &[u8])]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, data) in members {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_entry_type(tar::EntryType::Regular);
+            b.append_data(&mut h, name, *data).expect("append");
+        }
+        b.into_inner().expect("finish")
+    }
+
+    #[test]
+    fn tar_members_group_into_samples_by_key() {
+        let long = format!("{}/s2.jpg", "d".repeat(120));
+        let tar = tar_of(&[
+            ("train/s0.jpg", b"jpeg0"),
+            ("train/s0.cls", b"3"),
+            ("train/s0.meta.json", b"{}"),
+            ("train/s1.jpg", b"jpeg-one"),
+            (&long, b"x"),
+        ]);
+        let samples = index_tar(&tar).expect("index");
+        let keys: Vec<&str> = samples.iter().map(|s| s.key.as_str()).collect();
+        assert_eq!(keys, ["train/s0", "train/s1", &long[..long.len() - 4]]);
+        let exts: Vec<&str> = samples[0].members.iter().map(|(e, _)| e.as_str()).collect();
+        assert_eq!(exts, ["jpg", "cls", "meta.json"]);
+        assert_eq!(&tar[samples[0].members[1].1.clone()], b"3");
+        assert_eq!(&tar[samples[1].members[0].1.clone()], b"jpeg-one");
+        assert_eq!(samples[0].bytes(), 8);
+    }
+
+    #[test]
+    fn bad_tars_name_the_offset() {
+        let tar = tar_of(&[("a.jpg", &[7u8; 2000]), ("b.jpg", b"b")]);
+        // Cut inside the first member's data.
+        let err = index_tar(&tar[..1200]).expect_err("truncated");
+        assert!(
+            err.contains("offset 0") && err.contains("truncated"),
+            "{err}"
+        );
+        // Cut inside the second header.
+        let err = index_tar(&tar[..2560 + 100]).expect_err("truncated header");
+        assert!(err.contains("offset 2560"), "{err}");
+        // A flipped byte in the second header.
+        let mut bad = tar.clone();
+        bad[2560 + 3] ^= 1;
+        let err = index_tar(&bad).expect_err("checksum");
+        assert!(
+            err.contains("offset 2560") && err.contains("checksum"),
+            "{err}"
+        );
+        let err = index_tar(&tar_of(&[("a.jpg", b"1"), ("a.jpg", b"2")])).expect_err("twice");
+        assert!(err.contains("two members"), "{err}");
+        let err =
+            index_tar(b"not a tar at all, just text that is long enough........").unwrap_err();
+        assert!(err.contains("offset 0"), "{err}");
+    }
+
+    proptest::proptest! {
+        /// Any bytes: samples inside the file, or a sentence; never a panic.
+        #[test]
+        fn arbitrary_tars_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048)) {
+            if let Ok(samples) = index_tar(&bytes) {
+                for s in samples {
+                    for (_, r) in s.members {
+                        proptest::prop_assert!(r.end <= bytes.len());
+                    }
+                }
+            }
+        }
+
+        /// A valid tar with one byte changed, or cut anywhere: never a panic.
+        #[test]
+        fn damaged_tars_never_panic(at in 0usize..3072, val in proptest::prelude::any::<u8>(), cut in 0usize..3100) {
+            let mut tar = tar_of(&[("k.a", &[1u8; 600]), ("k.b", b"22"), ("j.a", b"3")]);
+            if at < tar.len() {
+                tar[at] = val;
+            }
+            tar.truncate(cut.min(tar.len()));
+            let _ = index_tar(&tar);
+        }
+
+        /// Any bytes as an `.npy` file: a layout whose data fits the file, or a sentence.
+        #[test]
+        fn arbitrary_npy_never_panics(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            shape in "\\([0-9, ]{0,12}\\)",
+        ) {
+            let f = npy("<u2", false, &shape, &bytes);
+            for head in [&bytes[..], &f[..]] {
+                if let Ok(l) = parse_npy(head, head.len() as u64) {
+                    proptest::prop_assert!(l.data_start + l.rows() * l.row_bytes() <= head.len());
+                }
+            }
+        }
+    }
+}
