@@ -153,7 +153,7 @@ impl ImageFolder {
     }
 
     /// The samples' files, sizes and offsets (load them all with
-    /// [`crate::Loader::load_list`]).
+    /// [`Loader::load_files`](gpufeed_load::Loader::load_files)).
     pub fn files(&self) -> &FileList {
         &self.files
     }

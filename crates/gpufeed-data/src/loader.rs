@@ -94,7 +94,7 @@ pub struct LoaderConfig {
     /// Each worker reads its batch's records in runs: records next to each other in the file
     /// are read together (an order that keeps them together, [`Order::Blocks`], makes each
     /// block one read), up to [`LoaderConfig::direct_depth`] of them in flight. Not for an
-    /// [`ImageFolder`] (whose files are read whole already). A file system that refuses
+    /// [`ImageFolder`](crate::ImageFolder) (whose files are read whole already). A file system that refuses
     /// `O_DIRECT` is an error when the loader is made.
     pub direct: bool,
     /// With `direct`: reads each worker keeps in flight (default 4; at least 1). The disk sees
@@ -181,7 +181,7 @@ pub struct Batch {
     pub indices: Vec<usize>,
     /// Start of each record's bytes in the batch, then the end of the last.
     pub offsets: Vec<usize>,
-    /// Each sample's label, for an [`ImageFolder`] (its class); empty for record files.
+    /// Each sample's label, for an [`ImageFolder`](crate::ImageFolder) (its class); empty for record files.
     /// Host memory: a few bytes per sample, copied where the caller needs them.
     pub labels: Vec<u32>,
     /// The bytes.
@@ -215,7 +215,7 @@ pub struct LoaderStats {
     pub direct_read_bytes: u64,
 }
 
-/// Yields batches of a [`RecordFile`] or an [`ImageFolder`] in the [`Sampler`]'s order, on the GPU (or, without one,
+/// Yields batches of a [`RecordFile`](crate::RecordFile) or an [`ImageFolder`](crate::ImageFolder) in the [`Sampler`]'s order, on the GPU (or, without one,
 /// in host memory), with workers preparing the next batches while the current ones upload.
 ///
 /// # Example (runs without a GPU: host batches)
@@ -257,7 +257,7 @@ impl std::fmt::Debug for BatchLoader {
 }
 
 impl BatchLoader {
-    /// A loader of `records` (a [`RecordFile`] or an [`ImageFolder`]) onto `gpu` (or host
+    /// A loader of `records` (a [`RecordFile`](crate::RecordFile) or an [`ImageFolder`](crate::ImageFolder)) onto `gpu` (or host
     /// batches with `None`).
     ///
     /// With an elastic sampler ([`Sampler::elastic`]) the batch size is the sampler's per-rank
@@ -419,7 +419,7 @@ impl BatchLoader {
     /// over the same number of records.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] when the sampler is not elastic or `at` does not match it
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) when the sampler is not elastic or `at` does not match it
     /// or the data set (it says which), then [`BatchLoader::epoch`]'s.
     ///
     /// # Example (host batches)

@@ -276,7 +276,7 @@ pub(crate) fn fixed_range(
     Some(start..start.checked_add(size)?)
 }
 
-/// What a [`BatchLoader`] reads: a record file, or a folder of one file per sample (both
+/// What a [`BatchLoader`](crate::BatchLoader) reads: a record file, or a folder of one file per sample (both
 /// convert with `into()`).
 #[derive(Debug)]
 #[non_exhaustive]

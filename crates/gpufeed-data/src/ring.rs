@@ -149,7 +149,7 @@ impl<'a> WorkerShare<'a> {
 /// failing transform, ring errors (`ConsumerGone` when the trainer died or dropped its loader,
 /// also while the worker waits for its turn), [`Error::RingWorkerHeldBack`] when the loader did
 /// not come within its window of a batch within the timeout or ended the epoch first,
-/// [`Error::InvalidSetting`] for a worker number not below `workers`.
+/// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a worker number not below `workers`.
 pub fn produce_epoch(
     ring: &BatchRing,
     records: &RecordFile,

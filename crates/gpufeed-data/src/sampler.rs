@@ -88,10 +88,10 @@ impl Sampler {
     /// size. The last, partial global batch is dropped with `drop_last`; otherwise it is split
     /// evenly, ranks short of records taking them again from the start of the order (as
     /// PyTorch's `DistributedSampler` pads). Its position ([`Position`]) resumes a run with
-    /// the same or another world size ([`BatchLoader::resume`]).
+    /// the same or another world size ([`BatchLoader::resume`](crate::BatchLoader::resume)).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] when `rank >= world_size` or `world_size` does not divide
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) when `rank >= world_size` or `world_size` does not divide
     /// `global_batch`.
     pub fn elastic(
         order: Order,
@@ -124,7 +124,7 @@ impl Sampler {
 
     /// Where a run over `records` records stands after `steps` steps of `epoch` begun at sample
     /// `start` (an elastic sampler's [`Position`]; `None` for others): after the epoch's last
-    /// step, the start of the next epoch. What [`Epoch::position`] says; for a caller that
+    /// step, the start of the next epoch. What [`Epoch::position`](crate::Epoch::position) says; for a caller that
     /// counts the batches it consumed itself (one fed by a thread that runs ahead).
     pub fn position_after(
         &self,

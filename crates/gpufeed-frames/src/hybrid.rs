@@ -125,7 +125,7 @@ impl GpuPlanar {
     /// cudarc orders later uses of the result after it).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for a batch on the host (give the loader a GPU), with a
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a batch on the host (give the loader a GPU), with a
     /// record that is not one image, or of more than 65,535 images; the driver's.
     pub fn apply(&self, batch: &Batch) -> Result<CudaSlice<f32>> {
         let BatchData::Device(src) = &batch.data else {
@@ -215,7 +215,7 @@ impl<'r> Fanout<'r> {
     /// driver's staging, and logged).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for no ring; the ring's when it cannot take another producer
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for no ring; the ring's when it cannot take another producer
     /// (16 live ones registered) or was attached before a fork.
     pub fn new(rings: &'r [BatchRing], gpu: Option<&Gpu>) -> Result<Self> {
         if rings.is_empty() {
@@ -266,7 +266,7 @@ impl<'r> Fanout<'r> {
     /// epoch's batches in order, and epochs one after another.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for data that does not split into the records, or a batch
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for data that does not split into the records, or a batch
     /// larger than a slot; the ring's (a trainer gone, no free slot within the timeout); the
     /// driver's.
     #[allow(

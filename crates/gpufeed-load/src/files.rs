@@ -474,7 +474,7 @@ impl ListSource<'_> {
 const OPEN_AT_ONCE: usize = 64;
 
 /// Reads each `(path, offset in the file, destination)` exactly with `reader`, up to
-/// [`OPEN_AT_ONCE`] files at a time: opened, read in one batch, closed (also on an error).
+/// 64 files at a time (`OPEN_AT_ONCE`): opened, read in one batch, closed (also on an error).
 pub fn read_parts<'a>(
     reader: &mut Reader,
     parts: impl IntoIterator<Item = (&'a Path, u64, &'a mut [u8])>,

@@ -134,7 +134,7 @@ pub struct LoadOptions {
     /// Threads registering chunks ahead of the copies for `Registered` (2).
     pub register_threads: usize,
     /// Reads in flight per IO thread for `Direct` (8; `Staged` reads one piece per `pread`).
-    /// File lists ([`Loader::load_files`]) use at least 32.
+    /// File lists ([`Loader::load_files`](crate::Loader::load_files)) use at least 32.
     pub queue_depth: usize,
     /// Test hook, not API: registration fails as a driver refusing it would
     /// (`CUDA_ERROR_NOT_PERMITTED`, as under some container and WSL limits), to test the
@@ -258,7 +258,7 @@ impl LoadReport {
     }
 }
 
-/// What a one-shot load ([`load_file_on`], [`crate::safetensors::load_on`]) spent its time on.
+/// What a one-shot load ([`load_file_on`](crate::load_file_on), `gpufeed_safetensors::load_on`) spent its time on.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct OneShotReport {
     /// Seconds opening the GPU on its own thread (`cuInit`, the primary context).
@@ -281,9 +281,9 @@ pub struct OneShotReport {
     pub staging_bytes: u64,
     /// One report per file loaded.
     pub loads: Vec<LoadReport>,
-    /// Slower paths taken while setting up ([`LoaderSetup::fallbacks`]).
+    /// Slower paths taken while setting up ([`LoaderSetup::fallbacks`](crate::LoaderSetup::fallbacks)).
     pub fallbacks: Vec<Fallback>,
-    /// What else went otherwise than usual while setting up ([`LoaderSetup::notes`]).
+    /// What else went otherwise than usual while setting up ([`LoaderSetup::notes`](crate::LoaderSetup::notes)).
     pub notes: Vec<String>,
 }
 

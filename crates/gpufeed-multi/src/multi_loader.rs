@@ -80,7 +80,7 @@ impl MultiLoader {
     /// bandwidth.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for no GPU or a GPU given twice; [`Loader::new`]'s.
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for no GPU or a GPU given twice; [`Loader::new`]'s.
     pub fn new(gpus: &[Gpu], opts: LoadOptions) -> Result<Self> {
         let _keep = ContextGuard::new();
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.info().ordinal).collect();
@@ -208,7 +208,7 @@ impl MultiLoader {
     /// device buffer per GPU, its spans back to back.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the error of
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) when the plan's ranks are not this loader's GPUs; the error of
     /// [`Loader::load_spans`] of the first GPU (in order) that failed.
     pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(Vec<DeviceBuffer>, MultiReport)> {
         check_ranks(plan.ranks(), self.len(), "on a loader of")?;
@@ -233,7 +233,7 @@ impl MultiLoader {
     /// GPUs at once ([`safetensors::load_shard`] on each).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] when the plan's ranks are not this loader's GPUs; the first
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) when the plan's ranks are not this loader's GPUs; the first
     /// GPU's error of [`safetensors::load_shard`].
     pub fn load_tensor_parallel(
         &self,
@@ -266,7 +266,7 @@ impl MultiLoader {
     /// 45-46).
     ///
     /// # Errors
-    /// A missing file, [`Error::FileChangedDuringLoad`], and the loads' and copies' errors.
+    /// A missing file, [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad), and the loads' and copies' errors.
     pub fn load_replicated(
         &self,
         path: impl AsRef<Path>,

@@ -36,7 +36,7 @@ impl ShardPlan {
     /// large file or a set of shards that every GPU should share evenly.
     ///
     /// # Errors
-    /// A missing or unreadable file; [`Error::InvalidSetting`] for no ranks.
+    /// A missing or unreadable file; [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for no ranks.
     pub fn split_bytes(files: &[impl AsRef<Path>], ranks: usize) -> Result<Self> {
         let (files, lens) = stat_all(files, ranks)?;
         let total: u64 = lens.iter().sum();
@@ -102,7 +102,7 @@ impl ShardPlan {
     /// A plan of your own: `ranks[r]` is rank r's spans of `files`.
     ///
     /// # Errors
-    /// A missing file; [`Error::InvalidSetting`] for a span naming no file, or past the end of
+    /// A missing file; [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a span naming no file, or past the end of
     /// its file, and for no ranks.
     pub fn from_spans(files: &[impl AsRef<Path>], ranks: Vec<Vec<Span>>) -> Result<Self> {
         let (files, lens) = stat_all(files, ranks.len())?;
@@ -219,7 +219,7 @@ pub(crate) fn runs(spans: &[Span]) -> Vec<(usize, Vec<Range<u64>>)> {
     out
 }
 
-/// [`Error::InvalidSetting`] unless a plan of `ranks` ranks fits `have` GPUs (`on`: where
+/// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) unless a plan of `ranks` ranks fits `have` GPUs (`on`: where
 /// they are, "on a loader of", "in a job on this machine of").
 pub(crate) fn check_ranks(ranks: usize, have: usize, on: &str) -> Result<()> {
     if ranks != have {

@@ -220,10 +220,10 @@ pub struct RankReport {
 impl RankLoader {
     /// Joins job `job`'s rendezvous as `rank` of `world` ranks on this machine and opens GPU
     /// `ordinal` with `opts` ([`LoadOptions::for_gpus`]`(world)` shares the host between
-    /// the ranks as a [`MultiLoader`] does); returns once every rank has its GPU open.
+    /// the ranks as a [`MultiLoader`](crate::MultiLoader) does); returns once every rank has its GPU open.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for a job name that cannot name shared memory;
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a job name that cannot name shared memory;
     /// [`gpufeed_ipc::Rendezvous::join`]'s (a rank that never arrives or dies is named);
     /// [`Loader::open`]'s; a rank whose GPU failed to open is named by the others.
     pub fn join(
@@ -266,7 +266,7 @@ impl RankLoader {
     /// torchrun's agent) must set `GPUFEED_JOB`.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] when neither `GPUFEED_JOB`, `TORCHELASTIC_RUN_ID` nor
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) when neither `GPUFEED_JOB`, `TORCHELASTIC_RUN_ID` nor
     /// `MASTER_ADDR` and `MASTER_PORT` are set.
     pub fn job_from_env() -> Result<String> {
         let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
@@ -319,7 +319,7 @@ impl RankLoader {
     /// than GPUs share them.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] naming a missing or malformed variable; [`RankLoader::join`]'s.
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) naming a missing or malformed variable; [`RankLoader::join`]'s.
     pub fn from_env() -> Result<Self> {
         let num = |name: &str| -> Result<usize> {
             let v = std::env::var(name).map_err(|_| {
@@ -477,7 +477,7 @@ impl RankLoader {
     /// device buffer.
     ///
     /// # Errors
-    /// [`Error::RanksDisagree`]; [`Error::InvalidSetting`] for a plan of another number of
+    /// [`Error::RanksDisagree`]; [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a plan of another number of
     /// ranks; [`Loader::load_spans`]'s.
     pub fn load_sharded(&self, plan: &ShardPlan) -> Result<(DeviceBuffer, RankReport)> {
         self.collective(|| {
@@ -520,7 +520,7 @@ impl RankLoader {
     ///
     /// # Errors
     /// [`Error::RanksDisagree`]; [`Error::RankFailed`] naming a rank whose part failed;
-    /// rendezvous errors naming a rank that died or left; [`Error::FileChangedDuringLoad`];
+    /// rendezvous errors naming a rank that died or left; [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad);
     /// this rank's load and CUDA errors (IPC refused: GPUs that cannot be peers).
     pub fn load_replicated(&self, path: impl AsRef<Path>) -> Result<(DeviceBuffer, RankReport)> {
         let path = path.as_ref();

@@ -22,9 +22,9 @@ pub struct TensorInfo {
     /// Shape (row-major).
     pub shape: Vec<usize>,
     /// Which file of the checkpoint (index into [`Checkpoint::files`], or into
-    /// [`OnDemand::files`]).
+    /// [`OnDemand::files`](crate::OnDemand::files)).
     pub file: usize,
-    /// Byte range in that file's device buffer; for [`OnDemand`], in the file itself.
+    /// Byte range in that file's device buffer; for [`OnDemand`](crate::OnDemand), in the file itself.
     pub range: Range<usize>,
 }
 
@@ -133,9 +133,9 @@ impl Checkpoint {
 ///
 /// # Errors
 /// [`Error::Safetensors`] for a malformed or hostile header (a sentence saying what is wrong),
-/// [`Error::Index`] for a bad index, [`Error::FileChangedDuringLoad`] when a file was replaced
+/// [`Error::Index`] for a bad index, [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad) when a file was replaced
 /// or modified between reading its header and the end of its load, and the errors of
-/// [`crate::load_file`]. The header is read with `pread` on the descriptor whose identity
+/// [`gpufeed_load::load_file`]. The header is read with `pread` on the descriptor whose identity
 /// (dev, ino, size, mtime) the load is checked against; no CPU access goes through a mapping
 /// of the file.
 ///

@@ -151,11 +151,11 @@ pub(crate) fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<C
 }
 
 /// The metadata key, in each shard's header and in the index, of the save that wrote a sharded
-/// checkpoint ([`save_sharded`]): a random id per save.
+/// checkpoint ([`save_sharded`](crate::save_sharded)): a random id per save.
 pub const SAVE_ID_KEY: &str = "gpufeed_save_id";
 
 /// The index metadata key of the shard files' sizes (`{"file": bytes}`), written by
-/// [`save_sharded`].
+/// [`save_sharded`](crate::save_sharded).
 pub const FILE_SIZES_KEY: &str = "gpufeed_file_sizes";
 
 /// What an index says of its shards.

@@ -14,7 +14,7 @@ use crate::index::plan;
 /// `safe_open(...).get_tensor(name)` does: every file registered once ([`RegisteredFile`]),
 /// each tensor then one copy by the GPU out of the page cache into memory of its own — for
 /// weights streamed in on demand (experts of a mixture of experts, layers offloaded between
-/// uses). Opening reads and checks every header as [`load`] does and registers the files
+/// uses). Opening reads and checks every header as [`load`](crate::load) does and registers the files
 /// (about 40 ms per GiB on the H200 machine, reading what is not cached); the files' pages
 /// stay page-locked until the value is dropped.
 ///
@@ -38,8 +38,8 @@ impl OnDemand {
     /// each file with `loader`'s context (portable: any loader may load from it after).
     ///
     /// # Errors
-    /// [`load`]'s header and index errors, before anything is registered; then
-    /// [`RegisteredFile::open`]'s; [`Error::FileChangedDuringLoad`] where a file changed
+    /// [`load`](crate::load)'s header and index errors, before anything is registered; then
+    /// [`RegisteredFile::open`]'s; [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad) where a file changed
     /// between its header and its registration.
     pub fn open(loader: &Loader, path: impl AsRef<Path>) -> Result<Self> {
         let plan = plan(path.as_ref())?;
@@ -93,7 +93,7 @@ impl OnDemand {
     ///
     /// # Errors
     /// [`Error::Safetensors`] for a name the checkpoint lacks;
-    /// [`Loader::load_registered`]'s ([`Error::RegisteredFileChanged`] where the file
+    /// [`Loader::load_registered`]'s ([`Error::RegisteredFileChanged`](gpufeed_load::Error::RegisteredFileChanged) where the file
     /// changed since it was opened).
     pub fn load(&self, loader: &Loader, name: &str) -> Result<(DeviceBuffer, &TensorInfo)> {
         let info = self.tensors.get(name).ok_or_else(|| Error::Safetensors {

@@ -100,7 +100,7 @@ pub(crate) fn save_head(
 /// `safetensors.torch.load_file`.
 ///
 /// # Errors
-/// [`Error::InvalidSetting`] for a tensor whose bytes do not match its dtype and shape, a
+/// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a tensor whose bytes do not match its dtype and shape, a
 /// duplicate or reserved name; then [`Saver::save_file`]'s.
 ///
 /// # Example
@@ -129,7 +129,7 @@ pub fn save(
 /// Saves `tensors` as shards of at most `max_shard_bytes` of data each (a tensor larger than
 /// that gets a shard of its own) in `dir`, and the index `<prefix>.safetensors.index.json`
 /// (`metadata.total_size`, `weight_map`) last. Returns one report per shard; load it back with
-/// [`load`] on the index.
+/// [`load`](crate::load) on the index.
 ///
 /// Crash-safe as a whole, not only file by file: the index on disk always names shards of one
 /// save. The new shards go under names that no file in `dir` has yet
@@ -143,7 +143,7 @@ pub fn save(
 /// checkpoint as it was (a failed save removes the shards it wrote; a killed one leaves them
 /// for the next save of the prefix to remove). Each shard's header metadata and the index record
 /// the save's random id ([`SAVE_ID_KEY`]) and the index each shard's size ([`FILE_SIZES_KEY`]):
-/// [`load`], [`inspect`] and the other readers of an index refuse a set of files of different
+/// [`load`](crate::load), [`inspect`](crate::inspect) and the other readers of an index refuse a set of files of different
 /// saves with [`Error::MixedCheckpoint`] naming the files.
 ///
 /// # Example

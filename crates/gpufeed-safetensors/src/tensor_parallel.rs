@@ -95,10 +95,10 @@ pub struct TensorParallel {
 }
 
 impl TensorParallel {
-    /// Plans the checkpoint `path` (a file or an index, as [`load`]) for `ranks` GPUs.
+    /// Plans the checkpoint `path` (a file or an index, as [`load`](crate::load)) for `ranks` GPUs.
     ///
     /// # Errors
-    /// [`load`]'s header and index errors; [`Error::InvalidSetting`] for no ranks, or a
+    /// [`load`](crate::load)'s header and index errors; [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for no ranks, or a
     /// sub-byte dtype (F4, F6) whose cut would not fall on a byte boundary.
     pub fn plan(path: impl AsRef<Path>, ranks: usize, split: Split) -> Result<Self> {
         if ranks == 0 {
@@ -255,8 +255,8 @@ pub(crate) fn cut(
 /// ([`TensorShare::share_shape`]).
 ///
 /// # Errors
-/// [`Error::InvalidSetting`] for a rank outside the plan; [`load`]'s errors, and
-/// [`Error::FileChangedDuringLoad`] when a file changed after the plan read its header.
+/// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a rank outside the plan; [`load`](crate::load)'s errors, and
+/// [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad) when a file changed after the plan read its header.
 ///
 /// # Example
 /// ```no_run

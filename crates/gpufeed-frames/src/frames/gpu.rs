@@ -169,7 +169,7 @@ impl GpuFrames {
     /// its planar result: 15 bytes a pixel, twice).
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for frames of no pixels or of 2^32 or more; the driver's
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for frames of no pixels or of 2^32 or more; the driver's
     /// (kernel, memory, streams, events).
     pub fn new(gpu: &Gpu, format: FrameFormat) -> Result<Self> {
         let pixels = u32::try_from(u64::from(format.width) * u64::from(format.height))

@@ -106,7 +106,7 @@ impl FrameHeader {
     /// Reads a header back.
     ///
     /// # Errors
-    /// [`Error::InvalidSetting`] for bytes that are not a frame header.
+    /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for bytes that are not a frame header.
     pub fn decode(b: &[u8]) -> Result<Self> {
         let word = |at: usize| {
             b.get(at..at + 8)
@@ -465,7 +465,7 @@ pub fn cpu_transform(format: FrameFormat) -> impl FnMut(&FrameHeader, &[u8]) -> 
 /// Checks every 16th frame's pixels against what [`paint`] painted: the consumers' guard.
 ///
 /// # Errors
-/// [`Error::InvalidSetting`] naming a frame that arrived with other pixels.
+/// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) naming a frame that arrived with other pixels.
 pub fn check_some(h: &FrameHeader, px: &[u8]) -> Result<()> {
     if h.seq.is_multiple_of(16) && !check(h.seq, h.format, px) {
         return Err(Error::invalid(format!(

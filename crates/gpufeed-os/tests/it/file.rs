@@ -42,3 +42,82 @@ fn a_rewrite_that_keeps_size_and_mtime_is_a_change() {
     assert!(why.contains("ctime"), "{why}");
     assert_eq!(before.difference(&before), None);
 }
+
+/// [`gpufeed_os::OpenedFile`]: what a load opens once. Its second descriptor (for `O_DIRECT`)
+/// and its mapping are of the version opened even after another file is renamed over the
+/// path; a write into the opened version, in place and with its size and mtime restored, is
+/// still seen by `changed` (ctime), and a file that is not regular is refused as
+/// `open_regular` refuses it.
+#[test]
+fn an_opened_file_stays_the_version_opened_and_tells_when_it_changed() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("v.bin");
+    let old = gpufeed_testkit::random_bytes(100_003, 7);
+    std::fs::write(&path, &old).expect("write");
+    let opened = gpufeed_os::OpenedFile::open(&path).expect("open");
+    assert_eq!(
+        (opened.len(), opened.path()),
+        (old.len() as u64, path.as_path())
+    );
+    assert_eq!(opened.changed().expect("fstat"), None);
+    let tmp = dir.path().join("next");
+    std::fs::write(&tmp, gpufeed_testkit::random_bytes(50_000, 8)).expect("write");
+    std::fs::rename(&tmp, &path).expect("rename over");
+    // A second description of the same inode, O_DIRECT where the file system has it.
+    let second = match opened.reopen(libc::O_DIRECT) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => opened.reopen(0).expect("reopen"),
+        Err(e) => panic!("reopen: {e}"),
+    };
+    let mut head = vec![0u8; 4096];
+    match second.read_exact_at(&mut head, 0) {
+        Ok(()) => assert_eq!(
+            head,
+            old[..4096],
+            "the reopened descriptor reads the version opened"
+        ),
+        // An O_DIRECT read into an unaligned Vec may be refused; the identity says enough.
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}"),
+    }
+    let meta = second.metadata().expect("fstat");
+    assert_eq!(
+        (std::os::unix::fs::MetadataExt::ino(&meta), meta.len()),
+        (opened.identity().ino, old.len() as u64)
+    );
+    // SAFETY: the opened version is no longer reachable by name: nobody truncates it.
+    let map = unsafe { gpufeed_os::FileMap::of_opened(&opened, 17, 60_000) }.expect("map");
+    assert_eq!(
+        map.as_slice(),
+        &old[17..60_017],
+        "the mapping is of the version opened"
+    );
+    assert!(
+        opened.changed().expect("fstat").is_some(),
+        "a version that lost its name has changed"
+    );
+
+    // In place: written through another descriptor, size and mtime put back.
+    let path = dir.path().join("w.bin");
+    std::fs::write(&path, &old).expect("write");
+    let opened = gpufeed_os::OpenedFile::open(&path).expect("open");
+    let mtime = std::fs::metadata(&path)
+        .expect("stat")
+        .modified()
+        .expect("mtime");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let w = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open rw");
+    w.write_all_at(b"XX", 10).expect("write in place");
+    w.set_modified(mtime).expect("mtime back");
+    let what = opened.changed().expect("fstat").expect("a rewrite is seen");
+    assert!(what.contains("ctime"), "{what}");
+
+    let err = gpufeed_os::OpenedFile::open(dir.path()).expect_err("a directory");
+    assert!(
+        matches!(err, gpufeed_os::Error::IsDirectory { .. }),
+        "{err:?}"
+    );
+}

@@ -412,3 +412,42 @@ fn many_small_files_in_one_batch() {
         }
     }
 }
+
+/// A file opened once ([`gpufeed_os::OpenedFile`]) and then replaced at its path by a rename:
+/// a reader given the opened file reads the version opened, whole, buffered and with
+/// `O_DIRECT` (reopened through `/proc/self/fd`, not the path), on both backends; opened by
+/// the path it reads the new one. Unaligned length, random bytes.
+#[test]
+fn a_reader_of_an_opened_file_reads_that_version_after_a_rename_over_its_path() {
+    let (dir, path, old) = crate::disk_file((3 << 20) + 12345, 41);
+    let opened = gpufeed_os::OpenedFile::open(&path).expect("open");
+    let new = crate::random_bytes(old.len() + 7, 42);
+    let tmp = dir.path().join("next.bin");
+    std::fs::write(&tmp, &new).expect("write the next version");
+    std::fs::rename(&tmp, &path).expect("rename over");
+    for backend in crate::backends() {
+        for direct in [Direct::On, Direct::Off] {
+            let mut r = crate::reader(backend, direct, 4, 1 << 20);
+            let file = r.open_opened(&opened).expect("open the opened file");
+            assert_eq!(r.is_direct(file), Some(direct == Direct::On), "{backend:?}");
+            let mut got = vec![0u8; old.len()];
+            r.read_exact_at(file, 0, &mut got).expect("read");
+            assert_eq!(
+                xxhash_rust::xxh3::xxh3_64(&got),
+                xxhash_rust::xxh3::xxh3_64(&old),
+                "{backend:?} {direct:?}: the opened version"
+            );
+            let by_path = r.open(&path).expect("open by path");
+            let mut got = vec![0u8; new.len()];
+            r.read_exact_at(by_path, 0, &mut got).expect("read");
+            assert_eq!(
+                got, new,
+                "{backend:?} {direct:?}: the path names the new one"
+            );
+        }
+    }
+    assert!(
+        opened.changed().expect("fstat").is_some(),
+        "the opened version lost its name"
+    );
+}
