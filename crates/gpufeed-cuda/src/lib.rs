@@ -5,7 +5,8 @@
 //!   entry point checks for libcuda first and returns [`Error::NoCudaDriver`].
 //! - Device buffers are cudarc [`CudaSlice<u8>`](cudarc::driver::CudaSlice), so cudarc and
 //!   candle users take them as they are: from the context's stream-ordered pool
-//!   ([`Gpu::alloc`]: reuse is free, growth costs 2-3 ms per GiB) or from `cuMemAlloc`
+//!   ([`Gpu::alloc`]: reuse is free, growth is not: measured in docs/benchmarks.md, GPU run 8)
+//!   or from `cuMemAlloc`
 //!   ([`Gpu::alloc_unpooled`]: cheap to get, for memory kept, as a one-shot load's).
 //! - [`TransferScheduler`]: host -> device (and back) in chunks spread over several streams.
 //!   Pinned and registered memory is copied directly; pageable memory and [`FillSource`]s

@@ -9,7 +9,7 @@
 //!   processes through shared-memory rings ([`hybrid::Fanout`]).
 //!
 //! Both run as two processes in `examples/frames.rs` and `examples/hybrid.rs`, and are measured
-//! by bench tables 4, 6 and 8. The crate's own `unsafe` code is where it reads or writes a
+//! by bench tables 12 and 13. The crate's own `unsafe` code is where it reads or writes a
 //! claimed ring slot in place.
 //!
 //! Depends on `gpufeed-load`, `gpufeed-data` (the batch loader and its ring), `gpufeed-ipc`

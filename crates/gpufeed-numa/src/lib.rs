@@ -2,7 +2,7 @@
 //!
 //! On a machine of two or more sockets, each GPU hangs off the PCIe root of one socket. Pinned
 //! staging memory on the *other* socket makes every host-to-device copy cross the socket
-//! interconnect, which moves data at about a third of the local speed, and IO threads there add
+//! interconnect, which is slower than the socket's own memory, and IO threads there add
 //! cross-socket traffic of their own. This crate answers "which NUMA node is this GPU on"
 //! ([`Topology::node_of_pci`]) and puts threads ([`Topology::bind_thread`]) and memory
 //! ([`Topology::bind_memory`]) there, then checks where pages really are ([`placement_of`]).
@@ -18,8 +18,8 @@
 //! hwloc C library).
 //!
 //! Used by `gpufeed-pinned` (pool buffers first touched on the GPU's node), `gpufeed-cuda` (fill
-//! and drain threads bound to that node) and the facade (one-shot staging placed after the
-//! context on machines of several nodes).
+//! and drain threads bound to that node), `gpufeed-load` (one-shot staging placed after the
+//! context on machines of several nodes) and the facade's `doctor`.
 //!
 //! ## Backends
 //! - `/sys` (default, no C library): `devices/system/node/node*/{cpulist,meminfo,distance}` and

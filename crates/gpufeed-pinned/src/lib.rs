@@ -1,8 +1,8 @@
 //! # gpufeed-pinned — layer 2 of gpufeed: host memory the GPU copies from at full speed
 //!
-//! Copies between host and GPU run at the PCIe ceiling only from page-locked memory (55.5 GB/s
-//! on the project's H200 machine, against 5.8 GB/s from an ordinary `Vec`). This crate provides
-//! that memory three ways:
+//! Copies between host and GPU run at the PCIe ceiling only from page-locked memory; from an
+//! ordinary `Vec` they run at a fraction of it (measured in docs/benchmarks.md, bench table 4).
+//! This crate provides that memory three ways:
 //!
 //! - [`PinnedBuffer`]: `cuMemHostAlloc` (portable; write-combined only when asked, since the
 //!   CPU reads such memory very slowly). Expensive to allocate: pool it.
@@ -10,8 +10,9 @@
 //!   [`gpufeed_os::FileMap`] (registered `READ_ONLY`, so the GPU reads the page cache with no
 //!   host copy), a [`gpufeed_os::ShmSegment`], or a slice; registered in chunks of at most 64
 //!   GiB; a range that is already registered is refused up front.
-//! - [`PinnedPool`]: aligned buffers registered with `cuMemHostRegister` (set up several times
-//!   faster than `cuMemHostAlloc`, the noted fallback) in power-of-two size classes from 64 KiB
+//! - [`PinnedPool`]: aligned buffers registered with `cuMemHostRegister` (set up faster than
+//!   with `cuMemHostAlloc`, the noted fallback: measured in docs/benchmarks.md, GPU run 7) in
+//!   power-of-two size classes from 64 KiB
 //!   to 256 MiB, a byte budget (default a
 //!   quarter of RAM), buffers allocated on the GPU's NUMA node, reuse through [`PooledBuffer`]
 //!   guards that carry the event of their last copy; [`PinnedPool::reserve`] (or

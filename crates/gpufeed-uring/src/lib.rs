@@ -28,9 +28,9 @@
 //!
 //! Depends on `gpufeed-os` and `io-uring`.
 //!
-//! Used by the facade's `Staged` and `Direct` loads (one kept reader per fill thread, as a
-//! `gpufeed-cuda` fill source), its many-file loads and image folders, and by its saves (a
-//! writer).
+//! Used by `gpufeed-load`'s `Staged` and `Direct` loads (one kept reader per fill thread, as a
+//! `gpufeed-cuda` fill source), its many-file loads and its saves (a writer); by `gpufeed-data`'s
+//! image folders and `O_DIRECT` batch reads; and by the facade's `doctor` and `advise`.
 //!
 //! # Example
 //! ```
