@@ -196,7 +196,7 @@ pub fn measure(
     );
     cache::warm(file)?;
     // Each worker gathers and uploads its batch: two batches in flight per worker.
-    let cfg = gpufeed::dataset::LoaderConfig::default()
+    let cfg = gpufeed::dataset::BatchLoaderOptions::default()
         .with_batch_size(256)
         .with_drop_last(true)
         .with_prefetch(16)

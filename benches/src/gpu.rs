@@ -8,9 +8,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use gpufeed::Gpu;
 use gpufeed_cuda::cudarc::driver::{DevicePtrMut, sys};
-use gpufeed_cuda::{GpuInfo, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{GpuInfo, HostSource, TransferOptions, TransferScheduler};
 use gpufeed_os::{FileMap, MapMode, cache};
-use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PoolMode};
+use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolMode, PoolOptions};
 use serde::Serialize;
 
 use crate::report::share;
@@ -145,7 +145,7 @@ pub fn measure(
     limit.remove(0); // warm-up
 
     progress("scheduler: pinned, pageable (staged), naive pageable");
-    let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+    let sched = TransferScheduler::new(&gpu, TransferOptions::default())?;
     let mut from_pinned = Vec::new();
     let mut from_pageable = Vec::new();
     let mut naive = Vec::new();
@@ -168,7 +168,7 @@ pub fn measure(
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let mut by_threads = Vec::new();
     for threads in [1, 2, 4, 8, 12, 16].into_iter().filter(|&t| t <= cores) {
-        let cfg = TransferConfig::default()
+        let cfg = TransferOptions::default()
             .with_fill_threads(threads)
             .with_staging_buffers(2 * threads);
         let sched = TransferScheduler::new(&gpu, cfg)?;
@@ -211,7 +211,7 @@ pub fn measure(
     drop(first?);
     let pool = PinnedPool::new(
         PoolMode::Cuda(Arc::clone(&ctx)),
-        PoolConfig::default()
+        PoolOptions::default()
             .with_budget_bytes(None)
             .with_numa_node(gpu.info().numa_node),
     )?;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use gpufeed::Gpu;
 use gpufeed::dataset::ring::RingLoader;
-use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::dataset::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 use gpufeed::frames::FrameFormat;
 use gpufeed::hybrid::{Fanout, GpuPlanar, Planar, batches_for, planar_transform};
 use gpufeed::ipc::BatchRing;
@@ -105,7 +105,7 @@ fn loader(
 ) -> Result<BatchLoader> {
     // SAFETY: as above.
     let records = unsafe { RecordFile::open_fixed(path, IMAGE.bytes())? };
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(BATCH)
         .with_workers(workers)
         .with_prefetch(2 * workers)

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Result;
-use gpufeed::dataset::{BatchLoader, LoaderConfig, Order, Position, RecordFile, Sampler};
+use gpufeed::dataset::{BatchLoader, BatchLoaderOptions, Order, Position, RecordFile, Sampler};
 use gpufeed_os::cache;
 use serde::Serialize;
 
@@ -29,7 +29,7 @@ pub struct LoaderBench {
     /// Milliseconds from `BatchLoader::resume` (rank 3 of 8, mid-epoch) to its first batch.
     pub resume_ms: Samples,
     /// The data set evicted from the page cache before each epoch, read with `O_DIRECT`
-    /// (`LoaderConfig::direct`) in blocks of records (`Order::Blocks`), with several block
+    /// (`BatchLoaderOptions::direct`) in blocks of records (`Order::Blocks`), with several block
     /// sizes, numbers of workers and reads in flight.
     pub direct_cold: Vec<DirectCold>,
     /// All the cold rows' limits together ([`DirectCold::limit_gbps`]): GB/s.
@@ -66,7 +66,7 @@ pub struct Epochs {
 pub fn epochs(
     path: &Path,
     record: usize,
-    cfg: LoaderConfig,
+    cfg: BatchLoaderOptions,
     seed: u64,
     gpu: Option<&gpufeed::Gpu>,
     reps: usize,
@@ -99,7 +99,7 @@ pub fn epochs(
 pub fn measure(dataset: &Path, reps: usize) -> Result<LoaderBench> {
     cache::warm(dataset)?;
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(BATCH)
         .with_drop_last(true)
         .with_prefetch(2 * workers)
@@ -130,7 +130,7 @@ pub struct DirectCold {
     /// Records per batch.
     pub batch: usize,
     pub workers: usize,
-    /// `LoaderConfig::direct_depth`: reads in flight per worker.
+    /// `BatchLoaderOptions::direct_depth`: reads in flight per worker.
     pub depth: usize,
     pub gbps: Samples,
     /// The fastest of the disk's own `O_DIRECT` reads of the file next to each of this row's
@@ -186,7 +186,7 @@ fn disk_way(w: usize) -> String {
 /// every way of [`disk_way`], before it and after it in turns (a disk that serves bursts or
 /// has slow spells favours neither); each epoch is judged against the read next to it of the
 /// way with the best median over the run, and (second) against the fastest way next to it.
-fn direct_cold(dataset: &Path, cfg: &LoaderConfig, reps: usize) -> Result<DirectColdRows> {
+fn direct_cold(dataset: &Path, cfg: &BatchLoaderOptions, reps: usize) -> Result<DirectColdRows> {
     type Row = (
         (usize, usize, usize, usize),
         BatchLoader,
@@ -325,7 +325,7 @@ fn resume_ms(dataset: &Path, reps: usize) -> Result<(usize, Samples)> {
         records = file.len();
         let order = Order::Shuffled { seed: rep };
         let sampler = Sampler::elastic(order, global, 3, 8, true)?;
-        let mut loader = BatchLoader::new(file, sampler, LoaderConfig::default(), None)?;
+        let mut loader = BatchLoader::new(file, sampler, BatchLoaderOptions::default(), None)?;
         let at = Position {
             epoch: rep,
             samples: (records / global / 2 * global) as u64,
@@ -359,7 +359,7 @@ pub fn table(s: &mut String, b: &LoaderBench, limits: Option<&Limits>) {
     for d in &b.direct_cold {
         let _ = writeln!(
             s,
-            "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`LoaderConfig::direct`; {} per read, {} in flight per worker) | {} records | {} | {} | {} (per epoch {}-{}%); {} ({} GB/s); the disk reading such blocks in a random order: {} GB/s | |",
+            "| {} in blocks of {} (`Order::Blocks`), cold, read with `O_DIRECT` (`BatchLoaderOptions::direct`; {} per read, {} in flight per worker) | {} records | {} | {} | {} (per epoch {}-{}%); {} ({} GB/s); the disk reading such blocks in a random order: {} GB/s | |",
             show_size(b.record_bytes as u64),
             d.block,
             show_size(d.read_bytes as u64),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use gpufeed::cuda::{HostDest, TransferConfig, TransferScheduler};
+use gpufeed::cuda::{HostDest, TransferOptions, TransferScheduler};
 use gpufeed::pinned::PinnedBuffer;
 use gpufeed::{Gpu, LoadOptions, Loader, SaveOptions, Saver};
 use gpufeed_os::{AlignedBuf, AtomicFile};
@@ -144,7 +144,7 @@ pub fn measure(
     let _ = std::fs::remove_file(&target);
     let _ = std::fs::remove_file(out_path(dir, "raw"));
     // Device -> pinned limit: 1 GiB downloads into pinned memory.
-    let sched = TransferScheduler::new(gpu, TransferConfig::default())?;
+    let sched = TransferScheduler::new(gpu, TransferOptions::default())?;
     let len = (1usize << 30).min(buf.len());
     let mut pinned = PinnedBuffer::new(gpu.context(), len)?;
     let view = buf.slice(..len);

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use gpufeed::cuda::cudarc::driver::{DevicePtrMut, sys};
-use gpufeed::dataset::{BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
+use gpufeed::dataset::{BatchLoader, BatchLoaderOptions, ImageFolder, Order, Sampler};
 use gpufeed::os::{AlignedBuf, cache};
 use gpufeed::pinned::PinnedBuffer;
 use gpufeed::uring::{Direct, Reader};
@@ -377,7 +377,7 @@ fn measure_files(
     }
     let (open_s, folder_set) = timed(|| ImageFolder::open(&folder));
     let folder_set = folder_set?;
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(256)
         .with_workers(8)
         .with_prefetch(4);

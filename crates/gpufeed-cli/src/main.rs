@@ -797,7 +797,7 @@ fn load_checkpoint(
     let verified = mismatched.as_ref().map(Vec::is_empty);
     let mut dtypes: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
     for f in &layout {
-        for (_, dtype, _, range) in &f.tensors {
+        for gpufeed::safetensors::HeaderEntry { dtype, range, .. } in &f.tensors {
             let e = dtypes.entry(format!("{dtype:?}")).or_default();
             e.0 += 1;
             e.1 += range.len() as u64;
@@ -879,7 +879,7 @@ fn mismatched_tensors(
         let mut data = vec![0u8; f.data_bytes as usize];
         file.read_exact_at(&mut data, f.data_start)
             .with_context(|| format!("read {} to verify", f.path.display()))?;
-        for (name, _, _, range) in &f.tensors {
+        for gpufeed::safetensors::HeaderEntry { name, range, .. } in &f.tensors {
             let on_gpu = back.get(range.clone());
             let in_file = data.get(range.clone());
             let same = on_gpu.zip(in_file).is_some_and(|(g, d)| {

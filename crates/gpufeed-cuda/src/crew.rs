@@ -5,7 +5,7 @@
 //! Why not a general pool: on the H200 machine (a VM) waking a sleeping thread took 14-40 us
 //! (rayon-core, docs/benchmarks.md GPU runs 22-24), as long as a 1 MiB load should take in
 //! all; loads come in bursts (a data loader's batches, a checkpoint's tensors), so threads that
-//! spin for [`TransferConfig::idle_spin`](crate::TransferConfig::idle_spin) after each job
+//! spin for [`TransferOptions::idle_spin`](crate::TransferOptions::idle_spin) after each job
 //! are already running when the next one is posted. After that they park (a futex wait) and
 //! cost nothing.
 

@@ -103,7 +103,7 @@ pub enum Error {
     /// The scheduler's fill threads could not be started (the process is out of threads or
     /// memory for their stacks).
     #[error(
-        "could not start {what}: {reason}; lower TransferConfig::fill_threads or the process's thread count"
+        "could not start {what}: {reason}; lower TransferOptions::fill_threads or the process's thread count"
     )]
     ThreadStart {
         /// What was being started.

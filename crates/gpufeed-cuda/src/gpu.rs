@@ -238,9 +238,9 @@ impl Gpu {
     ///
     /// # Example
     /// ```no_run
-    /// use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
+    /// use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferOptions, TransferScheduler};
     /// let gpu = Gpu::open(0)?;
-    /// let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+    /// let sched = TransferScheduler::new(&gpu, TransferOptions::default())?;
     /// let data = vec![7u8; 1 << 20];
     /// let (dev, stats) = gpu.alloc_filled(data.len(), DeviceAlloc::Pool, |dst| {
     ///     sched.upload(HostSource::Pageable(&data), dst, 0)

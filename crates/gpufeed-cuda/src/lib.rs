@@ -11,19 +11,19 @@
 //! - [`TransferScheduler`]: host -> device (and back) in chunks spread over several streams.
 //!   Pinned and registered memory is copied directly; pageable memory and [`FillSource`]s
 //!   (a file reader, a decoder) go through pinned staging buffers from a
-//!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes ([`TransferConfig::lanes_for`]: one
+//!   [`gpufeed_pinned::PinnedPool`]. Uploads run in lanes ([`TransferOptions::lanes_for`]: one
 //!   per 8 MiB, at least four, at most the fill threads): each lane owns a stream and
 //!   a few staging buffers, fills one, issues its copy and fills the next while the first is
 //!   on the wire (no single submitting thread to funnel through); the calling thread runs the
 //!   first lane and fill threads started by the first upload that needs them (and kept, awake
-//!   for [`TransferConfig::idle_spin`] after each upload so that the next one starts at once)
+//!   for [`TransferOptions::idle_spin`] after each upload so that the next one starts at once)
 //!   run the others. Each upload
-//!   starts with [`TransferConfig::min_chunk_bytes`] pieces doubling up to a chunk, and small
-//!   uploads are shared out in smaller pieces ([`TransferConfig::piece_bytes_for`]). A staging
+//!   starts with [`TransferOptions::min_chunk_bytes`] pieces doubling up to a chunk, and small
+//!   uploads are shared out in smaller pieces ([`TransferOptions::piece_bytes_for`]). A staging
 //!   buffer is reused only after the event of its last copy completed (the pool's guard owns
 //!   the event).
 //!   [`TransferScheduler::reserve_staging`] sets the lanes' buffers up front from one slab
-//!   registered in one call (bounded by [`TransferConfig::staging_bytes_for`]).
+//!   registered in one call (bounded by [`TransferOptions::staging_bytes_for`]).
 //!   [`TransferStats`] says where time went.
 //!
 //! - New device memory filled before it is returned, without `unsafe` or a memset:
@@ -54,13 +54,13 @@
 //!
 //! # Example
 //! ```
-//! use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
+//! use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferOptions, TransferScheduler};
 //! let gpu = match Gpu::open(0) {
 //!     Ok(gpu) => gpu,
 //!     Err(e) if e.is_no_gpu() => return Ok(()), // a machine without a GPU
 //!     Err(e) => return Err(e),
 //! };
-//! let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+//! let sched = TransferScheduler::new(&gpu, TransferOptions::default())?;
 //! let data = vec![42u8; (8 << 20) + 3];
 //! let (dev, stats) = sched.upload_new(HostSource::Pageable(&data), DeviceAlloc::Pool)?;
 //! assert_eq!(gpu.to_vec(&dev)?, data);
@@ -87,9 +87,13 @@ pub use peer::{
     SharedPointer, SharedPool, split_mut,
 };
 pub use transfer::{
-    DIRECT_CHUNK_BYTES, FillSource, HostDest, HostSource, SliceSource, SourceError, TransferConfig,
-    TransferScheduler, TransferStats,
+    DIRECT_CHUNK_BYTES, FillSource, HostDest, HostSource, SliceSource, SourceError,
+    TransferOptions, TransferScheduler, TransferStats,
 };
+
+/// The old name of [`TransferOptions`] (renamed: gpufeed's settings structs end in `Options`).
+#[deprecated(note = "renamed TransferOptions")]
+pub type TransferConfig = TransferOptions;
 
 /// The cudarc crate, as this crate uses it.
 pub use cudarc;

@@ -660,9 +660,9 @@ unsafe impl Sync for PoolHandle {}
 ///
 /// # Example
 /// ```no_run
-/// use gpufeed_cuda::{Gpu, HostSource, SharedPool, TransferConfig, TransferScheduler};
+/// use gpufeed_cuda::{Gpu, HostSource, SharedPool, TransferOptions, TransferScheduler};
 /// let gpu = Gpu::open(0)?;
-/// let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+/// let sched = TransferScheduler::new(&gpu, TransferOptions::default())?;
 /// let pool = SharedPool::new(&gpu)?;
 /// let data = vec![7u8; 1 << 20];
 /// let (buf, _) = pool.alloc_filled(data.len(), |dst| {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, sys};
 use gpufeed_os::{Fallback, Refused};
-use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PooledBuffer};
+use gpufeed_pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolOptions, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
 
 use crate::crew::Crew;
@@ -121,12 +121,12 @@ pub const DIRECT_CHUNK_BYTES: usize = 16 << 20;
 /// settings may be added).
 ///
 /// ```
-/// let cfg = gpufeed_cuda::TransferConfig::default().with_fill_threads(4).with_staging_buffers(8);
+/// let cfg = gpufeed_cuda::TransferOptions::default().with_fill_threads(4).with_staging_buffers(8);
 /// assert_eq!((cfg.fill_threads, cfg.staging_buffers), (4, 8));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct TransferConfig {
+pub struct TransferOptions {
     /// Streams the chunks of direct copies and staged downloads are spread over (default 4);
     /// staged uploads use one stream per fill thread.
     pub streams: usize,
@@ -164,7 +164,7 @@ pub struct TransferConfig {
     pub fill_threads: usize,
 }
 
-impl TransferConfig {
+impl TransferOptions {
     /// These settings with `streams` (streams of direct copies and staged downloads).
     pub fn with_streams(mut self, streams: usize) -> Self {
         self.streams = streams;
@@ -214,7 +214,7 @@ impl TransferConfig {
     /// chunk, in whole 4 KiB pages (so that `O_DIRECT` reads of a piece stay aligned).
     pub fn normalized(self) -> Self {
         let chunk_bytes = self.chunk_bytes.clamp(4096, gpufeed_pinned::MAX_CLASS);
-        TransferConfig {
+        TransferOptions {
             streams: self.streams.max(1),
             chunk_bytes,
             min_chunk_bytes: self
@@ -229,11 +229,11 @@ impl TransferConfig {
     }
 
     /// The lanes (fill threads, each with its stream) a staged upload of `len` bytes runs on:
-    /// one per [`TransferConfig::lane_bytes`], at least four (or every fill thread, where
+    /// one per [`TransferOptions::lane_bytes`], at least four (or every fill thread, where
     /// there are fewer), at most `fill_threads`.
     ///
     /// ```
-    /// let cfg = gpufeed_cuda::TransferConfig::default().with_fill_threads(16);
+    /// let cfg = gpufeed_cuda::TransferOptions::default().with_fill_threads(16);
     /// assert_eq!(cfg.lanes_for(16 << 20), 4);
     /// assert_eq!(cfg.lanes_for(64 << 20), 8);
     /// assert_eq!(cfg.lanes_for(1 << 30), 16);
@@ -245,7 +245,7 @@ impl TransferConfig {
     }
 
     /// The largest copy of a staged upload of `len` bytes: `chunk_bytes`, or for an upload
-    /// smaller than two chunks per lane ([`TransferConfig::lanes_for`]), an even share of two
+    /// smaller than two chunks per lane ([`TransferOptions::lanes_for`]), an even share of two
     /// pieces per lane in whole 64 KiB (at least `min_chunk_bytes`). The first copies are
     /// smaller still: each lane starts with a `min_chunk_bytes` piece and doubles it every
     /// round up to this size, so that the link starts working while the lanes fill their
@@ -259,14 +259,14 @@ impl TransferConfig {
     }
 
     /// Copies a staged upload of `len` bytes is cut into (see
-    /// [`TransferConfig::piece_bytes_for`]).
+    /// [`TransferOptions::piece_bytes_for`]).
     pub fn pieces_for(&self, len: u64) -> usize {
         PiecePlan::new(self, len).count
     }
 
     /// Staging buffers a staged upload of `len` bytes uses at most (`None`: of any length):
     /// `staging_buffers / fill_threads` (at least 2) per fill thread, and no more than the
-    /// upload has pieces ([`TransferConfig::piece_bytes_for`]).
+    /// upload has pieces ([`TransferOptions::piece_bytes_for`]).
     pub fn staging_buffers_for(&self, len: Option<u64>) -> usize {
         let cfg = self.normalized();
         let per_lane = (cfg.staging_buffers / cfg.fill_threads).max(2);
@@ -277,7 +277,7 @@ impl TransferConfig {
         }
     }
 
-    /// Bytes of [`TransferConfig::staging_buffers_for`] buffers of the chunk's size class:
+    /// Bytes of [`TransferOptions::staging_buffers_for`] buffers of the chunk's size class:
     /// the bound on the pinned staging memory of a staged upload (128 MiB with the facade's
     /// defaults on 16 cores: 16 fill threads, 2 buffers each, 4 MiB chunks).
     pub fn staging_bytes_for(&self, len: Option<u64>) -> usize {
@@ -290,11 +290,11 @@ impl TransferConfig {
     }
 }
 
-impl Default for TransferConfig {
+impl Default for TransferOptions {
     fn default() -> Self {
         let fill_threads =
             (std::thread::available_parallelism().map_or(4, |n| n.get()) / 2).clamp(2, 8);
-        TransferConfig {
+        TransferOptions {
             streams: 4,
             chunk_bytes: 16 << 20,
             min_chunk_bytes: 1 << 20,
@@ -338,9 +338,9 @@ impl TransferStats {
 ///
 /// # Example
 /// ```no_run
-/// use gpufeed_cuda::{Gpu, HostSource, TransferConfig, TransferScheduler};
+/// use gpufeed_cuda::{Gpu, HostSource, TransferOptions, TransferScheduler};
 /// let gpu = Gpu::open(0)?;
-/// let sched = TransferScheduler::new(&gpu, TransferConfig::default())?;
+/// let sched = TransferScheduler::new(&gpu, TransferOptions::default())?;
 /// let data = vec![7u8; 100 << 20];
 /// let mut dev = gpu.alloc_zeroed(data.len())?;
 /// let stats = sched.upload(HostSource::Pageable(&data), &mut dev, 0)?;
@@ -354,7 +354,7 @@ pub struct TransferScheduler {
     /// One stream per fill thread of staged uploads.
     lane_streams: Vec<Arc<CudaStream>>,
     pool: PinnedPool,
-    cfg: TransferConfig,
+    cfg: TransferOptions,
     /// The GPU's node on a machine of several, where fill and drain threads run.
     placement: Option<(gpufeed_numa::Topology, u32)>,
     /// Idle crews of fill threads for staged uploads (`fill_threads - 1` each: the calling
@@ -422,7 +422,7 @@ struct LaneWork<'a> {
 }
 
 /// How a staged upload is cut into copies: a ramp of rounds (one piece per lane each)
-/// from `min_chunk_bytes` doubling up to the cap ([`TransferConfig::piece_bytes_for`]), then
+/// from `min_chunk_bytes` doubling up to the cap ([`TransferOptions::piece_bytes_for`]), then
 /// pieces of the cap to the end. Offsets stay in whole 4 KiB pages.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PiecePlan {
@@ -437,7 +437,7 @@ pub(crate) struct PiecePlan {
 }
 
 impl PiecePlan {
-    pub(crate) fn new(cfg: &TransferConfig, len: u64) -> Self {
+    pub(crate) fn new(cfg: &TransferOptions, len: u64) -> Self {
         let cfg = cfg.normalized();
         let cap = cfg.piece_bytes_for(len);
         let mut ramp = Vec::new();
@@ -512,7 +512,7 @@ impl FreeList {
 
 impl TransferScheduler {
     /// A scheduler on `gpu` with its own streams and a staging pool on the GPU's NUMA node.
-    pub fn new(gpu: &Gpu, cfg: TransferConfig) -> Result<Self> {
+    pub fn new(gpu: &Gpu, cfg: TransferOptions) -> Result<Self> {
         let cfg = cfg.normalized();
         let ctx = Arc::clone(gpu.context());
         let new_streams = |n: usize| {
@@ -527,7 +527,7 @@ impl TransferScheduler {
         let lane_streams = new_streams(cfg.fill_threads)?;
         let pool = PinnedPool::new(
             gpufeed_pinned::PoolMode::Cuda(Arc::clone(&ctx)),
-            PoolConfig::default().with_numa_node(gpu.info().numa_node),
+            PoolOptions::default().with_numa_node(gpu.info().numa_node),
         )?;
         let placement = gpu.info().numa_node.and_then(|node| {
             gpufeed_numa::Topology::detect()
@@ -623,7 +623,7 @@ impl TransferScheduler {
     }
 
     /// The settings in use.
-    pub fn config(&self) -> TransferConfig {
+    pub fn config(&self) -> TransferOptions {
         self.cfg
     }
 
@@ -633,7 +633,7 @@ impl TransferScheduler {
     }
 
     /// Bytes of the staging a staged upload of `len` bytes uses at most (`None`: of any
-    /// length); see [`TransferConfig::staging_bytes_for`].
+    /// length); see [`TransferOptions::staging_bytes_for`].
     pub fn staging_bytes_for(&self, len: Option<u64>) -> usize {
         self.cfg.staging_bytes_for(len)
     }
@@ -1005,7 +1005,7 @@ impl TransferScheduler {
     /// handing filled buffers to the copies managed 40-47 (docs/benchmarks.md, sweep 4).
     ///
     /// The calling thread runs the first lane; the others run on the scheduler's kept fill
-    /// threads. Small uploads are cut into smaller pieces ([`TransferConfig::piece_bytes_for`])
+    /// threads. Small uploads are cut into smaller pieces ([`TransferOptions::piece_bytes_for`])
     /// so that several lanes share them, and only the lanes with work are woken and waited for.
     fn upload_staged(
         &self,
@@ -1238,14 +1238,14 @@ impl TransferScheduler {
 
 #[cfg(test)]
 mod tests {
-    use super::{PiecePlan, TransferConfig};
+    use super::{PiecePlan, TransferOptions};
 
     /// Small uploads are cut into two pieces per fill thread, in whole 64 KiB, never below the
     /// minimum nor above a chunk; the staging they need follows the pieces.
     #[test]
     fn pieces_of_small_uploads() {
-        assert_eq!(TransferConfig::default().min_chunk_bytes, 1 << 20);
-        let cfg = TransferConfig::default()
+        assert_eq!(TransferOptions::default().min_chunk_bytes, 1 << 20);
+        let cfg = TransferOptions::default()
             .with_chunk_bytes(4 << 20)
             .with_min_chunk_bytes(256 << 10)
             .with_fill_threads(16)
@@ -1290,7 +1290,7 @@ mod tests {
     /// the cap; the ramp doubles per round of one piece per fill thread.
     #[test]
     fn piece_plans_cover_the_upload() {
-        let cfg = TransferConfig::default()
+        let cfg = TransferOptions::default()
             .with_chunk_bytes(4 << 20)
             .with_min_chunk_bytes(256 << 10)
             .with_fill_threads(16)

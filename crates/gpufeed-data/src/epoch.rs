@@ -28,13 +28,13 @@ pub struct Epoch<'l> {
 ///
 /// # Example (host batches)
 /// ```
-/// use gpufeed_data::{BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+/// use gpufeed_data::{BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 /// # let dir = tempfile::tempdir()?;
 /// # let path = dir.path().join("records.bin");
 /// std::fs::write(&path, (0..100u8).collect::<Vec<_>>())?;
 /// // SAFETY: the file is not changed while it is used.
 /// let records = unsafe { RecordFile::open_fixed(&path, 10)? };
-/// let cfg = LoaderConfig::default().with_batch_size(4);
+/// let cfg = BatchLoaderOptions::default().with_batch_size(4);
 /// let loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)?;
 /// let mut epoch = loader.into_epoch(0)?; // moved: it can be stored or sent to a thread
 /// assert_eq!(epoch.next().transpose()?.map(|b| b.indices), Some(vec![0, 1, 2, 3]));

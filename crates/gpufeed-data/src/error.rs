@@ -54,7 +54,7 @@ pub enum Error {
     /// A batch was not ready in time: a worker is stuck (a transform that never returns?).
     #[error(
         "batch {batch} was not ready after {ms} ms: a worker is stuck (a transform that never \
-         returns?); raise LoaderConfig::batch_timeout if batches really take this long"
+         returns?); raise BatchLoaderOptions::batch_timeout if batches really take this long"
     )]
     BatchTimeout {
         /// The batch's number in its epoch.

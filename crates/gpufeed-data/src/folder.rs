@@ -22,7 +22,7 @@ use gpufeed_load::{FileList, Skipped};
 ///
 /// # Example (runs without a GPU: host batches)
 /// ```
-/// use gpufeed_data::{BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
+/// use gpufeed_data::{BatchLoader, ImageFolder, BatchLoaderOptions, Order, Sampler};
 /// # let dir = tempfile::tempdir()?;
 /// # for (class, n) in [("cat", 3), ("dog", 2)] {
 /// #     std::fs::create_dir(dir.path().join(class))?;
@@ -30,7 +30,7 @@ use gpufeed_load::{FileList, Skipped};
 /// # }
 /// let folder = ImageFolder::open(dir.path())?;
 /// assert_eq!(folder.classes(), ["cat", "dog"]);
-/// let cfg = LoaderConfig::default().with_batch_size(4);
+/// let cfg = BatchLoaderOptions::default().with_batch_size(4);
 /// let mut loader = BatchLoader::new(folder, Sampler::new(Order::Shuffled { seed: 1 }), cfg, None)?;
 /// for batch in loader.epoch(0)? {
 ///     let batch = batch?;

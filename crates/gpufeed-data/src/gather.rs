@@ -46,8 +46,8 @@ pub(crate) struct Job<'a> {
     /// Where there is a GPU: each worker uploads the batch it gathered, so that the uploads
     /// of several batches overlap each other and the gathering of the next ones.
     pub(crate) sched: Option<&'a TransferScheduler>,
-    /// With [`LoaderConfig::direct`]: records are read with `O_DIRECT`, counted here, this
-    /// many in flight ([`LoaderConfig::direct_depth`]).
+    /// With [`BatchLoaderOptions::direct`]: records are read with `O_DIRECT`, counted here, this
+    /// many in flight ([`BatchLoaderOptions::direct_depth`]).
     pub(crate) direct: Option<(&'a DirectCounters, usize)>,
 }
 
@@ -275,7 +275,7 @@ pub(crate) fn sized_offsets(bytes: usize, records: usize) -> Vec<usize> {
     (0..=records).map(|k| k * bytes).collect()
 }
 
-/// A worker's `O_DIRECT` reader ([`LoaderConfig::direct`]) with the files it opened, by
+/// A worker's `O_DIRECT` reader ([`BatchLoaderOptions::direct`]) with the files it opened, by
 /// their number in the source, and the aligned buffer its batches' runs are read into (kept
 /// from batch to batch: a fresh one would be faulted in and zeroed for every batch).
 pub(crate) struct DirectReader {
@@ -297,7 +297,7 @@ pub(crate) const DIRECT_MAX_READ: usize = 8 << 20;
 /// The page size `O_DIRECT` reads are aligned to.
 pub(crate) const DIRECT_ALIGN: usize = 4096;
 
-/// Checks that `records` can be read with `O_DIRECT` ([`LoaderConfig::direct`]): record files
+/// Checks that `records` can be read with `O_DIRECT` ([`BatchLoaderOptions::direct`]): record files
 /// on file systems that allow it.
 pub(crate) fn check_direct(records: &Dataset) -> Result<()> {
     let files: Vec<&RecordFile> = match records {
@@ -305,7 +305,7 @@ pub(crate) fn check_direct(records: &Dataset) -> Result<()> {
         Dataset::Shards(s) => s.shards().iter().collect(),
         Dataset::Folder(_) => {
             return Err(Error::invalid(
-                "LoaderConfig::direct reads record files; an ImageFolder's files are read whole already (leave direct off)".into(),
+                "BatchLoaderOptions::direct reads record files; an ImageFolder's files are read whole already (leave direct off)".into(),
             ));
         }
     };
@@ -314,14 +314,14 @@ pub(crate) fn check_direct(records: &Dataset) -> Result<()> {
         if !gpufeed_os::align::dio_alignment(&file)?.supported() {
             return Err(Error::from(gpufeed_uring::Error::DirectUnsupported {
                 path: f.path().into(),
-                reason: "the file system reports no O_DIRECT support (statx DIOALIGN = 0): leave LoaderConfig::direct off".into(),
+                reason: "the file system reports no O_DIRECT support (statx DIOALIGN = 0): leave BatchLoaderOptions::direct off".into(),
             }));
         }
     }
     Ok(())
 }
 
-/// Reads the records of one batch with `O_DIRECT` ([`LoaderConfig::direct`]): their byte
+/// Reads the records of one batch with `O_DIRECT` ([`BatchLoaderOptions::direct`]): their byte
 /// ranges sorted by file and offset, ranges within a page of each other merged into runs,
 /// every run read (from the page holding its first byte) into an aligned buffer at once; then copied (and
 /// transformed) into a pooled buffer as [`gather`] does.

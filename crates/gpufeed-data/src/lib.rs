@@ -5,7 +5,7 @@
 //! seed, sharded by rank; or elastic, whose [`Position`] resumes a run mid-epoch with another
 //! world size; or in shuffled blocks of neighbouring records, [`Order::Blocks`]), and a
 //! [`BatchLoader`] whose worker threads gather records (out of the mapping, or with
-//! `O_DIRECT`: [`LoaderConfig::direct`]) into pinned (or, without a GPU, locked) buffers and
+//! `O_DIRECT`: [`BatchLoaderOptions::direct`]) into pinned (or, without a GPU, locked) buffers and
 //! issue their uploads, several batches in flight, and which yields the batches in a fixed
 //! order once each is on the GPU. Records come from a file of fixed or indexed records, an
 //! `.npy` array, a WebDataset tar shard ([`sources`]), or a [`ShardSet`] of them. Worker
@@ -15,7 +15,7 @@
 //! |---|---|
 //! | `records` | [`RecordFile`], [`Dataset`], [`ShardSet`]: what a batch is gathered from |
 //! | `sampler` | [`Sampler`], [`Order`], [`Position`]: which records, in which order |
-//! | `loader` | [`BatchLoader`], [`LoaderConfig`], [`Batch`]: the loader and its settings |
+//! | `loader` | [`BatchLoader`], [`BatchLoaderOptions`], [`Batch`]: the loader and its settings |
 //! | `gather` | the worker threads: gather, transform, upload |
 //! | `epoch` | [`Epoch`], [`OwnedEpoch`]: the batches of an epoch, in order |
 //! | [`sources`] | `.npy` arrays and WebDataset tar shards as records |
@@ -32,14 +32,14 @@
 //!
 //! # Example
 //! ```
-//! use gpufeed_data::{BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+//! use gpufeed_data::{BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 //! # let dir = tempfile::tempdir()?;
 //! # let path = dir.path().join("train.bin");
 //! std::fs::write(&path, vec![7u8; 100 * 64])?; // 100 records of 64 bytes
 //! // SAFETY: the file is not changed while it is used.
 //! let records = unsafe { RecordFile::open_fixed(&path, 64)? };
 //! let sampler = Sampler::new(Order::Shuffled { seed: 7 });
-//! let cfg = LoaderConfig::default().with_batch_size(32);
+//! let cfg = BatchLoaderOptions::default().with_batch_size(32);
 //! // `Some(&gpu)` puts the batches on a GPU; `None` gives host batches.
 //! let mut loader = BatchLoader::new(records, sampler, cfg, None)?;
 //! let mut seen = 0;
@@ -66,8 +66,13 @@ pub use epoch::{Epoch, NotStarted, OwnedEpoch};
 pub use error::{Error, Result};
 pub use folder::ImageFolder;
 pub use loader::{
-    Batch, BatchData, BatchLoader, LoaderConfig, LoaderStats, Position, Transform, TransformInto,
+    Batch, BatchData, BatchLoader, BatchLoaderOptions, LoaderStats, Position, Transform,
+    TransformInto,
 };
+
+/// The old name of [`BatchLoaderOptions`] (renamed: gpufeed's settings structs end in `Options`).
+#[deprecated(note = "renamed BatchLoaderOptions")]
+pub type LoaderConfig = BatchLoaderOptions;
 pub use records::{Dataset, RecordFile, ShardSet};
 pub use sampler::{Order, Sampler};
 pub use sources::{NpyLayout, TarSample, shard_paths};
@@ -243,7 +248,7 @@ mod tests {
     fn ring_batches_follow_an_elastic_sampler() {
         let sampler =
             Sampler::elastic(Order::Shuffled { seed: 3 }, 24, 1, 2, true).expect("elastic");
-        let cfg = LoaderConfig::default().with_batch_size(50);
+        let cfg = BatchLoaderOptions::default().with_batch_size(50);
         let batches = ring::epoch_batches(250, &sampler, &cfg, 0);
         assert_eq!(batches.len(), 10, "250 records: 10 full steps of 24");
         assert!(batches.iter().all(|(_, b)| b.len() == 12));

@@ -1,4 +1,4 @@
-//! The [`BatchLoader`] and its settings ([`LoaderConfig`]): batches of records assembled by
+//! The [`BatchLoader`] and its settings ([`BatchLoaderOptions`]): batches of records assembled by
 //! worker threads into pinned buffers and uploaded, several in flight.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::sync::mpsc::{self};
 use std::time::Duration;
 
-use gpufeed_cuda::{Gpu, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{Gpu, TransferOptions, TransferScheduler};
 use gpufeed_load::DeviceBuffer;
-use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
+use gpufeed_pinned::{PinnedPool, PoolMode, PoolOptions, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
 
 use crate::epoch::{Epoch, NotStarted, OwnedEpoch, Running};
@@ -70,12 +70,12 @@ pub(crate) struct Scratch {
 /// settings may be added).
 ///
 /// ```
-/// let cfg = gpufeed_data::LoaderConfig::default().with_batch_size(256).with_workers(8);
+/// let cfg = gpufeed_data::BatchLoaderOptions::default().with_batch_size(256).with_workers(8);
 /// assert_eq!((cfg.batch_size, cfg.workers, cfg.prefetch), (256, 8, 2));
 /// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
-pub struct LoaderConfig {
+pub struct BatchLoaderOptions {
     /// Records per batch.
     pub batch_size: usize,
     /// Drop a last batch smaller than `batch_size`.
@@ -93,7 +93,7 @@ pub struct LoaderConfig {
     /// otherwise be read a page fault at a time and push everything else out of the cache.
     /// Each worker reads its batch's records in runs: records next to each other in the file
     /// are read together (an order that keeps them together, [`Order::Blocks`], makes each
-    /// block one read), up to [`LoaderConfig::direct_depth`] of them in flight. Not for an
+    /// block one read), up to [`BatchLoaderOptions::direct_depth`] of them in flight. Not for an
     /// [`ImageFolder`](crate::ImageFolder) (whose files are read whole already). A file system that refuses
     /// `O_DIRECT` is an error when the loader is made.
     pub direct: bool,
@@ -103,9 +103,9 @@ pub struct LoaderConfig {
     pub direct_depth: usize,
 }
 
-impl Default for LoaderConfig {
+impl Default for BatchLoaderOptions {
     fn default() -> Self {
-        LoaderConfig {
+        BatchLoaderOptions {
             batch_size: 32,
             drop_last: false,
             prefetch: 2,
@@ -117,7 +117,7 @@ impl Default for LoaderConfig {
     }
 }
 
-impl LoaderConfig {
+impl BatchLoaderOptions {
     /// These settings with `direct` (read records with `O_DIRECT`).
     pub fn with_direct(mut self, direct: bool) -> Self {
         self.direct = direct;
@@ -207,7 +207,7 @@ pub struct LoaderStats {
     pub upload_s: f64,
     /// Seconds the consumer waited for workers and for batches' copies to end.
     pub waited_s: f64,
-    /// With [`LoaderConfig::direct`]: `O_DIRECT` reads issued (one per run of records next to
+    /// With [`BatchLoaderOptions::direct`]: `O_DIRECT` reads issued (one per run of records next to
     /// each other in a file, per batch) and the bytes they read (from the 4 KiB page holding
     /// each run's first byte; against `bytes`, what alignment and records read twice cost).
     pub direct_reads: u64,
@@ -220,14 +220,14 @@ pub struct LoaderStats {
 ///
 /// # Example (runs without a GPU: host batches)
 /// ```
-/// use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+/// use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 /// # let dir = tempfile::tempdir()?;
 /// # let path = dir.path().join("records.bin");
 /// std::fs::write(&path, (0..100u8).collect::<Vec<_>>())?;
 /// // SAFETY: the file is not changed while it is used.
 /// let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 10 records of 10 bytes
 /// let sampler = Sampler::new(Order::Shuffled { seed: 7 });
-/// let cfg = LoaderConfig::default().with_batch_size(4);
+/// let cfg = BatchLoaderOptions::default().with_batch_size(4);
 /// let mut loader = BatchLoader::new(records, sampler, cfg, None)?;
 /// let sizes: Vec<usize> = loader.epoch(0)?.map(|b| b.map(|b| b.indices.len())).collect::<Result<_, _>>()?;
 /// assert_eq!(sizes, [4, 4, 2]);
@@ -236,13 +236,13 @@ pub struct LoaderStats {
 pub struct BatchLoader {
     pub(crate) records: Arc<Dataset>,
     pub(crate) sampler: Sampler,
-    pub(crate) cfg: LoaderConfig,
+    pub(crate) cfg: BatchLoaderOptions,
     pub(crate) transform: Option<Transformer>,
     pub(crate) pool: PinnedPool,
     /// The GPU and the scheduler the workers upload their batches through.
     pub(crate) gpu: Option<(Gpu, Arc<TransferScheduler>)>,
     pub(crate) stats: LoaderStats,
-    /// The workers' `O_DIRECT` reads ([`LoaderConfig::direct`]).
+    /// The workers' `O_DIRECT` reads ([`BatchLoaderOptions::direct`]).
     pub(crate) direct: Arc<DirectCounters>,
 }
 
@@ -265,7 +265,7 @@ impl BatchLoader {
     pub fn new(
         records: impl Into<Dataset>,
         sampler: Sampler,
-        mut cfg: LoaderConfig,
+        mut cfg: BatchLoaderOptions,
         gpu: Option<&Gpu>,
     ) -> Result<Self> {
         (cfg.batch_size, cfg.drop_last) = sampler.batching(&cfg);
@@ -279,12 +279,12 @@ impl BatchLoader {
             check_direct(&records)?;
         }
         let node = gpu.and_then(|g| g.info().numa_node);
-        let pool_cfg = PoolConfig::default()
+        let pool_cfg = PoolOptions::default()
             .with_budget_bytes(None)
             .with_numa_node(node);
         let (pool, gpu) = match gpu {
             Some(g) => {
-                let sched = TransferScheduler::new(g, TransferConfig::default())?;
+                let sched = TransferScheduler::new(g, TransferOptions::default())?;
                 (
                     PinnedPool::new(PoolMode::Cuda(g.context().clone()), pool_cfg)?,
                     Some((g.clone(), Arc::new(sched))),
@@ -327,13 +327,13 @@ impl BatchLoader {
     /// for [`BatchLoader::with_transform`]. Replaces a transform set before.
     ///
     /// ```
-    /// use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+    /// use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
     /// # let dir = tempfile::tempdir()?;
     /// # let path = dir.path().join("records.bin");
     /// std::fs::write(&path, (0..12u8).collect::<Vec<_>>())?;
     /// // SAFETY: the file is not changed while it is used.
     /// let records = unsafe { RecordFile::open_fixed(&path, 3)? }; // 4 records of 3 bytes
-    /// let cfg = LoaderConfig::default().with_batch_size(4);
+    /// let cfg = BatchLoaderOptions::default().with_batch_size(4);
     /// let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)?
     ///     // Each record's bytes summed into one little-endian u16.
     ///     .with_transform_into(2, |_, r, out| {
@@ -424,7 +424,7 @@ impl BatchLoader {
     ///
     /// # Example (host batches)
     /// ```
-    /// use gpufeed_data::{BatchLoader, LoaderConfig, Order, Position, RecordFile, Sampler};
+    /// use gpufeed_data::{BatchLoader, BatchLoaderOptions, Order, Position, RecordFile, Sampler};
     /// # let dir = tempfile::tempdir()?;
     /// # let path = dir.path().join("records.bin");
     /// std::fs::write(&path, vec![7u8; 1000])?;
@@ -432,7 +432,7 @@ impl BatchLoader {
     ///     // SAFETY: the file is not changed while it is used.
     ///     let records = unsafe { RecordFile::open_fixed(&path, 10)? }; // 100 records
     ///     let sampler = Sampler::elastic(Order::Shuffled { seed: 1 }, 8, rank, world, true)?;
-    ///     BatchLoader::new(records, sampler, LoaderConfig::default(), None)
+    ///     BatchLoader::new(records, sampler, BatchLoaderOptions::default(), None)
     /// };
     /// // One rank of a world of two runs three steps, then stops: its position is saved.
     /// let mut loader = open(0, 2)?;

@@ -18,12 +18,12 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferOptions, TransferScheduler};
 use gpufeed_ipc::{BatchRing, Claim, Consumer, Watermark};
-use gpufeed_pinned::{HostRegistration, PinnedPool, PoolConfig, PoolMode};
+use gpufeed_pinned::{HostRegistration, PinnedPool, PoolMode, PoolOptions};
 
 use crate::error::{Error, Result};
-use crate::{Batch, BatchData, LoaderConfig, RecordFile, Sampler, Transform};
+use crate::{Batch, BatchData, BatchLoaderOptions, RecordFile, Sampler, Transform};
 
 const MAGIC: &[u8; 4] = b"GFB2";
 const HEADER: usize = 40;
@@ -33,7 +33,7 @@ const HEADER: usize = 40;
 pub fn epoch_batches(
     records: usize,
     sampler: &Sampler,
-    cfg: &LoaderConfig,
+    cfg: &BatchLoaderOptions,
     epoch: u64,
 ) -> Vec<(usize, Vec<usize>)> {
     // An elastic sampler sets the batch (its per-rank share of a step), as in `BatchLoader`.
@@ -154,7 +154,7 @@ pub fn produce_epoch(
     ring: &BatchRing,
     records: &RecordFile,
     sampler: &Sampler,
-    cfg: &LoaderConfig,
+    cfg: &BatchLoaderOptions,
     share: &WorkerShare<'_>,
 ) -> Result<usize> {
     let WorkerShare {
@@ -463,11 +463,11 @@ impl<'r> RingLoader<'r> {
                     }
                 };
                 let pool =
-                    PinnedPool::new(PoolMode::Cuda(g.context().clone()), PoolConfig::default())?;
+                    PinnedPool::new(PoolMode::Cuda(g.context().clone()), PoolOptions::default())?;
                 (
                     Some((
                         g.clone(),
-                        TransferScheduler::new(g, TransferConfig::default())?,
+                        TransferScheduler::new(g, TransferOptions::default())?,
                     )),
                     registration,
                     pool,
@@ -476,7 +476,7 @@ impl<'r> RingLoader<'r> {
             None => (
                 None,
                 None,
-                PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?,
+                PinnedPool::new(PoolMode::Cpu, PoolOptions::default())?,
             ),
         };
         Ok(RingLoader {

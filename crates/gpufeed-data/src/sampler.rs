@@ -2,7 +2,7 @@
 //! [`Order`]); the elastic order resumes from a [`Position`] with another world size.
 
 use crate::error::{Error, Result};
-use crate::loader::{LoaderConfig, Position};
+use crate::loader::{BatchLoaderOptions, Position};
 
 /// The order records are visited in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -16,7 +16,7 @@ pub enum Order {
         /// The seed.
         seed: u64,
     },
-    /// A quasi-random order for data read from the disk ([`LoaderConfig::direct`]), as FFCV's
+    /// A quasi-random order for data read from the disk ([`BatchLoaderOptions::direct`]), as FFCV's
     /// `QUASI_RANDOM`: the records are cut into blocks of `block` consecutive records; the
     /// epoch visits the blocks in a permutation drawn from `seed` and the epoch, and each
     /// block's records in a permutation of their own (a last, shorter block, where `block`
@@ -157,7 +157,7 @@ impl Sampler {
 
     /// The batch size and `drop_last` a loader uses with this sampler: an elastic sampler's
     /// own, else `cfg`'s.
-    pub(crate) fn batching(&self, cfg: &LoaderConfig) -> (usize, bool) {
+    pub(crate) fn batching(&self, cfg: &BatchLoaderOptions) -> (usize, bool) {
         match self.rank_batch() {
             Some(b) => (b, self.drop_last),
             None => (cfg.batch_size, cfg.drop_last),

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use gpufeed_data::ring::RingLoader;
-use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 use gpufeed_frames::frames::FrameFormat;
 use gpufeed_frames::hybrid::{Fanout, GpuPlanar, Planar, batches_for, planar_transform};
 use gpufeed_ipc::BatchRing;
@@ -109,7 +109,7 @@ fn run(cli: Cli) -> Result<(), Error> {
     let open = |transform: bool| -> Result<BatchLoader, Error> {
         // SAFETY: the example's record file is not changed while mapped.
         let records = unsafe { RecordFile::open_fixed(&path, image.bytes())? };
-        let cfg = LoaderConfig::default()
+        let cfg = BatchLoaderOptions::default()
             .with_batch_size(cli.batch)
             .with_workers(workers)
             .with_prefetch(2 * workers);

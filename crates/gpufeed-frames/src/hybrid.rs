@@ -18,7 +18,7 @@
 //!
 //! # Example (host batches, one training process: this one)
 //! ```
-//! use gpufeed_data::{BatchLoader, BatchData, LoaderConfig, Order, RecordFile, Sampler};
+//! use gpufeed_data::{BatchLoader, BatchData, BatchLoaderOptions, Order, RecordFile, Sampler};
 //! use gpufeed_data::ring::RingLoader;
 //! use gpufeed_frames::frames::FrameFormat;
 //! use gpufeed_frames::hybrid::{Fanout, Planar, planar_transform};
@@ -28,7 +28,7 @@
 //! std::fs::write(&path, vec![51u8; image.bytes() * 10])?;
 //! // SAFETY: the file is not changed while mapped.
 //! let records = unsafe { RecordFile::open_fixed(&path, image.bytes())? };
-//! let cfg = LoaderConfig::default().with_batch_size(5);
+//! let cfg = BatchLoaderOptions::default().with_batch_size(5);
 //! let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg, None)?
 //!     .with_transform(planar_transform(image));
 //! let rings = [gpufeed_ipc::BatchRing::anonymous(2, 1 << 20)?];

@@ -202,7 +202,7 @@ pub fn one_shot<P, T, E: From<Error>>(
 
 /// Loads all of `path` onto GPU `ordinal` in one call, opening the GPU on another thread while
 /// this one checks the file and faults in the pinned staging (bounded:
-/// [`TransferConfig::staging_bytes_for`](gpufeed_cuda::TransferConfig::staging_bytes_for) the file, 128 MiB at most with the default options on
+/// [`TransferOptions::staging_bytes_for`](gpufeed_cuda::TransferOptions::staging_bytes_for) the file, 128 MiB at most with the default options on
 /// 16 cores), which is unregistered and freed before this returns. For a process that loads
 /// once at start-up; keep a [`Loader`] for more.
 ///
@@ -240,7 +240,7 @@ pub fn load_file_on(
 
 impl Loader {
     /// A loader for `gpu`, with its pinned staging reserved now, from one slab registered
-    /// with one call (at most [`TransferConfig::staging_bytes_for`](gpufeed_cuda::TransferConfig::staging_bytes_for): 128 MiB with the default
+    /// with one call (at most [`TransferOptions::staging_bytes_for`](gpufeed_cuda::TransferOptions::staging_bytes_for): 128 MiB with the default
     /// options on 16 cores; none for `Strategy::Registered`), so that its first load runs
     /// at the speed of a warm one (its device memory comes from `cuMemAlloc`; the second load
     /// grows the context's pool, later ones reuse it). Reserving took 22-31 ms on the H200

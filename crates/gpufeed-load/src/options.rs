@@ -4,7 +4,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use gpufeed_cuda::TransferConfig;
+use gpufeed_cuda::TransferOptions;
 use gpufeed_os::Fallback;
 
 use crate::error::{Error, Result};
@@ -126,7 +126,7 @@ pub struct LoadOptions {
     /// The strategy (default `Auto`).
     pub strategy: Strategy,
     /// Streams, chunk size, staging buffers and fill (IO) threads of the transfer.
-    pub transfer: TransferConfig,
+    pub transfer: TransferOptions,
     /// Bytes registered per `cuMemHostRegister` call by `Registered` (64 MiB: shorter driver
     /// calls disturb the concurrent copies less; a sweep on the H200 machine is in
     /// docs/benchmarks.md). At least 1 MiB.
@@ -152,7 +152,7 @@ impl Default for LoadOptions {
         let fill_threads = cores.clamp(2, 16);
         LoadOptions {
             strategy: Strategy::Auto,
-            transfer: TransferConfig::default()
+            transfer: TransferOptions::default()
                 .with_streams(4)
                 .with_chunk_bytes(4 << 20)
                 .with_staging_buffers(2 * fill_threads)
@@ -171,7 +171,7 @@ impl LoadOptions {
     pub fn one_thread() -> Self {
         LoadOptions {
             strategy: Strategy::Registered,
-            transfer: TransferConfig::default()
+            transfer: TransferOptions::default()
                 .with_fill_threads(1)
                 .with_staging_buffers(4),
             register_threads: 1,
@@ -198,7 +198,7 @@ impl LoadOptions {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         let threads = (cores / gpus).clamp(2, 16);
         LoadOptions {
-            transfer: TransferConfig::default()
+            transfer: TransferOptions::default()
                 .with_streams(4)
                 .with_chunk_bytes(2 << 20)
                 .with_staging_buffers(2 * threads)
@@ -214,7 +214,7 @@ impl LoadOptions {
     }
 
     /// These options with `transfer`.
-    pub fn with_transfer(mut self, transfer: TransferConfig) -> Self {
+    pub fn with_transfer(mut self, transfer: TransferOptions) -> Self {
         self.transfer = transfer;
         self
     }
@@ -276,7 +276,7 @@ pub struct OneShotReport {
     pub total_seconds: f64,
     /// Bytes moved to the GPU.
     pub bytes: u64,
-    /// Pinned staging used (bounded: [`TransferConfig::staging_bytes_for`] of the largest
+    /// Pinned staging used (bounded: [`TransferOptions::staging_bytes_for`] of the largest
     /// file), registered for the call only.
     pub staging_bytes: u64,
     /// One report per file loaded.

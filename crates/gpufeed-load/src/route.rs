@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::path::Path;
 
-use gpufeed_cuda::TransferConfig;
+use gpufeed_cuda::TransferOptions;
 use gpufeed_os::OpenedFile;
 use gpufeed_os::cache;
 use gpufeed_uring::Backend;
@@ -169,9 +169,9 @@ pub fn file_len(path: &Path) -> Result<u64> {
 }
 
 /// Transfer settings for loads of at most `bytes`: where those are small, chunks no larger
-/// than their pieces ([`TransferConfig::piece_bytes_for`]), so that the staging reserved is
+/// than their pieces ([`TransferOptions::piece_bytes_for`]), so that the staging reserved is
 /// about the size of the load (5 MiB for a 5 MiB file, not 20 buffers of 4 MiB).
-pub(crate) fn sized_for(cfg: TransferConfig, bytes: Option<u64>) -> TransferConfig {
+pub(crate) fn sized_for(cfg: TransferOptions, bytes: Option<u64>) -> TransferOptions {
     match bytes {
         Some(b) => {
             let piece = cfg.piece_bytes_for(b);

@@ -18,9 +18,9 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use gpufeed_cuda::cudarc::driver::CudaView;
-use gpufeed_cuda::{Gpu, HostDest, TransferConfig, TransferScheduler};
+use gpufeed_cuda::{Gpu, HostDest, TransferOptions, TransferScheduler};
 use gpufeed_os::{AtomicFile, Fallback};
-use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode, PooledBuffer};
+use gpufeed_pinned::{PinnedPool, PoolMode, PoolOptions, PooledBuffer};
 use gpufeed_uring::{Direct, Writer};
 
 use crate::error::{Error, Result};
@@ -153,10 +153,10 @@ impl std::fmt::Debug for Saver {
 impl Saver {
     /// A saver for `gpu`'s memory: pinned windows from a pool on the GPU's NUMA node.
     pub fn new(gpu: &Gpu, opts: SaveOptions) -> Result<Self> {
-        let sched = TransferScheduler::new(gpu, TransferConfig::default())?;
+        let sched = TransferScheduler::new(gpu, TransferOptions::default())?;
         let pool = PinnedPool::new(
             PoolMode::Cuda(std::sync::Arc::clone(gpu.context())),
-            PoolConfig::default().with_numa_node(gpu.info().numa_node),
+            PoolOptions::default().with_numa_node(gpu.info().numa_node),
         )?;
         Ok(Saver {
             sched: Some(sched),
@@ -168,7 +168,7 @@ impl Saver {
     /// A saver of host bytes only (no GPU: the same windows and writer, in locked host
     /// memory).
     pub fn host(opts: SaveOptions) -> Result<Self> {
-        let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?;
+        let pool = PinnedPool::new(PoolMode::Cpu, PoolOptions::default())?;
         Ok(Saver {
             sched: None,
             pool,

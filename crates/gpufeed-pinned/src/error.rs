@@ -54,7 +54,7 @@ pub enum Error {
     /// The pool's byte budget is spent.
     #[error(
         "pinned pool budget exhausted: {requested} bytes asked, {in_use} of {budget} in use; \
-         return buffers sooner or raise the budget (PoolConfig::budget_bytes)"
+         return buffers sooner or raise the budget (PoolOptions::budget_bytes)"
     )]
     PoolExhausted {
         /// Bytes asked for (the size class).

@@ -30,9 +30,9 @@
 //!
 //! # Example
 //! ```
-//! use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode};
+//! use gpufeed_pinned::{PinnedPool, PoolOptions, PoolMode};
 //! // With a GPU: PoolMode::Cuda(context); without one, mlocked memory (runs anywhere).
-//! let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default().with_budget_bytes(Some(64 << 20)))?;
+//! let pool = PinnedPool::new(PoolMode::Cpu, PoolOptions::default().with_budget_bytes(Some(64 << 20)))?;
 //! let mut buf = pool.get(100_000)?; // a 128 KiB class buffer, 100 000 bytes visible
 //! buf[..5].copy_from_slice(b"bytes");
 //! drop(buf); // back to the pool, reused by the next get of its class
@@ -51,8 +51,12 @@ pub use buffer::{PinnedBuffer, PinnedFlags};
 pub use driver::driver_available;
 pub use error::{CUresult, Error, Result};
 pub use pool::{
-    HostSlab, MAX_CLASS, MIN_CLASS, PinnedPool, PoolConfig, PoolMode, PoolStats, PooledBuffer,
+    HostSlab, MAX_CLASS, MIN_CLASS, PinnedPool, PoolMode, PoolOptions, PoolStats, PooledBuffer,
 };
+
+/// The old name of [`PoolOptions`] (renamed: gpufeed's settings structs end in `Options`).
+#[deprecated(note = "renamed PoolOptions")]
+pub type PoolConfig = PoolOptions;
 pub use register::{HostRegistration, MAX_REGISTER_CHUNK};
 
 /// The cudarc crate, as this crate uses it (driver API).

@@ -42,12 +42,12 @@ impl std::fmt::Debug for PoolMode {
 /// may be added).
 ///
 /// ```
-/// let cfg = gpufeed_pinned::PoolConfig::default().with_budget_bytes(Some(64 << 20));
+/// let cfg = gpufeed_pinned::PoolOptions::default().with_budget_bytes(Some(64 << 20));
 /// assert_eq!(cfg.budget_bytes, Some(64 << 20));
 /// ```
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
-pub struct PoolConfig {
+pub struct PoolOptions {
     /// Most bytes the pool holds at once (handed out plus cached). Default: a quarter of RAM.
     pub budget_bytes: Option<u64>,
     /// The NUMA node to place buffers on (the GPU's, from `gpufeed-cuda`'s `GpuInfo`): buffers
@@ -55,7 +55,7 @@ pub struct PoolConfig {
     pub numa_node: Option<u32>,
 }
 
-impl PoolConfig {
+impl PoolOptions {
     /// These settings with `budget_bytes` (most bytes held at once; `None`: a quarter of RAM).
     pub fn with_budget_bytes(mut self, budget_bytes: Option<u64>) -> Self {
         self.budget_bytes = budget_bytes;
@@ -149,9 +149,9 @@ impl Memory {
 ///
 /// # Example
 /// ```
-/// use gpufeed_pinned::{HostSlab, PinnedPool, PoolConfig, PoolMode};
+/// use gpufeed_pinned::{HostSlab, PinnedPool, PoolOptions, PoolMode};
 /// let slab = HostSlab::new(8 << 20)?; // faulted in here
-/// let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?;
+/// let pool = PinnedPool::new(PoolMode::Cpu, PoolOptions::default())?;
 /// assert_eq!(pool.reserve_slab(slab, 1 << 20)?, 8); // eight 1 MiB buffers, one mlock
 /// let buf = pool.get(1 << 20)?; // no allocation
 /// assert_eq!(pool.stats().reuses, 1);
@@ -258,8 +258,8 @@ struct Inner {
 ///
 /// # Example (CPU mode, runs anywhere)
 /// ```
-/// use gpufeed_pinned::{PinnedPool, PoolConfig, PoolMode};
-/// let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default())?;
+/// use gpufeed_pinned::{PinnedPool, PoolOptions, PoolMode};
+/// let pool = PinnedPool::new(PoolMode::Cpu, PoolOptions::default())?;
 /// let mut buf = pool.get(100_000)?; // a 128 KiB class buffer, 100 000 bytes visible
 /// buf[0] = 1;
 /// drop(buf); // back to the pool
@@ -288,7 +288,7 @@ impl PinnedPool {
     ///
     /// # Errors
     /// [`Error::NoCudaDriver`] for [`PoolMode::Cuda`] without a driver.
-    pub fn new(mode: PoolMode, config: PoolConfig) -> Result<Self> {
+    pub fn new(mode: PoolMode, config: PoolOptions) -> Result<Self> {
         if matches!(mode, PoolMode::Cuda(_)) {
             crate::driver_available()?;
         }
@@ -334,7 +334,7 @@ impl PinnedPool {
 
     /// A pool on the GPU's context if a CUDA driver is present, else a CPU-mode pool; the
     /// choice is recorded in [`PinnedPool::notes`].
-    pub fn for_context_or_cpu(ctx: Option<&Arc<CudaContext>>, config: PoolConfig) -> Result<Self> {
+    pub fn for_context_or_cpu(ctx: Option<&Arc<CudaContext>>, config: PoolOptions) -> Result<Self> {
         match ctx {
             Some(ctx) if crate::driver_available().is_ok() => {
                 Self::new(PoolMode::Cuda(Arc::clone(ctx)), config)

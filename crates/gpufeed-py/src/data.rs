@@ -272,7 +272,8 @@ impl BatchLoader {
                 None => Sampler::from_env(order)?,
             };
             // An elastic sampler sets the batch size itself (BatchLoader::new).
-            let mut cfg = gpufeed::dataset::LoaderConfig::default().with_batch_size(batch_size);
+            let mut cfg =
+                gpufeed::dataset::BatchLoaderOptions::default().with_batch_size(batch_size);
             cfg.drop_last = drop_last;
             // Default: a worker per core, up to 8 (what the bench's BatchLoader rows use).
             cfg.workers = workers.unwrap_or_else(|| {

@@ -101,7 +101,13 @@ impl Checkpoint {
     ) -> Result<Self> {
         let mut tensors = BTreeMap::new();
         for (i, layout) in layouts.iter().enumerate() {
-            for (name, dtype, shape, range) in &layout.tensors {
+            for HeaderEntry {
+                name,
+                dtype,
+                shape,
+                range,
+            } in &layout.tensors
+            {
                 let info = TensorInfo {
                     dtype: *dtype,
                     shape: shape.clone(),
@@ -166,7 +172,7 @@ pub fn load_with(loader: &Loader, path: impl AsRef<Path>) -> Result<Checkpoint> 
 /// the default options on 16 cores), which is unregistered and freed before this returns. For
 /// a process that loads its weights once at start-up.
 ///
-/// [`staging_bytes_for`]: gpufeed_cuda::TransferConfig::staging_bytes_for
+/// [`staging_bytes_for`]: gpufeed_cuda::TransferOptions::staging_bytes_for
 ///
 /// # Errors
 /// The checkpoint's errors (missing file, malformed header, bad index) before the GPU's (no

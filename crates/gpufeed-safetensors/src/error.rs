@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use crate::header::HeaderError;
+
 /// Result alias of gpufeed-safetensors.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -19,8 +21,17 @@ pub enum Error {
     Safetensors {
         /// The file.
         path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
+        /// What is wrong with its header.
+        reason: HeaderError,
+    },
+
+    /// A tensor name the checkpoint does not have.
+    #[error("{}: no tensor named {name:?} in the checkpoint", .path.display())]
+    NoTensor {
+        /// The checkpoint (its first file).
+        path: PathBuf,
+        /// The name asked for.
+        name: String,
     },
 
     /// A sharded checkpoint's index that cannot be used.

@@ -29,7 +29,7 @@ pub(crate) struct Parsed {
 pub(crate) fn parse(path: &Path) -> Result<Parsed> {
     let opened = OpenedFile::open(path)?;
     let (file, identity) = (opened.file(), *opened.identity());
-    let bad = |reason: String| Error::Safetensors {
+    let bad = |reason: HeaderError| Error::Safetensors {
         path: path.into(),
         reason,
     };
@@ -56,46 +56,134 @@ pub(crate) fn read_exact_at(
     buf: &mut [u8],
     offset: u64,
     file_len: u64,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), HeaderError> {
     use std::os::unix::fs::FileExt;
     file.read_exact_at(buf, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            format!("the file ends (at {file_len} bytes) inside its header; it is truncated")
+            HeaderError::Truncated {
+                file_len,
+                need: offset + buf.len() as u64,
+            }
         } else {
-            format!("reading the header failed: {e}")
+            HeaderError::Unreadable {
+                reason: e.to_string(),
+            }
         }
     })
 }
 
+/// What is wrong with a safetensors header ([`header_of`], and the `reason` of
+/// [`Error::Safetensors`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HeaderError {
+    /// The file ends before its header does: it has `file_len` bytes, the header needs `need`.
+    #[error(
+        "the file has {file_len} bytes but its header needs {need}{}; it is truncated",
+        if *.need == 8 { " (the 8 that give the header's length)" } else { "" }
+    )]
+    Truncated {
+        /// The file's length.
+        file_len: u64,
+        /// The bytes the length field and the header take.
+        need: u64,
+    },
+    /// The bytes given to [`header_of`] stop before the header does (the file itself may be
+    /// whole): read `need` bytes from its start and try again.
+    #[error("the {have} bytes given end inside the header, which needs {need}")]
+    Incomplete {
+        /// The bytes given.
+        have: u64,
+        /// The bytes the length field and the header take.
+        need: u64,
+    },
+    /// The length field claims more than a safetensors header may have
+    /// ([`MAX_HEADER_BYTES`]).
+    #[error(
+        "the header claims {claimed} bytes, more than the {MAX_HEADER_BYTES} a safetensors \
+         header may have"
+    )]
+    TooLarge {
+        /// What the length field says.
+        claimed: u64,
+    },
+    /// The header is not UTF-8 JSON describing tensors (the `safetensors` crate's own checks:
+    /// `__metadata__` a map of strings, each tensor a dtype, a shape and two offsets).
+    #[error("the header does not describe valid tensors: {reason}")]
+    NotTensors {
+        /// The parser's message.
+        reason: String,
+    },
+    /// A tensor whose bytes do not fit its place: a gap or an overlap with the tensor before
+    /// it, a size other than its dtype and shape's, or a shape too large.
+    #[error("tensor {tensor}: {reason}")]
+    BadTensor {
+        /// The tensor's name.
+        tensor: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The tensors cover other than the data section's bytes: the file is truncated, extended
+    /// or not a safetensors file.
+    #[error(
+        "the tensors cover {covered} bytes but the data section has {data_len}: the file is \
+         truncated, extended or not a safetensors file"
+    )]
+    DataSize {
+        /// Bytes the tensors cover.
+        covered: u64,
+        /// Bytes after the header.
+        data_len: u64,
+    },
+    /// Two tensors of one name.
+    #[error("tensor {tensor} appears twice in the header")]
+    Duplicate {
+        /// The name.
+        tensor: String,
+    },
+    /// Reading the header failed (an IO error other than the file's end).
+    #[error("reading the header failed: {reason}")]
+    Unreadable {
+        /// The system's message.
+        reason: String,
+    },
+}
+
 /// Largest header the `safetensors` crate accepts.
-pub(crate) const MAX_HEADER_BYTES: u64 = 100_000_000;
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// Checks the header length `n` read from the first 8 bytes of a file of `file_len` bytes.
-pub(crate) fn header_len(n: u64, file_len: u64) -> std::result::Result<u64, String> {
+pub(crate) fn header_len(n: u64, file_len: u64) -> std::result::Result<u64, HeaderError> {
     if file_len < 8 {
-        return Err(format!(
-            "the file has {file_len} bytes, fewer than the 8 that give the header's length"
-        ));
+        return Err(HeaderError::Truncated { file_len, need: 8 });
     }
     if n > MAX_HEADER_BYTES {
-        return Err(format!(
-            "the header claims {n} bytes, more than the {MAX_HEADER_BYTES} a safetensors header may have"
-        ));
+        return Err(HeaderError::TooLarge { claimed: n });
     }
     if 8 + n > file_len {
-        return Err(format!(
-            "the header claims {n} bytes but the file has only {} after the length field; it is truncated",
-            file_len - 8
-        ));
+        return Err(HeaderError::Truncated {
+            file_len,
+            need: 8 + n,
+        });
     }
     Ok(n)
 }
 
-/// One tensor of a safetensors header: name, dtype, shape, byte range in the data section.
-pub type HeaderEntry = (String, Dtype, Vec<usize>, Range<usize>);
+/// One tensor of a safetensors header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderEntry {
+    /// Its name.
+    pub name: String,
+    /// Its element type.
+    pub dtype: Dtype,
+    /// Its shape (row-major).
+    pub shape: Vec<usize>,
+    /// Its bytes in the data section (from the data section's start).
+    pub range: Range<usize>,
+}
 
 /// Validates the header of a whole safetensors file held in `bytes`; see [`header_of`].
-pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), String> {
+pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), HeaderError> {
     header_of(bytes, bytes.len() as u64)
 }
 
@@ -103,12 +191,27 @@ pub fn header(bytes: &[u8]) -> std::result::Result<(u64, Vec<HeaderEntry>), Stri
 /// `prefix` (at least the 8-byte length and the header): the JSON, dtypes, shapes against
 /// sizes (the checks of the `safetensors` crate's `Metadata`, in one pass), that the tensors
 /// tile the data section exactly, and that no name is used twice. Returns where the data
-/// section starts and the tensors, sorted by name, or a sentence saying what is wrong. Never panics, whatever the bytes (fuzzed:
-/// crates/gpufeed/fuzz; property-tested below).
+/// section starts and the tensors, sorted by name, or what is wrong ([`HeaderError`];
+/// [`HeaderError::Incomplete`] where `prefix` is too short: read that many bytes). Never
+/// panics, whatever the bytes (fuzzed: crates/gpufeed/fuzz; property-tested in this crate).
+///
+/// # Example
+/// ```
+/// let bytes = safetensors::serialize(
+///     [("w", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &[0u8; 8]).unwrap())],
+///     None,
+/// )?;
+/// let (data_start, tensors) = gpufeed_safetensors::header(&bytes)?;
+/// assert_eq!((tensors[0].name.as_str(), tensors[0].range.clone()), ("w", 0..8));
+/// assert_eq!(data_start as usize, bytes.len() - 8);
+/// let cut = gpufeed_safetensors::header_of(&bytes[..12], bytes.len() as u64).unwrap_err();
+/// assert!(matches!(cut, gpufeed_safetensors::HeaderError::Incomplete { have: 12, .. }));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn header_of(
     prefix: &[u8],
     file_len: u64,
-) -> std::result::Result<(u64, Vec<HeaderEntry>), String> {
+) -> std::result::Result<(u64, Vec<HeaderEntry>), HeaderError> {
     header_parts(prefix, file_len).map(|(start, tensors, _)| (start, tensors))
 }
 
@@ -116,32 +219,41 @@ pub fn header_of(
 pub(crate) fn header_parts(
     prefix: &[u8],
     file_len: u64,
-) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<String>), String> {
+) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<String>), HeaderError> {
     let Some(n) = prefix.get(..8) else {
-        return Err(format!(
-            "the file has {} bytes, fewer than the 8 that give the header's length",
-            prefix.len()
-        ));
+        let have = prefix.len() as u64;
+        return Err(if file_len < 8 {
+            HeaderError::Truncated { file_len, need: 8 }
+        } else {
+            HeaderError::Incomplete { have, need: 8 }
+        });
     };
-    let n = header_len(u64::from_le_bytes(n.try_into().expect("8 bytes")), file_len)?;
+    let mut len = [0u8; 8];
+    len.copy_from_slice(n);
+    let n = header_len(u64::from_le_bytes(len), file_len)?;
     let Some(json) = prefix.get(8..8 + n as usize) else {
-        return Err("the header is cut short".into());
+        return Err(HeaderError::Incomplete {
+            have: prefix.len() as u64,
+            need: 8 + n,
+        });
     };
-    let json =
-        std::str::from_utf8(json).map_err(|e| format!("the header is not UTF-8 text ({e})"))?;
-    let Listed(mut tensors, save_id) = serde_json::from_str(json)
-        .map_err(|e| format!("the header does not describe valid tensors: {e}"))?;
+    let json = std::str::from_utf8(json).map_err(|e| HeaderError::NotTensors {
+        reason: format!("not UTF-8 text ({e})"),
+    })?;
+    let Listed(mut tensors, save_id) =
+        serde_json::from_str(json).map_err(|e| HeaderError::NotTensors {
+            reason: e.to_string(),
+        })?;
     let data_len = file_len - 8 - n;
-    let covered = tile(&mut tensors)?;
-    if covered as u64 != data_len {
-        return Err(format!(
-            "the tensors cover {covered} bytes but the data section has {data_len}: the file is \
-             truncated, extended or not a safetensors file"
-        ));
+    let covered = tile(&mut tensors)? as u64;
+    if covered != data_len {
+        return Err(HeaderError::DataSize { covered, data_len });
     }
-    tensors.sort_unstable_by(|x, y| x.0.cmp(&y.0));
-    if let Some(w) = tensors.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(format!("tensor {} appears twice in the header", w[0].0));
+    tensors.sort_unstable_by(|x, y| x.name.cmp(&y.name));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
+        return Err(HeaderError::Duplicate {
+            tensor: w[0].name.clone(),
+        });
     }
     Ok((8 + n, tensors, save_id))
 }
@@ -181,7 +293,12 @@ impl<'de> serde::Deserialize<'de> for Listed {
                     } else {
                         let info = map.next_value::<safetensors::tensor::TensorInfo>()?;
                         let (a, b) = info.data_offsets;
-                        tensors.push((name, info.dtype, info.shape, a..b));
+                        tensors.push(HeaderEntry {
+                            name,
+                            dtype: info.dtype,
+                            shape: info.shape,
+                            range: a..b,
+                        });
                     }
                 }
                 Ok(Listed(tensors, save_id))
@@ -194,35 +311,44 @@ impl<'de> serde::Deserialize<'de> for Listed {
 /// Checks that `tensors`, put in the order of their offsets, tile a data section from byte 0
 /// with no gap or overlap, each spanning exactly its dtype and shape's bytes (the crate's
 /// `Metadata::validate`); the bytes they cover.
-pub(crate) fn tile(tensors: &mut [HeaderEntry]) -> std::result::Result<usize, String> {
-    tensors.sort_by_key(|t| (t.3.start, t.3.end));
+pub(crate) fn tile(tensors: &mut [HeaderEntry]) -> std::result::Result<usize, HeaderError> {
+    tensors.sort_by_key(|t| (t.range.start, t.range.end));
     let mut end = 0usize;
-    for (name, dtype, shape, range) in tensors.iter() {
+    for HeaderEntry {
+        name,
+        dtype,
+        shape,
+        range,
+    } in tensors.iter()
+    {
+        let bad = |reason: String| HeaderError::BadTensor {
+            tensor: name.clone(),
+            reason,
+        };
         if range.start != end || range.end < range.start {
-            return Err(format!(
-                "tensor {name}'s bytes {}..{} do not start where the tensor before it ends \
-                 ({end}): the tensors must tile the data section",
+            return Err(bad(format!(
+                "its bytes {}..{} do not start where the tensor before it ends ({end}): the \
+                 tensors must tile the data section",
                 range.start, range.end
-            ));
+            )));
         }
         end = range.end;
-        let too_large = || format!("tensor {name}'s shape {shape:?} is too large");
         let bits = shape
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
             .and_then(|n| n.checked_mul(dtype.bitsize()))
-            .ok_or_else(too_large)?;
+            .ok_or_else(|| bad(format!("its shape {shape:?} is too large")))?;
         if bits % 8 != 0 {
-            return Err(format!(
-                "tensor {name}'s {shape:?} elements of {dtype:?} do not fill whole bytes"
-            ));
+            return Err(bad(format!(
+                "its {shape:?} elements of {dtype:?} do not fill whole bytes"
+            )));
         }
         if range.end - range.start != bits / 8 {
-            return Err(format!(
-                "tensor {name} of {dtype:?} {shape:?} holds {} bytes but its offsets span {}",
+            return Err(bad(format!(
+                "of {dtype:?} {shape:?} it holds {} bytes but its offsets span {}",
                 bits / 8,
                 range.end - range.start
-            ));
+            )));
         }
     }
     Ok(end)

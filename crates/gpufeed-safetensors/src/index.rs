@@ -46,7 +46,7 @@ pub(crate) fn plan(path: &Path) -> Result<Plan> {
         let parsed = parse(&file)?;
         if let Some(expected) = &expected {
             for name in expected {
-                if !parsed.tensors.iter().any(|t| &t.0 == name) {
+                if !parsed.tensors.iter().any(|t| &t.name == name) {
                     return Err(Error::Index {
                         path: path.into(),
                         reason: format!(

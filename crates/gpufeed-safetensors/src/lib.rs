@@ -46,7 +46,7 @@ pub use checkpoint::{
     Checkpoint, Dtype, FileLayout, TensorInfo, inspect, load, load_on, load_with,
 };
 pub use error::{Error, Result};
-pub use header::{HeaderEntry, header, header_of};
+pub use header::{HeaderEntry, HeaderError, MAX_HEADER_BYTES, header, header_of};
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 pub use on_demand::OnDemand;
 pub use save::{SaveTensor, save, save_sharded};
@@ -132,14 +132,44 @@ mod tests {
         let full_len = prefix.len() as u64 + 16;
         let (start, tensors) = header_of(&prefix, full_len).expect("parse");
         assert_eq!(start, prefix.len() as u64);
-        assert_eq!(tensors[0].3, 0..16);
+        assert_eq!(tensors[0].range, 0..16);
         let err = header_of(&prefix, full_len - 1).unwrap_err();
+        assert_eq!(
+            err,
+            HeaderError::DataSize {
+                covered: 16,
+                data_len: 15
+            }
+        );
         assert!(
-            err.contains("cover 16 bytes but the data section has 15"),
+            err.to_string()
+                .contains("cover 16 bytes but the data section has 15"),
             "{err}"
         );
+        // A prefix that stops inside the header says how much to read.
         let err = header_of(&prefix[..20], full_len).unwrap_err();
-        assert!(err.contains("cut short"), "{err}");
+        assert_eq!(
+            err,
+            HeaderError::Incomplete {
+                have: 20,
+                need: prefix.len() as u64
+            }
+        );
+        assert!(
+            header_of(&prefix[..prefix.len()], full_len).is_ok(),
+            "that much is enough"
+        );
+        assert_eq!(
+            header_of(&prefix[..5], full_len).unwrap_err(),
+            HeaderError::Incomplete { have: 5, need: 8 }
+        );
+        assert_eq!(
+            header_of(&prefix[..5], 5).unwrap_err(),
+            HeaderError::Truncated {
+                file_len: 5,
+                need: 8
+            }
+        );
     }
 
     proptest::proptest! {
@@ -152,7 +182,7 @@ mod tests {
         ) {
             let file_len = bytes.len() as u64 + extra;
             if let Ok((start, tensors)) = header_of(&bytes, file_len) {
-                for (_, _, _, r) in tensors {
+                for HeaderEntry { range: r, .. } in tensors {
                     proptest::prop_assert!(r.start <= r.end && start + r.end as u64 <= file_len);
                 }
             }
@@ -233,9 +263,14 @@ mod tests {
                         let mut want: Vec<HeaderEntry> = m
                             .tensors()
                             .into_iter()
-                            .map(|(n, i)| (n, i.dtype, i.shape.clone(), i.data_offsets.0..i.data_offsets.1))
+                            .map(|(n, i)| HeaderEntry {
+                                name: n,
+                                dtype: i.dtype,
+                                shape: i.shape.clone(),
+                                range: i.data_offsets.0..i.data_offsets.1,
+                            })
                             .collect();
-                        want.sort_by(|x, y| x.0.cmp(&y.0));
+                        want.sort_by(|x, y| x.name.cmp(&y.name));
                         proptest::prop_assert_eq!(ours, want);
                     }
                     (Err(_), None) => {}
@@ -282,8 +317,8 @@ mod tests {
         let parsed = parse(&p).expect("parse");
         assert_eq!(parsed.tensors.len(), 2);
         assert_eq!(parsed.data_len, 18);
-        assert_eq!(parsed.tensors[1].0, "b");
-        assert_eq!(parsed.tensors[1].2, vec![3]);
+        assert_eq!(parsed.tensors[1].name, "b");
+        assert_eq!(parsed.tensors[1].shape, vec![3]);
     }
 
     #[test]

@@ -8,6 +8,7 @@ use gpufeed_load::{DeviceBuffer, Loader, RegisteredFile};
 
 use crate::checkpoint::TensorInfo;
 use crate::error::{Error, Result};
+use crate::header::HeaderEntry;
 use crate::index::plan;
 
 /// A checkpoint whose tensors are loaded one at a time, when asked, as safetensors'
@@ -48,7 +49,13 @@ impl OnDemand {
         for (i, (_, parsed)) in plan.files.into_iter().enumerate() {
             // Registered through the descriptor whose header was read.
             let file = RegisteredFile::of_opened(loader, &parsed.file)?;
-            for (name, dtype, shape, range) in parsed.tensors {
+            for HeaderEntry {
+                name,
+                dtype,
+                shape,
+                range,
+            } in parsed.tensors
+            {
                 let start = parsed.data_start as usize;
                 let info = TensorInfo {
                     dtype,
@@ -92,17 +99,17 @@ impl OnDemand {
     /// its facts.
     ///
     /// # Errors
-    /// [`Error::Safetensors`] for a name the checkpoint lacks;
+    /// [`Error::NoTensor`] for a name the checkpoint lacks;
     /// [`Loader::load_registered`]'s ([`Error::RegisteredFileChanged`](gpufeed_load::Error::RegisteredFileChanged) where the file
     /// changed since it was opened).
     pub fn load(&self, loader: &Loader, name: &str) -> Result<(DeviceBuffer, &TensorInfo)> {
-        let info = self.tensors.get(name).ok_or_else(|| Error::Safetensors {
+        let info = self.tensors.get(name).ok_or_else(|| Error::NoTensor {
             path: self
                 .files
                 .first()
                 .map(|f| f.path().into())
                 .unwrap_or_default(),
-            reason: format!("no tensor named {name:?} in the checkpoint"),
+            name: name.to_owned(),
         })?;
         let range = info.range.start as u64..info.range.end as u64;
         let (buf, _) = loader.load_registered(&self.files[info.file], range)?;

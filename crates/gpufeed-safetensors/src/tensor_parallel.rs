@@ -12,6 +12,7 @@ use safetensors::Dtype;
 
 use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::error::{Error, Result};
+use crate::header::HeaderEntry;
 use crate::index::plan;
 
 /// Along which dimension a tensor-parallel load ([`TensorParallel`]) cuts each tensor.
@@ -112,7 +113,13 @@ impl TensorParallel {
         let mut shares = vec![Vec::new(); ranks];
         for (file, parsed) in planned.files {
             let mut per_rank = vec![(Vec::new(), 0usize); ranks];
-            for (name, dtype, shape, range) in &parsed.tensors {
+            for HeaderEntry {
+                name,
+                dtype,
+                shape,
+                range,
+            } in &parsed.tensors
+            {
                 let bytes =
                     parsed.data_start + range.start as u64..parsed.data_start + range.end as u64;
                 for (rank, (list, at)) in per_rank.iter_mut().enumerate() {

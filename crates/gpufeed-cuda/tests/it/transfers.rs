@@ -2,7 +2,7 @@
 //! streams and chunks from 64 KiB to 256 MiB; staging buffers never reused in flight.
 
 use gpufeed_cuda::{
-    FillSource, Gpu, HostDest, HostSource, SourceError, TransferConfig, TransferScheduler,
+    FillSource, Gpu, HostDest, HostSource, SourceError, TransferOptions, TransferScheduler,
 };
 use gpufeed_os::{FileMap, MapMode};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer};
@@ -10,8 +10,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::{gpu_or_skip, random_bytes};
 
-fn config(streams: usize, chunk: usize) -> TransferConfig {
-    TransferConfig::default()
+fn config(streams: usize, chunk: usize) -> TransferOptions {
+    TransferOptions::default()
         .with_streams(streams)
         .with_chunk_bytes(chunk)
         .with_staging_buffers(4)
@@ -422,7 +422,7 @@ fn small_uploads_are_shared_by_the_fill_threads() {
     let Some(gpu) = gpu_or_skip("small_uploads_are_shared_by_the_fill_threads") else {
         return;
     };
-    let cfg = TransferConfig::default()
+    let cfg = TransferOptions::default()
         .with_chunk_bytes(4 << 20)
         .with_min_chunk_bytes(64 << 10)
         .with_fill_threads(8)

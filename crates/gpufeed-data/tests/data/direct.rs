@@ -1,10 +1,10 @@
-//! Record files read with `O_DIRECT` (`LoaderConfig::direct`) in the quasi-random block order
+//! Record files read with `O_DIRECT` (`BatchLoaderOptions::direct`) in the quasi-random block order
 //! (`Order::Blocks`), host batches: every sample's bytes checked by xxh3 against what was
 //! written, across shards of fixed, indexed and tar records; the reads counted (one per block
 //! when the batches hold whole blocks); the settings that cannot work refused clearly.
 
 use gpufeed_data::{
-    BatchData, BatchLoader, ImageFolder, LoaderConfig, Order, RecordFile, Sampler, ShardSet,
+    BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, RecordFile, Sampler, ShardSet,
 };
 
 use crate::random_bytes;
@@ -91,7 +91,7 @@ fn direct_reads_give_every_sample_once_with_its_bytes() {
         let mut seen = vec![0u32; n];
         for rank in 0..2 {
             let sampler = Sampler::elastic(order, 32, rank, 2, false).expect("sampler");
-            let cfg = LoaderConfig::default()
+            let cfg = BatchLoaderOptions::default()
                 .with_direct(true)
                 .with_direct_depth([1, 16][rank])
                 .with_workers(3)
@@ -129,7 +129,9 @@ fn a_block_is_one_read() {
     // SAFETY: the test's file is never changed.
     let records = unsafe { RecordFile::open_fixed(&path, record) }.expect("open");
     let sampler = Sampler::elastic(order, 64, 0, 1, true).expect("sampler");
-    let cfg = LoaderConfig::default().with_direct(true).with_workers(2);
+    let cfg = BatchLoaderOptions::default()
+        .with_direct(true)
+        .with_workers(2);
     let mut loader = BatchLoader::new(records, sampler, cfg, None).expect("loader");
     let samples = epoch_samples(&mut loader, 0);
     assert_eq!(samples.len(), count);
@@ -147,7 +149,7 @@ fn a_block_is_one_read() {
     // SAFETY: as above.
     let records = unsafe { RecordFile::open_fixed(&path, record) }.expect("open");
     let sampler = Sampler::elastic(Order::Shuffled { seed: 3 }, 64, 0, 1, true).expect("s");
-    let cfg = LoaderConfig::default().with_direct(true);
+    let cfg = BatchLoaderOptions::default().with_direct(true);
     let mut loader = BatchLoader::new(records, sampler, cfg, None).expect("loader");
     assert_eq!(epoch_samples(&mut loader, 0).len(), count);
     assert!(loader.stats().direct_reads > (count / 2) as u64);
@@ -163,7 +165,7 @@ fn direct_reads_of_a_folder_or_a_file_that_shrank_are_clear_errors() {
     let err = BatchLoader::new(
         folder,
         Sampler::new(Order::Sequential),
-        LoaderConfig::default().with_direct(true),
+        BatchLoaderOptions::default().with_direct(true),
         None,
     )
     .expect_err("a folder is not read with O_DIRECT");
@@ -182,7 +184,7 @@ fn direct_reads_of_a_folder_or_a_file_that_shrank_are_clear_errors() {
         .open(&path)
         .and_then(|f| f.set_len(50 * 5000))
         .expect("truncate");
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_direct(true)
         .with_batch_size(10);
     let mut loader =

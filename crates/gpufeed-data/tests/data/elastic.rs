@@ -9,7 +9,9 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, Position, RecordFile, Sampler};
+use gpufeed_data::{
+    BatchData, BatchLoader, BatchLoaderOptions, Order, Position, RecordFile, Sampler,
+};
 
 use crate::random_bytes;
 
@@ -26,7 +28,7 @@ fn loader(path: &Path, rank: usize, world: usize) -> BatchLoader {
     BatchLoader::new(
         records,
         sampler,
-        LoaderConfig::default().with_workers(2),
+        BatchLoaderOptions::default().with_workers(2),
         None,
     )
     .expect("loader")

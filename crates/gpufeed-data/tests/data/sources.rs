@@ -3,7 +3,7 @@
 //! checked by xxh3 against what was written; corrupt shards named when opened.
 
 use gpufeed_data::{
-    BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler, ShardSet, shard_paths,
+    BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler, ShardSet, shard_paths,
 };
 
 use crate::random_bytes;
@@ -73,7 +73,7 @@ fn a_set_of_fixed_npy_and_tar_shards_is_one_data_set() {
     let mut loader = BatchLoader::new(
         set,
         Sampler::new(Order::Shuffled { seed: 4 }),
-        LoaderConfig::default().with_batch_size(16),
+        BatchLoaderOptions::default().with_batch_size(16),
         None,
     )
     .expect("loader");
@@ -243,7 +243,9 @@ fn read_all(records: RecordFile, row: Option<usize>, total: usize) -> Result<(),
     let mut loader = BatchLoader::new(
         records,
         Sampler::new(Order::Sequential),
-        LoaderConfig::default().with_batch_size(7).with_workers(1),
+        BatchLoaderOptions::default()
+            .with_batch_size(7)
+            .with_workers(1),
         None,
     )
     .map_err(|e| e.to_string())?;

@@ -5,15 +5,15 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use gpufeed_data::ring::{RingLoader, WorkerShare, epoch_batches, produce_epoch};
-use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 use gpufeed_ipc::BatchRing;
 
 use crate::random_bytes;
 
 const RECORD: usize = 37;
 
-fn cfg() -> LoaderConfig {
-    LoaderConfig::default()
+fn cfg() -> BatchLoaderOptions {
+    BatchLoaderOptions::default()
         .with_batch_size(50)
         .with_drop_last(false)
         .with_prefetch(2)
@@ -126,8 +126,8 @@ const HANG_RECORD: usize = 16;
 const HANG_RECORDS: usize = 4800;
 const HANG_BATCH: usize = 8;
 
-fn hang_cfg() -> LoaderConfig {
-    LoaderConfig::default().with_batch_size(HANG_BATCH)
+fn hang_cfg() -> BatchLoaderOptions {
+    BatchLoaderOptions::default().with_batch_size(HANG_BATCH)
 }
 
 fn var(name: &str) -> String {
@@ -374,7 +374,7 @@ fn check_parked_batches(gpu: Option<&gpufeed_load::Gpu>) {
     std::fs::write(&path, &data).expect("write");
     // SAFETY: the test's record file is never changed.
     let records = unsafe { RecordFile::open_fixed(&path, RECORD) }.expect("records");
-    let cfg = LoaderConfig::default().with_batch_size(10);
+    let cfg = BatchLoaderOptions::default().with_batch_size(10);
     let want = epoch_batches(90, &sampler(), &cfg, 4);
     assert_eq!(want.len(), 9);
     let ring = BatchRing::anonymous(9, 4096).expect("ring");
@@ -458,8 +458,8 @@ const SLOW_SLOTS: u32 = 3;
 const SLOW_WINDOW: usize = 4;
 const SLOW_EPOCH: u64 = 2;
 
-fn slow_cfg() -> LoaderConfig {
-    LoaderConfig::default().with_batch_size(SLOW_BATCH)
+fn slow_cfg() -> BatchLoaderOptions {
+    BatchLoaderOptions::default().with_batch_size(SLOW_BATCH)
 }
 
 /// Runs in a child: worker `GPUFEED_IT_SLOW_WORKER` of 3 writes its share of epoch 2. Worker

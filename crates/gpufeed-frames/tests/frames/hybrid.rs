@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use gpufeed_data::ring::RingLoader;
-use gpufeed_data::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 use gpufeed_frames::frames::FrameFormat;
 use gpufeed_frames::hybrid::{Fanout, GpuPlanar, Planar, batches_for, planar_transform};
 use gpufeed_ipc::BatchRing;
@@ -101,7 +101,7 @@ fn setup(seed: u64, order: Order, gpu: Option<&gpufeed_load::Gpu>) -> Setup {
     .expect("write");
     // SAFETY: the test's record file is never changed.
     let records = unsafe { RecordFile::open_fixed(&path, IMAGE.bytes()) }.expect("records");
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(BATCH)
         .with_workers(2);
     let mut loader = BatchLoader::new(records, Sampler::new(order), cfg, gpu).expect("loader");

@@ -111,7 +111,12 @@ fn rounds_of_one_load_take_the_route_chosen_once() {
         // The rest of the file leaves the page cache: a choice made now would be Direct.
         gpufeed_os::cache::evict(&path).expect("evict");
         let report = loader
-            .load_spans_to(&file, &[at..end], &mut dst, Some(&choice))
+            .load_spans_to(
+                &file,
+                std::slice::from_ref(&(at..end)),
+                &mut dst,
+                Some(&choice),
+            )
             .expect("round");
         assert_eq!(report.strategy, Strategy::Staged, "round at {at}");
         assert_eq!(report.reason, choice.reason(), "round at {at}");
@@ -124,7 +129,7 @@ fn rounds_of_one_load_take_the_route_chosen_once() {
     gpufeed_os::cache::evict(&path).expect("evict");
     let mut dst = gpu.alloc_zeroed(round as usize).expect("alloc");
     let report = loader
-        .load_spans_to(&file, &[0..round], &mut dst, None)
+        .load_spans_to(&file, std::slice::from_ref(&(0..round)), &mut dst, None)
         .expect("cold round");
     assert_eq!(
         xxh3_64(&gpu.to_vec(&dst).expect("back")),

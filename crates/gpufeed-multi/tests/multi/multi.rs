@@ -547,10 +547,15 @@ fn rank_dispatcher() {
     let header = gpufeed_safetensors::inspect(&ckpt).expect("inspect");
     let bytes = std::fs::read(&ckpt).expect("read");
     for share in plan.shares(r, 0) {
-        let (_, dtype, shape, range) = header[0]
+        let gpufeed_safetensors::HeaderEntry {
+            dtype,
+            shape,
+            range,
+            ..
+        } = header[0]
             .tensors
             .iter()
-            .find(|t| t.0 == share.name)
+            .find(|t| t.name == share.name)
             .expect("tensor");
         let start = header[0].data_start as usize;
         let whole = &bytes[start + range.start..start + range.end];

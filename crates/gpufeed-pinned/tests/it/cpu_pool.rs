@@ -1,6 +1,6 @@
 //! The pool without CUDA (CPU mode), and the no-driver behaviour.
 
-use gpufeed_pinned::{Error, MAX_CLASS, MIN_CLASS, PinnedPool, PoolConfig, PoolMode};
+use gpufeed_pinned::{Error, MAX_CLASS, MIN_CLASS, PinnedPool, PoolMode, PoolOptions};
 
 #[test]
 fn without_a_driver_every_cuda_entry_point_says_so() {
@@ -11,7 +11,7 @@ fn without_a_driver_every_cuda_entry_point_says_so() {
             assert!(e.to_string().contains("install the NVIDIA driver"), "{e}");
             // A pool asked to follow a context without a driver runs in CPU mode, noted.
             let pool =
-                PinnedPool::for_context_or_cpu(None, PoolConfig::default()).expect("cpu pool");
+                PinnedPool::for_context_or_cpu(None, PoolOptions::default()).expect("cpu pool");
             assert!(!pool.is_pinned());
             assert!(pool.notes().iter().any(|n| n.contains("CPU mode")));
         }
@@ -20,7 +20,7 @@ fn without_a_driver_every_cuda_entry_point_says_so() {
 
 #[test]
 fn size_classes_reuse_and_bad_sizes() {
-    let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default()).expect("pool");
+    let pool = PinnedPool::new(PoolMode::Cpu, PoolOptions::default()).expect("pool");
     let mut a = pool.get(100_000).expect("get");
     assert_eq!((a.len(), a.capacity()), (100_000, 128 << 10));
     assert!(a.iter().all(|&b| b == 0));
@@ -53,7 +53,7 @@ fn size_classes_reuse_and_bad_sizes() {
 fn the_budget_is_kept_by_evicting_cached_buffers_then_refusing() {
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig::default()
+        PoolOptions::default()
             .with_budget_bytes(Some(1 << 20))
             .with_numa_node(None),
     )
@@ -79,7 +79,7 @@ fn the_budget_is_kept_by_evicting_cached_buffers_then_refusing() {
 fn cpu_buffers_are_locked_within_the_limit_and_placed_on_the_node() {
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig::default()
+        PoolOptions::default()
             .with_budget_bytes(None)
             .with_numa_node(Some(0)),
     )
@@ -130,7 +130,7 @@ fn child_low_memlock() {
     let mut caps = capabilities(None).expect("capget");
     caps.effective.remove(CapabilitySet::IPC_LOCK);
     set_capabilities(None, caps).expect("drop CAP_IPC_LOCK");
-    let pool = PinnedPool::new(PoolMode::Cpu, PoolConfig::default()).expect("pool");
+    let pool = PinnedPool::new(PoolMode::Cpu, PoolOptions::default()).expect("pool");
     let small = pool.get(64 << 10).expect("64 KiB");
     assert!(small.is_locked());
     let big = pool
@@ -157,7 +157,7 @@ fn a_missing_numa_node_is_noted_and_buffers_still_work() {
         .expect("topology");
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig::default()
+        PoolOptions::default()
             .with_budget_bytes(Some(64 << 20))
             .with_numa_node(Some(missing)),
     )
@@ -190,7 +190,7 @@ fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
     let before = gpufeed_os::lock::locked_bytes().expect("VmLck readable");
     let pool = PinnedPool::new(
         PoolMode::Cpu,
-        PoolConfig::default()
+        PoolOptions::default()
             .with_budget_bytes(Some(8 << 20))
             .with_numa_node(None),
     )

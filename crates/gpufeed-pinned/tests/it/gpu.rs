@@ -1,7 +1,7 @@
 //! On a GPU: pinned buffers, registrations of read-only file maps, the pool in CUDA mode.
 
 use gpufeed_os::{FileMap, MapMode};
-use gpufeed_pinned::{Error, HostRegistration, PinnedBuffer, PinnedPool, PoolConfig, PoolMode};
+use gpufeed_pinned::{Error, HostRegistration, PinnedBuffer, PinnedPool, PoolMode, PoolOptions};
 
 use crate::{gpu_or_skip, random_bytes};
 
@@ -51,7 +51,7 @@ fn pool_in_cuda_mode_reuses_pinned_buffers() {
     let Some(ctx) = gpu_or_skip("pool_in_cuda_mode_reuses_pinned_buffers") else {
         return;
     };
-    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolConfig::default()).expect("pool");
+    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolOptions::default()).expect("pool");
     let a = pool.get(5 << 20).expect("get");
     assert!(a.is_pinned() && a.is_locked());
     let addr = a.as_ptr();
@@ -75,7 +75,7 @@ fn writing_a_pooled_buffer_waits_for_the_copy_that_reads_it() {
         return;
     };
     let len = (256 << 20) - 4095; // the largest size class, unaligned
-    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolConfig::default()).expect("pool");
+    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolOptions::default()).expect("pool");
     let mut buf = pool.get(len).expect("get");
     buf.set_len(len);
     let before = random_bytes(len, 21);
@@ -112,7 +112,7 @@ fn a_reserved_slab_is_registered_once_and_copies_exactly() {
     let Some(ctx) = gpu_or_skip("a_reserved_slab_is_registered_once_and_copies_exactly") else {
         return;
     };
-    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolConfig::default()).expect("pool");
+    let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolOptions::default()).expect("pool");
     assert_eq!(pool.reserve((3 << 20) + 1, 4).expect("reserve"), 4);
     let mut bufs: Vec<_> = (0..4).map(|_| pool.get(3 << 20).expect("get")).collect();
     assert_eq!(pool.stats().allocations, 1, "one slab, no buffer allocated");

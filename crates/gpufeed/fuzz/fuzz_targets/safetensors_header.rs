@@ -8,7 +8,7 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|bytes: &[u8]| {
     if let Ok((data_start, tensors)) = gpufeed::safetensors::header(bytes) {
         let data_len = bytes.len() as u64 - data_start;
-        for (_, _, _, range) in tensors {
+        for gpufeed::safetensors::HeaderEntry { range, .. } in tensors {
             assert!(range.start <= range.end && range.end as u64 <= data_len);
         }
     }

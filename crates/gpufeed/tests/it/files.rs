@@ -203,7 +203,9 @@ fn a_folder_of_small_files_loads_byte_exact_into_gpu_memory() {
 /// bytes and label right, host batches here.
 #[test]
 fn image_folder_batches_follow_the_sampler_with_labels() {
-    use gpufeed::dataset::{BatchData, BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
+    use gpufeed::dataset::{
+        BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, Sampler,
+    };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let root = dir.path();
     std::fs::write(root.join("README.txt"), b"not a sample").expect("write");
@@ -239,7 +241,9 @@ fn image_folder_batches_follow_the_sampler_with_labels() {
             .shard(rank, world, false)
             .expect("shard");
         let order = sampler.epoch(folder.len(), 3);
-        let cfg = LoaderConfig::default().with_batch_size(7).with_workers(3);
+        let cfg = BatchLoaderOptions::default()
+            .with_batch_size(7)
+            .with_workers(3);
         let mut loader = BatchLoader::new(folder.clone(), sampler, cfg, None).expect("loader");
         let mut seen = Vec::new();
         for batch in loader.epoch(3).expect("epoch") {
@@ -262,7 +266,7 @@ fn image_folder_batches_follow_the_sampler_with_labels() {
     let mut loader = BatchLoader::new(
         folder,
         Sampler::new(Order::Sequential),
-        LoaderConfig::default().with_batch_size(26),
+        BatchLoaderOptions::default().with_batch_size(26),
         None,
     )
     .expect("loader")
@@ -334,7 +338,9 @@ fn image_folder_bad_entries_are_named_or_skipped() {
 /// Image-folder batches on the GPU: every batch's device bytes are its files', in order.
 #[test]
 fn image_folder_device_batches_are_byte_exact() {
-    use gpufeed::dataset::{BatchData, BatchLoader, ImageFolder, LoaderConfig, Order, Sampler};
+    use gpufeed::dataset::{
+        BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, Sampler,
+    };
     let Some(gpu) = gpu_or_skip("image_folder_device_batches_are_byte_exact") else {
         return;
     };
@@ -348,7 +354,9 @@ fn image_folder_device_batches_are_byte_exact() {
     }
     let folder = ImageFolder::open(dir.path()).expect("open");
     let paths = folder.files().paths().to_vec();
-    let cfg = LoaderConfig::default().with_batch_size(64).with_workers(4);
+    let cfg = BatchLoaderOptions::default()
+        .with_batch_size(64)
+        .with_workers(4);
     let mut loader = BatchLoader::new(
         folder,
         Sampler::new(Order::Shuffled { seed: 9 }),

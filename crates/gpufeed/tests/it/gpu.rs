@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::dataset::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 use gpufeed::load::Error;
 use gpufeed::safetensors::Error as CkptError;
 use gpufeed::{LoadOptions, Loader, Refused, Strategy};
@@ -258,7 +258,7 @@ fn device_batches_over_several_epochs() {
     std::fs::write(&path, &data).expect("write");
     // SAFETY: private file, never changed.
     let records = unsafe { RecordFile::open_fixed(&path, 4099) }.expect("records");
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(96)
         .with_drop_last(false)
         .with_prefetch(2)

@@ -2,7 +2,7 @@
 
 use gpufeed::Gpu;
 use gpufeed::dataset::Error;
-use gpufeed::dataset::{BatchData, BatchLoader, LoaderConfig, Order, RecordFile, Sampler};
+use gpufeed::dataset::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
 
 use crate::random_bytes;
 
@@ -35,7 +35,7 @@ fn host_batches_are_byte_exact_and_ordered_by_seed() {
         // SAFETY: the file is private to this test and never changed.
         unsafe { RecordFile::open_fixed(&path, 37) }.expect("records")
     };
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(64)
         .with_drop_last(false)
         .with_prefetch(3)
@@ -104,7 +104,7 @@ fn transforms_indexed_records_and_drop_last() {
     // SAFETY: private files, never changed.
     let records = unsafe { RecordFile::open_indexed(&path, &index) }.expect("records");
     assert_eq!(records.len(), 50);
-    let cfg = LoaderConfig::default()
+    let cfg = BatchLoaderOptions::default()
         .with_batch_size(8)
         .with_drop_last(true)
         .with_prefetch(2)
@@ -176,7 +176,7 @@ fn bad_record_files_and_failing_transforms() {
     let mut loader = BatchLoader::new(
         records,
         Sampler::new(Order::Sequential),
-        LoaderConfig::default().with_batch_size(4),
+        BatchLoaderOptions::default().with_batch_size(4),
         None,
     )
     .expect("loader")
@@ -276,7 +276,7 @@ fn a_panicking_or_stuck_transform_ends_the_epoch_with_an_error() {
         BatchLoader::new(
             records,
             Sampler::new(Order::Sequential),
-            LoaderConfig::default()
+            BatchLoaderOptions::default()
                 .with_batch_size(4)
                 .with_workers(2)
                 .with_batch_timeout(std::time::Duration::from_millis(timeout_ms)),
@@ -381,7 +381,16 @@ fn a_checkpoint_is_inspected_without_a_gpu() {
     let file = std::fs::read(&path).expect("read");
     let f = &layout[0];
     assert_eq!(f.data_start + f.data_bytes, file.len() as u64);
-    for ((name, dtype, shape, range), want) in f.tensors.iter().zip([&a, &b]) {
+    for (
+        gpufeed::safetensors::HeaderEntry {
+            name,
+            dtype,
+            shape,
+            range,
+        },
+        want,
+    ) in f.tensors.iter().zip([&a, &b])
+    {
         let at = f.data_start as usize;
         assert_eq!(&file[at + range.start..at + range.end], &want[..], "{name}");
         assert_eq!(*dtype, if name == "x" { Dtype::F32 } else { Dtype::F16 });
@@ -424,7 +433,9 @@ fn elastic_loader(path: &std::path::Path, transform: u8) -> BatchLoader {
     // SAFETY: the file is private to the test and never changed.
     let records = unsafe { RecordFile::open_fixed(path, 29) }.expect("records");
     let sampler = Sampler::elastic(Order::Shuffled { seed: 5 }, 12, 1, 2, false).expect("elastic");
-    let cfg = LoaderConfig::default().with_workers(3).with_prefetch(4);
+    let cfg = BatchLoaderOptions::default()
+        .with_workers(3)
+        .with_prefetch(4);
     let loader = BatchLoader::new(records, sampler, cfg, None).expect("loader");
     match transform {
         1 => loader.with_transform(|i, r, out| {
@@ -559,7 +570,7 @@ fn an_owned_epoch_stopped_mid_epoch_lets_its_workers_go() {
         let calls = Arc::clone(calls);
         // SAFETY: the file is private to the test and never changed.
         let records = unsafe { RecordFile::open_fixed(&path, 8) }.expect("records");
-        let cfg = LoaderConfig::default()
+        let cfg = BatchLoaderOptions::default()
             .with_batch_size(10)
             .with_workers(2)
             .with_prefetch(4);
@@ -638,7 +649,9 @@ fn host_folder_transforms_of_both_kinds_agree() {
     };
     let run = |into: bool| {
         let folder = ImageFolder::open(dir.path()).expect("folder");
-        let cfg = LoaderConfig::default().with_batch_size(8).with_workers(2);
+        let cfg = BatchLoaderOptions::default()
+            .with_batch_size(8)
+            .with_workers(2);
         let sampler = Sampler::new(Order::Shuffled { seed: 4 });
         let loader = BatchLoader::new(folder, sampler, cfg, None).expect("loader");
         let loader = if into {
@@ -674,4 +687,76 @@ fn host_folder_transforms_of_both_kinds_agree() {
             assert_eq!(&bytes[8 * k..8 * k + 8], &digest(&files[i]), "file {i}");
         }
     }
+}
+
+/// The split kept every public path of the facade: the old names of the moved items and the
+/// renamed settings still resolve, and every capability crate's error goes into
+/// `gpufeed::Error` with `?`, a load's error inside it always as `Error::Load`.
+#[test]
+#[allow(deprecated, reason = "the old names are what is tested")]
+fn the_facades_old_paths_keep_working_and_errors_flatten() {
+    let cfg: gpufeed::dataset::LoaderConfig = gpufeed::dataset::BatchLoaderOptions::default();
+    assert_eq!(
+        cfg.batch_size,
+        gpufeed::dataset::BatchLoaderOptions::default().batch_size
+    );
+    let _: gpufeed::cuda::TransferConfig = gpufeed::cuda::TransferOptions::default();
+    let _: gpufeed::pinned::PoolConfig = gpufeed::pinned::PoolOptions::default();
+    assert_eq!(gpufeed::units::parse_size("1.5GiB").expect("size"), 3 << 29);
+    assert_eq!(gpufeed::units::show_size(1 << 20), "1 MiB");
+    let _: fn(&gpufeed::Gpu, &str) -> gpufeed::safetensors::Result<_> =
+        |g, p| gpufeed::safetensors::load(g, p);
+    let _: Option<gpufeed::Strategy> = "staged".parse().ok();
+
+    fn into_umbrella<E>(e: E) -> gpufeed::Result<()>
+    where
+        gpufeed::Error: From<E>,
+    {
+        Err(e)?
+    }
+    let invalid = || gpufeed::load::Error::InvalidSetting("x".into());
+    for e in [
+        into_umbrella(invalid()),
+        into_umbrella(gpufeed::safetensors::Error::Load(invalid())),
+        into_umbrella(gpufeed::dataset::Error::Load(invalid())),
+        into_umbrella(gpufeed::multi::Error::Load(invalid())),
+        into_umbrella(gpufeed::multi::Error::Safetensors(
+            gpufeed::safetensors::Error::Load(invalid()),
+        )),
+    ] {
+        assert!(
+            matches!(
+                e,
+                Err(gpufeed::Error::Load(gpufeed::load::Error::InvalidSetting(
+                    _
+                )))
+            ),
+            "{e:?}"
+        );
+    }
+    assert!(matches!(
+        into_umbrella(gpufeed::dataset::Error::WorkersStopped),
+        Err(gpufeed::Error::Data(
+            gpufeed::dataset::Error::WorkersStopped
+        ))
+    ));
+    assert!(matches!(
+        into_umbrella(gpufeed::multi::Error::RankFailed { rank: 3 }),
+        Err(gpufeed::Error::Multi(gpufeed::multi::Error::RankFailed {
+            rank: 3
+        }))
+    ));
+    let no_gpu = into_umbrella(gpufeed::safetensors::Error::from(
+        gpufeed::pinned::Error::NoCudaDriver,
+    ))
+    .unwrap_err();
+    assert!(no_gpu.is_no_gpu(), "{no_gpu:?}");
+    assert!(no_gpu.as_load().is_some());
+    // A bad size is a setting that cannot work, in every crate's error.
+    let bad = gpufeed::units::parse_size("3 parsecs").unwrap_err();
+    assert!(matches!(
+        gpufeed::dataset::Error::from(bad.clone()),
+        gpufeed::dataset::Error::Load(gpufeed::load::Error::InvalidSetting(m)) if m.contains("parsecs")
+    ));
+    assert_eq!(bad.why, "unknown unit");
 }

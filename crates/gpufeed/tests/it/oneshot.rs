@@ -94,7 +94,11 @@ fn child_dispatcher() {
         match &err {
             CkptError::Safetensors { path, reason } => {
                 assert_eq!(path, &bad);
-                assert!(reason.contains("header"), "{reason}");
+                assert!(
+                    matches!(reason, gpufeed::safetensors::HeaderError::NotTensors { .. }),
+                    "{reason:?}"
+                );
+                assert!(reason.to_string().contains("header"), "{reason}");
             }
             other => panic!("{other:?}"),
         }
