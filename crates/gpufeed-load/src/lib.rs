@@ -55,6 +55,7 @@ mod registered;
 mod route;
 mod save;
 mod source;
+mod via_registration;
 
 pub use error::{Error, Result};
 pub use files::{FileList, FilesReport, Skipped};

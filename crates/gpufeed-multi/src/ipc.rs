@@ -57,8 +57,7 @@ impl RankLoader {
         let choice = self.loader.choose_route(file, share.clone());
         let read = |view: &mut gpufeed_cuda::cudarc::driver::CudaViewMut<'_, u8>, at: u64| {
             let span = share.start + at..share.start + at + view.len() as u64;
-            self.loader
-                .load_spans_to(file, std::slice::from_ref(&span), view, Some(&choice))
+            self.loader.load_round(file, span, view, &choice)
         };
         let cut: Vec<usize> = shares[1..n].iter().map(|s| s.start as usize).collect();
         let outcome = gpufeed_cuda::split_mut(dst, &cut)

@@ -456,12 +456,7 @@ pub(crate) fn share_out(
         let span = base + share.start + at..base + share.start + at + n;
         {
             let mut part = fanout.own_mut(a..b)?;
-            reports.push(loader.load_spans_to(
-                file,
-                std::slice::from_ref(&span),
-                &mut part,
-                Some(&choice),
-            )?);
+            reports.push(loader.load_round(file, span, &mut part, &choice)?);
         }
         fanout.send(a..b)?;
         at += n;

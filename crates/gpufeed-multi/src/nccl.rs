@@ -90,12 +90,7 @@ impl RankLoader {
                 for i in 0..rounds {
                     if let Some(r) = round_part(&shares[me], i, round) {
                         let mut view = bc.dst_mut(r.start as usize..r.end as usize)?;
-                        loads.push(self.loader.load_spans_to(
-                            file,
-                            std::slice::from_ref(&r),
-                            &mut view,
-                            Some(&choice),
-                        )?);
+                        loads.push(self.loader.load_round(file, r, &mut view, &choice)?);
                     }
                     let parts: Vec<(usize, Range<usize>)> = shares
                         .iter()

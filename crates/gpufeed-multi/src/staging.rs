@@ -178,12 +178,10 @@ impl RankLoader {
                             .map_err(cuda("cuStreamSynchronize"))?;
                         let len = (r.end - r.start) as usize;
                         let mut view = slots[slot].slice_mut(..len);
-                        loads.push(self.loader.load_spans_to(
-                            file,
-                            std::slice::from_ref(&r),
-                            &mut view,
-                            Some(&choice),
-                        )?);
+                        loads.push(
+                            self.loader
+                                .load_round(file, r.clone(), &mut view, &choice)?,
+                        );
                         let mut into = gather.dst_mut(r.start as usize..r.end as usize)?;
                         local[slot]
                             .memcpy_dtod(&slots[slot].slice(..len), &mut into)

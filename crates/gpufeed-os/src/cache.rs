@@ -14,7 +14,7 @@ use std::path::Path;
 use memmap2::MmapOptions;
 
 use crate::advise::{self, FileAdvice};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, with_path};
 use crate::file::open_regular;
 use crate::page_size;
 
@@ -442,35 +442,4 @@ fn read_piece(file: &File, offset: u64, len: u64) -> Result<()> {
     let mut buf = vec![0u8; len as usize];
     file.read_exact_at(&mut buf, offset)
         .map_err(|e| Error::io("pread", None, e))
-}
-
-/// Puts `path` into an error that lacks one.
-fn with_path(err: Error, path: &Path) -> Error {
-    match err {
-        Error::ResidencyUnknown { path: None, reason } => Error::ResidencyUnknown {
-            path: Some(path.into()),
-            reason,
-        },
-        Error::Io {
-            op,
-            path: None,
-            source,
-        } => Error::Io {
-            op,
-            path: Some(path.into()),
-            source,
-        },
-        Error::RangePastEof {
-            path: p,
-            offset,
-            len,
-            file_len,
-        } if p.as_os_str().is_empty() => Error::RangePastEof {
-            path: path.into(),
-            offset,
-            len,
-            file_len,
-        },
-        other => other,
-    }
 }

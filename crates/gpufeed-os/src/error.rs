@@ -1,7 +1,7 @@
 //! The one error type of `gpufeed-os`.
 
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Result alias used throughout `gpufeed-os`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -372,5 +372,37 @@ pub(crate) fn limit_text(limit: Option<u64>) -> String {
     match limit {
         None => "unlimited".to_owned(),
         Some(bytes) => format!("{bytes} bytes"),
+    }
+}
+
+/// Puts `path` into an error that lacks one (an `Io`, `ResidencyUnknown` or `RangePastEof`
+/// raised on a descriptor).
+pub(crate) fn with_path(err: Error, path: &Path) -> Error {
+    match err {
+        Error::ResidencyUnknown { path: None, reason } => Error::ResidencyUnknown {
+            path: Some(path.into()),
+            reason,
+        },
+        Error::Io {
+            op,
+            path: None,
+            source,
+        } => Error::Io {
+            op,
+            path: Some(path.into()),
+            source,
+        },
+        Error::RangePastEof {
+            path: p,
+            offset,
+            len,
+            file_len,
+        } if p.as_os_str().is_empty() => Error::RangePastEof {
+            path: path.into(),
+            offset,
+            len,
+            file_len,
+        },
+        other => other,
     }
 }

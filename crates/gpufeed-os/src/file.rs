@@ -5,7 +5,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, with_path};
 
 /// What identifies one version of a file: device, inode, size, modification time and status
 /// change time.
@@ -219,22 +219,6 @@ impl OpenedFile {
             )));
         }
         Ok(file)
-    }
-}
-
-/// `e` with `path` filled in where it names none.
-fn with_path(e: Error, path: &Path) -> Error {
-    match e {
-        Error::Io {
-            op,
-            path: None,
-            source,
-        } => Error::Io {
-            op,
-            path: Some(path.into()),
-            source,
-        },
-        other => other,
     }
 }
 

@@ -111,12 +111,7 @@ fn rounds_of_one_load_take_the_route_chosen_once() {
         // The rest of the file leaves the page cache: a choice made now would be Direct.
         gpufeed_os::cache::evict(&path).expect("evict");
         let report = loader
-            .load_spans_to(
-                &file,
-                std::slice::from_ref(&(at..end)),
-                &mut dst,
-                Some(&choice),
-            )
+            .load_round(&file, at..end, &mut dst, &choice)
             .expect("round");
         assert_eq!(report.strategy, Strategy::Staged, "round at {at}");
         assert_eq!(report.reason, choice.reason(), "round at {at}");
