@@ -175,7 +175,7 @@ impl ImageFolder {
     }
 
     /// Reads samples `indices` back to back into `out` (of their summed sizes) with `reader`
-    /// ([`crate::files::read_parts`]).
+    /// (`gpufeed_load`'s `read_parts`).
     pub(crate) fn read_samples(
         &self,
         reader: &mut Reader,

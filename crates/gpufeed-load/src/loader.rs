@@ -431,6 +431,9 @@ impl Loader {
     }
 
     /// Loads all of `path` into new GPU memory.
+    ///
+    /// # Errors
+    /// [`Loader::load_into`]'s.
     pub fn load_file(&self, path: impl AsRef<Path>) -> Result<(DeviceBuffer, LoadReport)> {
         let started = Instant::now();
         let file = OpenedFile::open(path)?;
@@ -438,6 +441,9 @@ impl Loader {
     }
 
     /// Loads bytes `range` of `path` into new GPU memory.
+    ///
+    /// # Errors
+    /// [`Loader::load_into`]'s.
     pub fn load_range(
         &self,
         path: impl AsRef<Path>,
@@ -465,6 +471,10 @@ impl Loader {
     /// only one, for most users) takes it from cuMemAlloc: growing the context's pool would
     /// cost it 2-3 ms per GiB up front (docs/benchmarks.md, GPU run 8). Later loads use the
     /// pool, which gives back what earlier loads' buffers freed at no cost.
+    ///
+    /// It consumes the loader's first-load state: call it only for a load it then does (the
+    /// capability crates' own loads), not to ask.
+    #[doc(hidden)]
     pub fn device_alloc(&self, len: usize) -> DeviceAlloc {
         let unpooled = len >= UNPOOLED_FROM
             && (self.always_unpooled || self.unpooled.swap(false, Ordering::Relaxed));
@@ -479,7 +489,10 @@ impl Loader {
     ///
     /// # Errors
     /// Missing file, directory, range past the end of the file (`gpufeed_os::Error`), a
-    /// destination too small, the file changing during a registered load, read and CUDA errors.
+    /// destination too small, read and CUDA errors; [`Error::FileChangedDuringLoad`] where the
+    /// file opened was written, truncated, extended or lost its name (renamed over, removed)
+    /// before the copies ended — on every route, and also for a file that only grows past the
+    /// range loaded (its size, mtime and ctime change: what was loaded may mix versions).
     pub fn load_into(
         &self,
         path: impl AsRef<Path>,

@@ -57,7 +57,8 @@ impl Route {
 
 /// The route of a load chosen once ([`crate::Loader::choose_route`]) for a file loaded in
 /// several calls (rounds of a replicated load), so that every call takes it and none samples
-/// the page cache again.
+/// the page cache again. It is of the file and loader it was chosen for: given for another
+/// file, it is taken as it is (a `Direct` choice on a file system without `O_DIRECT` fails).
 #[derive(Debug, Clone)]
 pub struct RouteChoice {
     pub(crate) route: Route,
@@ -179,8 +180,8 @@ impl LoadOptions {
         }
     }
 
-    /// The options for one of `gpus` GPUs loading at once from this host ([`crate::multi::
-    /// MultiLoader`]): the host's cores shared out, `cores / gpus` fill threads per GPU (2 to
+    /// The options for one of `gpus` GPUs loading at once from this host
+    /// (`gpufeed_multi::MultiLoader`): the host's cores shared out, `cores / gpus` fill threads per GPU (2 to
     /// 16), 2 MiB chunks and two staging buffers per thread, so that the staging in flight
     /// stays small. One GPU: [`LoadOptions::default`]. Measured on the two-GPU H200 machine
     /// (32 cores; docs/benchmarks.md, GPU runs 39-40): two GPUs sharded 95-96 GB/s in all with 16

@@ -1,5 +1,5 @@
 //! GPU memory to files: [`save_file`] and a [`Saver`] for repeated saves (and
-//! [`crate::safetensors::save`] for checkpoints), crash-safe.
+//! `gpufeed_safetensors::save` for checkpoints), crash-safe.
 //!
 //! The bytes go device -> pinned windows (multi-stream copies) -> the file through a
 //! `gpufeed-uring` [`Writer`] (`O_DIRECT` where the file system takes it, a buffered tail), the

@@ -289,25 +289,15 @@ impl MultiLoader {
     ) -> Result<(Vec<Checkpoint>, MultiReport)> {
         let path = path.as_ref();
         let started = Instant::now();
-        let layouts = safetensors::inspect(path)?;
+        // Each file's data through the descriptor its header was read on.
+        let (layouts, files): (Vec<_>, Vec<_>) =
+            safetensors::inspect_opened(path)?.into_iter().unzip();
         let mut per_gpu: Vec<Vec<DeviceBuffer>> = (0..self.len()).map(|_| Vec::new()).collect();
         let mut report = self.report(started);
-        for layout in &layouts {
+        for (layout, file) in layouts.iter().zip(&files) {
             let range = layout.data_start..layout.data_start + layout.data_bytes;
-            let file = OpenedFile::open(&layout.path)?;
-            if file.len() != layout.data_start + layout.data_bytes {
-                return Err(gpufeed_load::Error::FileChangedDuringLoad {
-                    path: layout.path.clone(),
-                    what: format!(
-                        "{} bytes where its header said {}",
-                        file.len(),
-                        layout.data_start + layout.data_bytes
-                    ),
-                }
-                .into());
-            }
-            let (bufs, r) = self.replicate(&file, range)?;
-            check_unchanged(&file)?;
+            let (bufs, r) = self.replicate(file, range)?;
+            check_unchanged(file)?;
             for (g, buf) in bufs.into_iter().enumerate() {
                 per_gpu[g].push(buf);
                 report.read_bytes[g] += r.read_bytes[g];
@@ -492,9 +482,29 @@ pub(crate) fn load_rank(
             let views = gpufeed_cuda::split_mut(dst, cut)
                 .ok_or_else(|| Error::invalid("a shard plan's spans overflow".into()))?;
             let mut reports = Vec::with_capacity(runs.len());
+            // Each file of the plan opened once, whatever the runs of spans in it.
+            let mut opened: Vec<(usize, OpenedFile)> = Vec::new();
             for ((file, spans), mut view) in runs.into_iter().zip(views) {
-                let opened = OpenedFile::open(&plan.files[file])?;
-                reports.push(loader.load_spans_to(&opened, &spans, &mut view, None)?);
+                let opened = match opened.iter().position(|(f, _)| *f == file) {
+                    Some(i) => &opened[i].1,
+                    None => {
+                        let f = OpenedFile::open(&plan.files[file])?;
+                        if f.len() != plan.lens[file] {
+                            return Err(gpufeed_load::Error::FileChangedDuringLoad {
+                                path: plan.files[file].clone(),
+                                what: format!(
+                                    "{} bytes where the plan saw {}",
+                                    f.len(),
+                                    plan.lens[file]
+                                ),
+                            }
+                            .into());
+                        }
+                        opened.push((file, f));
+                        &opened[opened.len() - 1].1
+                    }
+                };
+                reports.push(loader.load_spans_to(opened, &spans, &mut view, None)?);
             }
             Ok::<_, Error>(reports)
         })

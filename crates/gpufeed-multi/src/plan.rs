@@ -26,7 +26,7 @@ pub struct Span {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ShardPlan {
     pub(crate) files: Vec<PathBuf>,
-    lens: Vec<u64>,
+    pub(crate) lens: Vec<u64>,
     ranks: Vec<Vec<Span>>,
 }
 

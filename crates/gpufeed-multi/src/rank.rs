@@ -49,13 +49,77 @@ pub enum Replication {
     Nccl,
 }
 
-impl std::fmt::Display for Replication {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl Replication {
+    /// The name the ranks of a job agree on before a replicated load (keep these strings: ranks
+    /// of two gpufeed versions compare them).
+    pub(crate) fn wire_name(self) -> &'static str {
+        match self {
             Replication::Staging => "shared staging",
             Replication::Ipc => "IPC handles",
             Replication::Nccl => "NCCL",
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for Replication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.wire_name())
+    }
+}
+
+/// A [`RankLoader`]'s replication and what its two older switches said: `with_nccl(false)`
+/// goes back to what `with_shared_staging` chose last, as the two booleans they set did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Switches {
+    /// The replication the next replicated load uses.
+    pub(crate) now: Replication,
+    /// Whether staging slots are wanted when NCCL is off.
+    pub(crate) shared_staging: bool,
+}
+
+impl Default for Switches {
+    fn default() -> Self {
+        Switches {
+            now: Replication::Staging,
+            shared_staging: true,
+        }
+    }
+}
+
+impl Switches {
+    fn off_nccl(&self) -> Replication {
+        if self.shared_staging {
+            Replication::Staging
+        } else {
+            Replication::Ipc
+        }
+    }
+
+    /// `with_shared_staging`.
+    pub(crate) fn shared_staging(&mut self, shared: bool) {
+        self.shared_staging = shared;
+        if self.now != Replication::Nccl {
+            self.now = self.off_nccl();
+        }
+    }
+
+    /// `with_nccl`.
+    pub(crate) fn nccl(&mut self, nccl: bool) {
+        self.now = if nccl {
+            Replication::Nccl
+        } else {
+            self.off_nccl()
+        };
+    }
+
+    /// `with_replication`.
+    pub(crate) fn set(&mut self, r: Replication) {
+        self.now = r;
+        match r {
+            Replication::Staging => self.shared_staging = true,
+            Replication::Ipc => self.shared_staging = false,
+            Replication::Nccl => {}
+        }
     }
 }
 
@@ -105,7 +169,7 @@ pub struct RankLoader {
     pub(crate) rdv: gpufeed_ipc::Rendezvous,
     pub(crate) round_bytes: u64,
     /// How replicated loads copy between the ranks.
-    pub(crate) replication: Replication,
+    pub(crate) replication: Switches,
     /// The staging slots, made by the first replicated load of several ranks.
     pub(crate) pools: parking_lot::Mutex<Staging>,
     /// Where the current collective call's time went (reset by each).
@@ -247,7 +311,7 @@ impl RankLoader {
             loader,
             rdv,
             round_bytes: ROUND_BYTES,
-            replication: Replication::default(),
+            replication: Switches::default(),
             pools: parking_lot::Mutex::new(Staging::NotYet),
             timings: parking_lot::Mutex::new(Timings::default()),
         })
@@ -408,12 +472,9 @@ impl RankLoader {
     ///
     /// The same as [`RankLoader::with_replication`]`(Replication::Staging)` (`true`) or
     /// `(Replication::Ipc)` (`false`); it leaves [`Replication::Nccl`], once chosen, as it is.
-    pub fn with_shared_staging(self, shared: bool) -> Self {
-        match (self.replication, shared) {
-            (Replication::Nccl, _) => self,
-            (_, true) => self.with_replication(Replication::Staging),
-            (_, false) => self.with_replication(Replication::Ipc),
-        }
+    pub fn with_shared_staging(mut self, shared: bool) -> Self {
+        self.replication.shared_staging(shared);
+        self
     }
 
     /// Whether replicated loads go through NCCL (default `false`): each rank reads its share
@@ -433,27 +494,24 @@ impl RankLoader {
     /// first replicated load; every rank must pass the same value (checked with the file).
     ///
     /// The same as [`RankLoader::with_replication`]`(Replication::Nccl)` (`true`); `false`
-    /// turns NCCL off again (back to [`Replication::Staging`], the default) and leaves the
-    /// other two as they are.
-    pub fn with_nccl(self, nccl: bool) -> Self {
-        match (self.replication, nccl) {
-            (_, true) => self.with_replication(Replication::Nccl),
-            (Replication::Nccl, false) => self.with_replication(Replication::Staging),
-            (_, false) => self,
-        }
+    /// turns NCCL off again, back to what [`RankLoader::with_shared_staging`] chose (staging
+    /// slots by default), as the two switches did before [`Replication`].
+    pub fn with_nccl(mut self, nccl: bool) -> Self {
+        self.replication.nccl(nccl);
+        self
     }
 
     /// How replicated loads copy between the ranks ([`Replication`]; default
     /// [`Replication::Staging`]): choose it before the first replicated load; every rank must
     /// pass the same one (checked with the file).
     pub fn with_replication(mut self, replication: Replication) -> Self {
-        self.replication = replication;
+        self.replication.set(replication);
         self
     }
 
     /// How replicated loads copy between the ranks.
     pub fn replication(&self) -> Replication {
-        self.replication
+        self.replication.now
     }
 
     /// Whether replicated loads go through staging slots the ranks share: known after the
@@ -529,7 +587,7 @@ impl RankLoader {
             // Opened once: every round of every transport reads through this descriptor.
             let file = OpenedFile::open(path)?;
             let identity = *file.identity();
-            let via = self.replication;
+            let via = self.replication.now.wire_name();
             self.agree(
                 "replicated file and how it is copied",
                 format!(
@@ -546,7 +604,7 @@ impl RankLoader {
             let mine = shares[me].clone();
             let gpu = self.loader.gpu();
             let mut staging = self.pools.lock();
-            let nccl = self.replication == Replication::Nccl;
+            let nccl = self.replication.now == Replication::Nccl;
             if nccl && len > 0 {
                 match &*staging {
                     Staging::Nccl(c) if !c.is_broken() => {}
@@ -563,7 +621,7 @@ impl RankLoader {
                         ));
                     }
                 }
-            } else if self.replication == Replication::Staging
+            } else if self.replication.now == Replication::Staging
                 && n > 1
                 && len > 0
                 && matches!(*staging, Staging::NotYet)
@@ -588,7 +646,7 @@ impl RankLoader {
             // One rank alone loads like a plain load; several share staging slots, or go
             // through NCCL, or else write into each other's copies, which CUDA IPC handles
             // need from `cuMemAlloc`.
-            let alone = self.replication != Replication::Ipc && n == 1 && comm.is_none();
+            let alone = self.replication.now != Replication::Ipc && n == 1 && comm.is_none();
             let alloc = match shared.is_some() || comm.is_some() || alone {
                 true => DeviceAlloc::Pool,
                 false => DeviceAlloc::Unpooled,
@@ -673,5 +731,92 @@ impl RankLoader {
         let out = self.rdv.exchange(payload);
         self.timings.lock().exchange += t.elapsed().as_secs_f64();
         Ok(out?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every sequence of up to four calls of the two older setters gives the replication the
+    /// two booleans they set gave (NCCL if `nccl`, else staging slots if `shared_staging`,
+    /// else IPC handles), and `with_replication` then overrides both.
+    #[test]
+    fn the_older_setters_keep_the_two_booleans_meaning() {
+        #[derive(Clone, Copy, Debug)]
+        enum Op {
+            Shared(bool),
+            Nccl(bool),
+        }
+        let ops = [
+            Op::Shared(true),
+            Op::Shared(false),
+            Op::Nccl(true),
+            Op::Nccl(false),
+        ];
+        let seqs: Vec<Vec<Op>> = (0..=4u32)
+            .flat_map(|len| {
+                (0..4usize.pow(len)).map(move |mut code| {
+                    (0..len)
+                        .map(|_| {
+                            let op = ops[code % 4];
+                            code /= 4;
+                            op
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        assert_eq!(seqs.len(), 1 + 4 + 16 + 64 + 256);
+        for seq in &seqs {
+            let (mut shared, mut nccl) = (true, false);
+            let mut s = Switches::default();
+            for op in seq {
+                match *op {
+                    Op::Shared(b) => {
+                        shared = b;
+                        s.shared_staging(b);
+                    }
+                    Op::Nccl(b) => {
+                        nccl = b;
+                        s.nccl(b);
+                    }
+                }
+            }
+            let old = match (nccl, shared) {
+                (true, _) => Replication::Nccl,
+                (false, true) => Replication::Staging,
+                (false, false) => Replication::Ipc,
+            };
+            assert_eq!(s.now, old, "{seq:?}");
+            for r in [Replication::Staging, Replication::Ipc, Replication::Nccl] {
+                let mut t = s;
+                t.set(r);
+                assert_eq!(t.now, r);
+            }
+        }
+        let mut s = Switches::default();
+        s.set(Replication::Ipc);
+        s.nccl(true);
+        s.nccl(false);
+        assert_eq!(
+            s.now,
+            Replication::Ipc,
+            "NCCL off goes back to the IPC chosen before"
+        );
+    }
+
+    #[test]
+    fn replication_names_parse_and_stay_what_ranks_agree_on() {
+        for (text, r, wire) in [
+            ("staging", Replication::Staging, "shared staging"),
+            ("ipc", Replication::Ipc, "IPC handles"),
+            ("nccl", Replication::Nccl, "NCCL"),
+        ] {
+            assert_eq!(text.parse::<Replication>().expect("parses"), r);
+            assert_eq!(r.wire_name(), wire);
+        }
+        let e = "shm".parse::<Replication>().unwrap_err();
+        assert!(e.to_string().contains("GPUFEED_REPLICATE=\"shm\""), "{e}");
     }
 }

@@ -199,22 +199,35 @@ impl OpenedFile {
 
     /// A second, independent descriptor of the same file (its own file description, so flags
     /// such as `O_DIRECT` in `extra_flags` do not touch this one), opened through
-    /// `/proc/self/fd`, not the path: a file renamed over the path since is not the one opened.
+    /// `/proc/thread-self/fd` (the calling thread's descriptor table), not the path: a file
+    /// renamed over the path since is not the one opened. Where `/proc` is not mounted (a
+    /// chroot, some sandboxes) it opens the path instead and keeps the result only if it is
+    /// the same file (device and inode).
     ///
     /// # Errors
-    /// The open's own error (`EINVAL` for `O_DIRECT` on a file system without it, `ENOENT`
-    /// without `/proc`), or an error of kind `Other` where the descriptor opened is not the
-    /// same file.
+    /// The open's own error (`EINVAL` for `O_DIRECT` on a file system without it), or an error
+    /// of kind `Other` where what was opened is not the file opened first (without `/proc`,
+    /// another file now at the path).
     pub fn reopen(&self, extra_flags: i32) -> std::io::Result<File> {
-        let link = format!("/proc/self/fd/{}", self.file.as_raw_fd());
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(extra_flags)
-            .open(&link)?;
+        let open = |p: &Path| {
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(extra_flags)
+                .open(p)
+        };
+        let link = PathBuf::from(format!("/proc/thread-self/fd/{}", self.file.as_raw_fd()));
+        let (file, via) = match open(&link) {
+            Ok(f) => (f, link.as_path()),
+            // The flags refused by the file system: the same answer by the path.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Err(e),
+            // No /proc here: the path, checked below.
+            Err(_) => (open(&self.path)?, self.path.as_path()),
+        };
         let meta = file.metadata()?;
         if (meta.dev(), meta.ino()) != (self.identity.dev, self.identity.ino) {
             return Err(std::io::Error::other(format!(
-                "{link} is not {} as opened (another file)",
+                "{} is not {} as opened (another file is there now)",
+                via.display(),
                 self.path.display()
             )));
         }

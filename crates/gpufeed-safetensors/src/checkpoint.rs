@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use gpufeed_cuda::cudarc::driver::CudaView;
 use gpufeed_load::{DeviceBuffer, LoadOptions, LoadReport, Loader, OneShotReport};
+use gpufeed_os::OpenedFile;
 
 pub use safetensors::Dtype;
 
@@ -99,6 +100,23 @@ impl Checkpoint {
         layouts: &[FileLayout],
         buffers: Vec<DeviceBuffer>,
     ) -> Result<Self> {
+        if buffers.len() != layouts.len() {
+            return Err(Error::invalid(format!(
+                "{} device buffers for {} files: one buffer per file's data section",
+                buffers.len(),
+                layouts.len()
+            )));
+        }
+        for (layout, buffer) in layouts.iter().zip(&buffers) {
+            if buffer.len() as u64 != layout.data_bytes {
+                return Err(Error::invalid(format!(
+                    "{}: a device buffer of {} bytes for a data section of {}",
+                    layout.path.display(),
+                    buffer.len(),
+                    layout.data_bytes
+                )));
+            }
+        }
         let mut tensors = BTreeMap::new();
         for (i, layout) in layouts.iter().enumerate() {
             for HeaderEntry {
@@ -142,7 +160,7 @@ impl Checkpoint {
 /// [`Error::Index`] for a bad index, [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad) when a file was replaced
 /// or modified between reading its header and the end of its load, and the errors of
 /// [`gpufeed_load::load_file`]. The header is read with `pread` on the descriptor whose identity
-/// (dev, ino, size, mtime) the load is checked against; no CPU access goes through a mapping
+/// (dev, ino, size, mtime, ctime) the load is checked against; no CPU access goes through a mapping
 /// of the file.
 ///
 /// # Example
@@ -234,14 +252,29 @@ pub struct FileLayout {
 /// # Ok::<(), gpufeed_safetensors::Error>(())
 /// ```
 pub fn inspect(path: impl AsRef<Path>) -> Result<Vec<FileLayout>> {
+    Ok(inspect_opened(path)?.into_iter().map(|(l, _)| l).collect())
+}
+
+/// [`inspect`], with each file as it was opened to read its header: a caller that loads the
+/// data sections itself (replicated loads on several GPUs) reads them through these
+/// descriptors, so the bytes are of the version whose header was checked.
+///
+/// # Errors
+/// As for [`inspect`].
+pub fn inspect_opened(path: impl AsRef<Path>) -> Result<Vec<(FileLayout, OpenedFile)>> {
     Ok(plan(path.as_ref())?
         .files
         .into_iter()
-        .map(|(path, parsed)| FileLayout {
-            path,
-            data_start: parsed.data_start,
-            data_bytes: parsed.data_len,
-            tensors: parsed.tensors,
+        .map(|(path, parsed)| {
+            (
+                FileLayout {
+                    path,
+                    data_start: parsed.data_start,
+                    data_bytes: parsed.data_len,
+                    tensors: parsed.tensors,
+                },
+                parsed.file,
+            )
         })
         .collect())
 }

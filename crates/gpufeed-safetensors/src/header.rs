@@ -35,12 +35,12 @@ pub(crate) fn parse(path: &Path) -> Result<Parsed> {
     };
     let len = identity.size;
     let mut n = [0u8; 8];
-    read_exact_at(file, &mut n, 0, len).map_err(bad)?;
+    read_exact_at(file, &mut n, 0, len).map_err(|e| read_failed(e, path))?;
     let header_len = header_len(u64::from_le_bytes(n), len).map_err(bad)?;
     // The length field again in front of the header, as `header_of` takes it.
     let mut prefix = vec![0u8; 8 + header_len as usize];
     prefix[..8].copy_from_slice(&n);
-    read_exact_at(file, &mut prefix[8..], 8, len).map_err(bad)?;
+    read_exact_at(file, &mut prefix[8..], 8, len).map_err(|e| read_failed(e, path))?;
     let (data_start, tensors, save_id) = header_parts(&prefix, len).map_err(bad)?;
     Ok(Parsed {
         data_start,
@@ -51,25 +51,47 @@ pub(crate) fn parse(path: &Path) -> Result<Parsed> {
     })
 }
 
+/// Why a read of the header failed.
+pub(crate) enum ReadFailed {
+    /// What is wrong with the header (the file, as long as when opened, is too short for it;
+    /// an IO error).
+    Header(HeaderError),
+    /// The file ended before the length it had when it was opened: it shrank meanwhile.
+    Shrank { below: u64 },
+}
+
 pub(crate) fn read_exact_at(
     file: &std::fs::File,
     buf: &mut [u8],
     offset: u64,
     file_len: u64,
-) -> std::result::Result<(), HeaderError> {
+) -> std::result::Result<(), ReadFailed> {
     use std::os::unix::fs::FileExt;
-    file.read_exact_at(buf, offset).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            HeaderError::Truncated {
-                file_len,
-                need: offset + buf.len() as u64,
-            }
-        } else {
-            HeaderError::Unreadable {
-                reason: e.to_string(),
-            }
+    let need = offset + buf.len() as u64;
+    file.read_exact_at(buf, offset).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof if need <= file_len => ReadFailed::Shrank { below: need },
+        std::io::ErrorKind::UnexpectedEof => {
+            ReadFailed::Header(HeaderError::Truncated { file_len, need })
         }
+        _ => ReadFailed::Header(HeaderError::Unreadable {
+            reason: e.to_string(),
+        }),
     })
+}
+
+/// The error of a failed header read of `path`.
+fn read_failed(e: ReadFailed, path: &Path) -> Error {
+    match e {
+        ReadFailed::Header(reason) => Error::Safetensors {
+            path: path.into(),
+            reason,
+        },
+        ReadFailed::Shrank { below } => gpufeed_load::Error::FileChangedDuringLoad {
+            path: path.into(),
+            what: format!("it shrank below {below} bytes while its header was read"),
+        }
+        .into(),
+    }
 }
 
 /// What is wrong with a safetensors header ([`header_of`], and the `reason` of

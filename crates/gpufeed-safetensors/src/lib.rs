@@ -43,7 +43,7 @@ mod save;
 mod tensor_parallel;
 
 pub use checkpoint::{
-    Checkpoint, Dtype, FileLayout, TensorInfo, inspect, load, load_on, load_with,
+    Checkpoint, Dtype, FileLayout, TensorInfo, inspect, inspect_opened, load, load_on, load_with,
 };
 pub use error::{Error, Result};
 pub use header::{HeaderEntry, HeaderError, MAX_HEADER_BYTES, header, header_of};

@@ -75,6 +75,9 @@ impl TensorShare {
 /// file; [`load_shard`] loads one rank's (one process per GPU), `MultiLoader::
 /// load_tensor_parallel` every rank's at once.
 ///
+/// A plan keeps the checkpoint's files open (the descriptors its headers were read on, which
+/// every rank's load reads through, shared by its clones): drop it once the loads are done.
+///
 /// # Example
 /// ```no_run
 /// use gpufeed_safetensors::{Split, TensorParallel};

@@ -10,7 +10,7 @@
 //! | [`safetensors`] | `gpufeed-safetensors` | checkpoints: bulk loads, tensor parallel, on demand, crash-safe saves | `safetensors` (default) |
 //! | [`dataset`] | `gpufeed-data` | the batch loader: records, image folders, npy and tar shards, the elastic sampler, worker processes | `data` (default) |
 //! | [`multi`] | `gpufeed-multi` | several GPUs: `MultiLoader`, `RankLoader` (staging, IPC, NCCL) | `multi` (default) |
-//! | [`frames`], [`hybrid`] | `gpufeed-frames` | the source's two case studies | `frames` |
+//! | `frames`, `hybrid` | `gpufeed-frames` | the source's two case studies | `frames` |
 //! | [`advise`], [`doctor`] | this crate | what to set on this machine, and what is wrong with it | always |
 //! | [`os`], [`numa`], [`uring`], [`ipc`], [`pinned`], [`cuda`] | layers 0-2 | re-exported whole | always |
 //!

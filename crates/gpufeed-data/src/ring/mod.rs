@@ -52,6 +52,7 @@ pub(crate) fn header_len(records: usize) -> usize {
 }
 
 /// Where a slot's data starts for `records` records: after the header, 256-byte aligned.
+#[doc(hidden)]
 pub fn data_offset(records: usize) -> usize {
     header_len(records).next_multiple_of(256)
 }
@@ -59,6 +60,7 @@ pub fn data_offset(records: usize) -> usize {
 /// A slot's header (see the module's layout) for batch `number` of `epoch` from a ring's only
 /// producer (worker 0 of 1): its records' `indices`, their data's `offsets` (one more than the
 /// records, from 0 to the data's length).
+#[doc(hidden)]
 pub fn slot_header(epoch: u64, number: usize, indices: &[usize], offsets: &[u64]) -> Vec<u8> {
     slot_header_of(epoch, number, (0, 1), indices, offsets)
 }

@@ -72,6 +72,27 @@ fn entry() {
         return;
     };
     match role.as_str() {
+        // With /proc unmounted (run under a wrapper that does it): opens GPUFEED_IT_PATH, renames
+        // GPUFEED_IT_OTHER over it, and checks that a reopen of the opened file refuses the file
+        // now at the path; then opens the path again and reopens it: its bytes, GPUFEED_IT_SEED's.
+        "reopen-without-proc" => {
+            assert!(
+                !std::path::Path::new("/proc/self").exists(),
+                "the wrapper left /proc mounted"
+            );
+            let path = std::path::PathBuf::from(var("GPUFEED_IT_PATH"));
+            let first = gpufeed_os::OpenedFile::open(&path).expect("open");
+            std::fs::rename(var("GPUFEED_IT_OTHER"), &path).expect("rename over");
+            let err = first.reopen(0).expect_err("another file at the path");
+            assert_eq!(err.kind(), std::io::ErrorKind::Other, "{err}");
+            assert!(err.to_string().contains("another file"), "{err}");
+            let again = gpufeed_os::OpenedFile::open(&path).expect("open the new one");
+            let file = again.reopen(0).expect("reopened by the path");
+            let mut got = vec![0u8; again.len() as usize];
+            std::os::unix::fs::FileExt::read_exact_at(&file, &mut got, 0).expect("read");
+            assert_eq!(got, crate::random_bytes(got.len(), num("GPUFEED_IT_SEED")));
+            println!("REOPENED {}", got.len());
+        }
         // Opens a named segment and fills it with the pattern of GPUFEED_IT_SEED.
         "shm-write" => {
             let seg = ShmSegment::open(&var("GPUFEED_IT_NAME")).expect("open by name");

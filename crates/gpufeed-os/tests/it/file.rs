@@ -121,3 +121,36 @@ fn an_opened_file_stays_the_version_opened_and_tells_when_it_changed() {
         "{err:?}"
     );
 }
+
+/// Where `/proc` is not mounted, [`gpufeed_os::OpenedFile::reopen`] (the `O_DIRECT` descriptor
+/// of every direct read) opens the path and keeps it only if it is the file opened: a file
+/// renamed over the path meanwhile is refused, the same file reads as it is. A child in a mount
+/// namespace of its own with `/proc` lazily unmounted (root, or a user namespace the kernel
+/// allows; skipped with the reason otherwise).
+#[test]
+fn an_opened_file_reopens_by_its_path_where_proc_is_not_mounted() {
+    let test = "an_opened_file_reopens_by_its_path_where_proc_is_not_mounted";
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("f.bin");
+    let other = dir.path().join("other.bin");
+    std::fs::write(&path, random_bytes(10_007, 1)).expect("write");
+    std::fs::write(&other, random_bytes(20_011, 2)).expect("write");
+    let vars = [
+        ("GPUFEED_IT_PATH", path.display().to_string()),
+        ("GPUFEED_IT_OTHER", other.display().to_string()),
+        ("GPUFEED_IT_SEED", "2".to_owned()),
+    ];
+    let wrapper = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "umount -l /proc && exec \"$@\"",
+        "sh",
+    ];
+    if let Some(out) = crate::child::run_wrapped(test, &wrapper, "reopen-without-proc", &vars) {
+        assert!(out.contains("REOPENED 20011"), "{out}");
+    }
+}
