@@ -75,7 +75,7 @@ pub use loader::{
 pub type LoaderConfig = BatchLoaderOptions;
 pub use records::{Dataset, RecordFile, ShardSet};
 pub use sampler::{Order, Sampler};
-pub use sources::{NpyLayout, TarSample, shard_paths};
+pub use sources::{NpyLayout, SourceError, TarSample, shard_paths};
 
 #[cfg(test)]
 mod tests {

@@ -94,9 +94,9 @@ impl RecordFile {
         let path = path.as_ref();
         // SAFETY: passed on to the caller.
         let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
-        let npy = sources::parse_npy(&map, map.len() as u64).map_err(|reason| Error::Records {
+        let npy = sources::parse_npy(&map, map.len() as u64).map_err(|e| Error::Records {
             path: path.into(),
-            reason,
+            reason: e.to_string(),
         })?;
         let size = npy.row_bytes();
         let count = if size == 0 { 0 } else { npy.rows() };
@@ -133,9 +133,9 @@ impl RecordFile {
         let path = path.as_ref();
         // SAFETY: passed on to the caller.
         let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
-        let samples = sources::index_tar(&map).map_err(|reason| Error::Records {
+        let samples = sources::index_tar(&map).map_err(|e| Error::Records {
             path: path.into(),
-            reason,
+            reason: e.to_string(),
         })?;
         Ok(RecordFile {
             map,

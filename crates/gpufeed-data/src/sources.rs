@@ -71,65 +71,163 @@ impl NpyLayout {
     }
 }
 
+/// What is wrong with an `.npy` array or a tar shard ([`parse_npy`], [`index_tar`]). Each
+/// variant's `reason` is the sentence shown; the variant says what a caller can do about it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceError {
+    /// The bytes are not this format at all (no `\x93NUMPY` magic; a first tar header whose
+    /// checksum does not add up).
+    #[error("{reason}")]
+    NotThisFormat {
+        /// What is wrong.
+        reason: String,
+    },
+    /// The file ends before what it declares: `need` bytes, `len` there.
+    #[error("{reason}")]
+    Truncated {
+        /// The bytes the header or member needs from the start of the file.
+        need: u64,
+        /// The bytes there are.
+        len: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The bytes given to [`parse_npy`] end inside its header (the file may be whole): give it
+    /// at least `need` bytes.
+    #[error("{reason}")]
+    Incomplete {
+        /// The bytes given.
+        have: u64,
+        /// The bytes the header needs.
+        need: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A valid file of a kind gpufeed does not read (Fortran order, structured or object
+    /// dtypes, an unknown format version, sparse tar members, a global pax `size`).
+    #[error("{reason}")]
+    Unsupported {
+        /// What it is and what to write instead.
+        reason: String,
+    },
+    /// A damaged or inconsistent file (a field that does not parse, sizes that do not add up,
+    /// a name used twice in a sample).
+    #[error("{reason}")]
+    Malformed {
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A [`SourceError::Malformed`].
+fn malformed(reason: impl Into<String>) -> SourceError {
+    SourceError::Malformed {
+        reason: reason.into(),
+    }
+}
+
+/// A [`SourceError::Unsupported`].
+fn unsupported(reason: impl Into<String>) -> SourceError {
+    SourceError::Unsupported {
+        reason: reason.into(),
+    }
+}
+
 /// Parses the header of an `.npy` file of `file_len` bytes from its first bytes `head` (at
 /// least the whole header): versions 1 to 3, C order, a simple type (structured and object
 /// arrays are refused), and data that fits the file exactly. The header's numbers are
 /// multiplied with checked arithmetic: a shape whose dimensions other than 0, times the
 /// element size, overflow a `usize` is refused (as numpy refuses it), even one of no data such
 /// as `(0, 2^33, 2^33)`.
-pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, String> {
+pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, SourceError> {
     if head.len() < 10 || &head[..6] != b"\x93NUMPY" {
-        return Err("not an .npy file: it does not start with \\x93NUMPY".into());
+        return Err(SourceError::NotThisFormat {
+            reason: "not an .npy file: it does not start with \\x93NUMPY".into(),
+        });
     }
     let (len_bytes, start) = match head[6] {
         1 => (2, 10),
         2 | 3 => (4, 12),
-        v => return Err(format!("npy format version {v} is not known (1 to 3 are)")),
+        v => {
+            return Err(unsupported(format!(
+                "npy format version {v} is not known (1 to 3 are)"
+            )));
+        }
     };
     if head.len() < start {
-        return Err("the header is cut short".into());
+        return Err(SourceError::Incomplete {
+            have: head.len() as u64,
+            need: start as u64,
+            reason: "the header is cut short".into(),
+        });
     }
     let header_len = if len_bytes == 2 {
         u16::from_le_bytes([head[8], head[9]]) as usize
     } else {
         u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize
     };
+    let need = (start + header_len) as u64;
     let Some(text) = head.get(start..start + header_len) else {
-        return Err(format!(
+        let reason = format!(
             "the header claims {header_len} bytes but the file is shorter: it is truncated"
-        ));
+        );
+        return Err(if file_len < need {
+            SourceError::Truncated {
+                need,
+                len: file_len,
+                reason,
+            }
+        } else {
+            SourceError::Incomplete {
+                have: head.len() as u64,
+                need,
+                reason: format!(
+                    "the {} bytes given end inside the header of {need}",
+                    head.len()
+                ),
+            }
+        });
     };
-    let text = std::str::from_utf8(text).map_err(|_| "the header is not text".to_owned())?;
-    let descr = dict_value(text, "descr").ok_or("the header has no 'descr'")?;
+    let text = std::str::from_utf8(text).map_err(|_| malformed("the header is not text"))?;
+    let descr = dict_value(text, "descr").ok_or_else(|| malformed("the header has no 'descr'"))?;
     let descr = descr
         .strip_prefix('\'')
         .and_then(|d| d.strip_suffix('\''))
         .ok_or_else(|| {
-            format!("dtype {descr} is structured or not a simple type; only simple types are read")
+            unsupported(format!(
+                "dtype {descr} is structured or not a simple type; only simple types are read"
+            ))
         })?
         .to_owned();
-    let item_bytes = item_bytes(&descr)?;
+    let item_bytes = item_bytes(&descr).map_err(unsupported)?;
     match dict_value(text, "fortran_order") {
         Some("False") => {}
         Some("True") => {
-            return Err("the array is in Fortran order: its rows are not contiguous".into());
+            return Err(unsupported(
+                "the array is in Fortran order: its rows are not contiguous",
+            ));
         }
-        _ => return Err("the header has no 'fortran_order' of True or False".into()),
+        _ => {
+            return Err(malformed(
+                "the header has no 'fortran_order' of True or False",
+            ));
+        }
     }
-    let shape = dict_value(text, "shape").ok_or("the header has no 'shape'")?;
+    let shape = dict_value(text, "shape").ok_or_else(|| malformed("the header has no 'shape'"))?;
     let shape = shape
         .strip_prefix('(')
         .and_then(|s| s.strip_suffix(')'))
-        .ok_or_else(|| format!("shape {shape} is not a tuple"))?;
+        .ok_or_else(|| malformed(format!("shape {shape} is not a tuple")))?;
     let shape = shape
         .split(',')
         .map(str::trim)
         .filter(|d| !d.is_empty())
         .map(|d| {
             d.parse::<usize>()
-                .map_err(|_| format!("shape has a dimension {d:?}"))
+                .map_err(|_| malformed(format!("shape has a dimension {d:?}")))
         })
-        .collect::<std::result::Result<Vec<usize>, String>>()?;
+        .collect::<std::result::Result<Vec<usize>, SourceError>>()?;
     let data_start = start + header_len;
     let layout = NpyLayout {
         descr,
@@ -140,7 +238,11 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
     let (descr, shape) = (&layout.descr, &layout.shape);
     // As numpy: the product of the dimensions that are not 0 must fit, whatever their order
     // (then every partial product does, and a row and the whole are computed safely).
-    let too_large = || format!("shape {shape:?} of {descr} is too large for this machine");
+    let too_large = || {
+        unsupported(format!(
+            "shape {shape:?} of {descr} is too large for this machine"
+        ))
+    };
     shape
         .iter()
         .filter(|&&d| d != 0)
@@ -152,10 +254,10 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
         .ok_or_else(too_large)?;
     let data_len = file_len.saturating_sub(data_start as u64);
     if bytes as u64 != data_len {
-        return Err(format!(
+        return Err(malformed(format!(
             "shape {shape:?} of {descr} needs {bytes} bytes after the header (at {data_start}) \
              but the file has {data_len}: it is truncated or not this array"
-        ));
+        )));
     }
     Ok(layout)
 }
@@ -235,7 +337,7 @@ struct Extended {
 /// member running past the end of the file, a pax record that cannot be read (its `size` not
 /// a number), a sparse member (GNU `S`, or pax `GNU.sparse`: its stored bytes are not the
 /// file's), a name used twice within a sample.
-pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
+pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, SourceError> {
     let mut samples: Vec<TarSample> = Vec::new();
     let mut at = 0usize;
     let mut ext = Extended::default();
@@ -244,19 +346,42 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
             if at == tar.len() {
                 break; // no end-of-archive blocks: accepted, as GNU tar does
             }
-            return Err(format!(
-                "the file ends inside the header at offset {at}: it is truncated"
-            ));
+            // Shorter than one header: not a tar file at all.
+            if at == 0 {
+                return Err(SourceError::NotThisFormat {
+                    reason: format!(
+                        "the file ends inside the header at offset 0 ({} bytes, less than one \
+                         {BLOCK}-byte tar header): not a tar file",
+                        tar.len()
+                    ),
+                });
+            }
+            return Err(SourceError::Truncated {
+                need: (at + BLOCK) as u64,
+                len: tar.len() as u64,
+                reason: format!("the file ends inside the header at offset {at}: it is truncated"),
+            });
         };
         if header.iter().all(|&b| b == 0) {
             break; // end of the archive
         }
-        check_sum(header).map_err(|why| format!("the header at offset {at}: {why}"))?;
+        check_sum(header).map_err(|why| {
+            let reason = format!("the header at offset {at}: {why}");
+            // Not even the first header: not a tar file.
+            if at == 0 {
+                SourceError::NotThisFormat { reason }
+            } else {
+                malformed(reason)
+            }
+        })?;
         let kind = header[156];
         // Extended headers have their own size; a pax `size` is the next member's.
         let size = match (kind, ext.size) {
-            (b'x' | b'g' | b'L' | b'K', _) | (_, None) => octal(&header[124..136])
-                .ok_or_else(|| format!("the header at offset {at} has an unreadable size"))?,
+            (b'x' | b'g' | b'L' | b'K', _) | (_, None) => {
+                octal(&header[124..136]).ok_or_else(|| {
+                    malformed(format!("the header at offset {at} has an unreadable size"))
+                })?
+            }
             (_, Some(pax)) => pax,
         };
         let data = at + BLOCK;
@@ -264,17 +389,19 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
             .ok()
             .and_then(|s| data.checked_add(s))
             .filter(|&e| e <= tar.len())
-            .ok_or_else(|| {
-                format!(
+            .ok_or_else(|| SourceError::Truncated {
+                need: (data as u64).saturating_add(size),
+                len: tar.len() as u64,
+                reason: format!(
                     "the member at offset {at} claims {size} bytes but the file ends at {}: it \
                      is truncated",
                     tar.len()
-                )
+                ),
             })?;
         // `end` is within the file, so rounding it up to a block cannot overflow.
         let next = data + (end - data).div_ceil(BLOCK) * BLOCK;
         let body = &tar[data..end];
-        let bad_pax = |why: String| format!("the pax header at offset {at}: {why}");
+        let bad_pax = |why: String| malformed(format!("the pax header at offset {at}: {why}"));
         match kind {
             b'L' => ext.path = Some(c_string(body)),
             b'K' => {} // a long link name: for links, which are skipped
@@ -294,21 +421,23 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, String> {
                     .iter()
                     .any(|(k, _)| *k == b"size")
                 {
-                    return Err(bad_pax(
-                        "a global `size` record (every member's size) is not read".into(),
-                    ));
+                    return Err(unsupported(format!(
+                        "the pax header at offset {at}: a global `size` record (every member's \
+                         size) is not read"
+                    )));
                 }
             }
             b'0' | 0 | b'7' | b'S' => {
                 let name = ext.path.take().unwrap_or_else(|| ustar_name(header));
                 if kind == b'S' || ext.sparse {
-                    return Err(format!(
+                    return Err(unsupported(format!(
                         "the member at offset {at} ({name}) is stored sparse (GNU sparse): its \
                          stored bytes are not the file's; write the tar without --sparse"
-                    ));
+                    )));
                 }
-                add_member(&mut samples, &name, data..end)
-                    .map_err(|why| format!("the member at offset {at} ({name}): {why}"))?;
+                add_member(&mut samples, &name, data..end).map_err(|why| {
+                    malformed(format!("the member at offset {at} ({name}): {why}"))
+                })?;
                 ext = Extended::default();
             }
             _ => ext = Extended::default(), // directories, links, devices: skipped
@@ -524,22 +653,56 @@ mod tests {
         let f = npy("<i8", false, "()", &[1u8; 8]);
         let l = parse_npy(&f, f.len() as u64).expect("a 0-d array");
         assert_eq!((l.rows(), l.row_bytes()), (1, 8));
-        for (what, bytes, says) in [
-            ("fortran", npy("<f4", true, "(2, 2)", &[0; 16]), "Fortran"),
+        let unsupported = |e: &SourceError| matches!(e, SourceError::Unsupported { .. });
+        let malformed = |e: &SourceError| matches!(e, SourceError::Malformed { .. });
+        let not_npy = |e: &SourceError| matches!(e, SourceError::NotThisFormat { .. });
+        type Kind = fn(&SourceError) -> bool;
+        for (what, bytes, says, kind) in [
+            (
+                "fortran",
+                npy("<f4", true, "(2, 2)", &[0; 16]),
+                "Fortran",
+                &unsupported as &dyn Fn(&SourceError) -> bool,
+            ),
             (
                 "truncated",
                 npy("<f4", false, "(3, 2)", &[0; 20]),
                 "truncated",
+                &malformed,
             ),
-            ("object", npy("|O", false, "(2,)", &[0; 16]), "object"),
-            ("not npy", b"PK\x03\x04 a zip file".to_vec(), "NUMPY"),
+            (
+                "object",
+                npy("|O", false, "(2,)", &[0; 16]),
+                "object",
+                &unsupported,
+            ),
+            (
+                "not npy",
+                b"PK\x03\x04 a zip file".to_vec(),
+                "NUMPY",
+                &not_npy,
+            ),
         ] {
             let err = parse_npy(&bytes, bytes.len() as u64).expect_err(what);
-            assert!(err.contains(says), "{what}: {err}");
+            assert!(kind(&err), "{what}: {err:?}");
+            assert!(err.to_string().contains(says), "{what}: {err}");
         }
+        let _: Option<Kind> = None;
         let structured = b"\x93NUMPY\x01\x00\x3a\x00{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }\n";
         let err = parse_npy(structured, structured.len() as u64 + 4).expect_err("structured");
-        assert!(err.contains("structured"), "{err}");
+        assert!(unsupported(&err), "{err:?}");
+        assert!(err.to_string().contains("structured"), "{err}");
+        // A head that stops inside the header of a whole file: read more; a file that stops
+        // there: truncated.
+        let f = npy("<f4", false, "(2,)", &[0; 8]);
+        assert!(matches!(
+            parse_npy(&f[..20], f.len() as u64),
+            Err(SourceError::Incomplete { have: 20, .. })
+        ));
+        assert!(matches!(
+            parse_npy(&f[..20], 20),
+            Err(SourceError::Truncated { len: 20, .. })
+        ));
     }
 
     /// A tar of `members` (name, bytes) written by the `tar` crate, GNU headers (long names
@@ -582,25 +745,42 @@ mod tests {
         // Cut inside the first member's data.
         let err = index_tar(&tar[..1200]).expect_err("truncated");
         assert!(
-            err.contains("offset 0") && err.contains("truncated"),
-            "{err}"
+            matches!(
+                err,
+                SourceError::Truncated {
+                    need: 2512,
+                    len: 1200,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("offset 0") && msg.contains("truncated"),
+            "{msg}"
         );
         // Cut inside the second header.
         let err = index_tar(&tar[..2560 + 100]).expect_err("truncated header");
-        assert!(err.contains("offset 2560"), "{err}");
-        // A flipped byte in the second header.
+        assert!(matches!(err, SourceError::Truncated { .. }), "{err:?}");
+        assert!(err.to_string().contains("offset 2560"), "{err}");
+        // A flipped byte in the second header: a damaged tar, not another format.
         let mut bad = tar.clone();
         bad[2560 + 3] ^= 1;
         let err = index_tar(&bad).expect_err("checksum");
+        assert!(matches!(err, SourceError::Malformed { .. }), "{err:?}");
+        let msg = err.to_string();
         assert!(
-            err.contains("offset 2560") && err.contains("checksum"),
-            "{err}"
+            msg.contains("offset 2560") && msg.contains("checksum"),
+            "{msg}"
         );
         let err = index_tar(&tar_of(&[("a.jpg", b"1"), ("a.jpg", b"2")])).expect_err("twice");
-        assert!(err.contains("two members"), "{err}");
+        assert!(matches!(err, SourceError::Malformed { .. }), "{err:?}");
+        assert!(err.to_string().contains("two members"), "{err}");
         let err =
             index_tar(b"not a tar at all, just text that is long enough........").unwrap_err();
-        assert!(err.contains("offset 0"), "{err}");
+        assert!(matches!(err, SourceError::NotThisFormat { .. }), "{err:?}");
+        assert!(err.to_string().contains("offset 0"), "{err}");
     }
 
     proptest::proptest! {
