@@ -14,7 +14,7 @@
 //! too (they are close-on-exec).
 //! Only a child made without `fork` and without exec (a raw `clone`) keeps them, and a lock
 //! beyond the first [`MAX_TRACKED_LOCKS`] held at once (logged). Every lock is taken through a
-//! descriptor opened for it alone (`/proc/self/fd/N` opened again), never through the
+//! descriptor opened for it alone (`/proc/thread-self/fd/N` opened again), never through the
 //! descriptor the segment is mapped from, so that probing through that one sees every holder,
 //! the prober's own other handles included.
 
@@ -105,19 +105,11 @@ pub(crate) fn probe(file: BorrowedFd<'_>, byte: u64) -> Probe {
     }
 }
 
-/// The same file as `file` through a new open file description (`/proc/self/fd/N` opened
-/// again with `access`), checked to be the same inode.
+/// The same file as `file` through a new open file description, `access` (`RDONLY` or
+/// `RDWR`), checked to be the same inode ([`gpufeed_os::file::reopen`]).
 fn reopen_as(file: BorrowedFd<'_>, access: rustix::fs::OFlags) -> std::io::Result<OwnedFd> {
-    use rustix::fs::{Mode, OFlags};
-    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-    let fd = rustix::fs::open(path.as_str(), access | OFlags::CLOEXEC, Mode::empty())?;
-    let (a, b) = (rustix::fs::fstat(file)?, rustix::fs::fstat(&fd)?);
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
-        return Err(std::io::Error::other(
-            "/proc/self/fd names another file (a /proc of another PID namespace?)",
-        ));
-    }
-    Ok(fd)
+    let write = access.contains(rustix::fs::OFlags::RDWR);
+    Ok(gpufeed_os::file::reopen(file, write, 0)?.into())
 }
 
 /// How many locks' descriptors the fork handler can close in a child: a lock beyond them (a

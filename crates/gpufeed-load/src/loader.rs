@@ -555,12 +555,17 @@ impl Loader {
     /// so that all of them take one route, sampled once.
     pub fn choose_route(&self, file: &OpenedFile, hull: Range<u64>) -> RouteChoice {
         let len = hull.end.saturating_sub(hull.start);
+        self.route_of(file, hull, len, 1)
+    }
+
+    /// The route for `len` bytes in `spans` spans within `hull` of `file`, sampled now.
+    fn route_of(&self, file: &OpenedFile, hull: Range<u64>, len: u64, spans: usize) -> RouteChoice {
         let residency = if self.opts.strategy == Strategy::Auto && len < SAMPLE_FROM {
             None
         } else {
             residency_of(file, hull)
         };
-        let (route, reason) = self.route_for(file, len, 1, residency);
+        let (route, reason) = self.route_for(file, len, spans, residency);
         RouteChoice {
             route,
             reason,
@@ -634,7 +639,7 @@ impl Loader {
         let choice = match choice {
             Some(c) => c,
             None => {
-                chosen = self.choose_route(file, hull_of(spans));
+                chosen = self.route_of(file, hull_of(spans), len, spans.len());
                 &chosen
             }
         };

@@ -1,7 +1,7 @@
 //! Opening regular files with clear errors, and recording their identity.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -209,30 +209,59 @@ impl OpenedFile {
     /// of kind `Other` where what was opened is not the file opened first (without `/proc`,
     /// another file now at the path).
     pub fn reopen(&self, extra_flags: i32) -> std::io::Result<File> {
-        let open = |p: &Path| {
-            OpenOptions::new()
-                .read(true)
-                .custom_flags(extra_flags)
-                .open(p)
-        };
-        let link = PathBuf::from(format!("/proc/thread-self/fd/{}", self.file.as_raw_fd()));
-        let (file, via) = match open(&link) {
-            Ok(f) => (f, link.as_path()),
+        match reopen(self.file.as_fd(), false, extra_flags) {
+            Ok(f) => Ok(f),
             // The flags refused by the file system: the same answer by the path.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Err(e),
-            // No /proc here: the path, checked below.
-            Err(_) => (open(&self.path)?, self.path.as_path()),
-        };
-        let meta = file.metadata()?;
-        if (meta.dev(), meta.ino()) != (self.identity.dev, self.identity.ino) {
-            return Err(std::io::Error::other(format!(
-                "{} is not {} as opened (another file is there now)",
-                via.display(),
-                self.path.display()
-            )));
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(e),
+            // No /proc here: the path, kept only if it is the same file.
+            Err(_) => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(extra_flags)
+                    .open(&self.path)?;
+                if same_file(&file, &self.identity)? {
+                    Ok(file)
+                } else {
+                    Err(std::io::Error::other(format!(
+                        "{} is not the file opened (another file is there now)",
+                        self.path.display()
+                    )))
+                }
+            }
         }
-        Ok(file)
     }
+}
+
+/// `file` opened again through `/proc/thread-self/fd/N` (the calling thread's descriptor
+/// table), for reading (and writing if `write`) with `extra_flags` (`O_DIRECT`, ...): a new
+/// open file description of the same inode (checked), so its flags, offset and `fcntl` locks
+/// are its own. Never the path: a file renamed over it is not the one reopened.
+///
+/// # Errors
+/// The open's own error (`ENOENT` without `/proc`, `EINVAL` for flags the file system
+/// refuses), or an error of kind `Other` where `/proc` names another file (a `/proc` of
+/// another PID namespace mounted here).
+pub fn reopen(file: BorrowedFd<'_>, write: bool, extra_flags: i32) -> std::io::Result<File> {
+    let link = format!("/proc/thread-self/fd/{}", file.as_raw_fd());
+    let opened = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(extra_flags)
+        .open(&link)?;
+    let (a, b) = (rustix::fs::fstat(file)?, rustix::fs::fstat(&opened)?);
+    if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) {
+        Ok(opened)
+    } else {
+        Err(std::io::Error::other(format!(
+            "{link} names another file (a /proc of another PID namespace?)"
+        )))
+    }
+}
+
+/// Whether `file` is the file (device and inode) that `identity` identifies.
+fn same_file(file: &File, identity: &FileIdentity) -> std::io::Result<bool> {
+    let meta = file.metadata()?;
+    Ok((meta.dev(), meta.ino()) == (identity.dev, identity.ino))
 }
 
 /// The identity of the regular file at `path`, read without opening it (so a FIFO cannot

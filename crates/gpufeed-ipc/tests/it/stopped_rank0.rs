@@ -55,7 +55,7 @@ fn rank_command(name: &str, rank: usize, world: usize, join: Duration) -> std::p
 
 /// Makes `cmd` run without /proc (an empty tmpfs mounted over it in a mount namespace of its
 /// own), as in a sandbox that mounts none: there no lock on a segment can be taken (it is
-/// taken through `/proc/self/fd`) and the process's PID namespace is unknown.
+/// taken through `/proc/thread-self/fd`) and the process's PID namespace is unknown.
 pub fn without_proc(cmd: &mut std::process::Command) -> &mut std::process::Command {
     use std::os::unix::process::CommandExt;
     // SAFETY: the closure runs in the forked child before exec and calls only

@@ -168,7 +168,7 @@ impl Reader {
 
     /// [`Reader::open`] of a file already opened ([`gpufeed_os::OpenedFile`]: a load that
     /// opened its file once): buffered reads go through a duplicate of its descriptor, and an
-    /// `O_DIRECT` descriptor is opened through `/proc/self/fd`, so the path is never looked up
+    /// `O_DIRECT` descriptor is opened through `/proc/thread-self/fd` ([`gpufeed_os::OpenedFile::reopen`]), so the path is never looked up
     /// again and every read is of the file opened.
     ///
     /// # Errors

@@ -415,7 +415,7 @@ fn many_small_files_in_one_batch() {
 
 /// A file opened once ([`gpufeed_os::OpenedFile`]) and then replaced at its path by a rename:
 /// a reader given the opened file reads the version opened, whole, buffered and with
-/// `O_DIRECT` (reopened through `/proc/self/fd`, not the path), on both backends; opened by
+/// `O_DIRECT` (reopened through `/proc/thread-self/fd`, not the path), on both backends; opened by
 /// the path it reads the new one. Unaligned length, random bytes.
 #[test]
 fn a_reader_of_an_opened_file_reads_that_version_after_a_rename_over_its_path() {
