@@ -187,6 +187,19 @@ impl OpenedFile {
         Ok(self.identity.difference(&now))
     }
 
+    /// This opened file again through a duplicate of its descriptor, with the identity it
+    /// had when opened (a second owner of the same version, for another thread's loads).
+    ///
+    /// # Errors
+    /// As for [`OpenedFile::duplicate`].
+    pub fn try_clone(&self) -> Result<OpenedFile> {
+        Ok(OpenedFile {
+            file: self.duplicate()?,
+            path: self.path.clone(),
+            identity: self.identity,
+        })
+    }
+
     /// A duplicate of the descriptor (`dup`: the same file description, offset and flags).
     ///
     /// # Errors

@@ -107,6 +107,26 @@ impl FileMap {
     /// As for [`FileMap::open_range`], plus [`Error::Io`] where the descriptor cannot be
     /// duplicated.
     pub unsafe fn of_opened(opened: &OpenedFile, offset: u64, len: u64) -> Result<Self> {
+        // SAFETY: the caller's promise is passed on unchanged.
+        unsafe { Self::of_opened_as(opened, offset, len, MapMode::ReadOnly) }
+    }
+
+    /// [`FileMap::of_opened`] in `mode`: [`MapMode::Private`] gives writable copy-on-write
+    /// pages (what safetensors' CPU tensors are: writes stay in the process, never reach the
+    /// file). [`MapMode::Shared`] needs a descriptor opened for writing, which an
+    /// [`OpenedFile`] is not (`mmap` then fails with `EACCES`).
+    ///
+    /// # Safety
+    /// As for [`FileMap::open`].
+    ///
+    /// # Errors
+    /// As for [`FileMap::of_opened`].
+    pub unsafe fn of_opened_as(
+        opened: &OpenedFile,
+        offset: u64,
+        len: u64,
+        mode: MapMode,
+    ) -> Result<Self> {
         let file = opened.duplicate()?;
         // SAFETY: the caller's promise is passed on unchanged.
         unsafe {
@@ -116,7 +136,7 @@ impl FileMap {
                 opened.path(),
                 offset,
                 Some(len),
-                MapMode::ReadOnly,
+                mode,
             )
         }
     }

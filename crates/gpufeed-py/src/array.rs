@@ -23,6 +23,10 @@ pub(crate) enum Storage {
     Checkpoint(gpufeed::safetensors::Checkpoint),
     /// A host batch (pinned, or locked in CPU mode).
     Host(gpufeed::pinned::PooledBuffer),
+    /// A file's private (copy-on-write) mapping: `safe_open`'s CPU tensors.
+    Mapped(gpufeed::os::FileMap),
+    /// A chunk of a prefetch, shared by the tensors it holds.
+    Chunk(Arc<gpufeed::DeviceBuffer>),
 }
 
 /// The owner shared by an array and every tensor exported from it.
@@ -38,6 +42,16 @@ impl Owner {
         Owner {
             storage: Some(storage),
             gpu,
+        }
+    }
+}
+
+impl Owner {
+    /// The address and length of a host mapping's bytes (`None` for other storage).
+    pub(crate) fn host_range(&self) -> Option<(usize, usize)> {
+        match self.storage.as_ref()? {
+            Storage::Mapped(map) => Some((map.as_ptr() as usize, map.len())),
+            _ => None,
         }
     }
 }
@@ -241,6 +255,14 @@ pub fn dlpack_dtype(dtype: Dtype) -> Result<(DLDataType, &'static str), String> 
             ));
         }
     })
+}
+
+/// The host, as DLPack names it.
+pub(crate) fn cpu() -> DLDevice {
+    DLDevice {
+        device_type: DLDeviceType::CPU,
+        device_id: 0,
+    }
 }
 
 pub(crate) fn cuda(ordinal: usize) -> DLDevice {

@@ -19,8 +19,9 @@
 //! One module per domain; this file declares them, the exceptions and the module's names:
 //! `array` (DLPack export, dtypes, what keeps memory alive), `reaper` (frees device memory after
 //! the work queued before), `loads` (`Loader`, `RegisteredFile`, the loaders kept per device),
-//! `checkpoints` (safetensors checkpoints as the Python layer takes them), `on_demand` (what
-//! `safe_open` wraps), `multi` (several GPUs, `torchrun` ranks), `data` (`BatchLoader`, data
+//! `checkpoints` (safetensors checkpoints as the Python layer takes them), `on_demand`
+//! (`OnDemand`: tensors one at a time out of registered files), `safe_open` (what the drop-in
+//! `safe_open` stands on: files opened once, host mappings, slices, prefetches), `multi` (several GPUs, `torchrun` ranks), `data` (`BatchLoader`, data
 //! set detection, epochs), `machine` (`doctor`, `advise`), `errors` and `context`.
 //!
 //! Depends on `gpufeed` (the facade) only.
@@ -43,6 +44,7 @@ mod machine;
 mod multi;
 mod on_demand;
 mod reaper;
+mod safe_open;
 
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -51,6 +53,7 @@ pub use array::{Array, dlpack_dtype};
 pub use data::{Batch, BatchLoader, EpochIter};
 pub use loads::{Loader, RegisteredFile};
 pub use on_demand::OnDemand;
+pub use safe_open::{NativePrefetch, SafeFile};
 
 pyo3::create_exception!(
     _gpufeed,
@@ -81,6 +84,10 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<EpochIter>()?;
     m.add_class::<OnDemand>()?;
     m.add_class::<RegisteredFile>()?;
+    m.add_class::<SafeFile>()?;
+    m.add_class::<NativePrefetch>()?;
+    m.add_function(wrap_pyfunction!(safe_open::open_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(safe_open::parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_file, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_range, m)?)?;
     m.add_function(wrap_pyfunction!(multi::load_replicated, m)?)?;

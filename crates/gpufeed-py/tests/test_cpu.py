@@ -179,21 +179,31 @@ def test_bad_files_are_named_before_the_gpu(tmp_path):
 
 
 def test_safe_open_names_bad_input_before_the_gpu(tmp_path):
-    with pytest.raises(gpufeed.GpufeedError, match="no such file; check the path"):
+    with pytest.raises(FileNotFoundError, match="no such file; check the path"):
+        gpufeed.safe_open(tmp_path / "missing.safetensors")
+    with pytest.raises(gpufeed.SafetensorError, match="no such file; check the path"):
         gpufeed.safe_open(tmp_path / "missing.safetensors")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 64)
     with pytest.raises(gpufeed.GpufeedError, match="not a valid safetensors file"):
         gpufeed.safe_open(bad, device="cuda:0")
     ckpt = tiny_safetensors(tmp_path / "m.safetensors")
-    with pytest.raises(gpufeed.GpufeedError, match="framework 'np'"):
+    with pytest.raises(gpufeed.SafetensorError, match="framework np is invalid"):
         gpufeed.safe_open(ckpt, framework="np")
-    for device in ("cpu", "cuda:x", True):
-        with pytest.raises(gpufeed.GpufeedError, match="invalid setting: device"):
+    for device in ("mps", "cuda:x", True, -1):
+        with pytest.raises(gpufeed.SafetensorError, match="is invalid"):
             gpufeed.safe_open(ckpt, device=device)
+    with pytest.raises(gpufeed.SafetensorError, match='backend "bad" is invalid'):
+        gpufeed.safe_open(ckpt, backend="bad")
+    # The CPU is the default device, as in safetensors; its header needs no GPU.
+    with gpufeed.safe_open(ckpt) as f:
+        assert f.keys(), "a handle on the CPU lists its tensors"
     if not HAS_GPU:
+        with gpufeed.safe_open(ckpt, device="cuda:0") as f:
+            with pytest.raises(gpufeed.NoGpuError):
+                f.get_tensor(f.keys()[0])
         with pytest.raises(gpufeed.NoGpuError):
-            gpufeed.safe_open(ckpt)
+            gpufeed.OnDemand(ckpt)
 
 
 def test_host_batches_reach_numpy_byte_for_byte(tmp_path):

@@ -235,6 +235,8 @@ pub struct FileLayout {
     pub data_bytes: u64,
     /// Its tensors, sorted by name: name, dtype, shape, byte range in the data section.
     pub tensors: Vec<HeaderEntry>,
+    /// Its header's `__metadata__` (free-form strings), where it has one.
+    pub metadata: Option<BTreeMap<String, String>>,
 }
 
 /// Reads and checks the headers of a safetensors file or of the shards of an index, exactly as
@@ -272,6 +274,7 @@ pub fn inspect_opened(path: impl AsRef<Path>) -> Result<Vec<(FileLayout, OpenedF
                     data_start: parsed.data_start,
                     data_bytes: parsed.data_len,
                     tensors: parsed.tensors,
+                    metadata: parsed.metadata,
                 },
                 parsed.file,
             )

@@ -34,6 +34,16 @@ pub enum Error {
         name: String,
     },
 
+    /// A [`Prefetch`](crate::Prefetch) asked for what it cannot give: an item taken before,
+    /// out of range, after `close`, or after an earlier transfer failed.
+    #[error("{}: prefetch: {reason}", .path.display())]
+    Prefetch {
+        /// The file.
+        path: PathBuf,
+        /// What was refused, and why.
+        reason: String,
+    },
+
     /// A sharded checkpoint's index that cannot be used.
     #[error("{}: bad checkpoint index: {reason}", .path.display())]
     Index {

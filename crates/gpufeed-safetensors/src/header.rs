@@ -1,6 +1,7 @@
 //! The safetensors header: its length, its JSON, the tensors' places checked to tile the data
 //! section, read with `pread` on the descriptor that the load then uses.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
@@ -18,6 +19,8 @@ pub(crate) struct Parsed {
     pub(crate) tensors: Vec<HeaderEntry>,
     /// The save that wrote it ([`SAVE_ID_KEY`] of its `__metadata__`), where one did.
     pub(crate) save_id: Option<String>,
+    /// Its `__metadata__`, where it has one.
+    pub(crate) metadata: Option<BTreeMap<String, String>>,
     /// The file, opened once: the load reads through this descriptor and checks on it
     /// afterwards that this version was not written meanwhile.
     pub(crate) file: OpenedFile,
@@ -41,12 +44,13 @@ pub(crate) fn parse(path: &Path) -> Result<Parsed> {
     let mut prefix = vec![0u8; 8 + header_len as usize];
     prefix[..8].copy_from_slice(&n);
     read_exact_at(file, &mut prefix[8..], 8, len).map_err(|e| read_failed(e, path))?;
-    let (data_start, tensors, save_id) = header_parts(&prefix, len).map_err(bad)?;
+    let (data_start, tensors, metadata) = header_parts(&prefix, len).map_err(bad)?;
     Ok(Parsed {
         data_start,
         data_len: len - data_start,
         tensors,
-        save_id,
+        save_id: metadata.as_ref().and_then(|m| m.get(SAVE_ID_KEY).cloned()),
+        metadata,
         file: opened,
     })
 }
@@ -237,11 +241,22 @@ pub fn header_of(
     header_parts(prefix, file_len).map(|(start, tensors, _)| (start, tensors))
 }
 
-/// [`header_of`], with the save id ([`SAVE_ID_KEY`]) of the header's `__metadata__`.
+/// [`header`] of a whole file in `bytes`, with the header's `__metadata__` (where it has one):
+/// `(data start, tensors sorted by name, metadata)`.
+///
+/// # Errors
+/// As for [`header_of`].
+pub fn header_and_metadata(
+    bytes: &[u8],
+) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<BTreeMap<String, String>>), HeaderError> {
+    header_parts(bytes, bytes.len() as u64)
+}
+
+/// [`header_of`], with the header's `__metadata__` (where it has one).
 pub(crate) fn header_parts(
     prefix: &[u8],
     file_len: u64,
-) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<String>), HeaderError> {
+) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<BTreeMap<String, String>>), HeaderError> {
     let Some(n) = prefix.get(..8) else {
         let have = prefix.len() as u64;
         return Err(if file_len < 8 {
@@ -262,7 +277,7 @@ pub(crate) fn header_parts(
     let json = std::str::from_utf8(json).map_err(|e| HeaderError::NotTensors {
         reason: format!("not UTF-8 text ({e})"),
     })?;
-    let Listed(mut tensors, save_id) =
+    let Listed(mut tensors, metadata) =
         serde_json::from_str(json).map_err(|e| HeaderError::NotTensors {
             reason: e.to_string(),
         })?;
@@ -277,7 +292,7 @@ pub(crate) fn header_parts(
             tensor: w[0].name.clone(),
         });
     }
-    Ok((8 + n, tensors, save_id))
+    Ok((8 + n, tensors, metadata))
 }
 
 /// A header's tensors in the order listed, read in one pass. (The `safetensors` crate's own
@@ -285,8 +300,8 @@ pub(crate) fn header_parts(
 /// first: 11 ms for a header of 10,000 tensors on the development machine, against 2-3 ms for
 /// this.) Its checks are the crate's (property-tested against it below):
 /// `__metadata__` a map of strings, each tensor a dtype, a shape and two offsets. The second
-/// field is the metadata's [`SAVE_ID_KEY`], where present.
-pub(crate) struct Listed(Vec<HeaderEntry>, Option<String>);
+/// field is the `__metadata__`, where present.
+pub(crate) struct Listed(Vec<HeaderEntry>, Option<BTreeMap<String, String>>);
 
 impl<'de> serde::Deserialize<'de> for Listed {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -302,16 +317,14 @@ impl<'de> serde::Deserialize<'de> for Listed {
             ) -> std::result::Result<Listed, A::Error> {
                 let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0).min(1 << 16));
                 let mut metadata = false;
-                let mut save_id = None;
+                let mut listed_metadata = None;
                 while let Some(name) = map.next_key::<String>()? {
                     if name == "__metadata__" {
                         if metadata {
                             return Err(serde::de::Error::duplicate_field("__metadata__"));
                         }
                         metadata = true;
-                        save_id = map
-                            .next_value::<Option<std::collections::HashMap<String, String>>>()?
-                            .and_then(|mut m| m.remove(SAVE_ID_KEY));
+                        listed_metadata = map.next_value::<Option<BTreeMap<String, String>>>()?;
                     } else {
                         let info = map.next_value::<safetensors::tensor::TensorInfo>()?;
                         let (a, b) = info.data_offsets;
@@ -323,7 +336,7 @@ impl<'de> serde::Deserialize<'de> for Listed {
                         });
                     }
                 }
-                Ok(Listed(tensors, save_id))
+                Ok(Listed(tensors, listed_metadata))
             }
         }
         d.deserialize_map(Tensors)

@@ -141,6 +141,7 @@ pub(crate) fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<C
             data_start: parsed.data_start,
             data_bytes: parsed.data_len,
             tensors: parsed.tensors,
+            metadata: parsed.metadata,
         });
         buffers.push(buffer);
         reports.push(report);

@@ -10,6 +10,9 @@
 //!   any dimension), only those bytes read.
 //! - [`OnDemand`]: tensors one at a time, each file registered once, each load one copy by the
 //!   GPU out of the page cache.
+//! - [`Prefetch`]: byte ranges of a file (tensors, rows of tensors) loading in the background
+//!   in chunks of their own device memory, each handed out once, as asked or as they land:
+//!   what the Python package's drop-in `safe_open` stands on.
 //! - [`save`] / [`save_sharded`]: GPU (or host) tensors to a file or to shards and an index,
 //!   crash-safe (the old checkpoint or the new one, whole; shards of several saves refused on
 //!   load: [`Error::MixedCheckpoint`]).
@@ -39,6 +42,7 @@ mod error;
 mod header;
 mod index;
 mod on_demand;
+mod prefetch;
 mod save;
 mod tensor_parallel;
 
@@ -46,9 +50,12 @@ pub use checkpoint::{
     Checkpoint, Dtype, FileLayout, TensorInfo, inspect, inspect_opened, load, load_on, load_with,
 };
 pub use error::{Error, Result};
-pub use header::{HeaderEntry, HeaderError, MAX_HEADER_BYTES, header, header_of};
+pub use header::{
+    HeaderEntry, HeaderError, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
+};
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 pub use on_demand::OnDemand;
+pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions};
 pub use save::{SaveTensor, save, save_sharded};
 pub use tensor_parallel::{Split, TensorParallel, TensorShare, load_shard};
 

@@ -11,14 +11,16 @@ GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host
     raw = gpufeed.load_file("data/shard-000.bin", device=0)     # uint8 cuda tensor
     copies = gpufeed.load_replicated("model.bin", devices=[0, 1])  # one per GPU, NVLink
     shards = gpufeed.load_tensor_parallel("model.safetensors", devices=[0, 1], split="rows")
-    with gpufeed.safe_open("model.safetensors", device=0) as f:  # tensors on demand
-        w = f.get_tensor("lm_head.weight")
+    with gpufeed.safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+        w = f.get_tensor("lm_head.weight")                      # safetensors' API, drop-in
+    gpufeed.patch_safetensors()   # safetensors.safe_open / torch.load_file -> gpufeed
     for batch in gpufeed.BatchLoader("data/images.bin", record_bytes=3 * 224 * 224,
                                      device=0).epoch(0):
         x = gpufeed.as_tensor(batch.data)                        # [records, record_bytes]
 """
 
 import gc
+import os
 from contextlib import contextmanager
 from os import PathLike
 from typing import Dict, List, Sequence, Union
@@ -36,6 +38,9 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
     advise,
     doctor,
 )
+from . import torch  # noqa: F401  (gpufeed.torch.load_file)
+from ._patch import is_patched, patch_safetensors, unpatch_safetensors
+from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, safe_open
 
 __all__ = [
     "Array",
@@ -44,10 +49,15 @@ __all__ = [
     "GpufeedError",
     "Loader",
     "NoGpuError",
+    "OnDemand",
+    "PrefetchLoader",
     "RegisteredFile",
+    "SafetensorError",
+    "TensorMeta",
     "advise",
     "as_tensor",
     "doctor",
+    "is_patched",
     "load_file",
     "load_range",
     "load_replicated",
@@ -57,7 +67,10 @@ __all__ = [
     "load_sharded",
     "load_tensor_parallel",
     "load_tensor_parallel_rank",
+    "patch_safetensors",
     "safe_open",
+    "torch",
+    "unpatch_safetensors",
 ]
 
 Path = Union[str, "PathLike[str]"]
@@ -325,29 +338,22 @@ def _device_ordinal(device) -> int:
     )
 
 
-class safe_open:
-    """A safetensors file or ``*.index.json`` whose tensors load one at a time, when asked, as
-    safetensors' ``safe_open(path, framework="pt", device="cuda:N")`` does: every file is
-    registered once (its cached pages kept page-locked until ``close``, about 40 ms per GiB,
+class OnDemand:
+    """A safetensors file or ``*.index.json`` whose tensors load one at a time, when asked:
+    every file is registered once (its cached pages kept page-locked until ``close``, about 40 ms per GiB,
     reading what is not cached), then each ``get_tensor`` is one copy by the GPU out of the
     page cache into memory of its own, at the speed of the link from the smallest tensors up:
-    for weights streamed in on demand (experts of a mixture of experts, offloaded layers).
-    Headers are checked first: a bad file is named even without a GPU. To load a whole
-    checkpoint once, ``load_safetensors`` is faster: in a fresh process on an H200, 39 GB/s
-    against 19 for every tensor through ``safe_open``, which pays for the registration
-    (safetensors' own ``safe_open``: 7).
+    for weights streamed in on demand in any order (experts of a mixture of experts,
+    offloaded layers). Headers are checked first: a bad file is named even without a GPU. To
+    load a whole checkpoint once, ``load_safetensors`` or ``safe_open`` are faster (no
+    registration to pay for).
 
-        with gpufeed.safe_open("model.safetensors.index.json", device="cuda:0") as f:
+        with gpufeed.OnDemand("model.safetensors.index.json", device="cuda:0") as f:
             for name in f.keys():
                 t = f.get_tensor(name)   # torch.Tensor on cuda:0
     """
 
-    def __init__(self, path: Path, framework: str = "pt", device=0):
-        if framework not in ("pt", "torch"):
-            raise GpufeedError(
-                f"invalid setting: framework {framework!r}; gpufeed.safe_open makes torch "
-                "tensors ('pt')"
-            )
+    def __init__(self, path: Path, device=0):
         self._native = _gpufeed.OnDemand(path, _device_ordinal(device))
 
     def keys(self) -> List[str]:
@@ -375,3 +381,7 @@ class safe_open:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+if os.environ.get("GPUFEED_PATCH_SAFETENSORS", "") not in ("", "0"):
+    patch_safetensors()

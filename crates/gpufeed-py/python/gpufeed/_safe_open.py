@@ -1,0 +1,805 @@
+"""The drop-in for safetensors' ``safe_open`` (framework ``"pt"``): the API of safetensors 0.9
+with gpufeed's loads underneath.
+
+- CPU handles give zero-copy views of a private (copy-on-write) mapping of the file, as
+  safetensors' own do: writes to a tensor stay in the process.
+- CUDA handles load through gpufeed's engine. ``get_tensor`` of one tensor after another in
+  the file's order is a sweep: the tensors after the one asked for load in the background in
+  growing chunks (1 GiB at most ahead of the caller), each chunk one transfer into one
+  allocation whose tensors are views; a tensor asked for out of order is loaded on its own
+  first. ``get_tensors`` and ``prefetch`` load every tensor (of the plan) in chunks of 512 MiB
+  and hand each one out once. A chunk's device memory is freed when every tensor of it that
+  was handed out is dropped (those never handed out: when the handle or loader closes).
+- ``get_slice(name)[...]`` on a GPU reads only the slice's bytes (its runs of contiguous bytes;
+  more than 65,536 runs: the rows that hold them).
+
+Every error is ``gpufeed.SafetensorError``, a ``gpufeed.GpufeedError`` that is also a
+``safetensors.SafetensorError`` where safetensors is installed; a missing file is also a
+``FileNotFoundError``.
+"""
+
+import os
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from . import _gpufeed
+from ._gpufeed import GpufeedError, NoGpuError
+
+try:  # safetensors' own error class, so that `except SafetensorError` keeps working
+    from safetensors import SafetensorError as _SafetensorsError
+except Exception:  # noqa: BLE001 (not installed, or broken: gpufeed's class stands alone)
+    _SafetensorsError = None
+
+if _SafetensorsError is not None:
+
+    class SafetensorError(GpufeedError, _SafetensorsError):
+        """An error of gpufeed's drop-in safetensors API (also a ``safetensors.SafetensorError``)."""
+
+else:
+
+    class SafetensorError(GpufeedError):  # type: ignore[no-redef]
+        """An error of gpufeed's drop-in safetensors API."""
+
+
+SafetensorError.__module__ = "gpufeed"
+
+
+class _FileNotFound(SafetensorError, FileNotFoundError):
+    """A missing file: both a ``SafetensorError`` and a ``FileNotFoundError``."""
+
+
+_FileNotFound.__module__ = "gpufeed"
+
+# Bytes per transfer of get_tensors / prefetch, and the most a get_tensor sweep holds ahead.
+_CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "512")) << 20
+_SWEEP_AHEAD = 1 << 30
+_SWEEP_FROM = 8 << 20
+# More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
+_MAX_RUNS = 65536
+
+# safetensors dtype -> (torch dtype attribute, bytes per storage element, packed two per byte).
+_DTYPES = {
+    "BOOL": ("bool", 1, False), "U8": ("uint8", 1, False), "I8": ("int8", 1, False),
+    "F8_E5M2": ("float8_e5m2", 1, False), "F8_E4M3": ("float8_e4m3fn", 1, False),
+    "F8_E8M0": ("float8_e8m0fnu", 1, False), "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1, False),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1, False), "I16": ("int16", 2, False),
+    "U16": ("uint16", 2, False), "F16": ("float16", 2, False), "BF16": ("bfloat16", 2, False),
+    "I32": ("int32", 4, False), "U32": ("uint32", 4, False), "F32": ("float32", 4, False),
+    "C64": ("complex64", 8, False), "F64": ("float64", 8, False), "I64": ("int64", 8, False),
+    "U64": ("uint64", 8, False), "F4": ("float4_e2m1fn_x2", 1, True),
+}
+
+_PT = ("pt", "torch", "pytorch")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise SafetensorError(
+            f"gpufeed.safe_open(framework='pt') makes torch tensors, and torch is not installed ({e})"
+        ) from None
+    return torch
+
+
+def _dtype(torch, name: str):
+    """(torch dtype, bytes per storage element, packed) of safetensors dtype ``name``."""
+    spec = _DTYPES.get(name)
+    if spec is None or not hasattr(torch, spec[0]):
+        raise SafetensorError(
+            f"dtype {name} has no torch dtype in torch {torch.__version__}; read the bytes with "
+            "gpufeed.load_range and reinterpret them"
+        )
+    return getattr(torch, spec[0]), spec[1], spec[2]
+
+
+def _storage_shape(name: str, dtype: str, shape) -> Tuple[int, ...]:
+    """The shape torch holds: F4 packs two values in a byte (the last dimension halved)."""
+    if dtype != "F4":
+        return tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise SafetensorError(
+            f"f4_x2 dtype requires that the last dim be divisible by 2 in torch: got {list(shape)} "
+            f"({name})"
+        )
+    return tuple(shape[:-1]) + (shape[-1] // 2,)
+
+
+def _strides(shape) -> Tuple[int, ...]:
+    out = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        out[i - 1] = out[i] * max(shape[i], 1)
+    return tuple(out)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def device_ordinal(device) -> Optional[int]:
+    """``None`` for the CPU, else the CUDA ordinal of ``device`` (``"cpu"``, ``"cuda"``,
+    ``"cuda:N"``, ``N``, a ``torch.device``); other devices are refused."""
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise SafetensorError(f"device {device!r} is invalid")
+    if isinstance(device, int):
+        if device < 0:
+            raise SafetensorError(f"device {device} is invalid")
+        return device
+    text = str(device)
+    if text == "cpu":
+        return None
+    if text == "cuda":
+        index = getattr(device, "index", None)
+        return index if isinstance(index, int) else 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise SafetensorError(
+        f"device {text} is invalid: gpufeed.safe_open loads to 'cpu', 'cuda', 'cuda:N' or N"
+    )
+
+
+def _translated(e: Exception, path=None) -> Exception:
+    """A native error as ``SafetensorError`` (``NoGpuError`` stays what it is)."""
+    if isinstance(e, (SafetensorError, NoGpuError)):
+        return e
+    if path is not None and not os.path.exists(path):
+        return _FileNotFound(f"No such file or directory: {path} ({e})")
+    return SafetensorError(str(e))
+
+
+class TensorMeta:
+    """A tensor's header entry, as written in the file; no data is read to build it."""
+
+    __slots__ = ("dtype", "shape", "data_offsets")
+
+    def __init__(self, dtype: str, shape: List[int], data_offsets: Tuple[int, int]):
+        self.dtype = dtype
+        self.shape = shape
+        self.data_offsets = data_offsets
+
+    def __repr__(self) -> str:
+        return (f"TensorMeta(dtype={self.dtype!r}, shape={self.shape}, "
+                f"data_offsets={self.data_offsets})")
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, TensorMeta) and self.dtype == other.dtype
+                and self.shape == other.shape and self.data_offsets == other.data_offsets)
+
+
+class _Entry:
+    """One tensor: its file, dtype, shape and bytes (absolute offsets in its file)."""
+
+    __slots__ = ("file", "dtype", "shape", "start", "end", "rel")
+
+    def __init__(self, file, dtype, shape, start, end, rel):
+        self.file, self.dtype, self.shape = file, dtype, shape
+        self.start, self.end, self.rel = start, end, rel
+
+
+class _Chunks:
+    """Tensors of chunks handed out by a native prefetch: each chunk's bytes as one torch
+    tensor (from the first of its tensors handed out until the last), typed views of it per
+    dtype, and each tensor one ``as_strided`` of those."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.bytes: Dict[int, Any] = {}
+        self.typed: Dict[Tuple[int, str], Any] = {}
+
+    def tensor(self, key, offset, array, last, entry, shape=None):
+        torch = self.torch
+        whole = self.bytes.get(key)
+        if whole is None:
+            whole = torch.from_dlpack(array)
+            self.bytes[key] = whole
+        td, size, _ = _dtype(torch, entry.dtype)
+        sshape = shape if shape is not None else _storage_shape("", entry.dtype, entry.shape)
+        typed = self.typed.get((key, entry.dtype))
+        if typed is None:
+            n = whole.numel()
+            typed = whole[: n - n % size].view(td)
+            self.typed[(key, entry.dtype)] = typed
+        if offset % size:  # not placed at its alignment (cannot happen for a prefetch's chunks)
+            nbytes = _numel(sshape) * size
+            out = whole[offset: offset + nbytes].clone().view(td).reshape(sshape)
+        else:
+            out = typed.as_strided(sshape, _strides(sshape), offset // size)
+        if last:
+            self.bytes.pop(key, None)
+            for k in [k for k in self.typed if k[0] == key]:
+                del self.typed[k]
+        return out
+
+    def clear(self):
+        self.bytes.clear()
+        self.typed.clear()
+
+
+class _Sweep:
+    """The tensors of one file in offset order, loading as ``get_tensor`` asks for them one
+    after another (see the module)."""
+
+    def __init__(self, native, names):
+        self.native = native
+        self.index = {n: i for i, n in enumerate(names)}
+        self.taken = set()
+
+
+class PrefetchLoader:
+    """Tensors of a handle loading to a CUDA device in the background, returned by
+    ``safe_open.prefetch``: each handed out once, by ``take(name)`` or by iterating the loader
+    as ``(name, tensor)`` pairs in readiness order, as zero-copy views of device memory. A
+    chunk's memory (512 MiB of tensors, or one larger tensor) is freed once every tensor of it
+    that was handed out is dropped; ``close`` (or the end of a ``with`` block) stops the load
+    and drops what was not taken. Tensors are ready on every stream when handed out."""
+
+    def __init__(self, torch, device, files, names, where, metas):
+        self._torch = torch
+        self._device = device
+        self._files = files  # [native prefetch], one per file
+        self._names = names  # in file order
+        self._where = where  # name -> (file, item)
+        self._metas = metas  # name -> (entry, storage shape)
+        self._item_names = [[] for _ in files]
+        for name in names:
+            f, i = where[name]
+            lst = self._item_names[f]
+            while len(lst) <= i:
+                lst.append(None)
+            lst[i] = name
+        self._chunks = _Chunks(torch)
+        self._taken = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def names(self) -> List[str]:
+        """The names this loader hands out, in file order."""
+        return list(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def _tensor(self, name, handed):
+        key, offset, array, last = handed
+        entry, shape = self._metas[name]
+        with self._lock:
+            return self._chunks.tensor(key, offset, array, last, entry, shape)
+
+    def take(self, name: str):
+        """``name``'s tensor, waiting for its bytes. Each tensor is handed out once (by
+        ``take`` or by iterating); asking again raises."""
+        where = self._where.get(name)
+        if where is None:
+            raise SafetensorError(f"tensor {name} is not in the prefetch plan")
+        if self._closed:
+            raise SafetensorError(f"tensor {name}: the prefetch loader was closed")
+        with self._lock:
+            if name in self._taken:
+                raise SafetensorError(
+                    f"tensor {name} was already taken: a prefetch loader hands each tensor out once"
+                )
+            self._taken.add(name)
+        f, i = where
+        try:
+            handed = self._files[f].take(i)
+        except GpufeedError as e:
+            raise _translated(e) from None
+        return self._tensor(name, handed)
+
+    def __iter__(self) -> Iterator[Tuple[str, Any]]:
+        """``(name, tensor)`` pairs as their bytes land; tensors already taken are skipped."""
+        for f, native in enumerate(self._files):
+            while not self._closed:
+                try:
+                    batch = native.ready()
+                except GpufeedError as e:
+                    if self._closed:
+                        return
+                    raise _translated(e) from None
+                if not batch:
+                    break
+                for i, handed in batch:
+                    name = self._item_names[f][i]
+                    with self._lock:
+                        self._taken.add(name)
+                    yield name, self._tensor(name, handed)
+
+    def close(self) -> None:
+        """Stops the background load and drops every tensor not taken; tensors handed out
+        keep their memory."""
+        self._closed = True
+        for native in self._files:
+            native.close()
+        with self._lock:
+            self._chunks.clear()
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
+class _Slice:
+    """A tensor to index without reading it first (``safe_open.get_slice``): ``get_shape``,
+    ``get_dtype``, and ``[...]`` with ints, slices (positive steps) and ``...``; on a GPU only
+    the bytes of the slice are read."""
+
+    def __init__(self, handle, name, entry):
+        self._handle = handle
+        self._name = name
+        self._entry = entry
+
+    def get_shape(self) -> List[int]:
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        return self._entry.dtype
+
+    def __getitem__(self, index):
+        return self._handle._slice(self._name, self._entry, index)
+
+    def __repr__(self) -> str:
+        return f"gpufeed slice of {self._name} ({self._entry.dtype} {self.get_shape()})"
+
+
+def _indexers(index, shape):
+    """``index`` (int, slice, ``...``, or a tuple of them) as one ``(start, stop, step,
+    keep)`` per dimension of ``shape`` (``keep`` False for an int, whose dimension goes)."""
+    if isinstance(index, list):
+        if index:
+            raise SafetensorError("Non empty lists are not implemented")
+        return [(0, 0, 1, True)] + [(0, d, 1, True) for d in shape[1:]]
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(1 for it in items if it is Ellipsis) > 1:
+        raise SafetensorError("Only one ellipsis (...) is allowed in slice index")
+    explicit = sum(1 for it in items if it is not Ellipsis)
+    if explicit > len(shape):
+        raise SafetensorError(
+            f"too many indices ({explicit}) for a tensor of {len(shape)} dimensions"
+        )
+    out = []
+    for it in items:
+        if it is Ellipsis:
+            for _ in range(len(shape) - explicit):
+                out.append((0, shape[len(out)], 1, True))
+            continue
+        dim = len(out)
+        size = shape[dim]
+        if isinstance(it, slice):
+            if it.step is not None and (not isinstance(it.step, int) or it.step <= 0):
+                raise SafetensorError(f"Slice step must be a positive integer, got {it.step}")
+            start, stop, step = it.indices(size)
+            stop = max(stop, start)
+            out.append((start, stop, step, True))
+        elif isinstance(it, int) and not isinstance(it, bool):
+            i = it + size if it < 0 else it
+            if not 0 <= i < size:
+                raise SafetensorError(f"Invalid index {it} for dimension {dim} of size {size}")
+            out.append((i, i + 1, 1, False))
+        else:
+            raise SafetensorError(
+                f"Unsupported slice index at position {dim}: expected slice, int, or ellipsis"
+            )
+    while len(out) < len(shape):
+        out.append((0, shape[len(out)], 1, True))
+    return out
+
+
+class safe_open:
+    """A safetensors file (or a sharded checkpoint's ``*.index.json``) opened once, its
+    tensors as torch tensors when asked: the API of ``safetensors.safe_open`` for
+    ``framework="pt"``.
+
+    ``device`` is ``"cpu"`` (the default), ``"cuda"``, ``"cuda:N"``, ``N`` or a
+    ``torch.device``; ``backend`` (``"mmap"`` or ``"pread"``) is accepted for compatibility
+    (gpufeed reads the same way for both).
+
+        with gpufeed.safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+            with f.prefetch() as loader:            # every tensor, in the background
+                for name, tensor in loader:
+                    ...
+    """
+
+    def __init__(self, filename, framework="pt", device="cpu", *, backend="mmap"):
+        if framework not in _PT:
+            raise SafetensorError(
+                f"framework {framework} is invalid: gpufeed.safe_open makes torch tensors "
+                "('pt'); use safetensors.safe_open for other frameworks"
+            )
+        if backend not in ("mmap", "pread"):
+            raise SafetensorError(
+                f'backend "{backend}" is invalid (expected one of: "mmap", "pread")'
+            )
+        self._path = os.fspath(filename)
+        self._ordinal = device_ordinal(device)
+        self._device_arg = device
+        try:
+            self._files = _gpufeed.open_safetensors(self._path)
+        except GpufeedError as e:
+            raise _translated(e, self._path) from None
+        self._entries: Dict[str, _Entry] = {}
+        by_offset = []
+        for k, f in enumerate(self._files):
+            base = f.data_start
+            for name, dtype, shape, start, end in f.tensors():
+                self._entries[name] = _Entry(k, dtype, shape, base + start, base + end,
+                                             (start, end))
+                by_offset.append((k, start, name))
+        by_offset.sort()
+        self._offset_keys = [n for _, _, n in by_offset]
+        self._keys = sorted(self._entries)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._torch_mod = None
+        self._host: Dict[int, Any] = {}
+        self._host_arrays: Dict[int, Any] = {}
+        self._host_typed: Dict[Tuple[int, str], Any] = {}
+        self._sweeps: Dict[int, _Sweep] = {}
+        self._chunks = None
+
+    # -- the header -------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._closed:
+            raise SafetensorError("File is closed: open it again with gpufeed.safe_open")
+
+    def _entry(self, name) -> _Entry:
+        self._check_open()
+        entry = self._entries.get(name)
+        if entry is None:
+            raise SafetensorError(f"File does not contain tensor {name}")
+        return entry
+
+    def keys(self) -> List[str]:
+        """Tensor names, sorted."""
+        self._check_open()
+        return list(self._keys)
+
+    def offset_keys(self) -> List[str]:
+        """Tensor names in the order of their bytes in the file (files in the index's order)."""
+        self._check_open()
+        return list(self._offset_keys)
+
+    def metadata(self) -> Optional[Dict[str, str]]:
+        """The header's ``__metadata__`` (free-form strings), or ``None``; for an index, the
+        first file's."""
+        self._check_open()
+        return self._files[0].metadata() if self._files else None
+
+    def get_tensor_meta(self, name: str) -> TensorMeta:
+        """``name``'s header entry (dtype, shape, offsets in the data section), no data read."""
+        e = self._entry(name)
+        return TensorMeta(e.dtype, list(e.shape), e.rel)
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- tensors ----------------------------------------------------------------------------
+
+    def _torch(self):
+        if self._torch_mod is None:
+            self._torch_mod = _torch()
+        return self._torch_mod
+
+    def _host_view(self, e: _Entry):
+        """``e`` as a view of its file's private mapping."""
+        torch = self._torch()
+        td, size, _ = _dtype(torch, e.dtype)
+        shape = _storage_shape("", e.dtype, e.shape)
+        whole = self._host.get(e.file)
+        if whole is None:
+            with self._lock:
+                whole = self._host.get(e.file)
+                if whole is None:
+                    array = self._files[e.file].host_bytes()
+                    whole = torch.from_dlpack(array)
+                    self._host_arrays[e.file] = array
+                    self._host[e.file] = whole
+        if e.start % size:
+            # Not at a multiple of its element size in the file: a view of its own bytes (torch
+            # takes a typed view of bytes only at such offsets).
+            part = self._host_arrays[e.file].view_of(e.start, e.end, "U8", [e.end - e.start])
+            return torch.from_dlpack(part).view(td).reshape(shape)
+        typed = self._host_typed.get((e.file, e.dtype))
+        if typed is None:
+            n = whole.numel()
+            typed = whole[: n - n % size].view(td)
+            self._host_typed[(e.file, e.dtype)] = typed
+        return typed.as_strided(shape, _strides(shape), e.start // size)
+
+    def _alone(self, e: _Entry, spans=None, shape=None):
+        """``e`` (or its bytes ``spans``) loaded on its own into new device memory."""
+        torch = self._torch()
+        td, _, _ = _dtype(torch, e.dtype)
+        spans = spans if spans is not None else [(e.start, e.end)]
+        try:
+            array = self._files[e.file].load_spans(self._ordinal, spans)
+        except GpufeedError as ex:
+            raise _translated(ex) from None
+        shape = shape if shape is not None else _storage_shape("", e.dtype, e.shape)
+        return torch.from_dlpack(array).view(td).reshape(shape)
+
+    def _sweep(self, k) -> _Sweep:
+        sweep = self._sweeps.get(k)
+        if sweep is None:
+            with self._lock:
+                sweep = self._sweeps.get(k)
+                if sweep is None:
+                    torch = self._torch()
+                    names = [n for n in self._offset_keys if self._entries[n].file == k
+                             and hasattr(torch, _DTYPES.get(self._entries[n].dtype,
+                                                            ("-",))[0])]
+                    items = [self._item(n) for n in names]
+                    try:
+                        native = self._files[k].prefetch(self._ordinal, items, _CHUNK,
+                                                         _SWEEP_AHEAD, _SWEEP_FROM)
+                    except GpufeedError as e:
+                        raise _translated(e) from None
+                    if self._chunks is None:
+                        self._chunks = _Chunks(self._torch())
+                    sweep = self._sweeps[k] = _Sweep(native, names)
+        return sweep
+
+    def _item(self, name, rows=None):
+        e = self._entries[name]
+        align = _DTYPES.get(e.dtype, ("", 1, False))[1]
+        if rows is None:
+            return (e.start, e.end, align)
+        row = (e.end - e.start) // e.shape[0] if e.shape[0] else 0
+        return (e.start + rows[0] * row, e.start + rows[1] * row, align)
+
+    def get_tensor(self, name: str):
+        """The tensor ``name`` on the handle's device."""
+        e = self._entry(name)
+        if self._ordinal is None:
+            return self._host_view(e)
+        torch = self._torch()
+        _dtype(torch, e.dtype)
+        sweep = self._sweep(e.file)
+        i = sweep.index[name]
+        with self._lock:
+            again = i in sweep.taken
+            sweep.taken.add(i)
+        if again:
+            return self._alone(e)  # asked again: its own copy, as safetensors gives
+        try:
+            handed = sweep.native.take(i)
+        except GpufeedError as ex:
+            raise _translated(ex) from None
+        with self._lock:
+            return self._chunks.tensor(*handed, e)
+
+    def get_tensors(self) -> Dict[str, Any]:
+        """Every tensor, as a dict in the order of the file (``offset_keys``)."""
+        self._check_open()
+        if self._ordinal is None:
+            return {n: self._host_view(self._entries[n]) for n in self._offset_keys}
+        out = dict.fromkeys(self._offset_keys)
+        with self.prefetch() as loader:
+            for name, tensor in loader:
+                out[name] = tensor
+        return out
+
+    def get_slice(self, name: str) -> _Slice:
+        """A slice object of ``name``: ``get_shape()``, ``get_dtype()``, and ``[...]`` reading
+        only the slice."""
+        return _Slice(self, name, self._entry(name))
+
+    def _slice(self, name, e: _Entry, index):
+        self._check_open()
+        torch = self._torch()
+        td, size, packed = _dtype(torch, e.dtype)
+        shape = list(e.shape)
+        dims = _indexers(index, shape)
+        if packed and dims and dims[-1][:3] != (0, shape[-1], 1):
+            raise SafetensorError(
+                f"{name}: F4 packs two values in a byte; slicing its last dimension is not supported"
+            )
+        kept = [stop - start for start, stop, step, keep in dims if keep]
+        if self._ordinal is None:
+            whole = self._host_view(e)
+            pieces = tuple(slice(a, b, s) if keep else a for a, b, s, keep in dims)
+            if packed and dims:
+                pieces = pieces[:-1] + (slice(None),)
+            return whole[pieces].contiguous() if pieces else whole.clone()
+        # On a GPU: the bytes of the step-1 hull of the slice, in runs.
+        hull = [(a, b) for a, b, _, _ in dims]
+        out_shape = [b - a for a, b in hull]
+        sshape = _storage_shape(name, e.dtype, out_shape) if packed else out_shape
+        if _numel(out_shape) == 0:
+            result = torch.empty(sshape, dtype=td, device=f"cuda:{self._ordinal}")
+        elif not shape:
+            result = self._alone(e, shape=sshape)
+        else:
+            strides = _strides(_storage_shape(name, e.dtype, shape))
+            # The last dimension the slice does not take whole: runs are contiguous below it.
+            p = max((d for d, (a, b) in enumerate(hull) if (a, b) != (0, shape[d])), default=0)
+            run = (hull[p][1] - hull[p][0]) * strides[p] * size
+            if _numel(out_shape[:p]) <= _MAX_RUNS:
+                starts = self._row_major_starts(e, hull, p, strides, size)
+                result = self._alone(e, [(s, s + run) for s in starts], shape=sshape)
+            else:
+                a0, b0 = hull[0]
+                row = strides[0] * size
+                whole_rows = [b0 - a0] + list(_storage_shape(name, e.dtype, shape))[1:]
+                rows = self._alone(e, [(e.start + a0 * row, e.start + b0 * row)],
+                                   shape=whole_rows)
+                cut = (slice(None),) + tuple(slice(a, b) for a, b in hull[1:])
+                result = rows[cut].contiguous()
+        steps = tuple(slice(None, None, s) for _, _, s, _ in dims)
+        if any(s != 1 for _, _, s, _ in dims):
+            result = result[steps].contiguous()
+        drop = [d for d, (_, _, _, keep) in enumerate(dims) if not keep]
+        if drop:
+            result = result.reshape([n for d, n in enumerate(result.shape) if d not in drop])
+        return result
+
+    @staticmethod
+    def _row_major_starts(e, hull, p, strides, elem):
+        """Absolute start of each run of a slice, outermost index slowest."""
+        starts = [e.start + hull[p][0] * strides[p] * elem]
+        for d in range(p - 1, -1, -1):
+            a, b = hull[d]
+            step = strides[d] * elem
+            starts = [s + i * step for i in range(a, b) for s in starts]
+        return starts
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def _plan(self, plan):
+        """``plan`` as ``{name: None | (start row, end row)}`` (checked as safetensors does)."""
+        if plan is None:
+            return None
+        if not isinstance(plan, dict):
+            raise SafetensorError("a prefetch plan is a dict of tensor names to None or a slice")
+        rows_of = {}
+        for name, value in plan.items():
+            if not isinstance(name, str):
+                raise SafetensorError("prefetch plan keys must be tensor names")
+            e = self._entries.get(name)
+            if e is None:
+                raise SafetensorError(f"File does not contain tensor {name}")
+            if value is None:
+                rows_of[name] = None
+                continue
+            if not isinstance(value, slice):
+                raise SafetensorError(
+                    f"prefetch plan values must be None or a slice, got {type(value)} for {name}"
+                )
+            if not e.shape:
+                raise SafetensorError(f"cannot slice rows of the 0-d tensor {name}")
+            n = e.shape[0]
+            for attr in ("start", "stop"):
+                v = getattr(value, attr)
+                if v is None:
+                    continue
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise SafetensorError(
+                        f"prefetch plan slice bounds for {name} must be integers or None"
+                    )
+                if v > n or v < -n:
+                    raise SafetensorError(
+                        f"prefetch plan slice {attr} {v} for {name} is out of range for {n} rows"
+                    )
+            start, stop, step = value.indices(n)
+            if step != 1:
+                raise SafetensorError(
+                    f"prefetch plan slices must have step 1, got {step} for {name}"
+                )
+            nbytes = e.end - e.start
+            if n and nbytes % n:
+                raise SafetensorError(
+                    f"cannot slice rows of {name}: a row is not a whole number of bytes"
+                )
+            rows_of[name] = (start, max(stop, start))
+        return rows_of
+
+    def prefetch(self, plan=None, *, device=None, threads: int = 8) -> PrefetchLoader:
+        """Starts loading the tensors of ``plan`` (every tensor where ``None``; values ``None``
+        for a whole tensor or a step-1 ``slice`` of its rows: only those bytes are read) to a
+        CUDA device (``device``, else the handle's) in the background: a ``PrefetchLoader``.
+        ``threads`` is accepted for compatibility (gpufeed's loader uses its own IO
+        threads). The handle itself is unchanged; several loaders may run from one handle."""
+        self._check_open()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise SafetensorError(f"threads {threads!r} is invalid: use a positive number")
+        ordinal = self._ordinal if device is None else device_ordinal(device)
+        if ordinal is None:
+            shown = "cpu" if device is None else device
+            raise SafetensorError(f"prefetch loads to cuda devices, not {shown}")
+        torch = self._torch()
+        rows_of = self._plan(plan)
+        names = [n for n in self._offset_keys if rows_of is None or n in rows_of]
+        if rows_of is not None and not names:
+            raise SafetensorError("prefetch plan selects no tensors")
+        metas, where = {}, {}
+        per_file: Dict[int, list] = {}
+        for name in names:
+            e = self._entries[name]
+            if e.dtype not in _DTYPES or not hasattr(torch, _DTYPES[e.dtype][0]):
+                raise SafetensorError(
+                    f"prefetch cannot hand out dtype {e.dtype}: torch has no matching dtype"
+                )
+            rows = None if rows_of is None else rows_of[name]
+            shape = list(e.shape)
+            if rows is not None:
+                shape[0] = rows[1] - rows[0]
+            metas[name] = (e, _storage_shape(name, e.dtype, shape))
+            items = per_file.setdefault(e.file, [])
+            where[name] = (e.file, len(items))
+            items.append(self._item(name, rows))
+        order = sorted(per_file)
+        natives = []
+        try:
+            for k in order:
+                natives.append(self._files[k].prefetch(ordinal, per_file[k], _CHUNK))
+        except GpufeedError as e:
+            for n in natives:
+                n.close()
+            raise _translated(e) from None
+        position = {k: i for i, k in enumerate(order)}
+        where = {n: (position[f], i) for n, (f, i) in where.items()}
+        return PrefetchLoader(torch, ordinal, natives, names, where, metas)
+
+    # -- the handle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the handle (later calls raise); tensors handed out stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        for sweep in self._sweeps.values():
+            sweep.native.close()
+        self._sweeps.clear()
+        if self._chunks is not None:
+            self._chunks.clear()
+        self._host.clear()
+        self._host_typed.clear()
+        self._host_arrays.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
+def load_bytes(data: bytes) -> Dict[str, Any]:
+    """A whole safetensors file held in ``data`` as CPU tensors (a copy of the bytes, as
+    ``safetensors.torch.load`` gives)."""
+    torch = _torch()
+    try:
+        start, _, tensors = _gpufeed.parse_header(bytes(data))
+    except GpufeedError as e:
+        raise SafetensorError(str(e)) from None
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
+        torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for name, dtype, shape, a, b in sorted(tensors, key=lambda t: t[3]):
+        td, size, _ = _dtype(torch, dtype)
+        sshape = _storage_shape(name, dtype, shape)
+        out[name] = whole[start + a: start + b].clone().view(td).reshape(sshape)
+    return out

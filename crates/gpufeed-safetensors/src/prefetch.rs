@@ -1,0 +1,735 @@
+//! [`Prefetch`]: byte ranges of one file loading to the GPU in the background, in chunks of
+//! their own device memory, each range handed out once, in the order asked or as they land.
+//!
+//! What `safe_open(...).prefetch()` and the sweeps of `get_tensor` stand on: a worker thread
+//! takes the next ranges in order (or the one a caller waits for), loads up to
+//! [`PrefetchOptions::chunk_bytes`] of them in one transfer into one new allocation, and
+//! publishes them; [`Prefetch::take`] waits for one range, [`Prefetch::next_ready`] for the next
+//! to land. A chunk's memory is freed when every [`Piece`] of it is dropped (and the prefetch
+//! with it, for pieces never taken). With [`PrefetchOptions::ahead_bytes`] the worker stops
+//! while that many bytes wait untaken: device memory is then what the caller holds plus that
+//! bound plus one chunk.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+
+use gpufeed_load::{DeviceBuffer, Loader, RouteChoice};
+use gpufeed_os::OpenedFile;
+
+use crate::error::{Error, Result};
+
+/// One range to load: bytes `span` of the file, placed in device memory at an offset that
+/// `align` divides (the element size of the tensor it holds, so that a typed view of the chunk
+/// can show it, whatever its offset in the file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefetchItem {
+    /// Bytes of the file (absolute offsets).
+    pub span: Range<u64>,
+    /// What the item's offset in its chunk must be a multiple of (1 or more).
+    pub align: usize,
+}
+
+/// How a [`Prefetch`] loads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PrefetchOptions {
+    /// Bytes loaded in one transfer into one allocation (at least one item each; an item
+    /// larger than this is a chunk of its own). Larger chunks pay the start of a transfer
+    /// fewer times; smaller ones free memory at a finer grain and hand out the first item
+    /// sooner.
+    pub chunk_bytes: u64,
+    /// Where set, the worker waits while this many bytes are loaded but not taken (a sweep
+    /// that takes items as they land holds no more than this ahead of it). A caller waiting
+    /// for an item that is not loaded yet has it loaded next, whatever the bound.
+    pub ahead_bytes: Option<u64>,
+    /// Where set, the worker loads what callers ask for ([`Prefetch::take`]) and, while their
+    /// asks follow one another in order, the items after: the first chunk after a jump holds
+    /// this many bytes (at least the item asked for), each next one twice the one before, up to
+    /// `chunk_bytes`; a chunk is loaded ahead only once a caller took an item of the one before
+    /// (read-ahead as the kernel does it for a file). Unset, it loads every item in order.
+    pub follow_from: Option<u64>,
+}
+
+impl Default for PrefetchOptions {
+    fn default() -> Self {
+        PrefetchOptions {
+            chunk_bytes: 512 << 20,
+            ahead_bytes: None,
+            follow_from: None,
+        }
+    }
+}
+
+impl PrefetchOptions {
+    /// These options, loading `chunk_bytes` per transfer.
+    pub fn with_chunk_bytes(mut self, chunk_bytes: u64) -> Self {
+        self.chunk_bytes = chunk_bytes.max(1);
+        self
+    }
+
+    /// These options, holding at most `ahead_bytes` loaded but untaken.
+    pub fn with_ahead_bytes(mut self, ahead_bytes: Option<u64>) -> Self {
+        self.ahead_bytes = ahead_bytes;
+        self
+    }
+
+    /// These options, following the callers' asks from chunks of `follow_from` bytes (see
+    /// [`PrefetchOptions::follow_from`]).
+    pub fn with_follow_from(mut self, follow_from: Option<u64>) -> Self {
+        self.follow_from = follow_from;
+        self
+    }
+}
+
+/// An item's bytes in device memory: `len` bytes at `offset` of a chunk's allocation, which
+/// lives while any piece of it does.
+#[derive(Debug, Clone)]
+pub struct Piece {
+    /// The chunk's allocation.
+    pub buffer: Arc<DeviceBuffer>,
+    /// Where the item starts in it (a multiple of its `align`).
+    pub offset: usize,
+    /// The item's bytes.
+    pub len: usize,
+    /// How many items the chunk holds (a caller that caches a view of the chunk can drop it
+    /// once it has seen that many).
+    pub siblings: usize,
+}
+
+/// Where an item is.
+enum Status {
+    Pending,
+    Loading,
+    Ready(Piece),
+    Taken,
+    Failed,
+}
+
+struct State {
+    status: Vec<Status>,
+    /// Items loaded and not taken, in the order they landed (taken ones are skipped).
+    ready: VecDeque<usize>,
+    /// Where the worker goes on from: the item after the last chunk.
+    cursor: usize,
+    /// An item a caller waits for that is not loaded: the next chunk starts there.
+    demand: Option<usize>,
+    /// Bytes loaded and not taken.
+    untaken: u64,
+    /// Items not handed out (or given up for a failure).
+    left: usize,
+    closed: bool,
+    /// The failure that stopped the worker: handed to the first caller that meets it.
+    failure: Option<Error>,
+    /// Its text, for the callers after.
+    failure_text: Option<String>,
+    /// Each item's chunk (a sequence number from 1; 0: none yet).
+    chunk_of: Vec<u32>,
+    /// The last chunk loaded.
+    latest: u32,
+    /// Whether a caller took an item of the last chunk (following: the next may load).
+    took_latest: bool,
+    /// Following: the next chunk's size.
+    ramp: u64,
+}
+
+impl State {
+    /// Hands out ready item `i`.
+    fn hand_out(&mut self, i: usize, shared: &Shared) -> Piece {
+        let Status::Ready(piece) = std::mem::replace(&mut self.status[i], Status::Taken) else {
+            unreachable!("called for a ready item")
+        };
+        self.untaken -= piece.len as u64;
+        self.left -= 1;
+        if self.chunk_of[i] == self.latest {
+            self.took_latest = true;
+        }
+        shared.changed.notify_all();
+        piece
+    }
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent state (every update is one step).
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wait<'a>(&self, guard: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.changed
+            .wait(guard)
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Byte ranges of one opened file loading to one GPU in the background (see the module).
+///
+/// # Example
+/// ```no_run
+/// use gpufeed_safetensors::{Prefetch, PrefetchItem, PrefetchOptions};
+/// let loader = std::sync::Arc::new(gpufeed_load::Loader::open(0, Default::default())?);
+/// let file = gpufeed_os::OpenedFile::open("data.bin")?;
+/// let items = vec![
+///     PrefetchItem { span: 0..4096, align: 1 },
+///     PrefetchItem { span: 4096..10_000, align: 4 },
+/// ];
+/// let prefetch = Prefetch::start(loader, file, items, PrefetchOptions::default())?;
+/// while let Some((i, piece)) = prefetch.next_ready()? {
+///     println!("item {i}: {} bytes at {} of a chunk", piece.len, piece.offset);
+/// }
+/// # Ok::<(), gpufeed_safetensors::Error>(())
+/// ```
+pub struct Prefetch {
+    shared: Arc<Shared>,
+    path: std::path::PathBuf,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Prefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.shared.lock();
+        f.debug_struct("Prefetch")
+            .field("path", &self.path)
+            .field("items", &state.status.len())
+            .field("left", &state.left)
+            .field("closed", &state.closed)
+            .finish()
+    }
+}
+
+impl Prefetch {
+    /// Starts loading `items` of `file` (each checked against the file's length) to
+    /// `loader`'s GPU on a worker thread.
+    ///
+    /// # Errors
+    /// [`Error::Prefetch`] for an item past the end of the file or with `align` 0, or where the
+    /// thread could not start.
+    pub fn start(
+        loader: Arc<Loader>,
+        file: OpenedFile,
+        items: Vec<PrefetchItem>,
+        opts: PrefetchOptions,
+    ) -> Result<Self> {
+        let len = file.len();
+        let path = file.path().to_path_buf();
+        for (i, item) in items.iter().enumerate() {
+            if item.span.start > item.span.end || item.span.end > len || item.align == 0 {
+                return Err(Error::Prefetch {
+                    path,
+                    reason: format!(
+                        "item {i}: bytes {}..{} aligned to {} do not fit a file of {len} bytes",
+                        item.span.start, item.span.end, item.align
+                    ),
+                });
+            }
+        }
+        let n = items.len();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                status: (0..n).map(|_| Status::Pending).collect(),
+                ready: VecDeque::new(),
+                cursor: 0,
+                demand: None,
+                untaken: 0,
+                left: n,
+                closed: false,
+                failure: None,
+                failure_text: None,
+                chunk_of: vec![0; n],
+                latest: 0,
+                took_latest: false,
+                ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
+            }),
+            changed: Condvar::new(),
+        });
+        let worker = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("gpufeed-prefetch".into())
+                .spawn(move || work(&shared, &loader, &file, &items, &opts))
+                .map_err(|e| Error::Prefetch {
+                    path: path.clone(),
+                    reason: format!("its thread could not start: {e}"),
+                })?
+        };
+        Ok(Prefetch {
+            shared,
+            path,
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// The number of items.
+    pub fn len(&self) -> usize {
+        self.shared.lock().status.len()
+    }
+
+    /// Whether there are no items.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Item `i`'s bytes, waiting for them to land (an item not loaded yet is loaded next).
+    ///
+    /// # Errors
+    /// [`Error::Prefetch`] for an item taken before, out of range, or after [`Prefetch::close`];
+    /// the load's own error where it failed (the first caller gets it, later ones its text).
+    pub fn take(&self, i: usize) -> Result<Piece> {
+        let mut state = self.shared.lock();
+        loop {
+            if state.closed {
+                return Err(self.refused(i, "the prefetch was closed"));
+            }
+            match state.status.get(i) {
+                None => return Err(self.refused(i, "no such item")),
+                Some(Status::Taken) => {
+                    return Err(self.refused(i, "it was taken before: each is handed out once"));
+                }
+                Some(Status::Failed) => return Err(self.failure(&mut state)),
+                Some(Status::Ready(_)) => return Ok(state.hand_out(i, &self.shared)),
+                Some(Status::Pending) => {
+                    if state.demand != Some(i) {
+                        state.demand = Some(i);
+                        self.shared.changed.notify_all();
+                    }
+                }
+                Some(Status::Loading) => {}
+            }
+            state = self.shared.wait(state);
+        }
+    }
+
+    /// The next item to land that nobody took, waiting for one; `None` once every item was
+    /// handed out (or the prefetch was closed).
+    ///
+    /// # Errors
+    /// The load's error where it failed.
+    pub fn next_ready(&self) -> Result<Option<(usize, Piece)>> {
+        let mut state = self.shared.lock();
+        loop {
+            if state.closed {
+                return Ok(None);
+            }
+            while let Some(i) = state.ready.pop_front() {
+                if matches!(state.status[i], Status::Ready(_)) {
+                    return Ok(Some((i, state.hand_out(i, &self.shared))));
+                }
+            }
+            if state.failure.is_some() || state.failure_text.is_some() {
+                if state.left == 0 {
+                    return Ok(None);
+                }
+                return Err(self.failure(&mut state));
+            }
+            if state.left == 0 {
+                return Ok(None);
+            }
+            state = self.shared.wait(state);
+        }
+    }
+
+    /// The next item that landed and nobody took, without waiting: `None` where none is
+    /// ready now.
+    pub fn try_next_ready(&self) -> Option<(usize, Piece)> {
+        let mut state = self.shared.lock();
+        if state.closed {
+            return None;
+        }
+        while let Some(i) = state.ready.pop_front() {
+            if matches!(state.status[i], Status::Ready(_)) {
+                return Some((i, state.hand_out(i, &self.shared)));
+            }
+        }
+        None
+    }
+
+    /// Whether item `i` was taken (or given up), so that a second ask would fail.
+    pub fn is_taken(&self, i: usize) -> bool {
+        matches!(
+            self.shared.lock().status.get(i),
+            Some(Status::Taken | Status::Failed)
+        )
+    }
+
+    /// Stops the worker (after the transfer it is in) and drops every piece not taken: their
+    /// chunks' memory is freed once the pieces handed out are dropped too. Later asks fail;
+    /// callers waiting in [`Prefetch::take`] are woken with that error.
+    pub fn close(&self) {
+        {
+            let mut state = self.shared.lock();
+            state.closed = true;
+            state.ready.clear();
+            for s in state.status.iter_mut() {
+                if matches!(s, Status::Ready(_)) {
+                    *s = Status::Failed;
+                }
+            }
+            state.untaken = 0;
+            self.shared.changed.notify_all();
+        }
+        let worker = self
+            .worker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(worker) = worker {
+            // The worker only ever returns (a panic in it is caught by the join: nothing to do).
+            let _ = worker.join();
+        }
+    }
+
+    fn refused(&self, i: usize, why: &str) -> Error {
+        Error::Prefetch {
+            path: self.path.clone(),
+            reason: format!("item {i}: {why}"),
+        }
+    }
+
+    /// The failure: the error itself to the first caller, its text to later ones.
+    fn failure(&self, state: &mut State) -> Error {
+        if let Some(e) = state.failure.take() {
+            return e;
+        }
+        Error::Prefetch {
+            path: self.path.clone(),
+            reason: format!(
+                "an earlier transfer failed: {}",
+                state.failure_text.as_deref().unwrap_or("(unknown)")
+            ),
+        }
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The worker: chunk after chunk until every item is loaded, the prefetch is closed or a
+/// transfer fails.
+fn work(
+    shared: &Shared,
+    loader: &Loader,
+    file: &OpenedFile,
+    items: &[PrefetchItem],
+    opts: &PrefetchOptions,
+) {
+    let hull = items
+        .iter()
+        .fold(None::<Range<u64>>, |h, it| match h {
+            None => Some(it.span.clone()),
+            Some(h) => Some(h.start.min(it.span.start)..h.end.max(it.span.end)),
+        })
+        .unwrap_or(0..0);
+    let mut route: Option<RouteChoice> = None;
+    loop {
+        let chunk = {
+            let mut state = shared.lock();
+            loop {
+                if state.closed {
+                    return;
+                }
+                let waiting = state
+                    .demand
+                    .is_some_and(|d| matches!(state.status[d], Status::Pending));
+                let held = opts
+                    .ahead_bytes
+                    .is_some_and(|ahead| state.untaken > 0 && state.untaken >= ahead);
+                // Following, a chunk loads ahead only once a caller took from the last one.
+                let unasked =
+                    opts.follow_from.is_some() && (state.latest == 0 || !state.took_latest);
+                if !waiting && (held || unasked) {
+                    state = shared.wait(state);
+                    continue;
+                }
+                match next_chunk(&mut state, items, opts) {
+                    Next::Chunk(chunk) => break chunk,
+                    Next::Idle => state = shared.wait(state),
+                    Next::Done => return,
+                }
+            }
+        };
+        let layout = Layout::of(&chunk, items);
+        let route = route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
+        let loaded =
+            loader
+                .gpu()
+                .alloc_filled(layout.len, loader.device_alloc(layout.len), |dst| {
+                    loader.load_spans_to(file, &layout.spans, dst, Some(route))
+                });
+        let mut state = shared.lock();
+        match loaded {
+            Ok((buffer, _report)) => {
+                let buffer = Arc::new(buffer);
+                state.latest += 1;
+                state.took_latest = false;
+                let seq = state.latest;
+                for (&i, &offset) in chunk.iter().zip(&layout.offsets) {
+                    state.chunk_of[i] = seq;
+                    let len = (items[i].span.end - items[i].span.start) as usize;
+                    if state.closed {
+                        state.status[i] = Status::Failed;
+                        continue;
+                    }
+                    state.status[i] = Status::Ready(Piece {
+                        buffer: Arc::clone(&buffer),
+                        offset,
+                        len,
+                        siblings: chunk.len(),
+                    });
+                    state.untaken += len as u64;
+                    state.ready.push_back(i);
+                }
+            }
+            Err(e) => {
+                state.failure_text = Some(e.to_string());
+                state.failure = Some(e.into());
+                for s in state.status.iter_mut() {
+                    if matches!(s, Status::Pending | Status::Loading) {
+                        *s = Status::Failed;
+                    }
+                }
+                shared.changed.notify_all();
+                return;
+            }
+        }
+        shared.changed.notify_all();
+    }
+}
+
+/// What the worker does next.
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    /// Load these items (marked loading).
+    Chunk(Vec<usize>),
+    /// Wait: following, nothing ahead of the cursor is pending.
+    Idle,
+    /// Every item is loaded (or given up).
+    Done,
+}
+
+/// The next chunk: from the item a caller waits for, else from the cursor on (then, unless
+/// following, from the start), the pending items in order up to the chunk's size.
+fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions) -> Next {
+    let n = items.len();
+    let pending = |state: &State, i: usize| matches!(state.status[i], Status::Pending);
+    let demanded = state.demand.take().filter(|&d| pending(state, d));
+    let start = match demanded {
+        Some(d) => d,
+        None => match (state.cursor..n).find(|&i| pending(state, i)) {
+            Some(i) => i,
+            None if opts.follow_from.is_some() => {
+                return if (0..n).any(|i| pending(state, i)) {
+                    Next::Idle
+                } else {
+                    Next::Done
+                };
+            }
+            None => match (0..n).find(|&i| pending(state, i)) {
+                Some(i) => i,
+                None => return Next::Done,
+            },
+        },
+    };
+    // Following: a jump starts the ramp again, each chunk in order doubles it.
+    let size = match opts.follow_from {
+        None => opts.chunk_bytes,
+        Some(from) => {
+            if start != state.cursor {
+                state.ramp = from;
+            }
+            let size = state.ramp.clamp(1, opts.chunk_bytes);
+            state.ramp = size.saturating_mul(2);
+            size
+        }
+    };
+    let room = opts
+        .ahead_bytes
+        .map_or(u64::MAX, |ahead| ahead.saturating_sub(state.untaken))
+        .min(size)
+        .max(1);
+    let mut chunk = Vec::new();
+    let mut bytes = 0u64;
+    for i in start..n {
+        if !pending(state, i) {
+            continue;
+        }
+        let len = items[i].span.end - items[i].span.start;
+        if !chunk.is_empty() && bytes + len > room {
+            break;
+        }
+        chunk.push(i);
+        bytes += len;
+        state.status[i] = Status::Loading;
+    }
+    state.cursor = chunk.last().map_or(start, |&last| last + 1);
+    Next::Chunk(chunk)
+}
+
+/// Where a chunk's items go in its allocation, and the file spans that put them there.
+struct Layout {
+    /// Each item's offset in the allocation.
+    offsets: Vec<usize>,
+    /// The spans to load, back to back: each item's, started earlier where its offset needs
+    /// padding (the padding is the file's bytes before it), merged where contiguous.
+    spans: Vec<Range<u64>>,
+    /// The allocation's length.
+    len: usize,
+}
+
+impl Layout {
+    fn of(chunk: &[usize], items: &[PrefetchItem]) -> Layout {
+        let mut offsets = Vec::with_capacity(chunk.len());
+        let mut spans: Vec<Range<u64>> = Vec::new();
+        let mut at = 0usize;
+        for &i in chunk {
+            let PrefetchItem { span, align } = &items[i];
+            // Padding up to the alignment, taken from the bytes before the item in the file
+            // (any bytes do; the file has them: a span never starts before byte 8 of a
+            // safetensors file, and the padding is less than the element size). Where the file
+            // has too few bytes before it, the item goes unpadded (a caller checks offsets).
+            let pad = (align - at % align) % align;
+            let pad = if pad as u64 <= span.start { pad } else { 0 };
+            let from = span.start - pad as u64;
+            match spans.last_mut() {
+                Some(last) if last.end == from => last.end = span.end,
+                _ => spans.push(from..span.end),
+            }
+            offsets.push(at + pad);
+            at += pad + (span.end - span.start) as usize;
+        }
+        Layout {
+            offsets,
+            spans,
+            len: at,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items(spans: &[(u64, u64, usize)]) -> Vec<PrefetchItem> {
+        spans
+            .iter()
+            .map(|&(a, b, align)| PrefetchItem { span: a..b, align })
+            .collect()
+    }
+
+    #[test]
+    fn contiguous_aligned_items_load_as_one_span() {
+        let it = items(&[(16, 32, 4), (32, 48, 4), (48, 50, 2)]);
+        let l = Layout::of(&[0, 1, 2], &it);
+        assert_eq!(l.spans, vec![16..50]);
+        assert_eq!(l.offsets, vec![0, 16, 32]);
+        assert_eq!(l.len, 34);
+    }
+
+    #[test]
+    fn a_misaligned_item_is_padded_with_the_bytes_before_it() {
+        // A 3-byte tensor, then an F32 at file offset 19: in the chunk it goes to 4.
+        let it = items(&[(16, 19, 1), (19, 27, 4), (27, 35, 8)]);
+        let l = Layout::of(&[0, 1, 2], &it);
+        assert_eq!(l.offsets, vec![0, 4, 16]);
+        assert!(l.offsets.iter().zip(&it).all(|(o, i)| o % i.align == 0));
+        // Every item's bytes are where its offset says, in the spans loaded back to back.
+        let mut at = 0u64;
+        let placed: Vec<(u64, u64)> = l
+            .spans
+            .iter()
+            .map(|s| {
+                let p = (at, s.start);
+                at += s.end - s.start;
+                p
+            })
+            .collect();
+        for (k, &i) in [0usize, 1, 2].iter().enumerate() {
+            let file_at = it[i].span.start;
+            let (dst, src) = placed
+                .iter()
+                .rev()
+                .find(|(dst, _)| *dst <= l.offsets[k] as u64)
+                .copied()
+                .expect("a span");
+            assert_eq!(src + (l.offsets[k] as u64 - dst), file_at, "item {i}");
+        }
+        assert_eq!(at as usize, l.len);
+    }
+
+    #[test]
+    fn chunks_follow_demand_then_the_cursor_and_respect_the_room() {
+        let it = items(&[(0, 10, 1), (10, 20, 1), (20, 30, 1), (30, 40, 1)]);
+        let opts = PrefetchOptions::default().with_chunk_bytes(20);
+        let mut state = State {
+            status: (0..4).map(|_| Status::Pending).collect(),
+            ready: VecDeque::new(),
+            cursor: 0,
+            demand: Some(2),
+            untaken: 0,
+            left: 4,
+            closed: false,
+            failure: None,
+            failure_text: None,
+            chunk_of: vec![0; 4],
+            latest: 0,
+            took_latest: false,
+            ramp: 20,
+        };
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![2, 3]));
+        // Then from the start: the cursor wraps.
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0, 1]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
+        // A bound on what waits untaken shrinks the chunk (to one item at least).
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(40)
+            .with_ahead_bytes(Some(15));
+        state.status = (0..4).map(|_| Status::Pending).collect();
+        (state.cursor, state.untaken) = (0, 0);
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
+        state.untaken = 10;
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1]));
+    }
+
+    #[test]
+    fn following_ramps_up_in_order_restarts_at_a_jump_and_never_wraps() {
+        let it = items(&(0..8).map(|i| (i * 10, i * 10 + 10, 1)).collect::<Vec<_>>());
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(40)
+            .with_follow_from(Some(10));
+        let mut state = State {
+            status: (0..8).map(|_| Status::Pending).collect(),
+            ready: VecDeque::new(),
+            cursor: 0,
+            demand: Some(0),
+            untaken: 0,
+            left: 8,
+            closed: false,
+            failure: None,
+            failure_text: None,
+            chunk_of: vec![0; 8],
+            latest: 0,
+            took_latest: false,
+            ramp: 10,
+        };
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1, 2]));
+        // A jump to item 6 starts small again.
+        state.demand = Some(6);
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![6]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![7]));
+        // Nothing ahead of the cursor: items 3-5 wait for a caller.
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Idle);
+        state.demand = Some(3);
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![3]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![4, 5]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
+    }
+}
