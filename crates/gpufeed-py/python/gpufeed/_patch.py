@@ -50,12 +50,12 @@ def _routed_safe_open(original):
 
 
 def _routed_load_file(original):
-    def load_file(filename, device="cpu"):
-        if _gpufeed_device(device):
+    def load_file(filename, device="cpu", **kwargs):
+        if _gpufeed_device(device) and set(kwargs) <= {"backend"}:
             from .torch import load_file as gpufeed_load_file
 
-            return gpufeed_load_file(filename, device=device)
-        return original(filename, device=device)
+            return gpufeed_load_file(filename, device=device, **kwargs)
+        return original(filename, device=device, **kwargs)
 
     load_file.__doc__ = original.__doc__
     load_file.__gpufeed__ = True

@@ -148,7 +148,7 @@ def _translated(e: Exception, path=None) -> Exception:
     if isinstance(e, (SafetensorError, NoGpuError)):
         return e
     if path is not None and not os.path.exists(path):
-        return _FileNotFound(f"No such file or directory: {path} ({e})")
+        return _FileNotFound(f"No such file or directory: {path}")
     return SafetensorError(str(e))
 
 
