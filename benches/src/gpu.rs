@@ -286,7 +286,11 @@ fn run_peers(file: &Path, safetensors: &Path, reps: usize) -> serde_json::Value 
 
 /// Runs `python3 benches/peers/peers.py args...`; its JSON, or an error entry.
 pub fn run_peer_script(args: &[String]) -> serde_json::Value {
-    let script = Path::new("benches/peers/peers.py");
+    run_script(Path::new("benches/peers/peers.py"), args)
+}
+
+/// `python3 script args...`'s JSON output, or `{"peers": {"error": ...}}`.
+pub fn run_script(script: &Path, args: &[String]) -> serde_json::Value {
     let out = std::process::Command::new("python3")
         .arg(script)
         .args(args)

@@ -38,8 +38,8 @@ pub struct PythonBench {
     /// Seconds to load 10 tensors of 16,000 KiB, and 10,000 of 16 KiB (the same bytes).
     pub few_large_seconds: Option<Samples>,
     pub many_small_seconds: Option<Samples>,
-    /// Tensors one at a time, the file opened beforehand: gpufeed's `safe_open` (registered
-    /// files) and safetensors' `safe_open(framework="pt", device="cuda:0")`, `get_tensor` of
+    /// Tensors one at a time, the file opened beforehand: gpufeed's drop-in `safe_open`
+    /// and safetensors' `safe_open(framework="pt", device="cuda:0")`, `get_tensor` of
     /// each of the 16 tensors, and of the first 1,000 of the [`MANY`]: GB/s.
     pub gpufeed_on_demand_gbps: Option<Samples>,
     pub safetensors_on_demand_gbps: Option<Samples>,
@@ -53,8 +53,104 @@ pub struct PythonBench {
     pub safetensors_safe_open_fresh_gbps: Option<Samples>,
     pub gpufeed_safe_open_fresh_with_context_gbps: Option<Samples>,
     pub safetensors_safe_open_fresh_with_context_gbps: Option<Samples>,
+    /// The drop-in rows (`benches/peers/dropin.py`): per checkpoint, each way a framework
+    /// loads it, in fresh processes and loaded again in one.
+    pub dropin: Vec<DropinFile>,
     /// Parts that did not run, with the reason.
     pub errors: Vec<(String, String)>,
+}
+
+/// One checkpoint of the drop-in rows.
+#[derive(Debug, Serialize)]
+pub struct DropinFile {
+    pub bytes: u64,
+    pub tensors: usize,
+    /// Method, then GB/s in fresh processes (after torch's context), GB/s of the third load in
+    /// one process, and the checksums of what was loaded (one value where all runs agree); or
+    /// why it did not run.
+    pub rows: Vec<(String, Result<DropinRow, String>)>,
+}
+
+/// One way of loading a checkpoint, measured.
+#[derive(Debug, Serialize)]
+pub struct DropinRow {
+    pub fresh_gbps: Samples,
+    pub again_gbps: Samples,
+    pub checksums: Vec<u64>,
+}
+
+/// The drop-in checkpoints: 8 GiB in 32 tensors and 4 GiB in 4,096 (the issue's setting), at
+/// `scale` of those sizes (1.0 on the GPU machine).
+fn dropin(
+    dir: &Path,
+    reps: usize,
+    scale: f64,
+    progress: &mut impl FnMut(&str),
+) -> Result<Vec<DropinFile>> {
+    let mut files = Vec::new();
+    for (bytes, tensors) in [(8u64 << 30, 32usize), (4 << 30, 4096)] {
+        let bytes = ((bytes as f64 * scale) as u64).max(tensors as u64 * 4096);
+        let path = dir.join(format!("dropin-{bytes}-{tensors}.safetensors"));
+        crate::facade::ensure_safetensors(&path, bytes, tensors)?;
+        cache::warm(&path)?;
+        files.push((path, tensors));
+    }
+    progress("table 10: the drop-in paths against safetensors 0.9 (dropin.py)");
+    let mut args = vec![reps.to_string()];
+    args.extend(files.iter().map(|(p, _)| p.display().to_string()));
+    let out = crate::gpu::run_script(Path::new("benches/peers/dropin.py"), &args);
+    let mut result = Vec::new();
+    for (path, tensors) in files {
+        let entry = out.get(path.display().to_string());
+        let mut rows = Vec::new();
+        let listed = entry
+            .and_then(|e| e.get("rows"))
+            .and_then(|r| r.as_object());
+        let Some(listed) = listed else {
+            let why = out
+                .get("peers")
+                .and_then(|p| p.get("error"))
+                .and_then(|e| e.as_str())
+                .unwrap_or("no rows in the script's output");
+            rows.push(("dropin.py".to_owned(), Err(why.to_owned())));
+            result.push(DropinFile {
+                bytes: std::fs::metadata(&path).map_or(0, |m| m.len()),
+                tensors,
+                rows,
+            });
+            continue;
+        };
+        for (method, v) in listed {
+            let samples = |key: &str| {
+                v.get(key)
+                    .and_then(|x| x.as_array())
+                    .map(|runs| Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect()))
+            };
+            let row = match (samples("fresh"), samples("again")) {
+                (Some(fresh_gbps), Some(again_gbps)) => Ok(DropinRow {
+                    fresh_gbps,
+                    again_gbps,
+                    checksums: v
+                        .get("checksum")
+                        .and_then(|c| c.as_array())
+                        .map(|c| c.iter().filter_map(|x| x.as_u64()).collect())
+                        .unwrap_or_default(),
+                }),
+                _ => Err(v
+                    .get("error")
+                    .and_then(|e| e.as_str())
+                    .unwrap_or("no figure")
+                    .to_owned()),
+            };
+            rows.push((method.clone(), row));
+        }
+        result.push(DropinFile {
+            bytes: std::fs::metadata(&path).map_or(0, |m| m.len()),
+            tensors,
+            rows,
+        });
+    }
+    Ok(result)
 }
 
 impl PythonBench {
@@ -97,6 +193,12 @@ pub fn measure(
         many.display().to_string(),
         reps.to_string(),
     ]);
+    let scale = if bytes >= 8 << 30 {
+        1.0
+    } else {
+        bytes as f64 / (8u64 << 30) as f64
+    };
+    let dropin = dropin(dir, reps, scale, &mut progress)?;
     let mut errors = Vec::new();
     let mut get = |key: &str| -> Option<Samples> {
         let v = out.get(key).or_else(|| out.get("peers"));
@@ -136,6 +238,7 @@ pub fn measure(
         safetensors_safe_open_fresh_with_context_gbps: get(
             "safetensors safe_open fresh with context",
         ),
+        dropin,
         errors,
     }))
 }
@@ -286,12 +389,62 @@ pub fn table(s: &mut String, v: &PythonBench) {
     if let Some(open) = &v.gpufeed_open_seconds {
         let _ = writeln!(
             s,
-            "\n`gpufeed.safe_open` of the 16-tensor checkpoint (headers read, every file \
-             registered: paid once per open, not in the on-demand rows) took {:.0} ms.",
+            "\n`gpufeed.safe_open` of the 16-tensor checkpoint (its header read and checked; \
+             paid once per open, not in the on-demand rows) took {:.0} ms.",
             open.median * 1e3
         );
     }
     for (what, why) in &v.errors {
         let _ = writeln!(s, "\n{what}: did not run: {why}");
+    }
+    dropin_table(s, &v.dropin);
+}
+
+/// The drop-in rows: each way a framework loads a checkpoint to `cuda:0`, in one table per
+/// checkpoint, against safetensors 0.9's `prefetch(threads=16)`.
+fn dropin_table(s: &mut String, files: &[DropinFile]) {
+    for f in files {
+        let _ = writeln!(
+            s,
+            "\n### Table 10, drop-in paths: {} in {} tensors to `cuda:0` (warm)\n\n             *Fresh*: a new process that created torch's CUDA context before the clock, the              open included; *again*: the third load in that process. Checksums of the bytes              loaded are compared across methods.\n\n             | method | fresh GB/s | against prefetch(16) | again GB/s | against prefetch(16) |\n             |---|---|---|---|---|",
+            show_size(f.bytes),
+            f.tensors
+        );
+        let peer = f.rows.iter().find_map(|(m, r)| {
+            (m == "safetensors prefetch threads=16")
+                .then_some(r.as_ref().ok())
+                .flatten()
+        });
+        let mut sums = std::collections::BTreeSet::new();
+        for (method, row) in &f.rows {
+            match row {
+                Ok(r) => {
+                    sums.extend(r.checksums.iter().copied());
+                    let x = |a: &Samples, b: Option<&Samples>| {
+                        b.map_or(String::new(), |b| format!("{:.2}x", a.median / b.median))
+                    };
+                    let _ = writeln!(
+                        s,
+                        "| {method} | {} | {} | {} | {} |",
+                        r.fresh_gbps.show(1),
+                        x(&r.fresh_gbps, peer.map(|p| &p.fresh_gbps)),
+                        r.again_gbps.show(1),
+                        x(&r.again_gbps, peer.map(|p| &p.again_gbps)),
+                    );
+                }
+                Err(why) => {
+                    let _ = writeln!(s, "| {method} | did not run: {why} | | | |");
+                }
+            }
+        }
+        let _ = writeln!(
+            s,
+            "\nChecksums: {}.",
+            if sums.len() <= 1 {
+                "equal across every method that ran".to_owned()
+            } else {
+                format!("DIFFER ({} values)", sums.len())
+            }
+        );
     }
 }

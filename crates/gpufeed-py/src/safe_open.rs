@@ -289,7 +289,10 @@ impl NativePrefetch {
         while let Some(next) = p.try_next_ready() {
             out.push(next);
         }
-        Ok(out.into_iter().map(|(i, piece)| (i, self.hand(piece))).collect())
+        Ok(out
+            .into_iter()
+            .map(|(i, piece)| (i, self.hand(piece)))
+            .collect())
     }
 
     /// Whether item `i` was handed out (a second ask would fail).

@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Table 10's drop-in rows: every path a framework calls to load a safetensors file to the GPU,
+gpufeed's drop-in (``gpufeed.safe_open`` + ``get_tensor`` of each, ``get_tensors``,
+``prefetch`` iterated, ``gpufeed.torch.load_file``) against safetensors 0.9's (``prefetch``
+with 8 and 16 threads, ``load_file``, ``get_tensor`` of each) and gpufeed's own
+``load_safetensors``, each in fresh processes that created torch's CUDA context before the
+clock (warm page cache), and loaded again in one process (the third load).
+
+Usage: dropin.py REPS FILE [FILE ...]  -> one JSON object on stdout:
+       {file: {"bytes": n, "tensors": n, "rows": {method: {"fresh": [GB/s], "again": [GB/s],
+       "checksum": n} or {"error": "..."}}}}
+       dropin.py --one METHOD FILE  -> (internal) one fresh process: JSON of its times.
+
+safetensors 0.9 comes from ``GPUFEED_SAFETENSORS09`` (a folder put first on ``sys.path`` for its
+rows only, BENCH.md); without it the safetensors rows are those of the installed safetensors,
+and its ``prefetch`` rows say it has none.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+METHODS = [
+    "gpufeed load_safetensors",
+    "gpufeed safe_open get_tensor",
+    "gpufeed safe_open get_tensors",
+    "gpufeed safe_open prefetch",
+    "gpufeed torch.load_file",
+    "safetensors prefetch threads=16",
+    "safetensors prefetch threads=8",
+    "safetensors load_file",
+    "safetensors safe_open get_tensor",
+]
+
+
+def _load(method, path):
+    """The tensors of ``path`` on cuda:0 by ``method``, as a dict."""
+    if method.startswith("gpufeed"):
+        import gpufeed
+        import gpufeed.torch
+
+        if method == "gpufeed load_safetensors":
+            return gpufeed.load_safetensors(path, device=0)
+        if method == "gpufeed torch.load_file":
+            return gpufeed.torch.load_file(path, device="cuda:0")
+        with gpufeed.safe_open(path, framework="pt", device="cuda:0") as f:
+            if method == "gpufeed safe_open get_tensor":
+                return {n: f.get_tensor(n) for n in f.keys()}
+            if method == "gpufeed safe_open get_tensors":
+                return f.get_tensors()
+            with f.prefetch() as loader:
+                return dict(loader)
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if method == "safetensors load_file":
+        return load_file(path, device="cuda:0")
+    with safe_open(path, framework="pt", device="cuda:0") as f:
+        if method == "safetensors safe_open get_tensor":
+            return {n: f.get_tensor(n) for n in f.keys()}
+        threads = int(method.rsplit("=", 1)[1])
+        if not hasattr(f, "prefetch"):
+            import safetensors
+
+            raise RuntimeError(f"safetensors {safetensors.__version__} has no prefetch")
+        with f.prefetch(threads=threads) as loader:
+            return dict(loader)
+
+
+def one(method, path):
+    """A fresh process: torch's context, then ``method`` timed (to the tensors on the GPU,
+    synchronized), then the same twice more in this process; a checksum of the bytes."""
+    if method.startswith("safetensors") and os.environ.get("GPUFEED_SAFETENSORS09"):
+        sys.path.insert(0, os.environ["GPUFEED_SAFETENSORS09"])
+    import torch
+
+    torch.zeros(1, device="cuda:0")
+    torch.cuda.synchronize()
+    times = []
+    checksum = None
+    for rep in range(3):
+        t = time.perf_counter()
+        tensors = _load(method, path)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        if rep == 0:
+            nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+            checksum = 0
+            for name in sorted(tensors):
+                b = tensors[name].contiguous().view(-1).view(torch.uint8)
+                checksum = (checksum * 1000003 + int(b.sum(dtype=torch.int64)) + len(name)) % (1 << 61)
+        del tensors
+    print(json.dumps({"bytes": nbytes, "seconds": times, "checksum": checksum}))
+
+
+def measure(paths, reps):
+    out = {}
+    for path in paths:
+        rows = {}
+        for method in METHODS:
+            fresh, again, sums = [], [], set()
+            try:
+                for _ in range(reps):
+                    run = subprocess.run([sys.executable, __file__, "--one", method, path],
+                                         capture_output=True, text=True, timeout=600)
+                    if run.returncode != 0:
+                        raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip()
+                                           else f"exit {run.returncode}")
+                    r = json.loads(run.stdout.strip().splitlines()[-1])
+                    fresh.append(r["bytes"] / r["seconds"][0] / 1e9)
+                    again.append(r["bytes"] / r["seconds"][2] / 1e9)
+                    sums.add(r["checksum"])
+                rows[method] = {"fresh": fresh, "again": again, "checksum": sorted(sums)}
+            except Exception as e:  # noqa: BLE001 (a peer that cannot run says why)
+                rows[method] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"dropin: {os.path.basename(path)} {method}: {rows[method]}", file=sys.stderr)
+        out[path] = {"bytes": os.path.getsize(path), "rows": rows}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--one":
+        one(sys.argv[2], sys.argv[3])
+    else:
+        measure(sys.argv[2:], int(sys.argv[1]))
