@@ -182,7 +182,7 @@ impl SafeFile {
         let loader = shared_loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let file = self.file.try_clone().map_err(py_err)?;
-        let items = items
+        let items: Vec<PrefetchItem> = items
             .into_iter()
             .map(|(a, b, align)| PrefetchItem {
                 span: a..b,
@@ -194,8 +194,17 @@ impl SafeFile {
             .with_ahead_bytes(ahead_bytes)
             .with_follow_from(follow_from);
         let gpu = loader.gpu().clone();
+        let total: u64 = items
+            .iter()
+            .map(|i: &PrefetchItem| i.span.end - i.span.start)
+            .sum();
         let inner = py
-            .detach(|| Prefetch::start(Arc::clone(&loader), file, items, opts))
+            .detach(|| {
+                // What Python let go is freed first, so that its synchronizations do not stall
+                // the transfers and its memory is back for them.
+                reaper::wait_idle_before(total);
+                Prefetch::start(Arc::clone(&loader), file, items, opts)
+            })
             .map_err(py_err)?;
         Ok(NativePrefetch {
             gpu,

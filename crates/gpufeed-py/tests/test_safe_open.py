@@ -35,9 +35,19 @@ from safetensors import _safetensors_rust  # noqa: E402
 
 import gpufeed  # noqa: E402
 
-# safetensors' own safe_open, whatever a patch did to the names in ``safetensors``.
-ST_OPEN = _safetensors_rust.safe_open
+# safetensors' own safe_open, whatever a patch does to the names in ``safetensors``: kept in a
+# dict, since a patch rewrites the module attributes bound to it (this module's too).
+_OWN = {"safe_open": _safetensors_rust.safe_open}
 ST_ERROR = _safetensors_rust.SafetensorError
+
+
+def ST_OPEN(*args, **kwargs):
+    """safetensors' own safe_open(...)."""
+    return _OWN["safe_open"](*args, **kwargs)
+
+
+def is_st_own(obj):
+    return obj is _OWN["safe_open"]
 
 # Every dtype safetensors and torch share (torch name, safetensors name); a torch that lacks
 # one skips its case.
@@ -258,10 +268,10 @@ def _safetensors_unpatched(monkeypatch):
     """Each test starts with safetensors' own names (the comparisons would otherwise compare
     gpufeed with itself) and without GPUFEED_PATCH_SAFETENSORS in its environment."""
     monkeypatch.delenv("GPUFEED_PATCH_SAFETENSORS", raising=False)
-    if safetensors.safe_open is not ST_OPEN and hasattr(gpufeed, "unpatch_safetensors"):
+    if not is_st_own(safetensors.safe_open) and hasattr(gpufeed, "unpatch_safetensors"):
         gpufeed.unpatch_safetensors()
-    assert safetensors.safe_open is ST_OPEN, "safetensors.safe_open is patched"
-    assert safetensors.torch.safe_open is ST_OPEN, "safetensors.torch.safe_open is patched"
+    assert is_st_own(safetensors.safe_open), "safetensors.safe_open is patched"
+    assert is_st_own(safetensors.torch.safe_open), "safetensors.torch.safe_open is patched"
     assert safetensors.torch.load_file.__module__ == "safetensors.torch", \
         "safetensors.torch.load_file is patched"
     yield
@@ -748,6 +758,7 @@ def test_tensors_outlive_their_handle(tmp_path, small_file, gen):
         many = f.get_tensors()
         sliced = {n: f.get_slice(n)[...] for n in f.keys()}
     raises_gpufeed_error(lambda: f.get_tensor(ref["keys"][0]), what="get_tensor after close")
+    raises_gpufeed_error(f.keys, what="keys() after close (as safetensors)")
     del f
     # handles never closed, only dropped
     alone = {n: gpufeed.safe_open(path).get_tensor(n) for n in ref["keys"]}
@@ -843,7 +854,7 @@ def early_user_module(tmp_path, monkeypatch):
     (tmp_path / f"{name}.py").write_text(EARLY_USER)
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module(name)
-    assert module.safe_open is ST_OPEN
+    assert is_st_own(module.safe_open)
     return module
 
 
@@ -872,8 +883,13 @@ def test_patch_safetensors_routes_safe_open_and_load_file(tmp_path, monkeypatch,
                 check_handle(f, ref, what)
                 with pytest.raises(safetensors.SafetensorError):
                     f.get_tensor("nope")
-        # load_file reaches gpufeed: an index loads (safetensors' own refuses it)
+        # load_file reaches gpufeed: an index loads (safetensors' own refuses it); it keeps
+        # safetensors' signature (device, keyword backend)
         assert_same_dict(safetensors.torch.load_file(path), ref["tensors"], "patched load_file")
+        for kwargs in ({"device": "cpu"}, {"backend": "pread"},
+                       {"device": "cpu", "backend": "mmap"}):
+            assert_same_dict(safetensors.torch.load_file(path, **kwargs), ref["tensors"],
+                             f"patched load_file(**{kwargs})")
         got = safetensors.torch.load_file(index)
         assert sorted(got) == sorted(tensors), "the patched load_file is not gpufeed's"
         # other frameworks stay safetensors' own
@@ -886,10 +902,10 @@ def test_patch_safetensors_routes_safe_open_and_load_file(tmp_path, monkeypatch,
             assert not is_gpufeed(f), type(f)
     finally:
         gpufeed.unpatch_safetensors()
-    assert safetensors.safe_open is ST_OPEN, "unpatch left safetensors.safe_open"
-    assert safetensors.torch.safe_open is ST_OPEN, "unpatch left safetensors.torch.safe_open"
+    assert is_st_own(safetensors.safe_open), "unpatch left safetensors.safe_open"
+    assert is_st_own(safetensors.torch.safe_open), "unpatch left safetensors.torch.safe_open"
     assert safetensors.torch.load_file is original_load_file, "unpatch left load_file"
-    assert module.safe_open is ST_OPEN, "unpatch left the early module's safe_open"
+    assert is_st_own(module.safe_open), "unpatch left the early module's safe_open"
     with safetensors.safe_open(path, framework="pt") as f:
         assert not is_gpufeed(f), type(f)
     with pytest.raises(Exception):
@@ -906,11 +922,11 @@ def test_patching_twice_then_unpatching_restores_safetensors(small_file):
             assert is_gpufeed(f), type(f)
     finally:
         gpufeed.unpatch_safetensors()
-    assert safetensors.safe_open is ST_OPEN
-    assert safetensors.torch.safe_open is ST_OPEN
+    assert is_st_own(safetensors.safe_open)
+    assert is_st_own(safetensors.torch.safe_open)
     assert safetensors.torch.load_file is original_load_file
     gpufeed.unpatch_safetensors()  # unpatching what is not patched changes nothing
-    assert safetensors.safe_open is ST_OPEN
+    assert is_st_own(safetensors.safe_open)
 
 
 PATCH_PROBE = """\
@@ -943,6 +959,13 @@ def probe(prelude, path, index):
                          ids=["at_start_up", "at_import_gpufeed"])
 def test_the_environment_variable_patches_without_a_code_change(tmp_path, monkeypatch, gen,
                                                                  prelude):
+    import site
+
+    installed = os.path.dirname(os.path.dirname(os.path.abspath(gpufeed.__file__)))
+    site_dirs = [os.path.abspath(d) for d in site.getsitepackages() + [site.getusersitepackages()]]
+    if not prelude and installed not in site_dirs:
+        pytest.skip(f"gpufeed is installed in {installed}, not a site directory (pip --target): "
+                    "Python runs the .pth start-up hook only from site directories")
     tensors = mixed_checkpoint(gen, count=6)
     index, files, _ = write_index(str(tmp_path), tensors)
     monkeypatch.setenv("GPUFEED_PATCH_SAFETENSORS", "1")

@@ -18,6 +18,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -67,10 +68,15 @@ def safetensors_own():
         skip(f"safetensors is not installed ({e})")
     if not hasattr(_safetensors_rust.safe_open, "get_tensor_meta"):
         skip(f"safetensors {safetensors.__version__} is older than 0.9.0rc1")
-    if safetensors.safe_open is not _safetensors_rust.safe_open:
+    own = _OWN.setdefault("safe_open", _safetensors_rust.safe_open)
+    if safetensors.safe_open is not own:
         gpufeed.unpatch_safetensors()  # GPUFEED_PATCH_SAFETENSORS=1: compare with the real one
-    assert safetensors.safe_open is _safetensors_rust.safe_open, "safetensors stays patched"
-    return _safetensors_rust.safe_open
+    assert safetensors.safe_open is own, "safetensors stays patched"
+    return own
+
+
+# safetensors' own safe_open, kept where a patch that rewrites module attributes does not reach
+_OWN = {}
 
 
 def gtorch():
@@ -306,8 +312,10 @@ def test_every_device_spelling_equals_safetensors_bit_for_bit():
                     check_handle(torch, f, r, what, sharded=sharded)
                 assert_same_dict(torch, gtorch().load_file(path, device=device), r["tensors"],
                                  f"gpufeed.torch.load_file({what})")
+            # safetensors' own load_file takes a str or an int, not a torch.device
+            st_device = str(device) if isinstance(device, torch.device) else device
             assert_same_dict(torch, gtorch().load_file(single, device=device),
-                             safetensors.torch.load_file(single, device=device),
+                             safetensors.torch.load_file(single, device=st_device),
                              f"load_file against safetensors' on the GPU, device={device!r}")
         with gpufeed.safe_open(single, device="cuda:0", backend="pread") as f:
             check_handle(torch, f, ref, "backend='pread'")
@@ -604,7 +612,8 @@ names = sorted(expected)
 
 def digest(t):
     torch.cuda.synchronize()
-    return hashlib.sha256(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    flat = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 out = {"tensors": {}, "error": None}
 try:
@@ -642,9 +651,10 @@ def test_a_file_truncated_during_a_sweep_is_the_original_or_an_error():
                 [sys.executable, "-c", TRUNCATION_CHILD, path, mode, json.dumps(expected)],
                 capture_output=True, text=True, timeout=300)
             lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-            assert result.returncode == 0 and lines, (
-                f"truncated during {mode}: the child exited with {result.returncode}"
-                f"{' (signal %d)' % -result.returncode if result.returncode < 0 else ''}:\n"
+            code = result.returncode
+            died = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+            assert code == 0 and lines, (
+                f"truncated during {mode}: the child exited with {code}{died}:\n"
                 f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
             out = json.loads(lines[-1][len("RESULT "):])
             for n, h in out["tensors"].items():

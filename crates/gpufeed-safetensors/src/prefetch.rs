@@ -15,6 +15,7 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
+use gpufeed_cuda::DeviceAlloc;
 use gpufeed_load::{DeviceBuffer, Loader, RouteChoice};
 use gpufeed_os::OpenedFile;
 
@@ -97,6 +98,9 @@ pub struct Piece {
     /// once it has seen that many).
     pub siblings: usize,
 }
+
+/// Chunks this large take their memory from `cuMemAlloc`, smaller ones from the pool.
+const UNPOOLED_CHUNK: usize = 64 << 20;
 
 /// Where an item is.
 enum Status {
@@ -458,12 +462,16 @@ fn work(
         };
         let layout = Layout::of(&chunk, items);
         let route = route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
-        let loaded =
-            loader
-                .gpu()
-                .alloc_filled(layout.len, loader.device_alloc(layout.len), |dst| {
-                    loader.load_spans_to(file, &layout.spans, dst, Some(route))
-                });
+        // Large chunks from cuMemAlloc: growing the context's pool chunk by chunk would cost
+        // 2-3 ms per GiB (docs/benchmarks.md, GPU run 8); chunks live as long as the tensors.
+        let from = if layout.len >= UNPOOLED_CHUNK {
+            DeviceAlloc::Unpooled
+        } else {
+            loader.device_alloc(layout.len)
+        };
+        let loaded = loader.gpu().alloc_filled(layout.len, from, |dst| {
+            loader.load_spans_to(file, &layout.spans, dst, Some(route))
+        });
         let mut state = shared.lock();
         match loaded {
             Ok((buffer, _report)) => {

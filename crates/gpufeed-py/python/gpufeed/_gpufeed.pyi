@@ -28,6 +28,10 @@ __all__ = [
     "EpochIter",
     "OnDemand",
     "RegisteredFile",
+    "SafeFile",
+    "NativePrefetch",
+    "open_safetensors",
+    "parse_header",
     "load_file",
     "load_range",
     "load_replicated",
@@ -113,7 +117,7 @@ class RegisteredFile:
 @final
 class OnDemand:
     """A safetensors file or index whose tensors load one at a time, when asked (what
-    ``gpufeed.safe_open`` wraps)."""
+    ``gpufeed.OnDemand`` wraps)."""
 
     def __new__(cls, path: _Path, device: int = 0) -> OnDemand: ...
     def keys(self) -> list[str]: ...
@@ -239,3 +243,47 @@ def advise(
 ) -> _Advice:
     """Where data should live and how it should reach the GPU (``gpufeed advise``);
     ``measure=True`` runs short trials on ``path``."""
+
+_Listed = list[tuple[str, str, tuple[int, ...], int, int]]
+# (chunk key, offset in the chunk, the chunk's array with its first tensor, last of the chunk)
+_Handed = tuple[int, int, Array | None, bool]
+
+def open_safetensors(path: _Path) -> list[SafeFile]:
+    """Opens a safetensors file or index and checks every header: one ``SafeFile`` per file."""
+
+def parse_header(data: bytes) -> tuple[int, dict[str, str] | None, _Listed]:
+    """The header of a whole safetensors file held in ``data``, checked."""
+
+@final
+class SafeFile:
+    """One safetensors file opened once (what ``gpufeed.safe_open`` stands on)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def data_start(self) -> int: ...
+    @property
+    def len(self) -> int: ...
+    def metadata(self) -> dict[str, str] | None: ...
+    def tensors(self) -> _Listed: ...
+    def host_bytes(self) -> Array: ...
+    def load_spans(self, device: int, spans: list[tuple[int, int]]) -> Array: ...
+    def prefetch(
+        self,
+        device: int,
+        items: list[tuple[int, int, int]],
+        chunk_bytes: int,
+        ahead_bytes: int | None = None,
+        follow_from: int | None = None,
+    ) -> NativePrefetch: ...
+
+@final
+class NativePrefetch:
+    """Ranges of one file loading to a GPU in the background (``SafeFile.prefetch``)."""
+
+    def __len__(self) -> int: ...
+    def take(self, i: int) -> _Handed: ...
+    def ready(self) -> list[tuple[int, _Handed]]: ...
+    def is_taken(self, i: int) -> bool: ...
+    def close(self) -> None: ...
+

@@ -20,25 +20,27 @@ Every error is ``gpufeed.SafetensorError``, a ``gpufeed.GpufeedError`` that is a
 
 import os
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import _gpufeed
 from ._gpufeed import GpufeedError, NoGpuError
 
 try:  # safetensors' own error class, so that `except SafetensorError` keeps working
-    from safetensors import SafetensorError as _SafetensorsError
+    from safetensors import SafetensorError as _Theirs
+
+    class _SafetensorsError(_Theirs):
+        """safetensors' ``SafetensorError`` (where safetensors is installed)."""
+
 except Exception:  # noqa: BLE001 (not installed, or broken: gpufeed's class stands alone)
-    _SafetensorsError = None
 
-if _SafetensorsError is not None:
+    class _SafetensorsError(Exception):  # type: ignore[no-redef]
+        """Stands in for safetensors' ``SafetensorError`` where safetensors is not installed."""
 
-    class SafetensorError(GpufeedError, _SafetensorsError):
-        """An error of gpufeed's drop-in safetensors API (also a ``safetensors.SafetensorError``)."""
 
-else:
-
-    class SafetensorError(GpufeedError):  # type: ignore[no-redef]
-        """An error of gpufeed's drop-in safetensors API."""
+class SafetensorError(GpufeedError, _SafetensorsError):
+    """An error of gpufeed's drop-in safetensors API; also a ``safetensors.SafetensorError``
+    where safetensors is installed."""
 
 
 SafetensorError.__module__ = "gpufeed"
@@ -51,8 +53,8 @@ class _FileNotFound(SafetensorError, FileNotFoundError):
 _FileNotFound.__module__ = "gpufeed"
 
 # Bytes per transfer of get_tensors / prefetch, and the most a get_tensor sweep holds ahead.
-_CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "512")) << 20
-_SWEEP_AHEAD = 1 << 30
+_CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
+_SWEEP_AHEAD = 2 << 30
 _SWEEP_FROM = 8 << 20
 # More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
 _MAX_RUNS = 65536
@@ -153,9 +155,9 @@ def _translated(e: Exception, path=None) -> Exception:
 
 
 class TensorMeta:
-    """A tensor's header entry, as written in the file; no data is read to build it."""
-
-    __slots__ = ("dtype", "shape", "data_offsets")
+    """A tensor's header entry, as written in the file; no data is read to build it:
+    ``dtype`` (its safetensors name, e.g. ``"F32"``), ``shape`` and ``data_offsets`` (its
+    ``(start, end)`` in the data section)."""
 
     def __init__(self, dtype: str, shape: List[int], data_offsets: Tuple[int, int]):
         self.dtype = dtype
@@ -166,9 +168,6 @@ class TensorMeta:
         return (f"TensorMeta(dtype={self.dtype!r}, shape={self.shape}, "
                 f"data_offsets={self.data_offsets})")
 
-    def __eq__(self, other) -> bool:
-        return (isinstance(other, TensorMeta) and self.dtype == other.dtype
-                and self.shape == other.shape and self.data_offsets == other.data_offsets)
 
 
 class _Entry:
@@ -195,6 +194,8 @@ class _Chunks:
         torch = self.torch
         whole = self.bytes.get(key)
         if whole is None:
+            if array is None:
+                raise SafetensorError("the tensors' loader was closed")
             whole = torch.from_dlpack(array)
             self.bytes[key] = whole
         td, size, _ = _dtype(torch, entry.dtype)
@@ -254,6 +255,9 @@ class PrefetchLoader:
             lst[i] = name
         self._chunks = _Chunks(torch)
         self._taken = set()
+        # Landed and handed over by the native side, not yet yielded: name -> piece, in order.
+        self._pending: Dict[str, Any] = {}
+        self._order: Deque[str] = deque()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -268,6 +272,8 @@ class PrefetchLoader:
         key, offset, array, last = handed
         entry, shape = self._metas[name]
         with self._lock:
+            if self._closed:
+                raise SafetensorError(f"tensor {name}: the prefetch loader was closed")
             return self._chunks.tensor(key, offset, array, last, entry, shape)
 
     def take(self, name: str):
@@ -276,47 +282,66 @@ class PrefetchLoader:
         where = self._where.get(name)
         if where is None:
             raise SafetensorError(f"tensor {name} is not in the prefetch plan")
-        if self._closed:
-            raise SafetensorError(f"tensor {name}: the prefetch loader was closed")
         with self._lock:
+            if self._closed:
+                raise SafetensorError(f"tensor {name}: the prefetch loader was closed")
             if name in self._taken:
                 raise SafetensorError(
-                    f"tensor {name} was already taken: a prefetch loader hands each tensor out once"
+                    f"tensor {name} was already delivered: a prefetch loader hands each tensor "
+                    "out once"
                 )
             self._taken.add(name)
-        f, i = where
-        try:
-            handed = self._files[f].take(i)
-        except GpufeedError as e:
-            raise _translated(e) from None
+            handed = self._pending.pop(name, None)
+        if handed is None:
+            f, i = where
+            try:
+                handed = self._files[f].take(i)
+            except GpufeedError as e:
+                raise _translated(e) from None
         return self._tensor(name, handed)
 
     def __iter__(self) -> Iterator[Tuple[str, Any]]:
-        """``(name, tensor)`` pairs as their bytes land; tensors already taken are skipped."""
+        """``(name, tensor)`` pairs as their bytes land; tensors already taken are skipped.
+        After ``close`` it raises."""
         for f, native in enumerate(self._files):
-            while not self._closed:
+            while True:
+                if self._closed:
+                    raise SafetensorError("the prefetch loader was closed")
+                with self._lock:
+                    name = self._order.popleft() if self._order else None
+                    handed = self._pending.pop(name, None) if name is not None else None
+                    if handed is not None:
+                        self._taken.add(name)
+                if name is not None:
+                    if handed is not None:
+                        yield name, self._tensor(name, handed)
+                    continue
+                # What has landed, handed over by the native side at once; held here (a
+                # `take` of one of them finds it) until the iteration reaches it.
                 try:
                     batch = native.ready()
                 except GpufeedError as e:
                     if self._closed:
-                        return
+                        raise SafetensorError("the prefetch loader was closed") from None
                     raise _translated(e) from None
                 if not batch:
                     break
-                for i, handed in batch:
-                    name = self._item_names[f][i]
-                    with self._lock:
-                        self._taken.add(name)
-                    yield name, self._tensor(name, handed)
+                with self._lock:
+                    for i, got in batch:
+                        item = self._item_names[f][i]
+                        self._pending[item] = got
+                        self._order.append(item)
 
     def close(self) -> None:
         """Stops the background load and drops every tensor not taken; tensors handed out
         keep their memory."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+            self._order.clear()
+            self._chunks.clear()
         for native in self._files:
             native.close()
-        with self._lock:
-            self._chunks.clear()
 
     def __enter__(self) -> "PrefetchLoader":
         return self
@@ -437,9 +462,9 @@ class safe_open:
             for name, dtype, shape, start, end in f.tensors():
                 self._entries[name] = _Entry(k, dtype, shape, base + start, base + end,
                                              (start, end))
-                by_offset.append((k, start, name))
+                by_offset.append((k, start, end, name))
         by_offset.sort()
-        self._offset_keys = [n for _, _, n in by_offset]
+        self._offset_keys = [n for _, _, _, n in by_offset]
         self._keys = sorted(self._entries)
         self._closed = False
         self._lock = threading.Lock()
@@ -586,14 +611,28 @@ class safe_open:
             return self._chunks.tensor(*handed, e)
 
     def get_tensors(self) -> Dict[str, Any]:
-        """Every tensor, as a dict in the order of the file (``offset_keys``)."""
+        """Every tensor, as a dict in the order of the file (``offset_keys``). On a GPU each
+        file is one transfer into one allocation (every tensor is handed out: nothing is held
+        for nobody), read through the descriptors this handle opened."""
         self._check_open()
         if self._ordinal is None:
             return {n: self._host_view(self._entries[n]) for n in self._offset_keys}
+        torch = self._torch()
+        for name in self._offset_keys:
+            _dtype(torch, self._entries[name].dtype)
         out = dict.fromkeys(self._offset_keys)
-        with self.prefetch() as loader:
-            for name, tensor in loader:
-                out[name] = tensor
+        for k, f in enumerate(self._files):
+            try:
+                array = f.load_spans(self._ordinal, [(f.data_start, f.len)])
+            except GpufeedError as e:
+                raise _translated(e) from None
+            chunks = _Chunks(torch)
+            names = [n for n in self._offset_keys if self._entries[n].file == k]
+            for j, name in enumerate(names):
+                e = self._entries[name]
+                handed = (k, e.start - f.data_start, array if j == 0 else None,
+                          j == len(names) - 1)
+                out[name] = chunks.tensor(*handed, e)
         return out
 
     def get_slice(self, name: str) -> _Slice:
@@ -604,6 +643,10 @@ class safe_open:
     def _slice(self, name, e: _Entry, index):
         self._check_open()
         torch = self._torch()
+        if self._ordinal is None:
+            # On the CPU, as safetensors does it: torch's indexing of the tensor's view of the
+            # mapping (a view, contiguous or not; torch's errors).
+            return self._host_view(e)[index]
         td, size, packed = _dtype(torch, e.dtype)
         shape = list(e.shape)
         dims = _indexers(index, shape)
@@ -611,13 +654,6 @@ class safe_open:
             raise SafetensorError(
                 f"{name}: F4 packs two values in a byte; slicing its last dimension is not supported"
             )
-        kept = [stop - start for start, stop, step, keep in dims if keep]
-        if self._ordinal is None:
-            whole = self._host_view(e)
-            pieces = tuple(slice(a, b, s) if keep else a for a, b, s, keep in dims)
-            if packed and dims:
-                pieces = pieces[:-1] + (slice(None),)
-            return whole[pieces].contiguous() if pieces else whole.clone()
         # On a GPU: the bytes of the step-1 hull of the slice, in runs.
         hull = [(a, b) for a, b, _, _ in dims]
         out_shape = [b - a for a, b in hull]
@@ -697,7 +733,10 @@ class safe_open:
                     raise SafetensorError(
                         f"prefetch plan slice {attr} {v} for {name} is out of range for {n} rows"
                     )
-            start, stop, step = value.indices(n)
+            try:
+                start, stop, step = value.indices(n)
+            except (ValueError, TypeError) as ex:
+                raise SafetensorError(f"invalid prefetch plan slice for {name}: {ex}") from None
             if step != 1:
                 raise SafetensorError(
                     f"prefetch plan slices must have step 1, got {step} for {name}"

@@ -17,17 +17,19 @@ PATCH = False  # run_suite.py rewrites this line
 import safetensors  # noqa: E402
 import safetensors.torch  # noqa: E402
 
-_ORIGINAL_SAFE_OPEN = safetensors._safetensors_rust.safe_open
+# Kept in a list: a patch that rewrites every module attribute bound to safe_open (as it must,
+# for modules that did `from safetensors import safe_open`) would rewrite a module global too.
+_ORIGINAL = [safetensors._safetensors_rust.safe_open]
 
 if PATCH:
     import gpufeed
 
     gpufeed.patch_safetensors()
-    if safetensors.safe_open is _ORIGINAL_SAFE_OPEN:
+    if safetensors.safe_open is _ORIGINAL[0]:
         raise RuntimeError(
             "gpufeed.patch_safetensors() left safetensors.safe_open as safetensors' own"
         )
-elif safetensors.safe_open is not _ORIGINAL_SAFE_OPEN:
+elif safetensors.safe_open is not _ORIGINAL[0]:
     raise RuntimeError(
         "the baseline (--no-patch) found safetensors.safe_open patched "
         f"({safetensors.safe_open!r}); is GPUFEED_PATCH_SAFETENSORS set?"
