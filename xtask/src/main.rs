@@ -202,6 +202,37 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
       status=1; echo "FAILED: python"; grep -E "^(FAIL|SKIP)" "$out/test-python.log" | head -n 20
     fi
   fi
+  # The drop-in tests under pytest (pytest from pywheels/ where the machine lacks it), against
+  # safetensors 0.9 (st09/, on the path for these only), then safetensors' own suite routed to
+  # gpufeed (st09-sdist/).
+  if ! python3 -m pytest --version >/dev/null 2>&1 && ls "$here"/pywheels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-pytest "$here"/pywheels/*.whl
+  fi
+  dropin_path="/tmp/gpufeed-pytest${{PYTHONPATH:+:$PYTHONPATH}}"
+  if ls "$here"/st09/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-st09 "$here"/st09/*.whl
+    dropin_path="/tmp/gpufeed-st09:$dropin_path"
+  else
+    echo "note: no safetensors 0.9 wheel carried (st09/): the drop-in tests compare against the machine's safetensors"
+  fi
+  echo "=== python: drop-in tests (pytest)"
+  if (cd "$here/py-tests" && PYTHONPATH="$dropin_path" python3 -m pytest -q -p no:cacheprovider \
+      test_safe_open_gpu.py test_safe_open.py test_transformers_gpu.py > "$out/test-dropin.log" 2>&1); then
+    tail -n 1 "$out/test-dropin.log"
+  else
+    status=1; echo "FAILED: drop-in tests"; grep -E "^(FAILED|ERROR)" "$out/test-dropin.log" | head -n 20
+  fi
+  if ls "$here"/st09-sdist/*.tar.gz >/dev/null 2>&1; then
+    echo "=== python: safetensors' own tests, routed to gpufeed"
+    if PYTHONPATH="$dropin_path" python3 "$here/py-tests/safetensors_suite/run_suite.py" \
+        "$here"/st09-sdist/*.tar.gz -q > "$out/test-safetensors-suite.log" 2>&1; then
+      tail -n 1 "$out/test-safetensors-suite.log"
+    else
+      status=1; echo "FAILED: safetensors' suite"; tail -n 15 "$out/test-safetensors-suite.log"
+    fi
+  else
+    echo "note: no safetensors sdist carried (st09-sdist/): its own tests not run"
+  fi
   for t in "$here"/tests/*; do
     name="$(basename "$t")"
     echo "=== $name"
@@ -287,17 +318,85 @@ fn python_wheel(root: &Path, out: &Path) {
         .unwrap_or(false);
     let tests = out.join("py-tests");
     let copied = std::fs::create_dir_all(&tests).and_then(|()| {
-        std::fs::copy(
-            root.join("crates/gpufeed-py/tests/test_gpu.py"),
-            tests.join("test_gpu.py"),
+        for name in PY_GPU_TESTS {
+            std::fs::copy(
+                root.join("crates/gpufeed-py/tests").join(name),
+                tests.join(name),
+            )?;
+        }
+        copy_dir(
+            &root.join("crates/gpufeed-py/tests/safetensors_suite"),
+            &tests.join("safetensors_suite"),
         )
     });
+    drop_in_peers(root, out);
     if !built || copied.is_err() {
         eprintln!(
             "note: the Python wheel was not built (install maturin: python3 -m venv target/py-venv \
              && target/py-venv/bin/pip install maturin); the GPU machine runs the Rust tests only"
         );
     }
+}
+
+/// The Python GPU test files carried (`test_gpu.py` runs alone; the others under pytest).
+const PY_GPU_TESTS: [&str; 4] = [
+    "test_gpu.py",
+    "test_safe_open_gpu.py",
+    "test_safe_open.py",
+    "test_transformers_gpu.py",
+];
+
+/// What the drop-in tests compare against, where this machine has it: safetensors 0.9's wheel
+/// (`../shared/wheels/`) into `out/st09`, its sdist (which `.ci/run` downloads into
+/// `target/st09-sdist/`) into `out/st09-sdist`, and pytest's wheels (`target/pytest-wheels/`,
+/// `pip download pytest -d target/pytest-wheels`) into `out/pywheels`. Each is optional: run.sh
+/// skips what is not there, saying so.
+fn drop_in_peers(root: &Path, out: &Path) {
+    let copies = [
+        (
+            root.join("../shared/wheels"),
+            out.join("st09"),
+            "safetensors-0.9",
+        ),
+        (
+            target_dir(root).join("st09-sdist"),
+            out.join("st09-sdist"),
+            "safetensors-0.9",
+        ),
+        (
+            target_dir(root).join("pytest-wheels"),
+            out.join("pywheels"),
+            "",
+        ),
+    ];
+    for (from, to, prefix) in copies {
+        let Ok(entries) = std::fs::read_dir(&from) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            if !name.to_string_lossy().starts_with(prefix) {
+                continue;
+            }
+            if std::fs::create_dir_all(&to)
+                .and_then(|()| std::fs::copy(entry.path(), to.join(&name)))
+                .is_err()
+            {
+                eprintln!("note: could not copy {}", entry.path().display());
+            }
+        }
+    }
+}
+
+/// `from` copied into `to` (files, one level deep).
+fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)?.flatten() {
+        if entry.file_type()?.is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name()))?;
+        }
+    }
+    Ok(())
 }
 
 fn copy_stripped(from: &Path, to: &Path) -> Result<()> {

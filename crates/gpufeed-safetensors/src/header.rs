@@ -246,17 +246,19 @@ pub fn header_of(
 ///
 /// # Errors
 /// As for [`header_of`].
-pub fn header_and_metadata(
-    bytes: &[u8],
-) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<BTreeMap<String, String>>), HeaderError> {
+pub fn header_and_metadata(bytes: &[u8]) -> std::result::Result<HeaderParts, HeaderError> {
     header_parts(bytes, bytes.len() as u64)
 }
+
+/// A header's parts: where the data section starts, the tensors (sorted by name) and the
+/// `__metadata__` (where it has one).
+pub type HeaderParts = (u64, Vec<HeaderEntry>, Option<BTreeMap<String, String>>);
 
 /// [`header_of`], with the header's `__metadata__` (where it has one).
 pub(crate) fn header_parts(
     prefix: &[u8],
     file_len: u64,
-) -> std::result::Result<(u64, Vec<HeaderEntry>, Option<BTreeMap<String, String>>), HeaderError> {
+) -> std::result::Result<HeaderParts, HeaderError> {
     let Some(n) = prefix.get(..8) else {
         let have = prefix.len() as u64;
         return Err(if file_len < 8 {

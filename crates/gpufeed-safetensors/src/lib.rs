@@ -51,7 +51,7 @@ pub use checkpoint::{
 };
 pub use error::{Error, Result};
 pub use header::{
-    HeaderEntry, HeaderError, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
+    HeaderEntry, HeaderError, HeaderParts, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
 };
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 pub use on_demand::OnDemand;

@@ -565,11 +565,11 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
         .max(1);
     let mut chunk = Vec::new();
     let mut bytes = 0u64;
-    for i in start..n {
+    for (i, item) in items.iter().enumerate().skip(start) {
         if !pending(state, i) {
             continue;
         }
-        let len = items[i].span.end - items[i].span.start;
+        let len = item.span.end - item.span.start;
         if !chunk.is_empty() && bytes + len > room {
             break;
         }

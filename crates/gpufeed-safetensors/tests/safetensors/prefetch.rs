@@ -167,9 +167,9 @@ fn a_file_written_during_a_prefetch_is_an_error_naming_it() {
         .expect("reopen")
         .write_all_at_end();
     let mut failed = None;
-    for i in 1..items.len() {
+    for (i, item) in items.iter().enumerate().skip(1) {
         match p.take(i) {
-            Ok(piece) => check(&gpu, &data, &items[i], &piece),
+            Ok(piece) => check(&gpu, &data, item, &piece),
             Err(e) => {
                 failed = Some(e);
                 break;
