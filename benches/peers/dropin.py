@@ -95,6 +95,8 @@ def one(method, path):
 
 
 def measure(paths, reps):
+    # The safetensors rows must measure safetensors: no routing to gpufeed from outside.
+    env = {k: v for k, v in os.environ.items() if k != "GPUFEED_PATCH_SAFETENSORS"}
     out = {}
     for path in paths:
         rows = {}
@@ -103,7 +105,7 @@ def measure(paths, reps):
             try:
                 for _ in range(reps):
                     run = subprocess.run([sys.executable, __file__, "--one", method, path],
-                                         capture_output=True, text=True, timeout=600)
+                                         capture_output=True, text=True, timeout=600, env=env)
                     if run.returncode != 0:
                         raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip()
                                            else f"exit {run.returncode}")

@@ -198,7 +198,15 @@ pub fn measure(
     } else {
         bytes as f64 / (8u64 << 30) as f64
     };
-    let dropin = dropin(dir, reps, scale, &mut progress)?;
+    // A failure here (the disk full while writing the files) is a row, not the end of the
+    // figures measured before.
+    let dropin = dropin(dir, reps, scale, &mut progress).unwrap_or_else(|e| {
+        vec![DropinFile {
+            bytes: 0,
+            tensors: 0,
+            rows: vec![("dropin.py".to_owned(), Err(format!("{e:#}")))],
+        }]
+    });
     let mut errors = Vec::new();
     let mut get = |key: &str| -> Option<Samples> {
         let v = out.get(key).or_else(|| out.get("peers"));
@@ -406,7 +414,12 @@ fn dropin_table(s: &mut String, files: &[DropinFile]) {
     for f in files {
         let _ = writeln!(
             s,
-            "\n### Table 10, drop-in paths: {} in {} tensors to `cuda:0` (warm)\n\n             *Fresh*: a new process that created torch's CUDA context before the clock, the              open included; *again*: the third load in that process. Checksums of the bytes              loaded are compared across methods.\n\n             | method | fresh GB/s | against prefetch(16) | again GB/s | against prefetch(16) |\n             |---|---|---|---|---|",
+            "\n### Table 10, drop-in paths: {} in {} tensors to `cuda:0` (warm)\n\n\
+             *Fresh*: a new process that created torch's CUDA context before the clock, the \
+             open included; *again*: the third load in that process. Checksums of the bytes \
+             loaded are compared across methods.\n\n\
+             | method | fresh GB/s | against prefetch(16) | again GB/s | against prefetch(16) |\n\
+             |---|---|---|---|---|",
             show_size(f.bytes),
             f.tensors
         );

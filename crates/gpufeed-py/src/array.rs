@@ -300,6 +300,40 @@ impl Array {
             device,
         }
     }
+
+    /// `nbytes` bytes at `base` of `owner` as one tensor of `dtype` and `shape` where DLPack
+    /// carries that dtype and the shape fills the bytes; else as `U8` bytes (the caller views
+    /// them as the dtype: F4, F8_E8M0, the FNUZ types, C64).
+    pub(crate) fn typed(
+        owner: Arc<Owner>,
+        base: usize,
+        nbytes: usize,
+        device: DLDevice,
+        dtype: Dtype,
+        shape: &[usize],
+    ) -> Array {
+        let elems = shape
+            .iter()
+            .try_fold(1u128, |n, &d| n.checked_mul(d as u128));
+        match dlpack_dtype(dtype) {
+            Ok((dl, name))
+                if elems.and_then(|n| n.checked_mul(u128::from(dl.bits)))
+                    == Some(nbytes as u128 * 8) =>
+            {
+                Array {
+                    owner,
+                    base,
+                    byte_offset: 0,
+                    nbytes,
+                    dtype: dl,
+                    dtype_name: name,
+                    shape: shape.iter().map(|&d| d as i64).collect(),
+                    device,
+                }
+            }
+            _ => Array::bytes(owner, base, nbytes, device, None),
+        }
+    }
 }
 
 /// Bytes on the GPU as a 1-D `U8` array.

@@ -90,6 +90,39 @@ pub(crate) fn parse_header<'py>(
     Ok((start, metadata, listed(py, &tensors)?))
 }
 
+impl SafeFile {
+    /// The owner of the file's private mapping, made on first use.
+    fn host_owner(&self) -> PyResult<Arc<Owner>> {
+        let mut host = self.host.lock();
+        if let Some(owner) = host.as_ref() {
+            return Ok(Arc::clone(owner));
+        }
+        if let Some(what) = self.file.changed().map_err(py_err)? {
+            return Err(GpufeedError::new_err(format!(
+                "{}: the file changed since it was opened ({what}): open it again",
+                self.file.path().display()
+            )));
+        }
+        #[allow(unsafe_code, reason = "mapping a file")]
+        // SAFETY: a private mapping: the process's writes never reach the file. The file was
+        // checked unchanged just now; one truncated by another process later makes its lost
+        // pages raise SIGBUS on access, as safetensors' own CPU tensors (an mmap of the file)
+        // do; a file renamed over or rewritten through a new inode leaves this one intact.
+        let map = unsafe {
+            gpufeed::os::FileMap::of_opened_as(
+                &self.file,
+                0,
+                self.file.len(),
+                gpufeed::os::MapMode::Private,
+            )
+        }
+        .map_err(py_err)?;
+        let owner = Arc::new(Owner::new(Storage::Mapped(map), None));
+        *host = Some(Arc::clone(&owner));
+        Ok(owner)
+    }
+}
+
 #[pymethods]
 impl SafeFile {
     /// The file's path.
@@ -120,35 +153,68 @@ impl SafeFile {
         listed(py, &self.tensors)
     }
 
-    /// The whole file as a `U8` host array: a private (copy-on-write) mapping of the
-    /// descriptor opened, made once and shared by every tensor of this file; writes to it stay
-    /// in this process.
-    fn host_bytes(&self) -> PyResult<Array> {
-        let mut host = self.host.lock();
-        let owner = match host.as_ref() {
-            Some(owner) => Arc::clone(owner),
-            None => {
-                #[allow(unsafe_code, reason = "mapping a file")]
-                // SAFETY: a private mapping: the process's writes never reach the file. A
-                // file truncated by another process meanwhile makes its later pages raise
-                // SIGBUS on access, as safetensors' own CPU tensors (an mmap of the file) do;
-                // a file renamed over or rewritten through a new inode leaves this one intact.
-                let map = unsafe {
-                    gpufeed::os::FileMap::of_opened_as(
-                        &self.file,
-                        0,
-                        self.file.len(),
-                        gpufeed::os::MapMode::Private,
-                    )
-                }
-                .map_err(py_err)?;
-                let owner = Arc::new(Owner::new(Storage::Mapped(map), None));
-                *host = Some(Arc::clone(&owner));
-                owner
-            }
-        };
-        let (base, len) = owner.host_range().unwrap_or((0, 0));
-        Ok(Array::bytes(owner, base, len, crate::array::cpu(), None))
+    /// Tensors `indices` (of `tensors()`) as host arrays, each its own view of a private
+    /// (copy-on-write) mapping of the descriptor opened, made once and shared by every tensor
+    /// of this file: writes to them stay in this process. Each array has the tensor's dtype
+    /// and shape where DLPack carries the dtype, else its bytes as `U8`.
+    ///
+    /// # Errors
+    /// The file changed since it was opened (its identity, asked of the descriptor): mapping
+    /// a truncated file would raise SIGBUS where its tensors are touched.
+    fn host_tensors(&self, indices: Vec<usize>) -> PyResult<Vec<Array>> {
+        let owner = self.host_owner()?;
+        let (base, _) = owner.host_range().unwrap_or((0, 0));
+        let start = self.data_start as usize;
+        indices
+            .into_iter()
+            .map(|i| {
+                let t = self.tensors.get(i).ok_or_else(|| {
+                    GpufeedError::new_err(format!("no tensor {i} in {}", self.path()))
+                })?;
+                Ok(Array::typed(
+                    Arc::clone(&owner),
+                    base + start + t.range.start,
+                    t.range.end - t.range.start,
+                    crate::array::cpu(),
+                    t.dtype,
+                    &t.shape,
+                ))
+            })
+            .collect()
+    }
+
+    /// Every tensor of the file on GPU `device`, one transfer of the data section into one
+    /// allocation, read through the descriptor opened: one array per tensor of `tensors()`,
+    /// in that order (dtype and shape as for `host_tensors`); the allocation is freed when the
+    /// last of them goes.
+    fn load_tensors(&self, py: Python<'_>, device: usize) -> PyResult<Vec<Array>> {
+        let loader = shared_loader(py, device)?;
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let span = self.data_start..self.file.len();
+        let (buf, _) = py
+            .detach(|| {
+                reaper::wait_idle_before(span.end - span.start);
+                loader.load_spans_of(&self.file, std::slice::from_ref(&span))
+            })
+            .map_err(py_err)?;
+        let gpu = loader.gpu();
+        let base = device_address(gpu, &buf);
+        let owner = Arc::new(Owner::new(Storage::Device(buf), Some(gpu.clone())));
+        let dev = cuda(gpu.info().ordinal);
+        Ok(self
+            .tensors
+            .iter()
+            .map(|t| {
+                Array::typed(
+                    Arc::clone(&owner),
+                    base + t.range.start,
+                    t.range.end - t.range.start,
+                    dev,
+                    t.dtype,
+                    &t.shape,
+                )
+            })
+            .collect())
     }
 
     /// Bytes `spans` (absolute offsets, back to back) on GPU `device`: a `U8` array.
@@ -166,19 +232,31 @@ impl SafeFile {
         Ok(crate::array::device_bytes(loader.gpu(), buf))
     }
 
-    /// Starts loading `items` (`(start, end, align)`, absolute offsets) to GPU `device` in the
-    /// background, in chunks of `chunk_bytes`; see `gpufeed_safetensors::PrefetchOptions` for
-    /// `ahead_bytes` and `follow_from`.
+    /// Starts loading `items` (`(start, end, align, tensor, shape)`: absolute offsets, the
+    /// element size they are placed at, the index in `tensors()` of the tensor they hold and
+    /// that part's shape) to GPU `device` in the background, in chunks of `chunk_bytes`; see
+    /// `gpufeed_safetensors::PrefetchOptions` for `ahead_bytes` and `follow_from`.
     #[pyo3(signature = (device, items, chunk_bytes, ahead_bytes=None, follow_from=None))]
+    #[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
     fn prefetch(
         &self,
         py: Python<'_>,
         device: usize,
-        items: Vec<(u64, u64, usize)>,
+        items: Vec<(u64, u64, usize, usize, Vec<usize>)>,
         chunk_bytes: u64,
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
     ) -> PyResult<NativePrefetch> {
+        let mut views = Vec::with_capacity(items.len());
+        let mut spans = Vec::with_capacity(items.len());
+        for (start, end, align, tensor, shape) in items {
+            let t = self.tensors.get(tensor).ok_or_else(|| {
+                GpufeedError::new_err(format!("no tensor {tensor} in {}", self.path()))
+            })?;
+            views.push((t.dtype, shape));
+            spans.push((start, end, align));
+        }
+        let items = spans;
         let loader = shared_loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let file = self.file.try_clone().map_err(py_err)?;
@@ -209,6 +287,7 @@ impl SafeFile {
         Ok(NativePrefetch {
             gpu,
             inner: Mutex::new(Some(Arc::new(inner))),
+            views,
             seen: Mutex::new(HashMap::new()),
             restore: KeepContext::default(),
         })
@@ -216,17 +295,20 @@ impl SafeFile {
 }
 
 /// Items of one file loading to a GPU in the background (`gpufeed_safetensors::Prefetch`),
-/// handed to Python as `(chunk key, offset, chunk array or None, last)`: the chunk's array
-/// comes with the first item of the chunk handed out, `last` with the last one (the caller
-/// caches the chunk's tensor in between).
+/// each handed to Python as an array of its own (its dtype and shape where DLPack carries the
+/// dtype, else `U8` bytes) sharing its chunk's allocation, which is freed when the last array
+/// of the chunk goes (and the prefetch, for items never handed out).
 #[pyclass(frozen, module = "gpufeed._gpufeed")]
 pub struct NativePrefetch {
     gpu: gpufeed::Gpu,
     /// Taken out (and closed) by `close`; callers clone it out, so that none waits holding
     /// the lock.
     inner: Mutex<Option<Arc<Prefetch>>>,
-    /// Items handed out per chunk (by the allocation's address), until its last.
-    seen: Mutex<HashMap<usize, usize>>,
+    /// Each item's dtype and shape.
+    views: Vec<(gpufeed::safetensors::Dtype, Vec<usize>)>,
+    /// Per chunk (by the allocation's address) being handed out: its owner and how many of
+    /// its items were handed out, until its last.
+    seen: Mutex<HashMap<usize, (Arc<Owner>, usize)>>,
     restore: KeepContext,
 }
 
@@ -236,29 +318,35 @@ impl Drop for NativePrefetch {
     }
 }
 
-type Handed = (usize, usize, Option<Array>, bool);
-
 impl NativePrefetch {
-    fn hand(&self, piece: Piece) -> Handed {
+    fn hand(&self, i: usize, piece: Piece) -> Array {
         let key = Arc::as_ptr(&piece.buffer) as usize;
-        let mut seen = self.seen.lock();
-        let count = seen.entry(key).or_insert(0);
-        *count += 1;
-        let first = *count == 1;
-        let last = *count >= piece.siblings;
-        if last {
-            seen.remove(&key);
-        }
-        let array = first.then(|| {
-            let base = device_address(&self.gpu, &piece.buffer);
-            let nbytes = piece.buffer.len();
-            let owner = Arc::new(Owner::new(
-                Storage::Chunk(Arc::clone(&piece.buffer)),
-                Some(self.gpu.clone()),
-            ));
-            Array::bytes(owner, base, nbytes, cuda(self.gpu.info().ordinal), None)
-        });
-        (key, piece.offset, array, last)
+        let base = device_address(&self.gpu, &piece.buffer);
+        let owner = {
+            let mut seen = self.seen.lock();
+            let entry = seen.entry(key).or_insert_with(|| {
+                let owner = Owner::new(
+                    Storage::Chunk(Arc::clone(&piece.buffer)),
+                    Some(self.gpu.clone()),
+                );
+                (Arc::new(owner), 0)
+            });
+            entry.1 += 1;
+            let owner = Arc::clone(&entry.0);
+            if entry.1 >= piece.siblings {
+                seen.remove(&key);
+            }
+            owner
+        };
+        let (dtype, shape) = &self.views[i];
+        Array::typed(
+            owner,
+            base + piece.offset,
+            piece.len,
+            cuda(self.gpu.info().ordinal),
+            *dtype,
+            shape,
+        )
     }
 
     /// The prefetch, or an error once closed.
@@ -276,17 +364,17 @@ impl NativePrefetch {
         Ok(self.open()?.len())
     }
 
-    /// Item `i`, waiting for it: `(chunk key, offset, chunk array or None, last)`.
-    fn take(&self, py: Python<'_>, i: usize) -> PyResult<Handed> {
+    /// Item `i`, waiting for it.
+    fn take(&self, py: Python<'_>, i: usize) -> PyResult<Array> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let p = self.open()?;
         let piece = py.detach(|| p.take(i)).map_err(py_err)?;
-        Ok(self.hand(piece))
+        Ok(self.hand(i, piece))
     }
 
-    /// Every item that has landed and nobody took, waiting for one: `[(i, key, offset,
-    /// array or None, last)]`; empty once every item was handed out.
-    fn ready(&self, py: Python<'_>) -> PyResult<Vec<(usize, Handed)>> {
+    /// Every item that has landed and nobody took, waiting for one: `[(i, array)]`; empty
+    /// once every item was handed out.
+    fn ready(&self, py: Python<'_>) -> PyResult<Vec<(usize, Array)>> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let Some(p) = self.inner.lock().clone() else {
             return Ok(Vec::new());
@@ -300,7 +388,7 @@ impl NativePrefetch {
         }
         Ok(out
             .into_iter()
-            .map(|(i, piece)| (i, self.hand(piece)))
+            .map(|(i, piece)| (i, self.hand(i, piece)))
             .collect())
     }
 

@@ -978,3 +978,57 @@ def test_the_environment_variable_patches_without_a_code_change(tmp_path, monkey
     assert not out["imported_safe_open"].startswith("gpufeed"), out
     assert not out["safetensors_safe_open"].startswith("gpufeed"), out
     assert not isinstance(out["load_file_of_index"], list), out
+
+
+def test_every_tensor_is_a_storage_of_its_own_so_safetensors_saves_them(tmp_path, gen):
+    """As safetensors' own: each tensor of a handle (and of ``gpufeed.torch.load_file``) has a
+    storage of exactly its bytes, so ``torch.save`` of one writes only it and
+    ``safetensors.torch.save_file`` of a loaded dict does not refuse shared memory."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = mixed_checkpoint(gen, count=8)
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    got = gpufeed.torch.load_file(path)
+    ptrs = {t.untyped_storage().data_ptr() for t in got.values() if t.numel()}
+    assert len(ptrs) == sum(1 for t in got.values() if t.numel()), "tensors share a storage"
+    for name, t in got.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+    again = str(tmp_path / "again.safetensors")
+    save_file(got, again)
+    assert_same_dict(load_file(again), tensors, "saved back by safetensors")
+    with gpufeed.safe_open(path) as f:
+        name = max(f.keys(), key=lambda n: tensors[n].numel())
+        one = f.get_tensor(name)
+    import io
+
+    buf = io.BytesIO()
+    torch.save(one, buf)
+    assert buf.tell() < one.numel() * one.element_size() + 4096, \
+        f"torch.save of one tensor wrote {buf.tell()} bytes"
+
+
+def test_unpatch_restores_modules_that_imported_while_patched(tmp_path):
+    """``safetensors.torch`` (and any module) imported while the patch was on binds the routed
+    function; after ``unpatch_safetensors`` every such binding is safetensors' own, and a copy
+    kept elsewhere calls safetensors'."""
+    code = r"""
+import sys, gpufeed
+gpufeed.patch_safetensors()
+import safetensors.torch
+from safetensors import safe_open as kept
+assert getattr(safetensors.torch.safe_open, "__gpufeed__", False), "routed while on"
+gpufeed.unpatch_safetensors()
+assert not getattr(safetensors.torch.safe_open, "__gpufeed__", False), "left in safetensors.torch"
+assert not getattr(safetensors.torch.load_file, "__gpufeed__", False), "left load_file"
+print(type(kept(sys.argv[1], framework="pt")).__module__)
+"""
+    path = str(tmp_path / "m.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3)}, path)
+    env = {k: v for k, v in os.environ.items() if k != "GPUFEED_PATCH_SAFETENSORS"}
+    run = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not run.stdout.strip().startswith("gpufeed"), run.stdout

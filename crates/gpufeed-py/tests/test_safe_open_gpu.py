@@ -729,3 +729,55 @@ if __name__ == "__main__":
                 failed += 1
                 print(f"FAIL {name}: {type(e).__name__}: {e}")
     sys.exit(1 if failed else 0)
+
+
+def test_taking_a_landed_tensor_mid_iteration_loses_nothing():
+    """Iterate, then ``take`` tensors the iteration has received but not yet yielded (and
+    others), then iterate on: every tensor exactly once, bit for bit; ``get_tensor`` from
+    several threads at once likewise."""
+    import threading
+
+    torch = torch_on_gpu()
+    st_open = safetensors_own()
+    from safetensors.torch import save_file
+
+    gen = generator(torch, 23)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "mix.safetensors")
+        tensors = {f"t.{i:03}": random_tensor(torch, torch.float16, (97, 61 + i), gen)
+                   for i in range(96)}
+        save_file(tensors, path)
+        want = reference(st_open, path)["tensors"]
+        with gpufeed.safe_open(path, device="cuda:0") as f, f.prefetch() as loader:
+            stream = iter(loader)
+            got = dict([next(stream)])
+            names = loader.names()
+            for name in (names[1], names[-1], names[len(names) // 2]):
+                if name not in got:
+                    got[name] = loader.take(name)
+            for name, t in stream:
+                assert name not in got, f"{name} handed out twice"
+                got[name] = t
+            assert sorted(got) == sorted(tensors), "every tensor once"
+            for name, t in got.items():
+                assert_same(torch, t, want[name], f"{name}, taken or iterated")
+        with gpufeed.safe_open(path, device="cuda:0") as f:
+            out, errors = {}, []
+
+            def work(part):
+                try:
+                    for n in part:
+                        out[n] = f.get_tensor(n)
+                except Exception as e:  # noqa: BLE001 (reported below)
+                    errors.append(repr(e))
+
+            keys = f.keys()
+            threads = [threading.Thread(target=work, args=(keys[k::4],)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            assert not errors, errors
+            assert sorted(out) == sorted(tensors)
+            for name, t in out.items():
+                assert_same(torch, t, want[name], f"{name}, from a thread")

@@ -7,8 +7,8 @@
 //! publishes them; [`Prefetch::take`] waits for one range, [`Prefetch::next_ready`] for the next
 //! to land. A chunk's memory is freed when every [`Piece`] of it is dropped (and the prefetch
 //! with it, for pieces never taken). With [`PrefetchOptions::ahead_bytes`] the worker stops
-//! while that many bytes wait untaken: device memory is then what the caller holds plus that
-//! bound plus one chunk.
+//! while that many bytes wait untaken: device memory is then the chunks of the pieces the
+//! caller holds (a held piece keeps its whole chunk), plus that bound, plus one chunk.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -117,8 +117,11 @@ struct State {
     ready: VecDeque<usize>,
     /// Where the worker goes on from: the item after the last chunk.
     cursor: usize,
-    /// An item a caller waits for that is not loaded: the next chunk starts there.
-    demand: Option<usize>,
+    /// Items callers wait for that are not loaded, in the order asked: the next chunk starts
+    /// at the first still pending.
+    demand: VecDeque<usize>,
+    /// Following (see [`PrefetchOptions::follow_from`]).
+    follow: bool,
     /// Bytes loaded and not taken.
     untaken: u64,
     /// Items not handed out (or given up for a failure).
@@ -239,7 +242,8 @@ impl Prefetch {
                 status: (0..n).map(|_| Status::Pending).collect(),
                 ready: VecDeque::new(),
                 cursor: 0,
-                demand: None,
+                demand: VecDeque::new(),
+                follow: opts.follow_from.is_some(),
                 untaken: 0,
                 left: n,
                 closed: false,
@@ -298,8 +302,9 @@ impl Prefetch {
                 Some(Status::Failed) => return Err(self.failure(&mut state)),
                 Some(Status::Ready(_)) => return Ok(state.hand_out(i, &self.shared)),
                 Some(Status::Pending) => {
-                    if state.demand != Some(i) {
-                        state.demand = Some(i);
+                    // Once per item: waiters on different items must not wake each other.
+                    if !state.demand.contains(&i) {
+                        state.demand.push_back(i);
                         self.shared.changed.notify_all();
                     }
                 }
@@ -333,6 +338,18 @@ impl Prefetch {
             }
             if state.left == 0 {
                 return Ok(None);
+            }
+            // Following, nothing loads unasked: ask for the first item still pending (once).
+            if state.follow
+                && state.demand.is_empty()
+                && !state.status.iter().any(|s| matches!(s, Status::Loading))
+                && let Some(first) = state
+                    .status
+                    .iter()
+                    .position(|s| matches!(s, Status::Pending))
+            {
+                state.demand.push_back(first);
+                self.shared.changed.notify_all();
             }
             state = self.shared.wait(state);
         }
@@ -416,6 +433,31 @@ impl Drop for Prefetch {
     }
 }
 
+/// Gives up, when the worker ends, every item it left pending or loading (a panic in a
+/// transfer, a bug): their waiters are woken with an error instead of waiting for ever.
+struct GiveUpOnExit<'a>(&'a Shared);
+
+impl Drop for GiveUpOnExit<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        let mut left_behind = false;
+        for s in state.status.iter_mut() {
+            if matches!(s, Status::Pending | Status::Loading) {
+                *s = Status::Failed;
+                left_behind = true;
+            }
+        }
+        if left_behind && state.failure.is_none() && state.failure_text.is_none() {
+            state.failure_text = Some(if std::thread::panicking() {
+                "the prefetch thread panicked".into()
+            } else {
+                "the prefetch thread stopped".into()
+            });
+        }
+        self.0.changed.notify_all();
+    }
+}
+
 /// The worker: chunk after chunk until every item is loaded, the prefetch is closed or a
 /// transfer fails.
 fn work(
@@ -425,6 +467,7 @@ fn work(
     items: &[PrefetchItem],
     opts: &PrefetchOptions,
 ) {
+    let _give_up = GiveUpOnExit(shared);
     let hull = items
         .iter()
         .fold(None::<Range<u64>>, |h, it| match h {
@@ -442,7 +485,8 @@ fn work(
                 }
                 let waiting = state
                     .demand
-                    .is_some_and(|d| matches!(state.status[d], Status::Pending));
+                    .iter()
+                    .any(|&d| matches!(state.status[d], Status::Pending));
                 let held = opts
                     .ahead_bytes
                     .is_some_and(|ahead| state.untaken > 0 && state.untaken >= ahead);
@@ -528,7 +572,13 @@ enum Next {
 fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions) -> Next {
     let n = items.len();
     let pending = |state: &State, i: usize| matches!(state.status[i], Status::Pending);
-    let demanded = state.demand.take().filter(|&d| pending(state, d));
+    let mut demanded = None;
+    while let Some(d) = state.demand.pop_front() {
+        if pending(state, d) {
+            demanded = Some(d);
+            break;
+        }
+    }
     let start = match demanded {
         Some(d) => d,
         None => match (state.cursor..n).find(|&i| pending(state, i)) {
@@ -680,7 +730,8 @@ mod tests {
             status: (0..4).map(|_| Status::Pending).collect(),
             ready: VecDeque::new(),
             cursor: 0,
-            demand: Some(2),
+            demand: VecDeque::from([2]),
+            follow: false,
             untaken: 0,
             left: 4,
             closed: false,
@@ -716,7 +767,8 @@ mod tests {
             status: (0..8).map(|_| Status::Pending).collect(),
             ready: VecDeque::new(),
             cursor: 0,
-            demand: Some(0),
+            demand: VecDeque::from([0]),
+            follow: true,
             untaken: 0,
             left: 8,
             closed: false,
@@ -730,12 +782,12 @@ mod tests {
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1, 2]));
         // A jump to item 6 starts small again.
-        state.demand = Some(6);
+        state.demand.push_back(6);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![6]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![7]));
         // Nothing ahead of the cursor: items 3-5 wait for a caller.
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Idle);
-        state.demand = Some(3);
+        state.demand.push_back(3);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![3]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![4, 5]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);

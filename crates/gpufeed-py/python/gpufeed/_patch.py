@@ -6,15 +6,18 @@ Other frameworks and devices (numpy, mps, npu, ...) go to safetensors as before.
 Modules that did ``from safetensors import safe_open`` before the patch (transformers does, at
 import) are routed too: every module attribute that is safetensors' function is replaced. A
 ``safetensors`` imported after the patch is patched as it is imported, so the patch can be
-applied at start-up without importing safetensors or torch: ``GPUFEED_PATCH_SAFETENSORS=1`` in
-the environment does it in every Python process (through ``gpufeed-patch.pth``, installed with
-the package), or at ``import gpufeed``.
+applied at start-up without importing torch: ``GPUFEED_PATCH_SAFETENSORS=1`` in the
+environment does it in every Python process (through ``gpufeed-patch.pth``, installed with the
+package: it then imports gpufeed, its native module and safetensors at start-up, ~20 ms), or at
+``import gpufeed``. Where the variable is unset the ``.pth`` line costs one environment lookup.
+A copy of a routed function that outlives ``unpatch_safetensors`` calls safetensors' own.
 """
 
 import importlib.abc
 import os
 import sys
 import threading
+import types
 
 ENV_VAR = "GPUFEED_PATCH_SAFETENSORS"
 
@@ -35,12 +38,22 @@ def _gpufeed_device(device) -> bool:
     return True
 
 
+_UNSET = object()
+
+
 def _routed_safe_open(original):
-    def safe_open(filename, framework, device="cpu", *, backend="mmap"):
-        if framework in ("pt", "torch", "pytorch") and _gpufeed_device(device):
+    def safe_open(filename, framework, device="cpu", *, backend=_UNSET):
+        # A copy of this function may outlive the patch in a module that imported it while
+        # it was on: once unpatched it is safetensors' own again.
+        if _finder is not None and framework in ("pt", "torch", "pytorch") \
+                and _gpufeed_device(device):
             from ._safe_open import safe_open as gpufeed_safe_open
 
-            return gpufeed_safe_open(filename, framework, device, backend=backend)
+            return gpufeed_safe_open(filename, framework, device,
+                                     backend="mmap" if backend is _UNSET else backend)
+        # `backend` only where the caller gave it: safetensors before 0.9 has none.
+        if backend is _UNSET:
+            return original(filename, framework, device)
         return original(filename, framework, device, backend=backend)
 
     safe_open.__doc__ = original.__doc__
@@ -51,7 +64,7 @@ def _routed_safe_open(original):
 
 def _routed_load_file(original):
     def load_file(filename, device="cpu", **kwargs):
-        if _gpufeed_device(device) and set(kwargs) <= {"backend"}:
+        if _finder is not None and _gpufeed_device(device) and set(kwargs) <= {"backend"}:
             from .torch import load_file as gpufeed_load_file
 
             return gpufeed_load_file(filename, device=device, **kwargs)
@@ -160,6 +173,18 @@ def unpatch_safetensors() -> None:
         for d, attr, original in _replaced:
             if getattr(d.get(attr), "__gpufeed__", False):
                 d[attr] = original
+        # Modules that imported a routed function while the patch was on (safetensors.torch
+        # imported after it, transformers under GPUFEED_PATCH_SAFETENSORS): safetensors' own.
+        for other in list(sys.modules.values()):
+            d = getattr(other, "__dict__", None)
+            if not isinstance(d, dict):
+                continue
+            for attr, value in list(d.items()):
+                # Only plain functions are looked into: an attribute lookup on any other
+                # object may run its code (torch's lazy modules do).
+                if type(value) is types.FunctionType and \
+                        value.__dict__.get("__gpufeed__") is True:
+                    d[attr] = value.__dict__["__wrapped__"]
         _originals.clear()
         _replaced.clear()
 

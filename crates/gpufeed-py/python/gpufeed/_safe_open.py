@@ -5,19 +5,22 @@ with gpufeed's loads underneath.
   safetensors' own do: writes to a tensor stay in the process.
 - CUDA handles load through gpufeed's engine. ``get_tensor`` of one tensor after another in
   the file's order is a sweep: the tensors after the one asked for load in the background in
-  growing chunks (1 GiB at most ahead of the caller), each chunk one transfer into one
-  allocation whose tensors are views; a tensor asked for out of order is loaded on its own
-  first. ``get_tensors`` and ``prefetch`` load every tensor (of the plan) in chunks of 512 MiB
-  and hand each one out once. A chunk's device memory is freed when every tensor of it that
-  was handed out is dropped (those never handed out: when the handle or loader closes).
+  chunks growing from 8 MiB to 1 GiB (at most 2 GiB loaded and not asked for yet); a tensor
+  asked for out of order starts a new sweep there (a first chunk of 8 MiB, or the tensor
+  alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``) load each
+  file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB and
+  hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
+  allocation per chunk (or file), which is freed when the last tensor of it goes (those never
+  handed out go when the handle or loader closes).
 - ``get_slice(name)[...]`` on a GPU reads only the slice's bytes (its runs of contiguous bytes;
   more than 65,536 runs: the rows that hold them).
 
 Every error is ``gpufeed.SafetensorError``, a ``gpufeed.GpufeedError`` that is also a
 ``safetensors.SafetensorError`` where safetensors is installed; a missing file is also a
-``FileNotFoundError``.
+``FileNotFoundError``, no usable GPU also a ``gpufeed.NoGpuError``.
 """
 
+import operator
 import os
 import threading
 from collections import deque
@@ -50,7 +53,12 @@ class _FileNotFound(SafetensorError, FileNotFoundError):
     """A missing file: both a ``SafetensorError`` and a ``FileNotFoundError``."""
 
 
+class _NoGpu(SafetensorError, NoGpuError):
+    """No usable GPU: both a ``SafetensorError`` and a ``gpufeed.NoGpuError``."""
+
+
 _FileNotFound.__module__ = "gpufeed"
+_NoGpu.__module__ = "gpufeed"
 
 # Bytes per transfer of get_tensors / prefetch, and the most a get_tensor sweep holds ahead.
 _CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
@@ -146,9 +154,11 @@ def device_ordinal(device) -> Optional[int]:
 
 
 def _translated(e: Exception, path=None) -> Exception:
-    """A native error as ``SafetensorError`` (``NoGpuError`` stays what it is)."""
-    if isinstance(e, (SafetensorError, NoGpuError)):
+    """A native error as ``SafetensorError`` (no GPU: also a ``NoGpuError``)."""
+    if isinstance(e, SafetensorError):
         return e
+    if isinstance(e, NoGpuError):
+        return _NoGpu(str(e))
     if path is not None and not os.path.exists(path):
         return _FileNotFound(f"No such file or directory: {path}")
     return SafetensorError(str(e))
@@ -173,52 +183,22 @@ class TensorMeta:
 class _Entry:
     """One tensor: its file, dtype, shape and bytes (absolute offsets in its file)."""
 
-    __slots__ = ("file", "dtype", "shape", "start", "end", "rel")
+    __slots__ = ("file", "index", "dtype", "shape", "start", "end", "rel")
 
-    def __init__(self, file, dtype, shape, start, end, rel):
-        self.file, self.dtype, self.shape = file, dtype, shape
+    def __init__(self, file, index, dtype, shape, start, end, rel):
+        self.file, self.index, self.dtype, self.shape = file, index, dtype, shape
         self.start, self.end, self.rel = start, end, rel
 
 
-class _Chunks:
-    """Tensors of chunks handed out by a native prefetch: each chunk's bytes as one torch
-    tensor (from the first of its tensors handed out until the last), typed views of it per
-    dtype, and each tensor one ``as_strided`` of those."""
-
-    def __init__(self, torch):
-        self.torch = torch
-        self.bytes: Dict[int, Any] = {}
-        self.typed: Dict[Tuple[int, str], Any] = {}
-
-    def tensor(self, key, offset, array, last, entry, shape=None):
-        torch = self.torch
-        whole = self.bytes.get(key)
-        if whole is None:
-            if array is None:
-                raise SafetensorError("the tensors' loader was closed")
-            whole = torch.from_dlpack(array)
-            self.bytes[key] = whole
-        td, size, _ = _dtype(torch, entry.dtype)
-        sshape = shape if shape is not None else _storage_shape("", entry.dtype, entry.shape)
-        typed = self.typed.get((key, entry.dtype))
-        if typed is None:
-            n = whole.numel()
-            typed = whole[: n - n % size].view(td)
-            self.typed[(key, entry.dtype)] = typed
-        if offset % size:  # not placed at its alignment (cannot happen for a prefetch's chunks)
-            nbytes = _numel(sshape) * size
-            out = whole[offset: offset + nbytes].clone().view(td).reshape(sshape)
-        else:
-            out = typed.as_strided(sshape, _strides(sshape), offset // size)
-        if last:
-            self.bytes.pop(key, None)
-            for k in [k for k in self.typed if k[0] == key]:
-                del self.typed[k]
-        return out
-
-    def clear(self):
-        self.bytes.clear()
-        self.typed.clear()
+def _as_tensor(torch, array, e: _Entry, shape=None):
+    """``array`` (one tensor's own bytes, exported by the native side) as ``e``'s tensor:
+    typed by DLPack where it carries the dtype, else viewed from bytes here."""
+    t = torch.from_dlpack(array)
+    if array.dtype != e.dtype:
+        td, _, _ = _dtype(torch, e.dtype)
+        t = t.view(td).reshape(shape if shape is not None else
+                                _storage_shape("", e.dtype, e.shape))
+    return t
 
 
 class _Sweep:
@@ -234,10 +214,10 @@ class _Sweep:
 class PrefetchLoader:
     """Tensors of a handle loading to a CUDA device in the background, returned by
     ``safe_open.prefetch``: each handed out once, by ``take(name)`` or by iterating the loader
-    as ``(name, tensor)`` pairs in readiness order, as zero-copy views of device memory. A
-    chunk's memory (512 MiB of tensors, or one larger tensor) is freed once every tensor of it
-    that was handed out is dropped; ``close`` (or the end of a ``with`` block) stops the load
-    and drops what was not taken. Tensors are ready on every stream when handed out."""
+    as ``(name, tensor)`` pairs in readiness order, each a storage of its own on its chunk's
+    device memory (1 GiB of tensors, or one larger tensor), which is freed once every tensor
+    of it handed out is dropped; ``close`` (or the end of a ``with`` block) stops the load and
+    drops what was not taken. Tensors are ready on every stream when handed out."""
 
     def __init__(self, torch, device, files, names, where, metas):
         self._torch = torch
@@ -253,9 +233,8 @@ class PrefetchLoader:
             while len(lst) <= i:
                 lst.append(None)
             lst[i] = name
-        self._chunks = _Chunks(torch)
         self._taken = set()
-        # Landed and handed over by the native side, not yet yielded: name -> piece, in order.
+        # Landed and handed over by the native side, not yet yielded: name -> array, in order.
         self._pending: Dict[str, Any] = {}
         self._order: Deque[str] = deque()
         self._lock = threading.Lock()
@@ -268,13 +247,9 @@ class PrefetchLoader:
     def __len__(self) -> int:
         return len(self._names)
 
-    def _tensor(self, name, handed):
-        key, offset, array, last = handed
+    def _tensor(self, name, array):
         entry, shape = self._metas[name]
-        with self._lock:
-            if self._closed:
-                raise SafetensorError(f"tensor {name}: the prefetch loader was closed")
-            return self._chunks.tensor(key, offset, array, last, entry, shape)
+        return _as_tensor(self._torch, array, entry, shape)
 
     def take(self, name: str):
         """``name``'s tensor, waiting for its bytes. Each tensor is handed out once (by
@@ -297,6 +272,8 @@ class PrefetchLoader:
             try:
                 handed = self._files[f].take(i)
             except GpufeedError as e:
+                with self._lock:
+                    self._taken.discard(name)  # not handed out: a later ask may succeed
                 raise _translated(e) from None
         return self._tensor(name, handed)
 
@@ -325,6 +302,8 @@ class PrefetchLoader:
                         raise SafetensorError("the prefetch loader was closed") from None
                     raise _translated(e) from None
                 if not batch:
+                    if self._closed:
+                        raise SafetensorError("the prefetch loader was closed")
                     break
                 with self._lock:
                     for i, got in batch:
@@ -339,7 +318,6 @@ class PrefetchLoader:
             self._closed = True
             self._pending.clear()
             self._order.clear()
-            self._chunks.clear()
         for native in self._files:
             native.close()
 
@@ -379,6 +357,15 @@ class _Slice:
         return f"gpufeed slice of {self._name} ({self._entry.dtype} {self.get_shape()})"
 
 
+def _is_index(x) -> bool:
+    """Whether ``x`` is an integer to index with (an int, a numpy integer, ...)."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
 def _indexers(index, shape):
     """``index`` (int, slice, ``...``, or a tuple of them) as one ``(start, stop, step,
     keep)`` per dimension of ``shape`` (``keep`` False for an int, whose dimension goes)."""
@@ -403,12 +390,15 @@ def _indexers(index, shape):
         dim = len(out)
         size = shape[dim]
         if isinstance(it, slice):
-            if it.step is not None and (not isinstance(it.step, int) or it.step <= 0):
+            step = None if it.step is None else (operator.index(it.step)
+                                                 if _is_index(it.step) else it.step)
+            if step is not None and (not isinstance(step, int) or step <= 0):
                 raise SafetensorError(f"Slice step must be a positive integer, got {it.step}")
             start, stop, step = it.indices(size)
             stop = max(stop, start)
             out.append((start, stop, step, True))
-        elif isinstance(it, int) and not isinstance(it, bool):
+        elif not isinstance(it, bool) and _is_index(it):
+            it = operator.index(it)
             i = it + size if it < 0 else it
             if not 0 <= i < size:
                 raise SafetensorError(f"Invalid index {it} for dimension {dim} of size {size}")
@@ -459,8 +449,8 @@ class safe_open:
         by_offset = []
         for k, f in enumerate(self._files):
             base = f.data_start
-            for name, dtype, shape, start, end in f.tensors():
-                self._entries[name] = _Entry(k, dtype, shape, base + start, base + end,
+            for j, (name, dtype, shape, start, end) in enumerate(f.tensors()):
+                self._entries[name] = _Entry(k, j, dtype, shape, base + start, base + end,
                                              (start, end))
                 by_offset.append((k, start, end, name))
         by_offset.sort()
@@ -469,11 +459,7 @@ class safe_open:
         self._closed = False
         self._lock = threading.Lock()
         self._torch_mod = None
-        self._host: Dict[int, Any] = {}
-        self._host_arrays: Dict[int, Any] = {}
-        self._host_typed: Dict[Tuple[int, str], Any] = {}
         self._sweeps: Dict[int, _Sweep] = {}
-        self._chunks = None
 
     # -- the header -------------------------------------------------------------------------
 
@@ -523,30 +509,14 @@ class safe_open:
         return self._torch_mod
 
     def _host_view(self, e: _Entry):
-        """``e`` as a view of its file's private mapping."""
+        """``e`` as a tensor of its own on its file's private mapping."""
         torch = self._torch()
-        td, size, _ = _dtype(torch, e.dtype)
-        shape = _storage_shape("", e.dtype, e.shape)
-        whole = self._host.get(e.file)
-        if whole is None:
-            with self._lock:
-                whole = self._host.get(e.file)
-                if whole is None:
-                    array = self._files[e.file].host_bytes()
-                    whole = torch.from_dlpack(array)
-                    self._host_arrays[e.file] = array
-                    self._host[e.file] = whole
-        if e.start % size:
-            # Not at a multiple of its element size in the file: a view of its own bytes (torch
-            # takes a typed view of bytes only at such offsets).
-            part = self._host_arrays[e.file].view_of(e.start, e.end, "U8", [e.end - e.start])
-            return torch.from_dlpack(part).view(td).reshape(shape)
-        typed = self._host_typed.get((e.file, e.dtype))
-        if typed is None:
-            n = whole.numel()
-            typed = whole[: n - n % size].view(td)
-            self._host_typed[(e.file, e.dtype)] = typed
-        return typed.as_strided(shape, _strides(shape), e.start // size)
+        _dtype(torch, e.dtype)
+        try:
+            array = self._files[e.file].host_tensors([e.index])[0]
+        except GpufeedError as ex:
+            raise _translated(ex) from None
+        return _as_tensor(torch, array, e)
 
     def _alone(self, e: _Entry, spans=None, shape=None):
         """``e`` (or its bytes ``spans``) loaded on its own into new device memory."""
@@ -564,6 +534,7 @@ class safe_open:
         sweep = self._sweeps.get(k)
         if sweep is None:
             with self._lock:
+                self._check_open()  # not after a close that raced this call
                 sweep = self._sweeps.get(k)
                 if sweep is None:
                     torch = self._torch()
@@ -576,18 +547,19 @@ class safe_open:
                                                          _SWEEP_AHEAD, _SWEEP_FROM)
                     except GpufeedError as e:
                         raise _translated(e) from None
-                    if self._chunks is None:
-                        self._chunks = _Chunks(self._torch())
                     sweep = self._sweeps[k] = _Sweep(native, names)
         return sweep
 
     def _item(self, name, rows=None):
+        """``(start, end, align, tensor, shape)`` of ``name`` (rows ``rows`` of it) for a
+        native prefetch."""
         e = self._entries[name]
         align = _DTYPES.get(e.dtype, ("", 1, False))[1]
         if rows is None:
-            return (e.start, e.end, align)
+            return (e.start, e.end, align, e.index, list(e.shape))
         row = (e.end - e.start) // e.shape[0] if e.shape[0] else 0
-        return (e.start + rows[0] * row, e.start + rows[1] * row, align)
+        shape = [rows[1] - rows[0]] + list(e.shape[1:])
+        return (e.start + rows[0] * row, e.start + rows[1] * row, align, e.index, shape)
 
     def get_tensor(self, name: str):
         """The tensor ``name`` on the handle's device."""
@@ -604,11 +576,12 @@ class safe_open:
         if again:
             return self._alone(e)  # asked again: its own copy, as safetensors gives
         try:
-            handed = sweep.native.take(i)
+            array = sweep.native.take(i)
         except GpufeedError as ex:
+            with self._lock:
+                sweep.taken.discard(i)
             raise _translated(ex) from None
-        with self._lock:
-            return self._chunks.tensor(*handed, e)
+        return _as_tensor(torch, array, e)
 
     def get_tensors(self) -> Dict[str, Any]:
         """Every tensor, as a dict in the order of the file (``offset_keys``). On a GPU each
@@ -616,23 +589,30 @@ class safe_open:
         for nobody), read through the descriptors this handle opened."""
         self._check_open()
         if self._ordinal is None:
-            return {n: self._host_view(self._entries[n]) for n in self._offset_keys}
+            torch = self._torch()
+            out = {}
+            for k, f in enumerate(self._files):
+                names = [n for n in self._offset_keys if self._entries[n].file == k]
+                for name in names:
+                    _dtype(torch, self._entries[name].dtype)
+                try:
+                    arrays = f.host_tensors([self._entries[n].index for n in names])
+                except GpufeedError as ex:
+                    raise _translated(ex) from None
+                for name, array in zip(names, arrays):
+                    out[name] = _as_tensor(torch, array, self._entries[name])
+            return {n: out[n] for n in self._offset_keys}
         torch = self._torch()
         for name in self._offset_keys:
             _dtype(torch, self._entries[name].dtype)
         out = dict.fromkeys(self._offset_keys)
         for k, f in enumerate(self._files):
             try:
-                array = f.load_spans(self._ordinal, [(f.data_start, f.len)])
-            except GpufeedError as e:
-                raise _translated(e) from None
-            chunks = _Chunks(torch)
-            names = [n for n in self._offset_keys if self._entries[n].file == k]
-            for j, name in enumerate(names):
-                e = self._entries[name]
-                handed = (k, e.start - f.data_start, array if j == 0 else None,
-                          j == len(names) - 1)
-                out[name] = chunks.tensor(*handed, e)
+                arrays = f.load_tensors(self._ordinal)
+            except GpufeedError as ex:
+                raise _translated(ex) from None
+            for (name, *_), array in zip(f.tensors(), arrays):
+                out[name] = _as_tensor(torch, array, self._entries[name])
         return out
 
     def get_slice(self, name: str) -> _Slice:
@@ -654,28 +634,30 @@ class safe_open:
             raise SafetensorError(
                 f"{name}: F4 packs two values in a byte; slicing its last dimension is not supported"
             )
-        # On a GPU: the bytes of the step-1 hull of the slice, in runs.
+        # On a GPU: the bytes of the step-1 hull of the slice, in runs; dimensions in storage
+        # units (F4: the last one, taken whole, in bytes of two values).
+        sto = list(_storage_shape(name, e.dtype, shape)) if shape else []
         hull = [(a, b) for a, b, _, _ in dims]
-        out_shape = [b - a for a, b in hull]
-        sshape = _storage_shape(name, e.dtype, out_shape) if packed else out_shape
-        if _numel(out_shape) == 0:
+        if packed and hull:
+            hull[-1] = (0, sto[-1])
+        sshape = [b - a for a, b in hull]
+        if _numel(sshape) == 0:
             result = torch.empty(sshape, dtype=td, device=f"cuda:{self._ordinal}")
         elif not shape:
             result = self._alone(e, shape=sshape)
         else:
-            strides = _strides(_storage_shape(name, e.dtype, shape))
+            strides = _strides(sto)
             # The last dimension the slice does not take whole: runs are contiguous below it.
-            p = max((d for d, (a, b) in enumerate(hull) if (a, b) != (0, shape[d])), default=0)
+            p = max((d for d, (a, b) in enumerate(hull) if (a, b) != (0, sto[d])), default=0)
             run = (hull[p][1] - hull[p][0]) * strides[p] * size
-            if _numel(out_shape[:p]) <= _MAX_RUNS:
+            if _numel(sshape[:p]) <= _MAX_RUNS:
                 starts = self._row_major_starts(e, hull, p, strides, size)
                 result = self._alone(e, [(s, s + run) for s in starts], shape=sshape)
             else:
                 a0, b0 = hull[0]
                 row = strides[0] * size
-                whole_rows = [b0 - a0] + list(_storage_shape(name, e.dtype, shape))[1:]
                 rows = self._alone(e, [(e.start + a0 * row, e.start + b0 * row)],
-                                   shape=whole_rows)
+                                   shape=[b0 - a0] + sto[1:])
                 cut = (slice(None),) + tuple(slice(a, b) for a, b in hull[1:])
                 result = rows[cut].contiguous()
         steps = tuple(slice(None, None, s) for _, _, s, _ in dims)
@@ -800,17 +782,14 @@ class safe_open:
 
     def close(self) -> None:
         """Closes the handle (later calls raise); tensors handed out stay valid."""
-        if self._closed:
-            return
-        self._closed = True
-        for sweep in self._sweeps.values():
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sweeps = list(self._sweeps.values())
+            self._sweeps.clear()
+        for sweep in sweeps:
             sweep.native.close()
-        self._sweeps.clear()
-        if self._chunks is not None:
-            self._chunks.clear()
-        self._host.clear()
-        self._host_typed.clear()
-        self._host_arrays.clear()
 
     def __enter__(self):
         return self

@@ -130,6 +130,28 @@ fn ranges_land_byte_for_byte_at_their_alignment_once_each() {
         let piece = p.take(i).expect("take in order");
         check(&gpu, &data, item, &piece);
     }
+    // Following, drained by next_ready alone (nothing is asked: it asks for the first
+    // pending item itself), each item once.
+    let follow = opts
+        .with_follow_from(Some(64 << 10))
+        .with_ahead_bytes(Some(4 << 20));
+    let p = Prefetch::start(
+        loader,
+        OpenedFile::open(&path).expect("open"),
+        items.clone(),
+        follow,
+    )
+    .expect("start");
+    let mut seen = vec![false; items.len()];
+    while let Some((i, piece)) = p.next_ready().expect("ready") {
+        assert!(!seen[i], "item {i} twice");
+        seen[i] = true;
+        check(&gpu, &data, &items[i], &piece);
+    }
+    assert!(
+        seen.iter().all(|&s| s),
+        "following, next_ready hands out every item"
+    );
 }
 
 #[test]
