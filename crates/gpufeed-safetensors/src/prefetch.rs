@@ -142,6 +142,26 @@ struct State {
 }
 
 impl State {
+    /// `n` items, none loaded.
+    fn new(n: usize, opts: &PrefetchOptions) -> Self {
+        State {
+            status: (0..n).map(|_| Status::Pending).collect(),
+            ready: VecDeque::new(),
+            cursor: 0,
+            demand: VecDeque::new(),
+            follow: opts.follow_from.is_some(),
+            untaken: 0,
+            left: n,
+            closed: false,
+            failure: None,
+            failure_text: None,
+            chunk_of: vec![0; n],
+            latest: 0,
+            took_latest: false,
+            ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
+        }
+    }
+
     /// Hands out ready item `i`.
     fn hand_out(&mut self, i: usize, shared: &Shared) -> Piece {
         let Status::Ready(piece) = std::mem::replace(&mut self.status[i], Status::Taken) else {
@@ -238,22 +258,7 @@ impl Prefetch {
         }
         let n = items.len();
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                status: (0..n).map(|_| Status::Pending).collect(),
-                ready: VecDeque::new(),
-                cursor: 0,
-                demand: VecDeque::new(),
-                follow: opts.follow_from.is_some(),
-                untaken: 0,
-                left: n,
-                closed: false,
-                failure: None,
-                failure_text: None,
-                chunk_of: vec![0; n],
-                latest: 0,
-                took_latest: false,
-                ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
-            }),
+            state: Mutex::new(State::new(n, &opts)),
             changed: Condvar::new(),
         });
         let worker = {
@@ -726,22 +731,8 @@ mod tests {
     fn chunks_follow_demand_then_the_cursor_and_respect_the_room() {
         let it = items(&[(0, 10, 1), (10, 20, 1), (20, 30, 1), (30, 40, 1)]);
         let opts = PrefetchOptions::default().with_chunk_bytes(20);
-        let mut state = State {
-            status: (0..4).map(|_| Status::Pending).collect(),
-            ready: VecDeque::new(),
-            cursor: 0,
-            demand: VecDeque::from([2]),
-            follow: false,
-            untaken: 0,
-            left: 4,
-            closed: false,
-            failure: None,
-            failure_text: None,
-            chunk_of: vec![0; 4],
-            latest: 0,
-            took_latest: false,
-            ramp: 20,
-        };
+        let mut state = State::new(4, &opts);
+        state.demand.push_back(2);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![2, 3]));
         // Then from the start: the cursor wraps.
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0, 1]));
@@ -763,22 +754,8 @@ mod tests {
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(40)
             .with_follow_from(Some(10));
-        let mut state = State {
-            status: (0..8).map(|_| Status::Pending).collect(),
-            ready: VecDeque::new(),
-            cursor: 0,
-            demand: VecDeque::from([0]),
-            follow: true,
-            untaken: 0,
-            left: 8,
-            closed: false,
-            failure: None,
-            failure_text: None,
-            chunk_of: vec![0; 8],
-            latest: 0,
-            took_latest: false,
-            ramp: 10,
-        };
+        let mut state = State::new(8, &opts);
+        state.demand.push_back(0);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1, 2]));
         // A jump to item 6 starts small again.
