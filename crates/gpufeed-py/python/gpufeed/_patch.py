@@ -22,6 +22,7 @@ import types
 ENV_VAR = "GPUFEED_PATCH_SAFETENSORS"
 
 _lock = threading.RLock()
+_UNSET = object()
 _originals = {}  # ("safetensors" | "safetensors.torch", attribute) -> safetensors' object
 _replaced = []  # (module dict, name, original) for modules routed by attribute
 _finder = None
@@ -38,13 +39,15 @@ def _gpufeed_device(device) -> bool:
     return True
 
 
-_UNSET = object()
+class _RoutingMeta(type):
+    """The class of a routed ``safe_open``: calling it opens through gpufeed or safetensors
+    (see ``_routed_safe_open``), and ``isinstance(x, safetensors.safe_open)`` holds for the
+    handles of both."""
 
-
-def _routed_safe_open(original):
-    def safe_open(filename, framework, device="cpu", *, backend=_UNSET):
-        # A copy of this function may outlive the patch in a module that imported it while
-        # it was on: once unpatched it is safetensors' own again.
+    def __call__(cls, filename, framework, device="cpu", *, backend=_UNSET):
+        original = cls.__dict__["__wrapped__"]
+        # A copy of this class may outlive the patch in a module that imported it while it
+        # was on: once unpatched it is safetensors' own again.
         if _finder is not None and framework in ("pt", "torch", "pytorch") \
                 and _gpufeed_device(device):
             from ._safe_open import safe_open as gpufeed_safe_open
@@ -56,10 +59,19 @@ def _routed_safe_open(original):
             return original(filename, framework, device)
         return original(filename, framework, device, backend=backend)
 
-    safe_open.__doc__ = original.__doc__
-    safe_open.__gpufeed__ = True
-    safe_open.__wrapped__ = original
-    return safe_open
+    def __instancecheck__(cls, obj) -> bool:
+        from ._safe_open import safe_open as gpufeed_safe_open
+
+        return isinstance(obj, (cls.__dict__["__wrapped__"], gpufeed_safe_open))
+
+
+def _routed_safe_open(original):
+    return _RoutingMeta("safe_open", (), {
+        "__doc__": original.__doc__,
+        "__module__": getattr(original, "__module__", "safetensors"),
+        "__gpufeed__": True,
+        "__wrapped__": original,
+    })
 
 
 def _routed_load_file(original):
@@ -182,7 +194,7 @@ def unpatch_safetensors() -> None:
             for attr, value in list(d.items()):
                 # Only plain functions are looked into: an attribute lookup on any other
                 # object may run its code (torch's lazy modules do).
-                if type(value) is types.FunctionType and \
+                if type(value) in (types.FunctionType, _RoutingMeta) and \
                         value.__dict__.get("__gpufeed__") is True:
                     d[attr] = value.__dict__["__wrapped__"]
         _originals.clear()
