@@ -398,7 +398,7 @@ pub fn table(s: &mut String, v: &PythonBench) {
         let _ = writeln!(
             s,
             "\n`gpufeed.safe_open` of the 16-tensor checkpoint (its header read and checked; \
-             paid once per open, not in the on-demand rows) took {:.0} ms.",
+             paid once per open, not in the on-demand rows) took {:.2} ms.",
             open.median * 1e3
         );
     }
