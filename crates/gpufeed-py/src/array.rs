@@ -375,4 +375,37 @@ mod tests {
         let err = dlpack_dtype(Dtype::F4).expect_err("no torch dtype");
         assert!(err.contains("F4"), "{err}");
     }
+
+    #[test]
+    fn a_typed_array_carries_its_dtype_only_where_its_shape_fills_its_bytes() {
+        let owner = Arc::new(Owner {
+            storage: None,
+            gpu: None,
+        });
+        let typed = |dtype, shape: &[usize], nbytes| {
+            Array::typed(Arc::clone(&owner), 0x1000, nbytes, cpu(), dtype, shape)
+        };
+        let a = typed(Dtype::F32, &[3, 5], 60);
+        assert_eq!((a.dtype_name, a.shape.clone()), ("F32", vec![3, 5]));
+        let z = typed(Dtype::BF16, &[], 2);
+        assert_eq!((z.dtype_name, z.shape.clone()), ("BF16", vec![]));
+        let e = typed(Dtype::I64, &[4, 0], 0);
+        assert_eq!((e.dtype_name, e.shape.clone()), ("I64", vec![4, 0]));
+        // A shape that does not fill the bytes, and dtypes DLPack does not carry for torch:
+        // the bytes as U8, for the caller to view.
+        for (dtype, shape, nbytes) in [
+            (Dtype::F32, vec![3, 5], 61),
+            (Dtype::F4, vec![2, 4], 4),
+            (Dtype::F8_E8M0, vec![7], 7),
+            (Dtype::C64, vec![2], 16),
+        ] {
+            let b = typed(dtype, &shape, nbytes);
+            assert_eq!(
+                (b.dtype_name, b.shape.clone()),
+                ("U8", vec![nbytes as i64]),
+                "{dtype:?}"
+            );
+            assert_eq!(b.nbytes, nbytes);
+        }
+    }
 }

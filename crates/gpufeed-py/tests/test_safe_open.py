@@ -1032,3 +1032,32 @@ print(type(kept(sys.argv[1], framework="pt")).__module__)
                          env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert not run.stdout.strip().startswith("gpufeed"), run.stdout
+
+
+def test_the_public_dlpack_import_serves_where_torch_has_no_private_one(tmp_path, gen,
+                                                                        monkeypatch):
+    """Tensors come through ``torch._C._from_dlpack`` of each array's capsule where that works
+    (probed once), else through ``torch.from_dlpack``: both give the same tensors."""
+    import types
+
+    import gpufeed._safe_open as so
+    from safetensors.torch import save_file
+
+    def fake(private):
+        return types.SimpleNamespace(_C=types.SimpleNamespace(**private), uint8=torch.uint8,
+                                     zeros=torch.zeros, from_dlpack=torch.from_dlpack)
+
+    assert so._importer(fake({})) is torch.from_dlpack, "no private import: the public one"
+
+    def refuses(_capsule, *_more):
+        raise TypeError("another signature")
+
+    assert so._importer(fake({"_from_dlpack": refuses})) is torch.from_dlpack
+    tensors = mixed_checkpoint(gen, count=6)
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    private = gpufeed.torch.load_file(path)
+    monkeypatch.setitem(so._IMPORTERS, id(torch), torch.from_dlpack)
+    public = gpufeed.torch.load_file(path)
+    assert_same_dict(private, tensors, "through the private import")
+    assert_same_dict(public, tensors, "through torch.from_dlpack")
