@@ -392,11 +392,6 @@ impl NativePrefetch {
             .collect())
     }
 
-    /// Whether item `i` was handed out (a second ask would fail).
-    fn is_taken(&self, i: usize) -> bool {
-        self.inner.lock().as_ref().is_none_or(|p| p.is_taken(i))
-    }
-
     /// Stops the background load and drops what was not taken.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.lock().take();

@@ -375,14 +375,6 @@ impl Prefetch {
         None
     }
 
-    /// Whether item `i` was taken (or given up), so that a second ask would fail.
-    pub fn is_taken(&self, i: usize) -> bool {
-        matches!(
-            self.shared.lock().status.get(i),
-            Some(Status::Taken | Status::Failed)
-        )
-    }
-
     /// Stops the worker (after the transfer it is in) and drops every piece not taken: their
     /// chunks' memory is freed once the pieces handed out are dropped too. Later asks fail;
     /// callers waiting in [`Prefetch::take`] are woken with that error.

@@ -40,7 +40,7 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
 )
 from . import torch  # noqa: F401  (gpufeed.torch.load_file)
 from ._patch import is_patched, patch_safetensors, unpatch_safetensors
-from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, safe_open
+from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, device_ordinal, safe_open
 
 __all__ = [
     "Array",
@@ -322,20 +322,18 @@ def load_tensor_parallel_rank(path: Path, split="rows"):
 
 
 def _device_ordinal(device) -> int:
-    """A CUDA ordinal from ``0``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``."""
-    if isinstance(device, bool):
-        raise GpufeedError(f"invalid setting: device {device!r}; use a CUDA ordinal or 'cuda:N'")
-    if isinstance(device, int):
-        return device
-    text = str(device)
-    if text == "cuda":
-        return 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    raise GpufeedError(
-        f"invalid setting: device {device!r}; gpufeed loads to GPUs: use a CUDA ordinal or "
-        "'cuda:N'"
-    )
+    """A CUDA ordinal from ``0``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` (the drop-in's
+    parsing, the CPU refused)."""
+    try:
+        ordinal = device_ordinal(device)
+    except SafetensorError:
+        ordinal = None
+    if ordinal is None:
+        raise GpufeedError(
+            f"invalid setting: device {device!r}; gpufeed loads to GPUs: use a CUDA ordinal or "
+            "'cuda:N'"
+        )
+    return ordinal
 
 
 class OnDemand:

@@ -244,18 +244,14 @@ class PrefetchLoader:
 
     def __init__(self, torch, device, files, names, where, metas):
         self._torch = torch
-        self._device = device
         self._files = files  # [native prefetch], one per file
         self._names = names  # in file order
         self._where = where  # name -> (file, item)
         self._metas = metas  # name -> (entry, storage shape)
-        self._item_names = [[] for _ in files]
-        for name in names:
-            f, i = where[name]
-            lst = self._item_names[f]
-            while len(lst) <= i:
-                lst.append(None)
-            lst[i] = name
+        # Per file, the name of each native item.
+        self._item_names = [[None] * len(native) for native in files]
+        for name, (f, i) in where.items():
+            self._item_names[f][i] = name
         self._taken = set()
         # Landed and handed over by the native side, not yet yielded: name -> array, in order.
         self._pending: Dict[str, Any] = {}
@@ -463,16 +459,19 @@ class safe_open:
             )
         self._path = os.fspath(filename)
         self._ordinal = device_ordinal(device)
-        self._device_arg = device
         try:
             self._files = _gpufeed.open_safetensors(self._path)
         except GpufeedError as e:
             raise _translated(e, self._path) from None
         self._entries: Dict[str, _Entry] = {}
+        # Per file, its tensors' names in the order of its native list (`tensors()`).
+        self._file_names: List[List[str]] = []
         by_offset = []
         for k, f in enumerate(self._files):
             base = f.data_start
-            for j, (name, dtype, shape, start, end) in enumerate(f.tensors()):
+            listed = f.tensors()
+            self._file_names.append([t[0] for t in listed])
+            for j, (name, dtype, shape, start, end) in enumerate(listed):
                 self._entries[name] = _Entry(k, j, dtype, shape, base + start, base + end,
                                              (start, end))
                 by_offset.append((k, start, end, name))
@@ -634,7 +633,7 @@ class safe_open:
                 arrays = f.load_tensors(self._ordinal)
             except GpufeedError as ex:
                 raise _translated(ex) from None
-            for (name, *_), array in zip(f.tensors(), arrays):
+            for name, array in zip(self._file_names[k], arrays):
                 out[name] = _as_tensor(torch, array, self._entries[name])
         return out
 
