@@ -1,6 +1,9 @@
 //! Helpers shared by the integration tests of the gpufeed crates: random data, seeds that a
 //! failure prints for replay, GPU skips that turn into failures on the GPU machine, and child
-//! processes that re-run the test binary in a role.
+//! processes that re-run the test binary in a role; a real S3 server and a fault-injecting
+//! proxy ([`s3`]).
+
+pub mod s3;
 
 use std::process::{Command, Stdio};
 

@@ -1,0 +1,124 @@
+//! What can go wrong reading an object: each case names the object and what to do.
+
+/// Result alias of gpufeed-object.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong opening or reading an object.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Not a URL this crate reads (`s3://bucket/key`, `http://`, `https://`).
+    #[error("{url:?} is not an object URL ({reason}); write s3://bucket/key or https://host/path")]
+    InvalidUrl {
+        /// What was given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The bucket or the key does not exist (the server answered 404).
+    #[error(
+        "{url}: not found (no such bucket or key{endpoint}); check the URL, and AWS_ENDPOINT_URL \
+         for an S3-compatible server"
+    )]
+    NotFound {
+        /// The object.
+        url: String,
+        /// `", endpoint E"` where one was set, else empty.
+        endpoint: String,
+    },
+
+    /// The server refused the credentials, or they lack the right to read the object (401,
+    /// 403).
+    #[error(
+        "{url}: access denied ({source}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or \
+         AWS_PROFILE) and the bucket's policy"
+    )]
+    AccessDenied {
+        /// The object.
+        url: String,
+        /// The store's error.
+        #[source]
+        source: object_store::Error,
+    },
+
+    /// The object was replaced or modified after it was opened: its ETag (or size) differs
+    /// from the one pinned at the first request, so the bytes read so far may mix two
+    /// versions and were not handed out.
+    #[error(
+        "{url} changed while it was being read ({what}): a writer replaced it, so what was read \
+         was dropped; read it again once the writer is done"
+    )]
+    ObjectChanged {
+        /// The object.
+        url: String,
+        /// What differed.
+        what: String,
+    },
+
+    /// A read past the end of the object.
+    #[error("{url}: bytes {start}..{end} asked for, but the object has {len} bytes")]
+    OutOfRange {
+        /// The object.
+        url: String,
+        /// First byte asked for.
+        start: u64,
+        /// One past the last byte asked for.
+        end: u64,
+        /// The object's size.
+        len: u64,
+    },
+
+    /// The server's answer ended before the bytes asked for (a truncated object, a proxy
+    /// that cut the body, a server that died) and retries did not bring them.
+    #[error(
+        "{url}: the server sent {got} of the {want} bytes at offset {offset}; the object may be \
+         truncated or the connection cut"
+    )]
+    Truncated {
+        /// The object.
+        url: String,
+        /// Where the request started.
+        offset: u64,
+        /// Bytes received.
+        got: u64,
+        /// Bytes asked for.
+        want: u64,
+    },
+
+    /// A request failed after the retries (connection refused or reset, time-outs, 5xx): the
+    /// message of the store says which.
+    #[error("{url}: {what} failed: {source}")]
+    Request {
+        /// The object.
+        url: String,
+        /// The request (`HEAD`, `GET bytes a-b`).
+        what: String,
+        /// The store's error.
+        #[source]
+        source: object_store::Error,
+    },
+
+    /// A setting that cannot work: the message says which and what to write instead.
+    #[error("invalid setting: {0}")]
+    InvalidSetting(String),
+
+    /// The blocking API was called from inside an async runtime (it would block one of its
+    /// workers, or deadlock a current-thread runtime).
+    #[error(
+        "gpufeed-object's blocking calls cannot run inside an async runtime; call them from \
+         tokio::task::spawn_blocking or a plain thread"
+    )]
+    InsideAsyncRuntime,
+
+    /// The I/O runtime could not be started (the process's thread limit?).
+    #[error("could not start gpufeed-object's I/O threads: {0}")]
+    Runtime(String),
+}
+
+impl Error {
+    /// Whether the object (bucket or key) was not found.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::NotFound { .. })
+    }
+}

@@ -1,0 +1,50 @@
+//! # gpufeed-object — layer 1 of gpufeed: objects in S3-compatible storage, read in parallel
+//!
+//! Models and data sets that outgrow one machine live in object storage. This crate reads an
+//! object (`s3://bucket/key` on AWS, MinIO, SeaweedFS, Ceph, R2; or `https://host/path` from
+//! any server that answers range requests) the way gpufeed reads a file:
+//!
+//! - [`Object::open`]: one `HEAD` pins the object's size and ETag; every later `GET` asks for
+//!   that version (`If-Match`), so an object replaced during a read is
+//!   [`Error::ObjectChanged`], never a mix of two versions.
+//! - [`Object::read_exact_at`]: any byte range, as ranged `GET`s of
+//!   [`ObjectOptions::request_bytes`] with [`ObjectOptions::requests_in_flight`] of them in
+//!   flight, each written straight into its part of the caller's buffer (a pinned staging
+//!   buffer that the transfer scheduler then uploads: `gpufeed-load`'s object loads). Host
+//!   memory is what the caller gives, whatever the object's size.
+//! - Failures retried with exponential backoff (5xx, throttling, refused or reset
+//!   connections, bodies cut short: the store's retries, bounded by
+//!   [`ObjectOptions::timeout`]); what is left is a typed [`Error`] naming the object and what
+//!   to do ([`Error::NotFound`], [`Error::AccessDenied`], [`Error::Truncated`]...).
+//!
+//! Credentials, region and endpoint come the standard way (`AWS_ACCESS_KEY_ID`,
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`, `AWS_PROFILE` and the shared
+//! files; see [`ObjectOptions`]); S3-compatible servers are addressed path-style. The HTTP
+//! client is Apache Arrow's `object_store` (reqwest, rustls) on a small tokio runtime of the
+//! crate's own; the API is blocking.
+//!
+//! Depends on no other gpufeed crate; `gpufeed-load` (its `object` feature) builds loads into
+//! GPU memory on it.
+//!
+//! # Example
+//! ```no_run
+//! use gpufeed_object::{Object, ObjectOptions};
+//! let opts = ObjectOptions::default().with_endpoint("http://127.0.0.1:8333");
+//! let obj = Object::open("s3://models/shard-000.bin", &opts)?;
+//! let mut buf = vec![0u8; obj.len() as usize];
+//! let stats = obj.read_exact_at(0, &mut buf)?;
+//! println!("{} bytes in {} requests, {:.2} GB/s", stats.bytes, stats.requests, stats.gbps());
+//! # Ok::<(), gpufeed_object::Error>(())
+//! ```
+
+#![deny(unsafe_code)]
+
+mod error;
+mod object;
+mod options;
+mod url;
+
+pub use error::{Error, Result};
+pub use object::{Object, ReadStats};
+pub use options::{Credentials, ObjectOptions};
+pub use url::{ObjectUrl, Scheme};

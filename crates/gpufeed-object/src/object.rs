@@ -1,0 +1,281 @@
+//! An opened object: its size and version pinned by one `HEAD`, then read by many ranged
+//! `GET`s in flight at once, straight into the caller's memory.
+
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use object_store::path::Path;
+use object_store::{GetOptions, GetRange, GetResultPayload, ObjectStore, ObjectStoreExt};
+
+use crate::error::{Error, Result};
+use crate::options::ObjectOptions;
+use crate::url::ObjectUrl;
+
+/// An object opened for reading: its size and ETag (version) were read once, by a `HEAD`,
+/// and every later read asks for that version (`If-Match`), so a read of an object replaced
+/// meanwhile is [`Error::ObjectChanged`], never a mix of two versions.
+///
+/// Reads are blocking calls; the requests run on a small I/O runtime of the crate's own
+/// (created on first use), many in flight at once ([`ObjectOptions::requests_in_flight`]).
+/// The bytes land in the memory the caller gives (a pinned staging buffer, say): no buffer
+/// of the object's size is made, so host memory stays what the caller gave.
+///
+/// ```no_run
+/// let obj = gpufeed_object::Object::open("s3://models/model.safetensors", &Default::default())?;
+/// let mut header_len = [0u8; 8];
+/// obj.read_exact_at(0, &mut header_len)?;
+/// println!("{} bytes, header {} bytes", obj.len(), u64::from_le_bytes(header_len));
+/// # Ok::<(), gpufeed_object::Error>(())
+/// ```
+pub struct Object {
+    url: ObjectUrl,
+    store: Arc<dyn ObjectStore>,
+    path: Path,
+    len: u64,
+    etag: Option<String>,
+    opts: ObjectOptions,
+    endpoint: Option<String>,
+}
+
+impl std::fmt::Debug for Object {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Object")
+            .field("url", &self.url.as_str())
+            .field("len", &self.len)
+            .field("etag", &self.etag)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one read did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReadStats {
+    /// Bytes read.
+    pub bytes: u64,
+    /// Ranged GETs made (retries inside the store not counted).
+    pub requests: usize,
+    /// Time from the first request to the last byte.
+    pub elapsed: Duration,
+}
+
+impl ReadStats {
+    /// Bytes per second over the read, in GB/s (10^9).
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+impl Object {
+    /// Opens the object at `url` (`s3://bucket/key`, `http(s)://host/path`): one `HEAD` for
+    /// its size and ETag.
+    pub fn open(url: &str, opts: &ObjectOptions) -> Result<Object> {
+        let url = ObjectUrl::parse(url)?;
+        Object::open_url(url, opts)
+    }
+
+    /// [`Object::open`] of a parsed URL.
+    pub fn open_url(url: ObjectUrl, opts: &ObjectOptions) -> Result<Object> {
+        let store = opts.store(&url)?;
+        let path = Path::from(url.key());
+        let endpoint = opts.endpoint_in_use();
+        let meta = block_on(store.head(&path))?;
+        let mut obj = Object {
+            url,
+            store,
+            path,
+            len: 0,
+            etag: None,
+            opts: opts.clone(),
+            endpoint,
+        };
+        let meta = meta.map_err(|e| obj.error("HEAD", e))?;
+        obj.len = meta.size;
+        obj.etag = meta.e_tag;
+        tracing::debug!(url = %obj.url, len = obj.len, etag = ?obj.etag, "object opened");
+        Ok(obj)
+    }
+
+    /// The object's URL.
+    pub fn url(&self) -> &ObjectUrl {
+        &self.url
+    }
+
+    /// The object's size in bytes, as it was opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the object has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The ETag pinned at open (`None` where the server gives none: then each answer's size
+    /// is checked instead).
+    pub fn etag(&self) -> Option<&str> {
+        self.etag.as_deref()
+    }
+
+    /// The settings it reads with.
+    pub fn options(&self) -> &ObjectOptions {
+        &self.opts
+    }
+
+    /// Fills all of `dst` with the object's bytes from `offset`: ranged GETs of
+    /// [`ObjectOptions::request_bytes`], up to [`ObjectOptions::requests_in_flight`] at once,
+    /// each straight into its part of `dst`. On an error `dst` holds an unspecified mix of
+    /// old contents and object bytes.
+    pub fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<ReadStats> {
+        let end = offset
+            .checked_add(dst.len() as u64)
+            .filter(|&end| end <= self.len)
+            .ok_or_else(|| Error::OutOfRange {
+                url: self.url.to_string(),
+                start: offset,
+                end: offset.saturating_add(dst.len() as u64),
+                len: self.len,
+            })?;
+        let start = Instant::now();
+        let step = self.opts.request_bytes;
+        let requests = dst.len().div_ceil(step);
+        if requests > 0 {
+            block_on(async {
+                let mut pending = futures_util::stream::iter(
+                    dst.chunks_mut(step)
+                        .enumerate()
+                        .map(|(i, part)| self.get_into(offset + (i * step) as u64, part)),
+                )
+                .buffer_unordered(self.opts.requests_in_flight);
+                while let Some(done) = pending.next().await {
+                    done?;
+                }
+                Ok::<(), Error>(())
+            })??;
+        }
+        debug_assert_eq!(end - offset, dst.len() as u64);
+        Ok(ReadStats {
+            bytes: dst.len() as u64,
+            requests,
+            elapsed: start.elapsed(),
+        })
+    }
+
+    /// The whole object, read as [`Object::read_exact_at`] reads.
+    pub fn read_all(&self) -> Result<Vec<u8>> {
+        let len = usize::try_from(self.len).map_err(|_| {
+            Error::InvalidSetting(format!(
+                "{}: {} bytes do not fit in memory",
+                self.url, self.len
+            ))
+        })?;
+        let mut out = vec![0u8; len];
+        self.read_exact_at(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// One ranged GET of `dst.len()` bytes at `offset`, of the pinned version, into `dst`.
+    async fn get_into(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let range = offset..offset + dst.len() as u64;
+        let what = || format!("GET bytes {}-{}", range.start, range.end - 1);
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(range.clone())),
+            if_match: self.etag.clone(),
+            ..GetOptions::default()
+        };
+        let got = self
+            .store
+            .get_opts(&self.path, options)
+            .await
+            .map_err(|e| self.error(&what(), e))?;
+        if got.meta.size != self.len || (self.etag.is_some() && got.meta.e_tag != self.etag) {
+            return Err(Error::ObjectChanged {
+                url: self.url.to_string(),
+                what: format!(
+                    "{} bytes, ETag {:?} at open; {} bytes, ETag {:?} now",
+                    self.len, self.etag, got.meta.size, got.meta.e_tag
+                ),
+            });
+        }
+        let GetResultPayload::Stream(mut body) = got.payload;
+        let mut done = 0usize;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| self.error(&what(), e))?;
+            let Some(to) = dst.get_mut(done..done + chunk.len()) else {
+                return Err(self.truncated(offset, done + chunk.len(), dst.len()));
+            };
+            to.copy_from_slice(&chunk);
+            done += chunk.len();
+        }
+        if done != dst.len() {
+            return Err(self.truncated(offset, done, dst.len()));
+        }
+        Ok(())
+    }
+
+    fn truncated(&self, offset: u64, got: usize, want: usize) -> Error {
+        Error::Truncated {
+            url: self.url.to_string(),
+            offset,
+            got: got as u64,
+            want: want as u64,
+        }
+    }
+
+    /// The store's error `e` of request `what`, as this crate's.
+    fn error(&self, what: &str, e: object_store::Error) -> Error {
+        let url = self.url.to_string();
+        match e {
+            object_store::Error::NotFound { .. } => Error::NotFound {
+                url,
+                endpoint: self
+                    .endpoint
+                    .as_ref()
+                    .map_or_else(String::new, |e| format!(", endpoint {e}")),
+            },
+            object_store::Error::Precondition { .. } => Error::ObjectChanged {
+                url,
+                what: format!("its ETag is no longer {:?}", self.etag),
+            },
+            e @ (object_store::Error::PermissionDenied { .. }
+            | object_store::Error::Unauthenticated { .. }) => {
+                Error::AccessDenied { url, source: e }
+            }
+            source => Error::Request {
+                url,
+                what: what.to_string(),
+                source,
+            },
+        }
+    }
+}
+
+/// The crate's I/O runtime: a few worker threads drive the connections; the futures of a
+/// read run on the calling thread.
+fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RUNTIME: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> =
+        OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(workers)
+                .thread_name("gpufeed-object")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::Runtime(e.clone()))
+}
+
+/// Runs `f` to completion on the I/O runtime, refusing where the caller is itself inside an
+/// async runtime.
+fn block_on<F: Future>(f: F) -> Result<F::Output> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(Error::InsideAsyncRuntime);
+    }
+    Ok(runtime()?.block_on(f))
+}

@@ -1,0 +1,408 @@
+//! How objects are read, and where credentials and the endpoint come from.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::http::HttpBuilder;
+use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
+
+use crate::error::{Error, Result};
+use crate::url::{ObjectUrl, Scheme};
+
+/// Settings of object reads: start from the default and change what you need (new settings
+/// may be added).
+///
+/// Credentials, region and endpoint come the standard way unless set here:
+/// `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, `AWS_REGION` (or
+/// `AWS_DEFAULT_REGION`), `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`, for S3-compatible
+/// servers, addressed path-style), and where no key is in the environment the profile
+/// `AWS_PROFILE` (default `default`) of `~/.aws/credentials` and `~/.aws/config`
+/// (`AWS_SHARED_CREDENTIALS_FILE`, `AWS_CONFIG_FILE`). An `http://` endpoint is allowed as
+/// given.
+///
+/// ```
+/// let opts = gpufeed_object::ObjectOptions::default()
+///     .with_endpoint("http://127.0.0.1:8333")
+///     .with_requests_in_flight(32);
+/// assert_eq!(opts.requests_in_flight, 32);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ObjectOptions {
+    /// The S3 endpoint (`http://127.0.0.1:8333`); `None`: the environment's, else AWS.
+    pub endpoint: Option<String>,
+    /// The region; `None`: the environment's or the profile's, else `us-east-1`.
+    pub region: Option<String>,
+    /// Ranged GETs in flight at once per read (default 16).
+    pub requests_in_flight: usize,
+    /// Bytes per ranged GET (default 8 MiB): large enough that a request's latency is small
+    /// beside its transfer, small enough that a read of a few hundred MiB has many in flight.
+    pub request_bytes: usize,
+    /// Retries of a failed request (5xx, throttling, reset or refused connections, a body cut
+    /// short), with exponential backoff from 50 ms (default 5).
+    pub retries: usize,
+    /// The longest a request, with its retries, may take before it is an error (default 60
+    /// s).
+    pub timeout: Duration,
+    /// The longest a connection may take to open (default 5 s).
+    pub connect_timeout: Duration,
+    /// Credentials to use; `None`: the environment's or the profile's. Given, nothing is
+    /// taken from the environment but what the other settings leave unset (the endpoint and
+    /// region, from `AWS_ENDPOINT_URL` and `AWS_REGION`).
+    pub credentials: Option<Credentials>,
+}
+
+/// An access key, its secret and, for temporary credentials, a session token (`Debug`
+/// shows only the key id).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    /// `AWS_ACCESS_KEY_ID`.
+    pub key_id: String,
+    /// `AWS_SECRET_ACCESS_KEY`.
+    pub secret: String,
+    /// `AWS_SESSION_TOKEN`.
+    pub token: Option<String>,
+}
+
+impl Credentials {
+    /// A key and its secret.
+    pub fn new(key_id: impl Into<String>, secret: impl Into<String>) -> Credentials {
+        Credentials {
+            key_id: key_id.into(),
+            secret: secret.into(),
+            token: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("key_id", &self.key_id)
+            .field("secret", &"<redacted>")
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl Default for ObjectOptions {
+    fn default() -> Self {
+        ObjectOptions {
+            endpoint: None,
+            region: None,
+            requests_in_flight: 16,
+            request_bytes: 8 << 20,
+            retries: 5,
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(5),
+            credentials: None,
+        }
+    }
+}
+
+impl ObjectOptions {
+    /// With this S3 endpoint.
+    pub fn with_endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.endpoint = Some(endpoint.into());
+        self
+    }
+    /// With this region.
+    pub fn with_region(mut self, region: impl Into<String>) -> Self {
+        self.region = Some(region.into());
+        self
+    }
+    /// With this many ranged GETs in flight per read.
+    pub fn with_requests_in_flight(mut self, n: usize) -> Self {
+        self.requests_in_flight = n;
+        self
+    }
+    /// With ranged GETs of this many bytes.
+    pub fn with_request_bytes(mut self, bytes: usize) -> Self {
+        self.request_bytes = bytes;
+        self
+    }
+    /// With this many retries per request.
+    pub fn with_retries(mut self, retries: usize) -> Self {
+        self.retries = retries;
+        self
+    }
+    /// With this limit on a request and its retries.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+    /// With these credentials (the environment's and the profile's are not read).
+    pub fn with_credentials(mut self, credentials: Credentials) -> Self {
+        self.credentials = Some(credentials);
+        self
+    }
+    /// With this limit on opening a connection.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.requests_in_flight == 0 || self.request_bytes == 0 {
+            return Err(Error::InvalidSetting(format!(
+                "requests_in_flight ({}) and request_bytes ({}) must be at least 1",
+                self.requests_in_flight, self.request_bytes
+            )));
+        }
+        if self.timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(Error::InvalidSetting(
+                "timeout and connect_timeout must be more than zero".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The endpoint to use: this one, else the environment's.
+    pub(crate) fn endpoint_in_use(&self) -> Option<String> {
+        self.endpoint.clone().or_else(|| {
+            ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+                .iter()
+                .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+        })
+    }
+
+    /// The store that serves `url`.
+    pub(crate) fn store(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
+        self.check()?;
+        let retry = RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_secs(5),
+                base: 2.0,
+            },
+            max_retries: self.retries,
+            retry_timeout: self.timeout,
+        };
+        let endpoint = self.endpoint_in_use();
+        let client = ClientOptions::new()
+            .with_timeout(self.timeout)
+            .with_connect_timeout(self.connect_timeout)
+            .with_allow_http(
+                url.scheme() == Scheme::Http
+                    || endpoint
+                        .as_deref()
+                        .is_some_and(|e| e.starts_with("http://")),
+            );
+        let built = match url.scheme() {
+            Scheme::Http => HttpBuilder::new()
+                .with_url(url.bucket())
+                .with_retry(retry)
+                .with_client_options(client)
+                .build()
+                .map(|s| Arc::new(s) as Arc<dyn ObjectStore>),
+            Scheme::S3 => {
+                let profile = Profile::from_env();
+                let given = self.credentials.clone().or_else(|| {
+                    // The profile's, where the environment has no key.
+                    std::env::var_os("AWS_ACCESS_KEY_ID")
+                        .is_none()
+                        .then(|| profile.credentials())
+                        .flatten()
+                        .map(|(key_id, secret, token)| Credentials {
+                            key_id,
+                            secret,
+                            token,
+                        })
+                });
+                let base = if self.credentials.is_some() {
+                    AmazonS3Builder::new()
+                } else {
+                    AmazonS3Builder::from_env()
+                };
+                let mut b = base
+                    .with_bucket_name(url.bucket())
+                    .with_retry(retry)
+                    .with_client_options(client)
+                    .with_virtual_hosted_style_request(false);
+                if let Some(c) = given {
+                    b = b
+                        .with_access_key_id(c.key_id)
+                        .with_secret_access_key(c.secret);
+                    if let Some(token) = c.token {
+                        b = b.with_token(token);
+                    }
+                }
+                let region = self.region.clone().or_else(|| {
+                    ["AWS_REGION", "AWS_DEFAULT_REGION"]
+                        .iter()
+                        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+                        .or_else(|| profile.setting("region"))
+                });
+                b = b.with_region(region.unwrap_or_else(|| "us-east-1".into()));
+                if let Some(e) = endpoint.or_else(|| profile.setting("endpoint_url")) {
+                    b = b.with_endpoint(e);
+                }
+                b.build().map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
+            }
+        };
+        built.map_err(|e| Error::InvalidSetting(format!("{url}: {e}")))
+    }
+}
+
+/// The profile's sections of the shared credentials and config files.
+pub(crate) struct Profile {
+    name: String,
+    credentials: Option<PathBuf>,
+    config: Option<PathBuf>,
+}
+
+impl Profile {
+    /// `AWS_PROFILE` (default `default`) in `AWS_SHARED_CREDENTIALS_FILE` (default
+    /// `~/.aws/credentials`) and `AWS_CONFIG_FILE` (default `~/.aws/config`).
+    pub(crate) fn from_env() -> Profile {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let file = |var: &str, name: &str| {
+            std::env::var_os(var)
+                .map(PathBuf::from)
+                .or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)))
+        };
+        Profile {
+            name: std::env::var("AWS_PROFILE")
+                .ok()
+                .filter(|p| !p.is_empty())
+                .unwrap_or_else(|| "default".into()),
+            credentials: file("AWS_SHARED_CREDENTIALS_FILE", "credentials"),
+            config: file("AWS_CONFIG_FILE", "config"),
+        }
+    }
+
+    /// The key id, secret and session token of the profile, where its section has the first
+    /// two (in the credentials file, else the config file).
+    pub(crate) fn credentials(&self) -> Option<(String, String, Option<String>)> {
+        let get = |k: &str| self.lookup(k, true).or_else(|| self.lookup(k, false));
+        Some((
+            get("aws_access_key_id")?,
+            get("aws_secret_access_key")?,
+            get("aws_session_token"),
+        ))
+    }
+
+    /// A setting (`region`, `endpoint_url`) of the profile in the config file.
+    pub(crate) fn setting(&self, key: &str) -> Option<String> {
+        self.lookup(key, false)
+    }
+
+    fn lookup(&self, key: &str, in_credentials: bool) -> Option<String> {
+        let (path, section) = if in_credentials {
+            (self.credentials.as_deref()?, self.name.clone())
+        } else if self.name == "default" {
+            (self.config.as_deref()?, "default".to_string())
+        } else {
+            (self.config.as_deref()?, format!("profile {}", self.name))
+        };
+        ini_value(&std::fs::read_to_string(path).ok()?, &section, key)
+            .or_else(|| fallback_section(path, &self.name, in_credentials, key))
+    }
+}
+
+/// The config file also accepts a bare `[name]` section for the profile.
+fn fallback_section(path: &Path, name: &str, in_credentials: bool, key: &str) -> Option<String> {
+    if in_credentials || name == "default" {
+        return None;
+    }
+    ini_value(&std::fs::read_to_string(path).ok()?, name, key)
+}
+
+/// `key = value` in `[section]` of an INI text (the AWS files' format: `#`/`;` comments,
+/// whitespace around names and values).
+pub(crate) fn ini_value(text: &str, section: &str, key: &str) -> Option<String> {
+    let mut inside = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            inside = name.trim() == section;
+            continue;
+        }
+        if !inside {
+            continue;
+        }
+        if let Some((k, v)) = line.split_once('=')
+            && k.trim() == key
+        {
+            return Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ini_sections_and_keys() {
+        let text = "# c\n[default]\naws_access_key_id = AK\n aws_secret_access_key=SK \n\n\
+                    [profile other]\nregion = eu-west-1\n; c\nendpoint_url = http://h:1\n[x]\n";
+        assert_eq!(
+            ini_value(text, "default", "aws_access_key_id").as_deref(),
+            Some("AK")
+        );
+        assert_eq!(
+            ini_value(text, "default", "aws_secret_access_key").as_deref(),
+            Some("SK")
+        );
+        assert_eq!(ini_value(text, "default", "region"), None);
+        assert_eq!(
+            ini_value(text, "profile other", "region").as_deref(),
+            Some("eu-west-1")
+        );
+        assert_eq!(
+            ini_value(text, "profile other", "endpoint_url").as_deref(),
+            Some("http://h:1")
+        );
+        assert_eq!(ini_value(text, "x", "region"), None);
+        assert_eq!(ini_value(text, "missing", "region"), None);
+    }
+
+    #[test]
+    fn profiles_from_the_shared_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("credentials");
+        let config = dir.path().join("config");
+        std::fs::write(
+            &creds,
+            "[default]\naws_access_key_id=D\naws_secret_access_key=DS\n\
+             [job]\naws_access_key_id=J\naws_secret_access_key=JS\naws_session_token=T\n",
+        )
+        .unwrap();
+        std::fs::write(&config, "[default]\nregion=r0\n[profile job]\nregion=r1\n").unwrap();
+        let profile = |name: &str| Profile {
+            name: name.into(),
+            credentials: Some(creds.clone()),
+            config: Some(config.clone()),
+        };
+        assert_eq!(
+            profile("default").credentials(),
+            Some(("D".into(), "DS".into(), None))
+        );
+        assert_eq!(
+            profile("job").credentials(),
+            Some(("J".into(), "JS".into(), Some("T".into())))
+        );
+        assert_eq!(profile("default").setting("region").as_deref(), Some("r0"));
+        assert_eq!(profile("job").setting("region").as_deref(), Some("r1"));
+        assert_eq!(profile("nobody").credentials(), None);
+    }
+
+    #[test]
+    fn settings_that_cannot_work_are_refused() {
+        for bad in [
+            ObjectOptions::default().with_requests_in_flight(0),
+            ObjectOptions::default().with_request_bytes(0),
+            ObjectOptions::default().with_timeout(Duration::ZERO),
+        ] {
+            assert!(matches!(bad.check(), Err(Error::InvalidSetting(_))));
+        }
+        ObjectOptions::default().check().unwrap();
+    }
+}

@@ -1,0 +1,181 @@
+//! Object URLs: `s3://bucket/key`, `http://host/path`, `https://host/path`.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Which kind of store an [`ObjectUrl`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Scheme {
+    /// An S3 (or S3-compatible: MinIO, SeaweedFS, Ceph, R2) bucket.
+    S3,
+    /// A plain HTTP(S) server that answers range requests.
+    Http,
+}
+
+/// A parsed object URL.
+///
+/// ```
+/// use gpufeed_object::{ObjectUrl, Scheme};
+/// let url = ObjectUrl::parse("s3://models/llama/model-00001.safetensors")?;
+/// assert_eq!((url.scheme(), url.bucket(), url.key()), (Scheme::S3, "models", "llama/model-00001.safetensors"));
+/// let web = ObjectUrl::parse("https://example.com:8443/data/shard-000.tar")?;
+/// assert_eq!((web.scheme(), web.key()), (Scheme::Http, "data/shard-000.tar"));
+/// assert!(ObjectUrl::parse("/local/file").is_err());
+/// # Ok::<(), gpufeed_object::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectUrl {
+    scheme: Scheme,
+    /// The bucket (S3) or the origin `scheme://host[:port]` (HTTP).
+    root: String,
+    /// The key (S3) or the path without its leading `/` (HTTP), percent-decoded.
+    key: String,
+    text: String,
+}
+
+impl ObjectUrl {
+    /// Parses `s3://bucket/key` (also `s3a://`), `http://host/path` or `https://host/path`.
+    pub fn parse(text: &str) -> Result<ObjectUrl> {
+        let bad = |reason: &str| Error::InvalidUrl {
+            url: text.to_string(),
+            reason: reason.to_string(),
+        };
+        let parsed = url::Url::parse(text).map_err(|e| bad(&e.to_string()))?;
+        let decoded = |path: &str| -> Result<String> {
+            let raw = path.trim_start_matches('/');
+            let key = percent_decode(raw).ok_or_else(|| bad("its path is not UTF-8"))?;
+            if key.is_empty() || key.ends_with('/') {
+                return Err(bad("it names no object (a bucket or folder, not a key)"));
+            }
+            Ok(key)
+        };
+        match parsed.scheme() {
+            "s3" | "s3a" => {
+                let bucket = parsed
+                    .host_str()
+                    .filter(|b| !b.is_empty())
+                    .ok_or_else(|| bad("no bucket"))?;
+                if parsed.query().is_some() || parsed.fragment().is_some() {
+                    return Err(bad("an s3:// URL takes no query or fragment"));
+                }
+                Ok(ObjectUrl {
+                    scheme: Scheme::S3,
+                    root: bucket.to_string(),
+                    key: decoded(parsed.path())?,
+                    text: text.to_string(),
+                })
+            }
+            "http" | "https" => {
+                if parsed.host_str().is_none_or(str::is_empty) {
+                    return Err(bad("no host"));
+                }
+                if parsed.query().is_some() {
+                    return Err(bad("queries are not supported (a signed URL, say)"));
+                }
+                Ok(ObjectUrl {
+                    scheme: Scheme::Http,
+                    root: parsed.origin().ascii_serialization(),
+                    key: decoded(parsed.path())?,
+                    text: text.to_string(),
+                })
+            }
+            other => Err(bad(&format!(
+                "the scheme {other}:// is not an object store"
+            ))),
+        }
+    }
+
+    /// Whether `text` looks like an object URL (`s3://`, `s3a://`, `http://`, `https://`), so
+    /// that a caller taking paths or URLs knows which it was given.
+    pub fn is_url(text: &str) -> bool {
+        ["s3://", "s3a://", "http://", "https://"]
+            .iter()
+            .any(|p| text.len() > p.len() && text[..p.len()].eq_ignore_ascii_case(p))
+    }
+
+    /// The kind of store.
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
+    /// The bucket (S3), or the origin `scheme://host[:port]` (HTTP).
+    pub fn bucket(&self) -> &str {
+        &self.root
+    }
+
+    /// The object's key (S3), or its path without the leading `/` (HTTP).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The URL as given.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+impl fmt::Display for ObjectUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::str::FromStr for ObjectUrl {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        ObjectUrl::parse(s)
+    }
+}
+
+/// `%XX` sequences decoded; `None` where the result is not UTF-8 or a `%` is malformed.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_their_parts() {
+        let u = ObjectUrl::parse("s3://b-1/a%20b/c.bin").unwrap();
+        assert_eq!((u.bucket(), u.key()), ("b-1", "a b/c.bin"));
+        assert_eq!(u.to_string(), "s3://b-1/a%20b/c.bin");
+        let u = ObjectUrl::parse("s3a://bucket/k").unwrap();
+        assert_eq!(u.scheme(), Scheme::S3);
+        let u = ObjectUrl::parse("http://127.0.0.1:9000/x/y").unwrap();
+        assert_eq!((u.bucket(), u.key()), ("http://127.0.0.1:9000", "x/y"));
+        for bad in [
+            "s3://bucket",
+            "s3://bucket/",
+            "s3://bucket/dir/",
+            "s3:///key",
+            "ftp://host/file",
+            "relative/path",
+            "https://host/f?X-Amz-Signature=1",
+            "s3://bucket/%ff",
+            "s3://bucket/%zz",
+        ] {
+            let e = ObjectUrl::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidUrl { .. }), "{bad}: {e}");
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+        assert!(ObjectUrl::is_url("S3://b/k") && ObjectUrl::is_url("https://h/p"));
+        assert!(!ObjectUrl::is_url("/tmp/s3://x") && !ObjectUrl::is_url("s3://"));
+    }
+}
