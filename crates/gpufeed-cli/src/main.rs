@@ -97,7 +97,10 @@ enum Command {
         #[arg(long, requires = "path")]
         measure: bool,
     },
-    /// Load a file into GPU memory and report how. A `.safetensors` file or a
+    /// Load a file, or an object (s3://bucket/key, https://host/path), into GPU memory and
+    /// report how. An object is read by ranged GETs into the pinned staging, its version
+    /// pinned at the first request; credentials and endpoint come from AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL or AWS_PROFILE. A `.safetensors` file or a
     /// `.safetensors.index.json` is loaded as a checkpoint: its headers are checked and each
     /// tensor placed (--raw loads the bytes as they are). With --gpus, onto several GPUs at
     /// once: the file cut into one contiguous share per GPU, or with --replicate all of it on
@@ -253,6 +256,23 @@ fn run(cli: Cli) -> Result<ExitCode> {
             verify,
             raw,
         } => {
+            if let Some(url) = path
+                .to_str()
+                .filter(|p| gpufeed::object::ObjectUrl::is_url(p))
+            {
+                if !gpus.is_empty() || (!raw && gpufeed::safetensors::is_checkpoint_name(&path)) {
+                    use clap::CommandFactory;
+                    Cli::command()
+                        .error(
+                            clap::error::ErrorKind::ArgumentConflict,
+                            "an object loads as plain bytes onto one GPU here: drop --gpus, and \
+                             give --raw for a checkpoint's file",
+                        )
+                        .exit();
+                }
+                let opts = gpufeed::LoadOptions::default().with_strategy(strategy);
+                return load_object(url, gpu, opts, verify, json);
+            }
             let checkpoint = !raw && gpufeed::safetensors::is_checkpoint_name(&path);
             if !gpus.is_empty() {
                 use clap::CommandFactory;
@@ -501,8 +521,8 @@ fn print_load_summary(
 
 fn print_verified(verified: Option<bool>, what: &str) {
     match verified {
-        Some(true) => println!("verified: {what} on the GPU match the file (xxh3)"),
-        Some(false) => println!("VERIFY FAILED: {what} on the GPU differ from the file"),
+        Some(true) => println!("verified: {what} on the GPU match the source (xxh3)"),
+        Some(false) => println!("VERIFY FAILED: {what} on the GPU differ from the source"),
         None => {}
     }
 }
@@ -513,6 +533,69 @@ fn verify_code(verified: Option<bool>) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// `gpufeed load s3://...`: an object into GPU memory, in 4 GiB pieces for the bar.
+fn load_object(
+    url: &str,
+    ordinal: usize,
+    opts: gpufeed::LoadOptions,
+    verify: bool,
+    json: bool,
+) -> Result<ExitCode> {
+    use gpufeed::object::{Object, ObjectOptions};
+    // The object first (not found, access denied), then the GPU.
+    let object = Object::open(url, &ObjectOptions::default())?;
+    let len = object.len();
+    let loader = gpufeed::Loader::open(ordinal, opts)?;
+    let gpu = loader.gpu().clone();
+    const PIECE: u64 = 4 << 30;
+    let pb = bar(len, &format!("load {url}"), json);
+    let t = std::time::Instant::now();
+    let (dst, reports) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
+        let mut reports = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let end = (at + PIECE).min(len);
+            reports.push(loader.load_object_into(&object, at..end, dst, at as usize)?);
+            pb.set_position(end);
+            at = end;
+        }
+        Ok::<_, gpufeed::Error>(reports)
+    })?;
+    pb.finish_and_clear();
+    let secs = t.elapsed().as_secs_f64();
+    let verified = if verify {
+        let back = gpu.to_vec(&dst)?;
+        let host = object
+            .read_all()
+            .with_context(|| format!("read {url} again to verify"))?;
+        Some(xxhash_rust::xxh3::xxh3_64(&back) == xxhash_rust::xxh3::xxh3_64(&host))
+    } else {
+        None
+    };
+    let fallbacks = fallbacks_of(loader.setup(), &reports);
+    let setup = loader.setup();
+    if json {
+        print_json(
+            "load",
+            json!({
+                "kind": "object", "url": url, "etag": object.etag(), "gpu": ordinal,
+                "bytes": len, "seconds": secs, "gbps": gpufeed::os::gbps(len, secs),
+                "context_seconds": setup.context_seconds, "ready_seconds": setup.total_seconds,
+                "staging_bytes": setup.staging_bytes,
+                "reason": reports.first().map(|r| r.reason.clone()),
+                "fallbacks": fallbacks, "verified": verified, "pieces": reports,
+            }),
+        )?;
+    } else {
+        print_load_summary(url, len, secs, &loader, &fallbacks);
+        if let Some(r) = reports.first() {
+            println!("route: {}", r.reason);
+        }
+        print_verified(verified, "the bytes");
+    }
+    Ok(verify_code(verified))
 }
 
 fn load(

@@ -831,3 +831,73 @@ fn load_reads_a_checkpoint_as_tensors() {
     assert_eq!(v["per_gpu"].as_array().map(Vec::len), Some(n), "{v}");
     assert_eq!(v["verified"], true, "{v}");
 }
+
+/// `load s3://...` against a real S3 server: a missing object is a one-line error before any
+/// GPU is touched; on a GPU the object loads and verifies.
+#[test]
+fn load_reads_an_object_from_s3() {
+    use gpufeed_testkit::s3;
+    let test = "load_reads_an_object_from_s3";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let data = gpufeed_testkit::random_bytes((3 << 20) + 17, gpufeed_testkit::seed(test));
+    server.put("cli/obj.bin", &data).expect("put");
+    let with_env = |cmd: &mut Command| {
+        for var in [
+            "AWS_PROFILE",
+            "AWS_SESSION_TOKEN",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT",
+            "AWS_DEFAULT_REGION",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.env("AWS_ACCESS_KEY_ID", s3::ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", s3::SECRET_KEY)
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_ENDPOINT_URL", &server.endpoint);
+    };
+    let mut missing = gpufeed();
+    with_env(&mut missing);
+    let out = missing
+        .args(["load", &format!("s3://{}/cli/none.bin", s3::BUCKET)])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let line = one_line_error(&out);
+    assert!(
+        line.contains("not found") && line.contains("none.bin"),
+        "{line}"
+    );
+    let mut bad = gpufeed();
+    with_env(&mut bad);
+    let out = bad
+        .args([
+            "load",
+            "--gpus",
+            "0,1",
+            &format!("s3://{}/cli/obj.bin", s3::BUCKET),
+        ])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let Some(_gpu) =
+        gpufeed_testkit::opened_or_skip(&format!("{test} (on a GPU)"), gpufeed::Gpu::open(0))
+    else {
+        return;
+    };
+    let mut load = gpufeed();
+    with_env(&mut load);
+    let (v, code) = json_of(load.args([
+        "load",
+        "--verify",
+        &format!("s3://{}/cli/obj.bin", s3::BUCKET),
+    ]));
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(
+        (v["kind"].as_str(), v["bytes"].as_u64()),
+        (Some("object"), Some(data.len() as u64))
+    );
+    assert_eq!(v["verified"], true, "{v}");
+}

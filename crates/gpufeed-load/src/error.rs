@@ -22,6 +22,10 @@ pub enum Error {
     /// GPUs and transfers (gpufeed-cuda), including `NoCudaDriver`.
     #[error(transparent)]
     Cuda(#[from] gpufeed_cuda::Error),
+    /// Objects in object storage (gpufeed-object; the `object` feature).
+    #[cfg(feature = "object")]
+    #[error(transparent)]
+    Object(#[from] gpufeed_object::Error),
     /// The file changed (replaced, truncated, written) between reading its header and the
     /// end of the load: the bytes on the GPU may mix two versions, so they were dropped.
     #[error(

@@ -18,6 +18,11 @@ pub fn read_error(e: gpufeed_cuda::Error) -> Error {
     let gpufeed_cuda::Error::Source { offset, source } = e else {
         return e.into();
     };
+    #[cfg(feature = "object")]
+    let source = match source.downcast::<gpufeed_object::Error>() {
+        Ok(object) => return Error::Object(*object),
+        Err(source) => source,
+    };
     match source.downcast::<gpufeed_uring::Error>() {
         Ok(read) => Error::Read(*read),
         Err(source) => match source.downcast::<Error>() {

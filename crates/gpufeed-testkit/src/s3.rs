@@ -139,6 +139,39 @@ impl SeaweedFs {
         }
     }
 
+    /// Writes `bytes` as `key` of [`BUCKET`] through the filer's HTTP API (no signing needed;
+    /// S3 then serves it with its ETag), retried while a fresh server settles its volumes.
+    pub fn put(&self, key: &str, bytes: &[u8]) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let put = || -> std::io::Result<u16> {
+                let mut s = TcpStream::connect_timeout(&self.filer, Duration::from_secs(2))?;
+                s.set_read_timeout(Some(Duration::from_secs(60)))?;
+                write!(
+                    s,
+                    "PUT /buckets/{BUCKET}/{key} HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\n\
+                     Content-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+                    self.filer,
+                    bytes.len()
+                )?;
+                s.write_all(bytes)?;
+                let mut head = [0u8; 12];
+                s.read_exact(&mut head)?;
+                std::str::from_utf8(&head[9..12])
+                    .ok()
+                    .and_then(|c| c.parse().ok())
+                    .ok_or_else(|| std::io::Error::other("not HTTP"))
+            };
+            match put() {
+                Ok(200 | 201 | 204) => return Ok(()),
+                other if Instant::now() > deadline => {
+                    return Err(format!("PUT {key}: {other:?}: {}", self.log()));
+                }
+                _ => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    }
+
     /// The server's log so far (for a failure's message).
     pub fn log(&self) -> String {
         let text = std::fs::read_to_string(self._dir.path().join("weed.log")).unwrap_or_default();

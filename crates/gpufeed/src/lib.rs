@@ -67,6 +67,9 @@ pub use gpufeed_frames::frames;
 /// The hybrid training loader case study ([`gpufeed_frames::hybrid`]).
 #[cfg(feature = "frames")]
 pub use gpufeed_frames::hybrid;
+/// Objects in S3-compatible storage and on HTTP(S) servers ([`gpufeed_load::object`]).
+#[cfg(feature = "object")]
+pub use gpufeed_load::object;
 /// Several GPUs ([`gpufeed_multi`]).
 #[cfg(feature = "multi")]
 pub use gpufeed_multi as multi;

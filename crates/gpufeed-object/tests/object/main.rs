@@ -372,3 +372,15 @@ fn options_are_checked_before_any_request() {
         "{shown}"
     );
 }
+
+#[test]
+fn objects_written_through_the_filer_read_the_same() {
+    let test = "objects_written_through_the_filer_read_the_same";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let data = gpufeed_testkit::random_bytes(777_777, gpufeed_testkit::seed(test));
+    server.put("filer/obj.bin", &data).expect("filer put");
+    let obj = Object::open(&url("filer/obj.bin"), &opts(&server.endpoint)).expect("open");
+    assert_eq!(xxh3_64(&obj.read_all().expect("read")), xxh3_64(&data));
+}

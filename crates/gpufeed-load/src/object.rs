@@ -1,0 +1,201 @@
+//! Objects (`s3://`, `https://`) into GPU memory (the `object` feature): ranged GETs straight
+//! into the pinned staging buffers, each uploaded as soon as it is full.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use gpufeed_cuda::cudarc::driver::{DevicePtrMut, DeviceSlice};
+use gpufeed_cuda::{FillSource, HostSource, SourceError};
+
+use crate::error::{Error, Result};
+use crate::loader::Loader;
+use crate::options::{DeviceBuffer, LoadOptions, LoadReport, Strategy};
+use crate::route::read_error;
+
+/// Bytes `[start, start + len)` of an object as the scheduler's fill source: each fill thread
+/// fills its staging buffer with one [`Object::read_exact_at`] (several ranged GETs in
+/// flight), so network, host and PCIe overlap, and host memory is the staging alone.
+struct ObjectSource<'a> {
+    object: &'a Object,
+    start: u64,
+}
+
+impl FillSource for ObjectSource<'_> {
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
+        self.object.read_exact_at(self.start + offset, dst)?;
+        Ok(())
+    }
+}
+
+impl Loader {
+    /// Loads all of `object` into new GPU memory.
+    ///
+    /// # Errors
+    /// [`Loader::load_object_range`]'s.
+    pub fn load_object(&self, object: &Object) -> Result<(DeviceBuffer, LoadReport)> {
+        self.load_object_range(object, 0..object.len())
+    }
+
+    /// Loads bytes `range` of `object` into new GPU memory: the fill threads read it by
+    /// ranged GETs of the version pinned when the object was opened into the pinned staging
+    /// buffers, which are uploaded as they fill. Host memory is the loader's staging,
+    /// whatever the object's size; device memory is the result.
+    ///
+    /// # Errors
+    /// [`Error::Object`] (not found, access denied, the object replaced since it was opened,
+    /// a request that failed after its retries, a range past the end); CUDA errors.
+    ///
+    /// # Example
+    /// ```no_run
+    /// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::default())?;
+    /// let object = gpufeed_load::object::Object::open("s3://models/shard-000.bin", &Default::default())?;
+    /// let (buf, report) = loader.load_object(&object)?;
+    /// println!("{} bytes at {:.1} GB/s ({})", buf.len(), report.gbps(), report.reason);
+    /// # Ok::<(), gpufeed_load::Error>(())
+    /// ```
+    pub fn load_object_range(
+        &self,
+        object: &Object,
+        range: Range<u64>,
+    ) -> Result<(DeviceBuffer, LoadReport)> {
+        let started = Instant::now();
+        let len = check_range(object, &range)?;
+        let (buf, report) = self.gpu.alloc_filled(len, self.device_alloc(len), |dst| {
+            self.fill_from_object(object, range, dst, started)
+        })?;
+        Ok((buf, report))
+    }
+
+    /// Loads bytes `range` of `object` into `dst` from `dst_offset` on (as
+    /// [`Loader::load_object_range`] reads them): a large object in pieces, say, to report
+    /// progress.
+    ///
+    /// # Errors
+    /// [`Loader::load_object_range`]'s, and a destination too small.
+    pub fn load_object_into(
+        &self,
+        object: &Object,
+        range: Range<u64>,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+    ) -> Result<LoadReport> {
+        let started = Instant::now();
+        let len = check_range(object, &range)?;
+        let at = if len == 0 { 0 } else { dst_offset };
+        crate::route::fits(len as u64, at, dst.len())?;
+        let mut view = dst.slice_mut(at..at + len);
+        self.fill_from_object(object, range, &mut view, started)
+    }
+
+    /// `range` of `object` into `dst`, exactly as long.
+    fn fill_from_object<D>(
+        &self,
+        object: &Object,
+        range: Range<u64>,
+        dst: &mut D,
+        started: Instant,
+    ) -> Result<LoadReport>
+    where
+        D: DevicePtrMut<u8> + DeviceSlice<u8>,
+    {
+        let len = range.end - range.start;
+        let opts = object.options();
+        let mut report = LoadReport {
+            path: object.url().as_str().into(),
+            strategy: Strategy::Staged,
+            reason: format!(
+                "an object: ranged GETs of {} KiB ({} in flight per fill thread) into pinned staging",
+                opts.request_bytes >> 10,
+                opts.requests_in_flight
+            ),
+            bytes: len,
+            seconds: 0.0,
+            residency_before: None,
+            fallbacks: Vec::new(),
+            copy_waited_s: 0.0,
+            source_waited_s: 0.0,
+            io_backend: Some("object store (HTTP ranged GETs)".into()),
+        };
+        if len > 0 {
+            let source = ObjectSource {
+                object,
+                start: range.start,
+            };
+            let stats = self
+                .sched
+                .upload(
+                    HostSource::Fill {
+                        source: &source,
+                        len,
+                    },
+                    dst,
+                    0,
+                )
+                .map_err(read_error)?;
+            report.copy_waited_s = stats.copy_waited_s;
+            report.source_waited_s = stats.source_waited_s;
+        }
+        for f in self.sched.fallbacks() {
+            f.push_once(&mut report.fallbacks);
+        }
+        report.seconds = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+}
+
+/// The length of `range`, checked against the object's size.
+fn check_range(object: &Object, range: &Range<u64>) -> Result<usize> {
+    if range.start > range.end || range.end > object.len() {
+        return Err(gpufeed_object::Error::OutOfRange {
+            url: object.url().to_string(),
+            start: range.start,
+            end: range.end,
+            len: object.len(),
+        }
+        .into());
+    }
+    let len = range.end - range.start;
+    usize::try_from(len)
+        .map_err(|_| Error::InvalidSetting(format!("{len} bytes do not fit in memory")))
+}
+
+/// Loads the object at `url` (`s3://bucket/key`, `https://host/path`) into new GPU memory of
+/// `gpu`, with a loader made for it ([`Loader::load_object`]).
+///
+/// # Errors
+/// [`Loader::load_object_range`]'s, and the object's open errors.
+pub fn load_object(
+    gpu: &crate::Gpu,
+    url: &str,
+    object: &ObjectOptions,
+    opts: LoadOptions,
+) -> Result<(DeviceBuffer, LoadReport)> {
+    let object = Object::open(url, object)?;
+    let loader = Loader::for_bytes(gpu, opts, object.len())?;
+    loader.load_object(&object)
+}
+
+pub use gpufeed_object::{
+    Credentials, Error as ObjectError, Object, ObjectOptions, ObjectUrl, ReadStats,
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An object's error raised in a fill thread reaches the caller as itself.
+    #[test]
+    fn an_objects_error_in_a_fill_is_the_loads_error() {
+        let e = gpufeed_cuda::Error::Source {
+            offset: 5,
+            source: Box::new(ObjectError::ObjectChanged {
+                url: "s3://b/k".into(),
+                what: "ETag".into(),
+            }),
+        };
+        assert!(matches!(
+            read_error(e),
+            Error::Object(ObjectError::ObjectChanged { .. })
+        ));
+    }
+}
