@@ -39,7 +39,7 @@ pub enum Error {
         url: String,
         /// The store's error.
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// The object was replaced or modified after it was opened: its ETag (or size) differs
@@ -96,7 +96,7 @@ pub enum Error {
         what: String,
         /// The store's error.
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
 
     /// A setting that cannot work: the message says which and what to write instead.

@@ -240,13 +240,14 @@ impl Object {
                 what: format!("its ETag is no longer {:?}", self.etag),
             },
             e @ (object_store::Error::PermissionDenied { .. }
-            | object_store::Error::Unauthenticated { .. }) => {
-                Error::AccessDenied { url, source: e }
-            }
+            | object_store::Error::Unauthenticated { .. }) => Error::AccessDenied {
+                url,
+                source: Box::new(e),
+            },
             source => Error::Request {
                 url,
                 what: what.to_string(),
-                source,
+                source: Box::new(source),
             },
         }
     }
