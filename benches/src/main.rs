@@ -15,6 +15,7 @@ mod ipc;
 mod limits;
 mod loader;
 mod multi;
+mod objects;
 mod oneshot;
 mod python;
 mod reads;
@@ -99,7 +100,8 @@ struct Cli {
 
     /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
     /// (tables 4, 6 and 8), small (table 9), python (table 10, which also runs with
-    /// `--peers`), multi (table 11, several GPUs), frames (table 12), hybrid (table 13).
+    /// `--peers`), multi (table 11, several GPUs), frames (table 12), hybrid (table 13),
+    /// object (table 14, objects from a SeaweedFS server started here; needs `weed`).
     /// Limits are measured whenever a host table is, since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
@@ -134,10 +136,11 @@ pub(crate) enum Part {
     Multi,
     Frames,
     Hybrid,
+    Object,
 }
 
 impl Part {
-    const ALL: [Part; 12] = [
+    const ALL: [Part; 13] = [
         Part::Limits,
         Part::Handoff,
         Part::Access,
@@ -150,6 +153,7 @@ impl Part {
         Part::Multi,
         Part::Frames,
         Part::Hybrid,
+        Part::Object,
     ];
 
     /// A part without GPU rows (skipped by `--gpu-only`).
@@ -175,6 +179,7 @@ impl Part {
             Part::Multi => "table 11 (multi)",
             Part::Frames => "table 12 (frames)",
             Part::Hybrid => "table 13 (hybrid)",
+            Part::Object => "table 14 (object)",
         }
     }
 }
@@ -570,6 +575,15 @@ fn main() -> Result<()> {
     } else {
         None
     };
+    let objects = if wanted(Part::Object) {
+        let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
+        let bytes = if cli.quick { 64 << 20 } else { 1 << 30 };
+        Some(objects::measure(bytes, cli.reps, gpu.as_ref(), |what| {
+            progress.line(&format!("      {what}"))
+        })?)
+    } else {
+        None
+    };
 
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
@@ -589,6 +603,7 @@ fn main() -> Result<()> {
         multi,
         frames,
         hybrid,
+        objects,
         left_out,
     };
     progress.finish();

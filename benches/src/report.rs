@@ -87,6 +87,8 @@ pub struct Report {
     pub frames: Option<crate::frames::FramesBench>,
     /// Table 13: the hybrid training loader.
     pub hybrid: Option<crate::hybrid::HybridBench>,
+    /// Table 14: objects in S3-compatible storage.
+    pub objects: Option<crate::objects::ObjectsBench>,
     /// The tables this run did not select (`--only`, `--gpu-only`; table 10 without `--peers`).
     pub left_out: Vec<&'static str>,
 }
@@ -180,6 +182,9 @@ impl Report {
         }
         if let Some(v) = &self.hybrid {
             crate::hybrid::table(&mut s, v);
+        }
+        if let Some(v) = &self.objects {
+            crate::objects::table(&mut s, v);
         }
         if !self.left_out.is_empty() {
             let _ = writeln!(
