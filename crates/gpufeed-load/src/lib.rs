@@ -34,7 +34,7 @@
 //! where it passes on a mapped file's promise (`Strategy::Registered`, [`RegisteredFile`]).
 //!
 //! Depends on `gpufeed-os`, `gpufeed-numa`, `gpufeed-uring`, `gpufeed-pinned` and
-//! `gpufeed-cuda`.
+//! `gpufeed-cuda`, and with the `object` feature on `gpufeed-object`.
 //!
 //! The checkpoint, data, multi-GPU and case-study crates build on it; the `gpufeed` facade
 //! re-exports it at its root.

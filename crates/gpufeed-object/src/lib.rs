@@ -23,8 +23,9 @@
 //! client is Apache Arrow's `object_store` (reqwest, rustls) on a small tokio runtime of the
 //! crate's own; the API is blocking.
 //!
-//! Depends on no other gpufeed crate; `gpufeed-load` (its `object` feature) builds loads into
-//! GPU memory on it.
+//! Depends on no other gpufeed crate.
+//!
+//! The loader's `object` feature builds loads into GPU memory on it (`Loader::load_object`).
 //!
 //! # Example
 //! ```no_run
