@@ -260,17 +260,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .to_str()
                 .filter(|p| gpufeed::object::ObjectUrl::is_url(p))
             {
-                if !gpus.is_empty() || (!raw && gpufeed::safetensors::is_checkpoint_name(&path)) {
+                if !gpus.is_empty() {
                     use clap::CommandFactory;
                     Cli::command()
                         .error(
                             clap::error::ErrorKind::ArgumentConflict,
-                            "an object loads as plain bytes onto one GPU here: drop --gpus, and \
-                             give --raw for a checkpoint's file",
+                            "an object loads onto one GPU here: drop --gpus",
                         )
                         .exit();
                 }
                 let opts = gpufeed::LoadOptions::default().with_strategy(strategy);
+                if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
+                    return load_checkpoint(&path, gpu, opts, verify, json);
+                }
                 return load_object(url, gpu, opts, verify, json);
             }
             let checkpoint = !raw && gpufeed::safetensors::is_checkpoint_name(&path);
@@ -847,8 +849,17 @@ fn load_checkpoint(
     verify: bool,
     json: bool,
 ) -> Result<ExitCode> {
+    // A checkpoint in object storage: its headers by ranged GETs, its data sections by
+    // object loads.
+    let url = path
+        .to_str()
+        .filter(|p| gpufeed::object::ObjectUrl::is_url(p));
+    let object_opts = gpufeed::object::ObjectOptions::default();
     // A bad header or index fails here, before the GPU is opened.
-    let layout = gpufeed::safetensors::inspect(path)?;
+    let layout = match url {
+        Some(url) => gpufeed::safetensors::inspect_object(url, &object_opts)?,
+        None => gpufeed::safetensors::inspect(path)?,
+    };
     let bytes: u64 = layout.iter().map(|f| f.data_bytes).sum();
     let tensors: usize = layout.iter().map(|f| f.tensors.len()).sum();
     let loader = gpufeed::Loader::open(ordinal, opts)?;
@@ -862,7 +873,10 @@ fn load_checkpoint(
         json,
     );
     let t = std::time::Instant::now();
-    let ckpt = gpufeed::safetensors::load_with(&loader, path);
+    let ckpt = match url {
+        Some(url) => gpufeed::safetensors::load_object(&loader, url, &object_opts),
+        None => gpufeed::safetensors::load_with(&loader, path),
+    };
     pb.finish_and_clear();
     let ckpt = ckpt?;
     let secs = t.elapsed().as_secs_f64();
@@ -957,11 +971,25 @@ fn mismatched_tensors(
             .buffer(i)
             .with_context(|| format!("{} was not loaded", f.path.display()))?;
         let back = ckpt.gpu().to_vec(buffer)?;
-        let file = std::fs::File::open(&f.path)
-            .with_context(|| format!("open {} to verify", f.path.display()))?;
         let mut data = vec![0u8; f.data_bytes as usize];
-        file.read_exact_at(&mut data, f.data_start)
-            .with_context(|| format!("read {} to verify", f.path.display()))?;
+        match f
+            .path
+            .to_str()
+            .filter(|p| gpufeed::object::ObjectUrl::is_url(p))
+        {
+            Some(url) => {
+                let object = gpufeed::object::Object::open(url, &Default::default())?;
+                object
+                    .read_exact_at(f.data_start, &mut data)
+                    .with_context(|| format!("read {url} to verify"))?;
+            }
+            None => {
+                let file = std::fs::File::open(&f.path)
+                    .with_context(|| format!("open {} to verify", f.path.display()))?;
+                file.read_exact_at(&mut data, f.data_start)
+                    .with_context(|| format!("read {} to verify", f.path.display()))?;
+            }
+        }
         for gpufeed::safetensors::HeaderEntry { name, range, .. } in &f.tensors {
             let on_gpu = back.get(range.clone());
             let in_file = data.get(range.clone());

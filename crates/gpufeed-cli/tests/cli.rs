@@ -870,6 +870,18 @@ fn load_reads_an_object_from_s3() {
         line.contains("not found") && line.contains("none.bin"),
         "{line}"
     );
+    // A checkpoint object's header is checked before any GPU is touched.
+    server
+        .put("cli/bad.safetensors", &[0xffu8; 64])
+        .expect("put");
+    let mut header = gpufeed();
+    with_env(&mut header);
+    let out = header
+        .args(["load", &format!("s3://{}/cli/bad.safetensors", s3::BUCKET)])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(one_line_error(&out).contains("not a valid safetensors file"));
     let mut bad = gpufeed();
     with_env(&mut bad);
     let out = bad

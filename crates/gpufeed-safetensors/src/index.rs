@@ -60,7 +60,11 @@ pub(crate) fn plan(path: &Path) -> Result<Plan> {
         planned.push((file, parsed));
     }
     if is_index {
-        check_one_save(path, index.save.as_ref(), &planned)?;
+        let facts: Vec<_> = planned
+            .iter()
+            .map(|(f, p)| (f.clone(), p.save_id.clone(), p.file.len()))
+            .collect();
+        check_one_save(path, index.save.as_ref(), &facts)?;
     }
     Ok(Plan { files: planned })
 }
@@ -69,26 +73,23 @@ pub(crate) fn plan(path: &Path) -> Result<Plan> {
 /// records (its id in each shard's header, each shard's size as recorded), or, for an index
 /// that records none (one not written by gpufeed), that the shards that carry a save id all
 /// carry the same one.
+/// Each file is `(path, the save id in its header, its size)`.
 pub(crate) fn check_one_save(
     index: &Path,
     save: Option<&IndexSave>,
-    files: &[(PathBuf, Parsed)],
+    files: &[(PathBuf, Option<String>, u64)],
 ) -> Result<()> {
     let (index_save, mut wrong) = match save {
         Some(save) => {
             let mut wrong = Vec::new();
-            for (file, parsed) in files {
+            for (file, save_id, len) in files {
                 let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-                let why = match (
-                    &parsed.save_id,
-                    name.and_then(|n| save.sizes.get(&n).copied()),
-                ) {
+                let why = match (save_id, name.and_then(|n| save.sizes.get(&n).copied())) {
                     (Some(id), _) if *id != save.id => Some(format!("written by save {id}")),
                     (None, _) => Some("written by no recorded save".to_owned()),
-                    (_, Some(size)) if size != parsed.file.len() => Some(format!(
-                        "{} bytes where the index records {size}",
-                        parsed.file.len()
-                    )),
+                    (_, Some(size)) if size != *len => {
+                        Some(format!("{len} bytes where the index records {size}"))
+                    }
                     _ => None,
                 };
                 wrong.extend(why.map(|w| (file.clone(), w)));
@@ -98,14 +99,14 @@ pub(crate) fn check_one_save(
         None => {
             let mut ids = files
                 .iter()
-                .filter_map(|(f, p)| Some((f, p.save_id.as_ref()?)));
+                .filter_map(|(f, id, _)| Some((f, id.as_ref()?)));
             let Some((_, first)) = ids.next() else {
                 return Ok(());
             };
             let wrong: Vec<_> = files
                 .iter()
-                .filter_map(|(f, p)| {
-                    let id = p.save_id.as_ref()?;
+                .filter_map(|(f, id, _)| {
+                    let id = id.as_ref()?;
                     (id != first).then(|| (f.clone(), format!("written by save {id}")))
                 })
                 .collect();

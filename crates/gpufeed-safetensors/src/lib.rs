@@ -41,6 +41,8 @@ mod checkpoint;
 mod error;
 mod header;
 mod index;
+#[cfg(feature = "object")]
+mod object;
 mod on_demand;
 mod prefetch;
 mod save;
@@ -54,6 +56,8 @@ pub use header::{
     HeaderEntry, HeaderError, HeaderParts, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
 };
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
+#[cfg(feature = "object")]
+pub use object::{inspect_object, load_object};
 pub use on_demand::OnDemand;
 pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions};
 pub use save::{SaveTensor, save, save_sharded};

@@ -1,0 +1,205 @@
+//! Checkpoints in a real S3 server (SeaweedFS): headers read by ranged GETs and checked as a
+//! file's are (hostile headers, indexes leaving their prefix, shards of two saves), then on a
+//! GPU every tensor byte-exact.
+
+use std::collections::HashMap;
+
+use gpufeed_load::object::{Credentials, ObjectOptions};
+use gpufeed_safetensors::{Error, SAVE_ID_KEY, inspect_object, load_object};
+use gpufeed_testkit::s3::{self, ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFs};
+use safetensors::{Dtype, tensor::TensorView};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{gpu_or_skip, random_bytes};
+
+fn opts(server: &SeaweedFs) -> ObjectOptions {
+    ObjectOptions::default()
+        .with_endpoint(&server.endpoint)
+        .with_region("us-east-1")
+        .with_credentials(Credentials::new(ACCESS_KEY, SECRET_KEY))
+}
+
+/// A safetensors file of `tensors` (name, dtype, shape; random bytes from `seed`), with a
+/// save id where given; returns its bytes and each tensor's bytes.
+fn file(
+    tensors: &[(&str, Dtype, Vec<usize>)],
+    seed: u64,
+    save: Option<&str>,
+) -> (Vec<u8>, HashMap<String, Vec<u8>>) {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (_, d, shape))| {
+            random_bytes(
+                shape.iter().product::<usize>() * d.bitsize() / 8,
+                seed + i as u64,
+            )
+        })
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&data)
+        .map(|((name, dtype, shape), bytes)| {
+            (
+                name.to_string(),
+                TensorView::new(*dtype, shape.clone(), bytes).expect("view"),
+            )
+        });
+    let metadata = save.map(|id| HashMap::from([(SAVE_ID_KEY.to_string(), id.to_string())]));
+    let bytes = safetensors::serialize(views, metadata).expect("serialize");
+    let by_name = tensors
+        .iter()
+        .zip(data)
+        .map(|((n, _, _), d)| (n.to_string(), d))
+        .collect();
+    (bytes, by_name)
+}
+
+fn url(key: &str) -> String {
+    format!("s3://{BUCKET}/{key}")
+}
+
+#[test]
+fn checkpoints_in_a_bucket_are_checked_like_files() {
+    let test = "checkpoints_in_a_bucket_are_checked_like_files";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let seed = gpufeed_testkit::seed(test);
+    let o = opts(&server);
+    // One object, with a header over the first read's 1 MiB (15,000 tensors): two GETs.
+    let many: Vec<(String, Dtype, Vec<usize>)> = (0..15_000)
+        .map(|i| {
+            (
+                format!("layer.{i:05}.weight_with_a_long_name"),
+                Dtype::BF16,
+                vec![3],
+            )
+        })
+        .collect();
+    let refs: Vec<_> = many
+        .iter()
+        .map(|(n, d, s)| (n.as_str(), *d, s.clone()))
+        .collect();
+    let (bytes, _) = file(&refs, seed, None);
+    assert!(u64::from_le_bytes(bytes[..8].try_into().unwrap()) > 1 << 20);
+    server
+        .put("big-header/model.safetensors", &bytes)
+        .expect("put");
+    let layouts = inspect_object(&url("big-header/model.safetensors"), &o).expect("inspect");
+    assert_eq!(layouts.len(), 1);
+    assert_eq!(layouts[0].tensors.len(), 15_000);
+    assert_eq!(layouts[0].data_bytes, 15_000 * 6);
+
+    // Two shards and an index beside them.
+    let (a, _) = file(&[("a", Dtype::F32, vec![1001])], seed, Some("s1"));
+    let (b, _) = file(&[("b", Dtype::U8, vec![77])], seed + 9, Some("s1"));
+    server.put("sharded/m-1.safetensors", &a).expect("put");
+    server.put("sharded/m-2.safetensors", &b).expect("put");
+    let index = serde_json::json!({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}});
+    server
+        .put(
+            "sharded/m.safetensors.index.json",
+            index.to_string().as_bytes(),
+        )
+        .expect("put");
+    let layouts = inspect_object(&url("sharded/m.safetensors.index.json"), &o).expect("index");
+    let paths: Vec<_> = layouts
+        .iter()
+        .map(|l| l.path.to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            url("sharded/m-1.safetensors"),
+            url("sharded/m-2.safetensors")
+        ]
+    );
+
+    // A shard of another save: refused, naming it.
+    let (b2, _) = file(&[("b", Dtype::U8, vec![77])], seed + 9, Some("s2"));
+    server.put("sharded/m-2.safetensors", &b2).expect("put");
+    match inspect_object(&url("sharded/m.safetensors.index.json"), &o) {
+        Err(Error::MixedCheckpoint { files, .. }) => {
+            assert_eq!(files.len(), 1, "{files:?}");
+        }
+        other => panic!("shards of two saves: {other:?}"),
+    }
+    // An index naming a shard outside its prefix, and one naming a missing tensor's file.
+    let escape = serde_json::json!({"weight_map": {"a": "../other/m-1.safetensors"}});
+    server
+        .put(
+            "bad/escape.safetensors.index.json",
+            escape.to_string().as_bytes(),
+        )
+        .expect("put");
+    let e = inspect_object(&url("bad/escape.safetensors.index.json"), &o).unwrap_err();
+    assert!(matches!(e, Error::Index { .. }), "{e}");
+    let missing = serde_json::json!({"weight_map": {"a": "nowhere.safetensors"}});
+    server
+        .put(
+            "bad/missing.safetensors.index.json",
+            missing.to_string().as_bytes(),
+        )
+        .expect("put");
+    let e = inspect_object(&url("bad/missing.safetensors.index.json"), &o).unwrap_err();
+    assert!(e.to_string().contains("nowhere.safetensors"), "{e}");
+    // Hostile headers: a length past the object, garbage JSON; a missing object.
+    let mut lying = (1u64 << 40).to_le_bytes().to_vec();
+    lying.extend_from_slice(b"{}");
+    server.put("bad/lying.safetensors", &lying).expect("put");
+    let e = inspect_object(&url("bad/lying.safetensors"), &o).unwrap_err();
+    assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+    let mut garbage = 20u64.to_le_bytes().to_vec();
+    garbage.extend_from_slice(&[0xff; 20]);
+    server
+        .put("bad/garbage.safetensors", &garbage)
+        .expect("put");
+    let e = inspect_object(&url("bad/garbage.safetensors"), &o).unwrap_err();
+    assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+    let e = inspect_object(&url("bad/none.safetensors"), &o).unwrap_err();
+    assert!(e.to_string().contains("not found"), "{e}");
+}
+
+#[test]
+fn a_checkpoint_in_a_bucket_loads_every_tensor_byte_exact() {
+    let test = "a_checkpoint_in_a_bucket_loads_every_tensor_byte_exact";
+    let Some(gpu) = gpu_or_skip(test) else { return };
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let seed = gpufeed_testkit::seed(test);
+    let (a, mut want) = file(
+        &[
+            ("x.weight", Dtype::F32, vec![1023, 517]),
+            ("x.bias", Dtype::BF16, vec![4099]),
+        ],
+        seed,
+        None,
+    );
+    let (b, more) = file(&[("y.table", Dtype::U8, vec![3 << 20, 3])], seed + 5, None);
+    want.extend(more);
+    server.put("gpu/m-1.safetensors", &a).expect("put");
+    server.put("gpu/m-2.safetensors", &b).expect("put");
+    let index = serde_json::json!({"weight_map": {
+        "x.weight": "m-1.safetensors", "x.bias": "m-1.safetensors", "y.table": "m-2.safetensors"}});
+    server
+        .put("gpu/m.safetensors.index.json", index.to_string().as_bytes())
+        .expect("put");
+    let loader =
+        gpufeed_load::Loader::new(&gpu, gpufeed_load::LoadOptions::default()).expect("loader");
+    let ckpt = load_object(
+        &loader,
+        &url("gpu/m.safetensors.index.json"),
+        &opts(&server),
+    )
+    .expect("load");
+    assert_eq!(ckpt.len(), 3);
+    for (name, bytes) in &want {
+        let info = ckpt.info(name).expect("tensor");
+        let back = gpu
+            .to_vec(ckpt.buffer(info.file).expect("buffer"))
+            .expect("back");
+        assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
+    }
+}
