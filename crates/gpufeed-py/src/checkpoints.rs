@@ -117,8 +117,11 @@ pub(crate) fn load_safetensors_files(
 ) -> PyResult<Vec<FileTensors>> {
     if !has_shared_loader(device) {
         // Before the GPU is opened: a bad file is named even on a machine without one.
-        py.detach(|| gpufeed::safetensors::inspect(&path))
-            .map_err(py_err)?;
+        py.detach(|| match crate::loads::object_url(&path) {
+            Some(url) => gpufeed::safetensors::inspect_object(url, &Default::default()),
+            None => gpufeed::safetensors::inspect(&path),
+        })
+        .map_err(py_err)?;
     }
     Loader {
         inner: shared_loader(py, device)?,

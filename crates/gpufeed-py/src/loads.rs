@@ -47,6 +47,16 @@ impl Loader {
         let _context = gpufeed::cuda::ContextGuard::new();
         let inner = Arc::clone(&self.inner);
         let buf = py.detach(move || {
+            if let Some(url) = object_url(&path) {
+                // An object: its version pinned by the open, read by ranged GETs.
+                let object = gpufeed::object::Object::open(url, &Default::default())
+                    .map_err(gpufeed::load::Error::Object)?;
+                let end = end.unwrap_or(object.len());
+                reaper::wait_idle_before(end.saturating_sub(start));
+                return inner
+                    .load_object_range(&object, start..end)
+                    .map(|(buf, _report)| buf);
+            }
             let end = match end {
                 Some(e) => e,
                 None => gpufeed::os::file::stat_regular(&path)?.size,
@@ -111,7 +121,12 @@ impl Loader {
         let ckpt = py
             .detach(move || {
                 reaper::wait_idle();
-                gpufeed::safetensors::load_with(&inner, &path)
+                match object_url(&path) {
+                    Some(url) => {
+                        gpufeed::safetensors::load_object(&inner, url, &Default::default())
+                    }
+                    None => gpufeed::safetensors::load_with(&inner, &path),
+                }
             })
             .map_err(py_err)?;
         checkpoint_files(py, ckpt)
@@ -304,4 +319,42 @@ pub(crate) fn load_range(
         restore: KeepContext::default(),
     }
     .load_range(py, path, start, end)
+}
+
+/// `path` as an object URL (`s3://`, `http(s)://`), where it is one.
+pub(crate) fn object_url(path: &std::path::Path) -> Option<&str> {
+    path.to_str()
+        .filter(|p| gpufeed::object::ObjectUrl::is_url(p))
+}
+
+/// `gpufeed.read_object`: bytes `start..end` of an object (`end` None: to its end) into a new
+/// `bytes`, written in place by ranged GETs in parallel.
+#[pyfunction]
+#[pyo3(signature = (url, start=0, end=None))]
+pub(crate) fn read_object<'py>(
+    py: Python<'py>,
+    url: &str,
+    start: u64,
+    end: Option<u64>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let object_err = |e| py_err(gpufeed::load::Error::Object(e));
+    let object = py
+        .detach(|| gpufeed::object::Object::open(url, &Default::default()))
+        .map_err(object_err)?;
+    let end = end.unwrap_or(object.len());
+    if end < start || end > object.len() {
+        return Err(GpufeedError::new_err(format!(
+            "{url}: bytes {start}..{end} asked for, but the object has {} bytes",
+            object.len()
+        )));
+    }
+    let len = usize::try_from(end - start)
+        .map_err(|_| GpufeedError::new_err(format!("{url}: too large for memory")))?;
+    pyo3::types::PyBytes::new_with(py, len, |buf| {
+        // The new `bytes` is not reachable by other Python code until this returns, so the
+        // GIL is released while the GETs fill it.
+        py.detach(|| object.read_exact_at(start, buf))
+            .map(|_| ())
+            .map_err(object_err)
+    })
 }

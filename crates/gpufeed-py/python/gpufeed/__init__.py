@@ -68,6 +68,7 @@ __all__ = [
     "load_tensor_parallel",
     "load_tensor_parallel_rank",
     "patch_safetensors",
+    "read_object",
     "safe_open",
     "torch",
     "unpatch_safetensors",
@@ -218,8 +219,20 @@ class Loader:
 
 
 def load_file(path: Path, device: int = 0):
-    """All of ``path`` on GPU ``device``: a 1-D uint8 tensor (one loader per device is kept)."""
+    """All of ``path`` on GPU ``device``: a 1-D uint8 tensor (one loader per device is kept).
+    ``path`` may be an object URL (``s3://bucket/key``, ``https://host/path``): read by
+    parallel ranged GETs of the version its first request saw, credentials and endpoint from
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``,
+    ``AWS_PROFILE``."""
     return as_tensor(_gpufeed.load_file(path, device))
+
+
+def read_object(url: str, start: int = 0, end=None) -> bytes:
+    """Bytes ``start:end`` (to the end where ``end`` is None) of the object at ``url``
+    (``s3://bucket/key``, ``https://host/path``) into a new ``bytes``, by ranged GETs in
+    parallel of the version the first request saw (an object replaced meanwhile raises
+    ``GpufeedError``); credentials and endpoint as for ``load_file``."""
+    return _gpufeed.read_object(url, start, end)
 
 
 def load_range(path: Path, start: int, end: int, device: int = 0):
@@ -229,7 +242,9 @@ def load_range(path: Path, start: int, end: int, device: int = 0):
 
 def load_safetensors(path: Path, device: int = 0) -> Dict[str, object]:
     """A safetensors file or a sharded checkpoint's ``*.index.json`` on GPU ``device``: a dict
-    of tensors. Headers are checked first: a bad file is named even without a GPU."""
+    of tensors. Headers are checked first: a bad file is named even without a GPU. ``path``
+    may be an object URL (``s3://bucket/prefix/model.safetensors.index.json``, its shards
+    beside it), read as ``load_file`` reads objects."""
     with _collector_paused():
         return _checkpoint(_gpufeed.load_safetensors_files(path, device))
 
