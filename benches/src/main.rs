@@ -578,9 +578,13 @@ fn main() -> Result<()> {
     let objects = if wanted(Part::Object) {
         let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
         let bytes = if cli.quick { 64 << 20 } else { 1 << 30 };
-        Some(objects::measure(bytes, cli.reps, gpu.as_ref(), |what| {
-            progress.line(&format!("      {what}"))
-        })?)
+        Some(objects::measure(
+            bytes,
+            cli.reps,
+            gpu.as_ref(),
+            cli.peers,
+            |what| progress.line(&format!("      {what}")),
+        )?)
     } else {
         None
     };

@@ -28,14 +28,34 @@ pub struct ObjectsBench {
     pub host_first_gbps: Option<Samples>,
     /// `Loader::load_object` into GPU memory (GPU machine).
     pub gpu_gbps: Option<Samples>,
+    /// Bytes of the checkpoint object (`checkpoint_tensors` F32 tensors of random bytes).
+    pub checkpoint_bytes: u64,
+    pub checkpoint_tensors: usize,
+    /// `gpufeed_safetensors::load_object` of the checkpoint into GPU tensors (GPU machine).
+    pub checkpoint_gpu_gbps: Option<Samples>,
+    /// The Python peers (`benches/peers/objects.py`, with `--peers`).
+    pub peers: Vec<PeerRow>,
     /// Why rows are missing.
     pub notes: Vec<String>,
+}
+
+/// One Python peer: GB/s of the first read of a fresh process (imports and set-up inside the
+/// clock) and of a second read in it, or why it was not measured.
+#[derive(Debug, Serialize)]
+pub struct PeerRow {
+    pub name: String,
+    /// `object` (bytes to host) or `checkpoint` (tensors on the CPU).
+    pub reads: String,
+    pub fresh_gbps: Option<Samples>,
+    pub again_gbps: Option<Samples>,
+    pub error: Option<String>,
 }
 
 pub fn measure(
     bytes: u64,
     reps: usize,
     gpu: Option<&gpufeed::Gpu>,
+    peers: bool,
     progress: impl Fn(&str),
 ) -> Result<ObjectsBench> {
     let opts = ObjectOptions::default();
@@ -48,6 +68,10 @@ pub fn measure(
         host_gbps: None,
         host_first_gbps: None,
         gpu_gbps: None,
+        checkpoint_bytes: 0,
+        checkpoint_tensors: 0,
+        checkpoint_gpu_gbps: None,
+        peers: Vec::new(),
         notes: Vec::new(),
     };
     let server = match SeaweedFs::start() {
@@ -67,6 +91,27 @@ pub fn measure(
     server
         .put("bench/object.bin", &data)
         .map_err(anyhow::Error::msg)?;
+    // The same bytes as a checkpoint of 64 MiB F32 tensors (the last one shorter).
+    let tensor_bytes = (64 << 20).min(data.len()).max(4);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .chunks(tensor_bytes)
+        .filter(|c| c.len() >= 4)
+        .enumerate()
+        .map(|(i, c)| {
+            let c = &c[..c.len() / 4 * 4];
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![c.len() / 4], c)
+                    .expect("a whole number of F32 values");
+            (format!("layer.{i:04}.weight"), view)
+        })
+        .collect();
+    bench.checkpoint_tensors = views.len();
+    let checkpoint = safetensors::serialize(views, None)?;
+    bench.checkpoint_bytes = checkpoint.len() as u64;
+    server
+        .put("bench/model.safetensors", &checkpoint)
+        .map_err(anyhow::Error::msg)?;
+    drop(checkpoint);
     drop(data);
     let url = format!("s3://{BUCKET}/bench/object.bin");
     let opts = opts
@@ -156,16 +201,76 @@ pub fn measure(
                 }
             }
             bench.gpu_gbps = Some(Samples::new(on_gpu));
+            let ckpt_url = format!("s3://{BUCKET}/bench/model.safetensors");
+            let mut ckpt = Vec::new();
+            for i in 0..reps + 1 {
+                let t = Instant::now();
+                let loaded = gpufeed::safetensors::load_object(&loader, &ckpt_url, &opts)?;
+                let secs = t.elapsed().as_secs_f64();
+                anyhow::ensure!(
+                    loaded.len() == bench.checkpoint_tensors,
+                    "checkpoint: tensors"
+                );
+                if i > 0 {
+                    ckpt.push(bench.checkpoint_bytes as f64 / secs / 1e9);
+                }
+            }
+            bench.checkpoint_gpu_gbps = Some(Samples::new(ckpt));
         }
         None => bench
             .notes
             .push("object -> GPU not measured: no GPU here".into()),
     }
-    bench.notes.push(
-        "peers (Run:ai's Model Streamer, boto3, obstore) and a checkpoint from the bucket: not \
-         measured yet"
-            .into(),
-    );
+    if peers {
+        progress("table 14: the Python peers on the same objects (fresh processes)");
+        let out = std::process::Command::new("python3")
+            .arg("benches/peers/objects.py")
+            .args([
+                reps.to_string(),
+                "bench/object.bin".into(),
+                "bench/model.safetensors".into(),
+            ])
+            .env("AWS_ENDPOINT_URL", &server.endpoint)
+            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .env("AWS_REGION", "us-east-1")
+            .env("GPUFEED_BENCH_BUCKET", BUCKET)
+            .env_remove("AWS_PROFILE")
+            .env_remove("AWS_SESSION_TOKEN")
+            .output();
+        match out {
+            Ok(o) if o.status.success() => {
+                let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+                let samples = |g: &serde_json::Value| {
+                    g.as_array()
+                        .map(|g| Samples::new(g.iter().filter_map(|x| x.as_f64()).collect()))
+                };
+                for (name, row) in v["rows"].as_object().into_iter().flatten() {
+                    bench.peers.push(PeerRow {
+                        name: name.clone(),
+                        reads: row["reads"].as_str().unwrap_or("").to_string(),
+                        fresh_gbps: samples(&row["fresh"]),
+                        again_gbps: samples(&row["again"]),
+                        error: row["error"].as_str().map(str::to_string),
+                    });
+                }
+            }
+            Ok(o) => bench.notes.push(format!(
+                "peers not measured: {}",
+                String::from_utf8_lossy(&o.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("failed")
+            )),
+            Err(e) => bench
+                .notes
+                .push(format!("peers not measured: python3: {e}")),
+        }
+    } else {
+        bench
+            .notes
+            .push("peers (boto3, obstore, Run:ai's Model Streamer): run with --peers".into());
+    }
     Ok(bench)
 }
 
@@ -183,25 +288,57 @@ pub fn table(s: &mut String, b: &ObjectsBench) {
         b.requests_in_flight
     );
     let limit = b.limit_gbps.as_ref().map(|l| l.median);
-    let mut row = |path: &str, g: &Option<Samples>| {
-        if let Some(g) = g {
+    let mut lines = Vec::new();
+    let row = |path: &str, g: &Option<Samples>| {
+        g.as_ref().map(|g| {
             let of = limit.map_or("-".into(), |l| format!("{:.2}", g.median / l));
-            let _ = writeln!(s, "| {path} | {} | {of} |", g.show(2));
-        }
+            format!("| {path} | {} | {of} |", g.show(2))
+        })
     };
-    row(
+    lines.extend(row(
         "the server's limit (ranged GETs, bytes dropped)",
         &b.limit_gbps,
-    );
-    row(
+    ));
+    lines.extend(row(
         "`Object::read_exact_at` -> host (buffer reused)",
         &b.host_gbps,
-    );
-    row(
+    ));
+    lines.extend(row(
         "`Object::open` + `read_all` -> new host buffer",
         &b.host_first_gbps,
-    );
-    row("`Loader::load_object` -> GPU", &b.gpu_gbps);
+    ));
+    lines.extend(row("`Loader::load_object` -> GPU", &b.gpu_gbps));
+    lines.extend(row(
+        &format!(
+            "checkpoint ({} tensors, {}) -> GPU tensors: `safetensors::load_object`",
+            b.checkpoint_tensors,
+            show_size(b.checkpoint_bytes)
+        ),
+        &b.checkpoint_gpu_gbps,
+    ));
+    for p in &b.peers {
+        let what = if p.reads == "checkpoint" {
+            "the checkpoint"
+        } else {
+            "the object -> host"
+        };
+        match &p.error {
+            Some(e) => lines.push(format!("| peer: {} | not measured: {e} | - |", p.name)),
+            None => {
+                lines.extend(row(
+                    &format!("peer: {} ({what}), fresh process", p.name),
+                    &p.fresh_gbps,
+                ));
+                lines.extend(row(
+                    &format!("peer: {} ({what}), read again", p.name),
+                    &p.again_gbps,
+                ));
+            }
+        }
+    }
+    for l in lines {
+        let _ = writeln!(s, "{l}");
+    }
     for n in &b.notes {
         let _ = writeln!(s, "\n{n}");
     }

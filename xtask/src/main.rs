@@ -217,7 +217,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   fi
   echo "=== python: drop-in tests (pytest)"
   if (cd "$here/py-tests" && PYTHONPATH="$dropin_path" python3 -m pytest -q -p no:cacheprovider \
-      test_safe_open_gpu.py test_safe_open.py test_transformers_gpu.py > "$out/test-dropin.log" 2>&1); then
+      test_safe_open_gpu.py test_safe_open.py test_transformers_gpu.py test_objects.py \
+      > "$out/test-dropin.log" 2>&1); then
     tail -n 1 "$out/test-dropin.log"
   else
     status=1; echo "FAILED: drop-in tests"; grep -E "^(FAILED|ERROR)" "$out/test-dropin.log" | head -n 20
@@ -339,8 +340,9 @@ fn python_wheel(root: &Path, out: &Path) {
 }
 
 /// The Python GPU test files carried (`test_gpu.py` runs alone; the others under pytest).
-const PY_GPU_TESTS: [&str; 4] = [
+const PY_GPU_TESTS: [&str; 5] = [
     "test_gpu.py",
+    "test_objects.py",
     "test_safe_open_gpu.py",
     "test_safe_open.py",
     "test_transformers_gpu.py",
