@@ -100,13 +100,20 @@ impl Loader {
     {
         let len = range.end - range.start;
         let opts = object.options();
+        // Each fill fills one staging piece (at most the chunk size) with one read: the GETs
+        // in flight per fill thread are that piece's parts.
+        let chunk = self.sched.config().chunk_bytes;
+        let per_fill = chunk
+            .div_ceil(opts.request_bytes)
+            .min(opts.requests_in_flight);
         let mut report = LoadReport {
             path: object.url().as_str().into(),
             strategy: Strategy::Staged,
             reason: format!(
-                "an object: ranged GETs of {} KiB ({} in flight per fill thread) into pinned staging",
+                "an object: ranged GETs of up to {} KiB into pinned staging, up to {per_fill} in \
+                 flight per fill thread (its staging piece of up to {} KiB)",
                 opts.request_bytes >> 10,
-                opts.requests_in_flight
+                chunk >> 10
             ),
             bytes: len,
             seconds: 0.0,

@@ -103,14 +103,6 @@ pub enum Error {
     #[error("invalid setting: {0}")]
     InvalidSetting(String),
 
-    /// The blocking API was called from inside an async runtime (it would block one of its
-    /// workers, or deadlock a current-thread runtime).
-    #[error(
-        "gpufeed-object's blocking calls cannot run inside an async runtime; call them from \
-         tokio::task::spawn_blocking or a plain thread"
-    )]
-    InsideAsyncRuntime,
-
     /// The I/O runtime could not be started (the process's thread limit?).
     #[error("could not start gpufeed-object's I/O threads: {0}")]
     Runtime(String),

@@ -5,8 +5,9 @@
 //! any server that answers range requests) the way gpufeed reads a file:
 //!
 //! - [`Object::open`]: one `HEAD` pins the object's size and ETag; every later `GET` asks for
-//!   that version (`If-Match`), so an object replaced during a read is
-//!   [`Error::ObjectChanged`], never a mix of two versions.
+//!   that version (`If-Match`) and each answer's ETag and size are checked, so an object
+//!   replaced during a read is [`Error::ObjectChanged`], never a mix of two versions (for a
+//!   server that sends no ETag, only the size can be checked).
 //! - [`Object::read_exact_at`]: any byte range, as ranged `GET`s of
 //!   [`ObjectOptions::request_bytes`] with [`ObjectOptions::requests_in_flight`] of them in
 //!   flight, each written straight into its part of the caller's buffer (a pinned staging
@@ -21,7 +22,9 @@
 //! `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`, `AWS_PROFILE` and the shared
 //! files; see [`ObjectOptions`]); S3-compatible servers are addressed path-style. The HTTP
 //! client is Apache Arrow's `object_store` (reqwest, rustls) on a small tokio runtime of the
-//! crate's own; the API is blocking.
+//! crate's own (one per process: a forked child makes its own); the API is blocking, callable
+//! from any thread, also from inside an async runtime (the call then runs on a thread of its
+//! own).
 //!
 //! Depends on no other gpufeed crate.
 //!

@@ -2,7 +2,7 @@
 //! `GET`s in flight at once, straight into the caller's memory.
 
 use std::future::Future;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -18,7 +18,9 @@ use crate::url::ObjectUrl;
 /// meanwhile is [`Error::ObjectChanged`], never a mix of two versions.
 ///
 /// Reads are blocking calls; the requests run on a small I/O runtime of the crate's own
-/// (created on first use), many in flight at once ([`ObjectOptions::requests_in_flight`]).
+/// (created on first use, again in a forked child), many in flight at once
+/// ([`ObjectOptions::requests_in_flight`]). A weak ETag (`W/"..."`) is not sent as `If-Match`
+/// (it would never match); answers are then checked by their ETag and size alone.
 /// The bytes land in the memory the caller gives (a pinned staging buffer, say): no buffer
 /// of the object's size is made, so host memory stays what the caller gave.
 ///
@@ -35,6 +37,8 @@ pub struct Object {
     path: Path,
     len: u64,
     etag: Option<String>,
+    /// The ETag sent as `If-Match`: the pinned one where it is strong.
+    if_match: Option<String>,
     opts: ObjectOptions,
     endpoint: Option<String>,
 }
@@ -79,21 +83,30 @@ impl Object {
     /// [`Object::open`] of a parsed URL.
     pub fn open_url(url: ObjectUrl, opts: &ObjectOptions) -> Result<Object> {
         let store = opts.store(&url)?;
-        let path = Path::from(url.key());
-        let endpoint = opts.endpoint_in_use();
-        let meta = block_on(store.head(&path))?;
+        // Checked by `ObjectUrl::parse`; `parse` keeps the key's characters as they are (the
+        // request encodes them once).
+        let path = Path::parse(url.key()).map_err(|e| Error::InvalidUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+        let endpoint = opts.endpoint_for(&url);
+        let meta = block_on(|| store.head(&path))?;
         let mut obj = Object {
             url,
             store,
             path,
             len: 0,
             etag: None,
+            if_match: None,
             opts: opts.clone(),
             endpoint,
         };
         let meta = meta.map_err(|e| obj.error("HEAD", e))?;
         obj.len = meta.size;
         obj.etag = meta.e_tag;
+        // A weak ETag (`W/"..."`) never matches `If-Match` (a strong comparison): such
+        // answers are checked by their ETag and size instead.
+        obj.if_match = obj.etag.clone().filter(|e| !e.starts_with("W/"));
         tracing::debug!(url = %obj.url, len = obj.len, etag = ?obj.etag, "object opened");
         Ok(obj)
     }
@@ -142,7 +155,7 @@ impl Object {
         let step = self.opts.request_bytes;
         let requests = dst.len().div_ceil(step);
         if requests > 0 {
-            block_on(async {
+            block_on(|| async {
                 let mut pending = futures_util::stream::iter(
                     dst.chunks_mut(step)
                         .enumerate()
@@ -171,7 +184,15 @@ impl Object {
                 self.url, self.len
             ))
         })?;
-        let mut out = vec![0u8; len];
+        // The size is the server's word: a claim past memory is an error, not an abort.
+        let mut out = Vec::new();
+        out.try_reserve_exact(len).map_err(|_| {
+            Error::InvalidSetting(format!(
+                "{}: {} bytes do not fit in memory",
+                self.url, self.len
+            ))
+        })?;
+        out.resize(len, 0);
         self.read_exact_at(0, &mut out)?;
         Ok(out)
     }
@@ -182,7 +203,7 @@ impl Object {
         let what = || format!("GET bytes {}-{}", range.start, range.end - 1);
         let options = GetOptions {
             range: Some(GetRange::Bounded(range.clone())),
-            if_match: self.etag.clone(),
+            if_match: self.if_match.clone(),
             ..GetOptions::default()
         };
         let got = self
@@ -254,29 +275,53 @@ impl Object {
 }
 
 /// The crate's I/O runtime: a few worker threads drive the connections; the futures of a
-/// read run on the calling thread.
-fn runtime() -> Result<&'static tokio::runtime::Runtime> {
-    static RUNTIME: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> =
-        OnceLock::new();
-    RUNTIME
-        .get_or_init(|| {
-            let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(workers)
-                .thread_name("gpufeed-object")
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())
-        })
-        .as_ref()
-        .map_err(|e| Error::Runtime(e.clone()))
+/// read run on the calling thread. One per process: a child forked after the parent used it
+/// (a Python DataLoader worker) has none of its threads, so it makes its own.
+fn runtime() -> Result<Arc<tokio::runtime::Runtime>> {
+    static RUNTIME: parking_lot::Mutex<Option<(u32, Arc<tokio::runtime::Runtime>)>> =
+        parking_lot::Mutex::new(None);
+    let pid = std::process::id();
+    let mut slot = RUNTIME.lock();
+    if let Some((owner, rt)) = slot.as_ref() {
+        if *owner == pid {
+            return Ok(Arc::clone(rt));
+        }
+        // The parent's: its threads do not exist here, and dropping it would wait for them.
+        if let Some((_, inherited)) = slot.take() {
+            std::mem::forget(inherited);
+        }
+    }
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("gpufeed-object")
+        .enable_all()
+        .build()
+        .map(Arc::new)
+        .map_err(|e| Error::Runtime(e.to_string()))?;
+    *slot = Some((pid, Arc::clone(&rt)));
+    Ok(rt)
 }
 
-/// Runs `f` to completion on the I/O runtime, refusing where the caller is itself inside an
-/// async runtime.
-fn block_on<F: Future>(f: F) -> Result<F::Output> {
-    if tokio::runtime::Handle::try_current().is_ok() {
-        return Err(Error::InsideAsyncRuntime);
+/// Runs the future `make` makes to completion on the I/O runtime. From a thread that is itself inside an async
+/// runtime (a tokio task, `spawn_blocking`), it is made and run on a scoped thread of its own, where
+/// blocking is allowed; the caller's thread waits for it.
+fn block_on<M, F>(make: M) -> Result<F::Output>
+where
+    M: FnOnce() -> F + Send,
+    F: Future,
+    F::Output: Send,
+{
+    let rt = runtime()?;
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Ok(rt.block_on(make()));
     }
-    Ok(runtime()?.block_on(f))
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("gpufeed-object-call".into())
+            .spawn_scoped(scope, || rt.block_on(make()))
+            .map_err(|e| Error::Runtime(e.to_string()))?
+            .join()
+            .map_err(|_| Error::Runtime("a read's thread panicked".into()))
+    })
 }

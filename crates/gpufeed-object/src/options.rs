@@ -159,13 +159,20 @@ impl ObjectOptions {
         Ok(())
     }
 
-    /// The endpoint to use: this one, else the environment's.
-    pub(crate) fn endpoint_in_use(&self) -> Option<String> {
-        self.endpoint.clone().or_else(|| {
-            ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
-                .iter()
-                .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
-        })
+    /// The S3 endpoint `url` is read from: this one, else the environment's, else the
+    /// profile's (`None`: AWS's own, or a plain HTTP(S) URL).
+    pub(crate) fn endpoint_for(&self, url: &ObjectUrl) -> Option<String> {
+        if url.scheme() == Scheme::Http {
+            return None;
+        }
+        self.endpoint
+            .clone()
+            .or_else(|| {
+                ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+                    .iter()
+                    .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+            })
+            .or_else(|| Profile::from_env().setting("endpoint_url"))
     }
 
     /// The store that serves `url`.
@@ -180,7 +187,7 @@ impl ObjectOptions {
             max_retries: self.retries,
             retry_timeout: self.timeout,
         };
-        let endpoint = self.endpoint_in_use();
+        let endpoint = self.endpoint_for(url);
         let client = ClientOptions::new()
             .with_timeout(self.timeout)
             .with_connect_timeout(self.connect_timeout)
@@ -236,7 +243,7 @@ impl ObjectOptions {
                         .or_else(|| profile.setting("region"))
                 });
                 b = b.with_region(region.unwrap_or_else(|| "us-east-1".into()));
-                if let Some(e) = endpoint.or_else(|| profile.setting("endpoint_url")) {
+                if let Some(e) = endpoint {
                     b = b.with_endpoint(e);
                 }
                 b.build().map(|s| Arc::new(s) as Arc<dyn ObjectStore>)

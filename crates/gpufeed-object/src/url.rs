@@ -43,12 +43,24 @@ impl ObjectUrl {
             reason: reason.to_string(),
         };
         let parsed = url::Url::parse(text).map_err(|e| bad(&e.to_string()))?;
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            // They would be echoed in every message and report, and not be used.
+            return Err(Error::InvalidUrl {
+                url: "<a URL with credentials in it>".into(),
+                reason: "credentials in the URL are not supported: give them as \
+                         AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or in the options"
+                    .into(),
+            });
+        }
         let decoded = |path: &str| -> Result<String> {
             let raw = path.trim_start_matches('/');
             let key = percent_decode(raw).ok_or_else(|| bad("its path is not UTF-8"))?;
             if key.is_empty() || key.ends_with('/') {
                 return Err(bad("it names no object (a bucket or folder, not a key)"));
             }
+            // Keys as the store takes them: no empty, "." or ".." segments, no control
+            // characters.
+            object_store::path::Path::parse(&key).map_err(|e| bad(&e.to_string()))?;
             Ok(key)
         };
         match parsed.scheme() {
@@ -90,9 +102,11 @@ impl ObjectUrl {
     /// Whether `text` looks like an object URL (`s3://`, `s3a://`, `http://`, `https://`), so
     /// that a caller taking paths or URLs knows which it was given.
     pub fn is_url(text: &str) -> bool {
+        // Bytes, not `str` slices: a path's first bytes may end inside a character.
+        let text = text.as_bytes();
         ["s3://", "s3a://", "http://", "https://"]
             .iter()
-            .any(|p| text.len() > p.len() && text[..p.len()].eq_ignore_ascii_case(p))
+            .any(|p| text.len() > p.len() && text[..p.len()].eq_ignore_ascii_case(p.as_bytes()))
     }
 
     /// The kind of store.
@@ -177,5 +191,19 @@ mod tests {
         }
         assert!(ObjectUrl::is_url("S3://b/k") && ObjectUrl::is_url("https://h/p"));
         assert!(!ObjectUrl::is_url("/tmp/s3://x") && !ObjectUrl::is_url("s3://"));
+        // A local path whose first bytes end inside a character is no URL (and no panic).
+        for local in ["/tmp/日本.bin", "/données/m.safetensors", "é", "ñs3://x"] {
+            assert!(!ObjectUrl::is_url(local), "{local}");
+        }
+        // Keys with the characters S3 allows but URLs escape.
+        let u = ObjectUrl::parse("s3://b/~user/a%5B1%5D%2550.bin").unwrap();
+        assert_eq!(u.key(), "~user/a[1]%50.bin");
+        // (The URL parser itself folds "a/../c" into "c", as URLs do.)
+        for bad in ["s3://b/a//c", "s3://b/a/%00/c"] {
+            assert!(ObjectUrl::parse(bad).is_err(), "{bad}");
+        }
+        // Credentials in a URL: refused, and not echoed.
+        let e = ObjectUrl::parse("https://alice:s3cr3t@host/file").unwrap_err();
+        assert!(!e.to_string().contains("s3cr3t"), "{e}");
     }
 }

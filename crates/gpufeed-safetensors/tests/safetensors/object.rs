@@ -135,6 +135,18 @@ fn checkpoints_in_a_bucket_are_checked_like_files() {
         .expect("put");
     let e = inspect_object(&url("bad/escape.safetensors.index.json"), &o).unwrap_err();
     assert!(matches!(e, Error::Index { .. }), "{e}");
+    let encoded = serde_json::json!({"weight_map": {"a": "..%2F..%2Fother.safetensors"}});
+    server
+        .put(
+            "bad/encoded.safetensors.index.json",
+            encoded.to_string().as_bytes(),
+        )
+        .expect("put");
+    let e = inspect_object(&url("bad/encoded.safetensors.index.json"), &o).unwrap_err();
+    assert!(
+        matches!(e, Error::Index { .. }) && e.to_string().contains("refused"),
+        "{e}"
+    );
     let missing = serde_json::json!({"weight_map": {"a": "nowhere.safetensors"}});
     server
         .put(
