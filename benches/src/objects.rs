@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use futures_util::StreamExt;
 use gpufeed::object::{Credentials, Object, ObjectOptions};
 use gpufeed_testkit::s3::{ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFs};
-use object_store::ObjectStoreExt;
+use object_store::ObjectStore;
 use serde::Serialize;
 
 use crate::util::{Samples, show_size};
@@ -140,12 +140,26 @@ pub fn measure(
             let mut pending =
                 futures_util::stream::iter((0..bytes).step_by(step as usize).map(|at| {
                     let (store, path) = (&store, &path);
-                    async move { store.get_range(path, at..(at + step).min(bytes)).await }
+                    async move {
+                        // Each body's chunks dropped as they arrive: no buffer of the range.
+                        let opts = object_store::GetOptions {
+                            range: Some(object_store::GetRange::Bounded(
+                                at..(at + step).min(bytes),
+                            )),
+                            ..Default::default()
+                        };
+                        let mut body = store.get_opts(path, opts).await?.into_stream();
+                        let mut n = 0u64;
+                        while let Some(chunk) = body.next().await {
+                            n += chunk?.len() as u64;
+                        }
+                        Ok::<u64, object_store::Error>(n)
+                    }
                 }))
                 .buffer_unordered(opts.requests_in_flight);
             let mut got = 0u64;
-            while let Some(b) = pending.next().await {
-                got += b?.len() as u64;
+            while let Some(n) = pending.next().await {
+                got += n?;
             }
             Ok::<u64, object_store::Error>(got)
         })?;
