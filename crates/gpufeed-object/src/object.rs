@@ -154,19 +154,42 @@ impl Object {
         let start = Instant::now();
         let step = self.opts.request_bytes;
         let requests = dst.len().div_ceil(step);
-        if requests > 0 {
-            block_on(|| async {
-                let mut pending = futures_util::stream::iter(
-                    dst.chunks_mut(step)
-                        .enumerate()
-                        .map(|(i, part)| self.get_into(offset + (i * step) as u64, part)),
-                )
-                .buffer_unordered(self.opts.requests_in_flight);
-                while let Some(done) = pending.next().await {
-                    done?;
+        // The GETs' bodies are copied into place by the threads that poll them: a read of
+        // several requests is polled by a few threads (scoped, each with its share of the
+        // requests and of the ones in flight), so the copies do not queue on one core.
+        let callers = requests
+            .min(MAX_CALLERS)
+            .min(std::thread::available_parallelism().map_or(1, |n| n.get()));
+        if callers == 1 {
+            self.get_parts(offset, dst, self.opts.requests_in_flight)?;
+        } else if requests > 0 {
+            let group = requests.div_ceil(callers) * step;
+            let in_flight = self.opts.requests_in_flight.div_ceil(callers);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = dst
+                    .chunks_mut(group)
+                    .enumerate()
+                    .map(|(g, part)| {
+                        let at = offset + (g * group) as u64;
+                        std::thread::Builder::new()
+                            .name("gpufeed-object-read".into())
+                            .spawn_scoped(scope, move || self.get_parts(at, part, in_flight))
+                            .map_err(|e| Error::Runtime(e.to_string()))
+                    })
+                    .collect();
+                let mut first = Ok(());
+                for h in handles {
+                    let done = h.and_then(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(Error::Runtime("a read's thread panicked".into()))
+                        })
+                    });
+                    if first.is_ok() {
+                        first = done;
+                    }
                 }
-                Ok::<(), Error>(())
-            })??;
+                first
+            })?;
         }
         debug_assert_eq!(end - offset, dst.len() as u64);
         Ok(ReadStats {
@@ -174,6 +197,24 @@ impl Object {
             requests,
             elapsed: start.elapsed(),
         })
+    }
+
+    /// `dst` from `offset`: GETs of `request_bytes`, `in_flight` at once, polled (and their
+    /// bodies copied) by this thread.
+    fn get_parts(&self, offset: u64, dst: &mut [u8], in_flight: usize) -> Result<()> {
+        let step = self.opts.request_bytes;
+        block_on(|| async {
+            let mut pending = futures_util::stream::iter(
+                dst.chunks_mut(step)
+                    .enumerate()
+                    .map(|(i, part)| self.get_into(offset + (i * step) as u64, part)),
+            )
+            .buffer_unordered(in_flight.max(1));
+            while let Some(done) = pending.next().await {
+                done?;
+            }
+            Ok::<(), Error>(())
+        })?
     }
 
     /// The whole object, read as [`Object::read_exact_at`] reads.
@@ -273,6 +314,9 @@ impl Object {
         }
     }
 }
+
+/// The most threads that poll one read's GETs.
+const MAX_CALLERS: usize = 4;
 
 /// The crate's I/O runtime: a few worker threads drive the connections; the futures of a
 /// read run on the calling thread. One per process: a child forked after the parent used it
