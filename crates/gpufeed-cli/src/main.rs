@@ -537,6 +537,34 @@ fn verify_code(verified: Option<bool>) -> ExitCode {
     }
 }
 
+/// `len` bytes loaded into new device memory in pieces so that the bar moves on large loads:
+/// each piece is one `load(range, dst)` and pays a load's fixed costs, which 4 GiB pieces (80
+/// ms at 50 GB/s) keep small. Loaded once: cuMemAlloc, not a growth of the context's pool on
+/// the load's path.
+fn load_in_pieces(
+    gpu: &gpufeed::Gpu,
+    len: u64,
+    pb: &ProgressBar,
+    mut load: impl FnMut(
+        &std::ops::Range<u64>,
+        &mut gpufeed::DeviceBuffer,
+    ) -> gpufeed::load::Result<gpufeed::LoadReport>,
+) -> Result<(gpufeed::DeviceBuffer, Vec<gpufeed::LoadReport>)> {
+    const PIECE: u64 = 4 << 30;
+    let (dst, reports) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
+        let mut reports = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let end = (at + PIECE).min(len);
+            reports.push(load(&(at..end), dst)?);
+            pb.set_position(end);
+            at = end;
+        }
+        Ok::<_, gpufeed::Error>(reports)
+    })?;
+    Ok((dst, reports))
+}
+
 /// `gpufeed load s3://...`: an object into GPU memory, in 4 GiB pieces for the bar.
 fn load_object(
     url: &str,
@@ -551,19 +579,10 @@ fn load_object(
     let len = object.len();
     let loader = gpufeed::Loader::open(ordinal, opts)?;
     let gpu = loader.gpu().clone();
-    const PIECE: u64 = 4 << 30;
     let pb = bar(len, &format!("load {url}"), json);
     let t = std::time::Instant::now();
-    let (dst, reports) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
-        let mut reports = Vec::new();
-        let mut at = 0;
-        while at < len {
-            let end = (at + PIECE).min(len);
-            reports.push(loader.load_object_into(&object, at..end, dst, at as usize)?);
-            pb.set_position(end);
-            at = end;
-        }
-        Ok::<_, gpufeed::Error>(reports)
+    let (dst, reports) = load_in_pieces(&gpu, len, &pb, |range, dst| {
+        loader.load_object_into(&object, range.clone(), dst, range.start as usize)
     })?;
     pb.finish_and_clear();
     let secs = t.elapsed().as_secs_f64();
@@ -612,22 +631,10 @@ fn load(
     // The GPU's context is created on another thread while this one prepares the staging.
     let loader = gpufeed::Loader::open(ordinal, opts)?;
     let gpu = loader.gpu().clone();
-    // Loaded in pieces so that the bar moves on large files; each piece is one load_into, and
-    // pays a load's fixed costs: 4 GiB pieces (80 ms at 50 GB/s) keep those small.
-    const PIECE: u64 = 4 << 30;
     let pb = bar(len, &format!("load {}", path.display()), json);
     let t = std::time::Instant::now();
-    // Loaded once: cuMemAlloc, not a growth of the context's pool on the load's path.
-    let (dst, reports) = gpu.alloc_filled(len as usize, DeviceAlloc::Unpooled, |dst| {
-        let mut reports = Vec::new();
-        let mut at = 0;
-        while at < len {
-            let end = (at + PIECE).min(len);
-            reports.push(loader.load_into(path, at..end, dst, at as usize)?);
-            pb.set_position(end);
-            at = end;
-        }
-        Ok::<_, gpufeed::Error>(reports)
+    let (dst, reports) = load_in_pieces(&gpu, len, &pb, |range, dst| {
+        loader.load_into(path, range.clone(), dst, range.start as usize)
     })?;
     pb.finish_and_clear();
     let secs = t.elapsed().as_secs_f64();

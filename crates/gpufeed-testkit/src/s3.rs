@@ -169,12 +169,7 @@ impl SeaweedFs {
                     bytes.len()
                 )?;
                 s.write_all(bytes)?;
-                let mut head = [0u8; 12];
-                s.read_exact(&mut head)?;
-                std::str::from_utf8(&head[9..12])
-                    .ok()
-                    .and_then(|c| c.parse().ok())
-                    .ok_or_else(|| std::io::Error::other("not HTTP"))
+                read_status(&mut s)
             };
             match put() {
                 Ok(200 | 201 | 204) => return Ok(()),
@@ -246,6 +241,11 @@ fn http_status(addr: SocketAddr, request_line: &str) -> std::io::Result<u16> {
         s,
         "{request_line}\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )?;
+    read_status(&mut s)
+}
+
+/// The status code of the HTTP answer arriving on `s`.
+fn read_status(s: &mut TcpStream) -> std::io::Result<u16> {
     let mut head = [0u8; 12];
     s.read_exact(&mut head)?;
     std::str::from_utf8(&head[9..12])
