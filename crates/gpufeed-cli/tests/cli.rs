@@ -882,6 +882,23 @@ fn load_reads_an_object_from_s3() {
         .expect("run");
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     assert!(one_line_error(&out).contains("not a valid safetensors file"));
+    // No credentials anywhere: said so (where the metadata service gives none), not a request
+    // error about 169.254.169.254.
+    let home = tempfile::tempdir().expect("tempdir");
+    let mut none = gpufeed();
+    with_env(&mut none);
+    let out = none
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env("HOME", home.path())
+        .args(["load", &format!("s3://{}/cli/obj.bin", s3::BUCKET)])
+        .output()
+        .expect("run");
+    let line = one_line_error(&out);
+    assert!(
+        line.contains("no credentials found") || line.contains("access denied"),
+        "{line}"
+    );
     let mut bad = gpufeed();
     with_env(&mut bad);
     let out = bad

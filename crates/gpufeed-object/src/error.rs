@@ -43,6 +43,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// No credentials were found: none in the options, the environment or the profile, and
+    /// the instance metadata service (EC2 roles) gave none.
+    #[error(
+        "{url}: no credentials found (none in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, \
+         AWS_PROFILE or ~/.aws/credentials, and the instance metadata service gave none); set \
+         them, or AWS_SKIP_SIGNATURE=true for a public bucket"
+    )]
+    NoCredentials {
+        /// The object.
+        url: String,
+    },
+
     /// The object was replaced or modified after it was opened: its ETag (or size) differs
     /// from the one pinned at the first request, so the bytes read so far may mix two
     /// versions and were not handed out.

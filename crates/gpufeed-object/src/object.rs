@@ -306,6 +306,9 @@ impl Object {
                 url,
                 reason: refusal(&e.to_string()),
             },
+            // object_store asks the instance metadata service where it found no credentials:
+            // its failure is the missing credentials, not the request's.
+            source if is_metadata_failure(&source.to_string()) => Error::NoCredentials { url },
             source => Error::Request {
                 url,
                 what: what.to_string(),
@@ -336,6 +339,11 @@ fn refusal(text: &str) -> String {
         (None, Some(c)) => c,
         (None, None) => "the server refused the request".into(),
     }
+}
+
+/// Whether a store's error `text` is the instance metadata service's (EC2's credentials).
+fn is_metadata_failure(text: &str) -> bool {
+    text.contains("169.254.169.254") || text.contains("169.254.170.2")
 }
 
 /// The most threads that poll one read's GETs.
@@ -409,5 +417,15 @@ mod tests {
             "the server refused the request"
         );
         assert!(!refusal(aws).contains("SECRET"));
+    }
+
+    #[test]
+    fn a_metadata_service_failure_is_missing_credentials() {
+        let seen = "Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token \
+                    in 2ms - Server returned non-2xx status code: 403 Forbidden";
+        assert!(super::is_metadata_failure(seen));
+        assert!(!super::is_metadata_failure(
+            "Error performing GET http://127.0.0.1:9/b/k"
+        ));
     }
 }
