@@ -37,8 +37,6 @@ pub struct Object {
     path: Path,
     len: u64,
     etag: Option<String>,
-    /// The ETag sent as `If-Match`: the pinned one where it is strong.
-    if_match: Option<String>,
     opts: ObjectOptions,
     endpoint: Option<String>,
 }
@@ -97,16 +95,12 @@ impl Object {
             path,
             len: 0,
             etag: None,
-            if_match: None,
             opts: opts.clone(),
             endpoint,
         };
         let meta = meta.map_err(|e| obj.error("HEAD", e))?;
         obj.len = meta.size;
         obj.etag = meta.e_tag;
-        // A weak ETag (`W/"..."`) never matches `If-Match` (a strong comparison): such
-        // answers are checked by their ETag and size instead.
-        obj.if_match = obj.etag.clone().filter(|e| !e.starts_with("W/"));
         tracing::debug!(url = %obj.url, len = obj.len, etag = ?obj.etag, "object opened");
         Ok(obj)
     }
@@ -142,7 +136,7 @@ impl Object {
     /// each straight into its part of `dst`. On an error `dst` holds an unspecified mix of
     /// old contents and object bytes.
     pub fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<ReadStats> {
-        let end = offset
+        offset
             .checked_add(dst.len() as u64)
             .filter(|&end| end <= self.len)
             .ok_or_else(|| Error::OutOfRange {
@@ -191,7 +185,6 @@ impl Object {
                 first
             })?;
         }
-        debug_assert_eq!(end - offset, dst.len() as u64);
         Ok(ReadStats {
             bytes: dst.len() as u64,
             requests,
@@ -244,7 +237,9 @@ impl Object {
         let what = || format!("GET bytes {}-{}", range.start, range.end - 1);
         let options = GetOptions {
             range: Some(GetRange::Bounded(range.clone())),
-            if_match: self.if_match.clone(),
+            // A weak ETag (`W/"..."`) never matches `If-Match` (a strong comparison): such
+            // answers are checked by their ETag and size alone.
+            if_match: self.etag.clone().filter(|e| !e.starts_with("W/")),
             ..GetOptions::default()
         };
         let got = self

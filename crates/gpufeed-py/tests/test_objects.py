@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import tempfile
@@ -90,7 +91,8 @@ def server():
     proc = subprocess.Popen(
         [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
          "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", f"-s3.config={config}",
-         f"-bucket={BUCKET}"] + [f"-{k}={v}" for k, v in ports.items()],
+         f"-bucket={BUCKET}", f"-filer.localSocket={tmp.name}/filer.sock",
+         f"-s3.localSocket={tmp.name}/s3.sock"] + [f"-{k}={v}" for k, v in ports.items()],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=tmp.name,
     )
     srv = Server(proc, ports["s3.port"], ports["filer.port"], tmp)
@@ -109,6 +111,13 @@ def server():
     yield srv
     proc.kill()
     proc.wait()
+    # The sockets weed made in /tmp by port (the ones it lets us place are in tmp): ours only.
+    for name in os.listdir("/tmp"):
+        path = os.path.join("/tmp", name)
+        if name.startswith("seaweedfs-") and any(name.endswith(f"-{p}.sock") for p in ports.values()):
+            st = os.lstat(path)
+            if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
     tmp.cleanup()
 
 

@@ -48,6 +48,7 @@ pub struct SeaweedFs {
     /// The filer's HTTP address: `GET /buckets/BUCKET/KEY` serves an object over plain HTTP
     /// (ranges, ETags).
     pub filer: SocketAddr,
+    ports: Vec<u16>,
     _dir: tempfile::TempDir,
 }
 
@@ -115,6 +116,16 @@ impl SeaweedFs {
                 Ok(())
             });
         }
+        // The Unix sockets weed lets us place go into the private 0700 directory; the others
+        // it makes in /tmp by port (`seaweedfs-<part>-grpc-<port>.sock`), removed on drop.
+        cmd.arg(format!(
+            "-filer.localSocket={}",
+            dir.path().join("filer.sock").display()
+        ))
+        .arg(format!(
+            "-s3.localSocket={}",
+            dir.path().join("s3.sock").display()
+        ));
         let child = cmd
             .current_dir(dir.path())
             .stdin(Stdio::null())
@@ -128,6 +139,7 @@ impl SeaweedFs {
             endpoint: format!("http://{addr}"),
             addr,
             filer: SocketAddr::from(([127, 0, 0, 1], ports[2])),
+            ports,
             _dir: dir,
         };
         server.wait_ready()?;
@@ -200,11 +212,36 @@ impl SeaweedFs {
             let _ = c.wait();
         }
     }
+
+    /// Removes the sockets weed left in /tmp for this server's ports: only sockets of this
+    /// user, never anything else of those names.
+    fn remove_tmp_sockets(&self) {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let Ok(entries) = std::fs::read_dir("/tmp") else {
+            return;
+        };
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let ours = name.starts_with("seaweedfs-")
+                && self
+                    .ports
+                    .iter()
+                    .any(|p| name.ends_with(&format!("-{p}.sock")));
+            let is_our_socket = std::fs::symlink_metadata(e.path())
+                .is_ok_and(|m| m.file_type().is_socket() && m.uid() == me);
+            if ours && is_our_socket {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
 }
 
 impl Drop for SeaweedFs {
     fn drop(&mut self) {
         self.kill();
+        self.remove_tmp_sockets();
     }
 }
 
