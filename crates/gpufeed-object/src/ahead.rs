@@ -229,10 +229,13 @@ impl ReadAhead<'_> {
         if held.left > 0 {
             return;
         }
-        if let Some(bytes) = st.held.remove(&i).and_then(|h| h.bytes) {
-            if let Ok(buf) = Arc::try_unwrap(bytes) {
-                st.spare.push(buf);
-            }
+        if let Some(Ok(buf)) = st
+            .held
+            .remove(&i)
+            .and_then(|h| h.bytes)
+            .map(Arc::try_unwrap)
+        {
+            st.spare.push(buf);
         }
         while st.lowest < st.next && !st.held.contains_key(&st.lowest) {
             st.lowest += 1;
