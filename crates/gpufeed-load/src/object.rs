@@ -1,6 +1,5 @@
-//! Objects (`s3://`, `https://`) into GPU memory (the `object` feature): ranged GETs read
-//! ahead of the fill threads, which copy them into the pinned staging buffers, each uploaded
-//! as soon as it is full.
+//! Objects (`s3://`, `https://`) into GPU memory (the `object` feature): ranged GETs straight
+//! into the pinned staging buffers, each uploaded as soon as it is full.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -13,19 +12,17 @@ use crate::loader::Loader;
 use crate::options::{DeviceBuffer, LoadOptions, LoadReport, Strategy};
 use crate::route::read_error;
 
-/// Bytes `[start, start + len)` of an object as the scheduler's fill source: the range is
-/// read ahead ([`Object::read_ahead`]: GETs in flight whatever the fill threads are doing,
-/// into blocks of its own) and each fill copies its piece out into its staging buffer, so
-/// network, host and PCIe overlap, and host memory is the staging and the read ahead's
-/// window alone.
-struct ObjectSource<'a, 'b> {
-    ahead: &'a gpufeed_object::ReadAhead<'b>,
+/// Bytes `[start, start + len)` of an object as the scheduler's fill source: each fill thread
+/// fills its staging buffer with one [`Object::read_exact_at`] (several ranged GETs in
+/// flight), so network, host and PCIe overlap, and host memory is the staging alone.
+struct ObjectSource<'a> {
+    object: &'a Object,
     start: u64,
 }
 
-impl FillSource for ObjectSource<'_, '_> {
+impl FillSource for ObjectSource<'_> {
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
-        self.ahead.read_exact_at(self.start + offset, dst)?;
+        self.object.read_exact_at(self.start + offset, dst)?;
         Ok(())
     }
 }
@@ -39,12 +36,10 @@ impl Loader {
         self.load_object_range(object, 0..object.len())
     }
 
-    /// Loads bytes `range` of `object` into new GPU memory: ranged GETs of the version pinned
-    /// when the object was opened are read ahead ([`Object::read_ahead`]), the fill threads
-    /// copy them into the pinned staging buffers, which are uploaded as they fill. Host
-    /// memory is the loader's staging and the read ahead's window
-    /// ([`gpufeed_object::read_ahead_bytes`]), whatever the object's size; device memory is
-    /// the result.
+    /// Loads bytes `range` of `object` into new GPU memory: the fill threads read it by
+    /// ranged GETs of the version pinned when the object was opened into the pinned staging
+    /// buffers, which are uploaded as they fill. Host memory is the loader's staging,
+    /// whatever the object's size; device memory is the result.
     ///
     /// # Errors
     /// [`Error::Object`] (not found, access denied, the object replaced since it was opened,
@@ -105,16 +100,20 @@ impl Loader {
     {
         let len = range.end - range.start;
         let opts = object.options();
+        // Each fill fills one staging piece (at most the chunk size) with one read: the GETs
+        // in flight per fill thread are that piece's parts.
+        let chunk = self.sched.config().chunk_bytes;
+        let per_fill = chunk
+            .div_ceil(opts.request_bytes)
+            .min(opts.requests_in_flight);
         let mut report = LoadReport {
             path: object.url().as_str().into(),
             strategy: Strategy::Staged,
             reason: format!(
-                "an object: ranged GETs of up to {} KiB read ahead, {} in flight (at most {} MiB \
-                 held), copied into pinned staging pieces of up to {} KiB",
+                "an object: ranged GETs of up to {} KiB into pinned staging, up to {per_fill} in \
+                 flight per fill thread (its staging piece of up to {} KiB)",
                 opts.request_bytes >> 10,
-                opts.requests_in_flight,
-                gpufeed_object::read_ahead_bytes(opts) >> 20,
-                self.sched.config().chunk_bytes >> 10
+                chunk >> 10
             ),
             bytes: len,
             seconds: 0.0,
@@ -125,19 +124,20 @@ impl Loader {
             io_backend: Some("object store (HTTP ranged GETs)".into()),
         };
         if len > 0 {
-            let start = range.start;
-            let stats = object
-                .read_ahead(range, |ahead| {
-                    let source = ObjectSource { ahead, start };
-                    self.sched.upload(
-                        HostSource::Fill {
-                            source: &source,
-                            len,
-                        },
-                        dst,
-                        0,
-                    )
-                })?
+            let source = ObjectSource {
+                object,
+                start: range.start,
+            };
+            let stats = self
+                .sched
+                .upload(
+                    HostSource::Fill {
+                        source: &source,
+                        len,
+                    },
+                    dst,
+                    0,
+                )
                 .map_err(read_error)?;
             report.copy_waited_s = stats.copy_waited_s;
             report.source_waited_s = stats.source_waited_s;

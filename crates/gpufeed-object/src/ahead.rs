@@ -9,6 +9,11 @@
 //! [`ObjectOptions::request_bytes`], and readers copy out of the blocks that have arrived.
 //! Host memory is at most [`read_ahead_bytes`] (the window of blocks beyond the lowest one not
 //! yet read), whatever the range's length.
+//!
+//! Measured on the H200 machine (docs/benchmarks.md, GPU run 130): loads to the GPU through it
+//! reached 0.69 of the host read against 0.80 with each fill thread's own GETs (run 129), with
+//! 316 MiB of host memory against 135, so `gpufeed-load` does not use it; it is here for
+//! readers that take a range piece by piece on threads that cannot keep GETs going.
 
 use std::collections::HashMap;
 use std::ops::Range;

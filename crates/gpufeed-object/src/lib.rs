@@ -13,9 +13,10 @@
 //!   flight, each written straight into its part of the caller's buffer (a pinned staging
 //!   buffer that the transfer scheduler then uploads: `gpufeed-load`'s object loads). Host
 //!   memory is what the caller gives, whatever the object's size.
-//! - [`Object::read_ahead`]: a range fetched ahead of readers that take it piece by piece
-//!   (the loader's fill threads, a staging buffer at a time): the GETs stay in flight between
-//!   the pieces, in blocks of the crate's own, at most [`read_ahead_bytes`] held.
+//! - [`Object::read_ahead`]: a range fetched ahead of readers that take it piece by piece:
+//!   the GETs stay in flight between the pieces, in blocks of the crate's own, at most
+//!   [`read_ahead_bytes`] held (the loader's fill threads read with their own GETs: faster on
+//!   the H200 machine).
 //! - Failures retried with exponential backoff (5xx, throttling, refused or reset
 //!   connections, bodies cut short: the store's retries, bounded by
 //!   [`ObjectOptions::timeout`]); what is left is a typed [`Error`] naming the object and what
