@@ -28,6 +28,9 @@ pub struct ObjectsBench {
     pub host_first_gbps: Option<Samples>,
     /// `Loader::load_object` into GPU memory (GPU machine).
     pub gpu_gbps: Option<Samples>,
+    /// The same with other fill threads and staging pieces (GPU machine): what the
+    /// object loads' settings are chosen from.
+    pub gpu_sweep: Vec<SweepRow>,
     /// Bytes of the checkpoint object (`checkpoint_tensors` F32 tensors of random bytes).
     pub checkpoint_bytes: u64,
     pub checkpoint_tensors: usize,
@@ -53,6 +56,28 @@ fn status_bytes(key: &str) -> Option<u64> {
         Some(kib << 10)
     })
 }
+
+/// `Loader::load_object` with `fill_threads` threads staging pieces of `chunk_bytes`
+/// (`staging_buffers` of them in all).
+#[derive(Debug, Serialize)]
+pub struct SweepRow {
+    pub fill_threads: usize,
+    pub chunk_bytes: usize,
+    pub staging_buffers: usize,
+    /// Pinned staging the loader reserved.
+    pub staging_bytes: u64,
+    pub gbps: Samples,
+}
+
+/// The settings of the sweep: (fill threads, piece MiB, staging buffers per thread).
+const SWEEP: [(usize, usize, usize); 6] = [
+    (16, 8, 2),
+    (8, 16, 2),
+    (8, 8, 2),
+    (12, 8, 2),
+    (16, 4, 4),
+    (24, 4, 2),
+];
 
 /// One Python peer: GB/s of the first read of a fresh process (imports and set-up inside the
 /// clock) and of a second read in it, or why it was not measured.
@@ -83,6 +108,7 @@ pub fn measure(
         host_gbps: None,
         host_first_gbps: None,
         gpu_gbps: None,
+        gpu_sweep: Vec::new(),
         checkpoint_bytes: 0,
         checkpoint_tensors: 0,
         checkpoint_gpu_gbps: None,
@@ -233,6 +259,40 @@ pub fn measure(
             }
             bench.gpu_gbps = Some(Samples::new(on_gpu));
             drop(loader);
+            for (threads, mib, per_thread) in SWEEP {
+                progress(&format!(
+                    "table 14: object -> GPU with {threads} fill threads, {mib} MiB pieces"
+                ));
+                let mut lo = gpufeed::LoadOptions::default();
+                lo.transfer = lo
+                    .transfer
+                    .with_fill_threads(threads)
+                    .with_chunk_bytes(mib << 20)
+                    .with_staging_buffers(per_thread * threads);
+                let loader = gpufeed::Loader::for_bytes(gpu, lo, bytes)?;
+                let mut samples = Vec::new();
+                for i in 0..reps + 1 {
+                    let t = Instant::now();
+                    let (dev, _) = loader.load_object(&object)?;
+                    let secs = t.elapsed().as_secs_f64();
+                    if i == 0 {
+                        let back = gpu.to_vec(&dev)?;
+                        anyhow::ensure!(
+                            xxhash_rust::xxh3::xxh3_64(&back) == want,
+                            "GPU ({threads} threads, {mib} MiB): bytes differ"
+                        );
+                    } else {
+                        samples.push(gbps(secs));
+                    }
+                }
+                bench.gpu_sweep.push(SweepRow {
+                    fill_threads: threads,
+                    chunk_bytes: mib << 20,
+                    staging_buffers: per_thread * threads,
+                    staging_bytes: loader.setup().staging_bytes,
+                    gbps: Samples::new(samples),
+                });
+            }
             let ckpt_url = format!("s3://{BUCKET}/bench/model.safetensors");
             // Host memory: the peak RSS reset (clear_refs 5), then a loader made for the
             // checkpoint and its first load; the growth is what both took at their peak.
@@ -358,6 +418,17 @@ pub fn table(s: &mut String, b: &ObjectsBench) {
         &b.host_first_gbps,
     ));
     lines.extend(row("`Loader::load_object` -> GPU", &b.gpu_gbps));
+    for r in &b.gpu_sweep {
+        lines.extend(row(
+            &format!(
+                "`Loader::load_object` -> GPU, {} fill threads, {} pieces, {} staging",
+                r.fill_threads,
+                show_size(r.chunk_bytes as u64),
+                show_size(r.staging_bytes)
+            ),
+            &Some(r.gbps.clone()),
+        ));
+    }
     lines.extend(row(
         &format!(
             "checkpoint ({} tensors, {}) -> GPU tensors: `safetensors::load_object`",

@@ -11,19 +11,25 @@ use crate::error::{Error, Result};
 use crate::loader::Loader;
 use crate::options::{DeviceBuffer, LoadOptions, LoadReport, Strategy};
 use crate::route::read_error;
+use crate::source::Spans;
 
-/// Bytes `[start, start + len)` of an object as the scheduler's fill source: each fill thread
-/// fills its staging buffer with one [`Object::read_exact_at`] (several ranged GETs in
-/// flight), so network, host and PCIe overlap, and host memory is the staging alone.
+/// Byte ranges of an object, back to back, as the scheduler's fill source: each fill thread
+/// fills its staging buffer with one [`Object::read_exact_at`] per span it covers (several
+/// ranged GETs in flight for a large one), so network, host and PCIe overlap, and host
+/// memory is the staging alone.
 struct ObjectSource<'a> {
     object: &'a Object,
-    start: u64,
+    spans: Spans<'a>,
 }
 
 impl FillSource for ObjectSource<'_> {
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
-        self.object.read_exact_at(self.start + offset, dst)?;
-        Ok(())
+        self.spans.read(offset, dst, |at, buf| {
+            self.object
+                .read_exact_at(at, buf)
+                .map(|_| ())
+                .map_err(SourceError::from)
+        })
     }
 }
 
@@ -58,10 +64,40 @@ impl Loader {
         object: &Object,
         range: Range<u64>,
     ) -> Result<(DeviceBuffer, LoadReport)> {
+        self.load_object_spans(object, std::slice::from_ref(&range))
+    }
+
+    /// Loads byte ranges `spans` of `object`, back to back in that order, into new GPU
+    /// memory, as [`Loader::load_object_range`] reads one range (a tensor-parallel share of
+    /// each tensor of a checkpoint in a bucket, say): each span by ranged GETs of its own
+    /// bytes only. Spans may be empty, repeat or overlap; many small spans cost a GET each.
+    ///
+    /// # Errors
+    /// [`Loader::load_object_range`]'s, for any span past the end of the object.
+    ///
+    /// # Example
+    /// ```no_run
+    /// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::default())?;
+    /// let object = gpufeed_load::object::Object::open("s3://data/blob.bin", &Default::default())?;
+    /// // The first and the third MiB of the object, 2 MiB on the GPU.
+    /// let (buf, _) = loader.load_object_spans(&object, &[0..1 << 20, 2 << 20..3 << 20])?;
+    /// assert_eq!(buf.len(), 2 << 20);
+    /// # Ok::<(), gpufeed_load::Error>(())
+    /// ```
+    pub fn load_object_spans(
+        &self,
+        object: &Object,
+        spans: &[Range<u64>],
+    ) -> Result<(DeviceBuffer, LoadReport)> {
         let started = Instant::now();
-        let len = check_range(object, &range)?;
+        let mut len = 0usize;
+        for range in spans {
+            len = len
+                .checked_add(check_range(object, range)?)
+                .ok_or_else(|| Error::InvalidSetting("the spans do not fit in memory".into()))?;
+        }
         let (buf, report) = self.gpu.alloc_filled(len, self.device_alloc(len), |dst| {
-            self.fill_from_object(object, range, dst, started)
+            self.fill_from_object(object, spans, dst, started)
         })?;
         Ok((buf, report))
     }
@@ -84,21 +120,22 @@ impl Loader {
         let at = if len == 0 { 0 } else { dst_offset };
         crate::route::fits(len as u64, at, dst.len())?;
         let mut view = dst.slice_mut(at..at + len);
-        self.fill_from_object(object, range, &mut view, started)
+        self.fill_from_object(object, std::slice::from_ref(&range), &mut view, started)
     }
 
-    /// `range` of `object` into `dst`, exactly as long.
+    /// `spans` of `object` (checked) into `dst`, exactly as long as they are together.
     fn fill_from_object<D>(
         &self,
         object: &Object,
-        range: Range<u64>,
+        spans: &[Range<u64>],
         dst: &mut D,
         started: Instant,
     ) -> Result<LoadReport>
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
-        let len = range.end - range.start;
+        let spans = Spans::new(spans);
+        let len = spans.len();
         let opts = object.options();
         // Each fill fills one staging piece (at most the chunk size) with one read: the GETs
         // in flight per fill thread are that piece's parts.
@@ -124,10 +161,7 @@ impl Loader {
             io_backend: Some("object store (HTTP ranged GETs)".into()),
         };
         if len > 0 {
-            let source = ObjectSource {
-                object,
-                start: range.start,
-            };
+            let source = ObjectSource { object, spans };
             let stats = self
                 .sched
                 .upload(

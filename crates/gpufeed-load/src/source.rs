@@ -21,9 +21,7 @@ use crate::loader::Readers;
 pub(crate) struct FileSource<'a> {
     file: &'a OpenedFile,
     /// The file's ranges, back to back in the stream the scheduler uploads.
-    spans: &'a [Range<u64>],
-    /// Where each span ends in that stream.
-    ends: Vec<u64>,
+    spans: Spans<'a>,
     /// Buffered loads `pread` the opened file itself; `false`: O_DIRECT through readers.
     buffered: bool,
     queue_depth: usize,
@@ -46,17 +44,9 @@ impl<'a> FileSource<'a> {
         queue_depth: usize,
         readers: &'a Readers,
     ) -> Self {
-        let ends = spans
-            .iter()
-            .scan(0u64, |end, s| {
-                *end += s.end.saturating_sub(s.start);
-                Some(*end)
-            })
-            .collect();
         FileSource {
             file,
-            spans,
-            ends,
+            spans: Spans::new(spans),
             buffered: !direct,
             queue_depth,
             readers,
@@ -66,7 +56,7 @@ impl<'a> FileSource<'a> {
 
     /// Bytes of all spans together.
     pub(crate) fn len(&self) -> u64 {
-        self.ends.last().copied().unwrap_or(0)
+        self.spans.len()
     }
 
     /// An idle reader (or a new one) with the file opened in it.
@@ -98,20 +88,44 @@ impl<'a> FileSource<'a> {
     }
 }
 
-impl FileSource<'_> {
+/// Byte ranges of a source (a file, an object), back to back in the stream a scheduler
+/// uploads. Spans may be empty, repeat or overlap.
+pub(crate) struct Spans<'a> {
+    spans: &'a [Range<u64>],
+    /// Where each span ends in that stream.
+    ends: Vec<u64>,
+}
+
+impl<'a> Spans<'a> {
+    pub(crate) fn new(spans: &'a [Range<u64>]) -> Self {
+        let ends = spans
+            .iter()
+            .scan(0u64, |end, s| {
+                *end += s.end.saturating_sub(s.start);
+                Some(*end)
+            })
+            .collect();
+        Spans { spans, ends }
+    }
+
+    /// Bytes of all spans together.
+    pub(crate) fn len(&self) -> u64 {
+        self.ends.last().copied().unwrap_or(0)
+    }
+
     /// Reads `[offset, offset + dst.len())` of the stream: the spans it covers, one by one,
-    /// each with `read(file offset, bytes)`.
-    fn read_spans(
+    /// each with `read(source offset, bytes)`.
+    pub(crate) fn read<E: From<&'static str>>(
         &self,
         offset: u64,
         dst: &mut [u8],
-        mut read: impl FnMut(u64, &mut [u8]) -> std::result::Result<(), SourceError>,
-    ) -> std::result::Result<(), SourceError> {
+        mut read: impl FnMut(u64, &mut [u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         let (mut at, mut done) = (offset, 0usize);
         let mut i = self.ends.partition_point(|&end| end <= offset);
         while done < dst.len() {
             let (Some(span), Some(&end)) = (self.spans.get(i), self.ends.get(i)) else {
-                return Err(SourceError::from("a fill past the end of the spans"));
+                return Err(E::from("a fill past the end of the spans"));
             };
             let span_start = end - (span.end - span.start);
             let n = ((end - at) as usize).min(dst.len() - done);
@@ -127,7 +141,7 @@ impl FileSource<'_> {
 impl FillSource for FileSource<'_> {
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError> {
         if self.buffered {
-            return self.read_spans(offset, dst, |at, buf| {
+            return self.spans.read(offset, dst, |at, buf| {
                 pread_exact(self.file.file(), self.file.path(), at, buf).map_err(Into::into)
             });
         }
@@ -136,7 +150,7 @@ impl FillSource for FileSource<'_> {
             Some(r) => r,
             None => self.take()?,
         };
-        let result = self.read_spans(offset, dst, |at, buf| {
+        let result = self.spans.read(offset, dst, |at, buf| {
             open.reader
                 .read_exact_at(open.file, at, buf)
                 .map_err(Into::into)

@@ -3,6 +3,7 @@
 //! into GPU memory by the loader's object loads.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use gpufeed_load::Loader;
 use gpufeed_load::object::{Object, ObjectOptions};
@@ -11,6 +12,7 @@ use crate::checkpoint::{Checkpoint, FileLayout};
 use crate::error::{Error, Result};
 use crate::header::{HeaderError, MAX_HEADER_BYTES, header_parts};
 use crate::index::{SAVE_ID_KEY, check_one_save, shards_of};
+use crate::tensor_parallel::{PlannedSource, Split, TensorParallel, check_ranks, shares_of};
 
 /// The first read of a header: most headers fit (4,096 tensors take about 400 KB), so one GET
 /// serves them; a larger one is read to its end by a second.
@@ -79,6 +81,57 @@ pub fn load_object(loader: &Loader, url: &str, opts: &ObjectOptions) -> Result<C
         Checkpoint::from_layouts(Path::new(url), loader.gpu().clone(), &layouts, buffers)?;
     ckpt.reports = reports;
     Ok(ckpt)
+}
+
+impl TensorParallel {
+    /// Plans the checkpoint at `url` (a `.safetensors` object, or a `.safetensors.index.json`
+    /// object with its shards beside it, as [`load_object`]) for `ranks` GPUs, each object's
+    /// header read by ranged GETs: [`load_shard`](crate::load_shard) of a rank then reads
+    /// only that rank's bytes of each object ([`Loader::load_object_spans`]: ranged GETs of
+    /// its spans), at the version (ETag) its header came from. A row split reads one span
+    /// per tensor; a column split one per row of each tensor, a GET each: slow for tensors
+    /// of many short rows.
+    ///
+    /// # Errors
+    /// [`inspect_object`]'s; [`TensorParallel::plan`]'s for the ranks and the cuts.
+    ///
+    /// # Example
+    /// ```no_run
+    /// use gpufeed_safetensors::{Split, TensorParallel, load_shard};
+    /// let opts = gpufeed_load::object::ObjectOptions::default();
+    /// let plan = TensorParallel::plan_object("s3://models/llama/model.safetensors.index.json", &opts, 2, Split::Rows)?;
+    /// let loader = gpufeed_load::Loader::open(1, gpufeed_load::LoadOptions::default())?;
+    /// let shard = load_shard(&loader, &plan, 1)?;
+    /// println!("rank 1: {} bytes of {} tensors", shard.bytes(), shard.len());
+    /// # Ok::<(), gpufeed_safetensors::Error>(())
+    /// ```
+    pub fn plan_object(
+        url: &str,
+        opts: &ObjectOptions,
+        ranks: usize,
+        split: Split,
+    ) -> Result<Self> {
+        check_ranks(ranks)?;
+        let mut files = Vec::new();
+        let mut opened = Vec::new();
+        let mut shares = vec![Vec::new(); ranks];
+        for p in plan(url, opts)? {
+            for (rank, list) in shares_of(&p.layout.tensors, p.layout.data_start, split, ranks)?
+                .into_iter()
+                .enumerate()
+            {
+                shares[rank].push(list);
+            }
+            files.push(p.layout.path);
+            opened.push(PlannedSource::Object(Arc::new(p.object)));
+        }
+        Ok(TensorParallel {
+            split,
+            files,
+            opened,
+            shares,
+        })
+    }
 }
 
 fn object_error(e: gpufeed_load::object::ObjectError) -> Error {

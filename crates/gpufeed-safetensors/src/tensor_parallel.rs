@@ -91,9 +91,9 @@ impl TensorShare {
 pub struct TensorParallel {
     pub(crate) split: Split,
     pub(crate) files: Vec<PathBuf>,
-    /// The files as opened when their headers were read: every rank's load reads through
-    /// these descriptors.
-    pub(crate) opened: Vec<Arc<OpenedFile>>,
+    /// The files as opened when their headers were read (every rank's load reads through
+    /// these descriptors), or the objects at the versions their headers came from.
+    pub(crate) opened: Vec<PlannedSource>,
     /// `[rank][file]`: the rank's shares of the file's tensors, in header order.
     pub(crate) shares: Vec<Vec<Vec<TensorShare>>>,
 }
@@ -105,45 +105,19 @@ impl TensorParallel {
     /// [`load`](crate::load)'s header and index errors; [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for no ranks, or a
     /// sub-byte dtype (F4, F6) whose cut would not fall on a byte boundary.
     pub fn plan(path: impl AsRef<Path>, ranks: usize, split: Split) -> Result<Self> {
-        if ranks == 0 {
-            return Err(Error::invalid(
-                "a tensor-parallel plan needs at least one rank".into(),
-            ));
-        }
+        check_ranks(ranks)?;
         let planned = plan(path.as_ref())?;
         let mut files = Vec::new();
         let mut opened = Vec::new();
         let mut shares = vec![Vec::new(); ranks];
         for (file, parsed) in planned.files {
-            let mut per_rank = vec![(Vec::new(), 0usize); ranks];
-            for HeaderEntry {
-                name,
-                dtype,
-                shape,
-                range,
-            } in &parsed.tensors
+            for (rank, list) in shares_of(&parsed.tensors, parsed.data_start, split, ranks)?
+                .into_iter()
+                .enumerate()
             {
-                let bytes =
-                    parsed.data_start + range.start as u64..parsed.data_start + range.end as u64;
-                for (rank, (list, at)) in per_rank.iter_mut().enumerate() {
-                    let (indices, spans) =
-                        cut(name, *dtype, shape, bytes.clone(), split.dim(), rank, ranks)?;
-                    let len: u64 = spans.iter().map(|s| s.end - s.start).sum();
-                    list.push(TensorShare {
-                        name: name.clone(),
-                        dtype: *dtype,
-                        shape: shape.clone(),
-                        indices,
-                        spans,
-                        dst: *at..*at + len as usize,
-                    });
-                    *at += len as usize;
-                }
-            }
-            for (rank, (list, _)) in per_rank.into_iter().enumerate() {
                 shares[rank].push(list);
             }
-            opened.push(Arc::new(parsed.file));
+            opened.push(PlannedSource::File(Arc::new(parsed.file)));
             files.push(file);
         }
         Ok(TensorParallel {
@@ -196,6 +170,71 @@ impl TensorParallel {
             .map(|t| t.dst.len() as u64)
             .sum()
     }
+}
+
+/// What a plan reads one file of the checkpoint through.
+#[derive(Clone)]
+pub(crate) enum PlannedSource {
+    /// The descriptor its header was read from.
+    File(Arc<OpenedFile>),
+    /// The object, at the version (ETag) its header came from.
+    #[cfg(feature = "object")]
+    Object(Arc<gpufeed_load::object::Object>),
+}
+
+impl std::fmt::Debug for PlannedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlannedSource::File(file) => write!(f, "File({})", file.path().display()),
+            #[cfg(feature = "object")]
+            PlannedSource::Object(object) => write!(f, "Object({})", object.url()),
+        }
+    }
+}
+
+/// A plan needs at least one rank.
+pub(crate) fn check_ranks(ranks: usize) -> Result<()> {
+    if ranks == 0 {
+        return Err(Error::invalid(
+            "a tensor-parallel plan needs at least one rank".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Every rank's shares (`[rank]`) of one file's `tensors`, its data section at `data_start`,
+/// each rank's shares back to back in header order.
+pub(crate) fn shares_of(
+    tensors: &[HeaderEntry],
+    data_start: u64,
+    split: Split,
+    ranks: usize,
+) -> Result<Vec<Vec<TensorShare>>> {
+    let mut per_rank = vec![(Vec::new(), 0usize); ranks];
+    for HeaderEntry {
+        name,
+        dtype,
+        shape,
+        range,
+    } in tensors
+    {
+        let bytes = data_start + range.start as u64..data_start + range.end as u64;
+        for (rank, (list, at)) in per_rank.iter_mut().enumerate() {
+            let (indices, spans) =
+                cut(name, *dtype, shape, bytes.clone(), split.dim(), rank, ranks)?;
+            let len: u64 = spans.iter().map(|s| s.end - s.start).sum();
+            list.push(TensorShare {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+                indices,
+                spans,
+                dst: *at..*at + len as usize,
+            });
+            *at += len as usize;
+        }
+    }
+    Ok(per_rank.into_iter().map(|(list, _)| list).collect())
 }
 
 /// A share of a tensor: its indices along the split dimension (`None`: all, no such dimension)
@@ -286,7 +325,11 @@ pub fn load_shard(loader: &Loader, plan: &TensorParallel, rank: usize) -> Result
     };
     for i in 0..plan.files.len() {
         let spans = plan.spans(rank, i);
-        let (buffer, report) = loader.load_spans_of(&plan.opened[i], &spans)?;
+        let (buffer, report) = match &plan.opened[i] {
+            PlannedSource::File(file) => loader.load_spans_of(file, &spans)?,
+            #[cfg(feature = "object")]
+            PlannedSource::Object(object) => loader.load_object_spans(object, &spans)?,
+        };
         for share in plan.shares(rank, i) {
             ckpt.tensors.insert(
                 share.name.clone(),

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use gpufeed_load::object::{Credentials, ObjectOptions};
-use gpufeed_safetensors::{Error, SAVE_ID_KEY, inspect_object, load_object};
+use gpufeed_safetensors::{
+    Error, SAVE_ID_KEY, Split, TensorParallel, inspect_object, load_object, load_shard,
+};
 use gpufeed_testkit::s3::{self, ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFs};
 use safetensors::{Dtype, tensor::TensorView};
 use xxhash_rust::xxh3::xxh3_64;
@@ -214,4 +216,146 @@ fn a_checkpoint_in_a_bucket_loads_every_tensor_byte_exact() {
             .expect("back");
         assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
     }
+}
+
+/// A sharded checkpoint of tensors with odd shapes (3 ranks cut them unevenly) put in the
+/// bucket under `prefix` and written to `dir` under the same names; returns the index's name.
+fn sharded_in_both(server: &SeaweedFs, prefix: &str, dir: &std::path::Path, seed: u64) -> String {
+    let (a, _) = file(
+        &[
+            ("l.weight", Dtype::F32, vec![1023, 517]),
+            ("l.bias", Dtype::BF16, vec![4099]),
+            ("scalar", Dtype::F64, vec![]),
+        ],
+        seed,
+        Some("tp"),
+    );
+    let (b, _) = file(
+        &[
+            ("emb", Dtype::U8, vec![7, 3 << 18]),
+            ("one", Dtype::I16, vec![1, 5]),
+        ],
+        seed + 3,
+        Some("tp"),
+    );
+    let index = serde_json::json!({"weight_map": {
+        "l.weight": "m-1.safetensors", "l.bias": "m-1.safetensors", "scalar": "m-1.safetensors",
+        "emb": "m-2.safetensors", "one": "m-2.safetensors"}})
+    .to_string();
+    for (name, bytes) in [
+        ("m-1.safetensors", &a[..]),
+        ("m-2.safetensors", &b[..]),
+        ("m.safetensors.index.json", index.as_bytes()),
+    ] {
+        server.put(&format!("{prefix}/{name}"), bytes).expect("put");
+        std::fs::write(dir.join(name), bytes).expect("write");
+    }
+    "m.safetensors.index.json".into()
+}
+
+#[test]
+fn a_tensor_parallel_plan_of_a_bucket_is_the_plan_of_the_same_files() {
+    let test = "a_tensor_parallel_plan_of_a_bucket_is_the_plan_of_the_same_files";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let index = sharded_in_both(&server, "tp-plan", dir.path(), gpufeed_testkit::seed(test));
+    for split in [Split::Rows, Split::Columns, Split::Dim(2)] {
+        let local = TensorParallel::plan(dir.path().join(&index), 3, split).expect("plan");
+        let remote = TensorParallel::plan_object(
+            &url(&format!("tp-plan/{index}")),
+            &opts(&server),
+            3,
+            split,
+        )
+        .expect("plan of the bucket");
+        assert_eq!(remote.files().len(), 2);
+        assert!(remote.files()[0].to_string_lossy().starts_with("s3://"));
+        for rank in 0..3 {
+            assert_eq!(
+                remote.bytes(rank),
+                local.bytes(rank),
+                "{split:?} rank {rank}"
+            );
+            for f in 0..2 {
+                assert_eq!(
+                    remote.spans(rank, f),
+                    local.spans(rank, f),
+                    "{split:?} {rank} {f}"
+                );
+                assert_eq!(remote.shares(rank, f), local.shares(rank, f));
+            }
+        }
+    }
+    let e = TensorParallel::plan_object(
+        &url("tp-plan/m.safetensors.index.json"),
+        &opts(&server),
+        0,
+        Split::Rows,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("at least one rank"), "{e}");
+    let e = TensorParallel::plan_object(
+        &url("tp-plan/none.safetensors"),
+        &opts(&server),
+        2,
+        Split::Rows,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("not found"), "{e}");
+}
+
+#[test]
+fn each_rank_of_a_bucket_plan_loads_its_share_byte_exact() {
+    let test = "each_rank_of_a_bucket_plan_loads_its_share_byte_exact";
+    let Some(gpu) = gpu_or_skip(test) else { return };
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let index = sharded_in_both(&server, "tp-load", dir.path(), gpufeed_testkit::seed(test));
+    let loader =
+        gpufeed_load::Loader::new(&gpu, gpufeed_load::LoadOptions::default()).expect("loader");
+    for split in [Split::Rows, Split::Columns] {
+        let local = TensorParallel::plan(dir.path().join(&index), 3, split).expect("plan");
+        let remote = TensorParallel::plan_object(
+            &url(&format!("tp-load/{index}")),
+            &opts(&server),
+            3,
+            split,
+        )
+        .expect("plan of the bucket");
+        for rank in 0..3 {
+            let want = load_shard(&loader, &local, rank).expect("local shard");
+            let got = load_shard(&loader, &remote, rank).expect("bucket shard");
+            assert_eq!(got.len(), want.len());
+            for name in want.names() {
+                let (w, g) = (want.info(name).unwrap(), got.info(name).unwrap());
+                assert_eq!((&g.shape, g.dtype), (&w.shape, w.dtype), "{name}");
+                let back = |c: &gpufeed_safetensors::Checkpoint,
+                            i: &gpufeed_safetensors::TensorInfo| {
+                    let all = gpu.to_vec(c.buffer(i.file).expect("buffer")).expect("back");
+                    xxh3_64(&all[i.range.clone()])
+                };
+                assert_eq!(
+                    back(&got, g),
+                    back(&want, w),
+                    "{split:?} rank {rank} {name}"
+                );
+            }
+        }
+    }
+    // An object replaced after the plan read its header: the load names it, mixes nothing.
+    let remote = TensorParallel::plan_object(
+        &url(&format!("tp-load/{index}")),
+        &opts(&server),
+        2,
+        Split::Rows,
+    )
+    .expect("plan");
+    let (other, _) = file(&[("l.weight", Dtype::F32, vec![1023, 517])], 99, Some("tp"));
+    server.put("tp-load/m-1.safetensors", &other).expect("put");
+    let e = load_shard(&loader, &remote, 1).unwrap_err();
+    assert!(e.to_string().contains("m-1.safetensors"), "{e}");
 }
