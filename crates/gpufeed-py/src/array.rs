@@ -27,6 +27,8 @@ pub(crate) enum Storage {
     Mapped(gpufeed::os::FileMap),
     /// A chunk of a prefetch, shared by the tensors it holds.
     Chunk(Arc<gpufeed::DeviceBuffer>),
+    /// Bytes read into host memory: `safe_open`'s CPU tensors of an object.
+    Bytes(Vec<u8>),
 }
 
 /// The owner shared by an array and every tensor exported from it.
@@ -51,6 +53,7 @@ impl Owner {
     pub(crate) fn host_range(&self) -> Option<(usize, usize)> {
         match self.storage.as_ref()? {
             Storage::Mapped(map) => Some((map.as_ptr() as usize, map.len())),
+            Storage::Bytes(bytes) => Some((bytes.as_ptr() as usize, bytes.len())),
             _ => None,
         }
     }

@@ -11,7 +11,7 @@ use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cuda, device_address, dlpack_dtype};
 use crate::context::KeepContext;
 use crate::errors::py_err;
-use crate::loads::{Loader, has_shared_loader, shared_loader};
+use crate::loads::{Loader, has_shared_loader};
 
 /// One file's tensors as the Python layer takes them (see `Loader.load_safetensors_files`).
 pub(crate) type FileTensors = (Array, Vec<DtypeGroup>, Vec<OddTensor>);
@@ -124,7 +124,7 @@ pub(crate) fn load_safetensors_files(
         .map_err(py_err)?;
     }
     Loader {
-        inner: shared_loader(py, device)?,
+        inner: crate::loads::shared_loader_for(py, device, &path)?,
         restore: KeepContext::default(),
     }
     .load_safetensors_files(py, path)

@@ -293,12 +293,40 @@ pub(crate) fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufe
     })
 }
 
+/// One loader per device for the module-level functions' loads of objects
+/// (`LoadOptions::for_objects`: fewer fill threads, larger pieces, more GETs in flight).
+pub(crate) fn shared_object_loader(
+    py: Python<'_>,
+    device: usize,
+) -> PyResult<Arc<gpufeed::Loader>> {
+    static LOADERS: OnceLock<Loaders> = OnceLock::new();
+    kept(py, LOADERS.get_or_init(Default::default), device, || {
+        Ok(gpufeed::Loader::open(
+            device,
+            gpufeed::LoadOptions::for_objects(),
+        )?)
+    })
+}
+
+/// The shared loader of `device` for `path`: the objects' for an object URL, else the files'.
+pub(crate) fn shared_loader_for(
+    py: Python<'_>,
+    device: usize,
+    path: &std::path::Path,
+) -> PyResult<Arc<gpufeed::Loader>> {
+    if object_url(path).is_some() {
+        shared_object_loader(py, device)
+    } else {
+        shared_loader(py, device)
+    }
+}
+
 /// `gpufeed.load_file` with this device's shared loader.
 #[pyfunction]
 #[pyo3(signature = (path, device=0))]
 pub(crate) fn load_file(py: Python<'_>, path: PathBuf, device: usize) -> PyResult<Array> {
     Loader {
-        inner: shared_loader(py, device)?,
+        inner: shared_loader_for(py, device, &path)?,
         restore: KeepContext::default(),
     }
     .load_file(py, path)
@@ -315,7 +343,7 @@ pub(crate) fn load_range(
     device: usize,
 ) -> PyResult<Array> {
     Loader {
-        inner: shared_loader(py, device)?,
+        inner: shared_loader_for(py, device, &path)?,
         restore: KeepContext::default(),
     }
     .load_range(py, path, start, end)

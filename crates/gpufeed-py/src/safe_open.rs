@@ -28,34 +28,52 @@ fn dtype_name(dtype: gpufeed::safetensors::Dtype) -> String {
     }
 }
 
-/// One safetensors file, opened once: its header read and checked on the descriptor that
-/// every later read (mapping, loads) goes through.
+/// What a [`SafeFile`] reads: a file opened once, or an object (`s3://`, `https://`) at the
+/// version (ETag) its header came from.
+enum Source {
+    File(gpufeed::os::OpenedFile),
+    Object(Arc<gpufeed::object::Object>),
+}
+
+/// One safetensors file (or object), opened once: its header read and checked on the
+/// descriptor (or at the object's version) that every later read (mapping, loads) goes through.
 #[pyclass(frozen, module = "gpufeed._gpufeed")]
 pub struct SafeFile {
-    file: gpufeed::os::OpenedFile,
+    source: Source,
     data_start: u64,
     metadata: Option<BTreeMap<String, String>>,
     tensors: Vec<HeaderEntry>,
-    /// The copy-on-write mapping of the whole file, made on first use.
+    /// The copy-on-write mapping of the whole file, made on first use (files only).
     host: Mutex<Option<Arc<Owner>>>,
 }
 
-/// Opens `path` (a safetensors file, or a sharded checkpoint's `*.index.json`) and checks every
-/// header: one [`SafeFile`] per file, in the index's order.
+/// Opens `path` (a safetensors file, or a sharded checkpoint's `*.index.json`; either as an
+/// object URL, `s3://` or `https://`, its shards beside it) and checks every header: one
+/// [`SafeFile`] per file, in the index's order.
 #[pyfunction]
 pub(crate) fn open_safetensors(py: Python<'_>, path: PathBuf) -> PyResult<Vec<SafeFile>> {
+    let file = |(layout, source): (gpufeed::safetensors::FileLayout, Source)| SafeFile {
+        source,
+        data_start: layout.data_start,
+        metadata: layout.metadata,
+        tensors: layout.tensors,
+        host: Mutex::new(None),
+    };
+    if let Some(url) = crate::loads::object_url(&path) {
+        let opened = py
+            .detach(|| gpufeed::safetensors::inspect_object_opened(url, &Default::default()))
+            .map_err(py_err)?;
+        return Ok(opened
+            .into_iter()
+            .map(|(layout, object)| file((layout, Source::Object(Arc::new(object)))))
+            .collect());
+    }
     let opened = py
         .detach(|| gpufeed::safetensors::inspect_opened(&path))
         .map_err(py_err)?;
     Ok(opened
         .into_iter()
-        .map(|(layout, file)| SafeFile {
-            file,
-            data_start: layout.data_start,
-            metadata: layout.metadata,
-            tensors: layout.tensors,
-            host: Mutex::new(None),
-        })
+        .map(|(layout, opened)| file((layout, Source::File(opened))))
         .collect())
 }
 
@@ -92,15 +110,15 @@ pub(crate) fn parse_header<'py>(
 
 impl SafeFile {
     /// The owner of the file's private mapping, made on first use.
-    fn host_owner(&self) -> PyResult<Arc<Owner>> {
+    fn host_owner(&self, file: &gpufeed::os::OpenedFile) -> PyResult<Arc<Owner>> {
         let mut host = self.host.lock();
         if let Some(owner) = host.as_ref() {
             return Ok(Arc::clone(owner));
         }
-        if let Some(what) = self.file.changed().map_err(py_err)? {
+        if let Some(what) = file.changed().map_err(py_err)? {
             return Err(GpufeedError::new_err(format!(
                 "{}: the file changed since it was opened ({what}): open it again",
-                self.file.path().display()
+                file.path().display()
             )));
         }
         #[allow(unsafe_code, reason = "mapping a file")]
@@ -109,26 +127,47 @@ impl SafeFile {
         // pages raise SIGBUS on access, as safetensors' own CPU tensors (an mmap of the file)
         // do; a file renamed over or rewritten through a new inode leaves this one intact.
         let map = unsafe {
-            gpufeed::os::FileMap::of_opened_as(
-                &self.file,
-                0,
-                self.file.len(),
-                gpufeed::os::MapMode::Private,
-            )
+            gpufeed::os::FileMap::of_opened_as(file, 0, file.len(), gpufeed::os::MapMode::Private)
         }
         .map_err(py_err)?;
         let owner = Arc::new(Owner::new(Storage::Mapped(map), None));
         *host = Some(Arc::clone(&owner));
         Ok(owner)
     }
+
+    /// The shared loader of GPU `device` for this file (or object).
+    fn loader(&self, py: Python<'_>, device: usize) -> PyResult<Arc<gpufeed::Loader>> {
+        match &self.source {
+            Source::File(_) => shared_loader(py, device),
+            Source::Object(_) => crate::loads::shared_object_loader(py, device),
+        }
+    }
+
+    /// Bytes `spans` of the file or object into new GPU memory of `loader`.
+    fn load(
+        &self,
+        loader: &gpufeed::Loader,
+        spans: &[std::ops::Range<u64>],
+    ) -> gpufeed::load::Result<gpufeed::DeviceBuffer> {
+        let total: u64 = spans.iter().map(|s| s.end.saturating_sub(s.start)).sum();
+        reaper::wait_idle_before(total);
+        let (buf, _) = match &self.source {
+            Source::File(file) => loader.load_spans_of(file, spans)?,
+            Source::Object(object) => loader.load_object_spans(object, spans)?,
+        };
+        Ok(buf)
+    }
 }
 
 #[pymethods]
 impl SafeFile {
-    /// The file's path.
+    /// The file's path (or the object's URL).
     #[getter]
     fn path(&self) -> String {
-        self.file.path().to_string_lossy().into_owned()
+        match &self.source {
+            Source::File(file) => file.path().to_string_lossy().into_owned(),
+            Source::Object(object) => object.url().to_string(),
+        }
     }
 
     /// Where the data section starts (the 8-byte length plus the header).
@@ -137,10 +176,13 @@ impl SafeFile {
         self.data_start
     }
 
-    /// The file's length when it was opened.
+    /// The file's length when it was opened (the object's).
     #[getter]
     fn len(&self) -> u64 {
-        self.file.len()
+        match &self.source {
+            Source::File(file) => file.len(),
+            Source::Object(object) => object.len(),
+        }
     }
 
     /// The header's `__metadata__`, or `None`.
@@ -156,46 +198,66 @@ impl SafeFile {
     /// Tensors `indices` (of `tensors()`) as host arrays, each its own view of a private
     /// (copy-on-write) mapping of the descriptor opened, made once and shared by every tensor
     /// of this file: writes to them stay in this process. Each array has the tensor's dtype
-    /// and shape where DLPack carries the dtype, else its bytes as `U8`.
+    /// and shape where DLPack carries the dtype, else its bytes as `U8`. Of an object: the
+    /// bytes from the first tensor's to the last one's, read by ranged GETs (in parallel)
+    /// into new host memory that these arrays share.
     ///
     /// # Errors
     /// The file changed since it was opened (its identity, asked of the descriptor): mapping
-    /// a truncated file would raise SIGBUS where its tensors are touched.
-    fn host_tensors(&self, indices: Vec<usize>) -> PyResult<Vec<Array>> {
-        let owner = self.host_owner()?;
-        let (base, _) = owner.host_range().unwrap_or((0, 0));
-        let start = self.data_start as usize;
-        indices
+    /// a truncated file would raise SIGBUS where its tensors are touched. An object's read
+    /// errors (replaced since it was opened, a failed request).
+    fn host_tensors(&self, py: Python<'_>, indices: Vec<usize>) -> PyResult<Vec<Array>> {
+        let tensors = indices
             .into_iter()
             .map(|i| {
-                let t = self.tensors.get(i).ok_or_else(|| {
+                self.tensors.get(i).ok_or_else(|| {
                     GpufeedError::new_err(format!("no tensor {i} in {}", self.path()))
-                })?;
-                Ok(Array::typed(
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let start = self.data_start as usize;
+        let (owner, base) = match &self.source {
+            Source::File(file) => {
+                let owner = self.host_owner(file)?;
+                let (base, _) = owner.host_range().unwrap_or((0, 0));
+                (owner, base + start)
+            }
+            Source::Object(object) => {
+                let lo = tensors.iter().map(|t| t.range.start).min().unwrap_or(0);
+                let hi = tensors.iter().map(|t| t.range.end).max().unwrap_or(0);
+                let mut bytes = vec![0u8; hi - lo];
+                py.detach(|| object.read_exact_at((start + lo) as u64, &mut bytes))
+                    .map_err(|e| py_err(gpufeed::load::Error::Object(e)))?;
+                let owner = Arc::new(Owner::new(Storage::Bytes(bytes), None));
+                let (base, _) = owner.host_range().unwrap_or((0, 0));
+                (owner, base.wrapping_sub(lo))
+            }
+        };
+        Ok(tensors
+            .into_iter()
+            .map(|t| {
+                Array::typed(
                     Arc::clone(&owner),
-                    base + start + t.range.start,
+                    base.wrapping_add(t.range.start),
                     t.range.end - t.range.start,
                     crate::array::cpu(),
                     t.dtype,
                     &t.shape,
-                ))
+                )
             })
-            .collect()
+            .collect())
     }
 
     /// Every tensor of the file on GPU `device`, one transfer of the data section into one
-    /// allocation, read through the descriptor opened: one array per tensor of `tensors()`,
-    /// in that order (dtype and shape as for `host_tensors`); the allocation is freed when the
-    /// last of them goes.
+    /// allocation, read through the descriptor opened (an object: by ranged GETs of the
+    /// version opened): one array per tensor of `tensors()`, in that order (dtype and shape
+    /// as for `host_tensors`); the allocation is freed when the last of them goes.
     fn load_tensors(&self, py: Python<'_>, device: usize) -> PyResult<Vec<Array>> {
-        let loader = shared_loader(py, device)?;
+        let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
-        let span = self.data_start..self.file.len();
-        let (buf, _) = py
-            .detach(|| {
-                reaper::wait_idle_before(span.end - span.start);
-                loader.load_spans_of(&self.file, std::slice::from_ref(&span))
-            })
+        let span = self.data_start..self.len();
+        let buf = py
+            .detach(|| self.load(&loader, std::slice::from_ref(&span)))
             .map_err(py_err)?;
         let gpu = loader.gpu();
         let base = device_address(gpu, &buf);
@@ -219,16 +281,10 @@ impl SafeFile {
 
     /// Bytes `spans` (absolute offsets, back to back) on GPU `device`: a `U8` array.
     fn load_spans(&self, py: Python<'_>, device: usize, spans: Vec<(u64, u64)>) -> PyResult<Array> {
-        let loader = shared_loader(py, device)?;
+        let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let spans: Vec<std::ops::Range<u64>> = spans.into_iter().map(|(a, b)| a..b).collect();
-        let total: u64 = spans.iter().map(|s| s.end.saturating_sub(s.start)).sum();
-        let (buf, _) = py
-            .detach(|| {
-                reaper::wait_idle_before(total);
-                loader.load_spans_of(&self.file, &spans)
-            })
-            .map_err(py_err)?;
+        let buf = py.detach(|| self.load(&loader, &spans)).map_err(py_err)?;
         Ok(crate::array::device_bytes(loader.gpu(), buf))
     }
 
@@ -257,9 +313,12 @@ impl SafeFile {
             spans.push((start, end, align));
         }
         let items = spans;
-        let loader = shared_loader(py, device)?;
+        let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
-        let file = self.file.try_clone().map_err(py_err)?;
+        let file: gpufeed::safetensors::PrefetchSource = match &self.source {
+            Source::File(file) => file.try_clone().map_err(py_err)?.into(),
+            Source::Object(object) => Arc::clone(object).into(),
+        };
         let items: Vec<PrefetchItem> = items
             .into_iter()
             .map(|(a, b, align)| PrefetchItem {

@@ -195,3 +195,81 @@ def test_objects_and_checkpoints_load_to_the_gpu(s3_env):
     for name, want in tensors.items():
         assert got[name].device.type == "cuda" and got[name].dtype == want.dtype
         assert torch.equal(got[name].cpu(), want), name
+
+
+def _sharded_checkpoint(torch, s3_env, prefix):
+    """Two shards and their index in the bucket (odd shapes, several dtypes); returns the
+    tensors."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    one = {
+        "w": torch.randn(1001, 7, generator=gen),
+        "b": torch.randint(0, 255, (4099,), dtype=torch.uint8, generator=gen),
+        "empty": torch.zeros(0, 5),
+    }
+    two = {
+        "h": torch.randn(33, 3, dtype=torch.float64, generator=gen).to(torch.bfloat16),
+        "i": torch.randint(-9, 9, (17, 1, 3), dtype=torch.int16, generator=gen),
+    }
+    s3_env.put(f"{prefix}/m-1.safetensors", safetensors_torch.save(one, {"format": "pt"}))
+    s3_env.put(f"{prefix}/m-2.safetensors", safetensors_torch.save(two, {"format": "pt"}))
+    index = {"weight_map": {**{n: "m-1.safetensors" for n in one},
+                            **{n: "m-2.safetensors" for n in two}}}
+    s3_env.put(f"{prefix}/m.safetensors.index.json", json.dumps(index).encode())
+    return {**one, **two}
+
+
+def test_safe_open_of_a_url_reads_cpu_tensors(s3_env):
+    torch = pytest.importorskip("torch")
+    want = _sharded_checkpoint(torch, s3_env, "py-open")
+    url = _url("py-open/m.safetensors.index.json")
+    with gpufeed.safe_open(url, framework="pt") as f:
+        assert f.keys() == sorted(want)
+        assert f.metadata() == {"format": "pt"}
+        assert f.get_tensor_meta("w").shape == [1001, 7]
+        for name, t in want.items():
+            got = f.get_tensor(name)
+            assert got.device.type == "cpu" and got.dtype == t.dtype, name
+            assert torch.equal(got, t), name
+        every = f.get_tensors()
+        assert list(every) == f.offset_keys()
+        for name, t in want.items():
+            assert torch.equal(every[name], t), name
+        assert torch.equal(f.get_slice("w")[3:9, 1:4], want["w"][3:9, 1:4])
+    loaded = gpufeed.torch.load_file(_url("py-open/m-2.safetensors"))
+    assert sorted(loaded) == ["h", "i"] and torch.equal(loaded["i"], want["i"])
+    with pytest.raises(FileNotFoundError, match="not found"):
+        gpufeed.safe_open(_url("py-open/none.safetensors"), framework="pt")
+    with pytest.raises(gpufeed.SafetensorError, match="not found"):
+        gpufeed.safe_open(_url("py-open/none.safetensors"), framework="pt")
+
+
+def test_safe_open_of_a_url_names_an_object_replaced_after_the_open(s3_env):
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    s3_env.put("py-swap/m.safetensors", safetensors_torch.save({"a": torch.arange(1000.0)}))
+    f = gpufeed.safe_open(_url("py-swap/m.safetensors"), framework="pt")
+    s3_env.put("py-swap/m.safetensors", safetensors_torch.save({"a": torch.arange(1000.0) + 1}))
+    with pytest.raises(gpufeed.SafetensorError, match="py-swap/m.safetensors"):
+        f.get_tensor("a")
+
+
+def test_safe_open_of_a_url_loads_cuda_tensors(s3_env):
+    torch = _gpu_or_skip()
+    want = _sharded_checkpoint(torch, s3_env, "py-open-gpu")
+    url = _url("py-open-gpu/m.safetensors.index.json")
+    with gpufeed.safe_open(url, framework="pt", device="cuda:0") as f:
+        for name in f.offset_keys():  # a sweep, in the file's order
+            got = f.get_tensor(name)
+            assert got.device.type == "cuda" and torch.equal(got.cpu(), want[name]), name
+        assert torch.equal(f.get_tensor("w").cpu(), want["w"])  # again: its own copy
+        every = f.get_tensors()
+        for name, t in want.items():
+            assert torch.equal(every[name].cpu(), t), name
+        assert torch.equal(f.get_slice("w")[5:600].cpu(), want["w"][5:600])
+        assert torch.equal(f.get_slice("i")[:, :, 1:3].cpu(), want["i"][:, :, 1:3])
+        with f.prefetch({"w": slice(100, 200), "h": None}) as loader:
+            got = dict(loader)
+        assert sorted(got) == ["h", "w"]
+        assert torch.equal(got["w"].cpu(), want["w"][100:200])
+        assert torch.equal(got["h"].cpu(), want["h"])

@@ -57,9 +57,9 @@ pub use header::{
 };
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 #[cfg(feature = "object")]
-pub use object::{inspect_object, load_object};
+pub use object::{inspect_object, inspect_object_opened, load_object};
 pub use on_demand::OnDemand;
-pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions};
+pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions, PrefetchSource};
 pub use save::{SaveTensor, save, save_sharded};
 pub use tensor_parallel::{Split, TensorParallel, TensorShare, load_shard};
 

@@ -49,6 +49,19 @@ pub fn inspect_object(url: &str, opts: &ObjectOptions) -> Result<Vec<FileLayout>
     Ok(plan(url, opts)?.into_iter().map(|p| p.layout).collect())
 }
 
+/// [`inspect_object`], with each object as it was opened to read its header: a caller that
+/// reads the data sections itself (the Python drop-in's `safe_open` of a URL) reads them at
+/// the version (ETag) each header came from.
+///
+/// # Errors
+/// As for [`inspect_object`].
+pub fn inspect_object_opened(url: &str, opts: &ObjectOptions) -> Result<Vec<(FileLayout, Object)>> {
+    Ok(plan(url, opts)?
+        .into_iter()
+        .map(|p| (p.layout, p.object))
+        .collect())
+}
+
 /// Loads the safetensors checkpoint at `url` into GPU memory: each object's header by one
 /// ranged GET (two for a header over 1 MiB), then its data section by
 /// [`Loader::load_object_range`] (ranged GETs into the pinned staging, uploaded as they
@@ -61,7 +74,7 @@ pub fn inspect_object(url: &str, opts: &ObjectOptions) -> Result<Vec<FileLayout>
 ///
 /// # Example
 /// ```no_run
-/// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::default())?;
+/// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::for_objects())?;
 /// let opts = gpufeed_load::object::ObjectOptions::default();
 /// let ckpt = gpufeed_safetensors::load_object(&loader, "s3://models/model.safetensors", &opts)?;
 /// println!("{} tensors, {} bytes on the GPU", ckpt.len(), ckpt.bytes());
@@ -100,7 +113,7 @@ impl TensorParallel {
     /// use gpufeed_safetensors::{Split, TensorParallel, load_shard};
     /// let opts = gpufeed_load::object::ObjectOptions::default();
     /// let plan = TensorParallel::plan_object("s3://models/llama/model.safetensors.index.json", &opts, 2, Split::Rows)?;
-    /// let loader = gpufeed_load::Loader::open(1, gpufeed_load::LoadOptions::default())?;
+    /// let loader = gpufeed_load::Loader::open(1, gpufeed_load::LoadOptions::for_objects())?;
     /// let shard = load_shard(&loader, &plan, 1)?;
     /// println!("rank 1: {} bytes of {} tensors", shard.bytes(), shard.len());
     /// # Ok::<(), gpufeed_safetensors::Error>(())

@@ -21,6 +21,47 @@ use gpufeed_os::OpenedFile;
 
 use crate::error::{Error, Result};
 
+/// What a [`Prefetch`] reads: a file opened once (the descriptor its header was read on), or,
+/// with the `object` feature, an object at the version (ETag) it was opened at.
+pub enum PrefetchSource {
+    /// A file: chunks load by the route the loader chooses once for all of them.
+    File(OpenedFile),
+    /// An object: chunks load by ranged GETs of their spans.
+    #[cfg(feature = "object")]
+    Object(Arc<gpufeed_load::object::Object>),
+}
+
+impl From<OpenedFile> for PrefetchSource {
+    fn from(file: OpenedFile) -> Self {
+        PrefetchSource::File(file)
+    }
+}
+
+#[cfg(feature = "object")]
+impl From<Arc<gpufeed_load::object::Object>> for PrefetchSource {
+    fn from(object: Arc<gpufeed_load::object::Object>) -> Self {
+        PrefetchSource::Object(object)
+    }
+}
+
+impl PrefetchSource {
+    fn len(&self) -> u64 {
+        match self {
+            PrefetchSource::File(f) => f.len(),
+            #[cfg(feature = "object")]
+            PrefetchSource::Object(o) => o.len(),
+        }
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        match self {
+            PrefetchSource::File(f) => f.path().to_path_buf(),
+            #[cfg(feature = "object")]
+            PrefetchSource::Object(o) => o.url().as_str().into(),
+        }
+    }
+}
+
 /// One range to load: bytes `span` of the file, placed in device memory at an offset that
 /// `align` divides (the element size of the tensor it holds, so that a typed view of the chunk
 /// can show it, whatever its offset in the file).
@@ -232,19 +273,21 @@ impl std::fmt::Debug for Prefetch {
 
 impl Prefetch {
     /// Starts loading `items` of `file` (each checked against the file's length) to
-    /// `loader`'s GPU on a worker thread.
+    /// `loader`'s GPU on a worker thread. `file` is an [`OpenedFile`] or (the `object`
+    /// feature) an `Arc<Object>` ([`PrefetchSource`]).
     ///
     /// # Errors
     /// [`Error::Prefetch`] for an item past the end of the file or with `align` 0, or where the
     /// thread could not start.
     pub fn start(
         loader: Arc<Loader>,
-        file: OpenedFile,
+        file: impl Into<PrefetchSource>,
         items: Vec<PrefetchItem>,
         opts: PrefetchOptions,
     ) -> Result<Self> {
+        let file = file.into();
         let len = file.len();
-        let path = file.path().to_path_buf();
+        let path = file.path();
         for (i, item) in items.iter().enumerate() {
             if item.span.start > item.span.end || item.span.end > len || item.align == 0 {
                 return Err(Error::Prefetch {
@@ -460,7 +503,7 @@ impl Drop for GiveUpOnExit<'_> {
 fn work(
     shared: &Shared,
     loader: &Loader,
-    file: &OpenedFile,
+    file: &PrefetchSource,
     items: &[PrefetchItem],
     opts: &PrefetchOptions,
 ) {
@@ -502,7 +545,7 @@ fn work(
             }
         };
         let layout = Layout::of(&chunk, items);
-        let route = route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
+
         // Large chunks from cuMemAlloc: growing the context's pool chunk by chunk would cost
         // 2-3 ms per GiB (docs/benchmarks.md, GPU run 8); chunks live as long as the tensors.
         let from = if layout.len >= UNPOOLED_CHUNK {
@@ -510,9 +553,19 @@ fn work(
         } else {
             loader.device_alloc(layout.len)
         };
-        let loaded = loader.gpu().alloc_filled(layout.len, from, |dst| {
-            loader.load_spans_to(file, &layout.spans, dst, Some(route))
-        });
+        let loaded = loader
+            .gpu()
+            .alloc_filled(layout.len, from, |dst| match file {
+                PrefetchSource::File(file) => {
+                    let route =
+                        route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
+                    loader.load_spans_to(file, &layout.spans, dst, Some(route))
+                }
+                #[cfg(feature = "object")]
+                PrefetchSource::Object(object) => {
+                    loader.load_object_spans_to(object, &layout.spans, dst)
+                }
+            });
         let mut state = shared.lock();
         match loaded {
             Ok((buffer, _report)) => {

@@ -12,6 +12,8 @@ with gpufeed's loads underneath.
   hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
   allocation per chunk (or file), which is freed when the last tensor of it goes (those never
   handed out go when the handle or loader closes).
+- An object's URL (``s3://``, ``https://``) opens as a file does: headers by ranged GETs, CPU
+  tensors read into host memory, CUDA tensors by ranged GETs into pinned staging.
 - ``get_slice(name)[...]`` on a GPU reads only the slice's bytes (its runs of contiguous bytes;
   more than 65,536 runs: the rows that hold them).
 
@@ -159,9 +161,20 @@ def _translated(e: Exception, path=None) -> Exception:
         return e
     if isinstance(e, NoGpuError):
         return _NoGpu(str(e))
+    if path is not None and _is_url(path):
+        # An object's 404 reads "<url>: not found (no such bucket or key...)".
+        if f"{path}: not found" in str(e) or ": not found (no such bucket or key" in str(e):
+            return _FileNotFound(str(e))
+        return SafetensorError(str(e))
     if path is not None and not os.path.exists(path):
         return _FileNotFound(f"No such file or directory: {path}")
     return SafetensorError(str(e))
+
+
+def _is_url(path) -> bool:
+    """Whether ``path`` names an object (``s3://``, ``http://``, ``https://``)."""
+    return isinstance(path, str) and path.split("://", 1)[0].lower() in ("s3", "http", "https") \
+        and "://" in path
 
 
 class TensorMeta:
@@ -440,6 +453,14 @@ class safe_open:
     ``torch.device``; ``backend`` (``"mmap"`` or ``"pread"``) is accepted for compatibility
     (gpufeed reads the same way for both).
 
+    ``filename`` may be an object's URL (``s3://bucket/key``, ``https://host/path``; an index
+    with its shards beside it): headers by ranged GETs, each object read at the version
+    (ETag) its header came from (one replaced meanwhile is an error). Its CPU tensors are
+    read into host memory (``get_tensor``: that tensor's bytes; ``get_tensors``: each
+    object's data section once); its CUDA tensors load by ranged GETs into pinned staging,
+    uploaded as they fill, as files do. Credentials and endpoint as for
+    ``gpufeed.read_object`` (``AWS_*`` variables, profiles).
+
         with gpufeed.safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
             weights = {name: f.get_tensor(name) for name in f.keys()}
             with f.prefetch() as loader:            # every tensor, in the background
@@ -457,7 +478,7 @@ class safe_open:
             raise SafetensorError(
                 f'backend "{backend}" is invalid (expected one of: "mmap", "pread")'
             )
-        self._path = os.fspath(filename)
+        self._path = filename if _is_url(filename) else os.fspath(filename)
         self._ordinal = device_ordinal(device)
         try:
             self._files = _gpufeed.open_safetensors(self._path)
