@@ -55,6 +55,8 @@ mod files;
 mod loader;
 #[cfg(feature = "object")]
 pub mod object;
+#[cfg(feature = "object")]
+mod object_cache;
 mod options;
 mod registered;
 mod route;

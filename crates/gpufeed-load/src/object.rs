@@ -251,6 +251,7 @@ pub fn load_object(
     loader.load_object(&object)
 }
 
+pub use crate::object_cache::{CachedObject, ObjectCache};
 pub use gpufeed_object::{
     Credentials, Error as ObjectError, Object, ObjectOptions, ObjectUrl, ReadStats,
 };

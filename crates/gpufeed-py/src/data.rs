@@ -111,6 +111,41 @@ fn row_layout(files: &[&RecordFile], record_bytes: Option<usize>) -> RowLayout {
     }
 }
 
+/// `paths` with every object URL among them fetched into `cache` (in order; a version already
+/// there is not fetched again) and replaced by its local file, which the loader maps.
+fn local_shards(
+    paths: Vec<PathBuf>,
+    cache: Option<&std::path::Path>,
+) -> gpufeed::Result<Vec<PathBuf>> {
+    let urls: Vec<String> = paths
+        .iter()
+        .filter_map(|p| crate::loads::object_url(p).map(str::to_owned))
+        .collect();
+    if urls.is_empty() {
+        return Ok(paths);
+    }
+    let Some(cache) = cache else {
+        return Err(gpufeed::Error::invalid(format!(
+            "{}: shards in object storage are read through a local cache directory (the loader \
+             maps its record files): pass cache=\"/some/dir\"",
+            urls[0]
+        )));
+    };
+    if let Some(glob) = urls.iter().find(|u| u.contains(['*', '?', '['])) {
+        return Err(gpufeed::Error::invalid(format!(
+            "{glob}: object URLs are not listed; give each shard's URL"
+        )));
+    }
+    let mut local = crate::loads::fetch_to_cache(&urls, cache)?.into_iter();
+    Ok(paths
+        .into_iter()
+        .map(|p| match crate::loads::object_url(&p) {
+            Some(_) => local.next().unwrap_or(p),
+            None => p,
+        })
+        .collect())
+}
+
 /// The data set `BatchLoader` reads: shards (`paths` a list, or one path with a glob pattern),
 /// an image folder (a directory), or one record file; and how its rows come out.
 fn open_dataset(
@@ -197,6 +232,10 @@ fn open_dataset(
 /// workers and `direct_depth=1` came to 0.97-1.1 of the disk's own sequential reads (bench
 /// table 7), blocks of 1 MiB mostly to 0.65-0.86.
 ///
+/// Shards in object storage (`s3://`, `https://` URLs in `path`, one by one) are fetched first
+/// into the directory `cache` (made private where missing; a version already there is not
+/// fetched again, so a second run reads local files), then mapped as local shards are.
+///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct BatchLoader {
@@ -226,7 +265,7 @@ impl Drop for BatchLoader {
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -245,6 +284,7 @@ impl BatchLoader {
         block: Option<usize>,
         direct: bool,
         direct_depth: Option<usize>,
+        cache: Option<PathBuf>,
     ) -> PyResult<Self> {
         let _context = gpufeed::cuda::ContextGuard::new();
         // One path (a file, a folder or a glob pattern), or a list of shard paths.
@@ -257,6 +297,7 @@ impl BatchLoader {
             })?,
         };
         let made = py.detach(|| -> gpufeed::Result<_> {
+            let paths = local_shards(paths, cache.as_deref())?;
             let (records, layout) = open_dataset(&paths, record_bytes, index.as_deref(), skip_bad)?;
             let (classes, skipped) = match &records {
                 Dataset::Folder(f) => (f.classes().to_vec(), f.skipped().len()),

@@ -91,6 +91,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loads::load_file, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_range, m)?)?;
     m.add_function(wrap_pyfunction!(loads::read_object, m)?)?;
+    m.add_function(wrap_pyfunction!(loads::fetch_objects, m)?)?;
     m.add_function(wrap_pyfunction!(multi::load_replicated, m)?)?;
     m.add_function(wrap_pyfunction!(multi::load_sharded, m)?)?;
     m.add_function(wrap_pyfunction!(multi::load_replicated_rank, m)?)?;

@@ -355,6 +355,33 @@ pub(crate) fn object_url(path: &std::path::Path) -> Option<&str> {
         .filter(|p| gpufeed::object::ObjectUrl::is_url(p))
 }
 
+/// Objects `urls` fetched into the cache directory `cache` (made private where missing; see
+/// `gpufeed_load::object::ObjectCache`), in order: each one's local path, a version already
+/// there not fetched again.
+pub(crate) fn fetch_to_cache(
+    urls: &[String],
+    cache: &std::path::Path,
+) -> gpufeed::Result<Vec<PathBuf>> {
+    let cache = gpufeed::object::ObjectCache::open(cache)?;
+    urls.iter()
+        .map(|url| {
+            let object = gpufeed::object::Object::open(url, &Default::default())
+                .map_err(gpufeed::load::Error::Object)?;
+            Ok(cache.fetch(&object)?.path)
+        })
+        .collect()
+}
+
+/// `gpufeed.fetch_objects`: objects into a local cache directory, their local paths.
+#[pyfunction]
+pub(crate) fn fetch_objects(
+    py: Python<'_>,
+    urls: Vec<String>,
+    cache: PathBuf,
+) -> PyResult<Vec<PathBuf>> {
+    py.detach(|| fetch_to_cache(&urls, &cache)).map_err(py_err)
+}
+
 /// `gpufeed.read_object`: bytes `start..end` of an object (`end` None: to its end) into a new
 /// `bytes`, written in place by ranged GETs in parallel.
 #[pyfunction]
@@ -376,13 +403,31 @@ pub(crate) fn read_object<'py>(
             object.len()
         )));
     }
-    let len = usize::try_from(end - start)
+    let len = isize::try_from(end - start)
         .map_err(|_| GpufeedError::new_err(format!("{url}: too large for memory")))?;
-    pyo3::types::PyBytes::new_with(py, len, |buf| {
-        // The new `bytes` is not reachable by other Python code until this returns, so the
-        // GIL is released while the GETs fill it.
+    // A new `bytes` left uninitialized (`PyBytes::new_with` zeroes it first, on this thread:
+    // at 4 GiB that took longer than the GETs, GPU run 133), filled by the GETs in place.
+    #[allow(
+        unsafe_code,
+        reason = "an uninitialized bytes object, filled before it is shared"
+    )]
+    // SAFETY: `PyBytes_FromStringAndSize(NULL, len)` returns a new bytes object of `len`
+    // uninitialized bytes (or NULL with an exception set, which `from_owned_ptr_or_err`
+    // returns), owned here alone: no other Python code can reach it until this function
+    // returns it, by which time every byte was written (or it is dropped unshared on an
+    // error). Its buffer (`PyBytes_AsString`) stays put while the object lives, and the
+    // object lives in `bytes` across the GIL-free read.
+    unsafe {
+        let ptr = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), len);
+        let bytes =
+            Bound::from_owned_ptr_or_err(py, ptr)?.cast_into_unchecked::<pyo3::types::PyBytes>();
+        let data = pyo3::ffi::PyBytes_AsString(ptr).cast::<u8>();
+        if data.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        let buf = std::slice::from_raw_parts_mut(data, len as usize);
         py.detach(|| object.read_exact_at(start, buf))
-            .map(|_| ())
-            .map_err(object_err)
-    })
+            .map_err(object_err)?;
+        Ok(bytes)
+    }
 }

@@ -273,3 +273,61 @@ def test_safe_open_of_a_url_loads_cuda_tensors(s3_env):
         assert sorted(got) == ["h", "w"]
         assert torch.equal(got["w"].cpu(), want["w"][100:200])
         assert torch.equal(got["h"].cpu(), want["h"])
+
+
+def test_fetch_objects_caches_each_version(s3_env, tmp_path):
+    data = os.urandom((3 << 20) + 17)
+    s3_env.put("py-cache/x.bin", data)
+    cache = tmp_path / "cache"
+    (first,) = gpufeed.fetch_objects([_url("py-cache/x.bin")], cache)
+    assert Path(first).read_bytes() == data and Path(first).parent == cache
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+    before = os.stat(first).st_mtime_ns
+    (again,) = gpufeed.fetch_objects([_url("py-cache/x.bin")], cache)
+    assert again == first and os.stat(again).st_mtime_ns == before, "fetched twice"
+    s3_env.put("py-cache/x.bin", b"replaced")
+    (new,) = gpufeed.fetch_objects([_url("py-cache/x.bin")], cache)
+    assert new != first and Path(new).read_bytes() == b"replaced"
+    os.chmod(cache, 0o777)
+    with pytest.raises(gpufeed.GpufeedError, match="may write in it"):
+        gpufeed.fetch_objects([_url("py-cache/x.bin")], cache)
+
+
+def test_batch_loader_reads_shards_in_a_bucket_through_a_cache(s3_env, tmp_path):
+    import io
+    import tarfile
+
+    import numpy as np
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    local, urls = [], []
+    for shard in range(3):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for s in range(11 + shard):
+                for ext, n in (("jpg", int(rng.integers(1, 5000))), ("cls", 1)):
+                    data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+                    info = tarfile.TarInfo(f"s{shard}_{s:04}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        name = f"train-{shard}.tar"
+        (tmp_path / name).write_bytes(buf.getvalue())
+        s3_env.put(f"py-shards/{name}", buf.getvalue())
+        local.append(str(tmp_path / name))
+        urls.append(_url(f"py-shards/{name}"))
+
+    def epoch(loader):
+        got = {}
+        for batch in loader.epoch(2):
+            host = np.from_dlpack(batch.data).tobytes()
+            for k, i in enumerate(batch.indices):
+                got[i] = host[batch.offsets[k]:batch.offsets[k + 1]]
+        return got
+
+    want = epoch(gpufeed.BatchLoader(local, batch_size=7, seed=5))
+    cache = tmp_path / "cache"
+    got = epoch(gpufeed.BatchLoader(urls, batch_size=7, seed=5, cache=cache))
+    assert got == want and len(got) == 11 + 12 + 13
+    assert len(os.listdir(cache)) == 3
+    with pytest.raises(gpufeed.GpufeedError, match="cache="):
+        gpufeed.BatchLoader(urls, batch_size=7)

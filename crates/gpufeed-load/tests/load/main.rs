@@ -3,6 +3,8 @@
 
 #[cfg(feature = "object")]
 mod object;
+#[cfg(feature = "object")]
+mod object_cache;
 mod opened;
 mod registered;
 

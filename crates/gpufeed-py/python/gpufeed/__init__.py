@@ -57,6 +57,7 @@ __all__ = [
     "advise",
     "as_tensor",
     "doctor",
+    "fetch_objects",
     "is_patched",
     "load_file",
     "load_range",
@@ -233,6 +234,20 @@ def read_object(url: str, start: int = 0, end=None) -> bytes:
     parallel of the version the first request saw (an object replaced meanwhile raises
     ``GpufeedError``); credentials and endpoint as for ``load_file``."""
     return _gpufeed.read_object(url, start, end)
+
+
+def fetch_objects(urls: Sequence[str], cache: Path) -> List[str]:
+    """The objects at ``urls`` (``s3://bucket/key``, ``https://host/path``) fetched into the
+    local directory ``cache`` (made, mode 0700, where missing; refused where another user owns
+    it or may write in it), in order: each one's local path. A version already there (same
+    URL, ETag and size) is not fetched again, so a second run reads local files from the page
+    cache; a replaced object gets a file of its own. ``BatchLoader(urls, cache=...)`` does this
+    for shards in a bucket. Credentials and endpoint as for ``load_file``.
+
+        paths = gpufeed.fetch_objects([f"s3://data/train-{i:04d}.tar" for i in range(8)],
+                                      "/tmp/gpufeed-cache")
+    """
+    return [os.fspath(p) for p in _gpufeed.fetch_objects(list(urls), cache)]
 
 
 def load_range(path: Path, start: int, end: int, device: int = 0):

@@ -35,6 +35,7 @@ __all__ = [
     "load_file",
     "load_range",
     "read_object",
+    "fetch_objects",
     "load_replicated",
     "load_sharded",
     "load_replicated_rank",
@@ -170,6 +171,7 @@ class BatchLoader:
         block: int | None = None,
         direct: bool = False,
         direct_depth: int | None = None,
+        cache: _Path | None = None,
     ) -> BatchLoader: ...
     @property
     def classes(self) -> list[str]:
@@ -199,6 +201,7 @@ class EpochIter:
 def load_file(path: _Path, device: int = 0) -> Array: ...
 def load_range(path: _Path, start: int, end: int, device: int = 0) -> Array: ...
 def read_object(url: str, start: int = 0, end: int | None = None) -> bytes: ...
+def fetch_objects(urls: Sequence[str], cache: _Path) -> list[str]: ...
 def load_safetensors_files(path: _Path, device: int = 0) -> list[_FileTensors]: ...
 def load_replicated(path: _Path, devices: Sequence[int]) -> list[Array]: ...
 def load_sharded(
