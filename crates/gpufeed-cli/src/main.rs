@@ -269,7 +269,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         )
                         .exit();
                 }
-                // Fewer fill threads with larger pieces, more GETs in flight (for_objects).
+                // Fewer fill threads with larger pieces, twice the bytes in flight (for_objects).
                 let opts = gpufeed::LoadOptions::for_objects().with_strategy(strategy);
                 if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
                     return load_checkpoint(&path, gpu, opts, verify, json);

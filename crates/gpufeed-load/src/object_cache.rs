@@ -54,20 +54,24 @@ pub struct CachedObject {
 }
 
 impl ObjectCache {
-    /// The cache at `dir`, made (mode 0700, its parents as `mkdir -p` makes them) where
-    /// missing.
+    /// The cache at `dir`, made where missing: its missing parents as `mkdir -p` makes them
+    /// (the umask's mode), then `dir` itself with mode 0700.
     ///
     /// # Errors
     /// [`Error::InvalidSetting`] where `dir` is not a directory (a link to one included),
-    /// another user owns it, or its group or others may write in it; I/O errors making it.
+    /// another user owns it, or its group or others may write in it; I/O errors making it
+    /// ([`Error::Os`]).
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
         if std::fs::symlink_metadata(&dir).is_err() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&dir)
-                .map_err(|e| cache_error(&dir, format!("cannot make it: {e}")))?;
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent).map_err(|e| io_error("mkdir -p", parent, e))?;
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                // Made meanwhile by another process: checked below like any other.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                other => other.map_err(|e| io_error("mkdir", &dir, e))?,
+            }
         }
         let meta = std::fs::symlink_metadata(&dir)
             .map_err(|e| cache_error(&dir, format!("cannot stat it: {e}")))?;
@@ -106,17 +110,25 @@ impl ObjectCache {
         &self.dir
     }
 
-    /// Where `object`'s version is (or would be) cached.
+    /// Where `object`'s version is (or would be) cached: named by its store, key, ETag and
+    /// size (not by a URL's query: a presigned URL signed again finds the same file).
     pub fn path_of(&self, object: &Object) -> PathBuf {
-        let url = object.url().to_string();
+        let url = object.url();
         let key = format!(
-            "{url}\0{}\0{}",
+            "{:?}\0{}\0{}\0{}\0{}",
+            url.scheme(),
+            url.bucket(),
+            url.key(),
             object.etag().unwrap_or("(no ETag)"),
             object.len()
         );
+        let url = url.key().to_owned();
         let hash = xxhash_rust::xxh3::xxh3_128(key.as_bytes());
         // The key's last part, for people reading the directory: what a file name may hold.
         let tail: String = url
+            .split(['?', '#'])
+            .next()
+            .unwrap_or("")
             .rsplit('/')
             .next()
             .unwrap_or("")
@@ -141,8 +153,9 @@ impl ObjectCache {
     ///
     /// # Errors
     /// The object's read errors ([`Error::Object`]: replaced since it was opened, a request
-    /// that failed after its retries); the file's (no space, I/O); [`Error::InvalidSetting`]
-    /// where the name is taken by something that is not this user's regular file.
+    /// that failed after its retries); the file's ([`Error::Os`]: no space, I/O);
+    /// [`Error::InvalidSetting`] where the name is taken by something that is not this user's
+    /// regular file.
     pub fn fetch(&self, object: &Object) -> Result<CachedObject> {
         let started = Instant::now();
         let path = self.path_of(object);
@@ -228,7 +241,16 @@ fn write_object(object: &Object, file: &std::fs::File, path: &Path) -> Result<()
         let mut written = Ok(());
         for (at, buf) in full_rx.iter() {
             if let Err(e) = file.write_all_at(&buf, at) {
-                written = Err(cache_error(path, format!("write: {e}")));
+                written = Err(if e.raw_os_error() == Some(28) {
+                    // ENOSPC
+                    gpufeed_os::Error::NoSpace {
+                        path: path.into(),
+                        needed: len,
+                    }
+                    .into()
+                } else {
+                    io_error("write", path, e)
+                });
                 break;
             }
             let _ = empty_tx.send(buf);
@@ -243,6 +265,15 @@ fn write_object(object: &Object, file: &std::fs::File, path: &Path) -> Result<()
         });
         read.and(written)
     })
+}
+
+fn io_error(op: &'static str, path: &Path, source: std::io::Error) -> Error {
+    gpufeed_os::Error::Io {
+        op,
+        path: Some(path.into()),
+        source,
+    }
+    .into()
 }
 
 fn cache_error(path: &Path, reason: String) -> Error {

@@ -53,7 +53,6 @@ impl Owner {
     pub(crate) fn host_range(&self) -> Option<(usize, usize)> {
         match self.storage.as_ref()? {
             Storage::Mapped(map) => Some((map.as_ptr() as usize, map.len())),
-            Storage::Bytes(bytes) => Some((bytes.as_ptr() as usize, bytes.len())),
             _ => None,
         }
     }

@@ -11,7 +11,7 @@ use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cuda, device_address, dlpack_dtype};
 use crate::context::KeepContext;
 use crate::errors::py_err;
-use crate::loads::{Loader, has_shared_loader};
+use crate::loads::Loader;
 
 /// One file's tensors as the Python layer takes them (see `Loader.load_safetensors_files`).
 pub(crate) type FileTensors = (Array, Vec<DtypeGroup>, Vec<OddTensor>);
@@ -115,7 +115,7 @@ pub(crate) fn load_safetensors_files(
     path: PathBuf,
     device: usize,
 ) -> PyResult<Vec<FileTensors>> {
-    if !has_shared_loader(device) {
+    if !crate::loads::has_shared_loader_for(device, &path) {
         // Before the GPU is opened: a bad file is named even on a machine without one.
         py.detach(|| match crate::loads::object_url(&path) {
             Some(url) => gpufeed::safetensors::inspect_object(url, &Default::default()),

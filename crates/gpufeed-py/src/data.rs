@@ -131,7 +131,13 @@ fn local_shards(
             urls[0]
         )));
     };
-    if let Some(glob) = urls.iter().find(|u| u.contains(['*', '?', '['])) {
+    // Listing is not built: a pattern in an S3 key is refused (a query in an https URL, a
+    // presigned one say, is no pattern).
+    if let Some(glob) = urls.iter().find(|u| {
+        gpufeed::object::ObjectUrl::parse(u).is_ok_and(|p| {
+            p.scheme() == gpufeed::object::Scheme::S3 && p.key().contains(['*', '?', '['])
+        })
+    }) {
         return Err(gpufeed::Error::invalid(format!(
             "{glob}: object URLs are not listed; give each shard's URL"
         )));

@@ -294,18 +294,32 @@ pub(crate) fn shared_loader(py: Python<'_>, device: usize) -> PyResult<Arc<gpufe
 }
 
 /// One loader per device for the module-level functions' loads of objects
-/// (`LoadOptions::for_objects`: fewer fill threads, larger pieces, more GETs in flight).
+/// (`LoadOptions::for_objects`: fewer fill threads, larger pieces, twice the bytes in flight).
 pub(crate) fn shared_object_loader(
     py: Python<'_>,
     device: usize,
 ) -> PyResult<Arc<gpufeed::Loader>> {
-    static LOADERS: OnceLock<Loaders> = OnceLock::new();
-    kept(py, LOADERS.get_or_init(Default::default), device, || {
+    kept(py, object_loaders(), device, || {
         Ok(gpufeed::Loader::open(
             device,
             gpufeed::LoadOptions::for_objects(),
         )?)
     })
+}
+
+/// Whether the module-level functions made the loader `shared_loader_for(device, path)`
+/// gives (and so opened the GPU and read no header twice).
+pub(crate) fn has_shared_loader_for(device: usize, path: &std::path::Path) -> bool {
+    if object_url(path).is_some() {
+        object_loaders().lock().contains_key(&device)
+    } else {
+        has_shared_loader(device)
+    }
+}
+
+fn object_loaders() -> &'static Loaders {
+    static LOADERS: OnceLock<Loaders> = OnceLock::new();
+    LOADERS.get_or_init(Default::default)
 }
 
 /// The shared loader of `device` for `path`: the objects' for an object URL, else the files'.
@@ -405,18 +419,20 @@ pub(crate) fn read_object<'py>(
     }
     let len = isize::try_from(end - start)
         .map_err(|_| GpufeedError::new_err(format!("{url}: too large for memory")))?;
-    // A new `bytes` left uninitialized (`PyBytes::new_with` zeroes it first, on this thread:
-    // at 4 GiB that took longer than the GETs, GPU run 133), filled by the GETs in place.
+    // A new `bytes` zeroed by several threads, then filled by the GETs in place
+    // (`PyBytes::new_with` zeroes it on this thread with the GIL held: at 4 GiB that took
+    // longer than the GETs, GPU run 133).
     #[allow(
         unsafe_code,
-        reason = "an uninitialized bytes object, filled before it is shared"
+        reason = "a new bytes object, zeroed, then filled before it is shared"
     )]
     // SAFETY: `PyBytes_FromStringAndSize(NULL, len)` returns a new bytes object of `len`
     // uninitialized bytes (or NULL with an exception set, which `from_owned_ptr_or_err`
     // returns), owned here alone: no other Python code can reach it until this function
-    // returns it, by which time every byte was written (or it is dropped unshared on an
-    // error). Its buffer (`PyBytes_AsString`) stays put while the object lives, and the
-    // object lives in `bytes` across the GIL-free read.
+    // returns it (or drops it unshared on an error). Its buffer (`PyBytes_AsString`) stays put
+    // while the object lives, and the object lives in `bytes` across the GIL-free work. The
+    // buffer is written through raw pointers only (`write_bytes` on disjoint parts) until
+    // every byte is initialized; only then is a slice made of it.
     unsafe {
         let ptr = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), len);
         let bytes =
@@ -425,9 +441,25 @@ pub(crate) fn read_object<'py>(
         if data.is_null() {
             return Err(PyErr::fetch(py));
         }
-        let buf = std::slice::from_raw_parts_mut(data, len as usize);
-        py.detach(|| object.read_exact_at(start, buf))
-            .map_err(object_err)?;
+        let len = len as usize;
+        let addr = data as usize;
+        py.detach(|| {
+            let threads = std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .clamp(1, 16);
+            let part = len.div_ceil(threads).next_multiple_of(1 << 16).max(1 << 16);
+            std::thread::scope(|scope| {
+                for at in (0..len).step_by(part) {
+                    let n = part.min(len - at);
+                    // A part of the new buffer that no other thread writes.
+                    scope.spawn(move || std::ptr::write_bytes((addr + at) as *mut u8, 0, n));
+                }
+            });
+            // Every byte is initialized now, and nothing else refers to the buffer.
+            let buf = std::slice::from_raw_parts_mut(addr as *mut u8, len);
+            object.read_exact_at(start, buf)
+        })
+        .map_err(object_err)?;
         Ok(bytes)
     }
 }

@@ -224,13 +224,21 @@ impl SafeFile {
             }
             Source::Object(object) => {
                 let lo = tensors.iter().map(|t| t.range.start).min().unwrap_or(0);
-                let hi = tensors.iter().map(|t| t.range.end).max().unwrap_or(0);
-                let mut bytes = vec![0u8; hi - lo];
-                py.detach(|| object.read_exact_at((start + lo) as u64, &mut bytes))
+                let hi = tensors.iter().map(|t| t.range.end).max().unwrap_or(lo);
+                // From the 64-byte boundary of the object at or before the first tensor, into
+                // memory aligned to 64: each tensor's address keeps the alignment its offset
+                // has in the object, as in a mapping of a file.
+                let from = (start + lo) / 64 * 64;
+                let n = start + hi - from;
+                let mut bytes = vec![0u8; n + 63];
+                let pad = bytes.as_ptr().align_offset(64).min(63);
+                py.detach(|| object.read_exact_at(from as u64, &mut bytes[pad..pad + n]))
                     .map_err(|e| py_err(gpufeed::load::Error::Object(e)))?;
+                // Taken before the Vec moves into its owner (its heap buffer does not move):
+                // the tensors may be written through it, as safetensors' CPU tensors may.
+                let at = bytes.as_mut_ptr() as usize + pad;
                 let owner = Arc::new(Owner::new(Storage::Bytes(bytes), None));
-                let (base, _) = owner.host_range().unwrap_or((0, 0));
-                (owner, base.wrapping_sub(lo))
+                (owner, at.wrapping_add(start).wrapping_sub(from))
             }
         };
         Ok(tensors

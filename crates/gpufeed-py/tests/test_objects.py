@@ -331,3 +331,20 @@ def test_batch_loader_reads_shards_in_a_bucket_through_a_cache(s3_env, tmp_path)
     assert len(os.listdir(cache)) == 3
     with pytest.raises(gpufeed.GpufeedError, match="cache="):
         gpufeed.BatchLoader(urls, batch_size=7)
+
+
+def test_safe_open_of_a_url_says_what_went_wrong(s3_env, monkeypatch):
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    s3_env.put("py-err/m.safetensors", safetensors_torch.save({"a": torch.arange(10.0)}))
+    # s3a:// is an S3 URL too.
+    with gpufeed.safe_open(f"s3a://{BUCKET}/py-err/m.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("a"), torch.arange(10.0))
+    s3_env.put("py-err/bad.safetensors", struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(gpufeed.SafetensorError, match="not a valid safetensors file") as e:
+        gpufeed.safe_open(_url("py-err/bad.safetensors"), framework="pt")
+    assert not isinstance(e.value, FileNotFoundError)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(gpufeed.SafetensorError, match="access denied") as e:
+        gpufeed.safe_open(_url("py-err/m.safetensors"), framework="pt")
+    assert not isinstance(e.value, FileNotFoundError)

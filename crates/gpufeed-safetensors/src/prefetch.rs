@@ -23,6 +23,7 @@ use crate::error::{Error, Result};
 
 /// What a [`Prefetch`] reads: a file opened once (the descriptor its header was read on), or,
 /// with the `object` feature, an object at the version (ETag) it was opened at.
+#[non_exhaustive]
 pub enum PrefetchSource {
     /// A file: chunks load by the route the loader chooses once for all of them.
     File(OpenedFile),
@@ -41,6 +42,12 @@ impl From<OpenedFile> for PrefetchSource {
 impl From<Arc<gpufeed_load::object::Object>> for PrefetchSource {
     fn from(object: Arc<gpufeed_load::object::Object>) -> Self {
         PrefetchSource::Object(object)
+    }
+}
+
+impl std::fmt::Debug for PrefetchSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PrefetchSource({})", self.path().display())
     }
 }
 

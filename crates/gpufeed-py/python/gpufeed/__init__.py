@@ -224,7 +224,9 @@ def load_file(path: Path, device: int = 0):
     ``path`` may be an object URL (``s3://bucket/key``, ``https://host/path``): read by
     parallel ranged GETs of the version its first request saw, credentials and endpoint from
     ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``,
-    ``AWS_PROFILE``."""
+    ``AWS_PROFILE``. Objects load through a second kept loader per device, with the settings
+    for objects (fewer fill threads, larger pieces: 256 MiB of pinned staging on 16 cores,
+    beside the file loader's 128 MiB)."""
     return as_tensor(_gpufeed.load_file(path, device))
 
 

@@ -162,8 +162,9 @@ def _translated(e: Exception, path=None) -> Exception:
     if isinstance(e, NoGpuError):
         return _NoGpu(str(e))
     if path is not None and _is_url(path):
-        # An object's 404 reads "<url>: not found (no such bucket or key...)".
-        if f"{path}: not found" in str(e) or ": not found (no such bucket or key" in str(e):
+        # An object's 404 (the index's or a shard's) reads "<url>: not found (no such bucket
+        # or key...)", gpufeed_object::Error::NotFound's text.
+        if ": not found (no such bucket or key" in str(e):
             return _FileNotFound(str(e))
         return SafetensorError(str(e))
     if path is not None and not os.path.exists(path):
@@ -172,9 +173,12 @@ def _translated(e: Exception, path=None) -> Exception:
 
 
 def _is_url(path) -> bool:
-    """Whether ``path`` names an object (``s3://``, ``http://``, ``https://``)."""
-    return isinstance(path, str) and path.split("://", 1)[0].lower() in ("s3", "http", "https") \
-        and "://" in path
+    """Whether ``path`` names an object (``s3://``, ``s3a://``, ``http://``, ``https://``, with
+    something after the scheme), as gpufeed's native ``ObjectUrl::is_url`` decides."""
+    if not isinstance(path, str) or "://" not in path:
+        return False
+    scheme, rest = path.split("://", 1)
+    return scheme.lower() in ("s3", "s3a", "http", "https") and bool(rest)
 
 
 class TensorMeta:
@@ -457,8 +461,9 @@ class safe_open:
     with its shards beside it): headers by ranged GETs, each object read at the version
     (ETag) its header came from (one replaced meanwhile is an error). Its CPU tensors are
     read into host memory (``get_tensor``: that tensor's bytes; ``get_tensors``: each
-    object's data section once); its CUDA tensors load by ranged GETs into pinned staging,
-    uploaded as they fill, as files do. Credentials and endpoint as for
+    object's data section once; ``get_slice(name)[...]``: the whole tensor each time, then
+    sliced); its CUDA tensors load by ranged GETs into pinned staging, uploaded as they
+    fill, as files do (GPU slices read only the slice's bytes). Credentials and endpoint as for
     ``gpufeed.read_object`` (``AWS_*`` variables, profiles).
 
         with gpufeed.safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
