@@ -249,22 +249,8 @@ pub fn measure(
                 ),
             ] {
                 let loader = gpufeed::Loader::for_bytes(gpu, opts, bytes)?;
-                let mut on_gpu = Vec::new();
-                for i in 0..reps + 1 {
-                    let t = Instant::now();
-                    let (dev, _) = loader.load_object(&object)?;
-                    let secs = t.elapsed().as_secs_f64();
-                    if i == 0 {
-                        let back = gpu.to_vec(&dev)?;
-                        anyhow::ensure!(
-                            xxhash_rust::xxh3::xxh3_64(&back) == want,
-                            "GPU: bytes differ"
-                        );
-                    } else {
-                        on_gpu.push(gbps(secs));
-                    }
-                }
-                *row = Some(Samples::new(on_gpu));
+                let on_gpu = gpu_loads(gpu, &loader, &object, reps, want, "GPU")?;
+                *row = Some(on_gpu);
             }
             for (threads, mib, per_thread) in SWEEP {
                 progress(&format!(
@@ -277,27 +263,14 @@ pub fn measure(
                     .with_chunk_bytes(mib << 20)
                     .with_staging_buffers(per_thread * threads);
                 let loader = gpufeed::Loader::for_bytes(gpu, lo, bytes)?;
-                let mut samples = Vec::new();
-                for i in 0..reps + 1 {
-                    let t = Instant::now();
-                    let (dev, _) = loader.load_object(&object)?;
-                    let secs = t.elapsed().as_secs_f64();
-                    if i == 0 {
-                        let back = gpu.to_vec(&dev)?;
-                        anyhow::ensure!(
-                            xxhash_rust::xxh3::xxh3_64(&back) == want,
-                            "GPU ({threads} threads, {mib} MiB): bytes differ"
-                        );
-                    } else {
-                        samples.push(gbps(secs));
-                    }
-                }
+                let what = format!("GPU ({threads} threads, {mib} MiB)");
+                let samples = gpu_loads(gpu, &loader, &object, reps, want, &what)?;
                 bench.gpu_sweep.push(SweepRow {
                     fill_threads: threads,
                     chunk_bytes: mib << 20,
                     staging_buffers: per_thread * threads,
                     staging_bytes: loader.setup().staging_bytes,
-                    gbps: Samples::new(samples),
+                    gbps: samples,
                 });
             }
             let ckpt_url = format!("s3://{BUCKET}/bench/model.safetensors");
@@ -389,6 +362,35 @@ pub fn measure(
             .push("peers (boto3, obstore, Run:ai's Model Streamer): run with --peers".into());
     }
     Ok(bench)
+}
+
+/// GB/s of `reps` loads of `object` to the GPU by `loader`, after a first one whose bytes are
+/// checked against `want` (its hash).
+fn gpu_loads(
+    gpu: &gpufeed::Gpu,
+    loader: &gpufeed::Loader,
+    object: &Object,
+    reps: usize,
+    want: u64,
+    what: &str,
+) -> Result<Samples> {
+    let bytes = object.len();
+    let mut samples = Vec::new();
+    for i in 0..reps + 1 {
+        let t = Instant::now();
+        let (dev, _) = loader.load_object(object)?;
+        let secs = t.elapsed().as_secs_f64();
+        if i == 0 {
+            let back = gpu.to_vec(&dev)?;
+            anyhow::ensure!(
+                xxhash_rust::xxh3::xxh3_64(&back) == want,
+                "{what}: bytes differ"
+            );
+        } else {
+            samples.push(bytes as f64 / secs / 1e9);
+        }
+    }
+    Ok(Samples::new(samples))
 }
 
 pub fn table(s: &mut String, b: &ObjectsBench) {

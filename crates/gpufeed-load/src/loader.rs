@@ -590,15 +590,7 @@ impl Loader {
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
         let started = Instant::now();
-        let len = check_spans(file, spans)?;
-        if len != dst.len() as u64 {
-            return Err(gpufeed_cuda::Error::OutOfBounds {
-                len,
-                offset: 0,
-                capacity: dst.len() as u64,
-            }
-            .into());
-        }
+        crate::route::exactly(check_spans(file, spans)?, dst.len())?;
         self.load_checked(file, spans, dst, choice, started)
     }
 

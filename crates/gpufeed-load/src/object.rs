@@ -93,12 +93,7 @@ impl Loader {
         spans: &[Range<u64>],
     ) -> Result<(DeviceBuffer, LoadReport)> {
         let started = Instant::now();
-        let mut len = 0usize;
-        for range in spans {
-            len = len
-                .checked_add(check_range(object, range)?)
-                .ok_or_else(|| Error::InvalidSetting("the spans do not fit in memory".into()))?;
-        }
+        let len = spans_len(object, spans)?;
         let (buf, report) = self.gpu.alloc_filled(len, self.device_alloc(len), |dst| {
             self.fill_from_object(object, spans, dst, started)
         })?;
@@ -143,20 +138,7 @@ impl Loader {
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
         let started = Instant::now();
-        let mut len = 0u64;
-        for range in spans {
-            len = len
-                .checked_add(check_range(object, range)? as u64)
-                .ok_or_else(|| Error::InvalidSetting("the spans add up past 2^64 bytes".into()))?;
-        }
-        if len != dst.len() as u64 {
-            return Err(gpufeed_cuda::Error::OutOfBounds {
-                len,
-                offset: 0,
-                capacity: dst.len() as u64,
-            }
-            .into());
-        }
+        crate::route::exactly(spans_len(object, spans)? as u64, dst.len())?;
         self.fill_from_object(object, spans, dst, started)
     }
 
@@ -219,6 +201,14 @@ impl Loader {
         report.seconds = started.elapsed().as_secs_f64();
         Ok(report)
     }
+}
+
+/// The bytes of `spans` together, each checked against the object's size.
+fn spans_len(object: &Object, spans: &[Range<u64>]) -> Result<usize> {
+    spans.iter().try_fold(0usize, |len, range| {
+        len.checked_add(check_range(object, range)?)
+            .ok_or_else(|| Error::InvalidSetting("the spans do not fit in memory".into()))
+    })
 }
 
 /// The length of `range`, checked against the object's size.

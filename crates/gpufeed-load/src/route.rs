@@ -110,6 +110,20 @@ pub(crate) fn choose(file: &OpenedFile, residency: Option<f64>) -> (Route, Strin
     )
 }
 
+/// Checks that a destination of `capacity` bytes is exactly as long as the `len` bytes it
+/// is to hold.
+pub fn exactly(len: u64, capacity: usize) -> Result<()> {
+    if len != capacity as u64 {
+        return Err(gpufeed_cuda::Error::OutOfBounds {
+            len,
+            offset: 0,
+            capacity: capacity as u64,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Checks that `len` bytes at `offset` fit a destination of `capacity` bytes.
 pub fn fits(len: u64, offset: usize, capacity: usize) -> Result<()> {
     if (offset as u64)
