@@ -225,19 +225,25 @@ fn write_object(object: &Object, file: &std::fs::File, path: &Path) -> Result<()
         let _ = empty_tx.send(Vec::new());
     }
     std::thread::scope(|scope| {
-        let reader = scope.spawn(move || -> Result<()> {
-            for &(at, n) in &pieces {
-                let Ok(mut buf) = empty_rx.recv() else {
-                    return Ok(()); // the writer stopped on an error of its own
-                };
-                buf.resize(n, 0);
-                object.read_exact_at(at, &mut buf)?;
-                if full_tx.send((at, buf)).is_err() {
-                    return Ok(());
+        let reader = std::thread::Builder::new()
+            .name("gpufeed-fetch".into())
+            .spawn_scoped(scope, move || -> Result<()> {
+                for &(at, n) in &pieces {
+                    let Ok(mut buf) = empty_rx.recv() else {
+                        return Ok(()); // the writer stopped on an error of its own
+                    };
+                    buf.resize(n, 0);
+                    object.read_exact_at(at, &mut buf)?;
+                    if full_tx.send((at, buf)).is_err() {
+                        return Ok(());
+                    }
                 }
-            }
-            Ok(())
-        });
+                Ok(())
+            })
+            .map_err(|source| Error::ThreadStart {
+                what: "a thread to fetch an object",
+                source,
+            })?;
         let mut written = Ok(());
         for (at, buf) in full_rx.iter() {
             if let Err(e) = file.write_all_at(&buf, at) {

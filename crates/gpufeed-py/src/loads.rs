@@ -452,7 +452,13 @@ pub(crate) fn read_object<'py>(
                 for at in (0..len).step_by(part) {
                     let n = part.min(len - at);
                     // A part of the new buffer that no other thread writes.
-                    scope.spawn(move || std::ptr::write_bytes((addr + at) as *mut u8, 0, n));
+                    let zero = move || std::ptr::write_bytes((addr + at) as *mut u8, 0, n);
+                    let spawned = std::thread::Builder::new()
+                        .name("gpufeed-zero".into())
+                        .spawn_scoped(scope, zero);
+                    if spawned.is_err() {
+                        zero(); // no thread to be had: this one does it
+                    }
                 }
             });
             // Every byte is initialized now, and nothing else refers to the buffer.
