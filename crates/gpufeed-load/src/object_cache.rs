@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 const PIECE: usize = 64 << 20;
 
 /// A directory of this user's that holds fetched objects, one file per object version:
-/// `<hash of URL, ETag and size>-<the key's last part>`. An object whose version is already
+/// `<hash of store, key, ETag and size>-<the key's last part>`. An object whose version is already
 /// there is not fetched again; a replaced object (another ETag or size) is fetched into a
 /// file of its own. The directory is made (mode 0700) where missing and refused where another
 /// user owns it or may write in it (they could plant files in it under the names it looks
