@@ -80,7 +80,7 @@ impl Loader {
     ///
     /// # Example
     /// ```no_run
-    /// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::default())?;
+    /// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::for_objects())?;
     /// let object = gpufeed_load::object::Object::open("s3://data/blob.bin", &Default::default())?;
     /// // The first and the third MiB of the object, 2 MiB on the GPU.
     /// let (buf, _) = loader.load_object_spans(&object, &[0..1 << 20, 2 << 20..3 << 20])?;

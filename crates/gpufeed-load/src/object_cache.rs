@@ -1,5 +1,5 @@
 //! A local cache directory of objects (the `object` feature): each object's bytes fetched once
-//! into a file named by its URL and version, so that later loads read a local file (from the
+//! into a file named by its store, key and version, so that later loads read a local file (from the
 //! page cache, once read) and the batch loader can map shards that live in a bucket.
 
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -111,7 +111,7 @@ impl ObjectCache {
     }
 
     /// Where `object`'s version is (or would be) cached: named by its store, key, ETag and
-    /// size (not by a URL's query: a presigned URL signed again finds the same file).
+    /// size.
     pub fn path_of(&self, object: &Object) -> PathBuf {
         let url = object.url();
         let key = format!(
@@ -122,13 +122,10 @@ impl ObjectCache {
             object.etag().unwrap_or("(no ETag)"),
             object.len()
         );
-        let url = url.key().to_owned();
         let hash = xxhash_rust::xxh3::xxh3_128(key.as_bytes());
         // The key's last part, for people reading the directory: what a file name may hold.
         let tail: String = url
-            .split(['?', '#'])
-            .next()
-            .unwrap_or("")
+            .key()
             .rsplit('/')
             .next()
             .unwrap_or("")
@@ -170,7 +167,21 @@ impl ObjectCache {
         }
         let file = AtomicFile::create(&path, (!object.is_empty()).then_some(object.len()))?;
         write_object(object, file.file(), &path)?;
+        // The commit gives a new file the umask's mode, which may let the group write (umask
+        // 002), and `holds` refuses such a file: take those bits away, on the descriptor.
+        let written = file
+            .file()
+            .try_clone()
+            .map_err(|e| io_error("dup", &path, e))?;
         file.commit()?;
+        let mode = written
+            .metadata()
+            .map_err(|e| io_error("fstat", &path, e))?
+            .permissions()
+            .mode();
+        written
+            .set_permissions(std::fs::Permissions::from_mode(mode & 0o755))
+            .map_err(|e| io_error("fchmod", &path, e))?;
         Ok(cached(true))
     }
 

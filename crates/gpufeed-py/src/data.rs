@@ -131,8 +131,7 @@ fn local_shards(
             urls[0]
         )));
     };
-    // Listing is not built: a pattern in an S3 key is refused (a query in an https URL, a
-    // presigned one say, is no pattern).
+    // Listing is not built: a pattern in an S3 key is refused.
     if let Some(glob) = urls.iter().find(|u| {
         gpufeed::object::ObjectUrl::parse(u).is_ok_and(|p| {
             p.scheme() == gpufeed::object::Scheme::S3 && p.key().contains(['*', '?', '['])

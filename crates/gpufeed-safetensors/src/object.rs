@@ -12,7 +12,8 @@ use crate::checkpoint::{Checkpoint, FileLayout};
 use crate::error::{Error, Result};
 use crate::header::{HeaderError, MAX_HEADER_BYTES, header_parts};
 use crate::index::{SAVE_ID_KEY, check_one_save, shards_of};
-use crate::tensor_parallel::{PlannedSource, Split, TensorParallel, check_ranks, shares_of};
+use crate::prefetch::PrefetchSource;
+use crate::tensor_parallel::{Split, TensorParallel, check_ranks, shares_of};
 
 /// The first read of a header: most headers fit (4,096 tensors take about 400 KB), so one GET
 /// serves them; a larger one is read to its end by a second.
@@ -136,7 +137,7 @@ impl TensorParallel {
                 shares[rank].push(list);
             }
             files.push(p.layout.path);
-            opened.push(PlannedSource::Object(Arc::new(p.object)));
+            opened.push(Arc::new(PrefetchSource::Object(Arc::new(p.object))));
         }
         Ok(TensorParallel {
             split,

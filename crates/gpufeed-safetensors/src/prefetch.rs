@@ -21,8 +21,9 @@ use gpufeed_os::OpenedFile;
 
 use crate::error::{Error, Result};
 
-/// What a [`Prefetch`] reads: a file opened once (the descriptor its header was read on), or,
-/// with the `object` feature, an object at the version (ETag) it was opened at.
+/// What a [`Prefetch`] (and a [`TensorParallel`](crate::TensorParallel) plan) reads: a file
+/// opened once (the descriptor its header was read on), or, with the `object` feature, an
+/// object at the version (ETag) it was opened at.
 #[non_exhaustive]
 pub enum PrefetchSource {
     /// A file: chunks load by the route the loader chooses once for all of them.
@@ -52,6 +53,19 @@ impl std::fmt::Debug for PrefetchSource {
 }
 
 impl PrefetchSource {
+    /// Bytes `spans` into new GPU memory of `loader`, back to back.
+    pub(crate) fn load_spans(
+        &self,
+        loader: &Loader,
+        spans: &[Range<u64>],
+    ) -> gpufeed_load::Result<(DeviceBuffer, gpufeed_load::LoadReport)> {
+        match self {
+            PrefetchSource::File(file) => loader.load_spans_of(file, spans),
+            #[cfg(feature = "object")]
+            PrefetchSource::Object(object) => loader.load_object_spans(object, spans),
+        }
+    }
+
     fn len(&self) -> u64 {
         match self {
             PrefetchSource::File(f) => f.len(),

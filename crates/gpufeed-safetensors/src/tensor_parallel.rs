@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use gpufeed_load::Loader;
-use gpufeed_os::OpenedFile;
 use safetensors::Dtype;
 
 use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::error::{Error, Result};
 use crate::header::HeaderEntry;
 use crate::index::plan;
+use crate::prefetch::PrefetchSource;
 
 /// Along which dimension a tensor-parallel load ([`TensorParallel`]) cuts each tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -93,7 +93,7 @@ pub struct TensorParallel {
     pub(crate) files: Vec<PathBuf>,
     /// The files as opened when their headers were read (every rank's load reads through
     /// these descriptors), or the objects at the versions their headers came from.
-    pub(crate) opened: Vec<PlannedSource>,
+    pub(crate) opened: Vec<Arc<PrefetchSource>>,
     /// `[rank][file]`: the rank's shares of the file's tensors, in header order.
     pub(crate) shares: Vec<Vec<Vec<TensorShare>>>,
 }
@@ -117,7 +117,7 @@ impl TensorParallel {
             {
                 shares[rank].push(list);
             }
-            opened.push(PlannedSource::File(Arc::new(parsed.file)));
+            opened.push(Arc::new(PrefetchSource::File(parsed.file)));
             files.push(file);
         }
         Ok(TensorParallel {
@@ -169,26 +169,6 @@ impl TensorParallel {
             .flat_map(|f| self.shares(rank, f))
             .map(|t| t.dst.len() as u64)
             .sum()
-    }
-}
-
-/// What a plan reads one file of the checkpoint through.
-#[derive(Clone)]
-pub(crate) enum PlannedSource {
-    /// The descriptor its header was read from.
-    File(Arc<OpenedFile>),
-    /// The object, at the version (ETag) its header came from.
-    #[cfg(feature = "object")]
-    Object(Arc<gpufeed_load::object::Object>),
-}
-
-impl std::fmt::Debug for PlannedSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PlannedSource::File(file) => write!(f, "File({})", file.path().display()),
-            #[cfg(feature = "object")]
-            PlannedSource::Object(object) => write!(f, "Object({})", object.url()),
-        }
     }
 }
 
@@ -327,11 +307,7 @@ pub fn load_shard(loader: &Loader, plan: &TensorParallel, rank: usize) -> Result
     };
     for i in 0..plan.files.len() {
         let spans = plan.spans(rank, i);
-        let (buffer, report) = match &plan.opened[i] {
-            PlannedSource::File(file) => loader.load_spans_of(file, &spans)?,
-            #[cfg(feature = "object")]
-            PlannedSource::Object(object) => loader.load_object_spans(object, &spans)?,
-        };
+        let (buffer, report) = plan.opened[i].load_spans(loader, &spans)?;
         for share in plan.shares(rank, i) {
             ckpt.tensors.insert(
                 share.name.clone(),

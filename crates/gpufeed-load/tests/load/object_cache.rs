@@ -50,6 +50,8 @@ fn an_objects_version_is_fetched_once_and_byte_exact() {
         xxh3_64(&std::fs::read(&first.path).unwrap()),
         xxh3_64(&data)
     );
+    // Never writable by the group or others, whatever the umask gives a new file.
+    assert_eq!(std::fs::metadata(&first.path).unwrap().mode() & 0o022, 0);
     // Again, through a new open of the same version: the file that is there.
     let again = cache
         .fetch(&Object::open(&url, &opts(&server)).expect("open"))
@@ -92,6 +94,8 @@ fn an_object_replaced_after_its_open_leaves_nothing_cached() {
         .put("cache/b.bin", &random_bytes((9 << 20) + 5, seed + 1))
         .expect("put");
     let root = tempfile::tempdir().expect("tempdir");
+    // Whatever the umask made it: a private directory.
+    std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     let cache = ObjectCache::open(root.path()).expect("cache");
     let e = cache.fetch(&object).unwrap_err();
     assert!(e.to_string().contains("cache/b.bin"), "{e}");
@@ -162,6 +166,11 @@ fn cache_directories_and_names_others_could_plant_are_refused() {
     // A cached file of another size (cut short by hand): fetched again, whole.
     std::fs::remove_file(cache.path_of(&object)).unwrap();
     std::fs::write(cache.path_of(&object), b"the obj").unwrap();
+    std::fs::set_permissions(
+        cache.path_of(&object),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
     let got = cache.fetch(&object).expect("fetch");
     assert!(got.fetched);
     assert_eq!(std::fs::read(&got.path).unwrap(), b"the object");
