@@ -121,6 +121,10 @@ pub struct LoaderSetup {
 /// machine; a first `cuMemAlloc` was not timed alone).
 pub(crate) const UNPOOLED_FROM: usize = 64 << 20;
 
+/// Threads at most that fault a loader's staging in once its GPU's context is there
+/// ([`HostSlab::new_widening`]).
+const FAULT_THREADS: usize = 8;
+
 /// `Auto` samples the page-cache residency of loads from this size to choose between `Staged`
 /// and `Direct`; smaller loads are staged without looking: buffered reads serve what is cached
 /// from memory, and for what is not, `O_DIRECT` would save one copy of a few MiB against a
@@ -289,6 +293,11 @@ impl Loader {
                 .push_once(&mut setup.fallbacks),
             }
             setup.staging_seconds = made_s + t.elapsed().as_secs_f64();
+            tracing::debug!(
+                fault_ms = made_s * 1e3,
+                reserve_ms = t.elapsed().as_secs_f64() * 1e3,
+                "staging reserved"
+            );
         }
         setup.total_seconds = started.elapsed().as_secs_f64();
         Ok(Loader {
@@ -362,7 +371,10 @@ impl Loader {
                     if len == 0 {
                         None
                     } else {
-                        HostSlab::new(len)
+                        let threads = std::thread::available_parallelism()
+                            .map_or(1, |n| n.get())
+                            .min(FAULT_THREADS);
+                        HostSlab::new_widening(len, threads, || opener.is_finished())
                             .inspect_err(|e| {
                                 Fallback::new(
                                     Refused::StagingReservation,
@@ -387,6 +399,14 @@ impl Loader {
         loader.setup.context_seconds = Some(context_s);
         loader.setup.notes.splice(0..0, notes);
         loader.setup.fallbacks.splice(0..0, fallbacks);
+        tracing::debug!(
+            ordinal,
+            context_ms = context_s * 1e3,
+            staging_ms = loader.setup.staging_seconds * 1e3,
+            staging_mib = loader.setup.staging_bytes >> 20,
+            total_ms = loader.setup.total_seconds * 1e3,
+            "loader opened"
+        );
         Ok((loader, value))
     }
 

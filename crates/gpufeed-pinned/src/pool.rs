@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use gpufeed_os::{AlignedBuf, LockedRegion, lock};
@@ -176,6 +177,20 @@ impl HostSlab {
     /// # Errors
     /// [`gpufeed_os::Error::ZeroLength`], [`gpufeed_os::Error::OutOfMemory`].
     pub fn new(len: usize) -> Result<Self> {
+        Self::new_widening(len, 1, || false)
+    }
+
+    /// [`HostSlab::new`], faulted in by this thread alone until `widen()` says otherwise
+    /// (asked before each 4 MiB piece), then by up to `threads` threads together (this one
+    /// included): a loader faults its staging in alone while another thread creates the
+    /// GPU's context, whose `mmap` calls the faults would hold off, and on all hands once the
+    /// context is there (at once where the process had it already: 128 MiB took 19-29 ms on
+    /// one thread of the H200 machine). A thread that cannot be started leaves its share to
+    /// the others.
+    ///
+    /// # Errors
+    /// As [`HostSlab::new`].
+    pub fn new_widening(len: usize, threads: usize, widen: impl Fn() -> bool) -> Result<Self> {
         let len = len.next_multiple_of(gpufeed_os::page_size());
         let buf = AlignedBuf::new(len, 2 << 20)?;
         // In pieces: MADV_POPULATE_WRITE holds the address space's lock while it runs, which
@@ -183,15 +198,52 @@ impl HostSlab {
         // failure (an old kernel without it) only leaves the faulting to the first writer or
         // to the registration.
         const PIECE: usize = 4 << 20;
-        for at in (0..len).step_by(PIECE) {
-            // SAFETY: `at < len`, inside the buffer.
-            let ptr = unsafe { buf.as_ptr().add(at) };
-            let n = PIECE.min(len - at);
-            if gpufeed_os::advise::madvise(ptr, n, gpufeed_os::advise::MemAdvice::PopulateWrite)
+        let base = buf.as_ptr() as usize;
+        let pieces = len.div_ceil(PIECE);
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        // Faults piece after piece until none is left (or one failed); `alone` stops after
+        // one piece.
+        let fault = |alone: bool| {
+            while !failed.load(Ordering::Relaxed) {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= pieces {
+                    return;
+                }
+                let at = i * PIECE;
+                let n = PIECE.min(len - at);
+                // `at < len`: inside the buffer, which outlives every faulting thread.
+                if gpufeed_os::advise::madvise(
+                    (base + at) as *const u8,
+                    n,
+                    gpufeed_os::advise::MemAdvice::PopulateWrite,
+                )
                 .is_err()
-            {
+                {
+                    failed.store(true, Ordering::Relaxed);
+                }
+                if alone {
+                    return;
+                }
+            }
+        };
+        while next.load(Ordering::Relaxed) < pieces && !failed.load(Ordering::Relaxed) {
+            if threads > 1 && widen() {
+                std::thread::scope(|s| {
+                    let left = pieces.saturating_sub(next.load(Ordering::Relaxed));
+                    for _ in 1..threads.min(left) {
+                        let spawned = std::thread::Builder::new()
+                            .name("gpufeed-fault".into())
+                            .spawn_scoped(s, || fault(false));
+                        if spawned.is_err() {
+                            break;
+                        }
+                    }
+                    fault(false);
+                });
                 break;
             }
+            fault(true);
         }
         Ok(HostSlab { buf })
     }
@@ -462,7 +514,8 @@ impl PinnedPool {
     }
 
     /// Puts `count` buffers of `len`'s size class into the pool's cache, cut from one slab
-    /// faulted in on the pool's NUMA node and page-locked with one call: later `get`s of that
+    /// faulted in on the pool's NUMA node (by this thread there; elsewhere by up to 8 threads)
+    /// and page-locked with one call: later `get`s of that
     /// class are served without allocating. One registration of the whole slab costs a
     /// fraction of one per buffer (each `cuMemHostRegister` call costs about 1 ms on the H200
     /// machine, whatever its size, and holds off copies that other threads issue meanwhile).
@@ -478,8 +531,14 @@ impl PinnedPool {
         if bytes == 0 {
             return Ok(0);
         }
-        let _bound = self.bind_to_node();
-        self.reserve_slab(HostSlab::new(bytes)?, len)
+        let bound = self.bind_to_node();
+        // Placed on a node: faulted by this (bound) thread alone, so every page lands there.
+        let threads = if bound.is_some() {
+            1
+        } else {
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+        };
+        self.reserve_slab(HostSlab::new_widening(bytes, threads, || true)?, len)
     }
 
     /// Cuts `slab` into buffers of `len`'s size class, page-locks it with one call (registered

@@ -256,3 +256,73 @@ fn a_reserved_slab_serves_gets_and_is_unlocked_when_the_pool_goes() {
     );
     println!("CHILD-OK");
 }
+
+/// The resident memory of this process, from /proc/self/status.
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kb << 10
+}
+
+/// A slab faulted in alone asks `widen` before every piece, and once widened faults the rest
+/// on several threads: every byte is resident when it returns, and zero. In a child process
+/// of its own, so that no other test changes the resident memory meanwhile.
+#[test]
+fn a_slab_is_faulted_in_whole_alone_or_widened() {
+    use gpufeed_pinned::HostSlab;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const ME: &str = "cpu_pool::a_slab_is_faulted_in_whole_alone_or_widened";
+    if std::env::var(gpufeed_testkit::CHILD_ROLE).is_err() {
+        let out = gpufeed_testkit::run_child(ME, "slab", &[]);
+        assert!(out.contains("CHILD-OK"), "{out}");
+        return;
+    }
+    let len = (48 << 20) + 5; // 13 pieces of 4 MiB, the last one short
+    let asks = AtomicUsize::new(0);
+    let before = rss_bytes();
+    let alone = HostSlab::new_widening(len, 4, || {
+        asks.fetch_add(1, Ordering::Relaxed);
+        false
+    })
+    .expect("slab");
+    let grown = rss_bytes() - before;
+    assert_eq!(alone.len(), (48 << 20) + 4096, "whole pages");
+    assert_eq!(
+        asks.load(Ordering::Relaxed),
+        13,
+        "asked before each of 13 pieces"
+    );
+    assert!(grown >= 48 << 20, "faulted in alone: RSS grew by {grown} B");
+
+    let asks = AtomicUsize::new(0);
+    let before = rss_bytes();
+    let widened =
+        HostSlab::new_widening(len, 4, || asks.fetch_add(1, Ordering::Relaxed) >= 2).expect("slab");
+    let grown = rss_bytes() - before;
+    assert_eq!(
+        asks.load(Ordering::Relaxed),
+        3,
+        "two pieces alone, then widened"
+    );
+    assert!(
+        grown >= 48 << 20,
+        "faulted in widened: RSS grew by {grown} B"
+    );
+    // The memory is usable as a pool's (zeroed) buffers, all 12 whole MiB-classes of 4 MiB.
+    let pool = PinnedPool::new(
+        PoolMode::Cpu,
+        PoolOptions::default()
+            .with_budget_bytes(Some(64 << 20))
+            .with_numa_node(None),
+    )
+    .expect("pool");
+    assert_eq!(pool.reserve_slab(widened, 4 << 20).expect("reserve"), 12);
+    let buf = pool.get(4 << 20).expect("get");
+    assert!(buf.iter().all(|&b| b == 0), "fresh memory reads zero");
+    drop((buf, alone));
+    println!("CHILD-OK");
+}
