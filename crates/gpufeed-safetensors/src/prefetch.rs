@@ -161,9 +161,6 @@ pub struct Piece {
     pub siblings: usize,
 }
 
-/// Chunks this large take their memory from `cuMemAlloc`, smaller ones from the pool.
-const UNPOOLED_CHUNK: usize = 64 << 20;
-
 /// Where an item is.
 enum Status {
     Pending,
@@ -358,6 +355,16 @@ impl Prefetch {
     /// [`Error::Prefetch`] for an item taken before, out of range, or after [`Prefetch::close`];
     /// the load's own error where it failed (the first caller gets it, later ones its text).
     pub fn take(&self, i: usize) -> Result<Piece> {
+        self.take_if_untaken(i)?
+            .ok_or_else(|| self.refused(i, "it was taken before: each is handed out once"))
+    }
+
+    /// [`Prefetch::take`], but `None` for an item taken before (a caller that then loads
+    /// its own copy tells that apart from a failure without parsing an error).
+    ///
+    /// # Errors
+    /// As [`Prefetch::take`], except for an item taken before.
+    pub fn take_if_untaken(&self, i: usize) -> Result<Option<Piece>> {
         let mut state = self.shared.lock();
         loop {
             if state.closed {
@@ -365,11 +372,9 @@ impl Prefetch {
             }
             match state.status.get(i) {
                 None => return Err(self.refused(i, "no such item")),
-                Some(Status::Taken) => {
-                    return Err(self.refused(i, "it was taken before: each is handed out once"));
-                }
+                Some(Status::Taken) => return Ok(None),
                 Some(Status::Failed) => return Err(self.failure(&mut state)),
-                Some(Status::Ready(_)) => return Ok(state.hand_out(i, &self.shared)),
+                Some(Status::Ready(_)) => return Ok(Some(state.hand_out(i, &self.shared))),
                 Some(Status::Pending) => {
                     // Once per item: waiters on different items must not wake each other.
                     if !state.demand.contains(&i) {
@@ -537,6 +542,7 @@ fn work(
         })
         .unwrap_or(0..0);
     let mut route: Option<RouteChoice> = None;
+    let mut idle_from = std::time::Instant::now();
     loop {
         let chunk = {
             let mut state = shared.lock();
@@ -566,14 +572,14 @@ fn work(
             }
         };
         let layout = Layout::of(&chunk, items);
+        let began = std::time::Instant::now();
 
-        // Large chunks from cuMemAlloc: growing the context's pool chunk by chunk would cost
-        // 2-3 ms per GiB (docs/benchmarks.md, GPU run 8); chunks live as long as the tensors.
-        let from = if layout.len >= UNPOOLED_CHUNK {
-            DeviceAlloc::Unpooled
-        } else {
-            loader.device_alloc(layout.len)
-        };
+        // Every chunk from cuMemAlloc: growing the context's pool chunk by chunk would cost
+        // 2-3 ms per GiB (docs/benchmarks.md, GPU run 8), and its first allocation in a
+        // context 7-10 ms whatever the size (a sweep's first pooled chunk, of 16 MiB, loaded
+        // in 10.6 ms, the unpooled one before it, of 8 MiB, in 2.3; GPU run 136); chunks live
+        // as long as their tensors, and are freed after the device's queued work anyway.
+        let from = DeviceAlloc::Unpooled;
         let loaded = loader
             .gpu()
             .alloc_filled(layout.len, from, |dst| match file {
@@ -587,6 +593,14 @@ fn work(
                     loader.load_object_spans_to(object, &layout.spans, dst)
                 }
             });
+        tracing::debug!(
+            items = chunk.len(),
+            mib = layout.len as f64 / f64::from(1 << 20),
+            idle_ms = (began - idle_from).as_secs_f64() * 1e3,
+            load_ms = began.elapsed().as_secs_f64() * 1e3,
+            "prefetch chunk"
+        );
+        idle_from = std::time::Instant::now();
         let mut state = shared.lock();
         match loaded {
             Ok((buffer, _report)) => {
@@ -699,6 +713,10 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
         state.status[i] = Status::Loading;
     }
     state.cursor = chunk.last().map_or(start, |&last| last + 1);
+    if opts.follow_from.is_some() {
+        // The next chunk twice this one, however much larger than the ramp an item made it.
+        state.ramp = state.ramp.max(bytes.saturating_mul(2));
+    }
     Next::Chunk(chunk)
 }
 
@@ -833,6 +851,25 @@ mod tests {
         state.demand.push_back(3);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![3]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![4, 5]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
+    }
+
+    /// An item larger than the ramp makes its chunk large: the next one doubles that chunk,
+    /// not the ramp (items of 30 bytes followed from 10: 30, then 60, not 30 three times).
+    #[test]
+    fn following_doubles_the_chunk_an_item_made_large() {
+        let it = items(&(0..6).map(|i| (i * 30, i * 30 + 30, 1)).collect::<Vec<_>>());
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(120)
+            .with_follow_from(Some(10));
+        let mut state = State::new(6, &opts);
+        state.demand.push_back(0);
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1, 2]));
+        assert_eq!(
+            next_chunk(&mut state, &it, &opts),
+            Next::Chunk(vec![3, 4, 5])
+        );
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
     }
 }
