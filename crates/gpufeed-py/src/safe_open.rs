@@ -11,7 +11,7 @@ use std::sync::Arc;
 use gpufeed::safetensors::{HeaderEntry, Piece, Prefetch, PrefetchItem, PrefetchOptions};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyString, PyTuple};
 
 use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cuda, device_address};
@@ -260,7 +260,16 @@ impl SafeFile {
     /// allocation, read through the descriptor opened (an object: by ranged GETs of the
     /// version opened): one array per tensor of `tensors()`, in that order (dtype and shape
     /// as for `host_tensors`); the allocation is freed when the last of them goes.
-    fn load_tensors(&self, py: Python<'_>, device: usize) -> PyResult<Vec<Array>> {
+    ///
+    /// With `importer` (`torch._C._from_dlpack`, `torch.from_dlpack`), each tensor that DLPack
+    /// carries comes back as `importer(capsule)`; the others as their arrays.
+    #[pyo3(signature = (device, importer=None))]
+    fn load_tensors(
+        &self,
+        py: Python<'_>,
+        device: usize,
+        importer: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let span = self.data_start..self.len();
@@ -271,8 +280,7 @@ impl SafeFile {
         let base = device_address(gpu, &buf);
         let owner = Arc::new(Owner::new(Storage::Device(buf), Some(gpu.clone())));
         let dev = cuda(gpu.info().ordinal);
-        Ok(self
-            .tensors
+        self.tensors
             .iter()
             .map(|t| {
                 Array::typed(
@@ -283,8 +291,9 @@ impl SafeFile {
                     t.dtype,
                     &t.shape,
                 )
+                .handed(py, t.dtype, importer.as_ref())
             })
-            .collect())
+            .collect()
     }
 
     /// Bytes `spans` (absolute offsets, back to back) on GPU `device`: a `U8` array.
@@ -314,13 +323,116 @@ impl SafeFile {
         let mut views = Vec::with_capacity(items.len());
         let mut spans = Vec::with_capacity(items.len());
         for (start, end, align, tensor, shape) in items {
-            let t = self.tensors.get(tensor).ok_or_else(|| {
-                GpufeedError::new_err(format!("no tensor {tensor} in {}", self.path()))
-            })?;
+            let t = self.tensor(tensor)?;
             views.push((t.dtype, shape));
             spans.push((start, end, align));
         }
-        let items = spans;
+        self.start_prefetch(
+            py,
+            device,
+            views,
+            spans,
+            chunk_bytes,
+            ahead_bytes,
+            follow_from,
+        )
+    }
+
+    /// `prefetch` of whole tensors: `tensors` are indices in `tensors()`, each loaded whole,
+    /// placed at a multiple of its element size (a byte for packed types).
+    #[pyo3(signature = (device, tensors, chunk_bytes, ahead_bytes=None, follow_from=None))]
+    fn prefetch_tensors(
+        &self,
+        py: Python<'_>,
+        device: usize,
+        tensors: Vec<usize>,
+        chunk_bytes: u64,
+        ahead_bytes: Option<u64>,
+        follow_from: Option<u64>,
+    ) -> PyResult<NativePrefetch> {
+        let mut views = Vec::with_capacity(tensors.len());
+        let mut spans = Vec::with_capacity(tensors.len());
+        for i in tensors {
+            let t = self.tensor(i)?;
+            views.push((t.dtype, t.shape.clone()));
+            let base = self.data_start;
+            spans.push((
+                base + t.range.start as u64,
+                base + t.range.end as u64,
+                (t.dtype.bitsize() / 8).max(1),
+            ));
+        }
+        self.start_prefetch(
+            py,
+            device,
+            views,
+            spans,
+            chunk_bytes,
+            ahead_bytes,
+            follow_from,
+        )
+    }
+
+    /// The drop-in's view of every tensor, made here rather than by Python per tensor: `(names,
+    /// entries, order)`, names and entries as `tensors()` lists them (sorted by name), each an
+    /// `Entry` of file `file` (its index in the handle), and `order` the indices of the
+    /// tensors in the order of their bytes.
+    fn entries(
+        &self,
+        py: Python<'_>,
+        file: usize,
+    ) -> PyResult<(Vec<String>, Vec<Entry>, Vec<usize>)> {
+        let base = self.data_start;
+        let mut dtypes: HashMap<String, Py<PyString>> = HashMap::new();
+        let mut names = Vec::with_capacity(self.tensors.len());
+        let mut entries = Vec::with_capacity(self.tensors.len());
+        for (index, t) in self.tensors.iter().enumerate() {
+            let name = t.dtype.to_string();
+            let dtype = match dtypes.get(&name) {
+                Some(d) => d.clone_ref(py),
+                None => {
+                    let d = PyString::new(py, &name).unbind();
+                    dtypes.insert(name, d.clone_ref(py));
+                    d
+                }
+            };
+            names.push(t.name.clone());
+            entries.push(Entry {
+                file,
+                index,
+                dtype,
+                shape: PyTuple::new(py, &t.shape)?.unbind(),
+                start: base + t.range.start as u64,
+                end: base + t.range.end as u64,
+                rel: (t.range.start as u64, t.range.end as u64),
+            });
+        }
+        let mut order: Vec<usize> = (0..self.tensors.len()).collect();
+        order.sort_by_key(|&i| (self.tensors[i].range.start, self.tensors[i].range.end));
+        Ok((names, entries, order))
+    }
+}
+
+impl SafeFile {
+    /// Tensor `i` of `tensors()`.
+    fn tensor(&self, i: usize) -> PyResult<&HeaderEntry> {
+        self.tensors
+            .get(i)
+            .ok_or_else(|| GpufeedError::new_err(format!("no tensor {i} in {}", self.path())))
+    }
+
+    /// Starts a prefetch of `items` (`(start, end, align)`, absolute) shown as `views`.
+    #[allow(clippy::too_many_arguments, reason = "prefetch's arguments, passed on")]
+    fn start_prefetch(
+        &self,
+        py: Python<'_>,
+        device: usize,
+        views: Vec<(gpufeed::safetensors::Dtype, Vec<usize>)>,
+        items: Vec<(u64, u64, usize)>,
+        chunk_bytes: u64,
+        ahead_bytes: Option<u64>,
+        follow_from: Option<u64>,
+    ) -> PyResult<NativePrefetch> {
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let file: gpufeed::safetensors::PrefetchSource = match &self.source {
@@ -359,6 +471,27 @@ impl SafeFile {
             restore: KeepContext::default(),
         })
     }
+}
+
+/// One tensor of a [`SafeFile`] as the drop-in keeps it (`SafeFile.entries`): the file it
+/// is in (its index in the handle), its index in `tensors()`, dtype (a safetensors name),
+/// shape, bytes in the file (`start..end`, absolute) and in the data section (`rel`).
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct Entry {
+    #[pyo3(get)]
+    file: usize,
+    #[pyo3(get)]
+    index: usize,
+    #[pyo3(get)]
+    dtype: Py<PyString>,
+    #[pyo3(get)]
+    shape: Py<PyTuple>,
+    #[pyo3(get)]
+    start: u64,
+    #[pyo3(get)]
+    end: u64,
+    #[pyo3(get)]
+    rel: (u64, u64),
 }
 
 /// Items of one file loading to a GPU in the background (`gpufeed_safetensors::Prefetch`),
@@ -431,17 +564,50 @@ impl NativePrefetch {
         Ok(self.open()?.len())
     }
 
-    /// Item `i`, waiting for it.
-    fn take(&self, py: Python<'_>, i: usize) -> PyResult<Array> {
+    /// Item `i`, waiting for it (`importer` as for `SafeFile.load_tensors`).
+    #[pyo3(signature = (i, importer=None))]
+    fn take(
+        &self,
+        py: Python<'_>,
+        i: usize,
+        importer: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let p = self.open()?;
         let piece = py.detach(|| p.take(i)).map_err(py_err)?;
-        Ok(self.hand(i, piece))
+        self.hand(i, piece)
+            .handed(py, self.views[i].0, importer.as_ref())
+    }
+
+    /// Item `i`, waiting for it, or `None` where it was taken before (`importer` as for
+    /// `SafeFile.load_tensors`).
+    #[pyo3(signature = (i, importer=None))]
+    fn take_once(
+        &self,
+        py: Python<'_>,
+        i: usize,
+        importer: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let p = self.open()?;
+        match py.detach(|| p.take_if_untaken(i)).map_err(py_err)? {
+            Some(piece) => Ok(Some(self.hand(i, piece).handed(
+                py,
+                self.views[i].0,
+                importer.as_ref(),
+            )?)),
+            None => Ok(None),
+        }
     }
 
     /// Every item that has landed and nobody took, waiting for one: `[(i, array)]`; empty
-    /// once every item was handed out.
-    fn ready(&self, py: Python<'_>) -> PyResult<Vec<(usize, Array)>> {
+    /// once every item was handed out (`importer` as for `SafeFile.load_tensors`).
+    #[pyo3(signature = (importer=None))]
+    fn ready(
+        &self,
+        py: Python<'_>,
+        importer: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<(usize, Py<PyAny>)>> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let Some(p) = self.inner.lock().clone() else {
             return Ok(Vec::new());
@@ -453,10 +619,14 @@ impl NativePrefetch {
         while let Some(next) = p.try_next_ready() {
             out.push(next);
         }
-        Ok(out
-            .into_iter()
-            .map(|(i, piece)| (i, self.hand(i, piece)))
-            .collect())
+        out.into_iter()
+            .map(|(i, piece)| {
+                let handed = self
+                    .hand(i, piece)
+                    .handed(py, self.views[i].0, importer.as_ref())?;
+                Ok((i, handed))
+            })
+            .collect()
     }
 
     /// Stops the background load and drops what was not taken.

@@ -205,6 +205,12 @@ def check_handle(torch, f, ref, what, sharded=False):
     for name in reversed(ref["keys"]):
         assert_same(torch, f.get_tensor(name), ref["tensors"][name],
                     f"{what}: get_tensor({name!r})")
+    for name in ref["keys"][:2]:
+        # Asked again: the same values, in memory of its own on a GPU (as safetensors gives).
+        again = f.get_tensor(name)
+        assert_same(torch, again, ref["tensors"][name], f"{what}: get_tensor({name!r}) again")
+        if again.is_cuda and again.numel():
+            assert again.data_ptr() != f.get_tensor(name).data_ptr(), f"{what}: {name} shared"
     for name, want in ref["full_slices"].items():
         assert_same(torch, f.get_slice(name)[...], want, f"{what}: get_slice({name!r})[...]")
     assert_same_dict(torch, f.get_tensors(), ref["tensors"], f"{what}: get_tensors()")

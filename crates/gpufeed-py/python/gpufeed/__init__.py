@@ -19,9 +19,7 @@ GPU calls then raise ``gpufeed.NoGpuError`` with the reason, the CPU paths (host
         x = gpufeed.as_tensor(batch.data)                        # [records, record_bytes]
 """
 
-import gc
 import os
-from contextlib import contextmanager
 from os import PathLike
 from typing import Dict, List, Sequence, Union
 
@@ -41,6 +39,7 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
 from . import torch  # noqa: F401  (gpufeed.torch.load_file)
 from ._patch import is_patched, patch_safetensors, unpatch_safetensors
 from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, device_ordinal, safe_open
+from ._safe_open import _collector_paused
 
 __all__ = [
     "Array",
@@ -118,21 +117,6 @@ def _checkpoint(files):
             _torch_dtype(torch, dtypes, dtype)
             out[name] = torch.from_dlpack(array.view_of(start, end, dtype, list(shape)))
     return out
-
-
-@contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector paused while a checkpoint's tensors are made: their
-    tens of thousands of new objects hold no cycles, and a full collection they set off would
-    scan every object of the process, torch's included (tens of ms, at random). Re-enabled
-    after, unless it was off before."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _arrays(files):

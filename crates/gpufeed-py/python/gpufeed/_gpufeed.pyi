@@ -4,7 +4,7 @@ every public function and class of the module, with their parameters."""
 
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypedDict, final
+from typing import Any, Callable, Literal, Sequence, TypedDict, final
 
 _Path = str | PathLike[str]
 
@@ -30,6 +30,7 @@ __all__ = [
     "RegisteredFile",
     "SafeFile",
     "NativePrefetch",
+    "Entry",
     "open_safetensors",
     "parse_header",
     "load_file",
@@ -270,7 +271,9 @@ class SafeFile:
     def metadata(self) -> dict[str, str] | None: ...
     def tensors(self) -> _Listed: ...
     def host_tensors(self, indices: list[int]) -> list[Array]: ...
-    def load_tensors(self, device: int) -> list[Array]: ...
+    def load_tensors(
+        self, device: int, importer: Callable[[Any], Any] | None = None
+    ) -> list[Any]: ...
     def load_spans(self, device: int, spans: list[tuple[int, int]]) -> Array: ...
     def prefetch(
         self,
@@ -280,13 +283,47 @@ class SafeFile:
         ahead_bytes: int | None = None,
         follow_from: int | None = None,
     ) -> NativePrefetch: ...
+    def prefetch_tensors(
+        self,
+        device: int,
+        tensors: list[int],
+        chunk_bytes: int,
+        ahead_bytes: int | None = None,
+        follow_from: int | None = None,
+    ) -> NativePrefetch: ...
+    def entries(self, file: int) -> tuple[list[str], list[Entry], list[int]]: ...
+
+@final
+class Entry:
+    """One tensor of a ``SafeFile`` as the drop-in keeps it (``SafeFile.entries``)."""
+
+    @property
+    def file(self) -> int: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def rel(self) -> tuple[int, int]: ...
 
 @final
 class NativePrefetch:
-    """Ranges of one file loading to a GPU in the background (``SafeFile.prefetch``)."""
+    """Ranges of one file loading to a GPU in the background (``SafeFile.prefetch``). With
+    ``importer``, items DLPack carries come back as ``importer(capsule)`` (torch tensors)."""
 
     def __len__(self) -> int: ...
-    def take(self, i: int) -> Array: ...
-    def ready(self) -> list[tuple[int, Array]]: ...
+    def take(self, i: int, importer: Callable[[Any], Any] | None = None) -> Any: ...
+    def take_once(
+        self, i: int, importer: Callable[[Any], Any] | None = None
+    ) -> Any | None: ...
+    def ready(
+        self, importer: Callable[[Any], Any] | None = None
+    ) -> list[tuple[int, Any]]: ...
     def close(self) -> None: ...
 

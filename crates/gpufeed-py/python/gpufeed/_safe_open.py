@@ -22,10 +22,12 @@ Every error is ``gpufeed.SafetensorError``, a ``gpufeed.GpufeedError`` that is a
 ``FileNotFoundError``, no usable GPU also a ``gpufeed.NoGpuError``.
 """
 
+import gc
 import operator
 import os
 import threading
 from collections import deque
+from contextlib import contextmanager
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import _gpufeed
@@ -82,6 +84,21 @@ _DTYPES = {
 }
 
 _PT = ("pt", "torch", "pytorch")
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while a checkpoint's tensors are made: their
+    tens of thousands of new objects hold no cycles, and a full collection they set off would
+    scan every object of the process, torch's included (tens of ms, at random). Re-enabled
+    after, unless it was off before."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _torch():
@@ -197,24 +214,21 @@ class TensorMeta:
 
 
 
-class _Entry:
-    """One tensor: its file, dtype, shape and bytes (absolute offsets in its file)."""
-
-    __slots__ = ("file", "index", "dtype", "shape", "start", "end", "rel")
-
-    def __init__(self, file, index, dtype, shape, start, end, rel):
-        self.file, self.index, self.dtype, self.shape = file, index, dtype, shape
-        self.start, self.end, self.rel = start, end, rel
-
+# One tensor: `file` (its index in the handle), `index` (in its file's `tensors()`), `dtype`,
+# `shape`, `start`/`end` (absolute offsets in its file), `rel` (offsets in the data section);
+# made by the native side for every tensor at once (`SafeFile.entries`).
+_Entry = _gpufeed.Entry
 
 _IMPORTERS: Dict[int, Any] = {}
 
 
 def _importer(torch):
-    """How an exported array becomes a torch tensor: torch's own import of the DLPack capsule
+    """How a DLPack capsule of a native array becomes a torch tensor: torch's own import
     (``torch._C._from_dlpack``), skipping ``torch.from_dlpack``'s protocol round (device and
     stream queries: the arrays' bytes are ready on every stream), about 1 us per tensor less;
-    ``torch.from_dlpack`` where this torch has no such function or it takes other arguments."""
+    ``torch.from_dlpack`` (which takes capsules too) where this torch has no such function
+    or it takes other arguments. The native side calls it itself where it hands out tensors
+    (``importer=``)."""
     got = _IMPORTERS.get(id(torch))
     if got is None:
         raw = getattr(getattr(torch, "_C", None), "_from_dlpack", None)
@@ -223,7 +237,7 @@ def _importer(torch):
             try:
                 probe = raw(torch.zeros(1, dtype=torch.uint8).__dlpack__())
                 if probe.dtype == torch.uint8 and probe.numel() == 1:
-                    got = lambda array, _raw=raw: _raw(array.__dlpack__())  # noqa: E731
+                    got = raw
             except Exception:  # noqa: BLE001 (another signature: the public way)
                 pass
         _IMPORTERS[id(torch)] = got
@@ -232,8 +246,11 @@ def _importer(torch):
 
 def _as_tensor(torch, array, e: _Entry, shape=None):
     """``array`` (one tensor's own bytes, exported by the native side) as ``e``'s tensor:
-    typed by DLPack where it carries the dtype, else viewed from bytes here."""
-    t = _importer(torch)(array)
+    typed by DLPack where it carries the dtype, else viewed from bytes here. A tensor the
+    native side already made (``importer=``) is returned as it is."""
+    if not isinstance(array, _gpufeed.Array):
+        return array
+    t = _importer(torch)(array.__dlpack__())
     if array.dtype != e.dtype:
         td, _, _ = _dtype(torch, e.dtype)
         t = t.view(td).reshape(shape if shape is not None else
@@ -248,7 +265,6 @@ class _Sweep:
     def __init__(self, native, names):
         self.native = native
         self.index = {n: i for i, n in enumerate(names)}
-        self.taken = set()
 
 
 class PrefetchLoader:
@@ -264,7 +280,7 @@ class PrefetchLoader:
         self._files = files  # [native prefetch], one per file
         self._names = names  # in file order
         self._where = where  # name -> (file, item)
-        self._metas = metas  # name -> (entry, storage shape)
+        self._metas = metas  # name -> entry (a whole tensor) or (entry, storage shape)
         # Per file, the name of each native item.
         self._item_names = [[None] * len(native) for native in files]
         for name, (f, i) in where.items():
@@ -284,8 +300,12 @@ class PrefetchLoader:
         return len(self._names)
 
     def _tensor(self, name, array):
-        entry, shape = self._metas[name]
-        return _as_tensor(self._torch, array, entry, shape)
+        if not isinstance(array, _gpufeed.Array):
+            return array  # made by the native side
+        meta = self._metas[name]
+        if isinstance(meta, tuple):
+            return _as_tensor(self._torch, array, meta[0], meta[1])
+        return _as_tensor(self._torch, array, meta)
 
     def take(self, name: str):
         """``name``'s tensor, waiting for its bytes. Each tensor is handed out once (by
@@ -306,7 +326,7 @@ class PrefetchLoader:
         if handed is None:
             f, i = where
             try:
-                handed = self._files[f].take(i)
+                handed = self._files[f].take(i, _importer(self._torch))
             except GpufeedError as e:
                 with self._lock:
                     self._taken.discard(name)  # not handed out: a later ask may succeed
@@ -332,7 +352,7 @@ class PrefetchLoader:
                 # What has landed, handed over by the native side at once; held here (a
                 # `take` of one of them finds it) until the iteration reaches it.
                 try:
-                    batch = native.ready()
+                    batch = native.ready(_importer(self._torch))
                 except GpufeedError as e:
                     if self._closed:
                         raise SafetensorError("the prefetch loader was closed") from None
@@ -490,20 +510,23 @@ class safe_open:
         except GpufeedError as e:
             raise _translated(e, self._path) from None
         self._entries: Dict[str, _Entry] = {}
-        # Per file, its tensors' names in the order of its native list (`tensors()`).
+        # Per file, its tensors' names in the order of its native list (`tensors()`), and in
+        # the order of their bytes.
         self._file_names: List[List[str]] = []
-        by_offset = []
-        for k, f in enumerate(self._files):
-            base = f.data_start
-            listed = f.tensors()
-            self._file_names.append([t[0] for t in listed])
-            for j, (name, dtype, shape, start, end) in enumerate(listed):
-                self._entries[name] = _Entry(k, j, dtype, shape, base + start, base + end,
-                                             (start, end))
-                by_offset.append((k, start, end, name))
-        by_offset.sort()
-        self._offset_keys = [n for _, _, _, n in by_offset]
-        self._keys = sorted(self._entries)
+        self._file_offset_names: List[List[str]] = []
+        self._offset_keys: List[str] = []
+        with _collector_paused():
+            for k, f in enumerate(self._files):
+                names, entries, order = f.entries(k)
+                self._file_names.append(names)
+                self._entries.update(zip(names, entries))
+                offset_names = [names[i] for i in order]
+                self._file_offset_names.append(offset_names)
+                self._offset_keys.extend(offset_names)
+        # `tensors()` lists a file's names sorted.
+        self._keys = self._file_names[0] if len(self._files) == 1 else sorted(self._entries)
+        # CUDA `get_tensor` of a tensor whose file has a sweep: name -> (native, item).
+        self._fast: Dict[str, Tuple[Any, int]] = {}
         self._closed = False
         self._lock = threading.Lock()
         self._torch_mod = None
@@ -586,16 +609,19 @@ class safe_open:
                 sweep = self._sweeps.get(k)
                 if sweep is None:
                     torch = self._torch()
-                    names = [n for n in self._offset_keys if self._entries[n].file == k
-                             and hasattr(torch, _DTYPES.get(self._entries[n].dtype,
-                                                            ("-",))[0])]
-                    items = [self._item(n) for n in names]
+                    names = self._file_offset_names[k]
+                    dtypes = {self._entries[n].dtype for n in names}
+                    if any(not hasattr(torch, _DTYPES.get(d, ("-",))[0]) for d in dtypes):
+                        names = [n for n in names if hasattr(
+                            torch, _DTYPES.get(self._entries[n].dtype, ("-",))[0])]
                     try:
-                        native = self._files[k].prefetch(self._ordinal, items, _CHUNK,
-                                                         _SWEEP_AHEAD, _SWEEP_FROM)
+                        native = self._files[k].prefetch_tensors(
+                            self._ordinal, [self._entries[n].index for n in names], _CHUNK,
+                            _SWEEP_AHEAD, _SWEEP_FROM)
                     except GpufeedError as e:
                         raise _translated(e) from None
                     sweep = self._sweeps[k] = _Sweep(native, names)
+                    self._fast.update((n, (native, i)) for i, n in enumerate(names))
         return sweep
 
     def _item(self, name, rows=None):
@@ -611,25 +637,22 @@ class safe_open:
 
     def get_tensor(self, name: str):
         """The tensor ``name`` on the handle's device."""
-        e = self._entry(name)
-        if self._ordinal is None:
-            return self._host_view(e)
-        torch = self._torch()
-        _dtype(torch, e.dtype)
-        sweep = self._sweep(e.file)
-        i = sweep.index[name]
-        with self._lock:
-            again = i in sweep.taken
-            sweep.taken.add(i)
-        if again:
-            return self._alone(e)  # asked again: its own copy, as safetensors gives
+        fast = self._fast.get(name)
+        if fast is None or self._closed:
+            e = self._entry(name)
+            if self._ordinal is None:
+                return self._host_view(e)
+            _dtype(self._torch(), e.dtype)
+            self._sweep(e.file)
+            fast = self._fast[name]
+        # A tensor of a sweep, handed out by the native side (None: asked for before).
         try:
-            array = sweep.native.take(i)
+            got = fast[0].take_once(fast[1], _importer(self._torch_mod))
         except GpufeedError as ex:
-            with self._lock:
-                sweep.taken.discard(i)
             raise _translated(ex) from None
-        return _as_tensor(torch, array, e)
+        if got is None:
+            return self._alone(self._entry(name))  # asked again: its own copy, as safetensors gives
+        return _as_tensor(self._torch_mod, got, self._entries[name])
 
     def get_tensors(self) -> Dict[str, Any]:
         """Every tensor, as a dict in the order of the file (``offset_keys``). On a GPU each
@@ -651,16 +674,20 @@ class safe_open:
                     out[name] = _as_tensor(torch, array, self._entries[name])
             return {n: out[n] for n in self._offset_keys}
         torch = self._torch()
-        for name in self._offset_keys:
-            _dtype(torch, self._entries[name].dtype)
+        for dtype in {e.dtype for e in self._entries.values()}:
+            _dtype(torch, dtype)
         out = dict.fromkeys(self._offset_keys)
+        importer = _importer(torch)
         for k, f in enumerate(self._files):
-            try:
-                arrays = f.load_tensors(self._ordinal)
-            except GpufeedError as ex:
-                raise _translated(ex) from None
-            for name, array in zip(self._file_names[k], arrays):
-                out[name] = _as_tensor(torch, array, self._entries[name])
+            with _collector_paused():
+                try:
+                    tensors = f.load_tensors(self._ordinal, importer)
+                except GpufeedError as ex:
+                    raise _translated(ex) from None
+                out.update(zip(self._file_names[k], tensors))
+                for name, t in zip(self._file_names[k], tensors):
+                    if isinstance(t, _gpufeed.Array):  # a dtype DLPack does not carry
+                        out[name] = _as_tensor(torch, t, self._entries[name])
         return out
 
     def get_slice(self, name: str) -> _Slice:
@@ -799,25 +826,34 @@ class safe_open:
             raise SafetensorError("prefetch plan selects no tensors")
         metas, where = {}, {}
         per_file: Dict[int, list] = {}
-        for name in names:
-            e = self._entries[name]
-            if e.dtype not in _DTYPES or not hasattr(torch, _DTYPES[e.dtype][0]):
+        entries = self._entries
+        for dtype in {entries[n].dtype for n in names}:
+            if dtype not in _DTYPES or not hasattr(torch, _DTYPES[dtype][0]):
                 raise SafetensorError(
-                    f"prefetch cannot hand out dtype {e.dtype}: torch has no matching dtype"
+                    f"prefetch cannot hand out dtype {dtype}: torch has no matching dtype"
                 )
-            rows = None if rows_of is None else rows_of[name]
+        whole = rows_of is None or all(r is None for r in rows_of.values())
+        for name in names:
+            e = entries[name]
+            items = per_file.setdefault(e.file, [])
+            where[name] = (e.file, len(items))
+            if whole:
+                # Whole tensors: the native side knows their bytes and shapes.
+                metas[name] = e
+                items.append(e.index)
+                continue
+            rows = rows_of[name]
             shape = list(e.shape)
             if rows is not None:
                 shape[0] = rows[1] - rows[0]
             metas[name] = (e, _storage_shape(name, e.dtype, shape))
-            items = per_file.setdefault(e.file, [])
-            where[name] = (e.file, len(items))
             items.append(self._item(name, rows))
         order = sorted(per_file)
         natives = []
         try:
             for k in order:
-                natives.append(self._files[k].prefetch(ordinal, per_file[k], _CHUNK))
+                start = self._files[k].prefetch_tensors if whole else self._files[k].prefetch
+                natives.append(start(ordinal, per_file[k], _CHUNK))
         except GpufeedError as e:
             for n in natives:
                 n.close()
