@@ -78,6 +78,7 @@ fn run(rx: &Receiver<Msg>) {
             }
         }
         let n = round.len();
+        let began = Instant::now();
         let mut synced: Vec<usize> = Vec::new();
         for (gpu, storage) in round {
             let ordinal = gpu.info().ordinal;
@@ -88,6 +89,11 @@ fn run(rx: &Receiver<Msg>) {
                 free_after_queued_work(&gpu, storage);
             }
         }
+        tracing::debug!(
+            buffers = n,
+            ms = began.elapsed().as_secs_f64() * 1e3,
+            "device memory freed"
+        );
         if let Some(r) = reaper() {
             let mut pending = r.pending.lock();
             *pending = pending.saturating_sub(n);

@@ -459,7 +459,12 @@ impl SafeFile {
             .detach(|| {
                 // What Python let go is freed first, so that its synchronizations do not stall
                 // the transfers and its memory is back for them.
+                let waited = std::time::Instant::now();
                 reaper::wait_idle_before(total);
+                tracing::debug!(
+                    waited_ms = waited.elapsed().as_secs_f64() * 1e3,
+                    "prefetch starts after the frees"
+                );
                 Prefetch::start(Arc::clone(&loader), file, items, opts)
             })
             .map_err(py_err)?;
