@@ -456,7 +456,16 @@ impl Rendezvous {
         let mut seen = self.heartbeats();
         let started = Instant::now();
         let mut nap = Duration::from_micros(50);
+        let mut pending: Vec<usize> = (0..world).filter(|&r| r != me).collect();
         loop {
+            // The ranks still owed or owing are judged before this round's accepts and reads,
+            // and their verdicts count only for those still pending after them: a rank whose
+            // part is done (it sent its descriptor, got ours) may leave at once, and the
+            // descriptor it sent before it left is read here rather than called lost.
+            let mut verdicts: Vec<Option<Error>> = (0..world).map(|_| None).collect();
+            for &r in &pending {
+                verdicts[r] = self.judge(r, &mut seen[r]).err();
+            }
             // Answer every rank that connected with this rank's descriptor.
             loop {
                 let mut s = match listener.accept() {
@@ -537,14 +546,12 @@ impl Rendezvous {
                     Err(e) => return Err(e),
                 }
             }
-            let pending: Vec<usize> = (0..world)
-                .filter(|&r| r != me && (!served[r] || out[r].is_none()))
-                .collect();
+            pending.retain(|&r| !served[r] || out[r].is_none());
             if pending.is_empty() {
                 return Ok(out);
             }
-            for &r in &pending {
-                self.judge(r, &mut seen[r])?;
+            if let Some(e) = pending.iter().find_map(|&r| verdicts[r].take()) {
+                return Err(e);
             }
             if started.elapsed() > self.opts.join_timeout {
                 return Err(Error::Timeout {
@@ -647,8 +654,15 @@ impl Rendezvous {
                 if self.word(r, R_EPOCH).load(Ordering::Acquire) >= k {
                     continue;
                 }
+                if let Err(e) = self.judge(r, seen) {
+                    // Arrived and left (its part done) between the look above and the verdict:
+                    // its epoch was stored before it left, so the verdict's read sees it.
+                    if self.word(r, R_EPOCH).load(Ordering::Acquire) >= k {
+                        continue;
+                    }
+                    return Err(e);
+                }
                 waiting = true;
-                self.judge(r, seen)?;
             }
             if !waiting {
                 return Ok(());
