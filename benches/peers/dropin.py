@@ -6,7 +6,8 @@ with 8 and 16 threads, ``load_file``, ``get_tensor`` of each) and gpufeed's own
 ``load_safetensors``, each in fresh processes that created torch's CUDA context before the
 clock (warm page cache), and loaded again in one process (the third load).
 
-Usage: dropin.py REPS FILE [FILE ...]  -> one JSON object on stdout:
+Usage: dropin.py REPS FILE [FILE ...]  -> one JSON object on stdout (``DROPIN_METHODS``, a
+       comma-separated list of the methods below, measures only those):
        {file: {"bytes": n, "tensors": n, "rows": {method: {"fresh": [GB/s], "again": [GB/s],
        "checksum": n} or {"error": "..."}}}}
        dropin.py --one METHOD FILE  -> (internal) one fresh process: JSON of its times.
@@ -97,10 +98,14 @@ def one(method, path):
 def measure(paths, reps):
     # The safetensors rows must measure safetensors: no routing to gpufeed from outside.
     env = {k: v for k, v in os.environ.items() if k != "GPUFEED_PATCH_SAFETENSORS"}
+    chosen = [m for m in os.environ.get("DROPIN_METHODS", "").split(",") if m]
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown:
+        sys.exit(f"dropin.py: unknown methods {unknown}; the methods are {METHODS}")
     out = {}
     for path in paths:
         rows = {}
-        for method in METHODS:
+        for method in chosen or METHODS:
             fresh, again, sums = [], [], set()
             try:
                 for _ in range(reps):

@@ -512,8 +512,8 @@ pub struct NativePrefetch {
     /// Each item's dtype and shape.
     views: Vec<(gpufeed::safetensors::Dtype, Vec<usize>)>,
     /// Per chunk (by the allocation's address) being handed out: its owner and how many of
-    /// its items were handed out, until its last.
-    seen: Mutex<HashMap<usize, (Arc<Owner>, usize)>>,
+    /// its items were handed out, until its last, and its device address.
+    seen: Mutex<HashMap<usize, (Arc<Owner>, usize, usize)>>,
     restore: KeepContext,
 }
 
@@ -526,22 +526,24 @@ impl Drop for NativePrefetch {
 impl NativePrefetch {
     fn hand(&self, i: usize, piece: Piece) -> Array {
         let key = Arc::as_ptr(&piece.buffer) as usize;
-        let base = device_address(&self.gpu, &piece.buffer);
-        let owner = {
+        let (owner, base) = {
             let mut seen = self.seen.lock();
             let entry = seen.entry(key).or_insert_with(|| {
+                // Once per chunk, not per tensor: cudarc's `device_ptr` makes its stream wait
+                // for the buffer's last write and records a read event (two driver calls).
+                let base = device_address(&self.gpu, &piece.buffer);
                 let owner = Owner::new(
                     Storage::Chunk(Arc::clone(&piece.buffer)),
                     Some(self.gpu.clone()),
                 );
-                (Arc::new(owner), 0)
+                (Arc::new(owner), 0, base)
             });
             entry.1 += 1;
-            let owner = Arc::clone(&entry.0);
+            let handed = (Arc::clone(&entry.0), entry.2);
             if entry.1 >= piece.siblings {
                 seen.remove(&key);
             }
-            owner
+            handed
         };
         let (dtype, shape) = &self.views[i];
         Array::typed(
@@ -579,7 +581,13 @@ impl NativePrefetch {
     ) -> PyResult<Py<PyAny>> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let p = self.open()?;
-        let piece = py.detach(|| p.take(i)).map_err(py_err)?;
+        let piece = match p.try_take_if_untaken(i) {
+            Some(Ok(Some(piece))) => Ok(piece),
+            Some(Err(e)) => Err(e),
+            // Not landed (waits), or taken before (`take` says so).
+            Some(Ok(None)) | None => py.detach(|| p.take(i)),
+        }
+        .map_err(py_err)?;
         self.hand(i, piece)
             .handed(py, self.views[i].0, importer.as_ref())
     }
@@ -595,7 +603,12 @@ impl NativePrefetch {
     ) -> PyResult<Option<Py<PyAny>>> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let p = self.open()?;
-        match py.detach(|| p.take_if_untaken(i)).map_err(py_err)? {
+        // The GIL is given up only to wait: a sweep's items have mostly landed when asked.
+        let taken = match p.try_take_if_untaken(i) {
+            Some(taken) => taken,
+            None => py.detach(|| p.take_if_untaken(i)),
+        };
+        match taken.map_err(py_err)? {
             Some(piece) => Ok(Some(self.hand(i, piece).handed(
                 py,
                 self.views[i].0,
@@ -617,8 +630,12 @@ impl NativePrefetch {
         let Some(p) = self.inner.lock().clone() else {
             return Ok(Vec::new());
         };
-        let Some(first) = py.detach(|| p.next_ready()).map_err(py_err)? else {
-            return Ok(Vec::new());
+        let first = match p.try_next_ready() {
+            Some(first) => first,
+            None => match py.detach(|| p.next_ready()).map_err(py_err)? {
+                Some(first) => first,
+                None => return Ok(Vec::new()),
+            },
         };
         let mut out = vec![first];
         while let Some(next) = p.try_next_ready() {

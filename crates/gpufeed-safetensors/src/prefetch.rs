@@ -198,6 +198,8 @@ struct State {
     took_latest: bool,
     /// Following: the next chunk's size.
     ramp: u64,
+    /// [`PrefetchOptions::ahead_bytes`].
+    ahead: Option<u64>,
 }
 
 impl State {
@@ -218,20 +220,37 @@ impl State {
             latest: 0,
             took_latest: false,
             ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
+            ahead: opts.ahead_bytes,
         }
     }
 
-    /// Hands out ready item `i`.
+    /// Whether the worker waits for callers to take what it loaded
+    /// ([`PrefetchOptions::ahead_bytes`]).
+    fn held(&self) -> bool {
+        self.ahead
+            .is_some_and(|ahead| self.untaken > 0 && self.untaken >= ahead)
+    }
+
+    /// Hands out ready item `i`, waking the others only where that can let one of them on:
+    /// the worker held by [`PrefetchOptions::ahead_bytes`] or, following, by a last chunk
+    /// nobody took from, and callers of [`Prefetch::next_ready`] once none is left. (A wake-up
+    /// per item cost a `futex` call each and, while the worker waited, a round trip through
+    /// it: a sweep handing out 10,000 tensors paid it 10,000 times.)
     fn hand_out(&mut self, i: usize, shared: &Shared) -> Piece {
         let Status::Ready(piece) = std::mem::replace(&mut self.status[i], Status::Taken) else {
             unreachable!("called for a ready item")
         };
+        let was_held = self.held();
         self.untaken -= piece.len as u64;
         self.left -= 1;
-        if self.chunk_of[i] == self.latest {
+        let mut wake = self.left == 0 || (was_held && !self.held());
+        if self.chunk_of[i] == self.latest && !self.took_latest {
             self.took_latest = true;
+            wake |= self.follow;
         }
-        shared.changed.notify_all();
+        if wake {
+            shared.changed.notify_all();
+        }
         piece
     }
 }
@@ -365,16 +384,33 @@ impl Prefetch {
     /// # Errors
     /// As [`Prefetch::take`], except for an item taken before.
     pub fn take_if_untaken(&self, i: usize) -> Result<Option<Piece>> {
+        // A take that waits answers only once the item landed, was taken or failed.
+        self.take_inner(i, true)
+            .unwrap_or_else(|| Err(self.refused(i, "it has not landed")))
+    }
+
+    /// [`Prefetch::take_if_untaken`] without waiting: `None` where item `i` has not landed
+    /// yet (a caller that must give something up before it waits, a lock or Python's GIL,
+    /// does that only then).
+    ///
+    /// # Errors
+    /// As [`Prefetch::take_if_untaken`].
+    pub fn try_take_if_untaken(&self, i: usize) -> Option<Result<Option<Piece>>> {
+        self.take_inner(i, false)
+    }
+
+    fn take_inner(&self, i: usize, wait: bool) -> Option<Result<Option<Piece>>> {
         let mut state = self.shared.lock();
         loop {
             if state.closed {
-                return Err(self.refused(i, "the prefetch was closed"));
+                return Some(Err(self.refused(i, "the prefetch was closed")));
             }
             match state.status.get(i) {
-                None => return Err(self.refused(i, "no such item")),
-                Some(Status::Taken) => return Ok(None),
-                Some(Status::Failed) => return Err(self.failure(&mut state)),
-                Some(Status::Ready(_)) => return Ok(Some(state.hand_out(i, &self.shared))),
+                None => return Some(Err(self.refused(i, "no such item"))),
+                Some(Status::Taken) => return Some(Ok(None)),
+                Some(Status::Failed) => return Some(Err(self.failure(&mut state))),
+                Some(Status::Ready(_)) => return Some(Ok(Some(state.hand_out(i, &self.shared)))),
+                Some(Status::Pending | Status::Loading) if !wait => return None,
                 Some(Status::Pending) => {
                     // Once per item: waiters on different items must not wake each other.
                     if !state.demand.contains(&i) {
@@ -555,9 +591,7 @@ fn work(
                     .demand
                     .iter()
                     .any(|&d| matches!(state.status[d], Status::Pending));
-                let held = opts
-                    .ahead_bytes
-                    .is_some_and(|ahead| state.untaken > 0 && state.untaken >= ahead);
+                let held = state.held();
                 // Following, a chunk loads ahead only once a caller took from the last one.
                 let unasked =
                     opts.follow_from.is_some() && (state.latest == 0 || !state.took_latest);
