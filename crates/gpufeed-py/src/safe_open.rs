@@ -511,10 +511,17 @@ pub struct NativePrefetch {
     inner: Mutex<Option<Arc<Prefetch>>>,
     /// Each item's dtype and shape.
     views: Vec<(gpufeed::safetensors::Dtype, Vec<usize>)>,
-    /// Per chunk (by the allocation's address) being handed out: its owner and how many of
-    /// its items were handed out, until its last, and its device address.
-    seen: Mutex<HashMap<usize, (Arc<Owner>, usize, usize)>>,
+    /// Per chunk (by the allocation's address) being handed out, until its last item.
+    seen: Mutex<HashMap<usize, Handing>>,
     restore: KeepContext,
+}
+
+/// A chunk of a [`NativePrefetch`] being handed out: its owner, how many of its items were
+/// handed out, and its device address.
+struct Handing {
+    owner: Arc<Owner>,
+    handed: usize,
+    base: usize,
 }
 
 impl Drop for NativePrefetch {
@@ -536,11 +543,15 @@ impl NativePrefetch {
                     Storage::Chunk(Arc::clone(&piece.buffer)),
                     Some(self.gpu.clone()),
                 );
-                (Arc::new(owner), 0, base)
+                Handing {
+                    owner: Arc::new(owner),
+                    handed: 0,
+                    base,
+                }
             });
-            entry.1 += 1;
-            let handed = (Arc::clone(&entry.0), entry.2);
-            if entry.1 >= piece.siblings {
+            entry.handed += 1;
+            let handed = (Arc::clone(&entry.owner), entry.base);
+            if entry.handed >= piece.siblings {
                 seen.remove(&key);
             }
             handed

@@ -46,6 +46,7 @@ mod object;
 mod on_demand;
 mod prefetch;
 mod save;
+mod source;
 mod tensor_parallel;
 
 pub use checkpoint::{
@@ -59,8 +60,9 @@ pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 #[cfg(feature = "object")]
 pub use object::{inspect_object, inspect_object_opened, load_object};
 pub use on_demand::OnDemand;
-pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions, PrefetchSource};
+pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions};
 pub use save::{SaveTensor, save, save_sharded};
+pub use source::PrefetchSource;
 pub use tensor_parallel::{Split, TensorParallel, TensorShare, load_shard};
 
 #[cfg(test)]

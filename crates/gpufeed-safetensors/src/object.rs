@@ -12,7 +12,7 @@ use crate::checkpoint::{Checkpoint, FileLayout};
 use crate::error::{Error, Result};
 use crate::header::{HeaderError, MAX_HEADER_BYTES, header_parts};
 use crate::index::{SAVE_ID_KEY, check_one_save, shards_of};
-use crate::prefetch::PrefetchSource;
+use crate::source::PrefetchSource;
 use crate::tensor_parallel::{Split, TensorParallel, check_ranks, shares_of};
 
 /// The first read of a header: most headers fit (4,096 tensors take about 400 KB), so one GET

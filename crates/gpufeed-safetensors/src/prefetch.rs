@@ -17,71 +17,9 @@ use std::thread::JoinHandle;
 
 use gpufeed_cuda::DeviceAlloc;
 use gpufeed_load::{DeviceBuffer, Loader, RouteChoice};
-use gpufeed_os::OpenedFile;
 
 use crate::error::{Error, Result};
-
-/// What a [`Prefetch`] (and a [`TensorParallel`](crate::TensorParallel) plan) reads: a file
-/// opened once (the descriptor its header was read on), or, with the `object` feature, an
-/// object at the version (ETag) it was opened at.
-#[non_exhaustive]
-pub enum PrefetchSource {
-    /// A file: chunks load by the route the loader chooses once for all of them.
-    File(OpenedFile),
-    /// An object: chunks load by ranged GETs of their spans.
-    #[cfg(feature = "object")]
-    Object(Arc<gpufeed_load::object::Object>),
-}
-
-impl From<OpenedFile> for PrefetchSource {
-    fn from(file: OpenedFile) -> Self {
-        PrefetchSource::File(file)
-    }
-}
-
-#[cfg(feature = "object")]
-impl From<Arc<gpufeed_load::object::Object>> for PrefetchSource {
-    fn from(object: Arc<gpufeed_load::object::Object>) -> Self {
-        PrefetchSource::Object(object)
-    }
-}
-
-impl std::fmt::Debug for PrefetchSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PrefetchSource({})", self.path().display())
-    }
-}
-
-impl PrefetchSource {
-    /// Bytes `spans` into new GPU memory of `loader`, back to back.
-    pub(crate) fn load_spans(
-        &self,
-        loader: &Loader,
-        spans: &[Range<u64>],
-    ) -> gpufeed_load::Result<(DeviceBuffer, gpufeed_load::LoadReport)> {
-        match self {
-            PrefetchSource::File(file) => loader.load_spans_of(file, spans),
-            #[cfg(feature = "object")]
-            PrefetchSource::Object(object) => loader.load_object_spans(object, spans),
-        }
-    }
-
-    fn len(&self) -> u64 {
-        match self {
-            PrefetchSource::File(f) => f.len(),
-            #[cfg(feature = "object")]
-            PrefetchSource::Object(o) => o.len(),
-        }
-    }
-
-    fn path(&self) -> std::path::PathBuf {
-        match self {
-            PrefetchSource::File(f) => f.path().to_path_buf(),
-            #[cfg(feature = "object")]
-            PrefetchSource::Object(o) => o.url().as_str().into(),
-        }
-    }
-}
+use crate::source::PrefetchSource;
 
 /// One range to load: bytes `span` of the file, placed in device memory at an offset that
 /// `align` divides (the element size of the tensor it holds, so that a typed view of the chunk

@@ -13,7 +13,7 @@ use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::error::{Error, Result};
 use crate::header::HeaderEntry;
 use crate::index::plan;
-use crate::prefetch::PrefetchSource;
+use crate::source::PrefetchSource;
 
 /// Along which dimension a tensor-parallel load ([`TensorParallel`]) cuts each tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -212,3 +212,111 @@ impl AppendByte for std::fs::File {
         self.write_all(b"x").expect("append");
     }
 }
+
+/// Runs `body` on a thread of its own and fails where it does not end within a minute (a
+/// missed wake-up would otherwise hang the test binary).
+fn within_a_minute(what: &str, body: impl FnOnce() + Send + 'static) {
+    let (done, finished) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        body();
+        let _ = done.send(());
+    });
+    match finished.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(()) => worker.join().expect("joined"),
+        // The body panicked: its panic is the failure.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what}: still waiting after 60 s (a wake-up was missed)")
+        }
+    }
+}
+
+#[test]
+fn hand_outs_wake_a_held_worker_and_a_waiting_reader() {
+    let Some(gpu) = gpu_or_skip("hand_outs_wake_a_held_worker_and_a_waiting_reader") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("data.bin");
+    let data = Arc::new(random_bytes((19 << 20) + 333, 40));
+    std::fs::write(&path, &*data).expect("write");
+    let loader = Arc::new(Loader::new(&gpu, LoadOptions::default()).expect("loader"));
+    let items = Arc::new(items(data.len() as u64));
+
+    // Not following, at most 1 MiB waiting untaken, chunks of 2 MiB: the worker stops after
+    // each chunk until takes bring the untaken bytes under the bound; each take that does so
+    // must wake it, or the next take waits for ever.
+    for ahead in [0u64, 1, 1 << 20] {
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(2 << 20)
+            .with_ahead_bytes(Some(ahead));
+        let p = Prefetch::start(
+            Arc::clone(&loader),
+            OpenedFile::open(&path).expect("open"),
+            items.to_vec(),
+            opts,
+        )
+        .expect("start");
+        let (gpu, data, items) = (gpu.clone(), Arc::clone(&data), Arc::clone(&items));
+        within_a_minute("takes past a held worker", move || {
+            for (i, item) in items.iter().enumerate() {
+                check(&gpu, &data, item, &p.take(i).expect("take"));
+            }
+        });
+    }
+
+    // A reader waiting in next_ready on one thread while this one takes items by index: each
+    // item goes to exactly one of them, and the reader returns once none is left, whoever
+    // took the last (that take must wake it).
+    for follow in [None, Some(64 << 10)] {
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(1 << 20)
+            .with_follow_from(follow)
+            .with_ahead_bytes(Some(2 << 20));
+        let p = Arc::new(
+            Prefetch::start(
+                Arc::clone(&loader),
+                OpenedFile::open(&path).expect("open"),
+                items.to_vec(),
+                opts,
+            )
+            .expect("start"),
+        );
+        let (gpu, data, items) = (gpu.clone(), Arc::clone(&data), Arc::clone(&items));
+        within_a_minute("a reader beside takes", move || {
+            let reader = {
+                let p = Arc::clone(&p);
+                std::thread::spawn(move || {
+                    let mut got = Vec::new();
+                    while let Some((i, piece)) = p.next_ready().expect("ready") {
+                        got.push((i, piece));
+                    }
+                    got
+                })
+            };
+            let mut mine = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                if let Some(piece) = p.take_if_untaken(i).expect("take") {
+                    check(&gpu, &data, item, &piece);
+                    mine.push(i);
+                }
+            }
+            let theirs = reader.join().expect("reader");
+            let mut all: Vec<usize> = mine;
+            for (i, piece) in &theirs {
+                check(&gpu, &data, &items[*i], piece);
+                all.push(*i);
+            }
+            all.sort_unstable();
+            assert_eq!(
+                all,
+                (0..items.len()).collect::<Vec<_>>(),
+                "follow {follow:?}: every item exactly once"
+            );
+        });
+    }
+}
