@@ -6,6 +6,11 @@ with 8 and 16 threads, ``load_file``, ``get_tensor`` of each) and gpufeed's own
 ``load_safetensors``, each in fresh processes that created torch's CUDA context before the
 clock (warm page cache), and loaded again in one process (the third load).
 
+The ``load_into`` rows write into tensors allocated before the clock (the same ones for each
+load of a process) and report the device memory the first load took beyond them at its peak
+(``extra_mib``: the driver's free memory, sampled every millisecond on a thread);
+``DROPIN_INTO_STAGING_MIB`` sets ``load_into``'s staging buffers (default: its own).
+
 Usage: dropin.py REPS FILE [FILE ...]  -> one JSON object on stdout (``DROPIN_METHODS``, a
        comma-separated list of the methods below, measures only those):
        {file: {"bytes": n, "tensors": n, "rows": {method: {"fresh": [GB/s], "again": [GB/s],
@@ -32,7 +37,68 @@ METHODS = [
     "safetensors prefetch threads=8",
     "safetensors load_file",
     "safetensors safe_open get_tensor",
+    "gpufeed load_into",
+    "safetensors prefetch threads=16 copy_ into",
 ]
+# Methods that write into tensors allocated before the clock (an engine's preallocated
+# parameters), the same ones for every load of a process.
+INTO = ("gpufeed load_into", "safetensors prefetch threads=16 copy_ into")
+
+
+def _destinations(path):
+    """An empty CUDA tensor per tensor of ``path`` (its dtype and shape), by name."""
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            s = f.get_slice(name)
+            dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                                    "F64": "float64", "I64": "int64", "I32": "int32",
+                                    "U8": "uint8", "I8": "int8", "BOOL": "bool"}[s.get_dtype()])
+            out[name] = torch.empty(s.get_shape(), dtype=dtype, device="cuda:0")
+    return out
+
+
+class _FreeMemoryWatch:
+    """The device's free memory sampled every millisecond on a thread (the loads give up the
+    GIL while they run): ``stop()`` returns how far it fell below where it started."""
+
+    def __init__(self, torch):
+        import threading
+
+        self.torch, self.before = torch, torch.cuda.mem_get_info(0)[0]
+        self.lowest, self.done = self.before, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(0.001):
+            self.lowest = min(self.lowest, self.torch.cuda.mem_get_info(0)[0])
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        self.lowest = min(self.lowest, self.torch.cuda.mem_get_info(0)[0])
+        return self.before - self.lowest
+
+
+def _load_into(method, path, dst):
+    """``path``'s tensors written into ``dst`` by ``method``; returns ``dst``."""
+    if method == "gpufeed load_into":
+        import gpufeed
+
+        mib = os.environ.get("DROPIN_INTO_STAGING_MIB")
+        gpufeed.load_into(path, dst, staging_bytes=int(mib) << 20 if mib else None)
+        return dst
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cuda:0") as f:
+        with f.prefetch(threads=16) as loader:
+            for name, t in loader:
+                dst[name].copy_(t)
+    return dst
 
 
 def _load(method, path):
@@ -80,11 +146,18 @@ def one(method, path):
     torch.cuda.synchronize()
     times = []
     checksum = None
+    dst = _destinations(path) if method in INTO else None
+    extra = None
     for rep in range(3):
+        torch.cuda.synchronize()
+        watch = _FreeMemoryWatch(torch) if dst is not None and rep == 0 else None
         t = time.perf_counter()
-        tensors = _load(method, path)
+        tensors = _load_into(method, path, dst) if dst is not None else _load(method, path)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        if watch is not None:
+            # Device memory the load took beyond the destinations, at its peak.
+            extra = watch.stop()
         if rep == 0:
             nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
             checksum = 0
@@ -92,7 +165,8 @@ def one(method, path):
                 b = tensors[name].contiguous().view(-1).view(torch.uint8)
                 checksum = (checksum * 1000003 + int(b.sum(dtype=torch.int64)) + len(name)) % (1 << 61)
         del tensors
-    print(json.dumps({"bytes": nbytes, "seconds": times, "checksum": checksum}))
+    print(json.dumps({"bytes": nbytes, "seconds": times, "checksum": checksum,
+                      "extra_bytes": extra}))
 
 
 def measure(paths, reps):
@@ -119,6 +193,8 @@ def measure(paths, reps):
                     again.append(r["bytes"] / r["seconds"][2] / 1e9)
                     sums.add(r["checksum"])
                 rows[method] = {"fresh": fresh, "again": again, "checksum": sorted(sums)}
+                if r.get("extra_bytes") is not None:
+                    rows[method]["extra_mib"] = r["extra_bytes"] / (1 << 20)
             except Exception as e:  # noqa: BLE001 (a peer that cannot run says why)
                 rows[method] = {"error": f"{type(e).__name__}: {e}"}
             print(f"dropin: {os.path.basename(path)} {method}: {rows[method]}", file=sys.stderr)

@@ -77,6 +77,9 @@ pub struct DropinRow {
     pub fresh_gbps: Samples,
     pub again_gbps: Samples,
     pub checksums: Vec<u64>,
+    /// For the rows that write into preallocated tensors: the device memory the first load
+    /// took beyond them at its peak (MiB, the driver's free memory sampled every millisecond).
+    pub extra_mib: Option<f64>,
 }
 
 /// The drop-in checkpoints: 8 GiB in 32 tensors and 4 GiB in 4,096 (the issue's setting), at
@@ -135,6 +138,7 @@ fn dropin(
                         .and_then(|c| c.as_array())
                         .map(|c| c.iter().filter_map(|x| x.as_u64()).collect())
                         .unwrap_or_default(),
+                    extra_mib: v.get("extra_mib").and_then(|x| x.as_f64()),
                 }),
                 _ => Err(v
                     .get("error")
@@ -448,6 +452,19 @@ fn dropin_table(s: &mut String, files: &[DropinFile]) {
                 Err(why) => {
                     let _ = writeln!(s, "| {method} | did not run: {why} | | | |");
                 }
+            }
+        }
+        for (method, row) in &f.rows {
+            if let Ok(DropinRow {
+                extra_mib: Some(mib),
+                ..
+            }) = row
+            {
+                let _ = writeln!(
+                    s,
+                    "\n{method}: into tensors allocated before the clock; device memory taken \
+                     beyond them during the first load, at its peak: {mib:.0} MiB."
+                );
             }
         }
         let _ = writeln!(

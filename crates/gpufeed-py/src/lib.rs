@@ -39,6 +39,7 @@ mod checkpoints;
 mod context;
 mod data;
 mod errors;
+mod into;
 mod loads;
 mod machine;
 mod multi;
@@ -103,6 +104,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_function(wrap_pyfunction!(multi::load_tensor_parallel_rank_files, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoints::load_safetensors_files, m)?)?;
+    m.add_function(wrap_pyfunction!(into::load_into, m)?)?;
     m.add_function(wrap_pyfunction!(reaper::_wait_for_frees, m)?)?;
     m.add_function(wrap_pyfunction!(machine::doctor, m)?)?;
     m.add_function(wrap_pyfunction!(machine::advise, m)?)?;

@@ -21,7 +21,7 @@ use crate::loads::shared_loader;
 use crate::reaper;
 
 /// The safetensors name of a dtype (`F32`, `F8_E4M3`, ...).
-fn dtype_name(dtype: gpufeed::safetensors::Dtype) -> String {
+pub(crate) fn dtype_name(dtype: gpufeed::safetensors::Dtype) -> String {
     match serde_json::to_value(dtype) {
         Ok(serde_json::Value::String(s)) => s,
         _ => format!("{dtype:?}"),

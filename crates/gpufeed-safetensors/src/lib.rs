@@ -8,6 +8,8 @@
 //!   another thread meanwhile.
 //! - [`TensorParallel`] / [`load_shard`]: each rank's share of every tensor (rows, columns or
 //!   any dimension), only those bytes read.
+//! - [`LoadInto`] / [`load_into`]: a checkpoint's tensors written into device memory the
+//!   caller owns (preallocated parameters), through two bounded staging buffers on the device.
 //! - [`OnDemand`]: tensors one at a time, each file registered once, each load one copy by the
 //!   GPU out of the page cache.
 //! - [`Prefetch`]: byte ranges of a file (tensors, rows of tensors) loading in the background
@@ -41,6 +43,7 @@ mod checkpoint;
 mod error;
 mod header;
 mod index;
+mod into;
 #[cfg(feature = "object")]
 mod object;
 mod on_demand;
@@ -57,6 +60,7 @@ pub use header::{
     HeaderEntry, HeaderError, HeaderParts, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
 };
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
+pub use into::{Delivery, LoadInto, LoadIntoOptions, LoadIntoReport, load_into};
 #[cfg(feature = "object")]
 pub use object::{inspect_object, inspect_object_opened, load_object};
 pub use on_demand::OnDemand;

@@ -37,6 +37,7 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
     doctor,
 )
 from . import torch  # noqa: F401  (gpufeed.torch.load_file)
+from ._into import IncompatibleKeys, load_into
 from ._patch import is_patched, patch_safetensors, unpatch_safetensors
 from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, device_ordinal, safe_open
 from ._safe_open import _collector_paused
@@ -46,6 +47,7 @@ __all__ = [
     "Batch",
     "BatchLoader",
     "GpufeedError",
+    "IncompatibleKeys",
     "Loader",
     "NoGpuError",
     "OnDemand",
@@ -59,6 +61,7 @@ __all__ = [
     "fetch_objects",
     "is_patched",
     "load_file",
+    "load_into",
     "load_range",
     "load_replicated",
     "load_replicated_rank",

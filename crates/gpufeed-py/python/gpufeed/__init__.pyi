@@ -29,6 +29,7 @@ __all__ = [
     "Batch",
     "BatchLoader",
     "GpufeedError",
+    "IncompatibleKeys",
     "Loader",
     "NoGpuError",
     "OnDemand",
@@ -42,6 +43,7 @@ __all__ = [
     "fetch_objects",
     "is_patched",
     "load_file",
+    "load_into",
     "load_range",
     "load_replicated",
     "load_replicated_rank",
@@ -84,6 +86,21 @@ def load_range(path: _Path, start: int, end: int, device: int = 0) -> Tensor: ..
 def read_object(url: str, start: int = 0, end: int | None = None) -> bytes: ...
 def fetch_objects(urls: Sequence[str], cache: _Path) -> list[str]: ...
 def load_safetensors(path: _Path, device: int = 0) -> dict[str, Tensor]: ...
+
+class IncompatibleKeys:
+    # Instance attributes: missing_keys (list[str]), unexpected_keys (list[str]).
+    def __init__(self, missing_keys: list[str], unexpected_keys: list[str]) -> None: ...
+    def __iter__(self) -> Iterator[list[str]]: ...
+    def __repr__(self) -> str: ...
+
+def load_into(
+    path: _Path,
+    tensors: dict[str, Tensor] | None = None,
+    *,
+    model: Any = None,
+    strict: bool = True,
+    staging_bytes: int | None = None,
+) -> IncompatibleKeys: ...
 def load_replicated(path: _Path, devices: Sequence[int] = (0, 1)) -> list[Tensor]: ...
 def load_sharded(
     paths: Sequence[_Path], devices: Sequence[int] = (0, 1)

@@ -44,6 +44,7 @@ __all__ = [
     "load_replicated_safetensors_files",
     "load_tensor_parallel_rank_files",
     "load_safetensors_files",
+    "load_into",
     "_wait_for_frees",
     "doctor",
     "advise",
@@ -204,6 +205,19 @@ def load_range(path: _Path, start: int, end: int, device: int = 0) -> Array: ...
 def read_object(url: str, start: int = 0, end: int | None = None) -> bytes: ...
 def fetch_objects(urls: Sequence[str], cache: _Path) -> list[str]: ...
 def load_safetensors_files(path: _Path, device: int = 0) -> list[_FileTensors]: ...
+def load_into(
+    path: _Path,
+    device: int,
+    names: list[str],
+    ptrs: list[int],
+    nbytes: list[int],
+    dtypes: list[str],
+    shapes: Sequence[Sequence[int]],
+    strict: bool = True,
+    staging_bytes: int | None = None,
+) -> tuple[list[str], list[str], int, float, int]:
+    """Writes the checkpoint's tensors `names` into the device memory at `ptrs` (checked
+    against the headers first); `(missing, unexpected, bytes, seconds, staging_bytes)`."""
 def load_replicated(path: _Path, devices: Sequence[int]) -> list[Array]: ...
 def load_sharded(
     paths: Sequence[_Path], devices: Sequence[int]

@@ -1,0 +1,121 @@
+"""``gpufeed.load_into``: a checkpoint's tensors written into CUDA tensors the caller already
+has (an inference engine's preallocated parameters, a module built on the GPU), through a
+bounded staging on the device: no tensor of gpufeed's own, no second copy of the model."""
+
+import os
+from typing import Any, Dict, List, Optional
+
+from . import _gpufeed
+from ._gpufeed import GpufeedError
+from ._safe_open import _DTYPES, SafetensorError, _is_url, _torch, _translated
+
+
+class IncompatibleKeys:
+    """What ``load_into`` did not write, as ``torch.nn.Module.load_state_dict`` reports it:
+    ``missing_keys`` (names given that the checkpoint lacks) and ``unexpected_keys``
+    (checkpoint tensors nobody asked for); unpacks as ``missing, unexpected = ...``."""
+
+    def __init__(self, missing_keys: List[str], unexpected_keys: List[str]):
+        self.missing_keys = missing_keys
+        self.unexpected_keys = unexpected_keys
+
+    def __iter__(self):
+        return iter((self.missing_keys, self.unexpected_keys))
+
+    def __repr__(self) -> str:
+        return (f"IncompatibleKeys(missing_keys={self.missing_keys}, "
+                f"unexpected_keys={self.unexpected_keys})")
+
+
+def _safetensors_dtypes(torch) -> Dict[Any, str]:
+    """torch dtype -> its safetensors name (packed types left out)."""
+    return {
+        getattr(torch, attr): name
+        for name, (attr, _, packed) in _DTYPES.items()
+        if not packed and hasattr(torch, attr)
+    }
+
+
+def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, strict: bool = True,
+              staging_bytes: Optional[int] = None) -> IncompatibleKeys:
+    """Writes the tensors of the safetensors file or sharded checkpoint (``*.index.json``)
+    ``path`` into ``tensors`` (a dict of contiguous CUDA tensors of one device, by name), or
+    into ``model``'s parameters and buffers (``model.state_dict(keep_vars=True)``).
+
+    Every destination is checked against the headers before a byte moves: the same dtype,
+    shape and size (a mismatch raises ``SafetensorError`` listing them; cast after loading),
+    no two overlapping (the same tensor under two names, as tied weights are, is allowed).
+    With ``strict`` (the default), a name the checkpoint lacks or a checkpoint tensor not
+    asked for raises, as ``load_state_dict`` does; otherwise the tensors both have are written
+    and the others returned. The bytes go through two device staging buffers of
+    ``staging_bytes`` each (default 512 MiB): device memory beyond yours is at most that, and
+    each file's reads overlap the device copies out of the chunk before. Work queued on the
+    tensors' device by torch's current stream is waited for first; the tensors are ready on
+    every stream when this returns. A read that fails midway leaves the tensors written so far
+    (as a failed ``load_state_dict`` does).
+
+        model = MyModel(config).to_empty(device="cuda:0")   # or built under torch.device
+        missing, unexpected = gpufeed.load_into("model.safetensors.index.json", model=model)
+    """
+    if (tensors is None) == (model is None):
+        raise TypeError("load_into takes tensors (a dict of CUDA tensors) or model=, one of them")
+    if _is_url(path):
+        raise SafetensorError(
+            f"{path}: load_into reads local files; load an object with gpufeed.load_safetensors"
+        )
+    torch = _torch()
+    if model is not None:
+        tensors = model.state_dict(keep_vars=True)
+    by_dtype = _safetensors_dtypes(torch)
+    names, ptrs, nbytes, dtypes, shapes = [], [], [], [], []
+    ordinal = None
+    for name, t in tensors.items():
+        # Cheap accessors only: this loop runs once per tensor (4,096 of them in a 4 GiB model
+        # of 1 MiB tensors), inside the load's time.
+        if not isinstance(t, torch.Tensor):
+            raise SafetensorError(f"{name}: a {type(t).__name__}, not a torch.Tensor")
+        if not t.is_cuda:
+            raise SafetensorError(
+                f"{name} is on {t.device}: load_into writes into CUDA tensors (allocate them "
+                "on the GPU first, e.g. model.to_empty(device='cuda:0'))"
+            )
+        index = t.get_device()
+        if ordinal is None:
+            ordinal = index
+        elif index != ordinal:
+            raise SafetensorError(
+                f"{name} is on cuda:{index}, earlier tensors on cuda:{ordinal}: one device per call"
+            )
+        if not t.is_contiguous():
+            raise SafetensorError(
+                f"{name} is not contiguous: load_into writes each tensor's bytes in one piece"
+            )
+        dtype = by_dtype.get(t.dtype)
+        if dtype is None:
+            raise SafetensorError(f"{name}: {t.dtype} has no safetensors dtype")
+        names.append(name)
+        ptrs.append(t.data_ptr())
+        nbytes.append(t.nbytes)
+        dtypes.append(dtype)
+        shapes.append(t.shape)
+    path = os.fspath(path)
+    if ordinal is None:
+        # Nothing to write into: every checkpoint tensor is unexpected (no GPU needed).
+        try:
+            keys = [n for f in _gpufeed.open_safetensors(path) for n in f.entries(0)[0]]
+        except GpufeedError as e:
+            raise _translated(e, path) from None
+        if strict and keys:
+            raise SafetensorError(
+                f"{path}: nothing was written (strict): no destinations for the checkpoint's "
+                f"{len(keys)} tensors"
+            )
+        return IncompatibleKeys([], keys)
+    torch.cuda.current_stream(ordinal).synchronize()
+    try:
+        missing, unexpected, _, _, _ = _gpufeed.load_into(
+            path, ordinal, names, ptrs, nbytes, dtypes, shapes, strict, staging_bytes
+        )
+    except GpufeedError as e:
+        raise _translated(e, path) from None
+    return IncompatibleKeys(missing, unexpected)

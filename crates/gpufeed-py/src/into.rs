@@ -1,0 +1,177 @@
+//! Checkpoint tensors written into device memory Python owns (`gpufeed.load_into`): the
+//! destinations checked against the headers (dtype, shape, bytes, no two overlapping) before a
+//! byte moves, then `gpufeed_safetensors::LoadInto` with each piece copied to its tensor by
+//! address.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+
+use crate::GpufeedError;
+use crate::errors::py_err;
+use crate::loads::shared_loader;
+use crate::safe_open::dtype_name;
+
+/// What `load_into` reports: `(missing, unexpected, bytes, seconds, staging_bytes)`.
+type Written = (Vec<String>, Vec<String>, u64, f64, u64);
+
+/// The most problems one error lists.
+const LISTED: usize = 8;
+
+/// Writes the tensors of the checkpoint `path` named `names` into the device memory at `ptrs`
+/// (each `nbytes` long, holding `dtypes`/`shapes` as safetensors names them) on GPU `device`.
+/// Every destination is checked first: a name the checkpoint lacks is missing, a checkpoint
+/// tensor not named is unexpected (both an error under `strict`), a dtype, shape or size that
+/// differs is an error, and so are two destinations that overlap (the same memory twice is
+/// allowed: the later tensor in the file wins). The caller (`gpufeed.load_into`) takes the
+/// pointers from contiguous CUDA tensors of `device` that it holds for the call.
+#[pyfunction]
+#[pyo3(signature = (path, device, names, ptrs, nbytes, dtypes, shapes, strict=true, staging_bytes=None))]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one list per field of the destinations"
+)]
+pub(crate) fn load_into(
+    py: Python<'_>,
+    path: PathBuf,
+    device: usize,
+    names: Vec<String>,
+    ptrs: Vec<u64>,
+    nbytes: Vec<usize>,
+    dtypes: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    strict: bool,
+    staging_bytes: Option<usize>,
+) -> PyResult<Written> {
+    let n = names.len();
+    if [ptrs.len(), nbytes.len(), dtypes.len(), shapes.len()] != [n; 4] {
+        return Err(GpufeedError::new_err(
+            "load_into: names, ptrs, nbytes, dtypes and shapes differ in length",
+        ));
+    }
+    let ckpt = py
+        .detach(|| gpufeed::safetensors::LoadInto::open(&path))
+        .map_err(py_err)?;
+    let (mut missing, mut wrong) = (Vec::new(), Vec::new());
+    let mut present: Vec<usize> = Vec::with_capacity(n);
+    for i in 0..n {
+        let Some(t) = ckpt.get(&names[i]) else {
+            missing.push(names[i].clone());
+            continue;
+        };
+        let (dtype, bytes) = (dtype_name(t.dtype), t.range.end - t.range.start);
+        if dtype != dtypes[i] || t.shape != shapes[i] || bytes != nbytes[i] {
+            wrong.push(format!(
+                "{}: the checkpoint has {dtype} {:?} ({bytes} bytes), the destination {} {:?} ({} bytes)",
+                names[i], t.shape, dtypes[i], shapes[i], nbytes[i]
+            ));
+        }
+        present.push(i);
+    }
+    if !wrong.is_empty() {
+        return Err(GpufeedError::new_err(format!(
+            "{}: {} tensor(s) do not match their destinations (nothing was written; cast or \
+             reshape after loading, or allocate them as the checkpoint has them): {}",
+            path.display(),
+            wrong.len(),
+            listed(&wrong)
+        )));
+    }
+    let named: HashSet<&str> = names.iter().map(String::as_str).collect();
+    let unexpected: Vec<String> = ckpt
+        .tensors()
+        .filter(|t| !named.contains(t.name.as_str()))
+        .map(|t| t.name.clone())
+        .collect();
+    if strict && (!missing.is_empty() || !unexpected.is_empty()) {
+        return Err(GpufeedError::new_err(format!(
+            "{}: nothing was written (strict): missing key(s) in the checkpoint: {}; unexpected \
+             key(s) in the checkpoint: {} (strict=False loads the tensors both have)",
+            path.display(),
+            listed(&missing),
+            listed(&unexpected)
+        )));
+    }
+    overlaps(&present, &names, &ptrs, &nbytes)?;
+    let to: HashMap<&str, u64> = present
+        .iter()
+        .map(|&i| (names[i].as_str(), ptrs[i]))
+        .collect();
+    let asked: Vec<&str> = present.iter().map(|&i| names[i].as_str()).collect();
+    let loader = shared_loader(py, device)?;
+    let mut opts = gpufeed::safetensors::LoadIntoOptions::default();
+    if let Some(bytes) = staging_bytes {
+        opts = opts.with_staging_bytes(bytes);
+    }
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let report = py
+        .detach(|| {
+            ckpt.run(&loader, &asked, &opts, |piece| {
+                let Some(&dst) = to.get(piece.name) else {
+                    return Err(gpufeed::safetensors::Error::invalid(format!(
+                        "a piece of {} that was not asked for",
+                        piece.name
+                    )));
+                };
+                let len = piece.bytes.len();
+                #[allow(unsafe_code, reason = "copies between two checked device ranges")]
+                // SAFETY: `dst..dst + nbytes` is device memory of this GPU that the caller holds
+                // for the call (a CUDA tensor of `device`), checked to be the tensor's size and
+                // to overlap no other destination; `offset + len` is within the tensor; the
+                // source is the staging piece `LoadInto` keeps until the stream's copies end.
+                unsafe {
+                    gpufeed::cuda::cudarc::driver::result::memcpy_dtod_async(
+                        dst + piece.offset as u64,
+                        piece.address,
+                        len,
+                        piece.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| {
+                    gpufeed::safetensors::Error::from(gpufeed::cuda::Error::Cuda {
+                        op: "cuMemcpyDtoDAsync",
+                        result: e.0,
+                    })
+                })
+            })
+        })
+        .map_err(py_err)?;
+    Ok((
+        missing,
+        unexpected,
+        report.bytes,
+        report.seconds,
+        report.staging_bytes,
+    ))
+}
+
+/// At most [`LISTED`] of `items`, joined, with how many more there are.
+fn listed(items: &[String]) -> String {
+    if items.is_empty() {
+        return "none".to_owned();
+    }
+    let mut s = items[..items.len().min(LISTED)].join("; ");
+    if items.len() > LISTED {
+        s.push_str(&format!("; and {} more", items.len() - LISTED));
+    }
+    s
+}
+
+/// Refuses destinations `present` (indices) that overlap, except the same memory twice.
+fn overlaps(present: &[usize], names: &[String], ptrs: &[u64], nbytes: &[usize]) -> PyResult<()> {
+    let mut by_address: Vec<usize> = present.iter().copied().filter(|&i| nbytes[i] > 0).collect();
+    by_address.sort_by_key(|&i| (ptrs[i], nbytes[i]));
+    for pair in by_address.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        let same = ptrs[a] == ptrs[b] && nbytes[a] == nbytes[b];
+        if !same && ptrs[a] + nbytes[a] as u64 > ptrs[b] {
+            return Err(GpufeedError::new_err(format!(
+                "the destinations of {} and {} overlap (nothing was written): give each tensor \
+                 memory of its own",
+                names[a], names[b]
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,177 @@
+"""``gpufeed.load_into``: a checkpoint written into CUDA tensors the caller owns.
+
+Without a GPU: the refusals that need none (CPU tensors, neither or both of ``tensors`` and
+``model``, a URL, an empty dict under ``strict``). On a GPU (skipped with the reason without
+torch or a GPU, a failure where ``GPUFEED_REQUIRE_GPU=1``): random tensors of every common
+dtype at odd shapes, an empty one and an index of two shards written bit for bit into
+preallocated tensors (against safetensors' own ``load_file``); a small staging that splits
+tensors into pieces; ``model=`` with tied weights; missing and unexpected names with and
+without ``strict``; dtype, shape and overlap mismatches refused with nothing written; device
+memory beyond the destinations bounded by the staging (the driver's free memory)."""
+
+import json
+import os
+
+import pytest
+
+import gpufeed
+
+REQUIRED = os.environ.get("GPUFEED_REQUIRE_GPU") == "1"
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        if REQUIRED:
+            raise
+        pytest.skip(f"torch is not installed ({e})")
+    return torch
+
+
+def _torch_on_gpu():
+    torch = _torch()
+    if not torch.cuda.is_available():
+        if REQUIRED:
+            raise AssertionError("GPUFEED_REQUIRE_GPU=1 but torch sees no GPU")
+        pytest.skip("no GPU: torch.cuda.is_available() is False")
+    return torch
+
+
+def _save(torch, path, tensors):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+
+
+def _checkpoint(torch, tmp_path):
+    """A file of odd tensors (every common dtype, an empty one); its tensors on the CPU."""
+    g = torch.Generator().manual_seed(11)
+    tensors = {
+        "f32": torch.randn(1001, 3, generator=g),
+        "f16": torch.randn(7, 333, generator=g).half(),
+        "bf16": torch.randn(1_500_001, generator=g).bfloat16(),
+        "i64": torch.randint(-(2**40), 2**40, (17,), generator=g),
+        "u8": torch.randint(0, 255, (1_000_003,), generator=g, dtype=torch.uint8),
+        "bool": torch.randint(0, 2, (5, 5), generator=g).bool(),
+        "empty": torch.zeros(0, 4),
+        "f64": torch.randn(3, 5, generator=g).double(),
+    }
+    path = tmp_path / "m.safetensors"
+    _save(torch, path, tensors)
+    return path, tensors
+
+
+def _empty_like(torch, tensors, device="cuda:0"):
+    return {n: torch.full_like(t, 0, device=device) for n, t in tensors.items()}
+
+
+def test_cpu_tensors_and_bad_calls_are_refused(tmp_path):
+    torch = _torch()
+    path, tensors = _checkpoint(torch, tmp_path)
+    with pytest.raises(gpufeed.SafetensorError, match="on cpu"):
+        gpufeed.load_into(path, {"f32": torch.zeros(1001, 3)})
+    with pytest.raises(TypeError):
+        gpufeed.load_into(path)
+    with pytest.raises(TypeError):
+        gpufeed.load_into(path, {}, model=torch.nn.Linear(2, 2))
+    with pytest.raises(gpufeed.SafetensorError, match="local files"):
+        gpufeed.load_into("s3://bucket/m.safetensors", {})
+    # Nothing to write into: every tensor unexpected (an error under strict).
+    with pytest.raises(gpufeed.SafetensorError, match="strict"):
+        gpufeed.load_into(path, {})
+    got = gpufeed.load_into(path, {}, strict=False)
+    assert got.missing_keys == [] and sorted(got.unexpected_keys) == sorted(tensors)
+    with pytest.raises(FileNotFoundError):
+        gpufeed.load_into(tmp_path / "nope.safetensors", {}, strict=False)
+
+
+def test_tensors_land_bit_for_bit_in_preallocated_tensors(tmp_path):
+    torch = _torch_on_gpu()
+    path, tensors = _checkpoint(torch, tmp_path)
+    for staging in (None, 1 << 20):
+        dst = _empty_like(torch, tensors)
+        got = gpufeed.load_into(path, dst, staging_bytes=staging)
+        assert got.missing_keys == [] and got.unexpected_keys == []
+        for name, t in tensors.items():
+            assert dst[name].dtype == t.dtype and dst[name].shape == t.shape
+            assert torch.equal(dst[name].cpu().view(torch.uint8) if t.numel() else dst[name].cpu(),
+                               t.view(torch.uint8) if t.numel() else t), name
+
+    # An index of two shards, as transformers writes it.
+    g = torch.Generator().manual_seed(12)
+    a = {"a.w": torch.randn(333, 77, generator=g), "a.b": torch.randn(5, generator=g)}
+    b = {"b.w": torch.randn(1_000_001, generator=g).half()}
+    _save(torch, tmp_path / "s-1.safetensors", a)
+    _save(torch, tmp_path / "s-2.safetensors", b)
+    index = tmp_path / "s.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {
+        **{n: "s-1.safetensors" for n in a}, **{n: "s-2.safetensors" for n in b}}}))
+    both = {**a, **b}
+    dst = _empty_like(torch, both)
+    gpufeed.load_into(index, dst)
+    for name, t in both.items():
+        assert torch.equal(dst[name].cpu(), t), name
+
+
+def test_missing_unexpected_and_mismatched_destinations(tmp_path):
+    torch = _torch_on_gpu()
+    path, tensors = _checkpoint(torch, tmp_path)
+    some = _empty_like(torch, {n: tensors[n] for n in ("f32", "u8")})
+    some["not.there"] = torch.zeros(3, device="cuda:0")
+    with pytest.raises(gpufeed.SafetensorError, match="not.there"):
+        gpufeed.load_into(path, some)
+    assert int(some["f32"].abs().sum()) == 0, "strict: nothing written"
+    got = gpufeed.load_into(path, some, strict=False)
+    assert got.missing_keys == ["not.there"]
+    assert sorted(got.unexpected_keys) == sorted(set(tensors) - {"f32", "u8"})
+    assert torch.equal(some["f32"].cpu(), tensors["f32"])
+
+    # A dtype, a shape, an overlap: refused, nothing written.
+    for bad, match in (
+        ({"f32": torch.zeros(1001, 3, dtype=torch.float16, device="cuda:0")}, "F16"),
+        ({"f32": torch.zeros(3, 1001, device="cuda:0")}, r"\[3, 1001\]"),
+    ):
+        with pytest.raises(gpufeed.SafetensorError, match=match):
+            gpufeed.load_into(path, bad, strict=False)
+        assert int(next(iter(bad.values())).abs().sum()) == 0
+    block = torch.zeros(2, 1001 * 3, device="cuda:0")
+    overlapping = {"f32": block[0].view(1001, 3), "f64": block[0, :30].view(torch.float64).view(3, 5)}
+    with pytest.raises(gpufeed.SafetensorError, match="overlap"):
+        gpufeed.load_into(path, overlapping, strict=False)
+    assert int(block.abs().sum()) == 0
+    with pytest.raises(gpufeed.SafetensorError, match="contiguous"):
+        gpufeed.load_into(path, {"f32": torch.zeros(3, 1001, device="cuda:0").t()}, strict=False)
+
+
+def test_a_module_with_tied_weights_loads_in_place_with_bounded_memory(tmp_path):
+    torch = _torch_on_gpu()
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(4096, 1024)
+            self.norm = torch.nn.LayerNorm(1024)
+            self.head = torch.nn.Linear(1024, 4096, bias=False)
+            self.head.weight = self.embed.weight
+
+    torch.manual_seed(13)
+    src = Tied()
+    state = {k: v.detach().clone().contiguous() for k, v in src.state_dict().items()}
+    path = tmp_path / "tied.safetensors"
+    # Tied weights saved once each name (as a user's save_file of clones does).
+    _save(torch, path, state)
+    model = Tied().to("cuda:0")
+    params_before = [p.data_ptr() for p in model.parameters()]
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info(0)
+    staging = 8 << 20
+    gpufeed.load_into(path, model=model, staging_bytes=staging)
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info(0)
+    assert [p.data_ptr() for p in model.parameters()] == params_before, "written in place"
+    for name, t in state.items():
+        assert torch.equal(model.state_dict()[name].cpu(), t), name
+    # Beyond the destinations: the staging (two buffers) and what the driver and the loader
+    # keep (its pinned staging is host memory); the device's free memory fell by no more.
+    assert free_before - free_after <= 2 * staging + (64 << 20), (free_before, free_after)

@@ -1,0 +1,458 @@
+//! [`LoadInto`]: a checkpoint's tensors written into device memory the caller owns (an
+//! inference engine's preallocated parameters), through a bounded staging on the device.
+//!
+//! Every header is read and checked first ([`LoadInto::open`]: a file, or an index's shards,
+//! shards of several saves refused); the caller looks at the tensors, picks the names to
+//! write, and [`LoadInto::run`] reads each file's wanted bytes in chunks of at most
+//! [`LoadIntoOptions::staging_bytes`] into one of two device staging buffers (the loader's
+//! route chosen once per file, each chunk read through the descriptor its header came from and
+//! that file's identity checked after its copies), hands each piece of a tensor in the
+//! staging to the caller's `deliver`, which queues its device-to-device copy on the stream it
+//! is given, and reuses a staging buffer only once the copies out of it are done: the reads
+//! of one chunk overlap the copies out of the chunk before. Device memory beyond the caller's
+//! is the two staging buffers. [`load_into`] is the whole of it for destinations that are
+//! cudarc slices.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpufeed_cuda::DeviceAlloc;
+use gpufeed_cuda::cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr};
+use gpufeed_load::{DeviceBuffer, LoadReport, Loader};
+
+use crate::error::{Error, Result};
+use crate::header::{HeaderEntry, Parsed};
+use crate::index::plan;
+
+/// How [`LoadInto::run`] stages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoadIntoOptions {
+    /// Bytes of each of the two device staging buffers: the most one read moves (a tensor
+    /// larger than this arrives in pieces). Default 512 MiB, so 1 GiB of device memory beyond
+    /// the destinations.
+    pub staging_bytes: usize,
+}
+
+impl Default for LoadIntoOptions {
+    fn default() -> Self {
+        LoadIntoOptions {
+            staging_bytes: 512 << 20,
+        }
+    }
+}
+
+impl LoadIntoOptions {
+    /// These options with staging buffers of `bytes` each (at least 1 MiB).
+    pub fn with_staging_bytes(mut self, bytes: usize) -> Self {
+        self.staging_bytes = bytes.max(1 << 20);
+        self
+    }
+}
+
+/// One piece of a tensor in the staging, handed to [`LoadInto::run`]'s `deliver`: copy
+/// `bytes` to the tensor's destination at `offset`, queued on `stream` (the staging buffer is
+/// written again only after the work queued there up to the return of `deliver` for its
+/// chunk).
+#[derive(Debug)]
+pub struct Delivery<'a> {
+    /// The tensor's name.
+    pub name: &'a str,
+    /// Where the piece starts in the tensor's bytes.
+    pub offset: usize,
+    /// The piece, in a staging buffer.
+    pub bytes: CudaView<'a, u8>,
+    /// The piece's device address (the same bytes as `bytes`: for a caller that queues copies
+    /// by address).
+    pub address: u64,
+    /// The stream to queue the copy on.
+    pub stream: &'a Arc<CudaStream>,
+}
+
+/// What [`LoadInto::run`] did.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LoadIntoReport {
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes written.
+    pub bytes: u64,
+    /// From the call to its end (every copy done).
+    pub seconds: f64,
+    /// Device memory used for staging.
+    pub staging_bytes: u64,
+    /// Each chunk's read.
+    pub reads: Vec<LoadReport>,
+}
+
+impl LoadIntoReport {
+    /// Bytes per second over the whole call.
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.seconds.max(1e-9) / 1e9
+    }
+}
+
+/// A checkpoint opened for writing its tensors into the caller's device memory (see the
+/// module).
+///
+/// # Example
+/// ```no_run
+/// use gpufeed_safetensors::{LoadInto, LoadIntoOptions};
+/// let loader = gpufeed_load::Loader::open(0, Default::default())?;
+/// let ckpt = LoadInto::open("model.safetensors.index.json")?;
+/// // The caller's own memory (here: one allocation per tensor, as an engine preallocates).
+/// let stream = loader.gpu().default_stream();
+/// let mut weights = std::collections::HashMap::new();
+/// for t in ckpt.tensors() {
+///     weights.insert(t.name.clone(), stream.alloc_zeros::<u8>(t.range.end - t.range.start)?);
+/// }
+/// let names: Vec<&str> = ckpt.tensors().map(|t| t.name.as_str()).collect();
+/// let report = ckpt.run(&loader, &names, &LoadIntoOptions::default(), |piece| {
+///     // Queue the piece's copy on the stream given (here by cudarc's safe call).
+///     let dst = weights.get_mut(piece.name).expect("asked for");
+///     let end = piece.offset + piece.bytes.len();
+///     piece
+///         .stream
+///         .memcpy_dtod(&piece.bytes, &mut dst.slice_mut(piece.offset..end))
+///         .map_err(|e| gpufeed_safetensors::Error::invalid(e.to_string()))
+/// })?;
+/// println!("{} bytes at {:.1} GB/s", report.bytes, report.gbps());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct LoadInto {
+    path: PathBuf,
+    files: Vec<(PathBuf, Parsed)>,
+    /// Tensor name -> (file, index in its `tensors`).
+    by_name: HashMap<String, (usize, usize)>,
+}
+
+impl std::fmt::Debug for LoadInto {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadInto")
+            .field("path", &self.path)
+            .field("files", &self.files.len())
+            .field("tensors", &self.by_name.len())
+            .finish()
+    }
+}
+
+/// One read's share of a tensor: its bytes in the file and where they go.
+struct Piece {
+    /// Index into the file's `tensors`.
+    tensor: usize,
+    /// Bytes of the file (absolute).
+    span: std::ops::Range<u64>,
+    /// Where they start in the tensor.
+    offset: usize,
+}
+
+impl LoadInto {
+    /// Reads and checks the headers of `path` (a safetensors file or a sharded checkpoint's
+    /// `*.safetensors.index.json`), each file opened once; no data moves.
+    ///
+    /// # Errors
+    /// [`load`](crate::load)'s header and index errors.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let files = plan(path)?.files;
+        let mut by_name = HashMap::new();
+        for (f, (_, parsed)) in files.iter().enumerate() {
+            for (i, t) in parsed.tensors.iter().enumerate() {
+                by_name.insert(t.name.clone(), (f, i));
+            }
+        }
+        Ok(LoadInto {
+            path: path.to_path_buf(),
+            files,
+            by_name,
+        })
+    }
+
+    /// Every tensor of the checkpoint, file by file.
+    pub fn tensors(&self) -> impl Iterator<Item = &HeaderEntry> {
+        self.files.iter().flat_map(|(_, p)| p.tensors.iter())
+    }
+
+    /// The tensor `name`, where the checkpoint has it.
+    pub fn get(&self, name: &str) -> Option<&HeaderEntry> {
+        let &(f, i) = self.by_name.get(name)?;
+        Some(&self.files[f].1.tensors[i])
+    }
+
+    /// Reads the tensors `names` and hands each to `deliver` piece by piece (see the module),
+    /// file by file in the order of their bytes.
+    ///
+    /// # Errors
+    /// [`Error::NoTensor`] for a name the checkpoint lacks (before a byte moves); the reads'
+    /// errors (a file changed since [`LoadInto::open`] is `FileChangedDuringLoad`), CUDA
+    /// errors, and `deliver`'s own.
+    pub fn run(
+        &self,
+        loader: &Loader,
+        names: &[&str],
+        opts: &LoadIntoOptions,
+        mut deliver: impl FnMut(Delivery<'_>) -> Result<()>,
+    ) -> Result<LoadIntoReport> {
+        let started = Instant::now();
+        let mut wanted: Vec<Vec<usize>> = vec![Vec::new(); self.files.len()];
+        for &name in names {
+            let &(f, i) = self.by_name.get(name).ok_or_else(|| Error::NoTensor {
+                path: self.path.clone(),
+                name: name.to_owned(),
+            })?;
+            wanted[f].push(i);
+        }
+        let stage = opts.staging_bytes.max(1 << 20);
+        let gpu = loader.gpu();
+        gpu.context()
+            .bind_to_thread()
+            .map_err(|e| cuda("cuCtxSetCurrent", e))?;
+        let stream = gpu
+            .context()
+            .new_stream()
+            .map_err(|e| cuda("cuStreamCreate", e))?;
+        // Every file's pieces first: the staging buffers are as large as the largest chunk.
+        let mut planned = Vec::new();
+        let mut tensors = 0usize;
+        for (f, mut want) in wanted.into_iter().enumerate() {
+            let (_, parsed) = &self.files[f];
+            want.sort_by_key(|&i| parsed.tensors[i].range.start);
+            want.dedup();
+            tensors += want.len();
+            let pieces = pieces_of(parsed, &want, stage);
+            if !pieces.is_empty() {
+                planned.push((parsed, pieces));
+            }
+        }
+        let size = planned
+            .iter()
+            .flat_map(|(_, pieces)| chunks_of(pieces, stage as u64))
+            .map(chunk_len)
+            .max()
+            .unwrap_or(0);
+        let mut buffers: [Option<(DeviceBuffer, u64)>; 2] = [None, None];
+        let mut done: [Option<gpufeed_cuda::cudarc::driver::CudaEvent>; 2] = [None, None];
+        let (mut bytes, mut reads, mut k) = (0u64, Vec::new(), 0usize);
+        for (parsed, pieces) in &planned {
+            let hull =
+                pieces.first().map_or(0, |p| p.span.start)..pieces.last().map_or(0, |p| p.span.end);
+            let route = loader.choose_route(&parsed.file, hull);
+            for chunk in chunks_of(pieces, stage as u64) {
+                let len = chunk_len(chunk);
+                let spans = merged(chunk);
+                let b = k % 2;
+                k += 1;
+                if let Some(event) = done[b].take() {
+                    // The copies out of this buffer's last chunk are done before it is written.
+                    event
+                        .synchronize()
+                        .map_err(|e| cuda("cuEventSynchronize", e))?;
+                }
+                let report = match &mut buffers[b] {
+                    Some((buffer, _)) => loader.load_spans_to(
+                        &parsed.file,
+                        &spans,
+                        &mut buffer.slice_mut(0..len),
+                        Some(&route),
+                    )?,
+                    none => {
+                        // The first chunk for each buffer allocates it, as large as the
+                        // largest chunk, and reads into its start.
+                        let (buffer, report) = gpu.alloc_filled(
+                            size,
+                            DeviceAlloc::Unpooled,
+                            |buf: &mut CudaSlice<u8>| {
+                                loader.load_spans_to(
+                                    &parsed.file,
+                                    &spans,
+                                    &mut buf.slice_mut(0..len),
+                                    Some(&route),
+                                )
+                            },
+                        )?;
+                        let address = {
+                            let (ptr, _record) = buffer.device_ptr(&stream);
+                            ptr
+                        };
+                        *none = Some((buffer, address));
+                        report
+                    }
+                };
+                reads.push(report);
+                let Some((buffer, address)) = &buffers[b] else {
+                    return Err(Error::invalid("a staging buffer went missing".to_owned()));
+                };
+                let mut at = 0usize;
+                for p in chunk {
+                    let n = (p.span.end - p.span.start) as usize;
+                    deliver(Delivery {
+                        name: &parsed.tensors[p.tensor].name,
+                        offset: p.offset,
+                        bytes: buffer.slice(at..at + n),
+                        address: address + at as u64,
+                        stream: &stream,
+                    })?;
+                    at += n;
+                    bytes += n as u64;
+                }
+                done[b] = Some(
+                    stream
+                        .record_event(None)
+                        .map_err(|e| cuda("cuEventRecord", e))?,
+                );
+            }
+        }
+        stream
+            .synchronize()
+            .map_err(|e| cuda("cuStreamSynchronize", e))?;
+        let staging_bytes = buffers.iter().flatten().map(|(b, _)| b.len() as u64).sum();
+        Ok(LoadIntoReport {
+            tensors,
+            bytes,
+            seconds: started.elapsed().as_secs_f64(),
+            staging_bytes,
+            reads,
+        })
+    }
+}
+
+/// A failed driver call as this crate's error.
+fn cuda(op: &'static str, e: gpufeed_cuda::cudarc::driver::DriverError) -> Error {
+    gpufeed_cuda::Error::Cuda { op, result: e.0 }.into()
+}
+
+/// The wanted tensors `want` (sorted by offset) of one file as pieces of at most `stage`
+/// bytes.
+fn pieces_of(parsed: &Parsed, want: &[usize], stage: usize) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    for &i in want {
+        let t = &parsed.tensors[i];
+        let start = parsed.data_start + t.range.start as u64;
+        let len = t.range.end - t.range.start;
+        let mut offset = 0usize;
+        // An empty tensor has nothing to copy.
+        while offset < len {
+            let n = (len - offset).min(stage);
+            pieces.push(Piece {
+                tensor: i,
+                span: start + offset as u64..start + (offset + n) as u64,
+                offset,
+            });
+            offset += n;
+        }
+    }
+    pieces
+}
+
+/// `pieces` in chunks of at most `stage` bytes, in order.
+fn chunks_of(pieces: &[Piece], stage: u64) -> Vec<&[Piece]> {
+    let (mut chunks, mut from, mut size) = (Vec::new(), 0usize, 0u64);
+    for (i, p) in pieces.iter().enumerate() {
+        let n = p.span.end - p.span.start;
+        if i > from && size + n > stage {
+            chunks.push(&pieces[from..i]);
+            (from, size) = (i, 0);
+        }
+        size += n;
+    }
+    if from < pieces.len() {
+        chunks.push(&pieces[from..]);
+    }
+    chunks
+}
+
+/// The spans of `chunk`, merged where one ends where the next starts.
+fn merged(chunk: &[Piece]) -> Vec<std::ops::Range<u64>> {
+    let mut spans: Vec<std::ops::Range<u64>> = Vec::new();
+    for p in chunk {
+        match spans.last_mut() {
+            Some(last) if last.end == p.span.start => last.end = p.span.end,
+            _ => spans.push(p.span.clone()),
+        }
+    }
+    spans
+}
+
+/// The bytes of `chunk`.
+fn chunk_len(chunk: &[Piece]) -> usize {
+    chunk
+        .iter()
+        .map(|p| (p.span.end - p.span.start) as usize)
+        .sum()
+}
+
+/// Writes the tensors of `path` named in `dsts` into those device slices (each exactly the tensor's
+/// bytes), through [`LoadInto`] with `opts`.
+///
+/// # Errors
+/// [`Error::NoTensor`] for a name the checkpoint lacks, [`Error::Load`] (out of bounds) for a
+/// destination whose length is not the tensor's, before a byte moves; then
+/// [`LoadInto::run`]'s.
+pub fn load_into(
+    loader: &Loader,
+    path: impl AsRef<Path>,
+    dsts: &mut HashMap<String, CudaSlice<u8>>,
+    opts: &LoadIntoOptions,
+) -> Result<LoadIntoReport> {
+    let ckpt = LoadInto::open(path)?;
+    for (name, dst) in dsts.iter() {
+        let t = ckpt.get(name).ok_or_else(|| Error::NoTensor {
+            path: ckpt.path.clone(),
+            name: name.clone(),
+        })?;
+        let want = t.range.end - t.range.start;
+        if dst.len() != want {
+            return Err(Error::invalid(format!(
+                "{}: a destination of {} bytes for {name}, which has {want}",
+                ckpt.path.display(),
+                dst.len()
+            )));
+        }
+    }
+    let names: Vec<String> = dsts.keys().cloned().collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    ckpt.run(loader, &names, opts, |piece| {
+        let Some(dst) = dsts.get_mut(piece.name) else {
+            return Err(Error::invalid(format!(
+                "a piece of {} that was not asked for",
+                piece.name
+            )));
+        };
+        let end = piece.offset + piece.bytes.len();
+        piece
+            .stream
+            .memcpy_dtod(&piece.bytes, &mut dst.slice_mut(piece.offset..end))
+            .map_err(|e| cuda("cuMemcpyDtoDAsync", e))?;
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(tensor: usize, a: u64, b: u64, offset: usize) -> Piece {
+        Piece {
+            tensor,
+            span: a..b,
+            offset,
+        }
+    }
+
+    #[test]
+    fn chunks_hold_at_most_the_staging_and_never_nothing() {
+        let pieces = [
+            piece(0, 0, 10, 0),
+            piece(1, 10, 30, 0),
+            piece(2, 40, 45, 0),
+            piece(3, 45, 75, 0),
+        ];
+        let sizes: Vec<usize> = chunks_of(&pieces, 30).iter().map(|c| c.len()).collect();
+        assert_eq!(sizes, vec![2, 1, 1]);
+        let spans = merged(chunks_of(&pieces, 100)[0]);
+        assert_eq!(spans, vec![0..30, 40..75]);
+        assert!(chunks_of(&[], 30).is_empty());
+    }
+}

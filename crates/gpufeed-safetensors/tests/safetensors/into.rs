@@ -1,0 +1,163 @@
+//! `LoadInto` / `load_into` on a GPU: tensors of random bytes at odd sizes (an empty one, ones
+//! larger than the staging, pieces crossing both staging buffers) written byte for byte into
+//! the caller's device memory, from a file and from an index of shards; bad destinations
+//! refused before a byte moves.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use gpufeed_load::{LoadOptions, Loader};
+use gpufeed_safetensors::{Dtype, Error, LoadInto, LoadIntoOptions, load_into};
+use safetensors::tensor::TensorView;
+
+use crate::{gpu_or_skip, random_bytes};
+
+/// Writes a safetensors file of `tensors` (name, dtype, shape) with random bytes; returns
+/// each tensor's bytes.
+fn write(
+    path: &Path,
+    tensors: &[(&str, Dtype, Vec<usize>)],
+    seed: u64,
+) -> HashMap<String, Vec<u8>> {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (_, d, shape))| {
+            random_bytes(
+                shape.iter().product::<usize>() * d.bitsize() / 8,
+                seed + i as u64,
+            )
+        })
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&data)
+        .map(|((name, dtype, shape), bytes)| {
+            (
+                name.to_string(),
+                TensorView::new(*dtype, shape.clone(), bytes).expect("view"),
+            )
+        });
+    safetensors::serialize_to_file(views, None, path).expect("serialize");
+    tensors
+        .iter()
+        .zip(data)
+        .map(|((n, _, _), d)| (n.to_string(), d))
+        .collect()
+}
+
+fn tensors_a() -> Vec<(&'static str, Dtype, Vec<usize>)> {
+    vec![
+        ("a.odd", Dtype::U8, vec![1_000_003]),
+        ("a.empty", Dtype::F32, vec![0, 7]),
+        ("a.large", Dtype::BF16, vec![1_500_001]),
+        ("a.small", Dtype::F64, vec![3, 5]),
+        ("a.mid", Dtype::F16, vec![777, 1_001]),
+    ]
+}
+
+#[test]
+fn tensors_land_byte_for_byte_in_the_callers_memory() {
+    let Some(gpu) = gpu_or_skip("tensors_land_byte_for_byte_in_the_callers_memory") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one = dir.path().join("one.safetensors");
+    let want_a = write(&one, &tensors_a(), 71);
+    // An index of two shards (as transformers writes them).
+    let (s1, s2) = (
+        dir.path().join("m-1.safetensors"),
+        dir.path().join("m-2.safetensors"),
+    );
+    let want_1 = write(
+        &s1,
+        &[
+            ("b.x", Dtype::I32, vec![333_333]),
+            ("b.y", Dtype::U8, vec![5]),
+        ],
+        72,
+    );
+    let want_2 = write(&s2, &[("c.z", Dtype::F32, vec![2, 700_001])], 73);
+    let index = dir.path().join("m.safetensors.index.json");
+    std::fs::write(
+        &index,
+        r#"{"metadata": {}, "weight_map": {"b.x": "m-1.safetensors", "b.y": "m-1.safetensors", "c.z": "m-2.safetensors"}}"#,
+    )
+    .expect("index");
+    let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
+    let stream = gpu.default_stream();
+    for (path, want) in [
+        (one.as_path(), want_a.clone()),
+        (index.as_path(), want_1.into_iter().chain(want_2).collect()),
+    ] {
+        // Staging of 1 MiB: the large tensors arrive in pieces, through both buffers by turns.
+        for staging in [1 << 20, 64 << 20] {
+            let mut dsts: HashMap<String, _> = want
+                .iter()
+                .map(|(n, b)| (n.clone(), stream.alloc_zeros::<u8>(b.len()).expect("alloc")))
+                .collect();
+            let opts = LoadIntoOptions::default().with_staging_bytes(staging);
+            let report = load_into(&loader, path, &mut dsts, &opts).expect("load_into");
+            assert_eq!(report.tensors, want.len());
+            assert_eq!(
+                report.bytes,
+                want.values().map(|b| b.len() as u64).sum::<u64>()
+            );
+            assert!(
+                report.staging_bytes <= 2 * staging as u64,
+                "{}",
+                report.staging_bytes
+            );
+            for (name, bytes) in &want {
+                let got = stream.clone_dtoh(&dsts[name]).expect("copy back");
+                assert_eq!(
+                    xxhash_rust::xxh3::xxh3_64(&got),
+                    xxhash_rust::xxh3::xxh3_64(bytes),
+                    "{name} from {} with {staging} B of staging",
+                    path.display()
+                );
+            }
+        }
+    }
+
+    // Some tensors only: the others' memory is left alone.
+    let ckpt = LoadInto::open(&one).expect("open");
+    let mut mine = stream
+        .alloc_zeros::<u8>(want_a["a.mid"].len())
+        .expect("alloc");
+    let report = ckpt
+        .run(&loader, &["a.mid"], &LoadIntoOptions::default(), |piece| {
+            assert_eq!(piece.name, "a.mid");
+            let end = piece.offset + piece.bytes.len();
+            piece
+                .stream
+                .memcpy_dtod(&piece.bytes, &mut mine.slice_mut(piece.offset..end))
+                .map_err(|e| Error::invalid(e.to_string()))
+        })
+        .expect("run");
+    assert_eq!(report.tensors, 1);
+    assert_eq!(
+        stream.clone_dtoh(&mine).expect("copy back"),
+        want_a["a.mid"]
+    );
+
+    // Refused before a byte moves: a name the checkpoint lacks, a destination of the wrong size.
+    let mut wrong = HashMap::from([(
+        "a.odd".to_owned(),
+        stream
+            .alloc_zeros::<u8>(want_a["a.odd"].len() - 1)
+            .expect("alloc"),
+    )]);
+    let e = load_into(&loader, &one, &mut wrong, &LoadIntoOptions::default()).expect_err("size");
+    assert!(e.to_string().contains("a.odd"), "{e}");
+    assert_eq!(
+        stream.clone_dtoh(&wrong["a.odd"]).expect("back"),
+        vec![0; want_a["a.odd"].len() - 1]
+    );
+    let mut missing = HashMap::from([(
+        "nope".to_owned(),
+        stream.alloc_zeros::<u8>(4).expect("alloc"),
+    )]);
+    let e = load_into(&loader, &one, &mut missing, &LoadIntoOptions::default()).expect_err("name");
+    assert!(matches!(e, Error::NoTensor { .. }), "{e}");
+}
