@@ -8,9 +8,8 @@ use std::path::Path;
 
 use gpufeed_load::{LoadOptions, Loader};
 use gpufeed_safetensors::{Dtype, Error, LoadInto, LoadIntoOptions, load_into};
-use safetensors::tensor::TensorView;
 
-use crate::{gpu_or_skip, random_bytes};
+use crate::{file, gpu_or_skip};
 
 /// Writes a safetensors file of `tensors` (name, dtype, shape) with random bytes; returns
 /// each tensor's bytes.
@@ -19,31 +18,9 @@ fn write(
     tensors: &[(&str, Dtype, Vec<usize>)],
     seed: u64,
 ) -> HashMap<String, Vec<u8>> {
-    let data: Vec<Vec<u8>> = tensors
-        .iter()
-        .enumerate()
-        .map(|(i, (_, d, shape))| {
-            random_bytes(
-                shape.iter().product::<usize>() * d.bitsize() / 8,
-                seed + i as u64,
-            )
-        })
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&data)
-        .map(|((name, dtype, shape), bytes)| {
-            (
-                name.to_string(),
-                TensorView::new(*dtype, shape.clone(), bytes).expect("view"),
-            )
-        });
-    safetensors::serialize_to_file(views, None, path).expect("serialize");
-    tensors
-        .iter()
-        .zip(data)
-        .map(|((n, _, _), d)| (n.to_string(), d))
-        .collect()
+    let (bytes, by_name) = file(tensors, seed, None);
+    std::fs::write(path, bytes).expect("write");
+    by_name
 }
 
 fn tensors_a() -> Vec<(&'static str, Dtype, Vec<usize>)> {

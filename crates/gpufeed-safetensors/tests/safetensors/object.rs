@@ -2,59 +2,19 @@
 //! file's are (hostile headers, indexes leaving their prefix, shards of two saves), then on a
 //! GPU every tensor byte-exact.
 
-use std::collections::HashMap;
-
 use gpufeed_load::object::{Credentials, ObjectOptions};
-use gpufeed_safetensors::{
-    Error, SAVE_ID_KEY, Split, TensorParallel, inspect_object, load_object, load_shard,
-};
+use gpufeed_safetensors::{Error, Split, TensorParallel, inspect_object, load_object, load_shard};
 use gpufeed_testkit::s3::{self, ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFs};
-use safetensors::{Dtype, tensor::TensorView};
+use safetensors::Dtype;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::{gpu_or_skip, random_bytes};
+use crate::{file, gpu_or_skip};
 
 fn opts(server: &SeaweedFs) -> ObjectOptions {
     ObjectOptions::default()
         .with_endpoint(&server.endpoint)
         .with_region("us-east-1")
         .with_credentials(Credentials::new(ACCESS_KEY, SECRET_KEY))
-}
-
-/// A safetensors file of `tensors` (name, dtype, shape; random bytes from `seed`), with a
-/// save id where given; returns its bytes and each tensor's bytes.
-fn file(
-    tensors: &[(&str, Dtype, Vec<usize>)],
-    seed: u64,
-    save: Option<&str>,
-) -> (Vec<u8>, HashMap<String, Vec<u8>>) {
-    let data: Vec<Vec<u8>> = tensors
-        .iter()
-        .enumerate()
-        .map(|(i, (_, d, shape))| {
-            random_bytes(
-                shape.iter().product::<usize>() * d.bitsize() / 8,
-                seed + i as u64,
-            )
-        })
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&data)
-        .map(|((name, dtype, shape), bytes)| {
-            (
-                name.to_string(),
-                TensorView::new(*dtype, shape.clone(), bytes).expect("view"),
-            )
-        });
-    let metadata = save.map(|id| HashMap::from([(SAVE_ID_KEY.to_string(), id.to_string())]));
-    let bytes = safetensors::serialize(views, metadata).expect("serialize");
-    let by_name = tensors
-        .iter()
-        .zip(data)
-        .map(|((n, _, _), d)| (n.to_string(), d))
-        .collect();
-    (bytes, by_name)
 }
 
 fn url(key: &str) -> String {
