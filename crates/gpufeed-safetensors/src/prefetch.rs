@@ -248,7 +248,7 @@ impl std::fmt::Debug for Prefetch {
 
 impl Prefetch {
     /// Starts loading `items` of `file` (each checked against the file's length) to
-    /// `loader`'s GPU on a worker thread. `file` is an [`OpenedFile`] or (the `object`
+    /// `loader`'s GPU on a worker thread. `file` is an [`OpenedFile`](gpufeed_os::OpenedFile) or (the `object`
     /// feature) an `Arc<Object>` ([`PrefetchSource`]).
     ///
     /// # Errors

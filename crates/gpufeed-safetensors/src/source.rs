@@ -8,7 +8,7 @@ use std::sync::Arc;
 use gpufeed_load::{DeviceBuffer, Loader};
 use gpufeed_os::OpenedFile;
 
-/// What a [`Prefetch`] (and a [`TensorParallel`](crate::TensorParallel) plan) reads: a file
+/// What a [`Prefetch`](crate::Prefetch) (and a [`TensorParallel`](crate::TensorParallel) plan) reads: a file
 /// opened once (the descriptor its header was read on), or, with the `object` feature, an
 /// object at the version (ETag) it was opened at.
 #[non_exhaustive]
