@@ -8,7 +8,8 @@ clock (warm page cache), and loaded again in one process (the third load).
 
 The ``load_into`` rows write into tensors allocated before the clock (the same ones for each
 load of a process) and report the device memory the first load took beyond them at its peak
-(``extra_mib``: the driver's free memory, sampled every millisecond on a thread);
+(``extra_mib``, the most over the processes: the driver's free memory, sampled every
+millisecond on a thread during each process's second load);
 ``DROPIN_INTO_STAGING_MIB`` sets ``load_into``'s staging buffers (default: its own).
 
 Usage: dropin.py REPS FILE [FILE ...]  -> one JSON object on stdout (``DROPIN_METHODS``, a
@@ -56,7 +57,10 @@ def _destinations(path):
             s = f.get_slice(name)
             dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
                                     "F64": "float64", "I64": "int64", "I32": "int32",
-                                    "U8": "uint8", "I8": "int8", "BOOL": "bool"}[s.get_dtype()])
+                                    "I16": "int16", "U8": "uint8", "I8": "int8",
+                                    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+                                    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                                    "BOOL": "bool"}[s.get_dtype()])
             out[name] = torch.empty(s.get_shape(), dtype=dtype, device="cuda:0")
     return out
 
@@ -95,6 +99,10 @@ def _load_into(method, path, dst):
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cuda:0") as f:
+        if not hasattr(f, "prefetch"):
+            import safetensors
+
+            raise RuntimeError(f"safetensors {safetensors.__version__} has no prefetch")
         with f.prefetch(threads=16) as loader:
             for name, t in loader:
                 dst[name].copy_(t)
@@ -150,7 +158,9 @@ def one(method, path):
     extra = None
     for rep in range(3):
         torch.cuda.synchronize()
-        watch = _FreeMemoryWatch(torch) if dst is not None and rep == 0 else None
+        # The peak is watched in the second load, so that the first (fresh) is timed as
+        # every other row's is.
+        watch = _FreeMemoryWatch(torch) if dst is not None and rep == 1 else None
         t = time.perf_counter()
         tensors = _load_into(method, path, dst) if dst is not None else _load(method, path)
         torch.cuda.synchronize()
@@ -180,7 +190,7 @@ def measure(paths, reps):
     for path in paths:
         rows = {}
         for method in chosen or METHODS:
-            fresh, again, sums = [], [], set()
+            fresh, again, sums, extras = [], [], set(), []
             try:
                 for _ in range(reps):
                     run = subprocess.run([sys.executable, __file__, "--one", method, path],
@@ -192,9 +202,11 @@ def measure(paths, reps):
                     fresh.append(r["bytes"] / r["seconds"][0] / 1e9)
                     again.append(r["bytes"] / r["seconds"][2] / 1e9)
                     sums.add(r["checksum"])
+                    extras.append(r.get("extra_bytes"))
                 rows[method] = {"fresh": fresh, "again": again, "checksum": sorted(sums)}
-                if r.get("extra_bytes") is not None:
-                    rows[method]["extra_mib"] = r["extra_bytes"] / (1 << 20)
+                extras = [e for e in extras if e is not None]
+                if extras:
+                    rows[method]["extra_mib"] = max(extras) / (1 << 20)
             except Exception as e:  # noqa: BLE001 (a peer that cannot run says why)
                 rows[method] = {"error": f"{type(e).__name__}: {e}"}
             print(f"dropin: {os.path.basename(path)} {method}: {rows[method]}", file=sys.stderr)

@@ -77,8 +77,9 @@ pub struct DropinRow {
     pub fresh_gbps: Samples,
     pub again_gbps: Samples,
     pub checksums: Vec<u64>,
-    /// For the rows that write into preallocated tensors: the device memory the first load
-    /// took beyond them at its peak (MiB, the driver's free memory sampled every millisecond).
+    /// For the rows that write into preallocated tensors: the device memory a load took
+    /// beyond them at its peak (MiB, the most over the processes' second loads; the driver's
+    /// free memory sampled every millisecond).
     pub extra_mib: Option<f64>,
 }
 
@@ -463,7 +464,7 @@ fn dropin_table(s: &mut String, files: &[DropinFile]) {
                 let _ = writeln!(
                     s,
                     "\n{method}: into tensors allocated before the clock; device memory taken \
-                     beyond them during the first load, at its peak: {mib:.0} MiB."
+                     beyond them during a load, at its peak: {mib:.0} MiB."
                 );
             }
         }

@@ -24,7 +24,7 @@ const LISTED: usize = 8;
 /// Every destination is checked first: a name the checkpoint lacks is missing, a checkpoint
 /// tensor not named is unexpected (both an error under `strict`), a dtype, shape or size that
 /// differs is an error, and so are two destinations that overlap (the same memory twice is
-/// allowed: the later tensor in the file wins). The caller (`gpufeed.load_into`) takes the
+/// allowed: the tensor read later wins, files in the index's order, tensors in a file's). The caller (`gpufeed.load_into`) takes the
 /// pointers from contiguous CUDA tensors of `device` that it holds for the call.
 #[pyfunction]
 #[pyo3(signature = (path, device, names, ptrs, nbytes, dtypes, shapes, strict=true, staging_bytes=None))]

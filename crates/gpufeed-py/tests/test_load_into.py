@@ -11,6 +11,7 @@ memory beyond the destinations bounded by the staging (the driver's free memory)
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -150,9 +151,9 @@ def test_a_module_with_tied_weights_loads_in_place_with_bounded_memory(tmp_path)
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = torch.nn.Embedding(4096, 1024)
+            self.embed = torch.nn.Embedding(8192, 1024)
             self.norm = torch.nn.LayerNorm(1024)
-            self.head = torch.nn.Linear(1024, 4096, bias=False)
+            self.head = torch.nn.Linear(1024, 8192, bias=False)
             self.head.weight = self.embed.weight
 
     torch.manual_seed(13)
@@ -163,15 +164,31 @@ def test_a_module_with_tied_weights_loads_in_place_with_bounded_memory(tmp_path)
     _save(torch, path, state)
     model = Tied().to("cuda:0")
     params_before = [p.data_ptr() for p in model.parameters()]
-    torch.cuda.synchronize()
-    free_before, _ = torch.cuda.mem_get_info(0)
-    staging = 8 << 20
+    staging = 4 << 20
+    # A first load makes the process's loader (host staging) and the copy machinery.
     gpufeed.load_into(path, model=model, staging_bytes=staging)
     torch.cuda.synchronize()
-    free_after, _ = torch.cuda.mem_get_info(0)
+    free_before, _ = torch.cuda.mem_get_info(0)
+    lowest = [free_before]
+    done = threading.Event()
+
+    def watch():
+        # The load gives up the GIL while it runs: sampled every millisecond, its peak.
+        while not done.wait(0.001):
+            lowest[0] = min(lowest[0], torch.cuda.mem_get_info(0)[0])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        gpufeed.load_into(path, model=model, staging_bytes=staging)
+        torch.cuda.synchronize()
+    finally:
+        done.set()
+        watcher.join()
     assert [p.data_ptr() for p in model.parameters()] == params_before, "written in place"
     for name, t in state.items():
         assert torch.equal(model.state_dict()[name].cpu(), t), name
-    # Beyond the destinations: the staging (two buffers) and what the driver and the loader
-    # keep (its pinned staging is host memory); the device's free memory fell by no more.
-    assert free_before - free_after <= 2 * staging + (64 << 20), (free_before, free_after)
+    # Beyond the destinations, at the peak: the two staging buffers and what the driver takes
+    # with them (10 MiB with 512 MiB buffers in GPU run 146): less than another copy of the
+    # 32 MiB model, or of its largest tensor, would take.
+    assert free_before - lowest[0] <= 2 * staging + (16 << 20), (free_before, lowest[0])

@@ -85,6 +85,7 @@ pub struct LoadIntoReport {
     pub staging_bytes: u64,
     /// Each chunk's read.
     pub reads: Vec<LoadReport>,
+    started: Instant,
 }
 
 impl LoadIntoReport {
@@ -160,7 +161,12 @@ impl LoadInto {
         let mut by_name = HashMap::new();
         for (f, (_, parsed)) in files.iter().enumerate() {
             for (i, t) in parsed.tensors.iter().enumerate() {
-                by_name.insert(t.name.clone(), (f, i));
+                if by_name.insert(t.name.clone(), (f, i)).is_some() {
+                    return Err(Error::Index {
+                        path: path.into(),
+                        reason: format!("tensor {} appears in two files", t.name),
+                    });
+                }
             }
         }
         Ok(LoadInto {
@@ -187,13 +193,52 @@ impl LoadInto {
     /// # Errors
     /// [`Error::NoTensor`] for a name the checkpoint lacks (before a byte moves); the reads'
     /// errors (a file changed since [`LoadInto::open`] is `FileChangedDuringLoad`), CUDA
-    /// errors, and `deliver`'s own.
+    /// errors, and `deliver`'s own. After a failure the copies queued before it have ended
+    /// (so the destinations are no longer written when this returns), and the tensors
+    /// delivered so far are written: a failed load leaves its destinations partly written.
     pub fn run(
         &self,
         loader: &Loader,
         names: &[&str],
         opts: &LoadIntoOptions,
+        deliver: impl FnMut(Delivery<'_>) -> Result<()>,
+    ) -> Result<LoadIntoReport> {
+        let _context = gpufeed_cuda::ContextGuard::new();
+        let gpu = loader.gpu();
+        gpu.context()
+            .bind_to_thread()
+            .map_err(|e| cuda("cuCtxSetCurrent", e))?;
+        let stream = gpu
+            .context()
+            .new_stream()
+            .map_err(|e| cuda("cuStreamCreate", e))?;
+        // The staging buffers live here, past the wait below.
+        let mut buffers: [Option<(DeviceBuffer, u64)>; 2] = [None, None];
+        let done = self.run_on(loader, names, opts, deliver, &stream, &mut buffers);
+        // Every copy queued ends before this returns, failed or not: the staging buffers are
+        // freed after it (their copies may go by raw address, which cudarc's event tracking
+        // does not see), and a caller that gave up its destinations on an error must not have
+        // them written afterwards.
+        let synced = stream
+            .synchronize()
+            .map_err(|e| cuda("cuStreamSynchronize", e));
+        let mut report = done?;
+        synced?;
+        report.seconds = report.started.elapsed().as_secs_f64();
+        report.staging_bytes = buffers.iter().flatten().map(|(b, _)| b.len() as u64).sum();
+        drop(buffers);
+        Ok(report)
+    }
+
+    /// [`LoadInto::run`]'s work, its copies queued on `stream` (not waited for).
+    fn run_on(
+        &self,
+        loader: &Loader,
+        names: &[&str],
+        opts: &LoadIntoOptions,
         mut deliver: impl FnMut(Delivery<'_>) -> Result<()>,
+        stream: &Arc<CudaStream>,
+        buffers: &mut [Option<(DeviceBuffer, u64)>; 2],
     ) -> Result<LoadIntoReport> {
         let started = Instant::now();
         let mut wanted: Vec<Vec<usize>> = vec![Vec::new(); self.files.len()];
@@ -206,19 +251,14 @@ impl LoadInto {
         }
         let stage = opts.staging_bytes.max(1 << 20);
         let gpu = loader.gpu();
-        gpu.context()
-            .bind_to_thread()
-            .map_err(|e| cuda("cuCtxSetCurrent", e))?;
-        let stream = gpu
-            .context()
-            .new_stream()
-            .map_err(|e| cuda("cuStreamCreate", e))?;
         // Every file's pieces first: the staging buffers are as large as the largest chunk.
         let mut planned = Vec::new();
         let mut tensors = 0usize;
         for (f, mut want) in wanted.into_iter().enumerate() {
             let (_, parsed) = &self.files[f];
-            want.sort_by_key(|&i| parsed.tensors[i].range.start);
+            // By offset, then index: an empty tensor shares its offset with the next one, and
+            // a name asked twice must end up next to itself to be dropped.
+            want.sort_unstable_by_key(|&i| (parsed.tensors[i].range.start, i));
             want.dedup();
             tensors += want.len();
             let pieces = pieces_of(parsed, &want, stage);
@@ -232,7 +272,6 @@ impl LoadInto {
             .map(chunk_len)
             .max()
             .unwrap_or(0);
-        let mut buffers: [Option<(DeviceBuffer, u64)>; 2] = [None, None];
         let mut done: [Option<gpufeed_cuda::cudarc::driver::CudaEvent>; 2] = [None, None];
         let (mut bytes, mut reads, mut k) = (0u64, Vec::new(), 0usize);
         for (parsed, pieces) in &planned {
@@ -273,7 +312,7 @@ impl LoadInto {
                             },
                         )?;
                         let address = {
-                            let (ptr, _record) = buffer.device_ptr(&stream);
+                            let (ptr, _record) = buffer.device_ptr(stream);
                             ptr
                         };
                         *none = Some((buffer, address));
@@ -292,7 +331,7 @@ impl LoadInto {
                         offset: p.offset,
                         bytes: buffer.slice(at..at + n),
                         address: address + at as u64,
-                        stream: &stream,
+                        stream,
                     })?;
                     at += n;
                     bytes += n as u64;
@@ -304,16 +343,15 @@ impl LoadInto {
                 );
             }
         }
-        stream
-            .synchronize()
-            .map_err(|e| cuda("cuStreamSynchronize", e))?;
-        let staging_bytes = buffers.iter().flatten().map(|(b, _)| b.len() as u64).sum();
+        // The copies out of the buffers end before they are freed: `run` waits for `stream`
+        // and fills in the time and the staging.
         Ok(LoadIntoReport {
             tensors,
             bytes,
-            seconds: started.elapsed().as_secs_f64(),
-            staging_bytes,
+            seconds: 0.0,
+            staging_bytes: 0,
             reads,
+            started,
         })
     }
 }
@@ -387,9 +425,9 @@ fn chunk_len(chunk: &[Piece]) -> usize {
 /// bytes), through [`LoadInto`] with `opts`.
 ///
 /// # Errors
-/// [`Error::NoTensor`] for a name the checkpoint lacks, [`Error::Load`] (out of bounds) for a
+/// [`Error::NoTensor`] for a name the checkpoint lacks, an error naming the tensor for a
 /// destination whose length is not the tensor's, before a byte moves; then
-/// [`LoadInto::run`]'s.
+/// [`LoadInto::run`]'s (a failed load leaves the destinations partly written).
 pub fn load_into(
     loader: &Loader,
     path: impl AsRef<Path>,

@@ -387,9 +387,13 @@ impl Prefetch {
             if state.left == 0 {
                 return Ok(None);
             }
-            // Following, nothing loads unasked: ask for the first item still pending (once).
+            // Following, nothing loads unasked: ask for the first item still pending (once;
+            // an ask for an item that has loaded since does not count).
             if state.follow
-                && state.demand.is_empty()
+                && !state
+                    .demand
+                    .iter()
+                    .any(|&d| matches!(state.status[d], Status::Pending))
                 && !state.status.iter().any(|s| matches!(s, Status::Loading))
                 && let Some(first) = state
                     .status

@@ -50,9 +50,10 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     and the others returned. The bytes go through two device staging buffers of
     ``staging_bytes`` each (default 512 MiB): device memory beyond yours is at most that, and
     each file's reads overlap the device copies out of the chunk before. Work queued on the
-    tensors' device by torch's current stream is waited for first; the tensors are ready on
-    every stream when this returns. A read that fails midway leaves the tensors written so far
-    (as a failed ``load_state_dict`` does).
+    tensors' device is waited for first; the tensors are ready on every stream when this
+    returns. A read that fails midway leaves the tensors written so far (as a failed
+    ``load_state_dict`` does), and no copy runs after the error is raised. A module's extra
+    state (``get_extra_state``) is left out of ``model=``.
 
         model = MyModel(config).to_empty(device="cuda:0")   # or built under torch.device
         missing, unexpected = gpufeed.load_into("model.safetensors.index.json", model=model)
@@ -65,9 +66,14 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
         )
     torch = _torch()
     if model is not None:
-        tensors = model.state_dict(keep_vars=True)
+        # A module's extra state (`get_extra_state`) is no tensor of a checkpoint.
+        tensors = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                   if isinstance(v, torch.Tensor)}
     by_dtype = _safetensors_dtypes(torch)
     names, ptrs, nbytes, dtypes, shapes = [], [], [], [], []
+    # The tensors written into, held here for the call (another thread may change `tensors`
+    # while the copies run).
+    held = []
     ordinal = None
     for name, t in tensors.items():
         # Cheap accessors only: this loop runs once per tensor (4,096 of them in a 4 GiB model
@@ -92,7 +98,11 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
             )
         dtype = by_dtype.get(t.dtype)
         if dtype is None:
-            raise SafetensorError(f"{name}: {t.dtype} has no safetensors dtype")
+            raise SafetensorError(
+                f"{name}: load_into does not write {t.dtype} tensors (packed types such as "
+                "float4_e2m1fn_x2 included): load them with safe_open(...).get_tensor"
+            )
+        held.append(t)
         names.append(name)
         ptrs.append(t.data_ptr())
         nbytes.append(t.nbytes)
@@ -111,11 +121,14 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
                 f"{len(keys)} tensors"
             )
         return IncompatibleKeys([], keys)
-    torch.cuda.current_stream(ordinal).synchronize()
+    # Work queued on the device into the destinations (on any stream) ends before the copies.
+    torch.cuda.synchronize(ordinal)
     try:
         missing, unexpected, _, _, _ = _gpufeed.load_into(
             path, ordinal, names, ptrs, nbytes, dtypes, shapes, strict, staging_bytes
         )
     except GpufeedError as e:
         raise _translated(e, path) from None
+    finally:
+        del held
     return IncompatibleKeys(missing, unexpected)
