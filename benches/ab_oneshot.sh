@@ -3,26 +3,29 @@
 # one-shot` children alternated N times (default 10) on one machine start, four kinds each
 # round (`load_file_on`, `safetensors::load_on`, a fresh Loader's first load of the file and of
 # the checkpoint), on a 4 GiB file of random bytes and a 4 GiB checkpoint, both warm; one JSON
-# line per child in $OUT/ab.jsonl (or /tmp), then medians (min-max) per kind and build.
+# line per child in $OUT/ab.jsonl (or ./ab.jsonl), then medians (min-max) per kind and build.
 #
 # Put the two binaries beside this script as `old` and `new` (stripped `gpufeed-bench`s: the
 # old one built in a worktree of the older commit, `cargo build --release -p gpufeed-benches`),
 # carry the folder to the GPU machine and run `N=10 bash ab.sh` there (needs torch and
 # safetensors for the checkpoint).
 set -u
-here="$(cd "$(dirname "$0")" && pwd)"; out="${OUT:-/tmp}"
+here="$(cd "$(dirname "$0")" && pwd)"; out="${OUT:-$PWD}"
 N="${N:-10}"
-f=/tmp/ab/file.bin; c=/tmp/ab/ckpt.safetensors
-mkdir -p /tmp/ab
-[ -f $f ] || python3 -c "
+# The data in a directory of this run's own (a fixed name in /tmp could be another user's, or
+# a link to somewhere else), removed at the end.
+data="$(mktemp -d "${TMPDIR:-/tmp}/gpufeed-ab.XXXXXX")" || exit 1
+trap 'rm -rf "$data"' EXIT
+f=$data/file.bin; c=$data/ckpt.safetensors
+python3 -c "
 import os,sys
 with open(sys.argv[1],'wb') as o:
-    for _ in range(64): o.write(os.urandom(64<<20))" $f
-[ -f $c ] || python3 -c "
+    for _ in range(64): o.write(os.urandom(64<<20))" $f || exit 1
+python3 -c "
 import sys,torch
 from safetensors.torch import save_file
 g=torch.Generator().manual_seed(5)
-save_file({f'w{i:02d}': torch.randn(32<<20, generator=g) for i in range(32)}, sys.argv[1])" $c
+save_file({f'w{i:02d}': torch.randn(32<<20, generator=g) for i in range(32)}, sys.argv[1])" $c || exit 1
 cat $f $c > /dev/null
 chmod +x "$here/old" "$here/new"
 for i in $(seq 1 "$N"); do

@@ -10,8 +10,9 @@
 //! staging to the caller's `deliver`, which queues its device-to-device copy on the stream it
 //! is given, and reuses a staging buffer only once the copies out of it are done: the reads
 //! of one chunk overlap the copies out of the chunk before. Device memory beyond the caller's
-//! is the two staging buffers. [`load_into`] is the whole of it for destinations that are
-//! cudarc slices.
+//! is the two staging buffers and what the driver takes with them (10 MiB beside two of 512
+//! MiB on the H200: docs/benchmarks.md, GPU run 146). [`load_into`] is the whole of it for
+//! destinations that are cudarc slices.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,7 @@ use gpufeed_load::{DeviceBuffer, LoadReport, Loader};
 use crate::error::{Error, Result};
 use crate::header::{HeaderEntry, Parsed};
 use crate::index::plan;
+use crate::source::merge_adjacent;
 
 /// How [`LoadInto::run`] stages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,7 +34,7 @@ use crate::index::plan;
 pub struct LoadIntoOptions {
     /// Bytes of each of the two device staging buffers: the most one read moves (a tensor
     /// larger than this arrives in pieces). Default 512 MiB, so 1 GiB of device memory beyond
-    /// the destinations.
+    /// the destinations, and what the driver takes with it.
     pub staging_bytes: usize,
 }
 
@@ -85,7 +87,6 @@ pub struct LoadIntoReport {
     pub staging_bytes: u64,
     /// Each chunk's read.
     pub reads: Vec<LoadReport>,
-    started: Instant,
 }
 
 impl LoadIntoReport {
@@ -203,6 +204,7 @@ impl LoadInto {
         opts: &LoadIntoOptions,
         deliver: impl FnMut(Delivery<'_>) -> Result<()>,
     ) -> Result<LoadIntoReport> {
+        let started = Instant::now();
         let _context = gpufeed_cuda::ContextGuard::new();
         let gpu = loader.gpu();
         gpu.context()
@@ -222,15 +224,21 @@ impl LoadInto {
         let synced = stream
             .synchronize()
             .map_err(|e| cuda("cuStreamSynchronize", e));
-        let mut report = done?;
+        let (tensors, bytes, reads) = done?;
         synced?;
-        report.seconds = report.started.elapsed().as_secs_f64();
-        report.staging_bytes = buffers.iter().flatten().map(|(b, _)| b.len() as u64).sum();
+        let staging_bytes = buffers.iter().flatten().map(|(b, _)| b.len() as u64).sum();
         drop(buffers);
-        Ok(report)
+        Ok(LoadIntoReport {
+            tensors,
+            bytes,
+            seconds: started.elapsed().as_secs_f64(),
+            staging_bytes,
+            reads,
+        })
     }
 
-    /// [`LoadInto::run`]'s work, its copies queued on `stream` (not waited for).
+    /// [`LoadInto::run`]'s work, its copies queued on `stream` (not waited for): the tensors
+    /// and bytes delivered, and each chunk's read.
     fn run_on(
         &self,
         loader: &Loader,
@@ -239,8 +247,7 @@ impl LoadInto {
         mut deliver: impl FnMut(Delivery<'_>) -> Result<()>,
         stream: &Arc<CudaStream>,
         buffers: &mut [Option<(DeviceBuffer, u64)>; 2],
-    ) -> Result<LoadIntoReport> {
-        let started = Instant::now();
+    ) -> Result<(usize, u64, Vec<LoadReport>)> {
         let mut wanted: Vec<Vec<usize>> = vec![Vec::new(); self.files.len()];
         for &name in names {
             let &(f, i) = self.by_name.get(name).ok_or_else(|| Error::NoTensor {
@@ -263,24 +270,24 @@ impl LoadInto {
             tensors += want.len();
             let pieces = pieces_of(parsed, &want, stage);
             if !pieces.is_empty() {
-                planned.push((parsed, pieces));
+                let chunks = chunks_of(&pieces, stage as u64);
+                planned.push((parsed, pieces, chunks));
             }
         }
         let size = planned
             .iter()
-            .flat_map(|(_, pieces)| chunks_of(pieces, stage as u64))
-            .map(chunk_len)
+            .flat_map(|(_, pieces, chunks)| chunks.iter().map(|c| chunk_len(&pieces[c.clone()])))
             .max()
             .unwrap_or(0);
         let mut done: [Option<gpufeed_cuda::cudarc::driver::CudaEvent>; 2] = [None, None];
         let (mut bytes, mut reads, mut k) = (0u64, Vec::new(), 0usize);
-        for (parsed, pieces) in &planned {
+        for (parsed, pieces, chunks) in &planned {
             let hull =
                 pieces.first().map_or(0, |p| p.span.start)..pieces.last().map_or(0, |p| p.span.end);
             let route = loader.choose_route(&parsed.file, hull);
-            for chunk in chunks_of(pieces, stage as u64) {
+            for chunk in chunks.iter().map(|c| &pieces[c.clone()]) {
                 let len = chunk_len(chunk);
-                let spans = merged(chunk);
+                let spans = merge_adjacent(chunk.iter().map(|p| p.span.clone()));
                 let b = k % 2;
                 k += 1;
                 if let Some(event) = done[b].take() {
@@ -343,16 +350,8 @@ impl LoadInto {
                 );
             }
         }
-        // The copies out of the buffers end before they are freed: `run` waits for `stream`
-        // and fills in the time and the staging.
-        Ok(LoadIntoReport {
-            tensors,
-            bytes,
-            seconds: 0.0,
-            staging_bytes: 0,
-            reads,
-            started,
-        })
+        // The copies out of the buffers end before they are freed: `run` waits for `stream`.
+        Ok((tensors, bytes, reads))
     }
 }
 
@@ -384,33 +383,21 @@ fn pieces_of(parsed: &Parsed, want: &[usize], stage: usize) -> Vec<Piece> {
     pieces
 }
 
-/// `pieces` in chunks of at most `stage` bytes, in order.
-fn chunks_of(pieces: &[Piece], stage: u64) -> Vec<&[Piece]> {
+/// `pieces` in chunks (ranges of indices) of at most `stage` bytes, in order.
+fn chunks_of(pieces: &[Piece], stage: u64) -> Vec<std::ops::Range<usize>> {
     let (mut chunks, mut from, mut size) = (Vec::new(), 0usize, 0u64);
     for (i, p) in pieces.iter().enumerate() {
         let n = p.span.end - p.span.start;
         if i > from && size + n > stage {
-            chunks.push(&pieces[from..i]);
+            chunks.push(from..i);
             (from, size) = (i, 0);
         }
         size += n;
     }
     if from < pieces.len() {
-        chunks.push(&pieces[from..]);
+        chunks.push(from..pieces.len());
     }
     chunks
-}
-
-/// The spans of `chunk`, merged where one ends where the next starts.
-fn merged(chunk: &[Piece]) -> Vec<std::ops::Range<u64>> {
-    let mut spans: Vec<std::ops::Range<u64>> = Vec::new();
-    for p in chunk {
-        match spans.last_mut() {
-            Some(last) if last.end == p.span.start => last.end = p.span.end,
-            _ => spans.push(p.span.clone()),
-        }
-    }
-    spans
 }
 
 /// The bytes of `chunk`.
@@ -487,9 +474,10 @@ mod tests {
             piece(2, 40, 45, 0),
             piece(3, 45, 75, 0),
         ];
-        let sizes: Vec<usize> = chunks_of(&pieces, 30).iter().map(|c| c.len()).collect();
-        assert_eq!(sizes, vec![2, 1, 1]);
-        let spans = merged(chunks_of(&pieces, 100)[0]);
+        assert_eq!(chunks_of(&pieces, 30), vec![0..2, 2..3, 3..4]);
+        let one = chunks_of(&pieces, 100);
+        assert_eq!(one, vec![0..4]);
+        let spans = merge_adjacent(pieces[one[0].clone()].iter().map(|p| p.span.clone()));
         assert_eq!(spans, vec![0..30, 40..75]);
         assert!(chunks_of(&[], 30).is_empty());
     }

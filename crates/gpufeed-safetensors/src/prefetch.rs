@@ -19,7 +19,7 @@ use gpufeed_cuda::DeviceAlloc;
 use gpufeed_load::{DeviceBuffer, Loader, RouteChoice};
 
 use crate::error::{Error, Result};
-use crate::source::PrefetchSource;
+use crate::source::{PrefetchSource, merge_adjacent};
 
 /// One range to load: bytes `span` of the file, placed in device memory at an offset that
 /// `align` divides (the element size of the tensor it holds, so that a typed view of the chunk
@@ -160,6 +160,13 @@ impl State {
             ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
             ahead: opts.ahead_bytes,
         }
+    }
+
+    /// Whether a caller asked for an item that has not started loading.
+    fn asked_pending(&self) -> bool {
+        self.demand
+            .iter()
+            .any(|&d| matches!(self.status[d], Status::Pending))
     }
 
     /// Whether the worker waits for callers to take what it loaded
@@ -390,10 +397,7 @@ impl Prefetch {
             // Following, nothing loads unasked: ask for the first item still pending (once;
             // an ask for an item that has loaded since does not count).
             if state.follow
-                && !state
-                    .demand
-                    .iter()
-                    .any(|&d| matches!(state.status[d], Status::Pending))
+                && !state.asked_pending()
                 && !state.status.iter().any(|s| matches!(s, Status::Loading))
                 && let Some(first) = state
                     .status
@@ -529,10 +533,7 @@ fn work(
                 if state.closed {
                     return;
                 }
-                let waiting = state
-                    .demand
-                    .iter()
-                    .any(|&d| matches!(state.status[d], Status::Pending));
+                let waiting = state.asked_pending();
                 let held = state.held();
                 // Following, a chunk loads ahead only once a caller took from the last one.
                 let unasked =
@@ -715,7 +716,7 @@ struct Layout {
 impl Layout {
     fn of(chunk: &[usize], items: &[PrefetchItem]) -> Layout {
         let mut offsets = Vec::with_capacity(chunk.len());
-        let mut spans: Vec<Range<u64>> = Vec::new();
+        let mut spans = Vec::with_capacity(chunk.len());
         let mut at = 0usize;
         for &i in chunk {
             let PrefetchItem { span, align } = &items[i];
@@ -725,17 +726,13 @@ impl Layout {
             // has too few bytes before it, the item goes unpadded (a caller checks offsets).
             let pad = (align - at % align) % align;
             let pad = if pad as u64 <= span.start { pad } else { 0 };
-            let from = span.start - pad as u64;
-            match spans.last_mut() {
-                Some(last) if last.end == from => last.end = span.end,
-                _ => spans.push(from..span.end),
-            }
+            spans.push(span.start - pad as u64..span.end);
             offsets.push(at + pad);
             at += pad + (span.end - span.start) as usize;
         }
         Layout {
             offsets,
-            spans,
+            spans: merge_adjacent(spans),
             len: at,
         }
     }

@@ -69,3 +69,16 @@ impl PrefetchSource {
         }
     }
 }
+
+/// `spans` in order, each merged into the one before where that ends where it starts: the
+/// reads of a load that takes them back to back.
+pub(crate) fn merge_adjacent(spans: impl IntoIterator<Item = Range<u64>>) -> Vec<Range<u64>> {
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for s in spans {
+        match out.last_mut() {
+            Some(last) if last.end == s.start => last.end = s.end,
+            _ => out.push(s),
+        }
+    }
+    out
+}

@@ -13,7 +13,7 @@ use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::error::{Error, Result};
 use crate::header::HeaderEntry;
 use crate::index::plan;
-use crate::source::PrefetchSource;
+use crate::source::{PrefetchSource, merge_adjacent};
 
 /// Along which dimension a tensor-parallel load ([`TensorParallel`]) cuts each tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -153,14 +153,11 @@ impl TensorParallel {
 
     /// The bytes of file `file` rank `rank` reads, back to back, adjacent spans merged.
     pub fn spans(&self, rank: usize, file: usize) -> Vec<Range<u64>> {
-        let mut out: Vec<Range<u64>> = Vec::new();
-        for s in self.shares(rank, file).iter().flat_map(|t| &t.spans) {
-            match out.last_mut() {
-                Some(last) if last.end == s.start => last.end = s.end,
-                _ => out.push(s.clone()),
-            }
-        }
-        out
+        merge_adjacent(
+            self.shares(rank, file)
+                .iter()
+                .flat_map(|t| t.spans.iter().cloned()),
+        )
     }
 
     /// Bytes rank `rank` holds, all files together.

@@ -48,8 +48,9 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     With ``strict`` (the default), a name the checkpoint lacks or a checkpoint tensor not
     asked for raises, as ``load_state_dict`` does; otherwise the tensors both have are written
     and the others returned. The bytes go through two device staging buffers of
-    ``staging_bytes`` each (default 512 MiB): device memory beyond yours is at most that, and
-    each file's reads overlap the device copies out of the chunk before. Work queued on the
+    ``staging_bytes`` each (default 512 MiB): device memory beyond yours is that and the
+    driver's share with it (10 MiB beside two of 512 MiB on an H200), and each file's reads
+    overlap the device copies out of the chunk before. Work queued on the
     tensors' device is waited for first; the tensors are ready on every stream when this
     returns. A read that fails midway leaves the tensors written so far (as a failed
     ``load_state_dict`` does), and no copy runs after the error is raised. A module's extra
