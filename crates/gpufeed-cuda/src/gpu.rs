@@ -96,6 +96,8 @@ pub(crate) fn link_gen(text: &str) -> Option<u32> {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     info: GpuInfo,
+    /// Buffers let go and kept for reuse ([`Gpu::keep_for_reuse`]), the device's.
+    pub(crate) kept: Arc<crate::kept::Kept>,
 }
 
 /// Where new device memory comes from ([`Gpu::alloc_filled`]).
@@ -154,7 +156,11 @@ impl Gpu {
         let info = info(ordinal, topology.as_ref())?;
         let ctx =
             CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
-        Ok(Gpu { ctx, info })
+        Ok(Gpu {
+            ctx,
+            info,
+            kept: crate::kept::for_device(ordinal),
+        })
     }
 
     /// Its facts.
@@ -196,7 +202,9 @@ impl Gpu {
     /// but freed synchronously when dropped, and never reused by the pool. For memory that
     /// lives long (weights loaded once at start-up); [`Gpu::alloc`] for memory freed and
     /// allocated again. The buffer is an ordinary cudarc `CudaSlice` (its stream-ordered free
-    /// accepts `cuMemAlloc` memory).
+    /// accepts `cuMemAlloc` memory). A buffer of exactly `len` bytes kept by
+    /// [`Gpu::keep_for_reuse`] is handed out first; where the device is full, kept memory is
+    /// given back and the allocation tried again.
     ///
     /// # Safety
     /// 1. Nothing reads the memory before it has been written (an upload fills it).
@@ -206,8 +214,10 @@ impl Gpu {
             return unsafe { self.alloc(0) };
         }
         self.check_events()?;
-        // SAFETY: a plain allocation; the caller's obligation covers its contents.
-        let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        if let Some(kept) = self.take_kept(len) {
+            return Ok(kept);
+        }
+        let ptr = self.malloc_or_release(len)?;
         // SAFETY: `ptr` is a live allocation of `len` bytes of this context, owned from here on
         // by the slice, whose drop frees it (stream-ordered, after its recorded uses).
         Ok(unsafe { self.default_stream().upgrade_device_ptr::<u8>(ptr, len) })

@@ -71,6 +71,7 @@
 mod crew;
 mod error;
 mod gpu;
+mod kept;
 pub mod kernels;
 mod nccl;
 mod peer;

@@ -106,6 +106,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoints::load_safetensors_files, m)?)?;
     m.add_function(wrap_pyfunction!(into::load_into, m)?)?;
     m.add_function(wrap_pyfunction!(reaper::_wait_for_frees, m)?)?;
+    m.add_function(wrap_pyfunction!(reaper::empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(machine::doctor, m)?)?;
     m.add_function(wrap_pyfunction!(machine::advise, m)?)?;
     Ok(())

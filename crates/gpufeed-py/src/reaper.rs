@@ -5,9 +5,17 @@
 //! per tensor. A load of 64 MiB or more waits for what is pending first
 //! ([`wait_idle_before`], which cuts the round's gathering short), so that memory a
 //! caller has let go is back before the next load asks for its own.
+//!
+//! A prefetch chunk let go whole is kept for reuse rather than freed
+//! (`Gpu::keep_for_reuse`): the next chunk of its length takes it at no cost, as torch's
+//! caching allocator serves its own tensors (a checkpoint loaded again in one process paid
+//! 18-21 ms of 200 for the freeing and allocating; docs/benchmarks.md, GPU run 139). What is
+//! kept is given back [`keep_for`] after the last buffer was kept (1 s;
+//! `GPUFEED_KEEP_FREED_MS`, 0 to free at once), by `gpufeed.empty_cache()`, or by an
+//! allocation that finds the device full.
 
-use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -15,12 +23,50 @@ use pyo3::prelude::*;
 
 use crate::array::Storage;
 
+/// Waits for `gpu`'s queued work; `false` where that failed.
+fn synchronize(gpu: &gpufeed::Gpu) -> bool {
+    match gpu.context().synchronize() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "synchronizing before freeing device memory failed");
+            false
+        }
+    }
+}
+
 /// Waits for `gpu`'s queued work, then frees `storage`.
 fn free_after_queued_work(gpu: &gpufeed::Gpu, storage: Storage) {
-    if let Err(e) = gpu.context().synchronize() {
-        tracing::warn!(error = %e, "synchronizing before freeing device memory failed");
-    }
+    synchronize(gpu);
     drop(storage);
+}
+
+/// How long what the reaper kept for reuse stays kept after the last buffer it kept:
+/// `GPUFEED_KEEP_FREED_MS` (1000 by default; 0: nothing is kept).
+pub(crate) fn keep_for() -> Duration {
+    static KEEP: OnceLock<Duration> = OnceLock::new();
+    *KEEP.get_or_init(|| {
+        let ms = std::env::var("GPUFEED_KEEP_FREED_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(1000);
+        Duration::from_millis(ms)
+    })
+}
+
+/// Keeps `storage` for reuse where it is a prefetch chunk nobody else holds (`true`), else
+/// frees it; only once the device's work queued before it was let go is done (its tensors'
+/// kernels read it by address, unseen by cudarc).
+fn keep_or_free(gpu: &gpufeed::Gpu, storage: Storage) -> bool {
+    match storage {
+        Storage::Chunk(chunk) if !keep_for().is_zero() => match Arc::try_unwrap(chunk) {
+            Ok(buf) => gpu.keep_for_reuse(buf),
+            Err(_shared) => false,
+        },
+        other => {
+            drop(other);
+            false
+        }
+    }
 }
 
 type Item = (gpufeed::Gpu, Storage);
@@ -42,6 +88,29 @@ struct Reaper {
     /// Items handed over and not yet freed.
     pending: Mutex<usize>,
     idle: Condvar,
+    /// The GPUs it kept memory of, and when it last kept some.
+    kept: Arc<Mutex<Kept>>,
+}
+
+#[derive(Default)]
+struct Kept {
+    on: Vec<gpufeed::Gpu>,
+    last: Option<Instant>,
+}
+
+impl Kept {
+    /// Gives back what the GPUs keep; returns the bytes.
+    fn release(&mut self) -> u64 {
+        self.last = None;
+        let mut bytes = 0;
+        for gpu in self.on.drain(..) {
+            match gpu.release_kept() {
+                Ok(n) => bytes += n,
+                Err(e) => tracing::warn!(error = %e, "giving back kept device memory"),
+            }
+        }
+        bytes
+    }
 }
 
 fn reaper() -> Option<&'static Reaper> {
@@ -49,21 +118,48 @@ fn reaper() -> Option<&'static Reaper> {
     REAPER
         .get_or_init(|| {
             let (tx, rx) = channel::<Msg>();
+            let kept = Arc::new(Mutex::new(Kept::default()));
+            let kept_here = Arc::clone(&kept);
             std::thread::Builder::new()
                 .name("gpufeed-free".into())
-                .spawn(move || run(&rx))
+                .spawn(move || run(&rx, &kept_here))
                 .ok()
                 .map(|_| Reaper {
                     tx: Mutex::new(tx),
                     pending: Mutex::new(0),
                     idle: Condvar::new(),
+                    kept,
                 })
         })
         .as_ref()
 }
 
-fn run(rx: &Receiver<Msg>) {
-    while let Ok(first) = rx.recv() {
+/// The next message; while memory is kept, what is kept is given back once [`keep_for`]
+/// passed since it last kept some. `None`: the channel closed.
+fn next(rx: &Receiver<Msg>, kept: &Mutex<Kept>) -> Option<Msg> {
+    loop {
+        let last = kept.lock().last;
+        let Some(last) = last else {
+            return rx.recv().ok();
+        };
+        match rx.recv_timeout((last + keep_for()).saturating_duration_since(Instant::now())) {
+            Ok(msg) => return Some(msg),
+            Err(RecvTimeoutError::Disconnected) => return None,
+            Err(RecvTimeoutError::Timeout) => {
+                let mut kept = kept.lock();
+                // Kept again meanwhile (a `keep` is only made on this thread, but
+                // `empty_cache` may have released): wait on.
+                if kept.last.is_some_and(|l| l + keep_for() <= Instant::now()) {
+                    let bytes = kept.release();
+                    tracing::debug!(bytes, "kept device memory given back");
+                }
+            }
+        }
+    }
+}
+
+fn run(rx: &Receiver<Msg>, kept: &Mutex<Kept>) {
+    while let Some(first) = next(rx, kept) {
         let Msg::Free(first) = first else {
             continue; // nothing pending to hurry
         };
@@ -79,18 +175,37 @@ fn run(rx: &Receiver<Msg>) {
         }
         let n = round.len();
         let began = Instant::now();
-        let mut synced: Vec<usize> = Vec::new();
+        // Each GPU's queued work once per round (`Some(done)` once tried).
+        let mut synced: Vec<(usize, bool)> = Vec::new();
+        let mut kept_any = false;
         for (gpu, storage) in round {
             let ordinal = gpu.info().ordinal;
-            if synced.contains(&ordinal) {
+            let done = match synced.iter().find(|(o, _)| *o == ordinal) {
+                Some(&(_, done)) => done,
+                None => {
+                    let done = synchronize(&gpu);
+                    synced.push((ordinal, done));
+                    done
+                }
+            };
+            if !done {
                 drop(storage);
-            } else {
-                synced.push(ordinal);
-                free_after_queued_work(&gpu, storage);
+                continue;
+            }
+            // The work queued before it was let go is done (synchronized above, after it was
+            // handed over).
+            if keep_or_free(&gpu, storage) {
+                kept_any = true;
+                let mut k = kept.lock();
+                k.last = Some(Instant::now());
+                if !k.on.iter().any(|g| g.info().ordinal == ordinal) {
+                    k.on.push(gpu);
+                }
             }
         }
         tracing::debug!(
             buffers = n,
+            kept = kept_any,
             ms = began.elapsed().as_secs_f64() * 1e3,
             "device memory freed"
         );
@@ -154,8 +269,19 @@ pub(super) fn wait_idle() {
 
 /// Waits until device memory let go by dropped arrays and tensors is freed (it is freed on a
 /// thread after the work queued on the device; loads of 64 MiB and more wait for it
-/// themselves).
+/// themselves) or kept for reuse.
 #[pyfunction]
 pub(crate) fn _wait_for_frees(py: Python<'_>) {
     py.detach(wait_idle);
+}
+
+/// Gives the device memory that gpufeed keeps for reuse back to the devices now (what
+/// `torch.cuda.empty_cache()` does for torch's): after waiting for what was let go, the
+/// prefetch chunks kept since. Returns the bytes given back.
+#[pyfunction]
+pub(crate) fn empty_cache(py: Python<'_>) -> u64 {
+    py.detach(|| {
+        wait_idle();
+        reaper().map_or(0, |r| r.kept.lock().release())
+    })
 }

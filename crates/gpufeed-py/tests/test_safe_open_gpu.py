@@ -787,3 +787,116 @@ def test_taking_a_landed_tensor_mid_iteration_loses_nothing():
             assert sorted(out) == sorted(tensors)
             for name, t in out.items():
                 assert_same(torch, t, want[name], f"{name}, from a thread")
+
+
+_KEEP_CHILD = r"""
+import json, sys, time
+import torch, gpufeed
+from safetensors.torch import save_file
+
+path, sleep = sys.argv[1], float(sys.argv[2])
+g = torch.Generator().manual_seed(5)
+tensors = {f"t{i:02}": torch.randn(1000 + 37 * i, 1031, generator=g) for i in range(24)}
+save_file(tensors, path)
+want = {k: v.cuda() for k, v in tensors.items()}
+size = sum(v.numel() * 4 for v in tensors.values())
+wait = gpufeed._gpufeed._wait_for_frees
+
+
+def free():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # torch's own cache (the comparisons' temporaries) aside
+    return torch.cuda.mem_get_info(0)[0]
+
+
+def load(method):
+    with gpufeed.safe_open(path, framework="pt", device="cuda:0") as f:
+        if method == "prefetch":
+            return dict(f.prefetch())
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def same(got, names=None):
+    names = sorted(want) if names is None else names
+    return sorted(got) == names and all(
+        torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in names)
+
+
+# What the first load and comparison make for good (the loader's resources, the code of
+# torch's kernels, loaded on first use) is not what is measured.
+first = load("prefetch")
+assert same(first)
+del first
+wait()
+gpufeed.empty_cache()
+start = free()
+out = {"size": size}
+for method in ("prefetch", "get_tensor"):
+    a = load(method)
+    r = {"first": same(a), "ptrs_a": sorted(t.data_ptr() for t in a.values())}
+    del a
+    wait()
+    r["kept"] = start - free()
+    b = load(method)
+    r["again"] = same(b)
+    r["ptrs_b"] = sorted(t.data_ptr() for t in b.values())
+    held = b.pop("t03")
+    del b
+    wait()
+    c = load(method)
+    # the held tensor's chunk is never handed out again while it lives
+    r["held_intact"] = same({"t03": held}, ["t03"])
+    r["third"] = same(c)
+    r["held_shared"] = held.data_ptr() in {t.data_ptr() for t in c.values()}
+    del c, held
+    wait()
+    out[method] = r
+time.sleep(sleep)
+out["released"] = gpufeed.empty_cache()
+out["left"] = start - free()
+print(json.dumps(out))
+"""
+
+
+def _keep_child(path, keep_ms, sleep=0.0):
+    env = dict(os.environ)
+    env.pop("GPUFEED_KEEP_FREED_MS", None)
+    if keep_ms is not None:
+        env["GPUFEED_KEEP_FREED_MS"] = str(keep_ms)
+    env.pop("GPUFEED_PATCH_SAFETENSORS", None)
+    run = subprocess.run([sys.executable, "-c", _KEEP_CHILD, path, str(sleep)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"child failed ({keep_ms} ms):\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_chunks_let_go_are_kept_for_the_next_load_and_given_back():
+    """A reload in one process reuses the chunks the last load let go (the same addresses,
+    the bytes filled anew and equal), a chunk still held by a tensor is never handed out
+    again, and what is kept goes back to the device by ``gpufeed.empty_cache()``, after
+    ``GPUFEED_KEEP_FREED_MS`` on its own, or at once where that is 0."""
+    torch_on_gpu()
+    safetensors_own()
+    mib = 1 << 20
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "keep.safetensors")
+        for keep_ms, sleep in ((None, 0.0), (0, 0.0), (300, 1.5)):
+            got = _keep_child(path, keep_ms, sleep)
+            size = got["size"]
+            for method in ("prefetch", "get_tensor"):
+                r, what = got[method], f"{method}, GPUFEED_KEEP_FREED_MS={keep_ms}"
+                assert r["first"] and r["again"] and r["third"], f"{what}: other bytes: {r}"
+                assert r["held_intact"], f"{what}: a held tensor was overwritten by a reload"
+                assert not r["held_shared"], f"{what}: a held tensor's memory handed out again"
+                if keep_ms == 0:
+                    assert r["kept"] < 64 * mib, f"{what}: {r['kept'] // mib} MiB kept"
+                else:
+                    assert r["kept"] >= size * 9 // 10, (
+                        f"{what}: {r['kept'] // mib} MiB of {size // mib} kept")
+                    assert r["ptrs_b"] == r["ptrs_a"], f"{what}: the reload took new memory"
+            if keep_ms is None:
+                assert got["released"] >= size, f"empty_cache gave back {got['released']}"
+            else:
+                # 0: nothing kept; 300 ms: given back on its own during the 1.5 s sleep
+                assert got["released"] == 0, f"{keep_ms} ms: {got['released']} still kept"
+            assert got["left"] < 64 * mib, f"{keep_ms} ms: {got['left'] // mib} MiB not back"

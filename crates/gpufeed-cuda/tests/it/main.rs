@@ -14,3 +14,14 @@ pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
 }
 
 pub use gpufeed_testkit::random_bytes;
+
+/// Held by the tests that measure the device's free memory, so that none of them allocates
+/// gigabytes while another measures (the others' allocations are within their margins).
+pub static DEVICE_MEMORY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// [`DEVICE_MEMORY`], whatever a test that held it before did.
+pub fn measuring_device_memory() -> std::sync::MutexGuard<'static, ()> {
+    DEVICE_MEMORY
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -8,7 +8,7 @@ use gpufeed_os::{FileMap, MapMode};
 use gpufeed_pinned::{HostRegistration, PinnedBuffer};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::{gpu_or_skip, random_bytes};
+use crate::{gpu_or_skip, measuring_device_memory, random_bytes};
 
 fn config(streams: usize, chunk: usize) -> TransferOptions {
     TransferOptions::default()
@@ -290,6 +290,7 @@ fn device_memory_from_cumemalloc_holds_bytes_and_is_freed_on_drop() {
         return;
     };
     // The margins below absorb the allocations of the tests running meanwhile.
+    let _measuring = measuring_device_memory();
     let len = (8usize << 30) + 4099;
     gpu.context().bind_to_thread().expect("bind");
     let (free_before, _) = result::mem_get_info().expect("mem info");
@@ -341,6 +342,7 @@ fn a_shared_pool_fills_shares_and_keeps_its_memory_until_dropped() {
         gpu.context().bind_to_thread().expect("bind");
         result::mem_get_info().expect("mem info").0
     };
+    let _measuring = measuring_device_memory();
     let free_start = free();
     let pool = SharedPool::new(&gpu).expect("a GPU machine's driver shares pools");
     let fd = pool.export().expect("export");
@@ -567,4 +569,79 @@ fn pooled_uploads_not_waited_for_arrive_byte_for_byte() {
             });
         }
     });
+}
+
+/// Memory let go with `keep_for_reuse` comes back to the next unpooled allocation of its exact
+/// length (the same address, filled anew byte for byte), not to one of another length; kept
+/// memory stays taken from the device until `release_kept` gives it back.
+#[test]
+fn kept_memory_serves_the_next_allocation_of_its_length_and_is_given_back() {
+    use gpufeed_cuda::DeviceAlloc;
+    use gpufeed_cuda::cudarc::driver::{DevicePtr, result};
+    let test = "kept_memory_serves_the_next_allocation_of_its_length_and_is_given_back";
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    let free = || {
+        gpu.context().synchronize().expect("sync");
+        gpu.context().bind_to_thread().expect("bind");
+        result::mem_get_info().expect("mem info").0
+    };
+    let address = |b: &gpufeed_cuda::cudarc::driver::CudaSlice<u8>| {
+        let (ptr, guard) = b.device_ptr(b.stream());
+        drop(guard);
+        ptr
+    };
+    let sched = TransferScheduler::new(&gpu, config(2, 1 << 20)).expect("scheduler");
+    let len = (3usize << 30) + 4099;
+    let first = random_bytes(len, 44);
+    let _measuring = measuring_device_memory();
+    let free_start = free();
+    let (buf, _) = gpu
+        .alloc_filled(len, DeviceAlloc::Unpooled, |dst| {
+            sched.upload(HostSource::Pageable(&first), dst, 0)
+        })
+        .expect("load");
+    let at = address(&buf);
+    free();
+    assert!(gpu.keep_for_reuse(buf), "3 GiB of a large device kept");
+    assert!(
+        !gpu.keep_for_reuse(gpu.alloc_zeroed(0).expect("empty")),
+        "an empty buffer is not kept"
+    );
+    assert_eq!(gpu.kept_bytes(), len as u64);
+    let free_kept = free();
+    assert!(
+        free_start.saturating_sub(free_kept) >= 2 << 30,
+        "kept memory stays taken: {free_start} -> {free_kept}"
+    );
+    // Another length does not take it.
+    let (other, _) = gpu
+        .alloc_filled(len - 1, DeviceAlloc::Unpooled, |dst| {
+            sched.upload(HostSource::Pageable(&first[1..]), dst, 0)
+        })
+        .expect("load");
+    assert_ne!(address(&other), at, "a buffer of another length reused");
+    assert_eq!(gpu.kept_bytes(), len as u64);
+    drop(other);
+    // Its length does, and holds the new bytes.
+    let second = random_bytes(len, 45);
+    let (again, _) = gpu
+        .alloc_filled(len, DeviceAlloc::Unpooled, |dst| {
+            sched.upload(HostSource::Pageable(&second), dst, 0)
+        })
+        .expect("load");
+    assert_eq!(address(&again), at, "the kept buffer was not reused");
+    assert_eq!(gpu.kept_bytes(), 0);
+    check_on_device(&gpu, &sched, &again, &second, "a kept buffer filled again");
+    // Kept again and given back: the device has it.
+    assert!(gpu.keep_for_reuse(again));
+    assert_eq!(gpu.release_kept().expect("release"), len as u64);
+    assert_eq!(gpu.kept_bytes(), 0);
+    let free_end = free();
+    assert!(
+        free_end.saturating_sub(free_kept) >= 2 << 30,
+        "given back: {free_kept} -> {free_end}"
+    );
+    assert_eq!(gpu.release_kept().expect("release"), 0, "nothing left");
 }

@@ -35,6 +35,7 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
     __version__,
     advise,
     doctor,
+    empty_cache,
 )
 from . import torch  # noqa: F401  (gpufeed.torch.load_file)
 from ._into import IncompatibleKeys, load_into
@@ -58,6 +59,7 @@ __all__ = [
     "advise",
     "as_tensor",
     "doctor",
+    "empty_cache",
     "fetch_objects",
     "is_patched",
     "load_file",

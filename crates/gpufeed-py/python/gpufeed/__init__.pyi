@@ -22,6 +22,7 @@ from ._gpufeed import RegisteredFile as RegisteredFile
 from ._gpufeed import __version__ as __version__
 from ._gpufeed import advise as advise
 from ._gpufeed import doctor as doctor
+from ._gpufeed import empty_cache as empty_cache
 from . import torch as torch
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "advise",
     "as_tensor",
     "doctor",
+    "empty_cache",
     "fetch_objects",
     "is_patched",
     "load_file",

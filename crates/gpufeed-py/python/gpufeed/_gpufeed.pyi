@@ -46,6 +46,7 @@ __all__ = [
     "load_safetensors_files",
     "load_into",
     "_wait_for_frees",
+    "empty_cache",
     "doctor",
     "advise",
 ]
@@ -233,6 +234,13 @@ def load_tensor_parallel_rank_files(
     path: _Path, dim: int
 ) -> tuple[list[_FileTensors], int, int]: ...
 def _wait_for_frees() -> None: ...
+def empty_cache() -> int:
+    """Gives the device memory gpufeed keeps for reuse back to the devices now and returns
+    its bytes (what ``torch.cuda.empty_cache()`` does for torch's). Prefetch chunks (of
+    ``safe_open``'s ``get_tensor`` and ``prefetch``) let go whole are kept for the next chunk
+    of the same length, and given back one second after the last was kept
+    (``GPUFEED_KEEP_FREED_MS``; 0: never kept) or when an allocation finds the device full."""
+    ...
 
 class _Check(TypedDict):
     name: str
