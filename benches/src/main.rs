@@ -14,6 +14,7 @@ mod hybrid;
 mod ipc;
 mod limits;
 mod loader;
+mod models;
 mod multi;
 mod objects;
 mod oneshot;

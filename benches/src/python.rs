@@ -3,7 +3,9 @@
 //! package's targets are stated at) and on the same bytes in 10,000 tensors, with a reused
 //! loader and in fresh processes, plus the cost of each tensor (10,000 x 16 KiB against
 //! 10 x 16,000 KiB), and tensors loaded one at a time (`gpufeed.safe_open` against
-//! safetensors' `safe_open`). Measured by `benches/peers/peers.py --python-checkpoints`.
+//! safetensors' `safe_open`). Measured by `benches/peers/peers.py --python-checkpoints`; the
+//! drop-in rows by `benches/peers/dropin.py`, the model rows by `benches/peers/models.py`
+//! ([`crate::models`]).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -56,6 +58,9 @@ pub struct PythonBench {
     /// The drop-in rows (`benches/peers/dropin.py`): per checkpoint, each way a framework
     /// loads it, in fresh processes and loaded again in one.
     pub dropin: Vec<DropinFile>,
+    /// The model rows (`benches/peers/models.py`): a sharded Llama-architecture model made
+    /// ready by transformers and by gpufeed.
+    pub models: crate::models::ModelsBench,
     /// Parts that did not run, with the reason.
     pub errors: Vec<(String, String)>,
 }
@@ -212,6 +217,7 @@ pub fn measure(
             rows: vec![("dropin.py".to_owned(), Err(format!("{e:#}")))],
         }]
     });
+    let models = crate::models::measure(dir, reps, scale, &mut progress);
     let mut errors = Vec::new();
     let mut get = |key: &str| -> Option<Samples> {
         let v = out.get(key).or_else(|| out.get("peers"));
@@ -252,6 +258,7 @@ pub fn measure(
             "safetensors safe_open fresh with context",
         ),
         dropin,
+        models,
         errors,
     }))
 }
@@ -411,6 +418,7 @@ pub fn table(s: &mut String, v: &PythonBench) {
         let _ = writeln!(s, "\n{what}: did not run: {why}");
     }
     dropin_table(s, &v.dropin);
+    crate::models::table(s, &v.models);
 }
 
 /// The drop-in rows: each way a framework loads a checkpoint to `cuda:0`, in one table per

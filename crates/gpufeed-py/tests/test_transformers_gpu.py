@@ -1,7 +1,8 @@
-"""transformers' ``from_pretrained`` with ``gpufeed.patch_safetensors()``: a small
-Llama-architecture model saved sharded by ``save_pretrained`` loads with bit-identical
-parameters and logits, on the GPU, whether safetensors or gpufeed reads the shards (and the
-patch really routed the reads).
+"""transformers' ``from_pretrained`` with ``gpufeed.patch_safetensors()``, and
+``gpufeed.transformers.from_pretrained``: a small Llama-architecture model saved sharded by
+``save_pretrained`` loads with bit-identical parameters and logits, on the GPU, whether
+safetensors or gpufeed reads the shards (and the patch really routed the reads); tied and
+untied, in the checkpoint's dtype and cast to another.
 
 Skipped (with the reason) without torch, transformers or a GPU, unless
 ``GPUFEED_REQUIRE_GPU=1`` (the GPU machine), where that is a failure."""
@@ -27,8 +28,16 @@ if os.environ.get("ROUTE") == "gpufeed":
         opened.append(a[0] if a else k.get("filename"))
         real_init(self, *a, **k)
     so.safe_open.__init__ = counting
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map="cuda:0")
+dtype = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
+if os.environ.get("ROUTE") == "gpufeed.transformers":
+    import gpufeed.transformers
+    model = gpufeed.transformers.from_pretrained(sys.argv[1], device="cuda:0", dtype=dtype)
+    assert not model.training
+    assert all(p.device == torch.device("cuda:0") for p in model.parameters())
+    assert all(b.device == torch.device("cuda:0") for b in model.buffers())
+else:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=dtype, device_map="cuda:0")
 ids = torch.arange(32, device="cuda:0").reshape(1, 32) % model.config.vocab_size
 with torch.no_grad():
     logits = model(ids).logits.float().cpu()
@@ -54,36 +63,62 @@ def requirements():
     pytest.skip(reason)
 
 
-def test_from_pretrained_through_gpufeed_is_bit_identical():
-    torch = requirements()
+def _save(torch, directory, tie):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = LlamaConfig(vocab_size=1013, hidden_size=192, intermediate_size=517,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    saved = os.path.join(directory, f"model-{tie}")
+    model.save_pretrained(saved, max_shard_size="1MB")
+    shards = [n for n in os.listdir(saved) if n.endswith(".safetensors")]
+    assert len(shards) > 1, f"a sharded save: {shards}"
+    return saved, shards
+
+
+def _run(torch, directory, saved, route, dtype="bfloat16"):
+    """The state and logits of the model loaded by ``route`` in a fresh process, and what it
+    printed."""
+    out = os.path.join(directory, f"{route}-{dtype}.pt")
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUFEED_PATCH_SAFETENSORS", "DTYPE")}
+    run = subprocess.run([sys.executable, "-c", SCRIPT, saved, out],
+                         env={**env, "ROUTE": route, "DTYPE": dtype}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"{route}: {run.stderr[-3000:]}"
+    return torch.load(out), run.stdout
+
+
+def _assert_same(torch, a, b, what):
+    assert sorted(a["state"]) == sorted(b["state"]), what
+    for k in a["state"]:
+        x, y = a["state"][k], b["state"][k]
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: {k}"
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x,
+                           y.view(torch.uint8) if y.dtype != torch.bool else y), f"{what}: {k}"
+    assert torch.equal(a["logits"], b["logits"]), f"{what}: logits differ"
+
+
+def test_from_pretrained_through_gpufeed_is_bit_identical():
+    torch = requirements()
     with tempfile.TemporaryDirectory() as d:
-        config = LlamaConfig(vocab_size=1013, hidden_size=192, intermediate_size=517,
-                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-        saved = os.path.join(d, "model")
-        model.save_pretrained(saved, max_shard_size="1MB")
-        shards = [n for n in os.listdir(saved) if n.endswith(".safetensors")]
-        assert len(shards) > 1, f"a sharded save: {shards}"
-        outs = {}
-        env = {k: v for k, v in os.environ.items() if k != "GPUFEED_PATCH_SAFETENSORS"}
-        for route in ("safetensors", "gpufeed"):
-            out = os.path.join(d, f"{route}.pt")
-            run = subprocess.run([sys.executable, "-c", SCRIPT, saved, out],
-                                 env={**env, "ROUTE": route}, capture_output=True, text=True,
-                                 timeout=600)
-            assert run.returncode == 0, run.stderr[-3000:]
-            if route == "gpufeed":
-                opened = int(run.stdout.strip().splitlines()[-1].split(":")[1].strip(" }"))
-                assert opened >= len(shards), f"gpufeed opened {opened} of {len(shards)} shards"
-            outs[route] = torch.load(out)
-        a, b = outs["safetensors"], outs["gpufeed"]
-        assert sorted(a["state"]) == sorted(b["state"])
-        for k in a["state"]:
-            x, y = a["state"][k], b["state"][k]
-            assert x.dtype == y.dtype and x.shape == y.shape, k
-            assert torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x,
-                               y.view(torch.uint8) if y.dtype != torch.bool else y), k
-        assert torch.equal(a["logits"], b["logits"]), "logits differ"
+        saved, shards = _save(torch, d, tie=False)
+        own, _ = _run(torch, d, saved, "safetensors")
+        routed, printed = _run(torch, d, saved, "gpufeed")
+        opened = int(printed.strip().splitlines()[-1].split(":")[1].strip(" }"))
+        assert opened >= len(shards), f"gpufeed opened {opened} of {len(shards)} shards"
+        _assert_same(torch, own, routed, "patched safetensors")
+
+
+def test_gpufeed_transformers_from_pretrained_is_bit_identical():
+    """``gpufeed.transformers.from_pretrained`` against transformers' own, tied and untied, in
+    the checkpoint's dtype and cast to float16 and float32 on the way."""
+    torch = requirements()
+    with tempfile.TemporaryDirectory() as d:
+        for tie in (False, True):
+            saved, _ = _save(torch, d, tie)
+            for dtype in ("bfloat16", "float16", "float32"):
+                own, _ = _run(torch, d, saved, "safetensors", dtype)
+                ours, _ = _run(torch, d, saved, "gpufeed.transformers", dtype)
+                _assert_same(torch, own, ours, f"tie={tie}, {dtype}")

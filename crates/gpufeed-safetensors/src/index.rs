@@ -127,16 +127,24 @@ pub(crate) fn check_one_save(
     })
 }
 
-/// Loads the data sections of a planned checkpoint, one bulk transfer per file.
+/// Loads the data sections of a planned checkpoint, one bulk transfer per file. Where its
+/// memory comes from is decided once for all the files (the loader's first load: every shard
+/// from `cuMemAlloc`, not the first alone with the rest growing the context's pool at 2-3 ms
+/// per GiB, and the pool's first allocation 7-10 ms; docs/benchmarks.md, GPU runs 8 and 136).
 pub(crate) fn load_planned(loader: &Loader, path: &Path, plan: Plan) -> Result<Checkpoint> {
+    let total: u64 = plan.files.iter().map(|(_, p)| p.data_len).sum();
+    let from = loader.device_alloc(total as usize);
     let (mut layouts, mut buffers, mut reports) = (Vec::new(), Vec::new(), Vec::new());
     for (file, parsed) in plan.files {
         // Through the descriptor whose header was read: the data comes from that version of the
         // file (the loader checks on it after the copies that it was not written meanwhile).
-        let (buffer, report) = loader.load_spans_of(
-            &parsed.file,
-            std::slice::from_ref(&(parsed.data_start..parsed.data_start + parsed.data_len)),
-        )?;
+        let span = parsed.data_start..parsed.data_start + parsed.data_len;
+        let (buffer, report) =
+            loader
+                .gpu()
+                .alloc_filled(parsed.data_len as usize, from, |dst| {
+                    loader.load_spans_to(&parsed.file, std::slice::from_ref(&span), dst, None)
+                })?;
         layouts.push(FileLayout {
             path: file,
             data_start: parsed.data_start,

@@ -1,0 +1,153 @@
+//! Table 10's model rows (with table 10, on the GPU machine): a Llama-architecture model saved
+//! by transformers in shards (hidden 4096, 16 layers, 6.2 GB in bfloat16, 4 shards at full
+//! scale), made ready on `cuda:0` in fresh processes by transformers' `from_pretrained` and by
+//! `gpufeed.transformers.from_pretrained`, beside `gpufeed.load_safetensors` of the shards'
+//! index and of one file of the same tensors. Measured by `benches/peers/models.py`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::util::{Samples, show_size};
+
+/// The model rows' figures.
+#[derive(Debug, Serialize)]
+pub struct ModelsBench {
+    /// Bytes of the shards together.
+    pub bytes: u64,
+    /// Shard files.
+    pub shards: usize,
+    /// Method, then seconds and GB/s in fresh processes (after torch's context) and the
+    /// digests of the models made (logits of a fixed input and every parameter's bytes); or
+    /// why it did not run.
+    pub rows: Vec<(String, Result<ModelRow, String>)>,
+}
+
+/// One way of making the model ready, measured.
+#[derive(Debug, Serialize)]
+pub struct ModelRow {
+    pub seconds: Samples,
+    pub gbps: Samples,
+    pub digests: Vec<String>,
+}
+
+/// The layers of the model at `scale` of the GPU machine's 8 GiB drop-in files (16 at 1.0).
+fn layers(scale: f64) -> usize {
+    ((16.0 * scale).round() as usize).clamp(1, 16)
+}
+
+/// Makes the model under `dir` (once) and measures its rows.
+pub fn measure(
+    dir: &Path,
+    reps: usize,
+    scale: f64,
+    progress: &mut impl FnMut(&str),
+) -> ModelsBench {
+    let layers = layers(scale);
+    let model_dir = dir.join(format!("llama-{layers}-layers"));
+    progress("table 10: a sharded Llama-architecture model, from_pretrained (models.py)");
+    let out = crate::gpu::run_script(
+        Path::new("benches/peers/models.py"),
+        &[
+            reps.to_string(),
+            model_dir.display().to_string(),
+            layers.to_string(),
+        ],
+    );
+    let mut rows = Vec::new();
+    match out.get("rows").and_then(|r| r.as_object()) {
+        Some(listed) => {
+            for (method, v) in listed {
+                let samples = |key: &str| {
+                    v.get(key)
+                        .and_then(|x| x.as_array())
+                        .map(|runs| Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect()))
+                };
+                let row = match (samples("seconds"), samples("gbps")) {
+                    (Some(seconds), Some(gbps)) => Ok(ModelRow {
+                        seconds,
+                        gbps,
+                        digests: v
+                            .get("digest")
+                            .and_then(|d| d.as_array())
+                            .map(|d| {
+                                d.iter()
+                                    .filter_map(|x| x.as_str().map(str::to_owned))
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    }),
+                    _ => Err(v
+                        .get("error")
+                        .and_then(|e| e.as_str())
+                        .unwrap_or("no figure")
+                        .to_owned()),
+                };
+                rows.push((method.clone(), row));
+            }
+        }
+        None => {
+            let why = out
+                .get("peers")
+                .and_then(|p| p.get("error"))
+                .and_then(|e| e.as_str())
+                .unwrap_or("no rows in the script's output");
+            rows.push(("models.py".to_owned(), Err(why.to_owned())));
+        }
+    }
+    ModelsBench {
+        bytes: out.get("bytes").and_then(|b| b.as_u64()).unwrap_or(0),
+        shards: out.get("shards").and_then(|b| b.as_u64()).unwrap_or(0) as usize,
+        rows,
+    }
+}
+
+/// The model rows' table, against transformers' `from_pretrained`.
+pub fn table(s: &mut String, m: &ModelsBench) {
+    let _ = writeln!(
+        s,
+        "\n### Table 10, a model: Llama architecture, {} in {} shards (save_pretrained), to \
+         `cuda:0` (warm)\n\n\
+         Fresh processes that created torch's CUDA context before the clock. The digests \
+         cover the logits of a fixed input and every parameter's bytes.\n\n\
+         | method | seconds | GB/s | against transformers |\n|---|---|---|---|",
+        show_size(m.bytes),
+        m.shards
+    );
+    let peer = m.rows.iter().find_map(|(n, r)| {
+        (n == "transformers from_pretrained")
+            .then_some(r.as_ref().ok())
+            .flatten()
+    });
+    let mut digests = std::collections::BTreeSet::new();
+    for (method, row) in &m.rows {
+        match row {
+            Ok(r) => {
+                digests.extend(r.digests.iter().cloned());
+                let _ = writeln!(
+                    s,
+                    "| {method} | {} | {} | {} |",
+                    r.seconds.show(3),
+                    r.gbps.show(1),
+                    peer.map_or(String::new(), |p| format!(
+                        "{:.2}x faster",
+                        p.seconds.median / r.seconds.median
+                    )),
+                );
+            }
+            Err(why) => {
+                let _ = writeln!(s, "| {method} | did not run: {why} | | |");
+            }
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\nModel digests: {}.",
+        match digests.len() {
+            0 => "none (no model row ran)".to_owned(),
+            1 => "equal (bit-identical parameters and logits)".to_owned(),
+            n => format!("DIFFER ({n} values)"),
+        }
+    );
+}

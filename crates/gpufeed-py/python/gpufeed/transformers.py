@@ -1,0 +1,221 @@
+"""A transformers model ready in one call, its weights loaded by gpufeed:
+
+    import torch
+    import gpufeed.transformers
+    model = gpufeed.transformers.from_pretrained("llama-dir", device="cuda:0", dtype=torch.bfloat16)
+
+``from_pretrained`` builds the model's skeleton with its parameters on the meta device (no
+memory, no random initialization; buffers are computed by the model's own constructor, as
+transformers computes them), while gpufeed loads the checkpoint (``model.safetensors`` or the
+shards of ``model.safetensors.index.json``) on a thread; then it puts the loaded tensors in
+place (no copy where the dtype is the model's; cast on the device by torch where it is not),
+ties the tied weights, moves the buffers to the device and returns the model in eval mode.
+The parameters and the logits are those of transformers' own ``from_pretrained`` with the same
+``dtype`` and ``device_map=device``, bit for bit.
+
+transformers is imported by this module only: ``import gpufeed`` never imports it. A model whose
+checkpoint names are not its parameter names (transformers renames or fuses some models'
+weights on load) is refused with the names, rather than loaded differently.
+"""
+
+import contextlib
+import os
+import re
+import threading
+import warnings
+from os import PathLike
+from typing import Any, Dict, Union
+
+from ._safe_open import device_ordinal
+
+__all__ = ["from_pretrained"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _checkpoint_of(path: str) -> str:
+    """The checkpoint file of a model directory (the index where there are shards), or
+    ``path`` itself where it is a file."""
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        for name in (_INDEX, _SINGLE):
+            candidate = os.path.join(path, name)
+            if os.path.isfile(candidate):
+                return candidate
+        raise FileNotFoundError(
+            f"{path}: no {_INDEX} or {_SINGLE} in it (gpufeed loads the safetensors "
+            "checkpoints that save_pretrained writes)"
+        )
+    raise FileNotFoundError(
+        f"{path}: no such directory (gpufeed.transformers loads a model saved on this machine; "
+        "fetch a Hub model first, e.g. with huggingface_hub.snapshot_download)"
+    )
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(torch):
+    """Modules built meanwhile keep their parameters on the meta device (as accelerate's
+    ``init_empty_weights(include_buffers=False)``): no memory and no initialization for them,
+    while buffers are made where and as the model's constructor makes them."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            made = module._parameters[name]
+            kwargs = dict(made.__dict__)
+            kwargs["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(made)(made.to("meta"), **kwargs)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _dtype_of(torch, dtype, config, checkpoint: str):
+    """The dtype to build the model in: ``dtype`` (a ``torch.dtype`` or its name), else the
+    config's, else that of the checkpoint's first floating tensor (``"auto"``, as transformers
+    5 chooses)."""
+    if isinstance(dtype, str) and dtype != "auto":
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype")
+        return named
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in (None, "auto"):
+        raise ValueError(f"dtype {dtype!r}: give a torch.dtype, its name, or 'auto'")
+    for attr in ("dtype", "torch_dtype"):
+        found = getattr(config, attr, None)
+        if isinstance(found, str):
+            found = getattr(torch, found, None)
+        if isinstance(found, torch.dtype):
+            return found
+    from . import safe_open
+
+    first = checkpoint
+    if checkpoint.endswith(".json"):
+        import json
+
+        with open(checkpoint) as f:
+            files = sorted(set(json.load(f).get("weight_map", {}).values()))
+        if not files:
+            return torch.float32
+        first = os.path.join(os.path.dirname(checkpoint), files[0])
+    with safe_open(first, framework="pt", device="cpu") as f:
+        for name in f.offset_keys():
+            t = f.get_slice(name)
+            got = getattr(torch, _TORCH_NAMES.get(t.get_dtype(), ""), None)
+            if isinstance(got, torch.dtype) and got.is_floating_point:
+                return got
+    return torch.float32
+
+
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def from_pretrained(
+    path: Union[str, "PathLike[str]"],
+    *,
+    device: Union[str, int, Any] = "cuda:0",
+    dtype: Any = None,
+    model_class: Any = None,
+    **config_kwargs: Any,
+):
+    """The transformers model saved in directory ``path`` (by ``save_pretrained``: a
+    ``config.json`` and ``model.safetensors`` or its shards with
+    ``model.safetensors.index.json``), on ``device`` (``"cuda:N"``, ``N``, a ``torch.device``
+    or ``"cpu"``), in ``dtype`` (a ``torch.dtype`` or its name; ``None``/``"auto"``: the
+    config's, else the checkpoint's), in eval mode. ``model_class`` is the class to build
+    (default ``transformers.AutoModelForCausalLM``; any ``Auto*`` class or model class with
+    ``from_config``); ``config_kwargs`` go to ``AutoConfig.from_pretrained``.
+
+    Raises ``FileNotFoundError`` for a missing directory or checkpoint, ``ValueError`` where
+    the checkpoint lacks parameters the model has (naming them), and gpufeed's load errors.
+    Checkpoint tensors the model does not have are left out with a warning, as transformers
+    does.
+    """
+    import torch
+    import transformers
+
+    from . import load_safetensors
+    from .torch import load_file
+
+    root = os.fspath(path)
+    checkpoint = _checkpoint_of(root)
+    directory = root if os.path.isdir(root) else os.path.dirname(os.path.abspath(root))
+    ordinal = device_ordinal(device)
+    target = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
+    config = transformers.AutoConfig.from_pretrained(directory, **config_kwargs)
+    dtype = _dtype_of(torch, dtype, config, checkpoint)
+
+    # The checkpoint loads on a thread (gpufeed gives up the GIL while bytes move) while this
+    # one builds the skeleton.
+    loaded: Dict[str, Any] = {}
+
+    def load():
+        try:
+            if ordinal is None:
+                loaded["tensors"] = load_file(checkpoint, device="cpu")
+            else:
+                loaded["tensors"] = load_safetensors(checkpoint, device=ordinal)
+        except BaseException as e:  # noqa: BLE001 (raised on the caller's thread)
+            loaded["error"] = e
+
+    worker = threading.Thread(target=load, name="gpufeed-from-pretrained", daemon=True)
+    worker.start()
+    try:
+        cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+        with _parameters_on_meta(torch):
+            model = cls.from_config(config, dtype=dtype)
+    finally:
+        worker.join()
+    if "error" in loaded:
+        raise loaded["error"]
+    tensors = loaded["tensors"]
+
+    wanted = model.state_dict(keep_vars=True)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                      or [])]
+    unexpected = [k for k in tensors if k not in wanted and not any(p.search(k) for p in ignore)]
+    state = {}
+    for name, t in tensors.items():
+        have = wanted.get(name)
+        if have is None:
+            continue
+        if t.shape != have.shape:
+            raise ValueError(
+                f"{checkpoint}: tensor {name} has shape {tuple(t.shape)}, the model's "
+                f"{tuple(have.shape)}"
+            )
+        if t.dtype != have.dtype and t.is_floating_point() and have.is_floating_point():
+            t = t.to(device=target, dtype=have.dtype)
+        state[name] = t
+    del tensors
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    model.tie_weights()
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.device.type == "meta"]
+    if left:
+        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        raise ValueError(
+            f"{checkpoint} lacks {len(left)} of the model's tensors ({shown}); where the model "
+            "renames or fuses its weights on load, use transformers' own from_pretrained"
+        )
+    if unexpected:
+        warnings.warn(
+            f"{checkpoint}: {len(unexpected)} tensors the model does not have were left out: "
+            + ", ".join(unexpected[:8]),
+            stacklevel=2,
+        )
+    model.to(target)
+    generation = os.path.join(directory, "generation_config.json")
+    if getattr(model, "can_generate", lambda: False)() and os.path.isfile(generation):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    model.eval()
+    return model
