@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::util::{Samples, show_size};
+use crate::util::{Samples, error_at, samples_at, show_size};
 
 /// The model rows' figures.
 #[derive(Debug, Serialize)]
@@ -59,12 +59,7 @@ pub fn measure(
     match out.get("rows").and_then(|r| r.as_object()) {
         Some(listed) => {
             for (method, v) in listed {
-                let samples = |key: &str| {
-                    v.get(key)
-                        .and_then(|x| x.as_array())
-                        .map(|runs| Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect()))
-                };
-                let row = match (samples("seconds"), samples("gbps")) {
+                let row = match (samples_at(v, "seconds"), samples_at(v, "gbps")) {
                     (Some(seconds), Some(gbps)) => Ok(ModelRow {
                         seconds,
                         gbps,
@@ -78,22 +73,14 @@ pub fn measure(
                             })
                             .unwrap_or_default(),
                     }),
-                    _ => Err(v
-                        .get("error")
-                        .and_then(|e| e.as_str())
-                        .unwrap_or("no figure")
-                        .to_owned()),
+                    _ => Err(error_at(Some(v), "no figure")),
                 };
                 rows.push((method.clone(), row));
             }
         }
         None => {
-            let why = out
-                .get("peers")
-                .and_then(|p| p.get("error"))
-                .and_then(|e| e.as_str())
-                .unwrap_or("no rows in the script's output");
-            rows.push(("models.py".to_owned(), Err(why.to_owned())));
+            let why = error_at(out.get("peers"), "no rows in the script's output");
+            rows.push(("models.py".to_owned(), Err(why)));
         }
     }
     ModelsBench {

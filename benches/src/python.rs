@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use gpufeed_os::cache;
 
-use crate::util::{Samples, show_size};
+use crate::util::{Samples, error_at, samples_at, show_size};
 
 /// Tensors of the "many tensors" checkpoint.
 pub const MANY: usize = 10_000;
@@ -116,12 +116,8 @@ fn dropin(
             .and_then(|e| e.get("rows"))
             .and_then(|r| r.as_object());
         let Some(listed) = listed else {
-            let why = out
-                .get("peers")
-                .and_then(|p| p.get("error"))
-                .and_then(|e| e.as_str())
-                .unwrap_or("no rows in the script's output");
-            rows.push(("dropin.py".to_owned(), Err(why.to_owned())));
+            let why = error_at(out.get("peers"), "no rows in the script's output");
+            rows.push(("dropin.py".to_owned(), Err(why)));
             result.push(DropinFile {
                 bytes: std::fs::metadata(&path).map_or(0, |m| m.len()),
                 tensors,
@@ -130,12 +126,7 @@ fn dropin(
             continue;
         };
         for (method, v) in listed {
-            let samples = |key: &str| {
-                v.get(key)
-                    .and_then(|x| x.as_array())
-                    .map(|runs| Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect()))
-            };
-            let row = match (samples("fresh"), samples("again")) {
+            let row = match (samples_at(v, "fresh"), samples_at(v, "again")) {
                 (Some(fresh_gbps), Some(again_gbps)) => Ok(DropinRow {
                     fresh_gbps,
                     again_gbps,
@@ -146,11 +137,7 @@ fn dropin(
                         .unwrap_or_default(),
                     extra_mib: v.get("extra_mib").and_then(|x| x.as_f64()),
                 }),
-                _ => Err(v
-                    .get("error")
-                    .and_then(|e| e.as_str())
-                    .unwrap_or("no figure")
-                    .to_owned()),
+                _ => Err(error_at(Some(v), "no figure")),
             };
             rows.push((method.clone(), row));
         }

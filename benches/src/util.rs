@@ -121,6 +121,21 @@ pub fn parse_size(text: &str) -> Result<u64> {
 
 pub use gpufeed::units::show_size;
 
+/// `v[key]` of a peer script's JSON as samples, where it is an array (its numbers).
+pub fn samples_at(v: &serde_json::Value, key: &str) -> Option<Samples> {
+    v.get(key)
+        .and_then(|x| x.as_array())
+        .map(|runs| Samples::new(runs.iter().filter_map(|x| x.as_f64()).collect()))
+}
+
+/// Why a row of a peer script's JSON has no figures: its `error`, else `fallback`.
+pub fn error_at(v: Option<&serde_json::Value>, fallback: &str) -> String {
+    v.and_then(|v| v.get("error"))
+        .and_then(|e| e.as_str())
+        .unwrap_or(fallback)
+        .to_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
