@@ -147,8 +147,7 @@ fn next(rx: &Receiver<Msg>, kept: &Mutex<Kept>) -> Option<Msg> {
             Err(RecvTimeoutError::Disconnected) => return None,
             Err(RecvTimeoutError::Timeout) => {
                 let mut kept = kept.lock();
-                // Kept again meanwhile (a `keep` is only made on this thread, but
-                // `empty_cache` may have released): wait on.
+                // `empty_cache` may have given it all back meanwhile (`last` is then None).
                 if kept.last.is_some_and(|l| l + keep_for() <= Instant::now()) {
                     let bytes = kept.release();
                     tracing::debug!(bytes, "kept device memory given back");

@@ -239,7 +239,9 @@ def empty_cache() -> int:
     its bytes (what ``torch.cuda.empty_cache()`` does for torch's). Prefetch chunks (of
     ``safe_open``'s ``get_tensor`` and ``prefetch``) let go whole are kept for the next chunk
     of the same length, and given back one second after the last was kept
-    (``GPUFEED_KEEP_FREED_MS``; 0: never kept) or when an allocation finds the device full."""
+    (``GPUFEED_KEEP_FREED_MS``; 0: never kept) or when a gpufeed allocation finds the device
+    full (torch's allocator does not know of it: call this before a large torch allocation
+    made right after a load)."""
     ...
 
 class _Check(TypedDict):
