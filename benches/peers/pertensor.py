@@ -3,7 +3,9 @@
 of 16,000 KiB (the same bytes), reused in one process (a warm-up, then medians of 9). Not run
 by the bench (docs/benchmarks.md, GPU run 141); needs torch, safetensors and gpufeed.
 
-Usage: pertensor.py [DIR]   (the two files are written to DIR, default /tmp/gpufeed-pertensor)
+Usage: pertensor.py [DIR]   (the two files are written to DIR; by default to a new private
+       temporary directory, removed afterwards: a fixed name in /tmp could be another user's
+       link)
 """
 import os
 import statistics
@@ -67,4 +69,10 @@ def main(folder):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpufeed-pertensor")
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="gpufeed-pertensor-") as private:
+            main(private)
