@@ -25,9 +25,12 @@ const LISTED: usize = 8;
 /// tensor not named is unexpected (both an error under `strict`), a dtype, shape or size that
 /// differs is an error, and so are two destinations that overlap (the same memory twice is
 /// allowed: the tensor read later wins, files in the index's order, tensors in a file's). The caller (`gpufeed.load_into`) takes the
-/// pointers from contiguous CUDA tensors of `device` that it holds for the call.
+/// pointers from contiguous CUDA tensors of `device` that it holds for the call. `plan`, where
+/// given, holds per name `None` (the whole tensor) or a slice of its rows as `(start, stop,
+/// step)` (Python's slice fields): the destination then holds those rows only, and only their
+/// bytes are read.
 #[pyfunction]
-#[pyo3(signature = (path, device, names, ptrs, nbytes, dtypes, shapes, strict=true, staging_bytes=None))]
+#[pyo3(signature = (path, device, names, ptrs, nbytes, dtypes, shapes, strict=true, staging_bytes=None, plan=None))]
 #[allow(
     clippy::too_many_arguments,
     reason = "one list per field of the destinations"
@@ -43,11 +46,20 @@ pub(crate) fn load_into(
     shapes: Vec<Vec<usize>>,
     strict: bool,
     staging_bytes: Option<usize>,
+    plan: Option<Vec<Option<RowSlice>>>,
 ) -> PyResult<Written> {
     let n = names.len();
-    if [ptrs.len(), nbytes.len(), dtypes.len(), shapes.len()] != [n; 4] {
+    let plan = plan.unwrap_or_else(|| vec![None; n]);
+    if [
+        ptrs.len(),
+        nbytes.len(),
+        dtypes.len(),
+        shapes.len(),
+        plan.len(),
+    ] != [n; 5]
+    {
         return Err(GpufeedError::new_err(
-            "load_into: names, ptrs, nbytes, dtypes and shapes differ in length",
+            "load_into: names, ptrs, nbytes, dtypes, shapes and plan differ in length",
         ));
     }
     let ckpt = py
@@ -55,16 +67,33 @@ pub(crate) fn load_into(
         .map_err(py_err)?;
     let (mut missing, mut wrong) = (Vec::new(), Vec::new());
     let mut present: Vec<usize> = Vec::with_capacity(n);
+    // Per name: the bytes of the tensor its destination takes.
+    let mut parts: Vec<std::ops::Range<usize>> = vec![0..0; n];
     for i in 0..n {
         let Some(t) = ckpt.get(&names[i]) else {
             missing.push(names[i].clone());
             continue;
         };
-        let (dtype, bytes) = (dtype_name(t.dtype), t.range.end - t.range.start);
-        if dtype != dtypes[i] || t.shape != shapes[i] || bytes != nbytes[i] {
+        let dtype = dtype_name(t.dtype);
+        let mut shape = t.shape.clone();
+        parts[i] = match plan[i] {
+            None => 0..t.range.end - t.range.start,
+            Some(slice) => {
+                let rows = rows_of(&names[i], &t.shape, slice)?;
+                shape[0] = rows.end - rows.start;
+                ckpt.rows(&names[i], rows).map_err(py_err)?
+            }
+        };
+        let bytes = parts[i].end - parts[i].start;
+        if dtype != dtypes[i] || shape != shapes[i] || bytes != nbytes[i] {
+            let what = if plan[i].is_some() {
+                "its rows planned: "
+            } else {
+                ""
+            };
             wrong.push(format!(
-                "{}: the checkpoint has {dtype} {:?} ({bytes} bytes), the destination {} {:?} ({} bytes)",
-                names[i], t.shape, dtypes[i], shapes[i], nbytes[i]
+                "{}: the checkpoint has {what}{dtype} {shape:?} ({bytes} bytes), the destination {} {:?} ({} bytes)",
+                names[i], dtypes[i], shapes[i], nbytes[i]
             ));
         }
         present.push(i);
@@ -98,7 +127,10 @@ pub(crate) fn load_into(
         .iter()
         .map(|&i| (names[i].as_str(), ptrs[i]))
         .collect();
-    let asked: Vec<&str> = present.iter().map(|&i| names[i].as_str()).collect();
+    let asked: Vec<(&str, std::ops::Range<usize>)> = present
+        .iter()
+        .map(|&i| (names[i].as_str(), parts[i].clone()))
+        .collect();
     let loader = shared_loader(py, device)?;
     let mut opts = gpufeed::safetensors::LoadIntoOptions::default();
     if let Some(bytes) = staging_bytes {
@@ -107,7 +139,7 @@ pub(crate) fn load_into(
     let _context = gpufeed::cuda::ContextGuard::new();
     let report = py
         .detach(|| {
-            ckpt.run(&loader, &asked, &opts, |piece| {
+            ckpt.run_ranges(&loader, &asked, &opts, |piece| {
                 let Some(&dst) = to.get(piece.name) else {
                     return Err(gpufeed::safetensors::Error::invalid(format!(
                         "a piece of {} that was not asked for",
@@ -117,8 +149,9 @@ pub(crate) fn load_into(
                 let len = piece.bytes.len();
                 #[allow(unsafe_code, reason = "copies between two checked device ranges")]
                 // SAFETY: `dst..dst + nbytes` is device memory of this GPU that the caller holds
-                // for the call (a CUDA tensor of `device`), checked to be the tensor's size and
-                // to overlap no other destination; `offset + len` is within the tensor; the
+                // for the call (a CUDA tensor of `device`), checked to be the size of the tensor
+                // or of its planned rows and to overlap no other destination; `offset + len` is
+                // within that; the
                 // source is the staging piece `LoadInto` keeps until the stream's copies end.
                 unsafe {
                     gpufeed::cuda::cudarc::driver::result::memcpy_dtod_async(
@@ -144,6 +177,42 @@ pub(crate) fn load_into(
         report.seconds,
         report.staging_bytes,
     ))
+}
+
+/// A slice of rows as Python's slice has it: `(start, stop, step)`, each `None` or an int.
+type RowSlice = (Option<i64>, Option<i64>, Option<i64>);
+
+/// The rows a `plan` slice takes of a tensor of `shape` named `name`, checked as `prefetch`'s
+/// plans are: bounds within `-rows..=rows`, step 1, not a 0-d tensor.
+fn rows_of(
+    name: &str,
+    shape: &[usize],
+    (start, stop, step): RowSlice,
+) -> PyResult<std::ops::Range<usize>> {
+    let bad = |why: String| GpufeedError::new_err(format!("load_into plan for {name}: {why}"));
+    let Some(&n) = shape.first() else {
+        return Err(bad("a 0-d tensor has no rows to slice".into()));
+    };
+    if step.is_some_and(|s| s != 1) {
+        return Err(bad(format!(
+            "slices must have step 1, got {}",
+            step.unwrap_or(1)
+        )));
+    }
+    let n = n as i64;
+    let resolve = |v: Option<i64>, default: i64, what: &str| -> PyResult<i64> {
+        match v {
+            None => Ok(default),
+            Some(v) if v > n || v < -n => Err(bad(format!(
+                "slice {what} {v} is out of range for {n} rows"
+            ))),
+            Some(v) if v < 0 => Ok(v + n),
+            Some(v) => Ok(v),
+        }
+    };
+    let a = resolve(start, 0, "start")?;
+    let b = resolve(stop, n, "stop")?.max(a);
+    Ok(a as usize..b as usize)
 }
 
 /// At most [`LISTED`] of `items`, joined, with how many more there are.

@@ -7,7 +7,9 @@ dtype at odd shapes, an empty one and an index of two shards written bit for bit
 preallocated tensors (against safetensors' own ``load_file``); a small staging that splits
 tensors into pieces; ``model=`` with tied weights; missing and unexpected names with and
 without ``strict``; dtype, shape and overlap mismatches refused with nothing written; device
-memory beyond the destinations bounded by the staging (the driver's free memory)."""
+memory beyond the destinations bounded by the staging (the driver's free memory); row plans
+(tensor-parallel shares) bit for bit against safetensors' ``get_slice``, and bad plans refused
+with nothing written. Without a GPU also the plan checks that need none."""
 
 import json
 import os
@@ -85,6 +87,23 @@ def test_cpu_tensors_and_bad_calls_are_refused(tmp_path):
     assert got.missing_keys == [] and sorted(got.unexpected_keys) == sorted(tensors)
     with pytest.raises(FileNotFoundError):
         gpufeed.load_into(tmp_path / "nope.safetensors", {}, strict=False)
+    # Plans are checked before anything else happens: a name without a destination, a value
+    # that is no slice, bounds that are no integers.
+    with pytest.raises(gpufeed.SafetensorError, match="no destination"):
+        gpufeed.load_into(path, {}, strict=False, plan={"f32": slice(0, 2)})
+    from gpufeed._into import _plan_slices
+
+    with pytest.raises(gpufeed.SafetensorError, match="dict"):
+        _plan_slices([slice(0, 1)], ["f32"])
+    with pytest.raises(gpufeed.SafetensorError, match="None or a slice"):
+        _plan_slices({"f32": (0, 1)}, ["f32"])
+    with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
+        _plan_slices({"f32": slice(0.5, 2)}, ["f32"])
+    with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
+        _plan_slices({"f32": slice(True, 2)}, ["f32"])
+    assert _plan_slices(None, ["f32"]) is None
+    assert _plan_slices({"f32": slice(-3, None), "u8": None}, ["f32", "u8", "f16"]) == [
+        (-3, None, None), None, None]
 
 
 def test_tensors_land_bit_for_bit_in_preallocated_tensors(tmp_path):
@@ -192,3 +211,52 @@ def test_a_module_with_tied_weights_loads_in_place_with_bounded_memory(tmp_path)
     # with them (10 MiB with 512 MiB buffers in GPU run 146): less than another copy of the
     # 32 MiB model, or of its largest tensor, would take.
     assert free_before - lowest[0] <= 2 * staging + (16 << 20), (free_before, lowest[0])
+
+
+def test_row_plans_write_each_ranks_rows_bit_for_bit(tmp_path):
+    """Each of 3 ranks' row shares (uneven, one of them empty at the edge) of 2-d, 1-d and
+    3-d tensors lands bit for bit against safetensors' ``get_slice(name)[a:b]``, with a
+    staging small enough to split them; negative and open bounds as Python's; bad plans are
+    refused with nothing written."""
+    torch = _torch_on_gpu()
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(13)
+    tensors = {"w": torch.randn(1001, 37, generator=g), "v": torch.randn(999_983, generator=g).half(),
+               "c": torch.randn(10, 4, 3, generator=g).bfloat16(), "s": torch.tensor(2.5)}
+    path = tmp_path / "rows.safetensors"
+    _save(torch, path, tensors)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for ranks in (1, 3):
+            for r in range(ranks):
+                plan, dst, want = {}, {}, {}
+                for name in ("w", "v", "c"):
+                    n = tensors[name].shape[0]
+                    a, b = r * n // ranks, (r + 1) * n // ranks
+                    plan[name] = slice(a, b)
+                    want[name] = f.get_slice(name)[a:b]
+                    dst[name] = torch.zeros((b - a, *tensors[name].shape[1:]),
+                                            dtype=tensors[name].dtype, device="cuda:0")
+                got = gpufeed.load_into(path, dst, strict=False, plan=plan, staging_bytes=1 << 20)
+                assert got.missing_keys == [] and sorted(got.unexpected_keys) == ["s"]
+                for name in want:
+                    assert torch.equal(dst[name].cpu().view(torch.uint8),
+                                       want[name].contiguous().view(torch.uint8)), (ranks, r, name)
+        # Python's bounds: negative, open, past-the-start stop (empty).
+        for sl in (slice(-5, None), slice(None, 3), slice(7, 2), slice(None, None)):
+            want = f.get_slice("w")[sl]
+            dst = torch.zeros(want.shape, dtype=torch.float32, device="cuda:0")
+            gpufeed.load_into(path, {"w": dst}, strict=False, plan={"w": sl})
+            assert torch.equal(dst.cpu(), want), sl
+    # Refused, nothing written: out of range, step 2, a 0-d tensor, a destination of the
+    # whole tensor's shape under a plan of fewer rows.
+    dst = torch.full((10, 37), 7.0, device="cuda:0")
+    for plan, text in (({"w": slice(0, 1002)}, "out of range"), ({"w": slice(0, 10, 2)}, "step 1"),
+                       ({"s": slice(0, 1)}, "0-d")):
+        target = {"w": dst} if "w" in plan else {"s": torch.zeros((), device="cuda:0")}
+        with pytest.raises(gpufeed.SafetensorError, match=text):
+            gpufeed.load_into(path, target, strict=False, plan=plan)
+    with pytest.raises(gpufeed.SafetensorError, match="rows planned"):
+        gpufeed.load_into(path, {"w": dst}, strict=False, plan={"w": slice(0, 11)})
+    assert bool((dst == 7.0).all()), "a refused plan wrote into its destination"
+

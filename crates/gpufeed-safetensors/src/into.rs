@@ -62,7 +62,8 @@ impl LoadIntoOptions {
 pub struct Delivery<'a> {
     /// The tensor's name.
     pub name: &'a str,
-    /// Where the piece starts in the tensor's bytes.
+    /// Where the piece starts in the destination: the tensor's bytes, or those of the part of
+    /// it asked for ([`LoadInto::run_ranges`]).
     pub offset: usize,
     /// The piece, in a staging buffer.
     pub bytes: CudaView<'a, u8>,
@@ -146,7 +147,7 @@ struct Piece {
     tensor: usize,
     /// Bytes of the file (absolute).
     span: std::ops::Range<u64>,
-    /// Where they start in the tensor.
+    /// Where they start in the destination (the tensor, or the part of it asked for).
     offset: usize,
 }
 
@@ -188,6 +189,42 @@ impl LoadInto {
         Some(&self.files[f].1.tensors[i])
     }
 
+    /// The bytes of rows `rows` (along the first dimension) of the tensor `name`, a range
+    /// within its own bytes for [`LoadInto::run_ranges`]: a rank's share of a tensor split by
+    /// rows.
+    ///
+    /// # Errors
+    /// [`Error::NoTensor`]; an error naming the tensor for a 0-d tensor, rows past its first
+    /// dimension, or a tensor whose bytes are not whole rows (packed types).
+    pub fn rows(&self, name: &str, rows: std::ops::Range<usize>) -> Result<std::ops::Range<usize>> {
+        let t = self.get(name).ok_or_else(|| self.no_tensor(name))?;
+        let bad =
+            |why: String| Error::invalid(format!("{}: tensor {name}: {why}", self.path.display()));
+        let Some(&n) = t.shape.first() else {
+            return Err(bad("a 0-d tensor has no rows to slice".into()));
+        };
+        if rows.start > rows.end || rows.end > n {
+            return Err(bad(format!("rows {}..{} of {n}", rows.start, rows.end)));
+        }
+        let bytes = t.range.end - t.range.start;
+        if n == 0 {
+            return Ok(0..0);
+        }
+        if bytes % n != 0 {
+            return Err(bad(format!("{bytes} bytes are not {n} whole rows")));
+        }
+        let row = bytes / n;
+        Ok(rows.start * row..rows.end * row)
+    }
+
+    /// [`Error::NoTensor`] for `name`.
+    fn no_tensor(&self, name: &str) -> Error {
+        Error::NoTensor {
+            path: self.path.clone(),
+            name: name.to_owned(),
+        }
+    }
+
     /// Reads the tensors `names` and hands each to `deliver` piece by piece (see the module),
     /// file by file in the order of their bytes.
     ///
@@ -204,6 +241,27 @@ impl LoadInto {
         opts: &LoadIntoOptions,
         deliver: impl FnMut(Delivery<'_>) -> Result<()>,
     ) -> Result<LoadIntoReport> {
+        let mut wanted = Vec::with_capacity(names.len());
+        for &name in names {
+            let t = self.get(name).ok_or_else(|| self.no_tensor(name))?;
+            wanted.push((name, 0..t.range.end - t.range.start));
+        }
+        self.run_ranges(loader, &wanted, opts, deliver)
+    }
+
+    /// [`LoadInto::run`] of parts of tensors: for each `(name, bytes)`, the bytes `bytes` of
+    /// the tensor (a range within its own bytes, as [`LoadInto::rows`] gives for a slice of
+    /// its rows), delivered at offsets from the range's start: only those bytes are read.
+    ///
+    /// # Errors
+    /// [`LoadInto::run`]'s, and an error naming the tensor for a range past its end.
+    pub fn run_ranges(
+        &self,
+        loader: &Loader,
+        wanted: &[(&str, std::ops::Range<usize>)],
+        opts: &LoadIntoOptions,
+        deliver: impl FnMut(Delivery<'_>) -> Result<()>,
+    ) -> Result<LoadIntoReport> {
         let started = Instant::now();
         let _context = gpufeed_cuda::ContextGuard::new();
         let gpu = loader.gpu();
@@ -216,7 +274,7 @@ impl LoadInto {
             .map_err(|e| cuda("cuStreamCreate", e))?;
         // The staging buffers live here, past the wait below.
         let mut buffers: [Option<(DeviceBuffer, u64)>; 2] = [None, None];
-        let done = self.run_on(loader, names, opts, deliver, &stream, &mut buffers);
+        let done = self.run_on(loader, wanted, opts, deliver, &stream, &mut buffers);
         // Every copy queued ends before this returns, failed or not: the staging buffers are
         // freed after it (their copies may go by raw address, which cudarc's event tracking
         // does not see), and a caller that gave up its destinations on an error must not have
@@ -242,19 +300,30 @@ impl LoadInto {
     fn run_on(
         &self,
         loader: &Loader,
-        names: &[&str],
+        asked: &[(&str, std::ops::Range<usize>)],
         opts: &LoadIntoOptions,
         mut deliver: impl FnMut(Delivery<'_>) -> Result<()>,
         stream: &Arc<CudaStream>,
         buffers: &mut [Option<(DeviceBuffer, u64)>; 2],
     ) -> Result<(usize, u64, Vec<LoadReport>)> {
-        let mut wanted: Vec<Vec<usize>> = vec![Vec::new(); self.files.len()];
-        for &name in names {
-            let &(f, i) = self.by_name.get(name).ok_or_else(|| Error::NoTensor {
-                path: self.path.clone(),
-                name: name.to_owned(),
-            })?;
-            wanted[f].push(i);
+        let mut wanted: Vec<Vec<(usize, std::ops::Range<usize>)>> =
+            vec![Vec::new(); self.files.len()];
+        for (name, bytes) in asked {
+            let &(f, i) = self
+                .by_name
+                .get(*name)
+                .ok_or_else(|| self.no_tensor(name))?;
+            let t = &self.files[f].1.tensors[i];
+            let len = t.range.end - t.range.start;
+            if bytes.start > bytes.end || bytes.end > len {
+                return Err(Error::invalid(format!(
+                    "{}: bytes {}..{} of tensor {name}, which has {len}",
+                    self.path.display(),
+                    bytes.start,
+                    bytes.end
+                )));
+            }
+            wanted[f].push((i, bytes.clone()));
         }
         let stage = opts.staging_bytes.max(1 << 20);
         let gpu = loader.gpu();
@@ -264,8 +333,14 @@ impl LoadInto {
         for (f, mut want) in wanted.into_iter().enumerate() {
             let (_, parsed) = &self.files[f];
             // By offset, then index: an empty tensor shares its offset with the next one, and
-            // a name asked twice must end up next to itself to be dropped.
-            want.sort_unstable_by_key(|&i| (parsed.tensors[i].range.start, i));
+            // a part asked twice must end up next to itself to be dropped.
+            want.sort_unstable_by(|(i, a), (j, b)| {
+                (parsed.tensors[*i].range.start + a.start, *i, a.end).cmp(&(
+                    parsed.tensors[*j].range.start + b.start,
+                    *j,
+                    b.end,
+                ))
+            });
             want.dedup();
             tensors += want.len();
             let pieces = pieces_of(parsed, &want, stage);
@@ -360,20 +435,24 @@ fn cuda(op: &'static str, e: gpufeed_cuda::cudarc::driver::DriverError) -> Error
     gpufeed_cuda::Error::Cuda { op, result: e.0 }.into()
 }
 
-/// The wanted tensors `want` (sorted by offset) of one file as pieces of at most `stage`
-/// bytes.
-fn pieces_of(parsed: &Parsed, want: &[usize], stage: usize) -> Vec<Piece> {
+/// The wanted parts `want` (a tensor's index and a range of its bytes, sorted by offset) of
+/// one file as pieces of at most `stage` bytes.
+fn pieces_of(
+    parsed: &Parsed,
+    want: &[(usize, std::ops::Range<usize>)],
+    stage: usize,
+) -> Vec<Piece> {
     let mut pieces = Vec::new();
-    for &i in want {
-        let t = &parsed.tensors[i];
-        let start = parsed.data_start + t.range.start as u64;
-        let len = t.range.end - t.range.start;
+    for (i, bytes) in want {
+        let t = &parsed.tensors[*i];
+        let start = parsed.data_start + (t.range.start + bytes.start) as u64;
+        let len = bytes.end - bytes.start;
         let mut offset = 0usize;
         // An empty tensor has nothing to copy.
         while offset < len {
             let n = (len - offset).min(stage);
             pieces.push(Piece {
-                tensor: i,
+                tensor: *i,
                 span: start + offset as u64..start + (offset + n) as u64,
                 offset,
             });
@@ -464,6 +543,44 @@ mod tests {
             span: a..b,
             offset,
         }
+    }
+
+    /// A slice of rows is the bytes of whole rows of the first dimension; 0-d tensors, rows
+    /// past the end and missing names are refused with the tensor named.
+    #[test]
+    fn rows_are_whole_rows_of_the_first_dimension() {
+        use safetensors::tensor::{Dtype, TensorView};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("rows.safetensors");
+        let (a, one) = (vec![3u8; 60], vec![7u8; 1]);
+        let views = vec![
+            ("a", TensorView::new(Dtype::F32, vec![5, 3], &a).expect("a")),
+            ("s", TensorView::new(Dtype::U8, vec![], &one).expect("s")),
+            (
+                "e",
+                TensorView::new(Dtype::F32, vec![0, 4], &[]).expect("e"),
+            ),
+        ];
+        safetensors::serialize_to_file(views, None, &path).expect("write");
+        let ckpt = LoadInto::open(&path).expect("open");
+        assert_eq!(ckpt.rows("a", 1..4).expect("rows"), 12..48);
+        assert_eq!(ckpt.rows("a", 0..5).expect("rows"), 0..60);
+        assert_eq!(ckpt.rows("a", 2..2).expect("rows"), 24..24);
+        assert_eq!(ckpt.rows("e", 0..0).expect("rows"), 0..0);
+        let past = ckpt.rows("a", 4..6).expect_err("past the end").to_string();
+        assert!(
+            past.contains("tensor a") && past.contains("rows 4..6 of 5"),
+            "{past}"
+        );
+        let scalar = ckpt.rows("s", 0..1).expect_err("0-d").to_string();
+        assert!(
+            scalar.contains("tensor s") && scalar.contains("0-d"),
+            "{scalar}"
+        );
+        assert!(matches!(
+            ckpt.rows("nope", 0..1),
+            Err(Error::NoTensor { .. })
+        ));
     }
 
     #[test]

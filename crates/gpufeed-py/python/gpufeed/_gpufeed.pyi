@@ -216,9 +216,11 @@ def load_into(
     shapes: Sequence[Sequence[int]],
     strict: bool = True,
     staging_bytes: int | None = None,
+    plan: Sequence[tuple[int | None, int | None, int | None] | None] | None = None,
 ) -> tuple[list[str], list[str], int, float, int]:
-    """Writes the checkpoint's tensors `names` into the device memory at `ptrs` (checked
-    against the headers first); `(missing, unexpected, bytes, seconds, staging_bytes)`."""
+    """Writes the checkpoint's tensors `names` (or the rows `plan` gives per name) into the
+    device memory at `ptrs` (checked against the headers first); `(missing, unexpected,
+    bytes, seconds, staging_bytes)`."""
 def load_replicated(path: _Path, devices: Sequence[int]) -> list[Array]: ...
 def load_sharded(
     paths: Sequence[_Path], devices: Sequence[int]

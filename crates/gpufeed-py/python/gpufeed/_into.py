@@ -37,7 +37,8 @@ def _safetensors_dtypes(torch) -> Dict[Any, str]:
 
 
 def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, strict: bool = True,
-              staging_bytes: Optional[int] = None) -> IncompatibleKeys:
+              staging_bytes: Optional[int] = None,
+              plan: Optional[Dict[str, Optional[slice]]] = None) -> IncompatibleKeys:
     """Writes the tensors of the safetensors file or sharded checkpoint (``*.index.json``)
     ``path`` into ``tensors`` (a dict of contiguous CUDA tensors of one device, by name), or
     into ``model``'s parameters and buffers (``model.state_dict(keep_vars=True)``).
@@ -56,8 +57,16 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     ``load_state_dict`` does), and no copy runs after the error is raised. A module's extra
     state (``get_extra_state``) is left out of ``model=``.
 
+    ``plan`` maps names to ``None`` (the whole tensor) or a step-1 ``slice`` of the tensor's
+    rows (its first dimension, as ``prefetch`` plans): that name's destination then holds
+    those rows only (shape ``[stop - start, *rest]``), and only their bytes are read, as a
+    tensor-parallel rank's share of a row-split weight. Bounds out of range, other steps and
+    0-d tensors are refused before a byte moves.
+
         model = MyModel(config).to_empty(device="cuda:0")   # or built under torch.device
         missing, unexpected = gpufeed.load_into("model.safetensors.index.json", model=model)
+        # rank r of w: rows r * n // w to (r + 1) * n // w of a row-split weight
+        gpufeed.load_into(path, {"w": shard}, plan={"w": slice(r * n // w, (r + 1) * n // w)})
     """
     if (tensors is None) == (model is None):
         raise TypeError("load_into takes tensors (a dict of CUDA tensors) or model=, one of them")
@@ -109,6 +118,7 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
         nbytes.append(t.nbytes)
         dtypes.append(dtype)
         shapes.append(t.shape)
+    slices = _plan_slices(plan, names)
     path = os.fspath(path)
     if ordinal is None:
         # Nothing to write into: every checkpoint tensor is unexpected (no GPU needed).
@@ -126,10 +136,41 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     torch.cuda.synchronize(ordinal)
     try:
         missing, unexpected, _, _, _ = _gpufeed.load_into(
-            path, ordinal, names, ptrs, nbytes, dtypes, shapes, strict, staging_bytes
+            path, ordinal, names, ptrs, nbytes, dtypes, shapes, strict, staging_bytes, slices
         )
     except GpufeedError as e:
         raise _translated(e, path) from None
     finally:
         del held
     return IncompatibleKeys(missing, unexpected)
+
+
+def _plan_slices(plan, names):
+    """``plan`` as the native side takes it: per name of ``names``, ``None`` or a slice's
+    ``(start, stop, step)``; the rows themselves are checked against the headers there."""
+    if plan is None:
+        return None
+    if not isinstance(plan, dict):
+        raise SafetensorError("a load_into plan is a dict of tensor names to None or a slice")
+    known = set(names)
+    for name, value in plan.items():
+        if name not in known:
+            raise SafetensorError(
+                f"load_into plan names {name!r}, which has no destination among the tensors given"
+            )
+        if value is not None and not isinstance(value, slice):
+            raise SafetensorError(
+                f"load_into plan values must be None or a slice, got {type(value).__name__} "
+                f"for {name}"
+            )
+        if value is not None:
+            for v in (value.start, value.stop, value.step):
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                    raise SafetensorError(
+                        f"load_into plan slice bounds for {name} must be integers or None"
+                    )
+    out = []
+    for name in names:
+        value = plan.get(name)
+        out.append(None if value is None else (value.start, value.stop, value.step))
+    return out

@@ -138,3 +138,59 @@ fn tensors_land_byte_for_byte_in_the_callers_memory() {
     let e = load_into(&loader, &one, &mut missing, &LoadIntoOptions::default()).expect_err("name");
     assert!(matches!(e, Error::NoTensor { .. }), "{e}");
 }
+
+/// `run_ranges` of row shares (`LoadInto::rows`): each of 3 ranks' rows of 2-d tensors (one
+/// larger than the 1 MiB staging) land byte for byte, delivered from offset 0 of each share,
+/// and only the shares' bytes are counted; a range past a tensor's end is refused.
+#[test]
+fn row_shares_land_byte_for_byte_from_their_own_offset() {
+    let Some(gpu) = gpu_or_skip("row_shares_land_byte_for_byte_from_their_own_offset") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("rows.safetensors");
+    let shapes = [
+        ("w", Dtype::F32, vec![1001usize, 333]),
+        ("v", Dtype::F16, vec![7, 5]),
+    ];
+    let want = write(&path, &shapes, 74);
+    let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
+    let stream = gpu.default_stream();
+    let ckpt = LoadInto::open(&path).expect("open");
+    let opts = LoadIntoOptions::default().with_staging_bytes(1 << 20);
+    for r in 0..3usize {
+        let mut asked = Vec::new();
+        for (name, _, shape) in &shapes {
+            let n = shape[0];
+            let bytes = ckpt.rows(name, r * n / 3..(r + 1) * n / 3).expect("rows");
+            asked.push((*name, bytes));
+        }
+        let mut dsts: HashMap<&str, _> = asked
+            .iter()
+            .map(|(n, b)| (*n, stream.alloc_zeros::<u8>(b.len()).expect("alloc")))
+            .collect();
+        let report = ckpt
+            .run_ranges(&loader, &asked, &opts, |piece| {
+                let dst = dsts.get_mut(piece.name).expect("asked for");
+                let end = piece.offset + piece.bytes.len();
+                piece
+                    .stream
+                    .memcpy_dtod(&piece.bytes, &mut dst.slice_mut(piece.offset..end))
+                    .map_err(|e| Error::invalid(e.to_string()))
+            })
+            .expect("run_ranges");
+        let total: usize = asked.iter().map(|(_, b)| b.len()).sum();
+        assert_eq!(report.bytes, total as u64, "rank {r}: only its shares read");
+        for (name, bytes) in &asked {
+            let got = gpu.to_vec(&dsts[name]).expect("back");
+            assert!(
+                got == want[*name][bytes.clone()],
+                "rank {r}: {name}'s rows differ"
+            );
+        }
+    }
+    let past = ckpt
+        .run_ranges(&loader, &[("v", 0..71)], &opts, |_| Ok(()))
+        .expect_err("past the end");
+    assert!(past.to_string().contains("tensor v"), "{past}");
+}
