@@ -171,7 +171,12 @@ def from_pretrained(
     try:
         cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
         with _parameters_on_meta(torch):
-            model = cls.from_config(config, dtype=dtype)
+            try:
+                model = cls.from_config(config, dtype=dtype)
+            except TypeError as e:
+                if "dtype" not in str(e):
+                    raise
+                model = cls.from_config(config, torch_dtype=dtype)  # transformers 4's name
     finally:
         worker.join()
     if "error" in loaded:
