@@ -13,8 +13,9 @@ model made ready from files in the page cache; in the rows "model code imported"
 own module too (transformers imports it on the first use of the class). ``MODELS_METHODS`` (a
 comma-separated list of the methods) measures only those.
 
-The two model rows report a digest of the logits of a fixed input and of every parameter's
-bytes: equal digests are bit-identical models.
+The two model rows report a digest of the logits of a fixed input (their bytes) and of each
+parameter's sum of bytes: equal digests mean the same logits, bit for bit, and parameters that
+agree on every checksum (the tests compare parameters byte for byte).
 
 Usage: models.py REPS DIR [LAYERS]  -> one JSON object on stdout:
        {"bytes": n, "shards": n, "rows": {method: {"seconds": [..], "gbps": [..],
@@ -63,6 +64,8 @@ def make(directory, layers):
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, os.path.join(directory, ONE_FILE) + ".tmp", metadata={"format": "pt"})
     os.replace(os.path.join(directory, ONE_FILE) + ".tmp", os.path.join(directory, ONE_FILE))
+    del model, state
+    torch.cuda.empty_cache()  # the rows' processes get the device without this one's cache
 
 
 def _digest(torch, model):

@@ -97,7 +97,7 @@ pub fn table(s: &mut String, m: &ModelsBench) {
         "\n### Table 10, a model: Llama architecture, {} in {} shards (save_pretrained), to \
          `cuda:0` (warm)\n\n\
          Fresh processes that created torch's CUDA context before the clock. The digests \
-         cover the logits of a fixed input and every parameter's bytes.\n\n\
+         cover the logits of a fixed input and a checksum of each parameter.\n\n\
          | method | seconds | GB/s | against transformers |\n|---|---|---|---|",
         show_size(m.bytes),
         m.shards
@@ -107,11 +107,12 @@ pub fn table(s: &mut String, m: &ModelsBench) {
             .then_some(r.as_ref().ok())
             .flatten()
     });
-    let mut digests = std::collections::BTreeSet::new();
+    let (mut digests, mut with_digests) = (std::collections::BTreeSet::new(), 0usize);
     for (method, row) in &m.rows {
         match row {
             Ok(r) => {
                 digests.extend(r.digests.iter().cloned());
+                with_digests += usize::from(!r.digests.is_empty());
                 let _ = writeln!(
                     s,
                     "| {method} | {} | {} | {} |",
@@ -130,11 +131,12 @@ pub fn table(s: &mut String, m: &ModelsBench) {
     }
     let _ = writeln!(
         s,
-        "\nModel digests: {}.",
-        match digests.len() {
-            0 => "none (no model row ran)".to_owned(),
-            1 => "equal (bit-identical parameters and logits)".to_owned(),
-            n => format!("DIFFER ({n} values)"),
+        "\nModel digests (the logits' bytes and each parameter's checksum): {}.",
+        match (digests.len(), with_digests) {
+            (0, _) => "none (no model row ran)".to_owned(),
+            (1, 1) => "one model row ran, nothing to compare".to_owned(),
+            (1, _) => "equal across the model rows".to_owned(),
+            (n, _) => format!("DIFFER ({n} values)"),
         }
     );
 }

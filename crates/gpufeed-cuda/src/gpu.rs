@@ -178,23 +178,23 @@ impl Gpu {
         self.ctx.default_stream()
     }
 
-    /// `len` bytes of device memory, zeroed.
+    /// `len` bytes of device memory, zeroed (where the device is full, memory kept by
+    /// [`Gpu::keep_for_reuse`] is given back and the allocation tried again).
     pub fn alloc_zeroed(&self, len: usize) -> Result<CudaSlice<u8>> {
-        self.default_stream()
-            .alloc_zeros::<u8>(len)
-            .map_err(|e| Error::cuda("cuMemAlloc", e))
+        self.retrying_when_full(|| self.default_stream().alloc_zeros::<u8>(len))
     }
 
     /// `len` bytes of device memory, not initialised, from the context's stream-ordered pool
     /// (cudarc's allocator): memory freed earlier is reused at no cost, but growing the pool is
     /// paid here (8-12 ms for 4 GiB, 37-52 ms for 16 GiB on the H200 machine; docs/benchmarks.md,
-    /// GPU run 8).
+    /// GPU run 8). Where the device is full, memory kept by [`Gpu::keep_for_reuse`] is given
+    /// back and the allocation tried again.
     ///
     /// # Safety
     /// 1. Nothing reads the memory before it has been written (an upload fills it).
     pub unsafe fn alloc(&self, len: usize) -> Result<CudaSlice<u8>> {
         // SAFETY: passed on to the caller.
-        unsafe { self.default_stream().alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+        self.retrying_when_full(|| unsafe { self.default_stream().alloc::<u8>(len) })
     }
 
     /// `len` bytes of device memory, not initialised, from `cuMemAlloc` rather than the pool:

@@ -15,13 +15,34 @@ use cudarc::driver::{CudaSlice, result, sys};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{ContextGuard, Gpu};
 
 /// Buffers kept, shared by every [`Gpu`] of one device in the process (they share its
 /// primary context, so a buffer let go through one serves an allocation through another).
 #[derive(Debug, Default)]
 pub(crate) struct Kept {
     blocks: Mutex<Vec<CudaSlice<u8>>>,
+}
+
+impl Drop for Kept {
+    /// The last `Gpu` of the device went: what is kept is freed, with its context current
+    /// (cudarc frees on the current context's stream), the thread's own put back after.
+    fn drop(&mut self) {
+        free_bound(std::mem::take(self.blocks.get_mut()));
+    }
+}
+
+/// Drops `blocks` (freeing them) with their context current, then makes the thread's
+/// context what it was.
+fn free_bound(blocks: Vec<CudaSlice<u8>>) {
+    let Some(first) = blocks.first() else {
+        return;
+    };
+    let _restore = ContextGuard::new();
+    if let Err(e) = first.context().bind_to_thread() {
+        tracing::warn!(error = %e, "binding a context to free kept device memory");
+    }
+    drop(blocks);
 }
 
 /// The kept buffers of device `ordinal`: those of the `Gpu`s open on it, or new ones (freed
@@ -84,6 +105,7 @@ impl Gpu {
     pub fn keep_for_reuse(&self, buf: CudaSlice<u8>) -> bool {
         let len = buf.len();
         if len == 0 || buf.context().cu_ctx() != self.context().cu_ctx() {
+            free_bound(vec![buf]);
             return false;
         }
         let cap = self.info().memory_bytes / 2;
@@ -91,7 +113,7 @@ impl Gpu {
         let held: u64 = blocks.iter().map(|b| b.len() as u64).sum();
         if held + len as u64 > cap {
             drop(blocks);
-            drop(buf);
+            free_bound(vec![buf]);
             return false;
         }
         blocks.push(buf);
@@ -105,24 +127,45 @@ impl Gpu {
 
     /// Frees what is kept for reuse ([`Gpu::keep_for_reuse`]) and, where there was any,
     /// synchronizes the context so that the device has it back when this returns (what the
-    /// driver's free-memory figure then shows). Returns the bytes freed.
+    /// driver's free-memory figure then shows). Returns the bytes freed. The thread's current
+    /// context is as it was before.
     ///
     /// # Errors
-    /// [`Error::Cuda`] where the synchronization fails (the memory is freed regardless).
+    /// [`Error::Cuda`] where the context cannot be made current (nothing is freed then) or the
+    /// synchronization fails (the memory is freed regardless).
     pub fn release_kept(&self) -> Result<u64> {
-        let blocks = std::mem::take(&mut *self.kept.blocks.lock());
-        let bytes: u64 = blocks.iter().map(|b| b.len() as u64).sum();
-        if blocks.is_empty() {
+        let _restore = ContextGuard::new();
+        let mut kept = self.kept.blocks.lock();
+        if kept.is_empty() {
             return Ok(0);
         }
         self.context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let blocks = std::mem::take(&mut *kept);
+        drop(kept);
+        let bytes: u64 = blocks.iter().map(|b| b.len() as u64).sum();
         drop(blocks);
         self.context()
             .synchronize()
             .map_err(|e| Error::cuda("cuCtxSynchronize", e))?;
         Ok(bytes)
+    }
+
+    /// `alloc()`, and where it finds the device full while memory is kept, again after giving
+    /// that back.
+    pub(crate) fn retrying_when_full(
+        &self,
+        alloc: impl Fn() -> std::result::Result<CudaSlice<u8>, cudarc::driver::DriverError>,
+    ) -> Result<CudaSlice<u8>> {
+        match alloc() {
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.kept_bytes() > 0 => {
+                let freed = self.release_kept()?;
+                tracing::debug!(freed, "device full: kept memory given back");
+                alloc().map_err(|e| Error::cuda("cuMemAlloc", e))
+            }
+            other => other.map_err(|e| Error::cuda("cuMemAlloc", e)),
+        }
     }
 
     /// A kept buffer of `len` bytes, if there is one.

@@ -49,7 +49,8 @@ pub(crate) fn keep_for() -> Duration {
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
             .unwrap_or(1000);
-        Duration::from_millis(ms)
+        // At most an hour: an instant plus it must not overflow.
+        Duration::from_millis(ms.min(3_600_000))
     })
 }
 
@@ -142,17 +143,22 @@ fn next(rx: &Receiver<Msg>, kept: &Mutex<Kept>) -> Option<Msg> {
         let Some(last) = last else {
             return rx.recv().ok();
         };
-        match rx.recv_timeout((last + keep_for()).saturating_duration_since(Instant::now())) {
-            Ok(msg) => return Some(msg),
-            Err(RecvTimeoutError::Disconnected) => return None,
-            Err(RecvTimeoutError::Timeout) => {
-                let mut kept = kept.lock();
-                // `empty_cache` may have given it all back meanwhile (`last` is then None).
-                if kept.last.is_some_and(|l| l + keep_for() <= Instant::now()) {
-                    let bytes = kept.release();
-                    tracing::debug!(bytes, "kept device memory given back");
-                }
+        // Past the deadline, what is kept goes back first: a steady stream of frees must not
+        // put it off for ever (a receive with no time left still takes a queued message).
+        let left = (last + keep_for()).saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            match rx.recv_timeout(left) {
+                Ok(msg) => return Some(msg),
+                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Timeout) => {}
             }
+        }
+        let mut kept = kept.lock();
+        // `empty_cache` may have given it all back meanwhile (`last` is then None), or this
+        // thread kept more since.
+        if kept.last.is_some_and(|l| l + keep_for() <= Instant::now()) {
+            let bytes = kept.release();
+            tracing::debug!(bytes, "kept device memory given back");
         }
     }
 }

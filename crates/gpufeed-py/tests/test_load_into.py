@@ -102,6 +102,8 @@ def test_cpu_tensors_and_bad_calls_are_refused(tmp_path):
     with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
         _plan_slices({"f32": slice(True, 2)}, ["f32"])
     assert _plan_slices(None, ["f32"]) is None
+    np = pytest.importorskip("numpy")
+    assert _plan_slices({"f32": slice(np.int64(1), np.int32(3))}, ["f32"]) == [(1, 3, None)]
     assert _plan_slices({"f32": slice(-3, None), "u8": None}, ["f32", "u8", "f16"]) == [
         (-3, None, None), None, None]
 

@@ -251,7 +251,9 @@ impl LoadInto {
 
     /// [`LoadInto::run`] of parts of tensors: for each `(name, bytes)`, the bytes `bytes` of
     /// the tensor (a range within its own bytes, as [`LoadInto::rows`] gives for a slice of
-    /// its rows), delivered at offsets from the range's start: only those bytes are read.
+    /// its rows), delivered at offsets from the range's start: only those bytes are read. A
+    /// part asked twice is delivered once; one name asked with two ranges is delivered twice
+    /// (each from offset 0), which `deliver` cannot tell apart: ask each name once.
     ///
     /// # Errors
     /// [`LoadInto::run`]'s, and an error naming the tensor for a range past its end.

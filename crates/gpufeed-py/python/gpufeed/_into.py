@@ -2,6 +2,7 @@
 has (an inference engine's preallocated parameters, a module built on the GPU), through a
 bounded staging on the device: no tensor of gpufeed's own, no second copy of the model."""
 
+import operator
 import os
 from typing import Any, Dict, List, Optional
 
@@ -163,14 +164,25 @@ def _plan_slices(plan, names):
                 f"load_into plan values must be None or a slice, got {type(value).__name__} "
                 f"for {name}"
             )
-        if value is not None:
-            for v in (value.start, value.stop, value.step):
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                    raise SafetensorError(
-                        f"load_into plan slice bounds for {name} must be integers or None"
-                    )
     out = []
     for name in names:
         value = plan.get(name)
-        out.append(None if value is None else (value.start, value.stop, value.step))
+        out.append(None if value is None else tuple(_bound(name, v) for v in
+                                                    (value.start, value.stop, value.step)))
     return out
+
+
+def _bound(name, v):
+    """A slice bound as an int (numpy integers too) or None; within what the native side
+    takes (a 64-bit integer; anything larger is out of range for every tensor anyway)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise SafetensorError(f"load_into plan slice bounds for {name} must be integers or None")
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise SafetensorError(
+            f"load_into plan slice bounds for {name} must be integers or None"
+        ) from None
+    return max(min(v, 2**62), -(2**62))

@@ -135,9 +135,16 @@ def from_pretrained(
     ``from_config``); ``config_kwargs`` go to ``AutoConfig.from_pretrained``.
 
     Raises ``FileNotFoundError`` for a missing directory or checkpoint, ``ValueError`` where
-    the checkpoint lacks parameters the model has (naming them), and gpufeed's load errors.
+    the checkpoint lacks parameters the model has (naming them) or the model keeps modules in
+    float32 under another dtype (``_keep_in_fp32_modules``), and gpufeed's load errors.
     Checkpoint tensors the model does not have are left out with a warning, as transformers
     does.
+
+    Memory: tensors in the model's dtype are views of one device buffer per checkpoint file
+    (a file's buffer lives while any of its tensors does); a cast makes a tensor of its own,
+    so a load that casts holds both for a moment. While the skeleton is built,
+    ``torch.nn.Module.register_parameter`` is patched process-wide: modules built on other
+    threads meanwhile get their parameters on the meta device too.
     """
     import torch
     import transformers
@@ -182,6 +189,14 @@ def from_pretrained(
     if "error" in loaded:
         raise loaded["error"]
     tensors = loaded["tensors"]
+    fp32 = [m for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+            for m in (getattr(model, attr, None) or [])]
+    if fp32 and dtype != torch.float32:
+        raise ValueError(
+            f"{type(model).__name__} keeps {sorted(set(fp32))} in float32 when loaded in "
+            f"{dtype}, which gpufeed.transformers does not reproduce: use transformers' own "
+            "from_pretrained for it, or dtype=torch.float32"
+        )
 
     wanted = model.state_dict(keep_vars=True)
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
@@ -201,9 +216,13 @@ def from_pretrained(
             t = t.to(device=target, dtype=have.dtype)
         state[name] = t
     del tensors
-    model.load_state_dict(state, strict=False, assign=True)
+    result = model.load_state_dict(state, strict=False, assign=True)
     del state
-    model.tie_weights()
+    try:
+        # transformers 5 ties only what the checkpoint lacks (as its from_pretrained does).
+        model.tie_weights(missing_keys=set(result.missing_keys))
+    except TypeError:
+        model.tie_weights()  # transformers 4
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
             if p.device.type == "meta"]
     if left:
