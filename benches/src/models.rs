@@ -19,8 +19,8 @@ pub struct ModelsBench {
     /// Shard files.
     pub shards: usize,
     /// Method, then seconds and GB/s in fresh processes (after torch's context) and the
-    /// digests of the models made (logits of a fixed input and every parameter's bytes); or
-    /// why it did not run.
+    /// digests of the models made (the logits of a fixed input and a checksum of each
+    /// parameter); or why it did not run.
     pub rows: Vec<(String, Result<ModelRow, String>)>,
 }
 

@@ -214,10 +214,11 @@ impl Gpu {
             return unsafe { self.alloc(0) };
         }
         self.check_events()?;
-        if let Some(kept) = self.take_kept(len) {
+        if let Some(kept) = self.kept.take(len) {
             return Ok(kept);
         }
-        let ptr = self.malloc_or_release(len)?;
+        // SAFETY: a plain allocation; the caller's obligation covers its contents.
+        let ptr = self.retrying_when_full(|| unsafe { result::malloc_sync(len) })?;
         // SAFETY: `ptr` is a live allocation of `len` bytes of this context, owned from here on
         // by the slice, whose drop frees it (stream-ordered, after its recorded uses).
         Ok(unsafe { self.default_stream().upgrade_device_ptr::<u8>(ptr, len) })

@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Weak};
 
-use cudarc::driver::{CudaSlice, result, sys};
+use cudarc::driver::{CudaSlice, sys};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
@@ -65,7 +65,7 @@ pub(crate) fn for_device(ordinal: usize) -> Arc<Kept> {
 
 impl Kept {
     /// A kept buffer of exactly `len` bytes, taken out.
-    fn take(&self, len: usize) -> Option<CudaSlice<u8>> {
+    pub(crate) fn take(&self, len: usize) -> Option<CudaSlice<u8>> {
         let mut blocks = self.blocks.lock();
         let at = blocks.iter().position(|b| b.len() == len)?;
         Some(blocks.swap_remove(at))
@@ -152,37 +152,17 @@ impl Gpu {
         Ok(bytes)
     }
 
-    /// `alloc()`, and where it finds the device full while memory is kept, again after giving
-    /// that back.
-    pub(crate) fn retrying_when_full(
+    /// `alloc()` (any of the context's allocations), and where it finds the device full
+    /// while memory is kept, again after giving that back.
+    pub(crate) fn retrying_when_full<T>(
         &self,
-        alloc: impl Fn() -> std::result::Result<CudaSlice<u8>, cudarc::driver::DriverError>,
-    ) -> Result<CudaSlice<u8>> {
+        alloc: impl Fn() -> std::result::Result<T, cudarc::driver::DriverError>,
+    ) -> Result<T> {
         match alloc() {
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.kept_bytes() > 0 => {
                 let freed = self.release_kept()?;
                 tracing::debug!(freed, "device full: kept memory given back");
                 alloc().map_err(|e| Error::cuda("cuMemAlloc", e))
-            }
-            other => other.map_err(|e| Error::cuda("cuMemAlloc", e)),
-        }
-    }
-
-    /// A kept buffer of `len` bytes, if there is one.
-    pub(crate) fn take_kept(&self, len: usize) -> Option<CudaSlice<u8>> {
-        self.kept.take(len)
-    }
-
-    /// `cuMemAlloc` of `len` bytes; where the device is full and memory is kept, that memory
-    /// is freed and the allocation tried again.
-    pub(crate) fn malloc_or_release(&self, len: usize) -> Result<sys::CUdeviceptr> {
-        // SAFETY: a plain allocation, uninitialised; the caller owns it.
-        match unsafe { result::malloc_sync(len) } {
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.kept_bytes() > 0 => {
-                let freed = self.release_kept()?;
-                tracing::debug!(freed, len, "device full: kept memory given back");
-                // SAFETY: as above.
-                unsafe { result::malloc_sync(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
             }
             other => other.map_err(|e| Error::cuda("cuMemAlloc", e)),
         }

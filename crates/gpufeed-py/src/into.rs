@@ -193,11 +193,8 @@ fn rows_of(
     let Some(&n) = shape.first() else {
         return Err(bad("a 0-d tensor has no rows to slice".into()));
     };
-    if step.is_some_and(|s| s != 1) {
-        return Err(bad(format!(
-            "slices must have step 1, got {}",
-            step.unwrap_or(1)
-        )));
+    if let Some(step) = step.filter(|&s| s != 1) {
+        return Err(bad(format!("slices must have step 1, got {step}")));
     }
     let n = n as i64;
     let resolve = |v: Option<i64>, default: i64, what: &str| -> PyResult<i64> {

@@ -154,8 +154,7 @@ fn next(rx: &Receiver<Msg>, kept: &Mutex<Kept>) -> Option<Msg> {
             }
         }
         let mut kept = kept.lock();
-        // `empty_cache` may have given it all back meanwhile (`last` is then None), or this
-        // thread kept more since.
+        // `empty_cache` may have given it all back meanwhile (`last` is then None).
         if kept.last.is_some_and(|l| l + keep_for() <= Instant::now()) {
             let bytes = kept.release();
             tracing::debug!(bytes, "kept device memory given back");

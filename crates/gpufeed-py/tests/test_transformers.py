@@ -64,6 +64,12 @@ def test_bit_identical_to_transformers_on_the_cpu():
     import gpufeed.transformers
     from transformers import AutoModelForCausalLM
 
+    # The reference reads through safetensors itself, not through gpufeed's patch (which
+    # GPUFEED_PATCH_SAFETENSORS=1 makes at start-up).
+    if gpufeed.is_patched():
+        gpufeed.unpatch_safetensors()
+    assert not gpufeed.is_patched()
+
     with tempfile.TemporaryDirectory() as d:
         for tie in (False, True):
             for shard in ("100KB", "1GB"):
