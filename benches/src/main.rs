@@ -5,6 +5,7 @@
 //! `report.md` and `report.json` into the output directory.
 
 mod access;
+mod casts;
 mod chart;
 mod facade;
 mod frames;

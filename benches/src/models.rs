@@ -32,6 +32,9 @@ pub struct ModelRow {
     pub digests: Vec<String>,
 }
 
+/// The suffix of models.py's rows that import the model's module before the clock.
+const CODE_IMPORTED: &str = " (model code imported)";
+
 /// The layers of the model at `scale` of the GPU machine's 8 GiB drop-in files (16 at 1.0).
 fn layers(scale: f64) -> usize {
     ((16.0 * scale).round() as usize).clamp(1, 16)
@@ -55,6 +58,18 @@ pub fn measure(
             layers.to_string(),
         ],
     );
+    let rows = rows_of(&out, "models.py");
+    ModelsBench {
+        bytes: out.get("bytes").and_then(|b| b.as_u64()).unwrap_or(0),
+        shards: out.get("shards").and_then(|b| b.as_u64()).unwrap_or(0) as usize,
+        rows,
+    }
+}
+
+/// The rows of a script's output `{"rows": {method: {"seconds": [..], "gbps": [..], "digest":
+/// [..]} or {"error": ..}}}` (models.py's, casts.py's), in its order; one row saying why where
+/// `script` gave none.
+pub fn rows_of(out: &serde_json::Value, script: &str) -> Vec<(String, Result<ModelRow, String>)> {
     let mut rows = Vec::new();
     match out.get("rows").and_then(|r| r.as_object()) {
         Some(listed) => {
@@ -80,17 +95,14 @@ pub fn measure(
         }
         None => {
             let why = error_at(out.get("peers"), "no rows in the script's output");
-            rows.push(("models.py".to_owned(), Err(why)));
+            rows.push((script.to_owned(), Err(why)));
         }
     }
-    ModelsBench {
-        bytes: out.get("bytes").and_then(|b| b.as_u64()).unwrap_or(0),
-        shards: out.get("shards").and_then(|b| b.as_u64()).unwrap_or(0) as usize,
-        rows,
-    }
+    rows
 }
 
-/// The model rows' table, against transformers' `from_pretrained`.
+/// The model rows' table, against transformers' `from_pretrained` (the rows "model code
+/// imported" against its row of that name).
 pub fn table(s: &mut String, m: &ModelsBench) {
     let _ = writeln!(
         s,
@@ -102,11 +114,16 @@ pub fn table(s: &mut String, m: &ModelsBench) {
         show_size(m.bytes),
         m.shards
     );
-    let peer = m.rows.iter().find_map(|(n, r)| {
-        (n == "transformers from_pretrained")
-            .then_some(r.as_ref().ok())
-            .flatten()
-    });
+    let peer_of = |method: &str| {
+        let name = if method.ends_with(CODE_IMPORTED) {
+            format!("transformers from_pretrained{CODE_IMPORTED}")
+        } else {
+            "transformers from_pretrained".to_owned()
+        };
+        m.rows
+            .iter()
+            .find_map(|(n, r)| (*n == name).then_some(r.as_ref().ok()).flatten())
+    };
     let (mut digests, mut with_digests) = (std::collections::BTreeSet::new(), 0usize);
     for (method, row) in &m.rows {
         match row {
@@ -118,7 +135,7 @@ pub fn table(s: &mut String, m: &ModelsBench) {
                     "| {method} | {} | {} | {} |",
                     r.seconds.show(3),
                     r.gbps.show(1),
-                    peer.map_or(String::new(), |p| format!(
+                    peer_of(method).map_or(String::new(), |p| format!(
                         "{:.2}x faster",
                         p.seconds.median / r.seconds.median
                     )),

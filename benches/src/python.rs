@@ -61,6 +61,8 @@ pub struct PythonBench {
     /// The model rows (`benches/peers/models.py`): a sharded Llama-architecture model made
     /// ready by transformers and by gpufeed.
     pub models: crate::models::ModelsBench,
+    /// Table 10's cast rows (`benches/peers/casts.py`).
+    pub casts: crate::casts::CastsBench,
     /// Parts that did not run, with the reason.
     pub errors: Vec<(String, String)>,
 }
@@ -205,6 +207,7 @@ pub fn measure(
         }]
     });
     let models = crate::models::measure(dir, reps, scale, &mut progress);
+    let casts = crate::casts::measure(dir, reps, scale, &mut progress);
     let mut errors = Vec::new();
     let mut get = |key: &str| -> Option<Samples> {
         let v = out.get(key).or_else(|| out.get("peers"));
@@ -246,6 +249,7 @@ pub fn measure(
         ),
         dropin,
         models,
+        casts,
         errors,
     }))
 }
@@ -406,6 +410,7 @@ pub fn table(s: &mut String, v: &PythonBench) {
     }
     dropin_table(s, &v.dropin);
     crate::models::table(s, &v.models);
+    crate::casts::table(s, &v.casts);
 }
 
 /// The drop-in rows: each way a framework loads a checkpoint to `cuda:0`, in one table per

@@ -247,7 +247,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   fi
   echo "=== python: drop-in tests (pytest)"
   if (cd "$here/py-tests" && PYTHONPATH="$dropin_path" python3 -m pytest -q -p no:cacheprovider \
-      test_safe_open_gpu.py test_safe_open.py test_transformers_gpu.py test_transformers.py test_objects.py test_load_into.py \
+      test_safe_open_gpu.py test_safe_open.py test_transformers_gpu.py test_transformers.py test_objects.py test_load_into.py test_casts.py \
       > "$out/test-dropin.log" 2>&1); then
     tail -n 1 "$out/test-dropin.log"
   else
@@ -435,7 +435,7 @@ fn python_wheel(root: &Path, out: &Path) {
 }
 
 /// The Python GPU test files carried (`test_gpu.py` runs alone; the others under pytest).
-const PY_GPU_TESTS: [&str; 7] = [
+const PY_GPU_TESTS: [&str; 8] = [
     "test_gpu.py",
     "test_objects.py",
     "test_safe_open_gpu.py",
@@ -443,6 +443,7 @@ const PY_GPU_TESTS: [&str; 7] = [
     "test_load_into.py",
     "test_transformers_gpu.py",
     "test_transformers.py",
+    "test_casts.py",
 ];
 
 /// What the drop-in tests compare against, where this machine has it: safetensors 0.9's wheel

@@ -115,6 +115,17 @@ pub enum Error {
     /// An error of pinned memory.
     #[error(transparent)]
     Pinned(#[from] gpufeed_pinned::Error),
+
+    /// A cast the GPU kernels do not do ([`crate::cast`]), or a GPU they cannot run on.
+    #[error("cannot cast {from} to {to} on the GPU: {reason}")]
+    CastUnsupported {
+        /// The source type (safetensors' name).
+        from: String,
+        /// The destination type.
+        to: String,
+        /// Why, and what to do instead.
+        reason: String,
+    },
 }
 
 impl Error {

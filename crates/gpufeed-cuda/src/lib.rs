@@ -68,6 +68,7 @@
 //! # Ok::<(), gpufeed_cuda::Error>(())
 //! ```
 
+pub mod cast;
 mod crew;
 mod error;
 mod gpu;

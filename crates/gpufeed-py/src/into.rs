@@ -10,8 +10,17 @@ use pyo3::prelude::*;
 
 use crate::GpufeedError;
 use crate::errors::py_err;
-use crate::loads::shared_loader;
+use crate::loads::{kept, shared_loader};
 use crate::safe_open::dtype_name;
+use gpufeed::cuda::cast::{CastKernel, CastType, can_cast};
+
+/// The cast kernels, compiled once per device.
+fn cast_kernels() -> &'static parking_lot::Mutex<HashMap<usize, std::sync::Arc<CastKernel>>> {
+    static KERNELS: std::sync::OnceLock<
+        parking_lot::Mutex<HashMap<usize, std::sync::Arc<CastKernel>>>,
+    > = std::sync::OnceLock::new();
+    KERNELS.get_or_init(Default::default)
+}
 
 /// What `load_into` reports: `(missing, unexpected, bytes, seconds, staging_bytes)`.
 type Written = (Vec<String>, Vec<String>, u64, f64, u64);
@@ -66,6 +75,9 @@ pub(crate) fn load_into(
         .detach(|| gpufeed::safetensors::LoadInto::open(&path))
         .map_err(py_err)?;
     let (mut missing, mut wrong) = (Vec::new(), Vec::new());
+    // Per name written with a cast: its checkpoint type and the destination's.
+    let mut casts: HashMap<&str, (CastType, CastType)> = HashMap::new();
+    let mut uncastable = false;
     let mut present: Vec<usize> = Vec::with_capacity(n);
     // Per name: the bytes of the tensor its destination takes.
     let mut parts: Vec<std::ops::Range<usize>> = vec![0..0; n];
@@ -84,8 +96,23 @@ pub(crate) fn load_into(
                 ckpt.rows(&names[i], rows).map_err(py_err)?
             }
         };
-        let bytes = parts[i].end - parts[i].start;
-        if dtype != dtypes[i] || shape != shapes[i] || bytes != nbytes[i] {
+        let mut bytes = parts[i].end - parts[i].start;
+        if dtype != dtypes[i] {
+            // A cast on the way where the kernels do it: the destination holds as many
+            // elements of its own type.
+            let pair =
+                CastType::from_safetensors(&dtype).zip(CastType::from_safetensors(&dtypes[i]));
+            if let Some((from, to)) = pair.filter(|&(from, to)| can_cast(from, to)) {
+                casts.insert(names[i].as_str(), (from, to));
+                bytes = bytes / from.size() * to.size();
+            } else {
+                uncastable = true;
+            }
+        }
+        if (dtype != dtypes[i] && !casts.contains_key(names[i].as_str()))
+            || shape != shapes[i]
+            || bytes != nbytes[i]
+        {
             let what = if plan[i].is_some() {
                 "its rows planned: "
             } else {
@@ -99,9 +126,15 @@ pub(crate) fn load_into(
         present.push(i);
     }
     if !wrong.is_empty() {
+        let casting = if uncastable {
+            "; casts on the way: BF16, F16 and F32 to one another, F8_E4M3 and F8_E5M2 to \
+             each of those"
+        } else {
+            ""
+        };
         return Err(GpufeedError::new_err(format!(
-            "{}: {} tensor(s) do not match their destinations (nothing was written; cast or \
-             reshape after loading, or allocate them as the checkpoint has them): {}",
+            "{}: {} tensor(s) do not match their destinations (nothing was written; allocate \
+             them as the checkpoint has them, or cast or reshape after loading{casting}): {}",
             path.display(),
             wrong.len(),
             listed(&wrong)
@@ -132,6 +165,14 @@ pub(crate) fn load_into(
         .map(|&i| (names[i].as_str(), parts[i].clone()))
         .collect();
     let loader = shared_loader(py, device)?;
+    let kernel = if casts.is_empty() {
+        None
+    } else {
+        let gpu = loader.gpu().clone();
+        Some(kept(py, cast_kernels(), device, move || {
+            Ok(CastKernel::load(&gpu)?)
+        })?)
+    };
     let mut opts = gpufeed::safetensors::LoadIntoOptions::default();
     if let Some(bytes) = staging_bytes {
         opts = opts.with_staging_bytes(bytes);
@@ -147,6 +188,25 @@ pub(crate) fn load_into(
                     )));
                 };
                 let len = piece.bytes.len();
+                if let (Some(&(from, to)), Some(kernel)) = (casts.get(piece.name), &kernel) {
+                    let n = len / from.size();
+                    #[allow(unsafe_code, reason = "a cast between two checked device ranges")]
+                    // SAFETY: as for the copy below, the destination's elements `offset /
+                    // from.size()` on being as many elements of `to` as the piece holds of
+                    // `from` (the destination was checked to hold the tensor's elements in its
+                    // own type; pieces are whole elements).
+                    return unsafe {
+                        kernel.launch_raw(
+                            piece.stream,
+                            from,
+                            piece.address,
+                            to,
+                            dst + (piece.offset / from.size() * to.size()) as u64,
+                            n as u64,
+                        )
+                    }
+                    .map_err(gpufeed::safetensors::Error::from);
+                }
                 #[allow(unsafe_code, reason = "copies between two checked device ranges")]
                 // SAFETY: `dst..dst + nbytes` is device memory of this GPU that the caller holds
                 // for the call (a CUDA tensor of `device`), checked to be the size of the tensor

@@ -151,7 +151,7 @@ def test_missing_unexpected_and_mismatched_destinations(tmp_path):
 
     # A dtype, a shape, an overlap: refused, nothing written.
     for bad, match in (
-        ({"f32": torch.zeros(1001, 3, dtype=torch.float16, device="cuda:0")}, "F16"),
+        ({"f32": torch.zeros(1001, 3, dtype=torch.float64, device="cuda:0")}, "F64"),
         ({"f32": torch.zeros(3, 1001, device="cuda:0")}, r"\[3, 1001\]"),
     ):
         with pytest.raises(gpufeed.SafetensorError, match=match):

@@ -13,6 +13,11 @@
 //! is the two staging buffers and what the driver takes with them (10 MiB beside two of 512
 //! MiB on the H200: docs/benchmarks.md, GPU run 146). [`load_into`] is the whole of it for
 //! destinations that are cudarc slices.
+//!
+//! A `deliver` may cast instead of copying: a piece is always whole elements of its tensor
+//! (pieces of a tensor larger than the staging split at multiples of 4 KiB of its bytes), at
+//! any staging address, which [`gpufeed_cuda::cast::CastKernel::launch_raw`] takes (gpufeed's
+//! Python `load_into` casts BF16, F16, F32 and FP8 this way).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -47,9 +52,10 @@ impl Default for LoadIntoOptions {
 }
 
 impl LoadIntoOptions {
-    /// These options with staging buffers of `bytes` each (at least 1 MiB).
+    /// These options with staging buffers of `bytes` each (at least 1 MiB, rounded down to
+    /// whole 4 KiB).
     pub fn with_staging_bytes(mut self, bytes: usize) -> Self {
-        self.staging_bytes = bytes.max(1 << 20);
+        self.staging_bytes = bytes.max(1 << 20) & !4095;
         self
     }
 }
@@ -327,7 +333,9 @@ impl LoadInto {
             }
             wanted[f].push((i, bytes.clone()));
         }
-        let stage = opts.staging_bytes.max(1 << 20);
+        // Whole 4 KiB: a tensor split across chunks is split between elements, which a
+        // `deliver` that casts relies on.
+        let stage = opts.staging_bytes.max(1 << 20) & !4095;
         let gpu = loader.gpu();
         // Every file's pieces first: the staging buffers are as large as the largest chunk.
         let mut planned = Vec::new();
@@ -599,5 +607,19 @@ mod tests {
         let spans = merge_adjacent(pieces[one[0].clone()].iter().map(|p| p.span.clone()));
         assert_eq!(spans, vec![0..30, 40..75]);
         assert!(chunks_of(&[], 30).is_empty());
+    }
+
+    #[test]
+    fn a_staging_of_any_size_splits_tensors_between_elements() {
+        // Whole 4 KiB whatever is asked, so a piece of a tensor of 2, 4 or 8-byte elements is
+        // whole elements (casts rely on it).
+        let opts = LoadIntoOptions::default().with_staging_bytes((1 << 20) + 4097);
+        assert_eq!(opts.staging_bytes, (1 << 20) + 4096);
+        assert_eq!(
+            LoadIntoOptions::default()
+                .with_staging_bytes(3)
+                .staging_bytes,
+            1 << 20
+        );
     }
 }

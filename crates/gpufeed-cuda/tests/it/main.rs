@@ -1,6 +1,7 @@
 //! Integration tests of gpufeed-cuda. GPU tests skip with a printed reason where no GPU is
 //! usable, and fail instead when GPUFEED_REQUIRE_GPU=1 (how they run on the GPU machine).
 
+mod cast;
 mod kernels;
 mod nccl;
 mod no_gpu;

@@ -38,7 +38,7 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
     empty_cache,
 )
 from . import torch  # noqa: F401  (gpufeed.torch.load_file)
-from ._into import IncompatibleKeys, load_into
+from ._into import IncompatibleKeys, _load_cast, load_into
 from ._patch import is_patched, patch_safetensors, unpatch_safetensors
 from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, device_ordinal, safe_open
 from ._safe_open import _collector_paused
@@ -246,11 +246,23 @@ def load_range(path: Path, start: int, end: int, device: int = 0):
     return as_tensor(_gpufeed.load_range(path, start, end, device))
 
 
-def load_safetensors(path: Path, device: int = 0) -> Dict[str, object]:
+def load_safetensors(path: Path, device: int = 0, dtype=None) -> Dict[str, object]:
     """A safetensors file or a sharded checkpoint's ``*.index.json`` on GPU ``device``: a dict
     of tensors. Headers are checked first: a bad file is named even without a GPU. ``path``
     may be an object URL (``s3://bucket/prefix/model.safetensors.index.json``, its shards
-    beside it), read as ``load_file`` reads objects."""
+    beside it), read as ``load_file`` reads objects.
+
+    ``dtype`` (``torch.bfloat16``, ``torch.float16`` or ``torch.float32``, or its name) casts
+    every floating tensor on the way: BF16, F16, F32, F8_E4M3 and F8_E5M2 tensors are read into
+    a bounded staging on the device (two buffers of up to 512 MiB) and a GPU kernel writes them
+    in ``dtype``, bit for bit as torch's ``.to(dtype)`` on the GPU; device memory is what the
+    result holds plus that staging. Other floating types (F64, other FP8 kinds) are cast by
+    torch after their load; integers and bools keep their type. Local files only.
+
+        weights = gpufeed.load_safetensors("model.safetensors", dtype=torch.float16)
+    """
+    if dtype is not None:
+        return _load_cast(path, device, dtype)
     with _collector_paused():
         return _checkpoint(_gpufeed.load_safetensors_files(path, device))
 

@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional
 
 from . import _gpufeed
 from ._gpufeed import GpufeedError
-from ._safe_open import _DTYPES, SafetensorError, _is_url, _torch, _translated
+from ._safe_open import (_DTYPES, SafetensorError, _NoGpu, _is_url, _numel, _strides, _torch,
+                         _translated)
 
 
 class IncompatibleKeys:
@@ -144,6 +145,84 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     finally:
         del held
     return IncompatibleKeys(missing, unexpected)
+
+
+# The casts the kernels do on the way: from these safetensors types to these.
+_CAST_FROM = ("F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+_CAST_TO = ("F32", "F16", "BF16")
+
+
+def _load_cast(path, device: int, dtype) -> Dict[str, Any]:
+    """``load_safetensors(path, device, dtype=dtype)``: every floating tensor of the checkpoint
+    in ``dtype``, cast on the GPU on the way (see ``load_safetensors``)."""
+    torch = _torch()
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype, None)
+        dtype = named if isinstance(named, torch.dtype) else dtype
+    by_dtype = _safetensors_dtypes(torch)
+    to = by_dtype.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if to not in _CAST_TO:
+        raise SafetensorError(
+            f"dtype={dtype!r}: load_safetensors casts to torch.bfloat16, torch.float16 or "
+            "torch.float32 (load without dtype= and cast for others)"
+        )
+    if _is_url(path):
+        raise SafetensorError(
+            f"{path}: dtype= loads local files; load the object without it and cast after"
+        )
+    path = os.fspath(path)
+    from ._safe_open import safe_open  # noqa: PLC0415 (the module imports this one)
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        metas = [(k, f.get_tensor_meta(k)) for k in f.keys()]
+    names, dtypes, shapes, later = [], [], [], []
+    # Per destination type: its tensors' element offsets in one buffer, and the total.
+    offsets, totals = [], {}
+    for name, meta in metas:
+        have = meta.dtype
+        attr, size, packed = _DTYPES[have]
+        if packed:
+            raise SafetensorError(
+                f"{path}: {name} is {have}, a packed type dtype= does not cast: load without "
+                "dtype= and cast after"
+            )
+        out = to if have in _CAST_FROM else have
+        if out == have and have != to and getattr(torch, attr).is_floating_point:
+            later.append(name)  # a floating type the kernels do not read (F64...): torch casts
+        n = 1
+        for d in meta.shape:
+            n *= d
+        offsets.append(totals.get(out, 0))
+        totals[out] = totals.get(out, 0) + n
+        names.append(name)
+        dtypes.append(out)
+        shapes.append(list(meta.shape))
+    if not later and all(k == m.dtype for k, (_, m) in zip(dtypes, metas)):
+        from . import load_safetensors  # noqa: PLC0415 (the package imports this module)
+
+        return load_safetensors(path, device)  # nothing to cast: the file's own load
+    if not torch.cuda.is_available():
+        raise _NoGpu(
+            f"{path}: dtype= casts on a GPU and torch sees none (torch.cuda.is_available() is "
+            "False); load on the CPU with gpufeed.torch.load_file and cast there"
+        )
+    where = f"cuda:{device}"
+    bufs = {k: torch.empty(n, dtype=getattr(torch, _DTYPES[k][0]), device=where)
+            for k, n in totals.items()}
+    ptrs = [bufs[k].data_ptr() + o * _DTYPES[k][1] for k, o in zip(dtypes, offsets)]
+    nbytes = [_numel(sh) * _DTYPES[k][1] for k, sh in zip(dtypes, shapes)]
+    # Work queued before into the memory these buffers reuse ends before the writes.
+    torch.cuda.synchronize(device)
+    try:
+        _gpufeed.load_into(path, device, names, ptrs, nbytes, dtypes, shapes, True, None, None)
+    except GpufeedError as e:
+        raise _translated(e, path) from None
+    out = {}
+    for name, k, shape, o in zip(names, dtypes, shapes, offsets):
+        out[name] = bufs[k].as_strided(shape, _strides(shape), o)
+    for name in later:
+        out[name] = out[name].to(dtype)
+    return out
 
 
 def _plan_slices(plan, names):

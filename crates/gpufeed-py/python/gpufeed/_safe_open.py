@@ -635,8 +635,13 @@ class safe_open:
         shape = [rows[1] - rows[0]] + list(e.shape[1:])
         return (e.start + rows[0] * row, e.start + rows[1] * row, align, e.index, shape)
 
-    def get_tensor(self, name: str):
-        """The tensor ``name`` on the handle's device."""
+    def get_tensor(self, name: str, dtype=None):
+        """The tensor ``name`` on the handle's device. ``dtype`` (gpufeed's, not safetensors'
+        argument: a ``torch.dtype`` or its name) casts a floating tensor to it on that device
+        after its load, by torch's ``.to`` (the loaded tensor is freed after; whole checkpoints
+        cast on the way, in a bounded staging: ``gpufeed.load_safetensors(dtype=)``)."""
+        if dtype is not None:
+            return self._cast(self.get_tensor(name), dtype)
         fast = self._fast.get(name)
         if fast is None or self._closed:
             e = self._entry(name)
@@ -653,6 +658,20 @@ class safe_open:
         if got is None:
             return self._alone(self._entry(name))  # asked again: its own copy, as safetensors gives
         return _as_tensor(self._torch_mod, got, self._entries[name])
+
+    def _cast(self, t, dtype):
+        """``t`` in ``dtype`` where it is floating and not already."""
+        torch = self._torch()
+        if isinstance(dtype, str):
+            named = getattr(torch, dtype, None)
+            if not isinstance(named, torch.dtype):
+                raise SafetensorError(f"dtype {dtype!r} is not a torch dtype")
+            dtype = named
+        if not isinstance(dtype, torch.dtype):
+            raise SafetensorError(f"dtype {dtype!r}: give a torch.dtype or its name")
+        if t.dtype == dtype or not t.is_floating_point():
+            return t
+        return t.to(dtype)
 
     def get_tensors(self) -> Dict[str, Any]:
         """Every tensor, as a dict in the order of the file (``offset_keys``). On a GPU each

@@ -8,7 +8,8 @@
 memory, no random initialization; buffers are computed by the model's own constructor, as
 transformers computes them), while gpufeed loads the checkpoint (``model.safetensors`` or the
 shards of ``model.safetensors.index.json``) on a thread; then it puts the loaded tensors in
-place (no copy where the dtype is the model's; cast on the device by torch where it is not),
+place (no copy where the dtype is the model's; cast on the GPU on the way where it is not:
+``gpufeed.load_safetensors(dtype=)``),
 ties the tied weights, moves the buffers to the device and returns the model in eval mode.
 The parameters and the logits are those of transformers' own ``from_pretrained`` with the same
 ``dtype`` and ``device_map=device``, bit for bit.
@@ -141,8 +142,11 @@ def from_pretrained(
     does.
 
     Memory: tensors in the model's dtype are views of one device buffer per checkpoint file
-    (a file's buffer lives while any of its tensors does); a cast makes a tensor of its own,
-    so a load that casts holds both for a moment. While the skeleton is built,
+    (a file's buffer lives while any of its tensors does). On a GPU, a checkpoint in another
+    floating dtype (BF16, F16, F32, FP8) is cast on the way into one buffer per dtype through a
+    bounded staging (``gpufeed.load_safetensors(dtype=)``): the model's memory and that staging,
+    never both copies. On the CPU a cast makes a tensor of its own, so a load that casts holds
+    both for a moment. While the skeleton is built,
     ``torch.nn.Module.register_parameter`` is patched process-wide: modules built on other
     threads meanwhile get their parameters on the meta device too.
     """
@@ -169,7 +173,8 @@ def from_pretrained(
             if ordinal is None:
                 loaded["tensors"] = load_file(checkpoint, device="cpu")
             else:
-                loaded["tensors"] = load_safetensors(checkpoint, device=ordinal)
+                cast = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else None
+                loaded["tensors"] = load_safetensors(checkpoint, device=ordinal, dtype=cast)
         except BaseException as e:  # noqa: BLE001 (raised on the caller's thread)
             loaded["error"] = e
 
