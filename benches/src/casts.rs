@@ -96,3 +96,45 @@ pub fn table(s: &mut String, c: &CastsBench) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cast_row_is_set_against_its_files_load_without_a_cast() {
+        // casts.py's output shape, figures of GPU run 157 (medians' order kept).
+        let out = serde_json::json!({
+            "bytes": 8589934592u64, "tensors": 32,
+            "rows": {
+                "BF16 file: load_safetensors (no cast)":
+                    {"seconds": [0.19, 0.185, 0.183], "gbps": [44.2, 46.4, 46.9], "digest": ["a"]},
+                "BF16 file: load_safetensors dtype=float16":
+                    {"seconds": [0.22, 0.21, 0.21], "gbps": [38.1, 41.8, 40.9], "digest": ["b"]},
+                "BF16 file: load_into bfloat16 tensors (no cast)":
+                    {"seconds": [0.21, 0.21, 0.21], "gbps": [41.0, 40.8, 41.6], "digest": ["a"]},
+                "BF16 file: load_into float16 tensors":
+                    {"seconds": [0.21, 0.21, 0.21], "gbps": [39.9, 41.3, 40.9], "digest": ["b"]},
+                "F32 file: load_into bfloat16 tensors": {"error": "RuntimeError: no GPU"}
+            }
+        });
+        let c = CastsBench {
+            bytes: 8 << 30,
+            tensors: 32,
+            rows: rows_of(&out, "casts.py"),
+        };
+        let mut s = String::new();
+        table(&mut s, &c);
+        let line = |start: &str| {
+            s.lines()
+                .find(|l| l.starts_with(&format!("| {start} |")))
+                .unwrap_or_else(|| panic!("no row {start} in {s}"))
+                .to_owned()
+        };
+        // 40.9 / 44.2... medians: 40.9 against 46.4; 40.9 against 41.0.
+        assert!(line("BF16 file: load_safetensors dtype=float16").contains("| 0.88x |"), "{s}");
+        assert!(line("BF16 file: load_into float16 tensors").contains("| 1.00x |"), "{s}");
+        assert!(line("BF16 file: load_safetensors (no cast)").contains("|  |"), "{s}");
+        assert!(line("F32 file: load_into bfloat16 tensors").contains("did not run: RuntimeError"));
+    }
+}
