@@ -35,9 +35,13 @@ const LISTED: usize = 8;
 /// differs is an error, and so are two destinations that overlap (the same memory twice is
 /// allowed: the tensor read later wins, files in the index's order, tensors in a file's). The caller (`gpufeed.load_into`) takes the
 /// pointers from contiguous CUDA tensors of `device` that it holds for the call. `plan`, where
-/// given, holds per name `None` (the whole tensor) or a slice of its rows as `(start, stop,
-/// step)` (Python's slice fields): the destination then holds those rows only, and only their
-/// bytes are read.
+/// given, holds per name `None` (the whole tensor) or a dimension and a slice of it as `(dim,
+/// (start, stop, step))` (Python's slice fields): the destination then holds that part only
+/// (as `torch.narrow` gives it, contiguous). Along the first dimension only the part's bytes
+/// are read; along another the span from its first run to its last (`LoadInto::narrow`).
+/// A destination of another floating type than the checkpoint's is cast into on the way where
+/// `gpufeed_cuda::cast` does the pair (not with a plan along a dimension other than the
+/// first).
 #[pyfunction]
 #[pyo3(signature = (path, device, names, ptrs, nbytes, dtypes, shapes, strict=true, staging_bytes=None, plan=None))]
 #[allow(
@@ -55,7 +59,7 @@ pub(crate) fn load_into(
     shapes: Vec<Vec<usize>>,
     strict: bool,
     staging_bytes: Option<usize>,
-    plan: Option<Vec<Option<RowSlice>>>,
+    plan: Option<Vec<Option<(usize, RowSlice)>>>,
 ) -> PyResult<Written> {
     let n = names.len();
     let plan = plan.unwrap_or_else(|| vec![None; n]);
@@ -78,6 +82,8 @@ pub(crate) fn load_into(
     // Per name written with a cast: its checkpoint type and the destination's.
     let mut casts: HashMap<&str, (CastType, CastType)> = HashMap::new();
     let mut uncastable = false;
+    // Per name planned along a dimension other than the first: which bytes read are its.
+    let mut shares: HashMap<&str, gpufeed::safetensors::Share> = HashMap::new();
     let mut present: Vec<usize> = Vec::with_capacity(n);
     // Per name: the bytes of the tensor its destination takes.
     let mut parts: Vec<std::ops::Range<usize>> = vec![0..0; n];
@@ -88,21 +94,34 @@ pub(crate) fn load_into(
         };
         let dtype = dtype_name(t.dtype);
         let mut shape = t.shape.clone();
+        let mut bytes = t.range.end - t.range.start;
         parts[i] = match plan[i] {
-            None => 0..t.range.end - t.range.start,
-            Some(slice) => {
-                let rows = rows_of(&names[i], &t.shape, slice)?;
-                shape[0] = rows.end - rows.start;
-                ckpt.rows(&names[i], rows).map_err(py_err)?
+            None => 0..bytes,
+            Some((dim, slice)) => {
+                let range = span_of(&names[i], &t.shape, dim, slice)?;
+                let (read, share) = ckpt.narrow(&names[i], dim, range.clone()).map_err(py_err)?;
+                shape[dim] = range.end - range.start;
+                bytes = share.bytes();
+                if share.runs > 1 {
+                    shares.insert(names[i].as_str(), share);
+                }
+                read
             }
         };
-        let mut bytes = parts[i].end - parts[i].start;
         if dtype != dtypes[i] {
             // A cast on the way where the kernels do it: the destination holds as many
             // elements of its own type.
             let pair =
                 CastType::from_safetensors(&dtype).zip(CastType::from_safetensors(&dtypes[i]));
             if let Some((from, to)) = pair.filter(|&(from, to)| can_cast(from, to)) {
+                if shares.contains_key(names[i].as_str()) {
+                    return Err(GpufeedError::new_err(format!(
+                        "load_into plan for {}: a part along a dimension other than the first \
+                         cannot be cast on the way ({dtype} into {}); give the destination the \
+                         checkpoint's dtype and cast after, or plan rows",
+                        names[i], dtypes[i]
+                    )));
+                }
                 casts.insert(names[i].as_str(), (from, to));
                 bytes = bytes / from.size() * to.size();
             } else {
@@ -114,7 +133,7 @@ pub(crate) fn load_into(
             || bytes != nbytes[i]
         {
             let what = if plan[i].is_some() {
-                "its rows planned: "
+                "its planned part: "
             } else {
                 ""
             };
@@ -188,6 +207,12 @@ pub(crate) fn load_into(
                     )));
                 };
                 let len = piece.bytes.len();
+                if let Some(share) = shares.get(piece.name) {
+                    #[allow(unsafe_code, reason = "copies into a checked device range")]
+                    // SAFETY: `dst .. dst + share.bytes()` is the destination checked above
+                    // (the part's size, overlapping no other), held by the caller for the call.
+                    return unsafe { share.copy_piece(&piece, dst) };
+                }
                 if let (Some(&(from, to)), Some(kernel)) = (casts.get(piece.name), &kernel) {
                     let n = len / from.size();
                     #[allow(unsafe_code, reason = "a cast between two checked device ranges")]
@@ -242,26 +267,37 @@ pub(crate) fn load_into(
 /// A slice of rows as Python's slice has it: `(start, stop, step)`, each `None` or an int.
 type RowSlice = (Option<i64>, Option<i64>, Option<i64>);
 
-/// The rows a `plan` slice takes of a tensor of `shape` named `name`, checked as `prefetch`'s
-/// plans are: bounds within `-rows..=rows`, step 1, not a 0-d tensor.
-fn rows_of(
+/// The indices a `plan` slice takes of dimension `dim` of a tensor of `shape` named `name`,
+/// checked as `prefetch`'s plans are: bounds within `-n..=n`, step 1, a dimension the tensor
+/// has.
+fn span_of(
     name: &str,
     shape: &[usize],
+    dim: usize,
     (start, stop, step): RowSlice,
 ) -> PyResult<std::ops::Range<usize>> {
     let bad = |why: String| GpufeedError::new_err(format!("load_into plan for {name}: {why}"));
-    let Some(&n) = shape.first() else {
-        return Err(bad("a 0-d tensor has no rows to slice".into()));
+    let Some(&n) = shape.get(dim) else {
+        return Err(bad(if shape.is_empty() {
+            "a 0-d tensor has no rows to slice".into()
+        } else {
+            format!("no dimension {dim} in a tensor of shape {shape:?}")
+        }));
     };
     if let Some(step) = step.filter(|&s| s != 1) {
         return Err(bad(format!("slices must have step 1, got {step}")));
     }
     let n = n as i64;
-    let resolve = |v: Option<i64>, default: i64, what: &str| -> PyResult<i64> {
+    let what = if dim == 0 {
+        "rows".to_owned()
+    } else {
+        format!("indices of dimension {dim}")
+    };
+    let resolve = |v: Option<i64>, default: i64, bound: &str| -> PyResult<i64> {
         match v {
             None => Ok(default),
             Some(v) if v > n || v < -n => Err(bad(format!(
-                "slice {what} {v} is out of range for {n} rows"
+                "slice {bound} {v} is out of range for {n} {what}"
             ))),
             Some(v) if v < 0 => Ok(v + n),
             Some(v) => Ok(v),

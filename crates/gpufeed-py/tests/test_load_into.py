@@ -7,9 +7,10 @@ dtype at odd shapes, an empty one and an index of two shards written bit for bit
 preallocated tensors (against safetensors' own ``load_file``); a small staging that splits
 tensors into pieces; ``model=`` with tied weights; missing and unexpected names with and
 without ``strict``; dtype, shape and overlap mismatches refused with nothing written; device
-memory beyond the destinations bounded by the staging (the driver's free memory); row plans
-(tensor-parallel shares) bit for bit against safetensors' ``get_slice``, and bad plans refused
-with nothing written. Without a GPU also the plan checks that need none."""
+memory beyond the destinations bounded by the staging (the driver's free memory); row and
+column plans (tensor-parallel shares) bit for bit against safetensors' ``get_slice``, and bad
+plans refused with nothing written. Without a GPU also the plan checks that need none. Casts
+into destinations of another dtype: test_casts.py."""
 
 import json
 import os
@@ -95,17 +96,22 @@ def test_cpu_tensors_and_bad_calls_are_refused(tmp_path):
 
     with pytest.raises(gpufeed.SafetensorError, match="dict"):
         _plan_slices([slice(0, 1)], ["f32"])
-    with pytest.raises(gpufeed.SafetensorError, match="None or a slice"):
+    with pytest.raises(gpufeed.SafetensorError, match="None, a slice or a tuple of slices"):
         _plan_slices({"f32": (0, 1)}, ["f32"])
+    with pytest.raises(gpufeed.SafetensorError, match="narrows 2 dimensions"):
+        _plan_slices({"f32": (slice(0, 1), slice(0, 1))}, ["f32"])
+    # A tuple narrows its one sliced dimension; slice(None) everywhere is the whole tensor.
+    assert _plan_slices({"f32": (slice(None), slice(1, 3))}, ["f32"]) == [(1, (1, 3, None))]
+    assert _plan_slices({"f32": (slice(None), slice(None))}, ["f32"]) == [None]
     with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
         _plan_slices({"f32": slice(0.5, 2)}, ["f32"])
     with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
         _plan_slices({"f32": slice(True, 2)}, ["f32"])
     assert _plan_slices(None, ["f32"]) is None
     np = pytest.importorskip("numpy")
-    assert _plan_slices({"f32": slice(np.int64(1), np.int32(3))}, ["f32"]) == [(1, 3, None)]
+    assert _plan_slices({"f32": slice(np.int64(1), np.int32(3))}, ["f32"]) == [(0, (1, 3, None))]
     assert _plan_slices({"f32": slice(-3, None), "u8": None}, ["f32", "u8", "f16"]) == [
-        (-3, None, None), None, None]
+        (0, (-3, None, None)), None, None]
 
 
 def test_tensors_land_bit_for_bit_in_preallocated_tensors(tmp_path):
@@ -258,7 +264,57 @@ def test_row_plans_write_each_ranks_rows_bit_for_bit(tmp_path):
         target = {"w": dst} if "w" in plan else {"s": torch.zeros((), device="cuda:0")}
         with pytest.raises(gpufeed.SafetensorError, match=text):
             gpufeed.load_into(path, target, strict=False, plan=plan)
-    with pytest.raises(gpufeed.SafetensorError, match="rows planned"):
+    with pytest.raises(gpufeed.SafetensorError, match="planned part"):
         gpufeed.load_into(path, {"w": dst}, strict=False, plan={"w": slice(0, 11)})
     assert bool((dst == 7.0).all()), "a refused plan wrote into its destination"
 
+
+
+def test_column_plans_write_each_ranks_columns_bit_for_bit(tmp_path):
+    """Each of 1, 2 and 3 ranks' shares of a split along dimension 1 (and 2 of a 3-d tensor)
+    lands bit for bit against safetensors' ``get_slice``, with stagings that split the span
+    mid-run (1 MiB) or not (the default); a part that is contiguous in the tensor (every
+    column of one rank, the columns of a one-row matrix) is a plain one; a cast of a column part is refused, as are bounds out of
+    range and a dimension the tensor lacks, with nothing written."""
+    torch = _torch_on_gpu()
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(17)
+    tensors = {"w": torch.randn(1001, 1037, generator=g), "h": torch.randn(4099, 333, generator=g).half(),
+               "c": torch.randn(10, 4, 37, generator=g).bfloat16(), "r": torch.randn(1, 999, generator=g)}
+    path = tmp_path / "columns.safetensors"
+    _save(torch, path, tensors)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for staging in (1 << 20, None):
+            for ranks in (1, 2, 3):
+                for r in range(ranks):
+                    plan, dst, want = {}, {}, {}
+                    for name, dim in (("w", 1), ("h", 1), ("c", 2), ("r", 1)):
+                        n = tensors[name].shape[dim]
+                        a, b = r * n // ranks, (r + 1) * n // ranks
+                        index = (slice(None),) * dim + (slice(a, b),)
+                        plan[name] = index
+                        want[name] = f.get_slice(name)[index]
+                        dst[name] = torch.full(want[name].shape, 7, dtype=tensors[name].dtype,
+                                               device="cuda:0")
+                    got = gpufeed.load_into(path, dst, strict=False, plan=plan,
+                                            staging_bytes=staging)
+                    assert got.missing_keys == []
+                    for name in want:
+                        assert torch.equal(dst[name].cpu().view(torch.uint8),
+                                           want[name].contiguous().view(torch.uint8)), (
+                            staging, ranks, r, name)
+        # Dimension 1 of the 3-d tensor, negative bounds.
+        want = f.get_slice("c")[:, -3:]
+        dst = torch.zeros(want.shape, dtype=torch.bfloat16, device="cuda:0")
+        gpufeed.load_into(path, {"c": dst}, strict=False, plan={"c": (slice(None), slice(-3, None))})
+        assert torch.equal(dst.cpu().view(torch.uint8), want.contiguous().view(torch.uint8))
+    dst = torch.full((1001, 10), 7.0, device="cuda:0")
+    for plan, target, text in (
+        ({"w": (slice(None), slice(0, 10))}, {"w": dst.half()}, "cannot be cast"),
+        ({"w": (slice(None), slice(0, 1038))}, {"w": dst}, "out of range"),
+        ({"w": (slice(None), slice(None), slice(0, 1))}, {"w": dst}, "no dimension 2"),
+    ):
+        with pytest.raises(gpufeed.SafetensorError, match=text):
+            gpufeed.load_into(path, target, strict=False, plan=plan)
+    assert bool((dst == 7.0).all()), "a refused plan wrote into its destination"

@@ -223,6 +223,68 @@ impl LoadInto {
         Ok(rows.start * row..rows.end * row)
     }
 
+    /// The part of the tensor `name` at `range` of its dimension `dim` (`torch.narrow`'s, a
+    /// slice of its columns for `dim` 1 of a matrix): the bytes to read for it, a range within
+    /// the tensor's own bytes for [`LoadInto::run_ranges`] (from its first run's start to its
+    /// last one's end), and the [`Share`] that says which of them belong to it. Along the first
+    /// dimension the share is one run (as [`LoadInto::rows`]); along another, one run per index
+    /// of the dimensions before it, and the bytes read are those of the whole span, the other
+    /// ranks' columns between the runs included.
+    ///
+    /// # Errors
+    /// [`Error::NoTensor`]; an error naming the tensor for a dimension it does not have, a
+    /// range past that dimension, or bytes that are not whole elements (packed types).
+    pub fn narrow(
+        &self,
+        name: &str,
+        dim: usize,
+        range: std::ops::Range<usize>,
+    ) -> Result<(std::ops::Range<usize>, Share)> {
+        let t = self.get(name).ok_or_else(|| self.no_tensor(name))?;
+        let bad =
+            |why: String| Error::invalid(format!("{}: tensor {name}: {why}", self.path.display()));
+        let Some(&n) = t.shape.get(dim) else {
+            return Err(bad(format!(
+                "no dimension {dim} in a tensor of {} dimensions",
+                t.shape.len()
+            )));
+        };
+        if range.start > range.end || range.end > n {
+            return Err(bad(format!(
+                "{}..{} of dimension {dim}, which has {n}",
+                range.start, range.end
+            )));
+        }
+        let bytes = t.range.end - t.range.start;
+        let numel: usize = t.shape.iter().product();
+        if numel == 0 || range.is_empty() {
+            let share = Share {
+                runs: 0,
+                pitch: 0,
+                width: 0,
+            };
+            return Ok((0..0, share));
+        }
+        if bytes % numel != 0 {
+            return Err(bad(format!("{bytes} bytes are not {numel} whole elements")));
+        }
+        let inner: usize = t.shape[dim + 1..].iter().product::<usize>() * (bytes / numel);
+        let runs: usize = t.shape[..dim].iter().product();
+        let (pitch, width) = (n * inner, (range.end - range.start) * inner);
+        let start = range.start * inner;
+        let share = if width == pitch || runs == 1 {
+            // One run: the whole rows of the part (or every column).
+            Share {
+                runs: 1,
+                pitch: runs * width,
+                width: runs * width,
+            }
+        } else {
+            Share { runs, pitch, width }
+        };
+        Ok((start..start + (runs - 1) * pitch + width, share))
+    }
+
     /// [`Error::NoTensor`] for `name`.
     fn no_tensor(&self, name: &str) -> Error {
         Error::NoTensor {
@@ -440,6 +502,131 @@ impl LoadInto {
     }
 }
 
+/// Which bytes of a range [`LoadInto::narrow`] gave belong to the part of the tensor asked for:
+/// `runs` runs of `width` bytes, `pitch` bytes apart, the first at the range's start; the part
+/// itself is the runs back to back (a contiguous tensor of the narrowed shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    /// Runs (one where the part is contiguous in the tensor; none for an empty part).
+    pub runs: usize,
+    /// Bytes from one run's start to the next.
+    pub pitch: usize,
+    /// Bytes of each run.
+    pub width: usize,
+}
+
+impl Share {
+    /// Bytes of the part.
+    pub fn bytes(&self) -> usize {
+        self.runs * self.width
+    }
+
+    /// Queues on the piece's stream the copies of the part's bytes that `piece` (a piece of
+    /// the range [`LoadInto::narrow`] gave, as [`LoadInto::run_ranges`] delivers it) holds into
+    /// the part's destination at device address `dst`: one pitched copy for the runs the piece
+    /// holds whole, one copy for each run it holds a part of (at most two).
+    ///
+    /// # Safety
+    /// `dst .. dst + self.bytes()` must be device memory of the piece's stream's context,
+    /// written by nothing else until the stream's work queued now has run.
+    ///
+    /// # Errors
+    /// CUDA errors (a pitch the driver refuses: rows of more than 2 GiB).
+    #[allow(
+        unsafe_code,
+        reason = "device copies by address, the destination the caller's promise"
+    )]
+    pub unsafe fn copy_piece(&self, piece: &Delivery<'_>, dst: u64) -> Result<()> {
+        let stream = piece.stream.cu_stream();
+        let moves = self.moves(piece.offset, piece.bytes.len());
+        for (src_at, dst_at, n) in moves.runs.into_iter().flatten() {
+            // SAFETY: the source is within the piece (`moves` keeps to it), the destination
+            // within the part (the caller's promise; `moves` keeps to `bytes()`).
+            unsafe {
+                gpufeed_cuda::cudarc::driver::result::memcpy_dtod_async(
+                    dst + dst_at as u64,
+                    piece.address + src_at as u64,
+                    n,
+                    stream,
+                )
+            }
+            .map_err(|e| cuda("cuMemcpyDtoDAsync", e))?;
+        }
+        if let Some((src_at, dst_at, height)) = moves.whole {
+            use gpufeed_cuda::cudarc::driver::sys;
+            let params = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: piece.address + src_at as u64,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: self.pitch,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dst + dst_at as u64,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: self.width,
+                WidthInBytes: self.width,
+                Height: height,
+            };
+            // SAFETY: as above, for `height` runs `pitch` apart in the piece and back to back
+            // in the part; `params` lives over the call, which reads it then.
+            unsafe { sys::cuMemcpy2DAsync_v2(&params, stream) }
+                .result()
+                .map_err(|e| cuda("cuMemcpy2DAsync", e))?;
+        }
+        Ok(())
+    }
+
+    /// The copies that move the part's bytes held by the piece at bytes `q0 .. q0 + len` of
+    /// the range into the part (offsets in the piece and in the part).
+    fn moves(&self, q0: usize, len: usize) -> Moves {
+        let mut m = Moves::default();
+        let q1 = q0 + len;
+        if self.runs == 0 || len == 0 {
+            return m;
+        }
+        if self.runs == 1 {
+            let n = len.min(self.width.saturating_sub(q0));
+            m.runs[0] = (n > 0).then_some((0, q0, n));
+            return m;
+        }
+        let (p, w) = (self.pitch, self.width);
+        // Run `o` is bytes `o * p .. o * p + w` of the range, `o * w ..` of the part.
+        let part = |o: usize| {
+            let (a, b) = ((o * p).max(q0), (o * p + w).min(q1));
+            (b > a).then(|| (a - q0, o * w + (a - o * p), b - a))
+        };
+        let (first, last) = (q0 / p, ((q1 - 1) / p).min(self.runs - 1));
+        let whole = |o: usize| o * p >= q0 && o * p + w <= q1;
+        // The runs strictly between the first and the last are whole; those two may not be.
+        let (mut from, mut to) = (first, last + 1);
+        if !whole(first) {
+            m.runs[0] = part(first);
+            from += 1;
+        }
+        if to > from && !whole(last) {
+            m.runs[1] = part(last);
+            to -= 1;
+        }
+        if from < to {
+            m.whole = Some((from * p - q0, from * w, to - from));
+        }
+        m
+    }
+}
+
+/// What [`Share::moves`] gives: up to two copies of part of a run (from, to, bytes) and the
+/// whole runs as one pitched copy (from, to, runs).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Moves {
+    runs: [Option<(usize, usize, usize)>; 2],
+    whole: Option<(usize, usize, usize)>,
+}
+
 /// A failed driver call as this crate's error.
 fn cuda(op: &'static str, e: gpufeed_cuda::cudarc::driver::DriverError) -> Error {
     gpufeed_cuda::Error::Cuda { op, result: e.0 }.into()
@@ -591,6 +778,24 @@ mod tests {
             ckpt.rows("nope", 0..1),
             Err(Error::NoTensor { .. })
         ));
+        // Columns 1..3 of the 5 x 3 F32 matrix: 5 runs of 8 bytes, 12 apart, from byte 4.
+        let (range, share) = ckpt.narrow("a", 1, 1..3).expect("columns");
+        assert_eq!(range, 4..4 + 4 * 12 + 8);
+        assert_eq!((share.runs, share.pitch, share.width), (5, 12, 8));
+        // Every column, or rows: one run, as `rows` gives.
+        let (range, share) = ckpt.narrow("a", 1, 0..3).expect("every column");
+        assert_eq!((range, share.runs, share.bytes()), (0..60, 1, 60));
+        let (range, share) = ckpt.narrow("a", 0, 1..4).expect("rows");
+        assert_eq!((range, share.runs, share.bytes()), (12..48, 1, 36));
+        let (range, share) = ckpt.narrow("a", 1, 2..2).expect("no columns");
+        assert_eq!((range, share.bytes()), (0..0, 0));
+        let bad = ckpt
+            .narrow("a", 2, 0..1)
+            .expect_err("no dimension 2")
+            .to_string();
+        assert!(bad.contains("no dimension 2"), "{bad}");
+        let bad = ckpt.narrow("a", 1, 2..4).expect_err("past").to_string();
+        assert!(bad.contains("2..4 of dimension 1, which has 3"), "{bad}");
     }
 
     #[test]
@@ -607,6 +812,62 @@ mod tests {
         let spans = merge_adjacent(pieces[one[0].clone()].iter().map(|p| p.span.clone()));
         assert_eq!(spans, vec![0..30, 40..75]);
         assert!(chunks_of(&[], 30).is_empty());
+    }
+
+    #[test]
+    fn a_shares_pieces_move_exactly_its_bytes_wherever_the_pieces_split() {
+        // A tensor [runs, cols] of one-byte elements, columns c0..c1; its narrowed range
+        // split into pieces at every pair of cut points: moving them as `moves` says gives
+        // the part, byte for byte, and writes nothing else.
+        for (runs, cols, c0, c1) in [
+            (5, 7, 2, 5),
+            (3, 4, 0, 1),
+            (4, 6, 5, 6),
+            (1, 9, 3, 8),
+            (6, 3, 0, 3),
+        ] {
+            let tensor: Vec<u8> = (0..runs * cols).map(|i| i as u8).collect();
+            let want: Vec<u8> = (0..runs)
+                .flat_map(|r| tensor[r * cols + c0..r * cols + c1].to_vec())
+                .collect();
+            let share = if c1 - c0 == cols || runs == 1 {
+                Share {
+                    runs: 1,
+                    pitch: runs * (c1 - c0),
+                    width: runs * (c1 - c0),
+                }
+            } else {
+                Share {
+                    runs,
+                    pitch: cols,
+                    width: c1 - c0,
+                }
+            };
+            assert_eq!(share.bytes(), want.len());
+            let hull = &tensor[c0..c0 + (share.runs - 1) * share.pitch + share.width];
+            for cut_a in 0..=hull.len() {
+                for cut_b in cut_a..=hull.len() {
+                    let mut got = vec![0xEEu8; want.len()];
+                    for (q0, q1) in [(0, cut_a), (cut_a, cut_b), (cut_b, hull.len())] {
+                        let piece = &hull[q0..q1];
+                        let m = share.moves(q0, q1 - q0);
+                        for (src, dst, n) in m.runs.into_iter().flatten() {
+                            got[dst..dst + n].copy_from_slice(&piece[src..src + n]);
+                        }
+                        if let Some((src, dst, height)) = m.whole {
+                            for r in 0..height {
+                                let (s, d) = (src + r * share.pitch, dst + r * share.width);
+                                got[d..d + share.width].copy_from_slice(&piece[s..s + share.width]);
+                            }
+                        }
+                    }
+                    assert_eq!(
+                        got, want,
+                        "{runs}x{cols} [{c0}..{c1}) cut at {cut_a}, {cut_b}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub use header::{
     HeaderEntry, HeaderError, HeaderParts, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
 };
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
-pub use into::{Delivery, LoadInto, LoadIntoOptions, LoadIntoReport, load_into};
+pub use into::{Delivery, LoadInto, LoadIntoOptions, LoadIntoReport, Share, load_into};
 #[cfg(feature = "object")]
 pub use object::{inspect_object, inspect_object_opened, load_object};
 pub use on_demand::OnDemand;

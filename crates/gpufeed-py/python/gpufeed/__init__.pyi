@@ -104,7 +104,7 @@ def load_into(
     model: Any = None,
     strict: bool = True,
     staging_bytes: int | None = None,
-    plan: dict[str, slice | None] | None = None,
+    plan: dict[str, slice | tuple[slice, ...] | None] | None = None,
 ) -> IncompatibleKeys: ...
 def load_replicated(path: _Path, devices: Sequence[int] = (0, 1)) -> list[Tensor]: ...
 def load_sharded(

@@ -216,10 +216,11 @@ def load_into(
     shapes: Sequence[Sequence[int]],
     strict: bool = True,
     staging_bytes: int | None = None,
-    plan: Sequence[tuple[int | None, int | None, int | None] | None] | None = None,
+    plan: Sequence[tuple[int, tuple[int | None, int | None, int | None]] | None] | None = None,
 ) -> tuple[list[str], list[str], int, float, int]:
-    """Writes the checkpoint's tensors `names` (or the rows `plan` gives per name) into the
-    device memory at `ptrs` (checked against the headers first); `(missing, unexpected,
+    """Writes the checkpoint's tensors `names` (or the part `plan` gives per name: a dimension
+    and a slice of it) into the device memory at `ptrs` (checked against the headers first;
+    destinations of another floating dtype cast into on the way); `(missing, unexpected,
     bytes, seconds, staging_bytes)`."""
 def load_replicated(path: _Path, devices: Sequence[int]) -> list[Array]: ...
 def load_sharded(

@@ -45,9 +45,11 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     ``path`` into ``tensors`` (a dict of contiguous CUDA tensors of one device, by name), or
     into ``model``'s parameters and buffers (``model.state_dict(keep_vars=True)``).
 
-    Every destination is checked against the headers before a byte moves: the same dtype,
-    shape and size (a mismatch raises ``SafetensorError`` listing them; cast after loading),
-    no two overlapping (the same tensor under two names, as tied weights are, is allowed).
+    Every destination is checked against the headers before a byte moves: the same shape
+    and size, no two overlapping (the same tensor under two names, as tied weights are, is
+    allowed), and the same dtype, or another floating dtype the GPU casts into on the way
+    (BF16, F16 and F32 to one another, F8_E4M3 and F8_E5M2 to each of those; bit for bit as
+    torch's ``.to`` on the GPU); a mismatch raises ``SafetensorError`` listing them.
     With ``strict`` (the default), a name the checkpoint lacks or a checkpoint tensor not
     asked for raises, as ``load_state_dict`` does; otherwise the tensors both have are written
     and the others returned. The bytes go through two device staging buffers of
@@ -59,16 +61,23 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     ``load_state_dict`` does), and no copy runs after the error is raised. A module's extra
     state (``get_extra_state``) is left out of ``model=``.
 
-    ``plan`` maps names to ``None`` (the whole tensor) or a step-1 ``slice`` of the tensor's
-    rows (its first dimension, as ``prefetch`` plans): that name's destination then holds
-    those rows only (shape ``[stop - start, *rest]``), and only their bytes are read, as a
-    tensor-parallel rank's share of a row-split weight. Bounds out of range, other steps and
-    0-d tensors are refused before a byte moves.
+    ``plan`` maps names to ``None`` (the whole tensor), a step-1 ``slice`` of the tensor's
+    rows (its first dimension, as ``prefetch`` plans), or a tuple of slices that narrows one
+    dimension (``(slice(None), slice(a, b))``: columns ``a:b``, as ``tensor[:, a:b]``): that
+    name's destination then holds that part only, contiguous (shape ``[stop - start, *rest]``
+    for rows), as a tensor-parallel rank's share of a split weight. For rows only their bytes
+    are read; for another dimension, the span from the part's first run to its last (the
+    other ranks' columns between them included), and each run lands in place by one pitched
+    device copy per staging chunk. A part along another dimension than the first is not cast
+    on the way. Bounds out of range, other steps, two narrowed dimensions and 0-d tensors are
+    refused before a byte moves.
 
         model = MyModel(config).to_empty(device="cuda:0")   # or built under torch.device
         missing, unexpected = gpufeed.load_into("model.safetensors.index.json", model=model)
         # rank r of w: rows r * n // w to (r + 1) * n // w of a row-split weight
         gpufeed.load_into(path, {"w": shard}, plan={"w": slice(r * n // w, (r + 1) * n // w)})
+        # and columns of a column-split one (a row-parallel layer's weight)
+        gpufeed.load_into(path, {"o": part}, plan={"o": (slice(None), slice(r * k, (r + 1) * k))})
     """
     if (tensors is None) == (model is None):
         raise TypeError("load_into takes tensors (a dict of CUDA tensors) or model=, one of them")
@@ -226,29 +235,50 @@ def _load_cast(path, device: int, dtype) -> Dict[str, Any]:
 
 
 def _plan_slices(plan, names):
-    """``plan`` as the native side takes it: per name of ``names``, ``None`` or a slice's
-    ``(start, stop, step)``; the rows themselves are checked against the headers there."""
+    """``plan`` as the native side takes it: per name of ``names``, ``None`` or ``(dim,
+    (start, stop, step))``: a slice is of the rows (dimension 0), a tuple of slices narrows the
+    one dimension whose slice is not ``slice(None)`` (``(slice(None), slice(a, b))``: columns
+    ``a:b``); the bounds themselves are checked against the headers there."""
     if plan is None:
         return None
     if not isinstance(plan, dict):
-        raise SafetensorError("a load_into plan is a dict of tensor names to None or a slice")
+        raise SafetensorError("a load_into plan is a dict of tensor names to None, a slice or "
+                              "a tuple of slices")
     known = set(names)
+    parts = {}
     for name, value in plan.items():
         if name not in known:
             raise SafetensorError(
                 f"load_into plan names {name!r}, which has no destination among the tensors given"
             )
-        if value is not None and not isinstance(value, slice):
-            raise SafetensorError(
-                f"load_into plan values must be None or a slice, got {type(value).__name__} "
-                f"for {name}"
-            )
+        parts[name] = _part(name, value)
     out = []
     for name in names:
-        value = plan.get(name)
-        out.append(None if value is None else tuple(_bound(name, v) for v in
-                                                    (value.start, value.stop, value.step)))
+        part = parts.get(name)
+        out.append(None if part is None else (part[0], tuple(_bound(name, v) for v in
+                                                             (part[1].start, part[1].stop,
+                                                              part[1].step))))
     return out
+
+
+def _part(name, value):
+    """A plan's value as ``(dim, slice)``, or None for the whole tensor."""
+    if value is None:
+        return None
+    if isinstance(value, slice):
+        return (0, value)
+    if isinstance(value, tuple) and all(isinstance(v, slice) for v in value):
+        narrowed = [(d, v) for d, v in enumerate(value) if v != slice(None)]
+        if len(narrowed) > 1:
+            raise SafetensorError(
+                f"load_into plan for {name} narrows {len(narrowed)} dimensions; a part is a "
+                "slice of one dimension (the others slice(None))"
+            )
+        return narrowed[0] if narrowed else None
+    raise SafetensorError(
+        f"load_into plan values must be None, a slice or a tuple of slices, got "
+        f"{type(value).__name__} for {name}"
+    )
 
 
 def _bound(name, v):

@@ -194,3 +194,79 @@ fn row_shares_land_byte_for_byte_from_their_own_offset() {
         .expect_err("past the end");
     assert!(past.to_string().contains("tensor v"), "{past}");
 }
+
+#[test]
+fn column_shares_land_byte_for_byte_through_pitched_copies() {
+    let Some(gpu) = gpu_or_skip("column_shares_land_byte_for_byte_through_pitched_copies") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("columns.safetensors");
+    // Rows of 1,332 and 666 bytes: a 1 MiB staging cuts the spans inside runs.
+    let shapes = [
+        ("w", Dtype::F32, vec![1001usize, 333]),
+        ("h", Dtype::F16, vec![4099, 333]),
+        ("c", Dtype::BF16, vec![10, 4, 37]),
+    ];
+    let want = write(&path, &shapes, 75);
+    let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
+    let stream = gpu.default_stream();
+    let ckpt = LoadInto::open(&path).expect("open");
+    let opts = LoadIntoOptions::default().with_staging_bytes(1 << 20);
+    for ranks in [1usize, 2, 3] {
+        for r in 0..ranks {
+            let mut asked = Vec::new();
+            let mut shares = HashMap::new();
+            for (name, _, shape) in &shapes {
+                let dim = shape.len() - 1;
+                let n = shape[dim];
+                let cols = r * n / ranks..(r + 1) * n / ranks;
+                let (bytes, share) = ckpt.narrow(name, dim, cols.clone()).expect("narrow");
+                asked.push((*name, bytes));
+                // The part on the CPU: for each run (the leading indices), its columns.
+                let elem = want[*name].len() / shape.iter().product::<usize>();
+                let row = n * elem;
+                let part: Vec<u8> = want[*name]
+                    .chunks(row)
+                    .flat_map(|run| run[cols.start * elem..cols.end * elem].to_vec())
+                    .collect();
+                assert_eq!(part.len(), share.bytes());
+                shares.insert(*name, (share, part));
+            }
+            let dsts: HashMap<&str, _> = shares
+                .iter()
+                .map(|(n, (s, _))| {
+                    (
+                        *n,
+                        stream.alloc_zeros::<u8>(s.bytes().max(1)).expect("alloc"),
+                    )
+                })
+                .collect();
+            let addr: HashMap<&str, u64> = dsts
+                .iter()
+                .map(|(n, d)| {
+                    let (ptr, _rec) =
+                        gpufeed_cuda::cudarc::driver::DevicePtr::device_ptr(d, &stream);
+                    (*n, ptr)
+                })
+                .collect();
+            ckpt.run_ranges(&loader, &asked, &opts, |piece| {
+                let (share, _) = &shares[piece.name];
+                #[allow(unsafe_code, reason = "the test's own allocations, held to the end")]
+                // SAFETY: `addr[name]` is a live allocation of `share.bytes()` bytes (or 1),
+                // freed only after `run_ranges` has waited for its stream.
+                unsafe {
+                    share.copy_piece(&piece, addr[piece.name])
+                }
+            })
+            .expect("run_ranges");
+            for (name, (share, part)) in &shares {
+                let got = gpu.to_vec(&dsts[name]).expect("back");
+                assert!(
+                    got[..share.bytes()] == part[..],
+                    "{ranks} ranks, rank {r}: {name}'s columns differ"
+                );
+            }
+        }
+    }
+}
