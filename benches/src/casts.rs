@@ -132,9 +132,18 @@ mod tests {
                 .to_owned()
         };
         // 40.9 / 44.2... medians: 40.9 against 46.4; 40.9 against 41.0.
-        assert!(line("BF16 file: load_safetensors dtype=float16").contains("| 0.88x |"), "{s}");
-        assert!(line("BF16 file: load_into float16 tensors").contains("| 1.00x |"), "{s}");
-        assert!(line("BF16 file: load_safetensors (no cast)").contains("|  |"), "{s}");
+        assert!(
+            line("BF16 file: load_safetensors dtype=float16").contains("| 0.88x |"),
+            "{s}"
+        );
+        assert!(
+            line("BF16 file: load_into float16 tensors").contains("| 1.00x |"),
+            "{s}"
+        );
+        assert!(
+            line("BF16 file: load_safetensors (no cast)").contains("|  |"),
+            "{s}"
+        );
         assert!(line("F32 file: load_into bfloat16 tensors").contains("did not run: RuntimeError"));
     }
 }
