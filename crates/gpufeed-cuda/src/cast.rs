@@ -242,57 +242,89 @@ const BLOCK: u32 = 256;
 /// The most blocks a launch takes (each thread loops over the elements a grid apart).
 const MAX_BLOCKS: u32 = 8192;
 
-/// The name of the kernel casting `from` to `to`, reading at element-aligned addresses or
-/// at any.
-fn entry_name(from: CastType, to: CastType, aligned: bool) -> String {
-    format!(
-        "cast_{}_{}_{}",
-        from.tag(),
-        to.tag(),
-        if aligned { "a" } else { "u" }
-    )
+/// How a cast kernel reads its source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Read {
+    /// Whole elements at element-aligned addresses.
+    Aligned,
+    /// Byte by byte (a source at any address).
+    Bytes,
+    /// Byte by byte, in runs of `width` elements `pitch` bytes apart (a column part in a
+    /// staging): element `i` at `src + (i / width) * pitch + (i % width) * size`.
+    Pitched,
 }
 
-/// The PTX of every cast kernel: one entry per pair and source alignment (one-byte sources
-/// only aligned). `cvt.rn.bf16.f32` needs `sm_80` and ISA 7.0.
+impl Read {
+    /// The reads a kernel of a source of `size`-byte elements is made with (one-byte
+    /// elements are always aligned).
+    fn all(size: usize) -> &'static [Read] {
+        if size == 1 {
+            &[Read::Aligned, Read::Pitched]
+        } else {
+            &[Read::Aligned, Read::Bytes, Read::Pitched]
+        }
+    }
+}
+
+/// The name of the kernel casting `from` to `to` with reads `read`.
+fn entry_name(from: CastType, to: CastType, read: Read) -> String {
+    let tag = match read {
+        Read::Aligned => "a",
+        Read::Bytes => "u",
+        Read::Pitched => "p",
+    };
+    format!("cast_{}_{}_{tag}", from.tag(), to.tag())
+}
+
+/// Every entry's (from, to, read).
+fn entries() -> impl Iterator<Item = (CastType, CastType, Read)> {
+    TYPES.into_iter().flat_map(|from| {
+        TYPES
+            .into_iter()
+            .filter(move |&to| can_cast(from, to))
+            .flat_map(move |to| Read::all(from.size()).iter().map(move |&r| (from, to, r)))
+    })
+}
+
+/// The PTX of every cast kernel: one entry per pair and way of reading. `cvt.rn.bf16.f32`
+/// needs `sm_80` and ISA 7.0.
 fn ptx() -> String {
     let mut s = String::from(".version 7.0\n.target sm_80\n.address_size 64\n");
-    for from in TYPES {
-        for to in TYPES.into_iter().filter(|&to| can_cast(from, to)) {
-            for aligned in [true, false] {
-                if from.size() == 1 && !aligned {
-                    continue;
-                }
-                entry(&mut s, from, to, aligned);
-            }
-        }
+    for (from, to, read) in entries() {
+        entry(&mut s, from, to, read);
     }
     s
 }
 
-/// Appends the entry `entry_name(from, to, aligned)(src, dst, n)`: element `i` of `n` read at
-/// `src + i * size(from)`, written at `dst + i * size(to)`, each thread taking the elements a
-/// grid apart. `%r5` holds the source bits, `%r6` the F32 bits.
-fn entry(s: &mut String, from: CastType, to: CastType, aligned: bool) {
+/// Appends the entry `entry_name(from, to, read)(src, dst, n, width, pitch)`: element `i` of
+/// `n` read at `src + i * size(from)` (pitched: see [`Read::Pitched`]; `width` and `pitch`
+/// are read by pitched entries only), written at `dst + i * size(to)`, each thread taking the
+/// elements a grid apart. `%r5` holds the source bits, `%r6` the F32 bits.
+fn entry(s: &mut String, from: CastType, to: CastType, read: Read) {
     let (ss, ds) = (from.size(), to.size());
+    let name = entry_name(from, to, read);
     let _ = write!(
         s,
         "
 .visible .entry {name}(
     .param .u64 src,
     .param .u64 dst,
-    .param .u64 n
+    .param .u64 n,
+    .param .u64 width,
+    .param .u64 pitch
 )
 {{
     .reg .pred %p<3>;
     .reg .b16 %h<3>;
     .reg .b32 %r<12>;
     .reg .f32 %f<3>;
-    .reg .b64 %rd<10>;
+    .reg .b64 %rd<14>;
 
     ld.param.u64 %rd1, [src];
     ld.param.u64 %rd2, [dst];
     ld.param.u64 %rd3, [n];
+    ld.param.u64 %rd10, [width];
+    ld.param.u64 %rd11, [pitch];
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
     mov.u32 %r1, %ctaid.x;
@@ -306,12 +338,28 @@ fn entry(s: &mut String, from: CastType, to: CastType, aligned: bool) {
 {name}_LOOP:
     setp.ge.u64 %p1, %rd4, %rd3;
     @%p1 bra {name}_DONE;
-    mul.lo.u64 %rd7, %rd4, {ss};
-    add.u64 %rd7, %rd7, %rd1;
-",
-        name = entry_name(from, to, aligned)
+"
     );
-    let name = entry_name(from, to, aligned);
+    if read == Read::Pitched {
+        // row = i / width, col = i - row * width: src + row * pitch + col * size.
+        let _ = write!(
+            s,
+            "    div.u64 %rd12, %rd4, %rd10;
+    mul.lo.u64 %rd13, %rd12, %rd10;
+    sub.u64 %rd13, %rd4, %rd13;
+    mul.lo.u64 %rd7, %rd12, %rd11;
+    mul.lo.u64 %rd13, %rd13, {ss};
+    add.u64 %rd7, %rd7, %rd13;
+    add.u64 %rd7, %rd7, %rd1;
+"
+        );
+    } else {
+        let _ = write!(
+            s,
+            "    mul.lo.u64 %rd7, %rd4, {ss};\n    add.u64 %rd7, %rd7, %rd1;\n"
+        );
+    }
+    let aligned = read == Read::Aligned;
     // The source element's bits into %r5.
     match (ss, aligned) {
         (1, _) => s.push_str("    ld.global.u8 %r5, [%rd7];\n"),
@@ -439,19 +487,12 @@ impl CastKernel {
             .load_module(Ptx::from_src(ptx()))
             .map_err(|e| Error::cuda("cuModuleLoadData (the cast kernels' PTX)", e))?;
         let mut funcs = HashMap::new();
-        for from in TYPES {
-            for to in TYPES.into_iter().filter(|&to| can_cast(from, to)) {
-                for aligned in [true, false] {
-                    if from.size() == 1 && !aligned {
-                        continue;
-                    }
-                    let name = entry_name(from, to, aligned);
-                    let func = module
-                        .load_function(&name)
-                        .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
-                    funcs.insert(name, func);
-                }
-            }
+        for (from, to, read) in entries() {
+            let name = entry_name(from, to, read);
+            let func = module
+                .load_function(&name)
+                .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+            funcs.insert(name, func);
         }
         Ok(CastKernel {
             funcs: Arc::new(funcs),
@@ -513,6 +554,78 @@ impl CastKernel {
         dst: u64,
         n: u64,
     ) -> Result<()> {
+        let read = if src.is_multiple_of(from.size() as u64) {
+            Read::Aligned
+        } else {
+            Read::Bytes
+        };
+        // SAFETY: passed on (one run of `n` elements is the same memory).
+        unsafe { self.run(stream, from, src, to, dst, n, read, (n.max(1), 0)) }
+    }
+
+    /// [`CastKernel::launch_raw`] of `runs` runs of `width` elements of `from`, `pitch` bytes
+    /// apart from `src` on (any address), into `runs * width` elements of `to` back to back
+    /// at `dst`: the columns of a matrix, cast into a contiguous one.
+    ///
+    /// # Safety
+    /// Every run `src + r * pitch .. + width * from.size()` must be device memory readable,
+    /// and `dst .. dst + runs * width * to.size()` writable, as for
+    /// [`CastKernel::launch_raw`].
+    ///
+    /// # Errors
+    /// [`CastKernel::launch_raw`]'s, and [`Error::OutOfBounds`] for runs wider than their
+    /// pitch.
+    #[allow(clippy::too_many_arguments, reason = "a pitched copy's fields")]
+    pub unsafe fn launch_pitched_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        from: CastType,
+        src: u64,
+        pitch: u64,
+        to: CastType,
+        dst: u64,
+        runs: u64,
+        width: u64,
+    ) -> Result<()> {
+        if width * from.size() as u64 > pitch && runs > 1 {
+            return Err(Error::OutOfBounds {
+                len: width * from.size() as u64,
+                offset: 0,
+                capacity: pitch,
+            });
+        }
+        // SAFETY: passed on.
+        unsafe {
+            self.run(
+                stream,
+                from,
+                src,
+                to,
+                dst,
+                runs * width,
+                Read::Pitched,
+                (width.max(1), pitch),
+            )
+        }
+    }
+
+    /// Checks the pair and the destination, then launches the entry for `read` over `n`
+    /// elements (`(width, pitch)` for pitched reads).
+    ///
+    /// # Safety
+    /// As for the public launches.
+    #[allow(clippy::too_many_arguments, reason = "one kernel's parameters")]
+    unsafe fn run(
+        &self,
+        stream: &Arc<CudaStream>,
+        from: CastType,
+        src: u64,
+        to: CastType,
+        dst: u64,
+        n: u64,
+        read: Read,
+        (width, pitch): (u64, u64),
+    ) -> Result<()> {
         if !can_cast(from, to) {
             return Err(unsupported(from, to));
         }
@@ -526,8 +639,14 @@ impl CastKernel {
         if n == 0 {
             return Ok(());
         }
-        let aligned = src.is_multiple_of(from.size() as u64);
-        let func = &self.funcs[&entry_name(from, to, aligned || from.size() == 1)];
+        // One-byte sources are read aligned whatever the address (no other entry reads
+        // them unpitched).
+        let read = if read == Read::Bytes && from.size() == 1 {
+            Read::Aligned
+        } else {
+            read
+        };
+        let func = &self.funcs[&entry_name(from, to, read)];
         let blocks = n.div_ceil(u64::from(BLOCK)).min(u64::from(MAX_BLOCKS)) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
@@ -535,9 +654,9 @@ impl CastKernel {
             shared_mem_bytes: 0,
         };
         let mut launch = stream.launch_builder(func);
-        launch.arg(&src).arg(&dst).arg(&n);
-        // SAFETY: the arguments are what the entry declares (two addresses and a count), and
-        // the caller promises both ranges (see the function's safety section).
+        launch.arg(&src).arg(&dst).arg(&n).arg(&width).arg(&pitch);
+        // SAFETY: the arguments are what the entry declares (two addresses, a count, a width
+        // and a pitch), and the caller promises the ranges (see the public launches).
         unsafe { launch.launch(cfg) }
             .map(drop)
             .map_err(|e| Error::cuda("cuLaunchKernel (a cast kernel)", e))
@@ -687,8 +806,9 @@ mod tests {
     #[test]
     fn the_ptx_has_an_entry_per_pair_and_alignment() {
         let ptx = ptx();
-        assert_eq!(ptx.matches(".visible .entry").count(), 18);
+        assert_eq!(ptx.matches(".visible .entry").count(), 30);
         assert!(ptx.contains(".entry cast_f32_bf16_u("));
+        assert!(ptx.contains(".entry cast_e4m3_f16_p("));
         assert!(!ptx.contains(".entry cast_e4m3_f16_u("));
         // Every entry's braces close.
         assert_eq!(ptx.matches('{').count(), ptx.matches('}').count());

@@ -40,8 +40,7 @@ const LISTED: usize = 8;
 /// (as `torch.narrow` gives it, contiguous). Along the first dimension only the part's bytes
 /// are read; along another the span from its first run to its last (`LoadInto::narrow`).
 /// A destination of another floating type than the checkpoint's is cast into on the way where
-/// `gpufeed_cuda::cast` does the pair (not with a plan along a dimension other than the
-/// first).
+/// `gpufeed_cuda::cast` does the pair.
 #[pyfunction]
 #[pyo3(signature = (path, device, names, ptrs, nbytes, dtypes, shapes, strict=true, staging_bytes=None, plan=None))]
 #[allow(
@@ -102,7 +101,7 @@ pub(crate) fn load_into(
                 let (read, share) = ckpt.narrow(&names[i], dim, range.clone()).map_err(py_err)?;
                 shape[dim] = range.end - range.start;
                 bytes = share.bytes();
-                if share.runs > 1 {
+                if share.runs() > 1 {
                     shares.insert(names[i].as_str(), share);
                 }
                 read
@@ -114,12 +113,11 @@ pub(crate) fn load_into(
             let pair =
                 CastType::from_safetensors(&dtype).zip(CastType::from_safetensors(&dtypes[i]));
             if let Some((from, to)) = pair.filter(|&(from, to)| can_cast(from, to)) {
-                if shares.contains_key(names[i].as_str()) {
+                if !ptrs[i].is_multiple_of(to.size() as u64) {
                     return Err(GpufeedError::new_err(format!(
-                        "load_into plan for {}: a part along a dimension other than the first \
-                         cannot be cast on the way ({dtype} into {}); give the destination the \
-                         checkpoint's dtype and cast after, or plan rows",
-                        names[i], dtypes[i]
+                        "{}: the destination at 0x{:x} is not aligned to its {} elements \
+                         (nothing was written)",
+                        names[i], ptrs[i], dtypes[i]
                     )));
                 }
                 casts.insert(names[i].as_str(), (from, to));
@@ -208,10 +206,19 @@ pub(crate) fn load_into(
                 };
                 let len = piece.bytes.len();
                 if let Some(share) = shares.get(piece.name) {
+                    let cast = casts.get(piece.name).zip(kernel.as_ref());
                     #[allow(unsafe_code, reason = "copies into a checked device range")]
-                    // SAFETY: `dst .. dst + share.bytes()` is the destination checked above
-                    // (the part's size, overlapping no other), held by the caller for the call.
-                    return unsafe { share.copy_piece(&piece, dst) };
+                    // SAFETY: `dst` is the destination checked above (the part's elements in
+                    // its own type, overlapping no other, aligned as a tensor of that type),
+                    // held by the caller for the call.
+                    return unsafe {
+                        match cast {
+                            Some((&(from, to), kernel)) => {
+                                share.cast_piece(&piece, dst, kernel, from, to)
+                            }
+                            None => share.copy_piece(&piece, dst),
+                        }
+                    };
                 }
                 if let (Some(&(from, to)), Some(kernel)) = (casts.get(piece.name), &kernel) {
                     let n = len / from.size();

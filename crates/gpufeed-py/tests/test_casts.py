@@ -5,7 +5,8 @@ On a GPU (skipped with the reason without torch or a GPU, a failure where
 ``GPUFEED_REQUIRE_GPU=1``), against torch's own ``.to(dtype)`` on the same GPU, bit for bit:
 every value of BF16, F16, F8_E4M3 and F8_E5M2, and F32 values with every high half and the low
 halves where rounding turns (ties) plus random ones, each tensor at an odd offset of a file
-written by hand; a staging small enough to split tensors into pieces; row plans with a cast;
+written by hand; a staging small enough to split tensors into pieces; row and column plans
+with a cast;
 ``load_safetensors(dtype=)`` of a file of mixed types (integers kept, F64 cast by torch) and
 with nothing to cast. Without a GPU: the refusals that need none."""
 
@@ -77,7 +78,8 @@ def _sources(torch):
 
 
 def _file(torch, tmp_path):
-    """Every source after a 3-byte tensor (odd offsets), the F32 one 2 x n (rows for plans)."""
+    """Every source after a 3-byte tensor (so each starts at an odd offset of the data section,
+    and of a staging that holds ``pad`` too), the F32 one 2 x n (rows for plans)."""
     src = _sources(torch)
     entries = [("pad", "U8", [3], b"\x01\x02\x03")]
     for name, (st, _, t) in src.items():
@@ -109,13 +111,16 @@ TARGETS = ("float32", "float16", "bfloat16")
 def test_load_into_casts_every_value_as_torch_does_on_the_gpu(tmp_path):
     torch = _torch_on_gpu()
     path, src = _file(torch, tmp_path)
-    for staging in (None, 1 << 20):  # 1 MiB: the F32 tensor (17 MiB) in pieces
+    for staging in (None, 1 << 20):  # 1 MiB: the F32 tensor (7 MiB) in pieces
         for target in TARGETS:
             dt = getattr(torch, target)
             dst = {n: torch.full(t.shape, 7, dtype=dt, device="cuda:0")
                    for n, (_, sdt, t) in src.items() if sdt != dt}
-            got = gpufeed.load_into(path, dst, strict=False, staging_bytes=staging)
-            assert got.missing_keys == []
+            # `pad` first in the staging: the sources after it at odd addresses there.
+            pad = torch.zeros(3, dtype=torch.uint8, device="cuda:0")
+            got = gpufeed.load_into(path, {"pad": pad, **dst}, strict=False,
+                                    staging_bytes=staging)
+            assert got.missing_keys == [] and pad.tolist() == [1, 2, 3]
             for name, out in dst.items():
                 want = src[name][2].cuda().to(dt)
                 _same_bits(torch, out, want, f"{name} -> {target} (staging {staging})")
@@ -132,6 +137,37 @@ def test_row_plans_cast_only_their_rows(tmp_path):
         _same_bits(torch, dst, whole[rows].to(torch.bfloat16), f"rows {rows}")
 
 
+def test_column_plans_cast_their_runs(tmp_path):
+    """Columns of matrices of every source type cast into every target, with a 1 MiB staging
+    cutting the spans inside runs, against torch's ``.to`` of the same columns."""
+    torch = _torch_on_gpu()
+    g = torch.Generator().manual_seed(23)
+    base = torch.randn(1031, 517, generator=g) * 1000
+    tensors = {"f32": base, "f16": base.half(), "bf16": base.bfloat16(),
+               "e4m3": (base / 1000).to(torch.float8_e4m3fn), "e5m2": base.to(torch.float8_e5m2)}
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "columns.safetensors")
+    save_file(tensors, path)
+    for target in TARGETS:
+        dt = getattr(torch, target)
+        for a, b in ((0, 100), (100, 517), (3, 4)):
+            plan, dst, whole = {}, {}, {}
+            for name, t in tensors.items():
+                if t.dtype == dt:
+                    continue
+                plan[name] = (slice(None), slice(a, b))
+                # A view of a larger buffer: nothing may be written past the part.
+                n = t.shape[0] * (b - a)
+                whole[name] = torch.full((n + 4099,), 7, dtype=dt, device="cuda:0")
+                dst[name] = whole[name][:n].view(t.shape[0], b - a)
+            gpufeed.load_into(path, dst, strict=False, plan=plan, staging_bytes=1 << 20)
+            for name, out in dst.items():
+                want = tensors[name][:, a:b].cuda().to(dt)
+                _same_bits(torch, out, want, f"{name}[:, {a}:{b}] -> {target}")
+                assert bool((whole[name][out.numel():] == 7).all()), f"{name}: past its part"
+
+
 def test_load_safetensors_with_a_dtype_casts_floats_only_and_in_bounded_memory(tmp_path):
     torch = _torch_on_gpu()
     path, src = _file(torch, tmp_path)
@@ -142,6 +178,10 @@ def test_load_safetensors_with_a_dtype_casts_floats_only_and_in_bounded_memory(t
         assert got["pad"].dtype == torch.uint8 and got["pad"].tolist() == [1, 2, 3]
         for name, (_, _, t) in src.items():
             _same_bits(torch, got[name], t.cuda().to(dt), f"load_safetensors {name} -> {target}")
+        # Cast on the way into one buffer of the target type (not a load then torch's .to).
+        storages = {got[n].untyped_storage().data_ptr() for n, (_, sdt, _) in src.items()
+                    if sdt != dt}
+        assert len(storages) == 1, storages
         # The name of the dtype works too.
         again = gpufeed.load_safetensors(path, device=0, dtype=target)
         _same_bits(torch, again["f32"], got["f32"], "by name")
@@ -158,6 +198,14 @@ def test_load_safetensors_with_a_dtype_casts_floats_only_and_in_bounded_memory(t
     assert got["i"].dtype == torch.int64 and torch.equal(got["i"].cpu(), mixed["i"])
     _same_bits(torch, got["d"], mixed["d"].cuda().to(torch.float16), "F64 by torch")
     _same_bits(torch, got["w"], mixed["w"].cuda().to(torch.float16), "F32")
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        # A packed type is loaded as it is beside the casts.
+        packed_path = str(tmp_path / "packed.safetensors")
+        _write_raw(packed_path, [("p", "F4", [3, 4], bytes(range(6))),
+                                 ("w", "F32", [2], struct.pack("<2f", 1.5, -2.25))])
+        got = gpufeed.load_safetensors(packed_path, device=0, dtype=torch.bfloat16)
+        assert got["p"].view(torch.uint8).flatten().tolist() == list(range(6))
+        assert got["w"].tolist() == [1.5, -2.25] and got["w"].dtype == torch.bfloat16
     bf = {"w": torch.randn(9, 3, generator=g).bfloat16()}
     bf_path = str(tmp_path / "bf.safetensors")
     save_file(bf, bf_path)
@@ -189,6 +237,10 @@ def test_casts_refused_without_a_gpu_or_outside_the_table(tmp_path):
         assert got.dtype == torch.float32 and got.numel() == 1 << 16
         with pytest.raises(gpufeed.SafetensorError, match="not a torch dtype"):
             f.get_tensor("bf16", dtype="float128")
+        with pytest.raises(gpufeed.SafetensorError, match="floating"):
+            f.get_tensor("bf16", dtype=torch.int8)
+    with pytest.raises(TypeError, match="ordinal"):
+        gpufeed.load_safetensors(path, device="cuda:0", dtype=torch.float16)
     if not torch.cuda.is_available():
         with pytest.raises(gpufeed.NoGpuError):
             gpufeed.load_safetensors(path, device=0, dtype=torch.float16)

@@ -103,6 +103,9 @@ def test_cpu_tensors_and_bad_calls_are_refused(tmp_path):
     # A tuple narrows its one sliced dimension; slice(None) everywhere is the whole tensor.
     assert _plan_slices({"f32": (slice(None), slice(1, 3))}, ["f32"]) == [(1, (1, 3, None))]
     assert _plan_slices({"f32": (slice(None), slice(None))}, ["f32"]) == [None]
+    assert _plan_slices({"f32": (slice(0, None, 1), slice(1, 3))}, ["f32"]) == [(1, (1, 3, None))]
+    with pytest.raises(gpufeed.SafetensorError, match="Ellipsis"):
+        _plan_slices({"f32": (Ellipsis, slice(1, 3))}, ["f32"])
     with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
         _plan_slices({"f32": slice(0.5, 2)}, ["f32"])
     with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
@@ -288,15 +291,18 @@ def test_column_plans_write_each_ranks_columns_bit_for_bit(tmp_path):
         for staging in (1 << 20, None):
             for ranks in (1, 2, 3):
                 for r in range(ranks):
-                    plan, dst, want = {}, {}, {}
+                    plan, dst, want, whole = {}, {}, {}, {}
                     for name, dim in (("w", 1), ("h", 1), ("c", 2), ("r", 1)):
                         n = tensors[name].shape[dim]
                         a, b = r * n // ranks, (r + 1) * n // ranks
                         index = (slice(None),) * dim + (slice(a, b),)
                         plan[name] = index
                         want[name] = f.get_slice(name)[index]
-                        dst[name] = torch.full(want[name].shape, 7, dtype=tensors[name].dtype,
-                                               device="cuda:0")
+                        # A view of a larger buffer: nothing may be written past the part.
+                        n = want[name].numel()
+                        whole[name] = torch.full((n + 4099,), 7, dtype=tensors[name].dtype,
+                                                 device="cuda:0")
+                        dst[name] = whole[name][:n].view(want[name].shape)
                     got = gpufeed.load_into(path, dst, strict=False, plan=plan,
                                             staging_bytes=staging)
                     assert got.missing_keys == []
@@ -304,6 +310,8 @@ def test_column_plans_write_each_ranks_columns_bit_for_bit(tmp_path):
                         assert torch.equal(dst[name].cpu().view(torch.uint8),
                                            want[name].contiguous().view(torch.uint8)), (
                             staging, ranks, r, name)
+                        tail = whole[name][want[name].numel():]
+                        assert bool((tail == 7).all()), (staging, ranks, r, name, "past the part")
         # Dimension 1 of the 3-d tensor, negative bounds.
         want = f.get_slice("c")[:, -3:]
         dst = torch.zeros(want.shape, dtype=torch.bfloat16, device="cuda:0")
@@ -311,7 +319,7 @@ def test_column_plans_write_each_ranks_columns_bit_for_bit(tmp_path):
         assert torch.equal(dst.cpu().view(torch.uint8), want.contiguous().view(torch.uint8))
     dst = torch.full((1001, 10), 7.0, device="cuda:0")
     for plan, target, text in (
-        ({"w": (slice(None), slice(0, 10))}, {"w": dst.half()}, "cannot be cast"),
+        ({"w": (slice(None), slice(0, 10))}, {"w": dst[:, :5]}, "planned part"),
         ({"w": (slice(None), slice(0, 1038))}, {"w": dst}, "out of range"),
         ({"w": (slice(None), slice(None), slice(0, 1))}, {"w": dst}, "no dimension 2"),
     ):

@@ -14,10 +14,13 @@
 //! MiB on the H200: docs/benchmarks.md, GPU run 146). [`load_into`] is the whole of it for
 //! destinations that are cudarc slices.
 //!
-//! A `deliver` may cast instead of copying: a piece is always whole elements of its tensor
-//! (pieces of a tensor larger than the staging split at multiples of 4 KiB of its bytes), at
-//! any staging address, which [`gpufeed_cuda::cast::CastKernel::launch_raw`] takes (gpufeed's
-//! Python `load_into` casts BF16, F16, F32 and FP8 this way).
+//! A `deliver` may cast instead of copying: a piece of a part asked for from an element
+//! boundary (every range [`LoadInto::rows`] and [`LoadInto::narrow`] give, whole tensors) is
+//! whole elements (pieces of a part larger than the staging split at multiples of 4 KiB of its
+//! bytes), at any staging address, which [`gpufeed_cuda::cast::CastKernel::launch_raw`] takes
+//! ([`Share::cast_piece`] for a narrowed part; gpufeed's Python `load_into` casts BF16, F16,
+//! F32 and FP8 this way). A narrowed part's report counts every byte read for it, the other
+//! ranks' columns between its runs included.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -503,19 +506,33 @@ impl LoadInto {
 }
 
 /// Which bytes of a range [`LoadInto::narrow`] gave belong to the part of the tensor asked for:
-/// `runs` runs of `width` bytes, `pitch` bytes apart, the first at the range's start; the part
-/// itself is the runs back to back (a contiguous tensor of the narrowed shape).
+/// [`Share::runs`] runs of [`Share::width`] bytes, [`Share::pitch`] bytes apart, the first at
+/// the range's start; the part itself is the runs back to back (a contiguous tensor of the
+/// narrowed shape). Only [`LoadInto::narrow`] makes one (so a width is never more than its
+/// pitch, and a pitch never 0 where there are several runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Share {
-    /// Runs (one where the part is contiguous in the tensor; none for an empty part).
-    pub runs: usize,
-    /// Bytes from one run's start to the next.
-    pub pitch: usize,
-    /// Bytes of each run.
-    pub width: usize,
+    runs: usize,
+    pitch: usize,
+    width: usize,
 }
 
 impl Share {
+    /// Runs (one where the part is contiguous in the tensor; none for an empty part).
+    pub fn runs(&self) -> usize {
+        self.runs
+    }
+
+    /// Bytes from one run's start to the next.
+    pub fn pitch(&self) -> usize {
+        self.pitch
+    }
+
+    /// Bytes of each run.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
     /// Bytes of the part.
     pub fn bytes(&self) -> usize {
         self.runs * self.width
@@ -577,6 +594,75 @@ impl Share {
             unsafe { sys::cuMemcpy2DAsync_v2(&params, stream) }
                 .result()
                 .map_err(|e| cuda("cuMemcpy2DAsync", e))?;
+        }
+        Ok(())
+    }
+
+    /// [`Share::copy_piece`] casting on the way: the piece holds elements of `from`, the
+    /// part's destination at `dst` is elements of `to` (as many), written by `kernel`'s
+    /// kernels (one launch per partial run, one pitched launch for the whole runs).
+    ///
+    /// # Safety
+    /// `dst .. dst + self.bytes() / from.size() * to.size()` must be device memory of the
+    /// piece's stream's context, aligned to `to`'s elements and written by nothing else
+    /// until the stream's work queued now has run.
+    ///
+    /// # Errors
+    /// The kernels' ([`gpufeed_cuda::Error::CastUnsupported`] for a pair they do not cast);
+    /// an error for a share that is not whole elements of `from`.
+    #[allow(
+        unsafe_code,
+        reason = "kernel launches by address, the caller's promise"
+    )]
+    pub unsafe fn cast_piece(
+        &self,
+        piece: &Delivery<'_>,
+        dst: u64,
+        kernel: &gpufeed_cuda::cast::CastKernel,
+        from: gpufeed_cuda::cast::CastType,
+        to: gpufeed_cuda::cast::CastType,
+    ) -> Result<()> {
+        let (fs, ts) = (from.size(), to.size());
+        if !(piece.offset.is_multiple_of(fs)
+            && piece.bytes.len().is_multiple_of(fs)
+            && self.pitch.is_multiple_of(fs)
+            && self.width.is_multiple_of(fs))
+        {
+            return Err(Error::invalid(format!(
+                "a piece of {} is not whole {from} elements",
+                piece.name
+            )));
+        }
+        let at = |bytes: usize| dst + (bytes / fs * ts) as u64;
+        let moves = self.moves(piece.offset, piece.bytes.len());
+        for (src_at, dst_at, n) in moves.runs.into_iter().flatten() {
+            // SAFETY: the source is within the piece, the destination within the part (the
+            // caller's promise, `moves` keeping to `bytes()`).
+            unsafe {
+                kernel.launch_raw(
+                    piece.stream,
+                    from,
+                    piece.address + src_at as u64,
+                    to,
+                    at(dst_at),
+                    (n / fs) as u64,
+                )
+            }?;
+        }
+        if let Some((src_at, dst_at, height)) = moves.whole {
+            // SAFETY: as above, for `height` runs `pitch` apart in the piece.
+            unsafe {
+                kernel.launch_pitched_raw(
+                    piece.stream,
+                    from,
+                    piece.address + src_at as u64,
+                    self.pitch as u64,
+                    to,
+                    at(dst_at),
+                    height as u64,
+                    (self.width / fs) as u64,
+                )
+            }?;
         }
         Ok(())
     }

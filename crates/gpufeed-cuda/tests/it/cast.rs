@@ -131,3 +131,78 @@ fn casts_refuse_what_they_cannot_do_before_launching() {
             .unwrap_err();
     assert!(err.to_string().contains("not aligned"), "{err}");
 }
+
+#[test]
+fn pitched_casts_read_runs_and_write_them_back_to_back() {
+    let Some(gpu) = gpu_or_skip("pitched_casts_read_runs_and_write_them_back_to_back") else {
+        return;
+    };
+    let kernel = CastKernel::load(&gpu).expect("load the cast kernels");
+    let stream = gpu.default_stream();
+    // 37 runs of 11 elements every 29 elements' bytes + 3, from an odd address.
+    let (runs, width) = (37usize, 11usize);
+    for from in TYPES {
+        let pitch = 29 * from.size() + 3;
+        let bytes = random_bytes(1 + runs * pitch, 158 + from.size() as u64);
+        let dev = stream.clone_htod(&bytes).expect("upload");
+        let src: Vec<u8> = (0..runs)
+            .flat_map(|r| bytes[1 + r * pitch..1 + r * pitch + width * from.size()].to_vec())
+            .collect();
+        for to in TYPES.into_iter().filter(|&to| can_cast(from, to)) {
+            let want = reference(from, to, &src).expect("reference");
+            let mut out = stream.alloc_zeros::<u8>(want.len()).expect("alloc");
+            let (s, _r) = gpufeed_cuda::cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
+            let (d, _w) =
+                gpufeed_cuda::cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out, &stream);
+            // SAFETY: the runs lie within `dev` (1 + runs * pitch bytes), the destination is
+            // `out`, both held until the download below waits for the stream.
+            unsafe {
+                kernel.launch_pitched_raw(
+                    &stream,
+                    from,
+                    s + 1,
+                    pitch as u64,
+                    to,
+                    d,
+                    runs as u64,
+                    width as u64,
+                )
+            }
+            .expect("launch");
+            drop((_r, _w));
+            assert_eq!(
+                stream.clone_dtoh(&out).expect("download"),
+                want,
+                "{from} -> {to}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_cast_of_more_elements_than_one_grid_holds_loops_over_them_all() {
+    let Some(gpu) = gpu_or_skip("a_cast_of_more_elements_than_one_grid_holds_loops_over_them_all")
+    else {
+        return;
+    };
+    let kernel = CastKernel::load(&gpu).expect("load the cast kernels");
+    let stream = gpu.default_stream();
+    // 5,000,003 F32 values: more than 8,192 blocks of 256 threads take in one pass.
+    let src = random_bytes(4 * 5_000_003, 159);
+    let dev = stream.clone_htod(&src).expect("upload");
+    let mut out = stream.alloc_zeros::<u8>(2 * 5_000_003).expect("alloc");
+    kernel
+        .launch(
+            &stream,
+            CastType::F32,
+            &dev.slice(..),
+            CastType::BF16,
+            &mut out.slice_mut(..),
+        )
+        .expect("launch");
+    let want = reference(CastType::F32, CastType::BF16, &src).expect("reference");
+    assert!(
+        stream.clone_dtoh(&out).expect("download") == want,
+        "some element differs"
+    );
+}

@@ -257,7 +257,9 @@ def load_safetensors(path: Path, device: int = 0, dtype=None) -> Dict[str, objec
     a bounded staging on the device (two buffers of up to 512 MiB) and a GPU kernel writes them
     in ``dtype``, bit for bit as torch's ``.to(dtype)`` on the GPU; device memory is what the
     result holds plus that staging. Other floating types (F64, other FP8 kinds) are cast by
-    torch after their load; integers and bools keep their type. Local files only.
+    torch after their load; integers, bools and packed F4 keep their type; a file with nothing
+    to cast loads as without ``dtype``. The kernels need compute capability 8.0: on an older
+    GPU each tensor is loaded, then cast by torch. Local files only.
 
         weights = gpufeed.load_safetensors("model.safetensors", dtype=torch.float16)
     """

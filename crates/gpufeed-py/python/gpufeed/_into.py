@@ -40,7 +40,7 @@ def _safetensors_dtypes(torch) -> Dict[Any, str]:
 
 def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, strict: bool = True,
               staging_bytes: Optional[int] = None,
-              plan: Optional[Dict[str, Optional[slice]]] = None) -> IncompatibleKeys:
+              plan: Optional[Dict[str, Any]] = None) -> IncompatibleKeys:
     """Writes the tensors of the safetensors file or sharded checkpoint (``*.index.json``)
     ``path`` into ``tensors`` (a dict of contiguous CUDA tensors of one device, by name), or
     into ``model``'s parameters and buffers (``model.state_dict(keep_vars=True)``).
@@ -68,9 +68,8 @@ def load_into(path, tensors: Optional[Dict[str, Any]] = None, *, model=None, str
     for rows), as a tensor-parallel rank's share of a split weight. For rows only their bytes
     are read; for another dimension, the span from the part's first run to its last (the
     other ranks' columns between them included), and each run lands in place by one pitched
-    device copy per staging chunk. A part along another dimension than the first is not cast
-    on the way. Bounds out of range, other steps, two narrowed dimensions and 0-d tensors are
-    refused before a byte moves.
+    device copy (or pitched cast) per staging chunk. Bounds out of range, other steps, two
+    narrowed dimensions, Ellipsis and 0-d tensors are refused before a byte moves.
 
         model = MyModel(config).to_empty(device="cuda:0")   # or built under torch.device
         missing, unexpected = gpufeed.load_into("model.safetensors.index.json", model=model)
@@ -179,42 +178,47 @@ def _load_cast(path, device: int, dtype) -> Dict[str, Any]:
         raise SafetensorError(
             f"{path}: dtype= loads local files; load the object without it and cast after"
         )
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device must be a GPU's ordinal (an int), got {device!r}")
     path = os.fspath(path)
-    from ._safe_open import safe_open  # noqa: PLC0415 (the module imports this one)
+    from . import load_safetensors  # noqa: PLC0415 (the package imports this module)
+    from ._safe_open import _dtype, safe_open  # noqa: PLC0415 (it imports this module)
 
     with safe_open(path, framework="pt", device="cpu") as f:
         metas = [(k, f.get_tensor_meta(k)) for k in f.keys()]
-    names, dtypes, shapes, later = [], [], [], []
+    names, dtypes, haves, shapes, later, apart = [], [], [], [], [], []
     # Per destination type: its tensors' element offsets in one buffer, and the total.
     offsets, totals = [], {}
     for name, meta in metas:
         have = meta.dtype
-        attr, size, packed = _DTYPES[have]
+        td, _, packed = _dtype(torch, have)
         if packed:
-            raise SafetensorError(
-                f"{path}: {name} is {have}, a packed type dtype= does not cast: load without "
-                "dtype= and cast after"
-            )
+            apart.append(name)  # loaded as it is (no destination of its type): F4
+            continue
         out = to if have in _CAST_FROM else have
-        if out == have and have != to and getattr(torch, attr).is_floating_point:
+        if out == have and have != to and td.is_floating_point:
             later.append(name)  # a floating type the kernels do not read (F64...): torch casts
-        n = 1
-        for d in meta.shape:
-            n *= d
         offsets.append(totals.get(out, 0))
-        totals[out] = totals.get(out, 0) + n
+        totals[out] = totals.get(out, 0) + _numel(meta.shape)
         names.append(name)
         dtypes.append(out)
+        haves.append(have)
         shapes.append(list(meta.shape))
-    if not later and all(k == m.dtype for k, (_, m) in zip(dtypes, metas)):
-        from . import load_safetensors  # noqa: PLC0415 (the package imports this module)
-
+    casting = [n for n, k, have in zip(names, dtypes, haves) if k != have]
+    if not casting and not later:
         return load_safetensors(path, device)  # nothing to cast: the file's own load
     if not torch.cuda.is_available():
         raise _NoGpu(
             f"{path}: dtype= casts on a GPU and torch sees none (torch.cuda.is_available() is "
             "False); load on the CPU with gpufeed.torch.load_file and cast there"
         )
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        # No cast kernels before compute capability 8.0: torch casts each tensor after the
+        # file's own load (both copies of a tensor held for a moment).
+        loaded = load_safetensors(path, device)
+        for name in casting + later:
+            loaded[name] = loaded[name].to(dtype)
+        return loaded
     where = f"cuda:{device}"
     bufs = {k: torch.empty(n, dtype=getattr(torch, _DTYPES[k][0]), device=where)
             for k, n in totals.items()}
@@ -223,7 +227,8 @@ def _load_cast(path, device: int, dtype) -> Dict[str, Any]:
     # Work queued before into the memory these buffers reuse ends before the writes.
     torch.cuda.synchronize(device)
     try:
-        _gpufeed.load_into(path, device, names, ptrs, nbytes, dtypes, shapes, True, None, None)
+        _gpufeed.load_into(path, device, names, ptrs, nbytes, dtypes, shapes, not apart, None,
+                           None)
     except GpufeedError as e:
         raise _translated(e, path) from None
     out = {}
@@ -231,6 +236,10 @@ def _load_cast(path, device: int, dtype) -> Dict[str, Any]:
         out[name] = bufs[k].as_strided(shape, _strides(shape), o)
     for name in later:
         out[name] = out[name].to(dtype)
+    if apart:
+        with safe_open(path, framework="pt", device=where) as f:
+            for name in apart:
+                out[name] = f.get_tensor(name)
     return out
 
 
@@ -267,8 +276,13 @@ def _part(name, value):
         return None
     if isinstance(value, slice):
         return (0, value)
+    if isinstance(value, tuple) and any(v is Ellipsis for v in value):
+        raise SafetensorError(
+            f"load_into plan for {name}: give each dimension up to the narrowed one as "
+            "slice(None) (no Ellipsis)"
+        )
     if isinstance(value, tuple) and all(isinstance(v, slice) for v in value):
-        narrowed = [(d, v) for d, v in enumerate(value) if v != slice(None)]
+        narrowed = [(d, v) for d, v in enumerate(value) if not _whole(v)]
         if len(narrowed) > 1:
             raise SafetensorError(
                 f"load_into plan for {name} narrows {len(narrowed)} dimensions; a part is a "
@@ -279,6 +293,11 @@ def _part(name, value):
         f"load_into plan values must be None, a slice or a tuple of slices, got "
         f"{type(value).__name__} for {name}"
     )
+
+
+def _whole(v: slice) -> bool:
+    """Whether the slice ``v`` takes a whole dimension whatever its length."""
+    return v.start in (None, 0) and v.stop is None and v.step in (None, 1)
 
 
 def _bound(name, v):

@@ -637,9 +637,10 @@ class safe_open:
 
     def get_tensor(self, name: str, dtype=None):
         """The tensor ``name`` on the handle's device. ``dtype`` (gpufeed's, not safetensors'
-        argument: a ``torch.dtype`` or its name) casts a floating tensor to it on that device
-        after its load, by torch's ``.to`` (the loaded tensor is freed after; whole checkpoints
-        cast on the way, in a bounded staging: ``gpufeed.load_safetensors(dtype=)``)."""
+        argument: a floating ``torch.dtype`` or its name) casts a floating tensor to it on that
+        device after its load, by torch's ``.to`` (the loaded tensor is dropped after; its
+        memory goes with the last tensor of its chunk). Whole checkpoints cast on the way, in
+        a bounded staging: ``gpufeed.load_safetensors(dtype=)``."""
         if dtype is not None:
             return self._cast(self.get_tensor(name), dtype)
         fast = self._fast.get(name)
@@ -667,8 +668,8 @@ class safe_open:
             if not isinstance(named, torch.dtype):
                 raise SafetensorError(f"dtype {dtype!r} is not a torch dtype")
             dtype = named
-        if not isinstance(dtype, torch.dtype):
-            raise SafetensorError(f"dtype {dtype!r}: give a torch.dtype or its name")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise SafetensorError(f"dtype {dtype!r}: give a floating torch.dtype or its name")
         if t.dtype == dtype or not t.is_floating_point():
             return t
         return t.to(dtype)

@@ -27,7 +27,7 @@ import warnings
 from os import PathLike
 from typing import Any, Dict, Union
 
-from ._safe_open import device_ordinal
+from ._safe_open import device_ordinal, safe_open
 
 __all__ = ["from_pretrained"]
 
@@ -208,18 +208,31 @@ def from_pretrained(
                                       or [])]
     unexpected = [k for k in tensors if k not in wanted and not any(p.search(k) for p in ignore)]
     state = {}
-    for name, t in tensors.items():
-        have = wanted.get(name)
-        if have is None:
-            continue
-        if t.shape != have.shape:
-            raise ValueError(
-                f"{checkpoint}: tensor {name} has shape {tuple(t.shape)}, the model's "
-                f"{tuple(have.shape)}"
-            )
-        if t.dtype != have.dtype and t.is_floating_point() and have.is_floating_point():
-            t = t.to(device=target, dtype=have.dtype)
-        state[name] = t
+    raw = None  # the checkpoint opened again, for tensors cast on the way to the wrong dtype
+    try:
+        for name, t in tensors.items():
+            have = wanted.get(name)
+            if have is None:
+                continue
+            if t.shape != have.shape:
+                raise ValueError(
+                    f"{checkpoint}: tensor {name} has shape {tuple(t.shape)}, the model's "
+                    f"{tuple(have.shape)}"
+                )
+            if t.dtype != have.dtype and t.is_floating_point() and have.is_floating_point():
+                if ordinal is not None and t.dtype == dtype:
+                    # Cast on the way to the model's dtype, but the model keeps this one in
+                    # another (its own code made it so): cast from the checkpoint's bytes, as
+                    # transformers does, not from the cast.
+                    if raw is None:
+                        raw = safe_open(checkpoint, framework="pt", device=target)
+                    t = raw.get_tensor(name)
+                if t.dtype != have.dtype:
+                    t = t.to(device=target, dtype=have.dtype)
+            state[name] = t
+    finally:
+        if raw is not None:
+            raw.close()
     del tensors
     result = model.load_state_dict(state, strict=False, assign=True)
     del state
