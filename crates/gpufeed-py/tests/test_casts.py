@@ -182,6 +182,9 @@ def test_load_safetensors_with_a_dtype_casts_floats_only_and_in_bounded_memory(t
         storages = {got[n].untyped_storage().data_ptr() for n, (_, sdt, _) in src.items()
                     if sdt != dt}
         assert len(storages) == 1, storages
+        # Each 256-byte aligned, as torch allocates (kernels choose by alignment).
+        assert all(t.data_ptr() % 256 == 0 for t in got.values()), {
+            n: t.data_ptr() % 256 for n, t in got.items()}
         # The name of the dtype works too.
         again = gpufeed.load_safetensors(path, device=0, dtype=target)
         _same_bits(torch, again["f32"], got["f32"], "by name")

@@ -29,15 +29,24 @@ if os.environ.get("ROUTE") == "gpufeed":
         real_init(self, *a, **k)
     so.safe_open.__init__ = counting
 dtype = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
+from transformers import LlamaForCausalLM
+class Kept(LlamaForCausalLM):
+    # A model whose own code keeps one parameter in float32 whatever the dtype.
+    def __init__(self, config):
+        super().__init__(config)
+        self.kept = torch.nn.Parameter(torch.zeros(257, dtype=torch.float32))
+cls = Kept if os.environ.get("KEPT") == "1" else None
 if os.environ.get("ROUTE") == "gpufeed.transformers":
     import gpufeed.transformers
-    model = gpufeed.transformers.from_pretrained(sys.argv[1], device="cuda:0", dtype=dtype)
+    model = gpufeed.transformers.from_pretrained(sys.argv[1], device="cuda:0", dtype=dtype,
+                                                 model_class=cls)
     assert not model.training
     assert all(p.device == torch.device("cuda:0") for p in model.parameters())
     assert all(b.device == torch.device("cuda:0") for b in model.buffers())
 else:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=dtype, device_map="cuda:0")
+    model = (cls or AutoModelForCausalLM).from_pretrained(sys.argv[1], dtype=dtype,
+                                                          device_map="cuda:0")
 ids = torch.arange(32, device="cuda:0").reshape(1, 32) % model.config.vocab_size
 with torch.no_grad():
     logits = model(ids).logits.float().cpu()
@@ -78,14 +87,15 @@ def _save(torch, directory, tie):
     return saved, shards
 
 
-def _run(torch, directory, saved, route, dtype="bfloat16"):
-    """The state and logits of the model loaded by ``route`` in a fresh process, and what it
-    printed."""
+def _run(torch, directory, saved, route, dtype="bfloat16", kept=False):
+    """The state and logits of the model loaded by ``route`` in a fresh process (``kept``: the
+    model class with a parameter kept in float32), and what it printed."""
     out = os.path.join(directory, f"{route}-{dtype}.pt")
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUFEED_PATCH_SAFETENSORS", "DTYPE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GPUFEED_PATCH_SAFETENSORS", "DTYPE", "KEPT")}
     run = subprocess.run([sys.executable, "-c", SCRIPT, saved, out],
-                         env={**env, "ROUTE": route, "DTYPE": dtype}, capture_output=True,
-                         text=True, timeout=600)
+                         env={**env, "ROUTE": route, "DTYPE": dtype, "KEPT": "1" if kept else "0"},
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"{route}: {run.stderr[-3000:]}"
     return torch.load(out), run.stdout
 
@@ -122,3 +132,27 @@ def test_gpufeed_transformers_from_pretrained_is_bit_identical():
                 own, _ = _run(torch, d, saved, "safetensors", dtype)
                 ours, _ = _run(torch, d, saved, "gpufeed.transformers", dtype)
                 _assert_same(torch, own, ours, f"tie={tie}, {dtype}")
+
+
+def test_a_parameter_the_model_keeps_in_float32_loads_as_transformers_loads_it():
+    """A float32 checkpoint of a model whose code keeps one parameter in float32, loaded in
+    bfloat16: the other tensors cast on the way, that one as transformers' own makes it."""
+    torch = requirements()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        config = LlamaConfig(vocab_size=1013, hidden_size=192, intermediate_size=517,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=False)
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+        # The parameter's values with low bits that bfloat16 drops.
+        model.register_parameter("kept", torch.nn.Parameter(torch.randn(257) / 3))
+        saved = os.path.join(d, "kept")
+        model.save_pretrained(saved, max_shard_size="1MB")
+        own, _ = _run(torch, d, saved, "safetensors", "bfloat16", kept=True)
+        ours, _ = _run(torch, d, saved, "gpufeed.transformers", "bfloat16", kept=True)
+        assert own["state"]["kept"].dtype == torch.float32
+        print("transformers keeps the float32 bits:",
+              torch.equal(own["state"]["kept"], model.kept.detach()))
+        _assert_same(torch, own, ours, "kept in float32")

@@ -198,8 +198,13 @@ def _load_cast(path, device: int, dtype) -> Dict[str, Any]:
         out = to if have in _CAST_FROM else have
         if out == have and have != to and td.is_floating_point:
             later.append(name)  # a floating type the kernels do not read (F64...): torch casts
-        offsets.append(totals.get(out, 0))
-        totals[out] = totals.get(out, 0) + _numel(meta.shape)
+        # Each tensor 256-byte aligned in its buffer, as torch's allocator places tensors:
+        # kernels (cuBLAS's) choose by alignment, and a tensor at an odd address multiplies
+        # slower and to other bits than the same tensor allocated alone.
+        step = max(1, 256 // _DTYPES[out][1])
+        at = -(-totals.get(out, 0) // step) * step
+        offsets.append(at)
+        totals[out] = at + _numel(meta.shape)
         names.append(name)
         dtypes.append(out)
         haves.append(have)

@@ -182,13 +182,16 @@ def from_pretrained(
     worker.start()
     try:
         cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+        # Auto* classes build by `from_config`, model classes by `_from_config` (which sets
+        # the default dtype while the model is built, as `from_pretrained` does).
+        build = getattr(cls, "from_config", None) or cls._from_config
         with _parameters_on_meta(torch):
             try:
-                model = cls.from_config(config, dtype=dtype)
+                model = build(config, dtype=dtype)
             except TypeError as e:
                 if "dtype" not in str(e):
                     raise
-                model = cls.from_config(config, torch_dtype=dtype)  # transformers 4's name
+                model = build(config, torch_dtype=dtype)  # transformers 4's name
     finally:
         worker.join()
     if "error" in loaded:
