@@ -41,16 +41,19 @@ pub enum CastType {
     F8E5M2,
 }
 
-/// Every [`CastType`], sources first to last.
-const TYPES: [CastType; 5] = [
-    CastType::F32,
-    CastType::F16,
-    CastType::BF16,
-    CastType::F8E4M3,
-    CastType::F8E5M2,
-];
+/// Every [`CastType`].
+const TYPES: [CastType; 5] = CastType::ALL;
 
 impl CastType {
+    /// Every type the kernels read, in this order: F32, F16, BF16, F8_E4M3, F8_E5M2.
+    pub const ALL: [CastType; 5] = [
+        CastType::F32,
+        CastType::F16,
+        CastType::BF16,
+        CastType::F8E4M3,
+        CastType::F8E5M2,
+    ];
+
     /// The type safetensors names `name` (`"BF16"`, `"F8_E4M3"`...), where casts take it.
     pub fn from_safetensors(name: &str) -> Option<CastType> {
         TYPES.into_iter().find(|t| t.name() == name)

@@ -6,13 +6,7 @@ use gpufeed_cuda::cast::{CastKernel, CastType, can_cast, reference};
 
 use crate::{gpu_or_skip, random_bytes};
 
-const TYPES: [CastType; 5] = [
-    CastType::F32,
-    CastType::F16,
-    CastType::BF16,
-    CastType::F8E4M3,
-    CastType::F8E5M2,
-];
+const TYPES: [CastType; 5] = CastType::ALL;
 
 /// The source values a test of `from` casts: little-endian elements.
 fn sources(from: CastType) -> Vec<u8> {
