@@ -8,7 +8,7 @@
 //! the NaNs as torch's CUDA kernels make them (measured on an H200 with torch 2.11: a NaN cast
 //! to F16 or BF16 becomes `0x7FFF` whatever its sign and payload; F16 to F32 makes `0x7FFFFFFF`;
 //! BF16 to F32 keeps every bit; an FP8 NaN to F32 keeps its sign, `0x7FF00000` for E4M3 and
-//! `0x7FFFFFFF` for E5M2). [`reference`] is the same arithmetic on the CPU. torch's CPU
+//! `0x7FFFFFFF` for E5M2). [`reference()`] is the same arithmetic on the CPU. torch's CPU
 //! kernels make other NaNs (`0xFFFF` for F32 to BF16 in torch 2.15's vector path): compare a
 //! GPU cast with torch on the GPU.
 //!
