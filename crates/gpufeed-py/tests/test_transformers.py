@@ -137,6 +137,85 @@ def test_refusals_name_what_is_wrong():
             gpufeed.transformers.from_pretrained(sharded, device="cpu")
 
 
+# A Megatron-style plan: attention and MLP inputs split by rows (output features), their
+# outputs by columns (input features), the head by rows (vocabulary).
+TP_PLAN = {
+    "model.layers.*.self_attn.[qkv]_proj.weight": "rows",
+    "model.layers.*.self_attn.o_proj.weight": "columns",
+    "model.layers.*.mlp.gate_proj.weight": "rows",
+    "model.layers.*.mlp.up_proj.weight": "rows",
+    "model.layers.*.mlp.down_proj.weight": "columns",
+    "lm_head.weight": "rows",
+}
+
+
+def assert_shares(torch, full, share, rank, world, what):
+    """Each planned parameter of ``share`` is its rank's rows or columns of ``full``'s, bit
+    for bit; the others equal ``full``'s."""
+    import fnmatch
+
+    a, b = full.state_dict(), share.state_dict()
+    assert sorted(a) == sorted(b), what
+    split = 0
+    for name, t in a.items():
+        how = next((v for p, v in TP_PLAN.items() if fnmatch.fnmatchcase(name, p)), None)
+        if how is not None:
+            dim = {"rows": 0, "columns": 1}[how]
+            n = t.shape[dim]
+            t = t.narrow(dim, rank * n // world, (rank + 1) * n // world - rank * n // world)
+            split += 1
+        assert b[name].dtype == t.dtype and b[name].shape == t.shape, f"{what}: {name}"
+        assert torch.equal(raw(torch, b[name]), raw(torch, t.contiguous())), f"{what}: {name}"
+    assert split == 2 * 7 + 1, f"{what}: {split} tensors split"
+
+
+def test_a_tensor_parallel_rank_gets_its_rows_and_columns():
+    """``tp_plan``: each rank of 1, 2 and 3 (uneven shares) gets its rows and columns of the
+    planned parameters and the rest whole, as slices of the full model, cast as the full
+    model is; rank and world from torchrun's variables; bad plans and ranks refused."""
+    torch = requirements()
+    import gpufeed.transformers
+
+    with tempfile.TemporaryDirectory() as d:
+        saved = save(torch, d, tie=False, shard="100KB")
+        for dtype in (torch.bfloat16, torch.float32):
+            full = gpufeed.transformers.from_pretrained(saved, device="cpu", dtype=dtype)
+            for world in (1, 2, 3):
+                for rank in range(world):
+                    share = gpufeed.transformers.from_pretrained(
+                        saved, device="cpu", dtype=dtype, tp_plan=TP_PLAN, rank=rank,
+                        world_size=world)
+                    assert not share.training
+                    assert_shares(torch, full, share, rank, world, f"{dtype} {rank}/{world}")
+        old = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        os.environ.update(RANK="1", WORLD_SIZE="2")
+        try:
+            share = gpufeed.transformers.from_pretrained(saved, device="cpu", tp_plan=TP_PLAN)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        full = gpufeed.transformers.from_pretrained(saved, device="cpu")
+        assert_shares(torch, full, share, 1, 2, "from RANK / WORLD_SIZE")
+        for kwargs, text in (
+            (dict(tp_plan={"lm_head.weight": "diagonal"}, rank=0, world_size=2), "'rows' or"),
+            (dict(tp_plan={"model.norm.weight": "columns"}, rank=0, world_size=2), "shape"),
+            (dict(tp_plan=TP_PLAN, rank=2, world_size=2), "0 <= rank"),
+            (dict(rank=0, world_size=2), "go with tp_plan"),
+        ):
+            with pytest.raises(ValueError, match=text):
+                gpufeed.transformers.from_pretrained(saved, device="cpu", **kwargs)
+        os.environ.pop("RANK", None)
+        os.environ.pop("WORLD_SIZE", None)
+        with pytest.raises(ValueError, match="torchrun"):
+            gpufeed.transformers.from_pretrained(saved, device="cpu", tp_plan=TP_PLAN)
+        for k, v in old.items():
+            if v is not None:
+                os.environ[k] = v
+
+
 def test_import_gpufeed_does_not_import_transformers():
     run = subprocess.run([sys.executable, "-c",
                           "import sys, gpufeed, gpufeed.torch; print('transformers' in sys.modules)"],

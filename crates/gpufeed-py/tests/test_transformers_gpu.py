@@ -156,3 +156,24 @@ def test_a_parameter_the_model_keeps_in_float32_loads_as_transformers_loads_it()
         print("transformers keeps the float32 bits:",
               torch.equal(own["state"]["kept"], model.kept.detach()))
         _assert_same(torch, own, ours, "kept in float32")
+
+
+def test_a_tensor_parallel_rank_gets_its_rows_and_columns_on_the_gpu():
+    """``tp_plan`` on the GPU (``load_into`` with row and column plans, cast on the way into
+    float32 parameters): each rank of 2 and 3 gets its shares of the full model's parameters
+    bit for bit (the full model is transformers' own, bit for bit: the tests above)."""
+    torch = requirements()
+    import gpufeed.transformers
+    from test_transformers import TP_PLAN, assert_shares, save
+
+    with tempfile.TemporaryDirectory() as d:
+        saved = save(torch, d, tie=False, shard="100KB")
+        for dtype in (torch.bfloat16, torch.float32):
+            full = gpufeed.transformers.from_pretrained(saved, device="cuda:0", dtype=dtype)
+            for world in (2, 3):
+                for rank in range(world):
+                    share = gpufeed.transformers.from_pretrained(
+                        saved, device="cuda:0", dtype=dtype, tp_plan=TP_PLAN, rank=rank,
+                        world_size=world)
+                    assert all(p.device == torch.device("cuda:0") for p in share.parameters())
+                    assert_shares(torch, full, share, rank, world, f"{dtype} {rank}/{world}")

@@ -20,14 +20,15 @@ weights on load) is refused with the names, rather than loaded differently.
 """
 
 import contextlib
+import fnmatch
 import os
 import re
 import threading
 import warnings
 from os import PathLike
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
-from ._safe_open import device_ordinal, safe_open
+from ._safe_open import _dtype, device_ordinal, safe_open
 
 __all__ = ["from_pretrained"]
 
@@ -75,6 +76,112 @@ def _parameters_on_meta(torch):
         yield
     finally:
         torch.nn.Module.register_parameter = register
+
+
+def _rank_and_world(rank, world_size):
+    """The rank and world size of a tensor-parallel load: as given, else torchrun's."""
+    if rank is None:
+        rank = os.environ.get("RANK")
+    if world_size is None:
+        world_size = os.environ.get("WORLD_SIZE")
+    if rank is None or world_size is None:
+        raise ValueError("tp_plan needs rank and world_size (or torchrun's RANK and WORLD_SIZE)")
+    try:
+        rank, world_size = int(rank), int(world_size)
+    except ValueError:
+        raise ValueError(f"rank {rank!r} and world_size {world_size!r} must be integers") from None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world_size {world_size}: want 0 <= rank < world_size")
+    return rank, world_size
+
+
+_SPLITS = {"rows": 0, "columns": 1}
+
+
+def _tp_parts(tp_plan, wanted, rank: int, world: int):
+    """name -> (dim, start, stop) of each parameter ``tp_plan`` splits, rank ``rank``'s share."""
+    if not isinstance(tp_plan, dict):
+        raise ValueError("tp_plan is a dict of parameter names (or patterns) to 'rows' or 'columns'")
+    for pattern, split in tp_plan.items():
+        if split not in _SPLITS:
+            raise ValueError(f"tp_plan[{pattern!r}] is {split!r}: give 'rows' or 'columns'")
+    parts = {}
+    for name, t in wanted.items():
+        split = next((v for p, v in tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        if split is None:
+            continue
+        dim = _SPLITS[split]
+        if t.dim() <= dim:
+            raise ValueError(
+                f"tp_plan splits {name} by {split}, but it has shape {tuple(t.shape)}"
+            )
+        n = t.shape[dim]
+        parts[name] = (dim, rank * n // world, (rank + 1) * n // world)
+    return parts
+
+
+def _share_shape(shape, part):
+    """``shape`` narrowed as ``part`` ((dim, start, stop), or None for the whole)."""
+    if part is None:
+        return shape
+    dim, start, stop = part
+    out = list(shape)
+    out[dim] = stop - start
+    return type(shape)(out) if not isinstance(shape, list) else out
+
+
+def _load_shares(torch, checkpoint, model, parts, ordinal, target, load_file):
+    """The checkpoint's tensors the model has, planned ones as their shares: on a GPU by
+    ``load_into`` into new tensors of each parameter's dtype (only the shares' bytes read, cast
+    on the way where the kernels cast the pair, by torch after where they do not); on the CPU
+    by views of the files, narrowed."""
+    from . import load_into
+    from ._into import _CAST_FROM, _CAST_TO, _safetensors_dtypes
+
+    wanted = model.state_dict(keep_vars=True)
+    if ordinal is None:
+        full = load_file(checkpoint, device="cpu")
+        return {name: (t.narrow(parts[name][0], parts[name][1], parts[name][2] - parts[name][1])
+                       .contiguous() if name in parts else t)
+                for name, t in full.items()}
+    with safe_open(checkpoint, framework="pt", device="cpu") as f:
+        metas = {k: f.get_tensor_meta(k) for k in f.keys()}
+    names = _safetensors_dtypes(torch)
+    dests, plan, later = {}, {}, {}
+    for name, meta in metas.items():
+        have = wanted.get(name)
+        if have is None:
+            continue
+        shape = _share_shape(list(have.shape), parts.get(name))
+        to = names.get(have.dtype)
+        stored = _dtype(torch, meta.dtype)[0]
+        if not (have.is_floating_point() and stored.is_floating_point):
+            dtype = stored  # no cast, as a load without a plan
+        elif meta.dtype == to or (meta.dtype in _CAST_FROM and to in _CAST_TO):
+            dtype = have.dtype  # as it is, or cast on the way
+        else:
+            # A pair the kernels do not cast (F64 into BF16...): torch casts after.
+            dtype = stored
+            later[name] = have.dtype
+        dests[name] = torch.empty(shape, dtype=dtype, device=target)
+        if name in parts:
+            dim, start, stop = parts[name]
+            plan[name] = slice(start, stop) if dim == 0 else (slice(None), slice(start, stop))
+    load_into(checkpoint, dests, strict=False, plan=plan)
+    for name, dtype in later.items():
+        dests[name] = dests[name].to(dtype)
+    return dests
+
+
+def _put(torch, model, name, t):
+    """``t`` in place of the parameter or buffer ``name`` of ``model``, whatever its shape."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if attr in module._parameters:
+        old = module._parameters[attr]
+        module._parameters[attr] = torch.nn.Parameter(t, requires_grad=old.requires_grad)
+    else:
+        module._buffers[attr] = t
 
 
 def _dtype_of(torch, dtype, config, checkpoint: str):
@@ -125,6 +232,9 @@ def from_pretrained(
     device: Union[str, int, Any] = "cuda:0",
     dtype: Any = None,
     model_class: Any = None,
+    tp_plan: Optional[Dict[str, str]] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
     **config_kwargs: Any,
 ):
     """The transformers model saved in directory ``path`` (by ``save_pretrained``: a
@@ -134,6 +244,17 @@ def from_pretrained(
     config's, else the checkpoint's), in eval mode. ``model_class`` is the class to build
     (default ``transformers.AutoModelForCausalLM``; any ``Auto*`` class or model class with
     ``from_config``); ``config_kwargs`` go to ``AutoConfig.from_pretrained``.
+
+    Tensor parallelism: ``tp_plan`` maps parameter names (or ``fnmatch`` patterns of them,
+    ``"model.layers.*.self_attn.q_proj.weight"``; the first that matches wins) to ``"rows"``
+    or ``"columns"``; rank ``rank`` of ``world_size`` (default: torchrun's ``RANK`` and
+    ``WORLD_SIZE``) then gets rows (columns) ``rank * n // world_size`` to ``(rank + 1) * n //
+    world_size`` of each planned parameter, as its own tensor of that shape, and the other
+    tensors whole. On a GPU only those bytes move: rows read only theirs; columns read the span
+    from their first run to their last (``gpufeed.load_into`` with ``plan=``), cast on the way
+    to each parameter's dtype. The model's modules keep their shapes' other attributes: the
+    caller wraps them in its parallel layers (the forward of the returned model is a rank's
+    share, not the model's). The skeleton is built before the load starts.
 
     Raises ``FileNotFoundError`` for a missing directory or checkpoint, ``ValueError`` where
     the checkpoint lacks parameters the model has (naming them) or the model keeps modules in
@@ -164,8 +285,14 @@ def from_pretrained(
     config = transformers.AutoConfig.from_pretrained(directory, **config_kwargs)
     dtype = _dtype_of(torch, dtype, config, checkpoint)
 
+    if tp_plan is not None:
+        rank, world_size = _rank_and_world(rank, world_size)
+    elif rank is not None or world_size is not None:
+        raise ValueError("rank and world_size go with tp_plan (a tensor-parallel load)")
+
     # The checkpoint loads on a thread (gpufeed gives up the GIL while bytes move) while this
-    # one builds the skeleton.
+    # one builds the skeleton; a tensor-parallel load needs the skeleton first (its shares
+    # are of the model's parameters).
     loaded: Dict[str, Any] = {}
 
     def load():
@@ -179,7 +306,8 @@ def from_pretrained(
             loaded["error"] = e
 
     worker = threading.Thread(target=load, name="gpufeed-from-pretrained", daemon=True)
-    worker.start()
+    if tp_plan is None:
+        worker.start()
     try:
         cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
         # Auto* classes build by `from_config`, model classes by `_from_config` (which sets
@@ -193,7 +321,13 @@ def from_pretrained(
                     raise
                 model = build(config, torch_dtype=dtype)  # transformers 4's name
     finally:
-        worker.join()
+        if tp_plan is None:
+            worker.join()
+    parts: Dict[str, Any] = {}
+    if tp_plan is not None:
+        parts = _tp_parts(tp_plan, model.state_dict(keep_vars=True), rank, world_size)
+        loaded["tensors"] = _load_shares(torch, checkpoint, model, parts, ordinal, target,
+                                         load_file)
     if "error" in loaded:
         raise loaded["error"]
     tensors = loaded["tensors"]
@@ -217,10 +351,11 @@ def from_pretrained(
             have = wanted.get(name)
             if have is None:
                 continue
-            if t.shape != have.shape:
+            shape = _share_shape(have.shape, parts.get(name))
+            if t.shape != shape:
                 raise ValueError(
                     f"{checkpoint}: tensor {name} has shape {tuple(t.shape)}, the model's "
-                    f"{tuple(have.shape)}"
+                    f"{tuple(shape)}" + (" (its planned share)" if name in parts else "")
                 )
             if t.dtype != have.dtype and t.is_floating_point() and have.is_floating_point():
                 if ordinal is not None and t.dtype == dtype:
@@ -232,7 +367,10 @@ def from_pretrained(
                     t = raw.get_tensor(name)
                 if t.dtype != have.dtype:
                     t = t.to(device=target, dtype=have.dtype)
-            state[name] = t
+            if name in parts:
+                _put(torch, model, name, t)  # a share: not the shape load_state_dict checks
+            else:
+                state[name] = t
     finally:
         if raw is not None:
             raw.close()
@@ -241,7 +379,7 @@ def from_pretrained(
     del state
     try:
         # transformers 5 ties only what the checkpoint lacks (as its from_pretrained does).
-        model.tie_weights(missing_keys=set(result.missing_keys))
+        model.tie_weights(missing_keys=set(result.missing_keys) - set(parts))
     except TypeError:
         model.tie_weights()  # transformers 4
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
