@@ -242,8 +242,9 @@ def from_pretrained(
     ``model.safetensors.index.json``), on ``device`` (``"cuda:N"``, ``N``, a ``torch.device``
     or ``"cpu"``), in ``dtype`` (a ``torch.dtype`` or its name; ``None``/``"auto"``: the
     config's, else the checkpoint's), in eval mode. ``model_class`` is the class to build
-    (default ``transformers.AutoModelForCausalLM``; any ``Auto*`` class or model class with
-    ``from_config``); ``config_kwargs`` go to ``AutoConfig.from_pretrained``.
+    (default ``transformers.AutoModelForCausalLM``; any ``Auto*`` class, built by its
+    ``from_config``, or model class, built by its ``_from_config``); ``config_kwargs`` go to
+    ``AutoConfig.from_pretrained``.
 
     Tensor parallelism: ``tp_plan`` maps parameter names (or ``fnmatch`` patterns of them,
     ``"model.layers.*.self_attn.q_proj.weight"``; the first that matches wins) to ``"rows"``
