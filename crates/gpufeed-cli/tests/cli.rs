@@ -167,6 +167,23 @@ fn doctor_json_has_the_documented_fields_and_exit_code() {
             "NCCL on a GPU machine: {observed}"
         );
     }
+    // With a GPU, whether nvJPEG loads, never a failure (the GPU machine has libnvjpeg).
+    let nvjpeg = checks.iter().find(|c| c["name"] == "nvJPEG");
+    assert_eq!(
+        nvjpeg.is_some(),
+        gpu,
+        "an nvJPEG check exactly with a GPU: {v}"
+    );
+    if let Some(c) = nvjpeg {
+        assert_eq!(c["status"], "ok", "{c}");
+        if gpufeed_testkit::gpu_required() {
+            let observed = c["observed"].as_str().unwrap_or_default();
+            assert!(
+                observed.contains("libnvjpeg"),
+                "nvJPEG on the GPU machine: {observed}"
+            );
+        }
+    }
 }
 
 #[test]

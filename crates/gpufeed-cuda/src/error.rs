@@ -116,6 +116,28 @@ pub enum Error {
     #[error(transparent)]
     Pinned(#[from] gpufeed_pinned::Error),
 
+    /// nvJPEG could not be loaded (see [`crate::nvjpeg`]).
+    #[error(
+        "nvJPEG could not be loaded ({tried}); install the CUDA toolkit's libnvjpeg, or pip's \
+         nvidia-nvjpeg and point GPUFEED_NVJPEG_LIBRARY at its libnvjpeg.so.13 \
+         (site-packages/nvidia/cu13/lib/); or decode on the CPU"
+    )]
+    NvjpegMissing {
+        /// Each library name tried and why it did not load.
+        tried: String,
+    },
+
+    /// An nvJPEG call failed.
+    #[error("{op} failed: {name} (nvjpegStatus_t {status})")]
+    Nvjpeg {
+        /// The call.
+        op: &'static str,
+        /// Its `nvjpegStatus_t`.
+        status: i32,
+        /// The status's name.
+        name: &'static str,
+    },
+
     /// A cast the GPU kernels do not do ([`crate::cast`]), or a GPU they cannot run on.
     #[error("cannot cast {from} to {to} on the GPU: {reason}")]
     CastUnsupported {

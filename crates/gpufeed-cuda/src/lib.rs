@@ -75,6 +75,7 @@ mod gpu;
 mod kept;
 pub mod kernels;
 mod nccl;
+pub mod nvjpeg;
 mod peer;
 mod raw;
 mod transfer;
@@ -84,6 +85,7 @@ pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).
 pub use gpufeed_os::{Fallback, Refused};
 pub use nccl::{NcclBroadcasts, NcclComm, NcclId, nccl_version};
+pub use nvjpeg::nvjpeg_version;
 pub use peer::{
     ImportedPool, IpcHandle, IpcMemory, PeerFanout, PeerGather, PeerLink, SHARED_MAP_MAX_BYTES,
     SharedPointer, SharedPool, split_mut,

@@ -277,6 +277,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
                 out.push(peer_links());
             }
             out.push(nccl(gpus.len()));
+            out.push(nvjpeg());
             out.push(pinned_and_registration());
             if let (Some(t), Some(node)) = (&topology, gpus[0].numa_node) {
                 let here = t.node_of_cpu(rustix::thread::sched_getcpu() as u32);
@@ -469,6 +470,15 @@ fn nccl(gpus: usize) -> Check {
             format!("not loaded, one GPU: {e}"),
             None,
         ),
+    }
+}
+
+/// Whether nvJPEG loads (GPU image decoding, issue 40's, will need it; nothing does yet):
+/// its version and library, or why not, never a warning.
+fn nvjpeg() -> Check {
+    match gpufeed_cuda::nvjpeg_version() {
+        Ok(v) => check("nvJPEG", Status::Ok, v, None),
+        Err(e) => check("nvJPEG", Status::Ok, format!("not loaded: {e}"), None),
     }
 }
 

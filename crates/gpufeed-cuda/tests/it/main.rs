@@ -5,6 +5,7 @@ mod cast;
 mod kernels;
 mod nccl;
 mod no_gpu;
+mod nvjpeg;
 mod transfers;
 
 use gpufeed_cuda::Gpu;
