@@ -169,12 +169,15 @@ def assert_shares(torch, full, share, rank, world, what):
     assert split == 2 * 7 + 1, f"{what}: {split} tensors split"
 
 
-def test_a_tensor_parallel_rank_gets_its_rows_and_columns():
+def test_a_tensor_parallel_rank_gets_its_rows_and_columns(monkeypatch):
     """``tp_plan``: each rank of 1, 2 and 3 (uneven shares) gets its rows and columns of the
     planned parameters and the rest whole, as slices of the full model, cast as the full
-    model is; rank and world from torchrun's variables; bad plans and ranks refused."""
+    model is; rank and world from torchrun's variables; tied weights planned alike (a
+    vocabulary-parallel embedding and head) load, planned unalike are refused; bad plans,
+    ranks and checkpoints refused."""
     torch = requirements()
     import gpufeed.transformers
+    from safetensors.torch import load_file, save_file
 
     with tempfile.TemporaryDirectory() as d:
         saved = save(torch, d, tie=False, shard="100KB")
@@ -187,33 +190,49 @@ def test_a_tensor_parallel_rank_gets_its_rows_and_columns():
                         world_size=world)
                     assert not share.training
                     assert_shares(torch, full, share, rank, world, f"{dtype} {rank}/{world}")
-        old = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-        os.environ.update(RANK="1", WORLD_SIZE="2")
-        try:
-            share = gpufeed.transformers.from_pretrained(saved, device="cpu", tp_plan=TP_PLAN)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+                    assert isinstance(share.lm_head.weight, torch.nn.Parameter)
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        share = gpufeed.transformers.from_pretrained(saved, device="cpu", tp_plan=TP_PLAN)
         full = gpufeed.transformers.from_pretrained(saved, device="cpu")
         assert_shares(torch, full, share, 1, 2, "from RANK / WORLD_SIZE")
         for kwargs, text in (
             (dict(tp_plan={"lm_head.weight": "diagonal"}, rank=0, world_size=2), "'rows' or"),
             (dict(tp_plan={"model.norm.weight": "columns"}, rank=0, world_size=2), "shape"),
+            (dict(tp_plan={"model.layer.*.mlp.up_proj.weight": "rows"}, rank=0, world_size=2),
+             "match no parameter"),
             (dict(tp_plan=TP_PLAN, rank=2, world_size=2), "0 <= rank"),
+            (dict(tp_plan=TP_PLAN, rank=1.5, world_size=2), "integers"),
             (dict(rank=0, world_size=2), "go with tp_plan"),
         ):
             with pytest.raises(ValueError, match=text):
                 gpufeed.transformers.from_pretrained(saved, device="cpu", **kwargs)
-        os.environ.pop("RANK", None)
-        os.environ.pop("WORLD_SIZE", None)
+        monkeypatch.delenv("RANK")
         with pytest.raises(ValueError, match="torchrun"):
             gpufeed.transformers.from_pretrained(saved, device="cpu", tp_plan=TP_PLAN)
-        for k, v in old.items():
-            if v is not None:
-                os.environ[k] = v
+
+        # Tied: the checkpoint has no lm_head.weight; planned alike with the embedding, the
+        # head is the embedding's share; planned alone, refused naming the tie.
+        tied = save(torch, d, tie=True, shard="1GB")
+        full = gpufeed.transformers.from_pretrained(tied, device="cpu")
+        vocab = {"model.embed_tokens.weight": "rows", "lm_head.weight": "rows"}
+        for rank in range(2):
+            share = gpufeed.transformers.from_pretrained(tied, device="cpu", tp_plan=vocab,
+                                                         rank=rank, world_size=2)
+            want = full.model.embed_tokens.weight[rank * 1013 // 2:(rank + 1) * 1013 // 2]
+            assert torch.equal(raw(torch, share.model.embed_tokens.weight), raw(torch, want))
+            assert share.lm_head.weight is share.model.embed_tokens.weight
+        with pytest.raises(ValueError, match="tied"):
+            gpufeed.transformers.from_pretrained(tied, device="cpu", rank=0, world_size=2,
+                                                 tp_plan={"lm_head.weight": "rows"})
+        # A planned tensor of another shape in the checkpoint: refused, not sliced.
+        single = os.path.join(tied, "model.safetensors")
+        state = load_file(single)
+        state["model.embed_tokens.weight"] = torch.zeros(1020, 96, dtype=torch.bfloat16)
+        save_file(state, single, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=r"model.embed_tokens.weight has shape \(1020, 96\)"):
+            gpufeed.transformers.from_pretrained(tied, device="cpu", tp_plan=vocab, rank=0,
+                                                 world_size=2)
 
 
 def test_import_gpufeed_does_not_import_transformers():

@@ -21,6 +21,7 @@ weights on load) is refused with the names, rather than loaded differently.
 
 import contextlib
 import fnmatch
+import operator
 import os
 import re
 import threading
@@ -86,9 +87,16 @@ def _rank_and_world(rank, world_size):
         world_size = os.environ.get("WORLD_SIZE")
     if rank is None or world_size is None:
         raise ValueError("tp_plan needs rank and world_size (or torchrun's RANK and WORLD_SIZE)")
+    def whole(v):
+        if isinstance(v, str):
+            return int(v)
+        if isinstance(v, bool):
+            raise TypeError
+        return operator.index(v)
+
     try:
-        rank, world_size = int(rank), int(world_size)
-    except ValueError:
+        rank, world_size = whole(rank), whole(world_size)
+    except (TypeError, ValueError):
         raise ValueError(f"rank {rank!r} and world_size {world_size!r} must be integers") from None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of world_size {world_size}: want 0 <= rank < world_size")
@@ -98,18 +106,22 @@ def _rank_and_world(rank, world_size):
 _SPLITS = {"rows": 0, "columns": 1}
 
 
-def _tp_parts(tp_plan, wanted, rank: int, world: int):
-    """name -> (dim, start, stop) of each parameter ``tp_plan`` splits, rank ``rank``'s share."""
+def _tp_parts(tp_plan, params, rank: int, world: int):
+    """name -> (dim, start, stop) of each parameter (of ``params``, by name, tied ones under
+    each of their names) ``tp_plan`` splits, rank ``rank``'s share. A pattern that matches no
+    parameter is refused (a typo would load every weight whole)."""
     if not isinstance(tp_plan, dict):
         raise ValueError("tp_plan is a dict of parameter names (or patterns) to 'rows' or 'columns'")
     for pattern, split in tp_plan.items():
         if split not in _SPLITS:
             raise ValueError(f"tp_plan[{pattern!r}] is {split!r}: give 'rows' or 'columns'")
-    parts = {}
-    for name, t in wanted.items():
-        split = next((v for p, v in tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
-        if split is None:
+    parts, used = {}, set()
+    for name, t in params.items():
+        pattern = next((p for p in tp_plan if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None:
             continue
+        used.add(pattern)
+        split = tp_plan[pattern]
         dim = _SPLITS[split]
         if t.dim() <= dim:
             raise ValueError(
@@ -117,6 +129,9 @@ def _tp_parts(tp_plan, wanted, rank: int, world: int):
             )
         n = t.shape[dim]
         parts[name] = (dim, rank * n // world, (rank + 1) * n // world)
+    unused = [p for p in tp_plan if p not in used]
+    if unused:
+        raise ValueError(f"tp_plan: {unused} match no parameter of the model")
     return parts
 
 
@@ -131,27 +146,47 @@ def _share_shape(shape, part):
 
 
 def _load_shares(torch, checkpoint, model, parts, ordinal, target, load_file):
-    """The checkpoint's tensors the model has, planned ones as their shares: on a GPU by
-    ``load_into`` into new tensors of each parameter's dtype (only the shares' bytes read, cast
-    on the way where the kernels cast the pair, by torch after where they do not); on the CPU
-    by views of the files, narrowed."""
+    """The checkpoint's tensors (the model's, planned ones as their shares) and the names of
+    those left unloaded: on a GPU by ``load_into`` into new tensors of each parameter's dtype
+    (only the shares' bytes read, cast on the way where the kernels cast the pair, by torch
+    after where they do not; tensors the model lacks not read), on the CPU by the files' views,
+    planned ones narrowed and copied. A planned tensor of another shape than the model's is
+    refused before its share is taken."""
     from . import load_into
     from ._into import _CAST_FROM, _CAST_TO, _safetensors_dtypes
 
     wanted = model.state_dict(keep_vars=True)
+
+    def whole_shape(name, shape):
+        # A planned tensor's share is taken of the checkpoint's: it must be the model's.
+        have = wanted[name]
+        if tuple(shape) != tuple(have.shape):
+            raise ValueError(
+                f"{checkpoint}: tensor {name} has shape {tuple(shape)}, the model's "
+                f"{tuple(have.shape)}"
+            )
+
     if ordinal is None:
         full = load_file(checkpoint, device="cpu")
-        return {name: (t.narrow(parts[name][0], parts[name][1], parts[name][2] - parts[name][1])
-                       .contiguous() if name in parts else t)
-                for name, t in full.items()}
+        out = {}
+        for name, t in full.items():
+            if name in parts:
+                whole_shape(name, t.shape)
+                dim, start, stop = parts[name]
+                t = t.narrow(dim, start, stop - start).contiguous()
+            out[name] = t
+        return out, []
     with safe_open(checkpoint, framework="pt", device="cpu") as f:
         metas = {k: f.get_tensor_meta(k) for k in f.keys()}
     names = _safetensors_dtypes(torch)
-    dests, plan, later = {}, {}, {}
+    dests, plan, later, extra = {}, {}, {}, []
     for name, meta in metas.items():
         have = wanted.get(name)
         if have is None:
+            extra.append(name)
             continue
+        if name in parts:
+            whole_shape(name, meta.shape)
         shape = _share_shape(list(have.shape), parts.get(name))
         to = names.get(have.dtype)
         stored = _dtype(torch, meta.dtype)[0]
@@ -170,7 +205,7 @@ def _load_shares(torch, checkpoint, model, parts, ordinal, target, load_file):
     load_into(checkpoint, dests, strict=False, plan=plan)
     for name, dtype in later.items():
         dests[name] = dests[name].to(dtype)
-    return dests
+    return dests, extra
 
 
 def _put(torch, model, name, t):
@@ -247,11 +282,14 @@ def from_pretrained(
     ``AutoConfig.from_pretrained``.
 
     Tensor parallelism: ``tp_plan`` maps parameter names (or ``fnmatch`` patterns of them,
-    ``"model.layers.*.self_attn.q_proj.weight"``; the first that matches wins) to ``"rows"``
-    or ``"columns"``; rank ``rank`` of ``world_size`` (default: torchrun's ``RANK`` and
-    ``WORLD_SIZE``) then gets rows (columns) ``rank * n // world_size`` to ``(rank + 1) * n //
+    ``"model.layers.*.self_attn.q_proj.weight"``; the first that matches wins; a pattern that
+    matches no parameter is refused) to ``"rows"`` or ``"columns"``; rank ``rank`` of
+    ``world_size`` then gets rows (columns) ``rank * n // world_size`` to ``(rank + 1) * n //
     world_size`` of each planned parameter, as its own tensor of that shape, and the other
-    tensors whole. On a GPU only those bytes move: rows read only theirs; columns read the span
+    tensors whole. ``rank`` and ``world_size`` default to torchrun's ``RANK`` and
+    ``WORLD_SIZE``, the whole job's: where tensor parallelism spans a group of it (beside data
+    or pipeline parallelism), give the rank within the group and the group's size. Tied
+    parameters must be planned alike under each name. On a GPU only those bytes move: rows read only theirs; columns read the span
     from their first run to their last (``gpufeed.load_into`` with ``plan=``), cast on the way
     to each parameter's dtype. The model's modules keep their shapes' other attributes: the
     caller wraps them in its parallel layers (the forward of the returned model is a rank's
@@ -268,7 +306,9 @@ def from_pretrained(
     floating dtype (BF16, F16, F32, FP8) is cast on the way into one buffer per dtype through a
     bounded staging (``gpufeed.load_safetensors(dtype=)``): the model's memory and that staging,
     never both copies. On the CPU a cast makes a tensor of its own, so a load that casts holds
-    both for a moment. While the skeleton is built,
+    both for a moment. Under ``tp_plan`` each tensor is an allocation of its own on a GPU; on
+    the CPU planned shares are copies and the rest views of the files. While the skeleton is
+    built,
     ``torch.nn.Module.register_parameter`` is patched process-wide: modules built on other
     threads meanwhile get their parameters on the meta device too.
     """
@@ -324,14 +364,6 @@ def from_pretrained(
     finally:
         if tp_plan is None:
             worker.join()
-    parts: Dict[str, Any] = {}
-    if tp_plan is not None:
-        parts = _tp_parts(tp_plan, model.state_dict(keep_vars=True), rank, world_size)
-        loaded["tensors"] = _load_shares(torch, checkpoint, model, parts, ordinal, target,
-                                         load_file)
-    if "error" in loaded:
-        raise loaded["error"]
-    tensors = loaded["tensors"]
     fp32 = [m for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
             for m in (getattr(model, attr, None) or [])]
     if fp32 and dtype != torch.float32:
@@ -340,11 +372,22 @@ def from_pretrained(
             f"{dtype}, which gpufeed.transformers does not reproduce: use transformers' own "
             "from_pretrained for it, or dtype=torch.float32"
         )
+    parts: Dict[str, Any] = {}
+    extra: list = []
+    if tp_plan is not None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        parts = _tp_parts(tp_plan, params, rank, world_size)
+        loaded["tensors"], extra = _load_shares(torch, checkpoint, model, parts, ordinal,
+                                                target, load_file)
+    if "error" in loaded:
+        raise loaded["error"]
+    tensors = loaded["tensors"]
 
     wanted = model.state_dict(keep_vars=True)
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
                                       or [])]
-    unexpected = [k for k in tensors if k not in wanted and not any(p.search(k) for p in ignore)]
+    unexpected = [k for k in list(tensors) + extra
+                  if k not in wanted and not any(p.search(k) for p in ignore)]
     state = {}
     raw = None  # the checkpoint opened again, for tensors cast on the way to the wrong dtype
     try:
@@ -375,14 +418,26 @@ def from_pretrained(
     finally:
         if raw is not None:
             raw.close()
+    placed = set(parts) & set(tensors)  # planned shares put in place, not missing
     del tensors
     result = model.load_state_dict(state, strict=False, assign=True)
     del state
     try:
         # transformers 5 ties only what the checkpoint lacks (as its from_pretrained does).
-        model.tie_weights(missing_keys=set(result.missing_keys) - set(parts))
+        model.tie_weights(missing_keys=set(result.missing_keys) - placed)
     except TypeError:
         model.tie_weights()  # transformers 4
+    if parts:
+        now = dict(model.named_parameters(remove_duplicate=False))
+        for name, part in parts.items():
+            have = now.get(name)
+            want = _share_shape(list(params[name].shape), part)
+            if have is not None and have.device.type != "meta" and list(have.shape) != want:
+                raise ValueError(
+                    f"{name} is tied to a tensor the plan does not split alike (it has shape "
+                    f"{tuple(have.shape)}, its share {tuple(want)}): plan every tied name the "
+                    "same way"
+                )
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
             if p.device.type == "meta"]
     if left:
