@@ -235,6 +235,53 @@ def test_a_tensor_parallel_rank_gets_its_rows_and_columns(monkeypatch):
                                                  world_size=2)
 
 
+def test_the_gpu_paths_plans_are_the_cpu_paths_shares(monkeypatch):
+    """The GPU branch of the tensor-parallel load, with ``load_into`` stood in for by a CPU
+    function that writes each destination from the checkpoint as its plan says (the GPU
+    machine runs the real one: test_transformers_gpu.py): the destinations it makes (dtype,
+    shape) and the plans it gives are those of the CPU branch's shares, cast as the model's
+    parameters are, and checkpoint tensors the model lacks are named, not read."""
+    torch = requirements()
+    import gpufeed
+    import gpufeed.transformers as gt
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    asked = {}
+
+    def stand_in(path, dests, *, strict=True, plan=None, **_):
+        assert strict is False
+        asked.update(plan or {})
+        with gpufeed.safe_open(path, framework="pt", device="cpu") as f:
+            for name, dst in dests.items():
+                t = f.get_tensor(name)
+                part = (plan or {}).get(name)
+                dst.copy_((t[part] if part is not None else t).to(dst.dtype))
+
+    monkeypatch.setattr(gpufeed, "load_into", stand_in)
+    with tempfile.TemporaryDirectory() as d:
+        saved = save(torch, d, tie=False, shard="100KB")
+        checkpoint = os.path.join(saved, "model.safetensors.index.json")
+        config = AutoConfig.from_pretrained(saved)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        parts = gt._tp_parts(TP_PLAN, params, 1, 3)
+        from gpufeed.torch import load_file
+
+        cpu, cpu_extra = gt._load_shares(torch, checkpoint, model, parts, None, None, load_file)
+        gpu, gpu_extra = gt._load_shares(torch, checkpoint, model, parts, 0,
+                                         torch.device("cpu"), load_file)
+        assert cpu_extra == [] and gpu_extra == []
+        assert sorted(gpu) == sorted(cpu)
+        for name, t in gpu.items():
+            # The GPU branch casts on the way into the parameter's dtype (F32 here).
+            assert t.dtype == torch.float32 and t.shape == cpu[name].shape, name
+            assert torch.equal(t, cpu[name].to(torch.float32)), name
+        for name, (dim, start, stop) in parts.items():
+            want = slice(start, stop) if dim == 0 else (slice(None), slice(start, stop))
+            assert asked[name] == want, name
+
+
 def test_import_gpufeed_does_not_import_transformers():
     run = subprocess.run([sys.executable, "-c",
                           "import sys, gpufeed, gpufeed.torch; print('transformers' in sys.modules)"],
