@@ -70,6 +70,7 @@
 
 pub mod cast;
 mod crew;
+mod dynlib;
 mod error;
 mod gpu;
 mod kept;

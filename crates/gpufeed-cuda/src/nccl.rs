@@ -113,18 +113,9 @@ impl Nccl {
     /// Opens the first of `names` that loads and resolves every entry point; else what was
     /// tried and why each failed.
     fn load(names: &[String]) -> std::result::Result<Self, String> {
-        let mut why = Vec::new();
-        for name in names {
-            // SAFETY: loading NCCL runs its initialisers, which only set up its own state.
-            match unsafe { libloading::Library::new(name) } {
-                Ok(lib) => match Self::resolve(lib, name) {
-                    Ok(nccl) => return Ok(nccl),
-                    Err(e) => why.push(format!("{name}: {e}")),
-                },
-                Err(e) => why.push(format!("{name}: {e}")),
-            }
-        }
-        Err(why.join("; "))
+        // SAFETY: the names are NCCL's (or the path the user gave for it); loading it runs
+        // its initialisers, which only set up its own state.
+        unsafe { crate::dynlib::open_first(names, Self::resolve) }
     }
 
     fn resolve(lib: libloading::Library, name: &str) -> std::result::Result<Self, String> {
