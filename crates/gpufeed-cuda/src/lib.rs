@@ -43,12 +43,17 @@
 //!   calling the caller's check of the other ranks and aborting the communicator when it
 //!   fails.
 //! - [`kernels::PlanarKernel`]: RGB8 -> planar `f32` on the GPU (the frame pipeline's
-//!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC).
+//!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC); the
+//!   same way, [`cast::CastKernel`]: BF16, F16, F32 to one another and FP8 to each, bit for
+//!   bit as torch's `.to` on the GPU.
+//! - [`copy`]: device-to-device copies by address, plain and pitched.
+//! - [`nvjpeg`]: nvJPEG loaded at run time ([`nvjpeg_version`]; missing:
+//!   [`Error::NvjpegMissing`]), a decoder handle on a GPU and a JPEG's header facts.
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
 //! Depends on `cudarc` (driver API, dynamic loading; its `nvrtc` feature only for loading PTX),
-//! `libloading` (NCCL),
+//! `libloading` (NCCL, nvJPEG),
 //! `gpufeed-pinned` (within layer 2: the staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
 //! of thin `unsafe fn`s returning `Result`.
 //!
@@ -69,6 +74,7 @@
 //! ```
 
 pub mod cast;
+pub mod copy;
 mod crew;
 mod dynlib;
 mod error;

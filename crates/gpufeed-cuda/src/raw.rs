@@ -131,6 +131,46 @@ pub(crate) unsafe fn memcpy_dtod_async(
         .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
 }
 
+/// `cuMemcpy2DAsync` between device memory: `height` rows of `width` bytes, `src_pitch` bytes
+/// apart at `src` and `dst_pitch` apart at `dst`.
+///
+/// # Safety
+/// Every row of both sides is device memory of the current context, the destination's written
+/// by nothing else until the stream's work queued now has run.
+#[allow(clippy::too_many_arguments, reason = "a pitched copy's fields")]
+pub(crate) unsafe fn memcpy_2d_dtod_async(
+    dst: sys::CUdeviceptr,
+    dst_pitch: usize,
+    src: sys::CUdeviceptr,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let params = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: the caller's promise above; `params` lives over the call, which reads it then.
+    unsafe { sys::cuMemcpy2DAsync_v2(&params, stream) }
+        .result()
+        .map_err(|e| Error::cuda("cuMemcpy2DAsync", e))
+}
+
 /// `cuIpcGetMemHandle` of the allocation starting at `ptr`.
 ///
 /// # Safety

@@ -242,23 +242,18 @@ pub(crate) fn load_into(
                 #[allow(unsafe_code, reason = "copies between two checked device ranges")]
                 // SAFETY: `dst..dst + nbytes` is device memory of this GPU that the caller holds
                 // for the call (a CUDA tensor of `device`), checked to be the size of the tensor
-                // or of its planned rows and to overlap no other destination; `offset + len` is
-                // within that; the
-                // source is the staging piece `LoadInto` keeps until the stream's copies end.
+                // or of its planned part and to overlap no other destination; `offset + len` is
+                // within that; the source is the staging piece `LoadInto` keeps until the
+                // stream's copies end.
                 unsafe {
-                    gpufeed::cuda::cudarc::driver::result::memcpy_dtod_async(
+                    gpufeed::cuda::copy::dtod_async(
+                        piece.stream,
                         dst + piece.offset as u64,
                         piece.address,
                         len,
-                        piece.stream.cu_stream(),
                     )
                 }
-                .map_err(|e| {
-                    gpufeed::safetensors::Error::from(gpufeed::cuda::Error::Cuda {
-                        op: "cuMemcpyDtoDAsync",
-                        result: e.0,
-                    })
-                })
+                .map_err(gpufeed::safetensors::Error::from)
             })
         })
         .map_err(py_err)?;

@@ -554,46 +554,33 @@ impl Share {
         reason = "device copies by address, the destination the caller's promise"
     )]
     pub unsafe fn copy_piece(&self, piece: &Delivery<'_>, dst: u64) -> Result<()> {
-        let stream = piece.stream.cu_stream();
         let moves = self.moves(piece.offset, piece.bytes.len());
         for (src_at, dst_at, n) in moves.runs.into_iter().flatten() {
             // SAFETY: the source is within the piece (`moves` keeps to it), the destination
             // within the part (the caller's promise; `moves` keeps to `bytes()`).
             unsafe {
-                gpufeed_cuda::cudarc::driver::result::memcpy_dtod_async(
+                gpufeed_cuda::copy::dtod_async(
+                    piece.stream,
                     dst + dst_at as u64,
                     piece.address + src_at as u64,
                     n,
-                    stream,
                 )
-            }
-            .map_err(|e| cuda("cuMemcpyDtoDAsync", e))?;
+            }?;
         }
         if let Some((src_at, dst_at, height)) = moves.whole {
-            use gpufeed_cuda::cudarc::driver::sys;
-            let params = sys::CUDA_MEMCPY2D {
-                srcXInBytes: 0,
-                srcY: 0,
-                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                srcHost: std::ptr::null(),
-                srcDevice: piece.address + src_at as u64,
-                srcArray: std::ptr::null_mut(),
-                srcPitch: self.pitch,
-                dstXInBytes: 0,
-                dstY: 0,
-                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                dstHost: std::ptr::null_mut(),
-                dstDevice: dst + dst_at as u64,
-                dstArray: std::ptr::null_mut(),
-                dstPitch: self.width,
-                WidthInBytes: self.width,
-                Height: height,
-            };
             // SAFETY: as above, for `height` runs `pitch` apart in the piece and back to back
-            // in the part; `params` lives over the call, which reads it then.
-            unsafe { sys::cuMemcpy2DAsync_v2(&params, stream) }
-                .result()
-                .map_err(|e| cuda("cuMemcpy2DAsync", e))?;
+            // in the part.
+            unsafe {
+                gpufeed_cuda::copy::dtod_2d_async(
+                    piece.stream,
+                    dst + dst_at as u64,
+                    self.width,
+                    piece.address + src_at as u64,
+                    self.pitch,
+                    self.width,
+                    height,
+                )
+            }?;
         }
         Ok(())
     }
