@@ -11,33 +11,13 @@ with a cast;
 with nothing to cast. Without a GPU: the refusals that need none."""
 
 import json
-import os
 import struct
 
 import pytest
 
 import gpufeed
 
-REQUIRED = os.environ.get("GPUFEED_REQUIRE_GPU") == "1"
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError as e:
-        if REQUIRED:
-            raise
-        pytest.skip(f"torch is not installed ({e})")
-    return torch
-
-
-def _torch_on_gpu():
-    torch = _torch()
-    if not torch.cuda.is_available():
-        if REQUIRED:
-            raise AssertionError("GPUFEED_REQUIRE_GPU=1 but torch sees no GPU")
-        pytest.skip("no GPU: torch.cuda.is_available() is False")
-    return torch
+from test_load_into import _torch, _torch_on_gpu  # the same skips and requirements
 
 
 def _write_raw(path, entries):
