@@ -54,7 +54,7 @@ pub use array::{Array, dlpack_dtype};
 pub use data::{Batch, BatchLoader, EpochIter};
 pub use loads::{Loader, RegisteredFile};
 pub use on_demand::OnDemand;
-pub use safe_open::{NativePrefetch, SafeFile};
+pub use safe_open::{NativePrefetch, PrefetchIter, SafeFile};
 
 pyo3::create_exception!(
     _gpufeed,
@@ -87,6 +87,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RegisteredFile>()?;
     m.add_class::<SafeFile>()?;
     m.add_class::<NativePrefetch>()?;
+    m.add_class::<PrefetchIter>()?;
     m.add_class::<safe_open::Entry>()?;
     m.add_function(wrap_pyfunction!(safe_open::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safe_open::parse_header, m)?)?;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use gpufeed::safetensors::{HeaderEntry, Piece, Prefetch, PrefetchItem, PrefetchOptions};
 use parking_lot::Mutex;
+use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 
@@ -629,37 +630,24 @@ impl NativePrefetch {
         }
     }
 
-    /// Every item that has landed and nobody took, waiting for one: `[(i, array)]`; empty
-    /// once every item was handed out (`importer` as for `SafeFile.load_tensors`).
-    #[pyo3(signature = (importer=None))]
-    fn ready(
-        &self,
-        py: Python<'_>,
-        importer: Option<Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<(usize, Py<PyAny>)>> {
-        let _context = gpufeed::cuda::ContextGuard::new();
-        let Some(p) = self.inner.lock().clone() else {
-            return Ok(Vec::new());
-        };
-        let first = match p.try_next_ready() {
-            Some(first) => first,
-            None => match py.detach(|| p.next_ready()).map_err(py_err)? {
-                Some(first) => first,
-                None => return Ok(Vec::new()),
-            },
-        };
-        let mut out = vec![first];
-        while let Some(next) = p.try_next_ready() {
-            out.push(next);
+    /// An iterator of `(names[i], item i)` for the items as they land, each handed out once
+    /// (an item taken before is skipped); it ends once every item was handed out or the
+    /// prefetch was closed. `importer` as for `SafeFile.load_tensors`; `convert(name, array)`,
+    /// where given, makes what the iterator yields of an item DLPack does not carry the dtype
+    /// of. One native step per item: no Python code between the tensors of a loader iterated.
+    #[pyo3(signature = (names, importer=None, convert=None))]
+    fn iterate(
+        slf: Py<Self>,
+        names: Vec<Py<PyString>>,
+        importer: Option<Py<PyAny>>,
+        convert: Option<Py<PyAny>>,
+    ) -> PrefetchIter {
+        PrefetchIter {
+            prefetch: slf,
+            names,
+            importer,
+            convert,
         }
-        out.into_iter()
-            .map(|(i, piece)| {
-                let handed = self
-                    .hand(i, piece)
-                    .handed(py, self.views[i].0, importer.as_ref())?;
-                Ok((i, handed))
-            })
-            .collect()
     }
 
     /// Stops the background load and drops what was not taken.
@@ -670,5 +658,51 @@ impl NativePrefetch {
             py.detach(move || p.close());
         }
         self.seen.lock().clear();
+    }
+}
+
+/// `NativePrefetch.iterate`: the items of a prefetch as they land, named.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct PrefetchIter {
+    prefetch: Py<NativePrefetch>,
+    names: Vec<Py<PyString>>,
+    importer: Option<Py<PyAny>>,
+    convert: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PrefetchIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<(Py<PyString>, Py<PyAny>)> {
+        let native = self.prefetch.get();
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let Some(p) = native.inner.lock().clone() else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        let next = match p.try_next_ready() {
+            Some(next) => Some(next),
+            None => py.detach(|| p.next_ready()).map_err(py_err)?,
+        };
+        let Some((i, piece)) = next else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        let name = self.names.get(i).ok_or_else(|| {
+            GpufeedError::new_err(format!(
+                "prefetch item {i} has no name ({} names given)",
+                self.names.len()
+            ))
+        })?;
+        let dtype = native.views[i].0;
+        let array = native.hand(i, piece);
+        let carried = self.importer.is_some() && array.carries(dtype);
+        let importer = self.importer.as_ref().map(|f| f.bind(py));
+        let mut got = array.handed(py, dtype, importer)?;
+        if !carried && let Some(convert) = &self.convert {
+            got = convert.call1(py, (name.clone_ref(py), got))?;
+        }
+        Ok((name.clone_ref(py), got))
     }
 }

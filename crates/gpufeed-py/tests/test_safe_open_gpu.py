@@ -395,11 +395,18 @@ def test_prefetch_names_len_take_once_and_iteration():
                         raises(lambda: loader.take(first), what=f"{what}: a second take")
                         raises(lambda: loader.take("nope"), "nope", what=f"{what}: take('nope')")
                         seen = collections.Counter()
+                        # Inside the loop, a take of a tensor the iteration has not reached
+                        # (it may have landed already): handed out once, by the take.
+                        inner = ref["offset_keys"][len(want) // 2]
                         for name, t in loader:
                             seen[name] += 1
                             taken[name] = t
+                            if inner not in taken:
+                                taken[inner] = loader.take(inner)
                         assert all(c == 1 for c in seen.values()), f"{what}: {seen}"
                         assert first not in seen, f"{what}: iteration gave a taken tensor"
+                        if inner != ref["offset_keys"][0]:
+                            assert inner not in seen, f"{what}: iteration gave {inner}, taken"
                         assert sorted(taken) == ref["keys"], f"{what}: {sorted(taken)}"
                         assert list(loader) == [], f"{what}: a second pass found tensors"
                     assert_same_dict(torch, taken, want, what)

@@ -349,8 +349,18 @@ class NativePrefetch:
     def take_once(
         self, i: int, importer: Callable[[Any], Any] | None = None
     ) -> Any | None: ...
-    def ready(
-        self, importer: Callable[[Any], Any] | None = None
-    ) -> list[tuple[int, Any]]: ...
+    def iterate(
+        self,
+        names: list[str],
+        importer: Callable[[Any], Any] | None = None,
+        convert: Callable[[str, Any], Any] | None = None,
+    ) -> PrefetchIter: ...
     def close(self) -> None: ...
+
+class PrefetchIter:
+    """``NativePrefetch.iterate``: ``(names[i], item i)`` as the items land, each handed out
+    once; ``convert(name, array)`` makes what is yielded of an item DLPack does not carry."""
+
+    def __iter__(self) -> PrefetchIter: ...
+    def __next__(self) -> tuple[str, Any]: ...
 

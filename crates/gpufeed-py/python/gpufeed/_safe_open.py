@@ -26,9 +26,8 @@ import gc
 import operator
 import os
 import threading
-from collections import deque
 from contextlib import contextmanager
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _gpufeed
 from ._gpufeed import GpufeedError, NoGpuError
@@ -275,105 +274,83 @@ class PrefetchLoader:
     of it handed out is dropped; ``close`` (or the end of a ``with`` block) stops the load and
     drops what was not taken. Tensors are ready on every stream when handed out."""
 
-    def __init__(self, torch, device, files, names, where, metas):
+    def __init__(self, torch, files, item_names, entries, shapes):
         self._torch = torch
         self._files = files  # [native prefetch], one per file
-        self._names = names  # in file order
-        self._where = where  # name -> (file, item)
-        self._metas = metas  # name -> entry (a whole tensor) or (entry, storage shape)
-        # Per file, the name of each native item.
-        self._item_names = [[None] * len(native) for native in files]
-        for name, (f, i) in where.items():
-            self._item_names[f][i] = name
-        self._taken = set()
-        # Landed and handed over by the native side, not yet yielded: name -> array, in order.
-        self._pending: Dict[str, Any] = {}
-        self._order: Deque[str] = deque()
-        self._lock = threading.Lock()
+        # Per native prefetch, the name of each of its items (what was handed out is known
+        # there: a tensor taken or iterated is marked so by the native side, once).
+        self._item_names = item_names
+        self._entries = entries  # name -> entry
+        self._shapes = shapes  # name -> storage shape of a planned (row-sliced) tensor
+        self._where: Optional[Dict[str, Tuple[int, int]]] = None  # built by the first take
         self._closed = False
 
     def names(self) -> List[str]:
         """The names this loader hands out, in file order."""
-        return list(self._names)
+        return [n for names in self._item_names for n in names]
 
     def __len__(self) -> int:
-        return len(self._names)
+        return sum(len(names) for names in self._item_names)
 
     def _tensor(self, name, array):
+        """``name``'s tensor of what the native side handed over (a tensor it made, or an
+        array of a dtype DLPack does not carry)."""
         if not isinstance(array, _gpufeed.Array):
-            return array  # made by the native side
-        meta = self._metas[name]
-        if isinstance(meta, tuple):
-            return _as_tensor(self._torch, array, meta[0], meta[1])
-        return _as_tensor(self._torch, array, meta)
+            return array
+        return _as_tensor(self._torch, array, self._entries[name], self._shapes.get(name))
+
+    def _closed_error(self, name=None) -> SafetensorError:
+        what = f"tensor {name}: the" if name is not None else "the"
+        return SafetensorError(f"{what} prefetch loader was closed")
 
     def take(self, name: str):
         """``name``'s tensor, waiting for its bytes. Each tensor is handed out once (by
         ``take`` or by iterating); asking again raises."""
-        where = self._where.get(name)
+        where = self._where
         if where is None:
+            where = {n: (f, i) for f, names in enumerate(self._item_names)
+                     for i, n in enumerate(names)}
+            self._where = where
+        found = where.get(name)
+        if found is None:
             raise SafetensorError(f"tensor {name} is not in the prefetch plan")
-        with self._lock:
+        if self._closed:
+            raise self._closed_error(name)
+        f, i = found
+        try:
+            handed = self._files[f].take_once(i, _importer(self._torch))
+        except GpufeedError as e:
             if self._closed:
-                raise SafetensorError(f"tensor {name}: the prefetch loader was closed")
-            if name in self._taken:
-                raise SafetensorError(
-                    f"tensor {name} was already delivered: a prefetch loader hands each tensor "
-                    "out once"
-                )
-            self._taken.add(name)
-            handed = self._pending.pop(name, None)
+                raise self._closed_error(name) from None
+            raise _translated(e) from None
         if handed is None:
-            f, i = where
-            try:
-                handed = self._files[f].take(i, _importer(self._torch))
-            except GpufeedError as e:
-                with self._lock:
-                    self._taken.discard(name)  # not handed out: a later ask may succeed
-                raise _translated(e) from None
+            raise SafetensorError(
+                f"tensor {name} was already delivered: a prefetch loader hands each tensor "
+                "out once"
+            )
         return self._tensor(name, handed)
 
     def __iter__(self) -> Iterator[Tuple[str, Any]]:
         """``(name, tensor)`` pairs as their bytes land; tensors already taken are skipped.
         After ``close`` it raises."""
-        for f, native in enumerate(self._files):
-            while True:
+        importer = _importer(self._torch)
+        for native, names in zip(self._files, self._item_names):
+            if self._closed:
+                raise self._closed_error()
+            try:
+                # Every step native: the tensors come from the native side one by one.
+                yield from native.iterate(names, importer, self._tensor)
+            except GpufeedError as e:
                 if self._closed:
-                    raise SafetensorError("the prefetch loader was closed")
-                with self._lock:
-                    name = self._order.popleft() if self._order else None
-                    handed = self._pending.pop(name, None) if name is not None else None
-                    if handed is not None:
-                        self._taken.add(name)
-                if name is not None:
-                    if handed is not None:
-                        yield name, self._tensor(name, handed)
-                    continue
-                # What has landed, handed over by the native side at once; held here (a
-                # `take` of one of them finds it) until the iteration reaches it.
-                try:
-                    batch = native.ready(_importer(self._torch))
-                except GpufeedError as e:
-                    if self._closed:
-                        raise SafetensorError("the prefetch loader was closed") from None
-                    raise _translated(e) from None
-                if not batch:
-                    if self._closed:
-                        raise SafetensorError("the prefetch loader was closed")
-                    break
-                with self._lock:
-                    for i, got in batch:
-                        item = self._item_names[f][i]
-                        self._pending[item] = got
-                        self._order.append(item)
+                    raise self._closed_error() from None
+                raise _translated(e) from None
+        if self._closed:
+            raise self._closed_error()
 
     def close(self) -> None:
         """Stops the background load and drops every tensor not taken; tensors handed out
         keep their memory."""
-        with self._lock:
-            self._closed = True
-            self._pending.clear()
-            self._order.clear()
+        self._closed = True
         for native in self._files:
             native.close()
 
@@ -514,11 +491,13 @@ class safe_open:
         # the order of their bytes.
         self._file_names: List[List[str]] = []
         self._file_offset_names: List[List[str]] = []
+        self._file_order: List[List[int]] = []  # per file, its native indices in byte order
         self._offset_keys: List[str] = []
         with _collector_paused():
             for k, f in enumerate(self._files):
                 names, entries, order = f.entries(k)
                 self._file_names.append(names)
+                self._file_order.append(order)
                 self._entries.update(zip(names, entries))
                 offset_names = [names[i] for i in order]
                 self._file_offset_names.append(offset_names)
@@ -841,46 +820,52 @@ class safe_open:
             raise SafetensorError(f"prefetch loads to cuda devices, not {shown}")
         torch = self._torch()
         rows_of = self._plan(plan)
-        names = [n for n in self._offset_keys if rows_of is None or n in rows_of]
-        if rows_of is not None and not names:
-            raise SafetensorError("prefetch plan selects no tensors")
-        metas, where = {}, {}
-        per_file: Dict[int, list] = {}
         entries = self._entries
-        for dtype in {entries[n].dtype for n in names}:
+        # Per file with tensors in the plan: (file, native items, their names), in file order.
+        per_file: List[Tuple[int, list, List[str]]] = []
+        shapes: Dict[str, list] = {}
+        if rows_of is None:
+            dtypes = {e.dtype for e in entries.values()}
+            per_file = [(k, self._file_order[k], self._file_offset_names[k])
+                        for k in range(len(self._files)) if self._file_order[k]]
+        else:
+            names = [n for n in self._offset_keys if n in rows_of]
+            if not names:
+                raise SafetensorError("prefetch plan selects no tensors")
+            dtypes = {entries[n].dtype for n in names}
+            by_file: Dict[int, Tuple[list, List[str]]] = {}
+            whole = all(r is None for r in rows_of.values())
+            for name in names:
+                e = entries[name]
+                items, item_names = by_file.setdefault(e.file, ([], []))
+                item_names.append(name)
+                rows = rows_of[name]
+                if whole:
+                    items.append(e.index)  # the native side knows their bytes and shapes
+                    continue
+                shape = list(e.shape)
+                if rows is not None:
+                    shape[0] = rows[1] - rows[0]
+                shapes[name] = _storage_shape(name, e.dtype, shape)
+                items.append(self._item(name, rows))
+            per_file = [(k, *by_file[k]) for k in sorted(by_file)]
+        for dtype in dtypes:
             if dtype not in _DTYPES or not hasattr(torch, _DTYPES[dtype][0]):
                 raise SafetensorError(
                     f"prefetch cannot hand out dtype {dtype}: torch has no matching dtype"
                 )
-        whole = rows_of is None or all(r is None for r in rows_of.values())
-        for name in names:
-            e = entries[name]
-            items = per_file.setdefault(e.file, [])
-            where[name] = (e.file, len(items))
-            if whole:
-                # Whole tensors: the native side knows their bytes and shapes.
-                metas[name] = e
-                items.append(e.index)
-                continue
-            rows = rows_of[name]
-            shape = list(e.shape)
-            if rows is not None:
-                shape[0] = rows[1] - rows[0]
-            metas[name] = (e, _storage_shape(name, e.dtype, shape))
-            items.append(self._item(name, rows))
-        order = sorted(per_file)
         natives = []
         try:
-            for k in order:
-                start = self._files[k].prefetch_tensors if whole else self._files[k].prefetch
-                natives.append(start(ordinal, per_file[k], _CHUNK))
+            for k, items, _ in per_file:
+                f = self._files[k]
+                start = f.prefetch if shapes else f.prefetch_tensors
+                natives.append(start(ordinal, items, _CHUNK))
         except GpufeedError as e:
             for n in natives:
                 n.close()
             raise _translated(e) from None
-        position = {k: i for i, k in enumerate(order)}
-        where = {n: (position[f], i) for n, (f, i) in where.items()}
-        return PrefetchLoader(torch, ordinal, natives, names, where, metas)
+        return PrefetchLoader(torch, natives, [names for _, _, names in per_file], entries,
+                              shapes)
 
     # -- the handle -------------------------------------------------------------------------
 
