@@ -7,6 +7,7 @@ untied, in the checkpoint's dtype and cast to another.
 Skipped (with the reason) without torch, transformers or a GPU, unless
 ``GPUFEED_REQUIRE_GPU=1`` (the GPU machine), where that is a failure."""
 
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,13 @@ class Kept(LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.kept = torch.nn.Parameter(torch.zeros(257, dtype=torch.float32))
-cls = Kept if os.environ.get("KEPT") == "1" else None
+class Odd(LlamaForCausalLM):
+    # A model with a tensor of an odd number of elements whose bytes come first in the file:
+    # the tensors after it sit 2 bytes off any alignment there.
+    def __init__(self, config):
+        super().__init__(config)
+        self.a_odd = torch.nn.Parameter(torch.zeros(257))
+cls = {"kept": Kept, "odd": Odd}.get(os.environ.get("MODEL", ""))
 if os.environ.get("ROUTE") == "gpufeed.transformers":
     import gpufeed.transformers
     model = gpufeed.transformers.from_pretrained(sys.argv[1], device="cuda:0", dtype=dtype,
@@ -43,6 +50,9 @@ if os.environ.get("ROUTE") == "gpufeed.transformers":
     assert not model.training
     assert all(p.device == torch.device("cuda:0") for p in model.parameters())
     assert all(b.device == torch.device("cuda:0") for b in model.buffers())
+    # cuBLAS picks kernels by its operands' alignment (torch reports up to 256 bytes).
+    odd = [n for n, p in model.named_parameters() if p.numel() and p.data_ptr() % 256]
+    assert not odd, f"parameters not 256-byte aligned: {odd[:5]}"
 else:
     from transformers import AutoModelForCausalLM
     model = (cls or AutoModelForCausalLM).from_pretrained(sys.argv[1], dtype=dtype,
@@ -87,14 +97,15 @@ def _save(torch, directory, tie):
     return saved, shards
 
 
-def _run(torch, directory, saved, route, dtype="bfloat16", kept=False):
-    """The state and logits of the model loaded by ``route`` in a fresh process (``kept``: the
-    model class with a parameter kept in float32), and what it printed."""
+def _run(torch, directory, saved, route, dtype="bfloat16", model=""):
+    """The state and logits of the model loaded by ``route`` in a fresh process (``model``:
+    "kept", the model class with a parameter kept in float32; "odd", with a 257-element
+    parameter first in the file), and what it printed."""
     out = os.path.join(directory, f"{route}-{dtype}.pt")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("GPUFEED_PATCH_SAFETENSORS", "DTYPE", "KEPT")}
+           if k not in ("GPUFEED_PATCH_SAFETENSORS", "DTYPE", "MODEL")}
     run = subprocess.run([sys.executable, "-c", SCRIPT, saved, out],
-                         env={**env, "ROUTE": route, "DTYPE": dtype, "KEPT": "1" if kept else "0"},
+                         env={**env, "ROUTE": route, "DTYPE": dtype, "MODEL": model},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"{route}: {run.stderr[-3000:]}"
     return torch.load(out), run.stdout
@@ -134,6 +145,32 @@ def test_gpufeed_transformers_from_pretrained_is_bit_identical():
                 _assert_same(torch, own, ours, f"tie={tie}, {dtype}")
 
 
+def test_tensors_after_an_odd_sized_one_compute_as_transformers_own():
+    """A bfloat16 checkpoint (no cast) whose first tensor has 257 elements: the tensors after
+    it sit at 2-byte offsets in the file, and the model's parameters must still be aligned as
+    transformers' own allocations are (cuBLAS chooses kernels by alignment: run 160 saw the
+    logits differ for such views with every parameter equal)."""
+    torch = requirements()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        config = LlamaConfig(vocab_size=1013, hidden_size=192, intermediate_size=512,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=False)
+        torch.manual_seed(2)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.register_parameter("a_odd", torch.nn.Parameter(
+            torch.randn(257).to(torch.bfloat16)))
+        saved = os.path.join(d, "odd")
+        model.save_pretrained(saved)
+        with open(os.path.join(saved, "model.safetensors"), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        assert header["a_odd"]["data_offsets"] == [0, 514], header["a_odd"]
+        own, _ = _run(torch, d, saved, "safetensors", "bfloat16", model="odd")
+        ours, _ = _run(torch, d, saved, "gpufeed.transformers", "bfloat16", model="odd")
+        _assert_same(torch, own, ours, "after an odd-sized tensor")
+
+
 def test_a_parameter_the_model_keeps_in_float32_loads_as_transformers_loads_it():
     """A float32 checkpoint of a model whose code keeps one parameter in float32, loaded in
     bfloat16: the other tensors cast on the way, that one as transformers' own makes it."""
@@ -150,8 +187,8 @@ def test_a_parameter_the_model_keeps_in_float32_loads_as_transformers_loads_it()
         model.register_parameter("kept", torch.nn.Parameter(torch.randn(257) / 3))
         saved = os.path.join(d, "kept")
         model.save_pretrained(saved, max_shard_size="1MB")
-        own, _ = _run(torch, d, saved, "safetensors", "bfloat16", kept=True)
-        ours, _ = _run(torch, d, saved, "gpufeed.transformers", "bfloat16", kept=True)
+        own, _ = _run(torch, d, saved, "safetensors", "bfloat16", model="kept")
+        ours, _ = _run(torch, d, saved, "gpufeed.transformers", "bfloat16", model="kept")
         assert own["state"]["kept"].dtype == torch.float32
         print("transformers keeps the float32 bits:",
               torch.equal(own["state"]["kept"], model.kept.detach()))

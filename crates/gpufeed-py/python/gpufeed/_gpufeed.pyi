@@ -30,6 +30,7 @@ __all__ = [
     "RegisteredFile",
     "SafeFile",
     "NativePrefetch",
+    "PrefetchIter",
     "Entry",
     "open_safetensors",
     "parse_header",
@@ -357,6 +358,7 @@ class NativePrefetch:
     ) -> PrefetchIter: ...
     def close(self) -> None: ...
 
+@final
 class PrefetchIter:
     """``NativePrefetch.iterate``: ``(names[i], item i)`` as the items land, each handed out
     once; ``convert(name, array)`` makes what is yielded of an item DLPack does not carry."""

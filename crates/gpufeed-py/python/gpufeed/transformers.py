@@ -289,8 +289,8 @@ def from_pretrained(
     tensors whole. ``rank`` and ``world_size`` default to torchrun's ``RANK`` and
     ``WORLD_SIZE``, the whole job's: where tensor parallelism spans a group of it (beside data
     or pipeline parallelism), give the rank within the group and the group's size. Tied
-    parameters must be planned alike under each name. On a GPU only those bytes move: rows read only theirs; columns read the span
-    from their first run to their last (``gpufeed.load_into`` with ``plan=``), cast on the way
+    parameters must be planned alike under each name. On a GPU only those bytes move: rows
+    read only theirs; columns read the span from their first run to their last (``gpufeed.load_into`` with ``plan=``), cast on the way
     to each parameter's dtype. The model's modules keep their shapes' other attributes: the
     caller wraps them in its parallel layers (the forward of the returned model is a rank's
     share, not the model's). The skeleton is built before the load starts.
@@ -302,14 +302,16 @@ def from_pretrained(
     does.
 
     Memory: tensors in the model's dtype are views of one device buffer per checkpoint file
-    (a file's buffer lives while any of its tensors does). On a GPU, a checkpoint in another
+    (a file's buffer lives while any of its tensors does); on a GPU a view whose address is not
+    a multiple of 256 bytes (after a tensor of an odd size in the file) is copied into an
+    allocation of its own, as cuBLAS picks kernels by alignment and transformers' parameters
+    are allocations of their own (its bytes in the file's buffer stay held). On a GPU, a checkpoint in another
     floating dtype (BF16, F16, F32, FP8) is cast on the way into one buffer per dtype through a
     bounded staging (``gpufeed.load_safetensors(dtype=)``): the model's memory and that staging,
     never both copies. On the CPU a cast makes a tensor of its own, so a load that casts holds
     both for a moment. Under ``tp_plan`` each tensor is an allocation of its own on a GPU; on
     the CPU planned shares are copies and the rest views of the files. While the skeleton is
-    built,
-    ``torch.nn.Module.register_parameter`` is patched process-wide: modules built on other
+    built, ``torch.nn.Module.register_parameter`` is patched process-wide: modules built on other
     threads meanwhile get their parameters on the meta device too.
     """
     import torch
@@ -411,6 +413,13 @@ def from_pretrained(
                     t = raw.get_tensor(name)
                 if t.dtype != have.dtype:
                     t = t.to(device=target, dtype=have.dtype)
+            if ordinal is not None and t.numel() and t.data_ptr() % 256:
+                # A view at its file offset, off the 256-byte alignment that torch reports to
+                # cuBLAS (which picks kernels by it): copied into an allocation of its own, as
+                # transformers' own parameters are, or the logits could differ in their last
+                # bits (GPU run 160). Checkpoints whose tensors are all multiples of 256 bytes
+                # (the usual model dimensions) copy nothing.
+                t = t.clone()
             if name in parts:
                 _put(torch, model, name, t)  # a share: not the shape load_state_dict checks
             else:
