@@ -138,6 +138,25 @@ pub enum Error {
         name: &'static str,
     },
 
+    /// A JPEG nvJPEG is not asked to decode ([`crate::nvjpeg::Nvjpeg::decode_batch`]): four
+    /// components (CMYK, YCCK), a subsampling it cannot name, or no end-of-image marker
+    /// (truncated: nvJPEG would decode the part there is).
+    #[error("JPEG not decoded: {reason}")]
+    JpegRefused {
+        /// What the JPEG is, and what to do.
+        reason: String,
+    },
+
+    /// A batch's place for image `index` does not hold it ([`crate::nvjpeg::Slot`]): a
+    /// caller's mistake, found before anything is decoded.
+    #[error("image {index} of the batch: {reason}")]
+    JpegSlot {
+        /// The image's index in the batch.
+        index: usize,
+        /// What does not fit.
+        reason: String,
+    },
+
     /// A cast the GPU kernels do not do ([`crate::cast`]), or a GPU they cannot run on.
     #[error("cannot cast {from} to {to} on the GPU: {reason}")]
     CastUnsupported {

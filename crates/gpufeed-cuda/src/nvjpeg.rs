@@ -2,8 +2,11 @@
 //! the hardware decoder engines of A100/H100-class GPUs where present). This is the first part
 //! of gpufeed's image decoding (issue 40): the library found, checked and described
 //! ([`nvjpeg_version`], `gpufeed doctor`), a decoder handle made on a GPU ([`Nvjpeg::open`])
-//! with the hardware backend where the GPU has one, and what a JPEG is before it is decoded
-//! ([`Nvjpeg::image_info`]). Batched decoding comes next.
+//! with the hardware backend where the GPU has one, what a JPEG is before it is decoded
+//! ([`Nvjpeg::image_info`]), and batches decoded into device memory as interleaved RGB
+//! ([`Nvjpeg::decode_batch`]): the images the hardware engines take in one
+//! `nvjpegDecodeBatched` call, the others (progressive, 4:1:1, ...) one by one through
+//! `nvjpegDecode` on the GPU's cores, each image's outcome its own.
 //!
 //! The library is opened on first use: `GPUFEED_NVJPEG_LIBRARY` if set, else `libnvjpeg.so.13`,
 //! `.12`, `.11`, then `libnvjpeg.so` (the CUDA toolkit's and the `nvidia-nvjpeg` wheel's names;
@@ -13,7 +16,9 @@
 //! (cudarc has no nvJPEG binding.)
 
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaStream, CudaViewMut, DevicePtrMut, sys::CUstream};
 
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
@@ -46,8 +51,21 @@ pub fn status_name(status: c_int) -> &'static str {
 const BACKEND_DEFAULT: c_int = 0;
 const BACKEND_HARDWARE: c_int = 3;
 
+/// `nvjpegOutputFormat_t` NVJPEG_OUTPUT_RGBI: interleaved RGB in `channel[0]`.
+const OUTPUT_RGBI: c_int = 5;
+
 type Handle = *mut c_void;
 type State = *mut c_void;
+type JpegStream = *mut c_void;
+
+/// `nvjpegImage_t`: per channel, a device address and its pitch (only `channel[0]` is used
+/// for interleaved output).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct NvImage {
+    channel: [*mut u8; 4],
+    pitch: [usize; 4],
+}
 
 /// nvJPEG's entry points used here, resolved once.
 struct Library {
@@ -69,6 +87,28 @@ struct Library {
         *mut c_int,
         *mut c_int,
         *mut c_int,
+    ) -> c_int,
+    stream_create: unsafe extern "C" fn(Handle, *mut JpegStream) -> c_int,
+    stream_destroy: unsafe extern "C" fn(JpegStream) -> c_int,
+    parse_header: unsafe extern "C" fn(Handle, *const u8, usize, JpegStream) -> c_int,
+    batched_supported: unsafe extern "C" fn(Handle, JpegStream, *mut c_int) -> c_int,
+    batched_initialize: unsafe extern "C" fn(Handle, State, c_int, c_int, c_int) -> c_int,
+    batched: unsafe extern "C" fn(
+        Handle,
+        State,
+        *const *const u8,
+        *const usize,
+        *mut NvImage,
+        CUstream,
+    ) -> c_int,
+    decode: unsafe extern "C" fn(
+        Handle,
+        State,
+        *const u8,
+        usize,
+        c_int,
+        *mut NvImage,
+        CUstream,
     ) -> c_int,
 }
 
@@ -137,6 +177,13 @@ impl Library {
             state_destroy: sym!("nvjpegJpegStateDestroy"),
             hardware_info: sym!("nvjpegGetHardwareDecoderInfo"),
             image_info: sym!("nvjpegGetImageInfo"),
+            stream_create: sym!("nvjpegJpegStreamCreate"),
+            stream_destroy: sym!("nvjpegJpegStreamDestroy"),
+            parse_header: sym!("nvjpegJpegStreamParseHeader"),
+            batched_supported: sym!("nvjpegDecodeBatchedSupported"),
+            batched_initialize: sym!("nvjpegDecodeBatchedInitialize"),
+            batched: sym!("nvjpegDecodeBatched"),
+            decode: sym!("nvjpegDecode"),
             _lib: lib,
         })
     }
@@ -201,10 +248,62 @@ pub struct ImageInfo {
 #[derive(Debug)]
 pub struct Nvjpeg {
     handle: Handle,
+    /// The batched decoder's state.
     state: State,
+    /// The one-image decoder's state (`nvjpegDecode`).
+    single: State,
+    /// For the hardware check of each image (`nvjpegJpegStreamParseHeader`).
+    stream: JpegStream,
+    /// The batch size `nvjpegDecodeBatchedInitialize` last set (None: not set, or a batched
+    /// call failed and it must be set again).
+    batch: Option<c_int>,
     backend: Backend,
     engines: u32,
     gpu: Gpu,
+}
+
+/// Where image `i` of a batch goes in the destination: interleaved RGB (3 bytes a pixel,
+/// `width * 3` bytes a row), from `offset` on, rows `pitch` bytes apart; `width` and
+/// `height` the image's own ([`Nvjpeg::image_info`]: a slot of another size is refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    /// Byte offset of the first row in the destination.
+    pub offset: usize,
+    /// Bytes from one row to the next (at least `3 * width`).
+    pub pitch: usize,
+    /// The image's width.
+    pub width: u32,
+    /// The image's height.
+    pub height: u32,
+}
+
+impl Slot {
+    /// A slot of a `width` x `height` image at `offset`, rows back to back.
+    pub fn packed(offset: usize, width: u32, height: u32) -> Slot {
+        Slot {
+            offset,
+            pitch: 3 * width as usize,
+            width,
+            height,
+        }
+    }
+
+    /// The bytes from `offset` to the end of the last row.
+    pub fn span(&self) -> usize {
+        if self.height == 0 {
+            return 0;
+        }
+        self.pitch * (self.height as usize - 1) + 3 * self.width as usize
+    }
+}
+
+/// Which decoder decoded an image of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodedBy {
+    /// The hardware engines (`nvjpegDecodeBatched` on a hardware handle).
+    Hardware,
+    /// The CUDA decoder (`nvjpegDecode`: Huffman decoding on the host, the rest on the GPU).
+    Cuda,
 }
 
 // SAFETY: the handle and state are nvJPEG's, tied to the GPU's context (bound again by each
@@ -262,21 +361,33 @@ impl Nvjpeg {
                 engines = 0;
             }
         }
-        let mut state: State = std::ptr::null_mut();
-        // SAFETY: a live handle; `state` is writable.
-        let r = unsafe { (l.state_create)(handle, &mut state) };
-        if r != 0 {
-            // SAFETY: the handle made above, used by nothing else.
-            unsafe { (l.destroy)(handle) };
-            return Err(failed("nvjpegJpegStateCreate", r));
-        }
-        Ok(Nvjpeg {
+        // The handle first, so that Drop frees whatever was made when a later step fails.
+        let mut nv = Nvjpeg {
             handle,
-            state,
+            state: std::ptr::null_mut(),
+            single: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+            batch: None,
             backend,
             engines,
             gpu: gpu.clone(),
-        })
+        };
+        // SAFETY: a live handle; the outputs are writable.
+        let r = unsafe { (l.state_create)(handle, &mut nv.state) };
+        if r != 0 {
+            return Err(failed("nvjpegJpegStateCreate", r));
+        }
+        // SAFETY: as above.
+        let r = unsafe { (l.state_create)(handle, &mut nv.single) };
+        if r != 0 {
+            return Err(failed("nvjpegJpegStateCreate", r));
+        }
+        // SAFETY: as above.
+        let r = unsafe { (l.stream_create)(handle, &mut nv.stream) };
+        if r != 0 {
+            return Err(failed("nvjpegJpegStreamCreate", r));
+        }
+        Ok(nv)
     }
 
     /// The backend the handle drives.
@@ -328,14 +439,272 @@ impl Nvjpeg {
     }
 }
 
+impl Nvjpeg {
+    /// Decodes `jpegs` into `dst` (device memory of this handle's GPU) as interleaved RGB,
+    /// image `i` into `slots[i]`, on `stream`, and returns once every image is decoded (the
+    /// bytes are in `dst` for work queued on any stream after). Gray JPEGs come out with R = G
+    /// = B.
+    ///
+    /// Each image's outcome is its own: which decoder made it, or why it was not decoded (bytes
+    /// that are no JPEG or a corrupt one: [`Error::Nvjpeg`]; four components, or no
+    /// end-of-image marker (truncated): [`Error::JpegRefused`]); its slot is then left as it
+    /// was. With the hardware
+    /// backend, the images its engines take go in one `nvjpegDecodeBatched` call, the others
+    /// (progressive, 4:1:1, 4:1:0, ...) one by one through `nvjpegDecode`; should the batched
+    /// call fail, its images go through `nvjpegDecode` too. Before the hardware call the host
+    /// waits for the work already queued on `stream`: on H100-class GPUs the engines write
+    /// their output when called, not in `stream`'s order (torchcodec's issue 1634).
+    ///
+    /// # Errors
+    /// [`Error::JpegSlot`] where `slots` and `jpegs` differ in length or a slot does not fit
+    /// `dst`, its pitch its rows, or its size the image's, before anything is decoded; CUDA
+    /// errors of the waits.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # fn main() -> gpufeed_cuda::Result<()> {
+    /// use gpufeed_cuda::nvjpeg::{Nvjpeg, Slot};
+    /// let gpu = gpufeed_cuda::Gpu::open(0)?;
+    /// let mut nv = Nvjpeg::open(&gpu)?;
+    /// let jpeg = std::fs::read("cat.jpg").expect("a JPEG");
+    /// let info = nv.image_info(&jpeg)?;
+    /// let slot = Slot::packed(0, info.width, info.height);
+    /// let stream = gpu.default_stream();
+    /// let mut rgb = stream.alloc_zeros::<u8>(slot.span()).expect("device memory");
+    /// let outcomes = nv.decode_batch(&[&jpeg[..]], &mut rgb.slice_mut(..), &[slot], &stream)?;
+    /// outcomes[0].as_ref().expect("decoded");
+    /// # Ok(()) }
+    /// ```
+    pub fn decode_batch(
+        &mut self,
+        jpegs: &[&[u8]],
+        dst: &mut CudaViewMut<'_, u8>,
+        slots: &[Slot],
+        stream: &Arc<CudaStream>,
+    ) -> Result<Vec<Result<DecodedBy>>> {
+        let len = dst.len();
+        let (base, _write) = dst.device_ptr_mut(stream);
+        // SAFETY: `base .. base + len` is `dst`'s memory, of `stream`'s context, which cudarc
+        // records as written by `stream`'s work; `decode_batch_raw` waits for it.
+        unsafe { self.decode_batch_raw(jpegs, base, len, slots, stream) }
+    }
+
+    /// [`Nvjpeg::decode_batch`] into device memory at `dst` (`dst_len` bytes).
+    ///
+    /// # Safety
+    /// `dst .. dst + dst_len` must be device memory of this handle's GPU, written or read by
+    /// no other work until this returns.
+    ///
+    /// # Errors
+    /// As [`Nvjpeg::decode_batch`].
+    pub unsafe fn decode_batch_raw(
+        &mut self,
+        jpegs: &[&[u8]],
+        dst: u64,
+        dst_len: usize,
+        slots: &[Slot],
+        stream: &Arc<CudaStream>,
+    ) -> Result<Vec<Result<DecodedBy>>> {
+        let l = library()?;
+        if jpegs.len() != slots.len() {
+            return Err(Error::JpegSlot {
+                index: jpegs.len().min(slots.len()),
+                reason: format!("{} JPEGs and {} slots", jpegs.len(), slots.len()),
+            });
+        }
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let mut outcomes: Vec<Result<DecodedBy>> = Vec::with_capacity(jpegs.len());
+        let mut hardware = Vec::new();
+        let mut cuda = Vec::new();
+        for (i, (jpeg, slot)) in jpegs.iter().zip(slots).enumerate() {
+            let info = match self.image_info(jpeg) {
+                Ok(info) => info,
+                Err(e) => {
+                    outcomes.push(Err(e));
+                    continue;
+                }
+            };
+            if !has_end(jpeg) {
+                outcomes.push(Err(Error::JpegRefused {
+                    reason: "truncated: no end-of-image marker (FF D9) after its data".into(),
+                }));
+                continue;
+            }
+            if info.components == 4 || info.components == 2 || info.subsampling < 0 {
+                outcomes.push(Err(Error::JpegRefused {
+                    reason: format!(
+                        "{} components, subsampling code {} (CMYK/YCCK or unknown): convert it \
+                         to RGB, or decode it on the CPU",
+                        info.components, info.subsampling
+                    ),
+                }));
+                continue;
+            }
+            check_slot(i, slot, info, dst_len)?;
+            outcomes.push(Ok(DecodedBy::Cuda));
+            if self.backend == Backend::Hardware && self.takes(l, jpeg) {
+                hardware.push(i);
+            } else {
+                cuda.push(i);
+            }
+        }
+        let image = |i: usize| {
+            let slot = slots[i];
+            NvImage {
+                channel: [
+                    (dst + slot.offset as u64) as *mut u8,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                ],
+                pitch: [slot.pitch, 0, 0, 0],
+            }
+        };
+        let cu = stream.cu_stream();
+        if !hardware.is_empty() {
+            // The engines write when called (see above): the work queued before goes first.
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            let n = hardware.len() as c_int;
+            let mut r = 0;
+            if self.batch != Some(n) {
+                // SAFETY: live handle and state; the batch size and format are plain values
+                // (the thread count is unused by nvJPEG 11.1 on).
+                r = unsafe { (l.batched_initialize)(self.handle, self.state, n, 1, OUTPUT_RGBI) };
+                self.batch = (r == 0).then_some(n);
+            }
+            if r == 0 {
+                let data: Vec<*const u8> = hardware.iter().map(|&i| jpegs[i].as_ptr()).collect();
+                let lengths: Vec<usize> = hardware.iter().map(|&i| jpegs[i].len()).collect();
+                let mut images: Vec<NvImage> = hardware.iter().map(|&i| image(i)).collect();
+                // SAFETY: `n` readable JPEGs with their lengths, `n` destinations each inside
+                // `dst` (checked by `check_slot`) and written by nothing else (the caller's
+                // promise); the inputs outlive the call and the synchronization below.
+                r = unsafe {
+                    (l.batched)(
+                        self.handle,
+                        self.state,
+                        data.as_ptr(),
+                        lengths.as_ptr(),
+                        images.as_mut_ptr(),
+                        cu,
+                    )
+                };
+                if r == 0 {
+                    for &i in &hardware {
+                        outcomes[i] = Ok(DecodedBy::Hardware);
+                    }
+                }
+            }
+            if r != 0 {
+                // Set up again before the next batched call (nvJPEG's rule after a failure);
+                // these images one by one instead.
+                tracing::debug!(
+                    status = status_name(r),
+                    images = hardware.len(),
+                    "nvJPEG's batched hardware decode failed; decoding them one by one"
+                );
+                self.batch = None;
+                cuda.extend(&hardware);
+            }
+        }
+        for &i in &cuda {
+            let mut img = image(i);
+            // SAFETY: a readable JPEG, a destination inside `dst` (checked) written by nothing
+            // else; the one-image state is this handle's own.
+            let r = unsafe {
+                (l.decode)(
+                    self.handle,
+                    self.single,
+                    jpegs[i].as_ptr(),
+                    jpegs[i].len(),
+                    OUTPUT_RGBI,
+                    &mut img,
+                    cu,
+                )
+            };
+            outcomes[i] = if r == 0 {
+                Ok(DecodedBy::Cuda)
+            } else {
+                Err(failed("nvjpegDecode", r))
+            };
+        }
+        // The inputs are the caller's to free after this; the outputs ready for any stream.
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        Ok(outcomes)
+    }
+
+    /// Whether the hardware engines take `jpeg` (`nvjpegDecodeBatchedSupported`, whose 0
+    /// means yes).
+    fn takes(&self, l: &Library, jpeg: &[u8]) -> bool {
+        // SAFETY: live handle and stream; `jpeg` readable for its length during the call.
+        let r = unsafe { (l.parse_header)(self.handle, jpeg.as_ptr(), jpeg.len(), self.stream) };
+        if r != 0 {
+            return false;
+        }
+        let mut no = 1;
+        // SAFETY: the stream just parsed; `no` writable.
+        let r = unsafe { (l.batched_supported)(self.handle, self.stream, &mut no) };
+        r == 0 && no == 0
+    }
+}
+
+/// Whether `jpeg` has an end-of-image marker after its last start-of-scan: `FF D9`, which
+/// entropy-coded data cannot hold (a data byte `FF` is followed by `00`, or a restart marker's
+/// `D0`-`D7`). A file cut short has none (bytes after the marker, as some writers leave, are
+/// allowed).
+pub fn has_end(jpeg: &[u8]) -> bool {
+    let last_scan = jpeg.windows(2).rposition(|w| w == [0xFF, 0xDA]).unwrap_or(0);
+    jpeg[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
+}
+
+/// Refuses a slot that does not hold image `index` (`info`) inside `len` bytes.
+fn check_slot(index: usize, slot: &Slot, info: ImageInfo, len: usize) -> Result<()> {
+    let refuse = |reason: String| Err(Error::JpegSlot { index, reason });
+    if (slot.width, slot.height) != (info.width, info.height) {
+        return refuse(format!(
+            "the slot is {}x{}, the JPEG {}x{}",
+            slot.width, slot.height, info.width, info.height
+        ));
+    }
+    if slot.pitch < 3 * slot.width as usize {
+        return refuse(format!(
+            "a pitch of {} bytes is less than a row of {} pixels (3 bytes each)",
+            slot.pitch, slot.width
+        ));
+    }
+    match slot.offset.checked_add(slot.span()) {
+        Some(end) if end <= len => Ok(()),
+        _ => refuse(format!(
+            "{} bytes from offset {} do not fit the destination's {len}",
+            slot.span(),
+            slot.offset
+        )),
+    }
+}
+
 impl Drop for Nvjpeg {
     fn drop(&mut self) {
         if let Ok(l) = library() {
             // The context the state and handle were made in, for their device memory.
             let _ = self.gpu.context().bind_to_thread();
-            // SAFETY: the state and handle made by `open`, used by nothing after this.
+            // SAFETY: the objects made by `open` (null where not made), used by nothing after
+            // this; the handle last.
             unsafe {
-                (l.state_destroy)(self.state);
+                if !self.stream.is_null() {
+                    (l.stream_destroy)(self.stream);
+                }
+                for state in [self.state, self.single] {
+                    if !state.is_null() {
+                        (l.state_destroy)(state);
+                    }
+                }
                 (l.destroy)(self.handle);
             }
         }
@@ -345,6 +714,22 @@ impl Drop for Nvjpeg {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_jpeg_with_its_end_marker_after_its_last_scan_has_an_end() {
+        let whole = [0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00, 3, 0xFF, 0xD0, 4, 0xFF, 0xD9];
+        assert!(has_end(&whole));
+        for cut in 0..whole.len() - 1 {
+            assert!(!has_end(&whole[..cut]), "cut at {cut}");
+        }
+        let mut trailing = whole.to_vec();
+        trailing.extend_from_slice(b"trailing bytes");
+        assert!(has_end(&trailing));
+        // A progressive file cut inside a later scan: an end marker before it does not count
+        // (there is none before the last scan in a real file; an embedded thumbnail's is).
+        let thumb_then_cut = [0xFF, 0xD8, 0xFF, 0xD9, 0xFF, 0xDA, 1, 2, 3];
+        assert!(!has_end(&thumb_then_cut));
+    }
 
     #[test]
     fn statuses_are_named_and_unknown_ones_said_so() {
