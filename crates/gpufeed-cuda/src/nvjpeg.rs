@@ -660,7 +660,10 @@ impl Nvjpeg {
 /// `D0`-`D7`). A file cut short has none (bytes after the marker, as some writers leave, are
 /// allowed).
 pub fn has_end(jpeg: &[u8]) -> bool {
-    let last_scan = jpeg.windows(2).rposition(|w| w == [0xFF, 0xDA]).unwrap_or(0);
+    let last_scan = jpeg
+        .windows(2)
+        .rposition(|w| w == [0xFF, 0xDA])
+        .unwrap_or(0);
     jpeg[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
 }
 
@@ -717,7 +720,9 @@ mod tests {
 
     #[test]
     fn only_a_jpeg_with_its_end_marker_after_its_last_scan_has_an_end() {
-        let whole = [0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00, 3, 0xFF, 0xD0, 4, 0xFF, 0xD9];
+        let whole = [
+            0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00, 3, 0xFF, 0xD0, 4, 0xFF, 0xD9,
+        ];
         assert!(has_end(&whole));
         for cut in 0..whole.len() - 1 {
             assert!(!has_end(&whole[..cut]), "cut at {cut}");

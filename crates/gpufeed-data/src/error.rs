@@ -27,6 +27,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// An image that could not be decoded ([`crate::decode_jpeg`]; made by
+    /// [`ImageError::named`](crate::ImageError::named)).
+    #[error("{name}: {reason}")]
+    Image {
+        /// The image: its file's path, or its sample's key in a shard.
+        name: String,
+        /// Why it was not decoded.
+        reason: crate::images::ImageError,
+    },
+
     /// A batch that a worker process wrote into the shared ring cannot be read: its slot is
     /// malformed, out of range or of another epoch (another process writes these bytes, so
     /// they are checked like input).

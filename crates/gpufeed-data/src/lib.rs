@@ -21,6 +21,8 @@
 //! | [`sources`] | `.npy` arrays and WebDataset tar shards as records |
 //! | [`ring`] | batches of worker processes through a shared-memory ring |
 //! | `folder` | [`ImageFolder`]: class folders of files |
+//! | `images` | [`decode_jpeg`], [`jpeg_header`], [`OnBadImage`]: JPEGs decoded on the CPU |
+//! | `decode` | [`ImageDecoder`], [`decode_on_cpu`]: batches of JPEGs decoded into device memory (nvJPEG, the CPU decoder for what it refuses), or on the host |
 //!
 //! Without a GPU the loader yields host batches; every CPU path keeps working.
 //!
@@ -52,19 +54,26 @@
 
 #![deny(unsafe_code)]
 
+mod decode;
 mod epoch;
 mod error;
 mod folder;
 mod gather;
+mod images;
 mod loader;
 mod records;
 pub mod ring;
 mod sampler;
 pub mod sources;
 
+pub use decode::{DecodedBatch, DecodedWith, ImageDecoder, decode_on_cpu};
 pub use epoch::{Epoch, NotStarted, OwnedEpoch};
 pub use error::{Error, Result};
 pub use folder::ImageFolder;
+pub use images::{
+    DecodedImage, ImageError, JpegHeader, MAX_JPEG_PIXELS, OnBadImage, SkippedImage, decode_jpeg,
+    decode_jpeg_into, jpeg_header,
+};
 pub use loader::{
     Batch, BatchData, BatchLoader, BatchLoaderOptions, LoaderStats, Position, Transform,
     TransformInto,

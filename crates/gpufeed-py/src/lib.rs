@@ -39,6 +39,7 @@ mod checkpoints;
 mod context;
 mod data;
 mod errors;
+mod images;
 mod into;
 mod loads;
 mod machine;
@@ -92,6 +93,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(safe_open::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safe_open::parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_file, m)?)?;
+    m.add_function(wrap_pyfunction!(images::decode_jpegs, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_range, m)?)?;
     m.add_function(wrap_pyfunction!(loads::read_object, m)?)?;
     m.add_function(wrap_pyfunction!(loads::fetch_objects, m)?)?;

@@ -133,7 +133,11 @@ fn photo(
     enc.set_sampling_factor(sampling);
     enc.set_progressive(progressive);
     enc.set_restart_interval(restart);
-    let color = if gray { ColorType::Luma } else { ColorType::Rgb };
+    let color = if gray {
+        ColorType::Luma
+    } else {
+        ColorType::Rgb
+    };
     enc.encode(&pixels, width, height, color).expect("encode");
     (out, pixels)
 }
@@ -230,12 +234,19 @@ fn a_batch_of_every_kind_decodes_into_its_slots_and_bad_ones_are_refused_alone()
         .expect("the batch");
     let got = stream.clone_dtoh(&dst).expect("download");
     let cc = gpu.info().compute_capability;
-    println!("{} (compute {}.{}), {:?} backend", gpu.info().name, cc.0, cc.1, nv.backend());
+    println!(
+        "{} (compute {}.{}), {:?} backend",
+        gpu.info().name,
+        cc.0,
+        cc.1,
+        nv.backend()
+    );
     for (i, &((w, h), gray, sampling, progressive, restart)) in kinds.iter().enumerate() {
-        let what = format!(
-            "{w}x{h} gray {gray} {sampling:?} progressive {progressive} restart {restart}"
-        );
-        let by = outcomes[i].as_ref().unwrap_or_else(|e| panic!("{what}: {e}"));
+        let what =
+            format!("{w}x{h} gray {gray} {sampling:?} progressive {progressive} restart {restart}");
+        let by = outcomes[i]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         let slot = slots[i];
         let mut rgb = Vec::new();
         for row in 0..slot.height as usize {
@@ -268,13 +279,21 @@ fn a_batch_of_every_kind_decodes_into_its_slots_and_bad_ones_are_refused_alone()
             .decode_batch(&[all[i]], &mut one.slice_mut(..), &[alone], &stream)
             .expect("alone");
         assert_eq!(single[0].as_ref().ok(), Some(by), "{what}: alone");
-        assert_eq!(stream.clone_dtoh(&one).expect("download"), rgb, "{what}: alone");
+        assert_eq!(
+            stream.clone_dtoh(&one).expect("download"),
+            rgb,
+            "{what}: alone"
+        );
         if nv.backend() == Backend::Hardware && !progressive && sampling != SamplingFactor::R_4_1_1
         {
             assert_eq!(*by, DecodedBy::Hardware, "{what}");
         }
         if progressive {
-            assert_eq!(*by, DecodedBy::Cuda, "{what}: the engines take baseline only");
+            assert_eq!(
+                *by,
+                DecodedBy::Cuda,
+                "{what}: the engines take baseline only"
+            );
         }
     }
     for (k, (_, what)) in bad.iter().enumerate() {

@@ -1,8 +1,10 @@
 //! Integration tests of gpufeed-data (the batch loader). GPU tests skip with a printed reason where no GPU is
 //! usable, and fail instead when GPUFEED_REQUIRE_GPU=1 (how they run on the GPU machine).
 
+mod decode;
 mod direct;
 mod elastic;
+mod images;
 mod sources;
 mod workers;
 

@@ -40,6 +40,7 @@ __all__ = [
     "TensorMeta",
     "advise",
     "as_tensor",
+    "decode_jpegs",
     "doctor",
     "empty_cache",
     "fetch_objects",
@@ -68,6 +69,9 @@ _Split = Literal["rows", "columns"] | int
 _Device = int | str | _TorchDevice
 
 def as_tensor(array: Array) -> Tensor: ...
+def decode_jpegs(
+    images: Sequence[Any], device: Any = None, on_error: Literal["raise", "skip"] = "raise"
+) -> list[Tensor | None]: ...
 
 class Loader:
     def __init__(

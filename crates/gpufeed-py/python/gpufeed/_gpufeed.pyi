@@ -35,6 +35,7 @@ __all__ = [
     "open_safetensors",
     "parse_header",
     "load_file",
+    "decode_jpegs",
     "load_range",
     "read_object",
     "fetch_objects",
@@ -203,6 +204,9 @@ class EpochIter:
         ``BatchLoader.resume``); only for an elastic loader (``global_batch=``)."""
 
 def load_file(path: _Path, device: int = 0) -> Array: ...
+def decode_jpegs(
+    blobs: list[bytes], device: int | None = None, skip: bool = False
+) -> tuple[list[Array | None], list[tuple[str, str]], list[str | None]]: ...
 def load_range(path: _Path, start: int, end: int, device: int = 0) -> Array: ...
 def read_object(url: str, start: int = 0, end: int | None = None) -> bytes: ...
 def fetch_objects(urls: Sequence[str], cache: _Path) -> list[str]: ...

@@ -1,0 +1,331 @@
+//! Batches of JPEGs decoded into device memory (issue 40): nvJPEG where it loads (the
+//! hardware engines for the images they take, its CUDA decoder for the others), the CPU decoder
+//! of [`crate::images`] for what nvJPEG refuses and where nvJPEG is not installed, and the
+//! caller's [`OnBadImage`] policy for what neither decodes.
+//!
+//! Every image of a batch lands in one device allocation as interleaved RGB (HWC `uint8`), at
+//! an offset that is a multiple of 256 bytes, rows back to back. [`decode_on_cpu`] does the
+//! same on the host, for machines without a GPU.
+
+use std::sync::Arc;
+
+use gpufeed_cuda::cudarc::driver::CudaSlice;
+use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot, has_end};
+use gpufeed_cuda::{Error as CudaError, Gpu};
+
+use crate::error::{Error, Result};
+use crate::images::{
+    DecodedImage, ImageError, MAX_JPEG_PIXELS, OnBadImage, SkippedImage, decode_jpeg, jpeg_header,
+};
+
+/// Which decoder made an image of a [`DecodedBatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodedWith {
+    /// nvJPEG on the GPU's hardware decoder engines.
+    Hardware,
+    /// nvJPEG's CUDA decoder.
+    Cuda,
+    /// The CPU decoder (zune-jpeg), then uploaded: nvJPEG refused the image, or is not
+    /// installed.
+    Cpu,
+}
+
+/// A batch of images decoded into device memory ([`ImageDecoder::decode`]).
+#[derive(Debug)]
+pub struct DecodedBatch {
+    /// The device memory holding every decoded image (`None` where no image has a byte).
+    pub buffer: Option<CudaSlice<u8>>,
+    /// Per image given: where it is in `buffer` (offset, pitch `3 * width`, size) and which
+    /// decoder made it; `None` for an image skipped ([`OnBadImage::Skip`]).
+    pub images: Vec<Option<(Slot, DecodedWith)>>,
+    /// The images skipped, with why.
+    pub skipped: Vec<SkippedImage>,
+}
+
+/// Decodes batches of JPEGs into device memory of one GPU (see the module).
+#[derive(Debug)]
+pub struct ImageDecoder {
+    gpu: Gpu,
+    nvjpeg: Option<Nvjpeg>,
+    /// Why nvJPEG is not used, where it is not.
+    cpu_only: Option<String>,
+}
+
+/// Offsets in a batch's allocation are multiples of this.
+const ALIGN: usize = 256;
+
+impl ImageDecoder {
+    /// A decoder on `gpu`: nvJPEG where it loads (with the hardware backend where the GPU has
+    /// decoder engines), else the CPU decoder and an upload ([`ImageDecoder::cpu_only`] says
+    /// why).
+    ///
+    /// # Errors
+    /// nvJPEG's errors other than its absence (a library that loads but makes no handle on
+    /// this GPU), as [`Error::Load`].
+    pub fn open(gpu: &Gpu) -> Result<Self> {
+        let (nvjpeg, cpu_only) = match Nvjpeg::open(gpu) {
+            Ok(nv) => (Some(nv), None),
+            Err(e @ CudaError::NvjpegMissing { .. }) => {
+                tracing::info!("JPEGs decode on the CPU: {e}");
+                (None, Some(e.to_string()))
+            }
+            Err(e) => return Err(Error::Load(e.into())),
+        };
+        Ok(ImageDecoder {
+            gpu: gpu.clone(),
+            nvjpeg,
+            cpu_only,
+        })
+    }
+
+    /// Why JPEGs are decoded on the CPU here (nvJPEG could not be loaded), or `None` where
+    /// nvJPEG decodes them.
+    pub fn cpu_only(&self) -> Option<&str> {
+        self.cpu_only.as_deref()
+    }
+
+    /// The nvJPEG handle, where nvJPEG loaded.
+    pub fn nvjpeg(&self) -> Option<&Nvjpeg> {
+        self.nvjpeg.as_ref()
+    }
+
+    /// Decodes `jpegs` into one new device allocation (see [`DecodedBatch`]), returning once
+    /// every byte is there. An image that no decoder takes follows `policy`: with
+    /// [`OnBadImage::Error`] the first such (by index) is [`Error::Image`] named by
+    /// `name(index)`; with [`OnBadImage::Skip`] it is left out and listed.
+    ///
+    /// # Errors
+    /// [`Error::Image`] (above); [`Error::Load`] for device memory and CUDA failures.
+    pub fn decode(
+        &mut self,
+        jpegs: &[&[u8]],
+        name: &dyn Fn(usize) -> String,
+        policy: OnBadImage,
+    ) -> Result<DecodedBatch> {
+        let mut bad: Vec<(usize, ImageError)> = Vec::new();
+        let mut slots: Vec<Option<Slot>> = Vec::with_capacity(jpegs.len());
+        let mut total = 0usize;
+        for (i, jpeg) in jpegs.iter().enumerate() {
+            match checked_header(jpeg) {
+                Ok((w, h)) => {
+                    let slot = Slot::packed(total, w, h);
+                    total = (total + slot.span()).next_multiple_of(ALIGN);
+                    slots.push(Some(slot));
+                }
+                Err(e) => {
+                    bad.push((i, e));
+                    slots.push(None);
+                }
+            }
+        }
+        let stream = self.gpu.default_stream();
+        let mut buffer = if total == 0 {
+            None
+        } else {
+            // Zeroed (a memset queued on the GPU): a slot whose image failed is never handed
+            // out, but nothing of another's memory is in it either.
+            Some(
+                self.gpu
+                    .alloc_zeroed(total)
+                    .map_err(|e| Error::Load(e.into()))?,
+            )
+        };
+        let mut with: Vec<Option<DecodedWith>> = vec![None; jpegs.len()];
+        let mut on_cpu: Vec<usize> = Vec::new();
+        let decoding: Vec<usize> = (0..jpegs.len()).filter(|&i| slots[i].is_some()).collect();
+        match (&mut self.nvjpeg, &mut buffer) {
+            (Some(nv), Some(buf)) if !decoding.is_empty() => {
+                let some: Vec<&[u8]> = decoding.iter().map(|&i| jpegs[i]).collect();
+                let places: Vec<Slot> = decoding.iter().filter_map(|&i| slots[i]).collect();
+                let outcomes = nv
+                    .decode_batch(&some, &mut buf.slice_mut(..), &places, &stream)
+                    .map_err(|e| Error::Load(e.into()))?;
+                for (&i, outcome) in decoding.iter().zip(outcomes) {
+                    match outcome {
+                        Ok(DecodedBy::Hardware) => with[i] = Some(DecodedWith::Hardware),
+                        Ok(DecodedBy::Cuda) => with[i] = Some(DecodedWith::Cuda),
+                        Err(e) => {
+                            tracing::debug!(
+                                image = i,
+                                "nvJPEG refused it ({e}): the CPU decodes it"
+                            );
+                            on_cpu.push(i);
+                        }
+                    }
+                }
+            }
+            _ => on_cpu = decoding,
+        }
+        if !on_cpu.is_empty() {
+            let some: Vec<&[u8]> = on_cpu.iter().map(|&i| jpegs[i]).collect();
+            let decoded = decode_all(&some);
+            for (&i, result) in on_cpu.iter().zip(decoded) {
+                match result {
+                    Ok(image) => {
+                        let (Some(slot), Some(buf)) = (slots[i], buffer.as_mut()) else {
+                            continue;
+                        };
+                        if (image.width, image.height) != (slot.width, slot.height) {
+                            bad.push((
+                                i,
+                                ImageError::Corrupt {
+                                    reason: format!(
+                                        "its headers say {}x{}, its image is {}x{}",
+                                        slot.width, slot.height, image.width, image.height
+                                    ),
+                                },
+                            ));
+                            continue;
+                        }
+                        let mut view = buf.slice_mut(slot.offset..slot.offset + slot.span());
+                        stream.memcpy_htod(&image.pixels, &mut view).map_err(|e| {
+                            Error::Load(
+                                CudaError::Cuda {
+                                    op: "cuMemcpyHtoDAsync",
+                                    result: e.0,
+                                }
+                                .into(),
+                            )
+                        })?;
+                        with[i] = Some(DecodedWith::Cpu);
+                    }
+                    Err(e) => bad.push((i, e)),
+                }
+            }
+            stream.synchronize().map_err(|e| {
+                Error::Load(
+                    CudaError::Cuda {
+                        op: "cuStreamSynchronize",
+                        result: e.0,
+                    }
+                    .into(),
+                )
+            })?;
+        }
+        let skipped = settle(bad, name, policy)?;
+        let images = slots
+            .into_iter()
+            .zip(with)
+            .map(|(slot, with)| slot.zip(with))
+            .collect();
+        Ok(DecodedBatch {
+            buffer,
+            images,
+            skipped,
+        })
+    }
+}
+
+/// Decodes `jpegs` on the CPU (the threads of the machine, a share of the images each); an
+/// image that does not decode follows `policy` (as in [`ImageDecoder::decode`]): `None` in
+/// its place where skipped.
+///
+/// # Errors
+/// [`Error::Image`] with [`OnBadImage::Error`].
+pub fn decode_on_cpu(
+    jpegs: &[&[u8]],
+    name: &dyn Fn(usize) -> String,
+    policy: OnBadImage,
+) -> Result<(Vec<Option<DecodedImage>>, Vec<SkippedImage>)> {
+    let mut bad = Vec::new();
+    let mut out = Vec::with_capacity(jpegs.len());
+    for (i, result) in decode_all(jpegs).into_iter().enumerate() {
+        match result {
+            Ok(image) => out.push(Some(image)),
+            Err(e) => {
+                bad.push((i, e));
+                out.push(None);
+            }
+        }
+    }
+    let skipped = settle(bad, name, policy)?;
+    Ok((out, skipped))
+}
+
+/// The size of `jpeg` from its headers, or why it is not decoded (the checks both paths
+/// make: [`jpeg_header`]'s, and an end-of-image marker after its last scan).
+fn checked_header(jpeg: &[u8]) -> std::result::Result<(u32, u32), ImageError> {
+    let header = jpeg_header(jpeg)?;
+    if header.components == 4 {
+        return Err(ImageError::Cmyk);
+    }
+    if header.precision != 8 {
+        return Err(ImageError::Precision {
+            bits: header.precision,
+        });
+    }
+    if u64::from(header.width) * u64::from(header.height) > MAX_JPEG_PIXELS {
+        return Err(ImageError::TooLarge {
+            width: header.width,
+            height: header.height,
+            max_pixels: MAX_JPEG_PIXELS,
+        });
+    }
+    if !has_end(jpeg) {
+        return Err(ImageError::Truncated {
+            reason: "no end-of-image marker (FF D9) after its last scan".into(),
+        });
+    }
+    Ok((header.width, header.height))
+}
+
+/// Each of `jpegs` decoded on the CPU, by the machine's threads.
+fn decode_all(jpegs: &[&[u8]]) -> Vec<std::result::Result<DecodedImage, ImageError>> {
+    let one = |jpeg: &[u8]| decode_jpeg(jpeg);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jpegs.len());
+    if threads <= 1 {
+        return jpegs.iter().map(|j| one(j)).collect();
+    }
+    let per = jpegs.len().div_ceil(threads);
+    let one = Arc::new(one);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = jpegs
+            .chunks(per)
+            .map(|part| {
+                let one = Arc::clone(&one);
+                scope.spawn(move || part.iter().map(|j| one(j)).collect::<Vec<_>>())
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| {
+                p.join().unwrap_or_else(|_| {
+                    // decode_jpeg catches the decoder's panics; a panic here is not one of
+                    // them, and the images of that share are reported as such.
+                    vec![
+                        Err(ImageError::DecoderPanicked {
+                            message: "a decoding thread panicked".into()
+                        });
+                        per
+                    ]
+                })
+            })
+            .take(jpegs.len())
+            .collect()
+    })
+}
+
+/// Applies `policy` to the images that were not decoded: the first as an error, or the list
+/// of those skipped.
+fn settle(
+    mut bad: Vec<(usize, ImageError)>,
+    name: &dyn Fn(usize) -> String,
+    policy: OnBadImage,
+) -> Result<Vec<SkippedImage>> {
+    bad.sort_by_key(|(i, _)| *i);
+    match policy {
+        OnBadImage::Error => match bad.into_iter().next() {
+            Some((i, e)) => Err(e.named(name(i))),
+            None => Ok(Vec::new()),
+        },
+        OnBadImage::Skip => Ok(bad
+            .into_iter()
+            .map(|(i, reason)| SkippedImage {
+                name: name(i),
+                reason,
+            })
+            .collect()),
+    }
+}

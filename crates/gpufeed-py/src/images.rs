@@ -1,0 +1,146 @@
+//! `decode_jpegs`: a batch of JPEGs decoded into device memory (nvJPEG, with the CPU decoder
+//! for what it refuses: `gpufeed_data::ImageDecoder`, one per device, kept) or on the host
+//! (`gpufeed_data::decode_on_cpu`), each image an `[height, width, 3]` `U8` array.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpufeed::dataset::{DecodedWith, ImageDecoder, OnBadImage, decode_on_cpu};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::array::{Array, Owner, Storage, cpu, cuda};
+use crate::errors::py_err;
+use crate::loads::shared_loader;
+
+/// One decoder per device (an nvJPEG handle takes tens of ms to make), used by one call at a
+/// time.
+fn decoders() -> &'static Mutex<HashMap<usize, ImageDecoder>> {
+    static DECODERS: std::sync::OnceLock<Mutex<HashMap<usize, ImageDecoder>>> =
+        std::sync::OnceLock::new();
+    DECODERS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// What `decode_jpegs` gives back: per image an array (`None` where skipped), the images
+/// skipped as `(name, reason)`, and per image the decoder that made it.
+type Decoded = (
+    Vec<Option<Py<Array>>>,
+    Vec<(String, String)>,
+    Vec<Option<&'static str>>,
+);
+
+/// Decodes `blobs` (JPEG files' bytes) as interleaved RGB: on GPU `device` where given (nvJPEG;
+/// the CPU decoder and an upload for what it refuses, or where it is not installed), else on
+/// the host's threads. An image no decoder takes raises naming it (`image N`), or with `skip`
+/// is `None` and listed.
+#[pyfunction]
+#[pyo3(signature = (blobs, device=None, skip=false))]
+pub fn decode_jpegs(
+    py: Python<'_>,
+    blobs: Vec<Bound<'_, PyBytes>>,
+    device: Option<usize>,
+    skip: bool,
+) -> PyResult<Decoded> {
+    let policy = if skip {
+        OnBadImage::Skip
+    } else {
+        OnBadImage::Error
+    };
+    let name = |i: usize| format!("image {i}");
+    let jpegs: Vec<&[u8]> = blobs.iter().map(|b| b.as_bytes()).collect();
+    let Some(ordinal) = device else {
+        let (images, skipped) = py
+            .detach(|| decode_on_cpu(&jpegs, &name, policy))
+            .map_err(py_err)?;
+        let arrays = images
+            .into_iter()
+            .map(|image| {
+                image
+                    .map(|image| {
+                        let (w, h) = (image.width as usize, image.height as usize);
+                        let nbytes = image.pixels.len();
+                        let base = image.pixels.as_ptr() as usize;
+                        let owner = Arc::new(Owner::new(Storage::Bytes(image.pixels), None));
+                        Py::new(py, typed(owner, base, nbytes, cpu(), h, w))
+                    })
+                    .transpose()
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let with = arrays.iter().map(|a| a.as_ref().map(|_| "cpu")).collect();
+        return Ok((arrays, reasons(skipped), with));
+    };
+    let loader = shared_loader(py, ordinal)?;
+    let gpu = loader.gpu().clone();
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let batch = py
+        .detach(|| {
+            let mut all = decoders().lock();
+            let decoder = match all.entry(ordinal) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(ImageDecoder::open(&gpu)?),
+            };
+            decoder.decode(&jpegs, &name, policy)
+        })
+        .map_err(py_err)?;
+    let mut arrays = Vec::with_capacity(batch.images.len());
+    let mut with = Vec::with_capacity(batch.images.len());
+    let owner = batch.buffer.map(|buf| {
+        let base = crate::array::device_address(&gpu, &buf);
+        (
+            base,
+            Arc::new(Owner::new(Storage::Device(buf), Some(gpu.clone()))),
+        )
+    });
+    for image in batch.images {
+        match (image, &owner) {
+            (Some((slot, by)), Some((base, owner))) => {
+                let array = typed(
+                    Arc::clone(owner),
+                    base + slot.offset,
+                    slot.span(),
+                    cuda(ordinal),
+                    slot.height as usize,
+                    slot.width as usize,
+                );
+                arrays.push(Some(Py::new(py, array)?));
+                with.push(Some(match by {
+                    DecodedWith::Hardware => "hardware",
+                    DecodedWith::Cuda => "cuda",
+                    DecodedWith::Cpu => "cpu",
+                }));
+            }
+            _ => {
+                arrays.push(None);
+                with.push(None);
+            }
+        }
+    }
+    Ok((arrays, reasons(batch.skipped), with))
+}
+
+/// `nbytes` at `base` of `owner` as a `[h, w, 3]` `U8` array.
+fn typed(
+    owner: Arc<Owner>,
+    base: usize,
+    nbytes: usize,
+    device: dlpark::ffi::DLDevice,
+    h: usize,
+    w: usize,
+) -> Array {
+    Array::typed(
+        owner,
+        base,
+        nbytes,
+        device,
+        gpufeed::safetensors::Dtype::U8,
+        &[h, w, 3],
+    )
+}
+
+fn reasons(skipped: Vec<gpufeed::dataset::SkippedImage>) -> Vec<(String, String)> {
+    skipped
+        .into_iter()
+        .map(|s| (s.name, s.reason.to_string()))
+        .collect()
+}

@@ -1,0 +1,188 @@
+"""JPEGs decoded by ``gpufeed.decode_jpegs`` (issue 40): on the CPU (zune-jpeg; CI) against
+PIL's decode of the same bytes, and on a GPU (nvJPEG) against torchvision's
+``decode_jpeg(device="cuda")`` — the same decoder — and PIL; every kind PIL makes (4:4:4, 4:2:2,
+4:2:0, progressive, restart markers, gray, odd sizes); files that are no decodable JPEG
+(truncated, corrupt, PNG, CMYK) raise naming the image, or are skipped where asked.
+
+Skipped with the reason without torch or Pillow (the GPU part: without a GPU, or torchvision),
+unless ``GPUFEED_REQUIRE_GPU=1`` (the GPU machine), where the GPU part is a failure."""
+
+import io
+import os
+
+import pytest
+
+import gpufeed
+
+REQUIRED = os.environ.get("GPUFEED_REQUIRE_GPU") == "1"
+
+
+def _needs():
+    try:
+        import numpy as np
+        import torch
+        from PIL import Image
+    except ImportError as e:
+        if REQUIRED:
+            raise AssertionError(f"GPUFEED_REQUIRE_GPU=1 but {e}") from None
+        pytest.skip(f"torch, numpy or Pillow is not installed ({e})")
+    return np, torch, Image
+
+
+def _photo(np, w, h, seed):
+    """A photo-like RGB image: smooth gradients and a little noise."""
+    rng = np.random.default_rng(seed)
+    x = np.linspace(0, 255, w)[None, :]
+    y = np.linspace(0, 255, h)[:, None]
+    rgb = np.stack([x + 0 * y, y + 0 * x, (x + y) / 2 * 0.5 + 60], axis=-1)
+    rgb = rgb + rng.normal(0, 2, rgb.shape)
+    return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+def _kinds(np, Image):
+    """name -> JPEG bytes, every kind Pillow makes."""
+    out = {}
+    for (w, h), seed in (((500, 375), 1), ((37, 51), 2), ((1, 1), 3), ((333, 127), 4)):
+        img = Image.fromarray(_photo(np, w, h, seed))
+        for sub in (0, 1, 2):
+            buf = io.BytesIO()
+            img.save(buf, "JPEG", quality=90, subsampling=sub)
+            out[f"{w}x{h} subsampling {sub}"] = buf.getvalue()
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=90, progressive=True)
+        out[f"{w}x{h} progressive"] = buf.getvalue()
+        buf = io.BytesIO()
+        img.convert("L").save(buf, "JPEG", quality=90)
+        out[f"{w}x{h} gray"] = buf.getvalue()
+        try:
+            buf = io.BytesIO()
+            img.save(buf, "JPEG", quality=90, restart_marker_rows=1)
+            out[f"{w}x{h} restart markers"] = buf.getvalue()
+            buf = io.BytesIO()
+            img.save(buf, "JPEG", quality=90, progressive=True, restart_marker_blocks=7)
+            out[f"{w}x{h} progressive, restart markers"] = buf.getvalue()
+        except TypeError:
+            pass  # a Pillow before 10.2 makes no restart markers
+    return out
+
+
+def _bad(np, Image, good):
+    """name -> bytes that are no decodable JPEG."""
+    img = Image.fromarray(_photo(np, 64, 48, 9))
+    png, cmyk = io.BytesIO(), io.BytesIO()
+    img.save(png, "PNG")
+    img.convert("CMYK").save(cmyk, "JPEG", quality=90)
+    return {
+        "truncated": good[: len(good) // 2],
+        "cut before its end marker": good[:-2],
+        "png": png.getvalue(),
+        "cmyk": cmyk.getvalue(),
+        "empty": b"",
+        "noise": bytes(np.random.default_rng(5).integers(0, 256, 4000, dtype=np.uint8)),
+    }
+
+
+def _pil(np, Image, data):
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def _psnr(np, a, b):
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return 99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+
+
+def _check_against_pil(np, Image, kinds, got, where):
+    for (name, data), t in zip(kinds.items(), got):
+        want = _pil(np, Image, data)
+        have = t.cpu().numpy()
+        assert have.shape == want.shape, f"{where}, {name}: {have.shape} vs {want.shape}"
+        if want.size > 3:
+            psnr = _psnr(np, have, want)
+            assert psnr >= 40.0, f"{where}, {name}: PSNR {psnr:.1f} dB against PIL"
+        if "gray" in name:
+            assert (have[..., 0] == have[..., 1]).all() and (have[..., 1] == have[..., 2]).all()
+
+
+def _policies(np, torch, Image, kinds, device):
+    good = kinds["500x375 subsampling 2"]
+    bad = _bad(np, Image, good)
+    for name, data in bad.items():
+        batch = [good, data, good]
+        with pytest.raises(gpufeed.GpufeedError, match="image 1") as raised:
+            gpufeed.decode_jpegs(batch, device=device)
+        print(f"{device}: {name}: {raised.value}")
+        if name in ("png", "cmyk", "truncated", "empty"):
+            want = {"png": "PNG", "cmyk": "CMYK", "truncated": "truncated", "empty": "empty"}
+            assert want[name].lower() in str(raised.value).lower(), f"{name}: {raised.value}"
+        out = gpufeed.decode_jpegs(batch, device=device, on_error="skip")
+        assert out[1] is None, f"{name}: skipped image not None"
+        assert torch.equal(out[0].cpu(), out[2].cpu()), name
+        assert out[0].shape == (375, 500, 3)
+    with pytest.raises(ValueError, match="on_error"):
+        gpufeed.decode_jpegs([good], device=device, on_error="ignore")
+    assert gpufeed.decode_jpegs([], device=device) == []
+
+
+def test_jpegs_decode_on_the_cpu_as_pil_decodes_them():
+    np, torch, Image = _needs()
+    kinds = _kinds(np, Image)
+    got = gpufeed.decode_jpegs(list(kinds.values()))
+    assert all(t.device.type == "cpu" and t.dtype == torch.uint8 for t in got)
+    _check_against_pil(np, Image, kinds, got, "cpu")
+    # bytes-like inputs: bytearray, memoryview, a numpy array, a uint8 tensor
+    data = kinds["37x51 subsampling 0"]
+    for form in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8),
+                 torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+        again = gpufeed.decode_jpegs([form])[0]
+        assert torch.equal(again, got[list(kinds).index("37x51 subsampling 0")]), type(form)
+
+
+def test_bad_files_on_the_cpu_raise_naming_the_image_or_are_skipped():
+    np, torch, Image = _needs()
+    _policies(np, torch, Image, _kinds(np, Image), None)
+
+
+def _gpu():
+    np, torch, Image = _needs()
+    try:
+        import torchvision  # noqa: F401
+        from torchvision.io import decode_jpeg  # noqa: F401
+    except ImportError as e:
+        reason = f"torchvision is not installed ({e})"
+    else:
+        if torch.cuda.is_available():
+            return np, torch, Image
+        reason = "torch sees no CUDA device"
+    if REQUIRED:
+        raise AssertionError(f"GPUFEED_REQUIRE_GPU=1 but {reason}")
+    pytest.skip(reason)
+
+
+def test_jpegs_decode_on_the_gpu_as_torchvisions_nvjpeg_decodes_them():
+    np, torch, Image = _gpu()
+    from torchvision.io import decode_jpeg
+
+    kinds = _kinds(np, Image)
+    got = gpufeed.decode_jpegs(list(kinds.values()), device=0)
+    assert all(t.device == torch.device("cuda:0") and t.dtype == torch.uint8 for t in got)
+    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in kinds.values()]
+    theirs = decode_jpeg(tensors, device="cuda:0")
+    worst = {}
+    for (name, _), mine, ref in zip(kinds.items(), got, theirs):
+        ref = ref.permute(1, 2, 0)
+        if ref.shape[-1] == 1:
+            ref = ref.expand(-1, -1, 3)
+        assert mine.shape == ref.shape, f"{name}: {tuple(mine.shape)} vs {tuple(ref.shape)}"
+        diff = (mine.int() - ref.int()).abs().max().item() if mine.numel() else 0
+        worst[name] = diff
+    print("max |gpufeed - torchvision| per kind:", worst)
+    assert all(d <= 1 for d in worst.values()), worst
+    _check_against_pil(np, Image, kinds, got, "cuda:0")
+    # decoded tensors are ordinary CUDA tensors: kernels queued after them see the bytes
+    assert int(torch.stack([t.sum() for t in got]).sum().item()) == sum(
+        int(t.cpu().numpy().astype(np.int64).sum()) for t in got)
+
+
+def test_bad_files_on_the_gpu_raise_naming_the_image_or_are_skipped():
+    np, torch, Image = _gpu()
+    _policies(np, torch, Image, _kinds(np, Image), 0)
