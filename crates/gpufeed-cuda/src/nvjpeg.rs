@@ -5,8 +5,9 @@
 //! with the hardware backend where the GPU has one, what a JPEG is before it is decoded
 //! ([`Nvjpeg::image_info`]), and batches decoded into device memory as interleaved RGB
 //! ([`Nvjpeg::decode_batch`]): the images the hardware engines take in one
-//! `nvjpegDecodeBatched` call, the others (progressive, 4:1:1, ...) one by one through
-//! `nvjpegDecode` on the GPU's cores, each image's outcome its own.
+//! `nvjpegDecodeBatched` call, the others (4:1:1, ...) one by one through `nvjpegDecode` on
+//! the GPU's cores, each image's outcome its own; progressive ones are refused (for the
+//! caller's CPU decoder: nvJPEG decoded one wrongly without an error).
 //!
 //! The library is opened on first use: `GPUFEED_NVJPEG_LIBRARY` if set, else `libnvjpeg.so.13`,
 //! `.12`, `.11`, then `libnvjpeg.so` (the CUDA toolkit's and the `nvidia-nvjpeg` wheel's names;
@@ -450,7 +451,9 @@ impl Nvjpeg {
     /// end-of-image marker (truncated): [`Error::JpegRefused`]); its slot is then left as it
     /// was. With the hardware
     /// backend, the images its engines take go in one `nvjpegDecodeBatched` call, the others
-    /// (progressive, 4:1:1, 4:1:0, ...) one by one through `nvjpegDecode`; should the batched
+    /// (4:1:1, 4:1:0, ...) one by one through `nvjpegDecode`; progressive JPEGs are refused
+    /// ([`Error::JpegRefused`]: nvJPEG's CUDA decoder gave wrong pixels for one without an
+    /// error on an H200, docs/benchmarks.md run 164); should the batched
     /// call fail, its images go through `nvjpegDecode` too. Before the hardware call the host
     /// waits for the work already queued on `stream`: on H100-class GPUs the engines write
     /// their output when called, not in `stream`'s order (torchcodec's issue 1634).
@@ -530,6 +533,19 @@ impl Nvjpeg {
             if !has_end(jpeg) {
                 outcomes.push(Err(Error::JpegRefused {
                     reason: "truncated: no end-of-image marker (FF D9) after its data".into(),
+                }));
+                continue;
+            }
+            if is_progressive(jpeg) {
+                // nvJPEG's CUDA decoder (the engines take baseline only) gave wrong pixels,
+                // without an error, for a progressive 37x51 4:2:0 JPEG on the H200 (GPU run
+                // 164; torchvision's decode of some progressive files fails there too): a
+                // wrong image must not pass silently, so these go to the caller's CPU decoder.
+                outcomes.push(Err(Error::JpegRefused {
+                    reason: "progressive: nvJPEG's CUDA decoder is not trusted with them \
+                             (wrong pixels without an error seen on an H200): decode it on \
+                             the CPU"
+                        .into(),
                 }));
                 continue;
             }
@@ -667,6 +683,33 @@ pub fn has_end(jpeg: &[u8]) -> bool {
     jpeg[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
 }
 
+/// Whether `jpeg`'s frame is progressive (a start-of-frame marker `FF C2`, or the
+/// arithmetic-coded `FF CA`, before its first scan), by a walk of its header segments; `false`
+/// for bytes that are no JPEG.
+pub fn is_progressive(jpeg: &[u8]) -> bool {
+    if !jpeg.starts_with(&[0xFF, 0xD8]) {
+        return false;
+    }
+    let mut at = 2;
+    while at + 4 <= jpeg.len() {
+        if jpeg[at] != 0xFF {
+            return false;
+        }
+        let marker = jpeg[at + 1];
+        match marker {
+            0xFF => at += 1, // fill byte
+            0xC2 | 0xCA => return true,
+            0xDA | 0xD9 => return false, // the first scan, or the end: no progressive frame
+            0x01 | 0xD0..=0xD7 => at += 2, // markers without a length
+            _ => {
+                let len = usize::from(u16::from_be_bytes([jpeg[at + 2], jpeg[at + 3]]));
+                at += 2 + len;
+            }
+        }
+    }
+    false
+}
+
 /// Refuses a slot that does not hold image `index` (`info`) inside `len` bytes.
 fn check_slot(index: usize, slot: &Slot, info: ImageInfo, len: usize) -> Result<()> {
     let refuse = |reason: String| Err(Error::JpegSlot { index, reason });
@@ -734,6 +777,24 @@ mod tests {
         // (there is none before the last scan in a real file; an embedded thumbnail's is).
         let thumb_then_cut = [0xFF, 0xD8, 0xFF, 0xD9, 0xFF, 0xDA, 1, 2, 3];
         assert!(!has_end(&thumb_then_cut));
+    }
+
+    #[test]
+    fn progressive_frames_are_told_from_baseline_ones_by_their_headers() {
+        // SOI, an APP0 of 4 bytes, a frame header, then a scan.
+        let frame = |sof: u8| {
+            let mut j = vec![0xFF, 0xD8, 0xFF, 0xE0, 0, 4, 0xC2, 0xC2];
+            j.extend_from_slice(&[0xFF, sof, 0, 11, 8, 0, 1, 0, 1, 1, 1, 0x11, 0]);
+            j.extend_from_slice(&[0xFF, 0xDA, 0, 8, 1, 1, 0, 0, 63, 0, 0xFF, 0xD9]);
+            j
+        };
+        assert!(is_progressive(&frame(0xC2)));
+        assert!(is_progressive(&frame(0xCA)));
+        // APP0's payload holds C2 bytes: only markers count
+        assert!(!is_progressive(&frame(0xC0)));
+        assert!(!is_progressive(&frame(0xC1)));
+        assert!(!is_progressive(b"not a jpeg"));
+        assert!(!is_progressive(&frame(0xC2)[..7]));
     }
 
     #[test]

@@ -165,10 +165,21 @@ def test_jpegs_decode_on_the_gpu_as_torchvisions_nvjpeg_decodes_them():
     kinds = _kinds(np, Image)
     got = gpufeed.decode_jpegs(list(kinds.values()), device=0)
     assert all(t.device == torch.device("cuda:0") and t.dtype == torch.uint8 for t in got)
-    tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in kinds.values()]
-    theirs = decode_jpeg(tensors, device="cuda:0")
-    worst = {}
-    for (name, _), mine, ref in zip(kinds.items(), got, theirs):
+    # Which decoder made each (progressive JPEGs go to the CPU: nvJPEG decoded one wrongly).
+    _, _, by = gpufeed._gpufeed.decode_jpegs(list(kinds.values()), 0, False)
+    print("decoded by:", dict(zip(kinds, by)))
+    for name, b in zip(kinds, by):
+        assert (b == "cpu") == ("progressive" in name), f"{name}: {b}"
+    worst, failed = {}, {}
+    for (name, data), mine, b in zip(kinds.items(), got, by):
+        if b == "cpu":
+            continue  # not nvJPEG's: compared with PIL below
+        try:
+            ref = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                              device="cuda:0")
+        except RuntimeError as e:  # torchvision's own refusals (run 164: some it fails on)
+            failed[name] = str(e).splitlines()[0]
+            continue
         ref = ref.permute(1, 2, 0)
         if ref.shape[-1] == 1:
             ref = ref.expand(-1, -1, 3)
@@ -176,6 +187,8 @@ def test_jpegs_decode_on_the_gpu_as_torchvisions_nvjpeg_decodes_them():
         diff = (mine.int() - ref.int()).abs().max().item() if mine.numel() else 0
         worst[name] = diff
     print("max |gpufeed - torchvision| per kind:", worst)
+    print("torchvision failed on:", failed)
+    assert len(worst) >= 12, worst
     assert all(d <= 1 for d in worst.values()), worst
     _check_against_pil(np, Image, kinds, got, "cuda:0")
     # decoded tensors are ordinary CUDA tensors: kernels queued after them see the bytes

@@ -129,9 +129,12 @@ fn a_batch_decodes_into_device_memory_as_the_cpu_decodes_it() {
     }
     println!("decoded with {with:?}; skipped {:?}", got.skipped);
     if decoder.cpu_only().is_none() {
-        assert!(
-            !with.contains_key("Cpu"),
-            "nvJPEG decodes every kind here: {with:?}"
-        );
+        // nvJPEG decodes every kind here but the progressive ones, which it refuses (run 164).
+        for (i, image) in got.images.iter().enumerate() {
+            if let Some((_, by)) = image {
+                let progressive = gpufeed_cuda::nvjpeg::is_progressive(&all[i].0);
+                assert_eq!(*by == DecodedWith::Cpu, progressive, "image {i}: {by:?}");
+            }
+        }
     }
 }
