@@ -36,9 +36,9 @@ def decode_jpegs(images: Sequence[Any], device: Any = None,
 
     ``device``: ``None`` or ``"cpu"`` decodes on the CPU (zune-jpeg, the machine's threads);
     ``"cuda:N"``, ``N`` or a ``torch.device`` decodes on that GPU with nvJPEG: the images its
-    hardware engines take in one batch, the others (progressive, ...) by its CUDA decoder, and
-    what nvJPEG refuses, or every image where nvJPEG is not installed, on the CPU and
-    uploaded. The tensors of one GPU call are views of one allocation, freed when the last
+    hardware engines take in one batch, the other baseline ones by its CUDA decoder, and
+    progressive ones (nvJPEG decoded one wrongly without an error), what nvJPEG refuses, or
+    every image where nvJPEG is not installed, on the CPU and uploaded. The tensors of one GPU call are views of one allocation, freed when the last
     goes, ready on every stream when returned.
 
     ``on_error``: an image that is no decodable JPEG (truncated, corrupt, PNG, CMYK, 12-bit)
