@@ -676,11 +676,19 @@ impl Nvjpeg {
 /// `D0`-`D7`). A file cut short has none (bytes after the marker, as some writers leave, are
 /// allowed).
 pub fn has_end(jpeg: &[u8]) -> bool {
-    let last_scan = jpeg
-        .windows(2)
-        .rposition(|w| w == [0xFF, 0xDA])
-        .unwrap_or(0);
-    jpeg[last_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
+    // From the end: the last end marker (usually the file's last two bytes), no scan after it,
+    // and a scan before it (the first from the start: headers are short). Reading the whole
+    // file for this cost about 50 us an image of 50 KiB (GPU run 165).
+    let marker = |w: &[u8], m: u8| w == [0xFF, m];
+    let Some(end) = jpeg.windows(2).rposition(|w| marker(w, 0xD9)) else {
+        return false;
+    };
+    if jpeg[end..].windows(2).any(|w| marker(w, 0xDA)) {
+        return false;
+    }
+    jpeg.windows(2)
+        .position(|w| marker(w, 0xDA))
+        .is_some_and(|scan| scan < end)
 }
 
 /// Whether `jpeg`'s frame is progressive (a start-of-frame marker `FF C2`, or the

@@ -535,7 +535,7 @@ fn decodable(bytes: &[u8]) -> Result<JpegHeader, ImageError> {
         )));
     }
     // An end-of-image marker after the image data (the check nvJPEG's path makes too).
-    if !gpufeed_cuda::nvjpeg::has_end(&bytes[scan_data..]) {
+    if !gpufeed_cuda::nvjpeg::has_end(bytes) {
         return Err(truncated(
             "no end-of-image marker (ff d9) after its image data",
         ));
