@@ -22,6 +22,7 @@
 //! | [`ring`] | batches of worker processes through a shared-memory ring |
 //! | `folder` | [`ImageFolder`]: class folders of files |
 //! | `images` | [`decode_jpeg`], [`jpeg_header`], [`OnBadImage`]: JPEGs decoded on the CPU |
+//! | `augment` | [`random_resized_crop`], [`center_crop`], [`resize_crop`], [`normalize_chw`]: training crops on the CPU |
 //! | `decode` | [`ImageDecoder`], [`decode_on_cpu`]: batches of JPEGs decoded into device memory (nvJPEG, the CPU decoder for what it refuses), or on the host |
 //!
 //! Without a GPU the loader yields host batches; every CPU path keeps working.
@@ -54,6 +55,7 @@
 
 #![deny(unsafe_code)]
 
+mod augment;
 mod decode;
 mod epoch;
 mod error;
@@ -66,6 +68,7 @@ pub mod ring;
 mod sampler;
 pub mod sources;
 
+pub use augment::{Crop, center_crop, normalize_chw, random_resized_crop, resize_crop, to_u8};
 pub use decode::{DecodedBatch, DecodedWith, ImageDecoder, decode_on_cpu};
 pub use epoch::{Epoch, NotStarted, OwnedEpoch};
 pub use error::{Error, Result};

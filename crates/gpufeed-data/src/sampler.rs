@@ -279,10 +279,16 @@ pub(crate) fn permutation(n: usize, order: Order, epoch: u64) -> Vec<usize> {
 /// A seeded Fisher-Yates shuffle of `items` (splitmix64 steps from `state`).
 pub(crate) fn shuffle(items: &mut [usize], mut state: u64) {
     for i in (1..items.len()).rev() {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        items.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
+        let z = splitmix64(&mut state);
+        items.swap(i, (z % (i as u64 + 1)) as usize);
     }
+}
+
+/// The next value of the splitmix64 generator at `state` (which it advances).
+pub(crate) fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

@@ -144,3 +144,57 @@ fn reasons(skipped: Vec<gpufeed::dataset::SkippedImage>) -> Vec<(String, String)
         .map(|s| (s.name, s.reason.to_string()))
         .collect()
 }
+
+/// The CPU reference of the training crops' resize (`gpufeed_data::resize_crop`): `crop`
+/// (`(x, y, width, height)`) of the RGB image `pixels` resized to `out_width` x `out_height`
+/// with antialiasing, mirrored where `flip`; HWC `f32` values as little-endian bytes.
+#[pyfunction]
+#[pyo3(signature = (pixels, width, height, crop, out_width, out_height, flip=false))]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the resize's parameters, as Python passes them"
+)]
+pub fn resize_crop<'py>(
+    py: Python<'py>,
+    pixels: Bound<'py, PyBytes>,
+    width: u32,
+    height: u32,
+    crop: (u32, u32, u32, u32),
+    out_width: u32,
+    out_height: u32,
+    flip: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let (x, y, w, h) = crop;
+    let crop = gpufeed::dataset::Crop {
+        x,
+        y,
+        width: w,
+        height: h,
+    };
+    let src = pixels.as_bytes();
+    let values = py
+        .detach(|| {
+            gpufeed::dataset::resize_crop(src, width, height, crop, out_width, out_height, flip)
+        })
+        .map_err(py_err)?;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// `gpufeed_data::random_resized_crop`: torchvision's `RandomResizedCrop` crop of a `width` x
+/// `height` image for `seed`, `epoch` and `index`, as `(x, y, width, height)`.
+#[pyfunction]
+#[pyo3(signature = (width, height, seed, epoch, index, scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0)))]
+pub fn random_resized_crop(
+    width: u32,
+    height: u32,
+    seed: u64,
+    epoch: u64,
+    index: u64,
+    scale: (f64, f64),
+    ratio: (f64, f64),
+) -> PyResult<(u32, u32, u32, u32)> {
+    let c = gpufeed::dataset::random_resized_crop(width, height, scale, ratio, seed, epoch, index)
+        .map_err(py_err)?;
+    Ok((c.x, c.y, c.width, c.height))
+}

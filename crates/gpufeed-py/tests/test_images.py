@@ -199,3 +199,40 @@ def test_jpegs_decode_on_the_gpu_as_torchvisions_nvjpeg_decodes_them():
 def test_bad_files_on_the_gpu_raise_naming_the_image_or_are_skipped():
     np, torch, Image = _gpu()
     _policies(np, torch, Image, _kinds(np, Image), 0)
+
+
+def test_the_crop_resize_reference_computes_what_torchs_antialiased_interpolate_does():
+    """gpufeed's CPU reference of the training crops (``_gpufeed.resize_crop``, the Rust
+    ``gpufeed_data::resize_crop``) against torch's ``interpolate(mode="bilinear",
+    antialias=True)`` of the same crop: shrinking and enlarging, odd sizes, flipped; and
+    ``random_resized_crop``'s crops inside the image, the same for the same seed/epoch/index."""
+    np, torch, _ = _needs()
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(40)
+    cases = [((500, 375), (37, 11, 400, 300), (224, 224)), ((97, 61), (0, 0, 97, 61), (224, 160)),
+             ((33, 17), (5, 3, 20, 9), (7, 5)), ((8, 8), (0, 0, 8, 8), (8, 8)),
+             ((300, 200), (299, 0, 1, 200), (13, 31))]
+    for (w, h), crop, (ow, oh) in cases:
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        x, y, cw, ch = crop
+        region = torch.from_numpy(img[y:y + ch, x:x + cw]).permute(2, 0, 1)[None].float()
+        want = F.interpolate(region, size=(oh, ow), mode="bilinear", antialias=True,
+                             align_corners=False)[0].permute(1, 2, 0).numpy()
+        for flip in (False, True):
+            raw = gpufeed._gpufeed.resize_crop(img.tobytes(), w, h, crop, ow, oh, flip)
+            got = np.frombuffer(raw, dtype="<f4").reshape(oh, ow, 3)
+            ref = want[:, ::-1] if flip else want
+            worst = float(np.abs(got - ref).max())
+            assert worst < 0.02, f"{(w, h)} crop {crop} to {(ow, oh)}, flip {flip}: {worst}"
+    with pytest.raises(gpufeed.GpufeedError, match="crop"):
+        gpufeed._gpufeed.resize_crop(bytes(3 * 4 * 4), 4, 4, (2, 2, 3, 3), 2, 2)
+    seen = set()
+    for index in range(200):
+        c = gpufeed._gpufeed.random_resized_crop(500, 375, 9, 0, index)
+        assert c == gpufeed._gpufeed.random_resized_crop(500, 375, 9, 0, index)
+        x, y, cw, ch = c
+        assert 0 < cw and 0 < ch and x + cw <= 500 and y + ch <= 375, c
+        assert 0.75 * 0.95 <= cw / ch <= 4 / 3 * 1.05 or (cw, ch) == (500, 375), c
+        seen.add(c)
+    assert len(seen) > 190, len(seen)

@@ -36,6 +36,8 @@ __all__ = [
     "parse_header",
     "load_file",
     "decode_jpegs",
+    "resize_crop",
+    "random_resized_crop",
     "load_range",
     "read_object",
     "fetch_objects",
@@ -207,6 +209,26 @@ def load_file(path: _Path, device: int = 0) -> Array: ...
 def decode_jpegs(
     blobs: list[bytes], device: int | None = None, skip: bool = False
 ) -> tuple[list[Array | None], list[tuple[str, str]], list[str | None]]: ...
+def resize_crop(
+    pixels: bytes,
+    width: int,
+    height: int,
+    crop: tuple[int, int, int, int],
+    out_width: int,
+    out_height: int,
+    flip: bool = False,
+) -> bytes: ...
+def random_resized_crop(
+    width: int,
+    height: int,
+    seed: int,
+    epoch: int,
+    index: int,
+    scale: tuple[float, float] = ...,
+    ratio: tuple[float, float] = ...,
+) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop crop for (seed, epoch, index); scale defaults to
+    (0.08, 1.0), ratio to (3/4, 4/3)."""
 def load_range(path: _Path, start: int, end: int, device: int = 0) -> Array: ...
 def read_object(url: str, start: int = 0, end: int | None = None) -> bytes: ...
 def fetch_objects(urls: Sequence[str], cache: _Path) -> list[str]: ...
