@@ -85,6 +85,7 @@ mod nccl;
 pub mod nvjpeg;
 mod peer;
 mod raw;
+pub mod resize;
 mod transfer;
 
 pub use error::{CUresult, Error, Result};

@@ -14,6 +14,8 @@
 //! - [`to_u8`], [`normalize_chw`]: the output as `uint8` HWC, or `f32` CHW normalized.
 
 use crate::error::{Error, Result};
+use gpufeed_cuda::resize::resize_weights as weights;
+
 use crate::sampler::splitmix64;
 
 /// A rectangle of an image, in pixels: its left and top, width and height.
@@ -138,33 +140,6 @@ pub fn center_crop(width: u32, height: u32, fraction: f64) -> Crop {
         width: side,
         height: side,
     }
-}
-
-/// Where each output position of a resize from `input` to `output` samples: its first input
-/// index and its weights (summing to 1), torch's antialiased bilinear filter.
-fn weights(input: usize, output: usize) -> Vec<(usize, Vec<f32>)> {
-    let scale = input as f64 / output as f64;
-    let support = if scale >= 1.0 { scale } else { 1.0 };
-    let invscale = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
-    (0..output)
-        .map(|i| {
-            let center = scale * (i as f64 + 0.5);
-            // truncation toward zero, then clamped (as torch's `int64_t` casts)
-            let lo = ((center - support + 0.5) as i64).max(0) as usize;
-            let hi = ((center + support + 0.5) as i64).clamp(0, input as i64) as usize;
-            let mut w: Vec<f64> = (lo..hi.max(lo))
-                .map(|j| {
-                    let x = (j as f64 - center + 0.5) * invscale;
-                    (1.0 - x.abs()).max(0.0)
-                })
-                .collect();
-            let total: f64 = w.iter().sum();
-            if total > 0.0 {
-                w.iter_mut().for_each(|v| *v /= total);
-            }
-            (lo, w.into_iter().map(|v| v as f32).collect())
-        })
-        .collect()
 }
 
 /// `crop` of the RGB image `pixels` (`width` x `height`, HWC, 3 bytes a pixel) resized to

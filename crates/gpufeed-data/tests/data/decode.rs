@@ -138,3 +138,134 @@ fn a_batch_decodes_into_device_memory_as_the_cpu_decodes_it() {
         }
     }
 }
+
+#[test]
+fn crops_resized_on_the_gpu_equal_the_cpu_reference() {
+    use gpufeed_cuda::resize::{ResizeJob, ResizeKernel, ResizeOutput};
+    use gpufeed_data::{Crop, normalize_chw, random_resized_crop, resize_crop, to_u8};
+
+    let Some(gpu) = gpu_or_skip("crops_resized_on_the_gpu_equal_the_cpu_reference") else {
+        return;
+    };
+    let kernel = ResizeKernel::load(&gpu).expect("the resize kernels");
+    let stream = gpu.default_stream();
+    // Images of several sizes (a 1x1 and a 3-wide among them), back to back with a pitch of a
+    // row plus 5 bytes, random pixels.
+    let sizes = [
+        (500u32, 375u32),
+        (37, 51),
+        (3, 200),
+        (1, 1),
+        (224, 224),
+        (640, 480),
+    ];
+    let mut host = Vec::new();
+    let mut placed = Vec::new();
+    for (k, &(w, h)) in sizes.iter().enumerate() {
+        let pitch = 3 * w as usize + 5;
+        let pixels = crate::random_bytes(3 * (w * h) as usize, 50 + k as u64);
+        placed.push((host.len(), pitch, pixels.clone()));
+        for row in pixels.chunks(3 * w as usize) {
+            host.extend_from_slice(row);
+            host.extend_from_slice(&[0xEE; 5]);
+        }
+    }
+    let src = stream.clone_htod(&host).expect("upload");
+    let (base, _read) = gpufeed_cuda::cudarc::driver::DevicePtr::device_ptr(&src, &stream);
+    let (ow, oh) = (224u32, 160u32);
+    let mut jobs = Vec::new();
+    let mut want_u8 = Vec::new();
+    let mut want_f32 = Vec::new();
+    let (mean, std) = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+    for (k, (&(w, h), (at, pitch, pixels))) in sizes.iter().zip(&placed).enumerate() {
+        let crop = if k % 2 == 0 {
+            random_resized_crop(w, h, (0.08, 1.0), (0.75, 4.0 / 3.0), 5, 0, k as u64).expect("crop")
+        } else {
+            Crop {
+                x: 0,
+                y: 0,
+                width: w,
+                height: h,
+            }
+        };
+        let flip = k % 3 == 1;
+        jobs.push(ResizeJob {
+            src: base + *at as u64,
+            pitch: *pitch,
+            width: w,
+            height: h,
+            crop: (crop.x, crop.y, crop.width, crop.height),
+            flip,
+        });
+        let values = resize_crop(pixels, w, h, crop, ow, oh, flip).expect("reference");
+        want_u8.extend(to_u8(&values));
+        want_f32.extend(normalize_chw(&values, ow, oh, mean, std).expect("normalize"));
+    }
+    let n = jobs.len() * (3 * ow * oh) as usize;
+    let mut out_u8 = stream.alloc_zeros::<u8>(n).expect("alloc");
+    let mut out_f32 = stream.alloc_zeros::<f32>(n).expect("alloc");
+    {
+        let (d8, _w8) =
+            gpufeed_cuda::cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out_u8, &stream);
+        let (d32, _w32) =
+            gpufeed_cuda::cudarc::driver::DevicePtrMut::device_ptr_mut(&mut out_f32, &stream);
+        // SAFETY: the jobs' pixels are `src`'s (alive past the synchronization below), the
+        // outputs hold every image.
+        unsafe {
+            kernel
+                .launch_raw(&stream, &jobs, ow, oh, ResizeOutput::U8Hwc(d8))
+                .expect("u8");
+            kernel
+                .launch_raw(
+                    &stream,
+                    &jobs,
+                    ow,
+                    oh,
+                    ResizeOutput::F32Chw {
+                        dst: d32,
+                        mean,
+                        std,
+                    },
+                )
+                .expect("f32");
+        }
+    }
+    let got_u8 = stream.clone_dtoh(&out_u8).expect("download");
+    let got_f32 = stream.clone_dtoh(&out_f32).expect("download");
+    let per = (3 * ow * oh) as usize;
+    for k in 0..jobs.len() {
+        let (g, w) = (
+            &got_u8[k * per..(k + 1) * per],
+            &want_u8[k * per..(k + 1) * per],
+        );
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| a.abs_diff(b))
+            .max()
+            .unwrap_or(0);
+        let off = g.iter().zip(w).filter(|(a, b)| a != b).count();
+        println!(
+            "image {k} {:?}: u8 max {worst}, {off} of {per} differ",
+            jobs[k].crop
+        );
+        assert!(worst <= 1, "image {k}: u8 values {worst} apart");
+        assert!(off * 100 <= per, "image {k}: {off} of {per} differ");
+        let (g, w) = (
+            &got_f32[k * per..(k + 1) * per],
+            &want_f32[k * per..(k + 1) * per],
+        );
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-3, "image {k}: f32 values {worst} apart");
+    }
+    // A crop outside its image is refused before anything is queued.
+    let mut bad = jobs[0];
+    bad.crop = (490, 0, 20, 10);
+    // SAFETY: refused before any launch.
+    let err = unsafe { kernel.launch_raw(&stream, &[bad], ow, oh, ResizeOutput::U8Hwc(0)) };
+    assert!(err.is_err());
+}
