@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""JPEG decoding throughput (issue 40's decode step, before the augmentation kernels and the
-loader's stage exist): ``gpufeed.decode_jpegs`` on a GPU and on the CPU against torchvision's
-``decode_jpeg(list, device="cuda")`` (nvJPEG, batched) and PIL, images/s over batches of 256
-whose bytes are in memory (decode only: no file reads, no resize). The JPEGs are made here:
+"""JPEG decoding throughput (issue 40, before the loader's stage exists), images/s over batches
+of 256 whose bytes are in memory (no file reads): decode only, ``gpufeed.decode_jpegs`` on a GPU
+and on the CPU against torchvision's ``decode_jpeg(list, device="cuda")`` (nvJPEG, batched) and
+PIL; then a training batch, ``gpufeed.decode_batch(224)`` (decode, RandomResizedCrop, flip,
+uint8 NHWC) against torchvision's decode plus ``resized_crop(antialias=True)`` and a flip per
+image, stacked. The JPEGs are made here:
 photo-like images of ImageNet-like sizes (sides 250-500 px), quality 90, 4:2:0, by PIL.
 Not run by the bench yet (docs/benchmarks.md).
 
@@ -68,6 +70,33 @@ def main(n):
 
     rows["gpufeed.decode_jpegs(device=0)"] = rate(ours, batches)
     rows["torchvision decode_jpeg(list, device='cuda')"] = rate(theirs, tensors)
+
+    # A training batch: decode, RandomResizedCrop(224), flip, [256, 224, 224, 3] uint8.
+    epoch = [0]
+
+    def ours_train(b):
+        epoch[0] += 1
+        out, _ = gpufeed.decode_batch(b, 224, device=0, seed=1, epoch=epoch[0])
+        torch.cuda.synchronize()
+        return out
+
+    from torchvision import transforms as T
+    from torchvision.transforms.v2 import functional as F
+
+    def theirs_train(b):
+        imgs = decode_jpeg(b, device="cuda:0")
+        out = []
+        for img in imgs:
+            top, left, h, w = T.RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3])
+            r = F.resized_crop(img, top, left, h, w, [224, 224], antialias=True)
+            out.append(F.horizontal_flip(r) if torch.rand(()) < 0.5 else r)
+        batch = torch.stack(out).permute(0, 2, 3, 1).contiguous()
+        torch.cuda.synchronize()
+        return batch
+
+    rows["gpufeed.decode_batch(224, train) uint8 NHWC"] = rate(ours_train, batches)
+    rows["torchvision decode_jpeg + resized_crop(antialias) + flip + stack"] = rate(
+        theirs_train, tensors)
     small = batches[:4]
     rows["gpufeed.decode_jpegs() on the CPU"] = rate(lambda b: gpufeed.decode_jpegs(b), small, 1)
     rows["PIL, one thread"] = rate(

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -321,6 +321,32 @@ pub enum ResizeOutput {
     },
 }
 
+/// The layout [`ResizeKernel::launch`] writes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Layout {
+    /// `uint8`, `[images, height, width, 3]` ([`ResizeOutput::U8Hwc`]).
+    U8Hwc,
+    /// `f32`, `[images, 3, height, width]`, `(v / 255 - mean[c]) / std[c]`
+    /// ([`ResizeOutput::F32Chw`]).
+    F32Chw {
+        /// Per channel mean (of values in 0..=1).
+        mean: [f32; 3],
+        /// Per channel standard deviation (not 0).
+        std: [f32; 3],
+    },
+}
+
+impl Layout {
+    /// Bytes of one `width` x `height` image in this layout.
+    pub fn image_bytes(&self, width: u32, height: u32) -> usize {
+        let values = 3 * width as usize * height as usize;
+        match self {
+            Layout::U8Hwc => values,
+            Layout::F32Chw { .. } => 4 * values,
+        }
+    }
+}
+
 /// The crop-and-resize kernels, loaded on one GPU (see the module).
 #[derive(Debug)]
 pub struct ResizeKernel {
@@ -347,6 +373,64 @@ impl ResizeKernel {
             rows: get("aa_rows")?,
             cols: get("aa_cols")?,
         })
+    }
+
+    /// [`ResizeKernel::launch_raw`] within buffers: each job's `src` is a byte offset into
+    /// `src`, the images go to `out` in `layout`, back to back. Checked: every job's rows
+    /// inside `src`, `out` large enough.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] for a job or an output that does not fit; as
+    /// [`ResizeKernel::launch_raw`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the resize's buffers and settings"
+    )]
+    pub fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &CudaSlice<u8>,
+        jobs: &[ResizeJob],
+        out_width: u32,
+        out_height: u32,
+        out: &mut CudaSlice<u8>,
+        layout: Layout,
+    ) -> Result<()> {
+        for job in jobs {
+            let rows = job.pitch as u64 * u64::from(job.height.saturating_sub(1))
+                + 3 * u64::from(job.width);
+            if job.src.saturating_add(rows) > src.len() as u64 {
+                return Err(Error::OutOfBounds {
+                    len: rows,
+                    offset: job.src,
+                    capacity: src.len() as u64,
+                });
+            }
+        }
+        let need = (layout.image_bytes(out_width, out_height) * jobs.len()) as u64;
+        if need > out.len() as u64 {
+            return Err(Error::OutOfBounds {
+                len: need,
+                offset: 0,
+                capacity: out.len() as u64,
+            });
+        }
+        let (base, _read) = src.device_ptr(stream);
+        let (dst, _write) = out.device_ptr_mut(stream);
+        let raw: Vec<ResizeJob> = jobs
+            .iter()
+            .map(|j| ResizeJob {
+                src: base + j.src,
+                ..*j
+            })
+            .collect();
+        let output = match layout {
+            Layout::U8Hwc => ResizeOutput::U8Hwc(dst),
+            Layout::F32Chw { mean, std } => ResizeOutput::F32Chw { dst, mean, std },
+        };
+        // SAFETY: every job's rows lie in `src` and the outputs in `out` (checked above); both
+        // are recorded by cudarc as used by `stream`'s work.
+        unsafe { self.launch_raw(stream, &raw, out_width, out_height, output) }
     }
 
     /// Queues the crops of `jobs` resized to `out_width` x `out_height` into `out` on

@@ -126,6 +126,16 @@ pub fn random_resized_crop(
     })
 }
 
+/// Whether record `index` is mirrored in `epoch` (torchvision's `RandomHorizontalFlip(0.5)`),
+/// drawn from `seed`, `epoch` and `index` alone (a generator of its own: independent of the
+/// crop's).
+pub fn random_flip(seed: u64, epoch: u64, index: u64) -> bool {
+    let mut state = seed.rotate_left(17)
+        ^ epoch.wrapping_mul(0xD6E8_FEB8_6659_FD93)
+        ^ index.wrapping_mul(0xA076_1D64_78BD_642F);
+    splitmix64(&mut state) >> 63 == 1
+}
+
 /// The central square of side `fraction` of the shorter side (at least one pixel) of a
 /// `width` x `height` image: what `Resize(s)` then `CenterCrop(c)` keeps, for `fraction = c /
 /// s` (224 / 256 for the usual evaluation), before the resize.
@@ -311,6 +321,9 @@ mod tests {
             different > 1900,
             "another epoch gives another crop: {different} of 2000"
         );
+        let flips = (0..2000u64).filter(|&i| random_flip(3, 1, i)).count();
+        assert!((900..1100).contains(&flips), "{flips} of 2000 flipped");
+        assert!((0..100u64).all(|i| random_flip(3, 1, i) == random_flip(3, 1, i)));
         assert!(random_resized_crop(0, 5, scale, ratio, 0, 0, 0).is_err());
         assert!(random_resized_crop(5, 5, (0.5, 0.1), ratio, 0, 0, 0).is_err());
         assert!(random_resized_crop(5, 5, scale, (0.0, 1.0), 0, 0, 0).is_err());

@@ -11,8 +11,11 @@ use std::sync::Arc;
 
 use gpufeed_cuda::cudarc::driver::CudaSlice;
 use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot, has_end};
+pub use gpufeed_cuda::resize::Layout;
+use gpufeed_cuda::resize::{ResizeJob, ResizeKernel};
 use gpufeed_cuda::{Error as CudaError, Gpu};
 
+use crate::augment::Crop;
 use crate::error::{Error, Result};
 use crate::images::{
     DecodedImage, ImageError, MAX_JPEG_PIXELS, OnBadImage, SkippedImage, decode_jpeg, jpeg_header,
@@ -42,6 +45,25 @@ pub struct DecodedBatch {
     pub skipped: Vec<SkippedImage>,
 }
 
+/// A batch of decoded, cropped, resized (and mirrored) images in device memory
+/// ([`ImageDecoder::decode_augmented`]).
+#[derive(Debug)]
+pub struct AugmentedBatch {
+    /// The images back to back in `layout` (`None` where no image was kept).
+    pub buffer: Option<CudaSlice<u8>>,
+    /// The index (in the batch given) of each image in `buffer`, in order: all of them but
+    /// those skipped.
+    pub kept: Vec<usize>,
+    /// The images skipped, with why ([`OnBadImage::Skip`]).
+    pub skipped: Vec<SkippedImage>,
+    /// Each image's width.
+    pub width: u32,
+    /// Each image's height.
+    pub height: u32,
+    /// The layout of `buffer`.
+    pub layout: Layout,
+}
+
 /// Decodes batches of JPEGs into device memory of one GPU (see the module).
 #[derive(Debug)]
 pub struct ImageDecoder {
@@ -49,6 +71,8 @@ pub struct ImageDecoder {
     nvjpeg: Option<Nvjpeg>,
     /// Why nvJPEG is not used, where it is not.
     cpu_only: Option<String>,
+    /// The crop-and-resize kernels, loaded on first use.
+    resize: Option<ResizeKernel>,
 }
 
 /// Offsets in a batch's allocation are multiples of this.
@@ -75,6 +99,7 @@ impl ImageDecoder {
             gpu: gpu.clone(),
             nvjpeg,
             cpu_only,
+            resize: None,
         })
     }
 
@@ -212,6 +237,83 @@ impl ImageDecoder {
             buffer,
             images,
             skipped,
+        })
+    }
+}
+
+impl ImageDecoder {
+    /// [`ImageDecoder::decode`], then each image kept cropped and mirrored as `choose(index,
+    /// width, height)` says, resized to `width` x `height` (bilinear, antialiased:
+    /// [`gpufeed_cuda::resize`]) into one buffer in `layout`; returns once it is there. The
+    /// decoded images are freed after.
+    ///
+    /// # Errors
+    /// As [`ImageDecoder::decode`]; [`Error::Load`] for a crop outside its image (a `choose`
+    /// that ignores the size it is given), an empty output, and CUDA failures.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the decode's and the augmentation's settings"
+    )]
+    pub fn decode_augmented(
+        &mut self,
+        jpegs: &[&[u8]],
+        name: &dyn Fn(usize) -> String,
+        policy: OnBadImage,
+        choose: &mut dyn FnMut(usize, u32, u32) -> (Crop, bool),
+        width: u32,
+        height: u32,
+        layout: Layout,
+    ) -> Result<AugmentedBatch> {
+        let decoded = self.decode(jpegs, name, policy)?;
+        let load = |e: CudaError| Error::Load(e.into());
+        if self.resize.is_none() {
+            self.resize = Some(ResizeKernel::load(&self.gpu).map_err(load)?);
+        }
+        let stream = self.gpu.default_stream();
+        let mut kept = Vec::new();
+        let mut jobs = Vec::new();
+        if decoded.buffer.is_some() {
+            for (i, image) in decoded.images.iter().enumerate() {
+                let Some((slot, _)) = image else { continue };
+                let (crop, flip) = choose(i, slot.width, slot.height);
+                kept.push(i);
+                jobs.push(ResizeJob {
+                    src: slot.offset as u64,
+                    pitch: slot.pitch,
+                    width: slot.width,
+                    height: slot.height,
+                    crop: (crop.x, crop.y, crop.width, crop.height),
+                    flip,
+                });
+            }
+        }
+        let bytes = layout.image_bytes(width, height) * jobs.len();
+        let mut buffer = None;
+        if let (true, Some(src)) = (bytes > 0, decoded.buffer.as_ref()) {
+            let mut out = self.gpu.alloc_zeroed(bytes).map_err(load)?;
+            let kernel = self
+                .resize
+                .as_ref()
+                .ok_or_else(|| Error::invalid("the resize kernels did not load".into()))?;
+            kernel
+                .launch(&stream, src, &jobs, width, height, &mut out, layout)
+                .map_err(load)?;
+            stream.synchronize().map_err(|e| {
+                load(CudaError::Cuda {
+                    op: "cuStreamSynchronize",
+                    result: e.0,
+                })
+            })?;
+            buffer = Some(out);
+        }
+        drop(decoded.buffer);
+        Ok(AugmentedBatch {
+            buffer,
+            kept,
+            skipped: decoded.skipped,
+            width,
+            height,
+            layout,
         })
     }
 }

@@ -68,8 +68,10 @@ pub mod ring;
 mod sampler;
 pub mod sources;
 
-pub use augment::{Crop, center_crop, normalize_chw, random_resized_crop, resize_crop, to_u8};
-pub use decode::{DecodedBatch, DecodedWith, ImageDecoder, decode_on_cpu};
+pub use augment::{
+    Crop, center_crop, normalize_chw, random_flip, random_resized_crop, resize_crop, to_u8,
+};
+pub use decode::{AugmentedBatch, DecodedBatch, DecodedWith, ImageDecoder, Layout, decode_on_cpu};
 pub use epoch::{Epoch, NotStarted, OwnedEpoch};
 pub use error::{Error, Result};
 pub use folder::ImageFolder;

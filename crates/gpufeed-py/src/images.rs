@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cpu, cuda};
 use crate::errors::py_err;
 use crate::loads::shared_loader;
@@ -197,4 +198,109 @@ pub fn random_resized_crop(
     let c = gpufeed::dataset::random_resized_crop(width, height, scale, ratio, seed, epoch, index)
         .map_err(py_err)?;
     Ok((c.x, c.y, c.width, c.height))
+}
+
+/// What `decode_augmented` gives back: the batch (`None` where no image was kept), the index
+/// of each image in it, the images skipped as `(name, reason)`.
+type Augmented = (Option<Py<Array>>, Vec<usize>, Vec<(String, String)>);
+
+/// A batch of JPEGs decoded on GPU `device`, each cropped (train: torchvision's
+/// `RandomResizedCrop(scale, ratio)` and a coin for the mirror, drawn from `seed`, `epoch` and
+/// the image's entry of `indices`; else the central square of `fraction` of the shorter side),
+/// resized to `width` x `height` with antialiasing, as one array: `uint8` `[n, height, width,
+/// 3]`, or with `normalize` `f32` `[n, 3, height, width]` of `(v / 255 - mean) / std`.
+#[pyfunction]
+#[pyo3(signature = (blobs, device, skip, train, seed, epoch, indices, width, height, normalize, mean, std, scale, ratio, fraction))]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the decode's and the augmentation's settings, as Python passes them"
+)]
+pub fn decode_augmented(
+    py: Python<'_>,
+    blobs: Vec<Bound<'_, PyBytes>>,
+    device: usize,
+    skip: bool,
+    train: bool,
+    seed: u64,
+    epoch: u64,
+    indices: Vec<u64>,
+    width: u32,
+    height: u32,
+    normalize: bool,
+    mean: [f32; 3],
+    std: [f32; 3],
+    scale: (f64, f64),
+    ratio: (f64, f64),
+    fraction: f64,
+) -> PyResult<Augmented> {
+    use gpufeed::dataset::{Layout, center_crop, random_flip, random_resized_crop};
+
+    if indices.len() != blobs.len() {
+        return Err(GpufeedError::new_err(format!(
+            "{} images and {} indices: give each image its record's index",
+            blobs.len(),
+            indices.len()
+        )));
+    }
+    // The ranges are checked once here, so that the choice below cannot fail.
+    random_resized_crop(2, 2, scale, ratio, 0, 0, 0).map_err(py_err)?;
+    let policy = if skip {
+        OnBadImage::Skip
+    } else {
+        OnBadImage::Error
+    };
+    let layout = if normalize {
+        Layout::F32Chw { mean, std }
+    } else {
+        Layout::U8Hwc
+    };
+    let name = |i: usize| format!("image {i}");
+    let jpegs: Vec<&[u8]> = blobs.iter().map(|b| b.as_bytes()).collect();
+    let loader = shared_loader(py, device)?;
+    let gpu = loader.gpu().clone();
+    let _context = gpufeed::cuda::ContextGuard::new();
+    let mut choose = |i: usize, w: u32, h: u32| {
+        let index = indices[i];
+        if train {
+            let crop = random_resized_crop(w, h, scale, ratio, seed, epoch, index)
+                .unwrap_or_else(|_| center_crop(w, h, 1.0));
+            (crop, random_flip(seed, epoch, index))
+        } else {
+            (center_crop(w, h, fraction), false)
+        }
+    };
+    let batch = py
+        .detach(|| {
+            let mut all = decoders().lock();
+            let decoder = match all.entry(device) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(ImageDecoder::open(&gpu)?),
+            };
+            decoder.decode_augmented(&jpegs, &name, policy, &mut choose, width, height, layout)
+        })
+        .map_err(py_err)?;
+    let n = batch.kept.len();
+    let array = match batch.buffer {
+        None => None,
+        Some(buf) => {
+            let base = crate::array::device_address(&gpu, &buf);
+            let nbytes = buf.len();
+            let owner = Arc::new(Owner::new(Storage::Device(buf), Some(gpu.clone())));
+            let (w, h) = (width as usize, height as usize);
+            let (dtype, shape) = if normalize {
+                (gpufeed::safetensors::Dtype::F32, [n, 3, h, w])
+            } else {
+                (gpufeed::safetensors::Dtype::U8, [n, h, w, 3])
+            };
+            let array = Array::typed(owner, base, nbytes, cuda(device), dtype, &shape);
+            Some(Py::new(py, array)?)
+        }
+    };
+    Ok((array, batch.kept, reasons(batch.skipped)))
+}
+
+/// `gpufeed_data::random_flip`: whether `decode_augmented` mirrors record `index` in `epoch`.
+#[pyfunction]
+pub fn random_flip(seed: u64, epoch: u64, index: u64) -> bool {
+    gpufeed::dataset::random_flip(seed, epoch, index)
 }

@@ -95,6 +95,8 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loads::load_file, m)?)?;
     m.add_function(wrap_pyfunction!(images::decode_jpegs, m)?)?;
     m.add_function(wrap_pyfunction!(images::resize_crop, m)?)?;
+    m.add_function(wrap_pyfunction!(images::decode_augmented, m)?)?;
+    m.add_function(wrap_pyfunction!(images::random_flip, m)?)?;
     m.add_function(wrap_pyfunction!(images::random_resized_crop, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_range, m)?)?;
     m.add_function(wrap_pyfunction!(loads::read_object, m)?)?;

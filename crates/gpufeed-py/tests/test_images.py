@@ -236,3 +236,87 @@ def test_the_crop_resize_reference_computes_what_torchs_antialiased_interpolate_
         assert 0.75 * 0.95 <= cw / ch <= 4 / 3 * 1.05 or (cw, ch) == (500, 375), c
         seen.add(c)
     assert len(seen) > 190, len(seen)
+
+
+def _reference_batch(np, torch, decoded, crops, flips, height, width):
+    """Each decoded image ([H, W, 3] uint8 on the GPU) cropped, resized by torch's antialiased
+    bilinear interpolate, mirrored: [n, height, width, 3] float32."""
+    import torch.nn.functional as F
+
+    out = []
+    for img, (x, y, w, h), flip in zip(decoded, crops, flips):
+        region = img[y:y + h, x:x + w].permute(2, 0, 1)[None].float()
+        r = F.interpolate(region, size=(height, width), mode="bilinear", antialias=True,
+                          align_corners=False)[0].permute(1, 2, 0)
+        out.append(r.flip(1) if flip else r)
+    return torch.stack(out)
+
+
+def test_a_training_batch_is_the_crops_torch_makes_of_the_decoded_images():
+    np, torch, Image = _gpu()
+    kinds = _kinds(np, Image)
+    data = list(kinds.values())
+    n = len(data)
+    decoded = gpufeed.decode_jpegs(data, device=0)
+    indices = list(range(1000, 1000 + n))
+    height, width = 160, 224
+    for train in (True, False):
+        x, kept = gpufeed.decode_batch(data, (height, width), device=0, train=train, seed=4,
+                                       epoch=2, indices=indices)
+        assert kept == list(range(n))
+        assert x.shape == (n, height, width, 3) and x.dtype == torch.uint8
+        assert x.device == torch.device("cuda:0")
+        crops, flips = [], []
+        for img, index in zip(decoded, indices):
+            h, w = img.shape[:2]
+            if train:
+                crops.append(gpufeed._gpufeed.random_resized_crop(w, h, 4, 2, index))
+                flips.append(gpufeed._gpufeed.random_flip(4, 2, index))
+            else:
+                side = max(1, min(w, h, round(min(w, h) * 0.875)))
+                crops.append(((w - side) // 2, (h - side) // 2, side, side))
+                flips.append(False)
+        if train:
+            assert any(flips) and not all(flips), flips
+        want = _reference_batch(np, torch, decoded, crops, flips, height, width)
+        diff = (x.float() - want).abs()
+        assert diff.max().item() <= 1.0, f"train={train}: {diff.max().item()}"
+        assert (diff > 0.5).float().mean().item() < 0.01, f"train={train}"
+        # the same seed, epoch and indices again: the same batch; another epoch: another
+        again, _ = gpufeed.decode_batch(data, (height, width), device=0, train=train, seed=4,
+                                        epoch=2, indices=indices)
+        assert torch.equal(again, x)
+        if train:
+            other, _ = gpufeed.decode_batch(data, (height, width), device=0, seed=4, epoch=3,
+                                            indices=indices)
+            assert not torch.equal(other, x)
+        # normalized float32 NCHW, and float16 cast from it
+        mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+        f, _ = gpufeed.decode_batch(data, (height, width), device=0, train=train, seed=4,
+                                    epoch=2, indices=indices, dtype=torch.float32)
+        assert f.shape == (n, 3, height, width) and f.dtype == torch.float32
+        m = torch.tensor(mean, device="cuda:0")[None, :, None, None]
+        s = torch.tensor(std, device="cuda:0")[None, :, None, None]
+        ref = (want.permute(0, 3, 1, 2) / 255 - m) / s
+        assert (f - ref).abs().max().item() < 1e-3
+        h16, _ = gpufeed.decode_batch(data, (height, width), device=0, train=train, seed=4,
+                                      epoch=2, indices=indices, dtype=torch.float16)
+        assert h16.dtype == torch.float16 and torch.equal(h16, f.half())
+    # bad files: skipped and left out of the batch, or raised naming them
+    bad = data[:3] + [b"\x89PNG\r\n\x1a\n", data[0][:100]] + data[3:5]
+    x, kept = gpufeed.decode_batch(bad, 64, device=0, on_error="skip")
+    assert kept == [0, 1, 2, 5, 6] and x.shape[0] == 5
+    with pytest.raises(gpufeed.GpufeedError, match="image 3"):
+        gpufeed.decode_batch(bad, 64, device=0)
+    empty, kept = gpufeed.decode_batch([], 64, device=0)
+    assert empty.shape == (0, 64, 64, 3) and kept == []
+
+
+def test_decode_batch_without_a_gpu_says_so():
+    np, torch, _ = _needs()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_a_training_batch_... covers decode_batch")
+    with pytest.raises(ValueError, match="decode_jpegs decodes on the CPU"):
+        gpufeed.decode_batch([b""], 224, device="cpu")
+    with pytest.raises(gpufeed.NoGpuError):
+        gpufeed.decode_batch([b"\xff\xd8"], 224, device=0)

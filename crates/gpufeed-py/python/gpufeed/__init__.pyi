@@ -40,6 +40,7 @@ __all__ = [
     "TensorMeta",
     "advise",
     "as_tensor",
+    "decode_batch",
     "decode_jpegs",
     "doctor",
     "empty_cache",
@@ -72,6 +73,23 @@ def as_tensor(array: Array) -> Tensor: ...
 def decode_jpegs(
     images: Sequence[Any], device: Any = None, on_error: Literal["raise", "skip"] = "raise"
 ) -> list[Tensor | None]: ...
+def decode_batch(
+    images: Sequence[Any],
+    size: int | tuple[int, int] = 224,
+    *,
+    device: Any = 0,
+    train: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    indices: Sequence[int] | None = None,
+    dtype: Any = None,
+    mean: Sequence[float] = (0.485, 0.456, 0.406),
+    std: Sequence[float] = (0.229, 0.224, 0.225),
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (0.75, 1.3333333333333333),
+    crop_fraction: float = 0.875,
+    on_error: Literal["raise", "skip"] = "raise",
+) -> tuple[Tensor, list[int]]: ...
 
 class Loader:
     def __init__(

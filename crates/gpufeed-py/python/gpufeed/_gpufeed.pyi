@@ -37,6 +37,8 @@ __all__ = [
     "load_file",
     "decode_jpegs",
     "resize_crop",
+    "decode_augmented",
+    "random_flip",
     "random_resized_crop",
     "load_range",
     "read_object",
@@ -209,6 +211,24 @@ def load_file(path: _Path, device: int = 0) -> Array: ...
 def decode_jpegs(
     blobs: list[bytes], device: int | None = None, skip: bool = False
 ) -> tuple[list[Array | None], list[tuple[str, str]], list[str | None]]: ...
+def decode_augmented(
+    blobs: list[bytes],
+    device: int,
+    skip: bool,
+    train: bool,
+    seed: int,
+    epoch: int,
+    indices: list[int],
+    width: int,
+    height: int,
+    normalize: bool,
+    mean: list[float],
+    std: list[float],
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    fraction: float,
+) -> tuple[Array | None, list[int], list[tuple[str, str]]]: ...
+def random_flip(seed: int, epoch: int, index: int) -> bool: ...
 def resize_crop(
     pixels: bytes,
     width: int,
