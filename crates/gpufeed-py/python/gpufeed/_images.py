@@ -1,6 +1,7 @@
 """``decode_jpegs``: JPEG files' bytes decoded into ``uint8`` ``[height, width, 3]`` torch
 tensors (interleaved RGB), on a GPU by nvJPEG (its hardware decoder engines where the GPU has
-them) or on the CPU."""
+them) or on the CPU; ``decode_batch``: a training or evaluation batch decoded, cropped,
+resized (antialiased), mirrored and normalized on a GPU, as one tensor."""
 
 from typing import Any, List, Optional, Sequence, Tuple
 
