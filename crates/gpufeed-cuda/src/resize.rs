@@ -24,18 +24,11 @@ pub fn resize_weights(input: usize, output: usize) -> Vec<(usize, Vec<f32>)> {
     if input == 0 || output == 0 {
         return Vec::new();
     }
-    let scale = input as f64 / output as f64;
-    let support = scale.max(1.0);
-    let invscale = 1.0 / support;
+    let filter = Filter::new(input, output);
     (0..output)
         .map(|i| {
-            let center = scale * (i as f64 + 0.5);
-            // truncation toward zero, then clamped (torch's int64_t casts)
-            let lo = ((center - support + 0.5) as i64).max(0) as usize;
-            let hi = ((center + support + 0.5) as i64).clamp(0, input as i64) as usize;
-            let mut w: Vec<f64> = (lo..hi.max(lo))
-                .map(|j| (1.0 - ((j as f64 - center + 0.5) * invscale).abs()).max(0.0))
-                .collect();
+            let (lo, hi, center) = filter.span(i);
+            let mut w: Vec<f64> = (lo..hi).map(|j| filter.weight(j, center)).collect();
             let total: f64 = w.iter().sum();
             if total > 0.0 {
                 w.iter_mut().for_each(|v| *v /= total);
@@ -43,6 +36,41 @@ pub fn resize_weights(input: usize, output: usize) -> Vec<(usize, Vec<f32>)> {
             (lo, w.into_iter().map(|v| v as f32).collect())
         })
         .collect()
+}
+
+/// torch's antialiased bilinear filter for one axis (see [`resize_weights`]).
+struct Filter {
+    input: usize,
+    scale: f64,
+    support: f64,
+    invscale: f64,
+}
+
+impl Filter {
+    fn new(input: usize, output: usize) -> Filter {
+        let scale = input as f64 / output as f64;
+        let support = scale.max(1.0);
+        Filter {
+            input,
+            scale,
+            support,
+            invscale: 1.0 / support,
+        }
+    }
+
+    /// Output `i`'s taps `lo..hi` and its centre.
+    fn span(&self, i: usize) -> (usize, usize, f64) {
+        let center = self.scale * (i as f64 + 0.5);
+        // truncation toward zero, then clamped (torch's int64_t casts)
+        let lo = ((center - self.support + 0.5) as i64).max(0) as usize;
+        let hi = ((center + self.support + 0.5) as i64).clamp(0, self.input as i64) as usize;
+        (lo, hi.max(lo), center)
+    }
+
+    /// Input `j`'s weight (before normalization) for an output centred at `center`.
+    fn weight(&self, j: usize, center: f64) -> f64 {
+        (1.0 - ((j as f64 - center + 0.5) * self.invscale).abs()).max(0.0)
+    }
 }
 
 const PTX: &str = r#"
@@ -494,18 +522,8 @@ impl ResizeKernel {
                 rows.extend_from_slice(&(i as u32).to_le_bytes());
             }
             tmp_floats += ch as usize * ow * 3;
-            let (h_start, h_weights, h_taps) = pad(
-                &resize_weights(cw as usize, ow),
-                cw as usize,
-                &mut starts,
-                &mut weights,
-            );
-            let (v_start, v_weights, v_taps) = pad(
-                &resize_weights(ch as usize, oh),
-                ch as usize,
-                &mut starts,
-                &mut weights,
-            );
+            let (h_start, h_weights, h_taps) = pad(cw as usize, ow, &mut starts, &mut weights);
+            let (v_start, v_weights, v_taps) = pad(ch as usize, oh, &mut starts, &mut weights);
             images.extend_from_slice(&[
                 image_tmp,
                 u32::from(job.flip),
@@ -541,9 +559,10 @@ impl ResizeKernel {
         let weights_dev = stream
             .clone_htod(&weights)
             .map_err(cuda("cuMemcpyHtoDAsync"))?;
-        let mut tmp = stream
-            .alloc_zeros::<f32>(tmp_floats.max(1))
-            .map_err(cuda("cuMemAllocAsync"))?;
+        // SAFETY: not read before written: `aa_rows` writes every value of every crop row, and
+        // `aa_cols` reads only those rows.
+        let mut tmp =
+            unsafe { stream.alloc::<f32>(tmp_floats.max(1)) }.map_err(cuda("cuMemAllocAsync"))?;
         let n_rows = (rows.len() / 16) as u32;
         let ow32 = out_width;
         let (rows_p, _g1) = rows_dev.device_ptr(stream);
@@ -599,35 +618,46 @@ impl ResizeKernel {
     }
 }
 
-/// Appends `taps` (one resize pass of an `input`-long axis) to `starts` and `weights`, each
-/// output position padded to the pass's most taps with zero weights and its start moved so
-/// that every tap lies inside the axis: (the start index, the weight index, the taps).
+/// Appends one resize pass of an `input`-long axis to `output` positions to `starts` and
+/// `weights` (the same values as [`resize_weights`]), each output position padded to the
+/// pass's most taps with zero weights and its start moved so that every tap lies inside the
+/// axis: (the start index, the weight index, the taps). No allocation per position (this runs
+/// for every image of every batch).
 fn pad(
-    taps: &[(usize, Vec<f32>)],
     input: usize,
+    output: usize,
     starts: &mut Vec<u32>,
     weights: &mut Vec<f32>,
 ) -> (u32, u32, u32) {
-    let k = taps
-        .iter()
-        .map(|(_, w)| w.len())
+    let at = (starts.len() as u32, weights.len() as u32);
+    if input == 0 || output == 0 {
+        return (at.0, at.1, 0);
+    }
+    let filter = Filter::new(input, output);
+    let k = (0..output)
+        .map(|i| {
+            let (lo, hi, _) = filter.span(i);
+            hi - lo
+        })
         .max()
         .unwrap_or(0)
         .min(input);
-    let at = (starts.len() as u32, weights.len() as u32, k as u32);
-    for (lo, w) in taps {
-        let start = (*lo).min(input - k);
-        let shift = lo - start;
-        starts.push(start as u32);
-        let mut row = vec![0f32; k];
-        for (j, &v) in w.iter().enumerate() {
-            if let Some(slot) = row.get_mut(shift + j) {
-                *slot = v;
-            }
+    let mut row = vec![0f64; k];
+    for i in 0..output {
+        let (lo, hi, center) = filter.span(i);
+        let start = lo.min(input - k);
+        row.iter_mut().for_each(|v| *v = 0.0);
+        for j in lo..hi {
+            row[j - start] = filter.weight(j, center);
         }
-        weights.extend_from_slice(&row);
+        let total: f64 = row.iter().sum();
+        starts.push(start as u32);
+        weights.extend(
+            row.iter()
+                .map(|&v| if total > 0.0 { (v / total) as f32 } else { 0.0 }),
+        );
     }
-    at
+    (at.0, at.1, k as u32)
 }
 
 #[cfg(test)]
@@ -639,7 +669,7 @@ mod tests {
         for (input, output) in [(500, 224), (3, 224), (224, 224), (1, 7), (37, 5)] {
             let taps = resize_weights(input, output);
             let (mut starts, mut weights) = (Vec::new(), Vec::new());
-            let (_, _, k) = pad(&taps, input, &mut starts, &mut weights);
+            let (_, _, k) = pad(input, output, &mut starts, &mut weights);
             let k = k as usize;
             for (o, (lo, w)) in taps.iter().enumerate() {
                 let start = starts[o] as usize;
