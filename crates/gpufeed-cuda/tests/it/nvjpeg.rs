@@ -20,8 +20,20 @@ fn jpeg(
 ) -> Vec<u8> {
     let channels = if gray { 1 } else { 3 };
     let pixels = random_bytes(usize::from(width) * usize::from(height) * channels, 40);
+    let kind = (gray, sampling, progressive, restart);
+    encode(&pixels, width, height, 90, kind)
+}
+
+/// `pixels` (gray or RGB) encoded at `quality` as `(gray, sampling, progressive, restart)`.
+fn encode(
+    pixels: &[u8],
+    width: u16,
+    height: u16,
+    quality: u8,
+    (gray, sampling, progressive, restart): (bool, SamplingFactor, bool, u16),
+) -> Vec<u8> {
     let mut out = Vec::new();
-    let mut enc = Encoder::new(&mut out, 90);
+    let mut enc = Encoder::new(&mut out, quality);
     enc.set_sampling_factor(sampling);
     enc.set_progressive(progressive);
     enc.set_restart_interval(restart);
@@ -30,7 +42,7 @@ fn jpeg(
     } else {
         ColorType::Rgb
     };
-    enc.encode(&pixels, width, height, color).expect("encode");
+    enc.encode(pixels, width, height, color).expect("encode");
     out
 }
 
@@ -128,17 +140,13 @@ fn photo(
             }
         }
     }
-    let mut out = Vec::new();
-    let mut enc = Encoder::new(&mut out, 92);
-    enc.set_sampling_factor(sampling);
-    enc.set_progressive(progressive);
-    enc.set_restart_interval(restart);
-    let color = if gray {
-        ColorType::Luma
-    } else {
-        ColorType::Rgb
-    };
-    enc.encode(&pixels, width, height, color).expect("encode");
+    let out = encode(
+        &pixels,
+        width,
+        height,
+        92,
+        (gray, sampling, progressive, restart),
+    );
     (out, pixels)
 }
 
