@@ -289,12 +289,16 @@ impl Slot {
         }
     }
 
-    /// The bytes from `offset` to the end of the last row.
+    /// The bytes from `offset` to the end of the last row (saturating at `usize::MAX`, which
+    /// no destination holds).
     pub fn span(&self) -> usize {
         if self.height == 0 {
             return 0;
         }
-        self.pitch * (self.height as usize - 1) + 3 * self.width as usize
+        self.pitch
+            .checked_mul(self.height as usize - 1)
+            .and_then(|rows| rows.checked_add(3 * self.width as usize))
+            .unwrap_or(usize::MAX)
     }
 }
 
@@ -460,8 +464,9 @@ impl Nvjpeg {
     ///
     /// # Errors
     /// [`Error::JpegSlot`] where `slots` and `jpegs` differ in length or a slot does not fit
-    /// `dst`, its pitch its rows, or its size the image's, before anything is decoded; CUDA
-    /// errors of the waits.
+    /// `dst` or its pitch its rows, before anything is decoded (a slot whose size is not the
+    /// image's, as nvJPEG reads it, is that image's [`Error::JpegRefused`]); CUDA errors of
+    /// the waits.
     ///
     /// # Example
     /// ```no_run
@@ -559,7 +564,18 @@ impl Nvjpeg {
                 }));
                 continue;
             }
-            check_slot(i, slot, info, dst_len)?;
+            if (slot.width, slot.height) != (info.width, info.height) {
+                // The caller's header parse and nvJPEG's disagree (a first component that is
+                // itself subsampled, ...): this image only, for the caller's CPU decoder.
+                outcomes.push(Err(Error::JpegRefused {
+                    reason: format!(
+                        "nvJPEG reads it as {}x{}, its slot is {}x{}",
+                        info.width, info.height, slot.width, slot.height
+                    ),
+                }));
+                continue;
+            }
+            check_slot(i, slot, dst_len)?;
             outcomes.push(Ok(DecodedBy::Cuda));
             if self.backend == Backend::Hardware && self.takes(l, jpeg) {
                 hardware.push(i);
@@ -671,24 +687,65 @@ impl Nvjpeg {
     }
 }
 
-/// Whether `jpeg` has an end-of-image marker after its last start-of-scan: `FF D9`, which
-/// entropy-coded data cannot hold (a data byte `FF` is followed by `00`, or a restart marker's
-/// `D0`-`D7`). A file cut short has none (bytes after the marker, as some writers leave, are
-/// allowed).
+/// Whether `jpeg` has an end-of-image marker after its image data: `FF D9` ending the file
+/// (nearly every JPEG), or else found by a walk from its first scan through the entropy-coded
+/// data (where a byte `FF` is followed by `00`, a restart marker's `D0`-`D7` or fill) and the
+/// segments between scans, up to the first end marker — so that bytes after the marker (a
+/// video appended by a phone's motion photo, ...) whatever they hold do not count. A file cut
+/// short has none; a thumbnail's marker inside a header segment is skipped with its segment.
 pub fn has_end(jpeg: &[u8]) -> bool {
-    // From the end: the last end marker (usually the file's last two bytes), no scan after it,
-    // and a scan before it (the first from the start: headers are short). Reading the whole
-    // file for this cost about 50 us an image of 50 KiB (GPU run 165).
-    let marker = |w: &[u8], m: u8| w == [0xFF, m];
-    let Some(end) = jpeg.windows(2).rposition(|w| marker(w, 0xD9)) else {
+    let Some(mut at) = first_scan(jpeg) else {
         return false;
     };
-    if jpeg[end..].windows(2).any(|w| marker(w, 0xDA)) {
-        return false;
+    if jpeg.ends_with(&[0xFF, 0xD9]) {
+        return true;
     }
-    jpeg.windows(2)
-        .position(|w| marker(w, 0xDA))
-        .is_some_and(|scan| scan < end)
+    loop {
+        let Some(ff) = jpeg[at.min(jpeg.len())..].iter().position(|&b| b == 0xFF) else {
+            return false;
+        };
+        let p = at + ff;
+        match jpeg.get(p + 1) {
+            None => return false,
+            Some(0xD9) => return true,
+            Some(0x00 | 0xD0..=0xD7 | 0x01) => at = p + 2,
+            Some(0xFF) => at = p + 1, // fill: the next FF starts the marker
+            Some(_) => {
+                // A segment between scans (DHT, SOS, DRI, ...): skipped by its length.
+                let Some(len) = jpeg.get(p + 2..p + 4) else {
+                    return false;
+                };
+                at = p + 2 + usize::from(u16::from_be_bytes([len[0], len[1]]));
+            }
+        }
+    }
+}
+
+/// The offset of the first byte after `jpeg`'s first start-of-scan segment, by a walk of its
+/// header segments; `None` for bytes that are no JPEG or end before a scan.
+fn first_scan(jpeg: &[u8]) -> Option<usize> {
+    if !jpeg.starts_with(&[0xFF, 0xD8]) {
+        return None;
+    }
+    let mut at = 2;
+    while at + 4 <= jpeg.len() {
+        if jpeg[at] != 0xFF {
+            return None;
+        }
+        match jpeg[at + 1] {
+            0xFF => at += 1,
+            0x01 | 0xD0..=0xD7 => at += 2,
+            0xD9 => return None,
+            marker => {
+                let len = usize::from(u16::from_be_bytes([jpeg[at + 2], jpeg[at + 3]]));
+                at += 2 + len;
+                if marker == 0xDA {
+                    return (at <= jpeg.len()).then_some(at);
+                }
+            }
+        }
+    }
+    None
 }
 
 /// Whether `jpeg`'s frame is progressive (a start-of-frame marker `FF C2`, or the
@@ -718,15 +775,9 @@ pub fn is_progressive(jpeg: &[u8]) -> bool {
     false
 }
 
-/// Refuses a slot that does not hold image `index` (`info`) inside `len` bytes.
-fn check_slot(index: usize, slot: &Slot, info: ImageInfo, len: usize) -> Result<()> {
+/// Refuses a slot that does not fit `len` bytes, or rows its pitch.
+fn check_slot(index: usize, slot: &Slot, len: usize) -> Result<()> {
     let refuse = |reason: String| Err(Error::JpegSlot { index, reason });
-    if (slot.width, slot.height) != (info.width, info.height) {
-        return refuse(format!(
-            "the slot is {}x{}, the JPEG {}x{}",
-            slot.width, slot.height, info.width, info.height
-        ));
-    }
     if slot.pitch < 3 * slot.width as usize {
         return refuse(format!(
             "a pitch of {} bytes is less than a row of {} pixels (3 bytes each)",
@@ -771,20 +822,29 @@ mod tests {
 
     #[test]
     fn only_a_jpeg_with_its_end_marker_after_its_last_scan_has_an_end() {
+        // SOI, SOS (length 4: 2 bytes of header), data with a stuffed FF, a restart marker,
+        // a second scan's header, more data, EOI.
         let whole = [
-            0xFF, 0xD8, 0xFF, 0xDA, 1, 2, 0xFF, 0x00, 3, 0xFF, 0xD0, 4, 0xFF, 0xD9,
+            0xFF, 0xD8, 0xFF, 0xDA, 0, 4, 1, 2, 7, 0xFF, 0x00, 3, 0xFF, 0xD0, 4, 0xFF, 0xDA, 0, 4,
+            7, 8, 5, 6, 0xFF, 0xD9,
         ];
         assert!(has_end(&whole));
         for cut in 0..whole.len() - 1 {
             assert!(!has_end(&whole[..cut]), "cut at {cut}");
         }
+        // Bytes after the end marker, markers among them (a motion photo's video): still whole.
         let mut trailing = whole.to_vec();
-        trailing.extend_from_slice(b"trailing bytes");
+        trailing.extend_from_slice(&[0xFF, 0xDA, 0x12, 0xFF, 0xD8, 9, 9]);
         assert!(has_end(&trailing));
-        // A progressive file cut inside a later scan: an end marker before it does not count
-        // (there is none before the last scan in a real file; an embedded thumbnail's is).
-        let thumb_then_cut = [0xFF, 0xD8, 0xFF, 0xD9, 0xFF, 0xDA, 1, 2, 3];
+        // A thumbnail's end marker inside an APP1 segment does not end a file cut in its scan.
+        let thumb_then_cut = [
+            0xFF, 0xD8, 0xFF, 0xE1, 0, 6, 0xFF, 0xD9, 0xFF, 0xD9, 0xFF, 0xDA, 0, 2, 1, 2, 3,
+        ];
         assert!(!has_end(&thumb_then_cut));
+        let mut thumb_whole = thumb_then_cut.to_vec();
+        thumb_whole.extend_from_slice(&[0xFF, 0xD9, 0x00]);
+        assert!(has_end(&thumb_whole));
+        assert!(!has_end(b"not a jpeg \xff\xd9"));
     }
 
     #[test]

@@ -425,8 +425,10 @@ impl ResizeKernel {
         layout: Layout,
     ) -> Result<()> {
         for job in jobs {
-            let rows = job.pitch as u64 * u64::from(job.height.saturating_sub(1))
-                + 3 * u64::from(job.width);
+            let rows = (job.pitch as u64)
+                .checked_mul(u64::from(job.height.saturating_sub(1)))
+                .and_then(|r| r.checked_add(3 * u64::from(job.width)))
+                .unwrap_or(u64::MAX);
             if job.src.saturating_add(rows) > src.len() as u64 {
                 return Err(Error::OutOfBounds {
                     len: rows,
@@ -546,6 +548,30 @@ impl ResizeKernel {
                 (1u32, scale, bias, dst)
             }
         };
+        // Checked before anything is uploaded or allocated.
+        let across = (rows.len() / 16) as u64 * u64::from(out_width);
+        let down = jobs.len() as u64 * ow as u64 * oh as u64;
+        // The kernels index in u32: every row's floats, every output value (three planes of
+        // them for CHW), the tables.
+        let values = if matches!(out, ResizeOutput::F32Chw { .. }) {
+            3 * down
+        } else {
+            down
+        };
+        let limit = u64::from(u32::MAX);
+        if across > limit
+            || values > limit
+            || tmp_floats as u64 > limit
+            || starts.len() as u64 > limit
+            || weights.len() as u64 > limit
+        {
+            return refuse(
+                0,
+                "more output values than one launch indexes: resize fewer".into(),
+            );
+        }
+        let n_rows = (rows.len() / 16) as u32; // at most `across`: checked above
+        let ow32 = out_width;
         let cuda = |op| move |e| Error::cuda(op, e);
         let rows_dev = stream
             .clone_htod(&rows)
@@ -563,8 +589,6 @@ impl ResizeKernel {
         // `aa_cols` reads only those rows.
         let mut tmp =
             unsafe { stream.alloc::<f32>(tmp_floats.max(1)) }.map_err(cuda("cuMemAllocAsync"))?;
-        let n_rows = (rows.len() / 16) as u32;
-        let ow32 = out_width;
         let (rows_p, _g1) = rows_dev.device_ptr(stream);
         let (images_p, _g2) = images_dev.device_ptr(stream);
         let (starts_p, _g3) = starts_dev.device_ptr(stream);
@@ -575,14 +599,6 @@ impl ResizeKernel {
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let across = u64::from(n_rows) * u64::from(ow32);
-        let down = jobs.len() as u64 * ow as u64 * oh as u64;
-        if across > u64::from(u32::MAX) || down > u64::from(u32::MAX) {
-            return refuse(
-                0,
-                "more output values than one launch indexes: resize fewer".into(),
-            );
-        }
         let mut a = stream.launch_builder(&self.rows);
         a.arg(&rows_p)
             .arg(&n_rows)

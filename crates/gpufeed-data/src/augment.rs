@@ -144,9 +144,11 @@ pub fn center_crop(width: u32, height: u32, fraction: f64) -> Crop {
         .round_ties_even()
         .max(1.0) as u32;
     let side = side.min(width.max(1)).min(height.max(1));
+    // torchvision's CenterCrop: the offsets rounded (halves to even, as Python's `round`).
+    let half = |room: u32| (f64::from(room) / 2.0).round_ties_even() as u32;
     Crop {
-        x: (width.saturating_sub(side)) / 2,
-        y: (height.saturating_sub(side)) / 2,
+        x: half(width.saturating_sub(side)),
+        y: half(height.saturating_sub(side)),
         width: side,
         height: side,
     }
@@ -389,7 +391,7 @@ mod tests {
             center_crop(500, 375, 224.0 / 256.0),
             Crop {
                 x: 86,
-                y: 23,
+                y: 24,
                 width: 328,
                 height: 328
             }

@@ -10,16 +10,14 @@
 use std::sync::Arc;
 
 use gpufeed_cuda::cudarc::driver::CudaSlice;
-use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot, has_end};
+use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot};
 pub use gpufeed_cuda::resize::Layout;
 use gpufeed_cuda::resize::{ResizeJob, ResizeKernel};
 use gpufeed_cuda::{Error as CudaError, Gpu};
 
 use crate::augment::Crop;
 use crate::error::{Error, Result};
-use crate::images::{
-    DecodedImage, ImageError, MAX_JPEG_PIXELS, OnBadImage, SkippedImage, decode_jpeg, jpeg_header,
-};
+use crate::images::{DecodedImage, ImageError, OnBadImage, SkippedImage, decode_jpeg, plausible};
 
 /// Which decoder made an image of a [`DecodedBatch`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -344,30 +342,11 @@ pub fn decode_on_cpu(
     Ok((out, skipped))
 }
 
-/// The size of `jpeg` from its headers, or why it is not decoded (the checks both paths
-/// make: [`jpeg_header`]'s, and an end-of-image marker after its last scan).
+/// The size of `jpeg` from its headers, or why it is not decoded: the checks every decoder
+/// needs before memory is sized from the headers ([`crate::images`]' `plausible`: components,
+/// precision, pixels, a byte floor for the declared size, the end marker).
 fn checked_header(jpeg: &[u8]) -> std::result::Result<(u32, u32), ImageError> {
-    let header = jpeg_header(jpeg)?;
-    if header.components == 4 {
-        return Err(ImageError::Cmyk);
-    }
-    if header.precision != 8 {
-        return Err(ImageError::Precision {
-            bits: header.precision,
-        });
-    }
-    if u64::from(header.width) * u64::from(header.height) > MAX_JPEG_PIXELS {
-        return Err(ImageError::TooLarge {
-            width: header.width,
-            height: header.height,
-            max_pixels: MAX_JPEG_PIXELS,
-        });
-    }
-    if !has_end(jpeg) {
-        return Err(ImageError::Truncated {
-            reason: "no end-of-image marker (FF D9) after its last scan".into(),
-        });
-    }
+    let (header, _) = plausible(jpeg)?;
     Ok((header.width, header.height))
 }
 

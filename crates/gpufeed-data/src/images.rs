@@ -493,6 +493,16 @@ fn check_sampling(sampling: &[(u8, u8)]) -> Result<(), ImageError> {
 /// components, at most [`MAX_JPEG_PIXELS`] pixels, enough bytes for its size, and an
 /// end-of-image marker after its image data.
 fn decodable(bytes: &[u8]) -> Result<JpegHeader, ImageError> {
+    let (header, sampling) = plausible(bytes)?;
+    check_sampling(&sampling)?;
+    Ok(header)
+}
+
+/// The checks of [`decodable`] every decoder needs (the GPU's too, before it sizes memory from
+/// the headers): 8 bits, 1 or 3 components, at most [`MAX_JPEG_PIXELS`] pixels, enough bytes
+/// for its size, an end-of-image marker. Returns the header and the components' sampling
+/// factors.
+pub(crate) fn plausible(bytes: &[u8]) -> Result<(JpegHeader, Vec<(u8, u8)>), ImageError> {
     let Headers {
         header,
         scan_data,
@@ -512,7 +522,6 @@ fn decodable(bytes: &[u8]) -> Result<JpegHeader, ImageError> {
             bits: header.precision,
         });
     }
-    check_sampling(&sampling)?;
     let pixels = u64::from(header.width) * u64::from(header.height);
     if pixels > MAX_JPEG_PIXELS {
         return Err(ImageError::TooLarge {
@@ -540,7 +549,7 @@ fn decodable(bytes: &[u8]) -> Result<JpegHeader, ImageError> {
             "no end-of-image marker (ff d9) after its image data",
         ));
     }
-    Ok(header)
+    Ok((header, sampling))
 }
 
 /// Decodes a JPEG into interleaved RGB (gray ones with R = G = B), checked as the module says.

@@ -274,7 +274,7 @@ def test_a_training_batch_is_the_crops_torch_makes_of_the_decoded_images():
                 flips.append(gpufeed._gpufeed.random_flip(4, 2, index))
             else:
                 side = max(1, min(w, h, round(min(w, h) * 0.875)))
-                crops.append(((w - side) // 2, (h - side) // 2, side, side))
+                crops.append((round((w - side) / 2), round((h - side) / 2), side, side))
                 flips.append(False)
         if train:
             assert any(flips) and not all(flips), flips

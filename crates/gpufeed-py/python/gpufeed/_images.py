@@ -117,8 +117,14 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
         height = width = size
     else:
         height, width = (int(v) for v in size)
-    if height <= 0 or width <= 0:
-        raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width)")
+    if not (0 < height <= 16384 and 0 < width <= 16384):
+        raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
+                         "at most 16384")
+    if len(mean) != 3 or len(std) != 3 or any(not float(v) for v in std):
+        raise ValueError(f"mean {tuple(mean)!r} and std {tuple(std)!r}: give three values "
+                         "each, std not 0")
+    if not 0.0 < float(crop_fraction) <= 1.0:
+        raise ValueError(f"crop_fraction {crop_fraction!r} is invalid: give a value in (0, 1]")
     floating = dtype is not None and dtype != torch.uint8
     if floating and not dtype.is_floating_point:
         raise ValueError(f"dtype {dtype} is invalid: torch.uint8 (NHWC) or a floating dtype")

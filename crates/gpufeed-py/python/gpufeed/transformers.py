@@ -305,7 +305,8 @@ def from_pretrained(
     (a file's buffer lives while any of its tensors does); on a GPU a view whose address is not
     a multiple of 256 bytes (after a tensor of an odd size in the file) is copied into an
     allocation of its own, as cuBLAS picks kernels by alignment and transformers' parameters
-    are allocations of their own (its bytes in the file's buffer stay held). On a GPU, a checkpoint in another
+    are allocations of their own (its bytes in the file's buffer stay held: a checkpoint whose
+    first tensor has an odd size can hold up to twice the model's memory). On a GPU, a checkpoint in another
     floating dtype (BF16, F16, F32, FP8) is cast on the way into one buffer per dtype through a
     bounded staging (``gpufeed.load_safetensors(dtype=)``): the model's memory and that staging,
     never both copies. On the CPU a cast makes a tensor of its own, so a load that casts holds
@@ -383,7 +384,7 @@ def from_pretrained(
                                                 target, load_file)
     if "error" in loaded:
         raise loaded["error"]
-    tensors = loaded["tensors"]
+    tensors = loaded.pop("tensors")  # this frame's `del tensors` below then lets them go
 
     wanted = model.state_dict(keep_vars=True)
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
