@@ -48,7 +48,10 @@
 //!   bit as torch's `.to` on the GPU.
 //! - [`copy`]: device-to-device copies by address, plain and pitched.
 //! - [`nvjpeg`]: nvJPEG loaded at run time ([`nvjpeg_version`]; missing:
-//!   [`Error::NvjpegMissing`]), a decoder handle on a GPU and a JPEG's header facts.
+//!   [`Error::NvjpegMissing`]), a decoder handle on a GPU, a JPEG's header facts, batches
+//!   decoded into device memory ([`nvjpeg::Nvjpeg::decode_batch`]).
+//! - [`resize`]: crops of decoded images resized (antialiased bilinear), mirrored and
+//!   normalized on the GPU ([`resize::ResizeKernel`]).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!

@@ -721,26 +721,35 @@ pub fn has_end(jpeg: &[u8]) -> bool {
     }
 }
 
-/// The offset of the first byte after `jpeg`'s first start-of-scan segment, by a walk of its
-/// header segments; `None` for bytes that are no JPEG or end before a scan.
+/// The offset of the first byte after `jpeg`'s first start-of-scan segment; `None` for bytes
+/// that are no JPEG or end before a scan.
 fn first_scan(jpeg: &[u8]) -> Option<usize> {
+    walk_headers(jpeg).map(|(scan, _)| scan)
+}
+
+/// A walk of `jpeg`'s header segments from its start-of-image marker to its first
+/// start-of-scan segment: the offset of the first byte after that segment, and whether a
+/// progressive frame header (`FF C2`, or the arithmetic-coded `FF CA`) came before it. `None`
+/// for bytes that are no JPEG or end before a scan.
+fn walk_headers(jpeg: &[u8]) -> Option<(usize, bool)> {
     if !jpeg.starts_with(&[0xFF, 0xD8]) {
         return None;
     }
-    let mut at = 2;
+    let (mut at, mut progressive) = (2, false);
     while at + 4 <= jpeg.len() {
         if jpeg[at] != 0xFF {
             return None;
         }
         match jpeg[at + 1] {
-            0xFF => at += 1,
-            0x01 | 0xD0..=0xD7 => at += 2,
+            0xFF => at += 1,               // fill byte
+            0x01 | 0xD0..=0xD7 => at += 2, // markers without a length
             0xD9 => return None,
             marker => {
+                progressive |= matches!(marker, 0xC2 | 0xCA);
                 let len = usize::from(u16::from_be_bytes([jpeg[at + 2], jpeg[at + 3]]));
                 at += 2 + len;
                 if marker == 0xDA {
-                    return (at <= jpeg.len()).then_some(at);
+                    return (at <= jpeg.len()).then_some((at, progressive));
                 }
             }
         }
@@ -750,29 +759,9 @@ fn first_scan(jpeg: &[u8]) -> Option<usize> {
 
 /// Whether `jpeg`'s frame is progressive (a start-of-frame marker `FF C2`, or the
 /// arithmetic-coded `FF CA`, before its first scan), by a walk of its header segments; `false`
-/// for bytes that are no JPEG.
+/// for bytes that are no JPEG or have no scan.
 pub fn is_progressive(jpeg: &[u8]) -> bool {
-    if !jpeg.starts_with(&[0xFF, 0xD8]) {
-        return false;
-    }
-    let mut at = 2;
-    while at + 4 <= jpeg.len() {
-        if jpeg[at] != 0xFF {
-            return false;
-        }
-        let marker = jpeg[at + 1];
-        match marker {
-            0xFF => at += 1, // fill byte
-            0xC2 | 0xCA => return true,
-            0xDA | 0xD9 => return false, // the first scan, or the end: no progressive frame
-            0x01 | 0xD0..=0xD7 => at += 2, // markers without a length
-            _ => {
-                let len = usize::from(u16::from_be_bytes([jpeg[at + 2], jpeg[at + 3]]));
-                at += 2 + len;
-            }
-        }
-    }
-    false
+    walk_headers(jpeg).is_some_and(|(_, progressive)| progressive)
 }
 
 /// Refuses a slot that does not fit `len` bytes, or rows its pitch.

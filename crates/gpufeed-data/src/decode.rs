@@ -7,8 +7,6 @@
 //! an offset that is a multiple of 256 bytes, rows back to back. [`decode_on_cpu`] does the
 //! same on the host, for machines without a GPU.
 
-use std::sync::Arc;
-
 use gpufeed_cuda::cudarc::driver::CudaSlice;
 use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot};
 pub use gpufeed_cuda::resize::Layout;
@@ -352,21 +350,18 @@ fn checked_header(jpeg: &[u8]) -> std::result::Result<(u32, u32), ImageError> {
 
 /// Each of `jpegs` decoded on the CPU, by the machine's threads.
 fn decode_all(jpegs: &[&[u8]]) -> Vec<std::result::Result<DecodedImage, ImageError>> {
-    let one = |jpeg: &[u8]| decode_jpeg(jpeg);
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(jpegs.len());
     if threads <= 1 {
-        return jpegs.iter().map(|j| one(j)).collect();
+        return jpegs.iter().map(|j| decode_jpeg(j)).collect();
     }
     let per = jpegs.len().div_ceil(threads);
-    let one = Arc::new(one);
     std::thread::scope(|scope| {
         let parts: Vec<_> = jpegs
             .chunks(per)
             .map(|part| {
-                let one = Arc::clone(&one);
-                scope.spawn(move || part.iter().map(|j| one(j)).collect::<Vec<_>>())
+                scope.spawn(move || part.iter().map(|j| decode_jpeg(j)).collect::<Vec<_>>())
             })
             .collect();
         parts

@@ -23,6 +23,19 @@ fn decoders() -> &'static Mutex<HashMap<usize, ImageDecoder>> {
     DECODERS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// `f` with this device's decoder (made on first use), which no other call uses meanwhile.
+fn with_decoder<T>(
+    gpu: &gpufeed::Gpu,
+    f: impl FnOnce(&mut ImageDecoder) -> gpufeed::dataset::Result<T>,
+) -> gpufeed::dataset::Result<T> {
+    let mut all = decoders().lock();
+    let decoder = match all.entry(gpu.info().ordinal) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(ImageDecoder::open(gpu)?),
+    };
+    f(decoder)
+}
+
 /// What `decode_jpegs` gives back: per image an array (`None` where skipped), the images
 /// skipped as `(name, reason)`, and per image the decoder that made it.
 type Decoded = (
@@ -75,14 +88,7 @@ pub fn decode_jpegs(
     let gpu = loader.gpu().clone();
     let _context = gpufeed::cuda::ContextGuard::new();
     let batch = py
-        .detach(|| {
-            let mut all = decoders().lock();
-            let decoder = match all.entry(ordinal) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => e.insert(ImageDecoder::open(&gpu)?),
-            };
-            decoder.decode(&jpegs, &name, policy)
-        })
+        .detach(|| with_decoder(&gpu, |decoder| decoder.decode(&jpegs, &name, policy)))
         .map_err(py_err)?;
     let mut arrays = Vec::with_capacity(batch.images.len());
     let mut with = Vec::with_capacity(batch.images.len());
@@ -271,12 +277,9 @@ pub fn decode_augmented(
     };
     let batch = py
         .detach(|| {
-            let mut all = decoders().lock();
-            let decoder = match all.entry(device) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => e.insert(ImageDecoder::open(&gpu)?),
-            };
-            decoder.decode_augmented(&jpegs, &name, policy, &mut choose, width, height, layout)
+            with_decoder(&gpu, |decoder| {
+                decoder.decode_augmented(&jpegs, &name, policy, &mut choose, width, height, layout)
+            })
         })
         .map_err(py_err)?;
     let n = batch.kept.len();

@@ -9,6 +9,21 @@ use jpeg_encoder::{ColorType, Encoder, SamplingFactor};
 
 use crate::{gpu_or_skip, random_bytes};
 
+/// nvJPEG on `gpu`, or `None` (the skip printed) on a GPU machine without nvJPEG — a failure
+/// where the GPU tests are required (the H200 machine has libnvjpeg.so.13).
+fn nvjpeg_or_skip(gpu: &gpufeed_cuda::Gpu, test: &str) -> Option<Nvjpeg> {
+    match Nvjpeg::open(gpu) {
+        Ok(nv) => Some(nv),
+        Err(e @ gpufeed_cuda::Error::NvjpegMissing { .. })
+            if std::env::var("GPUFEED_REQUIRE_GPU").as_deref() != Ok("1") =>
+        {
+            eprintln!("SKIP {test}: {e}");
+            None
+        }
+        Err(e) => panic!("nvJPEG on GPU 0: {e}"),
+    }
+}
+
 /// A `width` x `height` JPEG of random pixels (or gray ones), encoded as asked.
 fn jpeg(
     width: u16,
@@ -51,17 +66,8 @@ fn a_handle_says_what_each_kind_of_jpeg_is() {
     let Some(gpu) = gpu_or_skip("a_handle_says_what_each_kind_of_jpeg_is") else {
         return;
     };
-    let nv = match Nvjpeg::open(&gpu) {
-        Ok(nv) => nv,
-        // A GPU machine without nvJPEG: a failure where the GPU tests are required (the H200
-        // machine has libnvjpeg.so.13).
-        Err(e @ gpufeed_cuda::Error::NvjpegMissing { .. })
-            if std::env::var("GPUFEED_REQUIRE_GPU").as_deref() != Ok("1") =>
-        {
-            eprintln!("SKIP a_handle_says_what_each_kind_of_jpeg_is: {e}");
-            return;
-        }
-        Err(e) => panic!("nvJPEG on GPU 0: {e}"),
+    let Some(nv) = nvjpeg_or_skip(&gpu, "a_handle_says_what_each_kind_of_jpeg_is") else {
+        return;
     };
     let cc = gpu.info().compute_capability;
     println!(
@@ -167,15 +173,8 @@ fn a_batch_of_every_kind_decodes_into_its_slots_and_bad_ones_are_refused_alone()
     let Some(gpu) = gpu_or_skip("a_batch_of_every_kind_decodes_into_its_slots") else {
         return;
     };
-    let mut nv = match Nvjpeg::open(&gpu) {
-        Ok(nv) => nv,
-        Err(e @ gpufeed_cuda::Error::NvjpegMissing { .. })
-            if std::env::var("GPUFEED_REQUIRE_GPU").as_deref() != Ok("1") =>
-        {
-            eprintln!("SKIP a_batch_of_every_kind_decodes_into_its_slots: {e}");
-            return;
-        }
-        Err(e) => panic!("nvJPEG on GPU 0: {e}"),
+    let Some(mut nv) = nvjpeg_or_skip(&gpu, "a_batch_of_every_kind_decodes_into_its_slots") else {
+        return;
     };
     // (size, gray, sampling, progressive, restart)
     let kinds = [

@@ -130,17 +130,19 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
         raise ValueError(f"dtype {dtype} is invalid: torch.uint8 (NHWC) or a floating dtype")
     blobs = [_as_bytes(b) for b in images]
     index = list(range(len(blobs))) if indices is None else [int(i) for i in indices]
-    if not blobs:
+    def empty():  # made only when returned: a machine without a GPU gets gpufeed's error
         shape = (0, 3, height, width) if floating else (0, height, width, 3)
-        return torch.empty(shape, dtype=dtype or torch.uint8, device=f"cuda:{ordinal}"), []
+        return torch.empty(shape, dtype=dtype or torch.uint8, device=f"cuda:{ordinal}")
+
+    if not blobs:
+        return empty(), []
     array, kept, _ = _gpufeed.decode_augmented(
         blobs, ordinal, on_error == "skip", bool(train), int(seed), int(epoch), index,
         width, height, floating, [float(v) for v in mean], [float(v) for v in std],
         (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1])),
         float(crop_fraction))
     if array is None:
-        shape = (0, 3, height, width) if floating else (0, height, width, 3)
-        return torch.empty(shape, dtype=dtype or torch.uint8, device=f"cuda:{ordinal}"), kept
+        return empty(), kept
     out = torch.from_dlpack(array)
     if floating and dtype != torch.float32:
         out = out.to(dtype)
