@@ -184,6 +184,15 @@ impl Gpu {
         self.retrying_when_full(|| self.default_stream().alloc_zeros::<u8>(len))
     }
 
+    /// `len` bytes of device memory, zeroed, allocated and zeroed in `stream`'s order (a
+    /// stream of this GPU's context): for work that must not wait for, or hold up, the legacy
+    /// default stream that [`Gpu::alloc_zeroed`] uses (torch's default stream is that one).
+    /// Where the device is full, memory kept by [`Gpu::keep_for_reuse`] is given back and the
+    /// allocation tried again.
+    pub fn alloc_zeroed_on(&self, stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<u8>> {
+        self.retrying_when_full(|| stream.alloc_zeros::<u8>(len))
+    }
+
     /// `len` bytes of device memory, not initialised, from the context's stream-ordered pool
     /// (cudarc's allocator): memory freed earlier is reused at no cost, but growing the pool is
     /// paid here (8-12 ms for 4 GiB, 37-52 ms for 16 GiB on the H200 machine; docs/benchmarks.md,

@@ -31,6 +31,85 @@ pub struct Crop {
     pub height: u32,
 }
 
+/// How each image of a batch is cropped and mirrored before its resize: a training draw
+/// (torchvision's `RandomResizedCrop(scale, ratio)` and `RandomHorizontalFlip()`, from the
+/// seed, the epoch and the record's index alone: [`random_resized_crop`], [`random_flip`]) or
+/// the evaluation crop ([`center_crop`] of `crop_fraction`, never mirrored).
+///
+/// ```
+/// use gpufeed_data::Augmentation;
+/// let train = Augmentation::train(7);
+/// train.check()?;
+/// let (crop, flip) = train.choose(0, 42, 500, 375);
+/// assert_eq!((crop, flip), train.choose(0, 42, 500, 375)); // the same record, the same draw
+/// let (crop, flip) = Augmentation::Eval { crop_fraction: 0.875 }.choose(0, 42, 500, 375);
+/// assert_eq!((crop.width, crop.height, flip), (328, 328, false));
+/// # Ok::<(), gpufeed_data::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Augmentation {
+    /// Training: a random resized crop and a coin for the mirror.
+    Train {
+        /// The run's seed.
+        seed: u64,
+        /// The crop's share of the image's area, `(low, high)`.
+        scale: (f64, f64),
+        /// The crop's width over its height, `(low, high)`.
+        ratio: (f64, f64),
+    },
+    /// Evaluation: the central square of `crop_fraction` of the shorter side.
+    Eval {
+        /// In `(0, 1]`: 224 / 256 for the usual `Resize(256)` + `CenterCrop(224)`.
+        crop_fraction: f64,
+    },
+}
+
+impl Augmentation {
+    /// Training draws of `seed` with torchvision's default ranges (`scale` `(0.08, 1.0)`,
+    /// `ratio` `(3/4, 4/3)`).
+    pub fn train(seed: u64) -> Self {
+        Augmentation::Train {
+            seed,
+            scale: (0.08, 1.0),
+            ratio: (3.0 / 4.0, 4.0 / 3.0),
+        }
+    }
+
+    /// Whether the settings are usable: ranges positive, finite and `(low, high)`; a crop
+    /// fraction in `(0, 1]`.
+    ///
+    /// # Errors
+    /// [`Error::invalid`] saying which.
+    pub fn check(&self) -> Result<()> {
+        match *self {
+            Augmentation::Train { scale, ratio, .. } => {
+                random_resized_crop(2, 2, scale, ratio, 0, 0, 0).map(|_| ())
+            }
+            Augmentation::Eval { crop_fraction } if crop_fraction > 0.0 && crop_fraction <= 1.0 => {
+                Ok(())
+            }
+            Augmentation::Eval { crop_fraction } => Err(Error::invalid(format!(
+                "crop fraction {crop_fraction} is not in (0, 1]"
+            ))),
+        }
+    }
+
+    /// The crop of record `index`'s `width` x `height` image in `epoch`, and whether it is
+    /// mirrored. Settings that fail [`Augmentation::check`] give the whole image.
+    pub fn choose(&self, epoch: u64, index: u64, width: u32, height: u32) -> (Crop, bool) {
+        match *self {
+            Augmentation::Train { seed, scale, ratio } => {
+                let crop = random_resized_crop(width, height, scale, ratio, seed, epoch, index)
+                    .unwrap_or_else(|_| center_crop(width, height, 1.0));
+                (crop, random_flip(seed, epoch, index))
+            }
+            Augmentation::Eval { crop_fraction } => {
+                (center_crop(width, height, crop_fraction), false)
+            }
+        }
+    }
+}
+
 /// A uniform `f64` in `[0, 1)` from `state`.
 fn uniform(state: &mut u64) -> f64 {
     (splitmix64(state) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

@@ -7,7 +7,9 @@
 //! an offset that is a multiple of 256 bytes, rows back to back. [`decode_on_cpu`] does the
 //! same on the host, for machines without a GPU.
 
-use gpufeed_cuda::cudarc::driver::CudaSlice;
+use std::sync::Arc;
+
+use gpufeed_cuda::cudarc::driver::{CudaSlice, CudaStream};
 use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot};
 pub use gpufeed_cuda::resize::Layout;
 use gpufeed_cuda::resize::{ResizeJob, ResizeKernel};
@@ -60,10 +62,13 @@ pub struct AugmentedBatch {
     pub layout: Layout,
 }
 
-/// Decodes batches of JPEGs into device memory of one GPU (see the module).
+/// Decodes batches of JPEGs into device memory of one GPU (see the module), on a stream of
+/// its own: several decoders (one per thread) decode at once, and none waits for work queued
+/// on the legacy default stream (a training step's, with torch) or holds it up.
 #[derive(Debug)]
 pub struct ImageDecoder {
     gpu: Gpu,
+    stream: Arc<CudaStream>,
     nvjpeg: Option<Nvjpeg>,
     /// Why nvJPEG is not used, where it is not.
     cpu_only: Option<String>,
@@ -91,8 +96,18 @@ impl ImageDecoder {
             }
             Err(e) => return Err(Error::Load(e.into())),
         };
+        let stream = gpu.context().new_stream().map_err(|e| {
+            Error::Load(
+                CudaError::Cuda {
+                    op: "cuStreamCreate",
+                    result: e.0,
+                }
+                .into(),
+            )
+        })?;
         Ok(ImageDecoder {
             gpu: gpu.clone(),
+            stream,
             nvjpeg,
             cpu_only,
             resize: None,
@@ -139,7 +154,7 @@ impl ImageDecoder {
                 }
             }
         }
-        let stream = self.gpu.default_stream();
+        let stream = Arc::clone(&self.stream);
         let mut buffer = if total == 0 {
             None
         } else {
@@ -147,7 +162,7 @@ impl ImageDecoder {
             // out, but nothing of another's memory is in it either.
             Some(
                 self.gpu
-                    .alloc_zeroed(total)
+                    .alloc_zeroed_on(&stream, total)
                     .map_err(|e| Error::Load(e.into()))?,
             )
         };
@@ -265,7 +280,7 @@ impl ImageDecoder {
         if self.resize.is_none() {
             self.resize = Some(ResizeKernel::load(&self.gpu).map_err(load)?);
         }
-        let stream = self.gpu.default_stream();
+        let stream = Arc::clone(&self.stream);
         let mut kept = Vec::new();
         let mut jobs = Vec::new();
         if decoded.buffer.is_some() {
@@ -286,7 +301,7 @@ impl ImageDecoder {
         let bytes = layout.image_bytes(width, height) * jobs.len();
         let mut buffer = None;
         if let (true, Some(src)) = (bytes > 0, decoded.buffer.as_ref()) {
-            let mut out = self.gpu.alloc_zeroed(bytes).map_err(load)?;
+            let mut out = self.gpu.alloc_zeroed_on(&stream, bytes).map_err(load)?;
             let kernel = self
                 .resize
                 .as_ref()

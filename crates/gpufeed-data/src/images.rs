@@ -179,6 +179,14 @@ pub enum ImageError {
         len: usize,
     },
 
+    /// A record that holds no image to decode: a WebDataset sample without a `.jpg` or
+    /// `.jpeg` member, or whose `.cls` label is not a number.
+    #[error("{reason}")]
+    Sample {
+        /// What is wrong with the sample.
+        reason: String,
+    },
+
     /// The decoder (`zune-jpeg`) panicked on the bytes: a bug of the decoder, caught so that a
     /// bad file does not stop a loader's worker.
     #[error("the JPEG decoder (zune-jpeg) panicked on it: {message}; please report the file")]

@@ -24,6 +24,7 @@
 //! | `images` | [`decode_jpeg`], [`jpeg_header`], [`OnBadImage`]: JPEGs decoded on the CPU |
 //! | `augment` | [`random_resized_crop`], [`center_crop`], [`resize_crop`], [`normalize_chw`]: training crops on the CPU |
 //! | `decode` | [`ImageDecoder`], [`decode_on_cpu`]: batches of JPEGs decoded into device memory (nvJPEG, the CPU decoder for what it refuses), or on the host |
+//! | `image_loader` | [`ImageLoader`], [`ImageOptions`], [`ImageBatch`]: training batches of decoded, augmented images from image folders and WebDataset shards |
 //!
 //! Without a GPU the loader yields host batches; every CPU path keeps working.
 //!
@@ -61,6 +62,7 @@ mod epoch;
 mod error;
 mod folder;
 mod gather;
+mod image_loader;
 mod images;
 mod loader;
 mod records;
@@ -69,12 +71,16 @@ mod sampler;
 pub mod sources;
 
 pub use augment::{
-    Crop, center_crop, normalize_chw, random_flip, random_resized_crop, resize_crop, to_u8,
+    Augmentation, Crop, center_crop, normalize_chw, random_flip, random_resized_crop, resize_crop,
+    to_u8,
 };
 pub use decode::{AugmentedBatch, DecodedBatch, DecodedWith, ImageDecoder, Layout, decode_on_cpu};
 pub use epoch::{Epoch, NotStarted, OwnedEpoch};
 pub use error::{Error, Result};
 pub use folder::ImageFolder;
+pub use image_loader::{
+    ImageBatch, ImageData, ImageEpoch, ImageLoader, ImageOptions, OwnedImageEpoch,
+};
 pub use images::{
     DecodedImage, ImageError, JpegHeader, MAX_JPEG_PIXELS, OnBadImage, SkippedImage, decode_jpeg,
     decode_jpeg_into, jpeg_header,

@@ -4,6 +4,7 @@
 mod decode;
 mod direct;
 mod elastic;
+mod image_loader;
 mod images;
 mod sources;
 mod workers;

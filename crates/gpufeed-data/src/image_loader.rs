@@ -1,0 +1,941 @@
+//! [`ImageLoader`]: training batches of decoded, augmented images from an
+//! [`ImageFolder`](crate::ImageFolder) or WebDataset tar shards (issue 40).
+//!
+//! Two stages, each on threads of its own:
+//! 1. a [`BatchLoader`] of host batches: its workers read each batch's files (or copy its tar
+//!    samples out of their mappings) in the sampler's order, ahead of use;
+//! 2. decode threads, each with its own [`ImageDecoder`] (an nvJPEG handle and a CUDA stream of
+//!    its own, so that several batches decode at once on the GPU's hardware engines), take
+//!    the host batches in order and turn each into one device buffer of cropped, resized,
+//!    mirrored (and normalized) images ([`ImageDecoder::decode_augmented`]). Without a GPU,
+//!    one thread decodes and augments on the CPU (zune-jpeg and the CPU reference of the
+//!    resize: [`crate::resize_crop`]), with the machine's cores.
+//!
+//! Batches come out in the sampler's order whatever the thread counts; each image's crop and
+//! mirror are drawn from the seed, the epoch and its record's index alone
+//! ([`Augmentation::choose`]), so an elastic run resumed with another world size
+//! ([`ImageLoader::resume`]) sees the same images cropped the same way.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use gpufeed_cuda::Gpu;
+use gpufeed_cuda::cudarc::driver::CudaSlice;
+use parking_lot::Mutex;
+
+use crate::augment::{Augmentation, Crop, normalize_chw, resize_crop, to_u8};
+use crate::decode::{ImageDecoder, Layout};
+use crate::epoch::OwnedEpoch;
+use crate::error::{Error, Result};
+use crate::images::{ImageError, OnBadImage, SkippedImage, decode_jpeg};
+use crate::loader::{Batch, BatchData, BatchLoader, BatchLoaderOptions, Position};
+use crate::records::Dataset;
+use crate::sampler::Sampler;
+
+/// What an [`ImageLoader`] makes of each image: start from the default (224 x 224 training
+/// crops of seed 0 as `uint8` HWC, bad images an error, two decode threads) and change what
+/// you need (new settings may be added).
+///
+/// ```
+/// use gpufeed_data::{Augmentation, ImageOptions, Layout, OnBadImage};
+/// let opts = ImageOptions::default()
+///     .with_size(224, 224)
+///     .with_augmentation(Augmentation::train(7))
+///     .with_layout(Layout::F32Chw { mean: [0.485, 0.456, 0.406], std: [0.229, 0.224, 0.225] })
+///     .with_on_bad(OnBadImage::Skip);
+/// assert_eq!(opts.decoders, 2);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct ImageOptions {
+    /// Output width in pixels.
+    pub width: u32,
+    /// Output height in pixels.
+    pub height: u32,
+    /// The crop and mirror of each image (training draws or the evaluation crop).
+    pub augmentation: Augmentation,
+    /// `uint8` `[n, h, w, 3]`, or `f32` `[n, 3, h, w]` normalized.
+    pub layout: Layout,
+    /// What a file that is no decodable JPEG does: stop with an error naming it, or be left
+    /// out and listed in its batch's [`ImageBatch::skipped`].
+    pub on_bad: OnBadImage,
+    /// Decode threads, each with its own nvJPEG handle and stream (default 2; with no GPU one
+    /// thread decodes, on all cores).
+    pub decoders: usize,
+}
+
+impl Default for ImageOptions {
+    fn default() -> Self {
+        ImageOptions {
+            width: 224,
+            height: 224,
+            augmentation: Augmentation::train(0),
+            layout: Layout::U8Hwc,
+            on_bad: OnBadImage::Error,
+            decoders: 2,
+        }
+    }
+}
+
+impl ImageOptions {
+    /// These settings with an output of `height` x `width` pixels.
+    pub fn with_size(mut self, height: u32, width: u32) -> Self {
+        (self.height, self.width) = (height, width);
+        self
+    }
+
+    /// These settings with `augmentation`.
+    pub fn with_augmentation(mut self, augmentation: Augmentation) -> Self {
+        self.augmentation = augmentation;
+        self
+    }
+
+    /// These settings with `layout`.
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// These settings with `on_bad`.
+    pub fn with_on_bad(mut self, on_bad: OnBadImage) -> Self {
+        self.on_bad = on_bad;
+        self
+    }
+
+    /// These settings with `decoders` decode threads (at least 1).
+    pub fn with_decoders(mut self, decoders: usize) -> Self {
+        self.decoders = decoders.max(1);
+        self
+    }
+
+    /// Whether the settings are usable (a size of 1 to 16384 pixels a side, the
+    /// augmentation's ranges, a non-zero `std`).
+    fn check(&self) -> Result<()> {
+        if !(1..=16384).contains(&self.width) || !(1..=16384).contains(&self.height) {
+            return Err(Error::invalid(format!(
+                "an output of {}x{} pixels: give 1 to 16384 a side",
+                self.width, self.height
+            )));
+        }
+        if let Layout::F32Chw { std, mean } = self.layout
+            && (std.iter().any(|s| *s == 0.0 || !s.is_finite())
+                || mean.iter().any(|m| !m.is_finite()))
+        {
+            return Err(Error::invalid(format!(
+                "normalization with mean {mean:?} and std {std:?}: give finite values, std not 0"
+            )));
+        }
+        self.augmentation.check()
+    }
+}
+
+/// Where an [`ImageBatch`]'s images are.
+#[derive(Debug)]
+pub enum ImageData {
+    /// In the GPU's memory (the loader has a GPU).
+    Device(CudaSlice<u8>),
+    /// In host memory (no GPU: decoded on the CPU).
+    Host(Vec<u8>),
+}
+
+/// One batch of an [`ImageLoader`]: its images back to back in `layout`, each `width` x
+/// `height`, with their records and labels.
+#[derive(Debug)]
+pub struct ImageBatch {
+    /// The epoch.
+    pub epoch: u64,
+    /// The batch's number in its epoch.
+    pub number: usize,
+    /// The record of each image in `data`, in order (the batch's records but those skipped).
+    pub indices: Vec<usize>,
+    /// Each image's label: its class (an image folder's class folder, a WebDataset sample's
+    /// `.cls`), `u32::MAX` where the record has none.
+    pub labels: Vec<u32>,
+    /// Images left out ([`OnBadImage::Skip`]), with why.
+    pub skipped: Vec<SkippedImage>,
+    /// Each image's width.
+    pub width: u32,
+    /// Each image's height.
+    pub height: u32,
+    /// The layout of `data`.
+    pub layout: Layout,
+    /// The images (`None` when every image of the batch was skipped).
+    pub data: Option<ImageData>,
+}
+
+impl ImageBatch {
+    /// Images in the batch.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    /// Whether the batch holds no image (all skipped).
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
+    }
+}
+
+/// Batches of decoded, augmented images of an [`ImageFolder`](crate::ImageFolder), a
+/// WebDataset tar shard or a [`ShardSet`](crate::ShardSet) of them (each sample's `.jpg` or
+/// `.jpeg` member, its label from `.cls`), or any record file whose records are JPEGs: see the
+/// module. On a GPU with nvJPEG (its hardware engines where it has them); without one, or
+/// without nvJPEG, decoded on the CPU (then uploaded where there is a GPU).
+///
+/// # Example (no GPU: host batches decoded on the CPU)
+/// ```
+/// use gpufeed_data::{BatchLoaderOptions, ImageFolder, ImageLoader, ImageOptions, ImageData, Order, Sampler};
+/// # let dir = tempfile::tempdir()?;
+/// # let jpeg = |w: u16, h: u16| {
+/// #     let mut out = Vec::new();
+/// #     let rgb: Vec<u8> = (0..w as usize * h as usize * 3).map(|i| (i * 7 % 251) as u8).collect();
+/// #     jpeg_encoder::Encoder::new(&mut out, 90).encode(&rgb, w, h, jpeg_encoder::ColorType::Rgb).map(|_| out)
+/// # };
+/// # for (class, n) in [("cat", 3), ("dog", 2)] {
+/// #     std::fs::create_dir(dir.path().join(class))?;
+/// #     for i in 0..n { std::fs::write(dir.path().join(class).join(format!("{i}.jpg")), jpeg(40 + i, 30)?)?; }
+/// # }
+/// let folder = ImageFolder::open(dir.path())?;
+/// let cfg = BatchLoaderOptions::default().with_batch_size(4);
+/// let opts = ImageOptions::default().with_size(16, 16);
+/// let mut loader = ImageLoader::new(folder, Sampler::new(Order::Shuffled { seed: 1 }), cfg, opts, None)?;
+/// for batch in loader.epoch(0)? {
+///     let batch = batch?;
+///     let Some(ImageData::Host(pixels)) = &batch.data else { unreachable!("no GPU given") };
+///     assert_eq!(pixels.len(), batch.len() * 16 * 16 * 3); // uint8 [n, 16, 16, 3]
+///     println!("labels {:?}", batch.labels);
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ImageLoader {
+    /// The host batches' loader, while no epoch runs.
+    inner: Option<BatchLoader>,
+    records: Arc<Dataset>,
+    sampler: Sampler,
+    opts: ImageOptions,
+    gpu: Option<Gpu>,
+    /// One per decode thread (GPU), while no epoch runs.
+    decoders: Vec<ImageDecoder>,
+    /// Why images decode on the CPU, where they do.
+    cpu_only: Option<String>,
+    timeout: Duration,
+    batches: usize,
+}
+
+impl std::fmt::Debug for ImageLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageLoader")
+            .field("records", &self.records.len())
+            .field("opts", &self.opts)
+            .field("gpu", &self.gpu.is_some())
+            .field("cpu_only", &self.cpu_only)
+            .finish()
+    }
+}
+
+impl ImageLoader {
+    /// A loader of the images of `records` in `sampler`'s order, batched by `cfg` (its workers
+    /// read the files), decoded and augmented as `opts` says on `gpu` (or on the CPU with
+    /// `None`).
+    ///
+    /// # Errors
+    /// Settings that are not usable (an empty size, bad ranges, a zero `std`), the
+    /// [`BatchLoader`]'s errors, and nvJPEG's other than its absence (which leaves the
+    /// decoding to the CPU: [`ImageLoader::cpu_only`]).
+    pub fn new(
+        records: impl Into<Dataset>,
+        sampler: Sampler,
+        cfg: BatchLoaderOptions,
+        opts: ImageOptions,
+        gpu: Option<&Gpu>,
+    ) -> Result<Self> {
+        opts.check()?;
+        let timeout = cfg.batch_timeout;
+        let inner = BatchLoader::new(records, sampler, cfg, None)?;
+        let mut loader = ImageLoader {
+            records: Arc::clone(&inner.records),
+            batches: inner.batches_per_epoch(),
+            inner: Some(inner),
+            sampler,
+            opts,
+            gpu: gpu.cloned(),
+            decoders: Vec::new(),
+            cpu_only: gpu.is_none().then(|| "no GPU was given".to_owned()),
+            timeout,
+        };
+        loader.open_decoders()?;
+        Ok(loader)
+    }
+
+    /// Opens decoders up to one per decode thread (after a thread lost its own to a panic, a
+    /// new one).
+    fn open_decoders(&mut self) -> Result<()> {
+        let Some(gpu) = &self.gpu else { return Ok(()) };
+        while self.decoders.len() < self.opts.decoders.max(1) {
+            let decoder = ImageDecoder::open(gpu)?;
+            if let Some(why) = decoder.cpu_only() {
+                self.cpu_only = Some(why.to_owned());
+            }
+            self.decoders.push(decoder);
+        }
+        Ok(())
+    }
+
+    /// Why images are decoded on the CPU here (no GPU, nvJPEG not installed), or `None` where
+    /// nvJPEG decodes them (and the CPU only what it refuses).
+    pub fn cpu_only(&self) -> Option<&str> {
+        self.cpu_only.as_deref()
+    }
+
+    /// Batches in an epoch (this rank's).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.batches
+    }
+
+    /// The data set.
+    pub fn dataset(&self) -> &Dataset {
+        &self.records
+    }
+
+    /// The settings of the images.
+    pub fn options(&self) -> &ImageOptions {
+        &self.opts
+    }
+
+    /// The batches of `epoch`, in order.
+    ///
+    /// # Errors
+    /// [`BatchLoader::epoch`]'s; [`Error::invalid`] where an epoch of this loader still runs
+    /// (one left behind by a panic).
+    pub fn epoch(&mut self, epoch: u64) -> Result<ImageEpoch<'_>> {
+        let run = self.start(epoch, None)?;
+        Ok(ImageEpoch { run, loader: self })
+    }
+
+    /// The rest of the epoch at `at` (an elastic sampler's [`Position`], maybe saved by a run
+    /// with another world size), as [`BatchLoader::resume`] says.
+    ///
+    /// # Errors
+    /// [`BatchLoader::resume`]'s.
+    pub fn resume(&mut self, at: &Position) -> Result<ImageEpoch<'_>> {
+        let run = self.start(at.epoch, Some(at))?;
+        Ok(ImageEpoch { run, loader: self })
+    }
+
+    /// The batches of `epoch` (or the rest of the epoch at `at`) in an epoch that owns the
+    /// loader ([`OwnedImageEpoch::into_loader`] gives it back).
+    ///
+    /// # Errors
+    /// As [`ImageLoader::epoch`] and [`ImageLoader::resume`], with the loader.
+    pub fn into_epoch(
+        mut self,
+        epoch: u64,
+        at: Option<&Position>,
+    ) -> std::result::Result<OwnedImageEpoch, Box<(Error, ImageLoader)>> {
+        match self.start(at.map_or(epoch, |a| a.epoch), at) {
+            Ok(run) => Ok(OwnedImageEpoch { run, loader: self }),
+            Err(e) => Err(Box::new((e, self))),
+        }
+    }
+
+    /// Starts the host batches' epoch and the decode threads.
+    fn start(&mut self, epoch: u64, at: Option<&Position>) -> Result<Run> {
+        self.open_decoders()?;
+        let inner = self.inner.take().ok_or_else(|| {
+            Error::invalid("an epoch of this image loader is still running".into())
+        })?;
+        let started = match at {
+            Some(at) => inner.into_resume(at),
+            None => inner.into_epoch(epoch),
+        };
+        let feed = match started {
+            Ok(feed) => feed,
+            Err(not) => {
+                self.inner = Some(*not.loader);
+                return Err(not.error);
+            }
+        };
+        let start = at.map_or(0, |a| a.samples);
+        let total = feed.size_hint().1.unwrap_or(0);
+        let stage = Arc::new(Stage {
+            feed: Mutex::new(Feed {
+                epoch: Some(feed),
+                seq: 0,
+            }),
+            stop: AtomicBool::new(false),
+        });
+        let work = Arc::new(Work {
+            records: Arc::clone(&self.records),
+            opts: self.opts.clone(),
+            epoch,
+        });
+        let decoders: Vec<Option<ImageDecoder>> = match self.gpu {
+            Some(_) => std::mem::take(&mut self.decoders)
+                .into_iter()
+                .map(Some)
+                .collect(),
+            None => vec![None],
+        };
+        // Each thread may hold one finished batch while the channel holds one: the batches
+        // decoded ahead are at most twice the threads.
+        let (tx, rx) = mpsc::sync_channel(decoders.len());
+        let mut threads = Vec::with_capacity(decoders.len());
+        for (i, decoder) in decoders.into_iter().enumerate() {
+            let (shared, work, tx) = (Arc::clone(&stage), Arc::clone(&work), tx.clone());
+            let gpu = self.gpu.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("gpufeed-decode-{i}"))
+                .spawn(move || decode_thread(&shared, &work, &tx, decoder, gpu.as_ref()));
+            match spawned {
+                Ok(t) => threads.push(t),
+                Err(source) => {
+                    let mut run = Run::new(epoch, start, total, rx, stage, threads, self.timeout);
+                    self.finish(&mut run);
+                    return Err(Error::from(gpufeed_load::Error::ThreadStart {
+                        what: "an image decode thread",
+                        source,
+                    }));
+                }
+            }
+        }
+        Ok(Run::new(
+            epoch,
+            start,
+            total,
+            rx,
+            stage,
+            threads,
+            self.timeout,
+        ))
+    }
+
+    /// Stops `run`'s threads and takes back the host loader and the decoders.
+    fn finish(&mut self, run: &mut Run) {
+        let (inner, decoders) = run.stop();
+        if let Some(inner) = inner {
+            self.inner = Some(inner);
+        }
+        self.decoders.extend(decoders);
+    }
+
+    fn position(&self, run: &Run) -> Option<Position> {
+        self.sampler
+            .position_after(self.records.len(), run.epoch, run.start, run.handed)
+    }
+}
+
+/// The batches of one epoch of an [`ImageLoader`], in order, borrowing it; dropping it stops
+/// its threads.
+pub struct ImageEpoch<'l> {
+    run: Run,
+    loader: &'l mut ImageLoader,
+}
+
+/// The batches of one epoch of an [`ImageLoader`], in order, owning it
+/// ([`ImageLoader::into_epoch`]); `Send`. Dropping it stops its threads.
+pub struct OwnedImageEpoch {
+    run: Run,
+    loader: ImageLoader,
+}
+
+// Held by a Python iterator (a pyclass is Send).
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<OwnedImageEpoch>();
+    send::<ImageLoader>();
+};
+
+impl ImageEpoch<'_> {
+    /// Where the run is after the batches yielded so far (an elastic sampler's [`Position`];
+    /// `None` for others): save it once the step that used the last batch is done.
+    pub fn position(&self) -> Option<Position> {
+        self.loader.position(&self.run)
+    }
+}
+
+impl OwnedImageEpoch {
+    /// Where the run is after the batches yielded so far, as [`ImageEpoch::position`] says.
+    pub fn position(&self) -> Option<Position> {
+        self.loader.position(&self.run)
+    }
+
+    /// The loader back, for the next epoch (the threads stop first).
+    pub fn into_loader(mut self) -> ImageLoader {
+        self.loader.finish(&mut self.run);
+        self.loader
+    }
+
+    /// The loader.
+    pub fn loader(&self) -> &ImageLoader {
+        &self.loader
+    }
+}
+
+impl Drop for ImageEpoch<'_> {
+    fn drop(&mut self) {
+        self.loader.finish(&mut self.run);
+    }
+}
+
+impl Iterator for ImageEpoch<'_> {
+    type Item = Result<ImageBatch>;
+
+    fn next(&mut self) -> Option<Result<ImageBatch>> {
+        self.run.next()
+    }
+}
+
+impl Iterator for OwnedImageEpoch {
+    type Item = Result<ImageBatch>;
+
+    fn next(&mut self) -> Option<Result<ImageBatch>> {
+        self.run.next()
+    }
+}
+
+/// The host batches' epoch, shared by the decode threads: the one holding the lock takes the
+/// next batch and its sequence number.
+struct Feed {
+    epoch: Option<OwnedEpoch>,
+    seq: usize,
+}
+
+struct Stage {
+    feed: Mutex<Feed>,
+    stop: AtomicBool,
+}
+
+/// What a decode thread needs besides its decoder.
+struct Work {
+    records: Arc<Dataset>,
+    opts: ImageOptions,
+    epoch: u64,
+}
+
+type Staged = (usize, Result<ImageBatch>);
+
+/// A running epoch: the decode threads and the batches they finished out of order.
+struct Run {
+    epoch: u64,
+    start: u64,
+    /// Batches handed out (each a batch or its error), for the position.
+    handed: usize,
+    /// Whether an error was handed out (the host epoch may have ended after it).
+    failed: bool,
+    next: usize,
+    total: usize,
+    rx: Option<Receiver<Staged>>,
+    done: BTreeMap<usize, Result<ImageBatch>>,
+    stage: Arc<Stage>,
+    threads: Vec<JoinHandle<Option<ImageDecoder>>>,
+    timeout: Duration,
+}
+
+impl Run {
+    fn new(
+        epoch: u64,
+        start: u64,
+        total: usize,
+        rx: Receiver<Staged>,
+        stage: Arc<Stage>,
+        threads: Vec<JoinHandle<Option<ImageDecoder>>>,
+        timeout: Duration,
+    ) -> Self {
+        Run {
+            epoch,
+            start,
+            handed: 0,
+            failed: false,
+            next: 0,
+            total,
+            rx: Some(rx),
+            done: BTreeMap::new(),
+            stage,
+            threads,
+            timeout,
+        }
+    }
+
+    fn next(&mut self) -> Option<Result<ImageBatch>> {
+        if self.next >= self.total {
+            return None;
+        }
+        let rx = self.rx.as_ref()?;
+        let t = Instant::now();
+        // The host batch's own wait is bounded by the host loader's timeout; its decode by
+        // this one.
+        let bound = self.timeout.saturating_mul(2);
+        let found = loop {
+            if let Some(b) = self.done.remove(&self.next) {
+                break b;
+            }
+            match rx.recv_timeout(bound.saturating_sub(t.elapsed())) {
+                Ok((seq, b)) => {
+                    self.done.insert(seq, b);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let batch = self.next;
+                    self.next = self.total;
+                    return Some(Err(Error::BatchTimeout {
+                        batch,
+                        ms: bound.as_millis(),
+                    }));
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // The host epoch ended early (after an error handed out already, or its
+                    // workers stopped): nothing more comes.
+                    self.next = self.total;
+                    return (!self.failed).then_some(Err(Error::WorkersStopped));
+                }
+            }
+        };
+        self.next += 1;
+        self.handed = self.next;
+        self.failed |= found.is_err();
+        Some(found)
+    }
+
+    /// Stops the threads (each finishes the batch in hand; one stuck past twice the batch
+    /// timeout is left behind) and gives back the host loader and the decoders (once: a
+    /// second call finds nothing).
+    fn stop(&mut self) -> (Option<BatchLoader>, Vec<ImageDecoder>) {
+        self.next = self.total;
+        self.stage.stop.store(true, Ordering::Relaxed);
+        // A thread blocked sending sees the channel closed.
+        drop(self.rx.take());
+        self.done.clear();
+        let deadline = Instant::now() + self.timeout.saturating_mul(2);
+        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut decoders = Vec::new();
+        for t in self.threads.drain(..) {
+            if !t.is_finished() {
+                tracing::warn!(
+                    "an image decode thread is still busy after the timeout; left behind"
+                );
+                continue;
+            }
+            match t.join() {
+                Ok(Some(d)) => decoders.push(d),
+                Ok(None) => {}
+                Err(_) => tracing::warn!("an image decode thread panicked: its decoder is lost"),
+            }
+        }
+        let inner = self
+            .stage
+            .feed
+            .try_lock_for(Duration::from_millis(100))
+            .and_then(|mut f| f.epoch.take())
+            .map(OwnedEpoch::into_loader);
+        (inner, decoders)
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        // What `ImageLoader::finish` did not take back is dropped here.
+        drop(self.stop());
+    }
+}
+
+/// A decode thread: takes the next host batch in order, decodes and augments it, sends it;
+/// ends with the epoch or when stopped, giving its decoder back.
+fn decode_thread(
+    stage: &Stage,
+    work: &Work,
+    tx: &SyncSender<Staged>,
+    mut decoder: Option<ImageDecoder>,
+    gpu: Option<&Gpu>,
+) -> Option<ImageDecoder> {
+    if let Some(gpu) = gpu
+        && let Err(e) = gpu.context().bind_to_thread()
+    {
+        tracing::warn!("an image decode thread could not use the GPU's context: {e:?}");
+    }
+    loop {
+        if stage.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let (seq, host) = {
+            let mut feed = stage.feed.lock();
+            let Some(epoch) = feed.epoch.as_mut() else {
+                break;
+            };
+            let Some(host) = epoch.next() else { break };
+            let seq = feed.seq;
+            feed.seq += 1;
+            (seq, host)
+        };
+        // A panic here is a bug, not a bad file (the decoder's panics are caught): that batch's
+        // error, and the thread goes on.
+        let made = host.and_then(|b| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                images_of_batch(work, &b, decoder.as_mut())
+            }))
+            .unwrap_or_else(|p| {
+                Err(Error::invalid(format!(
+                    "decoding batch {} panicked: {}",
+                    b.number,
+                    crate::gather::panic_message(&*p)
+                )))
+            })
+        });
+        if tx.send((seq, made)).is_err() {
+            break;
+        }
+    }
+    decoder
+}
+
+/// The images of host batch `b`, decoded and augmented (on the GPU with `decoder`, else on
+/// the CPU).
+fn images_of_batch(
+    work: &Work,
+    b: &Batch,
+    decoder: Option<&mut ImageDecoder>,
+) -> Result<ImageBatch> {
+    let BatchData::Host(buf) = &b.data else {
+        return Err(Error::invalid(
+            "an image loader's host batch is on the GPU".into(),
+        ));
+    };
+    let opts = &work.opts;
+    let ds = &*work.records;
+    // Each record's JPEG and label, or why it has none.
+    let mut jpegs: Vec<&[u8]> = Vec::with_capacity(b.indices.len());
+    let mut from: Vec<usize> = Vec::with_capacity(b.indices.len());
+    let mut labels_of: Vec<u32> = Vec::with_capacity(b.indices.len());
+    let mut bad: Vec<(usize, ImageError)> = Vec::new();
+    for (k, &i) in b.indices.iter().enumerate() {
+        let bytes = buf.get(b.offsets[k]..b.offsets[k + 1]).unwrap_or(&[]);
+        match image_of(ds, i, bytes) {
+            Ok((jpeg, label)) => {
+                jpegs.push(jpeg);
+                from.push(k);
+                labels_of.push(b.labels.get(k).copied().or(label).unwrap_or(u32::MAX));
+            }
+            Err(e) => bad.push((k, e)),
+        }
+    }
+    let name_of = |k: usize| record_name(ds, b.indices[k]);
+    let mut skipped = Vec::new();
+    if let Some((k, e)) = bad.first().cloned() {
+        match opts.on_bad {
+            OnBadImage::Error => return Err(e.named(name_of(k))),
+            OnBadImage::Skip => skipped.extend(bad.into_iter().map(|(k, reason)| SkippedImage {
+                name: name_of(k),
+                reason,
+            })),
+        }
+    }
+    let name = |j: usize| name_of(from[j]);
+    let record = |j: usize| b.indices[from[j]] as u64;
+    let augmentation = opts.augmentation;
+    let epoch = work.epoch;
+    let choose = |j: usize, w: u32, h: u32| augmentation.choose(epoch, record(j), w, h);
+    let (data, kept, more) = match decoder {
+        Some(decoder) => {
+            let mut choose = choose;
+            let out = decoder.decode_augmented(
+                &jpegs,
+                &name,
+                opts.on_bad,
+                &mut choose,
+                opts.width,
+                opts.height,
+                opts.layout,
+            )?;
+            (out.buffer.map(ImageData::Device), out.kept, out.skipped)
+        }
+        None => {
+            let (pixels, kept, skipped) = augment_on_cpu(
+                &jpegs,
+                &name,
+                opts.on_bad,
+                &choose,
+                (opts.width, opts.height),
+                opts.layout,
+            )?;
+            let data = (!kept.is_empty()).then_some(ImageData::Host(pixels));
+            (data, kept, skipped)
+        }
+    };
+    skipped.extend(more);
+    Ok(ImageBatch {
+        epoch: b.epoch,
+        number: b.number,
+        indices: kept.iter().map(|&j| b.indices[from[j]]).collect(),
+        labels: kept.iter().map(|&j| labels_of[j]).collect(),
+        skipped,
+        width: opts.width,
+        height: opts.height,
+        layout: opts.layout,
+        data,
+    })
+}
+
+/// Record `i`'s JPEG within its bytes `bytes` (as a batch holds them: a tar sample's members
+/// back to back in the order stored) and its label where the record carries one (a sample's
+/// `.cls`); or why it has no image.
+fn image_of<'b>(
+    ds: &Dataset,
+    i: usize,
+    bytes: &'b [u8],
+) -> std::result::Result<(&'b [u8], Option<u32>), ImageError> {
+    let sample = match ds {
+        Dataset::Records(r) => r.sample(i),
+        Dataset::Shards(s) => s
+            .locate(i)
+            .and_then(|(f, j)| s.shards().get(f).and_then(|r| r.sample(j))),
+        Dataset::Folder(_) => None,
+    };
+    let Some(sample) = sample else {
+        return Ok((bytes, None));
+    };
+    let mut at = 0usize;
+    let (mut image, mut label) = (None, None);
+    for (ext, range) in &sample.members {
+        let member = bytes.get(at..at + range.len()).unwrap_or(&[]);
+        at += range.len();
+        match ext.to_ascii_lowercase().as_str() {
+            "jpg" | "jpeg" => image = Some(member),
+            "cls" => {
+                let text = std::str::from_utf8(member).unwrap_or("").trim();
+                label = Some(text.parse::<u32>().map_err(|_| ImageError::Sample {
+                    reason: format!(
+                        "its .cls member is not a class number: {:?}",
+                        String::from_utf8_lossy(&member[..member.len().min(32)])
+                    ),
+                })?);
+            }
+            _ => {}
+        }
+    }
+    let image = image.ok_or_else(|| ImageError::Sample {
+        reason: format!(
+            "the sample has no .jpg or .jpeg member (its members: {})",
+            sample
+                .members
+                .iter()
+                .map(|(e, _)| format!(".{e}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    })?;
+    Ok((image, label))
+}
+
+/// Record `i`'s name in errors: its file's path, or its tar shard and sample key.
+fn record_name(ds: &Dataset, i: usize) -> String {
+    let file_record = |r: &crate::RecordFile, j: usize| match r.sample(j) {
+        Some(s) => format!("{}:{}", r.path().display(), s.key),
+        None => format!("{} record {j}", r.path().display()),
+    };
+    match ds {
+        Dataset::Folder(f) => f
+            .files()
+            .paths()
+            .get(i)
+            .map_or_else(|| format!("sample {i}"), |p| p.display().to_string()),
+        Dataset::Records(r) => file_record(r, i),
+        Dataset::Shards(s) => match s.locate(i) {
+            Some((f, j)) => file_record(&s.shards()[f], j),
+            None => format!("record {i}"),
+        },
+    }
+}
+
+/// The host path of [`ImageDecoder::decode_augmented`]: each of `jpegs` decoded on the CPU,
+/// cropped and mirrored as `choose(index, width, height)` says, resized to `size` (width,
+/// height) by the CPU reference ([`resize_crop`]) and laid out as `layout`, by the machine's
+/// threads; returns the images back to back, the index of each kept, those skipped.
+pub(crate) fn augment_on_cpu(
+    jpegs: &[&[u8]],
+    name: &(dyn Fn(usize) -> String + Sync),
+    policy: OnBadImage,
+    choose: &(dyn Fn(usize, u32, u32) -> (Crop, bool) + Sync),
+    size: (u32, u32),
+    layout: Layout,
+) -> Result<(Vec<u8>, Vec<usize>, Vec<SkippedImage>)> {
+    let (width, height) = size;
+    let one = |i: usize| -> std::result::Result<Vec<u8>, ImageError> {
+        let image = decode_jpeg(jpegs[i])?;
+        let (crop, flip) = choose(i, image.width, image.height);
+        let values = resize_crop(
+            &image.pixels,
+            image.width,
+            image.height,
+            crop,
+            width,
+            height,
+            flip,
+        )
+        .map_err(|e| ImageError::Corrupt {
+            reason: e.to_string(),
+        })?;
+        Ok(match layout {
+            Layout::U8Hwc => to_u8(&values),
+            Layout::F32Chw { mean, std } => normalize_chw(&values, width, height, mean, std)
+                .map_err(|e| ImageError::Corrupt {
+                    reason: e.to_string(),
+                })?
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+        })
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jpegs.len())
+        .max(1);
+    let per = jpegs.len().div_ceil(threads).max(1);
+    let results: Vec<std::result::Result<Vec<u8>, ImageError>> = std::thread::scope(|scope| {
+        let parts: Vec<_> = (0..jpegs.len())
+            .step_by(per)
+            .map(|lo| {
+                let one = &one;
+                scope.spawn(move || {
+                    (lo..(lo + per).min(jpegs.len()))
+                        .map(one)
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| {
+                p.join().unwrap_or_else(|_| {
+                    vec![
+                        Err(ImageError::DecoderPanicked {
+                            message: "a decoding thread panicked".into()
+                        });
+                        per
+                    ]
+                })
+            })
+            .take(jpegs.len())
+            .collect()
+    });
+    let mut pixels = Vec::with_capacity(layout.image_bytes(width, height) * jpegs.len());
+    let (mut kept, mut skipped) = (Vec::new(), Vec::new());
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(p) => {
+                pixels.extend_from_slice(&p);
+                kept.push(i);
+            }
+            Err(e) => match policy {
+                OnBadImage::Error => return Err(e.named(name(i))),
+                OnBadImage::Skip => skipped.push(SkippedImage {
+                    name: name(i),
+                    reason: e,
+                }),
+            },
+        }
+    }
+    Ok((pixels, kept, skipped))
+}
