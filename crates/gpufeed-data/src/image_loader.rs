@@ -722,28 +722,25 @@ fn images_of_batch(
         }
     }
     let name_of = |k: usize| record_name(ds, b.indices[k]);
-    let mut skipped = Vec::new();
-    if let Some((k, e)) = bad.first().cloned() {
-        match opts.on_bad {
-            OnBadImage::Error => return Err(e.named(name_of(k))),
-            OnBadImage::Skip => skipped.extend(bad.into_iter().map(|(k, reason)| SkippedImage {
-                name: name_of(k),
-                reason,
-            })),
-        }
-    }
+    // Where there are records without an image, the decode skips what it cannot decode, so
+    // that the policy applies to the first bad record of the batch, whichever step found it.
+    let policy = if bad.is_empty() {
+        opts.on_bad
+    } else {
+        OnBadImage::Skip
+    };
     let name = |j: usize| name_of(from[j]);
     let record = |j: usize| b.indices[from[j]] as u64;
     let augmentation = opts.augmentation;
     let epoch = work.epoch;
     let choose = |j: usize, w: u32, h: u32| augmentation.choose(epoch, record(j), w, h);
-    let (data, kept, more) = match decoder {
+    let (data, kept, skipped) = match decoder {
         Some(decoder) => {
             let mut choose = choose;
             let out = decoder.decode_augmented(
                 &jpegs,
                 &name,
-                opts.on_bad,
+                policy,
                 &mut choose,
                 opts.width,
                 opts.height,
@@ -755,7 +752,7 @@ fn images_of_batch(
             let (pixels, kept, skipped) = augment_on_cpu(
                 &jpegs,
                 &name,
-                opts.on_bad,
+                policy,
                 &choose,
                 (opts.width, opts.height),
                 opts.layout,
@@ -764,7 +761,28 @@ fn images_of_batch(
             (data, kept, skipped)
         }
     };
-    skipped.extend(more);
+    let skipped = if bad.is_empty() {
+        skipped
+    } else {
+        // The decode's skipped images are those it did not keep, in order.
+        let mut not_kept = (0..jpegs.len()).filter(|j| kept.binary_search(j).is_err());
+        let mut all: Vec<(usize, SkippedImage)> = skipped
+            .into_iter()
+            .filter_map(|s| not_kept.next().map(|j| (from[j], s)))
+            .chain(bad.into_iter().map(|(k, reason)| {
+                let name = name_of(k);
+                (k, SkippedImage { name, reason })
+            }))
+            .collect();
+        all.sort_by_key(|(k, _)| *k);
+        let mut all = all.into_iter().map(|(_, s)| s);
+        if opts.on_bad == OnBadImage::Error
+            && let Some(first) = all.next()
+        {
+            return Err(first.reason.named(first.name));
+        }
+        all.collect()
+    };
     Ok(ImageBatch {
         epoch: b.epoch,
         number: b.number,

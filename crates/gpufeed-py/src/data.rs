@@ -42,7 +42,7 @@ pub struct Batch {
 /// How the records of a data set come out as arrays: fixed-size records as `[records,
 /// record_bytes]` bytes, `.npy` rows as `[records, *row shape]` of their dtype; others 1-D.
 #[derive(Clone, Default)]
-struct RowLayout {
+pub(crate) struct RowLayout {
     record_bytes: usize,
     /// `.npy` rows: the dtype (safetensors name) and the shape of a row.
     typed: Option<(&'static str, Vec<i64>)>,
@@ -113,7 +113,7 @@ fn row_layout(files: &[&RecordFile], record_bytes: Option<usize>) -> RowLayout {
 
 /// `paths` with every object URL among them fetched into `cache` (in order; a version already
 /// there is not fetched again) and replaced by its local file, which the loader maps.
-fn local_shards(
+pub(crate) fn local_shards(
     paths: Vec<PathBuf>,
     cache: Option<&std::path::Path>,
 ) -> gpufeed::Result<Vec<PathBuf>> {
@@ -153,7 +153,7 @@ fn local_shards(
 
 /// The data set `BatchLoader` reads: shards (`paths` a list, or one path with a glob pattern),
 /// an image folder (a directory), or one record file; and how its rows come out.
-fn open_dataset(
+pub(crate) fn open_dataset(
     paths: &[PathBuf],
     record_bytes: Option<usize>,
     index: Option<&std::path::Path>,

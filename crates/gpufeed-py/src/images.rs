@@ -239,7 +239,7 @@ pub fn decode_augmented(
     ratio: (f64, f64),
     fraction: f64,
 ) -> PyResult<Augmented> {
-    use gpufeed::dataset::{Layout, center_crop, random_flip, random_resized_crop};
+    use gpufeed::dataset::{Augmentation, Layout};
 
     if indices.len() != blobs.len() {
         return Err(GpufeedError::new_err(format!(
@@ -248,8 +248,14 @@ pub fn decode_augmented(
             indices.len()
         )));
     }
-    // The ranges are checked once here, so that the choice below cannot fail.
-    random_resized_crop(2, 2, scale, ratio, 0, 0, 0).map_err(py_err)?;
+    let augmentation = if train {
+        Augmentation::Train { seed, scale, ratio }
+    } else {
+        Augmentation::Eval {
+            crop_fraction: fraction,
+        }
+    };
+    augmentation.check().map_err(py_err)?;
     let policy = if skip {
         OnBadImage::Skip
     } else {
@@ -265,16 +271,7 @@ pub fn decode_augmented(
     let loader = shared_loader(py, device)?;
     let gpu = loader.gpu().clone();
     let _context = gpufeed::cuda::ContextGuard::new();
-    let mut choose = |i: usize, w: u32, h: u32| {
-        let index = indices[i];
-        if train {
-            let crop = random_resized_crop(w, h, scale, ratio, seed, epoch, index)
-                .unwrap_or_else(|_| center_crop(w, h, 1.0));
-            (crop, random_flip(seed, epoch, index))
-        } else {
-            (center_crop(w, h, fraction), false)
-        }
-    };
+    let mut choose = |i: usize, w: u32, h: u32| augmentation.choose(epoch, indices[i], w, h);
     let batch = py
         .detach(|| {
             with_decoder(&gpu, |decoder| {

@@ -22,7 +22,8 @@
 //! `checkpoints` (safetensors checkpoints as the Python layer takes them), `on_demand`
 //! (`OnDemand`: tensors one at a time out of registered files), `safe_open` (what the drop-in
 //! `safe_open` stands on: files opened once, host mappings, slices, prefetches), `multi` (several GPUs, `torchrun` ranks), `data` (`BatchLoader`, data
-//! set detection, epochs), `machine` (`doctor`, `advise`), `errors` and `context`.
+//! set detection, epochs), `images` (`decode_jpegs`, `decode_batch`'s native half), `image_loader`
+//! (`ImageLoader`: decoded, augmented batches of image folders and shards), `machine` (`doctor`, `advise`), `errors` and `context`.
 //!
 //! Depends on `gpufeed` (the facade) only.
 //!
@@ -39,6 +40,7 @@ mod checkpoints;
 mod context;
 mod data;
 mod errors;
+mod image_loader;
 mod images;
 mod into;
 mod loads;
@@ -53,6 +55,7 @@ use pyo3::prelude::*;
 
 pub use array::{Array, dlpack_dtype};
 pub use data::{Batch, BatchLoader, EpochIter};
+pub use image_loader::{ImageEpochIter, ImageLoader};
 pub use loads::{Loader, RegisteredFile};
 pub use on_demand::OnDemand;
 pub use safe_open::{NativePrefetch, PrefetchIter, SafeFile};
@@ -84,6 +87,8 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Batch>()?;
     m.add_class::<BatchLoader>()?;
     m.add_class::<EpochIter>()?;
+    m.add_class::<ImageLoader>()?;
+    m.add_class::<ImageEpochIter>()?;
     m.add_class::<OnDemand>()?;
     m.add_class::<RegisteredFile>()?;
     m.add_class::<SafeFile>()?;

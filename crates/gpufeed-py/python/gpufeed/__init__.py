@@ -38,7 +38,7 @@ from ._gpufeed import (  # noqa: F401  (re-exported)
     empty_cache,
 )
 from . import torch  # noqa: F401  (gpufeed.torch.load_file)
-from ._images import decode_batch, decode_jpegs
+from ._images import ImageEpoch, ImageLoader, decode_batch, decode_jpegs
 from ._into import IncompatibleKeys, _load_cast, load_into
 from ._patch import is_patched, patch_safetensors, unpatch_safetensors
 from ._safe_open import PrefetchLoader, SafetensorError, TensorMeta, device_ordinal, safe_open
@@ -49,6 +49,8 @@ __all__ = [
     "Batch",
     "BatchLoader",
     "GpufeedError",
+    "ImageEpoch",
+    "ImageLoader",
     "IncompatibleKeys",
     "Loader",
     "NoGpuError",

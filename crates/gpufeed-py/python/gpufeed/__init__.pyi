@@ -30,6 +30,8 @@ __all__ = [
     "Batch",
     "BatchLoader",
     "GpufeedError",
+    "ImageEpoch",
+    "ImageLoader",
     "IncompatibleKeys",
     "Loader",
     "NoGpuError",
@@ -90,6 +92,49 @@ def decode_batch(
     crop_fraction: float = 0.875,
     on_error: Literal["raise", "skip"] = "raise",
 ) -> tuple[Tensor, list[int]]: ...
+
+class ImageLoader:
+    def __init__(
+        self,
+        path: _Path | Sequence[_Path],
+        batch_size: int = 256,
+        size: int | tuple[int, int] = 224,
+        *,
+        train: bool = True,
+        seed: int = 0,
+        shuffle: bool = True,
+        device: Any = 0,
+        workers: int = 4,
+        decoders: int = 2,
+        dtype: Any = None,
+        mean: Sequence[float] = (0.485, 0.456, 0.406),
+        std: Sequence[float] = (0.229, 0.224, 0.225),
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (0.75, 1.3333333333333333),
+        crop_fraction: float = 0.875,
+        on_error: Literal["raise", "skip"] = "raise",
+        drop_last: bool = False,
+        global_batch: int | None = None,
+        prefetch: int | None = None,
+        cache: _Path | None = None,
+    ) -> None: ...
+    @property
+    def classes(self) -> list[str]: ...
+    @property
+    def cpu_only(self) -> str | None: ...
+    @property
+    def skipped(self) -> list[tuple[str, str]]: ...
+    def __len__(self) -> int: ...
+    def epoch(self, epoch: int) -> ImageEpoch: ...
+    def resume(self, position: dict[str, Any]) -> ImageEpoch: ...
+
+class ImageEpoch:
+    def __init__(self, loader: ImageLoader, native: Any) -> None: ...
+    @property
+    def indices(self) -> list[int]: ...
+    def __iter__(self) -> ImageEpoch: ...
+    def __next__(self) -> tuple[Tensor, Tensor]: ...
+    def position(self) -> dict[str, Any]: ...
 
 class Loader:
     def __init__(

@@ -26,6 +26,8 @@ __all__ = [
     "Batch",
     "BatchLoader",
     "EpochIter",
+    "ImageLoader",
+    "ImageEpochIter",
     "OnDemand",
     "RegisteredFile",
     "SafeFile",
@@ -206,6 +208,66 @@ class EpochIter:
     def position(self) -> dict[str, Any]:
         """Where the run is after the batches handed out so far (a JSON-ready dict for
         ``BatchLoader.resume``); only for an elastic loader (``global_batch=``)."""
+
+@final
+class ImageLoader:
+    """Batches of decoded, cropped, resized (mirrored, normalized) images of an image folder,
+    a WebDataset tar or shards of them, on GPU ``device`` (nvJPEG) or, with ``device=None``, on
+    the CPU (``gpufeed.ImageLoader`` makes torch tensors of what it yields)."""
+
+    def __new__(
+        cls,
+        path: _Path | Sequence[_Path],
+        batch_size: int = 256,
+        height: int = 224,
+        width: int = 224,
+        train: bool = True,
+        seed: int = 0,
+        shuffle: bool = True,
+        device: int | None = None,
+        workers: int = 4,
+        decoders: int = 2,
+        normalize: bool = False,
+        mean: Sequence[float] = ...,
+        std: Sequence[float] = ...,
+        scale: tuple[float, float] = ...,
+        ratio: tuple[float, float] = ...,
+        crop_fraction: float = 0.875,
+        skip: bool = False,
+        drop_last: bool = False,
+        global_batch: int | None = None,
+        prefetch: int | None = None,
+        cache: _Path | None = None,
+    ) -> ImageLoader: ...
+    @property
+    def classes(self) -> list[str]:
+        """An image folder's class names, in label order; empty for shards."""
+    @property
+    def cpu_only(self) -> str | None:
+        """Why images decode on the CPU (``None`` where nvJPEG decodes them)."""
+    @property
+    def size(self) -> tuple[int, int]:
+        """Output ``(height, width)``."""
+    @property
+    def normalize(self) -> bool:
+        """Whether batches are normalized ``f32`` ``[n, 3, h, w]`` (else ``uint8`` NHWC)."""
+    def __len__(self) -> int: ...
+    def epoch(self, epoch: int) -> ImageEpochIter:
+        """The batches of epoch ``epoch``; one epoch at a time."""
+    def resume(self, position: dict[str, Any]) -> ImageEpochIter:
+        """The rest of an epoch from ``position`` (needs ``global_batch=``)."""
+
+@final
+class ImageEpochIter:
+    """The batches of one epoch of an ``ImageLoader``: ``(images or None, record indices,
+    labels (``0xFFFFFFFF``: none), skipped as (name, reason))``."""
+
+    def __iter__(self) -> ImageEpochIter: ...
+    def __next__(
+        self,
+    ) -> tuple[Array | None, list[int], list[int], list[tuple[str, str]]]: ...
+    def position(self) -> dict[str, Any]:
+        """Where the run is after the batches handed out so far (an elastic loader's)."""
 
 def load_file(path: _Path, device: int = 0) -> Array: ...
 def decode_jpegs(

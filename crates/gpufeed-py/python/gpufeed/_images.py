@@ -1,7 +1,8 @@
 """``decode_jpegs``: JPEG files' bytes decoded into ``uint8`` ``[height, width, 3]`` torch
 tensors (interleaved RGB), on a GPU by nvJPEG (its hardware decoder engines where the GPU has
 them) or on the CPU; ``decode_batch``: a training or evaluation batch decoded, cropped,
-resized (antialiased), mirrored and normalized on a GPU, as one tensor."""
+resized (antialiased), mirrored and normalized on a GPU, as one tensor; ``ImageLoader``: such
+batches of an image folder or WebDataset shards, epoch after epoch, with their labels."""
 
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -113,13 +114,7 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
     if ordinal is None:
         raise ValueError(f"device {device!r} is invalid: decode_batch runs on a GPU "
                          "('cuda', 'cuda:N' or N); decode_jpegs decodes on the CPU")
-    if isinstance(size, int):
-        height = width = size
-    else:
-        height, width = (int(v) for v in size)
-    if not (0 < height <= 16384 and 0 < width <= 16384):
-        raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
-                         "at most 16384")
+    height, width = _size(size)
     if len(mean) != 3 or len(std) != 3 or any(not float(v) for v in std):
         raise ValueError(f"mean {tuple(mean)!r} and std {tuple(std)!r}: give three values "
                          "each, std not 0")
@@ -147,3 +142,171 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
     if floating and dtype != torch.float32:
         out = out.to(dtype)
     return out, kept
+
+
+def _size(size) -> Tuple[int, int]:
+    """``size`` (an int, or ``(height, width)``) as ``(height, width)``, checked."""
+    if isinstance(size, int):
+        height = width = size
+    else:
+        height, width = (int(v) for v in size)
+    if not (0 < height <= 16384 and 0 < width <= 16384):
+        raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
+                         "at most 16384")
+    return height, width
+
+
+class ImageLoader:
+    """Training (or evaluation) batches of JPEGs, decoded, cropped, resized (antialiased),
+    mirrored and normalized on a GPU: iterate ``loader.epoch(n)`` for ``(images, labels)``.
+
+    ``path``: an image folder in torchvision ``ImageFolder``'s layout (``root/<class>/...``: the
+    class folders sorted by name give the labels), a WebDataset ``.tar`` shard, a glob pattern or
+    a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
+    where it has none); shards in object storage (``s3://``, ``https://``) are fetched into the
+    directory ``cache`` first.
+
+    Each batch: ``batch_size`` records in the sampler's order (``shuffle`` with ``seed``, sharded
+    by ``RANK``/``WORLD_SIZE``; ``global_batch=G`` makes it elastic: ``position()`` and
+    ``resume()`` as ``BatchLoader``'s), read by ``workers`` threads ahead of use and decoded by
+    ``decoders`` threads, each with its own nvJPEG handle and CUDA stream (its hardware engines
+    where the GPU has them; what nvJPEG refuses, on the CPU). With ``train``, torchvision's
+    ``RandomResizedCrop(size, scale, ratio)`` and ``RandomHorizontalFlip()``, drawn from
+    ``seed``, the epoch and the record's index alone — the same image gets the same crop
+    whatever the worker count or world size; else the central crop of ``crop_fraction`` of the
+    shorter side. ``images``: ``uint8`` ``[n, H, W, 3]`` (``dtype`` ``None`` or
+    ``torch.uint8``), or a floating ``dtype`` ``[n, 3, H, W]`` normalized with ``mean`` and
+    ``std``; ``labels``: ``int64`` ``[n]``, on the same device. The tensors are ready on every
+    stream when yielded.
+
+    ``device``: a GPU (``N``, ``"cuda:N"``, a ``torch.device``), or ``None``/``"cpu"`` to decode
+    on the CPU (zune-jpeg, every core) into host tensors. ``on_error``: a file that is no
+    decodable JPEG (corrupt, truncated, PNG, CMYK) raises ``gpufeed.GpufeedError`` naming it
+    (``"raise"``), or is left out of its batch (``"skip"``: the batch is smaller; ``skipped``
+    lists ``(name, reason)``).
+
+    Example::
+
+        loader = gpufeed.ImageLoader("imagenet/train", batch_size=256, size=224, seed=1,
+                                     device=0, dtype=torch.float32)
+        for epoch in range(90):
+            for images, labels in loader.epoch(epoch):  # [256, 3, 224, 224] on cuda:0
+                loss = criterion(model(images), labels)
+    """
+
+    def __init__(self, path: Any, batch_size: int = 256, size: Any = 224, *,
+                 train: bool = True, seed: int = 0, shuffle: bool = True, device: Any = 0,
+                 workers: int = 4, decoders: int = 2, dtype: Any = None,
+                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 scale: Tuple[float, float] = (0.08, 1.0),
+                 ratio: Tuple[float, float] = (3 / 4, 4 / 3), crop_fraction: float = 0.875,
+                 on_error: str = "raise", drop_last: bool = False,
+                 global_batch: Optional[int] = None, prefetch: Optional[int] = None,
+                 cache: Any = None):
+        import torch
+
+        if on_error not in _POLICIES:
+            raise ValueError(f"on_error {on_error!r} is invalid: use 'raise' or 'skip'")
+        try:
+            ordinal = device_ordinal(device)
+        except SafetensorError:
+            raise ValueError(f"device {device!r} is invalid: 'cuda', 'cuda:N', N, or None/'cpu' "
+                             "to decode on the CPU") from None
+        height, width = _size(size)
+        if len(mean) != 3 or len(std) != 3 or any(not float(v) for v in std):
+            raise ValueError(f"mean {tuple(mean)!r} and std {tuple(std)!r}: give three values "
+                             "each, std not 0")
+        if not 0.0 < float(crop_fraction) <= 1.0:
+            raise ValueError(f"crop_fraction {crop_fraction!r} is invalid: give a value in (0, 1]")
+        if batch_size < 1 or workers < 1 or decoders < 1:
+            raise ValueError("batch_size, workers and decoders must be at least 1")
+        floating = dtype is not None and dtype != torch.uint8
+        if floating and not dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype} is invalid: torch.uint8 (NHWC) or a floating dtype")
+        self._dtype = dtype if floating else torch.uint8
+        self._device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
+        if isinstance(path, (list, tuple)):
+            path = [str(p) for p in path]
+        else:
+            path = str(path)
+        self._native = _gpufeed.ImageLoader(
+            path, batch_size, height, width, bool(train), int(seed), bool(shuffle), ordinal,
+            int(workers), int(decoders), floating, [float(v) for v in mean],
+            [float(v) for v in std], (float(scale[0]), float(scale[1])),
+            (float(ratio[0]), float(ratio[1])), float(crop_fraction), on_error == "skip",
+            bool(drop_last), global_batch, prefetch, None if cache is None else str(cache))
+        self._skipped: List[Tuple[str, str]] = []
+
+    @property
+    def skipped(self) -> List[Tuple[str, str]]:
+        """The images left out so far (``on_error="skip"``), as ``(name, reason)``."""
+        return self._skipped
+
+    @property
+    def classes(self) -> List[str]:
+        """An image folder's class names, in label order (empty for shards)."""
+        return self._native.classes
+
+    @property
+    def cpu_only(self) -> Optional[str]:
+        """Why images decode on the CPU here (no GPU asked for, nvJPEG not installed), or
+        ``None`` where nvJPEG decodes them."""
+        return self._native.cpu_only
+
+    def __len__(self) -> int:
+        """Batches in an epoch (this rank's)."""
+        return len(self._native)
+
+    def epoch(self, epoch: int) -> "ImageEpoch":
+        """The batches of epoch ``epoch``; one epoch at a time (the next once this one has
+        ended or its iterator is dropped)."""
+        return ImageEpoch(self, self._native.epoch(int(epoch)))
+
+    def resume(self, position: Any) -> "ImageEpoch":
+        """The rest of an epoch from ``position`` (from ``ImageEpoch.position()``, maybe saved
+        by a run with another ``WORLD_SIZE``; needs ``global_batch=``)."""
+        return ImageEpoch(self, self._native.resume(position))
+
+
+class ImageEpoch:
+    """The batches of one epoch of an ``ImageLoader``: ``(images, labels)`` tensors.
+    ``indices`` holds the record indices of the last batch yielded."""
+
+    def __init__(self, loader: ImageLoader, native):
+        self._loader = loader
+        self._native = native
+        self._indices: List[int] = []
+
+    @property
+    def indices(self) -> List[int]:
+        """The record index of each image of the last batch yielded."""
+        return self._indices
+
+    def __iter__(self) -> "ImageEpoch":
+        return self
+
+    def __next__(self):
+        import torch
+
+        array, indices, labels, skipped = next(self._native)
+        loader = self._loader
+        self._indices = indices
+        loader._skipped.extend(skipped)
+        if array is None:
+            h, w = loader._native.size
+            shape = (0, 3, h, w) if loader._native.normalize else (0, h, w, 3)
+            images = torch.empty(shape, dtype=loader._dtype, device=loader._device)
+        else:
+            images = torch.from_dlpack(array)
+            if images.dtype != loader._dtype:
+                images = images.to(loader._dtype)
+        # u32::MAX (no label) as -1.
+        label = torch.tensor([-1 if v == 0xFFFFFFFF else v for v in labels], dtype=torch.int64)
+        if loader._device.type == "cuda":
+            label = label.to(loader._device, non_blocking=True)
+        return images, label
+
+    def position(self) -> dict:
+        """Where the run is after the batches yielded so far (a JSON-ready dict for
+        ``ImageLoader.resume``); only for an elastic loader (``global_batch=``)."""
+        return self._native.position()
