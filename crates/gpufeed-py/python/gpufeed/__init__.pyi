@@ -105,7 +105,7 @@ class ImageLoader:
         shuffle: bool = True,
         device: Any = 0,
         workers: int = 4,
-        decoders: int = 2,
+        decoders: int = 3,
         dtype: Any = None,
         mean: Sequence[float] = (0.485, 0.456, 0.406),
         std: Sequence[float] = (0.229, 0.224, 0.225),

@@ -226,7 +226,7 @@ class ImageLoader:
         shuffle: bool = True,
         device: int | None = None,
         workers: int = 4,
-        decoders: int = 2,
+        decoders: int = 3,
         normalize: bool = False,
         mean: Sequence[float] = ...,
         std: Sequence[float] = ...,

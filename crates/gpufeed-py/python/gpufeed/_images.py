@@ -196,7 +196,7 @@ class ImageLoader:
 
     def __init__(self, path: Any, batch_size: int = 256, size: Any = 224, *,
                  train: bool = True, seed: int = 0, shuffle: bool = True, device: Any = 0,
-                 workers: int = 4, decoders: int = 2, dtype: Any = None,
+                 workers: int = 4, decoders: int = 3, dtype: Any = None,
                  mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  scale: Tuple[float, float] = (0.08, 1.0),
                  ratio: Tuple[float, float] = (3 / 4, 4 / 3), crop_fraction: float = 0.875,
