@@ -284,3 +284,43 @@ def test_on_the_gpu_batches_are_torchvisions_decode_cropped_by_torch(tmp_path):
             r = r.flip(1) if flip else r
             diff = (img.float() - r).abs()
             assert diff.max().item() <= 1.0, f"record {i}: {diff.max().item()}"
+
+
+def test_without_nvjpeg_a_gpu_loader_says_why_and_decodes_on_the_cpu(tmp_path):
+    """nvJPEG missing (GPUFEED_NVJPEG_LIBRARY naming no file, in a child process: the library
+    is looked for once per process): the loader says so in ``cpu_only`` and its batches are the
+    CPU's decode, resized on the GPU (within one unit of the CPU reference)."""
+    import subprocess
+    import sys
+
+    np, torch, Image = _needs()
+    if not torch.cuda.is_available():
+        if REQUIRED:
+            raise AssertionError("GPUFEED_REQUIRE_GPU=1 but torch sees no CUDA device")
+        pytest.skip("torch sees no CUDA device")
+    samples = _folder(np, Image, str(tmp_path / "images"), per=3)
+    child = f"""
+import gpufeed, json, torch
+loader = gpufeed.ImageLoader({str(tmp_path / "images")!r}, batch_size=9, size=16, seed=2,
+                             device=0, shuffle=False)
+epoch = loader.epoch(0)
+x, y = next(epoch)
+torch.save(x.cpu(), {str(tmp_path / "x.pt")!r})
+print(json.dumps({{"cpu_only": loader.cpu_only, "device": str(x.device),
+                   "indices": epoch.indices, "labels": y.tolist()}}))
+"""
+    env = dict(os.environ, GPUFEED_NVJPEG_LIBRARY="/nonexistent/libnvjpeg.so.13")
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "/nonexistent/libnvjpeg.so.13" in got["cpu_only"], got["cpu_only"]
+    assert got["device"] == "cuda:0" and got["indices"] == list(range(9))
+    assert got["labels"] == [s[1] for s in samples]
+    x = torch.load(tmp_path / "x.pt")
+    for img, i in zip(x, got["indices"]):
+        want, _, _ = _reference(np, samples[i][2], i, 0, 2, 16, 16)
+        diff = (img.int() - torch.from_numpy(want).int()).abs()
+        assert diff.max().item() <= 1, f"record {i}: {diff.max().item()}"
