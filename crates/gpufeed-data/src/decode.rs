@@ -365,35 +365,43 @@ fn checked_header(jpeg: &[u8]) -> std::result::Result<(u32, u32), ImageError> {
 
 /// Each of `jpegs` decoded on the CPU, by the machine's threads.
 fn decode_all(jpegs: &[&[u8]]) -> Vec<std::result::Result<DecodedImage, ImageError>> {
+    per_image_on_threads(jpegs.len(), |i| decode_jpeg(jpegs[i]))
+}
+
+/// `one(i)` for each image `i` of `n`, on the machine's threads (a share of the images each),
+/// in order. A thread that panics (not the decoder: `decode_jpeg` catches its panics) has its
+/// images reported as [`ImageError::DecoderPanicked`].
+pub(crate) fn per_image_on_threads<T: Send>(
+    n: usize,
+    one: impl Fn(usize) -> std::result::Result<T, ImageError> + Sync,
+) -> Vec<std::result::Result<T, ImageError>> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
-        .min(jpegs.len());
+        .min(n);
     if threads <= 1 {
-        return jpegs.iter().map(|j| decode_jpeg(j)).collect();
+        return (0..n).map(one).collect();
     }
-    let per = jpegs.len().div_ceil(threads);
+    let per = n.div_ceil(threads);
+    let one = &one;
     std::thread::scope(|scope| {
-        let parts: Vec<_> = jpegs
-            .chunks(per)
-            .map(|part| {
-                scope.spawn(move || part.iter().map(|j| decode_jpeg(j)).collect::<Vec<_>>())
-            })
+        let parts: Vec<_> = (0..n)
+            .step_by(per)
+            .map(|lo| scope.spawn(move || (lo..(lo + per).min(n)).map(one).collect::<Vec<_>>()))
             .collect();
         parts
             .into_iter()
-            .flat_map(|p| {
+            .zip((0..n).step_by(per))
+            .flat_map(|(p, lo)| {
                 p.join().unwrap_or_else(|_| {
-                    // decode_jpeg catches the decoder's panics; a panic here is not one of
-                    // them, and the images of that share are reported as such.
-                    vec![
-                        Err(ImageError::DecoderPanicked {
-                            message: "a decoding thread panicked".into()
-                        });
-                        per
-                    ]
+                    (lo..(lo + per).min(n))
+                        .map(|_| {
+                            Err(ImageError::DecoderPanicked {
+                                message: "a decoding thread panicked".into(),
+                            })
+                        })
+                        .collect()
                 })
             })
-            .take(jpegs.len())
             .collect()
     })
 }

@@ -28,7 +28,7 @@ use gpufeed_cuda::cudarc::driver::CudaSlice;
 use parking_lot::Mutex;
 
 use crate::augment::{Augmentation, Crop, normalize_chw, resize_crop, to_u8};
-use crate::decode::{ImageDecoder, Layout};
+use crate::decode::{ImageDecoder, Layout, per_image_on_threads};
 use crate::epoch::OwnedEpoch;
 use crate::error::{Error, Result};
 use crate::images::{ImageError, OnBadImage, SkippedImage, decode_jpeg};
@@ -908,38 +908,7 @@ pub(crate) fn augment_on_cpu(
                 .collect(),
         })
     };
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(jpegs.len())
-        .max(1);
-    let per = jpegs.len().div_ceil(threads).max(1);
-    let results: Vec<std::result::Result<Vec<u8>, ImageError>> = std::thread::scope(|scope| {
-        let parts: Vec<_> = (0..jpegs.len())
-            .step_by(per)
-            .map(|lo| {
-                let one = &one;
-                scope.spawn(move || {
-                    (lo..(lo + per).min(jpegs.len()))
-                        .map(one)
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        parts
-            .into_iter()
-            .flat_map(|p| {
-                p.join().unwrap_or_else(|_| {
-                    vec![
-                        Err(ImageError::DecoderPanicked {
-                            message: "a decoding thread panicked".into()
-                        });
-                        per
-                    ]
-                })
-            })
-            .take(jpegs.len())
-            .collect()
-    });
+    let results = per_image_on_threads(jpegs.len(), one);
     let mut pixels = Vec::with_capacity(layout.image_bytes(width, height) * jpegs.len());
     let (mut kept, mut skipped) = (Vec::new(), Vec::new());
     for (i, r) in results.into_iter().enumerate() {

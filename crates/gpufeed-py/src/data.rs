@@ -17,8 +17,8 @@ use pyo3::prelude::*;
 use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cuda, device_address, dlpack_dtype};
 use crate::context::KeepContext;
+use crate::epochs::{Epoch, Slot, position_from};
 use crate::errors::py_err;
-use crate::machine::from_json;
 
 /// One batch: `data` (an array of the records' bytes back to back; shape `[records,
 /// record_bytes]` for fixed-size records), the record `indices`, the byte `offsets` of each
@@ -246,7 +246,7 @@ pub(crate) fn open_dataset(
 pub struct BatchLoader {
     /// The loader, while no epoch runs; a running epoch owns it and its `EpochIter` puts it
     /// back at the epoch's end or when dropped.
-    slot: Slot,
+    slot: Slot<gpufeed::dataset::BatchLoader>,
     gpu: Option<gpufeed::Gpu>,
     /// How records come out as arrays.
     rows: RowLayout,
@@ -364,46 +364,24 @@ impl BatchLoader {
     /// share. Needs `global_batch=` (an elastic loader) with the same seed and global batch,
     /// over the same data set. A position that does not fit raises here.
     fn resume(&self, py: Python<'_>, position: Bound<'_, PyAny>) -> PyResult<EpochIter> {
-        let text: String = py
-            .import("json")?
-            .call_method1("dumps", (position,))?
-            .extract()?;
-        let at: Position = serde_json::from_str(&text).map_err(|e| {
-            GpufeedError::new_err(format!(
-                "invalid setting: not a position (a dict from EpochIter.position()): {e}"
-            ))
-        })?;
+        let at = position_from(py, position)?;
         self.run(py, at.epoch, Some(at))
     }
 }
-
-/// Where a loader waits between epochs.
-type Slot = Arc<Mutex<Option<gpufeed::dataset::BatchLoader>>>;
 
 impl BatchLoader {
     /// Starts epoch `epoch` (from `at` when resuming): the loader moves into the returned
     /// iterator's epoch, which puts it back when it ends or is dropped.
     fn run(&self, py: Python<'_>, epoch: u64, at: Option<Position>) -> PyResult<EpochIter> {
-        let _context = gpufeed::cuda::ContextGuard::new();
-        let loader = self.slot.lock().take().ok_or_else(|| {
-            GpufeedError::new_err(
-                "an epoch is already running: iterate it to the end (or drop it) first",
-            )
-        })?;
-        let started = py.detach(|| match &at {
-            Some(at) => loader.into_resume(at),
-            None => loader.into_epoch(epoch),
-        });
-        let running = match started {
-            Ok(running) => running,
-            Err(NotStarted { error, loader }) => {
-                *self.slot.lock() = Some(*loader);
-                return Err(py_err(error));
+        let run = Epoch::start(py, &self.slot, |loader: gpufeed::dataset::BatchLoader| {
+            match &at {
+                Some(at) => loader.into_resume(at),
+                None => loader.into_epoch(epoch),
             }
-        };
+            .map_err(|NotStarted { error, loader }| Box::new((error, *loader)))
+        })?;
         Ok(EpochIter {
-            state: Mutex::new(State::Running(Box::new(running))),
-            slot: Arc::clone(&self.slot),
+            run,
             gpu: self.gpu.clone(),
             rows: self.rows.clone(),
             restore: KeepContext::default(),
@@ -411,32 +389,11 @@ impl BatchLoader {
     }
 }
 
-/// An epoch running, or ended with its last position (the loader back in its slot).
-enum State {
-    Running(Box<OwnedEpoch>),
-    Ended(Option<Position>),
-}
-
-impl State {
-    /// Ends the epoch, if it runs: its workers stop, the loader goes back to `slot`.
-    fn end(&mut self, slot: &Slot) {
-        let position = match self {
-            State::Running(e) => OwnedEpoch::position(e),
-            State::Ended(_) => return,
-        };
-        if let State::Running(e) = std::mem::replace(self, State::Ended(position)) {
-            *slot.lock() = Some(e.into_loader());
-        }
-    }
-}
-
 /// The batches of one epoch (see `BatchLoader.epoch`), straight from the loader's epoch; at
 /// its end, or when dropped, the loader is free for the next.
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct EpochIter {
-    state: Mutex<State>,
-    /// Where the loader goes back.
-    slot: Slot,
+    run: Epoch<OwnedEpoch>,
     gpu: Option<gpufeed::Gpu>,
     rows: RowLayout,
     /// Set when dropped, dropped last: see [`KeepContext`].
@@ -447,8 +404,7 @@ impl Drop for EpochIter {
     fn drop(&mut self) {
         self.restore.arm();
         // Mid-epoch: the workers finish the batch in hand, without the GIL held meanwhile.
-        let (state, slot) = (&mut self.state, &self.slot);
-        Python::attach(|py| py.detach(|| state.get_mut().end(slot)));
+        self.run.end();
     }
 }
 
@@ -462,37 +418,12 @@ impl EpochIter {
     /// model's checkpoint (JSON) and give to `BatchLoader.resume`; after the epoch's last batch,
     /// the start of the next epoch. Only for an elastic loader (`global_batch=`).
     fn position<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        // A `__next__` of another thread may hold the epoch while it waits for a batch.
-        let at = py
-            .detach(|| match &*self.state.lock() {
-                State::Running(e) => OwnedEpoch::position(e),
-                State::Ended(at) => *at,
-            })
-            .ok_or_else(|| {
-                GpufeedError::new_err(
-                    "invalid setting: positions are for elastic loaders: BatchLoader(..., \
-                     global_batch=N)",
-                )
-            })?;
-        let value = serde_json::to_value(at).map_err(|e| GpufeedError::new_err(e.to_string()))?;
-        from_json(py, &value)
+        self.run.position(py, "BatchLoader")
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
         let _context = gpufeed::cuda::ContextGuard::new();
-        let next = py.detach(|| {
-            let mut state = self.state.lock();
-            let State::Running(epoch) = &mut *state else {
-                return None;
-            };
-            let next = epoch.next();
-            if next.is_none() {
-                // The epoch's end: the loader goes back for the next one.
-                state.end(&self.slot);
-            }
-            next
-        });
-        let Some(batch) = next else {
+        let Some(batch) = self.run.next(py) else {
             return Err(PyStopIteration::new_err(()));
         };
         let b = batch.map_err(py_err)?;

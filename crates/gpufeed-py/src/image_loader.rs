@@ -17,18 +17,15 @@ use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cpu, cuda};
 use crate::context::KeepContext;
 use crate::data::{local_shards, open_dataset};
+use crate::epochs::{Epoch, Slot, position_from};
 use crate::errors::py_err;
-use crate::machine::from_json;
-
-/// Where a loader waits between epochs.
-type Slot = Arc<Mutex<Option<gpufeed::dataset::ImageLoader>>>;
 
 /// Batches of decoded, cropped, resized (mirrored, normalized) images of an image folder, a
 /// WebDataset tar, shards of them (a glob pattern or a list; `s3://` shards through `cache`),
 /// on GPU `device` (nvJPEG) or, with `device=None`, on the CPU. See `gpufeed.ImageLoader`.
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct ImageLoader {
-    slot: Slot,
+    slot: Slot<gpufeed::dataset::ImageLoader>,
     gpu: Option<gpufeed::Gpu>,
     batches: usize,
     /// An image folder's class names, in label order; empty for shards.
@@ -165,60 +162,21 @@ impl ImageLoader {
 
     /// The rest of an epoch from `position` (a dict from `ImageEpochIter.position()`).
     fn resume(&self, py: Python<'_>, position: Bound<'_, PyAny>) -> PyResult<ImageEpochIter> {
-        let text: String = py
-            .import("json")?
-            .call_method1("dumps", (position,))?
-            .extract()?;
-        let at: Position = serde_json::from_str(&text).map_err(|e| {
-            GpufeedError::new_err(format!(
-                "invalid setting: not a position (a dict from position()): {e}"
-            ))
-        })?;
+        let at = position_from(py, position)?;
         self.run(py, at.epoch, Some(at))
     }
 }
 
 impl ImageLoader {
     fn run(&self, py: Python<'_>, epoch: u64, at: Option<Position>) -> PyResult<ImageEpochIter> {
-        let _context = gpufeed::cuda::ContextGuard::new();
-        let loader = self.slot.lock().take().ok_or_else(|| {
-            GpufeedError::new_err(
-                "an epoch is already running: iterate it to the end (or drop it) first",
-            )
+        let run = Epoch::start(py, &self.slot, |loader: gpufeed::dataset::ImageLoader| {
+            loader.into_epoch(epoch, at.as_ref())
         })?;
-        let started = py.detach(|| loader.into_epoch(epoch, at.as_ref()));
-        let running = match started {
-            Ok(running) => running,
-            Err(not) => {
-                let (error, loader) = *not;
-                *self.slot.lock() = Some(loader);
-                return Err(py_err(error));
-            }
-        };
         Ok(ImageEpochIter {
-            state: Mutex::new(State::Running(Box::new(running))),
-            slot: Arc::clone(&self.slot),
+            run,
             gpu: self.gpu.clone(),
             restore: KeepContext::default(),
         })
-    }
-}
-
-/// An epoch running, or ended with its last position (the loader back in its slot).
-enum State {
-    Running(Box<OwnedImageEpoch>),
-    Ended(Option<Position>),
-}
-
-impl State {
-    fn end(&mut self, slot: &Slot) {
-        let position = match self {
-            State::Running(e) => OwnedImageEpoch::position(e),
-            State::Ended(_) => return,
-        };
-        if let State::Running(e) = std::mem::replace(self, State::Ended(position)) {
-            *slot.lock() = Some(e.into_loader());
-        }
     }
 }
 
@@ -236,17 +194,16 @@ type NextBatch = (
 /// free for the next.
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct ImageEpochIter {
-    state: Mutex<State>,
-    slot: Slot,
+    run: Epoch<OwnedImageEpoch>,
     gpu: Option<gpufeed::Gpu>,
+    /// Set when dropped, dropped last: see [`KeepContext`].
     restore: KeepContext,
 }
 
 impl Drop for ImageEpochIter {
     fn drop(&mut self) {
         self.restore.arm();
-        let (state, slot) = (&mut self.state, &self.slot);
-        Python::attach(|py| py.detach(|| state.get_mut().end(slot)));
+        self.run.end();
     }
 }
 
@@ -258,35 +215,12 @@ impl ImageEpochIter {
 
     /// Where the run is after the batches handed out so far (an elastic loader's), as a dict.
     fn position<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let at = py
-            .detach(|| match &*self.state.lock() {
-                State::Running(e) => OwnedImageEpoch::position(e),
-                State::Ended(at) => *at,
-            })
-            .ok_or_else(|| {
-                GpufeedError::new_err(
-                    "invalid setting: positions are for elastic loaders: ImageLoader(..., \
-                     global_batch=N)",
-                )
-            })?;
-        let value = serde_json::to_value(at).map_err(|e| GpufeedError::new_err(e.to_string()))?;
-        from_json(py, &value)
+        self.run.position(py, "ImageLoader")
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<NextBatch> {
         let _context = gpufeed::cuda::ContextGuard::new();
-        let next = py.detach(|| {
-            let mut state = self.state.lock();
-            let State::Running(epoch) = &mut *state else {
-                return None;
-            };
-            let next = epoch.next();
-            if next.is_none() {
-                state.end(&self.slot);
-            }
-            next
-        });
-        let Some(batch) = next else {
+        let Some(batch) = self.run.next(py) else {
             return Err(PyStopIteration::new_err(()));
         };
         let b = batch.map_err(py_err)?;

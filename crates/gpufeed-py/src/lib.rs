@@ -22,7 +22,7 @@
 //! `checkpoints` (safetensors checkpoints as the Python layer takes them), `on_demand`
 //! (`OnDemand`: tensors one at a time out of registered files), `safe_open` (what the drop-in
 //! `safe_open` stands on: files opened once, host mappings, slices, prefetches), `multi` (several GPUs, `torchrun` ranks), `data` (`BatchLoader`, data
-//! set detection, epochs), `images` (`decode_jpegs`, `decode_batch`'s native half), `image_loader`
+//! set detection, epochs), `epochs` (what the epochs' iterators share), `images` (`decode_jpegs`, `decode_batch`'s native half), `image_loader`
 //! (`ImageLoader`: decoded, augmented batches of image folders and shards), `machine` (`doctor`, `advise`), `errors` and `context`.
 //!
 //! Depends on `gpufeed` (the facade) only.
@@ -39,6 +39,7 @@ mod array;
 mod checkpoints;
 mod context;
 mod data;
+mod epochs;
 mod errors;
 mod image_loader;
 mod images;

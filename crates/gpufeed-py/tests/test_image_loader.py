@@ -16,8 +16,7 @@ import tarfile
 import pytest
 
 import gpufeed
-
-REQUIRED = os.environ.get("GPUFEED_REQUIRE_GPU") == "1"
+from test_images import REQUIRED, _needs
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -26,18 +25,6 @@ def _one_rank(monkeypatch):
     """One process, whatever the environment says (the sampler reads RANK / WORLD_SIZE)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-
-
-def _needs():
-    try:
-        import numpy as np
-        import torch
-        from PIL import Image
-    except ImportError as e:
-        if REQUIRED:
-            raise AssertionError(f"GPUFEED_REQUIRE_GPU=1 but {e}") from None
-        pytest.skip(f"torch, numpy or Pillow is not installed ({e})")
-    return np, torch, Image
 
 
 def _jpeg(np, Image, w, h, seed, **kw):

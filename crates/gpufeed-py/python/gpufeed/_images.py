@@ -114,15 +114,7 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
     if ordinal is None:
         raise ValueError(f"device {device!r} is invalid: decode_batch runs on a GPU "
                          "('cuda', 'cuda:N' or N); decode_jpegs decodes on the CPU")
-    height, width = _size(size)
-    if len(mean) != 3 or len(std) != 3 or any(not float(v) for v in std):
-        raise ValueError(f"mean {tuple(mean)!r} and std {tuple(std)!r}: give three values "
-                         "each, std not 0")
-    if not 0.0 < float(crop_fraction) <= 1.0:
-        raise ValueError(f"crop_fraction {crop_fraction!r} is invalid: give a value in (0, 1]")
-    floating = dtype is not None and dtype != torch.uint8
-    if floating and not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype} is invalid: torch.uint8 (NHWC) or a floating dtype")
+    height, width, floating = _settings(torch, size, mean, std, crop_fraction, dtype)
     blobs = [_as_bytes(b) for b in images]
     index = list(range(len(blobs))) if indices is None else [int(i) for i in indices]
     def empty():  # made only when returned: a machine without a GPU gets gpufeed's error
@@ -144,8 +136,9 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
     return out, kept
 
 
-def _size(size) -> Tuple[int, int]:
-    """``size`` (an int, or ``(height, width)``) as ``(height, width)``, checked."""
+def _settings(torch, size, mean, std, crop_fraction, dtype) -> Tuple[int, int, bool]:
+    """The augmentation's settings checked: ``(height, width, floating)`` of ``size`` (an int,
+    or ``(height, width)``) and ``dtype``; a ValueError saying what is wrong otherwise."""
     if isinstance(size, int):
         height = width = size
     else:
@@ -153,7 +146,15 @@ def _size(size) -> Tuple[int, int]:
     if not (0 < height <= 16384 and 0 < width <= 16384):
         raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
                          "at most 16384")
-    return height, width
+    if len(mean) != 3 or len(std) != 3 or any(not float(v) for v in std):
+        raise ValueError(f"mean {tuple(mean)!r} and std {tuple(std)!r}: give three values "
+                         "each, std not 0")
+    if not 0.0 < float(crop_fraction) <= 1.0:
+        raise ValueError(f"crop_fraction {crop_fraction!r} is invalid: give a value in (0, 1]")
+    floating = dtype is not None and dtype != torch.uint8
+    if floating and not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is invalid: torch.uint8 (NHWC) or a floating dtype")
+    return height, width, floating
 
 
 class ImageLoader:
@@ -212,17 +213,9 @@ class ImageLoader:
         except SafetensorError:
             raise ValueError(f"device {device!r} is invalid: 'cuda', 'cuda:N', N, or None/'cpu' "
                              "to decode on the CPU") from None
-        height, width = _size(size)
-        if len(mean) != 3 or len(std) != 3 or any(not float(v) for v in std):
-            raise ValueError(f"mean {tuple(mean)!r} and std {tuple(std)!r}: give three values "
-                             "each, std not 0")
-        if not 0.0 < float(crop_fraction) <= 1.0:
-            raise ValueError(f"crop_fraction {crop_fraction!r} is invalid: give a value in (0, 1]")
+        height, width, floating = _settings(torch, size, mean, std, crop_fraction, dtype)
         if batch_size < 1 or workers < 1 or decoders < 1:
             raise ValueError("batch_size, workers and decoders must be at least 1")
-        floating = dtype is not None and dtype != torch.uint8
-        if floating and not dtype.is_floating_point:
-            raise ValueError(f"dtype {dtype} is invalid: torch.uint8 (NHWC) or a floating dtype")
         self._dtype = dtype if floating else torch.uint8
         self._device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
         if isinstance(path, (list, tuple)):
