@@ -2,8 +2,9 @@
 //! [`ImageFolder`](crate::ImageFolder) or WebDataset tar shards (issue 40).
 //!
 //! Two stages, each on threads of its own:
-//! 1. a [`BatchLoader`] of host batches: its workers read each batch's files (or copy its tar
-//!    samples out of their mappings) in the sampler's order, ahead of use;
+//! 1. a [`BatchLoader`] of host batches (pinned for the GPU, where there is one): its workers
+//!    read each batch's files (or copy its tar samples out of their mappings) in the
+//!    sampler's order, ahead of use;
 //! 2. decode threads, each with its own [`ImageDecoder`] (an nvJPEG handle and a CUDA stream of
 //!    its own, so that several batches decode at once on the GPU's hardware engines), take
 //!    the host batches in order and turn each into one device buffer of cropped, resized,
@@ -256,7 +257,12 @@ impl ImageLoader {
     ) -> Result<Self> {
         opts.check()?;
         let timeout = cfg.batch_timeout;
-        let inner = BatchLoader::new(records, sampler, cfg, None)?;
+        // Host batches pinned for the GPU: nvJPEG copies the files' bytes from them at the
+        // link's speed (from pageable memory the driver stages them, at a fraction of it).
+        let inner = match gpu {
+            Some(g) => BatchLoader::new_pinned_host(records, sampler, cfg, g)?,
+            None => BatchLoader::new(records, sampler, cfg, None)?,
+        };
         let mut loader = ImageLoader {
             records: Arc::clone(&inner.records),
             batches: inner.batches_per_epoch(),
