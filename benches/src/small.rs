@@ -380,7 +380,9 @@ fn measure_files(
     let cfg = BatchLoaderOptions::default()
         .with_batch_size(256)
         .with_workers(8)
-        .with_prefetch(4);
+        // Two batches per worker, as the other BatchLoader rows: with fewer than the workers,
+        // some never run.
+        .with_prefetch(16);
     let mut batches = BatchLoader::new(
         folder_set,
         Sampler::new(Order::Shuffled { seed: 3 }),

@@ -274,8 +274,12 @@ impl Drop for Running {
         // left behind after the batch timeout (it owns everything it uses) rather than
         // blocking the caller forever.
         let deadline = Instant::now() + self.timeout;
+        // Polled from 20 us up to 1 ms: workers between batches stop within microseconds, and
+        // an epoch's end should not cost a whole millisecond.
+        let mut nap = Duration::from_micros(20);
         while self.workers.iter().any(|w| !w.is_finished()) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
         }
         for w in self.workers.drain(..) {
             if w.is_finished() {

@@ -616,8 +616,10 @@ impl Run {
         drop(self.rx.take());
         self.done.clear();
         let deadline = Instant::now() + self.timeout.saturating_mul(2);
+        let mut nap = Duration::from_micros(20);
         while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
         }
         let mut decoders = Vec::new();
         for t in self.threads.drain(..) {

@@ -301,10 +301,22 @@ impl BatchLoader {
         if cfg.direct {
             check_direct(&records)?;
         }
+        if cfg.prefetch < cfg.workers {
+            tracing::info!(
+                prefetch = cfg.prefetch,
+                workers = cfg.workers,
+                "fewer batches in flight than workers: only {} of the workers ever gather",
+                cfg.prefetch
+            );
+        }
         let node = gpu.and_then(|g| g.info().numa_node);
+        // Workers drop their buffer once its upload is issued and take another for the next
+        // batch: waiting there for the copy would queue each worker behind the others'
+        // uploads; the pool grows instead, to about `prefetch` + `workers` buffers.
         let pool_cfg = PoolOptions::default()
             .with_budget_bytes(None)
-            .with_numa_node(node);
+            .with_numa_node(node)
+            .with_grow_when_busy(true);
         let (pool, gpu) = match gpu {
             Some(g) if upload => {
                 let sched = TransferScheduler::new(g, TransferOptions::default())?;

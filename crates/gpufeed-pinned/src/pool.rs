@@ -54,6 +54,11 @@ pub struct PoolOptions {
     /// The NUMA node to place buffers on (the GPU's, from `gpufeed-cuda`'s `GpuInfo`): buffers
     /// are allocated by a thread bound to that node, so their pages land there.
     pub numa_node: Option<u32>,
+    /// Where every cached buffer of the size asked for is still read by a copy: allocate
+    /// another (within the budget) rather than wait for the oldest copy (default off: wait).
+    /// For callers whose copies are in flight while they fill the next buffer (the batch
+    /// loader's workers), which the wait would hold up behind every other worker's copy.
+    pub grow_when_busy: bool,
 }
 
 impl PoolOptions {
@@ -66,6 +71,12 @@ impl PoolOptions {
     /// These settings with `numa_node` (the node buffers are placed on).
     pub fn with_numa_node(mut self, numa_node: Option<u32>) -> Self {
         self.numa_node = numa_node;
+        self
+    }
+
+    /// These settings with `grow_when_busy` (allocate rather than wait for a busy buffer).
+    pub fn with_grow_when_busy(mut self, grow: bool) -> Self {
+        self.grow_when_busy = grow;
         self
     }
 }
@@ -268,6 +279,16 @@ struct Entry {
 }
 
 impl Entry {
+    /// Whether a copy recorded on the buffer may still run (an event that fails its query
+    /// counts as done: `wait_idle` reports its error).
+    fn busy(&self) -> bool {
+        self.pending_recorded
+            && self
+                .pending
+                .as_ref()
+                .is_some_and(|ev| matches!(ev.try_is_complete(), Ok(false)))
+    }
+
     fn wait_idle(&mut self) -> Result<()> {
         if let (Some(ev), true) = (&self.pending, self.pending_recorded) {
             ev.synchronize()
@@ -295,6 +316,7 @@ struct State {
 struct Inner {
     mode: PoolMode,
     budget: u64,
+    grow_when_busy: bool,
     node: Option<u32>,
     topology: Option<gpufeed_numa::Topology>,
     state: Mutex<State>,
@@ -373,6 +395,7 @@ impl PinnedPool {
             inner: Arc::new(Inner {
                 mode,
                 budget,
+                grow_when_busy: config.grow_when_busy,
                 node: config.numa_node,
                 topology,
                 state: Mutex::new(State {
@@ -410,7 +433,16 @@ impl PinnedPool {
         let class = Self::class_of(len)?;
         let cached = {
             let mut st = self.inner.state.lock();
-            let cached = st.free.get_mut(&class).and_then(Vec::pop);
+            // The oldest idle buffer (given back first); where every one is still read by a
+            // copy, the oldest (its copy began first) — or, growing, none.
+            let grow = self.inner.grow_when_busy;
+            let cached = st.free.get_mut(&class).and_then(|free| {
+                match free.iter().position(|e| !e.busy()) {
+                    Some(i) => Some(free.remove(i)),
+                    None if grow || free.is_empty() => None,
+                    None => Some(free.remove(0)),
+                }
+            });
             if cached.is_some() {
                 st.stats.reuses += 1;
             } else {

@@ -126,3 +126,65 @@ fn a_reserved_slab_is_registered_once_and_copies_exactly() {
     let back = stream.clone_dtoh(&dev).expect("copy back");
     assert!(back == data, "the device received other bytes");
 }
+
+/// A buffer given back while copies still read it: a pool that grows hands out another buffer
+/// at once (the copies untouched), one that does not waits and hands out the same; once the
+/// copies are done, the idle buffer is reused.
+#[test]
+fn a_busy_buffer_is_waited_for_or_passed_over_when_the_pool_grows() {
+    use cudarc::driver::DevicePtrMut;
+    let Some(ctx) = gpu_or_skip("a_busy_buffer_is_waited_for_or_passed_over_when_the_pool_grows")
+    else {
+        return;
+    };
+    let len = (64 << 20) - 3;
+    let stream = ctx.new_stream().expect("stream");
+    let mut dev = stream.alloc_zeros::<u8>(len).expect("device memory");
+    let data = random_bytes(len, 33);
+    for grow in [true, false] {
+        let cfg = PoolOptions::default().with_grow_when_busy(grow);
+        let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), cfg).expect("pool");
+        let mut buf = pool.get(len).expect("get");
+        buf.set_len(len);
+        buf.copy_from_slice(&data);
+        let addr = buf.as_ptr();
+        stream.synchronize().expect("sync");
+        {
+            let (dst, _sync) = dev.device_ptr_mut(&stream);
+            // About 1.3 GB of copies (tens of ms): still running when `get` asks.
+            for _ in 0..20 {
+                // SAFETY: `dst` holds `len` bytes; `buf`'s memory is not written or freed
+                // before the copies end (recorded below; the pool waits for them).
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(dst, &buf[..], stream.cu_stream())
+                        .expect("enqueue");
+                }
+            }
+        }
+        buf.record_use(&stream).expect("record");
+        drop(buf);
+        let next = pool.get(len).expect("get while busy");
+        if grow {
+            assert_ne!(next.as_ptr(), addr, "growing: not the busy buffer");
+            assert_eq!(pool.stats().allocations, 2);
+        } else {
+            assert_eq!(
+                next.as_ptr(),
+                addr,
+                "waiting: the same buffer, after its copies"
+            );
+            assert_eq!(pool.stats().allocations, 1);
+        }
+        drop(next);
+        stream.synchronize().expect("sync");
+        let again = pool.get(len).expect("get when idle");
+        assert_eq!(
+            pool.stats().allocations,
+            if grow { 2 } else { 1 },
+            "idle: reused"
+        );
+        drop(again);
+        let back = stream.clone_dtoh(&dev).expect("copy back");
+        assert!(back == data, "the copies read the bytes as they were");
+    }
+}
