@@ -188,6 +188,27 @@ pub(crate) fn gather(
     out: Out<'_>,
     indices: &[usize],
 ) -> Result<(Vec<usize>, PooledBuffer)> {
+    if out.transform.is_none()
+        && let Some(runs) = indices
+            .iter()
+            .map(|&i| records.record(i))
+            .collect::<Option<Vec<&[u8]>>>()
+    {
+        // Records of one run each, untransformed: copied straight, without a vector of parts
+        // per record (for small records the allocations cost a share of the copy).
+        let total = runs.iter().map(|r| r.len()).sum::<usize>();
+        let mut buf = out.pool.get(total.max(1))?;
+        buf.set_len(total);
+        let mut offsets = Vec::with_capacity(runs.len() + 1);
+        offsets.push(0);
+        let mut at = 0;
+        for r in runs {
+            buf[at..at + r.len()].copy_from_slice(r);
+            at += r.len();
+            offsets.push(at);
+        }
+        return Ok((offsets, buf));
+    }
     let parts = indices
         .iter()
         .map(|&i| {

@@ -391,6 +391,9 @@ impl ShardSet {
 pub(crate) trait Source {
     /// The bytes of record `i` in order.
     fn parts(&self, i: usize) -> Option<Vec<&[u8]>>;
+    /// Record `i` where it is one run of bytes (`None` for a tar sample of several members or
+    /// a record that does not exist).
+    fn record(&self, i: usize) -> Option<&[u8]>;
     /// The file holding record `i` (for errors).
     fn path_of(&self, i: usize) -> &Path;
     /// The file holding record `i` (its number among the source's files) and where the
@@ -403,6 +406,9 @@ pub(crate) trait Source {
 impl Source for RecordFile {
     fn parts(&self, i: usize) -> Option<Vec<&[u8]>> {
         RecordFile::parts(self, i)
+    }
+    fn record(&self, i: usize) -> Option<&[u8]> {
+        RecordFile::record(self, i)
     }
     fn path_of(&self, _: usize) -> &Path {
         self.path()
@@ -419,6 +425,10 @@ impl Source for ShardSet {
     fn parts(&self, i: usize) -> Option<Vec<&[u8]>> {
         let (s, j) = self.locate(i)?;
         self.shards[s].parts(j)
+    }
+    fn record(&self, i: usize) -> Option<&[u8]> {
+        let (s, j) = self.locate(i)?;
+        self.shards[s].record(j)
     }
     fn path_of(&self, i: usize) -> &Path {
         match self.locate(i) {
