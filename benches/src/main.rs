@@ -12,6 +12,7 @@ mod frames;
 mod gpu;
 mod handoff;
 mod hybrid;
+mod images;
 mod ipc;
 mod limits;
 mod loader;
@@ -91,8 +92,14 @@ struct Cli {
     #[arg(long, default_value_t = 10_000)]
     small_files: usize,
 
+    /// Files in the JPEG folder of table 15 (ImageNet-like sizes, made once by
+    /// `benches/peers/images.py`; GPU machine only). Default 16,384, 2,048 with --quick.
+    #[arg(long)]
+    images: Option<usize>,
+
     /// Also run the peers (PyTorch, kvikio, safetensors, fastsafetensors) on the GPU machine,
-    /// with `python3 benches/peers/peers.py` (those not installed report why).
+    /// with `python3 benches/peers/peers.py` (those not installed report why), and tables 10
+    /// and 15.
     #[arg(long)]
     peers: bool,
 
@@ -108,7 +115,9 @@ struct Cli {
     /// Only these parts, comma-separated: limits, handoff, access, reads, ipc, loader, gpu
     /// (tables 4, 6 and 8), small (table 9), python (table 10, which also runs with
     /// `--peers`), multi (table 11, several GPUs), frames (table 12), hybrid (table 13),
-    /// object (table 14, objects from a SeaweedFS server started here; needs `weed`).
+    /// object (table 14, objects from a SeaweedFS server started here; needs `weed`), images
+    /// (table 15, JPEG training batches against torchvision and DataLoader + PIL; GPU machine;
+    /// also runs with `--peers`).
     /// Limits are measured whenever a host table is, since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
@@ -144,10 +153,11 @@ pub(crate) enum Part {
     Frames,
     Hybrid,
     Object,
+    Images,
 }
 
 impl Part {
-    const ALL: [Part; 13] = [
+    const ALL: [Part; 14] = [
         Part::Limits,
         Part::Handoff,
         Part::Access,
@@ -161,6 +171,7 @@ impl Part {
         Part::Frames,
         Part::Hybrid,
         Part::Object,
+        Part::Images,
     ];
 
     /// A part without GPU rows (skipped by `--gpu-only`).
@@ -187,6 +198,7 @@ impl Part {
             Part::Frames => "table 12 (frames)",
             Part::Hybrid => "table 13 (hybrid)",
             Part::Object => "table 14 (object)",
+            Part::Images => "table 15 (images)",
         }
     }
 }
@@ -390,19 +402,20 @@ fn main() -> Result<()> {
         cli.checkpoint = 256 << 20;
         cli.multi_file = 256 << 20;
         cli.object_size = 64 << 20;
+        cli.images.get_or_insert(2048);
     }
     let wanted = |p: Part| {
         (cli.only.is_empty() || cli.only.contains(&p)) && !(cli.gpu_only && p.host_only())
     };
+    // Tables 10 and 15 need the Python peers: asked for by name, or with --peers.
+    let peer_table = |p: Part| cli.only.contains(&p) || (cli.only.is_empty() && cli.peers);
     // What this run leaves out, said in the report (a table not selected is not "not measured").
     let left_out: Vec<&'static str> = Part::ALL
         .into_iter()
         .filter(|&p| match p {
             // Limits run whenever a host table does.
             Part::Limits => false,
-            Part::Python => {
-                !(cli.only.contains(&Part::Python) || (cli.only.is_empty() && cli.peers))
-            }
+            Part::Python | Part::Images => !peer_table(p),
             p => !wanted(p),
         })
         .map(Part::tables)
@@ -536,8 +549,7 @@ fn main() -> Result<()> {
     } else {
         None
     };
-    // Table 10 needs the Python peers: asked for by name, or with --peers.
-    let python = if cli.only.contains(&Part::Python) || (cli.only.is_empty() && cli.peers) {
+    let python = if peer_table(Part::Python) {
         python::measure(&cli.dir, cli.checkpoint, cli.reps, |what| {
             progress.line(&format!("      {what}"))
         })?
@@ -596,6 +608,17 @@ fn main() -> Result<()> {
         None
     };
 
+    let images = if peer_table(Part::Images) {
+        Some(images::measure(
+            &cli.dir,
+            cli.images.unwrap_or(16_384),
+            cli.reps,
+            |what| progress.line(what),
+        )?)
+    } else {
+        None
+    };
+
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
         machine: report::Machine::read(&cli.dir),
@@ -615,6 +638,7 @@ fn main() -> Result<()> {
         frames,
         hybrid,
         objects,
+        images,
         left_out,
     };
     progress.finish();

@@ -1,8 +1,8 @@
 //! The report: markdown for people (stdout and report.md), JSON for scripts (report.json).
 //!
 //! Each table's module renders its own rows (`limits::table`, `handoff::table`, ...,
-//! `hybrid::table`); this file holds the report, the machine's header, the tables' order, the
-//! line of what was left out and the helpers the tables share ([`share`]).
+//! `objects::table`, `images::table`); this file holds the report, the machine's header, the
+//! tables' order, the line of what was left out and the helpers the tables share ([`share`]).
 
 use std::fmt::Write as _;
 
@@ -89,7 +89,10 @@ pub struct Report {
     pub hybrid: Option<crate::hybrid::HybridBench>,
     /// Table 14: objects in S3-compatible storage.
     pub objects: Option<crate::objects::ObjectsBench>,
-    /// The tables this run did not select (`--only`, `--gpu-only`; table 10 without `--peers`).
+    /// Table 15: decoded, augmented training batches of JPEGs.
+    pub images: Option<crate::images::ImagesBench>,
+    /// The tables this run did not select (`--only`, `--gpu-only`; tables 10 and 15 without
+    /// `--peers`).
     pub left_out: Vec<&'static str>,
 }
 
@@ -186,11 +189,14 @@ impl Report {
         if let Some(v) = &self.objects {
             crate::objects::table(&mut s, v);
         }
+        if let Some(v) = &self.images {
+            crate::images::table(&mut s, v);
+        }
         if !self.left_out.is_empty() {
             let _ = writeln!(
                 s,
-                "\nLeft out of this run (not selected: `--only`, `--gpu-only`; table 10 runs with \
-                 `--only python` or `--peers`): {}.",
+                "\nLeft out of this run (not selected: `--only`, `--gpu-only`; tables 10 and 15 \
+                 run with `--only python` / `--only images` or `--peers`): {}.",
                 self.left_out.join(", ")
             );
         }
