@@ -66,8 +66,9 @@ pub struct ImageOptions {
     pub on_bad: OnBadImage,
     /// Decode threads, each with its own nvJPEG handle and stream (default 3; with no GPU one
     /// thread decodes, on all cores). On the H200 machine (GPU run 170, 8,192 JPEGs of 250-500
-    /// px, batches of 256 at 224): 1 thread 12.1-12.6k images/s, 2 16.1-19.7k, 3 20.8-24.6k
-    /// with 2.6-3.2 cores busy, 4 (and 8 reading workers) 22.4-28.6k with 3.3-4.0.
+    /// px and about 49 KiB, batches of 256 at 224): 1 thread 12.1-12.6k images/s, 2
+    /// 16.1-19.7k, 3 20.8-24.6k with 2.6-3.2 cores busy, 4 (and 8 reading workers) 22.4-28.6k
+    /// with 3.3-4.0; ImageNet-sized files (106 KiB) at 3 threads: 14.4k (run 173).
     pub decoders: usize,
 }
 
