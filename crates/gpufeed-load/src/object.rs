@@ -246,7 +246,7 @@ pub fn load_object(
 
 pub use crate::object_cache::{CachedObject, ObjectCache};
 pub use gpufeed_object::{
-    Credentials, Error as ObjectError, Object, ObjectOptions, ObjectUrl, ReadStats, Scheme,
+    Credentials, Error as ObjectError, Object, ObjectOptions, ObjectUrl, ReadStats, Scheme, list,
 };
 
 #[cfg(test)]

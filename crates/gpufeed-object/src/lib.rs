@@ -55,6 +55,6 @@ mod url;
 
 pub use ahead::{ReadAhead, read_ahead_bytes};
 pub use error::{Error, Result};
-pub use object::{Object, ReadStats};
+pub use object::{Object, ReadStats, list};
 pub use options::{Credentials, ObjectOptions};
 pub use url::{ObjectUrl, Scheme};

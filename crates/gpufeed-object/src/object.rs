@@ -281,33 +281,47 @@ impl Object {
 
     /// The store's error `e` of request `what`, as this crate's.
     fn error(&self, what: &str, e: object_store::Error) -> Error {
-        let url = self.url.to_string();
-        match e {
-            object_store::Error::NotFound { .. } => Error::NotFound {
-                url,
-                endpoint: self
-                    .endpoint
-                    .as_ref()
-                    .map_or_else(String::new, |e| format!(", endpoint {e}")),
-            },
-            object_store::Error::Precondition { .. } => Error::ObjectChanged {
-                url,
-                what: format!("its ETag is no longer {:?}", self.etag),
-            },
-            e @ (object_store::Error::PermissionDenied { .. }
-            | object_store::Error::Unauthenticated { .. }) => Error::AccessDenied {
-                url,
-                reason: refusal(&e.to_string()),
-            },
-            // object_store asks the instance metadata service where it found no credentials:
-            // its failure is the missing credentials, not the request's.
-            source if is_metadata_failure(&source.to_string()) => Error::NoCredentials { url },
-            source => Error::Request {
-                url,
-                what: what.to_string(),
-                source: Box::new(source),
-            },
-        }
+        store_error(
+            self.url.to_string(),
+            self.endpoint.as_deref(),
+            self.etag.as_deref(),
+            what,
+            e,
+        )
+    }
+}
+
+/// The crate's error for the store's error `e` of request `what` on `url` (at `endpoint`,
+/// pinned to `etag`).
+fn store_error(
+    url: String,
+    endpoint: Option<&str>,
+    etag: Option<&str>,
+    what: &str,
+    e: object_store::Error,
+) -> Error {
+    match e {
+        object_store::Error::NotFound { .. } => Error::NotFound {
+            url,
+            endpoint: endpoint.map_or_else(String::new, |e| format!(", endpoint {e}")),
+        },
+        object_store::Error::Precondition { .. } => Error::ObjectChanged {
+            url,
+            what: format!("its ETag is no longer {etag:?}"),
+        },
+        e @ (object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. }) => Error::AccessDenied {
+            url,
+            reason: refusal(&e.to_string()),
+        },
+        // object_store asks the instance metadata service where it found no credentials:
+        // its failure is the missing credentials, not the request's.
+        source if is_metadata_failure(&source.to_string()) => Error::NoCredentials { url },
+        source => Error::Request {
+            url,
+            what: what.to_string(),
+            source: Box::new(source),
+        },
     }
 }
 
@@ -391,6 +405,94 @@ fn runtime() -> Result<Arc<tokio::runtime::Runtime>> {
         .map_err(|e| Error::Runtime(e.to_string()))?;
     *slot = Some((pid, Arc::clone(&rt)));
     Ok(rt)
+}
+
+/// The objects of an S3 bucket whose keys match `pattern` (`s3://bucket/dir/train-*.tar`:
+/// `*` any characters but `/`, `[abc]` / `[0-9]` one of those; `?` is a URL's query, not a
+/// wildcard, here), sorted by key; a URL without a wildcard is itself. Lists the keys under the
+/// pattern's folder (the part before its first wildcard, up to a `/`), one `LIST` request per
+/// thousand keys.
+///
+/// # Errors
+/// [`Error::InvalidUrl`] for an HTTP URL (a plain server has no listing) or a malformed
+/// pattern; [`Error::NotFound`] where no key matches (or the bucket does not exist); the
+/// request's errors ([`Error::AccessDenied`], ...).
+///
+/// ```no_run
+/// let opts = gpufeed_object::ObjectOptions::default();
+/// for url in gpufeed_object::list("s3://data/imagenet/train-*.tar", &opts)? {
+///     println!("{url}");
+/// }
+/// # Ok::<(), gpufeed_object::Error>(())
+/// ```
+pub fn list(pattern: &str, opts: &ObjectOptions) -> Result<Vec<ObjectUrl>> {
+    let url = ObjectUrl::parse(pattern)?;
+    let key = url.key();
+    let Some(wild) = key.find(['*', '[']) else {
+        return Ok(vec![url]);
+    };
+    let bad = |reason: String| Error::InvalidUrl {
+        url: pattern.to_string(),
+        reason,
+    };
+    if url.scheme() != crate::url::Scheme::S3 {
+        return Err(bad(
+            "a wildcard needs a listing, which only s3:// buckets have: give each URL".into(),
+        ));
+    }
+    let matcher = glob::Pattern::new(key).map_err(|e| bad(format!("not a pattern: {e}")))?;
+    let folder = key[..wild].rfind('/').map(|end| &key[..end]);
+    let prefix = folder
+        .map(Path::parse)
+        .transpose()
+        .map_err(|e| bad(e.to_string()))?;
+    let store = opts.store(&url)?;
+    let endpoint = opts.endpoint_for(&url);
+    let listed = block_on(|| async {
+        store
+            .list(prefix.as_ref())
+            .collect::<Vec<object_store::Result<object_store::ObjectMeta>>>()
+            .await
+    })?;
+    let within = glob::MatchOptions {
+        case_sensitive: true,
+        require_literal_separator: true,
+        require_literal_leading_dot: false,
+    };
+    let mut keys = Vec::new();
+    for meta in listed {
+        let meta = meta
+            .map_err(|e| store_error(pattern.to_string(), endpoint.as_deref(), None, "LIST", e))?;
+        let found = meta.location.as_ref();
+        if matcher.matches_with(found, within) {
+            keys.push(found.to_string());
+        }
+    }
+    if keys.is_empty() {
+        return Err(Error::NotFound {
+            url: format!("{pattern} (no key matches)"),
+            endpoint: endpoint.map_or_else(String::new, |e| format!(", endpoint {e}")),
+        });
+    }
+    keys.sort();
+    keys.iter()
+        .map(|k| ObjectUrl::parse(&format!("s3://{}/{}", url.bucket(), percent_encode(k))))
+        .collect()
+}
+
+/// `key` with the characters a URL's path cannot hold as they are (`%`, `?`, `#`, space and
+/// controls) percent-encoded: [`ObjectUrl::parse`] decodes them back.
+fn percent_encode(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    for b in key.bytes() {
+        match b {
+            b'%' | b'?' | b'#' | b' ' | 0..=0x1F | 0x7F..=0xFF => {
+                out.push_str(&format!("%{b:02X}"));
+            }
+            _ => out.push(b as char),
+        }
+    }
+    out
 }
 
 /// Runs the future `make` makes to completion on the I/O runtime. From a thread that is itself inside an async

@@ -112,41 +112,44 @@ fn row_layout(files: &[&RecordFile], record_bytes: Option<usize>) -> RowLayout {
 }
 
 /// `paths` with every object URL among them fetched into `cache` (in order; a version already
-/// there is not fetched again) and replaced by its local file, which the loader maps.
+/// there is not fetched again) and replaced by its local file, which the loader maps. A URL
+/// with a wildcard (`s3://bucket/train-*.tar`) stands for the keys it matches, listed and
+/// sorted (`gpufeed_object::list`).
 pub(crate) fn local_shards(
     paths: Vec<PathBuf>,
     cache: Option<&std::path::Path>,
 ) -> gpufeed::Result<Vec<PathBuf>> {
-    let urls: Vec<String> = paths
-        .iter()
-        .filter_map(|p| crate::loads::object_url(p).map(str::to_owned))
-        .collect();
-    if urls.is_empty() {
+    let Some(first) = paths.iter().find_map(|p| crate::loads::object_url(p)) else {
         return Ok(paths);
-    }
+    };
     let Some(cache) = cache else {
         return Err(gpufeed::Error::invalid(format!(
-            "{}: shards in object storage are read through a local cache directory (the loader \
-             maps its record files): pass cache=\"/some/dir\"",
-            urls[0]
+            "{first}: shards in object storage are read through a local cache directory (the \
+             loader maps its record files): pass cache=\"/some/dir\""
         )));
     };
-    // Listing is not built: a pattern in an S3 key is refused.
-    if let Some(glob) = urls.iter().find(|u| {
-        gpufeed::object::ObjectUrl::parse(u).is_ok_and(|p| {
-            p.scheme() == gpufeed::object::Scheme::S3 && p.key().contains(['*', '?', '['])
-        })
-    }) {
-        return Err(gpufeed::Error::invalid(format!(
-            "{glob}: object URLs are not listed; give each shard's URL"
-        )));
+    // Each path, or the objects its pattern matches, in order.
+    let mut expanded: Vec<Result<PathBuf, String>> = Vec::with_capacity(paths.len());
+    for p in paths {
+        match crate::loads::object_url(&p) {
+            None => expanded.push(Ok(p)),
+            Some(url) => {
+                let listed = gpufeed::object::list(url, &Default::default())
+                    .map_err(gpufeed::load::Error::Object)?;
+                expanded.extend(listed.into_iter().map(|u| Err(u.as_str().to_owned())));
+            }
+        }
     }
+    let urls: Vec<String> = expanded
+        .iter()
+        .filter_map(|e| e.as_ref().err().cloned())
+        .collect();
     let mut local = crate::loads::fetch_to_cache(&urls, cache)?.into_iter();
-    Ok(paths
+    Ok(expanded
         .into_iter()
-        .map(|p| match crate::loads::object_url(&p) {
-            Some(_) => local.next().unwrap_or(p),
-            None => p,
+        .filter_map(|e| match e {
+            Ok(path) => Some(path),
+            Err(_) => local.next(),
         })
         .collect())
 }
@@ -237,9 +240,10 @@ pub(crate) fn open_dataset(
 /// workers and `direct_depth=1` came to 0.97-1.1 of the disk's own sequential reads (bench
 /// table 7), blocks of 1 MiB mostly to 0.65-0.86.
 ///
-/// Shards in object storage (`s3://`, `https://` URLs in `path`, one by one) are fetched first
-/// into the directory `cache` (made private where missing; a version already there is not
-/// fetched again, so a second run reads local files), then mapped as local shards are.
+/// Shards in object storage (`s3://`, `https://` URLs in `path`, one by one, or an `s3://`
+/// pattern such as `s3://bucket/train-*.tar`, listed) are fetched first into the directory
+/// `cache` (made private where missing; a version already there is not fetched again, so a
+/// second run reads local files), then mapped as local shards are.
 ///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]

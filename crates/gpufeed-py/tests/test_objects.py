@@ -331,6 +331,48 @@ def test_batch_loader_reads_shards_in_a_bucket_through_a_cache(s3_env, tmp_path)
     assert len(os.listdir(cache)) == 3
     with pytest.raises(gpufeed.GpufeedError, match="cache="):
         gpufeed.BatchLoader(urls, batch_size=7)
+    # A pattern stands for the keys it matches, listed and sorted (not other folders' keys,
+    # nor keys of the folder that do not match).
+    s3_env.put("py-shards/val-0.tar", b"not a shard of the pattern")
+    s3_env.put("py-shards/deeper/train-9.tar", b"nor this")
+    got = epoch(gpufeed.BatchLoader(_url("py-shards/train-*.tar"), batch_size=7, seed=5,
+                                    cache=cache))
+    assert got == want
+    with pytest.raises(gpufeed.GpufeedError, match="no key matches"):
+        gpufeed.BatchLoader(_url("py-shards/test-*.tar"), batch_size=7, cache=cache)
+
+
+def test_an_image_loader_reads_webdataset_shards_of_a_bucket(s3_env, tmp_path):
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("torch")
+    Image = pytest.importorskip("PIL.Image")
+    import io
+    import tarfile
+
+    labels = []
+    for shard in range(2):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for s in range(5):
+                img = io.BytesIO()
+                pixels = np.full((20 + s, 30, 3), 40 * s + shard, dtype=np.uint8)
+                Image.fromarray(pixels).save(img, "JPEG", quality=90)
+                label = 10 * shard + s
+                for ext, data in (("jpg", img.getvalue()), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"s{shard}_{s}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                labels.append(label)
+        s3_env.put(f"py-images/train-{shard}.tar", buf.getvalue())
+    loader = gpufeed.ImageLoader(_url("py-images/train-*.tar"), batch_size=4, size=8,
+                                 device=None, cache=tmp_path / "cache")
+    epoch = loader.epoch(0)
+    seen = []
+    for images, got in epoch:
+        assert images.shape[1:] == (8, 8, 3)
+        assert got.tolist() == [labels[i] for i in epoch.indices]
+        seen.extend(epoch.indices)
+    assert sorted(seen) == list(range(10))
 
 
 def test_safe_open_of_a_url_says_what_went_wrong(s3_env, monkeypatch):

@@ -32,7 +32,9 @@ fn put(server: &SeaweedFs, key: &str, bytes: &[u8]) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let payload = PutPayload::from(bytes.to_vec());
-        match rt.block_on(store.put(&Path::from(key), payload)) {
+        // The key as it is (`Path::from` would encode a `%` in it once more).
+        let path = Path::parse(key).expect("a key");
+        match rt.block_on(store.put(&path, payload)) {
             Ok(_) => return,
             Err(e) if Instant::now() < deadline => {
                 eprintln!("put {key}: {e}; retrying");
@@ -446,4 +448,67 @@ fn objects_written_through_the_filer_read_the_same() {
     server.put("filer/obj.bin", &data).expect("filer put");
     let obj = Object::open(&url("filer/obj.bin"), &opts(&server.endpoint)).expect("open");
     assert_eq!(xxh3_64(&obj.read_all().expect("read")), xxh3_64(&data));
+}
+
+#[test]
+fn a_pattern_lists_the_matching_keys_of_its_folder_sorted() {
+    let test = "a_pattern_lists_the_matching_keys_of_its_folder_sorted";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    for key in [
+        "shards/train-0002.tar",
+        "shards/train-0000.tar",
+        "shards/train-0001.tar",
+        "shards/val-0000.tar",
+        "shards/train-0003.txt",
+        "shards/deeper/train-0009.tar",
+        "shards/train 5%.tar",
+        "other/train-0004.tar",
+    ] {
+        put(&server, key, key.as_bytes());
+    }
+    let o = opts(&server.endpoint);
+    let names = |pattern: &str| -> Vec<String> {
+        gpufeed_object::list(&url(pattern), &o)
+            .expect("list")
+            .iter()
+            .map(|u| u.key().to_string())
+            .collect()
+    };
+    // `*` stays within a folder; the keys come sorted, whatever order they were written in.
+    assert_eq!(
+        names("shards/train-*.tar"),
+        [
+            "shards/train-0000.tar",
+            "shards/train-0001.tar",
+            "shards/train-0002.tar"
+        ]
+    );
+    assert_eq!(names("shards/train*.tar")[0], "shards/train 5%.tar");
+    assert_eq!(
+        names("shards/train-000[02].tar"),
+        ["shards/train-0000.tar", "shards/train-0002.tar"]
+    );
+    assert_eq!(
+        names("shards/*/train-*.tar"),
+        ["shards/deeper/train-0009.tar"]
+    );
+    // Each listed URL opens and reads its own object (a key with a space and a % among them).
+    for u in gpufeed_object::list(&url("shards/train*.tar"), &o).expect("list") {
+        let obj = Object::open_url(u.clone(), &o).expect("open");
+        assert_eq!(obj.read_all().expect("read"), u.key().as_bytes());
+    }
+    // No wildcard: the URL itself, unlisted (it need not exist yet).
+    assert_eq!(names("shards/none.tar"), ["shards/none.tar"]);
+    let err = gpufeed_object::list(&url("shards/test-*.tar"), &o).unwrap_err();
+    assert!(matches!(err, Error::NotFound { .. }), "{err}");
+    assert!(err.to_string().contains("no key matches"), "{err}");
+    let err = gpufeed_object::list("https://example.com/data/train-*.tar", &o).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidUrl { .. }) && err.to_string().contains("only s3:// buckets"),
+        "{err}"
+    );
+    let err = gpufeed_object::list(&url("shards/train-[.tar"), &o).unwrap_err();
+    assert!(err.to_string().contains("not a pattern"), "{err}");
 }
