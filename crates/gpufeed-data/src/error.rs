@@ -61,6 +61,19 @@ pub enum Error {
         panicked: bool,
     },
 
+    /// Decoding a batch of images panicked (a bug of gpufeed or of a decoder it calls, not a
+    /// bad file: those are [`Error::Image`]); the epoch ends there.
+    #[error(
+        "decoding batch {batch} of images panicked: {message}; this is a bug: please report it \
+         (with the files of that batch if you can)"
+    )]
+    DecodePanicked {
+        /// The batch's number in its epoch.
+        batch: usize,
+        /// The panic's message.
+        message: String,
+    },
+
     /// A batch was not ready in time: a worker is stuck (a transform that never returns?).
     #[error(
         "batch {batch} was not ready after {ms} ms: a worker is stuck (a transform that never \

@@ -227,6 +227,9 @@ pub struct ImageLoader {
     cpu_only: Option<String>,
     timeout: Duration,
     batches: usize,
+    /// The stage of a run whose host loader a thread left behind still held when the run
+    /// stopped: the next epoch takes the loader back from it.
+    abandoned: Option<Arc<Stage>>,
 }
 
 impl std::fmt::Debug for ImageLoader {
@@ -274,6 +277,7 @@ impl ImageLoader {
             decoders: Vec::new(),
             cpu_only: gpu.is_none().then(|| "no GPU was given".to_owned()),
             timeout,
+            abandoned: None,
         };
         loader.open_decoders()?;
         Ok(loader)
@@ -353,8 +357,23 @@ impl ImageLoader {
     /// Starts the host batches' epoch and the decode threads.
     fn start(&mut self, epoch: u64, at: Option<&Position>) -> Result<Run> {
         self.open_decoders()?;
+        if self.inner.is_none()
+            && let Some(stage) = self.abandoned.take()
+        {
+            // A thread of the last run held the host loader when it stopped; its wait for a
+            // host batch ends within the host loader's timeout.
+            self.inner = reclaim(&stage, self.timeout);
+            if self.inner.is_none() {
+                self.abandoned = Some(stage);
+            }
+        }
         let inner = self.inner.take().ok_or_else(|| {
-            Error::invalid("an epoch of this image loader is still running".into())
+            Error::invalid(format!(
+                "the last epoch's decode threads still hold this image loader ({} ms after it \
+                 stopped: a read or a decode that does not return?); try again, or make a new \
+                 loader",
+                self.timeout.saturating_mul(3).as_millis()
+            ))
         })?;
         let started = match at {
             Some(at) => inner.into_resume(at),
@@ -369,18 +388,6 @@ impl ImageLoader {
         };
         let start = at.map_or(0, |a| a.samples);
         let total = feed.size_hint().1.unwrap_or(0);
-        let stage = Arc::new(Stage {
-            feed: Mutex::new(Feed {
-                epoch: Some(feed),
-                seq: 0,
-            }),
-            stop: AtomicBool::new(false),
-        });
-        let work = Arc::new(Work {
-            records: Arc::clone(&self.records),
-            opts: self.opts.clone(),
-            epoch,
-        });
         let decoders: Vec<Option<ImageDecoder>> = match self.gpu {
             Some(_) => std::mem::take(&mut self.decoders)
                 .into_iter()
@@ -388,8 +395,23 @@ impl ImageLoader {
                 .collect(),
             None => vec![None],
         };
-        // Each thread may hold one finished batch while the channel holds one: the batches
-        // decoded ahead are at most twice the threads.
+        let stage = Arc::new(Stage {
+            feed: Mutex::new(Feed {
+                epoch: Some(feed),
+                seq: 0,
+            }),
+            stop: AtomicBool::new(false),
+            allowed: std::sync::atomic::AtomicUsize::new(window(decoders.len())),
+            gate: Mutex::new(()),
+            moved: parking_lot::Condvar::new(),
+        });
+        let work = Arc::new(Work {
+            records: Arc::clone(&self.records),
+            opts: self.opts.clone(),
+            epoch,
+        });
+        // Batches decoded ahead of the consumer are bounded by the stage's window (`admit`);
+        // the channel only hands them over.
         let (tx, rx) = mpsc::sync_channel(decoders.len());
         let mut threads = Vec::with_capacity(decoders.len());
         for (i, decoder) in decoders.into_iter().enumerate() {
@@ -424,8 +446,10 @@ impl ImageLoader {
     /// Stops `run`'s threads and takes back the host loader and the decoders.
     fn finish(&mut self, run: &mut Run) {
         let (inner, decoders) = run.stop();
-        if let Some(inner) = inner {
-            self.inner = Some(inner);
+        match inner {
+            Some(inner) => self.inner = Some(inner),
+            None if self.inner.is_none() => self.abandoned = Some(Arc::clone(&run.stage)),
+            None => {}
         }
         self.decoders.extend(decoders);
     }
@@ -515,6 +539,42 @@ struct Feed {
 struct Stage {
     feed: Mutex<Feed>,
     stop: AtomicBool,
+    /// Sequence numbers below this may be taken: the consumer's next batch plus the window
+    /// ([`window`]); a thread waits at the gate for the consumer to move it.
+    allowed: std::sync::atomic::AtomicUsize,
+    gate: Mutex<()>,
+    moved: parking_lot::Condvar,
+}
+
+impl Stage {
+    /// Waits until sequence number `seq` may be taken (the consumer is within the window of
+    /// it), or the run stops: whether it may.
+    fn admit(&self, seq: usize) -> bool {
+        let mut gate = self.gate.lock();
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            if seq < self.allowed.load(Ordering::Acquire) {
+                return true;
+            }
+            // Timed: a wake-up lost between the check and the wait costs a few ms at most.
+            self.moved.wait_for(&mut gate, Duration::from_millis(5));
+        }
+    }
+
+    /// The consumer has taken the batches before `next`: up to `next + window` may be taken.
+    fn advance(&self, next: usize, window: usize) {
+        self.allowed.store(next + window, Ordering::Release);
+        let _gate = self.gate.lock();
+        self.moved.notify_all();
+    }
+}
+
+/// Batches decoded ahead of the consumer's at most (being decoded, or done and waiting):
+/// two per decode thread, so that each has one in hand and one ready while the consumer works.
+fn window(threads: usize) -> usize {
+    2 * threads.max(1)
 }
 
 /// What a decode thread needs besides its decoder.
@@ -526,14 +586,23 @@ struct Work {
 
 type Staged = (usize, Result<ImageBatch>);
 
+/// Whether `e` ends the epoch: the host batches stopped coming (a timeout, stopped workers)
+/// or a decode thread panicked. Such an error is not a batch handed out (the position does
+/// not count it: a resume reads that batch again).
+fn ends_the_epoch(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::BatchTimeout { .. } | Error::WorkersStopped | Error::DecodePanicked { .. }
+    )
+}
+
 /// A running epoch: the decode threads and the batches they finished out of order.
 struct Run {
     epoch: u64,
     start: u64,
-    /// Batches handed out (each a batch or its error), for the position.
+    /// Batches handed out (each a batch or its own error), for the position; an error that
+    /// ends the epoch hands nothing out.
     handed: usize,
-    /// Whether an error was handed out (the host epoch may have ended after it).
-    failed: bool,
     next: usize,
     total: usize,
     rx: Option<Receiver<Staged>>,
@@ -557,7 +626,6 @@ impl Run {
             epoch,
             start,
             handed: 0,
-            failed: false,
             next: 0,
             total,
             rx: Some(rx),
@@ -594,25 +662,32 @@ impl Run {
                     }));
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    // The host epoch ended early (after an error handed out already, or its
-                    // workers stopped): nothing more comes.
+                    // Every thread ended before this batch came (an epoch-ending error
+                    // was handed out already, which set `next` to the end).
                     self.next = self.total;
-                    return (!self.failed).then_some(Err(Error::WorkersStopped));
+                    return Some(Err(Error::WorkersStopped));
                 }
             }
         };
-        self.next += 1;
-        self.handed = self.next;
-        self.failed |= found.is_err();
+        match &found {
+            Err(e) if ends_the_epoch(e) => self.next = self.total,
+            _ => {
+                self.next += 1;
+                self.handed = self.next;
+                self.stage.advance(self.next, window(self.threads.len()));
+            }
+        }
         Some(found)
     }
 
     /// Stops the threads (each finishes the batch in hand; one stuck past twice the batch
-    /// timeout is left behind) and gives back the host loader and the decoders (once: a
-    /// second call finds nothing).
+    /// timeout is left behind) and gives back the host loader (where no thread holds it
+    /// still: `None`, and the stage keeps it) and the decoders (once: a second call finds
+    /// nothing).
     fn stop(&mut self) -> (Option<BatchLoader>, Vec<ImageDecoder>) {
         self.next = self.total;
         self.stage.stop.store(true, Ordering::Relaxed);
+        self.stage.advance(0, 0);
         // A thread blocked sending sees the channel closed.
         drop(self.rx.take());
         self.done.clear();
@@ -636,14 +711,18 @@ impl Run {
                 Err(_) => tracing::warn!("an image decode thread panicked: its decoder is lost"),
             }
         }
-        let inner = self
-            .stage
-            .feed
-            .try_lock_for(Duration::from_millis(100))
-            .and_then(|mut f| f.epoch.take())
-            .map(OwnedEpoch::into_loader);
-        (inner, decoders)
+        (reclaim(&self.stage, Duration::from_millis(100)), decoders)
     }
+}
+
+/// The host loader out of `stage`, waiting at most `wait` for a thread left behind that holds
+/// it (its wait for a host batch is bounded by the host loader's timeout).
+fn reclaim(stage: &Stage, wait: Duration) -> Option<BatchLoader> {
+    stage
+        .feed
+        .try_lock_for(wait)
+        .and_then(|mut f| f.epoch.take())
+        .map(OwnedEpoch::into_loader)
 }
 
 impl Drop for Run {
@@ -653,8 +732,10 @@ impl Drop for Run {
     }
 }
 
-/// A decode thread: takes the next host batch in order, decodes and augments it, sends it;
-/// ends with the epoch or when stopped, giving its decoder back.
+/// A decode thread: takes the next host batch in order (within the consumer's window),
+/// decodes and augments it, sends it; ends with the epoch, when stopped, or after a panic
+/// (its decoder, which the unwind may have left half-updated, is dropped; the epoch ends),
+/// giving its decoder back otherwise.
 fn decode_thread(
     stage: &Stage,
     work: &Work,
@@ -668,11 +749,11 @@ fn decode_thread(
         tracing::warn!("an image decode thread could not use the GPU's context: {e:?}");
     }
     loop {
-        if stage.stop.load(Ordering::Relaxed) {
-            break;
-        }
         let (seq, host) = {
             let mut feed = stage.feed.lock();
+            if !stage.admit(feed.seq) {
+                break;
+            }
             let Some(epoch) = feed.epoch.as_mut() else {
                 break;
             };
@@ -681,22 +762,24 @@ fn decode_thread(
             feed.seq += 1;
             (seq, host)
         };
-        // A panic here is a bug, not a bad file (the decoder's panics are caught): that batch's
-        // error, and the thread goes on.
+        if stage.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let mut panicked = false;
         let made = host.and_then(|b| {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 images_of_batch(work, &b, decoder.as_mut())
             }))
             .unwrap_or_else(|p| {
-                Err(Error::invalid(format!(
-                    "decoding batch {} panicked: {}",
-                    b.number,
-                    crate::gather::panic_message(&*p)
-                )))
+                panicked = true;
+                Err(Error::DecodePanicked {
+                    batch: b.number,
+                    message: crate::gather::panic_message(&*p),
+                })
             })
         });
-        if tx.send((seq, made)).is_err() {
-            break;
+        if tx.send((seq, made)).is_err() || panicked {
+            return (!panicked).then_some(decoder).flatten();
         }
     }
     decoder
@@ -722,7 +805,10 @@ fn images_of_batch(
     let mut labels_of: Vec<u32> = Vec::with_capacity(b.indices.len());
     let mut bad: Vec<(usize, ImageError)> = Vec::new();
     for (k, &i) in b.indices.iter().enumerate() {
-        let bytes = buf.get(b.offsets[k]..b.offsets[k + 1]).unwrap_or(&[]);
+        let bytes = match (b.offsets.get(k), b.offsets.get(k + 1)) {
+            (Some(&lo), Some(&hi)) => buf.get(lo..hi).unwrap_or(&[]),
+            _ => &[],
+        };
         match image_of(ds, i, bytes) {
             Ok((jpeg, label)) => {
                 jpegs.push(jpeg);
@@ -826,17 +912,25 @@ fn image_of<'b>(
         return Ok((bytes, None));
     };
     let mut at = 0usize;
-    let (mut image, mut label) = (None, None);
+    // The image: the member named `.jpg`/`.jpeg`, else the one member whose last suffix is
+    // (`left.jpg`, as webdataset decodes by the last suffix).
+    let (mut exact, mut suffixed, mut label) = (None, Vec::new(), None);
     for (ext, range) in &sample.members {
         let member = bytes.get(at..at + range.len()).unwrap_or(&[]);
         at += range.len();
-        match ext.to_ascii_lowercase().as_str() {
-            "jpg" | "jpeg" => image = Some(member),
-            "cls" => {
+        let ext = ext.to_ascii_lowercase();
+        let last = ext.rsplit('.').next().unwrap_or("");
+        match (ext.as_str(), last) {
+            ("jpg" | "jpeg", _) => exact = Some(member),
+            (_, "jpg" | "jpeg") => suffixed.push(member),
+            ("cls", _) => {
                 let text = std::str::from_utf8(member).unwrap_or("").trim();
-                label = Some(text.parse::<u32>().map_err(|_| ImageError::Sample {
+                // u32::MAX is the loader's "no label".
+                let parsed = text.parse::<u32>().ok().filter(|&l| l != u32::MAX);
+                label = Some(parsed.ok_or_else(|| ImageError::Sample {
                     reason: format!(
-                        "its .cls member is not a class number: {:?}",
+                        "its .cls member is not a class number (0 to {}): {:?}",
+                        u32::MAX - 1,
                         String::from_utf8_lossy(&member[..member.len().min(32)])
                     ),
                 })?);
@@ -844,17 +938,35 @@ fn image_of<'b>(
             _ => {}
         }
     }
-    let image = image.ok_or_else(|| ImageError::Sample {
-        reason: format!(
-            "the sample has no .jpg or .jpeg member (its members: {})",
-            sample
-                .members
-                .iter()
-                .map(|(e, _)| format!(".{e}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-    })?;
+    let members = || {
+        sample
+            .members
+            .iter()
+            .map(|(e, _)| format!(".{e}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let image = match (exact, suffixed.as_slice()) {
+        (Some(image), _) => image,
+        (None, [one]) => one,
+        (None, []) => {
+            return Err(ImageError::Sample {
+                reason: format!(
+                    "the sample has no .jpg or .jpeg member (its members: {})",
+                    members()
+                ),
+            });
+        }
+        (None, _) => {
+            return Err(ImageError::Sample {
+                reason: format!(
+                    "the sample has several JPEG members and none named .jpg or .jpeg (its \
+                     members: {})",
+                    members()
+                ),
+            });
+        }
+    };
     Ok((image, label))
 }
 
@@ -871,8 +983,8 @@ fn record_name(ds: &Dataset, i: usize) -> String {
             .get(i)
             .map_or_else(|| format!("sample {i}"), |p| p.display().to_string()),
         Dataset::Records(r) => file_record(r, i),
-        Dataset::Shards(s) => match s.locate(i) {
-            Some((f, j)) => file_record(&s.shards()[f], j),
+        Dataset::Shards(s) => match s.locate(i).and_then(|(f, j)| Some((s.shards().get(f)?, j))) {
+            Some((file, j)) => file_record(file, j),
             None => format!("record {i}"),
         },
     }

@@ -434,8 +434,10 @@ impl PinnedPool {
         let cached = {
             let mut st = self.inner.state.lock();
             // The oldest idle buffer (given back first); where every one is still read by a
-            // copy, the oldest (its copy began first) — or, growing, none.
-            let grow = self.inner.grow_when_busy;
+            // copy, the oldest (its copy began first) — or, growing, none, unless another
+            // buffer would not fit the budget without evicting one.
+            let grow = self.inner.grow_when_busy
+                && st.stats.held_bytes + class as u64 <= self.inner.budget;
             let cached = st.free.get_mut(&class).and_then(|free| {
                 match free.iter().position(|e| !e.busy()) {
                     Some(i) => Some(free.remove(i)),

@@ -181,6 +181,11 @@ def test_webdataset_shards_give_images_and_cls_labels_and_bad_samples_follow_the
     names = [n for n, _ in lenient.skipped]
     assert names[0].endswith("bad.tar:b") and names[1].endswith("bad.tar:c"), names
     assert "no .jpg or .jpeg member" in lenient.skipped[1][1]
+    # Each epoch lists its own: a bad file once per epoch.
+    del epoch
+    for _ in lenient.epoch(1):
+        pass
+    assert [n for n, _ in lenient.skipped] == names
 
 
 def test_an_elastic_run_resumes_where_it_stopped_and_bad_settings_are_refused(tmp_path):

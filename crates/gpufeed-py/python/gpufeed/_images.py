@@ -232,7 +232,8 @@ class ImageLoader:
 
     @property
     def skipped(self) -> List[Tuple[str, str]]:
-        """The images left out so far (``on_error="skip"``), as ``(name, reason)``."""
+        """The images left out of the epoch begun last (``on_error="skip"``), as ``(name,
+        reason)``: each bad file once per epoch."""
         return self._skipped
 
     @property
@@ -253,12 +254,16 @@ class ImageLoader:
     def epoch(self, epoch: int) -> "ImageEpoch":
         """The batches of epoch ``epoch``; one epoch at a time (the next once this one has
         ended or its iterator is dropped)."""
-        return ImageEpoch(self, self._native.epoch(int(epoch)))
+        native = self._native.epoch(int(epoch))
+        self._skipped = []
+        return ImageEpoch(self, native)
 
     def resume(self, position: Any) -> "ImageEpoch":
         """The rest of an epoch from ``position`` (from ``ImageEpoch.position()``, maybe saved
         by a run with another ``WORLD_SIZE``; needs ``global_batch=``)."""
-        return ImageEpoch(self, self._native.resume(position))
+        native = self._native.resume(position)
+        self._skipped = []
+        return ImageEpoch(self, native)
 
 
 class ImageEpoch:
@@ -281,6 +286,7 @@ class ImageEpoch:
     def __next__(self):
         import torch
 
+        self._indices = []
         array, indices, labels, skipped = next(self._native)
         loader = self._loader
         self._indices = indices
@@ -293,10 +299,10 @@ class ImageEpoch:
             images = torch.from_dlpack(array)
             if images.dtype != loader._dtype:
                 images = images.to(loader._dtype)
-        # u32::MAX (no label) as -1.
+        # u32::MAX (no label) as -1. Copied synchronously: ready on every stream, as the images.
         label = torch.tensor([-1 if v == 0xFFFFFFFF else v for v in labels], dtype=torch.int64)
         if loader._device.type == "cuda":
-            label = label.to(loader._device, non_blocking=True)
+            label = label.to(loader._device)
         return images, label
 
     def position(self) -> dict:
