@@ -117,7 +117,7 @@ enum Command {
         /// With --gpus: all of the file (or checkpoint) on every GPU.
         #[arg(long, requires = "gpus")]
         replicate: bool,
-        /// auto, registered, staged or direct.
+        /// auto, registered, staged, direct or gds (cuFile: GPUDirect Storage).
         #[arg(long, default_value = "auto", value_parser = strategy_arg)]
         strategy: gpufeed::Strategy,
         /// Copy the bytes back and compare their xxh3 with the file's (for a checkpoint: each
@@ -345,9 +345,9 @@ fn doctor(path: Option<&Path>, json: bool) -> Result<ExitCode> {
                 Status::Fail => "FAIL",
             };
             println!("{tag}  {:<24} {}", c.name, c.observed);
-            if let Some(fix) = &c.fix
-                && c.status != Status::Ok
-            {
+            // An OK check may carry a fix too: an optional path it could take (GPUDirect
+            // Storage in compatibility mode).
+            if let Some(fix) = &c.fix {
                 println!("      {:<24} fix: {fix}", "");
             }
         }

@@ -157,6 +157,44 @@ pub enum Error {
         reason: String,
     },
 
+    /// cuFile could not be loaded (see [`crate::cufile`]).
+    #[error(
+        "cuFile (GPUDirect Storage) could not be loaded ({tried}); install the CUDA toolkit's \
+         libcufile, or pip's nvidia-cufile and point GPUFEED_CUFILE_LIBRARY at its \
+         libcufile.so.0 (site-packages/nvidia/cu13/lib/); or load with Strategy::Direct \
+         (gpufeed's own O_DIRECT path), which needs no cuFile"
+    )]
+    CufileMissing {
+        /// Each library name tried and why it did not load.
+        tried: String,
+    },
+
+    /// A cuFile call failed.
+    #[error("{op} failed: {name} ({status}): {text}{}", cuda.map_or(String::new(), |c| format!(" (CUresult {c})")))]
+    Cufile {
+        /// The call.
+        op: &'static str,
+        /// Its `CUfileOpError`.
+        status: i32,
+        /// The status's name.
+        name: &'static str,
+        /// cuFile's text for it.
+        text: &'static str,
+        /// The CUDA driver's `CUresult` where cuFile says the driver failed.
+        cuda: Option<i32>,
+    },
+
+    /// A `cuFileRead` failed or the file ended before the bytes asked for.
+    #[error("cuFileRead of {len} bytes at offset {offset} failed: {reason}")]
+    CufileRead {
+        /// Where in the file.
+        offset: u64,
+        /// Bytes still to read.
+        len: usize,
+        /// `errno`'s text, cuFile's status, or the file's end.
+        reason: String,
+    },
+
     /// A cast the GPU kernels do not do ([`crate::cast`]), or a GPU they cannot run on.
     #[error("cannot cast {from} to {to} on the GPU: {reason}")]
     CastUnsupported {

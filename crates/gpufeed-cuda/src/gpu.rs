@@ -173,6 +173,16 @@ impl Gpu {
         &self.ctx
     }
 
+    /// The GPU's UUID (`cuDeviceGetUuid`), as cuFile's and NVML's statistics name it.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] where the driver does not answer.
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        let id = cudarc::driver::result::device::get_uuid(self.ctx.cu_device())
+            .map_err(|e| Error::cuda("cuDeviceGetUuid", e))?;
+        Ok(id.bytes.map(|b| b as u8))
+    }
+
     /// The context's default stream.
     pub fn default_stream(&self) -> Arc<CudaStream> {
         self.ctx.default_stream()

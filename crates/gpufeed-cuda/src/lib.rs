@@ -50,13 +50,17 @@
 //! - [`nvjpeg`]: nvJPEG loaded at run time ([`nvjpeg_version`]; missing:
 //!   [`Error::NvjpegMissing`]), a decoder handle on a GPU, a JPEG's header facts, batches
 //!   decoded into device memory ([`nvjpeg::Nvjpeg::decode_batch`]).
+//! - [`cufile`]: cuFile (GPUDirect Storage) loaded at run time ([`cufile_version`]; missing:
+//!   [`Error::CufileMissing`]): the driver and its properties, files registered, reads into
+//!   device memory, which path served them; [`gds`]: whether this machine and a file's file
+//!   system would read peer-to-peer, through cuFile's compatibility mode, or not at all.
 //! - [`resize`]: crops of decoded images resized (antialiased bilinear), mirrored and
 //!   normalized on the GPU ([`resize::ResizeKernel`]).
 //! - Errors keep the driver's [`CUresult`] ([`Error::cu_result`]); slower paths taken are
 //!   [`Fallback`]s ([`TransferScheduler::fallbacks`]).
 //!
 //! Depends on `cudarc` (driver API, dynamic loading; its `nvrtc` feature only for loading PTX),
-//! `libloading` (NCCL, nvJPEG),
+//! `libloading` (NCCL, nvJPEG, cuFile),
 //! `gpufeed-pinned` (within layer 2: the staging pool), `gpufeed-numa` and `gpufeed-os`. Raw driver calls live in one private module
 //! of thin `unsafe fn`s returning `Result`.
 //!
@@ -79,8 +83,10 @@
 pub mod cast;
 pub mod copy;
 mod crew;
+pub mod cufile;
 mod dynlib;
 mod error;
+pub mod gds;
 mod gpu;
 mod kept;
 pub mod kernels;
@@ -91,6 +97,7 @@ mod raw;
 pub mod resize;
 mod transfer;
 
+pub use cufile::cufile_version;
 pub use error::{CUresult, Error, Result};
 pub use gpu::{ContextGuard, DeviceAlloc, Gpu, GpuInfo};
 /// The fallback type of every layer (defined in gpufeed-os).

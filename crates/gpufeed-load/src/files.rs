@@ -398,6 +398,10 @@ impl Loader {
         match self.opts.strategy {
             Strategy::Staged => (Strategy::Staged, "asked for".into()),
             Strategy::Direct => (Strategy::Direct, "asked for".into()),
+            Strategy::Gds => (
+                Strategy::Direct,
+                "a list of files is not read through cuFile (one request per file); O_DIRECT reads through io_uring instead".into(),
+            ),
             Strategy::Registered => (
                 Strategy::Staged,
                 "Registered maps one file; a list of files is read into staging".into(),

@@ -52,6 +52,7 @@
 
 mod error;
 mod files;
+mod gds;
 mod loader;
 #[cfg(feature = "object")]
 pub mod object;
@@ -66,6 +67,7 @@ mod via_registration;
 
 pub use error::{Error, Result};
 pub use files::{FileList, FilesReport, Skipped};
+pub use gds::GDS_PIECE_BYTES;
 pub use gpufeed_cuda::{Gpu, GpuInfo};
 pub use gpufeed_os::{Fallback, Refused};
 pub use loader::{Loader, LoaderSetup, load_file, load_file_on};

@@ -686,6 +686,7 @@ impl Loader {
                 self.staged(file, spans, dst, route == Route::Direct, &mut report)?;
                 route
             }
+            Route::Gds => self.gds_or_own(file, spans, dst, &mut report)?,
         };
         check_unchanged(file)?;
         report.strategy = ran.strategy();
@@ -720,6 +721,7 @@ impl Loader {
             Strategy::Registered => (Route::Registered, "asked for".to_owned()),
             Strategy::Staged => (Route::Staged, "asked for".to_owned()),
             Strategy::Direct => (Route::Direct, "asked for".to_owned()),
+            Strategy::Gds => (Route::Gds, "asked for".to_owned()),
         }
     }
 

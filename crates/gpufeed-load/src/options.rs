@@ -35,6 +35,15 @@ pub enum Strategy {
     Staged,
     /// Like `Staged` with `O_DIRECT`: for files not in the page cache, or larger than it.
     Direct,
+    /// cuFile (GPUDirect Storage): reads from the file straight into the destination, on
+    /// several threads. Peer-to-peer (storage -> GPU, no host memory) where the machine has
+    /// nvidia-fs or PCI P2PDMA and the file system supports it; elsewhere cuFile's
+    /// compatibility mode (POSIX reads into host memory, then a copy), which is slower than
+    /// `Direct`. Where cuFile refuses the file, the load runs `Direct` (or `Staged`) and the
+    /// report's fallbacks say why. `Auto` takes it only for files not in the page cache on
+    /// a file system [`gpufeed_cuda::gds::detect`] finds peer-to-peer capable.
+    /// [`LoadReport::io_backend`] names the path cuFile's statistics say served the reads.
+    Gds,
 }
 
 /// The path a load ran: a [`Strategy`] with `Auto` resolved.
@@ -43,6 +52,7 @@ pub(crate) enum Route {
     Registered,
     Staged,
     Direct,
+    Gds,
 }
 
 impl Route {
@@ -51,6 +61,7 @@ impl Route {
             Route::Registered => Strategy::Registered,
             Route::Staged => Strategy::Staged,
             Route::Direct => Strategy::Direct,
+            Route::Gds => Strategy::Gds,
         }
     }
 }
@@ -90,6 +101,7 @@ impl fmt::Display for Strategy {
             Strategy::Registered => "registered",
             Strategy::Staged => "staged",
             Strategy::Direct => "direct",
+            Strategy::Gds => "gds",
         };
         f.write_str(s)
     }
@@ -103,9 +115,10 @@ impl std::str::FromStr for Strategy {
             "registered" => Strategy::Registered,
             "staged" => Strategy::Staged,
             "direct" => Strategy::Direct,
+            "gds" => Strategy::Gds,
             other => {
                 return Err(Error::InvalidSetting(format!(
-                    "unknown strategy {other:?}; use auto, registered, staged or direct"
+                    "unknown strategy {other:?}; use auto, registered, staged, direct or gds"
                 )));
             }
         })
@@ -275,7 +288,9 @@ pub struct LoadReport {
     /// Seconds the source waited for free staging buffers.
     pub source_waited_s: f64,
     /// How the file was read: `"pread"` for buffered (`Staged`) loads, the io_uring reader's
-    /// backend for `Direct` ones; `None` for `Registered`.
+    /// backend for `Direct` ones, `"cufile <version>: <path>"` for `Gds` ones (the path
+    /// cuFile's statistics say served the reads: `nvidia-fs`, `p2pdma`, `compat (POSIX)`);
+    /// `None` for `Registered`.
     pub io_backend: Option<String>,
 }
 

@@ -74,6 +74,17 @@ pub(crate) fn choose(file: &OpenedFile, residency: Option<f64>) -> (Route, Strin
     let uring = *URING.get_or_init(|| Backend::probe().io_uring.is_ok());
     let dio = gpufeed_os::align::dio_alignment(file.file()).is_ok_and(|d| d.supported());
     if resident < 0.1 || file_len > available / 2 {
+        // Real GPUDirect Storage (peer-to-peer, never cuFile's compatibility mode, which is
+        // slower than gpufeed's own O_DIRECT path) for data not in the page cache.
+        if resident < 0.1 && dio && crate::gds::gds_active(file) {
+            return (
+                Route::Gds,
+                format!(
+                    "{:.0}% cached, and cuFile reads this file system peer-to-peer (GPUDirect Storage): storage -> GPU without host memory",
+                    resident * 100.0
+                ),
+            );
+        }
         if dio {
             return (
                 Route::Direct,

@@ -24,6 +24,9 @@ pub enum Refused {
     StagingReservation,
     /// Placing threads or memory on the GPU's NUMA node.
     NumaPlacement,
+    /// cuFile (GPUDirect Storage): its library, its driver, the file's registration or a
+    /// read refused.
+    Gds,
 }
 
 impl fmt::Display for Refused {
@@ -35,6 +38,7 @@ impl fmt::Display for Refused {
             Refused::HostRegistration => "host registration (cuMemHostRegister)",
             Refused::StagingReservation => "pinned staging reservation",
             Refused::NumaPlacement => "NUMA placement",
+            Refused::Gds => "cuFile (GPUDirect Storage)",
         })
     }
 }

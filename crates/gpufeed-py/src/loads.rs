@@ -72,7 +72,7 @@ impl Loader {
 
 #[pymethods]
 impl Loader {
-    /// A loader of GPU `device` with a strategy: `auto`, `registered`, `staged` or `direct`.
+    /// A loader of GPU `device` with a strategy: `auto`, `registered`, `staged`, `direct` or `gds` (cuFile).
     #[new]
     #[pyo3(signature = (device=0, strategy="auto"))]
     fn py_new(py: Python<'_>, device: usize, strategy: &str) -> PyResult<Self> {

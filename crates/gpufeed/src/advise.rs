@@ -241,12 +241,15 @@ pub const MEASURED_LOADS: usize = 3;
 pub const SAME_WITHIN: f64 = 0.05;
 
 /// The strategies a GPU trial runs, each with the facade's default options: what `Auto` would
-/// run is one of them, configured the way `Auto` runs it.
+/// run is one of them, configured the way `Auto` runs it; and cuFile (`Gds`), peer-to-peer or
+/// through its compatibility mode, whichever this machine has (a trial whose loads cuFile
+/// refused fails with the reason, rather than measuring the path that ran instead).
 pub fn trial_options() -> Vec<crate::LoadOptions> {
     [
         crate::Strategy::Staged,
         crate::Strategy::Registered,
         crate::Strategy::Direct,
+        crate::Strategy::Gds,
     ]
     .into_iter()
     .map(|strategy| crate::LoadOptions::default().with_strategy(strategy))
@@ -319,6 +322,7 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
         Ok(gpu) => {
             for opts in trial_options() {
                 let strategy = opts.strategy;
+                let mut backend = String::new();
                 let result = crate::Loader::new(&gpu, opts).and_then(|loader| {
                     let mut rates = Vec::with_capacity(MEASURED_LOADS);
                     for i in 0..=MEASURED_LOADS {
@@ -326,6 +330,15 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                         // Registered loads unregister in the background: not while the next
                         // load (or trial) runs.
                         loader.wait_for_cleanup();
+                        if strategy == crate::Strategy::Gds && r.strategy != strategy {
+                            let why = r.fallbacks.first().map_or(String::new(), |f| f.to_string());
+                            return Err(gpufeed_load::Error::InvalidSetting(format!(
+                                "cuFile did not load the file: {why}"
+                            )));
+                        }
+                        if let Some(b) = r.io_backend.as_ref().filter(|_| i == MEASURED_LOADS) {
+                            backend = b.clone();
+                        }
                         if i > 0 {
                             rates.push(r.gbps());
                         }
@@ -333,8 +346,13 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                     rates.sort_by(f64::total_cmp);
                     Ok(rates[rates.len() / 2])
                 });
+                let name = if strategy == crate::Strategy::Gds && !backend.is_empty() {
+                    format!("load, gds ({backend})")
+                } else {
+                    format!("load, {strategy} (default options, warm loader)")
+                };
                 trials.push(Trial::of(
-                    format!("load, {strategy} (default options, warm loader)"),
+                    name,
                     Some(strategy),
                     result.map_err(crate::Error::from),
                 ));

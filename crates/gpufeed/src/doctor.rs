@@ -224,6 +224,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
 
     let dir = dir.unwrap_or(Path::new("."));
     out.push(direct_io(dir));
+    out.push(gds(dir));
 
     match gpufeed_cuda::Gpu::list() {
         // The error's own sentence carries the fix; the fix column says it once.
@@ -278,6 +279,7 @@ pub fn run(dir: Option<&Path>) -> Vec<Check> {
             }
             out.push(nccl(gpus.len()));
             out.push(nvjpeg());
+            out.push(gds_probe(dir));
             out.push(pinned_and_registration());
             if let (Some(t), Some(node)) = (&topology, gpus[0].numa_node) {
                 let here = t.node_of_cpu(rustix::thread::sched_getcpu() as u32);
@@ -473,8 +475,91 @@ fn nccl(gpus: usize) -> Check {
     }
 }
 
-/// Whether nvJPEG loads (GPU image decoding, issue 40's, will need it; nothing does yet):
-/// its version and library, or why not, never a warning.
+/// GPUDirect Storage for files in `dir`: available (peer-to-peer), compat only (cuFile's
+/// POSIX reads through host memory), or absent, from the machine ([`gpufeed_cuda::gds::detect`]:
+/// the library, nvidia-fs, P2PDMA, cufile.json, the file system of `dir`), with the reason
+/// and the fix. Never a warning: gpufeed's own `O_DIRECT` path needs no cuFile.
+fn gds(dir: &Path) -> Check {
+    let library = gpufeed_cuda::cufile_version().map_err(|e| e.to_string());
+    let d = gpufeed_cuda::gds::detect(Some(dir), library, &gpufeed_cuda::gds::GdsRoots::system());
+    check(
+        "GPUDirect Storage",
+        Status::Ok,
+        format!("{}: {}", d.verdict, d.reason),
+        d.fix.as_deref(),
+    )
+}
+
+/// A probe load through cuFile (`Strategy::Gds`) of a file written in `dir` (4 MiB and a few
+/// bytes of a pattern, checked on the way back): which path cuFile's statistics say served
+/// it, or why cuFile refused it.
+fn gds_probe(dir: &Path) -> Check {
+    const NAME: &str = "cuFile probe read";
+    let run = || -> Result<(String, Vec<gpufeed_os::Fallback>), String> {
+        use std::io::Write;
+        let data: Vec<u8> = (0..(4u32 << 20) + 4093)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+            .collect();
+        let mut probe = tempfile::Builder::new()
+            .prefix(".gpufeed-doctor-gds-")
+            .tempfile_in(dir)
+            .map_err(|e| format!("creating a probe file: {e}"))?;
+        probe
+            .write_all(&data)
+            .and_then(|()| probe.as_file().sync_all())
+            .map_err(|e| format!("writing the probe file: {e}"))?;
+        let gpu = gpufeed_cuda::Gpu::open(0).map_err(|e| e.to_string())?;
+        let opts = crate::LoadOptions::default().with_strategy(crate::Strategy::Gds);
+        let (buf, report) =
+            crate::load_file(&gpu, probe.path(), opts).map_err(|e| e.to_string())?;
+        if gpu.to_vec(&buf).map_err(|e| e.to_string())? != data {
+            return Ok((
+                "the bytes read back differ from the file's".into(),
+                Vec::new(),
+            ));
+        }
+        Ok((
+            report.io_backend.unwrap_or_default(),
+            if report.strategy == crate::Strategy::Gds {
+                Vec::new()
+            } else {
+                report.fallbacks
+            },
+        ))
+    };
+    match run() {
+        Ok((backend, fallbacks)) if fallbacks.is_empty() && backend.starts_with("cufile") => check(
+            NAME,
+            Status::Ok,
+            format!("{}: {backend}", dir.display()),
+            None,
+        ),
+        Ok((backend, fallbacks)) if fallbacks.is_empty() => check(
+            NAME,
+            Status::Warn,
+            format!("{}: {backend}", dir.display()),
+            Some("report this: cuFile read the probe file wrongly"),
+        ),
+        Ok((_, fallbacks)) => check(
+            NAME,
+            Status::Ok,
+            format!(
+                "{}: not read by cuFile ({}); gpufeed's own path ran",
+                dir.display(),
+                fallbacks
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            None,
+        ),
+        Err(e) => check(NAME, Status::Ok, format!("{}: {e}", dir.display()), None),
+    }
+}
+
+/// Whether nvJPEG loads (the image loader decodes on the GPU with it; without it, on the
+/// CPU): its version and library, or why not, never a warning.
 fn nvjpeg() -> Check {
     match gpufeed_cuda::nvjpeg_version() {
         Ok(v) => check("nvJPEG", Status::Ok, v, None),

@@ -1,6 +1,7 @@
 //! Integration tests of gpufeed-load. GPU tests skip with a printed reason where no GPU is
 //! usable, and fail instead when GPUFEED_REQUIRE_GPU=1 (how they run on the GPU machine).
 
+mod gds;
 #[cfg(feature = "object")]
 mod object;
 #[cfg(feature = "object")]

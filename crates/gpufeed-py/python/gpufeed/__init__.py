@@ -175,7 +175,7 @@ def _torch_dtypes(torch):
 class Loader:
     """A reusable loader of GPU ``device``: its pinned staging and threads serve every load.
 
-    ``strategy`` is ``auto``, ``registered``, ``staged`` or ``direct``.
+    ``strategy`` is ``auto``, ``registered``, ``staged``, ``direct`` or ``gds`` (cuFile: GPUDirect Storage).
     """
 
     def __init__(self, device: int = 0, strategy: str = "auto"):

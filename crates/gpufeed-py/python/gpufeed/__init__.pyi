@@ -138,7 +138,7 @@ class ImageEpoch:
 
 class Loader:
     def __init__(
-        self, device: int = 0, strategy: Literal["auto", "registered", "staged", "direct"] = "auto"
+        self, device: int = 0, strategy: Literal["auto", "registered", "staged", "direct", "gds"] = "auto"
     ) -> None: ...
     @property
     def device(self) -> int: ...

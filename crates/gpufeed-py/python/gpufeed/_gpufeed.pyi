@@ -101,7 +101,7 @@ class Loader:
     """A reusable loader of one GPU: its pinned staging and threads serve every load."""
 
     def __new__(
-        cls, device: int = 0, strategy: Literal["auto", "registered", "staged", "direct"] = "auto"
+        cls, device: int = 0, strategy: Literal["auto", "registered", "staged", "direct", "gds"] = "auto"
     ) -> Loader: ...
     @property
     def device(self) -> int: ...

@@ -1,0 +1,238 @@
+//! On a GPU: `Strategy::Gds` (cuFile). The H200 machine has libcufile without nvidia-fs, so
+//! cuFile runs there in its compatibility mode: byte-exact loads at unaligned sizes, offsets and
+//! spans, cold (evicted) and warm; compatibility mode turned off by a cufile.json given through
+//! `CUFILE_ENV_PATH_JSON` (in a child process: cuFile reads its configuration once) -> the load
+//! falls back to gpufeed's own path with cuFile's reason recorded; a tmpfs file (no `O_DIRECT`)
+//! -> staged with the reason. `Auto` takes `Gds` exactly where detection finds peer-to-peer
+//! reads.
+
+use gpufeed_load::{LoadOptions, Loader, Refused, Strategy};
+use gpufeed_os::OpenedFile;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{gpu_or_skip, random_bytes};
+
+/// Whether cuFile must load here: where GPU tests are required (the H200 machine has
+/// libcufile.so.0) or the test was pointed at a library.
+fn cufile_required() -> bool {
+    gpufeed_testkit::gpu_required()
+        || std::env::var("GPUFEED_CUFILE_LIBRARY").is_ok_and(|v| !v.is_empty())
+}
+
+/// The test's role in a child process (`gpufeed_testkit::CHILD_ROLE`), if it is one.
+fn child_role() -> Option<String> {
+    std::env::var(gpufeed_testkit::CHILD_ROLE).ok()
+}
+
+#[test]
+fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
+    let test = "gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes";
+    if child_role().is_some() {
+        return;
+    }
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    if let Err(e) = gpufeed_cuda::cufile_version() {
+        assert!(!cufile_required(), "cuFile: {e}");
+        gpufeed_testkit::skip(test, &e);
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let len = (37 << 20) + 4093;
+    let data = random_bytes(len, gpufeed_testkit::seed(test));
+    let path = dir.path().join("gds.bin");
+    std::fs::write(&path, &data).expect("write");
+    let loader =
+        Loader::new(&gpu, LoadOptions::default().with_strategy(Strategy::Gds)).expect("loader");
+    for warmth in ["cold", "warm"] {
+        if warmth == "cold" {
+            gpufeed_os::cache::evict(&path).expect("evict");
+        }
+        let (buf, report) = loader.load_file(&path).expect("load");
+        assert_eq!(
+            report.strategy,
+            Strategy::Gds,
+            "{warmth}: cuFile did not load: {:?}",
+            report.fallbacks
+        );
+        let backend = report.io_backend.clone().unwrap_or_default();
+        assert!(backend.starts_with("cufile"), "{backend}");
+        println!(
+            "{warmth}: {} bytes in {:.3} s ({:.2} GB/s) through {backend}",
+            report.bytes,
+            report.seconds,
+            report.gbps()
+        );
+        assert_eq!(
+            xxh3_64(&gpu.to_vec(&buf).expect("back")),
+            xxh3_64(&data),
+            "{warmth}"
+        );
+    }
+    // Unaligned ranges and several spans of one opened file.
+    let (buf, report) = loader
+        .load_range(&path, 4093..(20 << 20) + 11)
+        .expect("range");
+    assert_eq!(report.strategy, Strategy::Gds);
+    assert_eq!(
+        gpu.to_vec(&buf).expect("back"),
+        &data[4093..(20 << 20) + 11]
+    );
+    let spans = [
+        (9 << 20) + 7..(30 << 20) + 4098,
+        1..2,
+        3..(5 << 20) + 1,
+        len as u64 - 5..len as u64,
+    ];
+    let file = OpenedFile::open(&path).expect("open");
+    let (buf, report) = loader.load_spans_of(&file, &spans).expect("spans");
+    assert_eq!(report.strategy, Strategy::Gds);
+    let want: Vec<u8> = spans
+        .iter()
+        .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
+        .collect();
+    assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&want));
+}
+
+/// A file on tmpfs (no `O_DIRECT`) asked for with `Gds`: staged, the refusal said.
+#[test]
+fn a_tmpfs_file_is_staged_with_the_reason() {
+    let test = "a_tmpfs_file_is_staged_with_the_reason";
+    if child_role().is_some() {
+        return;
+    }
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+        gpufeed_testkit::skip(test, &"no /dev/shm");
+        return;
+    };
+    let data = random_bytes((3 << 20) + 7, gpufeed_testkit::seed(test));
+    let path = dir.path().join("t.bin");
+    std::fs::write(&path, &data).expect("write");
+    let loader =
+        Loader::new(&gpu, LoadOptions::default().with_strategy(Strategy::Gds)).expect("loader");
+    let (buf, report) = loader.load_file(&path).expect("load");
+    assert_eq!(report.strategy, Strategy::Staged, "{report:?}");
+    let f = report
+        .fallbacks
+        .iter()
+        .find(|f| f.refused == Refused::Gds)
+        .expect("the refusal recorded");
+    // Without cuFile at all the library's absence is the reason; with it, O_DIRECT.
+    if gpufeed_cuda::cufile_version().is_ok() {
+        assert!(f.reason.contains("O_DIRECT"), "{f}");
+    }
+    assert_eq!(gpu.to_vec(&buf).expect("back"), data);
+}
+
+/// The child of [`compat_mode_off_falls_back_with_cufiles_reason`]: loads with `Gds` under
+/// the cufile.json the parent gave and prints what ran.
+#[test]
+fn gds_child_entry() {
+    if child_role().as_deref() != Some("gds-compat-off") {
+        return;
+    }
+    let gpu = gpufeed_load::Gpu::open(0).expect("GPU");
+    let path = std::env::var("GDS_TEST_FILE").expect("file");
+    let data = std::fs::read(&path).expect("read");
+    let loader =
+        Loader::new(&gpu, LoadOptions::default().with_strategy(Strategy::Gds)).expect("loader");
+    let (buf, report) = loader.load_file(&path).expect("load");
+    assert_eq!(gpu.to_vec(&buf).expect("back"), data, "bytes");
+    let gds = report.fallbacks.iter().find(|f| f.refused == Refused::Gds);
+    println!(
+        "RAN {} BACKEND {} REFUSED {}",
+        report.strategy,
+        report.io_backend.unwrap_or_default(),
+        gds.map_or("-".to_owned(), |f| f.reason.clone())
+    );
+}
+
+/// cufile.json with `allow_compat_mode: false` on a machine without nvidia-fs: cuFile refuses
+/// (its driver does not open), the load runs gpufeed's `Direct` path, and the fallback
+/// carries cuFile's status. Where nvidia-fs is loaded cuFile reads peer-to-peer instead, and
+/// the test says so.
+#[test]
+fn compat_mode_off_falls_back_with_cufiles_reason() {
+    let test = "compat_mode_off_falls_back_with_cufiles_reason";
+    if child_role().is_some() {
+        return;
+    }
+    let Some(_gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    if let Err(e) = gpufeed_cuda::cufile_version() {
+        assert!(!cufile_required(), "cuFile: {e}");
+        gpufeed_testkit::skip(test, &e);
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("c.bin");
+    std::fs::write(&path, random_bytes((9 << 20) + 5, 7)).expect("write");
+    let json = dir.path().join("cufile.json");
+    std::fs::write(
+        &json,
+        "{\n  // compatibility mode off: without nvidia-fs cuFile refuses\n  \"properties\": { \"allow_compat_mode\": false }\n}\n",
+    )
+    .expect("json");
+    let out = gpufeed_testkit::run_child(
+        "gds::gds_child_entry",
+        "gds-compat-off",
+        &[
+            ("CUFILE_ENV_PATH_JSON", json.display().to_string()),
+            ("GDS_TEST_FILE", path.display().to_string()),
+        ],
+    );
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("RAN "))
+        .unwrap_or_else(|| panic!("no result line in {out}"));
+    println!("{line}");
+    let nvfs = gpufeed_cuda::gds::detect(
+        None,
+        Ok(String::new()),
+        &gpufeed_cuda::gds::GdsRoots::system(),
+    )
+    .nvidia_fs
+    .loaded;
+    if nvfs {
+        assert!(line.starts_with("RAN gds"), "{line}");
+    } else {
+        assert!(line.starts_with("RAN direct"), "{line}");
+        assert!(
+            line.contains("REFUSED cuFile"),
+            "cuFile's own error: {line}"
+        );
+    }
+}
+
+/// `Auto` picks `Gds` for a cold file exactly where detection finds peer-to-peer reads for
+/// its file system (never cuFile's compatibility mode).
+#[test]
+fn auto_takes_gds_only_where_detection_finds_it() {
+    let test = "auto_takes_gds_only_where_detection_finds_it";
+    if child_role().is_some() {
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("a.bin");
+    std::fs::write(&path, random_bytes((16 << 20) + 3, 3)).expect("write");
+    gpufeed_os::cache::evict(&path).expect("evict");
+    let file = OpenedFile::open(&path).expect("open");
+    let (auto, why) = gpufeed_load::internal::auto_choice(&file, 0..file.len());
+    let library = gpufeed_cuda::cufile_version().map_err(|e| e.to_string());
+    let d = gpufeed_cuda::gds::detect(Some(&path), library, &gpufeed_cuda::gds::GdsRoots::system());
+    println!(
+        "{test}: detection {} ({}); Auto: {auto} ({why})",
+        d.verdict, d.reason
+    );
+    let dio = gpufeed_os::align::dio_alignment(file.file()).is_ok_and(|a| a.supported());
+    assert_eq!(
+        auto == Strategy::Gds,
+        dio && d.verdict == gpufeed_cuda::gds::GdsVerdict::Available,
+        "{auto}: {why}"
+    );
+}
