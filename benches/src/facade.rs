@@ -78,7 +78,7 @@ pub fn ensure_safetensors(path: &Path, bytes: u64, tensors: usize) -> Result<u64
 }
 
 /// The disk's own limit: O_DIRECT sequential read through io_uring, queue depth 32, 1 MiB.
-fn raw_direct(path: &Path) -> Result<f64> {
+pub(crate) fn raw_direct(path: &Path) -> Result<f64> {
     let mut reader = Reader::builder()
         .backend(Backend::Auto)
         .direct(Direct::On)

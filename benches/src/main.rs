@@ -7,6 +7,7 @@
 mod access;
 mod casts;
 mod chart;
+mod cold;
 mod facade;
 mod frames;
 mod gpu;
@@ -64,7 +65,8 @@ struct Cli {
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     gpu_bytes: u64,
 
-    /// Size of the file registered and copied to the GPU (GPU machine only).
+    /// Size of the file registered and copied to the GPU, and loaded cold by table 16 (GPU
+    /// machine only).
     #[arg(long, default_value = "4GiB", value_parser = parse_size)]
     gpu_file: u64,
 
@@ -117,7 +119,9 @@ struct Cli {
     /// `--peers`), multi (table 11, several GPUs), frames (table 12), hybrid (table 13),
     /// object (table 14, objects from a SeaweedFS server started here; needs `weed`), images
     /// (table 15, JPEG training batches against torchvision and DataLoader + PIL; GPU machine;
-    /// also runs with `--peers`).
+    /// also runs with `--peers`), cold (table 16, the `--gpu-file` file loaded cold by every
+    /// route, Auto, Direct, Staged and cuFile, beside the disk's raw O_DIRECT read and KvikIO;
+    /// GPU machine).
     /// Limits are measured whenever a host table is, since ratios need them.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Part>,
@@ -128,7 +132,7 @@ struct Cli {
     gpu: bool,
 
     /// Skip the host-only tables (1-3, 5 and 7, and the limits they need), e.g. to spend the
-    /// GPU machine's time on the tables with GPU rows (4, 6, 8-13).
+    /// GPU machine's time on the tables with GPU rows (4, 6, 8-16).
     #[arg(long)]
     gpu_only: bool,
 
@@ -154,10 +158,11 @@ pub(crate) enum Part {
     Hybrid,
     Object,
     Images,
+    Cold,
 }
 
 impl Part {
-    const ALL: [Part; 14] = [
+    const ALL: [Part; 15] = [
         Part::Limits,
         Part::Handoff,
         Part::Access,
@@ -172,6 +177,7 @@ impl Part {
         Part::Hybrid,
         Part::Object,
         Part::Images,
+        Part::Cold,
     ];
 
     /// A part without GPU rows (skipped by `--gpu-only`).
@@ -199,6 +205,7 @@ impl Part {
             Part::Hybrid => "table 13 (hybrid)",
             Part::Object => "table 14 (object)",
             Part::Images => "table 15 (images)",
+            Part::Cold => "table 16 (cold)",
         }
     }
 }
@@ -619,6 +626,14 @@ fn main() -> Result<()> {
         None
     };
 
+    let cold = if wanted(Part::Cold) {
+        Some(cold::measure(&cli.dir, cli.gpu_file, cli.reps, |what| {
+            progress.line(&format!("      {what}"))
+        })?)
+    } else {
+        None
+    };
+
     let report = report::Report {
         tool: concat!("gpufeed-bench ", env!("CARGO_PKG_VERSION")),
         machine: report::Machine::read(&cli.dir),
@@ -639,6 +654,7 @@ fn main() -> Result<()> {
         hybrid,
         objects,
         images,
+        cold,
         left_out,
     };
     progress.finish();

@@ -1,7 +1,7 @@
 //! The report: markdown for people (stdout and report.md), JSON for scripts (report.json).
 //!
 //! Each table's module renders its own rows (`limits::table`, `handoff::table`, ...,
-//! `objects::table`, `images::table`); this file holds the report, the machine's header, the
+//! `objects::table`, `images::table`, `cold::table`); this file holds the report, the machine's header, the
 //! tables' order, the line of what was left out and the helpers the tables share ([`share`]).
 
 use std::fmt::Write as _;
@@ -91,6 +91,8 @@ pub struct Report {
     pub objects: Option<crate::objects::ObjectsBench>,
     /// Table 15: decoded, augmented training batches of JPEGs.
     pub images: Option<crate::images::ImagesBench>,
+    /// Table 16: cold loads of the GPU file by every route and KvikIO.
+    pub cold: Option<crate::cold::ColdBench>,
     /// The tables this run did not select (`--only`, `--gpu-only`; tables 10 and 15 without
     /// `--peers`).
     pub left_out: Vec<&'static str>,
@@ -191,6 +193,9 @@ impl Report {
         }
         if let Some(v) = &self.images {
             crate::images::table(&mut s, v);
+        }
+        if let Some(v) = &self.cold {
+            crate::cold::table(&mut s, v);
         }
         if !self.left_out.is_empty() {
             let _ = writeln!(

@@ -7,8 +7,10 @@
 //!   `pread`s, or `O_DIRECT` io_uring reads, into pinned staging buffers uploaded while the
 //!   next ones fill) chosen by [`Strategy::Auto`] from page-cache residency and available
 //!   memory, or [`Strategy::Registered`] when asked (the GPU copies straight from the cached
-//!   pages, registered read-only in chunks ahead of the copies); a [`LoadReport`] says what
-//!   ran, why, and where the time went. A `Loader` reserves its pinned staging when it is made,
+//!   pages, registered read-only in chunks ahead of the copies), or [`Strategy::Gds`] (cuFile:
+//!   GPUDirect Storage, peer-to-peer where the machine has it, which `Auto` takes for cold
+//!   files there; elsewhere cuFile's compatibility mode, or gpufeed's own path where cuFile
+//!   refuses); a [`LoadReport`] says what ran, why, and where the time went. A `Loader` reserves its pinned staging when it is made,
 //!   so that its first load runs at the speed of a warm one.
 //! - [`Loader::load_files`] / [`FileList`]: many files (a folder of images) into one GPU buffer
 //!   in one call, file `i` at [`FileList::range`].

@@ -299,6 +299,21 @@ def test_files_and_ranges_arrive_byte_for_byte():
         assert torch.equal(r.cpu(), want[4097:1_000_001])
 
 
+def test_a_gds_loader_loads_byte_for_byte():
+    # strategy="gds": cuFile where it reads the file (its compatibility mode on the H200
+    # machine), else gpufeed's own path; the bytes are the file's either way.
+    torch = torch_on_gpu()
+    with tempfile.TemporaryDirectory() as d:
+        data = os.urandom(9_000_011)
+        path = os.path.join(d, "g.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        loader = gpufeed.Loader(0, strategy="gds")
+        want = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        assert torch.equal(loader.load_file(path).cpu(), want)
+        assert torch.equal(loader.load_range(path, 4099, 8_000_001).cpu(), want[4099:8_000_001])
+
+
 def test_tensors_outlive_their_loader():
     torch = torch_on_gpu()
     from safetensors.torch import load_file
