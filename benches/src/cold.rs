@@ -466,7 +466,8 @@ fn auto_verdict(b: &ColdBench) -> String {
     )
 }
 
-/// Issue 42: gpufeed's Direct at least KvikIO's (cuFile compat) throughput.
+/// Issue 42: gpufeed's Direct at least KvikIO's throughput (through cuFile's compatibility mode
+/// or KvikIO's own POSIX reads, whichever it took).
 fn direct_verdict(b: &ColdBench) -> String {
     let Some(direct) = b.route("direct") else {
         return "not measured".to_owned();
@@ -651,7 +652,7 @@ pub fn table(s: &mut String, b: &ColdBench) {
     }
     let _ = writeln!(
         s,
-        "\nAuto vs the best of direct, staged, cuFile: {}.\n\nDirect vs KvikIO (cuFile compat): {}.",
+        "\nAuto vs the best of direct, staged, cuFile: {}.\n\nDirect vs KvikIO (cuFile's compatibility mode or KvikIO's own POSIX reads, as its backend row says): {}.",
         b.auto_verdict, b.direct_verdict
     );
     for f in b.routes.iter().flat_map(|r| &r.fallbacks) {

@@ -4,7 +4,7 @@
 //! memory; elsewhere cuFile runs in its *compatibility mode*: POSIX reads into host memory it
 //! owns, then a copy, when `cufile.json` allows it (`properties.allow_compat_mode`, true by
 //! default), and refuses every read when not. [`crate::gds::detect`] says which, from the
-//! machine; after a read, [`CuFile::path_counts`] asks cuFile's own statistics which path
+//! machine; around reads, [`CuFile::count_paths`] asks cuFile's own statistics which path
 //! served it.
 //!
 //! - [`cufile_version`]: the library found and its version (needs no GPU).
@@ -185,13 +185,34 @@ const STATUS: &[(c_int, &str, &str)] = &[
         "CU_FILE_ASYNC_NOT_SUPPORTED",
         "cuFile stream operation not supported",
     ),
-    (5043, "CU_FILE_NOMEM_ERROR", "out of memory"),
+    (
+        5039,
+        "CU_FILE_INTERNAL_BATCH_SETUP_ERROR",
+        "batch setup internal error, retry later",
+    ),
+    (
+        5040,
+        "CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR",
+        "batch submit internal error, retry later",
+    ),
+    (
+        5041,
+        "CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR",
+        "batch get-status internal error, retry later",
+    ),
+    (
+        5042,
+        "CU_FILE_INTERNAL_BATCH_CANCEL_ERROR",
+        "batch cancel internal error, retry later",
+    ),
+    (5043, "CU_FILE_NOMEM_ERROR", "out of memory, retry later"),
     (5044, "CU_FILE_IO_ERROR", "IO error"),
     (
         5045,
         "CU_FILE_INTERNAL_BUF_REGISTER_ERROR",
         "buffer registration error",
     ),
+    (5046, "CU_FILE_HASH_OPR_ERROR", "hash operation error"),
     (
         5047,
         "CU_FILE_INVALID_CONTEXT_ERROR",
@@ -207,6 +228,7 @@ const STATUS: &[(c_int, &str, &str)] = &[
         "CU_FILE_BATCH_NOCOMPAT_ERROR",
         "compatibility mode is off",
     ),
+    (5050, "CU_FILE_IO_MAX_ERROR", "GPUDirect Storage max error"),
 ];
 
 /// The name and cuFile's text of `CUfileOpError` `status` (the sign ignored: reads return it
@@ -266,11 +288,12 @@ struct RawProps {
 
 type CufileHandle = *mut c_void;
 
-/// cuFile's statistics calls (cuFile 1.14 and later; older libraries have none).
+/// cuFile's statistics calls (recent cuFile; older libraries have none).
 struct StatsCalls {
+    get_level: unsafe extern "C" fn(*mut c_int) -> Status,
     set_level: unsafe extern "C" fn(c_int) -> Status,
     start: unsafe extern "C" fn() -> Status,
-    reset: unsafe extern "C" fn() -> Status,
+    stop: unsafe extern "C" fn() -> Status,
     get_l3: unsafe extern "C" fn(*mut c_void) -> Status,
 }
 
@@ -344,9 +367,10 @@ impl Library {
         let _close: unsafe extern "C" fn() -> Status = sym!("cuFileDriverClose");
         let stats = (|| {
             Some(StatsCalls {
+                get_level: optional!("cuFileGetStatsLevel")?,
                 set_level: optional!("cuFileSetStatsLevel")?,
                 start: optional!("cuFileStatsStart")?,
-                reset: optional!("cuFileStatsReset")?,
+                stop: optional!("cuFileStatsStop")?,
                 get_l3: optional!("cuFileGetStatsL3")?,
             })
         })();
@@ -427,7 +451,8 @@ pub struct DriverProperties {
     pub poll_mode: bool,
     /// The file systems and block devices the driver reads peer-to-peer.
     pub supported: Vec<&'static str>,
-    /// Whether this cuFile reads through the kernel's PCI P2PDMA (feature flag 4).
+    /// Whether this cuFile supports the kernel's PCI P2PDMA (feature flag 4: the library's
+    /// support, not that this machine's NVMe and kernel allow it).
     pub p2pdma: bool,
     /// Largest IO sent to the kernel at once, bytes.
     pub max_direct_io_bytes: u64,
@@ -459,7 +484,7 @@ const SUPPORTED: [(u32, &str); 14] = [
 
 impl DriverProperties {
     fn from_raw(p: &RawProps) -> Self {
-        let kib = |v: c_uint| u64::from(v) * 1024;
+        let kib = |v: c_uint| u64::from(v).saturating_mul(1024);
         DriverProperties {
             nvfs_version: (p.nvfs_major != 0 || p.nvfs_minor != 0)
                 .then_some((p.nvfs_major, p.nvfs_minor)),
@@ -472,17 +497,18 @@ impl DriverProperties {
                 .map(|&(_, n)| n)
                 .collect(),
             p2pdma: p.fflags & (1 << 4) != 0,
-            max_direct_io_bytes: p.max_direct_io_size as u64 * 1024,
+            max_direct_io_bytes: (p.max_direct_io_size as u64).saturating_mul(1024),
             max_device_cache_bytes: kib(p.max_device_cache_size),
             per_buffer_cache_bytes: kib(p.per_buffer_cache_size),
             max_device_pinned_bytes: kib(p.max_device_pinned_mem_size),
         }
     }
 
-    /// Whether reads can go peer-to-peer at all (nvidia-fs loaded, or P2PDMA), not through
-    /// the compatibility mode.
-    pub fn peer_to_peer(&self) -> bool {
-        !self.posix_io_mode && (self.nvfs_version.is_some() || self.p2pdma)
+    /// Whether the driver reads through nvidia-fs (loaded, its version known, POSIX mode off).
+    /// P2PDMA reads ([`DriverProperties::p2pdma`] says only that this cuFile supports them)
+    /// cannot be told from the properties: [`CuFile::count_paths`] tells after a read.
+    pub fn nvidia_fs(&self) -> bool {
+        !self.posix_io_mode && self.nvfs_version.is_some()
     }
 }
 
@@ -493,7 +519,7 @@ pub struct CuFile {
     library: String,
 }
 
-/// Which path cuFile's statistics say served reads ([`CuFile::path_counts`]).
+/// Which path cuFile's statistics say served reads ([`CuFile::count_paths`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct PathCounts {
     /// Reads counted.
@@ -523,8 +549,9 @@ impl PathCounts {
 }
 
 impl CuFile {
-    /// The cuFile driver for `gpu` (`cuFileDriverOpen` on first call, with `gpu`'s context
-    /// bound; later calls return the same driver, whatever the GPU).
+    /// The cuFile driver for `gpu` (`cuFileDriverOpen` on first call; later calls return the
+    /// same driver, whatever the GPU). Leaves `gpu`'s context bound to the calling thread, as
+    /// the reads need it.
     ///
     /// # Errors
     /// [`Error::CufileMissing`]; [`Error::Cufile`] where the driver does not open (no
@@ -603,34 +630,70 @@ impl CuFile {
         })
     }
 
-    /// Turns on cuFile's statistics (level 3: per GPU, which path served each read) and
-    /// zeroes them, for [`CuFile::path_counts`]. `false` where this cuFile has no statistics
-    /// calls (before 1.14) or refuses them.
-    pub fn start_path_counts(&self) -> bool {
-        let Ok(l) = library() else { return false };
-        let Some(s) = &l.stats else { return false };
+    /// Runs `reads` (reads of `expected_bytes` into `gpu`) and says which path served them,
+    /// from cuFile's level-3 statistics: a snapshot before and after (never a reset, so other
+    /// users' counters in this process stay as they are), the difference taken at the entry of
+    /// `gpu`, found by its UUID, and kept only where its read bytes grew by exactly
+    /// `expected_bytes`, so that a statistics layout other than this build knows, or reads by
+    /// someone else meanwhile, are never misread. The statistics level is raised to 3 for the
+    /// call (started where it was 0) and set back after; counted calls are serialized in the
+    /// process. `None` where this cuFile has no statistics calls (before 1.14) or the check
+    /// fails.
+    pub fn count_paths<R>(
+        &self,
+        gpu: &Gpu,
+        expected_bytes: u64,
+        reads: impl FnOnce() -> R,
+    ) -> (R, Option<PathCounts>) {
+        static COUNTING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+        let (Ok(l), Ok(uuid)) = (library(), gpu.uuid()) else {
+            return (reads(), None);
+        };
+        let Some(s) = &l.stats else {
+            return (reads(), None);
+        };
+        let _one = COUNTING.lock();
+        let mut level: c_int = 0;
+        // SAFETY: `level` is a writable int.
+        let known = unsafe { (s.get_level)(&mut level) }.err == 0;
         // SAFETY: plain calls without pointers.
-        unsafe { (s.set_level)(3).err == 0 && (s.start)().err == 0 && (s.reset)().err == 0 }
-    }
-
-    /// Which path served the reads into `gpu` since [`CuFile::start_path_counts`], from
-    /// cuFile's level-3 statistics: the entry of `gpu` found by its UUID and checked
-    /// (`read_bytes` equal to `expected_bytes`, the bytes read since), so that a statistics
-    /// layout other than this build knows is never misread. `None` where there are no
-    /// statistics, the GPU's entry is not found, or the check fails.
-    pub fn path_counts(&self, gpu: &Gpu, expected_bytes: u64) -> Option<PathCounts> {
-        let l = library().ok()?;
-        let s = l.stats.as_ref()?;
-        let uuid = gpu.uuid().ok()?;
-        // `CUfileStatsLevel3_t` is about 7 KiB in cuFile 1.20; room for later growth.
-        let mut buf = vec![0u64; 16 * 1024];
-        // SAFETY: `buf` is writable, 128 KiB, far more than the structure.
-        if unsafe { (s.get_l3)(buf.as_mut_ptr().cast()) }.err != 0 {
-            return None;
+        let raised = known
+            && level < 3
+            && unsafe { (s.set_level)(3) }.err == 0
+            && (level > 0 || unsafe { (s.start)() }.err == 0);
+        let before = if known && (level >= 3 || raised) {
+            stats_l3(s)
+        } else {
+            None
+        };
+        let out = reads();
+        let after = before.as_ref().and_then(|_| stats_l3(s));
+        if raised {
+            // SAFETY: as above; back to the level found.
+            unsafe {
+                let _ = (s.set_level)(level);
+                if level == 0 {
+                    let _ = (s.stop)();
+                }
+            }
         }
-        let bytes: &[u8] = bytemuck_u64s(&buf);
-        find_gpu_counts(bytes, &uuid, expected_bytes)
+        let counts = match (before, after) {
+            (Some(b), Some(a)) => gpu_counts_delta(&b, &a, &uuid, expected_bytes),
+            _ => None,
+        };
+        (out, counts)
     }
+}
+
+/// `CUfileStatsLevel3_t` read into a 128 KiB buffer (about 7 KiB in cuFile 1.20; room for
+/// later growth), as bytes.
+fn stats_l3(s: &StatsCalls) -> Option<Vec<u8>> {
+    let mut words = vec![0u64; 16 * 1024];
+    // SAFETY: `words` is writable, 128 KiB, far more than the structure.
+    if unsafe { (s.get_l3)(words.as_mut_ptr().cast()) }.err != 0 {
+        return None;
+    }
+    Some(bytemuck_u64s(&words).to_vec())
 }
 
 /// `words` as bytes.
@@ -640,28 +703,34 @@ fn bytemuck_u64s(words: &[u64]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 8) }
 }
 
-/// In `stats` (a `CUfileStatsLevel3_t`), the per-GPU entry that starts with `uuid` (16
-/// bytes, at a multiple of 8) and whose first counter (`read_bytes`) is `expected_bytes`:
-/// then `n_total_reads`, `n_p2p_reads`, `n_nvfs_reads`, `n_posix_reads` are its 5th to 8th
-/// counters (`CUfilePerGpuStats_t`).
-fn find_gpu_counts(stats: &[u8], uuid: &[u8; 16], expected_bytes: u64) -> Option<PathCounts> {
-    let word = |at: usize| -> Option<u64> {
+/// The per-GPU entries of a `CUfileStatsLevel3_t` (`before` and `after` it) that start with
+/// `uuid` (16 bytes, at a multiple of 8): the first whose `read_bytes` grew by exactly
+/// `expected_bytes`, its counters' growth (`n_total_reads`, `n_p2p_reads`, `n_nvfs_reads`,
+/// `n_posix_reads` are its 5th to 8th counters, `CUfilePerGpuStats_t`).
+fn gpu_counts_delta(
+    before: &[u8],
+    after: &[u8],
+    uuid: &[u8; 16],
+    expected_bytes: u64,
+) -> Option<PathCounts> {
+    let word = |stats: &[u8], at: usize| -> Option<u64> {
         stats
             .get(at..at + 8)
             .and_then(|b| b.try_into().ok())
             .map(u64::from_ne_bytes)
     };
-    (0..stats.len().saturating_sub(16 + 8 * 9))
+    let grew = |at: usize| -> Option<u64> { word(after, at)?.checked_sub(word(before, at)?) };
+    (0..after.len().saturating_sub(16 + 8 * 8))
         .step_by(8)
-        .filter(|&at| stats.get(at..at + 16) == Some(&uuid[..]))
+        .filter(|&at| after.get(at..at + 16) == Some(&uuid[..]))
         .find_map(|at| {
             let c = at + 16;
             let counts = PathCounts {
-                bytes: word(c)?,
-                total: word(c + 32)?,
-                p2pdma: word(c + 40)?,
-                nvfs: word(c + 48)?,
-                posix: word(c + 56)?,
+                bytes: grew(c)?,
+                total: grew(c + 32)?,
+                p2pdma: grew(c + 40)?,
+                nvfs: grew(c + 48)?,
+                posix: grew(c + 56)?,
             };
             (counts.bytes == expected_bytes).then_some(counts)
         })
@@ -683,12 +752,13 @@ unsafe impl Sync for CuFileHandle<'_> {}
 impl CuFileHandle<'_> {
     /// `cuFileRead`: `len` bytes at `file_offset` of the file into device memory at
     /// `dst + dst_offset`, read on after a short read; returns once the bytes are in device
-    /// memory. The calling thread must have the destination's context bound.
+    /// memory.
     ///
     /// # Safety
-    /// 1. `dst .. dst + dst_offset + len` is device memory of the bound context, allocated
-    ///    (its allocation complete: a stream-ordered allocation's stream synchronized).
-    /// 2. No other work reads or writes those bytes until this returns.
+    /// 1. The destination's context is bound to the calling thread.
+    /// 2. `dst .. dst + dst_offset + len` is device memory of that context, allocated (its
+    ///    allocation complete: a stream-ordered allocation's stream synchronized).
+    /// 3. No other work reads or writes those bytes until this returns.
     ///
     /// # Errors
     /// [`Error::CufileRead`] where the read fails (`errno`, or cuFile's status) or the file
@@ -704,22 +774,25 @@ impl CuFileHandle<'_> {
         let mut done = 0usize;
         while done < len {
             let (at, into) = (file_offset + done as u64, dst_offset + done);
-            let (Ok(at_i), Ok(into_i)) = (i64::try_from(at), i64::try_from(into)) else {
+            let (Ok(at_i), Some(_)) = (i64::try_from(at), (dst as usize).checked_add(into)) else {
                 return Err(Error::CufileRead {
                     offset: at,
                     len: len - done,
-                    reason: "offset past what off_t holds".into(),
+                    reason: "offset past what off_t or the address space holds".into(),
                 });
             };
             // SAFETY: the caller's promises: the destination range is device memory of the
             // bound context and nothing else touches it; the handle is registered.
+            // The destination's address itself, buffer offset 0: cuFile takes a base and an
+            // offset into it for registered buffers; for others (these) KvikIO passes the
+            // address, as here.
             let n = unsafe {
                 (l.read)(
                     self.raw,
-                    dst as usize as *mut c_void,
+                    (dst as usize + into) as *mut c_void,
                     len - done,
                     at_i,
-                    into_i,
+                    0,
                 )
             };
             match n {
@@ -782,8 +855,9 @@ impl BufRegistration {
     /// Registers `len` bytes of device memory at `base`.
     ///
     /// # Safety
-    /// `base .. base + len` is a device allocation of the bound context that outlives this
-    /// value.
+    /// 1. The allocation's context is bound to the calling thread.
+    /// 2. `base .. base + len` is a device allocation of that context that outlives this
+    ///    value (drop it on a thread with the context bound: deregistration needs it).
     ///
     /// # Errors
     /// [`Error::Cufile`] (`CU_FILE_GPU_MEMORY_PINNING_FAILED` past the BAR1 budget, ...).
@@ -891,23 +965,31 @@ mod tests {
         assert_eq!(p.supported, ["NVMe", "NVMe-oF"]);
         assert_eq!(p.max_direct_io_bytes, 16 << 20);
         assert_eq!(p.per_buffer_cache_bytes, 1 << 20);
-        assert!(p.peer_to_peer());
+        assert!(p.nvidia_fs());
         let compat = DriverProperties::from_raw(&RawProps {
             dcontrolflags: 1 << 1,
             ..RawProps::default()
         });
         assert_eq!(compat.nvfs_version, None);
-        assert!(!compat.peer_to_peer());
+        assert!(!compat.nvidia_fs());
+        assert!(
+            !DriverProperties::from_raw(&RawProps {
+                nvfs_major: 2,
+                dcontrolflags: 1 << 2,
+                ..RawProps::default()
+            })
+            .nvidia_fs(),
+            "POSIX mode"
+        );
     }
 
-    /// The per-GPU statistics entry is found by the GPU's UUID and kept only where its
-    /// bytes read match; a UUID elsewhere or a count that does not match is not taken.
+    /// The per-GPU statistics entry is found by the GPU's UUID and kept only where its bytes
+    /// read grew by what the load read; a UUID elsewhere (a decoy) or a growth that does not
+    /// match is not taken.
     #[test]
     fn a_gpus_statistics_are_found_by_uuid_and_checked() {
         let uuid = *b"0123456789abcdef";
-        let mut words = vec![0u64; 512];
-        // A decoy: the UUID where the bytes do not match.
-        let put = |words: &mut Vec<u64>, at_word: usize, bytes: u64, posix: u64, nvfs: u64| {
+        let put = |words: &mut [u64], at_word: usize, bytes: u64, posix: u64, nvfs: u64| {
             let b: &mut [u8] = unsafe_bytes(words);
             b[at_word * 8..at_word * 8 + 16].copy_from_slice(&uuid);
             let c = at_word * 8 + 16;
@@ -916,13 +998,35 @@ mod tests {
             b[c + 48..c + 56].copy_from_slice(&nvfs.to_ne_bytes());
             b[c + 56..c + 64].copy_from_slice(&posix.to_ne_bytes());
         };
-        put(&mut words, 10, 999, 1, 0);
-        put(&mut words, 100, 4096 * 3 + 7, 4, 0);
-        let counts = find_gpu_counts(bytemuck_u64s(&words), &uuid, 4096 * 3 + 7).expect("found");
+        let (mut before, mut after) = (vec![0u64; 512], vec![0u64; 512]);
+        // A decoy whose count did not grow, and the real entry with earlier reads counted.
+        put(&mut before, 10, 999, 1, 0);
+        put(&mut after, 10, 999, 1, 0);
+        put(&mut before, 100, 1 << 20, 2, 0);
+        put(&mut after, 100, (1 << 20) + 4096 * 3 + 7, 6, 0);
+        let (b, a) = (bytemuck_u64s(&before), bytemuck_u64s(&after));
+        let counts = gpu_counts_delta(b, a, &uuid, 4096 * 3 + 7).expect("found");
         assert_eq!((counts.total, counts.posix, counts.nvfs), (4, 4, 0));
         assert_eq!(counts.path(), "compat (POSIX)");
-        assert!(find_gpu_counts(bytemuck_u64s(&words), &uuid, 5).is_none());
-        assert!(find_gpu_counts(bytemuck_u64s(&words), b"fedcba9876543210", 999).is_none());
+        assert!(gpu_counts_delta(b, a, &uuid, 5).is_none());
+        assert!(gpu_counts_delta(b, a, b"fedcba9876543210", 4096 * 3 + 7).is_none());
+        // Counters that went down (a reset by someone else meanwhile) are not a difference.
+        assert!(gpu_counts_delta(a, b, &uuid, 4096 * 3 + 7).is_none());
+    }
+
+    /// The structures passed to cuFile have cufile.h's sizes (x86-64).
+    #[test]
+    fn structures_have_cufiles_layout() {
+        assert_eq!(std::mem::size_of::<Status>(), 8);
+        assert_eq!(std::mem::size_of::<RawProps>(), 56);
+        assert_eq!(std::mem::offset_of!(RawProps, fflags), 32);
+        assert_eq!(
+            std::mem::offset_of!(RawProps, max_batch_io_timeout_msecs),
+            52
+        );
+        assert_eq!(std::mem::size_of::<Descr>(), 24);
+        assert_eq!(std::mem::offset_of!(Descr, handle), 8);
+        assert_eq!(std::mem::offset_of!(Descr, fs_ops), 16);
     }
 
     fn unsafe_bytes(words: &mut [u64]) -> &mut [u8] {

@@ -160,8 +160,9 @@ pub enum Error {
     /// cuFile could not be loaded (see [`crate::cufile`]).
     #[error(
         "cuFile (GPUDirect Storage) could not be loaded ({tried}); install the CUDA toolkit's \
-         libcufile, or pip's nvidia-cufile and point GPUFEED_CUFILE_LIBRARY at its \
-         libcufile.so.0 (site-packages/nvidia/cu13/lib/); or load with Strategy::Direct \
+         libcufile, or pip's nvidia-cufile (CUDA 13: site-packages/nvidia/cu13/lib/) or \
+         nvidia-cufile-cu12 (site-packages/nvidia/cufile/lib/) and point \
+         GPUFEED_CUFILE_LIBRARY at its libcufile.so.0; or load with the direct strategy \
          (gpufeed's own O_DIRECT path), which needs no cuFile"
     )]
     CufileMissing {

@@ -38,6 +38,8 @@ pub struct GdsRoots {
     pub boot_dir: PathBuf,
     /// Where `cufile.json` is by default (`/etc`).
     pub etc_dir: PathBuf,
+    /// Device nodes (`/dev`): nvidia-fs's `nvidia-fs0`... must be there for cuFile to use it.
+    pub dev_dir: PathBuf,
     /// cufile.json's path: None = CUFILE_ENV_PATH_JSON if set (non-empty), else
     /// `<etc_dir>/cufile.json`.
     pub cufile_json: Option<PathBuf>,
@@ -58,6 +60,7 @@ impl GdsRoots {
             sys_dir: root.join("sys"),
             boot_dir: root.join("boot"),
             etc_dir: root.join("etc"),
+            dev_dir: root.join("dev"),
             cufile_json: None,
         }
     }
@@ -272,6 +275,9 @@ pub struct NvidiaFs {
     /// Why `<proc>/modules` could not be read (then `loaded` rests on the other two places
     /// only, and false means unknown).
     pub modules_error: Option<String>,
+    /// Its device nodes (`<dev>/nvidia-fs0`, ...) are there: a container given the host's
+    /// module but not its devices reads in compatibility mode.
+    pub device_nodes: bool,
 }
 
 /// Reads whether nvidia-fs is loaded and its version.
@@ -301,10 +307,16 @@ pub fn read_nvidia_fs(roots: &GdsRoots) -> NvidiaFs {
                 .map(|v| v.trim().to_owned())
                 .filter(|v| !v.is_empty())
         });
+    let device_nodes = fs::read_dir(&roots.dev_dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("nvidia-fs"))
+    });
     NvidiaFs {
         loaded: listed || proc_driver.is_dir() || sys_module.is_dir(),
         version,
         modules_error,
+        device_nodes,
     }
 }
 
@@ -847,7 +859,7 @@ fn decide(facts: &Facts<'_>, library: Result<&str, &str>) -> Decision {
         };
     }
 
-    let nvfs = facts.nvidia_fs.loaded;
+    let nvfs = facts.nvidia_fs.loaded && facts.nvidia_fs.device_nodes;
     let p2p = facts.p2pdma.kernel_config == Some(true) && config.use_pci_p2pdma;
     // Each peer path that exists, with whether it reads the file system asked about.
     let mut candidates = Vec::new();
@@ -975,6 +987,11 @@ fn available_reason(facts: &Facts<'_>, peer: PeerPath) -> String {
 fn no_peer_path(facts: &Facts<'_>) -> String {
     let modules = facts.roots.proc_dir.join("modules");
     let nvfs = match &facts.nvidia_fs.modules_error {
+        _ if facts.nvidia_fs.loaded => format!(
+            "nvidia-fs is loaded but its devices are not here (no nvidia-fs* in {}: a container \
+             given the host's module without its devices)",
+            facts.roots.dev_dir.display()
+        ),
         Some(e) => format!("nvidia-fs is not known to be loaded ({e}; counted as not loaded)"),
         None => format!(
             "nvidia-fs is not loaded (no nvidia_fs in {})",
@@ -1007,6 +1024,13 @@ fn no_peer_path(facts: &Facts<'_>) -> String {
 
 fn peer_path_fix(facts: &Facts<'_>) -> String {
     let json = facts.config.path.display();
+    if facts.nvidia_fs.loaded && !facts.nvidia_fs.device_nodes {
+        return format!(
+            "give the container the host's /dev/nvidia-fs* devices (docker run --device \
+             /dev/nvidia-fs0 ..., or the NVIDIA container toolkit's GDS support), or set \
+             \"use_pci_p2pdma\": true under \"properties\" in {json} (P2PDMA)"
+        );
+    }
     format!(
         "load nvidia-fs (`modprobe nvidia-fs`, from NVIDIA's `nvidia-gds` package), or on a \
          kernel >= 6.2 with CONFIG_PCI_P2PDMA and NVIDIA's open GPU kernel modules set \
@@ -1165,6 +1189,7 @@ mod tests {
             );
             self.write("proc/driver/nvidia-fs/version", "version: 2.28\n");
             self.write("sys/module/nvidia_fs/version", "2.28.4\n");
+            self.write("dev/nvidia-fs0", "");
         }
 
         /// Roots with cufile.json at `<root>/etc/cufile.json`, whatever the environment says.
@@ -1186,6 +1211,27 @@ mod tests {
                 &self.roots(),
             )
         }
+    }
+
+    /// nvidia-fs loaded on the host (its module listed) but without its device nodes here (a
+    /// container): compatibility mode, saying so, and the fix names the devices.
+    #[test]
+    fn nvidia_fs_without_its_devices_is_compat_only() {
+        let t = Tree::new();
+        t.load_nvidia_fs();
+        fs::remove_file(t.path("dev/nvidia-fs0")).expect("rm");
+        t.cufile_json("{}");
+        let d = t.detect(None);
+        assert_eq!(d.verdict, GdsVerdict::CompatOnly, "{}", d.reason);
+        assert!(d.nvidia_fs.loaded && !d.nvidia_fs.device_nodes);
+        assert!(d.reason.contains("devices are not here"), "{}", d.reason);
+        assert!(
+            d.fix.as_deref().unwrap_or("").contains("--device"),
+            "{:?}",
+            d.fix
+        );
+        t.write("dev/nvidia-fs0", "");
+        assert_eq!(t.detect(None).verdict, GdsVerdict::Available);
     }
 
     const P2PDMA_ON: &str = r#"{ "properties": { "use_pci_p2pdma": true } }"#;

@@ -345,6 +345,14 @@ impl Loader {
             io_backend: None,
             fallbacks: Vec::new(),
         };
+        if self.opts.strategy == Strategy::Gds {
+            gpufeed_os::Fallback::new(
+                gpufeed_os::Refused::Gds,
+                "a list of files is not read through cuFile (one request per file)",
+                "O_DIRECT reads through io_uring",
+            )
+            .push_once(&mut report.fallbacks);
+        }
         if len == 0 {
             return Ok(report);
         }

@@ -28,44 +28,80 @@ use crate::options::{LoadReport, Route};
 /// every thread busy on files of a few hundred MiB).
 pub const GDS_PIECE_BYTES: usize = 8 << 20;
 
-/// Why cuFile did not load a file: said in the fallback; the load is done again another way.
-struct Refusal(String);
+/// Why cuFile did not load a file ([`LoadReport::gds_refused`]); the load was then done again
+/// by gpufeed's own path, every byte rewritten, and the report's fallbacks give cuFile's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum GdsRefusal {
+    /// libcufile did not load (`GPUFEED_CUFILE_LIBRARY`, `libcufile.so.0`).
+    Library,
+    /// cuFile's driver did not open (no nvidia-fs and `allow_compat_mode` false, ...).
+    Driver,
+    /// The file system refused `O_DIRECT` (`EINVAL`), which cuFile reads through.
+    DirectIo,
+    /// cuFile refused the file's registration (`cuFileHandleRegister`).
+    Registration,
+    /// A read failed, or the file or the destination could not be prepared; pieces may have
+    /// landed, and were written again.
+    Read,
+}
+
+/// A refusal and its words.
+struct Refusal(GdsRefusal, String);
+
+/// Test hook, not API: a fault `Strategy::Gds` runs into on a machine where cuFile works, to
+/// test the fallbacks (`LoadOptions::testing_gds_fault`).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdsFault {
+    /// The `O_DIRECT` reopen fails with `EINVAL`, as on a file system without it.
+    ReopenEinval,
+    /// The read of piece `k` fails, after the pieces before it were read.
+    ReadFailsAt(usize),
+}
 
 impl Loader {
     /// `Strategy::Gds`: cuFile, else gpufeed's `Direct` (or `Staged` where `O_DIRECT` is
-    /// refused) with the reason in `report.fallbacks`; the route that ran.
+    /// refused) with the reason in `report.fallbacks` and `report.gds_refused`; the route
+    /// that ran. `auto`: `Auto` chose it.
     pub(crate) fn gds_or_own<D>(
         &self,
         file: &OpenedFile,
         spans: &[Range<u64>],
         dst: &mut D,
         report: &mut LoadReport,
+        auto: bool,
     ) -> Result<Route>
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
-        let refusal = match self.gds(file, spans, dst, report) {
+        let Refusal(kind, why) = match self.gds(file, spans, dst, report, auto) {
             Ok(()) => return Ok(Route::Gds),
             Err(r) => r,
         };
-        let dio = gpufeed_os::align::dio_alignment(file.file()).is_ok_and(|d| d.supported());
-        let (route, instead) = if dio {
+        // Staged only where O_DIRECT itself was refused (EINVAL); any other refusal takes
+        // gpufeed's O_DIRECT path, which `Auto` takes for a cold file.
+        let (route, instead) = if kind == GdsRefusal::DirectIo {
+            (
+                Route::Staged,
+                "gpufeed's buffered reads into pinned staging instead",
+            )
+        } else {
             (
                 Route::Direct,
                 "gpufeed's O_DIRECT reads into pinned staging instead",
             )
-        } else {
-            (
-                Route::Staged,
-                "gpufeed's buffered reads into pinned staging instead (the file system refuses O_DIRECT)",
-            )
         };
-        Fallback::new(Refused::Gds, refusal.0, instead).push_once(&mut report.fallbacks);
+        report.gds_refused = Some(kind);
+        Fallback::new(Refused::Gds, why, instead).push_once(&mut report.fallbacks);
         self.staged(file, spans, dst, route == Route::Direct, report)?;
         Ok(route)
     }
 
-    /// Reads `spans` of `file` into `dst` through cuFile.
+    /// Reads `spans` of `file` into `dst` through cuFile. `auto`: `Auto` chose it (where
+    /// cuFile's statistics then show reads through its compatibility mode, `Auto` does not
+    /// choose it again for this file system).
     #[allow(
         unsafe_code,
         reason = "cuFile reads into the destination's device memory"
@@ -76,30 +112,69 @@ impl Loader {
         spans: &[Range<u64>],
         dst: &mut D,
         report: &mut LoadReport,
+        auto: bool,
     ) -> std::result::Result<(), Refusal>
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
-        let driver = CuFile::open(&self.gpu).map_err(|e| Refusal(e.to_string()))?;
-        let direct = file.reopen(libc::O_DIRECT).map_err(|e| {
-            Refusal(format!(
-                "cuFile reads a descriptor opened with O_DIRECT, which the file system of {} refuses ({e})",
-                file.path().display()
-            ))
+        let fault = self.opts.testing_gds_fault;
+        let driver = CuFile::open(&self.gpu).map_err(|e| {
+            let kind = if matches!(e, gpufeed_cuda::Error::CufileMissing { .. }) {
+                GdsRefusal::Library
+            } else {
+                GdsRefusal::Driver
+            };
+            Refusal(kind, e.to_string())
+        })?;
+        let reopened = if fault == Some(GdsFault::ReopenEinval) {
+            Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+        } else {
+            file.reopen(libc::O_DIRECT)
+        };
+        let direct = reopened.map_err(|e| {
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                Refusal(
+                    GdsRefusal::DirectIo,
+                    format!(
+                        "cuFile reads a descriptor opened with O_DIRECT, which the file system of {} refuses ({e})",
+                        file.path().display()
+                    ),
+                )
+            } else {
+                Refusal(
+                    GdsRefusal::Read,
+                    format!(
+                        "opening {} again with O_DIRECT for cuFile: {e}",
+                        file.path().display()
+                    ),
+                )
+            }
         })?;
         let handle = driver
             .register(direct.as_fd())
-            .map_err(|e| Refusal(e.to_string()))?;
+            .map_err(|e| Refusal(GdsRefusal::Registration, e.to_string()))?;
         let pieces = pieces_of(spans, GDS_PIECE_BYTES);
         let total: u64 = spans.iter().map(|s| s.end - s.start).sum();
-        let counting = driver.start_path_counts();
+        // The pieces must lie inside the destination: the reads' safety below rests on it.
+        if total != dst.len() as u64 {
+            return Err(Refusal(
+                GdsRefusal::Read,
+                format!(
+                    "{total} bytes of spans for a destination of {} bytes",
+                    dst.len()
+                ),
+            ));
+        }
         let stream = std::sync::Arc::clone(dst.stream());
         let (base, _written) = dst.device_ptr_mut(&stream);
         // A stream-ordered allocation is usable by other engines (cuFile's copies) once its
         // stream reached it.
-        stream
-            .synchronize()
-            .map_err(|e| Refusal(format!("synchronizing the destination's stream: {e}")))?;
+        stream.synchronize().map_err(|e| {
+            Refusal(
+                GdsRefusal::Read,
+                format!("synchronizing the destination's stream: {e}"),
+            )
+        })?;
         let threads = self
             .opts
             .transfer
@@ -110,60 +185,94 @@ impl Loader {
         let failed: Mutex<Option<String>> = Mutex::new(None);
         let read = |handle: &CuFileHandle<'_>| {
             if let Err(e) = self.gpu.context().bind_to_thread() {
-                *failed.lock() = Some(format!("binding the GPU's context: {e}"));
+                failed
+                    .lock()
+                    .get_or_insert(format!("binding the GPU's context: {e}"));
                 return;
             }
             loop {
                 if failed.lock().is_some() {
                     return;
                 }
-                let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                let Some(p) = pieces.get(k) else {
                     return;
                 };
+                if fault == Some(GdsFault::ReadFailsAt(k)) {
+                    failed
+                        .lock()
+                        .get_or_insert(format!("testing: the read of piece {k} failed"));
+                    return;
+                }
                 // SAFETY: `base .. base + dst.len()` is the destination's device memory, of
                 // this loader's GPU (bound above), allocated (its stream synchronized) and
                 // borrowed mutably for this call; the pieces are disjoint ranges inside it
-                // (`pieces_of`), each read by one thread.
+                // (`pieces_of`: back to back, `total` bytes, checked equal to its length),
+                // each read by one thread.
                 if let Err(e) = unsafe { handle.read_raw(base, p.dst, p.len, p.file) } {
                     failed.lock().get_or_insert(e.to_string());
                     return;
                 }
             }
         };
-        std::thread::scope(|s| {
-            for _ in 1..threads {
-                s.spawn(|| read(&handle));
-            }
-            read(&handle);
-        });
+        let read_all = || {
+            std::thread::scope(|s| {
+                for _ in 1..threads {
+                    // A thread that cannot start (a container's pids limit) leaves its pieces
+                    // to the others.
+                    if std::thread::Builder::new()
+                        .name("gpufeed-cufile".into())
+                        .spawn_scoped(s, || read(&handle))
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+                read(&handle);
+            });
+        };
+        // `Auto` chose cuFile for peer-to-peer reads: counted, to find out whether they were.
+        let counts = if self.opts.gds_path_counts || auto {
+            driver.count_paths(&self.gpu, total, read_all).1
+        } else {
+            read_all();
+            None
+        };
         if let Some(why) = failed.into_inner() {
-            return Err(Refusal(why));
+            return Err(Refusal(GdsRefusal::Read, why));
         }
-        let counts = counting
-            .then(|| driver.path_counts(&self.gpu, total))
-            .flatten();
-        let props = driver.properties();
+        // Detection said peer-to-peer; where cuFile read through host memory, or where neither
+        // its statistics nor its driver confirm a peer path, `Auto` does not take it again on
+        // this file system.
+        let confirmed = match counts {
+            Some(c) => c.posix == 0,
+            None => driver.properties().nvidia_fs(),
+        };
+        if auto && !confirmed {
+            forget_gds(file);
+        }
         report.io_backend = Some(match counts {
-            Some(c) => format!(
-                "cufile {}: {} ({} reads: {} nvidia-fs, {} P2PDMA, {} POSIX)",
-                driver.library(),
-                c.path(),
-                c.total,
-                c.nvfs,
-                c.p2pdma,
-                c.posix
-            ),
-            None if props.peer_to_peer() => format!(
-                "cufile {}: peer-to-peer possible ({}; statistics unavailable, the path of each read unknown)",
-                driver.library(),
-                props
-                    .nvfs_version
-                    .map_or("P2PDMA".to_owned(), |(a, b)| format!("nvidia-fs {a}.{b}"))
-            ),
-            None => format!(
-                "cufile {}: compat mode (no nvidia-fs or P2PDMA: POSIX reads into host memory, then a copy)",
-                driver.library()
-            ),
+            Some(c) => {
+                format!(
+                    "cufile {}: {} ({} reads: {} nvidia-fs, {} P2PDMA, {} POSIX)",
+                    driver.library(),
+                    c.path(),
+                    c.total,
+                    c.nvfs,
+                    c.p2pdma,
+                    c.posix
+                )
+            }
+            None => match driver.properties().nvfs_version {
+                Some((a, b)) => format!(
+                    "cufile {}: nvidia-fs {a}.{b} loaded (each read's path not counted)",
+                    driver.library()
+                ),
+                None => format!(
+                    "cufile {}: compat mode (nvidia-fs not loaded: POSIX reads into host memory, then a copy)",
+                    driver.library()
+                ),
+            },
         });
         Ok(())
     }
@@ -177,15 +286,18 @@ struct Piece {
     len: usize,
 }
 
-/// `spans` cut into pieces of at most `piece` bytes, the destination's bytes back to back in
-/// span order.
+/// `spans` cut into pieces of at most `piece` bytes (a power of two), the destination's bytes
+/// back to back in span order. Pieces end at multiples of `piece` in the file, so that only a
+/// span's first and last pieces are unaligned (cuFile reads unaligned ones through its bounce
+/// buffers).
 fn pieces_of(spans: &[Range<u64>], piece: usize) -> Vec<Piece> {
     let mut out = Vec::new();
     let mut dst = 0usize;
     for s in spans {
         let mut at = s.start;
         while at < s.end {
-            let len = ((s.end - at) as usize).min(piece);
+            let boundary = (at / piece as u64 + 1) * piece as u64;
+            let len = (boundary.min(s.end) - at) as usize;
             out.push(Piece { file: at, dst, len });
             at += len as u64;
             dst += len;
@@ -198,18 +310,33 @@ fn pieces_of(spans: &[Range<u64>], piece: usize) -> Vec<Piece> {
 /// available for `file`'s file system: [`gpufeed_cuda::gds::detect`], once per file system
 /// (device) in a process.
 pub(crate) fn gds_active(file: &OpenedFile) -> bool {
-    static SEEN: Mutex<Option<HashMap<u64, bool>>> = Mutex::new(None);
     let dev = file.identity().dev;
     if let Some(&known) = SEEN.lock().as_ref().and_then(|m| m.get(&dev)) {
         return known;
     }
-    let library = gpufeed_cuda::cufile_version().map_err(|e| e.to_string());
-    let verdict = gpufeed_cuda::gds::detect(Some(file.path()), library, &GdsRoots::system());
-    let active = verdict.verdict == GdsVerdict::Available;
+    // The machine first (no library is loaded where there is no peer path at all), then the
+    // library and the file's file system.
+    let roots = GdsRoots::system();
+    let machine = gpufeed_cuda::gds::detect(None, Ok(String::new()), &roots);
+    let active = machine.verdict == GdsVerdict::Available && {
+        let library = gpufeed_cuda::cufile_version().map_err(|e| e.to_string());
+        gpufeed_cuda::gds::detect(Some(file.path()), library, &roots).verdict
+            == GdsVerdict::Available
+    };
     SEEN.lock()
         .get_or_insert_with(HashMap::new)
         .insert(dev, active);
     active
+}
+
+/// What [`gds_active`] found, per device number.
+static SEEN: Mutex<Option<HashMap<u64, bool>>> = Mutex::new(None);
+
+/// `Auto` takes `Gds` no more for `file`'s file system (cuFile read it through host memory).
+fn forget_gds(file: &OpenedFile) {
+    SEEN.lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(file.identity().dev, false);
 }
 
 #[cfg(test)]
@@ -223,10 +350,11 @@ mod tests {
         assert_eq!(
             dsts,
             [
-                (10, 0, 8),
-                (18, 8, 8),
-                (26, 16, 4),
-                (100, 20, 5),
+                (10, 0, 6),
+                (16, 6, 8),
+                (24, 14, 6),
+                (100, 20, 4),
+                (104, 24, 1),
                 (200, 25, 8),
                 (208, 33, 8),
                 (216, 41, 5)

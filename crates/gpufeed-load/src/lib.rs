@@ -69,7 +69,9 @@ mod via_registration;
 
 pub use error::{Error, Result};
 pub use files::{FileList, FilesReport, Skipped};
-pub use gds::GDS_PIECE_BYTES;
+#[doc(hidden)]
+pub use gds::GdsFault;
+pub use gds::{GDS_PIECE_BYTES, GdsRefusal};
 pub use gpufeed_cuda::{Gpu, GpuInfo};
 pub use gpufeed_os::{Fallback, Refused};
 pub use loader::{Loader, LoaderSetup, load_file, load_file_on};

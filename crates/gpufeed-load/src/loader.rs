@@ -666,6 +666,7 @@ impl Loader {
             copy_waited_s: 0.0,
             source_waited_s: 0.0,
             io_backend: None,
+            gds_refused: None,
         };
         if len == 0 {
             report.reason = "nothing to load".into();
@@ -686,7 +687,13 @@ impl Loader {
                 self.staged(file, spans, dst, route == Route::Direct, &mut report)?;
                 route
             }
-            Route::Gds => self.gds_or_own(file, spans, dst, &mut report)?,
+            Route::Gds => self.gds_or_own(
+                file,
+                spans,
+                dst,
+                &mut report,
+                self.opts.strategy == Strategy::Auto,
+            )?,
         };
         check_unchanged(file)?;
         report.strategy = ran.strategy();

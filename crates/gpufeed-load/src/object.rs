@@ -178,6 +178,7 @@ impl Loader {
             copy_waited_s: 0.0,
             source_waited_s: 0.0,
             io_backend: Some("object store (HTTP ranged GETs)".into()),
+            gds_refused: None,
         };
         if len > 0 {
             let source = ObjectSource { object, spans };

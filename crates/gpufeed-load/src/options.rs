@@ -155,6 +155,15 @@ pub struct LoadOptions {
     /// fallback to `Staged` on machines whose driver never refuses.
     #[doc(hidden)]
     pub testing_refuse_registration: bool,
+    /// `Strategy::Gds`: count which path cuFile's statistics say served each load's reads
+    /// (nvidia-fs, P2PDMA or its compatibility mode) into [`LoadReport::io_backend`] (false).
+    /// Counting raises cuFile's statistics to level 3 for the load (then back) and serializes
+    /// counted loads in the process; `gpufeed doctor`'s probe and the bench count.
+    pub gds_path_counts: bool,
+    /// Test hook, not API: a fault `Strategy::Gds` runs into, to test its fallbacks on
+    /// machines where cuFile works.
+    #[doc(hidden)]
+    pub testing_gds_fault: Option<crate::gds::GdsFault>,
 }
 
 impl Default for LoadOptions {
@@ -175,6 +184,8 @@ impl Default for LoadOptions {
             register_threads: 2,
             queue_depth: 8,
             testing_refuse_registration: false,
+            gds_path_counts: false,
+            testing_gds_fault: None,
         }
     }
 }
@@ -292,6 +303,9 @@ pub struct LoadReport {
     /// cuFile's statistics say served the reads: `nvidia-fs`, `p2pdma`, `compat (POSIX)`);
     /// `None` for `Registered`.
     pub io_backend: Option<String>,
+    /// Why cuFile did not load the file, where `Strategy::Gds` was asked for (or chosen) and
+    /// gpufeed's own path ran instead (its words are in `fallbacks`).
+    pub gds_refused: Option<crate::gds::GdsRefusal>,
 }
 
 impl LoadReport {

@@ -260,6 +260,7 @@ impl Loader {
             copy_waited_s: 0.0,
             source_waited_s: 0.0,
             io_backend: None,
+            gds_refused: None,
         };
         if let Some(registration) = file.registration.as_ref().filter(|_| len > 0) {
             file.verify_unchanged()?;

@@ -490,12 +490,12 @@ fn gds(dir: &Path) -> Check {
     )
 }
 
-/// A probe load through cuFile (`Strategy::Gds`) of a file written in `dir` (4 MiB and a few
-/// bytes of a pattern, checked on the way back): which path cuFile's statistics say served
-/// it, or why cuFile refused it.
+/// A probe load through cuFile (`Strategy::Gds`, its paths counted) of a file written in `dir`
+/// (4 MiB and a few bytes of a pattern, removed after, checked on the way back): which path
+/// cuFile's statistics say served it, or why cuFile refused it and gpufeed's own path ran.
 fn gds_probe(dir: &Path) -> Check {
     const NAME: &str = "cuFile probe read";
-    let run = || -> Result<(String, Vec<gpufeed_os::Fallback>), String> {
+    let run = || -> Result<crate::LoadReport, String> {
         use std::io::Write;
         let data: Vec<u8> = (0..(4u32 << 20) + 4093)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
@@ -509,50 +509,47 @@ fn gds_probe(dir: &Path) -> Check {
             .and_then(|()| probe.as_file().sync_all())
             .map_err(|e| format!("writing the probe file: {e}"))?;
         let gpu = gpufeed_cuda::Gpu::open(0).map_err(|e| e.to_string())?;
-        let opts = crate::LoadOptions::default().with_strategy(crate::Strategy::Gds);
+        let mut opts = crate::LoadOptions::default().with_strategy(crate::Strategy::Gds);
+        opts.gds_path_counts = true;
         let (buf, report) =
             crate::load_file(&gpu, probe.path(), opts).map_err(|e| e.to_string())?;
         if gpu.to_vec(&buf).map_err(|e| e.to_string())? != data {
-            return Ok((
-                "the bytes read back differ from the file's".into(),
-                Vec::new(),
+            return Err(format!(
+                "the bytes read back by {} ({}) differ from the file's",
+                report.strategy,
+                report.io_backend.unwrap_or_default()
             ));
         }
-        Ok((
-            report.io_backend.unwrap_or_default(),
-            if report.strategy == crate::Strategy::Gds {
-                Vec::new()
-            } else {
-                report.fallbacks
-            },
-        ))
+        Ok(report)
     };
     match run() {
-        Ok((backend, fallbacks)) if fallbacks.is_empty() && backend.starts_with("cufile") => check(
+        Ok(r) if r.strategy == crate::Strategy::Gds => check(
             NAME,
             Status::Ok,
-            format!("{}: {backend}", dir.display()),
+            format!("{}: {}", dir.display(), r.io_backend.unwrap_or_default()),
             None,
         ),
-        Ok((backend, fallbacks)) if fallbacks.is_empty() => check(
-            NAME,
-            Status::Warn,
-            format!("{}: {backend}", dir.display()),
-            Some("report this: cuFile read the probe file wrongly"),
-        ),
-        Ok((_, fallbacks)) => check(
+        Ok(r) => check(
             NAME,
             Status::Ok,
             format!(
-                "{}: not read by cuFile ({}); gpufeed's own path ran",
+                "{}: not read by cuFile ({}); {} ran",
                 dir.display(),
-                fallbacks
+                r.fallbacks
                     .iter()
+                    .filter(|f| f.refused == crate::Refused::Gds)
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
-                    .join("; ")
+                    .join("; "),
+                r.strategy
             ),
             None,
+        ),
+        Err(e) if e.contains("differ from the file's") => check(
+            NAME,
+            Status::Fail,
+            format!("{}: {e}", dir.display()),
+            Some("report this with `gpufeed doctor --json`: a load returned wrong bytes"),
         ),
         Err(e) => check(NAME, Status::Ok, format!("{}: {e}", dir.display()), None),
     }
