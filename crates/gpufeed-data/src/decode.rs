@@ -74,6 +74,9 @@ pub struct ImageDecoder {
     cpu_only: Option<String>,
     /// The crop-and-resize kernels, loaded on first use.
     resize: Option<ResizeKernel>,
+    /// Threads for the images decoded on the CPU (every core by default; a share of them where
+    /// several decoders run at once: [`ImageDecoder::set_cpu_threads`]).
+    cpu_threads: usize,
 }
 
 /// Offsets in a batch's allocation are multiples of this.
@@ -111,7 +114,15 @@ impl ImageDecoder {
             nvjpeg,
             cpu_only,
             resize: None,
+            cpu_threads: cores(),
         })
+    }
+
+    /// At most `threads` threads (at least 1) decode this decoder's images on the CPU: where
+    /// nvJPEG is missing or refuses images and several decoders run at once, each takes a
+    /// share of the cores instead of all of them.
+    pub fn set_cpu_threads(&mut self, threads: usize) {
+        self.cpu_threads = threads.max(1);
     }
 
     /// Why JPEGs are decoded on the CPU here (nvJPEG could not be loaded), or `None` where
@@ -194,7 +205,7 @@ impl ImageDecoder {
         }
         if !on_cpu.is_empty() {
             let some: Vec<&[u8]> = on_cpu.iter().map(|&i| jpegs[i]).collect();
-            let decoded = decode_all(&some);
+            let decoded = decode_all(&some, self.cpu_threads);
             for (&i, result) in on_cpu.iter().zip(decoded) {
                 match result {
                     Ok(image) => {
@@ -342,7 +353,7 @@ pub fn decode_on_cpu(
 ) -> Result<(Vec<Option<DecodedImage>>, Vec<SkippedImage>)> {
     let mut bad = Vec::new();
     let mut out = Vec::with_capacity(jpegs.len());
-    for (i, result) in decode_all(jpegs).into_iter().enumerate() {
+    for (i, result) in decode_all(jpegs, cores()).into_iter().enumerate() {
         match result {
             Ok(image) => out.push(Some(image)),
             Err(e) => {
@@ -363,21 +374,28 @@ fn checked_header(jpeg: &[u8]) -> std::result::Result<(u32, u32), ImageError> {
     Ok((header.width, header.height))
 }
 
-/// Each of `jpegs` decoded on the CPU, by the machine's threads.
-fn decode_all(jpegs: &[&[u8]]) -> Vec<std::result::Result<DecodedImage, ImageError>> {
-    per_image_on_threads(jpegs.len(), |i| decode_jpeg(jpegs[i]))
+/// Each of `jpegs` decoded on the CPU, by at most `threads` threads.
+fn decode_all(
+    jpegs: &[&[u8]],
+    threads: usize,
+) -> Vec<std::result::Result<DecodedImage, ImageError>> {
+    per_image_on_threads(jpegs.len(), threads, |i| decode_jpeg(jpegs[i]))
 }
 
-/// `one(i)` for each image `i` of `n`, on the machine's threads (a share of the images each),
-/// in order. A thread that panics (not the decoder: `decode_jpeg` catches its panics) has its
-/// images reported as [`ImageError::DecoderPanicked`].
+/// The machine's cores (as the process may use them).
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `one(i)` for each image `i` of `n`, on at most `threads` threads (a share of the images
+/// each), in order. A thread that panics (not the decoder: `decode_jpeg` catches its panics)
+/// has its images reported as [`ImageError::DecoderPanicked`].
 pub(crate) fn per_image_on_threads<T: Send>(
     n: usize,
+    threads: usize,
     one: impl Fn(usize) -> std::result::Result<T, ImageError> + Sync,
 ) -> Vec<std::result::Result<T, ImageError>> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(n);
+    let threads = threads.max(1).min(n);
     if threads <= 1 {
         return (0..n).map(one).collect();
     }
@@ -426,5 +444,43 @@ fn settle(
                 reason,
             })
             .collect()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// At most the threads asked for run at once (several decoders share the cores), every
+    /// image's result comes back in order, and a thread's panic fails only its own images.
+    #[test]
+    fn images_run_on_at_most_the_threads_given_in_order() {
+        for threads in [1, 2, 3, 8] {
+            let (running, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+            let out = per_image_on_threads(23, threads, |i| {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(3));
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok(i * 2)
+            });
+            let got: Vec<usize> = out.into_iter().map(|r| r.expect("ok")).collect();
+            assert_eq!(got, (0..23).map(|i| i * 2).collect::<Vec<_>>());
+            let most = most.load(Ordering::SeqCst);
+            assert!(most <= threads, "{most} ran at once with {threads} threads");
+            if threads > 1 {
+                assert!(
+                    most > 1,
+                    "the images ran on one thread with {threads} given"
+                );
+            }
+        }
+        let out = per_image_on_threads(6, 3, |i| {
+            assert!(i / 2 != 1, "a bug in the closure");
+            Ok(i)
+        });
+        let failed: Vec<bool> = out.iter().map(Result::is_err).collect();
+        assert_eq!(failed, [false, false, true, true, false, false]);
     }
 }

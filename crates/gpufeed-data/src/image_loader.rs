@@ -287,8 +287,12 @@ impl ImageLoader {
     /// new one).
     fn open_decoders(&mut self) -> Result<()> {
         let Some(gpu) = &self.gpu else { return Ok(()) };
-        while self.decoders.len() < self.opts.decoders.max(1) {
-            let decoder = ImageDecoder::open(gpu)?;
+        let wanted = self.opts.decoders.max(1);
+        while self.decoders.len() < wanted {
+            let mut decoder = ImageDecoder::open(gpu)?;
+            // The decode threads share the cores for what they decode on the CPU (every image
+            // where nvJPEG is missing), rather than each taking all of them.
+            decoder.set_cpu_threads(crate::decode::cores().div_ceil(wanted));
             if let Some(why) = decoder.cpu_only() {
                 self.cpu_only = Some(why.to_owned());
             }
@@ -1029,7 +1033,7 @@ pub(crate) fn augment_on_cpu(
                 .collect(),
         })
     };
-    let results = per_image_on_threads(jpegs.len(), one);
+    let results = per_image_on_threads(jpegs.len(), crate::decode::cores(), one);
     let mut pixels = Vec::with_capacity(layout.image_bytes(width, height) * jpegs.len());
     let (mut kept, mut skipped) = (Vec::new(), Vec::new());
     for (i, r) in results.into_iter().enumerate() {
