@@ -19,6 +19,21 @@ fn cufile_required() -> bool {
         || std::env::var("GPUFEED_CUFILE_LIBRARY").is_ok_and(|v| !v.is_empty())
 }
 
+/// GPU 0 where cuFile loads too; else `None` after printing why the test is skipped (a failure
+/// where cuFile is required). `None` in a child process, whose role another test plays.
+fn gpu_with_cufile_or_skip(test: &str) -> Option<gpufeed_load::Gpu> {
+    if child_role().is_some() {
+        return None;
+    }
+    let gpu = gpu_or_skip(test)?;
+    if let Err(e) = gpufeed_cuda::cufile_version() {
+        assert!(!cufile_required(), "cuFile: {e}");
+        gpufeed_testkit::skip(test, &e);
+        return None;
+    }
+    Some(gpu)
+}
+
 /// The test's role in a child process (`gpufeed_testkit::CHILD_ROLE`), if it is one.
 fn child_role() -> Option<String> {
     std::env::var(gpufeed_testkit::CHILD_ROLE).ok()
@@ -27,17 +42,9 @@ fn child_role() -> Option<String> {
 #[test]
 fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
     let test = "gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes";
-    if child_role().is_some() {
-        return;
-    }
-    let Some(gpu) = gpu_or_skip(test) else {
+    let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    if let Err(e) = gpufeed_cuda::cufile_version() {
-        assert!(!cufile_required(), "cuFile: {e}");
-        gpufeed_testkit::skip(test, &e);
-        return;
-    }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let len = (37 << 20) + 4093;
     let data = random_bytes(len, gpufeed_testkit::seed(test));
@@ -116,17 +123,9 @@ fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
 #[test]
 fn a_refused_gds_load_is_done_again_by_gpufeeds_own_path() {
     let test = "a_refused_gds_load_is_done_again_by_gpufeeds_own_path";
-    if child_role().is_some() {
-        return;
-    }
-    let Some(gpu) = gpu_or_skip(test) else {
+    let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    if let Err(e) = gpufeed_cuda::cufile_version() {
-        assert!(!cufile_required(), "cuFile: {e}");
-        gpufeed_testkit::skip(test, &e);
-        return;
-    }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let len = (29 << 20) + 13;
     let data = random_bytes(len, gpufeed_testkit::seed(test));
@@ -203,17 +202,9 @@ fn gds_child_entry() {
 #[test]
 fn compat_mode_off_falls_back_with_cufiles_reason() {
     let test = "compat_mode_off_falls_back_with_cufiles_reason";
-    if child_role().is_some() {
-        return;
-    }
-    let Some(_gpu) = gpu_or_skip(test) else {
+    let Some(_gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    if let Err(e) = gpufeed_cuda::cufile_version() {
-        assert!(!cufile_required(), "cuFile: {e}");
-        gpufeed_testkit::skip(test, &e);
-        return;
-    }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let path = dir.path().join("c.bin");
     std::fs::write(&path, random_bytes((9 << 20) + 5, 7)).expect("write");
