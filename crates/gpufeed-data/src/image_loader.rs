@@ -9,8 +9,9 @@
 //!    its own, so that several batches decode at once on the GPU's hardware engines), take
 //!    the host batches in order and turn each into one device buffer of cropped, resized,
 //!    mirrored (and normalized) images ([`ImageDecoder::decode_augmented`]). Without a GPU,
-//!    one thread decodes and augments on the CPU (zune-jpeg and the CPU reference of the
-//!    resize: [`crate::resize_crop`]), with the machine's cores.
+//!    the decode threads decode and augment on the CPU (zune-jpeg and the CPU reference of
+//!    the resize: [`crate::resize_crop`]), each on its share of the machine's cores, so that
+//!    batches overlap; where nvJPEG is missing, each decoder's CPU decodes take that share.
 //!
 //! Batches come out in the sampler's order whatever the thread counts; each image's crop and
 //! mirror are drawn from the seed, the epoch and its record's index alone
@@ -64,8 +65,9 @@ pub struct ImageOptions {
     /// What a file that is no decodable JPEG does: stop with an error naming it, or be left
     /// out and listed in its batch's [`ImageBatch::skipped`].
     pub on_bad: OnBadImage,
-    /// Decode threads, each with its own nvJPEG handle and stream (default 3; with no GPU one
-    /// thread decodes, on all cores). On the H200 machine (GPU run 170, 8,192 JPEGs of 250-500
+    /// Decode threads, each with its own nvJPEG handle and stream (default 3; with no GPU, or
+    /// where nvJPEG is missing, they decode on the CPU, each on its share of the cores, so
+    /// that one batch is decoded while the next is gathered). On the H200 machine (GPU run 170, 8,192 JPEGs of 250-500
     /// px and about 49 KiB, batches of 256 at 224): 1 thread 12.1-12.6k images/s, 2
     /// 16.1-19.7k, 3 20.8-24.6k with 2.6-3.2 cores busy, 4 (and 8 reading workers) 22.4-28.6k
     /// with 3.3-4.0; ImageNet-sized files (106 KiB) at 3 threads: 14.4k (run 173).
@@ -397,8 +399,10 @@ impl ImageLoader {
                 .into_iter()
                 .map(Some)
                 .collect(),
-            None => vec![None],
+            // On the CPU: as many decode threads, each on its share of the cores.
+            None => (0..self.opts.decoders.max(1)).map(|_| None).collect(),
         };
+        let cpu_threads = crate::decode::cores().div_ceil(decoders.len().max(1));
         let stage = Arc::new(Stage {
             feed: Mutex::new(Feed {
                 epoch: Some(feed),
@@ -413,6 +417,7 @@ impl ImageLoader {
             records: Arc::clone(&self.records),
             opts: self.opts.clone(),
             epoch,
+            cpu_threads,
         });
         // Batches decoded ahead of the consumer are bounded by the stage's window (`admit`);
         // the channel only hands them over.
@@ -586,6 +591,9 @@ struct Work {
     records: Arc<Dataset>,
     opts: ImageOptions,
     epoch: u64,
+    /// Threads each decode thread decodes on where it decodes on the CPU (its share of the
+    /// cores).
+    cpu_threads: usize,
 }
 
 type Staged = (usize, Result<ImageBatch>);
@@ -857,6 +865,7 @@ fn images_of_batch(
                 &choose,
                 (opts.width, opts.height),
                 opts.layout,
+                work.cpu_threads,
             )?;
             let data = (!kept.is_empty()).then_some(ImageData::Host(pixels));
             (data, kept, skipped)
@@ -996,8 +1005,8 @@ fn record_name(ds: &Dataset, i: usize) -> String {
 
 /// The host path of [`ImageDecoder::decode_augmented`]: each of `jpegs` decoded on the CPU,
 /// cropped and mirrored as `choose(index, width, height)` says, resized to `size` (width,
-/// height) by the CPU reference ([`resize_crop`]) and laid out as `layout`, by the machine's
-/// threads; returns the images back to back, the index of each kept, those skipped.
+/// height) by the CPU reference ([`resize_crop`]) and laid out as `layout`, on at most
+/// `threads` threads; returns the images back to back, the index of each kept, those skipped.
 pub(crate) fn augment_on_cpu(
     jpegs: &[&[u8]],
     name: &(dyn Fn(usize) -> String + Sync),
@@ -1005,6 +1014,7 @@ pub(crate) fn augment_on_cpu(
     choose: &(dyn Fn(usize, u32, u32) -> (Crop, bool) + Sync),
     size: (u32, u32),
     layout: Layout,
+    threads: usize,
 ) -> Result<(Vec<u8>, Vec<usize>, Vec<SkippedImage>)> {
     let (width, height) = size;
     let one = |i: usize| -> std::result::Result<Vec<u8>, ImageError> {
@@ -1033,7 +1043,7 @@ pub(crate) fn augment_on_cpu(
                 .collect(),
         })
     };
-    let results = per_image_on_threads(jpegs.len(), crate::decode::cores(), one);
+    let results = per_image_on_threads(jpegs.len(), threads, one);
     let mut pixels = Vec::with_capacity(layout.image_bytes(width, height) * jpegs.len());
     let (mut kept, mut skipped) = (Vec::new(), Vec::new());
     for (i, r) in results.into_iter().enumerate() {

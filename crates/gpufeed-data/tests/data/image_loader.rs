@@ -135,19 +135,20 @@ fn an_image_folder_gives_batches_equal_to_the_cpu_reference_of_each_crop() {
         crop_fraction: 0.875,
     };
     let mut batches = Vec::new();
-    for workers in [1, 4] {
+    // Reading workers and CPU decode threads (each on its share of the cores) in two counts.
+    for (workers, decoders) in [(1, 1), (4, 3)] {
         let folder = ImageFolder::open(dir.path()).expect("folder");
         let mut loader = ImageLoader::new(
             folder,
             sampler,
             cfg.clone().with_workers(workers).with_prefetch(3),
-            options(eval).with_layout(layout),
+            options(eval).with_layout(layout).with_decoders(decoders),
             None,
         )
         .expect("loader");
         batches.push(run(&mut loader, 2));
     }
-    assert_eq!(batches[0], batches[1], "1 and 4 workers");
+    assert_eq!(batches[0], batches[1], "1 worker and decoder, 4 workers and 3 decoders");
     for (indices, _, pixels) in &batches[0] {
         let want: Vec<u8> = indices
             .iter()
