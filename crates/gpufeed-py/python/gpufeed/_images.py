@@ -171,7 +171,8 @@ class ImageLoader:
     by ``RANK``/``WORLD_SIZE``; ``global_batch=G`` makes it elastic: ``position()`` and
     ``resume()`` as ``BatchLoader``'s), read by ``workers`` threads ahead of use and decoded by
     ``decoders`` threads, each with its own nvJPEG handle and CUDA stream (its hardware engines
-    where the GPU has them; what nvJPEG refuses, on the CPU). With ``train``, torchvision's
+    where the GPU has them; what nvJPEG refuses, on the CPU; with ``device=None`` or without
+    nvJPEG, on the CPU, each thread on its share of the cores). With ``train``, torchvision's
     ``RandomResizedCrop(size, scale, ratio)`` and ``RandomHorizontalFlip()``, drawn from
     ``seed``, the epoch and the record's index alone — the same image gets the same crop
     whatever the worker count or world size; else the central crop of ``crop_fraction`` of the
