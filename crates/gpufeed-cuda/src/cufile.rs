@@ -634,8 +634,10 @@ impl CuFile {
     /// from cuFile's level-3 statistics: a snapshot before and after (never a reset, so other
     /// users' counters in this process stay as they are), the difference taken at the entry of
     /// `gpu`, found by its UUID, and kept only where its read bytes grew by exactly
-    /// `expected_bytes`, so that a statistics layout other than this build knows, or reads by
-    /// someone else meanwhile, are never misread. The statistics level is raised to 3 for the
+    /// `expected_bytes` and its path counters are consistent (some reads, the paths' reads
+    /// no more than the total), so that reads by someone else meanwhile, or a statistics
+    /// layout other than cuFile 1.20's (whose field order after the UUID this build assumes),
+    /// are unlikely to be misread. The statistics level is raised to 3 for the
     /// call (started where it was 0) and set back after; counted calls are serialized in the
     /// process. `None` where this cuFile has no statistics calls (before 1.14) or the check
     /// fails.
@@ -656,26 +658,26 @@ impl CuFile {
         let mut level: c_int = 0;
         // SAFETY: `level` is a writable int.
         let known = unsafe { (s.get_level)(&mut level) }.err == 0;
-        // SAFETY: plain calls without pointers.
-        let raised = known
-            && level < 3
-            && unsafe { (s.set_level)(3) }.err == 0
-            && (level > 0 || unsafe { (s.start)() }.err == 0);
-        let before = if known && (level >= 3 || raised) {
-            stats_l3(s)
-        } else {
-            None
+        let set = known && level < 3 && {
+            // SAFETY: a plain call without pointers.
+            unsafe { (s.set_level)(3) }.err == 0
         };
+        let started = set && level == 0 && {
+            // SAFETY: a plain call without pointers.
+            unsafe { (s.start)() }.err == 0
+        };
+        let counting = known && (level >= 3 || (set && (level > 0 || started)));
+        let before = if counting { stats_l3(s) } else { None };
         let out = reads();
         let after = before.as_ref().and_then(|_| stats_l3(s));
-        if raised {
-            // SAFETY: as above; back to the level found.
-            unsafe {
-                let _ = (s.set_level)(level);
-                if level == 0 {
-                    let _ = (s.stop)();
-                }
-            }
+        // Back to what was found, whatever of the above succeeded.
+        if started {
+            // SAFETY: as above.
+            let _ = unsafe { (s.stop)() };
+        }
+        if set {
+            // SAFETY: as above.
+            let _ = unsafe { (s.set_level)(level) };
         }
         let counts = match (before, after) {
             (Some(b), Some(a)) => gpu_counts_delta(&b, &a, &uuid, expected_bytes),
@@ -732,7 +734,14 @@ fn gpu_counts_delta(
                 nvfs: grew(c + 48)?,
                 posix: grew(c + 56)?,
             };
-            (counts.bytes == expected_bytes).then_some(counts)
+            let paths = counts
+                .p2pdma
+                .checked_add(counts.nvfs)
+                .and_then(|n| n.checked_add(counts.posix));
+            (counts.bytes == expected_bytes
+                && counts.total > 0
+                && paths.is_some_and(|n| n > 0 && n <= counts.total))
+            .then_some(counts)
         })
 }
 
@@ -1012,6 +1021,12 @@ mod tests {
         assert!(gpu_counts_delta(b, a, b"fedcba9876543210", 4096 * 3 + 7).is_none());
         // Counters that went down (a reset by someone else meanwhile) are not a difference.
         assert!(gpu_counts_delta(a, b, &uuid, 4096 * 3 + 7).is_none());
+        // Path counters that add up to more than the total (a layout read wrongly): refused.
+        put(&mut after, 100, (1 << 20) + 4096 * 3 + 7, 6, 9);
+        unsafe_bytes(&mut after)[100 * 8 + 16 + 32..100 * 8 + 16 + 40]
+            .copy_from_slice(&3u64.to_ne_bytes());
+        let a = bytemuck_u64s(&after);
+        assert!(gpu_counts_delta(b, a, &uuid, 4096 * 3 + 7).is_none());
     }
 
     /// The structures passed to cuFile have cufile.h's sizes (x86-64).

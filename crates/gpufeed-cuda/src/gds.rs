@@ -43,13 +43,19 @@ pub struct GdsRoots {
     /// cufile.json's path: None = CUFILE_ENV_PATH_JSON if set (non-empty), else
     /// `<etc_dir>/cufile.json`.
     pub cufile_json: Option<PathBuf>,
+    /// `CUFILE_FORCE_COMPAT_MODE`'s value, which overrides cufile.json (read from the
+    /// environment by [`GdsRoots::system`]; `None` in [`GdsRoots::under`]).
+    pub force_compat_env: Option<String>,
 }
 
 impl GdsRoots {
     /// The running system: `/proc`, `/sys`, `/boot`, `/etc`, and `cufile.json` where cuFile
     /// looks for it (`CUFILE_ENV_PATH_JSON`, else `/etc/cufile.json`).
     pub fn system() -> Self {
-        Self::under(Path::new("/"))
+        GdsRoots {
+            force_compat_env: std::env::var("CUFILE_FORCE_COMPAT_MODE").ok(),
+            ..Self::under(Path::new("/"))
+        }
     }
 
     /// A tree laid out like the system under `root`: `root/proc`, `root/sys`, `root/boot`,
@@ -62,6 +68,7 @@ impl GdsRoots {
             etc_dir: root.join("etc"),
             dev_dir: root.join("dev"),
             cufile_json: None,
+            force_compat_env: None,
         }
     }
 
@@ -840,6 +847,21 @@ fn decide(facts: &Facts<'_>, library: Result<&str, &str>) -> Decision {
             peer_path: None,
         };
     }
+    if facts
+        .roots
+        .force_compat_env
+        .as_deref()
+        .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1")
+    {
+        return Decision {
+            verdict: GdsVerdict::CompatOnly,
+            reason: "CUFILE_FORCE_COMPAT_MODE is set true in the environment: cuFile reads \
+                     every file in compatibility mode (POSIX reads into host memory, then a copy)"
+                .to_owned(),
+            fix: Some("unset CUFILE_FORCE_COMPAT_MODE".to_owned()),
+            peer_path: None,
+        };
+    }
     if config.posix_io_mode || config.force_compat_mode {
         let property = if config.posix_io_mode {
             "vanilla_posix_io_mode"
@@ -1211,6 +1233,32 @@ mod tests {
                 &self.roots(),
             )
         }
+    }
+
+    /// `CUFILE_FORCE_COMPAT_MODE=true` in the environment overrides a machine with a peer
+    /// path: compatibility mode, saying so.
+    #[test]
+    fn the_force_compat_variable_overrides_a_peer_path() {
+        let t = Tree::new();
+        t.load_nvidia_fs();
+        t.cufile_json("{}");
+        let roots = GdsRoots {
+            force_compat_env: Some("true".into()),
+            ..t.roots()
+        };
+        let d = detect(None, Ok("libcufile.so.0 1.15".into()), &roots);
+        assert_eq!(d.verdict, GdsVerdict::CompatOnly, "{}", d.reason);
+        assert!(
+            d.reason.contains("CUFILE_FORCE_COMPAT_MODE"),
+            "{}",
+            d.reason
+        );
+        let roots = GdsRoots {
+            force_compat_env: Some("false".into()),
+            ..t.roots()
+        };
+        let d = detect(None, Ok("libcufile.so.0 1.15".into()), &roots);
+        assert_eq!(d.verdict, GdsVerdict::Available, "{}", d.reason);
     }
 
     /// nvidia-fs loaded on the host (its module listed) but without its device nodes here (a

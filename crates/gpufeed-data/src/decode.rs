@@ -397,7 +397,19 @@ pub(crate) fn per_image_on_threads<T: Send>(
 ) -> Vec<std::result::Result<T, ImageError>> {
     let threads = threads.max(1).min(n);
     if threads <= 1 {
-        return (0..n).map(one).collect();
+        // On this thread, each image's panic caught as a thread's would be (its own image
+        // reported, not the caller's thread unwound).
+        return (0..n)
+            .map(|i| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| one(i))).unwrap_or_else(
+                    |_| {
+                        Err(ImageError::DecoderPanicked {
+                            message: "a decoding thread panicked".into(),
+                        })
+                    },
+                )
+            })
+            .collect();
     }
     let per = n.div_ceil(threads);
     let one = &one;
@@ -482,5 +494,12 @@ mod tests {
         });
         let failed: Vec<bool> = out.iter().map(Result::is_err).collect();
         assert_eq!(failed, [false, false, true, true, false, false]);
+        // On one thread: the panicking image alone fails, the caller's thread goes on.
+        let out = per_image_on_threads(4, 1, |i| {
+            assert!(i != 2, "a bug in the closure");
+            Ok(i)
+        });
+        let failed: Vec<bool> = out.iter().map(Result::is_err).collect();
+        assert_eq!(failed, [false, false, true, false]);
     }
 }

@@ -6,8 +6,9 @@
 //!
 //! Whether a machine reads peer-to-peer or through cuFile's compatibility mode is
 //! [`gpufeed_cuda::gds::detect`]'s question; which one served a load, cuFile's statistics
-//! answer after it ([`gpufeed_cuda::cufile::CuFile::path_counts`]), in
-//! [`LoadReport::io_backend`].
+//! answer around it ([`gpufeed_cuda::cufile::CuFile::count_paths`], with
+//! [`LoadOptions::gds_path_counts`](crate::LoadOptions::gds_path_counts) and for `Auto`'s
+//! loads until a file system is confirmed), in [`LoadReport::io_backend`].
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -80,6 +81,10 @@ impl Loader {
             Ok(()) => return Ok(Route::Gds),
             Err(r) => r,
         };
+        if auto {
+            // Refused where detection said peer-to-peer: `Auto` does not take it again here.
+            forget_gds(file);
+        }
         // Staged only where O_DIRECT itself was refused (EINVAL); any other refusal takes
         // gpufeed's O_DIRECT path, which `Auto` takes for a cold file.
         let (route, instead) = if kind == GdsRefusal::DirectIo {
@@ -231,8 +236,9 @@ impl Loader {
                 read(&handle);
             });
         };
-        // `Auto` chose cuFile for peer-to-peer reads: counted, to find out whether they were.
-        let counts = if self.opts.gds_path_counts || auto {
+        // `Auto` chose cuFile for peer-to-peer reads: counted until a load confirms them on
+        // this file system (counting serializes counted loads in the process).
+        let counts = if self.opts.gds_path_counts || (auto && !gds_confirmed(file)) {
             driver.count_paths(&self.gpu, total, read_all).1
         } else {
             read_all();
@@ -241,15 +247,15 @@ impl Loader {
         if let Some(why) = failed.into_inner() {
             return Err(Refusal(GdsRefusal::Read, why));
         }
-        // Detection said peer-to-peer; where cuFile read through host memory, or where neither
-        // its statistics nor its driver confirm a peer path, `Auto` does not take it again on
-        // this file system.
-        let confirmed = match counts {
-            Some(c) => c.posix == 0,
-            None => driver.properties().nvidia_fs(),
-        };
-        if auto && !confirmed {
-            forget_gds(file);
+        // Detection said peer-to-peer: where cuFile's statistics show reads through host
+        // memory, `Auto` does not take it again on this file system; where they show none, it
+        // is confirmed and no longer counted; without an answer, counted again next time.
+        if auto && let Some(c) = counts {
+            if c.posix == 0 && c.total > 0 {
+                confirm_gds(file);
+            } else {
+                forget_gds(file);
+            }
         }
         report.io_backend = Some(match counts {
             Some(c) => {
@@ -269,7 +275,7 @@ impl Loader {
                     driver.library()
                 ),
                 None => format!(
-                    "cufile {}: compat mode (nvidia-fs not loaded: POSIX reads into host memory, then a copy)",
+                    "cufile {}: nvidia-fs not loaded: P2PDMA where cufile.json configures it, else compatibility mode (POSIX reads into host memory, then a copy); not counted",
                     driver.library()
                 ),
             },
@@ -311,8 +317,8 @@ fn pieces_of(spans: &[Range<u64>], piece: usize) -> Vec<Piece> {
 /// (device) in a process.
 pub(crate) fn gds_active(file: &OpenedFile) -> bool {
     let dev = file.identity().dev;
-    if let Some(&known) = SEEN.lock().as_ref().and_then(|m| m.get(&dev)) {
-        return known;
+    if let Some(known) = SEEN.lock().as_ref().and_then(|m| m.get(&dev).copied()) {
+        return known != GdsState::Off;
     }
     // The machine first (no library is loaded where there is no peer path at all), then the
     // library and the file's file system.
@@ -323,20 +329,58 @@ pub(crate) fn gds_active(file: &OpenedFile) -> bool {
         gpufeed_cuda::gds::detect(Some(file.path()), library, &roots).verdict
             == GdsVerdict::Available
     };
-    SEEN.lock()
+    let state = if active {
+        GdsState::Unconfirmed
+    } else {
+        GdsState::Off
+    };
+    // A load's verdict meanwhile (forgotten, confirmed) stays.
+    let mut seen = SEEN.lock();
+    let now = *seen
         .get_or_insert_with(HashMap::new)
-        .insert(dev, active);
-    active
+        .entry(dev)
+        .or_insert(state);
+    now != GdsState::Off
 }
 
-/// What [`gds_active`] found, per device number.
-static SEEN: Mutex<Option<HashMap<u64, bool>>> = Mutex::new(None);
+/// What `Auto` knows of GPUDirect Storage on a file system (device number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GdsState {
+    /// Not taken: detection found no peer path, or a load showed cuFile read through host
+    /// memory, or refused.
+    Off,
+    /// Detection found a peer path; no load has confirmed it yet (loads are counted).
+    Unconfirmed,
+    /// A counted load read peer-to-peer only.
+    Confirmed,
+}
 
-/// `Auto` takes `Gds` no more for `file`'s file system (cuFile read it through host memory).
-fn forget_gds(file: &OpenedFile) {
+/// What [`gds_active`] and the loads found, per device number.
+static SEEN: Mutex<Option<HashMap<u64, GdsState>>> = Mutex::new(None);
+
+fn set_state(file: &OpenedFile, state: GdsState) {
     SEEN.lock()
         .get_or_insert_with(HashMap::new)
-        .insert(file.identity().dev, false);
+        .insert(file.identity().dev, state);
+}
+
+/// `Auto` takes `Gds` no more for `file`'s file system.
+fn forget_gds(file: &OpenedFile) {
+    set_state(file, GdsState::Off);
+}
+
+/// A load on `file`'s file system read peer-to-peer only: `Auto`'s loads there are no longer
+/// counted.
+fn confirm_gds(file: &OpenedFile) {
+    set_state(file, GdsState::Confirmed);
+}
+
+/// Whether `file`'s file system is confirmed peer-to-peer.
+fn gds_confirmed(file: &OpenedFile) -> bool {
+    SEEN.lock()
+        .as_ref()
+        .and_then(|m| m.get(&file.identity().dev).copied())
+        == Some(GdsState::Confirmed)
 }
 
 #[cfg(test)]

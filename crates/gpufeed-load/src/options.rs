@@ -42,7 +42,8 @@ pub enum Strategy {
     /// `Direct`. Where cuFile refuses the file, the load runs `Direct` (or `Staged`) and the
     /// report's fallbacks say why. `Auto` takes it only for files not in the page cache on
     /// a file system [`gpufeed_cuda::gds::detect`] finds peer-to-peer capable.
-    /// [`LoadReport::io_backend`] names the path cuFile's statistics say served the reads.
+    /// [`LoadReport::io_backend`] names the path: the one cuFile's statistics say served the
+    /// reads with [`LoadOptions::gds_path_counts`], else what cuFile's driver says.
     Gds,
 }
 
@@ -158,7 +159,9 @@ pub struct LoadOptions {
     /// `Strategy::Gds`: count which path cuFile's statistics say served each load's reads
     /// (nvidia-fs, P2PDMA or its compatibility mode) into [`LoadReport::io_backend`] (false).
     /// Counting raises cuFile's statistics to level 3 for the load (then back) and serializes
-    /// counted loads in the process; `gpufeed doctor`'s probe and the bench count.
+    /// counted loads in the process; `gpufeed doctor`'s probe and bench table 16 count.
+    /// `Auto`'s `Gds` loads are counted until one confirms peer-to-peer reads on their file
+    /// system.
     pub gds_path_counts: bool,
     /// Test hook, not API: a fault `Strategy::Gds` runs into, to test its fallbacks on
     /// machines where cuFile works.

@@ -323,6 +323,8 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
             for opts in trial_options() {
                 let strategy = opts.strategy;
                 let mut backend = String::new();
+                // Why cuFile did not load the file, where a Gds trial's load fell back.
+                let mut refused: Option<String> = None;
                 let result = crate::Loader::new(&gpu, opts).and_then(|loader| {
                     let mut rates = Vec::with_capacity(MEASURED_LOADS);
                     for i in 0..=MEASURED_LOADS {
@@ -331,10 +333,16 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                         // load (or trial) runs.
                         loader.wait_for_cleanup();
                         if strategy == crate::Strategy::Gds && r.strategy != strategy {
-                            let why = r.fallbacks.first().map_or(String::new(), |f| f.to_string());
-                            return Err(gpufeed_load::Error::InvalidSetting(format!(
-                                "cuFile did not load the file: {why}"
-                            )));
+                            let why = r
+                                .fallbacks
+                                .iter()
+                                .find(|f| f.refused == crate::Refused::Gds)
+                                .map_or_else(String::new, ToString::to_string);
+                            let kind = r
+                                .gds_refused
+                                .map_or("refused".to_owned(), |k| format!("{k:?}").to_lowercase());
+                            refused = Some(format!("cuFile did not load the file ({kind}): {why}"));
+                            return Ok(0.0);
                         }
                         if let Some(b) = r.io_backend.as_ref().filter(|_| i == MEASURED_LOADS) {
                             backend = b.clone();
@@ -351,11 +359,12 @@ pub fn measure(path: &Path, limit: u64) -> crate::Result<Measurement> {
                 } else {
                     format!("load, {strategy} (default options, warm loader)")
                 };
-                trials.push(Trial::of(
-                    name,
-                    Some(strategy),
-                    result.map_err(crate::Error::from),
-                ));
+                let mut trial = Trial::of(name, Some(strategy), result.map_err(crate::Error::from));
+                if let Some(why) = refused {
+                    trial.gbps = None;
+                    trial.error = Some(why);
+                }
+                trials.push(trial);
             }
         }
         Err(e) => {

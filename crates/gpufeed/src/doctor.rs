@@ -495,7 +495,12 @@ fn gds(dir: &Path) -> Check {
 /// cuFile's statistics say served it, or why cuFile refused it and gpufeed's own path ran.
 fn gds_probe(dir: &Path) -> Check {
     const NAME: &str = "cuFile probe read";
-    let run = || -> Result<crate::LoadReport, String> {
+    /// Why the probe gave no report: wrong bytes (a failure), or anything else.
+    enum Failed {
+        WrongBytes(String),
+        Other(String),
+    }
+    let run = || -> Result<crate::LoadReport, Failed> {
         use std::io::Write;
         let data: Vec<u8> = (0..(4u32 << 20) + 4093)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
@@ -503,22 +508,22 @@ fn gds_probe(dir: &Path) -> Check {
         let mut probe = tempfile::Builder::new()
             .prefix(".gpufeed-doctor-gds-")
             .tempfile_in(dir)
-            .map_err(|e| format!("creating a probe file: {e}"))?;
+            .map_err(|e| Failed::Other(format!("creating a probe file: {e}")))?;
         probe
             .write_all(&data)
             .and_then(|()| probe.as_file().sync_all())
-            .map_err(|e| format!("writing the probe file: {e}"))?;
-        let gpu = gpufeed_cuda::Gpu::open(0).map_err(|e| e.to_string())?;
+            .map_err(|e| Failed::Other(format!("writing the probe file: {e}")))?;
+        let gpu = gpufeed_cuda::Gpu::open(0).map_err(|e| Failed::Other(e.to_string()))?;
         let mut opts = crate::LoadOptions::default().with_strategy(crate::Strategy::Gds);
         opts.gds_path_counts = true;
         let (buf, report) =
-            crate::load_file(&gpu, probe.path(), opts).map_err(|e| e.to_string())?;
-        if gpu.to_vec(&buf).map_err(|e| e.to_string())? != data {
-            return Err(format!(
+            crate::load_file(&gpu, probe.path(), opts).map_err(|e| Failed::Other(e.to_string()))?;
+        if gpu.to_vec(&buf).map_err(|e| Failed::Other(e.to_string()))? != data {
+            return Err(Failed::WrongBytes(format!(
                 "the bytes read back by {} ({}) differ from the file's",
                 report.strategy,
                 report.io_backend.unwrap_or_default()
-            ));
+            )));
         }
         Ok(report)
     };
@@ -545,13 +550,13 @@ fn gds_probe(dir: &Path) -> Check {
             ),
             None,
         ),
-        Err(e) if e.contains("differ from the file's") => check(
+        Err(Failed::WrongBytes(e)) => check(
             NAME,
             Status::Fail,
             format!("{}: {e}", dir.display()),
             Some("report this with `gpufeed doctor --json`: a load returned wrong bytes"),
         ),
-        Err(e) => check(NAME, Status::Ok, format!("{}: {e}", dir.display()), None),
+        Err(Failed::Other(e)) => check(NAME, Status::Ok, format!("{}: {e}", dir.display()), None),
     }
 }
 

@@ -148,7 +148,10 @@ fn an_image_folder_gives_batches_equal_to_the_cpu_reference_of_each_crop() {
         .expect("loader");
         batches.push(run(&mut loader, 2));
     }
-    assert_eq!(batches[0], batches[1], "1 worker and decoder, 4 workers and 3 decoders");
+    assert_eq!(
+        batches[0], batches[1],
+        "1 worker and decoder, 4 workers and 3 decoders"
+    );
     for (indices, _, pixels) in &batches[0] {
         let want: Vec<u8> = indices
             .iter()

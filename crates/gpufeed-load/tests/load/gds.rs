@@ -2,9 +2,10 @@
 //! cuFile runs there in its compatibility mode: byte-exact loads at unaligned sizes, offsets and
 //! spans, cold (evicted) and warm; compatibility mode turned off by a cufile.json given through
 //! `CUFILE_ENV_PATH_JSON` (in a child process: cuFile reads its configuration once) -> the load
-//! falls back to gpufeed's own path with cuFile's reason recorded; a tmpfs file (no `O_DIRECT`)
-//! -> staged with the reason. `Auto` takes `Gds` exactly where detection finds peer-to-peer
-//! reads.
+//! falls back to gpufeed's own path with cuFile's reason recorded; `O_DIRECT` refused (`EINVAL`,
+//! injected) -> staged; a read failing after pieces landed (injected) -> the load done again
+//! by `Direct` into the same destination. `Auto` takes `Gds` exactly where detection finds
+//! peer-to-peer reads.
 
 use gpufeed_load::{GdsFault, GdsRefusal, LoadOptions, Loader, Refused, Strategy};
 use gpufeed_os::OpenedFile;

@@ -182,7 +182,7 @@ class ImageLoader:
     stream when yielded.
 
     ``device``: a GPU (``N``, ``"cuda:N"``, a ``torch.device``), or ``None``/``"cpu"`` to decode
-    on the CPU (zune-jpeg, every core) into host tensors. ``on_error``: a file that is no
+    on the CPU (zune-jpeg; the decode threads share the cores) into host tensors. ``on_error``: a file that is no
     decodable JPEG (corrupt, truncated, PNG, CMYK) raises ``gpufeed.GpufeedError`` naming it
     (``"raise"``), or is left out of its batch (``"skip"``: the batch is smaller; ``skipped``
     lists ``(name, reason)``).
