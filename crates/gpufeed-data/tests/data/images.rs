@@ -3,7 +3,8 @@
 //! photo-like pixels, decoded to what an independent decoder (`jpeg-decoder`) gives and close
 //! to the source; the subsamplings zune-jpeg 0.5.15 gets wrong (4:1:1, 4:1:0, 4:2:1, 4:4:1)
 //! refused, as are bad bytes (truncated at every length, CMYK, other formats, random); corrupt
-//! data never panics.
+//! data never panics; an EXIF orientation is noted and not applied (the pixels as stored, as
+//! PIL's `Image.open` and torchvision's `decode_jpeg` give them by default).
 
 use gpufeed_data::{ImageError, JpegHeader, decode_jpeg, decode_jpeg_into, jpeg_header};
 use jpeg_encoder::{ColorType, Encoder, SamplingFactor};
@@ -419,6 +420,37 @@ fn trailing_bytes_and_a_thumbnail_end_marker_do_not_fool_the_end_check() {
     // Cut short: the thumbnail's end marker does not count.
     let err = decode_jpeg(&enc_out[..enc_out.len() * 9 / 10]).unwrap_err();
     assert!(matches!(err, ImageError::Truncated { .. }), "{err}");
+}
+
+/// A JPEG whose EXIF says "rotate 90 degrees clockwise to display" (orientation 6) decodes to
+/// the pixels as stored, at the stored size: the same image as without the EXIF segment.
+#[test]
+fn an_exif_orientation_is_not_applied() {
+    let pixels = photo(64, 48, false, 8);
+    let encode_with = |app1: Option<Vec<u8>>| {
+        let mut out = Vec::new();
+        let mut enc = Encoder::new(&mut out, 90);
+        if let Some(app1) = app1 {
+            enc.add_app_segment(1, app1).expect("app segment");
+        }
+        enc.encode(&pixels, 64, 48, ColorType::Rgb).expect("encode");
+        out
+    };
+    // Exif, a little-endian TIFF header, one IFD entry: Orientation (0x0112), SHORT, 1, 6.
+    let mut exif = b"Exif\0\0II*\0\x08\0\0\0\x01\0".to_vec();
+    exif.extend_from_slice(&[0x12, 0x01, 3, 0, 1, 0, 0, 0, 6, 0, 0, 0]);
+    exif.extend_from_slice(&[0, 0, 0, 0]);
+    let rotated = encode_with(Some(exif));
+    let plain = encode_with(None);
+    assert_ne!(rotated, plain, "the EXIF segment is in the file");
+    let header = jpeg_header(&rotated).expect("header");
+    assert_eq!((header.width, header.height), (64, 48), "the stored size");
+    let (a, b) = (
+        decode_jpeg(&rotated).expect("decodes"),
+        decode_jpeg(&plain).expect("decodes"),
+    );
+    assert_eq!((a.width, a.height), (64, 48));
+    assert_eq!(a, b, "the pixels as stored");
 }
 
 #[test]
