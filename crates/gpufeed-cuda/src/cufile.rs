@@ -322,12 +322,7 @@ unsafe impl Sync for Library {}
 
 /// The library names tried, in order (`var`: `GPUFEED_CUFILE_LIBRARY`'s value).
 fn candidates(var: Option<std::ffi::OsString>) -> Vec<String> {
-    match var {
-        Some(v) if !v.is_empty() => vec![v.to_string_lossy().into_owned()],
-        _ => ["libcufile.so.0", "libcufile.so"]
-            .map(String::from)
-            .to_vec(),
-    }
+    crate::dynlib::candidates(var, &["libcufile.so.0", "libcufile.so"])
 }
 
 impl Library {

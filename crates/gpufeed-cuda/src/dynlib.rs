@@ -1,6 +1,15 @@
 //! Libraries loaded at run time (NCCL, nvJPEG): the first of a list of names that loads and
 //! resolves, else what was tried and why each failed.
 
+/// The library names to try: the one a variable gives (`var`: its value, where set and not
+/// empty), else `defaults` in order.
+pub(crate) fn candidates(var: Option<std::ffi::OsString>, defaults: &[&str]) -> Vec<String> {
+    match var {
+        Some(v) if !v.is_empty() => vec![v.to_string_lossy().into_owned()],
+        _ => defaults.iter().map(|&n| n.to_owned()).collect(),
+    }
+}
+
 /// Opens the first of `names` that loads and that `resolve` accepts (its entry points found,
 /// its version checked); else each name tried and why it failed, joined by `"; "`.
 ///

@@ -103,10 +103,10 @@ struct Nccl {
 /// The library names tried, in order: `GPUFEED_NCCL_LIBRARY` if set, else the runtime's
 /// versioned name, then the development package's.
 fn candidates() -> Vec<String> {
-    match std::env::var("GPUFEED_NCCL_LIBRARY") {
-        Ok(v) if !v.is_empty() => vec![v],
-        _ => vec!["libnccl.so.2".into(), "libnccl.so".into()],
-    }
+    crate::dynlib::candidates(
+        std::env::var_os("GPUFEED_NCCL_LIBRARY"),
+        &["libnccl.so.2", "libnccl.so"],
+    )
 }
 
 impl Nccl {

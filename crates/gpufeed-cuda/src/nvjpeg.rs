@@ -121,18 +121,16 @@ unsafe impl Sync for Library {}
 
 /// The library names tried, in order.
 fn candidates() -> Vec<String> {
-    match std::env::var("GPUFEED_NVJPEG_LIBRARY") {
-        Ok(v) if !v.is_empty() => vec![v],
-        _ => [
-            "libnvjpeg.so.13",
-            "libnvjpeg.so.12",
-            "libnvjpeg.so.11",
-            "libnvjpeg.so",
-        ]
-        .map(String::from)
-        .to_vec(),
-    }
+    crate::dynlib::candidates(std::env::var_os("GPUFEED_NVJPEG_LIBRARY"), &NAMES)
 }
+
+/// The names nvJPEG is looked for by, newest first.
+const NAMES: [&str; 4] = [
+    "libnvjpeg.so.13",
+    "libnvjpeg.so.12",
+    "libnvjpeg.so.11",
+    "libnvjpeg.so",
+];
 
 impl Library {
     /// Opens the first of `names` that loads and resolves every entry point; else what was
@@ -870,19 +868,7 @@ mod tests {
         let given = std::env::var("GPUFEED_TEST_NVJPEG")
             .ok()
             .filter(|p| !p.is_empty());
-        let names = given.clone().map_or_else(
-            || {
-                [
-                    "libnvjpeg.so.13",
-                    "libnvjpeg.so.12",
-                    "libnvjpeg.so.11",
-                    "libnvjpeg.so",
-                ]
-                .map(String::from)
-                .to_vec()
-            },
-            |p| vec![p],
-        );
+        let names = crate::dynlib::candidates(given.clone().map(Into::into), &NAMES);
         let required =
             given.is_some() || std::env::var("GPUFEED_REQUIRE_GPU").as_deref() == Ok("1");
         match Library::load(&names) {
