@@ -102,6 +102,8 @@ pub(crate) struct Running {
     pub(crate) workers: Vec<JoinHandle<()>>,
     /// The loader's batch timeout (its settings do not change while an epoch runs).
     pub(crate) timeout: Duration,
+    /// Streamed shards' fetching for this epoch.
+    pub(crate) stream: Option<crate::stream::StreamRun>,
 }
 
 impl Running {
@@ -174,7 +176,7 @@ impl Running {
                 .iter()
                 .map(|&i| f.labels().get(i).copied().unwrap_or(u32::MAX))
                 .collect(),
-            Dataset::Records(_) | Dataset::Shards(_) => Vec::new(),
+            Dataset::Records(_) | Dataset::Shards(_) | Dataset::Streamed(_) => Vec::new(),
         };
         self.handed = number + 1;
         Some(Ok(Batch {
@@ -270,6 +272,10 @@ impl Drop for Running {
     fn drop(&mut self) {
         self.shared.queue.lock().stop = true;
         self.shared.ready.notify_all();
+        // Wakes the workers waiting for shards.
+        if let Some(stream) = &mut self.stream {
+            stream.stop();
+        }
         // Workers finish the batch in hand; one stuck in a transform that never returns is
         // left behind after the batch timeout (it owns everything it uses) rather than
         // blocking the caller forever.

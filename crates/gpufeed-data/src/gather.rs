@@ -90,6 +90,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
             (Dataset::Records(r), None) => gather(r, out, &indices),
             (Dataset::Shards(s), None) => gather(s, out, &indices),
             (Dataset::Folder(f), _) => gather_files(f, &mut reader, out, &indices),
+            (Dataset::Streamed(s), _) => s.with_records(&indices, |src| gather(src, out, &indices)),
         }
         .and_then(|(offsets, mut buf)| {
             let Some(sched) = sched else {
@@ -327,6 +328,11 @@ pub(crate) fn check_direct(records: &Dataset) -> Result<()> {
         Dataset::Folder(_) => {
             return Err(Error::invalid(
                 "BatchLoaderOptions::direct reads record files; an ImageFolder's files are read whole already (leave direct off)".into(),
+            ));
+        }
+        Dataset::Streamed(_) => {
+            return Err(Error::invalid(
+                "BatchLoaderOptions::direct reads record files on a local disk; streamed shards are fetched into local copies as the epoch needs them (leave direct off)".into(),
             ));
         }
     };

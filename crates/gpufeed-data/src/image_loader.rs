@@ -922,6 +922,7 @@ fn image_of<'b>(
         Dataset::Shards(s) => s
             .locate(i)
             .and_then(|(f, j)| s.shards().get(f).and_then(|r| r.sample(j))),
+        Dataset::Streamed(s) => s.sample(i),
         Dataset::Folder(_) => None,
     };
     let Some(sample) = sample else {
@@ -1002,6 +1003,11 @@ fn record_name(ds: &Dataset, i: usize) -> String {
         Dataset::Shards(s) => match s.locate(i).and_then(|(f, j)| Some((s.shards().get(f)?, j))) {
             Some((file, j)) => file_record(file, j),
             None => format!("record {i}"),
+        },
+        Dataset::Streamed(s) => match (s.locate(i), s.sample(i)) {
+            (Some(_), Some(sample)) => format!("{}:{}", s.name_of(i), sample.key),
+            (Some((_, j)), None) => format!("{} record {j}", s.name_of(i)),
+            (None, _) => format!("record {i}"),
         },
     }
 }

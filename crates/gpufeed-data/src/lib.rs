@@ -14,6 +14,7 @@
 //! | module | what |
 //! |---|---|
 //! | `records` | [`RecordFile`], [`Dataset`], [`ShardSet`]: what a batch is gathered from |
+//! | `stream` | [`StreamedShards`]: shards fetched (from object storage, the `object` feature) as the epoch needs them |
 //! | `sampler` | [`Sampler`], [`Order`], [`Position`]: which records, in which order |
 //! | `loader` | [`BatchLoader`], [`BatchLoaderOptions`], [`Batch`]: the loader and its settings |
 //! | `gather` | the worker threads: gather, transform, upload |
@@ -69,6 +70,7 @@ mod records;
 pub mod ring;
 mod sampler;
 pub mod sources;
+mod stream;
 
 pub use augment::{
     Augmentation, Crop, center_crop, normalize_chw, random_flip, random_resized_crop, resize_crop,
@@ -96,6 +98,9 @@ pub type LoaderConfig = BatchLoaderOptions;
 pub use records::{Dataset, RecordFile, ShardSet};
 pub use sampler::{Order, Sampler};
 pub use sources::{NpyLayout, SourceError, TarSample, shard_paths};
+#[cfg(feature = "object")]
+pub use stream::StreamOptions;
+pub use stream::{StreamStats, StreamedShards};
 
 #[cfg(test)]
 mod tests {

@@ -403,6 +403,12 @@ impl BatchLoader {
         &self.stats
     }
 
+    /// What it reads ([`StreamedShards::stats`](crate::StreamedShards::stats) for streamed
+    /// shards' counters).
+    pub fn dataset(&self) -> &Dataset {
+        &self.records
+    }
+
     /// Number of batches in an epoch.
     pub fn batches_per_epoch(&self) -> usize {
         let n = self.sampler.epoch(self.records.len(), 0).len();
@@ -536,6 +542,12 @@ impl BatchLoader {
             .enumerate()
             .collect();
         let total = jobs.len();
+        // Streamed shards: fetched in the order these batches need them (refused here where
+        // the order needs more of them at once than the cap).
+        let stream = match &*self.records {
+            Dataset::Streamed(s) => Some(s.begin(jobs.iter().map(|(_, j)| j.as_slice()))?),
+            _ => None,
+        };
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
@@ -596,6 +608,7 @@ impl BatchLoader {
             shared,
             workers,
             timeout: self.cfg.batch_timeout,
+            stream,
         })
     }
 }

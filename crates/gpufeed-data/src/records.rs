@@ -8,8 +8,9 @@ use gpufeed_os::{FileMap, MapMode};
 use crate::error::{Error, Result};
 use crate::folder::ImageFolder;
 use crate::sources::{self, NpyLayout, TarSample};
+use crate::stream::StreamedShards;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Records {
     /// `count` records of `size` bytes from byte `base` (an `.npy` file: after its header).
     Fixed {
@@ -21,6 +22,33 @@ pub(crate) enum Records {
     Indexed(Vec<u64>),
     /// WebDataset samples: each the tar members sharing a key.
     Samples(Vec<TarSample>),
+}
+
+impl Records {
+    /// Number of records.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Records::Fixed { count, .. } => *count,
+            Records::Indexed(o) => o.len().saturating_sub(1),
+            Records::Samples(s) => s.len(),
+        }
+    }
+
+    /// An `.npy` file's layout.
+    pub(crate) fn npy(&self) -> Option<&NpyLayout> {
+        match self {
+            Records::Fixed { npy, .. } => npy.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// A tar shard's sample `i`.
+    pub(crate) fn sample(&self, i: usize) -> Option<&TarSample> {
+        match self {
+            Records::Samples(s) => s.get(i),
+            _ => None,
+        }
+    }
 }
 
 /// A file of records, mapped read-only: fixed-size records, variable ones delimited by an
@@ -146,18 +174,55 @@ impl RecordFile {
 
     /// An `.npy` file's dtype and shape (`None` for other files).
     pub fn npy(&self) -> Option<&NpyLayout> {
-        match &self.records {
-            Records::Fixed { npy, .. } => npy.as_ref(),
-            _ => None,
-        }
+        self.records.npy()
     }
 
     /// A tar shard's sample `i`: its key and members (`None` for other files).
     pub fn sample(&self, i: usize) -> Option<&TarSample> {
-        match &self.records {
-            Records::Samples(s) => s.get(i),
-            _ => None,
+        self.records.sample(i)
+    }
+
+    /// The file `path`, of `bytes` bytes, whose records `records` says (known before its
+    /// bytes were here: a streamed shard's).
+    ///
+    /// # Safety
+    /// As for [`RecordFile::open_fixed`].
+    ///
+    /// # Errors
+    /// The file's errors, and [`Error::Records`] where its length is not `bytes`.
+    #[allow(
+        unsafe_code,
+        reason = "passes on the mapped-file promise of FileMap::open"
+    )]
+    pub(crate) unsafe fn open_with(path: &Path, records: &Records, bytes: u64) -> Result<Self> {
+        // SAFETY: passed on to the caller.
+        let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
+        if map.len() as u64 != bytes {
+            return Err(Error::Records {
+                path: path.into(),
+                reason: format!(
+                    "{} bytes where the shard had {bytes}: it changed since it was opened",
+                    map.len()
+                ),
+            });
         }
+        Ok(RecordFile {
+            map,
+            path: path.into(),
+            records: records.clone(),
+        })
+    }
+
+    /// What its records are (an index, a layout).
+    #[cfg(feature = "object")]
+    pub(crate) fn records(&self) -> &Records {
+        &self.records
+    }
+
+    /// Bytes mapped (the file's length).
+    #[cfg(feature = "object")]
+    pub(crate) fn mapped_len(&self) -> usize {
+        self.map.len()
     }
 
     /// Variable records delimited by the offsets in `index`.
@@ -197,11 +262,7 @@ impl RecordFile {
 
     /// Number of records.
     pub fn len(&self) -> usize {
-        match &self.records {
-            Records::Fixed { count, .. } => *count,
-            Records::Indexed(o) => o.len() - 1,
-            Records::Samples(s) => s.len(),
-        }
+        self.records.len()
     }
 
     /// Whether there are no records.
@@ -287,6 +348,8 @@ pub enum Dataset {
     Folder(ImageFolder),
     /// Record files read as one data set.
     Shards(ShardSet),
+    /// Shards fetched as the epoch needs them (from object storage).
+    Streamed(StreamedShards),
 }
 
 impl Dataset {
@@ -296,6 +359,7 @@ impl Dataset {
             Dataset::Records(r) => r.len(),
             Dataset::Folder(f) => f.len(),
             Dataset::Shards(s) => s.len(),
+            Dataset::Streamed(s) => s.len(),
         }
     }
 
@@ -314,6 +378,12 @@ impl From<RecordFile> for Dataset {
 impl From<ImageFolder> for Dataset {
     fn from(f: ImageFolder) -> Self {
         Dataset::Folder(f)
+    }
+}
+
+impl From<StreamedShards> for Dataset {
+    fn from(s: StreamedShards) -> Self {
+        Dataset::Streamed(s)
     }
 }
 

@@ -7,6 +7,8 @@ mod elastic;
 mod image_loader;
 mod images;
 mod sources;
+#[cfg(feature = "object")]
+mod stream;
 mod workers;
 
 use gpufeed_load::Gpu;

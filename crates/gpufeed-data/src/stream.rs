@@ -1,0 +1,1164 @@
+//! Shards streamed to the batch loader ([`StreamedShards`]): each shard brought into a local
+//! file when the epoch first needs it (in the order the epoch's batches need them, several at
+//! once), mapped while batches use it, and let go after the last batch that needs it, so that
+//! the first batch waits for its own shards only and the local copies stay under a cap.
+//!
+//! Where the shards come from is behind [`Fetch`]: objects in S3-compatible storage or on
+//! HTTP(S) servers with the `object` feature ([`StreamedShards::open`]).
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::records::{RecordFile, Records, Source};
+use crate::sources::{NpyLayout, TarSample};
+
+/// Brings shards into local files (called from the fetch threads) and lets them go.
+pub(crate) trait Fetch: Send + Sync {
+    /// Shard `shard`'s bytes whole in a local file (this user's, not written while mapped):
+    /// its path.
+    fn fetch(&self, shard: usize) -> Result<PathBuf>;
+    /// The loader no longer maps `path`, shard `shard`'s file: remove it where it is only a
+    /// copy for this loader (a cache directory's files stay).
+    fn evict(&self, shard: usize, path: &Path);
+}
+
+/// What is known of a shard before its bytes are here: its name (URL or path), its length and
+/// its records (an `.npy` header's rows, a tar's index, fixed records).
+#[derive(Debug)]
+pub(crate) struct ShardMeta {
+    pub(crate) name: String,
+    pub(crate) bytes: u64,
+    pub(crate) records: Records,
+}
+
+/// Counters of a [`StreamedShards`] since it was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StreamStats {
+    /// Shards brought into local files (the same shard counts once per epoch that needed it).
+    pub fetched: u64,
+    /// Their bytes.
+    pub fetched_bytes: u64,
+    /// The most bytes of shards held (fetched or being fetched) at once: at most
+    /// [`StreamedShards::cap`] (or the largest shard, where one is larger).
+    pub peak_bytes: u64,
+    /// Seconds the batch workers waited for shards to arrive.
+    pub waited_s: f64,
+}
+
+/// Shards (of fixed records, `.npy` rows or WebDataset tar samples) read as one data set, each
+/// fetched into a local file only when the epoch needs it: the fetch threads bring the shards
+/// in the order the epoch's batches first use them (as many as fit under the cap at once), the
+/// batch workers wait for a batch's shards, and a shard is let go (its spool copy removed)
+/// after the last batch of the epoch that uses it. The sampler's order is the same as for
+/// local files ([`ShardSet`](crate::ShardSet)): what a batch holds does not depend on where its
+/// records were.
+///
+/// The cap bounds the bytes of shards held at once; it cannot be lower than what one batch
+/// position needs: an order that uses every shard at every point of the epoch (a plain shuffle
+/// over all records) needs them all at once. The epoch is refused before it starts where the
+/// order needs more than the cap (it says how much), never stalled. Orders that stream:
+/// [`Order::Sequential`](crate::Order::Sequential), and
+/// [`Order::Blocks`](crate::Order::Blocks) with blocks of at least one shard's records (shards
+/// in a shuffled order, the records within each shuffled).
+pub struct StreamedShards {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for StreamedShards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedShards")
+            .field("shards", &self.inner.meta.len())
+            .field("records", &self.len())
+            .field("cap", &self.inner.cap)
+            .finish()
+    }
+}
+
+struct Inner {
+    meta: Vec<ShardMeta>,
+    /// The first record of each shard, then the total.
+    starts: Vec<usize>,
+    fetch: Box<dyn Fetch>,
+    cap: u64,
+    fetchers: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+    fetched: AtomicU64,
+    fetched_bytes: AtomicU64,
+    peak_bytes: AtomicU64,
+    waited_ns: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    /// The running epoch's number among this set's epochs: a fetch thread of an epoch that
+    /// ended hands its shard back instead of storing it.
+    generation: u64,
+    slots: Vec<Slot>,
+    /// Bytes of shards fetched or being fetched.
+    held: u64,
+    /// Shards to fetch, in the order the epoch first needs them.
+    queue: VecDeque<usize>,
+    /// Batches left (of this epoch) that use each shard.
+    uses: Vec<usize>,
+    stopped: bool,
+}
+
+#[derive(Default)]
+enum Slot {
+    #[default]
+    Absent,
+    Fetching,
+    Ready(Arc<RecordFile>, PathBuf),
+    Failed(String),
+}
+
+impl StreamedShards {
+    /// Shards `meta` brought by `fetch`, at most `cap` bytes of them held at once (at least
+    /// the largest shard), `fetchers` threads fetching.
+    #[cfg_attr(
+        not(feature = "object"),
+        allow(dead_code, reason = "made by the object source and the tests")
+    )]
+    pub(crate) fn new(
+        meta: Vec<ShardMeta>,
+        fetch: Box<dyn Fetch>,
+        cap: u64,
+        fetchers: usize,
+    ) -> Self {
+        let mut starts = Vec::with_capacity(meta.len() + 1);
+        starts.push(0);
+        for m in &meta {
+            starts.push(starts.last().copied().unwrap_or(0) + m.records.len());
+        }
+        let largest = meta.iter().map(|m| m.bytes).max().unwrap_or(0);
+        StreamedShards {
+            inner: Arc::new(Inner {
+                meta,
+                starts,
+                fetch,
+                cap: cap.max(largest),
+                fetchers: fetchers.max(1),
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+                fetched: AtomicU64::new(0),
+                fetched_bytes: AtomicU64::new(0),
+                peak_bytes: AtomicU64::new(0),
+                waited_ns: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Records in all the shards.
+    pub fn len(&self) -> usize {
+        self.inner.starts.last().copied().unwrap_or(0)
+    }
+
+    /// Whether there is no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The shards: each one's name (its URL or path), bytes and records.
+    pub fn shards(&self) -> impl ExactSizeIterator<Item = (&str, u64, usize)> + '_ {
+        self.inner
+            .meta
+            .iter()
+            .map(|m| (m.name.as_str(), m.bytes, m.records.len()))
+    }
+
+    /// The most bytes of shards held at once (the cap asked for, or the largest shard where
+    /// that is larger).
+    pub fn cap(&self) -> u64 {
+        self.inner.cap
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> StreamStats {
+        let i = &self.inner;
+        StreamStats {
+            fetched: i.fetched.load(Ordering::Relaxed),
+            fetched_bytes: i.fetched_bytes.load(Ordering::Relaxed),
+            peak_bytes: i.peak_bytes.load(Ordering::Relaxed),
+            waited_s: i.waited_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        }
+    }
+
+    /// Which shard holds record `i`, and its index there.
+    pub fn locate(&self, i: usize) -> Option<(usize, usize)> {
+        locate(&self.inner.starts, i)
+    }
+
+    /// The first shard's `.npy` layout (`None` where it is not an `.npy` file).
+    pub fn npy(&self) -> Option<&NpyLayout> {
+        self.inner.meta.first().and_then(|m| m.records.npy())
+    }
+
+    /// Record `i`'s tar sample: its key and members (`None` for other records).
+    pub fn sample(&self, i: usize) -> Option<&TarSample> {
+        let (s, j) = self.locate(i)?;
+        self.inner.meta[s].records.sample(j)
+    }
+
+    /// Record `i`'s shard name (its URL or path), for errors.
+    pub fn name_of(&self, i: usize) -> &str {
+        match self.locate(i) {
+            Some((s, _)) => &self.inner.meta[s].name,
+            None => "",
+        }
+    }
+
+    /// Starts an epoch whose batches are `jobs` (in order): works out which shards it needs
+    /// when, refuses it where the order needs more than the cap at once, and starts the fetch
+    /// threads. The returned guard stops them (and lets every shard go) when dropped.
+    pub(crate) fn begin<'a>(&self, jobs: impl Iterator<Item = &'a [usize]>) -> Result<StreamRun> {
+        let inner = &self.inner;
+        let n = inner.meta.len();
+        // Each shard's first and last batch, and batches using it.
+        let mut first = vec![usize::MAX; n];
+        let mut last = vec![0usize; n];
+        let mut uses = vec![0usize; n];
+        let mut seen = Vec::new();
+        let mut batches = 0;
+        for (b, job) in jobs.enumerate() {
+            batches = b + 1;
+            seen.clear();
+            seen.extend(job.iter().filter_map(|&i| self.locate(i).map(|(s, _)| s)));
+            seen.sort_unstable();
+            seen.dedup();
+            for &s in &seen {
+                first[s] = first[s].min(b);
+                last[s] = b;
+                uses[s] += 1;
+            }
+        }
+        let peak = peak_bytes(&first, &last, &inner.meta, batches);
+        if peak > inner.cap {
+            return Err(Error::invalid(format!(
+                "this epoch's order needs {} of shards held at once (every shard a batch \
+                 position still needs), over the cap of {}: raise the cap (spool_bytes), \
+                 or stream with an order that uses few shards at a time (sequential, or \
+                 blocks of at least one shard's records: shuffled shards)",
+                gib(peak),
+                gib(inner.cap)
+            )));
+        }
+        let mut order: Vec<usize> = (0..n).filter(|&s| uses[s] > 0).collect();
+        order.sort_by_key(|&s| (first[s], s));
+        let generation = {
+            let mut st = inner.state.lock();
+            st.generation += 1;
+            st.slots = (0..n).map(|_| Slot::Absent).collect();
+            st.held = 0;
+            st.queue = order.into();
+            st.uses = uses;
+            st.stopped = false;
+            st.generation
+        };
+        let mut run = StreamRun {
+            inner: Arc::clone(inner),
+            generation,
+        };
+        for t in 0..inner.fetchers.min(n.max(1)) {
+            let inner = Arc::clone(inner);
+            let spawned = std::thread::Builder::new()
+                .name(format!("gpufeed-shard-fetch-{t}"))
+                .spawn(move || fetch_loop(&inner, generation));
+            if let Err(source) = spawned {
+                run.stop();
+                return Err(gpufeed_load::Error::ThreadStart {
+                    what: "a shard fetch thread",
+                    source,
+                }
+                .into());
+            }
+        }
+        Ok(run)
+    }
+
+    /// Gathers a batch: waits for the shards of `indices`, then `gather` reads them; the
+    /// shards are let go where this was the last batch of the epoch that needs them.
+    pub(crate) fn with_records<T>(
+        &self,
+        indices: &[usize],
+        gather: impl FnOnce(&dyn Source) -> Result<T>,
+    ) -> Result<T> {
+        let mut shards: Vec<usize> = indices
+            .iter()
+            .filter_map(|&i| self.locate(i).map(|(s, _)| s))
+            .collect();
+        shards.sort_unstable();
+        shards.dedup();
+        let generation = self.inner.state.lock().generation;
+        let result = self.acquire(&shards, generation).and_then(|held| {
+            gather(&Held {
+                set: self,
+                held: &held,
+            })
+        });
+        self.release(&shards, generation);
+        result
+    }
+
+    /// The files of `shards` (sorted), once all are here.
+    fn acquire(&self, shards: &[usize], generation: u64) -> Result<Vec<(usize, Arc<RecordFile>)>> {
+        let inner = &self.inner;
+        let t = Instant::now();
+        let mut st = inner.state.lock();
+        let held = loop {
+            if st.generation != generation {
+                return Err(Error::WorkersStopped);
+            }
+            if st.stopped {
+                return Err(Error::WorkersStopped);
+            }
+            let mut ready = Vec::with_capacity(shards.len());
+            let mut waiting = false;
+            for &s in shards {
+                match st.slots.get(s) {
+                    Some(Slot::Ready(file, _)) => ready.push((s, Arc::clone(file))),
+                    Some(Slot::Failed(why)) => {
+                        return Err(Error::Records {
+                            path: inner.meta[s].name.clone().into(),
+                            reason: format!("the shard could not be fetched: {why}"),
+                        });
+                    }
+                    _ => waiting = true,
+                }
+            }
+            if !waiting {
+                break ready;
+            }
+            inner.changed.wait(&mut st);
+        };
+        drop(st);
+        let waited = t.elapsed().as_nanos() as u64;
+        inner.waited_ns.fetch_add(waited, Ordering::Relaxed);
+        Ok(held)
+    }
+
+    /// One batch of epoch `generation` using `shards` is done: lets go of each that no later
+    /// batch uses (nothing where that epoch has ended: a worker left behind by it).
+    fn release(&self, shards: &[usize], generation: u64) {
+        let inner = &self.inner;
+        let mut gone = Vec::new();
+        {
+            let mut st = inner.state.lock();
+            if st.generation != generation {
+                return;
+            }
+            for &s in shards {
+                let Some(left) = st.uses.get_mut(s) else {
+                    continue;
+                };
+                *left = left.saturating_sub(1);
+                if *left == 0
+                    && let Some(path) = take_ready(&mut st, s, inner.meta[s].bytes)
+                {
+                    gone.push((s, path));
+                }
+            }
+        }
+        if !gone.is_empty() {
+            inner.changed.notify_all();
+        }
+        for (s, path) in gone {
+            inner.fetch.evict(s, &path);
+        }
+    }
+}
+
+/// Shard `s`'s file where it is here: its slot emptied and its bytes no longer held.
+fn take_ready(st: &mut State, s: usize, bytes: u64) -> Option<PathBuf> {
+    match std::mem::take(&mut st.slots[s]) {
+        Slot::Ready(file, path) => {
+            drop(file); // unmapped once the last batch holding it is done with it
+            st.held = st.held.saturating_sub(bytes);
+            Some(path)
+        }
+        other => {
+            st.slots[s] = other;
+            None
+        }
+    }
+}
+
+/// The most bytes of shards an epoch needs at once: at each batch, every shard that batch or
+/// an earlier one used and that it or a later one uses. (Fetch threads fetch in order of first
+/// use and a shard goes after its last use, so the shards held while batch b is the earliest
+/// unfinished one are among those: under a cap of at least this, the fetch of any shard batch
+/// b needs always fits.)
+fn peak_bytes(first: &[usize], last: &[usize], meta: &[ShardMeta], batches: usize) -> u64 {
+    let mut delta = vec![0i128; batches + 1];
+    for s in 0..meta.len() {
+        if first[s] == usize::MAX {
+            continue;
+        }
+        delta[first[s]] += i128::from(meta[s].bytes);
+        delta[last[s] + 1] -= i128::from(meta[s].bytes);
+    }
+    let (mut now, mut peak) = (0i128, 0i128);
+    for d in delta {
+        now += d;
+        peak = peak.max(now);
+    }
+    u64::try_from(peak).unwrap_or(u64::MAX)
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn locate(starts: &[usize], i: usize) -> Option<(usize, usize)> {
+    if i >= starts.last().copied().unwrap_or(0) {
+        return None;
+    }
+    let shard = starts.partition_point(|&s| s <= i) - 1;
+    Some((shard, i - starts[shard]))
+}
+
+/// One fetch thread of epoch `generation`: takes the next shard in order of need once it fits
+/// under the cap, fetches and maps it.
+fn fetch_loop(inner: &Inner, generation: u64) {
+    loop {
+        let s = {
+            let mut st = inner.state.lock();
+            loop {
+                if st.stopped || st.generation != generation {
+                    return;
+                }
+                match st.queue.front().copied() {
+                    None => return,
+                    Some(s) if st.held + inner.meta[s].bytes <= inner.cap => {
+                        st.queue.pop_front();
+                        st.slots[s] = Slot::Fetching;
+                        st.held += inner.meta[s].bytes;
+                        inner.peak_bytes.fetch_max(st.held, Ordering::Relaxed);
+                        break s;
+                    }
+                    Some(_) => inner.changed.wait(&mut st),
+                }
+            }
+        };
+        let meta = &inner.meta[s];
+        let got = inner.fetch.fetch(s).and_then(|path| {
+            // SAFETY: the fetched file is this loader's (a spool or cache file written whole
+            // before it was named, not written again) or a local shard the caller promised not
+            // to change.
+            #[allow(unsafe_code, reason = "maps a fetched shard file")]
+            let file = unsafe { RecordFile::open_with(&path, &meta.records, meta.bytes) };
+            match file {
+                Ok(f) => Ok((f, path)),
+                Err(e) => {
+                    inner.fetch.evict(s, &path);
+                    Err(e)
+                }
+            }
+        });
+        let mut st = inner.state.lock();
+        if st.generation != generation {
+            // The epoch ended meanwhile: nothing of this fetch is kept.
+            drop(st);
+            if let Ok((file, path)) = got {
+                drop(file);
+                inner.fetch.evict(s, &path);
+            }
+            return;
+        }
+        match got {
+            Ok((file, path)) => {
+                inner.fetched.fetch_add(1, Ordering::Relaxed);
+                inner.fetched_bytes.fetch_add(meta.bytes, Ordering::Relaxed);
+                st.slots[s] = Slot::Ready(Arc::new(file), path);
+                // Every batch that used it already failed (another shard could not be had).
+                if st.uses[s] == 0
+                    && let Some(path) = take_ready(&mut st, s, meta.bytes)
+                {
+                    drop(st);
+                    inner.fetch.evict(s, &path);
+                    inner.changed.notify_all();
+                    continue;
+                }
+            }
+            Err(e) => {
+                st.slots[s] = Slot::Failed(e.to_string());
+                st.held = st.held.saturating_sub(meta.bytes);
+            }
+        }
+        drop(st);
+        inner.changed.notify_all();
+    }
+}
+
+/// An epoch's fetching: stopped, and every shard let go, when dropped (or at
+/// [`StreamRun::stop`]). Fetch threads in the middle of a fetch are not waited for: they hand
+/// their shard back when it arrives.
+pub(crate) struct StreamRun {
+    inner: Arc<Inner>,
+    generation: u64,
+}
+
+impl StreamRun {
+    /// Stops the fetching and wakes the workers waiting for shards (they get
+    /// [`Error::WorkersStopped`]); lets every shard go.
+    pub(crate) fn stop(&mut self) {
+        let inner = &self.inner;
+        let mut gone = Vec::new();
+        {
+            let mut st = inner.state.lock();
+            if st.generation != self.generation || st.stopped {
+                return;
+            }
+            st.stopped = true;
+            st.queue.clear();
+            for s in 0..st.slots.len() {
+                if let Some(path) = take_ready(&mut st, s, inner.meta[s].bytes) {
+                    gone.push((s, path));
+                }
+            }
+            // A new epoch tells the fetch threads still fetching to hand their shards back.
+            st.generation += 1;
+        }
+        inner.changed.notify_all();
+        for (s, path) in gone {
+            inner.fetch.evict(s, &path);
+        }
+    }
+}
+
+impl Drop for StreamRun {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The shards one batch holds, as the workers' record source.
+struct Held<'a> {
+    set: &'a StreamedShards,
+    held: &'a [(usize, Arc<RecordFile>)],
+}
+
+impl Held<'_> {
+    fn find(&self, i: usize) -> Option<(&RecordFile, usize)> {
+        let (s, j) = self.set.locate(i)?;
+        let k = self.held.binary_search_by_key(&s, |(s, _)| *s).ok()?;
+        Some((&self.held[k].1, j))
+    }
+}
+
+impl Source for Held<'_> {
+    fn parts(&self, i: usize) -> Option<Vec<&[u8]>> {
+        let (f, j) = self.find(i)?;
+        f.parts(j)
+    }
+    fn record(&self, i: usize) -> Option<&[u8]> {
+        let (f, j) = self.find(i)?;
+        f.record(j)
+    }
+    fn path_of(&self, i: usize) -> &Path {
+        Path::new(self.set.name_of(i))
+    }
+    fn ranges(&self, _: usize) -> Option<(usize, Vec<std::ops::Range<usize>>)> {
+        None // never read with O_DIRECT (refused at the loader's start)
+    }
+    fn file(&self, _: usize) -> Option<&RecordFile> {
+        None
+    }
+}
+
+#[cfg(feature = "object")]
+pub use objects::StreamOptions;
+
+#[cfg(feature = "object")]
+mod objects {
+    //! Shards in object storage (and local shard files among them).
+
+    use std::os::unix::fs::DirBuilderExt;
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use gpufeed_load::object::{Object, ObjectCache, ObjectOptions, ObjectUrl};
+
+    use super::{Fetch, ShardMeta, StreamedShards};
+    use crate::error::{Error, Result};
+    use crate::records::{RecordFile, Records};
+    use crate::sources::{self, SourceError};
+
+    /// How [`StreamedShards::open`] reads shards in object storage.
+    #[derive(Debug, Clone)]
+    #[non_exhaustive]
+    pub struct StreamOptions {
+        /// The size of each record of a shard whose name ends in neither `.npy` nor `.tar`
+        /// (those say their own layout); such a shard without it is refused.
+        pub record_bytes: Option<usize>,
+        /// A cache directory ([`ObjectCache`]: this user's, private): fetched shards are kept
+        /// there, so a later epoch or run finds them without fetching. `None` (the default):
+        /// a private spool directory under `spool_dir`, each shard's copy removed after the
+        /// last batch of the epoch that uses it, the directory when the set is dropped.
+        pub cache: Option<PathBuf>,
+        /// Where the spool directory is made (default: the system's temporary directory,
+        /// `$TMPDIR` or `/tmp`).
+        pub spool_dir: Option<PathBuf>,
+        /// The most bytes of shards held at once (at least the largest shard). Default: 16 GiB
+        /// with a spool, unbounded with a cache directory (its files stay anyway).
+        pub spool_bytes: Option<u64>,
+        /// Shards fetched at once (default 4; each with the object options' requests in
+        /// flight).
+        pub fetchers: usize,
+        /// Credentials, endpoint, requests in flight, retries, timeouts.
+        pub object: ObjectOptions,
+    }
+
+    impl Default for StreamOptions {
+        fn default() -> Self {
+            StreamOptions {
+                record_bytes: None,
+                cache: None,
+                spool_dir: None,
+                spool_bytes: None,
+                fetchers: 4,
+                object: ObjectOptions::default(),
+            }
+        }
+    }
+
+    impl StreamOptions {
+        /// These options with records of `bytes` for shards that are neither `.npy` nor
+        /// `.tar`.
+        pub fn with_record_bytes(mut self, bytes: usize) -> Self {
+            self.record_bytes = Some(bytes);
+            self
+        }
+        /// These options with a cache directory.
+        pub fn with_cache(mut self, dir: impl Into<PathBuf>) -> Self {
+            self.cache = Some(dir.into());
+            self
+        }
+        /// These options with the spool made under `dir`.
+        pub fn with_spool_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+            self.spool_dir = Some(dir.into());
+            self
+        }
+        /// These options with at most `bytes` of shards held at once.
+        pub fn with_spool_bytes(mut self, bytes: u64) -> Self {
+            self.spool_bytes = Some(bytes);
+            self
+        }
+        /// These options with `n` shards fetched at once.
+        pub fn with_fetchers(mut self, n: usize) -> Self {
+            self.fetchers = n;
+            self
+        }
+        /// These options with `object` for the requests.
+        pub fn with_object_options(mut self, object: ObjectOptions) -> Self {
+            self.object = object;
+            self
+        }
+    }
+
+    const DEFAULT_SPOOL_BYTES: u64 = 16 << 30;
+
+    /// A shard opened before the first epoch: where it comes from and what it holds.
+    type Opened = Result<(Origin, ShardMeta)>;
+
+    enum Origin {
+        Local(PathBuf),
+        Object(Box<Object>),
+    }
+
+    /// Objects fetched into a cache or a spool directory; local files used where they are.
+    struct ObjectFetch {
+        origins: Vec<Origin>,
+        store: ObjectCache,
+        /// The private spool directory (removed on drop); `None` with a cache directory.
+        spool: Option<PathBuf>,
+    }
+
+    impl Fetch for ObjectFetch {
+        fn fetch(&self, shard: usize) -> Result<PathBuf> {
+            match &self.origins[shard] {
+                Origin::Local(p) => Ok(p.clone()),
+                Origin::Object(o) => Ok(self.store.fetch(o)?.path),
+            }
+        }
+        fn evict(&self, shard: usize, path: &Path) {
+            if self.spool.is_some() && matches!(self.origins[shard], Origin::Object(_)) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    impl Drop for ObjectFetch {
+        fn drop(&mut self) {
+            if let Some(dir) = &self.spool {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+    }
+
+    impl StreamedShards {
+        /// Shards named by `paths`, in this order: `s3://` and `https://` URLs (an `s3://`
+        /// URL with a wildcard, such as `s3://data/train-*.tar`, stands for the keys it
+        /// matches, sorted) and local files. Each shard is `.npy` rows, WebDataset tar
+        /// samples (by its name's ending) or records of `opts.record_bytes`.
+        ///
+        /// Before the first epoch each object's version is pinned (one `HEAD`: every later
+        /// request asks for that version, and a shard replaced since is an error naming it)
+        /// and its records counted: fixed records from its length, `.npy` rows from its
+        /// header (one ranged read), a tar's samples from its headers, for which a tar shard
+        /// is read whole once here (into the cache directory, where there is one, where it
+        /// then stays; otherwise the spool copy is removed after its index is made, and the
+        /// epoch fetches it again).
+        ///
+        /// # Example
+        /// ```no_run
+        /// use gpufeed_data::{BatchLoader, BatchLoaderOptions, Order, Sampler, StreamOptions, StreamedShards};
+        /// let opts = StreamOptions::default().with_record_bytes(4096).with_spool_bytes(8 << 30);
+        /// let shards = StreamedShards::open(&["s3://data/train-*.bin"], &opts)?;
+        /// // Blocks of 2^16 records (at least one shard's): shards in a shuffled order.
+        /// let sampler = Sampler::new(Order::Blocks { seed: 1, block: 1 << 16 });
+        /// let mut loader = BatchLoader::new(shards, sampler, BatchLoaderOptions::default(), None)?;
+        /// for batch in loader.epoch(0)? {
+        ///     let batch = batch?;
+        /// }
+        /// # Ok::<(), Box<dyn std::error::Error>>(())
+        /// ```
+        ///
+        /// # Errors
+        /// An object's errors ([`gpufeed_load::Error::Object`]: a missing bucket or key,
+        /// refused credentials, an unreachable server); [`Error::Records`] naming the shard
+        /// whose layout is wrong (a length that is not a whole number of records, no
+        /// `record_bytes` for a shard that needs it, a bad `.npy` header or tar);
+        /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for an empty list or
+        /// a cache directory that is not private.
+        pub fn open(paths: &[impl AsRef<str>], opts: &StreamOptions) -> Result<StreamedShards> {
+            let mut names: Vec<String> = Vec::new();
+            for p in paths {
+                let p = p.as_ref();
+                if ObjectUrl::is_url(p) {
+                    let listed = gpufeed_load::object::list(p, &opts.object)
+                        .map_err(gpufeed_load::Error::Object)?;
+                    if listed.is_empty() {
+                        return Err(Error::invalid(format!("{p}: no object matches")));
+                    }
+                    names.extend(listed.into_iter().map(|u| u.as_str().to_owned()));
+                } else {
+                    names.push(p.to_owned());
+                }
+            }
+            if names.is_empty() {
+                return Err(Error::invalid("an empty list of shards".into()));
+            }
+            let (store, spool) = match &opts.cache {
+                Some(dir) => (ObjectCache::open(dir)?, None),
+                None => {
+                    let base = opts.spool_dir.clone().unwrap_or_else(std::env::temp_dir);
+                    let dir = make_spool(&base)?;
+                    match ObjectCache::open(&dir) {
+                        Ok(store) => (store, Some(dir)),
+                        Err(e) => {
+                            let _ = std::fs::remove_dir_all(&dir);
+                            return Err(e.into());
+                        }
+                    }
+                }
+            };
+            let mut fetch = ObjectFetch {
+                origins: Vec::new(),
+                store,
+                spool,
+            };
+            // Opened (and counted) several at once: a HEAD each, a ranged read per .npy
+            // header, a whole read per tar.
+            let next = AtomicUsize::new(0);
+            let slots: Vec<parking_lot::Mutex<Option<Opened>>> = names
+                .iter()
+                .map(|_| parking_lot::Mutex::new(None))
+                .collect();
+            std::thread::scope(|scope| {
+                for _ in 0..opts.fetchers.clamp(1, 16).min(names.len()) {
+                    scope.spawn(|| {
+                        loop {
+                            let k = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(name) = names.get(k) else { return };
+                            *slots[k].lock() =
+                                Some(open_one(name, opts, &fetch.store, fetch.spool.is_some()));
+                        }
+                    });
+                }
+            });
+            let mut meta = Vec::with_capacity(names.len());
+            for slot in slots {
+                let (origin, m) = slot
+                    .into_inner()
+                    .unwrap_or_else(|| Err(Error::invalid("a shard was not opened".into())))?;
+                fetch.origins.push(origin);
+                meta.push(m);
+            }
+            let cap = opts.spool_bytes.unwrap_or(if fetch.spool.is_some() {
+                DEFAULT_SPOOL_BYTES
+            } else {
+                u64::MAX
+            });
+            Ok(StreamedShards::new(
+                meta,
+                Box::new(fetch),
+                cap,
+                opts.fetchers,
+            ))
+        }
+    }
+
+    /// A private (0700) directory of this process's under `base`.
+    fn make_spool(base: &Path) -> Result<PathBuf> {
+        let pid = std::process::id();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        for attempt in 0..100u32 {
+            let dir = base.join(format!("gpufeed-spool-{pid}-{nanos:x}-{attempt}"));
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => return Ok(dir),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(source) => {
+                    return Err(gpufeed_load::Error::from(gpufeed_os::Error::Io {
+                        op: "mkdir",
+                        path: Some(dir),
+                        source,
+                    })
+                    .into());
+                }
+            }
+        }
+        Err(Error::invalid(format!(
+            "{}: no free name for a spool directory",
+            base.display()
+        )))
+    }
+
+    #[derive(Clone, Copy)]
+    enum Kind {
+        Fixed(usize),
+        Npy,
+        Tar,
+    }
+
+    fn kind_of(name: &str, record_bytes: Option<usize>) -> Result<Kind> {
+        // The last part of the name, without a query (`https://host/x.tar?sig=...`).
+        let tail = name.rsplit('/').next().unwrap_or(name);
+        let tail = tail
+            .split(['?', '#'])
+            .next()
+            .unwrap_or(tail)
+            .to_ascii_lowercase();
+        if tail.ends_with(".npy") {
+            return Ok(Kind::Npy);
+        }
+        if tail.ends_with(".tar") {
+            return Ok(Kind::Tar);
+        }
+        match record_bytes {
+            Some(0) => Err(Error::invalid("record_bytes is 0".into())),
+            Some(n) => Ok(Kind::Fixed(n)),
+            None => Err(Error::Records {
+                path: name.into(),
+                reason: "records of which size? give record_bytes (a name ending in .npy or \
+                         .tar says its own layout)"
+                    .into(),
+            }),
+        }
+    }
+
+    /// Shard `name`: where it comes from and what it holds.
+    fn open_one(name: &str, opts: &StreamOptions, store: &ObjectCache, spool: bool) -> Opened {
+        let kind = kind_of(name, opts.record_bytes)?;
+        if !ObjectUrl::is_url(name) {
+            // SAFETY: the caller's promise for local shards, as for `ShardSet`.
+            #[allow(unsafe_code, reason = "maps a local shard to count its records")]
+            let file = unsafe {
+                match kind {
+                    Kind::Fixed(n) => RecordFile::open_fixed(name, n),
+                    Kind::Npy => RecordFile::open_npy(name),
+                    Kind::Tar => RecordFile::open_tar(name),
+                }
+            }?;
+            let meta = ShardMeta {
+                name: name.to_owned(),
+                bytes: file.mapped_len() as u64,
+                records: file.records().clone(),
+            };
+            return Ok((Origin::Local(name.into()), meta));
+        }
+        let object = Object::open(name, &opts.object).map_err(gpufeed_load::Error::Object)?;
+        let len = object.len();
+        let bad = |reason: String| Error::Records {
+            path: name.into(),
+            reason,
+        };
+        let records = match kind {
+            Kind::Fixed(size) => {
+                if len % size as u64 != 0 {
+                    return Err(bad(format!(
+                        "{len} bytes are not a whole number of {size}-byte records ({} bytes \
+                         left over): the object is truncated or the record size is wrong",
+                        len % size as u64
+                    )));
+                }
+                let count = usize::try_from(len / size as u64)
+                    .map_err(|_| bad("more records than this machine can count".into()))?;
+                Records::Fixed {
+                    base: 0,
+                    size,
+                    count,
+                    npy: None,
+                }
+            }
+            Kind::Npy => {
+                let npy = npy_header(&object, len).map_err(|e| match e {
+                    HeaderError::Source(e) => bad(e.to_string()),
+                    HeaderError::Read(e) => e,
+                })?;
+                let size = npy.row_bytes();
+                let count = if size == 0 { 0 } else { npy.rows() };
+                Records::Fixed {
+                    base: npy.data_start,
+                    size,
+                    count,
+                    npy: Some(npy),
+                }
+            }
+            Kind::Tar => {
+                let local = store.fetch(&object)?.path;
+                // SAFETY: a file of this loader's store, written whole before it was named.
+                #[allow(unsafe_code, reason = "maps a fetched tar to index it")]
+                let file = unsafe { RecordFile::open_tar(&local) };
+                let file = file.map_err(|e| match e {
+                    Error::Records { reason, .. } => bad(reason),
+                    other => other,
+                });
+                // Unmapped before its spool copy goes.
+                let records = file.map(|f| f.records().clone());
+                if spool {
+                    let _ = std::fs::remove_file(&local);
+                }
+                records?
+            }
+        };
+        Ok((
+            Origin::Object(Box::new(object)),
+            ShardMeta {
+                name: name.to_owned(),
+                bytes: len,
+                records,
+            },
+        ))
+    }
+
+    enum HeaderError {
+        Source(SourceError),
+        Read(Error),
+    }
+
+    /// An `.npy` object's header: its first 4 KiB (or all of a shorter object), more where the
+    /// header is longer.
+    fn npy_header(
+        object: &Object,
+        len: u64,
+    ) -> std::result::Result<sources::NpyLayout, HeaderError> {
+        let mut want = len.min(4096);
+        loop {
+            let mut head = vec![0u8; want as usize];
+            object
+                .read_exact_at(0, &mut head)
+                .map_err(|e| HeaderError::Read(gpufeed_load::Error::Object(e).into()))?;
+            match sources::parse_npy(&head, len) {
+                Err(SourceError::Incomplete { need, .. }) if need > want && need <= len => {
+                    want = need;
+                }
+                other => return other.map_err(HeaderError::Source),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shards of fixed records "fetched" by copying files of a directory into a spool, with
+    /// every fetch and eviction recorded.
+    struct CopyFetch {
+        from: Vec<PathBuf>,
+        spool: PathBuf,
+        log: Mutex<Vec<String>>,
+        fail: Option<usize>,
+    }
+
+    impl Fetch for CopyFetch {
+        fn fetch(&self, shard: usize) -> Result<PathBuf> {
+            self.log.lock().push(format!("fetch {shard}"));
+            if self.fail == Some(shard) {
+                return Err(Error::invalid(format!("shard {shard} is unreachable")));
+            }
+            let to = self.spool.join(format!("{shard}"));
+            std::fs::copy(&self.from[shard], &to).map_err(|e| Error::invalid(e.to_string()))?;
+            Ok(to)
+        }
+        fn evict(&self, shard: usize, path: &Path) {
+            self.log.lock().push(format!("evict {shard}"));
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    fn shards(
+        dir: &Path,
+        n: usize,
+        records: usize,
+        size: usize,
+        cap: u64,
+        fail: Option<usize>,
+    ) -> (StreamedShards, Vec<Vec<u8>>) {
+        let spool = dir.join("spool");
+        std::fs::create_dir_all(&spool).expect("spool");
+        let mut from = Vec::new();
+        let mut bytes = Vec::new();
+        let mut meta = Vec::new();
+        for s in 0..n {
+            let data: Vec<u8> = (0..records * size)
+                .map(|i| (i * 31 + s * 7 + i / 251) as u8)
+                .collect();
+            let p = dir.join(format!("shard-{s}"));
+            std::fs::write(&p, &data).expect("write");
+            from.push(p);
+            meta.push(ShardMeta {
+                name: format!("mem://shard-{s}"),
+                bytes: data.len() as u64,
+                records: Records::Fixed {
+                    base: 0,
+                    size,
+                    count: records,
+                    npy: None,
+                },
+            });
+            bytes.push(data);
+        }
+        let fetch = CopyFetch {
+            from,
+            spool,
+            log: Mutex::new(Vec::new()),
+            fail,
+        };
+        (StreamedShards::new(meta, Box::new(fetch), cap, 2), bytes)
+    }
+
+    #[test]
+    fn peak_counts_every_shard_a_batch_position_still_needs() {
+        let meta = |b| ShardMeta {
+            name: String::new(),
+            bytes: b,
+            records: Records::Indexed(vec![0, 1]),
+        };
+        let m = [meta(10), meta(20), meta(40)];
+        // Shard 0 in batches 0-1, shard 1 in 1-3, shard 2 in 3.
+        assert_eq!(peak_bytes(&[0, 1, 3], &[1, 3, 3], &m, 4), 60);
+        // Every shard from the first batch to the last.
+        assert_eq!(peak_bytes(&[0, 0, 0], &[3, 3, 3], &m, 4), 70);
+        // An unused shard counts for nothing.
+        assert_eq!(peak_bytes(&[0, usize::MAX, 1], &[0, 0, 1], &m, 2), 40);
+    }
+
+    #[test]
+    fn a_sequential_epoch_holds_two_shards_at_most_and_lets_each_go() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (set, bytes) = shards(dir.path(), 6, 10, 7, 2 * 70, None);
+        let jobs: Vec<Vec<usize>> = (0..60)
+            .collect::<Vec<_>>()
+            .chunks(8)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
+        for job in &jobs {
+            let got = set
+                .with_records(job, |src| {
+                    Ok(job
+                        .iter()
+                        .map(|&i| src.record(i).expect("held").to_vec())
+                        .collect::<Vec<_>>())
+                })
+                .expect("gathered");
+            for (&i, r) in job.iter().zip(got) {
+                let (s, j) = (i / 10, i % 10);
+                assert_eq!(r, bytes[s][j * 7..(j + 1) * 7]);
+            }
+        }
+        drop(run);
+        let stats = set.stats();
+        assert_eq!(stats.fetched, 6);
+        assert!(stats.peak_bytes <= 140, "{stats:?}");
+        // Every spool copy is gone.
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("spool"))
+                .expect("ls")
+                .count(),
+            0
+        );
+    }
+
+    #[test]
+    fn an_order_that_needs_more_than_the_cap_is_refused_before_it_starts() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (set, _) = shards(dir.path(), 4, 10, 5, 100, None);
+        // Each batch takes a record of every shard: all four (200 bytes) needed throughout.
+        let jobs: Vec<Vec<usize>> = (0..10).map(|k| vec![k, 10 + k, 20 + k, 30 + k]).collect();
+        let err = set
+            .begin(jobs.iter().map(Vec::as_slice))
+            .err()
+            .expect("refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("over the cap") && text.contains("spool_bytes"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_shard_that_cannot_be_fetched_fails_its_batches_naming_it_and_the_others_go_on() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (set, _) = shards(dir.path(), 3, 4, 3, 1000, Some(1));
+        let jobs: Vec<Vec<usize>> = vec![vec![0, 1], vec![4, 5], vec![8, 9]];
+        let _run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
+        let read = |job: &Vec<usize>| {
+            set.with_records(job, |src| Ok(src.record(job[0]).map(<[u8]>::to_vec)))
+        };
+        assert!(read(&jobs[0]).expect("shard 0").is_some());
+        let err = read(&jobs[1]).expect_err("shard 1 failed").to_string();
+        assert!(
+            err.contains("mem://shard-1") && err.contains("unreachable"),
+            "{err}"
+        );
+        assert!(read(&jobs[2]).expect("shard 2").is_some());
+    }
+
+    #[test]
+    fn a_worker_waiting_for_a_shard_is_woken_when_the_epoch_stops() {
+        let dir = tempfile::tempdir().expect("dir");
+        // A cap of one shard and a batch that needs two that nothing else releases: the
+        // second batch's shard waits behind the first.
+        let (set, _) = shards(dir.path(), 2, 4, 3, 12, None);
+        let jobs: Vec<Vec<usize>> = vec![vec![0], vec![4]];
+        let mut run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| set.with_records(&[4], |_| Ok(())));
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            run.stop();
+            let got = waiter.join().expect("no panic");
+            assert!(matches!(got, Err(Error::WorkersStopped)), "{got:?}");
+        });
+    }
+}
