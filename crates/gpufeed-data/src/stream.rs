@@ -200,6 +200,11 @@ impl StreamedShards {
         self.inner.meta.first().and_then(|m| m.records.npy())
     }
 
+    /// Each shard's `.npy` layout (`None` for one that is not an `.npy` file), in order.
+    pub fn npys(&self) -> impl ExactSizeIterator<Item = Option<&NpyLayout>> + '_ {
+        self.inner.meta.iter().map(|m| m.records.npy())
+    }
+
     /// Record `i`'s tar sample: its key and members (`None` for other records).
     pub fn sample(&self, i: usize) -> Option<&TarSample> {
         let (s, j) = self.locate(i)?;

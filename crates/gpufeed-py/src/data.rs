@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use dlpark::ffi::DLDevice;
 use gpufeed::dataset::{
-    BatchData, Dataset, ImageFolder, NotStarted, Order, OwnedEpoch, Position, RecordFile, Sampler,
-    ShardSet,
+    BatchData, Dataset, ImageFolder, NotStarted, NpyLayout, Order, OwnedEpoch, Position,
+    RecordFile, Sampler, ShardSet,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyStopIteration;
@@ -85,8 +85,8 @@ fn open_record_file(
 
 /// The rows' layout of record files: typed where every file is an `.npy` of one dtype and
 /// row shape, bytes of `record_bytes` for fixed records, 1-D otherwise.
-fn row_layout(files: &[&RecordFile], record_bytes: Option<usize>) -> RowLayout {
-    let npys: Option<Vec<_>> = files.iter().map(|f| f.npy()).collect();
+fn row_layout(npys: &[Option<&NpyLayout>], record_bytes: Option<usize>) -> RowLayout {
+    let npys: Option<Vec<_>> = npys.iter().copied().collect();
     if let Some(npys) = npys
         && let Some(first) = npys.first()
         && npys
@@ -111,47 +111,44 @@ fn row_layout(files: &[&RecordFile], record_bytes: Option<usize>) -> RowLayout {
     }
 }
 
-/// `paths` with every object URL among them fetched into `cache` (in order; a version already
-/// there is not fetched again) and replaced by its local file, which the loader maps. A URL
-/// with a wildcard (`s3://bucket/train-*.tar`) stands for the keys it matches, listed and
-/// sorted (`gpufeed_object::list`).
-pub(crate) fn local_shards(
-    paths: Vec<PathBuf>,
+/// Shards in object storage (any `s3://` or `https://` URL among `paths`; an `s3://` URL
+/// with a wildcard stands for the keys it matches, listed and sorted), streamed: each fetched
+/// when the epoch first needs it (into `cache` where given, where it then stays; else into a
+/// private spool, at most `spool_bytes` held at once), local shards among them read in place.
+/// `None` where no path is a URL.
+pub(crate) fn streamed_dataset(
+    paths: &[PathBuf],
+    record_bytes: Option<usize>,
+    index: Option<&std::path::Path>,
     cache: Option<&std::path::Path>,
-) -> gpufeed::Result<Vec<PathBuf>> {
-    let Some(first) = paths.iter().find_map(|p| crate::loads::object_url(p)) else {
-        return Ok(paths);
-    };
-    let Some(cache) = cache else {
-        return Err(gpufeed::Error::invalid(format!(
-            "{first}: shards in object storage are read through a local cache directory (the \
-             loader maps its record files): pass cache=\"/some/dir\""
-        )));
-    };
-    // Each path, or the objects its pattern matches, in order.
-    let mut expanded: Vec<Result<PathBuf, String>> = Vec::with_capacity(paths.len());
-    for p in paths {
-        match crate::loads::object_url(&p) {
-            None => expanded.push(Ok(p)),
-            Some(url) => {
-                let listed = gpufeed::object::list(url, &Default::default())
-                    .map_err(gpufeed::load::Error::Object)?;
-                expanded.extend(listed.into_iter().map(|u| Err(u.as_str().to_owned())));
-            }
-        }
+    spool_bytes: Option<u64>,
+) -> gpufeed::Result<Option<(Dataset, RowLayout)>> {
+    if !paths.iter().any(|p| crate::loads::object_url(p).is_some()) {
+        return Ok(None);
     }
-    let urls: Vec<String> = expanded
+    if index.is_some() {
+        return Err(gpufeed::Error::invalid(
+            "index= is for one local record file; shards in object storage are fixed records \
+             (record_bytes=), .npy or .tar objects"
+                .into(),
+        ));
+    }
+    let names = paths
         .iter()
-        .filter_map(|e| e.as_ref().err().cloned())
-        .collect();
-    let mut local = crate::loads::fetch_to_cache(&urls, cache)?.into_iter();
-    Ok(expanded
-        .into_iter()
-        .filter_map(|e| match e {
-            Ok(path) => Some(path),
-            Err(_) => local.next(),
+        .map(|p| {
+            p.to_str().map(str::to_owned).ok_or_else(|| {
+                gpufeed::Error::invalid(format!("{}: not a UTF-8 path", p.display()))
+            })
         })
-        .collect())
+        .collect::<gpufeed::Result<Vec<_>>>()?;
+    let mut opts = gpufeed::dataset::StreamOptions::default();
+    opts.record_bytes = record_bytes;
+    opts.cache = cache.map(PathBuf::from);
+    opts.spool_bytes = spool_bytes;
+    let shards = gpufeed::dataset::StreamedShards::open(&names, &opts)?;
+    let npys: Vec<_> = shards.npys().collect();
+    let layout = row_layout(&npys, record_bytes);
+    Ok(Some((Dataset::Streamed(shards), layout)))
 }
 
 /// The data set `BatchLoader` reads: shards (`paths` a list, or one path with a glob pattern),
@@ -189,7 +186,7 @@ pub(crate) fn open_dataset(
         && !is_glob
     {
         let file = open_record_file(path, record_bytes, index)?;
-        let layout = row_layout(&[&file], record_bytes);
+        let layout = row_layout(&[file.npy()], record_bytes);
         return Ok((Dataset::Records(file), layout));
     }
     if index.is_some() {
@@ -208,7 +205,10 @@ pub(crate) fn open_dataset(
         .iter()
         .map(|p| open_record_file(p, record_bytes, None))
         .collect::<gpufeed::Result<Vec<_>>>()?;
-    let layout = row_layout(&files.iter().collect::<Vec<_>>(), record_bytes);
+    let layout = row_layout(
+        &files.iter().map(RecordFile::npy).collect::<Vec<_>>(),
+        record_bytes,
+    );
     Ok((Dataset::Shards(ShardSet::new(files)), layout))
 }
 
@@ -241,9 +241,16 @@ pub(crate) fn open_dataset(
 /// table 7), blocks of 1 MiB mostly to 0.65-0.86.
 ///
 /// Shards in object storage (`s3://`, `https://` URLs in `path`, one by one, or an `s3://`
-/// pattern such as `s3://bucket/train-*.tar`, listed) are fetched first into the directory
-/// `cache` (made private where missing; a version already there is not fetched again, so a
-/// second run reads local files), then mapped as local shards are.
+/// pattern such as `s3://bucket/train-*.tar`, listed; `record_bytes=N` for shards that are
+/// neither `.npy` nor `.tar`) are streamed: each object's version is pinned when the loader is
+/// made (a tar shard is read once then, to count its samples), and during an epoch each shard
+/// is fetched when the epoch first needs it, several at once, and let go after the last batch
+/// that needs it. Fetched into `cache` where given (made private where missing; a version
+/// already there is not fetched again, so a second run reads local files), else into a
+/// private spool directory holding at most `spool_bytes` (default 16 GiB; at least the largest
+/// shard) at once. An epoch whose order needs more shards at once than that is refused when
+/// it starts (a plain shuffle needs them all): `block=K`, with K at least a shard's records,
+/// shuffles shards instead (the records within each shuffled) and streams them.
 ///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
@@ -274,7 +281,7 @@ impl Drop for BatchLoader {
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None, spool_bytes=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -294,6 +301,7 @@ impl BatchLoader {
         direct: bool,
         direct_depth: Option<usize>,
         cache: Option<PathBuf>,
+        spool_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let _context = gpufeed::cuda::ContextGuard::new();
         // One path (a file, a folder or a glob pattern), or a list of shard paths.
@@ -306,8 +314,17 @@ impl BatchLoader {
             })?,
         };
         let made = py.detach(|| -> gpufeed::Result<_> {
-            let paths = local_shards(paths, cache.as_deref())?;
-            let (records, layout) = open_dataset(&paths, record_bytes, index.as_deref(), skip_bad)?;
+            let streamed = streamed_dataset(
+                &paths,
+                record_bytes,
+                index.as_deref(),
+                cache.as_deref(),
+                spool_bytes,
+            )?;
+            let (records, layout) = match streamed {
+                Some(s) => s,
+                None => open_dataset(&paths, record_bytes, index.as_deref(), skip_bad)?,
+            };
             let (classes, skipped) = match &records {
                 Dataset::Folder(f) => (f.classes().to_vec(), f.skipped().len()),
                 _ => (Vec::new(), 0),

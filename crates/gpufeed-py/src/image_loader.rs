@@ -16,12 +16,12 @@ use pyo3::prelude::*;
 use crate::GpufeedError;
 use crate::array::{Array, Owner, Storage, cpu, cuda};
 use crate::context::KeepContext;
-use crate::data::{local_shards, open_dataset};
+use crate::data::{open_dataset, streamed_dataset};
 use crate::epochs::{Epoch, Slot, position_from};
 use crate::errors::py_err;
 
 /// Batches of decoded, cropped, resized (mirrored, normalized) images of an image folder, a
-/// WebDataset tar, shards of them (a glob pattern or a list; `s3://` shards through `cache`),
+/// WebDataset tar, shards of them (a glob pattern or a list; `s3://` shards streamed),
 /// on GPU `device` (nvJPEG) or, with `device=None`, on the CPU. See `gpufeed.ImageLoader`.
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct ImageLoader {
@@ -53,7 +53,7 @@ impl Drop for ImageLoader {
 #[pymethods]
 impl ImageLoader {
     #[new]
-    #[pyo3(signature = (path, batch_size=256, height=224, width=224, train=true, seed=0, shuffle=true, device=None, workers=4, decoders=3, normalize=false, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0), crop_fraction=0.875, skip=false, drop_last=false, global_batch=None, prefetch=None, cache=None))]
+    #[pyo3(signature = (path, batch_size=256, height=224, width=224, train=true, seed=0, shuffle=true, device=None, workers=4, decoders=3, normalize=false, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0), crop_fraction=0.875, skip=false, drop_last=false, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -78,6 +78,8 @@ impl ImageLoader {
         global_batch: Option<usize>,
         prefetch: Option<usize>,
         cache: Option<PathBuf>,
+        block: Option<usize>,
+        spool_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let paths: Vec<PathBuf> = match path.extract::<PathBuf>() {
@@ -110,17 +112,20 @@ impl ImageLoader {
             })
             .with_decoders(decoders);
         let made = py.detach(|| -> gpufeed::Result<_> {
-            let paths = local_shards(paths, cache.as_deref())?;
-            // A folder's unreadable entries are errors here (the policy is for images).
-            let (records, _) = open_dataset(&paths, None, None, false)?;
+            let (records, _) =
+                match streamed_dataset(&paths, None, None, cache.as_deref(), spool_bytes)? {
+                    Some(s) => s,
+                    // A folder's unreadable entries are errors here (the policy is for images).
+                    None => open_dataset(&paths, None, None, false)?,
+                };
             let classes = match &records {
                 Dataset::Folder(f) => f.classes().to_vec(),
                 _ => Vec::new(),
             };
-            let order = if shuffle {
-                Order::Shuffled { seed }
-            } else {
-                Order::Sequential
+            let order = match (shuffle, block) {
+                (true, Some(block)) => Order::Blocks { seed, block },
+                (true, None) => Order::Shuffled { seed },
+                (false, _) => Order::Sequential,
             };
             let sampler = match global_batch {
                 Some(g) => Sampler::elastic_from_env(order, g, drop_last)?,

@@ -293,7 +293,7 @@ def test_fetch_objects_caches_each_version(s3_env, tmp_path):
         gpufeed.fetch_objects([_url("py-cache/x.bin")], cache)
 
 
-def test_batch_loader_reads_shards_in_a_bucket_through_a_cache(s3_env, tmp_path):
+def test_batch_loader_streams_shards_in_a_bucket(s3_env, tmp_path):
     import io
     import tarfile
 
@@ -329,8 +329,16 @@ def test_batch_loader_reads_shards_in_a_bucket_through_a_cache(s3_env, tmp_path)
     got = epoch(gpufeed.BatchLoader(urls, batch_size=7, seed=5, cache=cache))
     assert got == want and len(got) == 11 + 12 + 13
     assert len(os.listdir(cache)) == 3
-    with pytest.raises(gpufeed.GpufeedError, match="cache="):
-        gpufeed.BatchLoader(urls, batch_size=7)
+    # Without a cache: through a private spool, emptied as the epoch goes.
+    assert epoch(gpufeed.BatchLoader(urls, batch_size=7, seed=5)) == want
+    # A plain shuffle needs every shard at once: refused under a cap of one shard.
+    largest = max(os.path.getsize(p) for p in local)
+    with pytest.raises(gpufeed.GpufeedError, match="over the cap"):
+        epoch(gpufeed.BatchLoader(urls, batch_size=7, seed=5, spool_bytes=largest))
+    # In order, a batch needs at most the two shards it straddles.
+    in_order = epoch(gpufeed.BatchLoader(local, batch_size=7, shuffle=False))
+    assert epoch(gpufeed.BatchLoader(urls, batch_size=7, shuffle=False,
+                                     spool_bytes=2 * largest)) == in_order
     # A pattern stands for the keys it matches, listed and sorted (not other folders' keys,
     # nor keys of the folder that do not match).
     s3_env.put("py-shards/val-0.tar", b"not a shard of the pattern")

@@ -237,8 +237,9 @@ def fetch_objects(urls: Sequence[str], cache: Path) -> List[str]:
     local directory ``cache`` (made, mode 0700, where missing; refused where another user owns
     it or may write in it), in order: each one's local path. A version already there (same
     URL, ETag and size) is not fetched again, so a second run reads local files from the page
-    cache; a replaced object gets a file of its own. ``BatchLoader(urls, cache=...)`` does this
-    for shards in a bucket. Credentials and endpoint as for ``load_file``.
+    cache; a replaced object gets a file of its own. ``BatchLoader(urls, cache=...)`` fetches
+    shards into such a directory as its epochs need them. Credentials and endpoint as for
+    ``load_file``.
 
         paths = gpufeed.fetch_objects([f"s3://data/train-{i:04d}.tar" for i in range(8)],
                                       "/tmp/gpufeed-cache")

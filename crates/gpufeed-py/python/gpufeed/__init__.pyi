@@ -117,6 +117,8 @@ class ImageLoader:
         global_batch: int | None = None,
         prefetch: int | None = None,
         cache: _Path | None = None,
+        block: int | None = None,
+        spool_bytes: int | None = None,
     ) -> None: ...
     @property
     def classes(self) -> list[str]: ...

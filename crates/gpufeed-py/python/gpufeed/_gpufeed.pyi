@@ -183,6 +183,7 @@ class BatchLoader:
         direct: bool = False,
         direct_depth: int | None = None,
         cache: _Path | None = None,
+        spool_bytes: int | None = None,
     ) -> BatchLoader: ...
     @property
     def classes(self) -> list[str]:
@@ -238,6 +239,8 @@ class ImageLoader:
         global_batch: int | None = None,
         prefetch: int | None = None,
         cache: _Path | None = None,
+        block: int | None = None,
+        spool_bytes: int | None = None,
     ) -> ImageLoader: ...
     @property
     def classes(self) -> list[str]:

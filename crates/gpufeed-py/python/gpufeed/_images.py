@@ -164,11 +164,15 @@ class ImageLoader:
     ``path``: an image folder in torchvision ``ImageFolder``'s layout (``root/<class>/...``: the
     class folders sorted by name give the labels), a WebDataset ``.tar`` shard, a glob pattern or
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
-    where it has none); shards in object storage (``s3://``, ``https://``) are fetched into the
-    directory ``cache`` first.
+    where it has none); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
+    is listed) are streamed as ``BatchLoader`` streams them: each fetched when the epoch first
+    needs it, into ``cache`` where given, else into a private spool of at most ``spool_bytes``
+    (16 GiB by default) — ``block=K`` (K at least a shard's samples) shuffles shards rather than
+    samples, which streams; a plain shuffle needs every shard at once.
 
     Each batch: ``batch_size`` records in the sampler's order (``shuffle`` with ``seed``, sharded
-    by ``RANK``/``WORLD_SIZE``; ``global_batch=G`` makes it elastic: ``position()`` and
+    by ``RANK``/``WORLD_SIZE``; ``block=K``: shuffled blocks of K consecutive records, each
+    block's records shuffled; ``global_batch=G`` makes it elastic: ``position()`` and
     ``resume()`` as ``BatchLoader``'s), read by ``workers`` threads ahead of use and decoded by
     ``decoders`` threads, each with its own nvJPEG handle and CUDA stream (its hardware engines
     where the GPU has them; what nvJPEG refuses, on the CPU; with ``device=None`` or without
@@ -204,7 +208,8 @@ class ImageLoader:
                  ratio: Tuple[float, float] = (3 / 4, 4 / 3), crop_fraction: float = 0.875,
                  on_error: str = "raise", drop_last: bool = False,
                  global_batch: Optional[int] = None, prefetch: Optional[int] = None,
-                 cache: Any = None):
+                 cache: Any = None, block: Optional[int] = None,
+                 spool_bytes: Optional[int] = None):
         import torch
 
         if on_error not in _POLICIES:
@@ -228,7 +233,8 @@ class ImageLoader:
             int(workers), int(decoders), floating, [float(v) for v in mean],
             [float(v) for v in std], (float(scale[0]), float(scale[1])),
             (float(ratio[0]), float(ratio[1])), float(crop_fraction), on_error == "skip",
-            bool(drop_last), global_batch, prefetch, None if cache is None else str(cache))
+            bool(drop_last), global_batch, prefetch, None if cache is None else str(cache),
+            block, spool_bytes)
         self._skipped: List[Tuple[str, str]] = []
 
     @property
