@@ -13,6 +13,14 @@ use object_store::ObjectStore;
 use serde::Serialize;
 
 use crate::util::{Samples, show_size};
+use gpufeed::dataset::{
+    BatchData, BatchLoader, BatchLoaderOptions, Order, Sampler, StreamOptions, StreamedShards,
+};
+
+/// The shards the object's bytes are cut into for the batch loader's rows.
+const STREAM_SHARDS: usize = 8;
+/// Their records: 1 MiB less 7 bytes (unaligned).
+const STREAM_RECORD: usize = (1 << 20) - 7;
 
 #[derive(Debug, Serialize)]
 pub struct ObjectsBench {
@@ -43,6 +51,18 @@ pub struct ObjectsBench {
     pub checkpoint_peak_rss_growth: Option<u64>,
     /// The pinned staging that loader reserved (bytes).
     pub checkpoint_staging_bytes: Option<u64>,
+    /// The object's bytes as `stream_shards` shards of records of `stream_record_bytes` in the
+    /// bucket, streamed to a `BatchLoader` (`StreamedShards`, blocks of a shard: shards in a
+    /// shuffled order) under a cap of `stream_cap_bytes`: GB/s of records delivered as host
+    /// batches, from the open (HEADs) to the epoch's end, the fetches included.
+    pub stream_shards: usize,
+    pub stream_record_bytes: usize,
+    pub stream_cap_bytes: u64,
+    pub stream_host_gbps: Option<Samples>,
+    /// The same with GPU batches (GPU machine).
+    pub stream_gpu_gbps: Option<Samples>,
+    /// The most shard bytes held at once in those epochs.
+    pub stream_peak_bytes: u64,
     /// The Python peers (`benches/peers/objects.py`, with `--peers`).
     pub peers: Vec<PeerRow>,
     /// Why rows are missing.
@@ -114,6 +134,12 @@ pub fn measure(
         checkpoint_gpu_gbps: None,
         checkpoint_peak_rss_growth: None,
         checkpoint_staging_bytes: None,
+        stream_shards: STREAM_SHARDS,
+        stream_record_bytes: STREAM_RECORD,
+        stream_cap_bytes: 0,
+        stream_host_gbps: None,
+        stream_gpu_gbps: None,
+        stream_peak_bytes: 0,
         peers: Vec::new(),
         notes: Vec::new(),
     };
@@ -155,6 +181,20 @@ pub fn measure(
         .put("bench/model.safetensors", &checkpoint)
         .map_err(anyhow::Error::msg)?;
     drop(checkpoint);
+    // The same bytes again as shards of records (a whole number of them each), and each
+    // record's hash for the batches' check.
+    let per_shard = (data.len() / STREAM_SHARDS / STREAM_RECORD).max(1);
+    let shard_bytes = per_shard * STREAM_RECORD;
+    let mut record_hashes = Vec::new();
+    for s in 0..STREAM_SHARDS {
+        let part = data
+            .get(s * shard_bytes..(s + 1) * shard_bytes)
+            .context("the object is too small for the streamed shards")?;
+        server
+            .put(&format!("bench/shards/part-{s}.bin"), part)
+            .map_err(anyhow::Error::msg)?;
+        record_hashes.extend(part.chunks(STREAM_RECORD).map(xxhash_rust::xxh3::xxh3_64));
+    }
     drop(data);
     let url = format!("s3://{BUCKET}/bench/object.bin");
     let opts = opts
@@ -238,6 +278,62 @@ pub fn measure(
         );
     }
     bench.host_first_gbps = Some(Samples::new(first));
+
+    // Shards streamed to the batch loader: host batches, then (with a GPU) device batches.
+    bench.stream_cap_bytes = 2 * shard_bytes as u64;
+    let mut streamed = |gpu: Option<&gpufeed::Gpu>| -> Result<Samples> {
+        let mut samples = Vec::new();
+        for i in 0..reps + 1 {
+            progress(&format!(
+                "table 14: {STREAM_SHARDS} shards streamed to the batch loader ({})",
+                if gpu.is_some() {
+                    "GPU batches"
+                } else {
+                    "host batches"
+                }
+            ));
+            let t = Instant::now();
+            let sopts = StreamOptions::default()
+                .with_record_bytes(STREAM_RECORD)
+                .with_spool_bytes(bench.stream_cap_bytes)
+                .with_object_options(opts.clone());
+            let shards =
+                StreamedShards::open(&[format!("s3://{BUCKET}/bench/shards/part-*.bin")], &sopts)?;
+            let order = Order::Blocks {
+                seed: i as u64,
+                block: per_shard,
+            };
+            let cfg = BatchLoaderOptions::default().with_batch_size(per_shard.div_ceil(4));
+            let mut loader = BatchLoader::new(shards, Sampler::new(order), cfg, gpu)?;
+            let mut got = 0usize;
+            for batch in loader.epoch(0)? {
+                let batch = batch?;
+                got += batch.indices.len();
+                if let BatchData::Host(buf) = &batch.data {
+                    for (k, &r) in batch.indices.iter().enumerate() {
+                        let rec = &buf[batch.offsets[k]..batch.offsets[k + 1]];
+                        anyhow::ensure!(
+                            xxhash_rust::xxh3::xxh3_64(rec) == record_hashes[r],
+                            "streamed shards: record {r} differs"
+                        );
+                    }
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            anyhow::ensure!(got == record_hashes.len(), "streamed shards: {got} records");
+            if let gpufeed::dataset::Dataset::Streamed(s) = loader.dataset() {
+                bench.stream_peak_bytes = bench.stream_peak_bytes.max(s.stats().peak_bytes);
+            }
+            if i > 0 {
+                samples.push((got * STREAM_RECORD) as f64 / secs / 1e9);
+            }
+        }
+        Ok(Samples::new(samples))
+    };
+    let host_stream = streamed(None)?;
+    let gpu_stream = gpu.map(|g| streamed(Some(g))).transpose()?;
+    bench.stream_host_gbps = Some(host_stream);
+    bench.stream_gpu_gbps = gpu_stream;
 
     match gpu {
         Some(gpu) => {
@@ -453,6 +549,16 @@ pub fn table(s: &mut String, b: &ObjectsBench) {
         ),
         &b.checkpoint_gpu_gbps,
     ));
+    let streamed = |what: &str| {
+        format!(
+            "the object's bytes as {} shards in the bucket -> `BatchLoader` (`StreamedShards`, \
+             shards shuffled, cap {}): {what}, from the open to the epoch's end",
+            b.stream_shards,
+            show_size(b.stream_cap_bytes)
+        )
+    };
+    lines.extend(row(&streamed("host batches"), &b.stream_host_gbps));
+    lines.extend(row(&streamed("GPU batches"), &b.stream_gpu_gbps));
     for p in &b.peers {
         let what = match p.reads.as_str() {
             "checkpoint" => "the checkpoint -> CPU tensors",
@@ -486,6 +592,16 @@ pub fn table(s: &mut String, b: &ObjectsBench) {
             show_size(b.checkpoint_bytes),
             b.checkpoint_bytes as f64 / growth.max(1) as f64,
             b.checkpoint_staging_bytes.map_or("-".into(), show_size),
+        );
+    }
+    if b.stream_host_gbps.is_some() {
+        let _ = writeln!(
+            s,
+            "\nStreamed shards: records of {} B, every record's bytes checked in the host \
+             batches; the most shard bytes held at once {} (cap {}).",
+            b.stream_record_bytes,
+            show_size(b.stream_peak_bytes),
+            show_size(b.stream_cap_bytes)
         );
     }
     for n in &b.notes {

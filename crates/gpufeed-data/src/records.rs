@@ -56,9 +56,29 @@ impl Records {
 /// the rows of an `.npy` array, or the samples of a WebDataset tar shard.
 #[derive(Debug)]
 pub struct RecordFile {
-    map: FileMap,
+    map: Bytes,
     path: PathBuf,
     records: Records,
+}
+
+/// A record file's bytes: a read-only mapping of the file, or (a streamed shard fetched into
+/// memory) a buffer of this process's.
+#[derive(Debug)]
+enum Bytes {
+    Map(FileMap),
+    Memory(gpufeed_os::align::AlignedBuf),
+    Empty,
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Map(m) => m,
+            Bytes::Memory(b) => b.as_slice(),
+            Bytes::Empty => &[],
+        }
+    }
 }
 
 impl RecordFile {
@@ -94,7 +114,7 @@ impl RecordFile {
         }
         let count = map.len() / record_bytes;
         Ok(RecordFile {
-            map,
+            map: Bytes::Map(map),
             path: path.into(),
             records: Records::Fixed {
                 base: 0,
@@ -129,7 +149,7 @@ impl RecordFile {
         let size = npy.row_bytes();
         let count = if size == 0 { 0 } else { npy.rows() };
         Ok(RecordFile {
-            map,
+            map: Bytes::Map(map),
             path: path.into(),
             records: Records::Fixed {
                 base: npy.data_start,
@@ -166,7 +186,7 @@ impl RecordFile {
             reason: e.to_string(),
         })?;
         Ok(RecordFile {
-            map,
+            map: Bytes::Map(map),
             path: path.into(),
             records: Records::Samples(samples),
         })
@@ -207,10 +227,24 @@ impl RecordFile {
             });
         }
         Ok(RecordFile {
-            map,
+            map: Bytes::Map(map),
             path: path.into(),
             records: records.clone(),
         })
+    }
+
+    /// A streamed shard's `bytes`, fetched into memory (`None`: an empty shard), whose records
+    /// `records` says; `name` (its URL) stands for its path in errors.
+    pub(crate) fn in_memory(
+        name: &str,
+        records: &Records,
+        bytes: Option<gpufeed_os::align::AlignedBuf>,
+    ) -> Self {
+        RecordFile {
+            map: bytes.map_or(Bytes::Empty, Bytes::Memory),
+            path: name.into(),
+            records: records.clone(),
+        }
     }
 
     /// What its records are (an index, a layout).
@@ -254,7 +288,7 @@ impl RecordFile {
         let (file, identity) = gpufeed_os::file::open_regular(index, false)?;
         let offsets = read_record_index(file, identity.size, map.len() as u64).map_err(bad)?;
         Ok(RecordFile {
-            map,
+            map: Bytes::Map(map),
             path: path.into(),
             records: Records::Indexed(offsets),
         })

@@ -1,7 +1,8 @@
-//! Shards streamed to the batch loader ([`StreamedShards`]): each shard brought into a local
-//! file when the epoch first needs it (in the order the epoch's batches need them, several at
-//! once), mapped while batches use it, and let go after the last batch that needs it, so that
-//! the first batch waits for its own shards only and the local copies stay under a cap.
+//! Shards streamed to the batch loader ([`StreamedShards`]): each shard brought into memory (or
+//! a cache directory's file) when the epoch first needs it (in the order the epoch's batches
+//! need them, several at once), held while batches use it, and let go after the last batch
+//! that needs it, so that the first batch waits for its own shards only and the shards held
+//! stay under a cap.
 //!
 //! Where the shards come from is behind [`Fetch`]: objects in S3-compatible storage or on
 //! HTTP(S) servers with the `object` feature ([`StreamedShards::open`]).
@@ -18,14 +19,23 @@ use crate::error::{Error, Result};
 use crate::records::{RecordFile, Records, Source};
 use crate::sources::{NpyLayout, TarSample};
 
-/// Brings shards into local files (called from the fetch threads) and lets them go.
+/// Brings shards here (called from the fetch threads).
 pub(crate) trait Fetch: Send + Sync {
-    /// Shard `shard`'s bytes whole in a local file (this user's, not written while mapped):
-    /// its path.
-    fn fetch(&self, shard: usize) -> Result<PathBuf>;
-    /// The loader no longer maps `path`, shard `shard`'s file: remove it where it is only a
-    /// copy for this loader (a cache directory's files stay).
-    fn evict(&self, shard: usize, path: &Path);
+    /// Shard `shard`'s bytes, whole.
+    fn fetch(&self, shard: usize) -> Result<Fetched>;
+}
+
+/// A fetched shard's bytes.
+#[cfg_attr(
+    not(feature = "object"),
+    allow(dead_code, reason = "made by the object source and the tests")
+)]
+pub(crate) enum Fetched {
+    /// A local file (this user's, not written while mapped: a cache directory's, or a local
+    /// shard): mapped.
+    File(PathBuf),
+    /// Memory of this process's (`None`: an empty shard).
+    Memory(Option<gpufeed_os::align::AlignedBuf>),
 }
 
 /// What is known of a shard before its bytes are here: its name (URL or path), its length and
@@ -45,17 +55,19 @@ pub struct StreamStats {
     /// Their bytes.
     pub fetched_bytes: u64,
     /// The most bytes of shards held (fetched or being fetched) at once: at most
-    /// [`StreamedShards::cap`] (or the largest shard, where one is larger).
+    /// [`StreamedShards::cap`].
     pub peak_bytes: u64,
+    /// Bytes of shards held now (0 between epochs).
+    pub held_bytes: u64,
     /// Seconds the batch workers waited for shards to arrive.
     pub waited_s: f64,
 }
 
 /// Shards (of fixed records, `.npy` rows or WebDataset tar samples) read as one data set, each
-/// fetched into a local file only when the epoch needs it: the fetch threads bring the shards
-/// in the order the epoch's batches first use them (as many as fit under the cap at once), the
-/// batch workers wait for a batch's shards, and a shard is let go (its spool copy removed)
-/// after the last batch of the epoch that uses it. The sampler's order is the same as for
+/// fetched (into memory, or a cache directory's file) only when the epoch needs it: the fetch
+/// threads bring the shards in the order the epoch's batches first use them (as many as fit
+/// under the cap at once), the batch workers wait for a batch's shards, and a shard is let go
+/// (its memory freed) after the last batch of the epoch that uses it. The sampler's order is the same as for
 /// local files ([`ShardSet`](crate::ShardSet)): what a batch holds does not depend on where its
 /// records were.
 ///
@@ -103,6 +115,9 @@ struct State {
     slots: Vec<Slot>,
     /// Bytes of shards fetched or being fetched.
     held: u64,
+    /// Bytes being fetched by threads of epochs that ended (dropped on arrival): counted
+    /// against the cap until then.
+    stale: u64,
     /// Shards to fetch, in the order the epoch first needs them.
     queue: VecDeque<usize>,
     /// Batches left (of this epoch) that use each shard.
@@ -115,7 +130,7 @@ enum Slot {
     #[default]
     Absent,
     Fetching,
-    Ready(Arc<RecordFile>, PathBuf),
+    Ready(Arc<RecordFile>),
     Failed(String),
 }
 
@@ -183,6 +198,7 @@ impl StreamedShards {
     pub fn stats(&self) -> StreamStats {
         let i = &self.inner;
         StreamStats {
+            held_bytes: i.state.lock().held,
             fetched: i.fetched.load(Ordering::Relaxed),
             fetched_bytes: i.fetched_bytes.load(Ordering::Relaxed),
             peak_bytes: i.peak_bytes.load(Ordering::Relaxed),
@@ -327,7 +343,7 @@ impl StreamedShards {
             let mut waiting = false;
             for &s in shards {
                 match st.slots.get(s) {
-                    Some(Slot::Ready(file, _)) => ready.push((s, Arc::clone(file))),
+                    Some(Slot::Ready(file)) => ready.push((s, Arc::clone(file))),
                     Some(Slot::Failed(why)) => {
                         return Err(Error::Records {
                             path: inner.meta[s].name.clone().into(),
@@ -364,28 +380,27 @@ impl StreamedShards {
                 };
                 *left = left.saturating_sub(1);
                 if *left == 0
-                    && let Some(path) = take_ready(&mut st, s, inner.meta[s].bytes)
+                    && let Some(file) = take_ready(&mut st, s, inner.meta[s].bytes)
                 {
-                    gone.push((s, path));
+                    gone.push(file);
                 }
             }
         }
         if !gone.is_empty() {
             inner.changed.notify_all();
         }
-        for (s, path) in gone {
-            inner.fetch.evict(s, &path);
-        }
+        // Freed (unmapped) here, outside the lock, where this worker held the last reference.
+        drop(gone);
     }
 }
 
-/// Shard `s`'s file where it is here: its slot emptied and its bytes no longer held.
-fn take_ready(st: &mut State, s: usize, bytes: u64) -> Option<PathBuf> {
+/// Shard `s`'s bytes where they are here: its slot emptied and its bytes no longer counted as
+/// held (they are freed when the last batch holding them is done with them).
+fn take_ready(st: &mut State, s: usize, bytes: u64) -> Option<Arc<RecordFile>> {
     match std::mem::take(&mut st.slots[s]) {
-        Slot::Ready(file, path) => {
-            drop(file); // unmapped once the last batch holding it is done with it
+        Slot::Ready(file) => {
             st.held = st.held.saturating_sub(bytes);
-            Some(path)
+            Some(file)
         }
         other => {
             st.slots[s] = other;
@@ -440,11 +455,13 @@ fn fetch_loop(inner: &Inner, generation: u64) {
                 }
                 match st.queue.front().copied() {
                     None => return,
-                    Some(s) if st.held + inner.meta[s].bytes <= inner.cap => {
+                    Some(s) if st.held + st.stale + inner.meta[s].bytes <= inner.cap => {
                         st.queue.pop_front();
                         st.slots[s] = Slot::Fetching;
                         st.held += inner.meta[s].bytes;
-                        inner.peak_bytes.fetch_max(st.held, Ordering::Relaxed);
+                        inner
+                            .peak_bytes
+                            .fetch_max(st.held + st.stale, Ordering::Relaxed);
                         break s;
                     }
                     Some(_) => inner.changed.wait(&mut st),
@@ -452,41 +469,44 @@ fn fetch_loop(inner: &Inner, generation: u64) {
             }
         };
         let meta = &inner.meta[s];
-        let got = inner.fetch.fetch(s).and_then(|path| {
-            // SAFETY: the fetched file is this loader's (a spool or cache file written whole
-            // before it was named, not written again) or a local shard the caller promised not
-            // to change.
-            #[allow(unsafe_code, reason = "maps a fetched shard file")]
-            let file = unsafe { RecordFile::open_with(&path, &meta.records, meta.bytes) };
-            match file {
-                Ok(f) => Ok((f, path)),
-                Err(e) => {
-                    inner.fetch.evict(s, &path);
-                    Err(e)
+        let got = inner.fetch.fetch(s).and_then(|fetched| match fetched {
+            Fetched::File(path) => {
+                // SAFETY: the file is a cache directory's (written whole before it was named,
+                // never written again) or a local shard the caller promised not to change.
+                #[allow(unsafe_code, reason = "maps a fetched shard file")]
+                let file = unsafe { RecordFile::open_with(&path, &meta.records, meta.bytes) };
+                file
+            }
+            Fetched::Memory(bytes) => {
+                let len = bytes.as_ref().map_or(0, |b| b.len() as u64);
+                if len != meta.bytes {
+                    return Err(Error::Records {
+                        path: meta.name.clone().into(),
+                        reason: format!("{len} bytes fetched where the shard had {}", meta.bytes),
+                    });
                 }
+                Ok(RecordFile::in_memory(&meta.name, &meta.records, bytes))
             }
         });
         let mut st = inner.state.lock();
         if st.generation != generation {
             // The epoch ended meanwhile: nothing of this fetch is kept.
+            st.stale = st.stale.saturating_sub(meta.bytes);
             drop(st);
-            if let Ok((file, path)) = got {
-                drop(file);
-                inner.fetch.evict(s, &path);
-            }
+            drop(got);
+            inner.changed.notify_all();
             return;
         }
         match got {
-            Ok((file, path)) => {
+            Ok(file) => {
                 inner.fetched.fetch_add(1, Ordering::Relaxed);
                 inner.fetched_bytes.fetch_add(meta.bytes, Ordering::Relaxed);
-                st.slots[s] = Slot::Ready(Arc::new(file), path);
+                st.slots[s] = Slot::Ready(Arc::new(file));
                 // Every batch that used it already failed (another shard could not be had).
-                if st.uses[s] == 0
-                    && let Some(path) = take_ready(&mut st, s, meta.bytes)
-                {
+                if st.uses[s] == 0 {
+                    let file = take_ready(&mut st, s, meta.bytes);
                     drop(st);
-                    inner.fetch.evict(s, &path);
+                    drop(file);
                     inner.changed.notify_all();
                     continue;
                 }
@@ -502,8 +522,8 @@ fn fetch_loop(inner: &Inner, generation: u64) {
 }
 
 /// An epoch's fetching: stopped, and every shard let go, when dropped (or at
-/// [`StreamRun::stop`]). Fetch threads in the middle of a fetch are not waited for: they hand
-/// their shard back when it arrives.
+/// [`StreamRun::stop`]). Fetch threads in the middle of a fetch are not waited for: they drop
+/// their shard when it arrives.
 pub(crate) struct StreamRun {
     inner: Arc<Inner>,
     generation: u64,
@@ -523,17 +543,16 @@ impl StreamRun {
             st.stopped = true;
             st.queue.clear();
             for s in 0..st.slots.len() {
-                if let Some(path) = take_ready(&mut st, s, inner.meta[s].bytes) {
-                    gone.push((s, path));
-                }
+                gone.extend(take_ready(&mut st, s, inner.meta[s].bytes));
             }
-            // A new epoch tells the fetch threads still fetching to hand their shards back.
+            // Shards being fetched now count as stale until their threads drop them.
+            st.stale += st.held;
+            st.held = 0;
+            // A new generation tells the fetch threads still fetching to drop their shards.
             st.generation += 1;
         }
         inner.changed.notify_all();
-        for (s, path) in gone {
-            inner.fetch.evict(s, &path);
-        }
+        drop(gone);
     }
 }
 
@@ -584,13 +603,14 @@ pub use objects::StreamOptions;
 mod objects {
     //! Shards in object storage (and local shard files among them).
 
-    use std::os::unix::fs::DirBuilderExt;
-    use std::path::{Path, PathBuf};
+    use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use gpufeed_load::object::{Object, ObjectCache, ObjectOptions, ObjectUrl};
+    use gpufeed_os::align::AlignedBuf;
+    use parking_lot::{Condvar, Mutex};
 
-    use super::{Fetch, ShardMeta, StreamedShards};
+    use super::{Fetch, Fetched, ShardMeta, StreamedShards};
     use crate::error::{Error, Result};
     use crate::records::{RecordFile, Records};
     use crate::sources::{self, SourceError};
@@ -602,16 +622,15 @@ mod objects {
         /// The size of each record of a shard whose name ends in neither `.npy` nor `.tar`
         /// (those say their own layout); such a shard without it is refused.
         pub record_bytes: Option<usize>,
-        /// A cache directory ([`ObjectCache`]: this user's, private): fetched shards are kept
-        /// there, so a later epoch or run finds them without fetching. `None` (the default):
-        /// a private spool directory under `spool_dir`, each shard's copy removed after the
-        /// last batch of the epoch that uses it, the directory when the set is dropped.
+        /// A cache directory ([`ObjectCache`]: this user's, private): shards are fetched into
+        /// files there, which stay, so a later epoch or run finds them without fetching (and
+        /// nothing bounds the directory). `None` (the default): shards are fetched into this
+        /// process's memory, at most `spool_bytes` at once, and freed after the last batch of
+        /// the epoch that uses them.
         pub cache: Option<PathBuf>,
-        /// Where the spool directory is made (default: the system's temporary directory,
-        /// `$TMPDIR` or `/tmp`).
-        pub spool_dir: Option<PathBuf>,
-        /// The most bytes of shards held at once (at least the largest shard). Default: 16 GiB
-        /// with a spool, unbounded with a cache directory (its files stay anyway).
+        /// The most bytes of shards held at once (at least the largest shard). Default: a
+        /// quarter of the memory available when the shards are opened, at most 16 GiB (4 GiB
+        /// where that cannot be read); unbounded with a cache directory.
         pub spool_bytes: Option<u64>,
         /// Shards fetched at once (default 4; each with the object options' requests in
         /// flight).
@@ -625,7 +644,6 @@ mod objects {
             StreamOptions {
                 record_bytes: None,
                 cache: None,
-                spool_dir: None,
                 spool_bytes: None,
                 fetchers: 4,
                 object: ObjectOptions::default(),
@@ -645,11 +663,6 @@ mod objects {
             self.cache = Some(dir.into());
             self
         }
-        /// These options with the spool made under `dir`.
-        pub fn with_spool_dir(mut self, dir: impl Into<PathBuf>) -> Self {
-            self.spool_dir = Some(dir.into());
-            self
-        }
         /// These options with at most `bytes` of shards held at once.
         pub fn with_spool_bytes(mut self, bytes: u64) -> Self {
             self.spool_bytes = Some(bytes);
@@ -667,7 +680,11 @@ mod objects {
         }
     }
 
-    const DEFAULT_SPOOL_BYTES: u64 = 16 << 30;
+    /// The default cap without a cache directory: a quarter of the memory available, at most
+    /// 16 GiB (4 GiB where it cannot be read).
+    fn default_spool_bytes() -> u64 {
+        gpufeed_os::sys::mem_available().map_or(4 << 30, |a| (a / 4).min(16 << 30))
+    }
 
     /// A shard opened before the first epoch: where it comes from and what it holds.
     type Opened = Result<(Origin, ShardMeta)>;
@@ -677,33 +694,60 @@ mod objects {
         Object(Box<Object>),
     }
 
-    /// Objects fetched into a cache or a spool directory; local files used where they are.
+    /// Objects fetched into memory or a cache directory; local files used where they are.
     struct ObjectFetch {
         origins: Vec<Origin>,
-        store: ObjectCache,
-        /// The private spool directory (removed on drop); `None` with a cache directory.
-        spool: Option<PathBuf>,
+        cache: Option<ObjectCache>,
     }
 
     impl Fetch for ObjectFetch {
-        fn fetch(&self, shard: usize) -> Result<PathBuf> {
-            match &self.origins[shard] {
-                Origin::Local(p) => Ok(p.clone()),
-                Origin::Object(o) => Ok(self.store.fetch(o)?.path),
-            }
-        }
-        fn evict(&self, shard: usize, path: &Path) {
-            if self.spool.is_some() && matches!(self.origins[shard], Origin::Object(_)) {
-                let _ = std::fs::remove_file(path);
+        fn fetch(&self, shard: usize) -> Result<Fetched> {
+            match (&self.origins[shard], &self.cache) {
+                (Origin::Local(p), _) => Ok(Fetched::File(p.clone())),
+                (Origin::Object(o), Some(cache)) => Ok(Fetched::File(cache.fetch(o)?.path)),
+                (Origin::Object(o), None) => Ok(Fetched::Memory(read_whole(o)?)),
             }
         }
     }
 
-    impl Drop for ObjectFetch {
-        fn drop(&mut self) {
-            if let Some(dir) = &self.spool {
-                let _ = std::fs::remove_dir_all(dir);
+    /// All of `object` in memory of its own (`None` for an empty one): ranged GETs straight
+    /// into it, the object options' requests in flight.
+    fn read_whole(object: &Object) -> Result<Option<AlignedBuf>> {
+        let len = usize::try_from(object.len()).map_err(|_| {
+            Error::invalid(format!(
+                "{}: larger than this machine's memory",
+                object.url()
+            ))
+        })?;
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut buf = AlignedBuf::new(len, 4096).map_err(gpufeed_load::Error::from)?;
+        object
+            .read_exact_at(0, buf.as_mut_slice())
+            .map_err(gpufeed_load::Error::Object)?;
+        Ok(Some(buf))
+    }
+
+    /// Bytes that may be in memory at once while tar shards are read to count their samples.
+    struct Budget {
+        left: Mutex<u64>,
+        freed: Condvar,
+    }
+
+    impl Budget {
+        /// Waits until `bytes` fit (or nothing else is taken), takes them.
+        fn take(&self, bytes: u64, cap: u64) {
+            let mut left = self.left.lock();
+            while *left < bytes && *left < cap {
+                self.freed.wait(&mut left);
             }
+            *left = left.saturating_sub(bytes);
+        }
+        fn give(&self, bytes: u64, cap: u64) {
+            let mut left = self.left.lock();
+            *left = (*left + bytes).min(cap);
+            self.freed.notify_all();
         }
     }
 
@@ -713,13 +757,13 @@ mod objects {
         /// matches, sorted) and local files. Each shard is `.npy` rows, WebDataset tar
         /// samples (by its name's ending) or records of `opts.record_bytes`.
         ///
-        /// Before the first epoch each object's version is pinned (one `HEAD`: every later
-        /// request asks for that version, and a shard replaced since is an error naming it)
-        /// and its records counted: fixed records from its length, `.npy` rows from its
+        /// Here, before the first epoch, each object's version is pinned (one `HEAD`: every
+        /// later request asks for that version, and a shard replaced since is an error naming
+        /// it) and its records counted: fixed records from its length, `.npy` rows from its
         /// header (one ranged read), a tar's samples from its headers, for which a tar shard
-        /// is read whole once here (into the cache directory, where there is one, where it
-        /// then stays; otherwise the spool copy is removed after its index is made, and the
-        /// epoch fetches it again).
+        /// is read whole once here (into the cache directory, where there is one, where it then
+        /// stays; otherwise into memory, under the cap, and dropped once indexed: the epoch
+        /// fetches it again).
         ///
         /// # Example
         /// ```no_run
@@ -740,8 +784,8 @@ mod objects {
         /// refused credentials, an unreachable server); [`Error::Records`] naming the shard
         /// whose layout is wrong (a length that is not a whole number of records, no
         /// `record_bytes` for a shard that needs it, a bad `.npy` header or tar);
-        /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for an empty list or
-        /// a cache directory that is not private.
+        /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for an empty list, a
+        /// pattern that matches nothing, or a cache directory that is not private.
         pub fn open(paths: &[impl AsRef<str>], opts: &StreamOptions) -> Result<StreamedShards> {
             let mut names: Vec<String> = Vec::new();
             for p in paths {
@@ -749,9 +793,6 @@ mod objects {
                 if ObjectUrl::is_url(p) {
                     let listed = gpufeed_load::object::list(p, &opts.object)
                         .map_err(gpufeed_load::Error::Object)?;
-                    if listed.is_empty() {
-                        return Err(Error::invalid(format!("{p}: no object matches")));
-                    }
                     names.extend(listed.into_iter().map(|u| u.as_str().to_owned()));
                 } else {
                     names.push(p.to_owned());
@@ -760,44 +801,37 @@ mod objects {
             if names.is_empty() {
                 return Err(Error::invalid("an empty list of shards".into()));
             }
-            let (store, spool) = match &opts.cache {
-                Some(dir) => (ObjectCache::open(dir)?, None),
-                None => {
-                    let base = opts.spool_dir.clone().unwrap_or_else(std::env::temp_dir);
-                    let dir = make_spool(&base)?;
-                    match ObjectCache::open(&dir) {
-                        Ok(store) => (store, Some(dir)),
-                        Err(e) => {
-                            let _ = std::fs::remove_dir_all(&dir);
-                            return Err(e.into());
-                        }
-                    }
-                }
+            let cache = opts.cache.as_ref().map(ObjectCache::open).transpose()?;
+            let cap = match (opts.spool_bytes, &cache) {
+                (Some(cap), _) => cap,
+                (None, Some(_)) => u64::MAX,
+                (None, None) => default_spool_bytes(),
             };
-            let mut fetch = ObjectFetch {
-                origins: Vec::new(),
-                store,
-                spool,
+            let budget = Budget {
+                left: Mutex::new(cap),
+                freed: Condvar::new(),
             };
             // Opened (and counted) several at once: a HEAD each, a ranged read per .npy
             // header, a whole read per tar.
             let next = AtomicUsize::new(0);
-            let slots: Vec<parking_lot::Mutex<Option<Opened>>> = names
-                .iter()
-                .map(|_| parking_lot::Mutex::new(None))
-                .collect();
+            let slots: Vec<Mutex<Option<Opened>>> =
+                names.iter().map(|_| Mutex::new(None)).collect();
             std::thread::scope(|scope| {
                 for _ in 0..opts.fetchers.clamp(1, 16).min(names.len()) {
                     scope.spawn(|| {
                         loop {
                             let k = next.fetch_add(1, Ordering::Relaxed);
                             let Some(name) = names.get(k) else { return };
-                            *slots[k].lock() =
-                                Some(open_one(name, opts, &fetch.store, fetch.spool.is_some()));
+                            let opened = open_one(name, opts, cache.as_ref(), &budget, cap);
+                            *slots[k].lock() = Some(opened);
                         }
                     });
                 }
             });
+            let mut fetch = ObjectFetch {
+                origins: Vec::with_capacity(names.len()),
+                cache,
+            };
             let mut meta = Vec::with_capacity(names.len());
             for slot in slots {
                 let (origin, m) = slot
@@ -806,11 +840,6 @@ mod objects {
                 fetch.origins.push(origin);
                 meta.push(m);
             }
-            let cap = opts.spool_bytes.unwrap_or(if fetch.spool.is_some() {
-                DEFAULT_SPOOL_BYTES
-            } else {
-                u64::MAX
-            });
             Ok(StreamedShards::new(
                 meta,
                 Box::new(fetch),
@@ -818,33 +847,6 @@ mod objects {
                 opts.fetchers,
             ))
         }
-    }
-
-    /// A private (0700) directory of this process's under `base`.
-    fn make_spool(base: &Path) -> Result<PathBuf> {
-        let pid = std::process::id();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        for attempt in 0..100u32 {
-            let dir = base.join(format!("gpufeed-spool-{pid}-{nanos:x}-{attempt}"));
-            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => return Ok(dir),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(source) => {
-                    return Err(gpufeed_load::Error::from(gpufeed_os::Error::Io {
-                        op: "mkdir",
-                        path: Some(dir),
-                        source,
-                    })
-                    .into());
-                }
-            }
-        }
-        Err(Error::invalid(format!(
-            "{}: no free name for a spool directory",
-            base.display()
-        )))
     }
 
     #[derive(Clone, Copy)]
@@ -881,7 +883,13 @@ mod objects {
     }
 
     /// Shard `name`: where it comes from and what it holds.
-    fn open_one(name: &str, opts: &StreamOptions, store: &ObjectCache, spool: bool) -> Opened {
+    fn open_one(
+        name: &str,
+        opts: &StreamOptions,
+        cache: Option<&ObjectCache>,
+        budget: &Budget,
+        cap: u64,
+    ) -> Opened {
         let kind = kind_of(name, opts.record_bytes)?;
         if !ObjectUrl::is_url(name) {
             // SAFETY: the caller's promise for local shards, as for `ShardSet`.
@@ -939,20 +947,31 @@ mod objects {
                 }
             }
             Kind::Tar => {
-                let local = store.fetch(&object)?.path;
-                // SAFETY: a file of this loader's store, written whole before it was named.
-                #[allow(unsafe_code, reason = "maps a fetched tar to index it")]
-                let file = unsafe { RecordFile::open_tar(&local) };
-                let file = file.map_err(|e| match e {
+                let indexed = match cache {
+                    Some(cache) => {
+                        let local = cache.fetch(&object)?.path;
+                        // SAFETY: a cache directory's file, written whole before it was named.
+                        #[allow(unsafe_code, reason = "maps a fetched tar to index it")]
+                        let file = unsafe { RecordFile::open_tar(&local) };
+                        file.map(|f| f.records().clone())
+                    }
+                    None => {
+                        budget.take(len, cap);
+                        let read = read_whole(&object);
+                        let indexed = read.and_then(|bytes| {
+                            let tar = bytes.as_ref().map_or(&[][..], AlignedBuf::as_slice);
+                            sources::index_tar(tar)
+                                .map(Records::Samples)
+                                .map_err(|e| bad(e.to_string()))
+                        });
+                        budget.give(len, cap);
+                        indexed
+                    }
+                };
+                indexed.map_err(|e| match e {
                     Error::Records { reason, .. } => bad(reason),
                     other => other,
-                });
-                // Unmapped before its spool copy goes.
-                let records = file.map(|f| f.records().clone());
-                if spool {
-                    let _ = std::fs::remove_file(&local);
-                }
-                records?
+                })?
             }
         };
         Ok((
@@ -996,28 +1015,25 @@ mod objects {
 mod tests {
     use super::*;
 
-    /// Shards of fixed records "fetched" by copying files of a directory into a spool, with
-    /// every fetch and eviction recorded.
+    /// Shards of fixed records "fetched" from files of a directory: the odd ones into memory,
+    /// the even ones mapped where they are; shard `fail` cannot be had.
     struct CopyFetch {
         from: Vec<PathBuf>,
-        spool: PathBuf,
-        log: Mutex<Vec<String>>,
         fail: Option<usize>,
     }
 
     impl Fetch for CopyFetch {
-        fn fetch(&self, shard: usize) -> Result<PathBuf> {
-            self.log.lock().push(format!("fetch {shard}"));
+        fn fetch(&self, shard: usize) -> Result<Fetched> {
             if self.fail == Some(shard) {
                 return Err(Error::invalid(format!("shard {shard} is unreachable")));
             }
-            let to = self.spool.join(format!("{shard}"));
-            std::fs::copy(&self.from[shard], &to).map_err(|e| Error::invalid(e.to_string()))?;
-            Ok(to)
-        }
-        fn evict(&self, shard: usize, path: &Path) {
-            self.log.lock().push(format!("evict {shard}"));
-            let _ = std::fs::remove_file(path);
+            if shard.is_multiple_of(2) {
+                return Ok(Fetched::File(self.from[shard].clone()));
+            }
+            let bytes = std::fs::read(&self.from[shard]).expect("read");
+            let mut buf = gpufeed_os::align::AlignedBuf::new(bytes.len(), 4096).expect("memory");
+            buf.as_mut_slice().copy_from_slice(&bytes);
+            Ok(Fetched::Memory(Some(buf)))
         }
     }
 
@@ -1029,8 +1045,6 @@ mod tests {
         cap: u64,
         fail: Option<usize>,
     ) -> (StreamedShards, Vec<Vec<u8>>) {
-        let spool = dir.join("spool");
-        std::fs::create_dir_all(&spool).expect("spool");
         let mut from = Vec::new();
         let mut bytes = Vec::new();
         let mut meta = Vec::new();
@@ -1053,12 +1067,7 @@ mod tests {
             });
             bytes.push(data);
         }
-        let fetch = CopyFetch {
-            from,
-            spool,
-            log: Mutex::new(Vec::new()),
-            fail,
-        };
+        let fetch = CopyFetch { from, fail };
         (StreamedShards::new(meta, Box::new(fetch), cap, 2), bytes)
     }
 
@@ -1106,13 +1115,8 @@ mod tests {
         let stats = set.stats();
         assert_eq!(stats.fetched, 6);
         assert!(stats.peak_bytes <= 140, "{stats:?}");
-        // Every spool copy is gone.
-        assert_eq!(
-            std::fs::read_dir(dir.path().join("spool"))
-                .expect("ls")
-                .count(),
-            0
-        );
+        // Every shard let go.
+        assert_eq!(stats.held_bytes, 0, "{stats:?}");
     }
 
     #[test]

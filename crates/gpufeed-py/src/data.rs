@@ -113,8 +113,8 @@ fn row_layout(npys: &[Option<&NpyLayout>], record_bytes: Option<usize>) -> RowLa
 
 /// Shards in object storage (any `s3://` or `https://` URL among `paths`; an `s3://` URL
 /// with a wildcard stands for the keys it matches, listed and sorted), streamed: each fetched
-/// when the epoch first needs it (into `cache` where given, where it then stays; else into a
-/// private spool, at most `spool_bytes` held at once), local shards among them read in place.
+/// when the epoch first needs it (into `cache` where given, where it then stays; else into
+/// memory, at most `spool_bytes` held at once), local shards among them read in place.
 /// `None` where no path is a URL.
 pub(crate) fn streamed_dataset(
     paths: &[PathBuf],
@@ -246,9 +246,9 @@ pub(crate) fn open_dataset(
 /// made (a tar shard is read once then, to count its samples), and during an epoch each shard
 /// is fetched when the epoch first needs it, several at once, and let go after the last batch
 /// that needs it. Fetched into `cache` where given (made private where missing; a version
-/// already there is not fetched again, so a second run reads local files), else into a
-/// private spool directory holding at most `spool_bytes` (default 16 GiB; at least the largest
-/// shard) at once. An epoch whose order needs more shards at once than that is refused when
+/// already there is not fetched again, so a second run reads local files), else into memory,
+/// at most `spool_bytes` at once (default: a quarter of the available memory, at most 16 GiB;
+/// at least the largest shard). An epoch whose order needs more shards at once than that is refused when
 /// it starts (a plain shuffle needs them all): `block=K`, with K at least a shard's records,
 /// shuffles shards instead (the records within each shuffled) and streams them.
 ///

@@ -1,6 +1,6 @@
 //! Shards streamed from a real S3 server (SeaweedFS) to the batch loader, no GPU needed: the
 //! batches equal those of the same shards as local files, in the sampler's order (elastic
-//! included); the shards held at once stay under the cap and every spool copy goes; an order
+//! included); the shards held at once stay under the cap and are let go; an order
 //! that needs more than the cap is refused before it starts; `.npy` and tar shards; a shard
 //! replaced after it was opened, and a server that dies, give errors naming what failed.
 
@@ -58,14 +58,6 @@ fn local_set(
     )
 }
 
-fn spool_entries(dir: &Path) -> usize {
-    std::fs::read_dir(dir)
-        .expect("ls")
-        .flatten()
-        .map(|d| std::fs::read_dir(d.path()).map_or(0, |e| e.count()))
-        .sum()
-}
-
 #[test]
 fn shards_in_a_bucket_stream_in_the_samplers_order_under_the_cap() {
     let test = "shards_in_a_bucket_stream_in_the_samplers_order_under_the_cap";
@@ -87,12 +79,10 @@ fn shards_in_a_bucket_stream_in_the_samplers_order_under_the_cap() {
         server.put(&format!("stream/{name}"), bytes).expect("put");
     }
     let local = tempfile::tempdir().expect("dir");
-    let spool = tempfile::tempdir().expect("spool");
     let cap = 2 * (record * per_shard) as u64;
     let opts = StreamOptions::default()
         .with_record_bytes(record)
         .with_object_options(object_opts(&server))
-        .with_spool_dir(spool.path())
         .with_spool_bytes(cap)
         .with_fetchers(3);
     // Shards in a shuffled order, records shuffled within each: blocks of one shard; elastic,
@@ -133,10 +123,8 @@ fn shards_in_a_bucket_stream_in_the_samplers_order_under_the_cap() {
     assert_eq!(stats.fetched, 12, "each shard once per epoch: {stats:?}");
     assert!(stats.peak_bytes <= cap, "{stats:?} over the cap {cap}");
     assert!(stats.peak_bytes > 0);
-    // Every spool copy is gone between epochs; the directory itself when the set goes.
-    assert_eq!(spool_entries(spool.path()), 0);
-    drop(from_bucket);
-    assert_eq!(std::fs::read_dir(spool.path()).expect("ls").count(), 0);
+    // Every shard's memory let go between epochs.
+    assert_eq!(stats.held_bytes, 0, "{stats:?}");
 }
 
 fn from_bucket_dataset(loader: &BatchLoader) -> &gpufeed_data::Dataset {

@@ -166,8 +166,8 @@ class ImageLoader:
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
     where it has none); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
     is listed) are streamed as ``BatchLoader`` streams them: each fetched when the epoch first
-    needs it, into ``cache`` where given, else into a private spool of at most ``spool_bytes``
-    (16 GiB by default) — ``block=K`` (K at least a shard's samples) shuffles shards rather than
+    needs it, into ``cache`` where given, else into memory, at most ``spool_bytes`` at once (a
+    quarter of the available memory, at most 16 GiB, by default) — ``block=K`` (K at least a shard's samples) shuffles shards rather than
     samples, which streams; a plain shuffle needs every shard at once.
 
     Each batch: ``batch_size`` records in the sampler's order (``shuffle`` with ``seed``, sharded
