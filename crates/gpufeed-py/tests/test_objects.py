@@ -357,7 +357,7 @@ def test_an_image_loader_reads_webdataset_shards_of_a_bucket(s3_env, tmp_path):
     import io
     import tarfile
 
-    labels = []
+    labels, sizes = [], []
     for shard in range(2):
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -372,6 +372,7 @@ def test_an_image_loader_reads_webdataset_shards_of_a_bucket(s3_env, tmp_path):
                     tar.addfile(info, io.BytesIO(data))
                 labels.append(label)
         s3_env.put(f"py-images/train-{shard}.tar", buf.getvalue())
+        sizes.append(len(buf.getvalue()))
     loader = gpufeed.ImageLoader(_url("py-images/train-*.tar"), batch_size=4, size=8,
                                  device=None, cache=tmp_path / "cache")
     epoch = loader.epoch(0)
@@ -381,6 +382,21 @@ def test_an_image_loader_reads_webdataset_shards_of_a_bucket(s3_env, tmp_path):
         assert got.tolist() == [labels[i] for i in epoch.indices]
         seen.extend(epoch.indices)
     assert sorted(seen) == list(range(10))
+    # Streamed without a cache, shards shuffled (blocks of one shard's 5 samples), one shard
+    # held at a time: the same images as from the cache's files, in the same order.
+    def images_of(loader):
+        epoch, out = loader.epoch(1), []
+        for images, got in epoch:
+            assert got.tolist() == [labels[i] for i in epoch.indices]
+            out.append((list(epoch.indices), images.numpy().tobytes()))
+        return out
+
+    kw = dict(batch_size=5, size=8, device=None, block=5, train=False)
+    want = images_of(gpufeed.ImageLoader(_url("py-images/train-*.tar"),
+                                         cache=tmp_path / "cache", **kw))
+    got = images_of(gpufeed.ImageLoader(_url("py-images/train-*.tar"),
+                                        spool_bytes=max(sizes), **kw))
+    assert got == want and sorted(i for b, _ in got for i in b) == list(range(10))
 
 
 def test_safe_open_of_a_url_says_what_went_wrong(s3_env, monkeypatch):
