@@ -202,19 +202,23 @@ impl RecordFile {
         self.records.sample(i)
     }
 
-    /// The file `path`, of `bytes` bytes, whose records `records` says (known before its
-    /// bytes were here: a streamed shard's).
+    /// The file `path`, of `bytes` bytes, whose records `records` says given its bytes (a
+    /// streamed shard's: known before, or indexed now).
     ///
     /// # Safety
     /// As for [`RecordFile::open_fixed`].
     ///
     /// # Errors
-    /// The file's errors, and [`Error::Records`] where its length is not `bytes`.
+    /// The file's errors, [`Error::Records`] where its length is not `bytes`, and `records`'.
     #[allow(
         unsafe_code,
         reason = "passes on the mapped-file promise of FileMap::open"
     )]
-    pub(crate) unsafe fn open_with(path: &Path, records: &Records, bytes: u64) -> Result<Self> {
+    pub(crate) unsafe fn open_with(
+        path: &Path,
+        bytes: u64,
+        records: impl FnOnce(&[u8]) -> Result<Records>,
+    ) -> Result<Self> {
         // SAFETY: passed on to the caller.
         let map = unsafe { FileMap::open(path, MapMode::ReadOnly)? };
         if map.len() as u64 != bytes {
@@ -226,10 +230,11 @@ impl RecordFile {
                 ),
             });
         }
+        let records = records(&map)?;
         Ok(RecordFile {
             map: Bytes::Map(map),
             path: path.into(),
-            records: records.clone(),
+            records,
         })
     }
 
@@ -237,18 +242,17 @@ impl RecordFile {
     /// `records` says; `name` (its URL) stands for its path in errors.
     pub(crate) fn in_memory(
         name: &str,
-        records: &Records,
+        records: Records,
         bytes: Option<gpufeed_os::align::AlignedBuf>,
     ) -> Self {
         RecordFile {
             map: bytes.map_or(Bytes::Empty, Bytes::Memory),
             path: name.into(),
-            records: records.clone(),
+            records,
         }
     }
 
     /// What its records are (an index, a layout).
-    #[cfg(feature = "object")]
     pub(crate) fn records(&self) -> &Records {
         &self.records
     }

@@ -38,13 +38,53 @@ pub(crate) enum Fetched {
     Memory(Option<gpufeed_os::align::AlignedBuf>),
 }
 
-/// What is known of a shard before its bytes are here: its name (URL or path), its length and
-/// its records (an `.npy` header's rows, a tar's index, fixed records).
+/// What is known of a shard before its bytes are here: its name (URL or path), its length, its
+/// number of records and (but for a tar shard whose samples a shard index counted) the records
+/// themselves: an `.npy` header's rows, a tar's index, fixed records. A tar's index left unset
+/// is made from its bytes when it first arrives.
 #[derive(Debug)]
 pub(crate) struct ShardMeta {
     pub(crate) name: String,
     pub(crate) bytes: u64,
-    pub(crate) records: Records,
+    pub(crate) count: usize,
+    pub(crate) records: std::sync::OnceLock<Records>,
+}
+
+impl ShardMeta {
+    /// A shard whose records are known.
+    pub(crate) fn known(name: String, bytes: u64, records: Records) -> Self {
+        ShardMeta {
+            name,
+            bytes,
+            count: records.len(),
+            records: records.into(),
+        }
+    }
+
+    /// Its records, given its bytes: those known, or its tar index made now (checked to hold
+    /// the samples counted).
+    fn records_for(&self, bytes: &[u8]) -> Result<Records> {
+        if let Some(r) = self.records.get() {
+            return Ok(r.clone());
+        }
+        let bad = |reason: String| Error::Records {
+            path: self.name.clone().into(),
+            reason,
+        };
+        let samples = crate::sources::index_tar(bytes).map_err(|e| bad(e.to_string()))?;
+        if samples.len() != self.count {
+            return Err(bad(format!(
+                "the shard index says {} samples, the tar holds {}: the index is not of this \
+                 shard's version",
+                self.count,
+                samples.len()
+            )));
+        }
+        Ok(self
+            .records
+            .get_or_init(|| Records::Samples(samples))
+            .clone())
+    }
 }
 
 /// Counters of a [`StreamedShards`] since it was made.
@@ -150,7 +190,7 @@ impl StreamedShards {
         let mut starts = Vec::with_capacity(meta.len() + 1);
         starts.push(0);
         for m in &meta {
-            starts.push(starts.last().copied().unwrap_or(0) + m.records.len());
+            starts.push(starts.last().copied().unwrap_or(0) + m.count);
         }
         let largest = meta.iter().map(|m| m.bytes).max().unwrap_or(0);
         StreamedShards {
@@ -185,7 +225,7 @@ impl StreamedShards {
         self.inner
             .meta
             .iter()
-            .map(|m| (m.name.as_str(), m.bytes, m.records.len()))
+            .map(|m| (m.name.as_str(), m.bytes, m.count))
     }
 
     /// The most bytes of shards held at once (the cap asked for, or the largest shard where
@@ -213,18 +253,18 @@ impl StreamedShards {
 
     /// The first shard's `.npy` layout (`None` where it is not an `.npy` file).
     pub fn npy(&self) -> Option<&NpyLayout> {
-        self.inner.meta.first().and_then(|m| m.records.npy())
+        self.inner.meta.first().and_then(|m| m.records.get()?.npy())
     }
 
     /// Each shard's `.npy` layout (`None` for one that is not an `.npy` file), in order.
     pub fn npys(&self) -> impl ExactSizeIterator<Item = Option<&NpyLayout>> + '_ {
-        self.inner.meta.iter().map(|m| m.records.npy())
+        self.inner.meta.iter().map(|m| m.records.get()?.npy())
     }
 
     /// Record `i`'s tar sample: its key and members (`None` for other records).
     pub fn sample(&self, i: usize) -> Option<&TarSample> {
         let (s, j) = self.locate(i)?;
-        self.inner.meta[s].records.sample(j)
+        self.inner.meta[s].records.get()?.sample(j)
     }
 
     /// Record `i`'s shard name (its URL or path), for errors.
@@ -474,7 +514,8 @@ fn fetch_loop(inner: &Inner, generation: u64) {
                 // SAFETY: the file is a cache directory's (written whole before it was named,
                 // never written again) or a local shard the caller promised not to change.
                 #[allow(unsafe_code, reason = "maps a fetched shard file")]
-                let file = unsafe { RecordFile::open_with(&path, &meta.records, meta.bytes) };
+                let file =
+                    unsafe { RecordFile::open_with(&path, meta.bytes, |b| meta.records_for(b)) };
                 file
             }
             Fetched::Memory(bytes) => {
@@ -485,7 +526,11 @@ fn fetch_loop(inner: &Inner, generation: u64) {
                         reason: format!("{len} bytes fetched where the shard had {}", meta.bytes),
                     });
                 }
-                Ok(RecordFile::in_memory(&meta.name, &meta.records, bytes))
+                let tar = bytes
+                    .as_ref()
+                    .map_or(&[][..], gpufeed_os::align::AlignedBuf::as_slice);
+                let records = meta.records_for(tar)?;
+                Ok(RecordFile::in_memory(&meta.name, records, bytes))
             }
         });
         let mut st = inner.state.lock();
@@ -754,16 +799,21 @@ mod objects {
     impl StreamedShards {
         /// Shards named by `paths`, in this order: `s3://` and `https://` URLs (an `s3://`
         /// URL with a wildcard, such as `s3://data/train-*.tar`, stands for the keys it
-        /// matches, sorted) and local files. Each shard is `.npy` rows, WebDataset tar
-        /// samples (by its name's ending) or records of `opts.record_bytes`.
+        /// matches, sorted) and local files; a name ending in `.json` is a shard index
+        /// (webdataset's wids format: `{"shardlist": [{"url": "train-000.tar", "nsamples":
+        /// 10000}, ...]}`, URLs relative to its `base_path` or its own folder), which stands
+        /// for the shards it lists. Each shard is `.npy` rows, WebDataset tar samples (by its
+        /// name's ending) or records of `opts.record_bytes`.
         ///
         /// Here, before the first epoch, each object's version is pinned (one `HEAD`: every
         /// later request asks for that version, and a shard replaced since is an error naming
         /// it) and its records counted: fixed records from its length, `.npy` rows from its
-        /// header (one ranged read), a tar's samples from its headers, for which a tar shard
-        /// is read whole once here (into the cache directory, where there is one, where it then
-        /// stays; otherwise into memory, under the cap, and dropped once indexed: the epoch
-        /// fetches it again).
+        /// header (one ranged read), a tar's samples from a shard index where one lists it
+        /// (nothing read: the tar is indexed when the epoch first fetches it, and an index
+        /// whose count is not the tar's is an error naming it then), else from its headers,
+        /// for which a tar shard is read whole once here (into the cache directory, where
+        /// there is one, where it then stays; otherwise into memory, under the cap, and dropped
+        /// once indexed: the epoch fetches it again).
         ///
         /// # Example
         /// ```no_run
@@ -787,15 +837,18 @@ mod objects {
         /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for an empty list, a
         /// pattern that matches nothing, or a cache directory that is not private.
         pub fn open(paths: &[impl AsRef<str>], opts: &StreamOptions) -> Result<StreamedShards> {
-            let mut names: Vec<String> = Vec::new();
+            // Each shard's name, and its samples where a shard index counts them.
+            let mut names: Vec<(String, Option<usize>)> = Vec::new();
             for p in paths {
                 let p = p.as_ref();
-                if ObjectUrl::is_url(p) {
+                if without_query(p).to_ascii_lowercase().ends_with(".json") {
+                    names.extend(shard_index(p, &opts.object)?);
+                } else if ObjectUrl::is_url(p) {
                     let listed = gpufeed_load::object::list(p, &opts.object)
                         .map_err(gpufeed_load::Error::Object)?;
-                    names.extend(listed.into_iter().map(|u| u.as_str().to_owned()));
+                    names.extend(listed.into_iter().map(|u| (u.as_str().to_owned(), None)));
                 } else {
-                    names.push(p.to_owned());
+                    names.push((p.to_owned(), None));
                 }
             }
             if names.is_empty() {
@@ -821,8 +874,11 @@ mod objects {
                     scope.spawn(|| {
                         loop {
                             let k = next.fetch_add(1, Ordering::Relaxed);
-                            let Some(name) = names.get(k) else { return };
-                            let opened = open_one(name, opts, cache.as_ref(), &budget, cap);
+                            let Some((name, counted)) = names.get(k) else {
+                                return;
+                            };
+                            let opened =
+                                open_one(name, *counted, opts, cache.as_ref(), &budget, cap);
                             *slots[k].lock() = Some(opened);
                         }
                     });
@@ -856,14 +912,110 @@ mod objects {
         Tar,
     }
 
+    /// `name` without a URL's query or fragment (`https://host/x.tar?sig=...`).
+    fn without_query(name: &str) -> &str {
+        if ObjectUrl::is_url(name) {
+            name.split(['?', '#']).next().unwrap_or(name)
+        } else {
+            name
+        }
+    }
+
+    /// The most bytes of a shard index read.
+    const MAX_INDEX_BYTES: u64 = 64 << 20;
+
+    /// The shards a shard index lists, with their samples: webdataset's wids format, a JSON
+    /// object whose `shardlist` holds `{"url": ..., "nsamples": N}` entries (other fields
+    /// ignored), each `url` absolute or relative to the optional `base_path`, else to the
+    /// index's own folder.
+    fn shard_index(index: &str, opts: &ObjectOptions) -> Result<Vec<(String, Option<usize>)>> {
+        #[derive(serde::Deserialize)]
+        struct Index {
+            shardlist: Vec<Entry>,
+            #[serde(default)]
+            base_path: Option<String>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Entry {
+            url: String,
+            nsamples: usize,
+        }
+        let bad = |reason: String| Error::Records {
+            path: index.into(),
+            reason,
+        };
+        let too_big = |len: u64| {
+            bad(format!(
+                "{len} bytes: larger than a shard index can be ({MAX_INDEX_BYTES} bytes at most)"
+            ))
+        };
+        let text = if ObjectUrl::is_url(index) {
+            let object = Object::open(index, opts).map_err(gpufeed_load::Error::Object)?;
+            if object.len() > MAX_INDEX_BYTES {
+                return Err(too_big(object.len()));
+            }
+            object.read_all().map_err(gpufeed_load::Error::Object)?
+        } else {
+            use std::io::Read;
+            let (file, identity) =
+                gpufeed_os::file::open_regular(std::path::Path::new(index), false)
+                    .map_err(gpufeed_load::Error::from)?;
+            if identity.size > MAX_INDEX_BYTES {
+                return Err(too_big(identity.size));
+            }
+            let mut text = Vec::new();
+            file.take(MAX_INDEX_BYTES)
+                .read_to_end(&mut text)
+                .map_err(|e| bad(format!("cannot read it: {e}")))?;
+            text
+        };
+        let parsed: Index = serde_json::from_slice(&text).map_err(|e| {
+            bad(format!(
+                "not a shard index (webdataset's wids format: {{\"shardlist\": [{{\"url\": \
+                 ..., \"nsamples\": N}}, ...]}}): {e}"
+            ))
+        })?;
+        if parsed.shardlist.is_empty() {
+            return Err(bad("its shardlist is empty".into()));
+        }
+        // The folder relative URLs are in: base_path (itself relative to the index's folder
+        // where it is relative), else the index's folder.
+        let folder = |of: &str| -> String {
+            let of = without_query(of);
+            match of.rfind('/') {
+                Some(i) => of[..=i].to_owned(),
+                None => String::new(),
+            }
+        };
+        let absolute = |u: &str| ObjectUrl::is_url(u) || u.starts_with('/');
+        let here = folder(index);
+        let base = match &parsed.base_path {
+            Some(b) if absolute(b) => b.clone(),
+            Some(b) => format!("{here}{b}"),
+            None => here,
+        };
+        let base = if base.is_empty() || base.ends_with('/') {
+            base
+        } else {
+            format!("{base}/")
+        };
+        Ok(parsed
+            .shardlist
+            .into_iter()
+            .map(|e| {
+                let url = if absolute(&e.url) {
+                    e.url
+                } else {
+                    format!("{base}{}", e.url)
+                };
+                (url, Some(e.nsamples))
+            })
+            .collect())
+    }
+
     fn kind_of(name: &str, record_bytes: Option<usize>) -> Result<Kind> {
-        // The last part of the name, without a query (`https://host/x.tar?sig=...`).
-        let tail = name.rsplit('/').next().unwrap_or(name);
-        let tail = tail
-            .split(['?', '#'])
-            .next()
-            .unwrap_or(tail)
-            .to_ascii_lowercase();
+        let tail = without_query(name);
+        let tail = tail.rsplit('/').next().unwrap_or(tail).to_ascii_lowercase();
         if tail.ends_with(".npy") {
             return Ok(Kind::Npy);
         }
@@ -885,6 +1037,33 @@ mod objects {
     /// Shard `name`: where it comes from and what it holds.
     fn open_one(
         name: &str,
+        counted: Option<usize>,
+        opts: &StreamOptions,
+        cache: Option<&ObjectCache>,
+        budget: &Budget,
+        cap: u64,
+    ) -> Opened {
+        let (origin, meta) = open_counting(name, counted, opts, cache, budget, cap)?;
+        if let Some(n) = counted
+            && n != meta.count
+        {
+            return Err(Error::Records {
+                path: name.into(),
+                reason: format!(
+                    "the shard index says {n} samples, the shard holds {}: the index is not \
+                     of this shard's version",
+                    meta.count
+                ),
+            });
+        }
+        Ok((origin, meta))
+    }
+
+    /// Shard `name` opened, its records counted (but a tar's where a shard index counted
+    /// them: `counted`).
+    fn open_counting(
+        name: &str,
+        counted: Option<usize>,
         opts: &StreamOptions,
         cache: Option<&ObjectCache>,
         budget: &Budget,
@@ -901,11 +1080,11 @@ mod objects {
                     Kind::Tar => RecordFile::open_tar(name),
                 }
             }?;
-            let meta = ShardMeta {
-                name: name.to_owned(),
-                bytes: file.mapped_len() as u64,
-                records: file.records().clone(),
-            };
+            let meta = ShardMeta::known(
+                name.to_owned(),
+                file.mapped_len() as u64,
+                file.records().clone(),
+            );
             return Ok((Origin::Local(name.into()), meta));
         }
         let object = Object::open(name, &opts.object).map_err(gpufeed_load::Error::Object)?;
@@ -914,6 +1093,16 @@ mod objects {
             path: name.into(),
             reason,
         };
+        if let (Kind::Tar, Some(n)) = (kind, counted) {
+            // Indexed when its bytes first arrive (and checked to hold `n` samples then).
+            let meta = ShardMeta {
+                name: name.to_owned(),
+                bytes: len,
+                count: n,
+                records: std::sync::OnceLock::new(),
+            };
+            return Ok((Origin::Object(Box::new(object)), meta));
+        }
         let records = match kind {
             Kind::Fixed(size) => {
                 if len % size as u64 != 0 {
@@ -976,11 +1165,7 @@ mod objects {
         };
         Ok((
             Origin::Object(Box::new(object)),
-            ShardMeta {
-                name: name.to_owned(),
-                bytes: len,
-                records,
-            },
+            ShardMeta::known(name.to_owned(), len, records),
         ))
     }
 
@@ -1055,16 +1240,16 @@ mod tests {
             let p = dir.join(format!("shard-{s}"));
             std::fs::write(&p, &data).expect("write");
             from.push(p);
-            meta.push(ShardMeta {
-                name: format!("mem://shard-{s}"),
-                bytes: data.len() as u64,
-                records: Records::Fixed {
+            meta.push(ShardMeta::known(
+                format!("mem://shard-{s}"),
+                data.len() as u64,
+                Records::Fixed {
                     base: 0,
                     size,
                     count: records,
                     npy: None,
                 },
-            });
+            ));
             bytes.push(data);
         }
         let fetch = CopyFetch { from, fail };
@@ -1073,11 +1258,7 @@ mod tests {
 
     #[test]
     fn peak_counts_every_shard_a_batch_position_still_needs() {
-        let meta = |b| ShardMeta {
-            name: String::new(),
-            bytes: b,
-            records: Records::Indexed(vec![0, 1]),
-        };
+        let meta = |b| ShardMeta::known(String::new(), b, Records::Indexed(vec![0, 1]));
         let m = [meta(10), meta(20), meta(40)];
         // Shard 0 in batches 0-1, shard 1 in 1-3, shard 2 in 3.
         assert_eq!(peak_bytes(&[0, 1, 3], &[1, 3, 3], &m, 4), 60);

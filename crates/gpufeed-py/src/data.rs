@@ -112,7 +112,8 @@ fn row_layout(npys: &[Option<&NpyLayout>], record_bytes: Option<usize>) -> RowLa
 }
 
 /// Shards in object storage (any `s3://` or `https://` URL among `paths`; an `s3://` URL
-/// with a wildcard stands for the keys it matches, listed and sorted), streamed: each fetched
+/// with a wildcard stands for the keys it matches, listed and sorted; a `.json` shard index,
+/// webdataset's wids format, for the shards it lists), streamed: each fetched
 /// when the epoch first needs it (into `cache` where given, where it then stays; else into
 /// memory, at most `spool_bytes` held at once), local shards among them read in place.
 /// `None` where no path is a URL.
@@ -123,7 +124,14 @@ pub(crate) fn streamed_dataset(
     cache: Option<&std::path::Path>,
     spool_bytes: Option<u64>,
 ) -> gpufeed::Result<Option<(Dataset, RowLayout)>> {
-    if !paths.iter().any(|p| crate::loads::object_url(p).is_some()) {
+    let is_index = |p: &PathBuf| {
+        p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+    };
+    if !paths
+        .iter()
+        .any(|p| crate::loads::object_url(p).is_some() || is_index(p))
+    {
         return Ok(None);
     }
     if index.is_some() {
@@ -241,9 +249,11 @@ pub(crate) fn open_dataset(
 /// table 7), blocks of 1 MiB mostly to 0.65-0.86.
 ///
 /// Shards in object storage (`s3://`, `https://` URLs in `path`, one by one, or an `s3://`
-/// pattern such as `s3://bucket/train-*.tar`, listed; `record_bytes=N` for shards that are
-/// neither `.npy` nor `.tar`) are streamed: each object's version is pinned when the loader is
-/// made (a tar shard is read once then, to count its samples), and during an epoch each shard
+/// pattern such as `s3://bucket/train-*.tar`, listed; or a `.json` shard index in webdataset's
+/// wids format, `{"shardlist": [{"url": ..., "nsamples": N}, ...]}`, for the shards it lists;
+/// `record_bytes=N` for shards that are neither `.npy` nor `.tar`) are streamed: each object's
+/// version is pinned when the loader is made (a tar shard that no shard index counts is read
+/// once then, to count its samples), and during an epoch each shard
 /// is fetched when the epoch first needs it, several at once, and let go after the last batch
 /// that needs it. Fetched into `cache` where given (made private where missing; a version
 /// already there is not fetched again, so a second run reads local files), else into memory,

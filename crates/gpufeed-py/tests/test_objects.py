@@ -335,6 +335,11 @@ def test_batch_loader_streams_shards_in_a_bucket(s3_env, tmp_path):
     largest = max(os.path.getsize(p) for p in local)
     with pytest.raises(gpufeed.GpufeedError, match="over the cap"):
         epoch(gpufeed.BatchLoader(urls, batch_size=7, seed=5, spool_bytes=largest))
+    # Through a shard index (webdataset's wids format): counts from it, nothing read first.
+    index = {"wids_version": 1, "shardlist": [
+        {"url": f"train-{shard}.tar", "nsamples": 11 + shard} for shard in range(3)]}
+    s3_env.put("py-shards/index.json", json.dumps(index).encode())
+    assert epoch(gpufeed.BatchLoader(_url("py-shards/index.json"), batch_size=7, seed=5)) == want
     # In order, a batch needs at most the two shards it straddles.
     in_order = epoch(gpufeed.BatchLoader(local, batch_size=7, shuffle=False))
     assert epoch(gpufeed.BatchLoader(urls, batch_size=7, shuffle=False,

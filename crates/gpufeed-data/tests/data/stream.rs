@@ -264,6 +264,78 @@ fn npy_and_tar_shards_stream_as_their_local_files_read() {
         assert!(!got.is_empty());
         assert!(got == want, "{pattern}: the streamed batches differ");
     }
+    // The tars through a shard index (webdataset's wids format), URLs relative to it: nothing
+    // of them is read before the epoch, the same batches.
+    let list: Vec<String> = tars
+        .iter()
+        .map(|(name, bytes)| {
+            let n = tar::Archive::new(bytes.as_slice())
+                .entries()
+                .expect("tar")
+                .count()
+                / 2;
+            format!(
+                r#"{{"url": "{name}", "nsamples": {n}, "filesize": {}}}"#,
+                bytes.len()
+            )
+        })
+        .collect();
+    let index = format!(
+        r#"{{"wids_version": 1, "shardlist": [{}]}}"#,
+        list.join(", ")
+    );
+    server
+        .put("kinds/index.json", index.as_bytes())
+        .expect("put");
+    let sampler = Sampler::new(Order::Blocks { seed: 5, block: 40 });
+    // SAFETY: the test's files are not changed while mapped.
+    let open_tar = |p: &Path| unsafe { RecordFile::open_tar(p).expect("tar") };
+    let mut want = BatchLoader::new(
+        local_set(local.path(), &tars, open_tar),
+        sampler,
+        cfg.clone(),
+        None,
+    )
+    .expect("loader");
+    let indexed =
+        StreamedShards::open(&[format!("s3://{BUCKET}/kinds/index.json")], &opts).expect("open");
+    assert!(indexed.sample(0).is_none(), "not indexed before the epoch");
+    let mut got = BatchLoader::new(indexed, sampler, cfg.clone(), None).expect("loader");
+    assert!(
+        batches(&mut got, 0) == batches(&mut want, 0),
+        "through the shard index"
+    );
+    // An index whose count is not the tar's: the batches of that shard fail naming it.
+    let wrong = index.replacen("\"nsamples\": 40", "\"nsamples\": 41", 1);
+    assert_ne!(wrong, index);
+    server
+        .put("kinds/wrong.json", wrong.as_bytes())
+        .expect("put");
+    let set =
+        StreamedShards::open(&[format!("s3://{BUCKET}/kinds/wrong.json")], &opts).expect("open");
+    let mut loader =
+        BatchLoader::new(set, Sampler::new(Order::Sequential), cfg.clone(), None).expect("loader");
+    let errors: Vec<String> = loader
+        .epoch(0)
+        .expect("epoch")
+        .filter_map(|b| b.err().map(|e| e.to_string()))
+        .collect();
+    assert!(!errors.is_empty());
+    assert!(
+        errors
+            .iter()
+            .all(|e| e.contains("shard-0.tar") && e.contains("41")),
+        "{errors:?}"
+    );
+    // Not a shard index: refused naming it.
+    server.put("kinds/other.json", b"{\"a\": 1}").expect("put");
+    let err = StreamedShards::open(&[format!("s3://{BUCKET}/kinds/other.json")], &opts)
+        .expect_err("not an index")
+        .to_string();
+    assert!(
+        err.contains("other.json") && err.contains("shardlist"),
+        "{err}"
+    );
     // A name that says nothing of its records, without record_bytes: refused naming it.
     server.put("kinds/raw.dat", &[0u8; 10]).expect("put");
     let err = StreamedShards::open(&[format!("s3://{BUCKET}/kinds/raw.dat")], &opts)

@@ -165,7 +165,8 @@ class ImageLoader:
     class folders sorted by name give the labels), a WebDataset ``.tar`` shard, a glob pattern or
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
     where it has none); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
-    is listed) are streamed as ``BatchLoader`` streams them: each fetched when the epoch first
+    is listed; a ``.json`` shard index in webdataset's wids format lists them with their sample
+    counts, so nothing is read before the first epoch) are streamed as ``BatchLoader`` streams them: each fetched when the epoch first
     needs it, into ``cache`` where given, else into memory, at most ``spool_bytes`` at once (a
     quarter of the available memory, at most 16 GiB, by default) — ``block=K`` (K at least a shard's samples) shuffles shards rather than
     samples, which streams; a plain shuffle needs every shard at once.
