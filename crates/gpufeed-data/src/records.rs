@@ -253,6 +253,7 @@ impl RecordFile {
     }
 
     /// What its records are (an index, a layout).
+    #[cfg(feature = "object")]
     pub(crate) fn records(&self) -> &Records {
         &self.records
     }
