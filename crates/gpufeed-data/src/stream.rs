@@ -52,6 +52,10 @@ pub(crate) struct ShardMeta {
 
 impl ShardMeta {
     /// A shard whose records are known.
+    #[cfg_attr(
+        not(feature = "object"),
+        allow(dead_code, reason = "made by the object source and the tests")
+    )]
     pub(crate) fn known(name: String, bytes: u64, records: Records) -> Self {
         ShardMeta {
             name,
