@@ -52,7 +52,7 @@ pub struct ObjectsBench {
     /// The pinned staging that loader reserved (bytes).
     pub checkpoint_staging_bytes: Option<u64>,
     /// The object's bytes as `stream_shards` shards of records of `stream_record_bytes` in the
-    /// bucket, streamed to a `BatchLoader` (`StreamedShards`, blocks of a shard: shards in a
+    /// bucket, streamed to a `BatchLoader` (`StreamedShards`, `Order::Shards`: shards in a
     /// shuffled order) under a cap of `stream_cap_bytes`: GB/s of records delivered as host
     /// batches, from the open (HEADs) to the epoch's end, the fetches included.
     pub stream_shards: usize,
@@ -299,10 +299,7 @@ pub fn measure(
                 .with_object_options(opts.clone());
             let shards =
                 StreamedShards::open(&[format!("s3://{BUCKET}/bench/shards/part-*.bin")], &sopts)?;
-            let order = Order::Blocks {
-                seed: i as u64,
-                block: per_shard,
-            };
+            let order = Order::Shards { seed: i as u64 };
             let cfg = BatchLoaderOptions::default().with_batch_size(per_shard.div_ceil(4));
             let mut loader = BatchLoader::new(shards, Sampler::new(order), cfg, gpu)?;
             let mut got = 0usize;

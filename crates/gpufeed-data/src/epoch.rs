@@ -113,13 +113,25 @@ impl Running {
         }
         let t = Instant::now();
         let timeout = self.timeout;
+        // The timeout counts from here, or from the last time streamed shards were still
+        // arriving: a slow fetch is not a stuck worker (its requests have timeouts of their
+        // own, and a fetch that fails fails its batches).
+        let mut since = t;
         let prepared = loop {
             if let Some(p) = self.done.remove(&self.next) {
                 break p;
             }
-            match self.rx.recv_timeout(timeout.saturating_sub(t.elapsed())) {
+            match self
+                .rx
+                .recv_timeout(timeout.saturating_sub(since.elapsed()))
+            {
                 Ok((n, r)) => {
                     self.done.insert(n, r);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout)
+                    if self.stream.as_ref().is_some_and(|s| s.fetching()) =>
+                {
+                    since = Instant::now();
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     let batch = self.next;

@@ -49,6 +49,8 @@ pub(crate) struct Job<'a> {
     /// With [`BatchLoaderOptions::direct`]: records are read with `O_DIRECT`, counted here, this
     /// many in flight ([`BatchLoaderOptions::direct_depth`]).
     pub(crate) direct: Option<(&'a DirectCounters, usize)>,
+    /// Streamed shards' epoch ([`StreamRun::generation`](crate::stream::StreamRun)).
+    pub(crate) generation: u64,
 }
 
 pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
@@ -58,6 +60,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
         transform,
         sched,
         direct,
+        generation,
     } = *job;
     // A folder's files are read with one io_uring reader per worker, kept for the epoch; so
     // are the O_DIRECT reader and its open files.
@@ -90,7 +93,9 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
             (Dataset::Records(r), None) => gather(r, out, &indices),
             (Dataset::Shards(s), None) => gather(s, out, &indices),
             (Dataset::Folder(f), _) => gather_files(f, &mut reader, out, &indices),
-            (Dataset::Streamed(s), _) => s.with_records(&indices, |src| gather(src, out, &indices)),
+            (Dataset::Streamed(s), _) => {
+                s.with_records(generation, &indices, |src| gather(src, out, &indices))
+            }
         }
         .and_then(|(offsets, mut buf)| {
             let Some(sched) = sched else {

@@ -3,7 +3,8 @@
 //! The hybrid data loader of the source material: a record file mapped read-only (or an
 //! [`ImageFolder`]: one file per sample in class folders), a sampler (sequential, shuffled by
 //! seed, sharded by rank; or elastic, whose [`Position`] resumes a run mid-epoch with another
-//! world size; or in shuffled blocks of neighbouring records, [`Order::Blocks`]), and a
+//! world size; or in shuffled blocks of neighbouring records, [`Order::Blocks`]; or shard by
+//! shard, [`Order::Shards`]), and a
 //! [`BatchLoader`] whose worker threads gather records (out of the mapping, or with
 //! `O_DIRECT`: [`BatchLoaderOptions::direct`]) into pinned (or, without a GPU, locked) buffers and
 //! issue their uploads, several batches in flight, and which yields the batches in a fixed
@@ -203,6 +204,34 @@ mod tests {
                 // Full steps of global / w1 each, then an even share of the partial one.
                 proptest::prop_assert_eq!(len, n / global * (global / w1) + (n % global).div_ceil(w1));
             }
+        }
+
+        /// `Order::Shards` is a permutation of whole shards of any sizes (empty ones too),
+        /// each shard's records next to each other, the same for the same seed and epoch.
+        #[test]
+        fn shard_orders_keep_shards_together(
+            sizes in proptest::collection::vec(0usize..40, 0..12),
+            seed in 0u64..1000,
+            epoch in 0u64..4,
+        ) {
+            let mut starts = vec![0];
+            for s in &sizes {
+                starts.push(starts.last().copied().unwrap_or(0) + s);
+            }
+            let n = *starts.last().expect("a start");
+            let order = Order::Shards { seed };
+            let all = sampler::permutation_of(&starts, order, epoch);
+            let mut sorted = all.clone();
+            sorted.sort_unstable();
+            proptest::prop_assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+            let shard = |i: usize| starts.partition_point(|&s| s <= i) - 1;
+            // Each shard's records form one run: the shard changes once per shard at most.
+            let changes = all.windows(2).filter(|w| shard(w[0]) != shard(w[1])).count();
+            let nonempty = sizes.iter().filter(|&&s| s > 0).count();
+            proptest::prop_assert_eq!(changes, nonempty.saturating_sub(1));
+            proptest::prop_assert_eq!(&all, &sampler::permutation_of(&starts, order, epoch));
+            let via = Sampler::new(order).epoch_of_shards(&starts, epoch, 0);
+            proptest::prop_assert_eq!(via, all);
         }
 
         /// `Order::Blocks` is a permutation of whole blocks, each starting at a multiple of

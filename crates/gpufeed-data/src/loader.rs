@@ -534,7 +534,9 @@ impl BatchLoader {
 
     /// Starts the workers of `epoch` from sample `start` of its global order.
     fn start(&mut self, epoch: u64, start: u64) -> Result<Running> {
-        let indices = self.sampler.epoch_from(self.records.len(), epoch, start);
+        let indices = self
+            .sampler
+            .epoch_of_shards(&self.records.shard_starts(), epoch, start);
         let mut jobs: VecDeque<(usize, Vec<usize>)> = indices
             .chunks(self.cfg.batch_size)
             .filter(|c| !self.cfg.drop_last || c.len() == self.cfg.batch_size)
@@ -565,6 +567,9 @@ impl BatchLoader {
             }
         }
         let (tx, rx) = mpsc::channel();
+        let generation = stream
+            .as_ref()
+            .map_or(0, crate::stream::StreamRun::generation);
         let workers = (0..self.cfg.workers.min(total.max(1)))
             .map(|i| {
                 let (shared, tx) = (Arc::clone(&shared), tx.clone());
@@ -585,6 +590,7 @@ impl BatchLoader {
                             transform: transform.as_ref(),
                             sched: sched.as_deref(),
                             direct: counters.as_deref().map(|c| (c, depth)),
+                            generation,
                         };
                         worker(&shared, &tx, &job);
                     })

@@ -406,6 +406,16 @@ impl Dataset {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The first sample of each shard, then the total ([`Order::Shards`](crate::Order::Shards)'
+    /// shards): one shard but for a [`ShardSet`] or [`StreamedShards`].
+    pub fn shard_starts(&self) -> Vec<usize> {
+        match self {
+            Dataset::Shards(s) => s.starts.clone(),
+            Dataset::Streamed(s) => s.starts().to_vec(),
+            Dataset::Records(_) | Dataset::Folder(_) => vec![0, self.len()],
+        }
+    }
 }
 
 impl From<RecordFile> for Dataset {

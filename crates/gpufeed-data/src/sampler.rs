@@ -34,6 +34,18 @@ pub enum Order {
         /// Records per block.
         block: usize,
     },
+    /// Shard by shard, as WebDataset's shard shuffle: the data set's shards (a
+    /// [`ShardSet`](crate::ShardSet)'s files, [`StreamedShards`](crate::StreamedShards)' objects;
+    /// a data set of one file is one shard) visited in a permutation drawn from `seed` and the
+    /// epoch, each shard's records in a permutation of their own. A shard's records are next
+    /// to each other in the order, so each shard is needed for a short stretch of the epoch:
+    /// the order that streams shards from object storage under a small cap. It depends on the
+    /// seed, the epoch and the shards' record counts. (A [`Sampler`] given only a number of
+    /// records, [`Sampler::epoch_from`], sees one shard.)
+    Shards {
+        /// The seed.
+        seed: u64,
+    },
 }
 
 /// Chooses the records of each epoch for this rank.
@@ -173,7 +185,15 @@ impl Sampler {
     /// order on (an elastic sampler's resume point: a multiple of the global batch; other
     /// samplers always start at 0).
     pub fn epoch_from(&self, n: usize, epoch: u64, start: u64) -> Vec<usize> {
-        let all = permutation(n, self.order, epoch);
+        self.epoch_of_shards(&[0, n], epoch, start)
+    }
+
+    /// [`Sampler::epoch_from`] over shards whose first records are `starts` (then the total:
+    /// `[0, 100, 250]` is two shards of 100 and 150 records), which [`Order::Shards`] visits
+    /// one by one.
+    pub fn epoch_of_shards(&self, starts: &[usize], epoch: u64, start: u64) -> Vec<usize> {
+        let n = starts.last().copied().unwrap_or(0);
+        let all = permutation_of(starts, self.order, epoch);
         if let Some(g) = self.global_batch {
             return self.elastic_share(&all, g, start as usize);
         }
@@ -242,8 +262,15 @@ pub(crate) fn rank_from_env() -> Result<(usize, usize)> {
     }
 }
 
-/// The records `0..n` in `order` for `epoch` (seeded Fisher-Yates shuffles).
+/// The records `0..n` in `order` for `epoch` (seeded Fisher-Yates shuffles), as one shard.
+#[cfg(test)]
 pub(crate) fn permutation(n: usize, order: Order, epoch: u64) -> Vec<usize> {
+    permutation_of(&[0, n], order, epoch)
+}
+
+/// The records of shards starting at `starts` (then the total) in `order` for `epoch`.
+pub(crate) fn permutation_of(starts: &[usize], order: Order, epoch: u64) -> Vec<usize> {
+    let n = starts.last().copied().unwrap_or(0);
     match order {
         Order::Sequential => (0..n).collect(),
         Order::Shuffled { seed } => {
@@ -269,6 +296,22 @@ pub(crate) fn permutation(n: usize, order: Order, epoch: u64) -> Vec<usize> {
                 shuffle(
                     &mut all[first..],
                     state ^ (b as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
+                );
+            }
+            all
+        }
+        Order::Shards { seed } => {
+            let state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut shards: Vec<usize> = (0..starts.len().saturating_sub(1)).collect();
+            shuffle(&mut shards, state);
+            let mut all = Vec::with_capacity(n);
+            for s in shards {
+                let first = all.len();
+                all.extend(starts[s]..starts[s + 1].max(starts[s]));
+                // Each shard's own stream, from the epoch's and the shard's number.
+                shuffle(
+                    &mut all[first..],
+                    state ^ (s as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
                 );
             }
             all

@@ -119,9 +119,16 @@ pub struct StreamStats {
 /// position needs: an order that uses every shard at every point of the epoch (a plain shuffle
 /// over all records) needs them all at once. The epoch is refused before it starts where the
 /// order needs more than the cap (it says how much), never stalled. Orders that stream:
-/// [`Order::Sequential`](crate::Order::Sequential), and
-/// [`Order::Blocks`](crate::Order::Blocks) with blocks of at least one shard's records (shards
-/// in a shuffled order, the records within each shuffled).
+/// [`Order::Shards`](crate::Order::Shards) (shards in a shuffled order, each one's records
+/// shuffled: a batch needs the one or two shards it straddles, plus, for an epoch padded at its
+/// end, the first shard) and [`Order::Sequential`](crate::Order::Sequential).
+/// [`Order::Blocks`](crate::Order::Blocks) streams only where its blocks are whole shards
+/// (shards of equal length, a multiple of the block): a block across two shards keeps both
+/// needed between its visits.
+///
+/// Several ranks (each its own loader) each fetch the shards their records are in: an
+/// elastic or sharded sampler gives every rank a part of every step's records, so ranks of a
+/// node fetch the same shards, each once.
 pub struct StreamedShards {
     inner: Arc<Inner>,
 }
@@ -219,6 +226,11 @@ impl StreamedShards {
         self.inner.starts.last().copied().unwrap_or(0)
     }
 
+    /// The first record of each shard, then the total.
+    pub(crate) fn starts(&self) -> &[usize] {
+        &self.inner.starts
+    }
+
     /// Whether there is no record.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -308,8 +320,8 @@ impl StreamedShards {
             return Err(Error::invalid(format!(
                 "this epoch's order needs {} of shards held at once (every shard a batch \
                  position still needs), over the cap of {}: raise the cap (spool_bytes), \
-                 or stream with an order that uses few shards at a time (sequential, or \
-                 blocks of at least one shard's records: shuffled shards)",
+                 or stream with an order that uses few shards at a time (Order::Shards, \
+                 Python shuffle=\"shards\": shards in a shuffled order; or sequential)",
                 gib(peak),
                 gib(inner.cap)
             )));
@@ -349,8 +361,11 @@ impl StreamedShards {
 
     /// Gathers a batch: waits for the shards of `indices`, then `gather` reads them; the
     /// shards are let go where this was the last batch of the epoch that needs them.
+    /// `generation` is the epoch's ([`StreamRun::generation`]): a worker left behind by an
+    /// epoch that ended touches nothing of the next.
     pub(crate) fn with_records<T>(
         &self,
+        generation: u64,
         indices: &[usize],
         gather: impl FnOnce(&dyn Source) -> Result<T>,
     ) -> Result<T> {
@@ -360,15 +375,28 @@ impl StreamedShards {
             .collect();
         shards.sort_unstable();
         shards.dedup();
-        let generation = self.inner.state.lock().generation;
-        let result = self.acquire(&shards, generation).and_then(|held| {
+        // Released however the gather ends (a panic included), or the shards would stay held.
+        struct Release<'a> {
+            set: &'a StreamedShards,
+            shards: &'a [usize],
+            generation: u64,
+        }
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.set.release(self.shards, self.generation);
+            }
+        }
+        let _release = Release {
+            set: self,
+            shards: &shards,
+            generation,
+        };
+        self.acquire(&shards, generation).and_then(|held| {
             gather(&Held {
                 set: self,
                 held: &held,
             })
-        });
-        self.release(&shards, generation);
-        result
+        })
     }
 
     /// The files of `shards` (sorted), once all are here.
@@ -454,10 +482,12 @@ fn take_ready(st: &mut State, s: usize, bytes: u64) -> Option<Arc<RecordFile>> {
 }
 
 /// The most bytes of shards an epoch needs at once: at each batch, every shard that batch or
-/// an earlier one used and that it or a later one uses. (Fetch threads fetch in order of first
-/// use and a shard goes after its last use, so the shards held while batch b is the earliest
-/// unfinished one are among those: under a cap of at least this, the fetch of any shard batch
-/// b needs always fits.)
+/// an earlier one used and that it or a later one uses (live there). Under a cap of at least
+/// this, fetching never stalls: fetch threads take shards in order of first use, workers take
+/// batches in order, and a shard goes after its last use. With f the next shard to fetch and b
+/// the earliest unfinished batch: if b comes before f's first use, b needs only shards already
+/// taken and finishes; else every held shard was first used no later than f and is still used
+/// at or after b, so it and f are all live at f's first use, together within this peak.
 fn peak_bytes(first: &[usize], last: &[usize], meta: &[ShardMeta], batches: usize) -> u64 {
     let mut delta = vec![0i128; batches + 1];
     for s in 0..meta.len() {
@@ -499,13 +529,23 @@ fn fetch_loop(inner: &Inner, generation: u64) {
                 }
                 match st.queue.front().copied() {
                     None => return,
-                    Some(s) if st.held + st.stale + inner.meta[s].bytes <= inner.cap => {
+                    // Every batch that needs it already failed (another shard could not be had).
+                    Some(s) if st.uses[s] == 0 => {
+                        st.queue.pop_front();
+                    }
+                    Some(s)
+                        if st
+                            .held
+                            .saturating_add(st.stale)
+                            .saturating_add(inner.meta[s].bytes)
+                            <= inner.cap =>
+                    {
                         st.queue.pop_front();
                         st.slots[s] = Slot::Fetching;
-                        st.held += inner.meta[s].bytes;
+                        st.held = st.held.saturating_add(inner.meta[s].bytes);
                         inner
                             .peak_bytes
-                            .fetch_max(st.held + st.stale, Ordering::Relaxed);
+                            .fetch_max(st.held.saturating_add(st.stale), Ordering::Relaxed);
                         break s;
                     }
                     Some(_) => inner.changed.wait(&mut st),
@@ -579,6 +619,17 @@ pub(crate) struct StreamRun {
 }
 
 impl StreamRun {
+    /// This epoch's number among the set's epochs.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Whether a shard of this epoch is being fetched now.
+    pub(crate) fn fetching(&self) -> bool {
+        let st = self.inner.state.lock();
+        st.generation == self.generation && st.slots.iter().any(|s| matches!(s, Slot::Fetching))
+    }
+
     /// Stops the fetching and wakes the workers waiting for shards (they get
     /// [`Error::WorkersStopped`]); lets every shard go.
     pub(crate) fn stop(&mut self) {
@@ -595,7 +646,7 @@ impl StreamRun {
                 gone.extend(take_ready(&mut st, s, inner.meta[s].bytes));
             }
             // Shards being fetched now count as stale until their threads drop them.
-            st.stale += st.held;
+            st.stale = st.stale.saturating_add(st.held);
             st.held = 0;
             // A new generation tells the fetch threads still fetching to drop their shards.
             st.generation += 1;
@@ -824,8 +875,8 @@ mod objects {
         /// use gpufeed_data::{BatchLoader, BatchLoaderOptions, Order, Sampler, StreamOptions, StreamedShards};
         /// let opts = StreamOptions::default().with_record_bytes(4096).with_spool_bytes(8 << 30);
         /// let shards = StreamedShards::open(&["s3://data/train-*.bin"], &opts)?;
-        /// // Blocks of 2^16 records (at least one shard's): shards in a shuffled order.
-        /// let sampler = Sampler::new(Order::Blocks { seed: 1, block: 1 << 16 });
+        /// // Shards in a shuffled order, each one's records shuffled.
+        /// let sampler = Sampler::new(Order::Shards { seed: 1 });
         /// let mut loader = BatchLoader::new(shards, sampler, BatchLoaderOptions::default(), None)?;
         /// for batch in loader.epoch(0)? {
         ///     let batch = batch?;
@@ -870,33 +921,45 @@ mod objects {
             };
             // Opened (and counted) several at once: a HEAD each, a ranged read per .npy
             // header, a whole read per tar.
+            // The first failure stops the others taking more.
             let next = AtomicUsize::new(0);
+            let failed = std::sync::atomic::AtomicBool::new(false);
             let slots: Vec<Mutex<Option<Opened>>> =
                 names.iter().map(|_| Mutex::new(None)).collect();
             std::thread::scope(|scope| {
                 for _ in 0..opts.fetchers.clamp(1, 16).min(names.len()) {
                     scope.spawn(|| {
-                        loop {
+                        while !failed.load(Ordering::Relaxed) {
                             let k = next.fetch_add(1, Ordering::Relaxed);
                             let Some((name, counted)) = names.get(k) else {
                                 return;
                             };
                             let opened =
                                 open_one(name, *counted, opts, cache.as_ref(), &budget, cap);
+                            if opened.is_err() {
+                                failed.store(true, Ordering::Relaxed);
+                            }
                             *slots[k].lock() = Some(opened);
                         }
                     });
                 }
             });
+            let mut opened: Vec<Option<Opened>> =
+                slots.into_iter().map(Mutex::into_inner).collect();
+            // The first shard in order that failed is the error.
+            if let Some(k) = opened.iter().position(|o| matches!(o, Some(Err(_))))
+                && let Some(Err(e)) = opened.swap_remove(k)
+            {
+                return Err(e);
+            }
             let mut fetch = ObjectFetch {
                 origins: Vec::with_capacity(names.len()),
                 cache,
             };
             let mut meta = Vec::with_capacity(names.len());
-            for slot in slots {
-                let (origin, m) = slot
-                    .into_inner()
-                    .unwrap_or_else(|| Err(Error::invalid("a shard was not opened".into())))?;
+            for o in opened {
+                let (origin, m) =
+                    o.unwrap_or_else(|| Err(Error::invalid("a shard was not opened".into())))?;
                 fetch.origins.push(origin);
                 meta.push(m);
             }
@@ -1284,7 +1347,7 @@ mod tests {
         let run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
         for job in &jobs {
             let got = set
-                .with_records(job, |src| {
+                .with_records(run.generation(), job, |src| {
                     Ok(job
                         .iter()
                         .map(|&i| src.record(i).expect("held").to_vec())
@@ -1326,9 +1389,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let (set, _) = shards(dir.path(), 3, 4, 3, 1000, Some(1));
         let jobs: Vec<Vec<usize>> = vec![vec![0, 1], vec![4, 5], vec![8, 9]];
-        let _run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
+        let run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
         let read = |job: &Vec<usize>| {
-            set.with_records(job, |src| Ok(src.record(job[0]).map(<[u8]>::to_vec)))
+            set.with_records(run.generation(), job, |src| {
+                Ok(src.record(job[0]).map(<[u8]>::to_vec))
+            })
         };
         assert!(read(&jobs[0]).expect("shard 0").is_some());
         let err = read(&jobs[1]).expect_err("shard 1 failed").to_string();
@@ -1348,7 +1413,8 @@ mod tests {
         let jobs: Vec<Vec<usize>> = vec![vec![0], vec![4]];
         let mut run = set.begin(jobs.iter().map(Vec::as_slice)).expect("fits");
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| set.with_records(&[4], |_| Ok(())));
+            let generation = run.generation();
+            let waiter = s.spawn(move || set.with_records(generation, &[4], |_| Ok(())));
             std::thread::sleep(std::time::Duration::from_millis(100));
             run.stop();
             let got = waiter.join().expect("no panic");

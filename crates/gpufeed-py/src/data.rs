@@ -159,6 +159,38 @@ pub(crate) fn streamed_dataset(
     Ok(Some((Dataset::Streamed(shards), layout)))
 }
 
+/// A loader's `shuffle=`: `True`, `False`, or `"shards"` (shards in a shuffled order, each
+/// one's records shuffled: the order that streams shards from object storage).
+#[derive(FromPyObject)]
+pub(crate) enum Shuffle {
+    Flag(bool),
+    Named(String),
+}
+
+/// The order `shuffle`, `seed` and `block` make.
+pub(crate) fn order_of(
+    shuffle: &Shuffle,
+    seed: u64,
+    block: Option<usize>,
+) -> gpufeed::Result<Order> {
+    Ok(match (shuffle, block) {
+        (Shuffle::Named(s), None) if s == "shards" => Order::Shards { seed },
+        (Shuffle::Named(s), Some(_)) if s == "shards" => {
+            return Err(gpufeed::Error::invalid(
+                "shuffle=\"shards\" visits whole shards: leave block unset".into(),
+            ));
+        }
+        (Shuffle::Named(s), _) => {
+            return Err(gpufeed::Error::invalid(format!(
+                "shuffle={s:?}: give True, False or \"shards\""
+            )));
+        }
+        (Shuffle::Flag(true), Some(block)) => Order::Blocks { seed, block },
+        (Shuffle::Flag(true), None) => Order::Shuffled { seed },
+        (Shuffle::Flag(false), _) => Order::Sequential,
+    })
+}
+
 /// The data set `BatchLoader` reads: shards (`paths` a list, or one path with a glob pattern),
 /// an image folder (a directory), or one record file; and how its rows come out.
 pub(crate) fn open_dataset(
@@ -259,8 +291,11 @@ pub(crate) fn open_dataset(
 /// already there is not fetched again, so a second run reads local files), else into memory,
 /// at most `spool_bytes` at once (default: a quarter of the available memory, at most 16 GiB;
 /// at least the largest shard). An epoch whose order needs more shards at once than that is refused when
-/// it starts (a plain shuffle needs them all): `block=K`, with K at least a shard's records,
-/// shuffles shards instead (the records within each shuffled) and streams them.
+/// it starts (a plain shuffle needs them all): `shuffle="shards"` visits the shards in a
+/// shuffled order, each one's records shuffled (WebDataset's shard shuffle), and streams them
+/// under a cap of a few shards (a batch's one or two, and the first one where the epoch's last
+/// step is padded). Several ranks each fetch the shards their records are in: with an elastic
+/// or sharded sampler every rank of a node fetches the same shards.
 ///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
@@ -291,14 +326,14 @@ impl Drop for BatchLoader {
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=true, seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None, spool_bytes=None))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=Shuffle::Flag(true), seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None, spool_bytes=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
         path: Bound<'_, PyAny>,
         record_bytes: Option<usize>,
         batch_size: usize,
-        shuffle: bool,
+        shuffle: Shuffle,
         seed: u64,
         device: Option<usize>,
         workers: Option<usize>,
@@ -339,11 +374,7 @@ impl BatchLoader {
                 Dataset::Folder(f) => (f.classes().to_vec(), f.skipped().len()),
                 _ => (Vec::new(), 0),
             };
-            let order = match (shuffle, block) {
-                (true, Some(block)) => Order::Blocks { seed, block },
-                (true, None) => Order::Shuffled { seed },
-                (false, _) => Order::Sequential,
-            };
+            let order = order_of(&shuffle, seed, block)?;
             let sampler = match global_batch {
                 Some(g) => Sampler::elastic_from_env(order, g, drop_last)?,
                 None => Sampler::from_env(order)?,

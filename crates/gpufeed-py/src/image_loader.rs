@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gpufeed::dataset::{
-    Augmentation, BatchLoaderOptions, Dataset, ImageData, ImageOptions, Layout, OnBadImage, Order,
+    Augmentation, BatchLoaderOptions, Dataset, ImageData, ImageOptions, Layout, OnBadImage,
     OwnedImageEpoch, Position, Sampler,
 };
 use parking_lot::Mutex;
@@ -53,7 +53,7 @@ impl Drop for ImageLoader {
 #[pymethods]
 impl ImageLoader {
     #[new]
-    #[pyo3(signature = (path, batch_size=256, height=224, width=224, train=true, seed=0, shuffle=true, device=None, workers=4, decoders=3, normalize=false, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0), crop_fraction=0.875, skip=false, drop_last=false, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None))]
+    #[pyo3(signature = (path, batch_size=256, height=224, width=224, train=true, seed=0, shuffle=crate::data::Shuffle::Flag(true), device=None, workers=4, decoders=3, normalize=false, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0), crop_fraction=0.875, skip=false, drop_last=false, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -63,7 +63,7 @@ impl ImageLoader {
         width: u32,
         train: bool,
         seed: u64,
-        shuffle: bool,
+        shuffle: crate::data::Shuffle,
         device: Option<usize>,
         workers: usize,
         decoders: usize,
@@ -122,11 +122,7 @@ impl ImageLoader {
                 Dataset::Folder(f) => f.classes().to_vec(),
                 _ => Vec::new(),
             };
-            let order = match (shuffle, block) {
-                (true, Some(block)) => Order::Blocks { seed, block },
-                (true, None) => Order::Shuffled { seed },
-                (false, _) => Order::Sequential,
-            };
+            let order = crate::data::order_of(&shuffle, seed, block)?;
             let sampler = match global_batch {
                 Some(g) => Sampler::elastic_from_env(order, g, drop_last)?,
                 None => Sampler::from_env(order)?,

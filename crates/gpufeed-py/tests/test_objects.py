@@ -340,6 +340,13 @@ def test_batch_loader_streams_shards_in_a_bucket(s3_env, tmp_path):
         {"url": f"train-{shard}.tar", "nsamples": 11 + shard} for shard in range(3)]}
     s3_env.put("py-shards/index.json", json.dumps(index).encode())
     assert epoch(gpufeed.BatchLoader(_url("py-shards/index.json"), batch_size=7, seed=5)) == want
+    # Shards in a shuffled order: a batch's one or two shards at once (the records of the
+    # local shards in the same order).
+    by_shard = epoch(gpufeed.BatchLoader(local, batch_size=7, seed=5, shuffle="shards"))
+    assert epoch(gpufeed.BatchLoader(urls, batch_size=7, seed=5, shuffle="shards",
+                                     spool_bytes=2 * largest)) == by_shard
+    with pytest.raises(gpufeed.GpufeedError, match="True, False or"):
+        gpufeed.BatchLoader(urls, batch_size=7, shuffle="files")
     # In order, a batch needs at most the two shards it straddles.
     in_order = epoch(gpufeed.BatchLoader(local, batch_size=7, shuffle=False))
     assert epoch(gpufeed.BatchLoader(urls, batch_size=7, shuffle=False,
@@ -387,8 +394,8 @@ def test_an_image_loader_reads_webdataset_shards_of_a_bucket(s3_env, tmp_path):
         assert got.tolist() == [labels[i] for i in epoch.indices]
         seen.extend(epoch.indices)
     assert sorted(seen) == list(range(10))
-    # Streamed without a cache, shards shuffled (blocks of one shard's 5 samples), one shard
-    # held at a time: the same images as from the cache's files, in the same order.
+    # Streamed without a cache, shards shuffled, one shard held at a time: the same images as
+    # from the cache's files, in the same order.
     def images_of(loader):
         epoch, out = loader.epoch(1), []
         for images, got in epoch:
@@ -396,7 +403,7 @@ def test_an_image_loader_reads_webdataset_shards_of_a_bucket(s3_env, tmp_path):
             out.append((list(epoch.indices), images.numpy().tobytes()))
         return out
 
-    kw = dict(batch_size=5, size=8, device=None, block=5, train=False)
+    kw = dict(batch_size=5, size=8, device=None, shuffle="shards", train=False)
     want = images_of(gpufeed.ImageLoader(_url("py-images/train-*.tar"),
                                          cache=tmp_path / "cache", **kw))
     got = images_of(gpufeed.ImageLoader(_url("py-images/train-*.tar"),

@@ -65,13 +65,16 @@ fn shards_in_a_bucket_stream_in_the_samplers_order_under_the_cap() {
         return;
     };
     let seed = gpufeed_testkit::seed(test);
-    // Six shards of 300 records of 1,237 bytes (371,100 bytes each: odd, unaligned).
-    let (record, per_shard) = (1237usize, 300usize);
-    let shards: Vec<(String, Vec<u8>)> = (0..6)
-        .map(|s| {
+    // Six shards of 300 to 385 records of 1,237 bytes (odd, unaligned, unequal).
+    let record = 1237usize;
+    let counts: Vec<usize> = (0..6).map(|s| 300 + 17 * s).collect();
+    let shards: Vec<(String, Vec<u8>)> = counts
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
             (
                 format!("train-{s:03}.bin"),
-                random_bytes(record * per_shard, seed + s as u64),
+                random_bytes(record * n, seed + s as u64),
             )
         })
         .collect();
@@ -79,25 +82,23 @@ fn shards_in_a_bucket_stream_in_the_samplers_order_under_the_cap() {
         server.put(&format!("stream/{name}"), bytes).expect("put");
     }
     let local = tempfile::tempdir().expect("dir");
-    let cap = 2 * (record * per_shard) as u64;
+    // A batch's one or two shards, and the first shard, which the epoch's padded last step
+    // takes records of again.
+    let cap = 3 * (record * counts[5]) as u64;
     let opts = StreamOptions::default()
         .with_record_bytes(record)
         .with_object_options(object_opts(&server))
         .with_spool_bytes(cap)
         .with_fetchers(3);
-    // Shards in a shuffled order, records shuffled within each: blocks of one shard; elastic,
-    // rank 1 of 2.
-    let order = Order::Blocks {
-        seed: 9,
-        block: per_shard,
-    };
+    // Shards in a shuffled order, records shuffled within each; elastic, rank 1 of 2.
+    let order = Order::Shards { seed: 9 };
     let sampler = Sampler::elastic(order, 60, 1, 2, false).expect("sampler");
     let cfg = BatchLoaderOptions::default()
         .with_workers(3)
         .with_prefetch(4);
     let streamed =
         StreamedShards::open(&[format!("s3://{BUCKET}/stream/train-*.bin")], &opts).expect("open");
-    assert_eq!(streamed.len(), 6 * per_shard);
+    assert_eq!(streamed.len(), counts.iter().sum::<usize>());
     let names: Vec<&str> = streamed.shards().map(|(n, _, _)| n).collect();
     assert_eq!(
         names[0],
@@ -443,4 +444,45 @@ fn a_server_that_dies_mid_epoch_ends_it_with_errors_not_a_hang() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn a_fetch_slower_than_the_batch_timeout_is_waited_for() {
+    let test = "a_fetch_slower_than_the_batch_timeout_is_waited_for";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let seed = gpufeed_testkit::seed(test);
+    let data: Vec<Vec<u8>> = (0..2u64).map(|s| random_bytes(3 << 20, seed + s)).collect();
+    for (s, bytes) in data.iter().enumerate() {
+        server.put(&format!("slow/p-{s}.bin"), bytes).expect("put");
+    }
+    // Every read from the server waits 50 ms: a 3 MiB shard takes about a second.
+    let proxy = s3::FaultProxy::start(
+        server.addr,
+        s3::Faults {
+            delay: std::time::Duration::from_millis(50),
+            ..Default::default()
+        },
+    )
+    .expect("proxy");
+    let opts = StreamOptions::default()
+        .with_record_bytes(1 << 20)
+        .with_object_options(object_opts(&server).with_endpoint(&proxy.endpoint));
+    let set = StreamedShards::open(&[format!("s3://{BUCKET}/slow/p-*.bin")], &opts).expect("open");
+    let cfg = BatchLoaderOptions::default()
+        .with_batch_size(3)
+        .with_workers(1)
+        .with_batch_timeout(std::time::Duration::from_millis(300));
+    let mut loader =
+        BatchLoader::new(set, Sampler::new(Order::Sequential), cfg, None).expect("loader");
+    let started = std::time::Instant::now();
+    let got = batches(&mut loader, 0);
+    assert!(
+        started.elapsed() > std::time::Duration::from_millis(600),
+        "the proxy did not slow the fetches ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(got.len(), 2);
+    assert!(got[0].1 == data[0] && got[1].1 == data[1]);
 }

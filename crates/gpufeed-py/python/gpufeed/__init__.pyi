@@ -102,7 +102,7 @@ class ImageLoader:
         *,
         train: bool = True,
         seed: int = 0,
-        shuffle: bool = True,
+        shuffle: bool | Literal["shards"] = True,
         device: Any = 0,
         workers: int = 4,
         decoders: int = 3,

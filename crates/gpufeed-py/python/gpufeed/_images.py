@@ -166,10 +166,11 @@ class ImageLoader:
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
     where it has none); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
     is listed; a ``.json`` shard index in webdataset's wids format lists them with their sample
-    counts, so nothing is read before the first epoch) are streamed as ``BatchLoader`` streams them: each fetched when the epoch first
-    needs it, into ``cache`` where given, else into memory, at most ``spool_bytes`` at once (a
-    quarter of the available memory, at most 16 GiB, by default) — ``block=K`` (K at least a shard's samples) shuffles shards rather than
-    samples, which streams; a plain shuffle needs every shard at once.
+    counts, so nothing is read before the first epoch) are streamed as ``BatchLoader`` streams
+    them: each fetched when the epoch first needs it, into ``cache`` where given, else into
+    memory, at most ``spool_bytes`` at once (a quarter of the available memory, at most 16 GiB,
+    by default). ``shuffle="shards"`` visits the shards in a shuffled order, each one's samples
+    shuffled, which streams; a plain shuffle needs every shard at once.
 
     Each batch: ``batch_size`` records in the sampler's order (``shuffle`` with ``seed``, sharded
     by ``RANK``/``WORLD_SIZE``; ``block=K``: shuffled blocks of K consecutive records, each
@@ -202,7 +203,7 @@ class ImageLoader:
     """
 
     def __init__(self, path: Any, batch_size: int = 256, size: Any = 224, *,
-                 train: bool = True, seed: int = 0, shuffle: bool = True, device: Any = 0,
+                 train: bool = True, seed: int = 0, shuffle: Any = True, device: Any = 0,
                  workers: int = 4, decoders: int = 3, dtype: Any = None,
                  mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
                  scale: Tuple[float, float] = (0.08, 1.0),
@@ -230,7 +231,8 @@ class ImageLoader:
         else:
             path = str(path)
         self._native = _gpufeed.ImageLoader(
-            path, batch_size, height, width, bool(train), int(seed), bool(shuffle), ordinal,
+            path, batch_size, height, width, bool(train), int(seed),
+            shuffle if shuffle == "shards" else bool(shuffle), ordinal,
             int(workers), int(decoders), floating, [float(v) for v in mean],
             [float(v) for v in std], (float(scale[0]), float(scale[1])),
             (float(ratio[0]), float(ratio[1])), float(crop_fraction), on_error == "skip",
