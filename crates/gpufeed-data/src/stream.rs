@@ -77,17 +77,23 @@ impl ShardMeta {
         };
         let samples = crate::sources::index_tar(bytes).map_err(|e| bad(e.to_string()))?;
         if samples.len() != self.count {
-            return Err(bad(format!(
-                "the shard index says {} samples, the tar holds {}: the index is not of this \
-                 shard's version",
-                self.count,
-                samples.len()
-            )));
+            return Err(index_says(&self.name, self.count, samples.len()));
         }
         Ok(self
             .records
             .get_or_init(|| Records::Samples(samples))
             .clone())
+    }
+}
+
+/// A shard index that counts `said` records where shard `name` holds `holds`.
+fn index_says(name: &str, said: usize, holds: usize) -> Error {
+    Error::Records {
+        path: name.into(),
+        reason: format!(
+            "the shard index says {said} samples, the shard holds {holds}: the index is not of \
+             this shard's version"
+        ),
     }
 }
 
@@ -1114,14 +1120,7 @@ mod objects {
         if let Some(n) = counted
             && n != meta.count
         {
-            return Err(Error::Records {
-                path: name.into(),
-                reason: format!(
-                    "the shard index says {n} samples, the shard holds {}: the index is not \
-                     of this shard's version",
-                    meta.count
-                ),
-            });
+            return Err(super::index_says(name, n, meta.count));
         }
         Ok((origin, meta))
     }
