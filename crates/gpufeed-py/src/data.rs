@@ -326,7 +326,7 @@ impl Drop for BatchLoader {
 #[pymethods]
 impl BatchLoader {
     #[new]
-    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=Shuffle::Flag(true), seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None, spool_bytes=None))]
+    #[pyo3(signature = (path, record_bytes=None, batch_size=256, shuffle=Shuffle::Flag(true), seed=0, device=None, workers=None, drop_last=false, index=None, skip_bad=false, global_batch=None, prefetch=None, block=None, direct=false, direct_depth=None, cache=None, spool_bytes=None), text_signature = "(path, record_bytes=None, batch_size=256, shuffle=True, seed=0, device=None, workers=None, drop_last=False, index=None, skip_bad=False, global_batch=None, prefetch=None, block=None, direct=False, direct_depth=None, cache=None, spool_bytes=None)")]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,

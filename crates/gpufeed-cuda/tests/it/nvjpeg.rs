@@ -336,10 +336,22 @@ fn a_batch_of_every_kind_decodes_into_its_slots_and_bad_ones_are_refused_alone()
         got.iter().zip(&covered).all(|(&b, &c)| c || b == 0x5A),
         "bytes outside every slot written"
     );
-    // A slot of the wrong size, one past the end, a short pitch: refused before decoding.
+    // A slot of another size than the image: that image's refusal (the batch decodes on).
     let info = nv.image_info(&jpegs[1]).expect("info");
+    let outcomes = nv
+        .decode_batch(
+            &[&jpegs[1]],
+            &mut dst.slice_mut(..),
+            &[Slot::packed(0, info.width + 1, info.height)],
+            &stream,
+        )
+        .expect("a per-image refusal, not the batch's");
+    assert!(
+        matches!(&outcomes[..], [Err(gpufeed_cuda::Error::JpegRefused { reason })] if reason.contains("slot")),
+        "{outcomes:?}"
+    );
+    // One past the end, a short pitch: the batch refused before decoding.
     let wrong = [
-        Slot::packed(0, info.width + 1, info.height),
         Slot::packed(at, info.width, info.height),
         Slot {
             pitch: 3 * info.width as usize - 1,
