@@ -337,7 +337,7 @@ pub(crate) fn check_direct(records: &Dataset) -> Result<()> {
         }
         Dataset::Streamed(_) => {
             return Err(Error::invalid(
-                "BatchLoaderOptions::direct reads record files on a local disk; streamed shards are fetched into local copies as the epoch needs them (leave direct off)".into(),
+                "BatchLoaderOptions::direct reads record files on a local disk; streamed shards are fetched into memory (or a cache directory) as the epoch needs them (leave direct off)".into(),
             ));
         }
     };

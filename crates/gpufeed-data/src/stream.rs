@@ -31,9 +31,11 @@ pub(crate) trait Fetch: Send + Sync {
     allow(dead_code, reason = "made by the object source and the tests")
 )]
 pub(crate) enum Fetched {
-    /// A local file (this user's, not written while mapped: a cache directory's, or a local
-    /// shard): mapped.
+    /// A cache directory's file (this user's, written whole before it was named, never written
+    /// again): mapped.
     File(PathBuf),
+    /// A local shard, mapped once when the set was opened (not opened again by its path).
+    Opened(Arc<RecordFile>),
     /// Memory of this process's (`None`: an empty shard).
     Memory(Option<gpufeed_os::align::AlignedBuf>),
 }
@@ -560,13 +562,14 @@ fn fetch_loop(inner: &Inner, generation: u64) {
         };
         let meta = &inner.meta[s];
         let got = inner.fetch.fetch(s).and_then(|fetched| match fetched {
+            Fetched::Opened(file) => Ok(file),
             Fetched::File(path) => {
                 // SAFETY: the file is a cache directory's (written whole before it was named,
-                // never written again) or a local shard the caller promised not to change.
+                // never written again).
                 #[allow(unsafe_code, reason = "maps a fetched shard file")]
                 let file =
                     unsafe { RecordFile::open_with(&path, meta.bytes, |b| meta.records_for(b)) };
-                file
+                file.map(Arc::new)
             }
             Fetched::Memory(bytes) => {
                 let len = bytes.as_ref().map_or(0, |b| b.len() as u64);
@@ -580,7 +583,7 @@ fn fetch_loop(inner: &Inner, generation: u64) {
                     .as_ref()
                     .map_or(&[][..], gpufeed_os::align::AlignedBuf::as_slice);
                 let records = meta.records_for(tar)?;
-                Ok(RecordFile::in_memory(&meta.name, records, bytes))
+                Ok(Arc::new(RecordFile::in_memory(&meta.name, records, bytes)))
             }
         });
         let mut st = inner.state.lock();
@@ -596,7 +599,7 @@ fn fetch_loop(inner: &Inner, generation: u64) {
             Ok(file) => {
                 inner.fetched.fetch_add(1, Ordering::Relaxed);
                 inner.fetched_bytes.fetch_add(meta.bytes, Ordering::Relaxed);
-                st.slots[s] = Slot::Ready(Arc::new(file));
+                st.slots[s] = Slot::Ready(file);
                 // Every batch that used it already failed (another shard could not be had).
                 if st.uses[s] == 0 {
                     let file = take_ready(&mut st, s, meta.bytes);
@@ -710,6 +713,7 @@ mod objects {
     //! Shards in object storage (and local shard files among them).
 
     use std::path::PathBuf;
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use gpufeed_load::object::{Object, ObjectCache, ObjectOptions, ObjectUrl};
@@ -796,7 +800,7 @@ mod objects {
     type Opened = Result<(Origin, ShardMeta)>;
 
     enum Origin {
-        Local(PathBuf),
+        Local(Arc<RecordFile>),
         Object(Box<Object>),
     }
 
@@ -809,7 +813,7 @@ mod objects {
     impl Fetch for ObjectFetch {
         fn fetch(&self, shard: usize) -> Result<Fetched> {
             match (&self.origins[shard], &self.cache) {
-                (Origin::Local(p), _) => Ok(Fetched::File(p.clone())),
+                (Origin::Local(f), _) => Ok(Fetched::Opened(Arc::clone(f))),
                 (Origin::Object(o), Some(cache)) => Ok(Fetched::File(cache.fetch(o)?.path)),
                 (Origin::Object(o), None) => Ok(Fetched::Memory(read_whole(o)?)),
             }
@@ -1151,7 +1155,7 @@ mod objects {
                 file.mapped_len() as u64,
                 file.records().clone(),
             );
-            return Ok((Origin::Local(name.into()), meta));
+            return Ok((Origin::Local(Arc::new(file)), meta));
         }
         let object = Object::open(name, &opts.object).map_err(gpufeed_load::Error::Object)?;
         let len = object.len();

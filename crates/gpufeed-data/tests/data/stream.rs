@@ -264,6 +264,24 @@ fn npy_and_tar_shards_stream_as_their_local_files_read() {
         let (got, want) = (batches(&mut a, 0), batches(&mut b, 0));
         assert!(!got.is_empty());
         assert!(got == want, "{pattern}: the streamed batches differ");
+        // A local shard among the objects (the first written by local_set above): read in
+        // place, mapped once, the same batches over two epochs.
+        let mixed: Vec<String> =
+            std::iter::once(local.path().join(&shards[0].0).display().to_string())
+                .chain(
+                    shards[1..]
+                        .iter()
+                        .map(|(n, _)| format!("s3://{BUCKET}/kinds/{n}")),
+                )
+                .collect();
+        let mixed = StreamedShards::open(&mixed, &opts).expect("open mixed");
+        let mut c = BatchLoader::new(mixed, sampler, cfg.clone(), None).expect("loader");
+        for epoch in 0..2 {
+            assert!(
+                batches(&mut c, epoch) == batches(&mut b, epoch),
+                "{pattern}: mixed, epoch {epoch}"
+            );
+        }
     }
     // The tars through a shard index (webdataset's wids format), URLs relative to it: nothing
     // of them is read before the epoch, the same batches.
