@@ -1,8 +1,11 @@
 //! How objects are read, and where credentials and the endpoint come from.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use object_store::aws::AmazonS3Builder;
 use object_store::http::HttpBuilder;
@@ -53,6 +56,9 @@ pub struct ObjectOptions {
     /// region, from `AWS_ENDPOINT_URL` and `AWS_REGION`).
     pub credentials: Option<Credentials>,
 }
+
+/// The stores objects use now, by everything that built them ([`ObjectOptions::store`]).
+static STORES: Mutex<BTreeMap<String, Weak<dyn ObjectStore>>> = Mutex::new(BTreeMap::new());
 
 /// An access key, its secret and, for temporary credentials, a session token (`Debug`
 /// shows only the key id).
@@ -175,9 +181,55 @@ impl ObjectOptions {
             .or_else(|| Profile::from_env().setting("endpoint_url"))
     }
 
-    /// The store that serves `url`.
+    /// The store that serves `url`: the one already built for the same bucket (or HTTP
+    /// origin), endpoint, region, credentials, limits and `AWS_*` environment while any object
+    /// still holds it, so objects opened one after another (a data set's thousands of shards)
+    /// share its connections and credential lookups instead of each opening its own. Any
+    /// difference in those inputs builds another: a store never serves other credentials
+    /// than the ones it was built with.
     pub(crate) fn store(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
         self.check()?;
+        let key = self.store_key(url);
+        let mut stores = STORES.lock();
+        if let Some(store) = stores.get(&key).and_then(Weak::upgrade) {
+            return Ok(store);
+        }
+        let store = self.build_store(url)?;
+        stores.retain(|_, s| s.strong_count() > 0);
+        stores.insert(key, Arc::downgrade(&store));
+        Ok(store)
+    }
+
+    /// Everything [`ObjectOptions::build_store`] reads, as one exact string (secrets
+    /// included: it never leaves the process's memory, where the store holds them anyway).
+    fn store_key(&self, url: &ObjectUrl) -> String {
+        let mut env: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .filter(|(k, _)| k.starts_with("AWS_"))
+            .collect();
+        env.sort();
+        let profile = Profile::from_env();
+        format!(
+            "{:?}\0{}\0{:?}\0{:?}\0{:?}\0{}\0{:?}\0{:?}\0{:?}\0{:?}\0{:?}\0{:?}",
+            url.scheme(),
+            url.bucket(),
+            self.endpoint_for(url),
+            self.region,
+            self.credentials
+                .as_ref()
+                .map(|c| (&c.key_id, &c.secret, &c.token)),
+            self.retries,
+            self.timeout,
+            self.connect_timeout,
+            env,
+            profile.credentials(),
+            profile.setting("region"),
+            profile.setting("endpoint_url"),
+        )
+    }
+
+    /// A new store for `url`.
+    fn build_store(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
         let retry = RetryConfig {
             backoff: BackoffConfig {
                 init_backoff: Duration::from_millis(50),

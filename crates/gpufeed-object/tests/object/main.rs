@@ -512,3 +512,44 @@ fn a_pattern_lists_the_matching_keys_of_its_folder_sorted() {
     let err = gpufeed_object::list(&url("shards/train-[.tar"), &o).unwrap_err();
     assert!(err.to_string().contains("not a pattern"), "{err}");
 }
+
+#[test]
+fn objects_of_one_bucket_share_connections_but_never_credentials() {
+    let test = "objects_of_one_bucket_share_connections_but_never_credentials";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    let seed = gpufeed_testkit::seed(test);
+    let shards: Vec<Vec<u8>> = (0..24u64)
+        .map(|i| gpufeed_testkit::random_bytes(4096 + 7 * i as usize, seed + i))
+        .collect();
+    for (i, bytes) in shards.iter().enumerate() {
+        put(&server, &format!("share/{i}.bin"), bytes);
+    }
+    let proxy = FaultProxy::start(server.addr, Faults::default()).expect("proxy");
+    let o = opts(&proxy.endpoint).with_requests_in_flight(1);
+    // Opened and read one after another, all held, as a data set's shards are.
+    let mut held = Vec::new();
+    for (i, bytes) in shards.iter().enumerate() {
+        let obj = Object::open(&url(&format!("share/{i}.bin")), &o).expect("open");
+        assert_eq!(xxh3_64(&obj.read_all().expect("read")), xxh3_64(bytes));
+        held.push(obj);
+    }
+    let connections = proxy.connections.load(std::sync::atomic::Ordering::Acquire);
+    assert!(
+        connections < 6,
+        "{connections} connections for 24 objects read one after another: each object opened its own"
+    );
+    // Other credentials through the same endpoint get a store of their own, refused.
+    let wrong = o
+        .clone()
+        .with_credentials(Credentials::new(ACCESS_KEY, "wrong-secret"));
+    let e = Object::open(&url("share/0.bin"), &wrong).unwrap_err();
+    assert!(matches!(e, Error::AccessDenied { .. }), "{e}");
+    // And the right ones still read after the refusal.
+    let again = Object::open(&url("share/1.bin"), &o).expect("open again");
+    assert_eq!(
+        xxh3_64(&again.read_all().expect("read")),
+        xxh3_64(&shards[1])
+    );
+}
