@@ -243,6 +243,24 @@ impl Gpu {
         Ok(unsafe { self.default_stream().upgrade_device_ptr::<u8>(ptr, len) })
     }
 
+    /// Waits for the work queued on `stream` so far with the thread asleep: an event made
+    /// with `CU_EVENT_BLOCKING_SYNC` is recorded and waited for. `cuStreamSynchronize` in the
+    /// primary context's default scheduling (`CU_CTX_SCHED_AUTO`, which spins while the
+    /// process has fewer contexts than cores) keeps a core busy for the whole wait; threads
+    /// that wait on long GPU work (the image decoders: tens of milliseconds a batch) sleep
+    /// through it this way, at the cost of a wake-up (microseconds).
+    ///
+    /// # Errors
+    /// The event's creation, record or wait (the stream's work failed, ...).
+    pub fn wait_asleep(&self, stream: &CudaStream) -> Result<()> {
+        let event = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        event
+            .synchronize()
+            .map_err(|e| Error::cuda("cuEventSynchronize", e))
+    }
+
     /// Binds the context to this thread and makes an event: cudarc's `upgrade_device_ptr`
     /// creates two events and unwraps their creation, so a context unable to make events must
     /// be found first (an error, not a panic).

@@ -595,10 +595,9 @@ impl Nvjpeg {
         };
         let cu = stream.cu_stream();
         if !hardware.is_empty() {
-            // The engines write when called (see above): the work queued before goes first.
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            // The engines write when called (see above): the work queued before goes first
+            // (waited for asleep: a spinning wait would keep a core busy per decode thread).
+            self.gpu.wait_asleep(stream)?;
             let n = hardware.len() as c_int;
             let mut r = 0;
             if self.batch != Some(n) {
@@ -664,9 +663,7 @@ impl Nvjpeg {
             };
         }
         // The inputs are the caller's to free after this; the outputs ready for any stream.
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        self.gpu.wait_asleep(stream)?;
         Ok(outcomes)
     }
 

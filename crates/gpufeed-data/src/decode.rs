@@ -239,15 +239,9 @@ impl ImageDecoder {
                     Err(e) => bad.push((i, e)),
                 }
             }
-            stream.synchronize().map_err(|e| {
-                Error::Load(
-                    CudaError::Cuda {
-                        op: "cuStreamSynchronize",
-                        result: e.0,
-                    }
-                    .into(),
-                )
-            })?;
+            self.gpu
+                .wait_asleep(&stream)
+                .map_err(|e| Error::Load(e.into()))?;
         }
         let skipped = settle(bad, name, policy)?;
         let images = slots
@@ -320,12 +314,7 @@ impl ImageDecoder {
             kernel
                 .launch(&stream, src, &jobs, width, height, &mut out, layout)
                 .map_err(load)?;
-            stream.synchronize().map_err(|e| {
-                load(CudaError::Cuda {
-                    op: "cuStreamSynchronize",
-                    result: e.0,
-                })
-            })?;
+            self.gpu.wait_asleep(&stream).map_err(load)?;
             buffer = Some(out);
         }
         drop(decoded.buffer);

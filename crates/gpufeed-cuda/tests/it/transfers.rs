@@ -645,3 +645,54 @@ fn kept_memory_serves_the_next_allocation_of_its_length_and_is_given_back() {
     );
     assert_eq!(gpu.release_kept().expect("release"), 0, "nothing left");
 }
+
+/// CPU seconds of the calling thread so far.
+fn thread_cpu_s() -> f64 {
+    // SAFETY: a zeroed rusage is valid; getrusage writes it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_THREAD of this thread into `u`.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+#[test]
+fn a_sleeping_wait_waits_for_the_work_without_a_busy_core() {
+    let test = "a_sleeping_wait_waits_for_the_work_without_a_busy_core";
+    let Some(gpu) = crate::gpu_or_skip(test) else {
+        return;
+    };
+    let stream = gpu.default_stream();
+    let n = 256 << 20;
+    let src_bytes = random_bytes(n, gpufeed_testkit::seed(test));
+    let src = stream.clone_htod(&src_bytes).expect("upload");
+    let mut dst = stream.alloc_zeros::<u8>(n).expect("alloc");
+    stream.synchronize().expect("sync");
+    // Copies queued for well over 50 ms of the GPU's time, the last one the check.
+    let queue = |dst: &mut gpufeed_cuda::cudarc::driver::CudaSlice<u8>| {
+        for _ in 0..400 {
+            stream.memcpy_dtod(&src, dst).expect("copy");
+        }
+    };
+    // Spinning, for the record (not asserted: the driver's scheduling decides).
+    queue(&mut dst);
+    let (c0, t0) = (thread_cpu_s(), std::time::Instant::now());
+    stream.synchronize().expect("sync");
+    let (spin_cpu, spin_wall) = (thread_cpu_s() - c0, t0.elapsed().as_secs_f64());
+    queue(&mut dst);
+    let (c0, t0) = (thread_cpu_s(), std::time::Instant::now());
+    gpu.wait_asleep(&stream).expect("wait");
+    let (cpu, wall) = (thread_cpu_s() - c0, t0.elapsed().as_secs_f64());
+    eprintln!(
+        "{test}: cuStreamSynchronize {spin_cpu:.3} CPU s over {spin_wall:.3} s; \
+         wait_asleep {cpu:.3} CPU s over {wall:.3} s"
+    );
+    assert!(wall > 0.02, "the queued copies took {wall:.3} s: too little to tell");
+    assert!(
+        cpu < 0.25 * wall,
+        "wait_asleep used {cpu:.3} CPU s over {wall:.3} s: it spun"
+    );
+    // The work is done when it returns.
+    let got = stream.clone_dtoh(&dst).expect("download");
+    assert!(got == src_bytes, "the copies' bytes differ");
+}
