@@ -188,6 +188,17 @@ export GPUFEED_REQUIRE_GPU=1
 export CARGO_BIN_EXE_gpufeed="$here/gpufeed"
 mkdir -p "{tmpdir}"
 status=0
+# cuFile looks up each file's volume in udev's database and refuses every handle without it
+# (CU_FILE_HANDLE_NOT_REGISTERED, 5027): the GPU machine's container has none, so the record of
+# the tests' disk is written here (as root, only where udev has no database at all), the one a
+# host's udev would hold.
+if [ ! -d /run/udev/data ] && [ "$(id -u)" = 0 ]; then
+  dev=$(stat -c %d "{tmpdir}")
+  mkdir -p /run/udev/data \
+    && printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(df --output=fstype "{tmpdir}" | tail -n 1)" \
+      > "/run/udev/data/b$((dev >> 8)):$((dev & 255))" \
+    && echo "note: wrote udev's record of $((dev >> 8)):$((dev & 255)) for cuFile (no udev database here)"
+fi
 # The binaries, packed by xtask into bin.tar.xz to fit the carry: unpacked beside run.sh.
 if [ -f "$here/bin.tar.xz" ]; then
   python3 -c 'import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \

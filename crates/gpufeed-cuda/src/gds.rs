@@ -40,6 +40,9 @@ pub struct GdsRoots {
     pub etc_dir: PathBuf,
     /// Device nodes (`/dev`): nvidia-fs's `nvidia-fs0`... must be there for cuFile to use it.
     pub dev_dir: PathBuf,
+    /// Run-time state (`/run`): udev's database, `udev/data/b<MAJ:MIN>`, where cuFile looks
+    /// up the attributes of a file's volume.
+    pub run_dir: PathBuf,
     /// cufile.json's path: None = CUFILE_ENV_PATH_JSON if set (non-empty), else
     /// `<etc_dir>/cufile.json`.
     pub cufile_json: Option<PathBuf>,
@@ -67,6 +70,7 @@ impl GdsRoots {
             boot_dir: root.join("boot"),
             etc_dir: root.join("etc"),
             dev_dir: root.join("dev"),
+            run_dir: root.join("run"),
             cufile_json: None,
             force_compat_env: None,
         }
@@ -410,6 +414,11 @@ pub struct FileSystemOf {
     pub nvme: bool,
     /// Whether the device is stacked over others (md RAID, dm, LVM: it has `slaves`).
     pub stacked: bool,
+    /// udev's record of the block device, `<run>/udev/data/b<MAJ:MIN>` (None without a block
+    /// device): cuFile reads the volume's attributes (`ID_FS_USAGE`, ...) from it.
+    pub udev_record: Option<PathBuf>,
+    /// Whether that record exists.
+    pub udev_record_present: bool,
 }
 
 /// The mount holding `path` from `<proc>/self/mountinfo`: the longest mount point that is a
@@ -447,6 +456,9 @@ pub fn file_system_of(path: &Path, roots: &GdsRoots) -> Result<FileSystemOf, Str
         ));
     };
     let (block_device, nvme, stacked) = block_device_of(&mount.dev, &roots.sys_dir);
+    let udev_record = (!mount.dev.starts_with("0:"))
+        .then(|| roots.run_dir.join(format!("udev/data/b{}", mount.dev)));
+    let udev_record_present = udev_record.as_ref().is_some_and(|p| p.exists());
     Ok(FileSystemOf {
         mount_point: mount.mount_point,
         fs_type: mount.fs_type,
@@ -456,6 +468,8 @@ pub fn file_system_of(path: &Path, roots: &GdsRoots) -> Result<FileSystemOf, Str
         block_device,
         nvme,
         stacked,
+        udev_record,
+        udev_record_present,
     })
 }
 
@@ -754,6 +768,14 @@ pub struct GdsDetection {
 /// 1. libcufile did not load: [`GdsVerdict::Absent`] ("libcufile is not loadable: ..."); fix:
 ///    install it (`pip install nvidia-cufile`, or the CUDA toolkit's `libcufile.so.0`) and/or
 ///    point `GPUFEED_CUFILE_LIBRARY` at it.
+///
+///    A path whose volume cuFile cannot look up: [`GdsVerdict::Absent`] for it, in any mode.
+///    cuFile reads each file's volume attributes from udev (`<run>/udev/data/b<MAJ:MIN>`)
+///    and refuses the handle where it finds none (`cuFileHandleRegister`:
+///    `CU_FILE_HANDLE_NOT_REGISTERED`, 5027; cuFile 1.15 on the GPU machine, whose container
+///    has no udev database, refused every file until the record was there): a block device
+///    without a record (fix: mount the host's `/run/udev` into the container), and tmpfs or
+///    ramfs, which have no block device (fix: a disk file system).
 /// 2. cufile.json sets `properties.vanilla_posix_io_mode` (or `posix_io_mode`) or
 ///    `properties.force_compat_mode`: [`GdsVerdict::CompatOnly`], cuFile reads every file
 ///    through POSIX.
@@ -846,6 +868,9 @@ fn decide(facts: &Facts<'_>, library: Result<&str, &str>) -> Decision {
             fix: Some(INSTALL_CUFILE.to_owned()),
             peer_path: None,
         };
+    }
+    if let Some(absent) = unreadable_volume(facts) {
+        return absent;
     }
     if facts
         .roots
@@ -974,6 +999,46 @@ fn decide(facts: &Facts<'_>, library: Result<&str, &str>) -> Decision {
             peer_path: None,
         }
     }
+}
+
+/// Rule 1's second half: the path's volume is one cuFile cannot look up.
+fn unreadable_volume(facts: &Facts<'_>) -> Option<Decision> {
+    let fs = facts.file_system?;
+    let refused = "cuFile refuses every file there (cuFileHandleRegister: \
+                   CU_FILE_HANDLE_NOT_REGISTERED, 5027), in compatibility mode too";
+    let (reason, fix) = if matches!(fs.fs_type.as_str(), "tmpfs" | "ramfs") {
+        (
+            format!(
+                "{}: cuFile looks up a file's volume through udev by its block device, and \
+                 {} has none; {refused}",
+                describe_fs(fs),
+                fs.fs_type
+            ),
+            format!("put the file on a disk file system ({LOCAL_NVME} for peer-to-peer reads)"),
+        )
+    } else {
+        let record = fs.udev_record.as_ref()?;
+        if fs.udev_record_present {
+            return None;
+        }
+        (
+            format!(
+                "{}: udev has no record of its device ({} is missing: a container without \
+                 the host's udev database?), so {refused}",
+                describe_fs(fs),
+                record.display()
+            ),
+            "run where udev's database is visible: in a container, mount the host's one \
+             read-only (`docker run -v /run/udev:/run/udev:ro ...`)"
+                .to_owned(),
+        )
+    };
+    Some(Decision {
+        verdict: GdsVerdict::Absent,
+        reason,
+        fix: Some(fix),
+        peer_path: None,
+    })
 }
 
 fn describe_fs(fs: &FileSystemOf) -> String {
@@ -1181,6 +1246,15 @@ mod tests {
             tree.write("sys/devices/virtual/block/md0/md0p1/partition", "1\n");
             tree.link("sys/dev/block/253:0", "../../devices/virtual/block/dm-0");
             tree.link("sys/devices/virtual/block/dm-0/slaves/md0", "../../md0");
+            // udev's records of every block device mounted.
+            for dev in [
+                "8:2", "259:1", "259:2", "8:17", "9:0", "9:1", "259:5", "253:0",
+            ] {
+                tree.write(
+                    &format!("run/udev/data/b{dev}"),
+                    "E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\n",
+                );
+            }
             tree
         }
 
@@ -1581,18 +1655,6 @@ mod tests {
     fn unsupported_file_systems_are_compat_only() {
         let tree = Tree::new();
         tree.load_nvidia_fs();
-        let shm = tree.detect(Some("/dev/shm/x"));
-        assert_eq!(shm.verdict, GdsVerdict::CompatOnly);
-        assert_eq!(shm.peer_path, None);
-        assert!(
-            shm.reason
-                .starts_with("tmpfs on tmpfs at /dev/shm is not one GDS reads"),
-            "{}",
-            shm.reason
-        );
-        assert!(shm.reason.contains("compatibility mode"), "{}", shm.reason);
-        assert!(shm.fix.expect("a fix").contains("NVMe"));
-
         let tcp = tree.detect(Some("/mnt/nfstcp/x"));
         assert_eq!(tcp.verdict, GdsVerdict::CompatOnly);
         assert!(tcp.reason.contains("proto=rdma"), "{}", tcp.reason);
@@ -1615,6 +1677,60 @@ mod tests {
             "{}",
             journal.reason
         );
+    }
+
+    /// cuFile 1.15 refused every handle on the GPU machine (5027) until udev's record of the
+    /// volume's device was there, and refuses tmpfs files always: absent for such a path
+    /// whatever else the machine has, compat mode or nvidia-fs.
+    #[test]
+    fn volumes_cufile_cannot_look_up_are_absent() {
+        let tree = Tree::new();
+        assert_eq!(tree.detect(Some("/data/x")).verdict, GdsVerdict::CompatOnly);
+        fs::remove_file(tree.path("run/udev/data/b259:1")).expect("remove the record");
+        for nvidia_fs in [false, true] {
+            if nvidia_fs {
+                tree.load_nvidia_fs();
+            }
+            let d = tree.detect(Some("/data/x"));
+            assert_eq!(d.verdict, GdsVerdict::Absent, "{}", d.reason);
+            assert!(
+                d.reason.contains("run/udev/data/b259:1 is missing")
+                    && d.reason.contains("5027")
+                    && d.reason.starts_with("ext4 on /dev/nvme0n1p1 at /data"),
+                "{}",
+                d.reason
+            );
+            assert!(
+                d.fix
+                    .as_deref()
+                    .is_some_and(|f| f.contains("/run/udev:/run/udev:ro")),
+                "{:?}",
+                d.fix
+            );
+            let fs = d.file_system.expect("the file system");
+            assert_eq!(fs.udev_record, Some(tree.path("run/udev/data/b259:1")));
+            assert!(!fs.udev_record_present);
+            // Another device of the same machine keeps its verdict.
+            assert_ne!(tree.detect(Some("/raid/x")).verdict, GdsVerdict::Absent);
+            let shm = tree.detect(Some("/dev/shm/x"));
+            assert_eq!(shm.verdict, GdsVerdict::Absent);
+            assert!(
+                shm.reason.starts_with("tmpfs on tmpfs at /dev/shm: ")
+                    && shm.reason.contains("tmpfs has none"),
+                "{}",
+                shm.reason
+            );
+            assert!(shm.fix.expect("a fix").contains("disk file system"));
+            let shm = tree.detect(Some("/dev/shm/x")).file_system.expect("tmpfs");
+            assert_eq!(shm.udev_record, None);
+        }
+        // Forced compatibility mode does not help either: cuFile refuses the handle first.
+        let mut roots = tree.roots();
+        roots.force_compat_env = Some("true".into());
+        let d = detect(Some(Path::new("/data/x")), Ok("1.15".into()), &roots);
+        assert_eq!(d.verdict, GdsVerdict::Absent, "{}", d.reason);
+        // The machine alone (no path) is not judged by one volume.
+        assert_ne!(tree.detect(None).verdict, GdsVerdict::Absent);
     }
 
     #[test]
@@ -1640,18 +1756,18 @@ mod tests {
         assert!(d.reason.contains("CONFIG_PCI_P2PDMA"), "{}", d.reason);
 
         // P2PDMA reads only ext4/xfs on a plain NVMe device.
-        for path in ["/mnt/nfs/x", "/raid/x", "/dev/shm/x"] {
+        for path in ["/mnt/nfs/x", "/raid/x", "/ovl/x"] {
             let d = tree.detect(Some(path));
             assert_eq!(d.verdict, GdsVerdict::CompatOnly, "{path}");
             assert!(d.fix.expect("a fix").contains("plain NVMe"), "{path}");
         }
 
-        // Neither path, on tmpfs: both what is missing and the file system are named.
+        // Neither path, on overlay: both what is missing and the file system are named.
         tree.cufile_json("{}");
-        let d = tree.detect(Some("/dev/shm/x"));
+        let d = tree.detect(Some("/ovl/x"));
         assert_eq!(d.verdict, GdsVerdict::CompatOnly);
         assert!(
-            d.reason.contains("; and even with one, tmpfs"),
+            d.reason.contains("; and even with one, overlay"),
             "{}",
             d.reason
         );

@@ -155,9 +155,19 @@ impl Loader {
                 )
             }
         })?;
-        let handle = driver
-            .register(direct.as_fd())
-            .map_err(|e| Refusal(GdsRefusal::Registration, e.to_string()))?;
+        let handle = driver.register(direct.as_fd()).map_err(|e| {
+            // Where detection knows why cuFile cannot take this file, the reason says it.
+            let why = gpufeed_cuda::gds::detect(
+                Some(file.path()),
+                Ok(String::new()),
+                &GdsRoots::system(),
+            );
+            let reason = match (why.verdict, why.fix) {
+                (GdsVerdict::Absent, Some(fix)) => format!("{e}: {}; fix: {fix}", why.reason),
+                _ => e.to_string(),
+            };
+            Refusal(GdsRefusal::Registration, reason)
+        })?;
         let pieces = pieces_of(spans, GDS_PIECE_BYTES);
         let total: u64 = spans.iter().map(|s| s.end - s.start).sum();
         // The pieces must lie inside the destination: the reads' safety below rests on it.

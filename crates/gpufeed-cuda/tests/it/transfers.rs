@@ -687,7 +687,10 @@ fn a_sleeping_wait_waits_for_the_work_without_a_busy_core() {
         "{test}: cuStreamSynchronize {spin_cpu:.3} CPU s over {spin_wall:.3} s; \
          wait_asleep {cpu:.3} CPU s over {wall:.3} s"
     );
-    assert!(wall > 0.02, "the queued copies took {wall:.3} s: too little to tell");
+    assert!(
+        wall > 0.02,
+        "the queued copies took {wall:.3} s: too little to tell"
+    );
     assert!(
         cpu < 0.25 * wall,
         "wait_asleep used {cpu:.3} CPU s over {wall:.3} s: it spun"

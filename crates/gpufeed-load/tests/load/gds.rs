@@ -32,7 +32,77 @@ fn gpu_with_cufile_or_skip(test: &str) -> Option<gpufeed_load::Gpu> {
         gpufeed_testkit::skip(test, &e);
         return None;
     }
+    // A volume cuFile cannot look up (a container without udev's database) refuses every
+    // handle whatever this code does: said, and tested by
+    // `a_file_cufile_cannot_take_falls_back_with_detections_reason`. The GPU machine's run
+    // script gives the container udev's record of its disk, so that these tests read there.
+    let here = gpufeed_cuda::gds::detect(
+        Some(std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))),
+        Ok(String::new()),
+        &gpufeed_cuda::gds::GdsRoots::system(),
+    );
+    if here.verdict == gpufeed_cuda::gds::GdsVerdict::Absent {
+        gpufeed_testkit::skip(test, &format!("cuFile cannot read here: {}", here.reason));
+        return None;
+    }
     Some(gpu)
+}
+
+/// A file on tmpfs, which cuFile refuses (it looks volumes up by block device through udev):
+/// the load is gpufeed's own, byte for byte, and the refusal's reason is detection's, with
+/// the fix.
+#[test]
+fn a_file_cufile_cannot_take_falls_back_with_detections_reason() {
+    let test = "a_file_cufile_cannot_take_falls_back_with_detections_reason";
+    if child_role().is_some() {
+        return;
+    }
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    if let Err(e) = gpufeed_cuda::cufile_version() {
+        assert!(!cufile_required(), "cuFile: {e}");
+        gpufeed_testkit::skip(test, &e);
+        return;
+    }
+    let dir = tempfile::tempdir_in("/dev/shm").expect("a folder in /dev/shm");
+    let detection = gpufeed_cuda::gds::detect(
+        Some(dir.path()),
+        Ok(String::new()),
+        &gpufeed_cuda::gds::GdsRoots::system(),
+    );
+    assert_eq!(
+        detection.verdict,
+        gpufeed_cuda::gds::GdsVerdict::Absent,
+        "{}",
+        detection.reason
+    );
+    let len = (3 << 20) + 4093;
+    let data = random_bytes(len, gpufeed_testkit::seed(test));
+    let path = dir.path().join("t.bin");
+    std::fs::write(&path, &data).expect("write");
+    let loader =
+        Loader::new(&gpu, LoadOptions::default().with_strategy(Strategy::Gds)).expect("loader");
+    let (buf, report) = loader.load_file(&path).expect("load");
+    assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&data));
+    assert_ne!(report.strategy, Strategy::Gds);
+    let fallback = report
+        .fallbacks
+        .iter()
+        .find(|f| f.refused == Refused::Gds)
+        .expect("a cuFile fallback");
+    println!("{test}: {:?}: {}", report.gds_refused, fallback.reason);
+    match report.gds_refused {
+        // The kernel refused O_DIRECT on tmpfs (before 6.6) before cuFile was asked.
+        Some(GdsRefusal::DirectIo) => {}
+        Some(GdsRefusal::Registration) => assert!(
+            fallback.reason.contains(&detection.reason)
+                && fallback.reason.contains("disk file system"),
+            "{}",
+            fallback.reason
+        ),
+        other => panic!("{other:?}: {}", fallback.reason),
+    }
 }
 
 /// The test's role in a child process (`gpufeed_testkit::CHILD_ROLE`), if it is one.
