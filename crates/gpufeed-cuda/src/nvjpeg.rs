@@ -50,6 +50,7 @@ pub fn status_name(status: c_int) -> &'static str {
 
 /// `nvjpegBackend_t` values used here.
 const BACKEND_DEFAULT: c_int = 0;
+const BACKEND_GPU_HYBRID: c_int = 2;
 const BACKEND_HARDWARE: c_int = 3;
 
 /// `nvjpegOutputFormat_t` NVJPEG_OUTPUT_RGBI: interleaved RGB in `channel[0]`.
@@ -257,6 +258,9 @@ pub struct Nvjpeg {
     /// call failed and it must be set again).
     batch: Option<c_int>,
     backend: Backend,
+    /// A CUDA handle asked for ([`Nvjpeg::open_with`]): its batches go in one
+    /// `nvjpegDecodeBatched` call too (Huffman decoding on the GPU, `NVJPEG_BACKEND_GPU_HYBRID`).
+    batched_cuda: bool,
     engines: u32,
     gpu: Gpu,
 }
@@ -305,7 +309,8 @@ impl Slot {
 pub enum DecodedBy {
     /// The hardware engines (`nvjpegDecodeBatched` on a hardware handle).
     Hardware,
-    /// The CUDA decoder (`nvjpegDecode`: Huffman decoding on the host, the rest on the GPU).
+    /// The CUDA decoder: `nvjpegDecode` (Huffman decoding on the host, the rest on the GPU),
+    /// or the batched call of a handle opened for [`Backend::Cuda`] (all on the GPU).
     Cuda,
 }
 
@@ -322,16 +327,32 @@ impl Nvjpeg {
     /// [`Error::NvjpegMissing`]; [`Error::Nvjpeg`] where no backend makes a handle (no GPU
     /// the library can use); CUDA errors binding the GPU's context.
     pub fn open(gpu: &Gpu) -> Result<Self> {
+        Self::open_with(gpu, Backend::Hardware)
+    }
+
+    /// A handle on `gpu` driving `want`: [`Backend::Hardware`] as [`Nvjpeg::open`];
+    /// [`Backend::Cuda`] the CUDA decoder even where the GPU has engines, with its Huffman
+    /// decoding on the GPU (`NVJPEG_BACKEND_GPU_HYBRID`, else nvJPEG's default), each batch in
+    /// one `nvjpegDecodeBatched` call: a decoder beside the engines' own, on the GPU's cores,
+    /// which the engines leave mostly idle.
+    ///
+    /// # Errors
+    /// As [`Nvjpeg::open`].
+    pub fn open_with(gpu: &Gpu, want: Backend) -> Result<Self> {
         let l = library()?;
         gpu.context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let mut handle: Handle = std::ptr::null_mut();
-        let mut backend = Backend::Hardware;
+        let mut backend = want;
+        let first = match want {
+            Backend::Hardware => BACKEND_HARDWARE,
+            Backend::Cuda => BACKEND_GPU_HYBRID,
+        };
         // SAFETY: null allocators select nvJPEG's defaults; `handle` is writable.
         let mut r = unsafe {
             (l.create_ex)(
-                BACKEND_HARDWARE,
+                first,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
                 0,
@@ -372,6 +393,7 @@ impl Nvjpeg {
             stream: std::ptr::null_mut(),
             batch: None,
             backend,
+            batched_cuda: want == Backend::Cuda,
             engines,
             gpu: gpu.clone(),
         };
@@ -575,7 +597,7 @@ impl Nvjpeg {
             }
             check_slot(i, slot, dst_len)?;
             outcomes.push(Ok(DecodedBy::Cuda));
-            if self.backend == Backend::Hardware && self.takes(l, jpeg) {
+            if self.batched_cuda || (self.backend == Backend::Hardware && self.takes(l, jpeg)) {
                 hardware.push(i);
             } else {
                 cuda.push(i);
@@ -624,8 +646,12 @@ impl Nvjpeg {
                     )
                 };
                 if r == 0 {
+                    let by = match self.backend {
+                        Backend::Hardware => DecodedBy::Hardware,
+                        Backend::Cuda => DecodedBy::Cuda,
+                    };
                     for &i in &hardware {
-                        outcomes[i] = Ok(DecodedBy::Hardware);
+                        outcomes[i] = Ok(by);
                     }
                 }
             }

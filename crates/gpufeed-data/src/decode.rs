@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use gpufeed_cuda::cudarc::driver::{CudaSlice, CudaStream};
-use gpufeed_cuda::nvjpeg::{DecodedBy, Nvjpeg, Slot};
+use gpufeed_cuda::nvjpeg::{Backend, DecodedBy, Nvjpeg, Slot};
 pub use gpufeed_cuda::resize::Layout;
 use gpufeed_cuda::resize::{ResizeJob, ResizeKernel};
 use gpufeed_cuda::{Error as CudaError, Gpu};
@@ -77,6 +77,8 @@ pub struct ImageDecoder {
     /// Threads for the images decoded on the CPU (every core by default; a share of them where
     /// several decoders run at once: [`ImageDecoder::set_cpu_threads`]).
     cpu_threads: usize,
+    /// The nvJPEG backend it was opened for.
+    asked: Backend,
 }
 
 /// Offsets in a batch's allocation are multiples of this.
@@ -91,7 +93,17 @@ impl ImageDecoder {
     /// nvJPEG's errors other than its absence (a library that loads but makes no handle on
     /// this GPU), as [`Error::Load`].
     pub fn open(gpu: &Gpu) -> Result<Self> {
-        let (nvjpeg, cpu_only) = match Nvjpeg::open(gpu) {
+        Self::open_with(gpu, Backend::Hardware)
+    }
+
+    /// [`ImageDecoder::open`] with nvJPEG's `backend`: [`Backend::Cuda`] decodes each batch on
+    /// the GPU's cores even where the GPU has decoder engines ([`Nvjpeg::open_with`]), so that
+    /// decoders of both kinds can work at once.
+    ///
+    /// # Errors
+    /// As [`ImageDecoder::open`].
+    pub fn open_with(gpu: &Gpu, backend: Backend) -> Result<Self> {
+        let (nvjpeg, cpu_only) = match Nvjpeg::open_with(gpu, backend) {
             Ok(nv) => (Some(nv), None),
             Err(e @ CudaError::NvjpegMissing { .. }) => {
                 tracing::info!("JPEGs decode on the CPU: {e}");
@@ -115,6 +127,7 @@ impl ImageDecoder {
             cpu_only,
             resize: None,
             cpu_threads: cores(),
+            asked: backend,
         })
     }
 
@@ -123,6 +136,12 @@ impl ImageDecoder {
     /// share of the cores instead of all of them.
     pub fn set_cpu_threads(&mut self, threads: usize) {
         self.cpu_threads = threads.max(1);
+    }
+
+    /// The nvJPEG backend it was opened for ([`ImageDecoder::open_with`]; the handle's own may
+    /// differ: a GPU without engines gives the CUDA decoder).
+    pub fn backend_asked(&self) -> Backend {
+        self.asked
     }
 
     /// Why JPEGs are decoded on the CPU here (nvJPEG could not be loaded), or `None` where

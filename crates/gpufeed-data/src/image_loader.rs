@@ -72,8 +72,14 @@ pub struct ImageOptions {
     /// without a GPU: 6 x 154 MB for f32 batches of 256 at 224x224). On the H200 machine (GPU run 170, 8,192 JPEGs of 250-500
     /// px and about 49 KiB, batches of 256 at 224): 1 thread 12.1-12.6k images/s, 2
     /// 16.1-19.7k, 3 20.8-24.6k with 2.6-3.2 cores busy, 4 (and 8 reading workers) 22.4-28.6k
-    /// with 3.3-4.0; ImageNet-sized files (106 KiB) at 3 threads: 14.4k (run 173).
+    /// with 3.3-4.0; ImageNet-sized files (106 KiB) at 3 threads: 14.4k (run 173); on an H100
+    /// (run 177) 3, 4, 6 and 8 threads all gave 14-15k: the engines' limit for those files.
     pub decoders: usize,
+    /// Decode threads beside those that decode on nvJPEG's CUDA decoder (its batched call,
+    /// Huffman decoding on the GPU's cores) instead of the hardware engines (default 0; with no
+    /// GPU, or nvJPEG missing, none are made): where the engines are the limit and the GPU's
+    /// cores idle, each takes whole batches off them.
+    pub cuda_decoders: usize,
 }
 
 impl Default for ImageOptions {
@@ -85,6 +91,7 @@ impl Default for ImageOptions {
             layout: Layout::U8Hwc,
             on_bad: OnBadImage::Error,
             decoders: 3,
+            cuda_decoders: 0,
         }
     }
 }
@@ -117,6 +124,13 @@ impl ImageOptions {
     /// These settings with `decoders` decode threads (at least 1).
     pub fn with_decoders(mut self, decoders: usize) -> Self {
         self.decoders = decoders.max(1);
+        self
+    }
+
+    /// These settings with `cuda_decoders` more decode threads on nvJPEG's CUDA decoder
+    /// ([`ImageOptions::cuda_decoders`]).
+    pub fn with_cuda_decoders(mut self, cuda_decoders: usize) -> Self {
+        self.cuda_decoders = cuda_decoders;
         self
     }
 
@@ -291,9 +305,22 @@ impl ImageLoader {
     /// new one).
     fn open_decoders(&mut self) -> Result<()> {
         let Some(gpu) = &self.gpu else { return Ok(()) };
-        let wanted = self.opts.decoders.max(1);
+        let hardware = self.opts.decoders.max(1);
+        let wanted = hardware + self.opts.cuda_decoders;
         while self.decoders.len() < wanted {
-            let mut decoder = ImageDecoder::open(gpu)?;
+            // `decoders` on the engines (where the GPU has them), the rest on the CUDA decoder
+            // (counted from those kept: a thread lost to a panic is replaced by its kind).
+            let on_engines = self
+                .decoders
+                .iter()
+                .filter(|d| d.backend_asked() == gpufeed_cuda::nvjpeg::Backend::Hardware)
+                .count();
+            let backend = if on_engines < hardware {
+                gpufeed_cuda::nvjpeg::Backend::Hardware
+            } else {
+                gpufeed_cuda::nvjpeg::Backend::Cuda
+            };
+            let mut decoder = ImageDecoder::open_with(gpu, backend)?;
             // The decode threads share the cores for what they decode on the CPU (every image
             // where nvJPEG is missing), rather than each taking all of them.
             decoder.set_cpu_threads(crate::decode::cores() / wanted);

@@ -217,6 +217,8 @@ def test_an_elastic_run_resumes_where_it_stopped_and_bad_settings_are_refused(tm
         gpufeed.ImageLoader(tmp_path, device=None, dtype=torch.int32)
     with pytest.raises(ValueError, match="crop_fraction"):
         gpufeed.ImageLoader(tmp_path, device=None, crop_fraction=0)
+    with pytest.raises(ValueError, match="cuda_decoders"):
+        gpufeed.ImageLoader(tmp_path, device=None, cuda_decoders=-1)
     with pytest.raises(gpufeed.GpufeedError, match="scale"):
         gpufeed.ImageLoader(tmp_path, device=None, scale=(0.9, 0.1))
     with pytest.raises(gpufeed.GpufeedError, match="missing"):

@@ -173,9 +173,32 @@ fn a_batch_of_every_kind_decodes_into_its_slots_and_bad_ones_are_refused_alone()
     let Some(gpu) = gpu_or_skip("a_batch_of_every_kind_decodes_into_its_slots") else {
         return;
     };
-    let Some(mut nv) = nvjpeg_or_skip(&gpu, "a_batch_of_every_kind_decodes_into_its_slots") else {
+    let Some(nv) = nvjpeg_or_skip(&gpu, "a_batch_of_every_kind_decodes_into_its_slots") else {
         return;
     };
+    every_kind(&gpu, nv);
+}
+
+/// The same batch through a handle opened for nvJPEG's CUDA decoder (batched, Huffman decoding
+/// on the GPU) on a GPU that has engines: every image it takes is decoded by it.
+#[test]
+fn the_cuda_decoder_decodes_a_batch_of_every_kind_beside_the_engines() {
+    let test = "the_cuda_decoder_decodes_a_batch_of_every_kind_beside_the_engines";
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    if nvjpeg_or_skip(&gpu, test).is_none() {
+        return;
+    }
+    let nv = Nvjpeg::open_with(&gpu, Backend::Cuda).expect("a CUDA decoder handle");
+    assert_eq!(nv.backend(), Backend::Cuda);
+    assert_eq!(nv.hardware_engines(), 0);
+    every_kind(&gpu, nv);
+}
+
+/// Baseline, progressive, every subsampling, restart markers, gray and bad ones in one batch
+/// through `nv`, each image checked in its slot and alone.
+fn every_kind(gpu: &gpufeed_cuda::Gpu, mut nv: Nvjpeg) {
     // (size, gray, sampling, progressive, restart)
     let kinds = [
         ((500, 375), false, SamplingFactor::R_4_2_0, false, 0),
@@ -309,6 +332,9 @@ fn a_batch_of_every_kind_decodes_into_its_slots_and_bad_ones_are_refused_alone()
         if nv.backend() == Backend::Hardware && !progressive && sampling != SamplingFactor::R_4_1_1
         {
             assert_eq!(*by, DecodedBy::Hardware, "{what}");
+        }
+        if nv.backend() == Backend::Cuda {
+            assert_eq!(*by, DecodedBy::Cuda, "{what}");
         }
     }
     for (k, (_, what)) in bad.iter().enumerate() {

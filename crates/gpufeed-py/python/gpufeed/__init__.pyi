@@ -119,6 +119,7 @@ class ImageLoader:
         cache: _Path | None = None,
         block: int | None = None,
         spool_bytes: int | None = None,
+        cuda_decoders: int = 0,
     ) -> None: ...
     @property
     def classes(self) -> list[str]: ...

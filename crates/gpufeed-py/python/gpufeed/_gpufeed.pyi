@@ -241,6 +241,7 @@ class ImageLoader:
         cache: _Path | None = None,
         block: int | None = None,
         spool_bytes: int | None = None,
+        cuda_decoders: int = 0,
     ) -> ImageLoader: ...
     @property
     def classes(self) -> list[str]:

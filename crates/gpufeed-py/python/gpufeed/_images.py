@@ -178,7 +178,9 @@ class ImageLoader:
     ``resume()`` as ``BatchLoader``'s), read by ``workers`` threads ahead of use and decoded by
     ``decoders`` threads, each with its own nvJPEG handle and CUDA stream (its hardware engines
     where the GPU has them; what nvJPEG refuses, on the CPU; with ``device=None`` or without
-    nvJPEG, on the CPU, each thread on its share of the cores). With ``train``, torchvision's
+    nvJPEG, on the CPU, each thread on its share of the cores), plus ``cuda_decoders`` threads
+    on nvJPEG's CUDA decoder (Huffman decoding on the GPU's cores, beside the engines: for
+    when the engines are the limit). With ``train``, torchvision's
     ``RandomResizedCrop(size, scale, ratio)`` and ``RandomHorizontalFlip()``, drawn from
     ``seed``, the epoch and the record's index alone — the same image gets the same crop
     whatever the worker count or world size; else the central crop of ``crop_fraction`` of the
@@ -211,7 +213,7 @@ class ImageLoader:
                  on_error: str = "raise", drop_last: bool = False,
                  global_batch: Optional[int] = None, prefetch: Optional[int] = None,
                  cache: Any = None, block: Optional[int] = None,
-                 spool_bytes: Optional[int] = None):
+                 spool_bytes: Optional[int] = None, cuda_decoders: int = 0):
         import torch
 
         if on_error not in _POLICIES:
@@ -224,6 +226,8 @@ class ImageLoader:
         height, width, floating = _settings(torch, size, mean, std, crop_fraction, dtype)
         if batch_size < 1 or workers < 1 or decoders < 1:
             raise ValueError("batch_size, workers and decoders must be at least 1")
+        if cuda_decoders < 0:
+            raise ValueError("cuda_decoders must be 0 or more")
         self._dtype = dtype if floating else torch.uint8
         self._device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
         if isinstance(path, (list, tuple)):
@@ -237,7 +241,7 @@ class ImageLoader:
             [float(v) for v in std], (float(scale[0]), float(scale[1])),
             (float(ratio[0]), float(ratio[1])), float(crop_fraction), on_error == "skip",
             bool(drop_last), global_batch, prefetch, None if cache is None else str(cache),
-            block, spool_bytes)
+            block, spool_bytes, int(cuda_decoders))
         self._skipped: List[Tuple[str, str]] = []
 
     @property
