@@ -193,11 +193,12 @@ status=0
 # the tests' disk is written here (as root, only where udev has no database at all), the one a
 # host's udev would hold.
 if [ ! -d /run/udev/data ] && [ "$(id -u)" = 0 ]; then
-  dev=$(stat -c %d "{tmpdir}")
+  d=$(stat -c %d "{tmpdir}")  # the kernel's dev_t: major and minor as new_decode_dev splits it
+  dev="$(( ((d >> 8) & 0xfff) | ((d >> 32) & ~0xfff) )):$(( (d & 0xff) | ((d >> 12) & ~0xff) ))"
   mkdir -p /run/udev/data \
     && printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(df --output=fstype "{tmpdir}" | tail -n 1)" \
-      > "/run/udev/data/b$((dev >> 8)):$((dev & 255))" \
-    && echo "note: wrote udev's record of $((dev >> 8)):$((dev & 255)) for cuFile (no udev database here)"
+      > "/run/udev/data/b$dev" \
+    && echo "note: wrote udev's record of $dev for cuFile (no udev database here)"
 fi
 # The binaries, packed by xtask into bin.tar.xz to fit the carry: unpacked beside run.sh.
 if [ -f "$here/bin.tar.xz" ]; then

@@ -545,7 +545,8 @@ impl Nvjpeg {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let mut outcomes: Vec<Result<DecodedBy>> = Vec::with_capacity(jpegs.len());
-        let mut hardware = Vec::new();
+        // The images of the one batched call: those the engines take, or all on a CUDA handle.
+        let mut batched = Vec::new();
         let mut cuda = Vec::new();
         for (i, (jpeg, slot)) in jpegs.iter().zip(slots).enumerate() {
             let info = match self.image_info(jpeg) {
@@ -598,7 +599,7 @@ impl Nvjpeg {
             check_slot(i, slot, dst_len)?;
             outcomes.push(Ok(DecodedBy::Cuda));
             if self.batched_cuda || (self.backend == Backend::Hardware && self.takes(l, jpeg)) {
-                hardware.push(i);
+                batched.push(i);
             } else {
                 cuda.push(i);
             }
@@ -616,11 +617,11 @@ impl Nvjpeg {
             }
         };
         let cu = stream.cu_stream();
-        if !hardware.is_empty() {
+        if !batched.is_empty() {
             // The engines write when called (see above): the work queued before goes first
             // (waited for asleep: a spinning wait would keep a core busy per decode thread).
             self.gpu.wait_asleep(stream)?;
-            let n = hardware.len() as c_int;
+            let n = batched.len() as c_int;
             let mut r = 0;
             if self.batch != Some(n) {
                 // SAFETY: live handle and state; the batch size and format are plain values
@@ -629,9 +630,9 @@ impl Nvjpeg {
                 self.batch = (r == 0).then_some(n);
             }
             if r == 0 {
-                let data: Vec<*const u8> = hardware.iter().map(|&i| jpegs[i].as_ptr()).collect();
-                let lengths: Vec<usize> = hardware.iter().map(|&i| jpegs[i].len()).collect();
-                let mut images: Vec<NvImage> = hardware.iter().map(|&i| image(i)).collect();
+                let data: Vec<*const u8> = batched.iter().map(|&i| jpegs[i].as_ptr()).collect();
+                let lengths: Vec<usize> = batched.iter().map(|&i| jpegs[i].len()).collect();
+                let mut images: Vec<NvImage> = batched.iter().map(|&i| image(i)).collect();
                 // SAFETY: `n` readable JPEGs with their lengths, `n` destinations each inside
                 // `dst` (checked by `check_slot`) and written by nothing else (the caller's
                 // promise); the inputs outlive the call and the synchronization below.
@@ -650,7 +651,7 @@ impl Nvjpeg {
                         Backend::Hardware => DecodedBy::Hardware,
                         Backend::Cuda => DecodedBy::Cuda,
                     };
-                    for &i in &hardware {
+                    for &i in &batched {
                         outcomes[i] = Ok(by);
                     }
                 }
@@ -660,11 +661,11 @@ impl Nvjpeg {
                 // these images one by one instead.
                 tracing::debug!(
                     status = status_name(r),
-                    images = hardware.len(),
-                    "nvJPEG's batched hardware decode failed; decoding them one by one"
+                    images = batched.len(),
+                    "nvJPEG's batched decode failed; decoding them one by one"
                 );
                 self.batch = None;
-                cuda.extend(&hardware);
+                cuda.extend(&batched);
             }
         }
         for &i in &cuda {

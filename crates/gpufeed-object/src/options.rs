@@ -189,12 +189,13 @@ impl ObjectOptions {
     /// than the ones it was built with.
     pub(crate) fn store(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
         self.check()?;
-        let key = self.store_key(url);
+        let profile = Profile::from_env();
+        let key = self.store_key(url, &profile);
         let mut stores = STORES.lock();
         if let Some(store) = stores.get(&key).and_then(Weak::upgrade) {
             return Ok(store);
         }
-        let store = self.build_store(url)?;
+        let store = self.build_store(url, &profile)?;
         stores.retain(|_, s| s.strong_count() > 0);
         stores.insert(key, Arc::downgrade(&store));
         Ok(store)
@@ -202,13 +203,12 @@ impl ObjectOptions {
 
     /// Everything [`ObjectOptions::build_store`] reads, as one exact string (secrets
     /// included: it never leaves the process's memory, where the store holds them anyway).
-    fn store_key(&self, url: &ObjectUrl) -> String {
+    fn store_key(&self, url: &ObjectUrl, profile: &Profile) -> String {
         let mut env: Vec<(String, String)> = std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
             .filter(|(k, _)| k.starts_with("AWS_"))
             .collect();
         env.sort();
-        let profile = Profile::from_env();
         format!(
             "{:?}\0{}\0{:?}\0{:?}\0{:?}\0{}\0{:?}\0{:?}\0{:?}\0{:?}\0{:?}\0{:?}",
             url.scheme(),
@@ -228,8 +228,9 @@ impl ObjectOptions {
         )
     }
 
-    /// A new store for `url`.
-    fn build_store(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
+    /// A new store for `url`, with `profile` (the shared AWS files' section, read once by
+    /// [`ObjectOptions::store`]).
+    fn build_store(&self, url: &ObjectUrl, profile: &Profile) -> Result<Arc<dyn ObjectStore>> {
         let retry = RetryConfig {
             backoff: BackoffConfig {
                 init_backoff: Duration::from_millis(50),
@@ -257,7 +258,6 @@ impl ObjectOptions {
                 .build()
                 .map(|s| Arc::new(s) as Arc<dyn ObjectStore>),
             Scheme::S3 => {
-                let profile = Profile::from_env();
                 let given = self.credentials.clone().or_else(|| {
                     // The profile's, where the environment has no key.
                     std::env::var_os("AWS_ACCESS_KEY_ID")
