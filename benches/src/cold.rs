@@ -7,7 +7,8 @@
 //!
 //! Rows: `Strategy::Auto` (default `LoadOptions`, with what it chose and why), `Direct`,
 //! `Staged`, `Gds` (cuFile; `io_backend` says which path cuFile's statistics saw: peer-to-peer
-//! or its compatibility mode), and KvikIO's `CuFile.read` into a CuPy buffer at 16 threads and
+//! or its compatibility mode) into the destination and through the loader's registered buffers
+//! (`GdsBuffers::Registered`), and KvikIO's `CuFile.read` into a CuPy buffer at 16 threads and
 //! at its default (`benches/peers/cold.py`). The Auto, Direct and Gds loads' bytes are checked
 //! against the file (xxh3) once; a mismatch fails the run. Issue 42's targets close the table:
 //! `Auto` no slower than the best of Direct, Staged and cuFile, and `Direct` at least KvikIO.
@@ -35,7 +36,7 @@ const SCRIPT: &str = "benches/peers/cold.py";
 const WARM_UP_RANGE: u64 = 256 << 20;
 
 /// gpufeed's routes, in the table's order: the id, the strategy asked for, what the row is.
-const ROUTES: [(&str, Strategy, &str); 4] = [
+const ROUTES: [(&str, Strategy, &str); 5] = [
     (
         "auto",
         Strategy::Auto,
@@ -55,6 +56,11 @@ const ROUTES: [(&str, Strategy, &str); 4] = [
         "gds",
         Strategy::Gds,
         "`Strategy::Gds`: cuFile reads into device memory",
+    ),
+    (
+        "gds_registered",
+        Strategy::Gds,
+        "the same, `GdsBuffers::Registered`: into the loader's registered 8 MiB buffers, copied on the GPU",
     ),
 ];
 
@@ -218,12 +224,16 @@ pub fn measure(
 
     let loaders = ROUTES
         .iter()
-        .map(|&(_, strategy, _)| {
+        .map(|&(id, strategy, _)| {
             let mut opts = LoadOptions::default().with_strategy(strategy);
-            // The Gds row names the path cuFile's statistics say served its reads (counting
+            // The Gds rows name the path cuFile's statistics say served their reads (counting
             // raises cuFile's statistics level for each load; the loads here run one at a
             // time, so the lock it takes costs nothing).
             opts.gds_path_counts = strategy == Strategy::Gds;
+            opts.gds_buffers = match id {
+                "gds_registered" => gpufeed::GdsBuffers::Registered,
+                _ => gpufeed::GdsBuffers::Destination,
+            };
             Loader::new(&gpu, opts)
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -15,10 +15,11 @@
 //! - [`CuFile::register`]: a descriptor opened with `O_DIRECT` registered
 //!   (`cuFileHandleRegister`); [`CuFileHandle::read_raw`] reads into device memory
 //!   (`cuFileRead`: a short read is read on, the end of the file is an error).
-//!   Destinations are not registered (`cuFileBufRegister`): cuFile then reads through its own
-//!   bounce buffers, registered once and bounded by `cufile.json`'s
-//!   `properties.max_device_cache_size`; [`BufRegistration`] registers a buffer kept for many
-//!   reads.
+//!   Such destinations are not registered (`cuFileBufRegister`): cuFile then reads through
+//!   its own bounce buffers, registered once and bounded by `cufile.json`'s
+//!   `properties.max_device_cache_size`. [`BufRegistration`] registers a buffer kept for many
+//!   reads, and [`CuFileHandle::read_registered`] reads into it with no bounce (gpufeed-load's
+//!   `GdsBuffers::Registered` keeps a bounded pool of them per loader).
 //!
 //! The library is opened on first use: `GPUFEED_CUFILE_LIBRARY` if set, else
 //! `libcufile.so.0`, then `libcufile.so` (the CUDA toolkit's and the `nvidia-cufile` wheel's
@@ -774,31 +775,82 @@ impl CuFileHandle<'_> {
         len: usize,
         file_offset: u64,
     ) -> Result<()> {
+        // SAFETY: the caller's promises. Not registered: the destination's address itself,
+        // buffer offset 0 (KvikIO's way for buffers cuFile does not know).
+        unsafe { self.read_loop(dst, dst_offset, len, file_offset, false) }
+    }
+
+    /// `cuFileRead` into a registered buffer: `len` bytes at `file_offset` of the file into
+    /// `buf` at `buf_offset`, read on after a short read; returns once the bytes are in device
+    /// memory. cuFile reads it with no bounce buffer of its own (peer-to-peer, where the
+    /// machine reads so), in requests of up to `max_direct_io_size`.
+    ///
+    /// # Safety
+    /// 1. The buffer's context is bound to the calling thread.
+    /// 2. No other work reads or writes `buf_offset .. buf_offset + len` of it until this
+    ///    returns.
+    ///
+    /// # Errors
+    /// [`Error::CufileRead`] as [`CuFileHandle::read_raw`]'s, and where the range is not
+    /// inside the buffer.
+    pub unsafe fn read_registered(
+        &self,
+        buf: &BufRegistration,
+        buf_offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<()> {
+        if buf_offset.checked_add(len).is_none_or(|end| end > buf.len) {
+            return Err(Error::CufileRead {
+                offset: file_offset,
+                len,
+                reason: format!(
+                    "{len} bytes at {buf_offset} of a registered buffer of {} bytes",
+                    buf.len
+                ),
+            });
+        }
+        // SAFETY: the caller's promises; the range lies inside the registration (checked).
+        // Registered: its base and an offset into it, so cuFile finds the registration.
+        unsafe { self.read_loop(buf.base, buf_offset, len, file_offset, true) }
+    }
+
+    /// The reads of [`CuFileHandle::read_raw`] (`registered` false: the address `dst + at`,
+    /// offset 0) and [`CuFileHandle::read_registered`] (true: base `dst`, offset `at`).
+    ///
+    /// # Safety
+    /// As theirs.
+    unsafe fn read_loop(
+        &self,
+        dst: u64,
+        dst_offset: usize,
+        len: usize,
+        file_offset: u64,
+        registered: bool,
+    ) -> Result<()> {
         let l = library()?;
         let mut done = 0usize;
         while done < len {
             let (at, into) = (file_offset + done as u64, dst_offset + done);
-            let (Ok(at_i), Some(_)) = (i64::try_from(at), (dst as usize).checked_add(into)) else {
+            let (Ok(at_i), Some(_), Ok(into_i)) = (
+                i64::try_from(at),
+                (dst as usize).checked_add(into),
+                i64::try_from(into),
+            ) else {
                 return Err(Error::CufileRead {
                     offset: at,
                     len: len - done,
                     reason: "offset past what off_t or the address space holds".into(),
                 });
             };
+            let (base, offset) = if registered {
+                (dst as usize, into_i)
+            } else {
+                (dst as usize + into, 0)
+            };
             // SAFETY: the caller's promises: the destination range is device memory of the
             // bound context and nothing else touches it; the handle is registered.
-            // The destination's address itself, buffer offset 0: cuFile takes a base and an
-            // offset into it for registered buffers; for others (these) KvikIO passes the
-            // address, as here.
-            let n = unsafe {
-                (l.read)(
-                    self.raw,
-                    (dst as usize + into) as *mut c_void,
-                    len - done,
-                    at_i,
-                    0,
-                )
-            };
+            let n = unsafe { (l.read)(self.raw, base as *mut c_void, len - done, at_i, offset) };
             match n {
                 n if n > 0 => done += n as usize,
                 0 => {
@@ -853,6 +905,7 @@ impl Drop for CuFileHandle<'_> {
 #[derive(Debug)]
 pub struct BufRegistration {
     base: u64,
+    len: usize,
 }
 
 impl BufRegistration {
@@ -871,7 +924,22 @@ impl BufRegistration {
         check("cuFileBufRegister", unsafe {
             (l.buf_register)(base as usize as *const c_void, len, 0)
         })?;
-        Ok(BufRegistration { base })
+        Ok(BufRegistration { base, len })
+    }
+
+    /// The registered memory's address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes registered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no bytes are registered (never: cuFile refuses an empty registration).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 

@@ -15,15 +15,20 @@ use std::ops::Range;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use gpufeed_cuda::cudarc::driver::{DevicePtrMut, DeviceSlice};
-use gpufeed_cuda::cufile::{CuFile, CuFileHandle};
+use std::sync::Arc;
+
+use gpufeed_cuda::cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, result,
+};
+use gpufeed_cuda::cufile::{BufRegistration, CuFile, CuFileHandle};
 use gpufeed_cuda::gds::{GdsRoots, GdsVerdict};
+use gpufeed_cuda::{ContextGuard, Gpu};
 use gpufeed_os::{Fallback, OpenedFile, Refused};
 use parking_lot::Mutex;
 
 use crate::error::Result;
 use crate::loader::Loader;
-use crate::options::{LoadReport, Route};
+use crate::options::{GdsBuffers, LoadReport, Route};
 
 /// Bytes per `cuFileRead` (cuFile's default `max_direct_io_size` is 16 MiB; 8 MiB pieces keep
 /// every thread busy on files of a few hundred MiB).
@@ -196,8 +201,20 @@ impl Loader {
             .fill_threads
             .clamp(1, 16)
             .min(pieces.len());
+        // Registered buffers: asked for, or where cuFile reads peer-to-peer (nvidia-fs).
+        let registered = match self.opts.gds_buffers {
+            GdsBuffers::Registered => true,
+            GdsBuffers::Destination => false,
+            _ => driver.properties().nvidia_fs(),
+        };
+        let bound = if registered {
+            registered_bound(threads, driver.properties().max_device_pinned_bytes)
+        } else {
+            0
+        };
         let next = AtomicUsize::new(0);
         let failed: Mutex<Option<String>> = Mutex::new(None);
+        let used = std::sync::atomic::AtomicU64::new(0);
         let read = |handle: &CuFileHandle<'_>| {
             if let Err(e) = self.gpu.context().bind_to_thread() {
                 failed
@@ -205,29 +222,42 @@ impl Loader {
                     .get_or_insert(format!("binding the GPU's context: {e}"));
                 return;
             }
+            // This thread's registered buffers (none: it reads into the destination).
+            let mut lane = match Lane::new(&self.gds_pool, &self.gpu, driver, bound) {
+                Ok(lane) => lane,
+                Err(e) => {
+                    failed.lock().get_or_insert(e);
+                    return;
+                }
+            };
+            used.fetch_add(lane.bytes(), Ordering::Relaxed);
             loop {
                 if failed.lock().is_some() {
-                    return;
+                    break;
                 }
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(p) = pieces.get(k) else {
-                    return;
+                    break;
                 };
                 if fault == Some(GdsFault::ReadFailsAt(k)) {
                     failed
                         .lock()
                         .get_or_insert(format!("testing: the read of piece {k} failed"));
-                    return;
+                    break;
                 }
                 // SAFETY: `base .. base + dst.len()` is the destination's device memory, of
                 // this loader's GPU (bound above), allocated (its stream synchronized) and
                 // borrowed mutably for this call; the pieces are disjoint ranges inside it
                 // (`pieces_of`: back to back, `total` bytes, checked equal to its length),
                 // each read by one thread.
-                if let Err(e) = unsafe { handle.read_raw(base, p.dst, p.len, p.file) } {
-                    failed.lock().get_or_insert(e.to_string());
-                    return;
+                if let Err(e) = unsafe { lane.read(handle, base, p) } {
+                    failed.lock().get_or_insert(e);
+                    break;
                 }
+            }
+            // Its copies landed before the load returns (and before its buffers go back).
+            if let Err(e) = lane.finish() {
+                failed.lock().get_or_insert(e);
             }
         };
         let read_all = || {
@@ -256,6 +286,15 @@ impl Loader {
         };
         if let Some(why) = failed.into_inner() {
             return Err(Refusal(GdsRefusal::Read, why));
+        }
+        report.gds_registered_bytes = used.into_inner();
+        if registered && let Some(why) = self.gds_pool.refused() {
+            Fallback::new(
+                Refused::Gds,
+                why,
+                "cuFile read into the destination through its own bounce buffers",
+            )
+            .push_once(&mut report.fallbacks);
         }
         // Detection said peer-to-peer: where cuFile's statistics show reads through host
         // memory, `Auto` does not take it again on this file system; where they show none, it
@@ -291,6 +330,233 @@ impl Loader {
             },
         });
         Ok(())
+    }
+}
+
+impl Loader {
+    /// Bytes of device memory this loader holds registered with cuFile for `Strategy::Gds`
+    /// loads ([`GdsBuffers`]): 0 until a load reads through registered buffers, then at most
+    /// two [`GDS_PIECE_BYTES`] buffers per read thread (and half of cufile.json's
+    /// `max_device_pin_mem_size`), kept until the loader is dropped.
+    pub fn gds_registered_bytes(&self) -> u64 {
+        self.gds_pool.inner.lock().registered
+    }
+}
+
+/// Registered buffers per read thread: one being read into while the other's device copy
+/// runs.
+const BUFFERS_PER_THREAD: usize = 2;
+
+/// The most bytes a loader registers for `threads` read threads, where cuFile lets a process
+/// pin `pinnable` bytes of device memory (`max_device_pinned_bytes`; 0: not said): two
+/// pieces per thread, within half of that, whole pieces.
+fn registered_bound(threads: usize, pinnable: u64) -> u64 {
+    let piece = GDS_PIECE_BYTES as u64;
+    let want = (threads * BUFFERS_PER_THREAD) as u64 * piece;
+    let cap = if pinnable == 0 { want } else { pinnable / 2 };
+    want.min(cap) / piece * piece
+}
+
+/// A loader's registered device buffers ([`GdsBuffers::Registered`]): made and registered
+/// with cuFile when first needed, never more than a load's bound, kept for later loads.
+#[derive(Default)]
+pub(crate) struct GdsPool {
+    inner: Mutex<PoolInner>,
+}
+
+#[derive(Default)]
+struct PoolInner {
+    /// Buffers no load holds.
+    free: Vec<Registered>,
+    /// Bytes registered: free and held.
+    registered: u64,
+    /// Why cuFile refused a registration: none is tried again.
+    refused: Option<String>,
+}
+
+/// A device buffer of [`GDS_PIECE_BYTES`] and its registration (deregistered first: fields
+/// drop in order).
+struct Registered {
+    reg: BufRegistration,
+    buf: CudaSlice<u8>,
+}
+
+impl GdsPool {
+    /// A free buffer, or a new one where the pool holds less than `bound` bytes (`None`
+    /// beyond it, or once cuFile refused a registration: [`GdsPool::refused`] says why).
+    fn take(&self, gpu: &Gpu, driver: &CuFile, bound: u64) -> Option<Registered> {
+        let piece = GDS_PIECE_BYTES as u64;
+        {
+            let mut inner = self.inner.lock();
+            if let Some(r) = inner.free.pop() {
+                return Some(r);
+            }
+            if inner.refused.is_some() || inner.registered + piece > bound {
+                return None;
+            }
+            inner.registered += piece;
+        }
+        match make_registered(gpu, driver) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                let mut inner = self.inner.lock();
+                inner.registered -= piece;
+                inner.refused.get_or_insert(e);
+                None
+            }
+        }
+    }
+
+    /// Buffers back for later loads.
+    fn give_back(&self, bufs: impl IntoIterator<Item = Registered>) {
+        self.inner.lock().free.extend(bufs);
+    }
+
+    /// Why cuFile refused a registration, where it did.
+    fn refused(&self) -> Option<String> {
+        self.inner.lock().refused.clone()
+    }
+}
+
+impl Drop for GdsPool {
+    /// Deregistered and freed with their context current (cuFile and cudarc act on the
+    /// current context), the thread's own put back after.
+    fn drop(&mut self) {
+        let free = std::mem::take(&mut self.inner.get_mut().free);
+        let Some(first) = free.first() else {
+            return;
+        };
+        let _restore = ContextGuard::new();
+        if let Err(e) = first.buf.context().bind_to_thread() {
+            tracing::warn!(error = %e, "binding a context to free cuFile's registered buffers");
+        }
+        drop(free);
+    }
+}
+
+/// A device buffer of [`GDS_PIECE_BYTES`] from `cuMemAlloc`, registered with cuFile.
+#[allow(unsafe_code, reason = "device memory cuFile reads into")]
+fn make_registered(gpu: &Gpu, driver: &CuFile) -> std::result::Result<Registered, String> {
+    // SAFETY: nothing reads the buffer before cuFile wrote the bytes a copy takes from it.
+    let buf = unsafe { gpu.alloc_unpooled(GDS_PIECE_BYTES) }
+        .map_err(|e| format!("allocating a buffer for cuFile: {e}"))?;
+    let (ptr, sync) = buf.device_ptr(buf.stream());
+    // SAFETY: the calling thread has the GPU's context bound (the read threads bind it
+    // first); `ptr` is a `cuMemAlloc` allocation of `GDS_PIECE_BYTES` of it, which `buf`
+    // keeps until after the registration is dropped (`Registered`'s field order).
+    let reg = unsafe { BufRegistration::new(driver, ptr, GDS_PIECE_BYTES) }.map_err(|e| {
+        format!(
+            "cuFile refused to register {} MiB of device memory ({e}); BAR1 space is bounded by cufile.json's max_device_pin_mem_size and the GPU",
+            GDS_PIECE_BYTES >> 20
+        )
+    })?;
+    drop(sync);
+    Ok(Registered { reg, buf })
+}
+
+/// One read thread's registered buffers (none: it reads into the destination), with the
+/// device copy out of each still running.
+struct Lane<'a> {
+    pool: &'a GdsPool,
+    stream: Option<Arc<CudaStream>>,
+    bufs: Vec<(Registered, Option<CudaEvent>)>,
+    next: usize,
+}
+
+impl<'a> Lane<'a> {
+    /// Up to [`BUFFERS_PER_THREAD`] buffers of `pool` within `bound` and a stream for their
+    /// copies; the thread has the GPU's context bound.
+    fn new(
+        pool: &'a GdsPool,
+        gpu: &Gpu,
+        driver: &CuFile,
+        bound: u64,
+    ) -> std::result::Result<Self, String> {
+        let mut bufs = Vec::new();
+        if bound > 0 {
+            while bufs.len() < BUFFERS_PER_THREAD
+                && let Some(r) = pool.take(gpu, driver, bound)
+            {
+                bufs.push((r, None));
+            }
+        }
+        let mut lane = Lane {
+            pool,
+            stream: None,
+            bufs,
+            next: 0,
+        };
+        if !lane.bufs.is_empty() {
+            lane.stream = Some(
+                gpu.context()
+                    .new_stream()
+                    .map_err(|e| format!("a stream for cuFile's copies: {e}"))?,
+            );
+        }
+        Ok(lane)
+    }
+
+    /// Bytes of registered buffers this lane reads into.
+    fn bytes(&self) -> u64 {
+        (self.bufs.len() * GDS_PIECE_BYTES) as u64
+    }
+
+    /// Piece `p` of the file into the destination at `base`: into a registered buffer, then
+    /// copied on the GPU (asynchronously: [`Lane::finish`] waits), or straight in.
+    ///
+    /// # Safety
+    /// `base + p.dst .. + p.len` is device memory of the bound context that nothing else
+    /// touches until [`Lane::finish`] returned.
+    #[allow(unsafe_code, reason = "cuFile reads and device copies")]
+    unsafe fn read(
+        &mut self,
+        handle: &CuFileHandle<'_>,
+        base: u64,
+        p: &Piece,
+    ) -> std::result::Result<(), String> {
+        let (Some(stream), false) = (&self.stream, self.bufs.is_empty()) else {
+            // SAFETY: the caller's promise.
+            return unsafe { handle.read_raw(base, p.dst, p.len, p.file) }
+                .map_err(|e| e.to_string());
+        };
+        let i = self.next % self.bufs.len();
+        self.next += 1;
+        let (r, pending) = &mut self.bufs[i];
+        // The buffer's last copy out must have run before cuFile writes it again.
+        if let Some(ev) = pending.take() {
+            ev.synchronize()
+                .map_err(|e| format!("waiting for a copy out of a registered buffer: {e}"))?;
+        }
+        // SAFETY: the buffer is this lane's alone and no copy out of it is running (waited
+        // above); the context is bound; a piece is at most GDS_PIECE_BYTES (checked by
+        // `read_registered`).
+        unsafe { handle.read_registered(&r.reg, 0, p.len, p.file) }.map_err(|e| e.to_string())?;
+        // SAFETY: the source is the buffer's first `p.len` bytes, just written; the
+        // destination range is the caller's, inside its allocation; the stream is this
+        // lane's, of the same context.
+        unsafe {
+            result::memcpy_dtod_async(base + p.dst as u64, r.reg.base(), p.len, stream.cu_stream())
+        }
+        .map_err(|e| format!("copying a registered buffer into the destination: {e}"))?;
+        *pending = Some(
+            stream
+                .record_event(None)
+                .map_err(|e| format!("recording a copy's event: {e}"))?,
+        );
+        Ok(())
+    }
+
+    /// Waits for the copies, then gives the buffers back to the pool.
+    fn finish(mut self) -> std::result::Result<(), String> {
+        let waited = match &self.stream {
+            Some(s) => s
+                .synchronize()
+                .map_err(|e| format!("waiting for the copies out of registered buffers: {e}")),
+            None => Ok(()),
+        };
+        self.pool
+            .give_back(std::mem::take(&mut self.bufs).into_iter().map(|(r, _)| r));
+        waited
     }
 }
 
@@ -396,6 +662,19 @@ fn gds_confirmed(file: &OpenedFile) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn registered_buffers_are_bounded_by_threads_and_cufiles_pinning_budget() {
+        let piece = GDS_PIECE_BYTES as u64;
+        // Two pieces per thread where cuFile's budget is large (32 GiB, cufile.json's default).
+        assert_eq!(registered_bound(3, 32 << 30), 6 * piece);
+        assert_eq!(registered_bound(16, 32 << 30), 32 * piece);
+        // Half the budget, whole pieces.
+        assert_eq!(registered_bound(16, 100 << 20), 6 * piece);
+        assert_eq!(registered_bound(4, piece), 0);
+        // A budget not said: two per thread.
+        assert_eq!(registered_bound(2, 0), 4 * piece);
+    }
 
     #[test]
     fn spans_are_cut_into_pieces_back_to_back() {

@@ -75,7 +75,9 @@ pub use gds::{GDS_PIECE_BYTES, GdsRefusal};
 pub use gpufeed_cuda::{Gpu, GpuInfo};
 pub use gpufeed_os::{Fallback, Refused};
 pub use loader::{Loader, LoaderSetup, load_file, load_file_on};
-pub use options::{DeviceBuffer, LoadOptions, LoadReport, OneShotReport, RouteChoice, Strategy};
+pub use options::{
+    DeviceBuffer, GdsBuffers, LoadOptions, LoadReport, OneShotReport, RouteChoice, Strategy,
+};
 pub use registered::RegisteredFile;
 pub use save::{Piece, SaveOptions, SaveReport, Saver, save_file};
 

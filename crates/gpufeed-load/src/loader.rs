@@ -52,6 +52,9 @@ pub struct Loader {
     /// ones for `Direct` loads, buffered ones for file lists; a load opens its files in the
     /// readers it takes and closes them after.
     pub(crate) readers: Readers,
+    /// Device buffers registered with cuFile for `Strategy::Gds` loads (made when first
+    /// needed, kept until the loader goes).
+    pub(crate) gds_pool: crate::gds::GdsPool,
 }
 
 /// A loader's idle readers.
@@ -309,6 +312,7 @@ impl Loader {
             unpooled: AtomicBool::new(true),
             always_unpooled: false,
             readers: Readers::default(),
+            gds_pool: crate::gds::GdsPool::default(),
         })
     }
 
@@ -667,6 +671,7 @@ impl Loader {
             source_waited_s: 0.0,
             io_backend: None,
             gds_refused: None,
+            gds_registered_bytes: 0,
         };
         if len == 0 {
             report.reason = "nothing to load".into();

@@ -179,6 +179,7 @@ impl Loader {
             source_waited_s: 0.0,
             io_backend: Some("object store (HTTP ranged GETs)".into()),
             gds_refused: None,
+            gds_registered_bytes: 0,
         };
         if len > 0 {
             let source = ObjectSource { object, spans };

@@ -163,6 +163,9 @@ pub struct LoadOptions {
     /// `Auto`'s `Gds` loads are counted until one confirms peer-to-peer reads on their file
     /// system.
     pub gds_path_counts: bool,
+    /// `Strategy::Gds`: where cuFile reads into ([`GdsBuffers::Auto`]: the loader's registered
+    /// buffers where cuFile's driver reads through nvidia-fs, else the destination).
+    pub gds_buffers: GdsBuffers,
     /// Test hook, not API: a fault `Strategy::Gds` runs into, to test its fallbacks on
     /// machines where cuFile works.
     #[doc(hidden)]
@@ -188,6 +191,7 @@ impl Default for LoadOptions {
             queue_depth: 8,
             testing_refuse_registration: false,
             gds_path_counts: false,
+            gds_buffers: GdsBuffers::Auto,
             testing_gds_fault: None,
         }
     }
@@ -275,6 +279,42 @@ impl LoadOptions {
     }
 }
 
+/// Where `Strategy::Gds`'s cuFile reads land ([`LoadOptions::gds_buffers`]).
+///
+/// cuFile reads peer-to-peer (nvidia-fs) only into device memory registered with it
+/// (`cuFileBufRegister`); into other memory it reads through bounce buffers of its own
+/// (`cufile.json`'s `per_buffer_cache_size`, 1 MiB by default, out of `max_device_cache_size`)
+/// and copies. Registering a destination per load costs a registration per load and pins
+/// GPU BAR1 space for as long as the destination lives; a loader instead keeps a few device
+/// buffers of [`GDS_PIECE_BYTES`](crate::gds::GDS_PIECE_BYTES), registered once when first
+/// needed and bounded (two per read thread, at most half of cufile.json's
+/// `max_device_pin_mem_size`; [`Loader::gds_registered_bytes`](crate::Loader::gds_registered_bytes)),
+/// reads whole pieces into them and copies each piece into the destination on the GPU.
+///
+/// ```
+/// use gpufeed_load::{GdsBuffers, LoadOptions, Strategy};
+/// let mut opts = LoadOptions::default().with_strategy(Strategy::Gds);
+/// opts.gds_buffers = GdsBuffers::Registered;
+/// assert_eq!(GdsBuffers::default(), GdsBuffers::Auto);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum GdsBuffers {
+    /// `Registered` where cuFile's driver reads through nvidia-fs
+    /// ([`DriverProperties::nvidia_fs`](gpufeed_cuda::cufile::DriverProperties::nvidia_fs)),
+    /// `Destination` elsewhere: in compatibility mode cuFile reads into host memory and
+    /// copies either way, and a registered buffer would only add a device copy.
+    #[default]
+    Auto,
+    /// The loader's registered buffers, then a device copy into the destination. Where cuFile
+    /// refuses a registration (the BAR1 budget), the threads without a buffer read into the
+    /// destination, and the report's fallbacks say why.
+    Registered,
+    /// Straight into the destination, not registered (cuFile's own bounce buffers).
+    Destination,
+}
+
 /// What a load did.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LoadReport {
@@ -309,6 +349,9 @@ pub struct LoadReport {
     /// Why cuFile did not load the file, where `Strategy::Gds` was asked for (or chosen) and
     /// gpufeed's own path ran instead (its words are in `fallbacks`).
     pub gds_refused: Option<crate::gds::GdsRefusal>,
+    /// `Strategy::Gds` loads: bytes of the loader's registered device buffers cuFile read
+    /// into ([`GdsBuffers`]); 0 where it read straight into the destination.
+    pub gds_registered_bytes: u64,
 }
 
 impl LoadReport {

@@ -261,6 +261,7 @@ impl Loader {
             source_waited_s: 0.0,
             io_backend: None,
             gds_refused: None,
+            gds_registered_bytes: 0,
         };
         if let Some(registration) = file.registration.as_ref().filter(|_| len > 0) {
             file.verify_unchanged()?;

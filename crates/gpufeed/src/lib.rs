@@ -51,9 +51,9 @@ mod log;
 
 pub use error::{Error, Result};
 pub use gpufeed_load::{
-    DeviceBuffer, Fallback, FileList, FilesReport, Gpu, GpuInfo, LoadOptions, LoadReport, Loader,
-    LoaderSetup, OneShotReport, Piece, Refused, RegisteredFile, RouteChoice, SaveOptions,
-    SaveReport, Saver, Skipped, Strategy, load_file, load_file_on, save_file,
+    DeviceBuffer, Fallback, FileList, FilesReport, GdsBuffers, Gpu, GpuInfo, LoadOptions,
+    LoadReport, Loader, LoaderSetup, OneShotReport, Piece, Refused, RegisteredFile, RouteChoice,
+    SaveOptions, SaveReport, Saver, Skipped, Strategy, load_file, load_file_on, save_file,
 };
 #[cfg(feature = "stderr-log")]
 pub use log::{LOG_VAR, log_to_stderr};

@@ -7,7 +7,9 @@
 //! by `Direct` into the same destination. `Auto` takes `Gds` exactly where detection finds
 //! peer-to-peer reads.
 
-use gpufeed_load::{GdsFault, GdsRefusal, LoadOptions, Loader, Refused, Strategy};
+use gpufeed_load::{
+    GDS_PIECE_BYTES, GdsBuffers, GdsFault, GdsRefusal, LoadOptions, Loader, Refused, Strategy,
+};
 use gpufeed_os::OpenedFile;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -185,6 +187,125 @@ fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
         .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
         .collect();
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&want));
+}
+
+/// `GdsBuffers::Registered`: cuFile reads whole pieces into the loader's registered device
+/// buffers and each is copied into the destination on the GPU. The buffers are made and
+/// registered by the first load, within their bound (two per read thread), and the same
+/// ones serve the next loads; the bytes are the file's, cold and warm, at unaligned sizes,
+/// offsets and spans, into a destination that held other bytes. `Destination` registers
+/// nothing, and neither does `Auto` where cuFile reads through its compatibility mode.
+#[test]
+fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact() {
+    let test = "registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact";
+    let Some(gpu) = gpu_with_cufile_or_skip(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let len = (45 << 20) + 4093;
+    let data = random_bytes(len, gpufeed_testkit::seed(test));
+    let path = dir.path().join("reg.bin");
+    std::fs::write(&path, &data).expect("write");
+    let threads = 3;
+    let bound = (threads * 2 * GDS_PIECE_BYTES) as u64;
+    let mut opts = LoadOptions::default().with_strategy(Strategy::Gds);
+    opts.transfer = opts.transfer.with_fill_threads(threads);
+    opts.gds_buffers = GdsBuffers::Registered;
+    opts.gds_path_counts = true;
+    let loader = Loader::new(&gpu, opts.clone()).expect("loader");
+    assert_eq!(loader.gds_registered_bytes(), 0, "nothing before a load");
+    let mut made = 0;
+    for warmth in ["cold", "warm"] {
+        if warmth == "cold" {
+            gpufeed_os::cache::evict(&path).expect("evict");
+        }
+        let (buf, report) = loader.load_file(&path).expect("load");
+        assert_eq!(
+            report.strategy,
+            Strategy::Gds,
+            "{warmth}: cuFile did not load: {:?}",
+            report.fallbacks
+        );
+        assert!(
+            !report.fallbacks.iter().any(|f| f.refused == Refused::Gds),
+            "{warmth}: a registration refused: {:?}",
+            report.fallbacks
+        );
+        println!(
+            "{test}: {warmth}: {:.2} GB/s through {} into {} MiB registered",
+            report.gbps(),
+            report.io_backend.clone().unwrap_or_default(),
+            report.gds_registered_bytes >> 20
+        );
+        assert!(
+            report.gds_registered_bytes > 0
+                && report.gds_registered_bytes <= bound
+                && report.gds_registered_bytes % GDS_PIECE_BYTES as u64 == 0,
+            "{warmth}: {} bytes registered",
+            report.gds_registered_bytes
+        );
+        let now = loader.gds_registered_bytes();
+        assert!(now >= report.gds_registered_bytes && now <= bound, "{now}");
+        if warmth == "cold" {
+            made = now;
+        } else {
+            assert_eq!(now, made, "the buffers of the first load serve the next");
+        }
+        assert_eq!(
+            xxh3_64(&gpu.to_vec(&buf).expect("back")),
+            xxh3_64(&data),
+            "{warmth}"
+        );
+    }
+    // Spans at unaligned offsets into a destination holding other bytes.
+    let spans = [
+        (9 << 20) + 7..(30 << 20) + 4098,
+        1..2,
+        3..(5 << 20) + 1,
+        len as u64 - 5..len as u64,
+    ];
+    let want: Vec<u8> = spans
+        .iter()
+        .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
+        .collect();
+    let file = OpenedFile::open(&path).expect("open");
+    let mut dst = gpu
+        .default_stream()
+        .clone_htod(&random_bytes(want.len(), 78))
+        .expect("filled");
+    let report = loader
+        .load_spans_to(&file, &spans, &mut dst, None)
+        .expect("spans");
+    assert_eq!(report.strategy, Strategy::Gds);
+    assert!(report.gds_registered_bytes > 0);
+    assert_eq!(loader.gds_registered_bytes(), made);
+    assert_eq!(xxh3_64(&gpu.to_vec(&dst).expect("back")), xxh3_64(&want));
+    drop(loader);
+    // Into the destination: nothing registered.
+    let nvidia_fs = gpufeed_cuda::gds::detect(
+        None,
+        Ok(String::new()),
+        &gpufeed_cuda::gds::GdsRoots::system(),
+    )
+    .nvidia_fs
+    .loaded;
+    for (buffers, registers) in [
+        (GdsBuffers::Destination, false),
+        (GdsBuffers::Auto, nvidia_fs),
+    ] {
+        let mut o = opts.clone();
+        o.gds_buffers = buffers;
+        let loader = Loader::new(&gpu, o).expect("loader");
+        let (buf, report) = loader.load_file(&path).expect("load");
+        assert_eq!(report.strategy, Strategy::Gds, "{buffers:?}");
+        assert_eq!(report.gds_registered_bytes > 0, registers, "{buffers:?}");
+        assert_eq!(loader.gds_registered_bytes() > 0, registers, "{buffers:?}");
+        assert_eq!(
+            xxh3_64(&gpu.to_vec(&buf).expect("back")),
+            xxh3_64(&data),
+            "{buffers:?}"
+        );
+    }
 }
 
 /// cuFile refused after some pieces landed (a read failing at piece 2, injected), into a
