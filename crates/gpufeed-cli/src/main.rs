@@ -120,6 +120,11 @@ enum Command {
         /// auto, registered, staged, direct or gds (cuFile: GPUDirect Storage).
         #[arg(long, default_value = "auto", value_parser = strategy_arg)]
         strategy: gpufeed::Strategy,
+        /// With --strategy gds: where cuFile reads into. auto: device buffers registered once
+        /// where cuFile reads through nvidia-fs, else the destination; registered: always
+        /// those buffers (then a copy on the GPU); destination: straight in.
+        #[arg(long, value_enum, default_value_t = GdsBuffersArg::Auto)]
+        gds_buffers: GdsBuffersArg,
         /// Copy the bytes back and compare their xxh3 with the file's (for a checkpoint: each
         /// tensor's).
         #[arg(long)]
@@ -190,6 +195,26 @@ fn size_arg(text: &str) -> Result<u64, String> {
     }
 }
 
+/// `--gds-buffers`: [`gpufeed::GdsBuffers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum GdsBuffersArg {
+    Auto,
+    Registered,
+    Destination,
+}
+
+impl GdsBuffersArg {
+    /// `opts` with these buffers.
+    fn on(self, mut opts: gpufeed::LoadOptions) -> gpufeed::LoadOptions {
+        opts.gds_buffers = match self {
+            GdsBuffersArg::Auto => gpufeed::GdsBuffers::Auto,
+            GdsBuffersArg::Registered => gpufeed::GdsBuffers::Registered,
+            GdsBuffersArg::Destination => gpufeed::GdsBuffers::Destination,
+        };
+        opts
+    }
+}
+
 fn strategy_arg(text: &str) -> Result<gpufeed::Strategy, String> {
     text.parse()
         .map_err(|e: gpufeed::load::Error| e.to_string())
@@ -253,6 +278,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             gpus,
             replicate,
             strategy,
+            gds_buffers,
             verify,
             raw,
         } => {
@@ -270,7 +296,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         .exit();
                 }
                 // Fewer fill threads with larger pieces, twice the bytes in flight (for_objects).
-                let opts = gpufeed::LoadOptions::for_objects().with_strategy(strategy);
+                let opts =
+                    gds_buffers.on(gpufeed::LoadOptions::for_objects().with_strategy(strategy));
                 if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
                     return load_checkpoint(&path, gpu, opts, verify, json);
                 }
@@ -300,10 +327,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         )
                         .exit();
                 }
-                let opts = gpufeed::LoadOptions::for_gpus(gpus.len()).with_strategy(strategy);
+                let opts = gds_buffers
+                    .on(gpufeed::LoadOptions::for_gpus(gpus.len()).with_strategy(strategy));
                 return load_multi(&path, &gpus, replicate, checkpoint, opts, verify, json);
             }
-            let opts = gpufeed::LoadOptions::default().with_strategy(strategy);
+            let opts = gds_buffers.on(gpufeed::LoadOptions::default().with_strategy(strategy));
             if checkpoint {
                 load_checkpoint(&path, gpu, opts, verify, json)
             } else {
@@ -667,6 +695,16 @@ fn load(
         print_load_summary(&path.display().to_string(), len, secs, &loader, &fallbacks);
         if let Some(r) = first {
             println!("strategy: {} ({})", r.strategy, r.reason);
+            if let Some(io) = &r.io_backend {
+                println!("read by: {io}");
+            }
+        }
+        let registered = loader.gds_registered_bytes();
+        if registered > 0 {
+            println!(
+                "cuFile read into {} of device buffers registered once (then copied on the GPU)",
+                show_size(registered)
+            );
         }
         print_verified(verified, "the bytes");
     }

@@ -308,6 +308,64 @@ fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact
     }
 }
 
+/// What bench table 16 does, smaller: loaders of every route in one process (gpufeed's direct
+/// path, cuFile into the destination, cuFile through registered buffers, `Auto`) take turns
+/// on one file, each load after an eviction, the order rotated each round, so that the later
+/// loads land in pool memory freed by the others; every load's bytes are the file's.
+#[test]
+fn loaders_of_every_route_take_turns_on_a_cold_file() {
+    let test = "loaders_of_every_route_take_turns_on_a_cold_file";
+    let Some(gpu) = gpu_with_cufile_or_skip(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let len = (200 << 20) + 13;
+    let data = random_bytes(len, gpufeed_testkit::seed(test));
+    let want = xxh3_64(&data);
+    let path = dir.path().join("turns.bin");
+    std::fs::write(&path, &data).expect("write");
+    drop(data);
+    let routes = [
+        (Strategy::Direct, GdsBuffers::Auto),
+        (Strategy::Gds, GdsBuffers::Destination),
+        (Strategy::Gds, GdsBuffers::Registered),
+        (Strategy::Auto, GdsBuffers::Auto),
+    ];
+    let loaders: Vec<Loader> = routes
+        .iter()
+        .map(|&(strategy, buffers)| {
+            let mut opts = LoadOptions::default().with_strategy(strategy);
+            opts.gds_buffers = buffers;
+            opts.gds_path_counts = strategy == Strategy::Gds;
+            Loader::new(&gpu, opts).expect("loader")
+        })
+        .collect();
+    for round in 0..3 {
+        for k in 0..routes.len() {
+            let i = (round + k) % routes.len();
+            gpufeed_os::cache::evict(&path).expect("evict");
+            let (buf, report) = loaders[i].load_file(&path).expect("load");
+            let what = format!("round {round}, {:?}", routes[i]);
+            if routes[i].0 == Strategy::Gds {
+                assert_eq!(
+                    report.strategy,
+                    Strategy::Gds,
+                    "{what}: {:?}",
+                    report.fallbacks
+                );
+                assert_eq!(
+                    report.gds_registered_bytes > 0,
+                    routes[i].1 == GdsBuffers::Registered,
+                    "{what}"
+                );
+            }
+            assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), want, "{what}");
+            drop(buf);
+            loaders[i].wait_for_cleanup();
+        }
+    }
+}
+
 /// cuFile refused after some pieces landed (a read failing at piece 2, injected), into a
 /// destination holding other bytes: the load runs `Direct` into the same destination and every
 /// byte is the file's; `O_DIRECT` refused (`EINVAL`, injected) -> `Staged`. Each refusal typed
