@@ -179,8 +179,10 @@ class ImageLoader:
     ``decoders`` threads, each with its own nvJPEG handle and CUDA stream (its hardware engines
     where the GPU has them; what nvJPEG refuses, on the CPU; with ``device=None`` or without
     nvJPEG, on the CPU, each thread on its share of the cores), plus ``cuda_decoders`` threads
-    on nvJPEG's CUDA decoder (Huffman decoding on the GPU's cores, beside the engines: for
-    when the engines are the limit). With ``train``, torchvision's
+    on nvJPEG's CUDA decoder (Huffman decoding on the GPU's cores, whole batches each, so
+    they pay only where that decoder keeps up with the engines: on the H200 one such thread decoded ImageNet-sized files at about 700-800
+    images/s and, batches being handed out in order, held the loader to a fifth of its rate).
+    With ``train``, torchvision's
     ``RandomResizedCrop(size, scale, ratio)`` and ``RandomHorizontalFlip()``, drawn from
     ``seed``, the epoch and the record's index alone — the same image gets the same crop
     whatever the worker count or world size; else the central crop of ``crop_fraction`` of the
