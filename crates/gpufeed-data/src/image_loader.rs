@@ -78,9 +78,10 @@ pub struct ImageOptions {
     /// Decode threads beside those that decode on nvJPEG's CUDA decoder (its batched call,
     /// Huffman decoding on the GPU's cores) instead of the hardware engines (default 0; with no
     /// GPU, or nvJPEG missing, none are made); each decodes whole batches, so it pays only
-    /// where the CUDA decoder keeps up with the engines for the files. Measured on the H200 (GPU run 180, ImageNet-sized files): one such thread decoded about 700-800
-    /// images/s, and since batches are handed out in order, it held the loader (14.7k
-    /// images/s without) to 2.9k; two or three to 2.5-2.9k.
+    /// where the CUDA decoder keeps up with the engines for the files. Measured on the H200
+    /// (GPU run 180, ImageNet-sized files): one such thread decoded about 700-800 images/s,
+    /// and since batches are handed out in order, it held the loader (14.7k images/s
+    /// without) to 2.9k; two or three to 2.5-2.9k.
     pub cuda_decoders: usize,
 }
 
