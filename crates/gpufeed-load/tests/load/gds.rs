@@ -10,6 +10,8 @@
 use gpufeed_load::{
     GDS_PIECE_BYTES, GdsBuffers, GdsFault, GdsRefusal, LoadOptions, Loader, Refused, Strategy,
 };
+use std::path::PathBuf;
+
 use gpufeed_os::OpenedFile;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -107,6 +109,24 @@ fn a_file_cufile_cannot_take_falls_back_with_detections_reason() {
     }
 }
 
+/// A file of `len` random bytes (seeded by `test`) named `name` in a new folder of the test
+/// target's: the folder (removed when dropped), the path and the bytes.
+fn random_file(test: &str, name: &str, len: usize) -> (tempfile::TempDir, PathBuf, Vec<u8>) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let data = random_bytes(len, gpufeed_testkit::seed(test));
+    let path = dir.path().join(name);
+    std::fs::write(&path, &data).expect("write");
+    (dir, path, data)
+}
+
+/// The bytes of `data` at `spans`, back to back.
+fn bytes_at(data: &[u8], spans: &[std::ops::Range<u64>]) -> Vec<u8> {
+    spans
+        .iter()
+        .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
+        .collect()
+}
+
 /// The test's role in a child process (`gpufeed_testkit::CHILD_ROLE`), if it is one.
 fn child_role() -> Option<String> {
     std::env::var(gpufeed_testkit::CHILD_ROLE).ok()
@@ -118,11 +138,8 @@ fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let len = (37 << 20) + 4093;
-    let data = random_bytes(len, gpufeed_testkit::seed(test));
-    let path = dir.path().join("gds.bin");
-    std::fs::write(&path, &data).expect("write");
+    let (_dir, path, data) = random_file(test, "gds.bin", len);
     let mut opts = LoadOptions::default().with_strategy(Strategy::Gds);
     opts.gds_path_counts = true;
     let loader = Loader::new(&gpu, opts).expect("loader");
@@ -182,10 +199,7 @@ fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
     let file = OpenedFile::open(&path).expect("open");
     let (buf, report) = loader.load_spans_of(&file, &spans).expect("spans");
     assert_eq!(report.strategy, Strategy::Gds);
-    let want: Vec<u8> = spans
-        .iter()
-        .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
-        .collect();
+    let want = bytes_at(&data, &spans);
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&want));
 }
 
@@ -201,11 +215,8 @@ fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let len = (45 << 20) + 4093;
-    let data = random_bytes(len, gpufeed_testkit::seed(test));
-    let path = dir.path().join("reg.bin");
-    std::fs::write(&path, &data).expect("write");
+    let (_dir, path, data) = random_file(test, "reg.bin", len);
     let threads = 3;
     let bound = (threads * 2 * GDS_PIECE_BYTES) as u64;
     let mut opts = LoadOptions::default().with_strategy(Strategy::Gds);
@@ -264,10 +275,7 @@ fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact
         3..(5 << 20) + 1,
         len as u64 - 5..len as u64,
     ];
-    let want: Vec<u8> = spans
-        .iter()
-        .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
-        .collect();
+    let want = bytes_at(&data, &spans);
     let file = OpenedFile::open(&path).expect("open");
     let mut dst = gpu
         .default_stream()
@@ -318,12 +326,8 @@ fn loaders_of_every_route_take_turns_on_a_cold_file() {
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    let len = (200 << 20) + 13;
-    let data = random_bytes(len, gpufeed_testkit::seed(test));
+    let (_dir, path, data) = random_file(test, "turns.bin", (200 << 20) + 13);
     let want = xxh3_64(&data);
-    let path = dir.path().join("turns.bin");
-    std::fs::write(&path, &data).expect("write");
     drop(data);
     let routes = [
         (Strategy::Direct, GdsBuffers::Auto),
@@ -383,10 +387,7 @@ fn a_refused_gds_load_is_done_again_by_gpufeeds_own_path() {
     std::fs::write(&path, &data).expect("write");
     let file = OpenedFile::open(&path).expect("open");
     let spans = [5..(20 << 20) + 1, (21 << 20) + 3..len as u64];
-    let want: Vec<u8> = spans
-        .iter()
-        .flat_map(|s| data[s.start as usize..s.end as usize].iter().copied())
-        .collect();
+    let want = bytes_at(&data, &spans);
     for (fault, refusal, ran) in [
         (GdsFault::ReadFailsAt(2), GdsRefusal::Read, Strategy::Direct),
         (
