@@ -60,7 +60,7 @@ const ROUTES: [(&str, Strategy, &str); 5] = [
     (
         "gds_registered",
         Strategy::Gds,
-        "the same, `GdsBuffers::Registered`: into the loader's registered 8 MiB buffers, copied on the GPU",
+        "the same, `GdsBuffers::Registered`: into the loader's registered 8 MiB buffers, copied on the GPU (with nvidia-fs; in compatibility mode into the destination, its fallback says why)",
     ),
 ];
 

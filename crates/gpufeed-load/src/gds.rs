@@ -201,12 +201,12 @@ impl Loader {
             .fill_threads
             .clamp(1, 16)
             .min(pieces.len());
-        // Registered buffers: asked for, or where cuFile reads peer-to-peer (nvidia-fs).
-        let registered = match self.opts.gds_buffers {
-            GdsBuffers::Registered => true,
-            GdsBuffers::Destination => false,
-            _ => driver.properties().nvidia_fs(),
-        };
+        // Registered buffers only where cuFile reads through nvidia-fs: in its compatibility
+        // mode they only add a device copy, and cuFile 1.15 crashed there (SIGSEGV in its own
+        // IO threads) reading into them in two of three runs of bench table 16.
+        let peer = driver.properties().nvidia_fs();
+        let registered = self.opts.gds_buffers != GdsBuffers::Destination && peer;
+        let declined = self.opts.gds_buffers == GdsBuffers::Registered && !peer;
         let bound = if registered {
             registered_bound(threads, driver.properties().max_device_pinned_bytes)
         } else {
@@ -288,6 +288,17 @@ impl Loader {
             return Err(Refusal(GdsRefusal::Read, why));
         }
         report.gds_registered_bytes = used.into_inner();
+        if declined {
+            Fallback::new(
+                Refused::Gds,
+                format!(
+                    "registered buffers are read into only where cuFile reads through nvidia-fs; cuFile {} reads through its compatibility mode here, where they would add a device copy, and where cuFile 1.15 crashed (SIGSEGV in its IO threads) reading into them",
+                    driver.library()
+                ),
+                "cuFile read into the destination through its own bounce buffers",
+            )
+            .push_once(&mut report.fallbacks);
+        }
         if registered && let Some(why) = self.gds_pool.refused() {
             Fallback::new(
                 Refused::Gds,

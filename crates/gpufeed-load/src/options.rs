@@ -289,7 +289,11 @@ impl LoadOptions {
 /// buffers of [`GDS_PIECE_BYTES`](crate::gds::GDS_PIECE_BYTES), registered once when first
 /// needed and bounded (two per read thread, at most half of cufile.json's
 /// `max_device_pin_mem_size`; [`Loader::gds_registered_bytes`](crate::Loader::gds_registered_bytes)),
-/// reads whole pieces into them and copies each piece into the destination on the GPU.
+/// reads whole pieces into them and copies each piece into the destination on the GPU. Only
+/// where cuFile's driver reads through nvidia-fs: in its compatibility mode cuFile reads into
+/// host memory and copies either way (a registered buffer adds a device copy), and cuFile
+/// 1.15 crashed there, in its own IO threads, reading into registered buffers (bench table 16,
+/// GPU runs 180 and 182).
 ///
 /// ```
 /// use gpufeed_load::{GdsBuffers, LoadOptions, Strategy};
@@ -303,13 +307,14 @@ impl LoadOptions {
 pub enum GdsBuffers {
     /// `Registered` where cuFile's driver reads through nvidia-fs
     /// ([`DriverProperties::nvidia_fs`](gpufeed_cuda::cufile::DriverProperties::nvidia_fs)),
-    /// `Destination` elsewhere: in compatibility mode cuFile reads into host memory and
-    /// copies either way, and a registered buffer would only add a device copy.
+    /// `Destination` elsewhere.
     #[default]
     Auto,
-    /// The loader's registered buffers, then a device copy into the destination. Where cuFile
-    /// refuses a registration (the BAR1 budget), the threads without a buffer read into the
-    /// destination, and the report's fallbacks say why.
+    /// The loader's registered buffers, then a device copy into the destination, where the
+    /// driver reads through nvidia-fs; elsewhere the destination, with a `Refused::Gds`
+    /// fallback saying why. Where cuFile refuses a registration (the BAR1 budget), the
+    /// threads without a buffer read into the destination, and the report's fallbacks say
+    /// why.
     Registered,
     /// Straight into the destination, not registered (cuFile's own bounce buffers).
     Destination,

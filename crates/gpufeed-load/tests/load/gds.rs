@@ -203,18 +203,24 @@ fn gds_loads_are_byte_exact_cold_and_warm_at_unaligned_sizes() {
     assert_eq!(xxh3_64(&gpu.to_vec(&buf).expect("back")), xxh3_64(&want));
 }
 
-/// `GdsBuffers::Registered`: cuFile reads whole pieces into the loader's registered device
-/// buffers and each is copied into the destination on the GPU. The buffers are made and
-/// registered by the first load, within their bound (two per read thread), and the same
-/// ones serve the next loads; the bytes are the file's, cold and warm, at unaligned sizes,
-/// offsets and spans, into a destination that held other bytes. `Destination` registers
-/// nothing, and neither does `Auto` where cuFile reads through its compatibility mode.
+/// `GdsBuffers::Registered`. Where cuFile reads through nvidia-fs: whole pieces into the
+/// loader's registered device buffers, each copied into the destination on the GPU; the
+/// buffers made and registered by the first load, within their bound (two per read thread),
+/// the same ones serving the next loads. In cuFile's compatibility mode (the GPU machines):
+/// nothing registered, cuFile reads into the destination, and a `Refused::Gds` fallback says
+/// why. Either way the bytes are the file's, cold and warm, at unaligned sizes, offsets and
+/// spans, into a destination that held other bytes; `Destination` and `Auto` in
+/// compatibility mode register nothing and say nothing.
 #[test]
 fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact() {
     let test = "registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact";
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
+    let peer = gpufeed_cuda::cufile::CuFile::open(&gpu)
+        .expect("cuFile's driver")
+        .properties()
+        .nvidia_fs();
     let len = (45 << 20) + 4093;
     let (_dir, path, data) = random_file(test, "reg.bin", len);
     let threads = 3;
@@ -225,38 +231,51 @@ fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact
     opts.gds_path_counts = true;
     let loader = Loader::new(&gpu, opts.clone()).expect("loader");
     assert_eq!(loader.gds_registered_bytes(), 0, "nothing before a load");
+    // What a Registered load's report must say: registered buffers read into where cuFile
+    // reads through nvidia-fs (within the bound), else none and the reason.
+    let check = |what: &str, report: &gpufeed_load::LoadReport| {
+        assert_eq!(
+            report.strategy,
+            Strategy::Gds,
+            "{what}: {:?}",
+            report.fallbacks
+        );
+        let declined = report.fallbacks.iter().find(|f| f.refused == Refused::Gds);
+        println!(
+            "{test}: {what}: {:.2} GB/s through {} into {} MiB registered; {declined:?}",
+            report.gbps(),
+            report.io_backend.clone().unwrap_or_default(),
+            report.gds_registered_bytes >> 20
+        );
+        if peer {
+            assert!(declined.is_none(), "{what}: {declined:?}");
+            assert!(
+                report.gds_registered_bytes > 0
+                    && report.gds_registered_bytes <= bound
+                    && report
+                        .gds_registered_bytes
+                        .is_multiple_of(GDS_PIECE_BYTES as u64),
+                "{what}: {} bytes registered",
+                report.gds_registered_bytes
+            );
+        } else {
+            assert_eq!(report.gds_registered_bytes, 0, "{what}");
+            assert!(
+                declined.is_some_and(|f| f.reason.contains("compatibility mode")),
+                "{what}: {declined:?}"
+            );
+        }
+    };
     let mut made = 0;
     for warmth in ["cold", "warm"] {
         if warmth == "cold" {
             gpufeed_os::cache::evict(&path).expect("evict");
         }
         let (buf, report) = loader.load_file(&path).expect("load");
-        assert_eq!(
-            report.strategy,
-            Strategy::Gds,
-            "{warmth}: cuFile did not load: {:?}",
-            report.fallbacks
-        );
-        assert!(
-            !report.fallbacks.iter().any(|f| f.refused == Refused::Gds),
-            "{warmth}: a registration refused: {:?}",
-            report.fallbacks
-        );
-        println!(
-            "{test}: {warmth}: {:.2} GB/s through {} into {} MiB registered",
-            report.gbps(),
-            report.io_backend.clone().unwrap_or_default(),
-            report.gds_registered_bytes >> 20
-        );
-        assert!(
-            report.gds_registered_bytes > 0
-                && report.gds_registered_bytes <= bound
-                && report.gds_registered_bytes % GDS_PIECE_BYTES as u64 == 0,
-            "{warmth}: {} bytes registered",
-            report.gds_registered_bytes
-        );
+        check(warmth, &report);
         let now = loader.gds_registered_bytes();
         assert!(now >= report.gds_registered_bytes && now <= bound, "{now}");
+        assert_eq!(now > 0, peer, "{warmth}: {now} bytes registered");
         if warmth == "cold" {
             made = now;
         } else {
@@ -284,28 +303,23 @@ fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact
     let report = loader
         .load_spans_to(&file, &spans, &mut dst, None)
         .expect("spans");
-    assert_eq!(report.strategy, Strategy::Gds);
-    assert!(report.gds_registered_bytes > 0);
+    check("spans", &report);
     assert_eq!(loader.gds_registered_bytes(), made);
     assert_eq!(xxh3_64(&gpu.to_vec(&dst).expect("back")), xxh3_64(&want));
     drop(loader);
-    // Into the destination: nothing registered.
-    let nvidia_fs = gpufeed_cuda::gds::detect(
-        None,
-        Ok(String::new()),
-        &gpufeed_cuda::gds::GdsRoots::system(),
-    )
-    .nvidia_fs
-    .loaded;
-    for (buffers, registers) in [
-        (GdsBuffers::Destination, false),
-        (GdsBuffers::Auto, nvidia_fs),
-    ] {
+    // Into the destination, and Auto: registered only where cuFile reads peer-to-peer, and
+    // nothing said either way.
+    for (buffers, registers) in [(GdsBuffers::Destination, false), (GdsBuffers::Auto, peer)] {
         let mut o = opts.clone();
         o.gds_buffers = buffers;
         let loader = Loader::new(&gpu, o).expect("loader");
         let (buf, report) = loader.load_file(&path).expect("load");
         assert_eq!(report.strategy, Strategy::Gds, "{buffers:?}");
+        assert!(
+            !report.fallbacks.iter().any(|f| f.refused == Refused::Gds),
+            "{buffers:?}: {:?}",
+            report.fallbacks
+        );
         assert_eq!(report.gds_registered_bytes > 0, registers, "{buffers:?}");
         assert_eq!(loader.gds_registered_bytes() > 0, registers, "{buffers:?}");
         assert_eq!(
@@ -326,6 +340,10 @@ fn loaders_of_every_route_take_turns_on_a_cold_file() {
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
+    let peer = gpufeed_cuda::cufile::CuFile::open(&gpu)
+        .expect("cuFile's driver")
+        .properties()
+        .nvidia_fs();
     let (_dir, path, data) = random_file(test, "turns.bin", (200 << 20) + 13);
     let want = xxh3_64(&data);
     drop(data);
@@ -359,7 +377,7 @@ fn loaders_of_every_route_take_turns_on_a_cold_file() {
                 );
                 assert_eq!(
                     report.gds_registered_bytes > 0,
-                    routes[i].1 == GdsBuffers::Registered,
+                    routes[i].1 == GdsBuffers::Registered && peer,
                     "{what}"
                 );
             }
