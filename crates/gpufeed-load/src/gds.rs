@@ -498,11 +498,14 @@ impl<'a> Lane<'a> {
             next: 0,
         };
         if !lane.bufs.is_empty() {
-            lane.stream = Some(
-                gpu.context()
-                    .new_stream()
-                    .map_err(|e| format!("a stream for cuFile's copies: {e}"))?,
-            );
+            match gpu.context().new_stream() {
+                Ok(stream) => lane.stream = Some(stream),
+                Err(e) => {
+                    // No copy ran: the buffers go back as they are.
+                    lane.finish()?;
+                    return Err(format!("a stream for cuFile's copies: {e}"));
+                }
+            }
         }
         Ok(lane)
     }
