@@ -214,12 +214,16 @@ impl SeaweedFs {
     }
 
     /// Removes the sockets weed left in /tmp for this server's ports: only sockets of this
-    /// user, never anything else of those names.
+    /// user that no process has bound (the server was killed and waited for first), never
+    /// anything else of those names. A port this server was given but never bound (its
+    /// admin ports, with the admin UI off) may meanwhile be another server's: its live
+    /// socket stays (removing it broke that server's volume assignments on CI).
     fn remove_tmp_sockets(&self) {
         use std::os::unix::fs::{FileTypeExt, MetadataExt};
         let Ok(entries) = std::fs::read_dir("/tmp") else {
             return;
         };
+        let bound = bound_unix_paths();
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
         for e in entries.flatten() {
@@ -231,10 +235,29 @@ impl SeaweedFs {
                     .any(|p| name.ends_with(&format!("-{p}.sock")));
             let is_our_socket = std::fs::symlink_metadata(e.path())
                 .is_ok_and(|m| m.file_type().is_socket() && m.uid() == me);
-            if ours && is_our_socket {
+            let in_use = bound.iter().any(|b| b == &e.path());
+            if ours && is_our_socket && !in_use {
                 let _ = std::fs::remove_file(e.path());
             }
         }
+    }
+}
+
+/// The paths of the Unix sockets bound in this network namespace (`/proc/net/unix`'s last
+/// column); where the file cannot be read, every socket of `/tmp` counts as bound (nothing is
+/// removed).
+fn bound_unix_paths() -> Vec<PathBuf> {
+    match std::fs::read_to_string("/proc/net/unix") {
+        Ok(text) => text
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_whitespace().nth(7))
+            .filter(|p| p.starts_with('/'))
+            .map(PathBuf::from)
+            .collect(),
+        Err(_) => std::fs::read_dir("/tmp")
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default(),
     }
 }
 
