@@ -119,6 +119,15 @@ fn random_file(test: &str, name: &str, len: usize) -> (tempfile::TempDir, PathBu
     (dir, path, data)
 }
 
+/// Whether cuFile's driver reads through nvidia-fs here (where registered buffers are read
+/// into).
+fn reads_through_nvidia_fs(gpu: &gpufeed_load::Gpu) -> bool {
+    gpufeed_cuda::cufile::CuFile::open(gpu)
+        .expect("cuFile's driver")
+        .properties()
+        .nvidia_fs()
+}
+
 /// The bytes of `data` at `spans`, back to back.
 fn bytes_at(data: &[u8], spans: &[std::ops::Range<u64>]) -> Vec<u8> {
     spans
@@ -217,10 +226,7 @@ fn registered_buffers_are_made_once_within_their_bound_and_loads_stay_byte_exact
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    let peer = gpufeed_cuda::cufile::CuFile::open(&gpu)
-        .expect("cuFile's driver")
-        .properties()
-        .nvidia_fs();
+    let peer = reads_through_nvidia_fs(&gpu);
     let len = (45 << 20) + 4093;
     let (_dir, path, data) = random_file(test, "reg.bin", len);
     let threads = 3;
@@ -340,10 +346,7 @@ fn loaders_of_every_route_take_turns_on_a_cold_file() {
     let Some(gpu) = gpu_with_cufile_or_skip(test) else {
         return;
     };
-    let peer = gpufeed_cuda::cufile::CuFile::open(&gpu)
-        .expect("cuFile's driver")
-        .properties()
-        .nvidia_fs();
+    let peer = reads_through_nvidia_fs(&gpu);
     let (_dir, path, data) = random_file(test, "turns.bin", (200 << 20) + 13);
     let want = xxh3_64(&data);
     drop(data);
