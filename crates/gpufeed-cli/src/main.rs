@@ -121,8 +121,9 @@ enum Command {
         #[arg(long, default_value = "auto", value_parser = strategy_arg)]
         strategy: gpufeed::Strategy,
         /// With --strategy gds: where cuFile reads into. auto: device buffers registered once
-        /// where cuFile reads through nvidia-fs, else the destination; registered: always
-        /// those buffers (then a copy on the GPU); destination: straight in.
+        /// (then a copy on the GPU) where cuFile reads through nvidia-fs, else the destination;
+        /// registered: the same, saying why where it reads into the destination;
+        /// destination: straight in.
         #[arg(long, value_enum, default_value_t = GdsBuffersArg::Auto)]
         gds_buffers: GdsBuffersArg,
         /// Copy the bytes back and compare their xxh3 with the file's (for a checkpoint: each
