@@ -216,8 +216,8 @@ impl SeaweedFs {
     /// Removes the sockets weed left in /tmp for this server's ports: only sockets of this
     /// user that no process has bound (the server was killed and waited for first), never
     /// anything else of those names. A port this server was given but never bound (its
-    /// admin ports, with the admin UI off) may meanwhile be another server's: its live
-    /// socket stays (removing it broke that server's volume assignments on CI).
+    /// admin ports, with the admin UI off) may meanwhile be another running server's: its
+    /// live socket stays.
     fn remove_tmp_sockets(&self) {
         use std::os::unix::fs::{FileTypeExt, MetadataExt};
         let Ok(entries) = std::fs::read_dir("/tmp") else {
