@@ -124,8 +124,8 @@ enum Command {
         /// (then a copy on the GPU) where cuFile reads through nvidia-fs, else the destination;
         /// registered: the same, saying why where it reads into the destination;
         /// destination: straight in.
-        #[arg(long, value_enum, default_value_t = GdsBuffersArg::Auto)]
-        gds_buffers: GdsBuffersArg,
+        #[arg(long, default_value = "auto", value_parser = gds_buffers_arg)]
+        gds_buffers: gpufeed::GdsBuffers,
         /// Copy the bytes back and compare their xxh3 with the file's (for a checkpoint: each
         /// tensor's).
         #[arg(long)]
@@ -196,24 +196,9 @@ fn size_arg(text: &str) -> Result<u64, String> {
     }
 }
 
-/// `--gds-buffers`: [`gpufeed::GdsBuffers`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum GdsBuffersArg {
-    Auto,
-    Registered,
-    Destination,
-}
-
-impl GdsBuffersArg {
-    /// `opts` with these buffers.
-    fn on(self, mut opts: gpufeed::LoadOptions) -> gpufeed::LoadOptions {
-        opts.gds_buffers = match self {
-            GdsBuffersArg::Auto => gpufeed::GdsBuffers::Auto,
-            GdsBuffersArg::Registered => gpufeed::GdsBuffers::Registered,
-            GdsBuffersArg::Destination => gpufeed::GdsBuffers::Destination,
-        };
-        opts
-    }
+fn gds_buffers_arg(text: &str) -> Result<gpufeed::GdsBuffers, String> {
+    text.parse()
+        .map_err(|e: gpufeed::load::Error| e.to_string())
 }
 
 fn strategy_arg(text: &str) -> Result<gpufeed::Strategy, String> {
@@ -297,8 +282,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         .exit();
                 }
                 // Fewer fill threads with larger pieces, twice the bytes in flight (for_objects).
-                let opts =
-                    gds_buffers.on(gpufeed::LoadOptions::for_objects().with_strategy(strategy));
+                let opts = gpufeed::LoadOptions::for_objects()
+                    .with_strategy(strategy)
+                    .with_gds_buffers(gds_buffers);
                 if !raw && gpufeed::safetensors::is_checkpoint_name(&path) {
                     return load_checkpoint(&path, gpu, opts, verify, json);
                 }
@@ -328,11 +314,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                         )
                         .exit();
                 }
-                let opts = gds_buffers
-                    .on(gpufeed::LoadOptions::for_gpus(gpus.len()).with_strategy(strategy));
+                let opts = gpufeed::LoadOptions::for_gpus(gpus.len())
+                    .with_strategy(strategy)
+                    .with_gds_buffers(gds_buffers);
                 return load_multi(&path, &gpus, replicate, checkpoint, opts, verify, json);
             }
-            let opts = gds_buffers.on(gpufeed::LoadOptions::default().with_strategy(strategy));
+            let opts = gpufeed::LoadOptions::default()
+                .with_strategy(strategy)
+                .with_gds_buffers(gds_buffers);
             if checkpoint {
                 load_checkpoint(&path, gpu, opts, verify, json)
             } else {

@@ -782,8 +782,11 @@ impl CuFileHandle<'_> {
 
     /// `cuFileRead` into a registered buffer: `len` bytes at `file_offset` of the file into
     /// `buf` at `buf_offset`, read on after a short read; returns once the bytes are in device
-    /// memory. cuFile reads it with no bounce buffer of its own (peer-to-peer, where the
-    /// machine reads so), in requests of up to `max_direct_io_size`.
+    /// memory. Where cuFile reads peer-to-peer (nvidia-fs), it reads straight into the buffer,
+    /// with no bounce buffer of its own, in requests of up to `max_direct_io_size`. In its
+    /// compatibility mode, cuFile 1.15 crashed (SIGSEGV in its own IO threads) after reads
+    /// into registered buffers (docs/benchmarks.md, GPU runs 180-182): gpufeed-load reads
+    /// into them only where the driver reads through nvidia-fs.
     ///
     /// # Safety
     /// 1. The buffer's context is bound to the calling thread.

@@ -528,7 +528,8 @@ impl<'a> Lane<'a> {
         base: u64,
         p: &Piece,
     ) -> std::result::Result<(), String> {
-        let (Some(stream), false) = (&self.stream, self.bufs.is_empty()) else {
+        // A stream is made exactly where the lane holds buffers.
+        let Some(stream) = &self.stream else {
             // SAFETY: the caller's promise.
             return unsafe { handle.read_raw(base, p.dst, p.len, p.file) }
                 .map_err(|e| e.to_string());

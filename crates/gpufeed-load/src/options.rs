@@ -272,6 +272,12 @@ impl LoadOptions {
         self
     }
 
+    /// These options with `gds_buffers` ([`LoadOptions::gds_buffers`]).
+    pub fn with_gds_buffers(mut self, gds_buffers: GdsBuffers) -> Self {
+        self.gds_buffers = gds_buffers;
+        self
+    }
+
     /// These options with `transfer`.
     pub fn with_transfer(mut self, transfer: TransferOptions) -> Self {
         self.transfer = transfer;
@@ -318,6 +324,41 @@ pub enum GdsBuffers {
     Registered,
     /// Straight into the destination, not registered (cuFile's own bounce buffers).
     Destination,
+}
+
+impl fmt::Display for GdsBuffers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GdsBuffers::Auto => "auto",
+            GdsBuffers::Registered => "registered",
+            GdsBuffers::Destination => "destination",
+        })
+    }
+}
+
+impl std::str::FromStr for GdsBuffers {
+    type Err = Error;
+    /// `auto`, `registered` or `destination` (as `Display` writes them).
+    ///
+    /// ```
+    /// use gpufeed_load::GdsBuffers;
+    /// assert_eq!("registered".parse::<GdsBuffers>()?, GdsBuffers::Registered);
+    /// assert_eq!(GdsBuffers::Destination.to_string(), "destination");
+    /// assert!("bounce".parse::<GdsBuffers>().is_err());
+    /// # Ok::<(), gpufeed_load::Error>(())
+    /// ```
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => GdsBuffers::Auto,
+            "registered" => GdsBuffers::Registered,
+            "destination" => GdsBuffers::Destination,
+            other => {
+                return Err(Error::InvalidSetting(format!(
+                    "unknown GDS buffers {other:?}; use auto, registered or destination"
+                )));
+            }
+        })
+    }
 }
 
 /// What a load did.
