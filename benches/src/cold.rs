@@ -227,8 +227,8 @@ pub fn measure(
         .map(|&(id, strategy, _)| {
             let mut opts = LoadOptions::default().with_strategy(strategy);
             // The Gds rows name the path cuFile's statistics say served their reads (counting
-            // raises cuFile's statistics level for each load; the loads here run one at a
-            // time, so the lock it takes costs nothing).
+            // raises cuFile's statistics level once for the process and serializes counted
+            // loads; the loads here run one at a time, so the lock costs nothing).
             opts.gds_path_counts = strategy == Strategy::Gds;
             opts.gds_buffers = match id {
                 "gds_registered" => gpufeed::GdsBuffers::Registered,

@@ -294,7 +294,6 @@ struct StatsCalls {
     get_level: unsafe extern "C" fn(*mut c_int) -> Status,
     set_level: unsafe extern "C" fn(c_int) -> Status,
     start: unsafe extern "C" fn() -> Status,
-    stop: unsafe extern "C" fn() -> Status,
     get_l3: unsafe extern "C" fn(*mut c_void) -> Status,
 }
 
@@ -306,6 +305,7 @@ struct Library {
     /// `cuFileGetVersion`'s answer (1000 major + 10 minor), where the library has it.
     version: Option<c_int>,
     driver_open: unsafe extern "C" fn() -> Status,
+    driver_close: unsafe extern "C" fn() -> Status,
     driver_properties: unsafe extern "C" fn(*mut RawProps) -> Status,
     handle_register: unsafe extern "C" fn(*mut CufileHandle, *mut Descr) -> Status,
     handle_deregister: unsafe extern "C" fn(CufileHandle),
@@ -358,15 +358,15 @@ impl Library {
             let s = unsafe { f(&mut v) };
             (s.err == 0 && v > 0).then_some(v)
         });
-        // cuFileDriverClose is `#define`d to `_v2` in newer headers; neither is called here,
-        // but its presence tells cuFile from another library of the name.
-        let _close: unsafe extern "C" fn() -> Status = sym!("cuFileDriverClose");
+        // cuFileDriverClose is `#define`d to `_v2` in newer headers (the plain name stays
+        // exported; its presence tells cuFile from another library of the name).
+        let plain_close: unsafe extern "C" fn() -> Status = sym!("cuFileDriverClose");
+        let driver_close = optional!("cuFileDriverClose_v2").unwrap_or(plain_close);
         let stats = (|| {
             Some(StatsCalls {
                 get_level: optional!("cuFileGetStatsLevel")?,
                 set_level: optional!("cuFileSetStatsLevel")?,
                 start: optional!("cuFileStatsStart")?,
-                stop: optional!("cuFileStatsStop")?,
                 get_l3: optional!("cuFileGetStatsL3")?,
             })
         })();
@@ -374,6 +374,7 @@ impl Library {
             name: name.to_owned(),
             version,
             driver_open: sym!("cuFileDriverOpen"),
+            driver_close,
             driver_properties: sym!("cuFileDriverGetProperties"),
             handle_register: sym!("cuFileHandleRegister"),
             handle_deregister: sym!("cuFileHandleDeregister"),
@@ -580,6 +581,13 @@ impl CuFile {
         if s.err != 0 {
             return Err(("cuFileDriverGetProperties", s));
         }
+        // Closed when the process exits, before the library's own teardown: left open, cuFile
+        // 1.15 tore itself down at exit under its still-running IO threads, which then
+        // crashed (SIGSEGV on an unmapped page after every test had passed, GPU runs 183-184).
+        // SAFETY: registers a plain `extern "C"` function without arguments.
+        if unsafe { libc::atexit(close_driver_at_exit) } != 0 {
+            tracing::debug!("atexit refused: cuFile's driver is left to close itself at exit");
+        }
         Ok(CuFile {
             properties: DriverProperties::from_raw(&raw[0]),
             library: l.describe(),
@@ -633,10 +641,13 @@ impl CuFile {
     /// `expected_bytes` and its path counters are consistent (some reads, the paths' reads
     /// no more than the total), so that reads by someone else meanwhile, or a statistics
     /// layout other than cuFile 1.20's (whose field order after the UUID this build assumes),
-    /// are unlikely to be misread. The statistics level is raised to 3 for the
-    /// call (started where it was 0) and set back after; counted calls are serialized in the
-    /// process. `None` where this cuFile has no statistics calls (before 1.14) or the check
-    /// fails.
+    /// are unlikely to be misread. The statistics level is raised to 3 (started where it was
+    /// 0) and left there for the rest of the process: cuFile 1.15 in compatibility mode
+    /// crashed (SIGSEGV in its own IO threads, on an unmapped page) in the loads after
+    /// counted loads that stopped the statistics and set the level back (bench table 16,
+    /// GPU runs 180, 182 and 183; with the level left raised, run 185's five rounds ran).
+    /// Counted calls are serialized in the process. `None` where this cuFile has no
+    /// statistics calls (before 1.14) or the check fails.
     pub fn count_paths<R>(
         &self,
         gpu: &Gpu,
@@ -654,32 +665,30 @@ impl CuFile {
         let mut level: c_int = 0;
         // SAFETY: `level` is a writable int.
         let known = unsafe { (s.get_level)(&mut level) }.err == 0;
-        let set = known && level < 3 && {
-            // SAFETY: a plain call without pointers.
-            unsafe { (s.set_level)(3) }.err == 0
-        };
-        let started = set && level == 0 && {
-            // SAFETY: a plain call without pointers.
-            unsafe { (s.start)() }.err == 0
-        };
-        let counting = known && (level >= 3 || (set && (level > 0 || started)));
+        // Raised once and never lowered or stopped (see above).
+        let counting = known
+            && (level >= 3 || {
+                // SAFETY: plain calls without pointers.
+                unsafe { (s.set_level)(3) }.err == 0
+                    && (level > 0 || unsafe { (s.start)() }.err == 0)
+            });
         let before = if counting { stats_l3(s) } else { None };
         let out = reads();
         let after = before.as_ref().and_then(|_| stats_l3(s));
-        // Back to what was found, whatever of the above succeeded.
-        if started {
-            // SAFETY: as above.
-            let _ = unsafe { (s.stop)() };
-        }
-        if set {
-            // SAFETY: as above.
-            let _ = unsafe { (s.set_level)(level) };
-        }
         let counts = match (before, after) {
             (Some(b), Some(a)) => gpu_counts_delta(&b, &a, &uuid, expected_bytes),
             _ => None,
         };
         (out, counts)
+    }
+}
+
+/// Closes the cuFile driver opened by [`CuFile::open`] (run once, at exit: see there).
+extern "C" fn close_driver_at_exit() {
+    if let Ok(l) = library() {
+        // SAFETY: no arguments; the driver was opened in this process, and nothing reads
+        // through it any more (the process is exiting).
+        let _ = unsafe { (l.driver_close)() };
     }
 }
 
@@ -784,9 +793,9 @@ impl CuFileHandle<'_> {
     /// `buf` at `buf_offset`, read on after a short read; returns once the bytes are in device
     /// memory. Where cuFile reads peer-to-peer (nvidia-fs), it reads straight into the buffer,
     /// with no bounce buffer of its own, in requests of up to `max_direct_io_size`. In its
-    /// compatibility mode, cuFile 1.15 crashed (SIGSEGV in its own IO threads) after reads
-    /// into registered buffers (docs/benchmarks.md, GPU runs 180-182): gpufeed-load reads
-    /// into them only where the driver reads through nvidia-fs.
+    /// compatibility mode it reads into host memory and copies either way, so a registered
+    /// buffer only adds a device copy: gpufeed-load reads into them only where the driver
+    /// reads through nvidia-fs.
     ///
     /// # Safety
     /// 1. The buffer's context is bound to the calling thread.

@@ -202,8 +202,7 @@ impl Loader {
             .clamp(1, 16)
             .min(pieces.len());
         // Registered buffers only where cuFile reads through nvidia-fs: in its compatibility
-        // mode they only add a device copy, and cuFile 1.15 crashed there (SIGSEGV in its own
-        // IO threads) reading into them in two of three runs of bench table 16.
+        // mode they only add a device copy.
         let peer = driver.properties().nvidia_fs();
         let registered = self.opts.gds_buffers != GdsBuffers::Destination && peer;
         let declined = self.opts.gds_buffers == GdsBuffers::Registered && !peer;
@@ -292,7 +291,7 @@ impl Loader {
             Fallback::new(
                 Refused::Gds,
                 format!(
-                    "registered buffers are read into only where cuFile reads through nvidia-fs; cuFile {} reads through its compatibility mode here, where they would add a device copy, and where cuFile 1.15 crashed (SIGSEGV in its IO threads) reading into them",
+                    "registered buffers are read into only where cuFile reads through nvidia-fs; cuFile {} reads through its compatibility mode here, where they would add a device copy",
                     driver.library()
                 ),
                 "cuFile read into the destination through its own bounce buffers",

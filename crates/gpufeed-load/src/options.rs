@@ -158,7 +158,8 @@ pub struct LoadOptions {
     pub testing_refuse_registration: bool,
     /// `Strategy::Gds`: count which path cuFile's statistics say served each load's reads
     /// (nvidia-fs, P2PDMA or its compatibility mode) into [`LoadReport::io_backend`] (false).
-    /// Counting raises cuFile's statistics to level 3 for the load (then back) and serializes
+    /// Counting raises cuFile's statistics to level 3 for the rest of the process (lowering
+    /// it again after a load crashed cuFile 1.15's IO threads in later loads) and serializes
     /// counted loads in the process; `gpufeed doctor`'s probe and bench table 16 count.
     /// `Auto`'s `Gds` loads are counted until one confirms peer-to-peer reads on their file
     /// system.
@@ -297,9 +298,7 @@ impl LoadOptions {
 /// `max_device_pin_mem_size`; [`Loader::gds_registered_bytes`](crate::Loader::gds_registered_bytes)),
 /// reads whole pieces into them and copies each piece into the destination on the GPU. Only
 /// where cuFile's driver reads through nvidia-fs: in its compatibility mode cuFile reads into
-/// host memory and copies either way (a registered buffer adds a device copy), and cuFile
-/// 1.15 crashed there, in its own IO threads, reading into registered buffers (bench table 16,
-/// GPU runs 180 and 182).
+/// host memory and copies either way (a registered buffer adds a device copy).
 ///
 /// ```
 /// use gpufeed_load::{GdsBuffers, LoadOptions, Strategy};
