@@ -574,19 +574,20 @@ impl CuFile {
         if s.err != 0 {
             return Err(("cuFileDriverOpen", s));
         }
+        // Closed when the process exits, before the library's own teardown: left open, cuFile
+        // 1.15 tore itself down at exit under its still-running IO threads, which then
+        // crashed (SIGSEGV on an unmapped page after every test had passed, GPU runs 183-184;
+        // closed here, the same tests exited cleanly in run 186).
+        // SAFETY: registers a plain `extern "C"` function without arguments.
+        if unsafe { libc::atexit(close_driver_at_exit) } != 0 {
+            tracing::debug!("atexit refused: cuFile's driver is left to close itself at exit");
+        }
         // Room for fields a later cuFile may add at the end.
         let mut raw = [RawProps::default(); 2];
         // SAFETY: `raw` is writable and larger than `CUfileDrvProps_t`.
         let s = unsafe { (l.driver_properties)(raw.as_mut_ptr()) };
         if s.err != 0 {
             return Err(("cuFileDriverGetProperties", s));
-        }
-        // Closed when the process exits, before the library's own teardown: left open, cuFile
-        // 1.15 tore itself down at exit under its still-running IO threads, which then
-        // crashed (SIGSEGV on an unmapped page after every test had passed, GPU runs 183-184).
-        // SAFETY: registers a plain `extern "C"` function without arguments.
-        if unsafe { libc::atexit(close_driver_at_exit) } != 0 {
-            tracing::debug!("atexit refused: cuFile's driver is left to close itself at exit");
         }
         Ok(CuFile {
             properties: DriverProperties::from_raw(&raw[0]),
@@ -645,7 +646,8 @@ impl CuFile {
     /// 0) and left there for the rest of the process: cuFile 1.15 in compatibility mode
     /// crashed (SIGSEGV in its own IO threads, on an unmapped page) in the loads after
     /// counted loads that stopped the statistics and set the level back (bench table 16,
-    /// GPU runs 180, 182 and 183; with the level left raised, run 185's five rounds ran).
+    /// GPU runs 180, 182 and 183; with the level left raised, the five rounds of runs 185 and
+    /// 186 ran).
     /// Counted calls are serialized in the process. `None` where this cuFile has no
     /// statistics calls (before 1.14) or the check fails.
     pub fn count_paths<R>(
@@ -686,8 +688,9 @@ impl CuFile {
 /// Closes the cuFile driver opened by [`CuFile::open`] (run once, at exit: see there).
 extern "C" fn close_driver_at_exit() {
     if let Ok(l) = library() {
-        // SAFETY: no arguments; the driver was opened in this process, and nothing reads
-        // through it any more (the process is exiting).
+        // SAFETY: no arguments; the driver was opened in this process. The process is
+        // exiting: a read still running in another thread may fail, as it would have at the
+        // library's own teardown.
         let _ = unsafe { (l.driver_close)() };
     }
 }
