@@ -474,7 +474,8 @@ impl Nvjpeg {
     /// that are no JPEG or a corrupt one: [`Error::Nvjpeg`]; four components, or no
     /// end-of-image marker (truncated): [`Error::JpegRefused`]); its slot is then left as it
     /// was. With the hardware
-    /// backend, the images its engines take go in one `nvjpegDecodeBatched` call, the others
+    /// backend, the images its engines take go in one `nvjpegDecodeBatched` call (largest
+    /// first, which keeps the engines evenly busy), the others
     /// (4:1:1, 4:1:0, ...) one by one through `nvjpegDecode`; progressive JPEGs are refused
     /// ([`Error::JpegRefused`]: nvJPEG's CUDA decoder gave wrong pixels for one without an
     /// error on an H200, docs/benchmarks.md run 164); should the batched
@@ -548,6 +549,8 @@ impl Nvjpeg {
         // The images of the one batched call: those the engines take, or all on a CUDA handle.
         let mut batched = Vec::new();
         let mut cuda = Vec::new();
+        // Each image's place in the batched call's order (see `engine_order`).
+        let mut keys: Vec<(u32, u64)> = vec![(0, 0); jpegs.len()];
         for (i, (jpeg, slot)) in jpegs.iter().zip(slots).enumerate() {
             let info = match self.image_info(jpeg) {
                 Ok(info) => info,
@@ -597,6 +600,7 @@ impl Nvjpeg {
                 continue;
             }
             check_slot(i, slot, dst_len)?;
+            keys[i] = engine_order(&info);
             outcomes.push(Ok(DecodedBy::Cuda));
             if self.batched_cuda || (self.backend == Backend::Hardware && self.takes(l, jpeg)) {
                 batched.push(i);
@@ -617,6 +621,8 @@ impl Nvjpeg {
             }
         };
         let cu = stream.cu_stream();
+        // Largest first (stable: ties keep the batch's order).
+        batched.sort_by_key(|&i| std::cmp::Reverse(keys[i]));
         if !batched.is_empty() {
             // The engines write when called (see above): the work queued before goes first
             // (waited for asleep: a spinning wait would keep a core busy per decode thread).
@@ -707,6 +713,23 @@ impl Nvjpeg {
         let r = unsafe { (l.batched_supported)(self.handle, self.stream, &mut no) };
         r == 0 && no == 0
     }
+}
+
+/// Where an image goes in the batched call: the batch is ordered by this key, largest first
+/// (chroma subsampling, 4:4:4 first, then area), as NVIDIA's nvImageCodec orders its
+/// hardware decoder's batches. Measured on an H100's seven engines (GPU run 189, 2,048
+/// ImageNet-sized JPEGs, batches of 256 decoded by three threads at once, same call): 18.7k
+/// images/s ordered against 13.4k in the sampler's order. Why nvJPEG does not balance the
+/// engines itself is not documented; the likely reason is that it deals the images out in
+/// the order given, so a large one near the end keeps one engine busy while the rest idle.
+fn engine_order(info: &ImageInfo) -> (u32, u64) {
+    // nvjpegChromaSubsampling_t: 0 4:4:4, 1 4:2:2, 2 4:2:0, 3 4:4:0, 4 4:1:1, 5 4:1:0, 6 gray;
+    // 7 (4:1:0 vertical) and unknown last.
+    let score = match info.subsampling {
+        s @ 0..=6 => 8 - s as u32,
+        _ => 1,
+    };
+    (score, u64::from(info.width) * u64::from(info.height))
 }
 
 /// Whether `jpeg` has an end-of-image marker after its image data: `FF D9` ending the file
@@ -830,6 +853,36 @@ impl Drop for Nvjpeg {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_engines_take_a_batch_largest_first_with_full_chroma_ahead() {
+        let info = |subsampling, width, height| ImageInfo {
+            components: if subsampling == 6 { 1 } else { 3 },
+            subsampling,
+            width,
+            height,
+        };
+        // (subsampling, width, height) in the batch's order.
+        let batch = [
+            (2, 500, 375),
+            (2, 1600, 1200),
+            (0, 64, 48),
+            (6, 800, 600),
+            (2, 375, 500),
+            (-1, 4000, 4000),
+            (1, 333, 127),
+            (2, 32, 32),
+        ];
+        let keys: Vec<_> = batch
+            .iter()
+            .map(|&(s, w, h)| engine_order(&info(s, w, h)))
+            .collect();
+        let mut order: Vec<usize> = (0..batch.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(keys[i]));
+        // 4:4:4, 4:2:2, then 4:2:0 by area (the two of equal area in the batch's order), gray,
+        // an unknown subsampling last whatever its size.
+        assert_eq!(order, [2, 6, 1, 0, 4, 7, 3, 5]);
+    }
 
     #[test]
     fn only_a_jpeg_with_its_end_marker_after_its_last_scan_has_an_end() {

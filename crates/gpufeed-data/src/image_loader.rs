@@ -73,7 +73,9 @@ pub struct ImageOptions {
     /// px and about 49 KiB, batches of 256 at 224): 1 thread 12.1-12.6k images/s, 2
     /// 16.1-19.7k, 3 20.8-24.6k with 2.6-3.2 cores busy, 4 (and 8 reading workers) 22.4-28.6k
     /// with 3.3-4.0; ImageNet-sized files (106 KiB) at 3 threads: 14.4k (run 173); on an H100
-    /// (run 177) 3, 4, 6 and 8 threads all gave 14-15k: the engines' limit for those files.
+    /// (run 177) 3, 4, 6 and 8 threads all gave 14-15k; since each batch goes to the engines
+    /// largest image first (run 190, H100, same call): 3 threads 15.0-16.5k against 14.4-15.1k
+    /// in the sampler's order, 4 threads 15.4-17.0k with 3.6-4.1 cores busy.
     pub decoders: usize,
     /// Decode threads beside those that decode on nvJPEG's CUDA decoder (its batched call,
     /// Huffman decoding on the GPU's cores) instead of the hardware engines (default 0; with no
