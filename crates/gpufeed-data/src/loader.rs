@@ -314,7 +314,8 @@ impl BatchLoader {
         // given back last) for the next batch, or wait for the oldest copy where every buffer
         // is still read. Growing the pool instead (`PoolOptions::grow_when_busy`) was measured
         // slower: 64 KiB records 29-36 GB/s against 40-44 waiting (GPU run 196, an H100,
-        // three rounds), likely because more buffers take turns and fewer stay in the CPU's caches.
+        // three rounds), likely because more buffers take turns and fewer stay in the CPU's
+        // caches.
         let pool_cfg = PoolOptions::default()
             .with_budget_bytes(None)
             .with_numa_node(node);

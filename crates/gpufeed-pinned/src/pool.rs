@@ -444,9 +444,10 @@ impl PinnedPool {
             let mut st = self.inner.state.lock();
             // The idle buffer given back last (its pages the likeliest still in the CPU's
             // caches: taking the oldest instead rotated a loader's small loads through all its
-            // staging and cost a 1 MiB load 50-110 us, GPU run 193); where every one is still
-            // read by a copy, the oldest (its copy began first) — or, growing, none, unless
-            // another buffer would not fit the budget without evicting one.
+            // staging, and 1 MiB loads took 171-256 us against 102-141, GPU runs 193-194);
+            // where every one is still read by a copy, the oldest (its copy began first) — or,
+            // growing, none, unless another buffer would not fit the budget without evicting
+            // one.
             let grow = self.inner.grow_when_busy
                 && st.stats.held_bytes + class as u64 <= self.inner.budget;
             let cached = st.free.get_mut(&class).and_then(|free| {
