@@ -475,7 +475,8 @@ impl Nvjpeg {
     /// end-of-image marker (truncated): [`Error::JpegRefused`]); its slot is then left as it
     /// was. With the hardware
     /// backend, the images its engines take go in one `nvjpegDecodeBatched` call (largest
-    /// first, which keeps the engines evenly busy), the others
+    /// first, which keeps the engines evenly busy; a CUDA handle's batched call takes its
+    /// images in the same order), the others
     /// (4:1:1, 4:1:0, ...) one by one through `nvjpegDecode`; progressive JPEGs are refused
     /// ([`Error::JpegRefused`]: nvJPEG's CUDA decoder gave wrong pixels for one without an
     /// error on an H200, docs/benchmarks.md run 164); should the batched
@@ -621,8 +622,7 @@ impl Nvjpeg {
             }
         };
         let cu = stream.cu_stream();
-        // Largest first (stable: ties keep the batch's order).
-        batched.sort_by_key(|&i| std::cmp::Reverse(keys[i]));
+        order_for_engines(&mut batched, &keys);
         if !batched.is_empty() {
             // The engines write when called (see above): the work queued before goes first
             // (waited for asleep: a spinning wait would keep a core busy per decode thread).
@@ -730,6 +730,12 @@ fn engine_order(info: &ImageInfo) -> (u32, u64) {
         _ => 1,
     };
     (score, u64::from(info.width) * u64::from(info.height))
+}
+
+/// Orders `batched` (indices into `keys`) for the batched call: largest key first, ties in
+/// the batch's order.
+fn order_for_engines(batched: &mut [usize], keys: &[(u32, u64)]) {
+    batched.sort_by_key(|&i| std::cmp::Reverse(keys[i]));
 }
 
 /// Whether `jpeg` has an end-of-image marker after its image data: `FF D9` ending the file
@@ -862,26 +868,38 @@ mod tests {
             width,
             height,
         };
-        // (subsampling, width, height) in the batch's order.
+        // (subsampling, width, height) in the batch's order; every nvjpegChromaSubsampling_t.
         let batch = [
             (2, 500, 375),
             (2, 1600, 1200),
             (0, 64, 48),
             (6, 800, 600),
             (2, 375, 500),
-            (-1, 4000, 4000),
+            (7, 4000, 4000),
             (1, 333, 127),
             (2, 32, 32),
+            (3, 10, 10),
+            (4, 2000, 20),
+            (5, 20, 20),
         ];
         let keys: Vec<_> = batch
             .iter()
             .map(|&(s, w, h)| engine_order(&info(s, w, h)))
             .collect();
+        // A batch the engines take some of: only those are ordered.
         let mut order: Vec<usize> = (0..batch.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(keys[i]));
-        // 4:4:4, 4:2:2, then 4:2:0 by area (the two of equal area in the batch's order), gray,
-        // an unknown subsampling last whatever its size.
-        assert_eq!(order, [2, 6, 1, 0, 4, 7, 3, 5]);
+        order_for_engines(&mut order, &keys);
+        // 4:4:4, 4:2:2, then 4:2:0 by area (the two of equal area in the batch's order),
+        // 4:4:0, 4:1:1, 4:1:0, gray, 4:1:0 vertical last whatever its size.
+        assert_eq!(order, [2, 6, 1, 0, 4, 7, 8, 9, 10, 3, 5]);
+        let mut some = vec![7, 0, 2];
+        order_for_engines(&mut some, &keys);
+        assert_eq!(some, [2, 0, 7]);
+        // An unknown subsampling code ranks with the last.
+        assert_eq!(
+            engine_order(&info(-1, 9, 9)).0,
+            engine_order(&info(7, 9, 9)).0
+        );
     }
 
     #[test]

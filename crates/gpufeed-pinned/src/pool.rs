@@ -470,7 +470,9 @@ impl PinnedPool {
             Some(mut e) => match e.wait_idle() {
                 Ok(()) => e,
                 Err(err) => {
-                    self.give_back(e);
+                    // Last in line (the others are tried first), not first as a buffer given
+                    // back after use would be.
+                    self.inner.give_back_behind(e);
                     return Err(err);
                 }
             },
@@ -494,7 +496,12 @@ impl PinnedPool {
     /// Frees cached buffers of other classes until `class` more bytes fit the budget.
     fn make_room(&self, st: &mut State, class: u64) -> Result<()> {
         while st.stats.held_bytes + class > self.inner.budget {
-            let victim = st.free.iter_mut().rev().find_map(|(_, v)| v.pop());
+            // The oldest of a class: the coldest in the CPU's caches, the likeliest idle.
+            let victim = st
+                .free
+                .iter_mut()
+                .rev()
+                .find_map(|(_, v)| (!v.is_empty()).then(|| v.remove(0)));
             match victim {
                 Some(e) => {
                     st.stats.held_bytes -= e.class as u64;
@@ -553,10 +560,6 @@ impl PinnedPool {
             pending: None,
             pending_recorded: false,
         })
-    }
-
-    fn give_back(&self, entry: Entry) {
-        self.inner.give_back(entry);
     }
 
     /// Puts `count` buffers of `len`'s size class into the pool's cache, cut from one slab
@@ -761,6 +764,13 @@ impl Inner {
         let mut st = self.state.lock();
         st.stats.in_use_bytes -= entry.class as u64;
         st.free.entry(entry.class).or_default().push(entry);
+    }
+
+    /// Gives `entry` back as the oldest of its class: the last one `get` tries.
+    fn give_back_behind(&self, entry: Entry) {
+        let mut st = self.state.lock();
+        st.stats.in_use_bytes -= entry.class as u64;
+        st.free.entry(entry.class).or_default().insert(0, entry);
     }
 }
 
