@@ -475,8 +475,8 @@ impl Nvjpeg {
     /// end-of-image marker (truncated): [`Error::JpegRefused`]); its slot is then left as it
     /// was. With the hardware
     /// backend, the images its engines take go in one `nvjpegDecodeBatched` call (largest
-    /// first, which keeps the engines evenly busy; a CUDA handle's batched call takes its
-    /// images in the same order), the others
+    /// first, which measured faster: see `engine_order`; a CUDA handle's batched call takes
+    /// its images in the same order), the others
     /// (4:1:1, 4:1:0, ...) one by one through `nvjpegDecode`; progressive JPEGs are refused
     /// ([`Error::JpegRefused`]: nvJPEG's CUDA decoder gave wrong pixels for one without an
     /// error on an H200, docs/benchmarks.md run 164); should the batched
