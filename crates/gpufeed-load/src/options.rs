@@ -158,8 +158,9 @@ pub struct LoadOptions {
     pub testing_refuse_registration: bool,
     /// `Strategy::Gds`: count which path cuFile's statistics say served each load's reads
     /// (nvidia-fs, P2PDMA or its compatibility mode) into [`LoadReport::io_backend`] (false).
-    /// Counting raises cuFile's statistics to level 3 for the rest of the process (lowering
-    /// it again after a load crashed cuFile 1.15's IO threads in later loads) and serializes
+    /// Counting raises cuFile's statistics to level 3 for the rest of the process (runs that
+    /// lowered it again after each load saw cuFile 1.15's IO threads crash in later loads; see
+    /// `CuFile::count_paths`) and serializes
     /// counted loads in the process; `gpufeed doctor`'s probe and bench table 16 count.
     /// `Auto`'s `Gds` loads are counted until one confirms peer-to-peer reads on their file
     /// system.

@@ -472,7 +472,7 @@ impl PinnedPool {
                 Err(err) => {
                     // Last in line (the others are tried first), not first as a buffer given
                     // back after use would be.
-                    self.inner.give_back_behind(e);
+                    self.inner.give_back(e, true);
                     return Err(err);
                 }
             },
@@ -760,17 +760,17 @@ impl PinnedPool {
 }
 
 impl Inner {
-    fn give_back(&self, entry: Entry) {
+    /// Caches `entry` again: as the newest of its class (the first `get` tries), or, `behind`,
+    /// as the oldest (the last it tries).
+    fn give_back(&self, entry: Entry, behind: bool) {
         let mut st = self.state.lock();
         st.stats.in_use_bytes -= entry.class as u64;
-        st.free.entry(entry.class).or_default().push(entry);
-    }
-
-    /// Gives `entry` back as the oldest of its class: the last one `get` tries.
-    fn give_back_behind(&self, entry: Entry) {
-        let mut st = self.state.lock();
-        st.stats.in_use_bytes -= entry.class as u64;
-        st.free.entry(entry.class).or_default().insert(0, entry);
+        let free = st.free.entry(entry.class).or_default();
+        if behind {
+            free.insert(0, entry);
+        } else {
+            free.push(entry);
+        }
     }
 }
 
@@ -912,7 +912,7 @@ impl std::ops::DerefMut for PooledBuffer {
 impl Drop for PooledBuffer {
     fn drop(&mut self) {
         if let Some(entry) = self.entry.take() {
-            self.pool.give_back(entry);
+            self.pool.give_back(entry, false);
         }
     }
 }
