@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""nvJPEG's hardware batched decode alone, through ctypes (no gpufeed code; device memory from
+torch): whole images against each image's RandomResizedCrop region (nvjpegDecodeBatchedEx with
+nvjpegDecodeParamsSetROI), the batch in the sampler's order against largest first, and
+nvjpegDecodeBatchedPreAllocate; 1, 3 and 6 threads, each with its own handle. Not run by the
+bench: docs/benchmarks.md, GPU run 189, is what it measured (issue 40).
+
+Usage: python3 benches/peers/nvjpeg_order.py    (N=2048 images from images.py's generator;
+NVJPEG=path overrides libnvjpeg.so.13). Prints images/s per setting (median of 3 passes) and
+whether the ROI output equals the whole decode's crop.
+"""
+import ctypes as C, math, os, sys, threading, time, random
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np, torch
+from multiprocessing import Pool
+import images as gen
+
+N = int(os.environ.get("N", "2048")); B = 256
+def mk(i): return gen._jpeg(40, i)
+with Pool(16) as p: data = p.map(mk, range(N))
+jpegs = [d[0] for d in data]
+print(f"made {N} JPEGs, mean {sum(map(len,jpegs))/N/1024:.1f} KiB", flush=True)
+lib = C.CDLL(os.environ.get("NVJPEG", "libnvjpeg.so.13"))
+class Img(C.Structure): _fields_ = [("channel", C.c_void_p*4), ("pitch", C.c_size_t*4)]
+def ck(r, what):
+    if r != 0: raise RuntimeError(f"{what} -> status {r}")
+torch.cuda.init(); torch.empty(1, device="cuda")
+def info(h, j):
+    nc, ss = C.c_int(), C.c_int(); W = (C.c_int*4)(); H = (C.c_int*4)()
+    ck(lib.nvjpegGetImageInfo(h, j, C.c_size_t(len(j)), C.byref(nc), C.byref(ss), W, H), "info")
+    return W[0], H[0]
+def rrc(rng, W, H):
+    area = W*H
+    for _ in range(10):
+        ta = area*rng.uniform(0.08, 1.0); ar = math.exp(rng.uniform(math.log(3/4), math.log(4/3)))
+        w = int(round(math.sqrt(ta*ar))); h = int(round(math.sqrt(ta/ar)))
+        if 0 < w <= W and 0 < h <= H: return rng.randint(0, W-w), rng.randint(0, H-h), w, h
+    return 0, 0, W, H
+class Dec:
+    def __init__(s):
+        s.h = C.c_void_p(); ck(lib.nvjpegCreateEx(3, None, None, 0, C.byref(s.h)), "create hw")
+        s.st = C.c_void_p(); ck(lib.nvjpegJpegStateCreate(s.h, C.byref(s.st)), "state")
+        ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, B, 1, 5), "init")
+        e, c = C.c_uint(), C.c_uint(); lib.nvjpegGetHardwareDecoderInfo(s.h, C.byref(e), C.byref(c)); s.engines = (e.value, c.value)
+        s.stream = torch.cuda.Stream(); s.params = []
+        for _ in range(B):
+            p = C.c_void_p(); ck(lib.nvjpegDecodeParamsCreate(s.h, C.byref(p)), "params"); ck(lib.nvjpegDecodeParamsSetOutputFormat(p, 5), "fmt"); s.params.append(p)
+    def prealloc(s, w, h): ck(lib.nvjpegDecodeBatchedPreAllocate(s.h, s.st, B, w, h, 0, 5), "prealloc")
+    def run(s, batch, rois, mode):
+        n = len(batch)
+        if n != B: ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, n, 1, 5), "init")
+        dims = [(r[2], r[3]) for r in rois] if mode == "roi" else [(r[4], r[5]) for r in rois]
+        sizes = [w*h*3 for w, h in dims]; offs = np.cumsum([0]+[(x+255)//256*256 for x in sizes])
+        buf = torch.empty(int(offs[-1]), dtype=torch.uint8, device="cuda")
+        base = buf.data_ptr(); imgs = (Img*n)()
+        for i, (w, h) in enumerate(dims):
+            imgs[i].channel[0] = base+int(offs[i]); imgs[i].pitch[0] = w*3
+        ptrs = (C.c_char_p*n)(*batch); lens = (C.c_size_t*n)(*[len(j) for j in batch])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if mode == "roi":
+            for i, r in enumerate(rois): ck(lib.nvjpegDecodeParamsSetROI(s.params[i], r[0], r[1], r[2], r[3]), "roi")
+            pa = (C.c_void_p*n)(*[p.value for p in s.params[:n]])
+            ck(lib.nvjpegDecodeBatchedEx(s.h, s.st, ptrs, lens, imgs, pa, C.c_void_p(s.stream.cuda_stream)), "batchedEx")
+        elif mode == "ex-full":
+            for i, r in enumerate(rois): ck(lib.nvjpegDecodeParamsSetROI(s.params[i], 0, 0, -1, -1), "roi0")
+            pa = (C.c_void_p*n)(*[p.value for p in s.params[:n]])
+            ck(lib.nvjpegDecodeBatchedEx(s.h, s.st, ptrs, lens, imgs, pa, C.c_void_p(s.stream.cuda_stream)), "batchedEx full")
+        else:
+            ck(lib.nvjpegDecodeBatched(s.h, s.st, ptrs, lens, imgs, C.c_void_p(s.stream.cuda_stream)), "batched")
+        t1 = time.perf_counter(); s.stream.synchronize(); t2 = time.perf_counter()
+        if n != B: ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, B, 1, 5), "init")
+        return buf, offs, dims, t1-t0, t2-t1
+probe = Dec(); print("engines, cores:", probe.engines, flush=True)
+rng = random.Random(7); meta = []
+for j in jpegs:
+    W, H = info(probe.h, j); x, y, w, h = rrc(rng, W, H); meta.append((x, y, w, h, W, H))
+frac = sum(m[2]*m[3] for m in meta)/sum(m[4]*m[5] for m in meta)
+print(f"ROI share of pixels {frac:.3f}; of rows to the crop's bottom {sum((m[1]+m[3])*m[4] for m in meta)/sum(m[4]*m[5] for m in meta):.3f}", flush=True)
+# correctness: ROI vs full decode cropped, first batch
+bf, of, df, *_ = probe.run(jpegs[:B], meta[:B], "full"); br, orr, dr, *_ = probe.run(jpegs[:B], meta[:B], "roi")
+mx = 0; eq = 0
+for i in range(B):
+    x, y, w, h, W, H = meta[i]
+    full = bf[int(of[i]):int(of[i])+W*H*3].view(H, W, 3)[y:y+h, x:x+w].int()
+    roi = br[int(orr[i]):int(orr[i])+w*h*3].view(h, w, 3).int()
+    d = (full-roi).abs().max().item(); mx = max(mx, d); eq += d == 0
+print(f"ROI vs full cropped: max diff {mx}, {eq}/{B} identical", flush=True)
+def bench(mode, threads, order=None, pre=None, reps=3):
+    decs = [Dec() for _ in range(threads)]
+    if pre:
+        for d in decs: d.prealloc(*pre)
+    idx = list(range(N))
+    if order == "sort": 
+        batches = []
+        for k in range(0, N, B):
+            b = sorted(idx[k:k+B], key=lambda i: -meta[i][4]*meta[i][5]); batches.append(b)
+    else: batches = [idx[k:k+B] for k in range(0, N, B)]
+    res = []
+    for rep in range(reps+1):
+        host = [0.0]*threads; gpu = [0.0]*threads; q = list(range(len(batches))); lock = threading.Lock()
+        def work(t):
+            while True:
+                with lock:
+                    if not q: return
+                    k = q.pop(0)
+                b = batches[k]
+                _, _, _, th, tg = decs[t].run([jpegs[i] for i in b], [meta[i] for i in b], mode)
+                host[t] += th; gpu[t] += tg
+        t0 = time.perf_counter(); ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        [x.start() for x in ths]; [x.join() for x in ths]; el = time.perf_counter()-t0
+        if rep: res.append((N/el, sum(host)/threads/el, sum(gpu)/threads/el))
+    r = sorted(res)[len(res)//2]
+    print(f"{mode:8s} threads={threads} order={order} pre={pre}: {r[0]:8.0f} img/s  (host in call {r[1]:.2f}, waiting {r[2]:.2f} of wall per thread) all={[round(x[0]) for x in res]}", flush=True)
+maxw = max(m[4] for m in meta); maxh = max(m[5] for m in meta)
+for threads in (1, 3):
+    for mode in ("full", "ex-full", "roi"):
+        try: bench(mode, threads)
+        except Exception as e: print(mode, threads, "failed:", e, flush=True)
+try: bench("full", 3, order="sort")
+except Exception as e: print("sort failed", e)
+try: bench("full", 3, pre=(maxw, maxh)); bench("roi", 3, pre=(maxw, maxh))
+except Exception as e: print("prealloc failed", e)
+try: bench("roi", 6)
+except Exception as e: print("roi 6 failed", e)
