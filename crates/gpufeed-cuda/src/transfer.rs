@@ -680,6 +680,25 @@ impl TransferScheduler {
         &self,
         src: &mut PooledBuffer,
     ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
+        self.upload_pooled_reusing(src, None, None)
+    }
+
+    /// [`TransferScheduler::upload_pooled_async`] into `reuse` where it is exactly as long as
+    /// `src` (else new memory; `reuse` is then freed), recording `done` where given (else a
+    /// new event): a caller that keeps its device buffers and events from one upload to the
+    /// next saves the allocation, the free and the creation and destruction of three events
+    /// per upload (cudarc tracks each allocation with two). Before the copy, its stream waits
+    /// for `reuse`'s earlier cudarc uses (its read and write events); work of others on the
+    /// memory must have ended (or been ordered before) when the caller hands it back.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] (allocation, copy, events).
+    pub fn upload_pooled_reusing(
+        &self,
+        src: &mut PooledBuffer,
+        reuse: Option<CudaSlice<u8>>,
+        done: Option<cudarc::driver::CudaEvent>,
+    ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
         self.gpu
             .context()
             .bind_to_thread()
@@ -687,26 +706,34 @@ impl TransferScheduler {
         let len = src.len();
         let k = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
         let stream = &self.streams[k];
-        let mut dst = if len == 0 {
-            stream.null::<u8>()
-        } else {
+        let mut dst = match reuse {
+            Some(d) if d.len() == len => Ok(d),
+            _ if len == 0 => stream.null::<u8>(),
             // SAFETY: written by the copy below before anything reads it: cudarc users wait
             // for its write event, others for the event returned.
-            unsafe { stream.alloc::<u8>(len) }
+            _ => unsafe { stream.alloc::<u8>(len) },
         }
         .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
         if len > 0 {
             let (dptr, guard) = dst.device_ptr_mut(stream);
             // SAFETY: `src` is pinned and holds `len` bytes; it is not written again before
             // the event recorded below completed (the pool waits for it before handing the
-            // buffer out again); `dst` holds `len` bytes.
+            // buffer out again); `dst` holds `len` bytes, and this stream waited (in
+            // `device_ptr_mut`) for its earlier cudarc uses.
             unsafe { raw::memcpy_htod_async(dptr, src.as_ptr(), len, stream.cu_stream()) }?;
             drop(guard);
             src.record_use(stream)?;
         }
-        let done = stream
-            .record_event(None)
-            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        let done = match done {
+            Some(ev) => {
+                ev.record(stream)
+                    .map_err(|e| Error::cuda("cuEventRecord", e))?;
+                ev
+            }
+            None => stream
+                .record_event(None)
+                .map_err(|e| Error::cuda("cuEventRecord", e))?,
+        };
         Ok((dst, done))
     }
 

@@ -161,6 +161,7 @@ impl Running {
                     op: "cuEventSynchronize",
                     result: e.0,
                 })?;
+                loader.memory.event_back(ev);
             }
             Ok((indices, offsets, data, upload_s))
         });
@@ -181,6 +182,7 @@ impl Running {
         loader.stats.upload_s += upload_s;
         loader.stats.direct_reads = loader.direct.reads.load(Ordering::Relaxed);
         loader.stats.direct_read_bytes = loader.direct.bytes.load(Ordering::Relaxed);
+        loader.stats.kept_memory_batches = loader.memory.reused();
         loader.stats.batches += 1;
         loader.stats.bytes += bytes as u64;
         let labels = match &*loader.records {

@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::mpsc::{self};
 use std::time::Instant;
 
@@ -11,6 +12,7 @@ use gpufeed_pinned::{PinnedPool, PooledBuffer};
 use gpufeed_uring::{Direct, Reader};
 use parking_lot::{Condvar, Mutex};
 
+use crate::device_batch::{BatchMemory, DeviceBatch};
 use crate::error::{Error, Result};
 use crate::folder::ImageFolder;
 use crate::loader::{BatchData, Scratch, Transform, TransformInto, Transformer};
@@ -46,6 +48,8 @@ pub(crate) struct Job<'a> {
     /// Where there is a GPU: each worker uploads the batch it gathered, so that the uploads
     /// of several batches overlap each other and the gathering of the next ones.
     pub(crate) sched: Option<&'a TransferScheduler>,
+    /// Device memory and events of batches dropped, for the next uploads.
+    pub(crate) memory: &'a Arc<BatchMemory>,
     /// With [`BatchLoaderOptions::direct`]: records are read with `O_DIRECT`, counted here, this
     /// many in flight ([`BatchLoaderOptions::direct_depth`]).
     pub(crate) direct: Option<(&'a DirectCounters, usize)>,
@@ -59,6 +63,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
         pool,
         transform,
         sched,
+        memory,
         direct,
         generation,
     } = *job;
@@ -103,13 +108,15 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
             };
             // Issued, not waited for: the worker gathers its next batch while the copy runs;
             // the consumer waits for the event before it hands the batch out, and the pool
-            // for the copy before it hands `buf` out again.
+            // for the copy before it hands `buf` out again. Into the memory of a batch of this
+            // length dropped before, with an event used before, where there are.
             let t = Instant::now();
-            let (d, done) = sched.upload_pooled_async(&mut buf)?;
+            let reuse = memory.take(buf.len());
+            let (d, done) = sched.upload_pooled_reusing(&mut buf, reuse, memory.event())?;
             Ok((
                 indices,
                 offsets,
-                BatchData::Device(d),
+                BatchData::Device(DeviceBatch::kept(d, memory)),
                 t.elapsed().as_secs_f64(),
                 Some(done),
             ))

@@ -60,6 +60,7 @@
 
 mod augment;
 mod decode;
+mod device_batch;
 mod epoch;
 mod error;
 mod folder;
@@ -78,6 +79,7 @@ pub use augment::{
     to_u8,
 };
 pub use decode::{AugmentedBatch, DecodedBatch, DecodedWith, ImageDecoder, Layout, decode_on_cpu};
+pub use device_batch::DeviceBatch;
 pub use epoch::{Epoch, NotStarted, OwnedEpoch};
 pub use error::{Error, Result};
 pub use folder::ImageFolder;

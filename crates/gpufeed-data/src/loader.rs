@@ -7,10 +7,10 @@ use std::sync::mpsc::{self};
 use std::time::Duration;
 
 use gpufeed_cuda::{Gpu, TransferOptions, TransferScheduler};
-use gpufeed_load::DeviceBuffer;
 use gpufeed_pinned::{PinnedPool, PoolMode, PoolOptions, PooledBuffer};
 use parking_lot::{Condvar, Mutex};
 
+use crate::device_batch::{BatchMemory, DeviceBatch};
 use crate::epoch::{Epoch, NotStarted, OwnedEpoch, Running};
 use crate::error::{Error, Result};
 use crate::gather::{DirectCounters, Job, Queue, Shared, check_direct, worker};
@@ -164,8 +164,9 @@ impl BatchLoaderOptions {
 /// Where a batch's bytes are: on the GPU, or on the host without one (exhaustive: match both).
 #[derive(Debug)]
 pub enum BatchData {
-    /// In GPU memory.
-    Device(DeviceBuffer),
+    /// In GPU memory, given back to the loader for a later batch when dropped
+    /// ([`DeviceBatch`]).
+    Device(DeviceBatch),
     /// In a pooled host buffer (no GPU): pinned, or locked in CPU mode.
     Host(PooledBuffer),
 }
@@ -213,6 +214,9 @@ pub struct LoaderStats {
     pub direct_reads: u64,
     /// See `direct_reads`.
     pub direct_read_bytes: u64,
+    /// Device batches copied into the memory of a batch dropped before (kept by the loader,
+    /// see [`DeviceBatch`]) rather than into new memory, in the loader's life.
+    pub kept_memory_batches: u64,
 }
 
 /// Yields batches of a [`RecordFile`](crate::RecordFile) or an [`ImageFolder`](crate::ImageFolder) in the [`Sampler`]'s order, on the GPU (or, without one,
@@ -244,6 +248,8 @@ pub struct BatchLoader {
     pub(crate) stats: LoaderStats,
     /// The workers' `O_DIRECT` reads ([`BatchLoaderOptions::direct`]).
     pub(crate) direct: Arc<DirectCounters>,
+    /// Device memory and events of batches handed out and dropped, for the next uploads.
+    pub(crate) memory: Arc<BatchMemory>,
 }
 
 impl std::fmt::Debug for BatchLoader {
@@ -333,6 +339,8 @@ impl BatchLoader {
             ),
             None => (PinnedPool::new(PoolMode::Cpu, pool_cfg)?, None),
         };
+        // The batches in flight, and as many again held by the consumer.
+        let memory = BatchMemory::new(2 * cfg.prefetch.max(cfg.workers));
         Ok(BatchLoader {
             records: Arc::new(records),
             sampler,
@@ -342,6 +350,7 @@ impl BatchLoader {
             gpu,
             stats: LoaderStats::default(),
             direct: Arc::new(DirectCounters::default()),
+            memory,
         })
     }
 
@@ -581,6 +590,7 @@ impl BatchLoader {
                     self.transform.clone(),
                 );
                 let sched = self.gpu.as_ref().map(|(_, s)| Arc::clone(s));
+                let memory = Arc::clone(&self.memory);
                 let counters = self.cfg.direct.then(|| Arc::clone(&self.direct));
                 let depth = self.cfg.direct_depth.max(1);
                 std::thread::Builder::new()
@@ -591,6 +601,7 @@ impl BatchLoader {
                             pool: &pool,
                             transform: transform.as_ref(),
                             sched: sched.as_deref(),
+                            memory: &memory,
                             direct: counters.as_deref().map(|c| (c, depth)),
                             generation,
                         };

@@ -21,6 +21,9 @@ pub(crate) enum Storage {
     Device(gpufeed::DeviceBuffer),
     /// A checkpoint: one device buffer per file, shared by all its tensors.
     Checkpoint(gpufeed::safetensors::Checkpoint),
+    /// A device batch of a `BatchLoader`: freed (after the device's queued work, as all
+    /// device memory here), its memory goes back to the loader for a later batch.
+    Batch(gpufeed::dataset::DeviceBatch),
     /// A host batch (pinned, or locked in CPU mode).
     Host(gpufeed::pinned::PooledBuffer),
     /// A file's private (copy-on-write) mapping: `safe_open`'s CPU tensors.

@@ -499,7 +499,7 @@ impl EpochIter {
                     .ok_or_else(|| GpufeedError::new_err("a device batch without a GPU"))?;
                 let base = device_address(&gpu, &buf);
                 let device = cuda(gpu.info().ordinal);
-                (base, device, Owner::new(Storage::Device(buf), Some(gpu)))
+                (base, device, Owner::new(Storage::Batch(buf), Some(gpu)))
             }
             BatchData::Host(buf) => (
                 buf.as_ptr() as usize,

@@ -229,7 +229,7 @@ impl<'r> RingLoader<'r> {
                     offset: slot.offset_in_segment() as usize + at,
                     len,
                 };
-                BatchData::Device(sched.upload_new(src, DeviceAlloc::Pool)?.0)
+                BatchData::Device(sched.upload_new(src, DeviceAlloc::Pool)?.0.into())
             }
             _ => {
                 let mut buf = self.pool.get(len.max(1))?;
@@ -239,7 +239,8 @@ impl<'r> RingLoader<'r> {
                     Some((_, sched)) if len > 0 => BatchData::Device(
                         sched
                             .upload_new(HostSource::Pooled(&buf), DeviceAlloc::Pool)?
-                            .0,
+                            .0
+                            .into(),
                     ),
                     _ => BatchData::Host(buf),
                 }

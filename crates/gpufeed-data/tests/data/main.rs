@@ -2,6 +2,7 @@
 //! usable, and fail instead when GPUFEED_REQUIRE_GPU=1 (how they run on the GPU machine).
 
 mod decode;
+mod device;
 mod direct;
 mod elastic;
 mod image_loader;

@@ -195,8 +195,7 @@ fn a_busy_buffer_is_waited_for_or_passed_over_when_the_pool_grows() {
 #[test]
 fn get_passes_over_a_busy_newest_buffer_to_an_idle_older_one() {
     use cudarc::driver::DevicePtrMut;
-    let Some(ctx) = gpu_or_skip("get_passes_over_a_busy_newest_buffer_to_an_idle_older_one")
-    else {
+    let Some(ctx) = gpu_or_skip("get_passes_over_a_busy_newest_buffer_to_an_idle_older_one") else {
         return;
     };
     let len = (64 << 20) - 5;
@@ -229,7 +228,11 @@ fn get_passes_over_a_busy_newest_buffer_to_an_idle_older_one() {
     drop(newest); // busy, given back last
     let next = pool.get(len).expect("get while the newest is busy");
     let still_copying = !copies_done.is_complete();
-    assert_eq!(next.as_ptr(), older_addr, "the idle older buffer, not the busy newest");
+    assert_eq!(
+        next.as_ptr(),
+        older_addr,
+        "the idle older buffer, not the busy newest"
+    );
     assert_eq!(pool.stats().allocations, 2, "nothing allocated");
     // 2.7 GB take about 50 ms at the link's 55 GB/s; `get` returns in microseconds unless
     // it waited for them.

@@ -1,0 +1,136 @@
+//! Device batches on a GPU: a dropped batch's memory carries a later batch of its length
+//! (`DeviceBatch`), and no batch still held is ever written over. Every batch's bytes are
+//! checked against the file, records of an odd size, a smaller last batch.
+
+use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
+use gpufeed_load::Gpu;
+
+use crate::{gpu_or_skip, random_bytes};
+
+/// 1,000 records of 4,093 bytes: batches of 64 leave a last one of 40.
+const RECORD: usize = 4093;
+const RECORDS: usize = 1000;
+const BATCH: usize = 64;
+
+fn loader(gpu: &Gpu, path: &std::path::Path) -> BatchLoader {
+    // SAFETY: the file is private to the test and not changed while mapped.
+    let records = unsafe { RecordFile::open_fixed(path, RECORD) }.expect("records");
+    let cfg = BatchLoaderOptions::default()
+        .with_batch_size(BATCH)
+        .with_workers(3)
+        .with_prefetch(4);
+    BatchLoader::new(
+        records,
+        Sampler::new(Order::Shuffled { seed: 5 }),
+        cfg,
+        Some(gpu),
+    )
+    .expect("loader")
+}
+
+/// The bytes a batch of `indices` must hold.
+fn expected(data: &[u8], indices: &[usize]) -> Vec<u8> {
+    indices
+        .iter()
+        .flat_map(|&i| data[i * RECORD..(i + 1) * RECORD].iter().copied())
+        .collect()
+}
+
+fn device_bytes(gpu: &Gpu, data: &BatchData) -> Vec<u8> {
+    match data {
+        BatchData::Device(d) => gpu.to_vec(d).expect("copy back"),
+        BatchData::Host(_) => panic!("a loader with a GPU hands out device batches"),
+    }
+}
+
+#[test]
+fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
+    let Some(gpu) =
+        gpu_or_skip("dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(RECORD * RECORDS, 71);
+    std::fs::write(&path, &data).expect("write");
+    let mut loader = loader(&gpu, &path);
+
+    // Epoch 0: each batch checked and dropped at once, except batch 3, held as it is, and
+    // batch 5, kept for good.
+    let (mut held, mut kept) = (None, None);
+    let mut batches = 0;
+    for b in loader.epoch(0).expect("epoch") {
+        let b = b.expect("batch");
+        assert_eq!(
+            device_bytes(&gpu, &b.data),
+            expected(&data, &b.indices),
+            "epoch 0 batch {}",
+            b.number
+        );
+        batches += 1;
+        match b.number {
+            3 => held = Some(b),
+            5 => {
+                let BatchData::Device(d) = b.data else {
+                    unreachable!()
+                };
+                kept = Some((b.indices, d.into_buffer()));
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(batches, RECORDS.div_ceil(BATCH));
+    let reused = loader.stats().kept_memory_batches;
+    assert!(
+        reused > 0,
+        "no batch was copied into the memory of one dropped before"
+    );
+
+    // Epoch 1: its first half dropped as it comes (their memory carries later batches), its
+    // second half held: none of those may be written over.
+    let mut all_held = Vec::new();
+    for b in loader.epoch(1).expect("epoch") {
+        let b = b.expect("batch");
+        assert_eq!(
+            device_bytes(&gpu, &b.data),
+            expected(&data, &b.indices),
+            "epoch 1 batch {}",
+            b.number
+        );
+        if b.number >= 8 {
+            all_held.push(b);
+        }
+    }
+    assert!(loader.stats().kept_memory_batches > reused);
+    for b in &all_held {
+        assert_eq!(
+            device_bytes(&gpu, &b.data),
+            expected(&data, &b.indices),
+            "epoch 1 batch {}, held to the epoch's end",
+            b.number
+        );
+    }
+    let held = held.expect("batch 3");
+    assert_eq!(
+        device_bytes(&gpu, &held.data),
+        expected(&data, &held.indices),
+        "a batch held through a later epoch was written over"
+    );
+    drop(all_held); // more than the loader keeps: the rest is freed
+
+    // Epoch 2 after all that was given back, then the loader is dropped: the batch kept for
+    // good outlives it.
+    for b in loader.epoch(2).expect("epoch") {
+        let b = b.expect("batch");
+        assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+    }
+    drop(loader);
+    drop(held); // given back to no loader: freed
+    let (indices, buffer) = kept.expect("batch 5");
+    assert_eq!(
+        gpu.to_vec(&buffer).expect("copy back"),
+        expected(&data, &indices),
+        "a batch taken with into_buffer was written over"
+    );
+}
