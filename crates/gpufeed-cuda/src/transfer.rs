@@ -684,12 +684,16 @@ impl TransferScheduler {
     }
 
     /// [`TransferScheduler::upload_pooled_async`] into `reuse` where it is exactly as long as
-    /// `src` (else new memory; `reuse` is then freed), recording `done` where given (else a
-    /// new event): a caller that keeps its device buffers and events from one upload to the
-    /// next saves the allocation, the free and the creation and destruction of three events
-    /// per upload (cudarc tracks each allocation with two). Before the copy, its stream waits
-    /// for `reuse`'s earlier cudarc uses (its read and write events); work of others on the
-    /// memory must have ended (or been ordered before) when the caller hands it back.
+    /// `src`, of this GPU's context, and cudarc tracks its uses (else new memory; `reuse` is
+    /// then freed as any buffer is), recording `done` where given (else a new event): a caller
+    /// that keeps its device buffers and events from one upload to the next saves the
+    /// allocation, the free and the creation and destruction of three events per upload
+    /// (cudarc tracks each allocation with two). Before the copy, its stream waits for
+    /// `reuse`'s last cudarc read and last write (its read and write events), as a free
+    /// would; work on the memory outside cudarc's tracking must have ended (or been ordered
+    /// before) when the caller hands it back. Where the context's event tracking is off
+    /// (cudarc's `disable_event_tracking`) nothing would order the copy after the memory's
+    /// last use, so `reuse` is freed instead.
     ///
     /// # Errors
     /// [`Error::Cuda`] (allocation, copy, events).
@@ -706,8 +710,15 @@ impl TransferScheduler {
         let len = src.len();
         let k = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
         let stream = &self.streams[k];
+        let ctx = self.gpu.context();
         let mut dst = match reuse {
-            Some(d) if d.len() == len => Ok(d),
+            Some(d)
+                if d.len() == len
+                    && d.stream().context() == ctx
+                    && ctx.is_managing_stream_synchronization() =>
+            {
+                Ok(d)
+            }
             _ if len == 0 => stream.null::<u8>(),
             // SAFETY: written by the copy below before anything reads it: cudarc users wait
             // for its write event, others for the event returned.
@@ -719,7 +730,8 @@ impl TransferScheduler {
             // SAFETY: `src` is pinned and holds `len` bytes; it is not written again before
             // the event recorded below completed (the pool waits for it before handing the
             // buffer out again); `dst` holds `len` bytes, and this stream waited (in
-            // `device_ptr_mut`) for its earlier cudarc uses.
+            // `device_ptr_mut`) for its last cudarc read and write (a reused buffer is taken
+            // only where cudarc tracks them).
             unsafe { raw::memcpy_htod_async(dptr, src.as_ptr(), len, stream.cu_stream()) }?;
             drop(guard);
             src.record_use(stream)?;

@@ -8,7 +8,12 @@
 //! 1 MiB (256 records of 4 KiB) at 15-18 thousand batches a second with the workers half
 //! idle, those calls were the lead (read from the code, not measured; docs/architecture.md,
 //! the batch loader). Kept memory and kept events leave the copy, its stream's waits for the
-//! memory's earlier cudarc uses, and two event records.
+//! memory's last cudarc read and write, and two event records.
+//!
+//! What is kept is bounded: only while an epoch runs (its end frees it, and batches dropped
+//! after it are freed), only buffers of the length the workers asked for last (a batch of
+//! another length frees them: a smaller last batch; an image folder's batches, each its own
+//! length, keep nothing), at most `prefetch` of them.
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,15 +27,16 @@ use gpufeed_load::DeviceBuffer;
 use parking_lot::Mutex;
 
 /// A batch's bytes in GPU memory: derefs to the [`DeviceBuffer`] (a `CudaSlice<u8>`) that
-/// holds them. Dropped, the memory goes back to the [`BatchLoader`](crate::BatchLoader) that
-/// made it (while that loader lives), which copies a later batch of the same length into it,
-/// on one of its streams after the memory's earlier cudarc uses (their read and write events):
-/// GPU work of your own that reads the batch outside cudarc's tracking (a kernel launched
-/// through another API, on another stream) must have ended, or been ordered before the
-/// loader's next copies, when you drop it, as for any freed memory. The loader keeps at most
-/// `2 x max(prefetch, workers)` such buffers, of one length at a time (a batch of another
-/// length frees them), until it is dropped. [`DeviceBatch::into_buffer`] keeps the memory for
-/// good (freed when that buffer is dropped).
+/// holds them, and goes wherever one does through cudarc's traits (`Gpu::to_vec(&batch)`,
+/// `stream.memcpy_dtoh(&batch, ..)`, a kernel's argument). Dropped while its loader's epoch
+/// runs, the memory goes back to the [`BatchLoader`](crate::BatchLoader), which copies a later
+/// batch of the same length into it, on one of its streams after the memory's last cudarc read
+/// and write (its read and write events), as it would after a free: GPU work of your own that
+/// reads the batch outside cudarc's tracking (a kernel launched through another API) must have
+/// ended, or been ordered before the loader's next copies, when you drop it, as for any freed
+/// memory. The loader keeps at most `prefetch` such buffers, of one length, until the epoch
+/// ends; a batch dropped after that is freed. [`DeviceBatch::into_buffer`] keeps the memory
+/// for good (freed when that buffer is dropped).
 ///
 /// # Example
 /// ```no_run
@@ -92,14 +98,10 @@ impl std::ops::Deref for DeviceBatch {
     }
 }
 
-impl std::ops::DerefMut for DeviceBatch {
-    fn deref_mut(&mut self) -> &mut DeviceBuffer {
-        &mut self.buffer
-    }
-}
-
 // cudarc's traits, by the buffer's: a batch goes wherever a `CudaSlice<u8>` does
-// (`Gpu::to_vec(&batch)`, `stream.clone_dtoh(&batch)`, kernels' arguments).
+// (`Gpu::to_vec(&batch)`, `stream.clone_dtoh(&batch)`, kernels' arguments). No `DerefMut`:
+// the buffer inside cannot be swapped for another (which would then be given back to the
+// loader); writes go through `DevicePtrMut`.
 impl DeviceSlice<u8> for DeviceBatch {
     fn len(&self) -> usize {
         self.buffer.len()
@@ -133,8 +135,9 @@ impl Drop for DeviceBatch {
     }
 }
 
-/// A loader's idle batch memory and events, kept for its next uploads: at most `cap` of each
-/// (the batches in flight and a few held), buffers of one length at a time.
+/// A loader's idle batch memory and events, kept for its next uploads while an epoch runs
+/// ([`BatchMemory::open`] to [`BatchMemory::close`]): at most `cap` of each, buffers of one
+/// length.
 #[derive(Debug)]
 pub(crate) struct BatchMemory {
     buffers: Shelf<DeviceBuffer>,
@@ -155,6 +158,16 @@ impl BatchMemory {
         })
     }
 
+    /// An epoch starts: buffers given back are kept from now on.
+    pub(crate) fn open(&self) {
+        self.buffers.open();
+    }
+
+    /// The epoch ended: what is kept is freed, and buffers given back from now on are freed.
+    pub(crate) fn close(&self) {
+        self.buffers.close();
+    }
+
     /// A kept buffer of exactly `len` bytes, if there is one (see [`Shelf::take`]).
     pub(crate) fn take(&self, len: usize) -> Option<DeviceBuffer> {
         let buffer = self.buffers.take(len);
@@ -164,14 +177,14 @@ impl BatchMemory {
         buffer
     }
 
+    /// Keeps `buffer` for a later batch of its length, or frees it (see [`Shelf::give_back`]).
+    pub(crate) fn give_back(&self, buffer: DeviceBuffer) {
+        self.buffers.give_back(buffer);
+    }
+
     /// Buffers taken again so far.
     pub(crate) fn reused(&self) -> u64 {
         self.reused.load(Ordering::Relaxed)
-    }
-
-    /// Keeps `buffer` for a later batch of its length, or frees it where `cap` are kept.
-    pub(crate) fn give_back(&self, buffer: DeviceBuffer) {
-        self.buffers.give_back(buffer);
     }
 
     /// A kept event (completed: its batch was handed out), if there is one.
@@ -199,54 +212,80 @@ impl ByteLen for DeviceBuffer {
     }
 }
 
-/// Idle buffers of one length at a time, at most `cap`.
+/// Idle buffers of the length asked for last, at most `cap`, kept only while open.
 #[derive(Debug)]
 pub(crate) struct Shelf<B> {
-    items: Mutex<Vec<B>>,
+    state: Mutex<ShelfState<B>>,
     cap: usize,
+}
+
+#[derive(Debug)]
+struct ShelfState<B> {
+    items: Vec<B>,
+    /// The length asked for last: the only one kept.
+    want: Option<usize>,
+    open: bool,
 }
 
 impl<B: ByteLen> Shelf<B> {
     pub(crate) fn new(cap: usize) -> Self {
         Shelf {
-            items: Mutex::new(Vec::new()),
+            state: Mutex::new(ShelfState {
+                items: Vec::new(),
+                want: None,
+                open: false,
+            }),
             cap: cap.max(1),
         }
     }
 
-    /// A kept buffer of exactly `len` bytes (the one given back last), if there is one. A
-    /// miss frees the buffers of other lengths: the batches' length changed (a smaller last
-    /// batch, files of other sizes), and memory kept for a length no longer asked for would
-    /// only be held.
+    /// Keeps what is given back from now on.
+    pub(crate) fn open(&self) {
+        self.state.lock().open = true;
+    }
+
+    /// Frees what is kept, and what is given back from now on.
+    pub(crate) fn close(&self) {
+        let mut state = self.state.lock();
+        state.open = false;
+        state.want = None;
+        let kept = std::mem::take(&mut state.items);
+        drop(state);
+        drop(kept); // freed outside the lock
+    }
+
+    /// A kept buffer of exactly `len` bytes (the one given back last), if there is one; `len`
+    /// becomes the length kept. A miss frees what is kept: it is of another length (a smaller
+    /// last batch, files of other sizes), no longer asked for.
     pub(crate) fn take(&self, len: usize) -> Option<B> {
-        let mut items = self.items.lock();
-        if let Some(i) = items.iter().rposition(|b| b.bytes() == len) {
-            return Some(items.remove(i));
+        let mut state = self.state.lock();
+        state.want = Some(len);
+        if let Some(i) = state.items.iter().rposition(|b| b.bytes() == len) {
+            return Some(state.items.remove(i));
         }
-        let stale = std::mem::take(&mut *items);
-        drop(items);
+        let stale = std::mem::take(&mut state.items);
+        drop(state);
         drop(stale); // freed outside the lock
         None
     }
 
-    /// Keeps `item` for a later take of its length, or drops it where `cap` are kept (or it
-    /// is empty).
+    /// Keeps `item` for a later take of its length where the shelf is open, its length is
+    /// the one asked for last, and fewer than `cap` are kept; else drops it (as it does an
+    /// empty one).
     pub(crate) fn give_back(&self, item: B) {
-        if item.bytes() == 0 {
-            return;
-        }
-        let mut items = self.items.lock();
-        if items.len() < self.cap {
-            items.push(item);
+        let len = item.bytes();
+        let mut state = self.state.lock();
+        if state.open && len > 0 && state.want == Some(len) && state.items.len() < self.cap {
+            state.items.push(item);
         } else {
-            drop(items);
+            drop(state);
             drop(item);
         }
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.items.lock().len()
+        self.state.lock().items.len()
     }
 }
 
@@ -264,9 +303,17 @@ mod tests {
         }
     }
 
+    /// An open shelf that asked for `len` once (as a worker's first take does).
+    fn shelf(cap: usize, len: usize) -> Shelf<Buf> {
+        let shelf = Shelf::new(cap);
+        shelf.open();
+        assert_eq!(shelf.take(len), None, "nothing kept yet");
+        shelf
+    }
+
     #[test]
     fn the_buffer_of_the_length_given_back_last_is_taken() {
-        let shelf = Shelf::new(4);
+        let shelf = shelf(4, 10);
         shelf.give_back(Buf(10, 1));
         shelf.give_back(Buf(10, 2));
         assert_eq!(shelf.take(10), Some(Buf(10, 2)));
@@ -275,28 +322,60 @@ mod tests {
     }
 
     #[test]
-    fn a_miss_frees_the_buffers_of_other_lengths() {
-        let shelf = Shelf::new(4);
+    fn only_the_length_asked_for_last_is_kept() {
+        let shelf = shelf(4, 10);
         shelf.give_back(Buf(10, 1));
         shelf.give_back(Buf(10, 2));
         assert_eq!(shelf.take(7), None, "no buffer of 7 bytes");
         assert_eq!(shelf.len(), 0, "the 10-byte buffers are no longer held");
-        shelf.give_back(Buf(7, 3));
-        shelf.give_back(Buf(10, 4));
-        assert_eq!(shelf.take(7), Some(Buf(7, 3)), "a hit keeps the others");
-        assert_eq!(shelf.len(), 1);
+        shelf.give_back(Buf(10, 3));
+        assert_eq!(shelf.len(), 0, "10 bytes are no longer asked for: freed");
+        shelf.give_back(Buf(7, 4));
+        assert_eq!(shelf.take(7), Some(Buf(7, 4)));
+        // Every length different (an image folder's batches, taken by workers in turn, given
+        // back by the consumer after): nothing stays.
+        for (k, len) in [11, 12, 13, 14].into_iter().enumerate() {
+            assert_eq!(shelf.take(len), None);
+            if k > 0 {
+                shelf.give_back(Buf(len - 1, k as u32));
+            }
+            assert_eq!(shelf.len(), 0);
+        }
     }
 
     #[test]
     fn at_most_cap_are_kept_and_empty_ones_never() {
-        let shelf = Shelf::new(2);
+        let shelf = shelf(2, 10);
         for k in 0..5 {
             shelf.give_back(Buf(10, k));
         }
-        shelf.give_back(Buf(0, 9));
         assert_eq!(shelf.len(), 2);
         assert_eq!(shelf.take(10), Some(Buf(10, 1)));
         assert_eq!(shelf.take(10), Some(Buf(10, 0)));
         assert_eq!(shelf.take(10), None);
+        assert_eq!(shelf.take(0), None);
+        shelf.give_back(Buf(0, 9));
+        assert_eq!(shelf.len(), 0);
+    }
+
+    #[test]
+    fn nothing_is_kept_outside_an_epoch() {
+        let shelf = Shelf::new(4);
+        shelf.give_back(Buf(10, 1));
+        assert_eq!(shelf.len(), 0, "not open yet");
+        shelf.open();
+        assert_eq!(shelf.take(10), None);
+        shelf.give_back(Buf(10, 2));
+        assert_eq!(shelf.len(), 1);
+        shelf.close();
+        assert_eq!(shelf.len(), 0, "the epoch's end frees what is kept");
+        shelf.give_back(Buf(10, 3));
+        assert_eq!(shelf.len(), 0, "a batch dropped after the epoch is freed");
+        shelf.open();
+        assert_eq!(
+            shelf.take(10),
+            None,
+            "the length asked for is forgotten at the end"
+        );
     }
 }

@@ -104,6 +104,8 @@ pub(crate) struct Running {
     pub(crate) timeout: Duration,
     /// Streamed shards' fetching for this epoch.
     pub(crate) stream: Option<crate::stream::StreamRun>,
+    /// The loader's kept batch memory: open while this epoch runs.
+    pub(crate) memory: Arc<crate::device_batch::BatchMemory>,
 }
 
 impl Running {
@@ -308,5 +310,8 @@ impl Drop for Running {
                 tracing::warn!("a batch worker is still busy after the batch timeout; left behind");
             }
         }
+        // The kept batch memory is freed; batches dropped from now on (the ones prepared and
+        // not handed out, with this state; the caller's) are freed too.
+        self.memory.close();
     }
 }

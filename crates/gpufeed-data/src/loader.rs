@@ -164,8 +164,8 @@ impl BatchLoaderOptions {
 /// Where a batch's bytes are: on the GPU, or on the host without one (exhaustive: match both).
 #[derive(Debug)]
 pub enum BatchData {
-    /// In GPU memory, given back to the loader for a later batch when dropped
-    /// ([`DeviceBatch`]).
+    /// In GPU memory, given back to the loader for a later batch when dropped while the
+    /// epoch runs ([`DeviceBatch`]).
     Device(DeviceBatch),
     /// In a pooled host buffer (no GPU): pinned, or locked in CPU mode.
     Host(PooledBuffer),
@@ -198,6 +198,7 @@ impl Batch {
 
 /// Counters of a [`BatchLoader`].
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
 pub struct LoaderStats {
     /// Batches yielded.
     pub batches: u64,
@@ -214,8 +215,10 @@ pub struct LoaderStats {
     pub direct_reads: u64,
     /// See `direct_reads`.
     pub direct_read_bytes: u64,
-    /// Device batches copied into the memory of a batch dropped before (kept by the loader,
-    /// see [`DeviceBatch`]) rather than into new memory, in the loader's life.
+    /// Uploads into the memory of a batch dropped before (kept by the loader while an epoch
+    /// runs, see [`DeviceBatch`]) rather than into new memory, in the loader's life; counted
+    /// as the workers take it (a batch prepared and never handed out counts too), read when a
+    /// batch is handed out.
     pub kept_memory_batches: u64,
 }
 
@@ -339,8 +342,9 @@ impl BatchLoader {
             ),
             None => (PinnedPool::new(PoolMode::Cpu, pool_cfg)?, None),
         };
-        // The batches in flight, and as many again held by the consumer.
-        let memory = BatchMemory::new(2 * cfg.prefetch.max(cfg.workers));
+        // As many as the batches in flight: what the consumer can drop before the workers
+        // take again.
+        let memory = BatchMemory::new(cfg.prefetch);
         Ok(BatchLoader {
             records: Arc::new(records),
             sampler,
@@ -615,7 +619,9 @@ impl BatchLoader {
                     })
             })
             .collect::<Result<Vec<_>>>()?;
+        self.memory.open();
         Ok(Running {
+            memory: Arc::clone(&self.memory),
             epoch,
             start,
             handed: 0,

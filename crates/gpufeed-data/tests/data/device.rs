@@ -1,8 +1,12 @@
 //! Device batches on a GPU: a dropped batch's memory carries a later batch of its length
-//! (`DeviceBatch`), and no batch still held is ever written over. Every batch's bytes are
-//! checked against the file, records of an odd size, a smaller last batch.
+//! (`DeviceBatch`), no batch still held is ever written over, and a copy still reading a
+//! dropped batch on another stream reads it before the loader writes it again. Every batch's
+//! bytes are checked against the file, records of an odd size, a smaller last batch.
 
-use gpufeed_data::{BatchData, BatchLoader, BatchLoaderOptions, Order, RecordFile, Sampler};
+use gpufeed_cuda::cudarc::driver::DevicePtr;
+use gpufeed_data::{
+    BatchData, BatchLoader, BatchLoaderOptions, DeviceBatch, Order, RecordFile, Sampler,
+};
 use gpufeed_load::Gpu;
 
 use crate::{gpu_or_skip, random_bytes};
@@ -36,11 +40,20 @@ fn expected(data: &[u8], indices: &[usize]) -> Vec<u8> {
         .collect()
 }
 
-fn device_bytes(gpu: &Gpu, data: &BatchData) -> Vec<u8> {
+fn device(data: &BatchData) -> &DeviceBatch {
     match data {
-        BatchData::Device(d) => gpu.to_vec(d).expect("copy back"),
+        BatchData::Device(d) => d,
         BatchData::Host(_) => panic!("a loader with a GPU hands out device batches"),
     }
+}
+
+fn device_bytes(gpu: &Gpu, data: &BatchData) -> Vec<u8> {
+    gpu.to_vec(device(data)).expect("copy back")
+}
+
+fn address(gpu: &Gpu, data: &BatchData) -> u64 {
+    let stream = gpu.default_stream();
+    device(data).device_ptr(&stream).0
 }
 
 #[test]
@@ -103,6 +116,14 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
         }
     }
     assert!(loader.stats().kept_memory_batches > reused);
+    let mut addresses: Vec<u64> = all_held.iter().map(|b| address(&gpu, &b.data)).collect();
+    addresses.sort_unstable();
+    addresses.dedup();
+    assert_eq!(
+        addresses.len(),
+        all_held.len(),
+        "two held batches share memory"
+    );
     for b in &all_held {
         assert_eq!(
             device_bytes(&gpu, &b.data),
@@ -133,4 +154,65 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
         expected(&data, &indices),
         "a batch taken with into_buffer was written over"
     );
+}
+
+/// A dropped batch's memory is written again only after the copy that still reads it on
+/// another stream (queued behind a long memset there): cudarc's read event, which the next
+/// upload into that memory waits for. Then an epoch dropped half way, and the next one whole.
+#[test]
+fn a_copy_still_reading_a_dropped_batch_reads_its_bytes() {
+    let Some(gpu) = gpu_or_skip("a_copy_still_reading_a_dropped_batch_reads_its_bytes") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(RECORD * RECORDS, 72);
+    std::fs::write(&path, &data).expect("write");
+    let mut loader = loader(&gpu, &path);
+    let ctx = gpu.context();
+    let other = ctx.new_stream().expect("stream");
+    let mut delay = other.alloc_zeros::<u8>(1 << 30).expect("1 GiB");
+    let len = BATCH * RECORD;
+    // SAFETY: written by the copy below before it is read (after the stream's sync).
+    let mut host = unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) }.expect("pinned");
+    let mut read = None;
+    for b in loader.epoch(0).expect("epoch") {
+        let b = b.expect("batch");
+        if b.number == 2 {
+            // Tens of milliseconds of memsets first: the loader's later uploads, into this
+            // batch's memory among others, are issued meanwhile.
+            for _ in 0..40 {
+                other.memset_zeros(&mut delay).expect("memset");
+            }
+            other
+                .memcpy_dtoh(device(&b.data), &mut host)
+                .expect("queue the read");
+            read = Some(b.indices.clone());
+        } else if b.number > 2 {
+            assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+        }
+        // Every batch dropped at once, the one being read included.
+    }
+    assert!(loader.stats().kept_memory_batches > 0);
+    other.synchronize().expect("sync");
+    assert!(
+        host.as_slice().expect("host") == &expected(&data, &read.expect("batch 2"))[..],
+        "the loader wrote a dropped batch's memory before a queued copy had read it"
+    );
+
+    // An epoch dropped after three batches (the rest prepared, never handed out), then the
+    // next one whole.
+    let mut epoch = loader.epoch(1).expect("epoch");
+    for _ in 0..3 {
+        let b = epoch.next().expect("a batch").expect("batch");
+        assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+    }
+    drop(epoch);
+    let mut n = 0;
+    for b in loader.epoch(2).expect("epoch") {
+        let b = b.expect("batch");
+        assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+        n += 1;
+    }
+    assert_eq!(n, RECORDS.div_ceil(BATCH));
 }
