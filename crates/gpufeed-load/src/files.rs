@@ -497,7 +497,7 @@ pub fn read_parts<'a>(
         let mut reads = Vec::with_capacity(OPEN_AT_ONCE);
         let mut opened = Ok(());
         for (path, offset, dst) in parts.by_ref().take(OPEN_AT_ONCE) {
-            match reader.open(path) {
+            match reader.open_brief(path) {
                 Ok(id) => {
                     ids.push(id);
                     reads.push((id, offset, dst));

@@ -99,9 +99,9 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
             fs,
         });
     }
-    let flags =
-        rustix::fs::fcntl_getfl(&file).map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
-    rustix::fs::fcntl_setfl(&file, flags - rustix::fs::OFlags::NONBLOCK)
+    // F_SETFL changes only O_APPEND, O_NONBLOCK, O_DIRECT, O_NOATIME (and O_ASYNC), of which
+    // the open set only O_NONBLOCK: setting none clears it without reading the flags first.
+    rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::empty())
         .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
     Ok((file, FileIdentity::from_metadata(&meta)))
 }
@@ -369,5 +369,12 @@ mod tests {
             "O_NONBLOCK left set"
         );
         assert_eq!(stat_regular(&file).expect("stat"), id);
+        // Opened to write as well: the access mode kept, O_NONBLOCK cleared, writes land.
+        let (f, _) = open_regular(&file, true).expect("opens to write");
+        let flags = rustix::fs::fcntl_getfl(&f).expect("flags");
+        assert!(flags.contains(rustix::fs::OFlags::RDWR), "{flags:?}");
+        assert!(!flags.contains(rustix::fs::OFlags::NONBLOCK), "{flags:?}");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"DA", 0).expect("write");
+        assert_eq!(std::fs::read(&file).expect("read"), b"DAta");
     }
 }

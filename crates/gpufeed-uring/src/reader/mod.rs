@@ -174,9 +174,39 @@ impl Reader {
     /// # Errors
     /// As for [`Reader::open`].
     pub fn open_opened(&mut self, opened: &gpufeed_os::OpenedFile) -> Result<FileId> {
-        let path = opened.path();
         let file = opened.duplicate()?;
         let (file, direct, reason) = self.choose_direct(opened, file)?;
+        self.admit(opened.path(), file, direct, reason, true)
+    }
+
+    /// [`Reader::open`] of a file read once and closed soon after (a batch of small files):
+    /// with [`Direct::Off`] its descriptor is the reader's own (no duplicate of another) and
+    /// is not registered with the ring, three system calls fewer per file than
+    /// [`Reader::open`] (a duplicate and its close, the registration and its removal:
+    /// `gpufeed_load::internal::read_parts` opened a file with ten, and spent about a fifth
+    /// of a 110 KiB file's time on them). With O_DIRECT possible it is [`Reader::open`].
+    ///
+    /// # Errors
+    /// As for [`Reader::open`].
+    pub fn open_brief(&mut self, path: impl AsRef<Path>) -> Result<FileId> {
+        if self.cfg.direct != Direct::Off {
+            return self.open(path);
+        }
+        let path = path.as_ref();
+        let (file, _) = gpufeed_os::file::open_regular(path, false)?;
+        self.admit(path, file, None, Some("Direct::Off".into()), false)
+    }
+
+    /// Puts `file` in a free slot (registered with the ring where `register` and the engine
+    /// registers files) and reports it.
+    fn admit(
+        &mut self,
+        path: &Path,
+        file: File,
+        direct: Option<(u32, u32)>,
+        reason: Option<String>,
+        register: bool,
+    ) -> Result<FileId> {
         let slot = match self.files.iter().position(Option::is_none) {
             Some(free) => free,
             None => {
@@ -186,7 +216,11 @@ impl Reader {
         };
         let slot = u32::try_from(slot)
             .map_err(|_| Error::InvalidRequest("more than 2^32 files open".into()))?;
-        let fixed = self.engine.register_file(slot, file.as_raw_fd());
+        let fixed = if register {
+            self.engine.register_file(slot, file.as_raw_fd())
+        } else {
+            None
+        };
         let generation = self.opened;
         self.opened = self.opened.wrapping_add(1);
         self.stats.files.push(FileReport {

@@ -37,20 +37,38 @@ fn reading_past_the_end_is_unexpected_eof() {
 }
 
 #[test]
-fn missing_files_and_directories() {
+fn missing_files_directories_and_fifos() {
     let dir = tempfile::tempdir().expect("tempdir");
+    let fifo = dir.path().join("fifo");
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .expect("mkfifo");
     let mut r = reader(Backend::Threads(1), Direct::Off, 1, 4096);
-    let err = r.open(dir.path().join("nope")).unwrap_err();
-    assert!(
-        matches!(err, Error::Os(gpufeed_os::Error::NotFound { .. })),
-        "{err:?}"
-    );
-    assert!(err.to_string().contains("check the path"));
-    let err = r.open(dir.path()).unwrap_err();
-    assert!(
-        matches!(err, Error::Os(gpufeed_os::Error::IsDirectory { .. })),
-        "{err:?}"
-    );
+    for brief in [false, true] {
+        let mut open = |p: &std::path::Path| {
+            if brief { r.open_brief(p) } else { r.open(p) }
+        };
+        let err = open(&dir.path().join("nope")).unwrap_err();
+        assert!(
+            matches!(err, Error::Os(gpufeed_os::Error::NotFound { .. })),
+            "brief {brief}: {err:?}"
+        );
+        assert!(err.to_string().contains("check the path"));
+        let err = open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, Error::Os(gpufeed_os::Error::IsDirectory { .. })),
+            "brief {brief}: {err:?}"
+        );
+        // Refused by type, without blocking on a FIFO no writer opens.
+        let err = open(&fifo).unwrap_err();
+        assert!(
+            matches!(err, Error::Os(gpufeed_os::Error::NotRegularFile { .. })),
+            "brief {brief}: {err:?}"
+        );
+    }
 }
 
 #[test]

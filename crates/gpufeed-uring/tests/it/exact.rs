@@ -313,7 +313,8 @@ fn a_leaked_read_iterator_cannot_corrupt_the_next_session() {
 
 /// A reader kept for many files (as a loader keeps one per fill thread) opens and closes one
 /// file per call: more files than the ring has registered slots, each read byte-exact, no file
-/// descriptor left behind, closed ids refused even after their slot went to another file.
+/// descriptor left behind, closed ids refused even after their slot went to another file; by
+/// `open` and by `open_brief` (its own descriptor, not registered with the ring).
 #[test]
 fn a_reader_kept_for_many_files_closes_each() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
@@ -333,25 +334,38 @@ fn a_reader_kept_for_many_files_closes_each() {
             .filter(|target| target.starts_with(dir.path()))
             .count()
     };
-    for backend in backends() {
-        for direct in [Direct::Off, Direct::On] {
+    for (backend, direct, brief) in backends().into_iter().flat_map(|b| {
+        [Direct::Off, Direct::On]
+            .into_iter()
+            .flat_map(move |d| [(b, d, false), (b, d, true)])
+    }) {
+        {
             let mut r = reader(backend, direct, 4, 64 * 1024);
             let mut stale = Vec::new();
             for round in 0..300 {
                 let (path, data) = &files[round % files.len()];
-                let file = r.open(path).expect("open");
+                let file = if brief {
+                    r.open_brief(path).expect("open_brief")
+                } else {
+                    r.open(path).expect("open")
+                };
+                assert_eq!(r.is_direct(file), Some(direct == Direct::On));
                 let mut got = vec![0u8; data.len() - 1];
                 r.read_exact_at(file, 1, &mut got).expect("read");
                 assert!(
                     got == data[1..],
-                    "{backend:?} {direct:?} round {round} differs"
+                    "{backend:?} {direct:?} brief {brief} round {round} differs"
                 );
                 assert_eq!(r.stats().files.len(), 1, "only the open file is listed");
                 r.close(file).expect("close");
                 stale.push(file);
             }
             assert!(r.stats().files.is_empty());
-            assert_eq!(fds(), 0, "{backend:?} {direct:?}: descriptors left open");
+            assert_eq!(
+                fds(),
+                0,
+                "{backend:?} {direct:?} brief {brief}: descriptors left open"
+            );
             let live = r.open(&files[0].0).expect("open");
             for old in &stale[stale.len() - 5..] {
                 let mut b = [0u8; 8];
