@@ -16,20 +16,26 @@ const RECORD: usize = 4093;
 const RECORDS: usize = 1000;
 const BATCH: usize = 64;
 
-fn loader(gpu: &Gpu, path: &std::path::Path) -> BatchLoader {
+/// A file of random records (`seed`) in a new folder, its bytes, and a loader of it.
+fn records(gpu: &Gpu, seed: u64) -> (tempfile::TempDir, Vec<u8>, BatchLoader) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(RECORD * RECORDS, seed);
+    std::fs::write(&path, &data).expect("write");
     // SAFETY: the file is private to the test and not changed while mapped.
-    let records = unsafe { RecordFile::open_fixed(path, RECORD) }.expect("records");
+    let records = unsafe { RecordFile::open_fixed(&path, RECORD) }.expect("records");
     let cfg = BatchLoaderOptions::default()
         .with_batch_size(BATCH)
         .with_workers(3)
         .with_prefetch(4);
-    BatchLoader::new(
+    let loader = BatchLoader::new(
         records,
         Sampler::new(Order::Shuffled { seed: 5 }),
         cfg,
         Some(gpu),
     )
-    .expect("loader")
+    .expect("loader");
+    (dir, data, loader)
 }
 
 /// The bytes a batch of `indices` must hold.
@@ -63,11 +69,7 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
     else {
         return;
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("records.bin");
-    let data = random_bytes(RECORD * RECORDS, 71);
-    std::fs::write(&path, &data).expect("write");
-    let mut loader = loader(&gpu, &path);
+    let (_dir, data, mut loader) = records(&gpu, 71);
 
     // Epoch 0: each batch checked and dropped at once, except batch 3, held as it is, and
     // batch 5, kept for good.
@@ -164,11 +166,7 @@ fn a_copy_still_reading_a_dropped_batch_reads_its_bytes() {
     let Some(gpu) = gpu_or_skip("a_copy_still_reading_a_dropped_batch_reads_its_bytes") else {
         return;
     };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("records.bin");
-    let data = random_bytes(RECORD * RECORDS, 72);
-    std::fs::write(&path, &data).expect("write");
-    let mut loader = loader(&gpu, &path);
+    let (_dir, data, mut loader) = records(&gpu, 72);
     let ctx = gpu.context();
     let other = ctx.new_stream().expect("stream");
     let mut delay = other.alloc_zeros::<u8>(1 << 30).expect("1 GiB");
