@@ -42,6 +42,19 @@ pub struct FacadeBench {
     pub batch_loader_cores: Samples,
     /// The same as 4 KiB records.
     pub batch_loader_4k: crate::loader::Epochs,
+    /// Both again with one worker per core (and two batches in flight per worker), where the
+    /// machine has more than 8 cores.
+    pub batch_loader_per_core: Option<PerCore>,
+}
+
+/// The batch loader's rows with one worker per core.
+#[derive(Debug, Serialize)]
+pub struct PerCore {
+    pub workers: usize,
+    /// 64 KiB records.
+    pub kib64: crate::loader::Epochs,
+    /// 4 KiB records.
+    pub kib4: crate::loader::Epochs,
 }
 
 /// Writes a safetensors file of about `bytes` in `tensors` F16 tensors of random bytes (unless
@@ -202,7 +215,21 @@ pub fn measure(
         .with_prefetch(16)
         .with_workers(8);
     let batch_loader = crate::loader::epochs(file, 64 << 10, cfg.clone(), 1, Some(gpu), reps)?;
-    let batch_loader_4k = crate::loader::epochs(file, 4 << 10, cfg, 1, Some(gpu), reps)?;
+    let batch_loader_4k = crate::loader::epochs(file, 4 << 10, cfg.clone(), 1, Some(gpu), reps)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let batch_loader_per_core = if cores > 8 {
+        progress(&format!(
+            "batch loader: the same with {cores} workers (one per core)"
+        ));
+        let cfg = cfg.with_workers(cores).with_prefetch(2 * cores);
+        Some(PerCore {
+            workers: cores,
+            kib64: crate::loader::epochs(file, 64 << 10, cfg.clone(), 1, Some(gpu), reps)?,
+            kib4: crate::loader::epochs(file, 4 << 10, cfg, 1, Some(gpu), reps)?,
+        })
+    } else {
+        None
+    };
     Ok(FacadeBench {
         file_bytes: len,
         warm_default_gbps: Samples::new(d),
@@ -223,6 +250,7 @@ pub fn measure(
         batch_loader_gbps: batch_loader.gbps,
         batch_loader_cores: batch_loader.cores_busy,
         batch_loader_4k,
+        batch_loader_per_core,
     })
 }
 
@@ -297,6 +325,19 @@ pub fn table(s: &mut String, f: &FacadeBench, limit: f64) {
         share(f.batch_loader_4k.gbps.median, limit, "the pinned limit"),
         f.batch_loader_4k.cores_busy.median
     );
+    if let Some(p) = &f.batch_loader_per_core {
+        for (what, e) in [("64 KiB", &p.kib64), ("4 KiB", &p.kib4)] {
+            let _ = writeln!(
+                s,
+                "| BatchLoader: {what} records, {} workers (one per core), {} batches in flight | {} | {}; {:.1} cores busy |",
+                p.workers,
+                2 * p.workers,
+                e.gbps.show(1),
+                share(e.gbps.median, limit, "the pinned limit"),
+                e.cores_busy.median
+            );
+        }
+    }
     let _ = writeln!(
         s,
         "\n`gpufeed::load_file` (a new `Loader`: its staging reserved, then its first load) moved the warm file at {:.1} GB/s; \

@@ -70,6 +70,9 @@ pub struct FilesBench {
     /// workers, device batches; one epoch per repetition after an untimed one, warm.
     pub batch_loader_gbps: Samples,
     pub batch_loader_files_per_s: Samples,
+    /// The same with one worker per core (two batches in flight each), where the machine has
+    /// more than 8 cores: (workers, GB/s).
+    pub batch_loader_per_core: Option<(usize, Samples)>,
     /// `ImageFolder::open` of the folder, milliseconds.
     pub image_folder_open_ms: f64,
     /// PyTorch's DataLoader over the same folder (benches/peers/peers.py --image-folder), with
@@ -383,26 +386,41 @@ fn measure_files(
         // Two batches per worker, as the other BatchLoader rows: with fewer than the workers,
         // some never run.
         .with_prefetch(16);
-    let mut batches = BatchLoader::new(
-        folder_set,
-        Sampler::new(Order::Shuffled { seed: 3 }),
-        cfg,
-        Some(loader.gpu()),
-    )?;
-    let mut epochs = Vec::new();
-    for epoch in 0..=reps as u64 {
-        let (s, r) = timed(|| -> Result<u64> {
-            let mut moved = 0;
-            for b in batches.epoch(epoch)? {
-                moved += b?.bytes() as u64;
+    // Seconds of one epoch per repetition (after an untimed one) of a loader of the folder.
+    let folder_epochs = |cfg: BatchLoaderOptions| -> Result<Vec<f64>> {
+        let mut batches = BatchLoader::new(
+            folder_set.clone(),
+            Sampler::new(Order::Shuffled { seed: 3 }),
+            cfg,
+            Some(loader.gpu()),
+        )?;
+        let mut epochs = Vec::new();
+        for epoch in 0..=reps as u64 {
+            let (s, r) = timed(|| -> Result<u64> {
+                let mut moved = 0;
+                for b in batches.epoch(epoch)? {
+                    moved += b?.bytes() as u64;
+                }
+                Ok(moved)
+            });
+            anyhow::ensure!(r? == bytes, "an epoch moved other bytes than the folder's");
+            if epoch > 0 {
+                epochs.push(s);
             }
-            Ok(moved)
-        });
-        anyhow::ensure!(r? == bytes, "an epoch moved other bytes than the folder's");
-        if epoch > 0 {
-            epochs.push(s);
         }
-    }
+        Ok(epochs)
+    };
+    let epochs = folder_epochs(cfg.clone())?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_core = if cores > 8 {
+        progress(&format!(
+            "small files: the ImageFolder BatchLoader with {cores} workers (one per core)"
+        ));
+        let secs = folder_epochs(cfg.with_workers(cores).with_prefetch(2 * cores))?;
+        Some((cores, Samples::new(secs).map(|s| gbps(bytes, s))))
+    } else {
+        None
+    };
     let torch_dataloader = peers.then(|| {
         progress("small files: PyTorch's DataLoader over the same folder (peers.py)");
         crate::gpu::run_peer_script(&[
@@ -432,6 +450,7 @@ fn measure_files(
         cold_limit_ways: limit_ways,
         batch_loader_gbps: epochs.map(|s| gbps(bytes, s)),
         batch_loader_files_per_s: epochs.map(|s| n as f64 / s),
+        batch_loader_per_core: per_core,
         image_folder_open_ms: open_s * 1e3,
         torch_dataloader,
     })
@@ -527,6 +546,14 @@ pub fn table(s: &mut String, v: &SmallBench) {
         f.batch_loader_gbps.show(1),
         f.batch_loader_files_per_s.median
     );
+    if let Some((workers, g)) = &f.batch_loader_per_core {
+        let _ = writeln!(
+            s,
+            "| the same with {workers} workers (one per core), {} batches in flight | {} | | |",
+            2 * workers,
+            g.show(1)
+        );
+    }
     if let Some(peers) = f.torch_dataloader.as_ref().and_then(|p| p.as_object()) {
         for (name, v) in peers {
             match v.as_array() {
