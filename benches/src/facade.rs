@@ -47,7 +47,7 @@ pub struct FacadeBench {
     pub batch_loader_per_core: Option<PerCore>,
 }
 
-/// The batch loader's rows with one worker per core.
+/// The batch loader's rows with one worker per core (logical CPU).
 #[derive(Debug, Serialize)]
 pub struct PerCore {
     pub workers: usize,
@@ -329,7 +329,7 @@ pub fn table(s: &mut String, f: &FacadeBench, limit: f64) {
         for (what, e) in [("64 KiB", &p.kib64), ("4 KiB", &p.kib4)] {
             let _ = writeln!(
                 s,
-                "| BatchLoader: {what} records, {} workers (one per core), {} batches in flight | {} | {}; {:.1} cores busy |",
+                "| BatchLoader: {what} records, {} workers (one per logical CPU), {} batches in flight | {} | {}; {:.1} cores busy |",
                 p.workers,
                 2 * p.workers,
                 e.gbps.show(1),

@@ -42,6 +42,14 @@ pub struct SizeRow {
     pub register_ms: f64,
 }
 
+/// The `ImageFolder` batch loader with one worker per core (logical CPUs).
+#[derive(Debug, Serialize)]
+pub struct FolderPerCore {
+    pub workers: usize,
+    pub gbps: Samples,
+    pub files_per_s: Samples,
+}
+
 #[derive(Debug, Serialize)]
 pub struct FilesBench {
     pub files: usize,
@@ -71,8 +79,8 @@ pub struct FilesBench {
     pub batch_loader_gbps: Samples,
     pub batch_loader_files_per_s: Samples,
     /// The same with one worker per core (two batches in flight each), where the machine has
-    /// more than 8 cores: (workers, GB/s).
-    pub batch_loader_per_core: Option<(usize, Samples)>,
+    /// more than 8 cores.
+    pub batch_loader_per_core: Option<FolderPerCore>,
     /// `ImageFolder::open` of the folder, milliseconds.
     pub image_folder_open_ms: f64,
     /// PyTorch's DataLoader over the same folder (benches/peers/peers.py --image-folder), with
@@ -416,8 +424,14 @@ fn measure_files(
         progress(&format!(
             "small files: the ImageFolder BatchLoader with {cores} workers (one per core)"
         ));
-        let secs = folder_epochs(cfg.with_workers(cores).with_prefetch(2 * cores))?;
-        Some((cores, Samples::new(secs).map(|s| gbps(bytes, s))))
+        let secs = Samples::new(folder_epochs(
+            cfg.with_workers(cores).with_prefetch(2 * cores),
+        )?);
+        Some(FolderPerCore {
+            workers: cores,
+            gbps: secs.map(|s| gbps(bytes, s)),
+            files_per_s: secs.map(|s| n as f64 / s),
+        })
     } else {
         None
     };
@@ -546,12 +560,14 @@ pub fn table(s: &mut String, v: &SmallBench) {
         f.batch_loader_gbps.show(1),
         f.batch_loader_files_per_s.median
     );
-    if let Some((workers, g)) = &f.batch_loader_per_core {
+    if let Some(p) = &f.batch_loader_per_core {
         let _ = writeln!(
             s,
-            "| the same with {workers} workers (one per core), {} batches in flight | {} | | |",
-            2 * workers,
-            g.show(1)
+            "| the same with {} workers (one per logical CPU), {} batches in flight | {} | {:.0} | |",
+            p.workers,
+            2 * p.workers,
+            p.gbps.show(1),
+            p.files_per_s.median
         );
     }
     if let Some(peers) = f.torch_dataloader.as_ref().and_then(|p| p.as_object()) {

@@ -101,6 +101,13 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
     }
     // F_SETFL changes only O_APPEND, O_NONBLOCK, O_DIRECT, O_NOATIME (and O_ASYNC), of which
     // the open set only O_NONBLOCK: setting none clears it without reading the flags first.
+    // An open above that sets one of the others must set it here too.
+    debug_assert!(
+        !rustix::fs::fcntl_getfl(&file).is_ok_and(|f| f.intersects(
+            rustix::fs::OFlags::APPEND | rustix::fs::OFlags::DIRECT | rustix::fs::OFlags::NOATIME
+        )),
+        "open_regular opened with a flag that F_SETFL 0 would clear"
+    );
     rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::empty())
         .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
     Ok((file, FileIdentity::from_metadata(&meta)))

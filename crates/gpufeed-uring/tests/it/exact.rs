@@ -339,44 +339,42 @@ fn a_reader_kept_for_many_files_closes_each() {
             .into_iter()
             .flat_map(move |d| [(b, d, false), (b, d, true)])
     }) {
-        {
-            let mut r = reader(backend, direct, 4, 64 * 1024);
-            let mut stale = Vec::new();
-            for round in 0..300 {
-                let (path, data) = &files[round % files.len()];
-                let file = if brief {
-                    r.open_brief(path).expect("open_brief")
-                } else {
-                    r.open(path).expect("open")
-                };
-                assert_eq!(r.is_direct(file), Some(direct == Direct::On));
-                let mut got = vec![0u8; data.len() - 1];
-                r.read_exact_at(file, 1, &mut got).expect("read");
-                assert!(
-                    got == data[1..],
-                    "{backend:?} {direct:?} brief {brief} round {round} differs"
-                );
-                assert_eq!(r.stats().files.len(), 1, "only the open file is listed");
-                r.close(file).expect("close");
-                stale.push(file);
-            }
-            assert!(r.stats().files.is_empty());
-            assert_eq!(
-                fds(),
-                0,
-                "{backend:?} {direct:?} brief {brief}: descriptors left open"
+        let mut r = reader(backend, direct, 4, 64 * 1024);
+        let mut stale = Vec::new();
+        for round in 0..300 {
+            let (path, data) = &files[round % files.len()];
+            let file = if brief {
+                r.open_brief(path).expect("open_brief")
+            } else {
+                r.open(path).expect("open")
+            };
+            assert_eq!(r.is_direct(file), Some(direct == Direct::On));
+            let mut got = vec![0u8; data.len() - 1];
+            r.read_exact_at(file, 1, &mut got).expect("read");
+            assert!(
+                got == data[1..],
+                "{backend:?} {direct:?} brief {brief} round {round} differs"
             );
-            let live = r.open(&files[0].0).expect("open");
-            for old in &stale[stale.len() - 5..] {
-                let mut b = [0u8; 8];
-                let e = r.read_exact_at(*old, 0, &mut b).expect_err("a closed file");
-                assert!(e.to_string().contains("closed"), "{e}");
-                assert!(r.close(*old).is_err(), "closing twice");
-            }
-            let mut b = vec![0u8; 100];
-            r.read_exact_at(live, 0, &mut b).expect("the live file");
-            assert_eq!(b, files[0].1[..100]);
+            assert_eq!(r.stats().files.len(), 1, "only the open file is listed");
+            r.close(file).expect("close");
+            stale.push(file);
         }
+        assert!(r.stats().files.is_empty());
+        assert_eq!(
+            fds(),
+            0,
+            "{backend:?} {direct:?} brief {brief}: descriptors left open"
+        );
+        let live = r.open(&files[0].0).expect("open");
+        for old in &stale[stale.len() - 5..] {
+            let mut b = [0u8; 8];
+            let e = r.read_exact_at(*old, 0, &mut b).expect_err("a closed file");
+            assert!(e.to_string().contains("closed"), "{e}");
+            assert!(r.close(*old).is_err(), "closing twice");
+        }
+        let mut b = vec![0u8; 100];
+        r.read_exact_at(live, 0, &mut b).expect("the live file");
+        assert_eq!(b, files[0].1[..100]);
     }
 }
 
@@ -464,4 +462,82 @@ fn a_reader_of_an_opened_file_reads_that_version_after_a_rename_over_its_path() 
         opened.changed().expect("fstat").is_some(),
         "the opened version lost its name"
     );
+}
+
+/// Files opened by `open` (registered with the ring) and by `open_brief` (not) side by side in
+/// one batch of reads, their slots reused by files of the other kind from round to round,
+/// some kept open across rounds: every file reads its own bytes, on both backends, with and
+/// without recoverable faults (short reads, EINTR, EAGAIN).
+#[test]
+fn registered_and_brief_files_share_a_batch_and_their_slots() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let files: Vec<(std::path::PathBuf, Vec<u8>)> = (0..300u64)
+        .map(|i| {
+            let data = crate::random_bytes(1000 + i as usize * 37, crate::seed("mixed") + i);
+            let path = dir.path().join(format!("m{i}.bin"));
+            std::fs::write(&path, &data).expect("write");
+            (path, data)
+        })
+        .collect();
+    for backend in backends() {
+        for faults in [false, true] {
+            let mut builder = gpufeed_uring::Reader::builder()
+                .backend(backend)
+                .direct(Direct::Off)
+                .queue_depth(8)
+                .block_bytes(4096);
+            if faults {
+                builder = builder.fault_injection(gpufeed_uring::FaultPlan::recoverable(
+                    crate::seed("mixed faults"),
+                ));
+            }
+            let mut r = builder.build().expect("reader");
+            let mut kept = Vec::new();
+            for round in 0..20 {
+                let ids: Vec<_> = (0..40)
+                    .map(|k| {
+                        let i = (round * 13 + k) % files.len();
+                        let path = &files[i].0;
+                        let id = if (k + round) % 3 == 0 {
+                            r.open(path).expect("open")
+                        } else {
+                            r.open_brief(path).expect("open_brief")
+                        };
+                        (id, i)
+                    })
+                    .collect();
+                let mut bufs: Vec<Vec<u8>> = ids
+                    .iter()
+                    .map(|&(_, i)| vec![0u8; files[i].1.len()])
+                    .collect();
+                r.read_exact_many(
+                    ids.iter()
+                        .zip(bufs.iter_mut())
+                        .map(|(&(id, _), b)| (id, 0, b.as_mut_slice())),
+                )
+                .expect("read");
+                for (&(_, i), b) in ids.iter().zip(&bufs) {
+                    assert!(
+                        *b == files[i].1,
+                        "{backend:?} faults {faults} round {round}: file {i} differs"
+                    );
+                }
+                for (n, (id, i)) in ids.into_iter().enumerate() {
+                    if n % 7 == 0 {
+                        kept.push((id, i));
+                    } else {
+                        r.close(id).expect("close");
+                    }
+                }
+            }
+            for &(id, i) in &kept {
+                let mut b = vec![0u8; files[i].1.len()];
+                r.read_exact_at(id, 0, &mut b).expect("a file kept open");
+                assert!(
+                    b == files[i].1,
+                    "{backend:?} faults {faults}: kept file {i}"
+                );
+            }
+        }
+    }
 }
