@@ -5,7 +5,7 @@
 
 use gpufeed_cuda::cudarc::driver::DevicePtr;
 use gpufeed_data::{
-    BatchData, BatchLoader, BatchLoaderOptions, DeviceBatch, Order, RecordFile, Sampler,
+    Batch, BatchData, BatchLoader, BatchLoaderOptions, DeviceBatch, Order, RecordFile, Sampler,
 };
 use gpufeed_load::Gpu;
 
@@ -57,6 +57,15 @@ fn device_bytes(gpu: &Gpu, data: &BatchData) -> Vec<u8> {
     gpu.to_vec(device(data)).expect("copy back")
 }
 
+/// Asserts that batch `b` holds its records' bytes (`when` names it in the failure).
+fn assert_right(gpu: &Gpu, data: &[u8], b: &Batch, when: &str) {
+    assert!(
+        device_bytes(gpu, &b.data) == expected(data, &b.indices),
+        "{when}: batch {} holds other bytes",
+        b.number
+    );
+}
+
 fn address(gpu: &Gpu, data: &BatchData) -> u64 {
     let stream = gpu.default_stream();
     device(data).device_ptr(&stream).0
@@ -77,12 +86,7 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
     let mut batches = 0;
     for b in loader.epoch(0).expect("epoch") {
         let b = b.expect("batch");
-        assert_eq!(
-            device_bytes(&gpu, &b.data),
-            expected(&data, &b.indices),
-            "epoch 0 batch {}",
-            b.number
-        );
+        assert_right(&gpu, &data, &b, "epoch 0");
         batches += 1;
         match b.number {
             3 => held = Some(b),
@@ -107,12 +111,7 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
     let mut all_held = Vec::new();
     for b in loader.epoch(1).expect("epoch") {
         let b = b.expect("batch");
-        assert_eq!(
-            device_bytes(&gpu, &b.data),
-            expected(&data, &b.indices),
-            "epoch 1 batch {}",
-            b.number
-        );
+        assert_right(&gpu, &data, &b, "epoch 1");
         if b.number >= 8 {
             all_held.push(b);
         }
@@ -127,26 +126,21 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
         "two held batches share memory"
     );
     for b in &all_held {
-        assert_eq!(
-            device_bytes(&gpu, &b.data),
-            expected(&data, &b.indices),
-            "epoch 1 batch {}, held to the epoch's end",
-            b.number
-        );
+        assert_right(&gpu, &data, b, "epoch 1, held to the epoch's end");
     }
     let held = held.expect("batch 3");
-    assert_eq!(
-        device_bytes(&gpu, &held.data),
-        expected(&data, &held.indices),
-        "a batch held through a later epoch was written over"
+    assert_right(
+        &gpu,
+        &data,
+        &held,
+        "a batch held through a later epoch was written over",
     );
     drop(all_held); // more than the loader keeps: the rest is freed
 
     // Epoch 2 after all that was given back, then the loader is dropped: the batch kept for
     // good outlives it.
     for b in loader.epoch(2).expect("epoch") {
-        let b = b.expect("batch");
-        assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+        assert_right(&gpu, &data, &b.expect("batch"), "epoch 2");
     }
     drop(loader);
     drop(held); // given back to no loader: freed
@@ -187,7 +181,7 @@ fn a_copy_still_reading_a_dropped_batch_reads_its_bytes() {
                 .expect("queue the read");
             read = Some(b.indices.clone());
         } else if b.number > 2 {
-            assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+            assert_right(&gpu, &data, &b, "epoch 0");
         }
         // Every batch dropped at once, the one being read included.
     }
@@ -203,13 +197,17 @@ fn a_copy_still_reading_a_dropped_batch_reads_its_bytes() {
     let mut epoch = loader.epoch(1).expect("epoch");
     for _ in 0..3 {
         let b = epoch.next().expect("a batch").expect("batch");
-        assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+        assert_right(&gpu, &data, &b, "epoch 1, dropped half way");
     }
     drop(epoch);
     let mut n = 0;
     for b in loader.epoch(2).expect("epoch") {
-        let b = b.expect("batch");
-        assert_eq!(device_bytes(&gpu, &b.data), expected(&data, &b.indices));
+        assert_right(
+            &gpu,
+            &data,
+            &b.expect("batch"),
+            "epoch 2, after one dropped half way",
+        );
         n += 1;
     }
     assert_eq!(n, RECORDS.div_ceil(BATCH));
