@@ -182,9 +182,9 @@ impl Reader {
     /// [`Reader::open`] of a file read once and closed soon after (a batch of small files):
     /// with [`Direct::Off`] its descriptor is the reader's own (no duplicate of another) and
     /// is not registered with the ring, four system calls fewer per file than
-    /// [`Reader::open`] (a duplicate and its close, the registration and its removal:
-    /// `gpufeed_load::internal::read_parts` opened a file with ten, and spent about a fifth
-    /// of a 110 KiB file's time on them). With O_DIRECT possible it is [`Reader::open`].
+    /// [`Reader::open`] (a duplicate and its close, the registration and its removal;
+    /// `gpufeed_load::internal::read_parts` opened and closed a file with ten). With O_DIRECT
+    /// possible it is [`Reader::open`].
     ///
     /// # Errors
     /// As for [`Reader::open`].
