@@ -83,10 +83,16 @@ impl FileIdentity {
 /// [`Error::NotFound`], [`Error::IsDirectory`], [`Error::NotRegularFile`] (FIFOs, devices,
 /// sockets), [`Error::PseudoFile`] (procfs, sysfs, ...), [`Error::Io`].
 pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
+    /// The open's own flags. `F_SETFL 0` below clears every flag F_SETFL can change: none of
+    /// them but O_NONBLOCK may be here.
+    const OPEN_FLAGS: i32 = libc::O_NONBLOCK;
+    const _: () = assert!(
+        OPEN_FLAGS & (libc::O_APPEND | libc::O_DIRECT | libc::O_NOATIME | libc::O_ASYNC) == 0
+    );
     let file = OpenOptions::new()
         .read(true)
         .write(write)
-        .custom_flags(libc::O_NONBLOCK)
+        .custom_flags(OPEN_FLAGS)
         .open(path)
         .map_err(|e| Error::open(path, e))?;
     let meta = file
@@ -100,14 +106,8 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
         });
     }
     // F_SETFL changes only O_APPEND, O_NONBLOCK, O_DIRECT, O_NOATIME (and O_ASYNC), of which
-    // the open set only O_NONBLOCK: setting none clears it without reading the flags first.
-    // An open above that sets one of the others must set it here too.
-    debug_assert!(
-        !rustix::fs::fcntl_getfl(&file).is_ok_and(|f| f.intersects(
-            rustix::fs::OFlags::APPEND | rustix::fs::OFlags::DIRECT | rustix::fs::OFlags::NOATIME
-        )),
-        "open_regular opened with a flag that F_SETFL 0 would clear"
-    );
+    // the open set only O_NONBLOCK (checked where OPEN_FLAGS is defined): setting none clears
+    // it without reading the flags first.
     rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::empty())
         .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
     Ok((file, FileIdentity::from_metadata(&meta)))
