@@ -196,6 +196,162 @@ fn the_cuda_decoder_decodes_a_batch_of_every_kind_beside_the_engines() {
     every_kind(&gpu, nv);
 }
 
+#[test]
+fn the_cuda_decoder_beside_the_engines_takes_each_batchs_smallest_images() {
+    let test = "the_cuda_decoder_beside_the_engines_takes_each_batchs_smallest_images";
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    let Some(mut nv) = nvjpeg_or_skip(&gpu, test) else {
+        return;
+    };
+    if nv.hardware_engines() == 0 {
+        // Nothing is beside the engines on a GPU without them: the setting is a no-op.
+        nv.set_cuda_beside(4).expect("no-op");
+        assert_eq!(nv.cuda_beside(), 0);
+        eprintln!(
+            "SKIP {test}: {} has no JPEG decoder engines",
+            gpu.info().name
+        );
+        return;
+    }
+    // Eleven 4:2:0 photos of distinct areas in no order of size, one 4:4:4 among them (the
+    // engines' order puts 4:4:4 first whatever its area).
+    let sizes: [(u16, u16); 11] = [
+        (320, 240),
+        (97, 61),
+        (480, 360),
+        (211, 157),
+        (64, 48),
+        (401, 299),
+        (150, 150),
+        (33, 17),
+        (257, 129),
+        (120, 90),
+        (75, 301),
+    ];
+    let mut jpegs = Vec::new();
+    let mut sources = Vec::new();
+    for (i, &(w, h)) in sizes.iter().enumerate() {
+        let sampling = if i == 7 {
+            SamplingFactor::R_4_4_4
+        } else {
+            SamplingFactor::R_4_2_0
+        };
+        let (bytes, pixels) = photo(w, h, false, sampling, false, 0);
+        jpegs.push(bytes);
+        sources.push(pixels);
+    }
+    let all: Vec<&[u8]> = jpegs.iter().map(Vec::as_slice).collect();
+    let mut slots = Vec::new();
+    let mut at = 3usize;
+    for &(w, h) in &sizes {
+        let slot = Slot {
+            offset: at,
+            pitch: 3 * usize::from(w) + 1,
+            width: u32::from(w),
+            height: u32::from(h),
+        };
+        at += slot.span() + 3;
+        slots.push(slot);
+    }
+    let stream = gpu.default_stream();
+    let fill = vec![0x5Au8; at];
+    let decode = |nv: &mut Nvjpeg| {
+        let mut dst = stream.clone_htod(&fill).expect("upload");
+        let outcomes = nv
+            .decode_batch(&all, &mut dst.slice_mut(..), &slots, &stream)
+            .expect("the batch");
+        let got = stream.clone_dtoh(&dst).expect("download");
+        let by: Vec<DecodedBy> = outcomes.into_iter().map(|o| o.expect("decoded")).collect();
+        (by, got)
+    };
+    let rows = |got: &[u8], i: usize| -> Vec<u8> {
+        let slot = slots[i];
+        let mut rgb = Vec::new();
+        for row in 0..slot.height as usize {
+            let start = slot.offset + row * slot.pitch;
+            rgb.extend_from_slice(&got[start..start + 3 * slot.width as usize]);
+            assert_eq!(
+                got[start + 3 * slot.width as usize],
+                0x5A,
+                "image {i}: padding"
+            );
+        }
+        rgb
+    };
+    let (engines_by, engines_got) = decode(&mut nv);
+    assert!(
+        engines_by.iter().all(|b| *b == DecodedBy::Hardware),
+        "{engines_by:?}"
+    );
+
+    nv.set_cuda_beside(4)
+        .expect("a CUDA decoder beside the engines");
+    assert_eq!(nv.cuda_beside(), 4);
+    let (by, got) = decode(&mut nv);
+    // Aside: the four smallest 4:2:0 images by area (64x48, 97x61, 120x90, 150x150), not the
+    // smaller 4:4:4 one, which the engines' order puts first.
+    let mut order: Vec<usize> = (0..sizes.len()).filter(|&i| i != 7).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(u64::from(sizes[i].0) * u64::from(sizes[i].1)));
+    let aside: Vec<usize> = order[order.len() - 4..].to_vec();
+    for i in 0..sizes.len() {
+        let want = if aside.contains(&i) {
+            DecodedBy::Cuda
+        } else {
+            DecodedBy::Hardware
+        };
+        assert_eq!(by[i], want, "image {i} {:?}: {by:?}", sizes[i]);
+        let rgb = rows(&got, i);
+        let quality = psnr(&rgb, &sources[i], false);
+        assert!(
+            quality >= 30.0,
+            "image {i}: PSNR {quality:.1} dB against its source"
+        );
+        let engines = rows(&engines_got, i);
+        if want == DecodedBy::Hardware {
+            assert_eq!(
+                rgb, engines,
+                "image {i}: the engines' bytes differ between two calls"
+            );
+        } else {
+            // Another decoder (its own IDCT and upsampling): close to the engines' output.
+            let close = psnr(&rgb, &engines, false);
+            println!(
+                "image {i} {:?} by the CUDA decoder: {close:.1} dB against the engines'",
+                sizes[i]
+            );
+            assert!(
+                close >= 35.0,
+                "image {i}: {close:.1} dB against the engines' decode"
+            );
+        }
+    }
+    // A batch of one stays with the engines; more asked aside than the batch has leaves one.
+    let one = Slot::packed(0, slots[0].width, slots[0].height);
+    let mut dst = stream.alloc_zeros::<u8>(one.span()).expect("alloc");
+    let single = nv
+        .decode_batch(&all[..1], &mut dst.slice_mut(..), &[one], &stream)
+        .expect("one image");
+    assert_eq!(single[0].as_ref().ok(), Some(&DecodedBy::Hardware));
+    nv.set_cuda_beside(100).expect("more than a batch");
+    let (by, _) = decode(&mut nv);
+    assert_eq!(
+        by.iter().filter(|b| **b == DecodedBy::Hardware).count(),
+        1,
+        "{by:?}"
+    );
+    assert_eq!(
+        by[7],
+        DecodedBy::Hardware,
+        "the 4:4:4 image goes to the engines first"
+    );
+    nv.set_cuda_beside(0).expect("off");
+    assert_eq!(nv.cuda_beside(), 0);
+    let (by, _) = decode(&mut nv);
+    assert!(by.iter().all(|b| *b == DecodedBy::Hardware), "{by:?}");
+}
+
 /// Baseline, progressive, every subsampling, restart markers, gray and bad ones in one batch
 /// through `nv`, each image checked in its slot and alone.
 fn every_kind(gpu: &gpufeed_cuda::Gpu, mut nv: Nvjpeg) {
