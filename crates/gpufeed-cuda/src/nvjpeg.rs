@@ -263,18 +263,6 @@ pub struct Nvjpeg {
     batched_cuda: bool,
     engines: u32,
     gpu: Gpu,
-    /// The CUDA decoder that takes a batch's smallest images while the engines decode the rest
-    /// ([`Nvjpeg::set_cuda_beside`]).
-    beside: Option<Box<Beside>>,
-}
-
-/// A CUDA handle with a stream of its own, beside a hardware handle.
-#[derive(Debug)]
-struct Beside {
-    nv: Nvjpeg,
-    stream: Arc<CudaStream>,
-    /// Images of each batch it takes (the smallest the engines would take).
-    images: usize,
 }
 
 /// Where image `i` of a batch goes in the destination: interleaved RGB (3 bytes a pixel,
@@ -408,7 +396,6 @@ impl Nvjpeg {
             batched_cuda: want == Backend::Cuda,
             engines,
             gpu: gpu.clone(),
-            beside: None,
         };
         // SAFETY: a live handle; the outputs are writable.
         let r = unsafe { (l.state_create)(handle, &mut nv.state) };
@@ -426,39 +413,6 @@ impl Nvjpeg {
             return Err(failed("nvjpegJpegStreamCreate", r));
         }
         Ok(nv)
-    }
-
-    /// Has nvJPEG's CUDA decoder (a handle of its own, [`Backend::Cuda`], on a stream of its
-    /// own) decode up to `images` of each batch's smallest images that the engines would take,
-    /// on a thread of its own while the engines decode the rest: the GPU's cores, which the
-    /// engines leave mostly idle, add their rate to the engines'. `0` (the default) stops it.
-    /// A handle without engines decodes everything on the CUDA decoder already: nothing to do.
-    ///
-    /// # Errors
-    /// The errors of [`Nvjpeg::open_with`] for the CUDA handle, and of making its stream;
-    /// the setting is then left as it was.
-    pub fn set_cuda_beside(&mut self, images: usize) -> Result<()> {
-        if images == 0 || self.backend != Backend::Hardware {
-            self.beside = None;
-            return Ok(());
-        }
-        if let Some(b) = self.beside.as_mut() {
-            b.images = images;
-            return Ok(());
-        }
-        let nv = Nvjpeg::open_with(&self.gpu, Backend::Cuda)?;
-        let stream = self
-            .gpu
-            .context()
-            .new_stream()
-            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
-        self.beside = Some(Box::new(Beside { nv, stream, images }));
-        Ok(())
-    }
-
-    /// Images per batch the CUDA decoder takes beside the engines ([`Nvjpeg::set_cuda_beside`]).
-    pub fn cuda_beside(&self) -> usize {
-        self.beside.as_ref().map_or(0, |b| b.images)
     }
 
     /// The backend the handle drives.
@@ -669,66 +623,56 @@ impl Nvjpeg {
         };
         let cu = stream.cu_stream();
         order_for_engines(&mut batched, &keys);
-        // The smallest of the engines' images to the CUDA decoder beside them (at least one
-        // left to the engines), decoded on a thread of its own while the engines run.
-        let mut beside = self.beside.take();
-        let aside: Vec<usize> = match &beside {
-            Some(b) if self.backend == Backend::Hardware => {
-                let n = b.images.min(batched.len().saturating_sub(1));
-                batched.split_off(batched.len() - n)
+        if !batched.is_empty() {
+            // The engines write when called (see above): the work queued before goes first
+            // (waited for asleep: a spinning wait would keep a core busy per decode thread).
+            self.gpu.wait_asleep(stream)?;
+            let n = batched.len() as c_int;
+            let mut r = 0;
+            if self.batch != Some(n) {
+                // SAFETY: live handle and state; the batch size and format are plain values
+                // (the thread count is unused by nvJPEG 11.1 on).
+                r = unsafe { (l.batched_initialize)(self.handle, self.state, n, 1, OUTPUT_RGBI) };
+                self.batch = (r == 0).then_some(n);
             }
-            _ => Vec::new(),
-        };
-        if !aside.is_empty() {
-            // The CUDA decoder writes on a stream of its own: the work queued on `stream`
-            // before (the destination's zeroing, ...) goes first.
-            if let Err(e) = self.gpu.wait_asleep(stream) {
-                self.beside = beside;
-                return Err(e);
-            }
-        }
-        let result = std::thread::scope(|scope| {
-            let helper = match beside.as_deref_mut() {
-                Some(b) if !aside.is_empty() => {
-                    let some: Vec<&[u8]> = aside.iter().map(|&i| jpegs[i]).collect();
-                    let places: Vec<Slot> = aside.iter().map(|&i| slots[i]).collect();
-                    // SAFETY: the caller's promise on `dst` holds for the call; these images'
-                    // slots are disjoint from the engines' (each image has its own, checked).
-                    Some(scope.spawn(move || unsafe {
-                        b.nv.decode_batch_raw(&some, dst, dst_len, &places, &b.stream)
-                    }))
-                }
-                _ => None,
-            };
-            // SAFETY: `image(i)` is image i's slot inside `dst` (checked), written by nothing else.
-            let engines = unsafe { self.decode_batched(l, jpegs, &batched, &image, cu, stream) };
-            let aside_outcomes =
-                helper.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-            (engines, aside_outcomes)
-        });
-        self.beside = beside;
-        let (engines, aside_outcomes) = result;
-        match engines? {
-            Some(by) => {
-                for &i in &batched {
-                    outcomes[i] = Ok(by);
-                }
-            }
-            None => cuda.extend(&batched),
-        }
-        match aside_outcomes {
-            Some(Ok(decoded)) => {
-                for (&i, outcome) in aside.iter().zip(decoded) {
-                    match outcome {
-                        Ok(by) => outcomes[i] = Ok(by),
-                        // One by one on this handle below, as a failed batched call's.
-                        Err(_) => cuda.push(i),
+            if r == 0 {
+                let data: Vec<*const u8> = batched.iter().map(|&i| jpegs[i].as_ptr()).collect();
+                let lengths: Vec<usize> = batched.iter().map(|&i| jpegs[i].len()).collect();
+                let mut images: Vec<NvImage> = batched.iter().map(|&i| image(i)).collect();
+                // SAFETY: `n` readable JPEGs with their lengths, `n` destinations each inside
+                // `dst` (checked by `check_slot`) and written by nothing else (the caller's
+                // promise); the inputs outlive the call and the synchronization below.
+                r = unsafe {
+                    (l.batched)(
+                        self.handle,
+                        self.state,
+                        data.as_ptr(),
+                        lengths.as_ptr(),
+                        images.as_mut_ptr(),
+                        cu,
+                    )
+                };
+                if r == 0 {
+                    let by = match self.backend {
+                        Backend::Hardware => DecodedBy::Hardware,
+                        Backend::Cuda => DecodedBy::Cuda,
+                    };
+                    for &i in &batched {
+                        outcomes[i] = Ok(by);
                     }
                 }
             }
-            // CUDA errors of its waits (its images' slots passed the checks above already).
-            Some(Err(e)) => return Err(e),
-            None => {}
+            if r != 0 {
+                // Set up again before the next batched call (nvJPEG's rule after a failure);
+                // these images one by one instead.
+                tracing::debug!(
+                    status = status_name(r),
+                    images = batched.len(),
+                    "nvJPEG's batched decode failed; decoding them one by one"
+                );
+                self.batch = None;
+                cuda.extend(&batched);
+            }
         }
         for &i in &cuda {
             let mut img = image(i);
@@ -754,71 +698,6 @@ impl Nvjpeg {
         // The inputs are the caller's to free after this; the outputs ready for any stream.
         self.gpu.wait_asleep(stream)?;
         Ok(outcomes)
-    }
-
-    /// The images `batched` (indices into `jpegs`) in one `nvjpegDecodeBatched` call on
-    /// `stream`, after a host wait for the work queued on it (the engines write when called);
-    /// which decoder made them, or `None` where the call failed (then they are to be decoded
-    /// one by one).
-    ///
-    /// # Safety
-    /// `image(i)` must be a destination in device memory of this handle's GPU for each `i` of
-    /// `batched`, written or read by no other work until the stream has run.
-    unsafe fn decode_batched(
-        &mut self,
-        l: &Library,
-        jpegs: &[&[u8]],
-        batched: &[usize],
-        image: &dyn Fn(usize) -> NvImage,
-        cu: CUstream,
-        stream: &Arc<CudaStream>,
-    ) -> Result<Option<DecodedBy>> {
-        let by = match self.backend {
-            Backend::Hardware => DecodedBy::Hardware,
-            Backend::Cuda => DecodedBy::Cuda,
-        };
-        if batched.is_empty() {
-            return Ok(Some(by));
-        }
-        // The engines write when called (see `decode_batch`): the work queued before goes
-        // first (waited for asleep: a spinning wait would keep a core busy per decode thread).
-        self.gpu.wait_asleep(stream)?;
-        let n = batched.len() as c_int;
-        let mut r = 0;
-        if self.batch != Some(n) {
-            // SAFETY: live handle and state; the batch size and format are plain values
-            // (the thread count is unused by nvJPEG 11.1 on).
-            r = unsafe { (l.batched_initialize)(self.handle, self.state, n, 1, OUTPUT_RGBI) };
-            self.batch = (r == 0).then_some(n);
-        }
-        if r == 0 {
-            let data: Vec<*const u8> = batched.iter().map(|&i| jpegs[i].as_ptr()).collect();
-            let lengths: Vec<usize> = batched.iter().map(|&i| jpegs[i].len()).collect();
-            let mut images: Vec<NvImage> = batched.iter().map(|&i| image(i)).collect();
-            // SAFETY: `n` readable JPEGs with their lengths, `n` destinations (the caller's
-            // promise); the inputs outlive the call and the caller's synchronization.
-            r = unsafe {
-                (l.batched)(
-                    self.handle,
-                    self.state,
-                    data.as_ptr(),
-                    lengths.as_ptr(),
-                    images.as_mut_ptr(),
-                    cu,
-                )
-            };
-        }
-        if r != 0 {
-            // Set up again before the next batched call (nvJPEG's rule after a failure).
-            tracing::debug!(
-                status = status_name(r),
-                images = batched.len(),
-                "nvJPEG's batched decode failed; decoding them one by one"
-            );
-            self.batch = None;
-            return Ok(None);
-        }
-        Ok(Some(by))
     }
 
     /// Whether the hardware engines take `jpeg` (`nvjpegDecodeBatchedSupported`, whose 0

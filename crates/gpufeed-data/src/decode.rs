@@ -138,21 +138,6 @@ impl ImageDecoder {
         self.cpu_threads = threads.max(1);
     }
 
-    /// Has nvJPEG's CUDA decoder take up to `images` of each batch's smallest images while the
-    /// hardware engines decode the rest ([`Nvjpeg::set_cuda_beside`]); nothing where nvJPEG
-    /// is missing or the handle has no engines.
-    ///
-    /// # Errors
-    /// [`Error::Load`] where the CUDA decoder's handle or stream cannot be made.
-    pub fn set_cuda_beside(&mut self, images: usize) -> Result<()> {
-        match &mut self.nvjpeg {
-            Some(nv) => nv
-                .set_cuda_beside(images)
-                .map_err(|e| Error::Load(e.into())),
-            None => Ok(()),
-        }
-    }
-
     /// The nvJPEG backend it was opened for ([`ImageDecoder::open_with`]; the handle's own may
     /// differ: a GPU without engines gives the CUDA decoder).
     pub fn backend_asked(&self) -> Backend {

@@ -85,12 +85,6 @@ pub struct ImageOptions {
     /// and since batches are handed out in order, it held the loader (14.7k images/s
     /// without) to 2.9k; two or three to 2.5-2.9k.
     pub cuda_decoders: usize,
-    /// Images of each batch that nvJPEG's CUDA decoder takes from a hardware decode thread's
-    /// batch (the smallest the engines would take), decoded at the same time as the engines
-    /// decode the rest, on a thread and stream of its own (default 0: the engines take all;
-    /// [`gpufeed_cuda::nvjpeg::Nvjpeg::set_cuda_beside`]). Ignored where the GPU has no
-    /// engines (the CUDA decoder decodes everything there) and without nvJPEG.
-    pub cuda_beside: usize,
 }
 
 impl Default for ImageOptions {
@@ -103,7 +97,6 @@ impl Default for ImageOptions {
             on_bad: OnBadImage::Error,
             decoders: 3,
             cuda_decoders: 0,
-            cuda_beside: 0,
         }
     }
 }
@@ -136,13 +129,6 @@ impl ImageOptions {
     /// These settings with `decoders` decode threads (at least 1).
     pub fn with_decoders(mut self, decoders: usize) -> Self {
         self.decoders = decoders.max(1);
-        self
-    }
-
-    /// These settings with `images` of each batch decoded by nvJPEG's CUDA decoder beside the
-    /// engines ([`ImageOptions::cuda_beside`]).
-    pub fn with_cuda_beside(mut self, images: usize) -> Self {
-        self.cuda_beside = images;
         self
     }
 
@@ -343,7 +329,6 @@ impl ImageLoader {
             // The decode threads share the cores for what they decode on the CPU (every image
             // where nvJPEG is missing), rather than each taking all of them.
             decoder.set_cpu_threads(crate::decode::cores() / wanted);
-            decoder.set_cuda_beside(self.opts.cuda_beside)?;
             if let Some(why) = decoder.cpu_only() {
                 self.cpu_only = Some(why.to_owned());
             }

@@ -53,7 +53,7 @@ impl Drop for ImageLoader {
 #[pymethods]
 impl ImageLoader {
     #[new]
-    #[pyo3(signature = (path, batch_size=256, height=224, width=224, train=true, seed=0, shuffle=crate::data::Shuffle::Flag(true), device=None, workers=4, decoders=3, normalize=false, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0), crop_fraction=0.875, skip=false, drop_last=false, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None, cuda_decoders=0, cuda_beside=0), text_signature = "(path, batch_size=256, height=224, width=224, train=True, seed=0, shuffle=True, device=None, workers=4, decoders=3, normalize=False, mean=..., std=..., scale=..., ratio=..., crop_fraction=0.875, skip=False, drop_last=False, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None, cuda_decoders=0, cuda_beside=0)")]
+    #[pyo3(signature = (path, batch_size=256, height=224, width=224, train=true, seed=0, shuffle=crate::data::Shuffle::Flag(true), device=None, workers=4, decoders=3, normalize=false, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], scale=(0.08, 1.0), ratio=(0.75, 4.0 / 3.0), crop_fraction=0.875, skip=false, drop_last=false, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None, cuda_decoders=0), text_signature = "(path, batch_size=256, height=224, width=224, train=True, seed=0, shuffle=True, device=None, workers=4, decoders=3, normalize=False, mean=..., std=..., scale=..., ratio=..., crop_fraction=0.875, skip=False, drop_last=False, global_batch=None, prefetch=None, cache=None, block=None, spool_bytes=None, cuda_decoders=0)")]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn py_new(
         py: Python<'_>,
@@ -81,7 +81,6 @@ impl ImageLoader {
         block: Option<usize>,
         spool_bytes: Option<u64>,
         cuda_decoders: usize,
-        cuda_beside: usize,
     ) -> PyResult<Self> {
         let _context = gpufeed::cuda::ContextGuard::new();
         let paths: Vec<PathBuf> = match path.extract::<PathBuf>() {
@@ -113,8 +112,7 @@ impl ImageLoader {
                 OnBadImage::Error
             })
             .with_decoders(decoders)
-            .with_cuda_decoders(cuda_decoders)
-            .with_cuda_beside(cuda_beside);
+            .with_cuda_decoders(cuda_decoders);
         let made = py.detach(|| -> gpufeed::Result<_> {
             let (records, _) =
                 match streamed_dataset(&paths, None, None, cache.as_deref(), spool_bytes)? {

@@ -120,7 +120,6 @@ class ImageLoader:
         block: int | None = None,
         spool_bytes: int | None = None,
         cuda_decoders: int = 0,
-        cuda_beside: int = 0,
     ) -> None: ...
     @property
     def classes(self) -> list[str]: ...

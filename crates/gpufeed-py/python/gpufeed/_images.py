@@ -181,9 +181,7 @@ class ImageLoader:
     nvJPEG, on the CPU, each thread on its share of the cores), plus ``cuda_decoders`` threads
     on nvJPEG's CUDA decoder (Huffman decoding on the GPU's cores, whole batches each, so
     they pay only where that decoder keeps up with the engines: on the H200 one such thread decoded ImageNet-sized files at about 700-800
-    images/s and, batches being handed out in order, held the loader to a fifth of its rate);
-    ``cuda_beside`` images of each batch (its smallest) go to nvJPEG's CUDA decoder on a thread
-    of their own while the engines decode the rest (0, the default: the engines take all).
+    images/s and, batches being handed out in order, held the loader to a fifth of its rate).
     With ``train``, torchvision's
     ``RandomResizedCrop(size, scale, ratio)`` and ``RandomHorizontalFlip()``, drawn from
     ``seed``, the epoch and the record's index alone — the same image gets the same crop
@@ -217,8 +215,7 @@ class ImageLoader:
                  on_error: str = "raise", drop_last: bool = False,
                  global_batch: Optional[int] = None, prefetch: Optional[int] = None,
                  cache: Any = None, block: Optional[int] = None,
-                 spool_bytes: Optional[int] = None, cuda_decoders: int = 0,
-                 cuda_beside: int = 0):
+                 spool_bytes: Optional[int] = None, cuda_decoders: int = 0):
         import torch
 
         if on_error not in _POLICIES:
@@ -231,8 +228,8 @@ class ImageLoader:
         height, width, floating = _settings(torch, size, mean, std, crop_fraction, dtype)
         if batch_size < 1 or workers < 1 or decoders < 1:
             raise ValueError("batch_size, workers and decoders must be at least 1")
-        if cuda_decoders < 0 or cuda_beside < 0:
-            raise ValueError("cuda_decoders and cuda_beside must be 0 or more")
+        if cuda_decoders < 0:
+            raise ValueError("cuda_decoders must be 0 or more")
         self._dtype = dtype if floating else torch.uint8
         self._device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
         if isinstance(path, (list, tuple)):
@@ -246,7 +243,7 @@ class ImageLoader:
             [float(v) for v in std], (float(scale[0]), float(scale[1])),
             (float(ratio[0]), float(ratio[1])), float(crop_fraction), on_error == "skip",
             bool(drop_last), global_batch, prefetch, None if cache is None else str(cache),
-            block, spool_bytes, int(cuda_decoders), int(cuda_beside))
+            block, spool_bytes, int(cuda_decoders))
         self._skipped: List[Tuple[str, str]] = []
 
     @property
