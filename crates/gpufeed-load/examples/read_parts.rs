@@ -49,6 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         got == want
     };
+    let files_and_sizes: Vec<_> = paths.iter().zip(&sizes).collect();
     for way in ["std", "read_parts", "std", "read_parts"] {
         let mut best = f64::MAX;
         for round in 0..=rounds {
@@ -63,7 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             } else {
                 let mut rest = &mut out[..];
-                for batch in paths.iter().zip(&sizes).collect::<Vec<_>>().chunks(256) {
+                for batch in files_and_sizes.chunks(256) {
                     let mut parts = Vec::with_capacity(batch.len());
                     for &(path, &len) in batch {
                         let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
