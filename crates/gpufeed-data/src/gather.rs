@@ -194,6 +194,39 @@ pub(crate) struct Out<'a> {
     pub(crate) scratch: &'a mut Scratch,
 }
 
+/// How many records ahead of the one being copied [`gather`] asks for a record's first bytes.
+const PREFETCH_AHEAD: usize = 3;
+
+/// Asks the CPU to start loading the first two cache lines of `record`, and so to translate
+/// its address, while earlier records are copied. A batch's records lie anywhere in the
+/// mapping, each on pages of its own for small records; without the hint each copy first
+/// waited for its page's translation and first lines. On the development VM 4 KiB records
+/// were copied at 7.0-7.4 GB/s on one core with it against 4.9-5.1 without (the first lines
+/// of the record three ahead; one to 16 lines, 2 to 6 records ahead alike); 64 KiB records
+/// at 8.5 either way.
+#[inline]
+#[allow(
+    unsafe_code,
+    reason = "a prefetch is a hint: it reads nothing into the program and never faults"
+)]
+fn prefetch(record: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in record.chunks(64).take(2) {
+        // SAFETY: `_mm_prefetch` only hints the cache (it cannot fault, even on an address
+        // that is not mapped), and SSE, its target feature, is part of x86_64's baseline.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    if let Some(&first) = record.first() {
+        // A load of the first byte, kept: the translation and the first line start early.
+        std::hint::black_box(first);
+    }
+}
+
 /// Copies (and transforms) the records of one batch out of the file's mapping into a pooled
 /// buffer.
 pub(crate) fn gather(
@@ -215,7 +248,10 @@ pub(crate) fn gather(
         let mut offsets = Vec::with_capacity(runs.len() + 1);
         offsets.push(0);
         let mut at = 0;
-        for r in runs {
+        for (k, r) in runs.iter().enumerate() {
+            if let Some(ahead) = runs.get(k + PREFETCH_AHEAD) {
+                prefetch(ahead);
+            }
             buf[at..at + r.len()].copy_from_slice(r);
             at += r.len();
             offsets.push(at);
