@@ -525,6 +525,9 @@ pub(crate) fn gather_files(
                 .direct(Direct::Off)
                 .queue_depth(32)
                 .async_buffered(false)
+                // Each worker has its reader: files in memory (a folder in /dev/shm) are read
+                // on the worker's thread rather than handed to the kernel's.
+                .inline_memory_files(true)
                 .build()?,
         ),
     };

@@ -77,6 +77,9 @@ struct OpenFile {
     direct: Option<(u32, u32)>,
     fixed: Option<u32>,
     generation: u32,
+    /// Read on the calling thread, not through the engine
+    /// ([`ReaderBuilder::inline_memory_files`]).
+    inline: bool,
 }
 
 impl OpenFile {
@@ -138,6 +141,13 @@ impl std::fmt::Debug for Reader {
 
 /// Retries of one read after EINTR/EAGAIN/EBUSY before giving up.
 const MAX_RETRIES: u32 = 1000;
+
+/// Whether `f_type` (`statfs`) is a file system whose files are in memory: tmpfs, ramfs.
+fn in_memory_fs(f_type: i64) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    matches!(f_type, TMPFS_MAGIC | RAMFS_MAGIC)
+}
 
 impl Reader {
     /// A builder with the defaults: queue depth 32, 1 MiB blocks, `Direct::Auto`,
@@ -221,6 +231,9 @@ impl Reader {
         } else {
             None
         };
+        let inline = self.cfg.inline_memory_files
+            && direct.is_none()
+            && rustix::fs::fstatfs(&file).is_ok_and(|s| in_memory_fs(s.f_type as i64));
         let generation = self.opened;
         self.opened = self.opened.wrapping_add(1);
         self.stats.files.push(FileReport {
@@ -235,6 +248,7 @@ impl Reader {
             direct,
             fixed,
             generation,
+            inline,
         });
         Ok(FileId { slot, generation })
     }

@@ -134,7 +134,10 @@ where
 
     /// Pushes pending parts (admitting requests as needed) until the engine is full.
     fn fill(&mut self) -> Result<()> {
-        while self.reader.engine.in_flight() < self.reader.engine.capacity() {
+        // Reads done on this thread (`ReaderBuilder::inline_memory_files`) complete at once: at
+        // most a queue's worth of their completions wait to be taken.
+        let capacity = self.reader.engine.capacity();
+        while self.reader.engine.in_flight() < capacity && self.ready.len() < capacity {
             if self.pending.is_empty() && !self.admit() {
                 break;
             }
@@ -190,20 +193,32 @@ where
         });
         self.parts[tag] = Some(part);
         self.started.get_or_insert_with(Instant::now);
+        let tag = u64::from(self.generation) << 32 | tag as u64;
+        if file.inline {
+            // SAFETY: as for the engine's read below; `pread` is done with the memory when it
+            // returns.
+            let n = unsafe {
+                libc::pread(
+                    read.fd,
+                    read.ptr.cast(),
+                    read.len as usize,
+                    read.offset as libc::off_t,
+                )
+            };
+            let result = usize::try_from(n).map_err(|_| io::Error::last_os_error());
+            self.process(tag, result);
+            return Ok(());
+        }
         // SAFETY: the memory belongs to a request (or bounce buffer) this session owns and
         // keeps untouched until the completion of `tag` is processed; the session drains every
         // read before it is dropped (a session leaked with `mem::forget` leaks its owned
         // buffers with it, and the next session waits for its reads first); the file stays
         // open as long as the reader.
-        unsafe {
-            self.reader.engine.push(RawRead {
-                tag: u64::from(self.generation) << 32 | tag as u64,
-                ..read
-            })
-        }
-        .map_err(|source| Error::Backend {
-            op: "submit read",
-            source,
+        unsafe { self.reader.engine.push(RawRead { tag, ..read }) }.map_err(|source| {
+            Error::Backend {
+                op: "submit read",
+                source,
+            }
         })
     }
 

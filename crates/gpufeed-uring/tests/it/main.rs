@@ -6,6 +6,7 @@ mod child;
 mod errors;
 mod exact;
 mod faults;
+mod inline;
 mod write;
 
 use std::path::PathBuf;
