@@ -142,11 +142,15 @@ impl std::fmt::Debug for Reader {
 /// Retries of one read after EINTR/EAGAIN/EBUSY before giving up.
 const MAX_RETRIES: u32 = 1000;
 
-/// Whether `f_type` (`statfs`) is a file system whose files are in memory: tmpfs, ramfs.
-fn in_memory_fs(f_type: i64) -> bool {
+/// Whether `file` is on a file system whose files are in memory: tmpfs, ramfs.
+#[allow(
+    clippy::unnecessary_cast,
+    reason = "statfs's f_type is an i64 here, of other types on other targets"
+)]
+fn in_memory_fs(file: &File) -> bool {
     const TMPFS_MAGIC: i64 = 0x0102_1994;
     const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    matches!(f_type, TMPFS_MAGIC | RAMFS_MAGIC)
+    rustix::fs::fstatfs(file).is_ok_and(|s| matches!(s.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC))
 }
 
 impl Reader {
@@ -231,9 +235,7 @@ impl Reader {
         } else {
             None
         };
-        let inline = self.cfg.inline_memory_files
-            && direct.is_none()
-            && rustix::fs::fstatfs(&file).is_ok_and(|s| in_memory_fs(s.f_type as i64));
+        let inline = self.cfg.inline_memory_files && direct.is_none() && in_memory_fs(&file);
         let generation = self.opened;
         self.opened = self.opened.wrapping_add(1);
         self.stats.files.push(FileReport {

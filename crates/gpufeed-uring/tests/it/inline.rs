@@ -24,6 +24,10 @@ fn failing_backend(backend: gpufeed_uring::Backend, inline: bool, seed: u64) -> 
 }
 
 /// Whether `path` is on tmpfs (`statfs`).
+#[allow(
+    clippy::unnecessary_cast,
+    reason = "statfs's f_type is an i64 here, of other types on other targets"
+)]
 fn on_tmpfs(path: &Path) -> bool {
     rustix::fs::statfs(path).is_ok_and(|s| s.f_type as i64 == 0x0102_1994)
 }
