@@ -80,7 +80,7 @@ fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
             (0..100).map(|i| 1 + (i * 31_337) % 150_000).sum::<u64>()
         );
         // Past the end: the same error as through the backend, naming the file.
-        let mut tail = vec![0u8; 100];
+        let mut tail = [0u8; 100];
         let err = r
             .read_exact_many([(file, data.len() as u64 - 40, &mut tail[..])])
             .expect_err("40 bytes are there, not 100");
@@ -98,7 +98,7 @@ fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
         // Switched off, the same reads go through the backend (which fails them here).
         let mut r = failing_backend(backend, false, seed);
         let file = r.open_brief(&path).expect("open");
-        let mut buf = vec![0u8; 4096];
+        let mut buf = [0u8; 4096];
         let err = r
             .read_exact_many([(file, 5, &mut buf[..])])
             .expect_err("every backend read fails");
@@ -123,7 +123,7 @@ fn files_on_disk_still_go_through_the_backend() {
     for backend in backends() {
         let mut r = failing_backend(backend, true, seed);
         let file = r.open_brief(&path).expect("open");
-        let mut buf = vec![0u8; 4096];
+        let mut buf = [0u8; 4096];
         let err = r
             .read_exact_many([(file, 5, &mut buf[..])])
             .expect_err("a disk file is read through the backend, which fails");
