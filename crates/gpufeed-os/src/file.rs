@@ -83,6 +83,15 @@ impl FileIdentity {
 /// [`Error::NotFound`], [`Error::IsDirectory`], [`Error::NotRegularFile`] (FIFOs, devices,
 /// sockets), [`Error::PseudoFile`] (procfs, sysfs, ...), [`Error::Io`].
 pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
+    open_regular_on(path, write).map(|(file, identity, _)| (file, identity))
+}
+
+/// [`open_regular`], with the `f_type` of the file system the file is on (`fstatfs`, asked
+/// once for both; `None` where it could not be read): see [`in_memory_fs`].
+///
+/// # Errors
+/// As for [`open_regular`].
+pub fn open_regular_on(path: &Path, write: bool) -> Result<(File, FileIdentity, Option<i64>)> {
     /// The open's own flags. `F_SETFL 0` below clears every flag F_SETFL can change: none of
     /// them but O_NONBLOCK may be here.
     const OPEN_FLAGS: i32 = libc::O_NONBLOCK;
@@ -99,7 +108,8 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
         .metadata()
         .map_err(|e| Error::io("fstat", Some(path.into()), e))?;
     check_regular(path, &meta)?;
-    if let Some(fs) = pseudo_fs(rustix::fs::fstatfs(&file).ok().map(|s| s.f_type)) {
+    let f_type = rustix::fs::fstatfs(&file).ok().map(|s| s.f_type);
+    if let Some(fs) = pseudo_fs(f_type) {
         return Err(Error::PseudoFile {
             path: path.into(),
             fs,
@@ -110,7 +120,15 @@ pub fn open_regular(path: &Path, write: bool) -> Result<(File, FileIdentity)> {
     // it without reading the flags first.
     rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::empty())
         .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
-    Ok((file, FileIdentity::from_metadata(&meta)))
+    Ok((file, FileIdentity::from_metadata(&meta), f_type))
+}
+
+/// Whether `f_type` (`statfs`) is a file system whose files are in memory: tmpfs (such as
+/// `/dev/shm`) or ramfs.
+pub fn in_memory_fs(f_type: i64) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    matches!(f_type, TMPFS_MAGIC | RAMFS_MAGIC)
 }
 
 /// A regular file opened once for a whole load: the descriptor, the path it was opened by (for
@@ -383,5 +401,29 @@ mod tests {
         assert!(!flags.contains(rustix::fs::OFlags::NONBLOCK), "{flags:?}");
         std::os::unix::fs::FileExt::write_all_at(&f, b"DA", 0).expect("write");
         assert_eq!(std::fs::read(&file).expect("read"), b"DAta");
+    }
+
+    #[test]
+    fn the_file_system_type_comes_with_the_open() {
+        let shm = Path::new("/dev/shm");
+        match rustix::fs::statfs(shm) {
+            Ok(s) if in_memory_fs(s.f_type) => {
+                let dir = tempfile::tempdir_in(shm).expect("tempdir in /dev/shm");
+                let file = dir.path().join("f");
+                std::fs::write(&file, b"data").expect("write");
+                let (_, id, f_type) = open_regular_on(&file, false).expect("opens");
+                assert_eq!(id.size, 4);
+                assert!(f_type.is_some_and(in_memory_fs), "{f_type:x?}");
+            }
+            _ => eprintln!("SKIP a file in memory: /dev/shm is not a tmpfs here"),
+        }
+        // A pseudo file system is still refused, and ext4/xfs/btrfs are not in memory.
+        assert!(matches!(
+            open_regular_on(Path::new("/proc/self/status"), false),
+            Err(Error::PseudoFile { .. })
+        ));
+        for disk in [0xef53_i64, 0x5846_5342, 0x9123_683e] {
+            assert!(!in_memory_fs(disk));
+        }
     }
 }

@@ -142,17 +142,6 @@ impl std::fmt::Debug for Reader {
 /// Retries of one read after EINTR/EAGAIN/EBUSY before giving up.
 const MAX_RETRIES: u32 = 1000;
 
-/// Whether `file` is on a file system whose files are in memory: tmpfs, ramfs.
-#[allow(
-    clippy::unnecessary_cast,
-    reason = "statfs's f_type is an i64 here, of other types on other targets"
-)]
-fn in_memory_fs(file: &File) -> bool {
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    rustix::fs::fstatfs(file).is_ok_and(|s| matches!(s.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC))
-}
-
 impl Reader {
     /// A builder with the defaults: queue depth 32, 1 MiB blocks, `Direct::Auto`,
     /// `Backend::Auto`.
@@ -190,7 +179,10 @@ impl Reader {
     pub fn open_opened(&mut self, opened: &gpufeed_os::OpenedFile) -> Result<FileId> {
         let file = opened.duplicate()?;
         let (file, direct, reason) = self.choose_direct(opened, file)?;
-        self.admit(opened.path(), file, direct, reason, true)
+        let inline = self.cfg.inline_memory_files
+            && direct.is_none()
+            && rustix::fs::fstatfs(&file).is_ok_and(|s| gpufeed_os::file::in_memory_fs(s.f_type));
+        self.admit(opened.path(), file, direct, reason, true, inline)
     }
 
     /// [`Reader::open`] of a file read once and closed soon after (a batch of small files):
@@ -207,12 +199,14 @@ impl Reader {
             return self.open(path);
         }
         let path = path.as_ref();
-        let (file, _) = gpufeed_os::file::open_regular(path, false)?;
-        self.admit(path, file, None, Some("Direct::Off".into()), false)
+        let (file, _, f_type) = gpufeed_os::file::open_regular_on(path, false)?;
+        let inline =
+            self.cfg.inline_memory_files && f_type.is_some_and(gpufeed_os::file::in_memory_fs);
+        self.admit(path, file, None, Some("Direct::Off".into()), false, inline)
     }
 
     /// Puts `file` in a free slot (registered with the ring where `register` and the engine
-    /// registers files) and reports it.
+    /// registers files; read on the calling thread where `inline`) and reports it.
     fn admit(
         &mut self,
         path: &Path,
@@ -220,6 +214,7 @@ impl Reader {
         direct: Option<(u32, u32)>,
         reason: Option<String>,
         register: bool,
+        inline: bool,
     ) -> Result<FileId> {
         let slot = match self.files.iter().position(Option::is_none) {
             Some(free) => free,
@@ -235,7 +230,6 @@ impl Reader {
         } else {
             None
         };
-        let inline = self.cfg.inline_memory_files && direct.is_none() && in_memory_fs(&file);
         let generation = self.opened;
         self.opened = self.opened.wrapping_add(1);
         self.stats.files.push(FileReport {

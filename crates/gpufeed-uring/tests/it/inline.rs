@@ -23,19 +23,15 @@ fn failing_backend(backend: gpufeed_uring::Backend, inline: bool, seed: u64) -> 
         .expect("build")
 }
 
-/// Whether `path` is on tmpfs (`statfs`).
-#[allow(
-    clippy::unnecessary_cast,
-    reason = "statfs's f_type is an i64 here, of other types on other targets"
-)]
-fn on_tmpfs(path: &Path) -> bool {
-    rustix::fs::statfs(path).is_ok_and(|s| s.f_type as i64 == 0x0102_1994)
+/// Whether `path` is on a file system in memory (`statfs`).
+fn in_memory(path: &Path) -> bool {
+    rustix::fs::statfs(path).is_ok_and(|s| gpufeed_os::file::in_memory_fs(s.f_type))
 }
 
 #[test]
 fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
     let shm = Path::new("/dev/shm");
-    if !on_tmpfs(shm) {
+    if !in_memory(shm) {
         gpufeed_testkit::skip(
             "inline reads of tmpfs files",
             &"/dev/shm is not a tmpfs here",
@@ -113,7 +109,7 @@ fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
 fn files_on_disk_still_go_through_the_backend() {
     let seed = seed("inline disk");
     let (dir, path, _data) = disk_file(100_000, seed);
-    if on_tmpfs(dir.path()) {
+    if in_memory(dir.path()) {
         gpufeed_testkit::skip(
             "the backend's reads of disk files with inline reads on",
             &"the target directory is on tmpfs here",
