@@ -200,13 +200,24 @@ fn a_folder_of_small_files_loads_byte_exact_into_gpu_memory() {
 
 /// An image folder: classes from sorted subfolder names (nested files included, files in the
 /// root left out), batches in the sampler's order (shuffled, then sharded), every sample's
-/// bytes and label right, host batches here.
+/// bytes and label right, host batches here; on the disk, and in memory (`/dev/shm`, whose
+/// files the workers read on their own threads, not through io_uring).
 #[test]
 fn image_folder_batches_follow_the_sampler_with_labels() {
+    image_folder_batches_in(Path::new(env!("CARGO_TARGET_TMPDIR")));
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        image_folder_batches_in(shm);
+    } else {
+        eprintln!("SKIP an image folder in memory: no /dev/shm here");
+    }
+}
+
+fn image_folder_batches_in(base: &Path) {
     use gpufeed::dataset::{
         BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, Sampler,
     };
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let dir = tempfile::tempdir_in(base).expect("tempdir");
     let root = dir.path();
     std::fs::write(root.join("README.txt"), b"not a sample").expect("write");
     let mut want: Vec<(PathBuf, u32, Vec<u8>)> = Vec::new();
