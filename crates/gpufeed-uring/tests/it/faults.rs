@@ -2,7 +2,7 @@
 
 use gpufeed_uring::{Backend, Direct, Error, FaultPlan, ReadOp, Reader};
 
-use crate::{backends, disk_file, seed};
+use crate::{backends, disk_file, read_odd_requests, seed};
 
 fn faulty(backend: Backend, direct: Direct, plan: FaultPlan) -> Reader {
     Reader::builder()
@@ -23,29 +23,8 @@ fn short_reads_eintr_eagain_reordering_are_absorbed() {
         for direct in [Direct::On, Direct::Off] {
             let mut r = faulty(backend, direct, FaultPlan::recoverable(seed));
             let file = r.open(&path).expect("open");
-            let ops = (0..40u64).map(|i| {
-                let len = 10_000 + (i as usize * 31_337) % 150_000;
-                let off = (i * 77_773) % (data.len() - len) as u64;
-                ReadOp::new(file, off, vec![0u8; len]).user_data(i)
-            });
-            let mut n = 0;
-            r.read_all(ops, |c| {
-                let len = c.result.as_ref().copied().unwrap_or_else(|e| {
-                    panic!(
-                        "seed {seed} {backend:?} {direct:?}: request {} failed: {e}",
-                        c.user_data
-                    )
-                });
-                let off = c.offset as usize;
-                assert!(
-                    c.buf[..] == data[off..off + len],
-                    "seed {seed}: bytes of {} differ",
-                    c.user_data
-                );
-                n += 1;
-            })
-            .expect("read_all");
-            assert_eq!(n, 40);
+            let what = format!("seed {seed} {backend:?} {direct:?}");
+            read_odd_requests(&mut r, file, &data, 10_000, 40, &what);
             let s = r.stats();
             assert!(
                 s.retries > 0,

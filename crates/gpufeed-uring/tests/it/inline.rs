@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
-use gpufeed_uring::{Direct, Error, FaultPlan, ReadOp, Reader};
+use gpufeed_uring::{Direct, Error, FaultPlan, Reader};
 
-use crate::{backends, disk_file, random_bytes, seed};
+use crate::{backends, disk_file, random_bytes, read_odd_requests, seed};
 
 /// A reader whose backend fails every read with EIO: only reads that bypass it can succeed.
 fn failing_backend(backend: gpufeed_uring::Backend, inline: bool, seed: u64) -> Reader {
@@ -21,6 +21,19 @@ fn failing_backend(backend: gpufeed_uring::Backend, inline: bool, seed: u64) -> 
         })
         .build()
         .expect("build")
+}
+
+/// A read of `path` through `r` (whose backend fails every read) fails with the backend's EIO.
+fn read_fails_with_eio(r: &mut Reader, path: &Path) {
+    let file = r.open_brief(path).expect("open");
+    let mut buf = [0u8; 4096];
+    let err = r
+        .read_exact_many([(file, 5, &mut buf[..])])
+        .expect_err("read through the backend, which fails every read");
+    assert!(
+        matches!(&err, Error::Read { source, .. } if source.raw_os_error() == Some(libc::EIO)),
+        "{err}"
+    );
 }
 
 /// Whether `path` is on a file system in memory (`statfs`).
@@ -48,33 +61,9 @@ fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
         let file = r.open_brief(&path).expect("open");
         // More requests than the queue holds, at odd offsets and lengths, some larger than a
         // block (split into parts).
-        let ops = (0..100u64).map(|i| {
-            let len = 1 + (i as usize * 31_337) % 150_000;
-            let off = (i * 77_773) % (data.len() - len) as u64;
-            ReadOp::new(file, off, vec![0u8; len]).user_data(i)
-        });
-        let mut n = 0;
-        r.read_all(ops, |c| {
-            let len = c.result.as_ref().copied().unwrap_or_else(|e| {
-                panic!(
-                    "seed {seed} {backend:?}: request {} failed: {e}",
-                    c.user_data
-                )
-            });
-            let off = c.offset as usize;
-            assert!(
-                c.buf[..] == data[off..off + len],
-                "seed {seed}: bytes of {} differ",
-                c.user_data
-            );
-            n += 1;
-        })
-        .expect("read_all");
-        assert_eq!(n, 100);
-        assert_eq!(
-            r.stats().bytes,
-            (0..100).map(|i| 1 + (i * 31_337) % 150_000).sum::<u64>()
-        );
+        let what = format!("seed {seed} {backend:?}");
+        let bytes = read_odd_requests(&mut r, file, &data, 1, 100, &what);
+        assert_eq!(r.stats().bytes, bytes);
         // Past the end: the same error as through the backend, naming the file.
         let mut tail = [0u8; 100];
         let err = r
@@ -92,16 +81,7 @@ fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
         r.close(file).expect("close");
 
         // Switched off, the same reads go through the backend (which fails them here).
-        let mut r = failing_backend(backend, false, seed);
-        let file = r.open_brief(&path).expect("open");
-        let mut buf = [0u8; 4096];
-        let err = r
-            .read_exact_many([(file, 5, &mut buf[..])])
-            .expect_err("every backend read fails");
-        assert!(
-            matches!(&err, Error::Read { source, .. } if source.raw_os_error() == Some(libc::EIO)),
-            "{err}"
-        );
+        read_fails_with_eio(&mut failing_backend(backend, false, seed), &path);
     }
 }
 
@@ -117,15 +97,6 @@ fn files_on_disk_still_go_through_the_backend() {
         return;
     }
     for backend in backends() {
-        let mut r = failing_backend(backend, true, seed);
-        let file = r.open_brief(&path).expect("open");
-        let mut buf = [0u8; 4096];
-        let err = r
-            .read_exact_many([(file, 5, &mut buf[..])])
-            .expect_err("a disk file is read through the backend, which fails");
-        assert!(
-            matches!(&err, Error::Read { source, .. } if source.raw_os_error() == Some(libc::EIO)),
-            "{err}"
-        );
+        read_fails_with_eio(&mut failing_backend(backend, true, seed), &path);
     }
 }
