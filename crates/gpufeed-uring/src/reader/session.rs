@@ -195,8 +195,10 @@ where
         self.started.get_or_insert_with(Instant::now);
         let tag = u64::from(self.generation) << 32 | tag as u64;
         if file.inline {
-            // SAFETY: as for the engine's read below; `pread` is done with the memory when it
-            // returns.
+            // SAFETY: `read.ptr` holds `read.len` bytes of a request's range (inline files are
+            // buffered: no bounce buffer) that this session owns and nothing else touches
+            // while the call runs; `pread` writes only there and is done when it returns;
+            // `read.fd` is the reader's open file.
             let n = unsafe {
                 libc::pread(
                     read.fd,
