@@ -200,10 +200,10 @@ const PREFETCH_AHEAD: usize = 3;
 /// Asks the CPU to start loading the first two cache lines of `record`, and so to translate
 /// its address, while earlier records are copied. A batch's records lie anywhere in the
 /// mapping, each on pages of its own for small records; without the hint each copy first
-/// waited for its page's translation and first lines. On the development VM 4 KiB records
-/// were copied at 7.0-7.4 GB/s on one core with it against 4.9-5.1 without (the first lines
-/// of the record three ahead; one to 16 lines, 2 to 6 records ahead alike); 64 KiB records
-/// at 8.5 either way.
+/// waited for its page's translation and first lines. On the development VM (shuffled 4 KiB
+/// records, one core) a bare copy loop went from 4.9-5.1 GB/s to 6.6-7.4 with it (1 to 16
+/// lines, 2 to 6 records ahead alike), the loader's host batches from 5.0-5.2 to 6.8-7.0;
+/// 64 KiB records copied at 8.5-9.0 either way (docs/benchmarks.md, 2026-12-06).
 #[inline]
 #[allow(
     unsafe_code,
