@@ -22,7 +22,8 @@ use gpufeed_data::{
     BatchLoader, BatchLoaderOptions, Dataset, ImageFolder, Order, RecordFile, Sampler,
 };
 
-/// User plus system CPU seconds of this process so far.
+/// User plus system CPU seconds of this process so far (`/proc/self/stat` counts clock ticks
+/// of USER_HZ, 100 a second in Linux's ABI).
 fn cpu_secs() -> Result<f64, Box<dyn std::error::Error>> {
     let stat = std::fs::read_to_string("/proc/self/stat")?;
     let rest = &stat[stat.rfind(')').ok_or("no ) in /proc/self/stat")? + 2..];

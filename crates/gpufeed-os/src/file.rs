@@ -160,6 +160,8 @@ pub struct OpenedFile {
     file: File,
     path: PathBuf,
     identity: FileIdentity,
+    /// Its file system's `f_type` (the open's `fstatfs`), where it could be read.
+    f_type: Option<i64>,
 }
 
 impl OpenedFile {
@@ -169,11 +171,12 @@ impl OpenedFile {
     /// As for [`open_regular`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let (file, identity) = open_regular(path, false)?;
+        let (file, identity, f_type) = open_regular_on(path, false)?;
         Ok(OpenedFile {
             file,
             path: path.into(),
             identity,
+            f_type,
         })
     }
 
@@ -190,6 +193,12 @@ impl OpenedFile {
     /// Its identity when it was opened.
     pub fn identity(&self) -> &FileIdentity {
         &self.identity
+    }
+
+    /// Whether it is on a file system in memory (tmpfs, ramfs: [`in_memory_fs`]), as its
+    /// open found.
+    pub fn in_memory(&self) -> bool {
+        self.f_type.is_some_and(in_memory_fs)
     }
 
     /// Its length when it was opened.
@@ -222,6 +231,7 @@ impl OpenedFile {
             file: self.duplicate()?,
             path: self.path.clone(),
             identity: self.identity,
+            f_type: self.f_type,
         })
     }
 
@@ -414,6 +424,7 @@ mod tests {
                 let (_, id, f_type) = open_regular_on(&file, false).expect("opens");
                 assert_eq!(id.size, 4);
                 assert!(f_type.is_some_and(in_memory_fs), "{f_type:x?}");
+                assert!(OpenedFile::open(&file).expect("opens").in_memory());
             }
             _ => eprintln!("SKIP a file in memory: /dev/shm is not a tmpfs here"),
         }

@@ -179,9 +179,7 @@ impl Reader {
     pub fn open_opened(&mut self, opened: &gpufeed_os::OpenedFile) -> Result<FileId> {
         let file = opened.duplicate()?;
         let (file, direct, reason) = self.choose_direct(opened, file)?;
-        let inline = self.cfg.inline_memory_files
-            && direct.is_none()
-            && rustix::fs::fstatfs(&file).is_ok_and(|s| gpufeed_os::file::in_memory_fs(s.f_type));
+        let inline = self.cfg.inline_memory_files && direct.is_none() && opened.in_memory();
         self.admit(opened.path(), file, direct, reason, true, inline)
     }
 

@@ -79,6 +79,10 @@ fn files_in_memory_are_read_on_the_calling_thread_byte_exact() {
         }
         assert!(tail[..40] == data[data.len() - 40..]);
         r.close(file).expect("close");
+        // Opened by `open` (a file opened once for a load) rather than `open_brief`: the same.
+        let file = r.open(&path).expect("open");
+        read_odd_requests(&mut r, file, &data, 1, 10, &what);
+        r.close(file).expect("close");
 
         // Switched off, the same reads go through the backend (which fails them here).
         read_fails_with_eio(&mut failing_backend(backend, false, seed), &path);

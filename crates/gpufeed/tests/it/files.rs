@@ -209,7 +209,7 @@ fn image_folder_batches_follow_the_sampler_with_labels() {
     if shm.is_dir() {
         image_folder_batches_in(shm);
     } else {
-        eprintln!("SKIP an image folder in memory: no /dev/shm here");
+        gpufeed_testkit::skip("an image folder in memory", &"no /dev/shm here");
     }
 }
 
