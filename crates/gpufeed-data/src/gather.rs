@@ -89,6 +89,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
             pool,
             transform,
             scratch: &mut scratch,
+            to_device: sched.is_some(),
         };
         let result = match (records, direct) {
             (Dataset::Records(r), Some(d)) => {
@@ -192,6 +193,102 @@ pub(crate) struct Out<'a> {
     pub(crate) pool: &'a PinnedPool,
     pub(crate) transform: Option<&'a Transformer>,
     pub(crate) scratch: &'a mut Scratch,
+    /// The batch is uploaded (read by the GPU's copy engine, not by this CPU): a small one is
+    /// written with non-temporal stores ([`Stores::for_batch`]).
+    pub(crate) to_device: bool,
+}
+
+/// The largest batch (bytes) whose untransformed records are written with non-temporal
+/// stores when it is uploaded: one that fits in a core's L2 cache (2 MiB on the GPU
+/// machines' Xeons) would otherwise still be there, modified, when the copy engine reads it,
+/// and every line read would wait for the core to hand it over. On an H100 machine (GPU run
+/// 206, docs/benchmarks.md) shuffled batches of 256 records of 4 KiB went from 27.1-28.1 GB/s
+/// to 32.8-35.5 with 16 workers and from 23.3-25.5 to 26.2-28.4 with 8; batches of 16 MiB
+/// (64 KiB records) were slower streamed (8 workers 31.6-34.0 against 39.4-43.4): by the
+/// time they are uploaded most of their lines have left L2, and the stores cost the CPU more.
+const STREAMING_MAX_BYTES: usize = 2 << 20;
+
+/// How a batch's records are written into its pooled buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stores {
+    /// Plain copies: the bytes stay in this core's caches (for the CPU that reads them next).
+    Cached,
+    /// Non-temporal stores (x86_64; plain copies elsewhere), then a store fence
+    /// ([`Stores::finish`]) before the upload is issued.
+    Streaming,
+}
+
+impl Stores {
+    /// The stores for a batch of `bytes` going to the GPU (`to_device`) or staying on the host.
+    pub(crate) fn for_batch(to_device: bool, bytes: usize) -> Self {
+        if to_device && bytes <= STREAMING_MAX_BYTES {
+            Stores::Streaming
+        } else {
+            Stores::Cached
+        }
+    }
+
+    /// Copies `src` into `dst` (of the same length).
+    #[inline]
+    pub(crate) fn copy(self, dst: &mut [u8], src: &[u8]) {
+        match self {
+            Stores::Cached => dst.copy_from_slice(src),
+            Stores::Streaming => copy_streaming(dst, src),
+        }
+    }
+
+    /// Makes the batch's streaming stores visible to the copy engine: called once after its
+    /// last copy, before its upload is issued.
+    pub(crate) fn finish(self) {
+        #[cfg(target_arch = "x86_64")]
+        if self == Stores::Streaming {
+            store_fence();
+        }
+    }
+}
+
+/// Copies `src` into `dst` (of the same length) with non-temporal 16-byte stores from the
+/// first 16-byte aligned byte of `dst` on (plain copies of the unaligned head and the tail):
+/// the lines go to memory instead of this core's caches.
+#[allow(
+    unsafe_code,
+    reason = "SSE2's streaming store, on 16 bytes of the destination slice"
+)]
+fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        let (dst_head, dst) = dst.split_at_mut(head);
+        let (src_head, src) = src.split_at(head);
+        dst_head.copy_from_slice(src_head);
+        let body = dst.len() / 16 * 16;
+        let (dst_body, dst_tail) = dst.split_at_mut(body);
+        let (src_body, src_tail) = src.split_at(body);
+        for (d, s) in dst_body.chunks_exact_mut(16).zip(src_body.chunks_exact(16)) {
+            // SAFETY: `d` is 16 bytes of `dst` starting at a 16-byte aligned address (the
+            // head above ends at the first one) and `s` 16 readable bytes of `src`
+            // (`loadu`: any alignment); SSE2 is part of x86_64's baseline.
+            unsafe {
+                _mm_stream_si128(
+                    d.as_mut_ptr().cast::<__m128i>(),
+                    _mm_loadu_si128(s.as_ptr().cast::<__m128i>()),
+                );
+            }
+        }
+        dst_tail.copy_from_slice(src_tail);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
+/// `sfence`: the streaming stores before it are globally visible before any store after it
+/// (the upload's doorbell).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code, reason = "SSE's store fence")]
+fn store_fence() {
+    // SAFETY: a fence has no operands; SSE is part of x86_64's baseline.
+    unsafe { std::arch::x86_64::_mm_sfence() }
 }
 
 /// How many records ahead of the one being copied [`gather`] asks for a record's first bytes.
@@ -245,6 +342,7 @@ pub(crate) fn gather(
         let total = runs.iter().map(|r| r.len()).sum::<usize>();
         let mut buf = out.pool.get(total.max(1))?;
         buf.set_len(total);
+        let stores = Stores::for_batch(out.to_device, total);
         let mut offsets = Vec::with_capacity(runs.len() + 1);
         offsets.push(0);
         let mut at = 0;
@@ -252,10 +350,11 @@ pub(crate) fn gather(
             if let Some(ahead) = runs.get(k + PREFETCH_AHEAD) {
                 prefetch(ahead);
             }
-            buf[at..at + r.len()].copy_from_slice(r);
+            stores.copy(&mut buf[at..at + r.len()], r);
             at += r.len();
             offsets.push(at);
         }
+        stores.finish();
         return Ok((offsets, buf));
     }
     let parts = indices
@@ -282,6 +381,7 @@ pub(crate) fn assemble(
         pool,
         transform,
         scratch,
+        to_device,
     } = out;
     let mut offsets = Vec::with_capacity(indices.len() + 1);
     offsets.push(0);
@@ -290,14 +390,16 @@ pub(crate) fn assemble(
             let total = parts.iter().flatten().map(|p| p.len()).sum::<usize>();
             let mut buf = pool.get(total.max(1))?;
             buf.set_len(total);
+            let stores = Stores::for_batch(to_device, total);
             let mut at = 0;
             for p in parts {
                 for r in p {
-                    buf[at..at + r.len()].copy_from_slice(r);
+                    stores.copy(&mut buf[at..at + r.len()], r);
                     at += r.len();
                 }
                 offsets.push(at);
             }
+            stores.finish();
             Ok((offsets, buf))
         }
         Some(Transformer::Append(f)) => {
@@ -517,6 +619,7 @@ pub(crate) fn gather_files(
         pool,
         transform,
         scratch,
+        to_device: _,
     } = out;
     let reader = match reader {
         Some(r) => r,
@@ -581,5 +684,48 @@ pub(crate) fn gather_files(
             }
             Ok((sized_offsets(*bytes, indices.len()), buf))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streaming_copies_equal_plain_ones_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..300u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for dst_at in 0..17 {
+            for src_at in 0..17 {
+                for len in (0..70).chain([127, 128, 129, 255]) {
+                    let mut streamed = vec![0xAAu8; 300];
+                    let mut plain = streamed.clone();
+                    let from = &src[src_at..src_at + len];
+                    Stores::Streaming.copy(&mut streamed[dst_at..dst_at + len], from);
+                    Stores::Streaming.finish();
+                    Stores::Cached.copy(&mut plain[dst_at..dst_at + len], from);
+                    assert_eq!(
+                        streamed, plain,
+                        "dst at {dst_at}, src at {src_at}, {len} bytes"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn only_small_uploaded_batches_are_streamed() {
+        assert_eq!(Stores::for_batch(true, 1 << 20), Stores::Streaming);
+        assert_eq!(
+            Stores::for_batch(true, STREAMING_MAX_BYTES),
+            Stores::Streaming
+        );
+        assert_eq!(
+            Stores::for_batch(true, STREAMING_MAX_BYTES + 1),
+            Stores::Cached
+        );
+        // Host batches are read by the CPU next: kept in its caches.
+        assert_eq!(Stores::for_batch(false, 4096), Stores::Cached);
     }
 }
