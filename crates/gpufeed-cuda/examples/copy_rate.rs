@@ -8,12 +8,13 @@
 //! THREADS threads each issue COPIES / THREADS copies round-robin over STREAMS shared streams,
 //! each from a source buffer of its own to a destination of its own (32 of each per thread,
 //! taken in turn; an event recorded after each copy is waited for before its buffers are used
-//! again). SRC is where the sources come from, `alloc` (`cuMemHostAlloc`, allocated in every
-//! round) or `reg` (a `PinnedPool`'s registered buffers, as the batch loader's), and how they
-//! are written before each copy: nothing (`reg`), a plain copy (`reg+w`), non-temporal stores
-//! (`reg+nt`), a plain copy then `cldemote` of every line (`reg+demote`) or `clwb` of every
-//! line (`reg+clwb`; off x86_64 every way of writing is a plain copy). GPU runs 201, 203 and
-//! 205 (docs/benchmarks.md) ran it.
+//! again; every buffer made before the clock). SRC is where the sources come from, `alloc`
+//! (`cuMemHostAlloc`) or `reg` (a `PinnedPool`'s registered buffers, as the batch loader's),
+//! and how they are written before each copy: nothing (`reg`), a plain copy (`reg+w`),
+//! non-temporal stores (`reg+nt`), a plain copy then `cldemote` of every line (`reg+demote`)
+//! or `clwb` of every line (`reg+clwb`; off x86_64 every way of writing is a plain copy). GPU runs 201, 203, 205
+//! and 207 (docs/benchmarks.md) ran its earlier forms (which made the buffers, and the 64 MiB
+//! the sources are written from, inside each timed round).
 #![allow(unsafe_code, reason = "raw driver copies and cache-line instructions")]
 
 use std::sync::Arc;
@@ -65,32 +66,47 @@ fn main() -> Result<(), BoxError> {
             .collect::<Result<Vec<_>, _>>()?,
     );
     let pool = PinnedPool::new(PoolMode::Cuda(ctx.clone()), PoolOptions::default())?;
+    // Each thread's sources and destinations, made before the clock and kept for every round.
+    let mut held = (0..threads)
+        .map(|_| -> Result<_, BoxError> {
+            let srcs = (0..ring)
+                .map(|_| -> Result<Source, BoxError> {
+                    Ok(if src_kind.starts_with("alloc") {
+                        Source::Alloc(PinnedBuffer::new(&ctx, len)?)
+                    } else {
+                        Source::Pooled(pool.get(len)?)
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let dsts = (0..ring)
+                // SAFETY: each destination is written by a copy before it is read (it never
+                // is).
+                .map(|_| unsafe { streams[0].alloc::<u8>(len) })
+                .collect::<Result<Vec<_>, _>>()?;
+            // What the sources are written from (64 MiB, faulted in here), where they are.
+            let from = vec![
+                7u8;
+                if write == Write::None {
+                    0
+                } else {
+                    (64 << 20).max(2 * len)
+                }
+            ];
+            Ok((srcs, dsts, from))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    streams[0].synchronize()?;
     for round in 0..3 {
         let t = Instant::now();
         std::thread::scope(|s| -> Result<(), BoxError> {
-            let handles: Vec<_> = (0..threads)
-                .map(|th| {
-                    let (ctx, streams, pool) = (ctx.clone(), streams.clone(), &pool);
+            let handles: Vec<_> = held
+                .iter_mut()
+                .enumerate()
+                .map(|(th, (srcs, dsts, from))| {
+                    let (ctx, streams) = (ctx.clone(), streams.clone());
                     s.spawn(move || -> Result<(), BoxError> {
                         ctx.bind_to_thread()?;
-                        let mut srcs = (0..ring)
-                            .map(|_| -> Result<Source, BoxError> {
-                                Ok(if src_kind.starts_with("alloc") {
-                                    Source::Alloc(PinnedBuffer::new(&ctx, len)?)
-                                } else {
-                                    Source::Pooled(pool.get(len)?)
-                                })
-                            })
-                            .collect::<Result<Vec<_>, _>>()?;
-                        let mut dsts = (0..ring)
-                            // SAFETY: each destination is written by a copy before it is read
-                            // (it never is).
-                            .map(|_| unsafe { streams[0].alloc::<u8>(len) })
-                            .collect::<Result<Vec<_>, _>>()?;
-                        streams[0].synchronize()?;
                         let mut events: Vec<Option<CudaEvent>> = (0..ring).map(|_| None).collect();
-                        // What the sources are written from: 64 MiB, touched once here.
-                        let from = vec![7u8; (64 << 20).max(2 * len)];
                         let mut at = 0;
                         for i in 0..per_thread {
                             let k = i % ring;
@@ -102,8 +118,10 @@ fn main() -> Result<(), BoxError> {
                                 Source::Alloc(b) => b,
                                 Source::Pooled(b) => b,
                             };
-                            at = (at + len) % (from.len() - len);
-                            write_source(write, src, &from[at..at + len]);
+                            if write != Write::None {
+                                at = (at + len) % (from.len() - len);
+                                write_source(write, src, &from[at..at + len]);
+                            }
                             let (dptr, guard) = dsts[k].device_ptr_mut(stream);
                             // SAFETY: `src` is page-locked and holds `len` bytes, not written
                             // again before this copy's event completed; `dptr` holds `len`.
