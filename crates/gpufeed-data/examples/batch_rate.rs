@@ -1,7 +1,7 @@
 //! The batch loader's rate over fixed-size records of one file (or a folder of files), epoch
 //! by epoch: GB/s, batches/s, cores busy, the consumer's share of time waiting
-//! (`LoaderStats::waited_s`), its time dropping each batch, and the workers' time issuing each
-//! upload.
+//! (`LoaderStats::waited_s`) and the part of it spent waiting for copies to the GPU
+//! (`copy_waited_s`), its time dropping each batch, and the workers' time issuing each upload.
 //!
 //! ```text
 //! cargo run --release -p gpufeed-data --example batch_rate -- PATH GIB SPEC...
@@ -81,7 +81,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut loader = BatchLoader::new(records, sampler, cfg, device)?;
         let mut rates = Vec::new();
         for epoch in 0..=epochs as u64 {
-            let (waited0, upload0) = (loader.stats().waited_s, loader.stats().upload_s);
+            let (waited0, copy0, upload0) = (
+                loader.stats().waited_s,
+                loader.stats().copy_waited_s,
+                loader.stats().upload_s,
+            );
             let (cpu0, t0) = (cpu_secs()?, Instant::now());
             let (mut bytes, mut batches, mut drop_s) = (0u64, 0u64, 0.0);
             for batch in loader.epoch(epoch)? {
@@ -96,11 +100,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if epoch > 0 {
                 let stats = loader.stats();
                 rates.push(format!(
-                    "{:.1} GB/s {:.0} b/s {:.1} cores, waited {:.0}% drop {:.1}us upload {:.1}us/b",
+                    "{:.1} GB/s {:.0} b/s {:.1} cores, waited {:.0}% (copies {:.0}%) drop {:.1}us upload {:.1}us/b",
                     bytes as f64 / secs / 1e9,
                     batches as f64 / secs,
                     (cpu_secs()? - cpu0) / secs,
                     100.0 * (stats.waited_s - waited0) / secs,
+                    100.0 * (stats.copy_waited_s - copy0) / secs,
                     1e6 * drop_s / batches as f64,
                     1e6 * (stats.upload_s - upload0) / batches as f64
                 ));

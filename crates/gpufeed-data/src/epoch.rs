@@ -159,7 +159,10 @@ impl Running {
         // A batch is handed out once its bytes are on the GPU.
         let prepared = prepared.and_then(|(indices, offsets, data, upload_s, done)| {
             if let Some(ev) = done {
-                ev.synchronize().map_err(|e| gpufeed_cuda::Error::Cuda {
+                let copy = Instant::now();
+                let synced = ev.synchronize();
+                loader.stats.copy_waited_s += copy.elapsed().as_secs_f64();
+                synced.map_err(|e| gpufeed_cuda::Error::Cuda {
                     op: "cuEventSynchronize",
                     result: e.0,
                 })?;

@@ -209,6 +209,10 @@ pub struct LoaderStats {
     pub upload_s: f64,
     /// Seconds the consumer waited for workers and for batches' copies to end.
     pub waited_s: f64,
+    /// The part of `waited_s` spent waiting for batches' copies to the GPU to end (the rest
+    /// waited for the workers to prepare them): where it is most of `waited_s`, the uploads
+    /// are what the consumer waits for, not the gathering.
+    pub copy_waited_s: f64,
     /// With [`BatchLoaderOptions::direct`]: `O_DIRECT` reads issued (one per run of records next to
     /// each other in a file, per batch) and the bytes they read (from the 4 KiB page holding
     /// each run's first byte; against `bytes`, what alignment and records read twice cost).

@@ -105,6 +105,12 @@ fn dropped_batches_memory_carries_later_batches_and_held_ones_stay_intact() {
         reused > 0,
         "no batch was copied into the memory of one dropped before"
     );
+    // Every batch's copy was waited for, and that wait is a part of the consumer's.
+    let stats = loader.stats();
+    assert!(
+        stats.copy_waited_s > 0.0 && stats.copy_waited_s <= stats.waited_s,
+        "{stats:?}"
+    );
 
     // Epoch 1: its first half dropped as it comes (their memory carries later batches), its
     // second half held: none of those may be written over.

@@ -497,6 +497,11 @@ fn owned_host_epochs_match_borrowed_ones_and_resume() {
         assert!(epoch.next().is_none(), "ended");
         let loader = epoch.into_loader();
         assert_eq!(loader.stats().batches, 17);
+        assert_eq!(
+            loader.stats().copy_waited_s,
+            0.0,
+            "host batches are not copied"
+        );
         // Resumed from the position after step 5: the rest, numbered on.
         let at = owned[4].4.expect("position");
         assert_eq!((at.epoch, at.samples), (2, 60));
