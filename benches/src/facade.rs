@@ -45,9 +45,13 @@ pub struct FacadeBench {
     /// Both again with one worker per core (and two batches in flight per worker), where the
     /// machine has more than 8 cores.
     pub batch_loader_per_core: Option<PerCore>,
+    /// Both again gathered by the GPU (`BatchLoaderOptions::gpu_gather`), with 8 workers and
+    /// with 2.
+    pub batch_loader_gpu_gather: Vec<PerCore>,
 }
 
-/// The batch loader's rows with one worker per core (logical CPU).
+/// The batch loader's rows with a number of workers: one per core (logical CPU), or the GPU
+/// gathering (`gpu_gather`).
 #[derive(Debug, Serialize)]
 pub struct PerCore {
     pub workers: usize,
@@ -221,7 +225,7 @@ pub fn measure(
         progress(&format!(
             "batch loader: the same with {cores} workers (one per core)"
         ));
-        let cfg = cfg.with_workers(cores).with_prefetch(2 * cores);
+        let cfg = cfg.clone().with_workers(cores).with_prefetch(2 * cores);
         Some(PerCore {
             workers: cores,
             kib64: crate::loader::epochs(file, 64 << 10, cfg.clone(), 1, Some(gpu), reps)?,
@@ -230,6 +234,22 @@ pub fn measure(
     } else {
         None
     };
+    progress("batch loader: the same gathered by the GPU (gpu_gather), 8 and 2 workers");
+    let batch_loader_gpu_gather = [8, 2]
+        .into_iter()
+        .map(|workers| -> Result<PerCore> {
+            let cfg = cfg
+                .clone()
+                .with_workers(workers)
+                .with_prefetch(2 * workers)
+                .with_gpu_gather(true);
+            Ok(PerCore {
+                workers,
+                kib64: crate::loader::epochs(file, 64 << 10, cfg.clone(), 1, Some(gpu), reps)?,
+                kib4: crate::loader::epochs(file, 4 << 10, cfg, 1, Some(gpu), reps)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(FacadeBench {
         file_bytes: len,
         warm_default_gbps: Samples::new(d),
@@ -251,6 +271,7 @@ pub fn measure(
         batch_loader_cores: batch_loader.cores_busy,
         batch_loader_4k,
         batch_loader_per_core,
+        batch_loader_gpu_gather,
     })
 }
 
@@ -332,6 +353,18 @@ pub fn table(s: &mut String, f: &FacadeBench, limit: f64) {
                 "| BatchLoader: {what} records, {} workers (one per logical CPU), {} batches in flight | {} | {}; {:.1} cores busy |",
                 p.workers,
                 2 * p.workers,
+                e.gbps.show(1),
+                share(e.gbps.median, limit, "the pinned limit"),
+                e.cores_busy.median
+            );
+        }
+    }
+    for p in &f.batch_loader_gpu_gather {
+        for (what, e) in [("64 KiB", &p.kib64), ("4 KiB", &p.kib4)] {
+            let _ = writeln!(
+                s,
+                "| BatchLoader: {what} records gathered by the GPU (gpu_gather: the file's mapping registered, a kernel per batch), {} workers | {} | {}; {:.1} cores busy |",
+                p.workers,
                 e.gbps.show(1),
                 share(e.gbps.median, limit, "the pinned limit"),
                 e.cores_busy.median

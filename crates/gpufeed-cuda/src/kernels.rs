@@ -186,3 +186,147 @@ impl PlanarKernel {
             .map_err(|e| Error::cuda("cuLaunchKernel (rgb8_to_planar_f32)", e))
     }
 }
+
+/// `gather_records(addrs, dst, rec, count)`: block `k` (of `count`) copies the `rec` bytes at
+/// address `addrs[k]` to `dst + k * rec`, its threads taking 16 bytes each in turn where the
+/// source, the destination and `rec` are all 16-byte aligned, single bytes otherwise. The
+/// addresses (and `addrs` itself) may be host memory registered with CUDA: the GPU reads it
+/// over the bus (unified addressing: the host's address is the device's).
+const GATHER_PTX: &str = r#"
+.version 7.0
+.target sm_52
+.address_size 64
+
+.visible .entry gather_records(
+    .param .u64 addrs,
+    .param .u64 dst,
+    .param .u64 rec,
+    .param .u32 count
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<20>;
+
+    ld.param.u64 %rd1, [addrs];
+    ld.param.u64 %rd2, [dst];
+    ld.param.u64 %rd3, [rec];
+    ld.param.u32 %r1, [count];
+    mov.u32 %r2, %ctaid.x;
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra DONE;
+    cvta.to.global.u64 %rd1, %rd1;
+    mul.wide.u32 %rd4, %r2, 8;
+    add.s64 %rd5, %rd1, %rd4;
+    ld.global.u64 %rd6, [%rd5];
+    cvta.to.global.u64 %rd6, %rd6;
+    cvt.u64.u32 %rd7, %r2;
+    mul.lo.u64 %rd8, %rd7, %rd3;
+    add.s64 %rd9, %rd2, %rd8;
+    cvta.to.global.u64 %rd9, %rd9;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %ntid.x;
+    cvt.u64.u32 %rd10, %r3;
+    cvt.u64.u32 %rd11, %r4;
+    or.b64 %rd12, %rd6, %rd9;
+    or.b64 %rd12, %rd12, %rd3;
+    and.b64 %rd12, %rd12, 15;
+    setp.ne.u64 %p2, %rd12, 0;
+    @%p2 bra BYTES;
+    shl.b64 %rd10, %rd10, 4;
+    shl.b64 %rd11, %rd11, 4;
+VEC:
+    setp.ge.u64 %p3, %rd10, %rd3;
+    @%p3 bra DONE;
+    add.s64 %rd13, %rd6, %rd10;
+    add.s64 %rd14, %rd9, %rd10;
+    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd13];
+    st.global.v4.u32 [%rd14], {%r5, %r6, %r7, %r8};
+    add.s64 %rd10, %rd10, %rd11;
+    bra VEC;
+BYTES:
+    setp.ge.u64 %p3, %rd10, %rd3;
+    @%p3 bra DONE;
+    add.s64 %rd13, %rd6, %rd10;
+    add.s64 %rd14, %rd9, %rd10;
+    ld.global.u8 %r5, [%rd13];
+    st.global.u8 [%rd14], %r5;
+    add.s64 %rd10, %rd10, %rd11;
+    bra BYTES;
+DONE:
+    ret;
+}
+"#;
+
+/// Records gathered on the GPU: one launch copies a batch of records of one length from
+/// anywhere the GPU can read (a record file's mapping registered with CUDA, read over the
+/// bus) into device memory, back to back — instead of the CPU copying them into a staging
+/// buffer for the copy engine.
+#[derive(Debug)]
+pub struct GatherKernel {
+    func: CudaFunction,
+}
+
+impl GatherKernel {
+    /// Compiles the kernel for `gpu` (the driver's JIT, once per loader).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuModuleLoadData` where the driver refuses the PTX.
+    pub fn load(gpu: &Gpu) -> Result<Self> {
+        let module = gpu
+            .context()
+            .load_module(Ptx::from_src(GATHER_PTX))
+            .map_err(|e| Error::cuda("cuModuleLoadData (the gather kernel's PTX)", e))?;
+        let func = module
+            .load_function("gather_records")
+            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        Ok(GatherKernel { func })
+    }
+
+    /// Queues the kernel on `stream`: record `k` of `count`, the `rec_bytes` bytes at
+    /// `addrs[k]`, lands at `dst[k * rec_bytes..]`.
+    ///
+    /// # Safety
+    /// `addrs` points to `count` addresses in memory the GPU can read (page-locked host
+    /// memory registered with or allocated by CUDA, or device memory), each the start of
+    /// `rec_bytes` bytes the GPU can read; none of it is written, unmapped or unregistered
+    /// before the kernel has completed (an event recorded on `stream` after it).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when `dst` holds fewer than `count * rec_bytes` bytes;
+    /// [`Error::Cuda`] for a refused launch.
+    pub unsafe fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        addrs: *const u64,
+        count: u32,
+        rec_bytes: u64,
+        dst: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let need = u64::from(count).saturating_mul(rec_bytes);
+        if (dst.len() as u64) < need || count > i32::MAX as u32 {
+            return Err(Error::OutOfBounds {
+                len: need,
+                offset: 0,
+                capacity: dst.len() as u64,
+            });
+        }
+        if need == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (count, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let addrs = addrs as u64;
+        let mut launch = stream.launch_builder(&self.func);
+        launch.arg(&addrs).arg(dst).arg(&rec_bytes).arg(&count);
+        // SAFETY: the arguments are what the PTX entry declares (a u64 address, a device
+        // pointer, a u64 and a u32); `dst` was checked to hold `count` records, and what the
+        // kernel reads the caller vouches for.
+        unsafe { launch.launch(cfg) }
+            .map(drop)
+            .map_err(|e| Error::cuda("cuLaunchKernel (gather_records)", e))
+    }
+}

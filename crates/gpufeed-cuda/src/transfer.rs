@@ -749,6 +749,82 @@ impl TransferScheduler {
         Ok((dst, done))
     }
 
+    /// Gathers `count` records of `rec_bytes` bytes each on the GPU ([`GatherKernel`](crate::kernels::GatherKernel)) into
+    /// device memory, back to back, without waiting: the kernel runs on one of the
+    /// scheduler's streams taken in turns, as [`TransferScheduler::upload_pooled_reusing`]'s
+    /// copy does, into `reuse` where it fits as there, recording `done` (or a new event) after
+    /// it; `addrs` (a pooled buffer holding the records' addresses, `count` native-endian
+    /// `u64`s) records the kernel, so that the pool does not hand it out again before it
+    /// ended.
+    ///
+    /// # Safety
+    /// Each address in `addrs` starts `rec_bytes` bytes the GPU can read (host memory
+    /// registered with CUDA, such as a record file's mapping, or device memory), not written,
+    /// unmapped or unregistered before the returned event completed.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when `addrs` holds fewer than `count` addresses;
+    /// [`Error::Cuda`] (allocation, launch, events).
+    pub unsafe fn gather_pooled_reusing(
+        &self,
+        kernel: &crate::kernels::GatherKernel,
+        addrs: &mut PooledBuffer,
+        count: u32,
+        rec_bytes: u64,
+        reuse: Option<CudaSlice<u8>>,
+        done: Option<cudarc::driver::CudaEvent>,
+    ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
+        let short = |capacity: u64| Error::OutOfBounds {
+            len: u64::from(count) * 8,
+            offset: 0,
+            capacity,
+        };
+        if (addrs.len() as u64) < u64::from(count) * 8 {
+            return Err(short(addrs.len() as u64));
+        }
+        let len =
+            usize::try_from(u64::from(count).saturating_mul(rec_bytes)).map_err(|_| short(0))?;
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let k = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+        let stream = &self.streams[k];
+        let ctx = self.gpu.context();
+        let mut dst = match reuse {
+            Some(d)
+                if d.len() == len
+                    && d.stream().context() == ctx
+                    && ctx.is_managing_stream_synchronization() =>
+            {
+                Ok(d)
+            }
+            _ if len == 0 => stream.null::<u8>(),
+            // SAFETY: written by the kernel below before anything reads it: cudarc users wait
+            // for its write event, others for the event returned.
+            _ => unsafe { stream.alloc::<u8>(len) },
+        }
+        .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        if len > 0 {
+            // SAFETY: `addrs` is pooled page-locked memory holding `count` addresses (checked
+            // above), not handed out again before the event `record_use` records completed;
+            // what the addresses point to the caller vouches for.
+            unsafe { kernel.launch(stream, addrs.as_ptr().cast(), count, rec_bytes, &mut dst) }?;
+            addrs.record_use(stream)?;
+        }
+        let done = match done {
+            Some(ev) => {
+                ev.record(stream)
+                    .map_err(|e| Error::cuda("cuEventRecord", e))?;
+                ev
+            }
+            None => stream
+                .record_event(None)
+                .map_err(|e| Error::cuda("cuEventRecord", e))?,
+        };
+        Ok((dst, done))
+    }
+
     /// Copies `src` into new device memory of its length from `from` (see
     /// [`Gpu::alloc_filled`]); returns when the bytes are on the GPU.
     ///

@@ -9,7 +9,7 @@
 //! PATH is a record file (made of GIB GiB of pseudo-random bytes where it is missing or of
 //! another size) or a folder (read as an `ImageFolder`, GIB ignored); each SPEC is
 //! `record_kib,workers,prefetch,epochs[,gpu]` (gpu 1, the default: device batches on GPU 0;
-//! 0: host batches). Batches of 256, shuffled; one untimed epoch, then EPOCHS. GPU run 198
+//! 0: host batches; 2: device batches gathered by the GPU, `BatchLoaderOptions::gpu_gather`). Batches of 256, shuffled; one untimed epoch, then EPOCHS. GPU run 198
 //! (docs/benchmarks.md) ran its first form (the same loader and settings, without the
 //! waited, drop and upload columns) with `/dev/shm/rec.bin 4 4,8,16,3 4,16,32,3 64,8,16,3
 //! 64,16,32,3` and with `/dev/shm/imgs 0 0,8,16,3 0,16,32,3`, built at 5922380 and at
@@ -60,7 +60,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let [rec_kib, workers, prefetch, epochs, ..] = v[..] else {
             return Err(format!("{spec}: give record_kib,workers,prefetch,epochs[,gpu]").into());
         };
-        let on_gpu = v.get(4).is_none_or(|&g| g == 1);
+        let on_gpu = v.get(4).is_none_or(|&g| g >= 1);
+        let gpu_gather = v.get(4) == Some(&2);
         let records: Dataset = if is_dir {
             ImageFolder::open(&path)?.into()
         } else {
@@ -71,7 +72,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .with_batch_size(256)
             .with_drop_last(true)
             .with_prefetch(prefetch)
-            .with_workers(workers);
+            .with_workers(workers)
+            .with_gpu_gather(gpu_gather);
         let device = match (on_gpu, &gpu) {
             (true, Some(g)) => Some(g),
             (true, None) => return Err(format!("{spec}: device batches need GPU 0").into()),

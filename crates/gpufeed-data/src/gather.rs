@@ -8,6 +8,7 @@ use std::sync::mpsc::{self};
 use std::time::Instant;
 
 use gpufeed_cuda::TransferScheduler;
+use gpufeed_cuda::cudarc::driver::CudaEvent;
 use gpufeed_pinned::{PinnedPool, PooledBuffer};
 use gpufeed_uring::{Direct, Reader};
 use parking_lot::{Condvar, Mutex};
@@ -15,7 +16,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::device_batch::{BatchMemory, DeviceBatch};
 use crate::error::{Error, Result};
 use crate::folder::ImageFolder;
-use crate::loader::{BatchData, Scratch, Transform, TransformInto, Transformer};
+use crate::loader::{BatchData, GpuGather, Scratch, Transform, TransformInto, Transformer};
 use crate::records::{Dataset, RecordFile, Source};
 
 pub(crate) struct Queue {
@@ -55,6 +56,9 @@ pub(crate) struct Job<'a> {
     pub(crate) direct: Option<(&'a DirectCounters, usize)>,
     /// Streamed shards' epoch ([`StreamRun::generation`](crate::stream::StreamRun)).
     pub(crate) generation: u64,
+    /// With [`BatchLoaderOptions::gpu_gather`](crate::BatchLoaderOptions): the record file's
+    /// registered mapping and the kernel that gathers batches out of it.
+    pub(crate) gpu_gather: Option<&'a GpuGather>,
 }
 
 pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>) {
@@ -66,6 +70,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
         memory,
         direct,
         generation,
+        gpu_gather,
     } = *job;
     // A folder's files are read with one io_uring reader per worker, kept for the epoch; so
     // are the O_DIRECT reader and its open files.
@@ -85,6 +90,19 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
                 shared.ready.wait(&mut q);
             }
         };
+        // The GPU gathers the batch where it can (records of one length, no transform).
+        if let (Dataset::Records(r), Some(g), Some(sched), None) =
+            (records, gpu_gather, sched, transform)
+            && let Some(result) = gather_on_gpu(r, g, sched, pool, memory, &indices)
+        {
+            let result = result.map(|(offsets, data, upload_s, done)| {
+                (indices, offsets, data, upload_s, Some(done))
+            });
+            if tx.send((number, result)).is_err() {
+                return;
+            }
+            continue;
+        }
         let out = Out {
             pool,
             transform,
@@ -126,6 +144,70 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
             return;
         }
     }
+}
+
+/// A batch the GPU gathers: its offsets, data, the seconds issuing it took and the event that
+/// completes when its bytes are on the GPU.
+type OnGpu = (Vec<usize>, BatchData, f64, CudaEvent);
+
+/// Gathers the records `indices` of `records` on the GPU ([`GpuGather`]): their addresses in
+/// the registered mapping written into a pooled buffer, one kernel copying them into the
+/// batch's device memory. `None` where the records are not all one run of one length (the
+/// worker gathers those itself); else the batch's offsets, data, the seconds issuing it took
+/// and the event that completes when its bytes are on the GPU.
+#[allow(
+    unsafe_code,
+    reason = "the kernel reads the registered mapping the addresses point into"
+)]
+fn gather_on_gpu(
+    records: &RecordFile,
+    gpu: &GpuGather,
+    sched: &TransferScheduler,
+    pool: &PinnedPool,
+    memory: &Arc<BatchMemory>,
+    indices: &[usize],
+) -> Option<Result<OnGpu>> {
+    let runs = indices
+        .iter()
+        .map(|&i| records.record(i))
+        .collect::<Option<Vec<&[u8]>>>()?;
+    let rec = runs.first().map_or(0, |r| r.len());
+    if rec == 0 || runs.iter().any(|r| r.len() != rec) {
+        return None;
+    }
+    let count = u32::try_from(runs.len()).ok()?;
+    let t = Instant::now();
+    let issued = (|| {
+        let mut addrs = pool.get(8 * runs.len())?;
+        addrs.set_len(8 * runs.len());
+        for (slot, r) in addrs.chunks_exact_mut(8).zip(&runs) {
+            slot.copy_from_slice(&(r.as_ptr() as u64).to_ne_bytes());
+        }
+        let reuse = memory.take(rec * runs.len());
+        // SAFETY: every address is the start of a record of `rec` bytes of `records`'
+        // mapping, which `gpu` registered read-only and keeps registered and mapped (it holds
+        // the data set) until the context's work has ended; the file is not changed while
+        // the loader lives (`RecordFile`'s open promise).
+        let (d, done) = unsafe {
+            sched.gather_pooled_reusing(
+                &gpu.kernel,
+                &mut addrs,
+                count,
+                rec as u64,
+                reuse,
+                memory.event(),
+            )
+        }?;
+        Ok::<_, Error>((d, done))
+    })();
+    Some(issued.map(|(d, done)| {
+        (
+            sized_offsets(rec, runs.len()),
+            BatchData::Device(DeviceBatch::kept(d, memory)),
+            t.elapsed().as_secs_f64(),
+            done,
+        )
+    }))
 }
 
 /// A record's parts as one slice: the part itself, or the parts copied into `scratch` (a tar

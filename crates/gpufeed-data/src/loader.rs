@@ -101,6 +101,15 @@ pub struct BatchLoaderOptions {
     /// `workers * direct_depth` reads at once: local NVMe drives want deep queues, while
     /// network and cloud volumes often read fastest at a few (bench table 7 measures it).
     pub direct_depth: usize,
+    /// Records of one record file are gathered by the GPU itself (default off): the file's
+    /// mapping is registered with CUDA when the loader is made (page-locked: the whole file
+    /// stays in RAM while the loader lives; about 100 ms per 4 GiB), and each batch is one
+    /// kernel that reads its records over the bus straight into the batch's device memory,
+    /// with no copy by the CPU (a batch whose records differ in length, or a loader with a
+    /// transform, is gathered by the workers as usual). For a GPU loader of one
+    /// [`RecordFile`](crate::RecordFile) read through the page cache (not with `direct`);
+    /// anything else is refused when the loader is made.
+    pub gpu_gather: bool,
 }
 
 impl Default for BatchLoaderOptions {
@@ -113,11 +122,18 @@ impl Default for BatchLoaderOptions {
             batch_timeout: Duration::from_secs(60),
             direct: false,
             direct_depth: 4,
+            gpu_gather: false,
         }
     }
 }
 
 impl BatchLoaderOptions {
+    /// These settings with `gpu_gather` (the GPU gathers each batch's records).
+    pub fn with_gpu_gather(mut self, gpu_gather: bool) -> Self {
+        self.gpu_gather = gpu_gather;
+        self
+    }
+
     /// These settings with `direct` (read records with `O_DIRECT`).
     pub fn with_direct(mut self, direct: bool) -> Self {
         self.direct = direct;
@@ -257,6 +273,69 @@ pub struct BatchLoader {
     pub(crate) direct: Arc<DirectCounters>,
     /// Device memory and events of batches handed out and dropped, for the next uploads.
     pub(crate) memory: Arc<BatchMemory>,
+    /// With [`BatchLoaderOptions::gpu_gather`]: the registered file and the kernel.
+    pub(crate) gpu_gather: Option<Arc<GpuGather>>,
+}
+
+/// A record file's mapping registered with CUDA and the kernel that gathers batches out of it
+/// ([`BatchLoaderOptions::gpu_gather`]).
+pub(crate) struct GpuGather {
+    pub(crate) kernel: gpufeed_cuda::kernels::GatherKernel,
+    gpu: Gpu,
+    // Dropped before `records`: unregistered while the file is still mapped.
+    #[allow(dead_code, reason = "held for its Drop, which unregisters the mapping")]
+    registration: gpufeed_pinned::HostRegistration<'static>,
+    #[allow(dead_code, reason = "keeps the registered mapping alive")]
+    records: Arc<Dataset>,
+}
+
+impl GpuGather {
+    /// Registers the mapping of `records` (one record file) with `gpu`'s context and loads the
+    /// kernel.
+    #[allow(
+        unsafe_code,
+        reason = "registers a mapping this struct keeps alive for as long as it is registered"
+    )]
+    fn new(gpu: &Gpu, records: &Arc<Dataset>) -> Result<Self> {
+        let Dataset::Records(file) = &**records else {
+            return Err(Error::invalid(
+                "BatchLoaderOptions::gpu_gather gathers the records of one record file (RecordFile); leave it off for shards, folders and streamed data".into(),
+            ));
+        };
+        let Some((ptr, len)) = file.mapped() else {
+            return Err(Error::invalid(
+                "BatchLoaderOptions::gpu_gather needs a record file that is mapped and not empty"
+                    .into(),
+            ));
+        };
+        // SAFETY: the mapping is read-only and lives as long as `records`, which this struct
+        // holds and drops after the registration (field order); the GPU only reads it.
+        let registration = unsafe {
+            gpufeed_pinned::HostRegistration::register(gpu.context(), ptr, len, true)
+        }
+        .map_err(|e| {
+            Error::invalid(format!(
+                "BatchLoaderOptions::gpu_gather: {} could not be registered with CUDA ({e}); leave gpu_gather off to gather on the CPU",
+                file.path().display()
+            ))
+        })?;
+        Ok(GpuGather {
+            kernel: gpufeed_cuda::kernels::GatherKernel::load(gpu)?,
+            gpu: gpu.clone(),
+            registration,
+            records: Arc::clone(records),
+        })
+    }
+}
+
+impl Drop for GpuGather {
+    fn drop(&mut self) {
+        // Kernels of batches prepared and never handed out may still read the mapping: the
+        // context's work ends before it is unregistered.
+        if let Err(e) = self.gpu.context().synchronize() {
+            tracing::warn!("synchronizing before unregistering the gathered file: {e}");
+        }
+    }
 }
 
 impl std::fmt::Debug for BatchLoader {
@@ -349,8 +428,24 @@ impl BatchLoader {
         // As many as the batches in flight: what the consumer can drop before the workers
         // take again.
         let memory = BatchMemory::new(cfg.prefetch);
+        let records = Arc::new(records);
+        let gpu_gather = match (&gpu, cfg.gpu_gather) {
+            (_, false) => None,
+            (_, true) if cfg.direct => {
+                return Err(Error::invalid(
+                    "BatchLoaderOptions::gpu_gather reads the file's mapping (the page cache) and direct reads around it: set one of them".into(),
+                ));
+            }
+            (Some((g, _)), true) => Some(Arc::new(GpuGather::new(g, &records)?)),
+            (None, true) => {
+                return Err(Error::invalid(
+                    "BatchLoaderOptions::gpu_gather needs device batches: a loader made with a GPU (BatchLoader::new with Some(gpu))".into(),
+                ));
+            }
+        };
         Ok(BatchLoader {
-            records: Arc::new(records),
+            records,
+            gpu_gather,
             sampler,
             cfg,
             transform: None,
@@ -599,6 +694,7 @@ impl BatchLoader {
                 );
                 let sched = self.gpu.as_ref().map(|(_, s)| Arc::clone(s));
                 let memory = Arc::clone(&self.memory);
+                let gpu_gather = self.gpu_gather.clone();
                 let counters = self.cfg.direct.then(|| Arc::clone(&self.direct));
                 let depth = self.cfg.direct_depth.max(1);
                 std::thread::Builder::new()
@@ -612,6 +708,7 @@ impl BatchLoader {
                             memory: &memory,
                             direct: counters.as_deref().map(|c| (c, depth)),
                             generation,
+                            gpu_gather: gpu_gather.as_deref(),
                         };
                         worker(&shared, &tx, &job);
                     })

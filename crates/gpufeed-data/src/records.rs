@@ -299,6 +299,14 @@ impl RecordFile {
         })
     }
 
+    /// The file's mapping (its start and length), where it is mapped and not empty.
+    pub(crate) fn mapped(&self) -> Option<(*const u8, usize)> {
+        match &self.map {
+            Bytes::Map(m) if !m.is_empty() => Some((m.as_ptr(), m.len())),
+            _ => None,
+        }
+    }
+
     /// Number of records.
     pub fn len(&self) -> usize {
         self.records.len()

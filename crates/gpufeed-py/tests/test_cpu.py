@@ -522,6 +522,13 @@ def test_webdataset_tar_samples_arrive_whole(tmp_path):
         gpufeed.BatchLoader(bad)
 
 
+def test_gpu_gather_without_a_device_is_a_clear_error(tmp_path):
+    """gpu_gather=True gathers on the GPU: host batches (device=None) refuse it, saying so."""
+    path, _ = records_file(tmp_path, 64, 512)
+    with pytest.raises(gpufeed.GpufeedError, match="gpu_gather needs device batches"):
+        gpufeed.BatchLoader(path, record_bytes=512, gpu_gather=True)
+
+
 def test_blocks_read_with_o_direct_resume_with_another_world_size(tmp_path, monkeypatch):
     """block= and direct=: batches of whole blocks of neighbouring records, read with
     O_DIRECT, byte for byte; the position names the block order and resumes with another

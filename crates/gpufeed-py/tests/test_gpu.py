@@ -396,6 +396,33 @@ def test_device_batches_arrive_byte_for_byte():
         assert seen == count
 
 
+def test_records_gathered_by_the_gpu_arrive_byte_for_byte():
+    """gpu_gather=True: the GPU gathers each batch out of the file's registered mapping;
+    records of 4,096 bytes (16-byte copies) and of 4,099 (single bytes), two epochs."""
+    torch = torch_on_gpu()
+    import numpy as np
+
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    for size in (4096, 4099):
+        with tempfile.TemporaryDirectory() as d:
+            count = 1500
+            data = np.random.default_rng(size).integers(0, 256, (count, size), dtype=np.uint8)
+            path = os.path.join(d, "records.bin")
+            data.tofile(path)
+            loader = gpufeed.BatchLoader(path, record_bytes=size, batch_size=128, seed=5,
+                                         device=0, workers=2, gpu_gather=True)
+            for epoch in range(2):
+                seen = 0
+                for batch in loader.epoch(epoch):
+                    x = gpufeed.as_tensor(batch.data)
+                    assert x.is_cuda and tuple(x.shape) == (len(batch.indices), size)
+                    assert torch.equal(x.cpu(), torch.from_numpy(data[batch.indices]))
+                    seen += len(batch.indices)
+                assert seen == count
+            del loader
+
+
 def test_image_folder_batches_on_the_gpu():
     """A folder of class folders: each batch's file bytes on the GPU, labels beside them."""
     torch = torch_on_gpu()

@@ -5,6 +5,7 @@ mod decode;
 mod device;
 mod direct;
 mod elastic;
+mod gpu_gather;
 mod image_loader;
 mod images;
 mod sources;

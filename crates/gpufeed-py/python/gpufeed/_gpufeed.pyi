@@ -163,7 +163,9 @@ class Batch:
 class BatchLoader:
     """Batches of a data set (a record file, shards, an ``.npy`` array, a WebDataset ``.tar``
     or an image folder), shuffled with a seed and sharded by ``RANK``/``WORLD_SIZE``, on GPU
-    ``device`` (host batches with ``device=None``). Iterate ``loader.epoch(n)``."""
+    ``device`` (host batches with ``device=None``). Iterate ``loader.epoch(n)``.
+    ``gpu_gather=True`` (one record file on a GPU): the GPU gathers each batch out of the
+    file's mapping, registered with CUDA (page-locked) while the loader lives."""
 
     def __new__(
         cls,
@@ -184,6 +186,7 @@ class BatchLoader:
         direct_depth: int | None = None,
         cache: _Path | None = None,
         spool_bytes: int | None = None,
+        gpu_gather: bool = False,
     ) -> BatchLoader: ...
     @property
     def classes(self) -> list[str]:

@@ -1,0 +1,131 @@
+//! `BatchLoaderOptions::gpu_gather`: the GPU gathers each batch's records out of the record
+//! file's registered mapping. Refused clearly where it cannot apply; on a GPU, every batch's
+//! bytes are checked against the file at record sizes that take the kernel's 16-byte path and
+//! its byte path, over several epochs, a smaller last batch, with a transform (the workers
+//! gather then).
+
+use gpufeed_data::{
+    BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, RecordFile, Sampler,
+};
+use gpufeed_load::Gpu;
+
+use crate::{gpu_or_skip, random_bytes};
+
+/// A file of `count` random records of `size` bytes (`seed`) in a new folder on the disk.
+fn file(size: usize, count: usize, seed: u64) -> (tempfile::TempDir, Vec<u8>, RecordFile) {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("records.bin");
+    let data = random_bytes(size * count, seed);
+    std::fs::write(&path, &data).expect("write");
+    // SAFETY: the file is private to the test and not changed while mapped.
+    let records = unsafe { RecordFile::open_fixed(&path, size) }.expect("records");
+    (dir, data, records)
+}
+
+fn cfg() -> BatchLoaderOptions {
+    BatchLoaderOptions::default()
+        .with_batch_size(64)
+        .with_workers(3)
+        .with_prefetch(4)
+        .with_gpu_gather(true)
+}
+
+#[test]
+fn gpu_gather_without_a_gpu_or_with_direct_reads_is_refused() {
+    let (_dir, _, records) = file(512, 100, 1);
+    let sampler = || Sampler::new(Order::Sequential);
+    let err = BatchLoader::new(records, sampler(), cfg(), None).expect_err("no GPU to gather on");
+    assert!(
+        err.to_string().contains("gpu_gather") && err.to_string().contains("device batches"),
+        "{err}"
+    );
+    let (_dir, _, records) = file(512, 100, 2);
+    let err = BatchLoader::new(records, sampler(), cfg().with_direct(true), None)
+        .expect_err("direct reads and the mapping's registration exclude each other");
+    assert!(err.to_string().contains("direct"), "{err}");
+}
+
+/// Every batch of `epochs` epochs of a `size`-byte record file gathered by the GPU, checked.
+fn batches_are_right(gpu: &Gpu, size: usize, count: usize, epochs: u64) {
+    let (_dir, data, records) = file(size, count, size as u64);
+    let mut loader = BatchLoader::new(
+        records,
+        Sampler::new(Order::Shuffled { seed: 9 }),
+        cfg(),
+        Some(gpu),
+    )
+    .expect("loader");
+    for epoch in 0..epochs {
+        let mut seen = 0;
+        for b in loader.epoch(epoch).expect("epoch") {
+            let b = b.expect("batch");
+            let BatchData::Device(d) = &b.data else {
+                panic!("a GPU loader hands out device batches")
+            };
+            let want: Vec<u8> = b
+                .indices
+                .iter()
+                .flat_map(|&i| data[i * size..(i + 1) * size].iter().copied())
+                .collect();
+            assert!(
+                gpu.to_vec(d).expect("copy back") == want,
+                "{size}-byte records, epoch {epoch}, batch {}: other bytes",
+                b.number
+            );
+            assert_eq!(b.offsets.last().copied(), Some(want.len()));
+            seen += b.indices.len();
+        }
+        assert_eq!(seen, count, "every record once an epoch");
+    }
+    let stats = loader.stats();
+    assert!(stats.copy_waited_s <= stats.waited_s, "{stats:?}");
+}
+
+#[test]
+fn the_gpu_gathers_byte_exact_batches_at_every_record_size() {
+    let Some(gpu) = gpu_or_skip("the_gpu_gathers_byte_exact_batches_at_every_record_size") else {
+        return;
+    };
+    // 4096 and 48: 16-byte copies; 4093, 1 and 24: bytes (24 leaves every other record
+    // unaligned). 1,000 records of 64 a batch: a last batch of 40.
+    batches_are_right(&gpu, 4096, 1000, 3);
+    for size in [4093, 48, 24, 1] {
+        batches_are_right(&gpu, size, 1000, 1);
+    }
+}
+
+#[test]
+fn with_a_transform_or_for_a_folder_the_gpu_does_not_gather() {
+    let Some(gpu) = gpu_or_skip("with_a_transform_or_for_a_folder_the_gpu_does_not_gather") else {
+        return;
+    };
+    // A transform runs on the workers: they gather, and the batches hold its output.
+    let (_dir, data, records) = file(100, 300, 3);
+    let mut loader = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
+        .expect("loader")
+        .with_transform(|_, r, out| {
+            out.extend(r.iter().rev());
+            Ok(())
+        });
+    for b in loader.epoch(0).expect("epoch") {
+        let b = b.expect("batch");
+        let BatchData::Device(d) = &b.data else {
+            panic!("device batches")
+        };
+        let want: Vec<u8> = b
+            .indices
+            .iter()
+            .flat_map(|&i| data[i * 100..(i + 1) * 100].iter().rev().copied())
+            .collect();
+        assert!(gpu.to_vec(d).expect("back") == want, "batch {}", b.number);
+    }
+    // A folder's files are not one mapping: refused when the loader is made.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let class = dir.path().join("cat");
+    std::fs::create_dir_all(&class).expect("mkdir");
+    std::fs::write(class.join("a.jpg"), b"abc").expect("write");
+    let folder = ImageFolder::open(dir.path()).expect("folder");
+    let err = BatchLoader::new(folder, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
+        .expect_err("a folder is not gathered by the GPU");
+    assert!(err.to_string().contains("one record file"), "{err}");
+}
