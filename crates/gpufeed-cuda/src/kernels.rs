@@ -10,6 +10,15 @@ use cudarc::nvrtc::Ptx;
 
 use crate::{Error, Gpu, Result};
 
+/// Compiles `ptx` for `gpu` and finds its entry `name` (`what` names the load in errors).
+fn load_function(gpu: &Gpu, ptx: &str, name: &str, what: &'static str) -> Result<CudaFunction> {
+    gpu.context()
+        .load_module(Ptx::from_src(ptx))
+        .map_err(|e| Error::cuda(what, e))?
+        .load_function(name)
+        .map_err(|e| Error::cuda("cuModuleGetFunction", e))
+}
+
 /// `rgb8_to_planar_f32(src, dst, pixels)`: one thread per pixel reads its three bytes and
 /// writes `byte / 255` (IEEE division, rounded to nearest: the same value as the CPU's
 /// `f32::from(b) / 255.0`) into the red, green and blue planes of `dst`. The grid's `y` is the
@@ -108,13 +117,12 @@ impl PlanarKernel {
     /// [`Error::Cuda`] naming `cuModuleLoadData` where the driver refuses the PTX (a driver
     /// older than CUDA 11).
     pub fn load(gpu: &Gpu) -> Result<Self> {
-        let module = gpu
-            .context()
-            .load_module(Ptx::from_src(PLANAR_PTX))
-            .map_err(|e| Error::cuda("cuModuleLoadData (the planar kernel's PTX)", e))?;
-        let func = module
-            .load_function("rgb8_to_planar_f32")
-            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        let func = load_function(
+            gpu,
+            PLANAR_PTX,
+            "rgb8_to_planar_f32",
+            "cuModuleLoadData (the planar kernel's PTX)",
+        )?;
         Ok(PlanarKernel { func })
     }
 
@@ -273,13 +281,12 @@ impl GatherKernel {
     /// # Errors
     /// [`Error::Cuda`] naming `cuModuleLoadData` where the driver refuses the PTX.
     pub fn load(gpu: &Gpu) -> Result<Self> {
-        let module = gpu
-            .context()
-            .load_module(Ptx::from_src(GATHER_PTX))
-            .map_err(|e| Error::cuda("cuModuleLoadData (the gather kernel's PTX)", e))?;
-        let func = module
-            .load_function("gather_records")
-            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        let func = load_function(
+            gpu,
+            GATHER_PTX,
+            "gather_records",
+            "cuModuleLoadData (the gather kernel's PTX)",
+        )?;
         Ok(GatherKernel { func })
     }
 

@@ -703,11 +703,36 @@ impl TransferScheduler {
         reuse: Option<CudaSlice<u8>>,
         done: Option<cudarc::driver::CudaEvent>,
     ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
+        let len = src.len();
+        self.fill_batch_memory(len, reuse, done, |stream, dst| {
+            let (dptr, guard) = dst.device_ptr_mut(stream);
+            // SAFETY: `src` is pinned and holds `len` bytes; it is not written again before
+            // the event recorded after this completed (the pool waits for it before handing
+            // the buffer out again); `dst` holds `len` bytes, and this stream waited (in
+            // `device_ptr_mut`) for its last cudarc read and write (a reused buffer is taken
+            // only where cudarc tracks them).
+            unsafe { raw::memcpy_htod_async(dptr, src.as_ptr(), len, stream.cu_stream()) }?;
+            drop(guard);
+            Ok(src.record_use(stream)?)
+        })
+    }
+
+    /// What [`TransferScheduler::upload_pooled_reusing`] and
+    /// [`TransferScheduler::gather_pooled_reusing`] share: binds the context, takes the next
+    /// stream, `reuse` where it is exactly `len` bytes of this context and cudarc tracks its
+    /// uses (else new memory of `len`), has `fill` write it on the stream (unless `len` is 0),
+    /// then records `done` (or a new event) there.
+    fn fill_batch_memory(
+        &self,
+        len: usize,
+        reuse: Option<CudaSlice<u8>>,
+        done: Option<cudarc::driver::CudaEvent>,
+        fill: impl FnOnce(&Arc<CudaStream>, &mut CudaSlice<u8>) -> Result<()>,
+    ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
         self.gpu
             .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let len = src.len();
         let k = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
         let stream = &self.streams[k];
         let ctx = self.gpu.context();
@@ -720,21 +745,13 @@ impl TransferScheduler {
                 Ok(d)
             }
             _ if len == 0 => stream.null::<u8>(),
-            // SAFETY: written by the copy below before anything reads it: cudarc users wait
-            // for its write event, others for the event returned.
+            // SAFETY: written by `fill` before anything reads it: cudarc users wait for its
+            // write event, others for the event returned.
             _ => unsafe { stream.alloc::<u8>(len) },
         }
         .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
         if len > 0 {
-            let (dptr, guard) = dst.device_ptr_mut(stream);
-            // SAFETY: `src` is pinned and holds `len` bytes; it is not written again before
-            // the event recorded below completed (the pool waits for it before handing the
-            // buffer out again); `dst` holds `len` bytes, and this stream waited (in
-            // `device_ptr_mut`) for its last cudarc read and write (a reused buffer is taken
-            // only where cudarc tracks them).
-            unsafe { raw::memcpy_htod_async(dptr, src.as_ptr(), len, stream.cu_stream()) }?;
-            drop(guard);
-            src.record_use(stream)?;
+            fill(stream, &mut dst)?;
         }
         let done = match done {
             Some(ev) => {
@@ -784,45 +801,13 @@ impl TransferScheduler {
         }
         let len =
             usize::try_from(u64::from(count).saturating_mul(rec_bytes)).map_err(|_| short(0))?;
-        self.gpu
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let k = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
-        let stream = &self.streams[k];
-        let ctx = self.gpu.context();
-        let mut dst = match reuse {
-            Some(d)
-                if d.len() == len
-                    && d.stream().context() == ctx
-                    && ctx.is_managing_stream_synchronization() =>
-            {
-                Ok(d)
-            }
-            _ if len == 0 => stream.null::<u8>(),
-            // SAFETY: written by the kernel below before anything reads it: cudarc users wait
-            // for its write event, others for the event returned.
-            _ => unsafe { stream.alloc::<u8>(len) },
-        }
-        .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
-        if len > 0 {
+        self.fill_batch_memory(len, reuse, done, |stream, dst| {
             // SAFETY: `addrs` is pooled page-locked memory holding `count` addresses (checked
             // above), not handed out again before the event `record_use` records completed;
             // what the addresses point to the caller vouches for.
-            unsafe { kernel.launch(stream, addrs.as_ptr().cast(), count, rec_bytes, &mut dst) }?;
-            addrs.record_use(stream)?;
-        }
-        let done = match done {
-            Some(ev) => {
-                ev.record(stream)
-                    .map_err(|e| Error::cuda("cuEventRecord", e))?;
-                ev
-            }
-            None => stream
-                .record_event(None)
-                .map_err(|e| Error::cuda("cuEventRecord", e))?,
-        };
-        Ok((dst, done))
+            unsafe { kernel.launch(stream, addrs.as_ptr().cast(), count, rec_bytes, dst) }?;
+            Ok(addrs.record_use(stream)?)
+        })
     }
 
     /// Copies `src` into new device memory of its length from `from` (see
