@@ -56,12 +56,24 @@ fn main() -> Result<(), BoxError> {
         Some("clwb") => Write::Clwb,
         Some(other) => return Err(format!("unknown way of writing: {other}").into()),
     };
+    if kib == 0 || nstreams == 0 || threads == 0 || copies < threads {
+        return Err(
+            "SIZE_KIB, STREAMS and THREADS must be at least 1, COPIES at least THREADS".into(),
+        );
+    }
+    // `clwb` faults where the CPU lacks it (std cannot detect it; Linux lists it);
+    // `cldemote` is a no-op there.
+    let has_clwb = std::fs::read_to_string("/proc/cpuinfo")
+        .is_ok_and(|c| c.split_whitespace().any(|w| w == "clwb"));
+    if write == Write::Clwb && !(cfg!(target_arch = "x86_64") && has_clwb) {
+        return Err("this CPU has no clwb".into());
+    }
     let (len, ring) = (kib << 10, 32);
-    let per_thread = copies / threads.max(1);
+    let per_thread = copies / threads;
     let gpu = gpufeed_cuda::Gpu::open(0)?;
     let ctx = gpu.context().clone();
     let streams = Arc::new(
-        (0..nstreams.max(1))
+        (0..nstreams)
             .map(|_| ctx.new_stream())
             .collect::<Result<Vec<_>, _>>()?,
     );

@@ -766,6 +766,19 @@ impl TransferScheduler {
         Ok((dst, done))
     }
 
+    /// Waits for everything queued on the scheduler's own streams (copies, gathers) to end;
+    /// other work of the context is not waited for.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `cuStreamSynchronize`.
+    pub fn synchronize(&self) -> Result<()> {
+        for s in self.streams.iter().chain(&self.lane_streams) {
+            s.synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        }
+        Ok(())
+    }
+
     /// Gathers `count` records of `rec_bytes` bytes each on the GPU ([`GatherKernel`](crate::kernels::GatherKernel)) into
     /// device memory, back to back, without waiting: the kernel runs on one of the
     /// scheduler's streams taken in turns, as [`TransferScheduler::upload_pooled_reusing`]'s

@@ -187,6 +187,9 @@ impl Running {
         loader.stats.upload_s += upload_s;
         loader.stats.direct_reads = loader.direct.reads.load(Ordering::Relaxed);
         loader.stats.direct_read_bytes = loader.direct.bytes.load(Ordering::Relaxed);
+        if let Some(g) = &loader.gpu_gather {
+            loader.stats.gpu_gathered_batches = g.gathered.load(Ordering::Relaxed);
+        }
         loader.stats.kept_memory_batches = loader.memory.reused();
         loader.stats.batches += 1;
         loader.stats.bytes += bytes as u64;

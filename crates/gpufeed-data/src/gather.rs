@@ -93,7 +93,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
         // The GPU gathers the batch where it can (records of one length, no transform).
         if let (Dataset::Records(r), Some(g), Some(sched), None) =
             (records, gpu_gather, sched, transform)
-            && let Some(result) = gather_on_gpu(r, g, sched, pool, memory, &indices)
+            && let Some(result) = gather_on_gpu(r, g, sched, memory, &indices)
         {
             let result = result.map(|(offsets, data, upload_s, done)| {
                 (indices, offsets, data, upload_s, Some(done))
@@ -151,8 +151,8 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
 type OnGpu = (Vec<usize>, BatchData, f64, CudaEvent);
 
 /// Gathers the records `indices` of `records` on the GPU ([`GpuGather`]): their addresses in
-/// the registered mapping written into a pooled buffer, one kernel copying them into the
-/// batch's device memory. `None` where the records are not all one run of one length (the
+/// the registered mapping written into a buffer of its address pool, one kernel copying them
+/// into the batch's device memory. `None` where the records are not all one run of one length (the
 /// worker gathers those itself); else the batch's offsets, data, the seconds issuing it took
 /// and the event that completes when its bytes are on the GPU.
 #[allow(
@@ -163,7 +163,6 @@ fn gather_on_gpu(
     records: &RecordFile,
     gpu: &GpuGather,
     sched: &TransferScheduler,
-    pool: &PinnedPool,
     memory: &Arc<BatchMemory>,
     indices: &[usize],
 ) -> Option<Result<OnGpu>> {
@@ -178,7 +177,7 @@ fn gather_on_gpu(
     let count = u32::try_from(runs.len()).ok()?;
     let t = Instant::now();
     let issued = (|| {
-        let mut addrs = pool.get(8 * runs.len())?;
+        let mut addrs = gpu.addresses.get(8 * runs.len())?;
         addrs.set_len(8 * runs.len());
         for (slot, r) in addrs.chunks_exact_mut(8).zip(&runs) {
             slot.copy_from_slice(&(r.as_ptr() as u64).to_ne_bytes());
@@ -198,6 +197,8 @@ fn gather_on_gpu(
                 memory.event(),
             )
         }?;
+        gpu.gathered
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok::<_, Error>((d, done))
     })();
     Some(issued.map(|(d, done)| {

@@ -105,10 +105,12 @@ pub struct BatchLoaderOptions {
     /// mapping is registered with CUDA when the loader is made (page-locked: the whole file
     /// stays in RAM while the loader lives; about 100 ms per 4 GiB), and each batch is one
     /// kernel that reads its records over the bus straight into the batch's device memory,
-    /// with no copy by the CPU (a batch whose records differ in length, or a loader with a
-    /// transform, is gathered by the workers as usual). For a GPU loader of one
-    /// [`RecordFile`](crate::RecordFile) read through the page cache (not with `direct`);
-    /// anything else is refused when the loader is made.
+    /// with no copy by the CPU. For a GPU loader of one [`RecordFile`](crate::RecordFile) of
+    /// fixed-size records (or an `.npy` array) read through the page cache (not with
+    /// `direct`), on a GPU that reads registered memory at the host's addresses; anything
+    /// else is refused when the loader is made. A loader given a transform
+    /// ([`BatchLoader::with_transform`]) gathers on its workers, which run it;
+    /// [`LoaderStats::gpu_gathered_batches`] counts the batches the GPU gathered.
     pub gpu_gather: bool,
 }
 
@@ -225,9 +227,10 @@ pub struct LoaderStats {
     pub upload_s: f64,
     /// Seconds the consumer waited for workers and for batches' copies to end.
     pub waited_s: f64,
-    /// The part of `waited_s` spent waiting for batches' copies to the GPU to end (the rest
-    /// waited for the workers to prepare them): where it is most of `waited_s`, the uploads
-    /// are what the consumer waits for, not the gathering.
+    /// The part of `waited_s` spent waiting for batches' copies to the GPU (or, with
+    /// [`BatchLoaderOptions::gpu_gather`], their gathering kernels) to end; the rest waited
+    /// for the workers to prepare them: where it is most of `waited_s`, the uploads are what
+    /// the consumer waits for, not the workers.
     pub copy_waited_s: f64,
     /// With [`BatchLoaderOptions::direct`]: `O_DIRECT` reads issued (one per run of records next to
     /// each other in a file, per batch) and the bytes they read (from the 4 KiB page holding
@@ -240,6 +243,9 @@ pub struct LoaderStats {
     /// as the workers take it (a batch prepared and never handed out counts too), read when a
     /// batch is handed out.
     pub kept_memory_batches: u64,
+    /// With [`BatchLoaderOptions::gpu_gather`]: batches the GPU gathered (the others, records
+    /// of differing lengths or with a transform, the workers gathered), in the loader's life.
+    pub gpu_gathered_batches: u64,
 }
 
 /// Yields batches of a [`RecordFile`](crate::RecordFile) or an [`ImageFolder`](crate::ImageFolder) in the [`Sampler`]'s order, on the GPU (or, without one,
@@ -281,7 +287,14 @@ pub struct BatchLoader {
 /// ([`BatchLoaderOptions::gpu_gather`]).
 pub(crate) struct GpuGather {
     pub(crate) kernel: gpufeed_cuda::kernels::GatherKernel,
-    gpu: Gpu,
+    /// The pooled buffers the batches' record addresses go into, grown while every one is
+    /// still read by a kernel (the loader's own pool waits for the oldest instead, which kept
+    /// a couple of kernels in flight at most).
+    pub(crate) addresses: PinnedPool,
+    /// Batches the GPU gathered (`LoaderStats::gpu_gathered_batches`).
+    pub(crate) gathered: std::sync::atomic::AtomicU64,
+    /// The scheduler whose streams the kernels run on.
+    sched: Arc<TransferScheduler>,
     // Dropped before `records`: unregistered while the file is still mapped.
     #[allow(dead_code, reason = "held for its Drop, which unregisters the mapping")]
     registration: gpufeed_pinned::HostRegistration<'static>,
@@ -296,18 +309,30 @@ impl GpuGather {
         unsafe_code,
         reason = "registers a mapping this struct keeps alive for as long as it is registered"
     )]
-    fn new(gpu: &Gpu, records: &Arc<Dataset>) -> Result<Self> {
+    fn new(gpu: &Gpu, sched: &Arc<TransferScheduler>, records: &Arc<Dataset>) -> Result<Self> {
         let Dataset::Records(file) = &**records else {
             return Err(Error::invalid(
                 "BatchLoaderOptions::gpu_gather gathers the records of one record file (RecordFile); leave it off for shards, folders and streamed data".into(),
             ));
         };
-        let Some((ptr, len)) = file.mapped() else {
+        let Some((ptr, len)) = file.mapped().filter(|_| file.fixed_size()) else {
             return Err(Error::invalid(
-                "BatchLoaderOptions::gpu_gather needs a record file that is mapped and not empty"
-                    .into(),
+                "BatchLoaderOptions::gpu_gather needs a record file of fixed-size records (RecordFile::open_fixed or an .npy array), mapped and not empty".into(),
             ));
         };
+        // The kernel reads the mapping at the host's addresses: the device must take them.
+        let same = gpu
+            .context()
+            .attribute(gpufeed_cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)
+            .map_err(|e| gpufeed_cuda::Error::Cuda {
+                op: "cuDeviceGetAttribute",
+                result: e.0,
+            })?;
+        if same != 1 {
+            return Err(Error::invalid(
+                "BatchLoaderOptions::gpu_gather: this GPU cannot read registered host memory at the host's addresses (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0); leave gpu_gather off".into(),
+            ));
+        }
         // SAFETY: the mapping is read-only and lives as long as `records`, which this struct
         // holds and drops after the registration (field order); the GPU only reads it.
         let registration = unsafe {
@@ -319,20 +344,33 @@ impl GpuGather {
                 file.path().display()
             ))
         })?;
+        let addresses = PinnedPool::new(
+            PoolMode::Cuda(gpu.context().clone()),
+            PoolOptions::default()
+                .with_budget_bytes(Some(ADDRESS_POOL_BYTES))
+                .with_grow_when_busy(true),
+        )?;
         Ok(GpuGather {
             kernel: gpufeed_cuda::kernels::GatherKernel::load(gpu)?,
-            gpu: gpu.clone(),
+            addresses,
+            gathered: std::sync::atomic::AtomicU64::new(0),
+            sched: Arc::clone(sched),
             registration,
             records: Arc::clone(records),
         })
     }
 }
 
+/// The most bytes of record addresses [`GpuGather`] keeps page-locked: 256 buffers of the
+/// pool's smallest class, far more than the kernels a loader keeps in flight.
+const ADDRESS_POOL_BYTES: u64 = 16 << 20;
+
 impl Drop for GpuGather {
     fn drop(&mut self) {
-        // Kernels of batches prepared and never handed out may still read the mapping: the
-        // context's work ends before it is unregistered.
-        if let Err(e) = self.gpu.context().synchronize() {
+        // Kernels of batches prepared and never handed out may still read the mapping: they
+        // run on the scheduler's streams, whose work ends before it is unregistered (the
+        // context's other work is not waited for).
+        if let Err(e) = self.sched.synchronize() {
             tracing::warn!("synchronizing before unregistering the gathered file: {e}");
         }
     }
@@ -390,6 +428,11 @@ impl BatchLoader {
                 "batch_size, workers and prefetch must be at least 1".into(),
             ));
         }
+        if cfg.direct && cfg.gpu_gather {
+            return Err(Error::invalid(
+                "BatchLoaderOptions::gpu_gather reads the file's mapping (the page cache) and direct reads around it: set one of them".into(),
+            ));
+        }
         if cfg.direct {
             check_direct(&records)?;
         }
@@ -431,15 +474,10 @@ impl BatchLoader {
         let records = Arc::new(records);
         let gpu_gather = match (&gpu, cfg.gpu_gather) {
             (_, false) => None,
-            (_, true) if cfg.direct => {
-                return Err(Error::invalid(
-                    "BatchLoaderOptions::gpu_gather reads the file's mapping (the page cache) and direct reads around it: set one of them".into(),
-                ));
-            }
-            (Some((g, _)), true) => Some(Arc::new(GpuGather::new(g, &records)?)),
+            (Some((g, sched)), true) => Some(Arc::new(GpuGather::new(g, sched, &records)?)),
             (None, true) => {
                 return Err(Error::invalid(
-                    "BatchLoaderOptions::gpu_gather needs device batches: a loader made with a GPU (BatchLoader::new with Some(gpu))".into(),
+                    "BatchLoaderOptions::gpu_gather needs device batches: a loader with a GPU (Rust: BatchLoader::new with Some(gpu); Python: device=N)".into(),
                 ));
             }
         };

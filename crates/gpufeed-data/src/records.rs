@@ -307,6 +307,11 @@ impl RecordFile {
         }
     }
 
+    /// Whether its records are all of one size (a fixed-size record file or an `.npy` array).
+    pub(crate) fn fixed_size(&self) -> bool {
+        matches!(self.records, Records::Fixed { .. })
+    }
+
     /// Number of records.
     pub fn len(&self) -> usize {
         self.records.len()

@@ -1,8 +1,8 @@
 //! `BatchLoaderOptions::gpu_gather`: the GPU gathers each batch's records out of the record
 //! file's registered mapping. Refused clearly where it cannot apply; on a GPU, every batch's
 //! bytes are checked against the file at record sizes that take the kernel's 16-byte path and
-//! its byte path, over several epochs, a smaller last batch, with a transform (the workers
-//! gather then).
+//! its byte path, over several epochs, a smaller last batch, every batch counted as the GPU's;
+//! with a transform the workers gather; records of several lengths are refused.
 
 use gpufeed_data::{
     BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, RecordFile, Sampler,
@@ -42,7 +42,10 @@ fn gpu_gather_without_a_gpu_or_with_direct_reads_is_refused() {
     let (_dir, _, records) = file(512, 100, 2);
     let err = BatchLoader::new(records, sampler(), cfg().with_direct(true), None)
         .expect_err("direct reads and the mapping's registration exclude each other");
-    assert!(err.to_string().contains("direct"), "{err}");
+    assert!(
+        err.to_string().contains("gpu_gather") && err.to_string().contains("direct"),
+        "{err}"
+    );
 }
 
 /// Every batch of `epochs` epochs of a `size`-byte record file gathered by the GPU, checked.
@@ -55,6 +58,7 @@ fn batches_are_right(gpu: &Gpu, size: usize, count: usize, epochs: u64) {
         Some(gpu),
     )
     .expect("loader");
+    let mut batches = 0;
     for epoch in 0..epochs {
         let mut seen = 0;
         for b in loader.epoch(epoch).expect("epoch") {
@@ -74,11 +78,15 @@ fn batches_are_right(gpu: &Gpu, size: usize, count: usize, epochs: u64) {
             );
             assert_eq!(b.offsets.last().copied(), Some(want.len()));
             seen += b.indices.len();
+            batches += 1;
         }
         assert_eq!(seen, count, "every record once an epoch");
     }
+    // Every batch came from the kernel (records of one size, no transform), and the consumer
+    // waited for each one's event.
     let stats = loader.stats();
-    assert!(stats.copy_waited_s <= stats.waited_s, "{stats:?}");
+    assert_eq!(stats.gpu_gathered_batches, batches, "{stats:?}");
+    assert!(stats.copy_waited_s > 0.0, "{stats:?}");
 }
 
 #[test]
@@ -86,8 +94,8 @@ fn the_gpu_gathers_byte_exact_batches_at_every_record_size() {
     let Some(gpu) = gpu_or_skip("the_gpu_gathers_byte_exact_batches_at_every_record_size") else {
         return;
     };
-    // 4096 and 48: 16-byte copies; 4093, 1 and 24: bytes (24 leaves every other record
-    // unaligned). 1,000 records of 64 a batch: a last batch of 40.
+    // 4096 and 48: 16-byte copies; 4093, 24 and 1: single bytes (the length is not a multiple
+    // of 16). 1,000 records of 64 a batch: a last batch of 40.
     batches_are_right(&gpu, 4096, 1000, 3);
     for size in [4093, 48, 24, 1] {
         batches_are_right(&gpu, size, 1000, 1);
@@ -119,6 +127,29 @@ fn with_a_transform_or_for_a_folder_the_gpu_does_not_gather() {
             .collect();
         assert!(gpu.to_vec(d).expect("back") == want, "batch {}", b.number);
     }
+    assert_eq!(
+        loader.stats().gpu_gathered_batches,
+        0,
+        "the workers ran the transform"
+    );
+    // Records of several lengths (an offsets index): refused when the loader is made.
+    let (dir, _, _) = file(100, 10, 4);
+    let index: Vec<u8> = [0u64, 10, 250, 1000]
+        .iter()
+        .flat_map(|o| o.to_le_bytes())
+        .collect();
+    std::fs::write(dir.path().join("records.idx"), index).expect("index");
+    // SAFETY: private to the test, not changed while mapped.
+    let indexed = unsafe {
+        RecordFile::open_indexed(
+            dir.path().join("records.bin"),
+            dir.path().join("records.idx"),
+        )
+    }
+    .expect("indexed records");
+    let err = BatchLoader::new(indexed, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
+        .expect_err("records of several lengths are not gathered by the GPU");
+    assert!(err.to_string().contains("fixed-size records"), "{err}");
     // A folder's files are not one mapping: refused when the loader is made.
     let dir = tempfile::tempdir().expect("tempdir");
     let class = dir.path().join("cat");
