@@ -152,9 +152,9 @@ type OnGpu = (Vec<usize>, BatchData, f64, CudaEvent);
 
 /// Gathers the records `indices` of `records` on the GPU ([`GpuGather`]): their addresses in
 /// the registered mapping written into a buffer of its address pool, one kernel copying them
-/// into the batch's device memory. `None` where the records are not all one run of one length (the
-/// worker gathers those itself); else the batch's offsets, data, the seconds issuing it took
-/// and the event that completes when its bytes are on the GPU.
+/// into the batch's device memory. `None` where the records are not all one run of one
+/// length (the worker gathers those itself); else the batch's offsets, data, the seconds
+/// issuing it took and the event that completes when its bytes are on the GPU.
 #[allow(
     unsafe_code,
     reason = "the kernel reads the registered mapping the addresses point into"
@@ -185,8 +185,8 @@ fn gather_on_gpu(
         let reuse = memory.take(rec * runs.len());
         // SAFETY: every address is the start of a record of `rec` bytes of `records`'
         // mapping, which `gpu` registered read-only and keeps registered and mapped (it holds
-        // the data set) until the context's work has ended; the file is not changed while
-        // the loader lives (`RecordFile`'s open promise).
+        // the data set) until the work on the scheduler's streams, where the kernel runs, has
+        // ended; the file is not changed while the loader lives (`RecordFile`'s open promise).
         let (d, done) = unsafe {
             sched.gather_pooled_reusing(
                 &gpu.kernel,
