@@ -9,7 +9,8 @@
 //! PATH is a record file (made of GIB GiB of pseudo-random bytes where it is missing or of
 //! another size) or a folder (read as an `ImageFolder`, GIB ignored); each SPEC is
 //! `record_kib,workers,prefetch,epochs[,gpu]` (gpu 1, the default: device batches on GPU 0;
-//! 0: host batches; 2: device batches gathered by the GPU, `BatchLoaderOptions::gpu_gather`). Batches of 256, shuffled; one untimed epoch, then EPOCHS. GPU run 198
+//! 0: host batches; 2: device batches gathered by the GPU, `BatchLoaderOptions::gpu_gather`).
+//! Batches of 256, shuffled; one untimed epoch, then EPOCHS. GPU run 198
 //! (docs/benchmarks.md) ran its first form (the same loader and settings, without the
 //! waited, drop and upload columns) with `/dev/shm/rec.bin 4 4,8,16,3 4,16,32,3 64,8,16,3
 //! 64,16,32,3` and with `/dev/shm/imgs 0 0,8,16,3 0,16,32,3`, built at 5922380 and at

@@ -90,7 +90,7 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
                 shared.ready.wait(&mut q);
             }
         };
-        // The GPU gathers the batch where it can (records of one length, no transform).
+        // The GPU gathers the batch where it can (no transform).
         if let (Dataset::Records(r), Some(g), Some(sched), None) =
             (records, gpu_gather, sched, transform)
             && let Some(result) = gather_on_gpu(r, g, sched, memory, &indices)
@@ -152,9 +152,9 @@ type OnGpu = (Vec<usize>, BatchData, f64, CudaEvent);
 
 /// Gathers the records `indices` of `records` on the GPU ([`GpuGather`]): their addresses in
 /// the registered mapping written into a buffer of its address pool, one kernel copying them
-/// into the batch's device memory. `None` where the records are not all one run of one
-/// length (the worker gathers those itself); else the batch's offsets, data, the seconds
-/// issuing it took and the event that completes when its bytes are on the GPU.
+/// into the batch's device memory. `None` where a record does not exist (the worker's own
+/// gather reports it); else the batch's offsets, data, the seconds issuing it took and the
+/// event that completes when its bytes are on the GPU.
 #[allow(
     unsafe_code,
     reason = "the kernel reads the registered mapping the addresses point into"
@@ -170,10 +170,8 @@ fn gather_on_gpu(
         .iter()
         .map(|&i| records.record(i))
         .collect::<Option<Vec<&[u8]>>>()?;
-    let rec = runs.first().map_or(0, |r| r.len());
-    if rec == 0 || runs.iter().any(|r| r.len() != rec) {
-        return None;
-    }
+    // Records of the file's one size (`GpuGather` takes no other file).
+    let rec = gpu.record_bytes;
     let count = u32::try_from(runs.len()).ok()?;
     let t = Instant::now();
     let issued = (|| {
@@ -183,10 +181,11 @@ fn gather_on_gpu(
             slot.copy_from_slice(&(r.as_ptr() as u64).to_ne_bytes());
         }
         let reuse = memory.take(rec * runs.len());
-        // SAFETY: every address is the start of a record of `rec` bytes of `records`'
-        // mapping, which `gpu` registered read-only and keeps registered and mapped (it holds
-        // the data set) until the work on the scheduler's streams, where the kernel runs, has
-        // ended; the file is not changed while the loader lives (`RecordFile`'s open promise).
+        // SAFETY: every address is the start of a record of `rec` bytes (the file's fixed
+        // size) of `records`' mapping, which `gpu` registered read-only and keeps registered
+        // and mapped (it holds the data set) until the work on the scheduler's streams, where
+        // the kernel runs, has ended; the file is not changed while the loader lives
+        // (`RecordFile`'s open promise).
         let (d, done) = unsafe {
             sched.gather_pooled_reusing(
                 &gpu.kernel,

@@ -243,8 +243,8 @@ pub struct LoaderStats {
     /// as the workers take it (a batch prepared and never handed out counts too), read when a
     /// batch is handed out.
     pub kept_memory_batches: u64,
-    /// With [`BatchLoaderOptions::gpu_gather`]: batches the GPU gathered (the others, records
-    /// of differing lengths or with a transform, the workers gathered), in the loader's life.
+    /// With [`BatchLoaderOptions::gpu_gather`]: batches the GPU gathered (a loader with a
+    /// transform has its workers gather and transform them instead), in the loader's life.
     pub gpu_gathered_batches: u64,
 }
 
@@ -291,6 +291,8 @@ pub(crate) struct GpuGather {
     /// still read by a kernel (the loader's own pool waits for the oldest instead, which kept
     /// a couple of kernels in flight at most).
     pub(crate) addresses: PinnedPool,
+    /// The file's record size: every batch is `count` records of it.
+    pub(crate) record_bytes: usize,
     /// Batches the GPU gathered (`LoaderStats::gpu_gathered_batches`).
     pub(crate) gathered: std::sync::atomic::AtomicU64,
     /// The scheduler whose streams the kernels run on.
@@ -315,7 +317,7 @@ impl GpuGather {
                 "BatchLoaderOptions::gpu_gather gathers the records of one record file (RecordFile); leave it off for shards, folders and streamed data".into(),
             ));
         };
-        let Some((ptr, len)) = file.mapped().filter(|_| file.fixed_size()) else {
+        let (Some((ptr, len)), Some(record_bytes)) = (file.mapped(), file.fixed_size()) else {
             return Err(Error::invalid(
                 "BatchLoaderOptions::gpu_gather needs a record file of fixed-size records (RecordFile::open_fixed or an .npy array), mapped and not empty".into(),
             ));
@@ -353,6 +355,7 @@ impl GpuGather {
         Ok(GpuGather {
             kernel: gpufeed_cuda::kernels::GatherKernel::load(gpu)?,
             addresses,
+            record_bytes,
             gathered: std::sync::atomic::AtomicU64::new(0),
             sched: Arc::clone(sched),
             registration,

@@ -307,9 +307,13 @@ impl RecordFile {
         }
     }
 
-    /// Whether its records are all of one size (a fixed-size record file or an `.npy` array).
-    pub(crate) fn fixed_size(&self) -> bool {
-        matches!(self.records, Records::Fixed { .. })
+    /// The size of its records where they are all of one (a fixed-size record file or an
+    /// `.npy` array).
+    pub(crate) fn fixed_size(&self) -> Option<usize> {
+        match self.records {
+            Records::Fixed { size, .. } => Some(size),
+            _ => None,
+        }
     }
 
     /// Number of records.

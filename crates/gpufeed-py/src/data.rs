@@ -297,10 +297,11 @@ pub(crate) fn open_dataset(
 /// step is padded). Several ranks each fetch the shards their records are in: with an elastic
 /// or sharded sampler every rank of a node fetches the same shards.
 ///
-/// `gpu_gather=True` (one record file of fixed-size records or an `.npy` array, on a GPU): the GPU gathers each
-/// batch's records itself, reading them over the bus out of the file's mapping, which is
-/// registered with CUDA when the loader is made (the whole file stays in RAM, page-locked,
-/// while the loader lives): no copy by the CPU. On an H100 machine, 4 KiB records with 8
+/// `gpu_gather=True` (one record file of fixed-size records or an `.npy` array, on a GPU):
+/// the GPU gathers each batch's records itself, reading them over the bus out of the file's
+/// mapping, which is registered with CUDA when the loader is made (about 100 ms per 4 GiB;
+/// the whole file stays in RAM, page-locked, while the loader lives): no copy by the CPU. On
+/// one H100, epochs after a first untimed one of a loader made once, 4 KiB records with 8
 /// workers came at 40.8-41.8 GB/s against 28.8-31.3 gathered by the CPU, and 64 KiB records
 /// at 47.7-48.1 with one worker and 1.9-2.0 cores busy (docs/benchmarks.md, GPU run 210).
 ///
