@@ -109,8 +109,9 @@ pub struct BatchLoaderOptions {
     /// fixed-size records (or an `.npy` array) read through the page cache (not with
     /// `direct`), on a GPU that reads registered memory at the host's addresses; anything
     /// else is refused when the loader is made. A loader given a transform
-    /// ([`BatchLoader::with_transform`]) gathers on its workers, which run it;
-    /// [`LoaderStats::gpu_gathered_batches`] counts the batches the GPU gathered.
+    /// ([`BatchLoader::with_transform`]) gathers on its workers, which run it, and gives the
+    /// registration back; [`LoaderStats::gpu_gathered_batches`] counts the batches the GPU
+    /// gathered.
     pub gpu_gather: bool,
 }
 
@@ -510,6 +511,7 @@ impl BatchLoader {
         + 'static,
     ) -> Self {
         self.transform = Some(Transformer::Append(Arc::new(f)));
+        self.gather_on_workers();
         self
     }
 
@@ -550,7 +552,17 @@ impl BatchLoader {
             bytes: out_bytes,
             f: Arc::new(f),
         });
+        self.gather_on_workers();
         self
+    }
+
+    /// A transform runs on the workers, which then gather the records themselves: the file
+    /// registered for [`BatchLoaderOptions::gpu_gather`] is given back (its pages no longer
+    /// held in RAM) rather than kept for kernels that will not run. No epoch is running (the
+    /// transform is set on the loader itself), and dropping [`GpuGather`] waits for the
+    /// kernels of earlier epochs.
+    fn gather_on_workers(&mut self) {
+        self.gpu_gather = None;
     }
 
     /// Counters so far.
