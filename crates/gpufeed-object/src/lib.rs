@@ -8,9 +8,9 @@
 //!   that version (`If-Match`) and each answer's ETag and size are checked, so an object
 //!   replaced during a read is [`Error::ObjectChanged`], never a mix of two versions (for a
 //!   server that sends no ETag, only the size can be checked).
-//! - [`Object::read_exact_at`]: any byte range, as ranged `GET`s of
-//!   [`ObjectOptions::request_bytes`] with [`ObjectOptions::requests_in_flight`] of them in
-//!   flight, each written straight into its part of the caller's buffer (a pinned staging
+//! - [`Object::read_exact_at`]: any byte range, as ranged `GET`s of up to
+//!   [`ObjectOptions::request_bytes`] (cut at the object's multiples of it) with
+//!   [`ObjectOptions::requests_in_flight`] of them in flight, each written straight into its part of the caller's buffer (a pinned staging
 //!   buffer that the transfer scheduler then uploads: `gpufeed-load`'s object loads). Host
 //!   memory is what the caller gives, whatever the object's size.
 //! - [`Object::read_ahead`]: a range fetched ahead of readers that take it piece by piece:

@@ -42,6 +42,7 @@ pub struct ObjectOptions {
     pub requests_in_flight: usize,
     /// Bytes per ranged GET (default 8 MiB): large enough that a request's latency is small
     /// beside its transfer, small enough that a read of a few hundred MiB has many in flight.
+    /// GETs are cut at the object's multiples of it, so each stays within one such block.
     pub request_bytes: usize,
     /// Retries of a failed request (5xx, throttling, reset or refused connections, a body cut
     /// short), with exponential backoff from 50 ms (default 5).
