@@ -27,6 +27,17 @@ pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
 pub trait FillSource: Sync {
     /// Fills all of `dst` with the source's bytes starting at `offset`.
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), SourceError>;
+
+    /// Where the source's byte 0 lies in what it reads, for a source read in aligned blocks
+    /// (an object's ranged GETs, which its server serves fastest within one of its chunks or
+    /// parts): a staged upload then cuts its full-size pieces where `origin + offset` is a
+    /// multiple of the piece size (one shorter piece after the ramp where needed), so each
+    /// piece is filled from whole blocks. An upload of an object's range from byte 4,104 on
+    /// fills 16 MiB pieces at the object's 16 MiB boundaries, not 4,104 bytes past each.
+    /// `None` (the default): pieces are cut from the upload's own start.
+    fn origin(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A pageable slice as a [`FillSource`] (a `memcpy` per chunk, spread over the fill threads).
@@ -438,6 +449,13 @@ pub(crate) struct PiecePlan {
 
 impl PiecePlan {
     pub(crate) fn new(cfg: &TransferOptions, len: u64) -> Self {
+        Self::new_at(cfg, len, None)
+    }
+
+    /// The pieces of an upload from a source whose byte 0 is at `origin`
+    /// ([`FillSource::origin`]): after the ramp, one shorter piece where needed, so that the
+    /// pieces of the cap's size start at multiples of it in the source's offsets.
+    pub(crate) fn new_at(cfg: &TransferOptions, len: u64, origin: Option<u64>) -> Self {
         let cfg = cfg.normalized();
         let cap = cfg.piece_bytes_for(len);
         let mut ramp = Vec::new();
@@ -453,6 +471,12 @@ impl PiecePlan {
                 off += n;
             }
             size *= 2;
+        }
+        let past = origin.map_or(0, |o| o.wrapping_add(off) % cap as u64);
+        if past != 0 && off < len {
+            let n = (cap as u64 - past).min(len - off);
+            ramp.push((off, n as usize));
+            off += n;
         }
         let count = ramp.len() + (len - off).div_ceil(cap as u64) as usize;
         PiecePlan {
@@ -1127,7 +1151,7 @@ impl TransferScheduler {
         len: u64,
         dptr: sys::CUdeviceptr,
     ) -> Result<TransferStats> {
-        let plan = PiecePlan::new(&self.cfg, len);
+        let plan = PiecePlan::new_at(&self.cfg, len, source.origin());
         let chunks = plan.count;
         let lanes = self.cfg.lanes_for(len).min(chunks).max(1);
         let lanes = &self.lane_streams[..self.lane_streams.len().min(lanes)];
@@ -1451,5 +1475,43 @@ mod tests {
         // No ramp where the minimum is the chunk.
         let flat = PiecePlan::new(&cfg.with_min_chunk_bytes(4 << 20), 64 << 20);
         assert_eq!(flat.count, 16);
+    }
+
+    #[test]
+    fn pieces_of_the_caps_size_start_at_the_sources_multiples_of_it() {
+        let cfg = TransferOptions::default()
+            .with_chunk_bytes(16 << 20)
+            .with_min_chunk_bytes(1 << 20)
+            .with_fill_threads(8)
+            .with_staging_buffers(16);
+        for origin in [0u64, 1, 4104, (16 << 20) - 1, 16 << 20, (3 << 30) + 12_345] {
+            for len in [1u64, 4096, (20 << 20) + 3, 300 << 20, (4 << 30) + 1] {
+                let plan = PiecePlan::new_at(&cfg, len, Some(origin));
+                let cap = cfg.piece_bytes_for(len);
+                let aligned = PiecePlan::new(&cfg, len);
+                let mut at = 0u64;
+                for i in 0..plan.count {
+                    let (off, n) = plan.get(i).expect("a piece");
+                    assert_eq!(
+                        off, at,
+                        "{origin} {len}: piece {i} starts where the last ended"
+                    );
+                    assert!(n > 0 && n <= cap, "{origin} {len}: piece {i} of {n}");
+                    if n == cap && i > 0 && plan.get(i - 1).is_some_and(|(_, m)| m == cap) {
+                        assert_eq!((origin + off) % cap as u64, 0, "{origin} {len}: piece {i}");
+                    }
+                    at += n as u64;
+                }
+                assert_eq!(at, len, "{origin} {len}: covered");
+                assert_eq!(plan.get(plan.count), None);
+                // At most one piece more than without an origin (the shorter one).
+                assert!(plan.count <= aligned.count + 1, "{origin} {len}");
+            }
+        }
+        // From byte 4,104: the ramp (8 lanes of 1, 2, 4 and 8 MiB: 120 MiB), then 8 MiB less
+        // 4,104 bytes to reach the object's next 16 MiB boundary, then 16 MiB pieces there.
+        let plan = PiecePlan::new_at(&cfg, 1 << 30, Some(4104));
+        assert_eq!(plan.get(32), Some((120 << 20, (8 << 20) - 4104)));
+        assert_eq!(plan.get(33), Some(((128 << 20) - 4104, 16 << 20)));
     }
 }

@@ -31,6 +31,15 @@ impl FillSource for ObjectSource<'_> {
                 .map_err(SourceError::from)
         })
     }
+
+    /// The staging pieces at the object's multiples of the piece size, so each is filled by
+    /// whole GETs of the object's aligned blocks: a checkpoint's data section starts after
+    /// its header, a few KiB in, and cut from there every piece took GETs across the
+    /// server's block boundaries (GPU run 215: a 4 GiB range from byte 4,104 loaded 3-8%
+    /// slower than with this, which matches the range from byte 0).
+    fn origin(&self) -> Option<u64> {
+        Some(self.spans.origin())
+    }
 }
 
 impl Loader {

@@ -113,6 +113,15 @@ impl<'a> Spans<'a> {
         self.ends.last().copied().unwrap_or(0)
     }
 
+    /// Where the stream's byte 0 lies in the source: the first non-empty span's start (what
+    /// later spans do to alignment is theirs; one span is the common case).
+    pub(crate) fn origin(&self) -> u64 {
+        self.spans
+            .iter()
+            .find(|s| s.end > s.start)
+            .map_or(0, |s| s.start)
+    }
+
     /// Reads `[offset, offset + dst.len())` of the stream: the spans it covers, one by one,
     /// each with `read(source offset, bytes)`.
     pub(crate) fn read<E: From<&'static str>>(
