@@ -30,11 +30,13 @@ pub trait FillSource: Sync {
 
     /// Where the source's byte 0 lies in what it reads, for a source read in aligned blocks
     /// (an object's ranged GETs, which its server serves fastest within one of its chunks or
-    /// parts): a staged upload then cuts its full-size pieces where `origin + offset` is a
-    /// multiple of the piece size (one shorter piece after the ramp where needed), so each
-    /// piece is filled from whole blocks. An upload of an object's range from byte 4,104 on
-    /// fills 16 MiB pieces at the object's 16 MiB boundaries, not 4,104 bytes past each.
-    /// `None` (the default): pieces are cut from the upload's own start.
+    /// parts): a staged upload whose pieces are whole chunks
+    /// ([`TransferOptions::chunk_bytes`]) then cuts them where `origin + offset` is a
+    /// multiple of the chunk (one shorter piece after the ramp where needed), so each piece
+    /// is filled from whole blocks. An upload of an object's range from byte 4,104 on fills
+    /// 16 MiB pieces at the object's 16 MiB boundaries, not 4,104 bytes past each. `None`
+    /// (the default): pieces are cut from the upload's own start, in whole 4 KiB pages, as
+    /// sources that read with `O_DIRECT` need.
     fn origin(&self) -> Option<u64> {
         None
     }
@@ -270,20 +272,23 @@ impl TransferOptions {
     }
 
     /// Copies a staged upload of `len` bytes is cut into (see
-    /// [`TransferOptions::piece_bytes_for`]).
+    /// [`TransferOptions::piece_bytes_for`]), from a source without an origin
+    /// ([`FillSource::origin`]; one with one may take one more).
     pub fn pieces_for(&self, len: u64) -> usize {
         PiecePlan::new(self, len).count
     }
 
     /// Staging buffers a staged upload of `len` bytes uses at most (`None`: of any length):
     /// `staging_buffers / fill_threads` (at least 2) per fill thread, and no more than the
-    /// upload has pieces ([`TransferOptions::piece_bytes_for`]).
+    /// upload has pieces ([`TransferOptions::piece_bytes_for`]; from a source with an origin,
+    /// which may add one).
     pub fn staging_buffers_for(&self, len: Option<u64>) -> usize {
         let cfg = self.normalized();
         let per_lane = (cfg.staging_buffers / cfg.fill_threads).max(2);
         let most = per_lane * cfg.fill_threads;
         match len {
-            Some(len) => most.min(PiecePlan::new(&cfg, len).count),
+            // Origin 1: the most pieces any origin gives.
+            Some(len) => most.min(PiecePlan::new_at(&cfg, len, Some(1)).count),
             None => most,
         }
     }
@@ -434,7 +439,9 @@ struct LaneWork<'a> {
 
 /// How a staged upload is cut into copies: a ramp of rounds (one piece per lane each)
 /// from `min_chunk_bytes` doubling up to the cap ([`TransferOptions::piece_bytes_for`]), then
-/// pieces of the cap to the end. Offsets stay in whole 4 KiB pages.
+/// pieces of the cap to the end. Offsets stay in whole 4 KiB pages, but for a source with an
+/// origin ([`FillSource::origin`]): one piece of any length then brings the cap's pieces to
+/// its multiples of the chunk.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PiecePlan {
     /// The ramp's pieces: (offset, bytes).
@@ -453,8 +460,9 @@ impl PiecePlan {
     }
 
     /// The pieces of an upload from a source whose byte 0 is at `origin`
-    /// ([`FillSource::origin`]): after the ramp, one shorter piece where needed, so that the
-    /// pieces of the cap's size start at multiples of it in the source's offsets.
+    /// ([`FillSource::origin`]): where the cap is the whole chunk, one shorter piece after the
+    /// ramp where needed, so that the pieces of the cap's size start at multiples of it in the
+    /// source's offsets (smaller caps, an even share of a small upload, fit no block size).
     pub(crate) fn new_at(cfg: &TransferOptions, len: u64, origin: Option<u64>) -> Self {
         let cfg = cfg.normalized();
         let cap = cfg.piece_bytes_for(len);
@@ -472,7 +480,9 @@ impl PiecePlan {
             }
             size *= 2;
         }
-        let past = origin.map_or(0, |o| o.wrapping_add(off) % cap as u64);
+        let past = origin
+            .filter(|_| cap == cfg.chunk_bytes)
+            .map_or(0, |o| (o % cap as u64 + off % cap as u64) % cap as u64);
         if past != 0 && off < len {
             let n = (cap as u64 - past).min(len - off);
             ramp.push((off, n as usize));
@@ -1497,15 +1507,26 @@ mod tests {
                         "{origin} {len}: piece {i} starts where the last ended"
                     );
                     assert!(n > 0 && n <= cap, "{origin} {len}: piece {i} of {n}");
-                    if n == cap && i > 0 && plan.get(i - 1).is_some_and(|(_, m)| m == cap) {
+                    // Whole chunks after whole chunks start at the source's multiples of the
+                    // chunk; an even share of a small upload is cut from its start.
+                    if n == 16 << 20 && i > 0 && plan.get(i - 1).is_some_and(|(_, m)| m == n) {
                         assert_eq!((origin + off) % cap as u64, 0, "{origin} {len}: piece {i}");
+                    }
+                    if cap < 16 << 20 {
+                        assert_eq!(plan.get(i), aligned.get(i), "{origin} {len}: piece {i}");
                     }
                     at += n as u64;
                 }
                 assert_eq!(at, len, "{origin} {len}: covered");
                 assert_eq!(plan.get(plan.count), None);
-                // At most one piece more than without an origin (the shorter one).
+                // At most one piece more than without an origin (the shorter one), and the
+                // staging sized for it.
                 assert!(plan.count <= aligned.count + 1, "{origin} {len}");
+                let most = cfg.staging_buffers_for(None);
+                assert!(
+                    cfg.staging_buffers_for(Some(len)) >= plan.count.min(most),
+                    "{origin} {len}"
+                );
             }
         }
         // From byte 4,104: the ramp (8 lanes of 1, 2, 4 and 8 MiB: 120 MiB), then 8 MiB less

@@ -562,7 +562,10 @@ impl BatchLoader {
     /// transform is set on the loader itself), and dropping [`GpuGather`] waits for the
     /// kernels of earlier epochs.
     fn gather_on_workers(&mut self) {
-        self.gpu_gather = None;
+        if let Some(g) = self.gpu_gather.take() {
+            // Batches gathered and never handed out (an epoch left early) count too.
+            self.stats.gpu_gathered_batches = g.gathered.load(std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Counters so far.

@@ -10,9 +10,10 @@
 //!   server that sends no ETag, only the size can be checked).
 //! - [`Object::read_exact_at`]: any byte range, as ranged `GET`s of up to
 //!   [`ObjectOptions::request_bytes`] (cut at the object's multiples of it) with
-//!   [`ObjectOptions::requests_in_flight`] of them in flight, each written straight into its part of the caller's buffer (a pinned staging
-//!   buffer that the transfer scheduler then uploads: `gpufeed-load`'s object loads). Host
-//!   memory is what the caller gives, whatever the object's size.
+//!   [`ObjectOptions::requests_in_flight`] of them in flight, each written straight into its
+//!   part of the caller's buffer (a pinned staging buffer that the transfer scheduler then
+//!   uploads: `gpufeed-load`'s object loads). Host memory is what the caller gives, whatever
+//!   the object's size.
 //! - [`Object::read_ahead`]: a range fetched ahead of readers that take it piece by piece:
 //!   the GETs stay in flight between the pieces, in blocks of the crate's own, at most
 //!   [`read_ahead_bytes`] held (the loader's fill threads read with their own GETs: faster on

@@ -154,17 +154,23 @@ impl Object {
         // The GETs' bodies are copied into place by the threads that poll them: a read of
         // several requests is polled by a few threads (scoped, each with its share of the
         // requests and of the ones in flight), so the copies do not queue on one core.
+        // No more callers than requests in flight (each keeps at least one going).
         let callers = requests
             .min(MAX_CALLERS)
+            .min(self.opts.requests_in_flight)
             .min(std::thread::available_parallelism().map_or(1, |n| n.get()));
-        if callers == 1 {
+        if callers <= 1 {
             self.get_parts(offset, dst, &parts, self.opts.requests_in_flight)?;
-        } else if requests > 0 {
-            let in_flight = self.opts.requests_in_flight.div_ceil(callers);
+        } else {
+            // The parts in `groups` runs of `per` (the last may be shorter), the requests in
+            // flight shared among them.
+            let per = requests.div_ceil(callers);
+            let groups = requests.div_ceil(per);
+            let in_flight = self.opts.requests_in_flight.div_ceil(groups);
             std::thread::scope(|scope| {
                 let mut rest = dst;
                 let handles: Vec<_> = parts
-                    .chunks(requests.div_ceil(callers))
+                    .chunks(per)
                     .map(|group| {
                         // Each caller's share of `dst`: its parts, back to back.
                         let (first, last) = (group[0].start, group[group.len() - 1].end);
@@ -405,8 +411,9 @@ const MAX_CALLERS: usize = 4;
 /// covers at most one `step`-aligned block of the object. Servers store large objects in
 /// parts or chunks of such sizes (SeaweedFS in chunks, S3 in an upload's parts), and a GET
 /// across a boundary costs them two fetches (docs/architecture.md, gpufeed-object, has the
-/// figures: reads at such offsets from SeaweedFS ran 8-13% faster cut this way; a
-/// checkpoint's data section starts after its header). A read that starts aligned is cut in whole steps.
+/// figures: reads at such offsets from SeaweedFS ran 8-13% faster by their medians cut this
+/// way; a checkpoint's data section starts after its header). A read that starts aligned is
+/// cut in whole steps.
 fn aligned_parts(offset: u64, len: usize, step: usize) -> Vec<Range<usize>> {
     let step = step.max(1);
     let mut parts = Vec::with_capacity(len.div_ceil(step) + 1);

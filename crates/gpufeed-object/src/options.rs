@@ -42,7 +42,10 @@ pub struct ObjectOptions {
     pub requests_in_flight: usize,
     /// Bytes per ranged GET (default 8 MiB): large enough that a request's latency is small
     /// beside its transfer, small enough that a read of a few hundred MiB has many in flight.
-    /// GETs are cut at the object's multiples of it, so each stays within one such block.
+    /// [`Object::read_exact_at`](crate::Object::read_exact_at) cuts its GETs at the object's
+    /// multiples of it, so each stays within one such block
+    /// ([`Object::read_ahead`](crate::Object::read_ahead)'s blocks start at its range's
+    /// start).
     pub request_bytes: usize,
     /// Retries of a failed request (5xx, throttling, reset or refused connections, a body cut
     /// short), with exponential backoff from 50 ms (default 5).
