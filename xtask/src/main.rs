@@ -174,7 +174,9 @@ fn device(root: &Path) -> Result<()> {
     let script = format!(
         r#"#!/usr/bin/env bash
 # Made by `cargo xtask device`. Runs the test binaries with GPU tests required, then the bench.
-#   bash target/device/run.sh [tests|bench|all|ranks] [gpufeed-bench args...]
+#   bash target/device/run.sh [tests|python|rust|bench|all|ranks] [gpufeed-bench args...]
+# `tests`: the Python tests, then the Rust test binaries (about 10 minutes on an H100 machine:
+# more than one 600 s device call, so run `python` and `rust` in two calls there).
 # `ranks`: one process per GPU, world 1 and 2 (two GPUs, or two ranks sharing one), sharded and
 # replicated loads of a file in /dev/shm (RANKS_FILE_SIZE, default 16G), through the staging
 # slots the ranks share, CUDA IPC handles and NCCL (world 2 only with two GPUs: NCCL needs a
@@ -235,7 +237,7 @@ if ls "$here"/peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-peers "$here"/peers/*.whl \
     && peer_path=/tmp/gpufeed-peers
 fi
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = python ] || [ "$what" = all ]; then
   if [ -f "$here/py-tests/test_gpu.py" ]; then
     echo "=== python: gpufeed-py/tests/test_gpu.py"
     if python3 "$here/py-tests/test_gpu.py" > "$out/test-python.log" 2>&1; then
@@ -276,6 +278,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   else
     echo "note: no safetensors sdist carried (st09-sdist/): its own tests not run"
   fi
+fi
+if [ "$what" = tests ] || [ "$what" = rust ] || [ "$what" = all ]; then
   for t in "$here"/tests/*; do
     name="$(basename "$t")"
     echo "=== $name"
