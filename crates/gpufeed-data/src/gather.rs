@@ -90,9 +90,9 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
                 shared.ready.wait(&mut q);
             }
         };
-        // The GPU gathers the batch where it can (no transform).
-        if let (Dataset::Records(r), Some(g), Some(sched), None) =
-            (records, gpu_gather, sched, transform)
+        // The GPU gathers the batch where it can (a loader given a transform has dropped its
+        // `GpuGather`: `BatchLoader::with_transform`).
+        if let (Dataset::Records(r), Some(g), Some(sched)) = (records, gpu_gather, sched)
             && let Some(result) = gather_on_gpu(r, g, sched, memory, &indices)
         {
             let result = result.map(|(offsets, data, upload_s, done)| {

@@ -301,9 +301,10 @@ pub(crate) fn open_dataset(
 /// the GPU gathers each batch's records itself, reading them over the bus out of the file's
 /// mapping, which is registered with CUDA when the loader is made (about 100 ms per 4 GiB;
 /// the whole file stays in RAM, page-locked, while the loader lives): no copy by the CPU. On
-/// one H100, epochs after a first untimed one of a loader made once, 4 KiB records with 8
-/// workers came at 40.8-41.8 GB/s against 28.8-31.3 gathered by the CPU, and 64 KiB records
-/// at 47.7-48.1 with one worker and 1.9-2.0 cores busy (docs/benchmarks.md, GPU run 210).
+/// one H100, epochs after a first untimed one of a loader made once, 4 KiB records came at
+/// 40-42 GB/s with one to eight workers (1.5-2.5 cores busy) against 27-31 gathered by 8 CPU
+/// workers, and 64 KiB records at 50-51 with one worker and about one core busy
+/// (docs/benchmarks.md, GPU runs 211 and 213).
 ///
 /// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
 #[pyclass(module = "gpufeed._gpufeed")]
