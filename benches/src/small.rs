@@ -42,6 +42,15 @@ pub struct SizeRow {
     pub register_ms: f64,
 }
 
+/// The `ImageFolder` batch loader with the GPU gathering the files.
+#[derive(Debug, Serialize)]
+pub struct FolderGathered {
+    pub gbps: Samples,
+    pub files_per_s: Samples,
+    /// Milliseconds `BatchLoader::new` took (mapping the files and registering them).
+    pub made_ms: f64,
+}
+
 /// The `ImageFolder` batch loader with one worker per core (logical CPUs).
 #[derive(Debug, Serialize)]
 pub struct FolderPerCore {
@@ -81,6 +90,9 @@ pub struct FilesBench {
     /// The same with one worker per core (two batches in flight each), where the machine has
     /// more than 8 cores.
     pub batch_loader_per_core: Option<FolderPerCore>,
+    /// The same loader (8 workers) gathered by the GPU (`BatchLoaderOptions::gpu_gather`: the
+    /// files mapped side by side and registered, one kernel per batch), or why it did not run.
+    pub batch_loader_gpu_gather: std::result::Result<FolderGathered, String>,
     /// `ImageFolder::open` of the folder, milliseconds.
     pub image_folder_open_ms: f64,
     /// PyTorch's DataLoader over the same folder (benches/peers/peers.py --image-folder), with
@@ -394,14 +406,18 @@ fn measure_files(
         // Two batches per worker, as the other BatchLoader rows: with fewer than the workers,
         // some never run.
         .with_prefetch(16);
-    // Seconds of one epoch per repetition (after an untimed one) of a loader of the folder.
-    let folder_epochs = |cfg: BatchLoaderOptions| -> Result<Vec<f64>> {
-        let mut batches = BatchLoader::new(
-            folder_set.clone(),
-            Sampler::new(Order::Shuffled { seed: 3 }),
-            cfg,
-            Some(loader.gpu()),
-        )?;
+    // Seconds of one epoch per repetition (after an untimed one) of a loader of the folder,
+    // and the seconds making the loader took.
+    let folder_epochs_made = |cfg: BatchLoaderOptions| -> Result<(Vec<f64>, f64)> {
+        let (made_s, batches) = timed(|| {
+            BatchLoader::new(
+                folder_set.clone(),
+                Sampler::new(Order::Shuffled { seed: 3 }),
+                cfg,
+                Some(loader.gpu()),
+            )
+        });
+        let mut batches = batches?;
         let mut epochs = Vec::new();
         for epoch in 0..=reps as u64 {
             let (s, r) = timed(|| -> Result<u64> {
@@ -416,9 +432,22 @@ fn measure_files(
                 epochs.push(s);
             }
         }
-        Ok(epochs)
+        Ok((epochs, made_s))
     };
+    let folder_epochs = |cfg| folder_epochs_made(cfg).map(|(epochs, _)| epochs);
     let epochs = folder_epochs(cfg.clone())?;
+    progress("small files: the ImageFolder BatchLoader gathered by the GPU (gpu_gather)");
+    let gathered = match folder_epochs_made(cfg.clone().with_gpu_gather(true)) {
+        Ok((secs, made_s)) => {
+            let secs = Samples::new(secs);
+            Ok(FolderGathered {
+                gbps: secs.map(|s| gbps(bytes, s)),
+                files_per_s: secs.map(|s| n as f64 / s),
+                made_ms: made_s * 1e3,
+            })
+        }
+        Err(e) => Err(format!("{e:#}")),
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_core = if cores > 8 {
         progress(&format!(
@@ -465,6 +494,7 @@ fn measure_files(
         batch_loader_gbps: epochs.map(|s| gbps(bytes, s)),
         batch_loader_files_per_s: epochs.map(|s| n as f64 / s),
         batch_loader_per_core: per_core,
+        batch_loader_gpu_gather: gathered,
         image_folder_open_ms: open_s * 1e3,
         torch_dataloader,
     })
@@ -560,6 +590,23 @@ pub fn table(s: &mut String, v: &SmallBench) {
         f.batch_loader_gbps.show(1),
         f.batch_loader_files_per_s.median
     );
+    match &f.batch_loader_gpu_gather {
+        Ok(g) => {
+            let _ = writeln!(
+                s,
+                "| the same, 8 workers, gathered by the GPU (`gpu_gather`: the files mapped side by side and registered in {:.0} ms, one kernel per batch) | {} | {:.0} | |",
+                g.made_ms,
+                g.gbps.show(1),
+                g.files_per_s.median
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(
+                s,
+                "| the same gathered by the GPU (`gpu_gather`) | did not run: {e} | | |"
+            );
+        }
+    }
     if let Some(p) = &f.batch_loader_per_core {
         let _ = writeln!(
             s,

@@ -266,6 +266,173 @@ DONE:
 }
 "#;
 
+/// `gather_spans(spans, dst, chunk, count)`: span `k` of `count` (three native-endian `u64`s at
+/// `spans + 24 k`: a source address, a length and an offset into `dst`) is copied by the blocks
+/// `(k, y)`, block `y` taking its bytes `y * chunk ..` (up to `chunk`, a multiple of 16). A
+/// 16-byte-aligned source is read 16 bytes per thread in turn (reading up to its length rounded
+/// up to 16: the rest of a mapped file's last page), each vector stored whole where the
+/// destination is 16-byte aligned and byte by byte otherwise (the spans land back to back, at
+/// any offset); an unaligned source is read byte by byte.
+const GATHER_SPANS_PTX: &str = r#"
+.version 7.0
+.target sm_52
+.address_size 64
+
+.visible .entry gather_spans(
+    .param .u64 spans,
+    .param .u64 dst,
+    .param .u64 chunk,
+    .param .u32 count
+)
+{
+    .reg .pred %p<10>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<24>;
+
+    ld.param.u64 %rd1, [spans];
+    ld.param.u64 %rd2, [dst];
+    ld.param.u64 %rd3, [chunk];
+    ld.param.u32 %r1, [count];
+    mov.u32 %r2, %ctaid.x;
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra DONE;
+    cvta.to.global.u64 %rd1, %rd1;
+    mul.wide.u32 %rd4, %r2, 24;
+    add.s64 %rd5, %rd1, %rd4;
+    ld.global.u64 %rd6, [%rd5];
+    ld.global.u64 %rd7, [%rd5+8];
+    ld.global.u64 %rd8, [%rd5+16];
+    mov.u32 %r3, %ctaid.y;
+    cvt.u64.u32 %rd9, %r3;
+    mul.lo.u64 %rd10, %rd9, %rd3;
+    setp.ge.u64 %p2, %rd10, %rd7;
+    @%p2 bra DONE;
+    add.s64 %rd11, %rd10, %rd3;
+    min.u64 %rd11, %rd11, %rd7;
+    cvta.to.global.u64 %rd6, %rd6;
+    add.s64 %rd12, %rd2, %rd8;
+    cvta.to.global.u64 %rd12, %rd12;
+    mov.u32 %r4, %tid.x;
+    mov.u32 %r5, %ntid.x;
+    cvt.u64.u32 %rd13, %r4;
+    cvt.u64.u32 %rd14, %r5;
+    and.b64 %rd15, %rd6, 15;
+    setp.ne.u64 %p8, %rd15, 0;
+    @%p8 bra SLOW;
+    and.b64 %rd15, %rd12, 15;
+    setp.eq.u64 %p3, %rd15, 0;
+    shl.b64 %rd13, %rd13, 4;
+    shl.b64 %rd14, %rd14, 4;
+    add.s64 %rd13, %rd13, %rd10;
+LOOP:
+    setp.ge.u64 %p4, %rd13, %rd11;
+    @%p4 bra DONE;
+    add.s64 %rd16, %rd6, %rd13;
+    ld.global.v4.u32 {%r6, %r7, %r8, %r9}, [%rd16];
+    add.s64 %rd17, %rd12, %rd13;
+    add.s64 %rd18, %rd13, 16;
+    setp.le.u64 %p5, %rd18, %rd7;
+    and.pred %p6, %p5, %p3;
+    @!%p6 bra BYTES;
+    st.global.v4.u32 [%rd17], {%r6, %r7, %r8, %r9};
+    bra NEXT;
+BYTES:
+    sub.s64 %rd19, %rd7, %rd13;
+    setp.gt.u64 %p7, %rd19, 0;
+    @%p7 st.global.u8 [%rd17+0], %r6;
+    setp.gt.u64 %p7, %rd19, 1;
+    shr.b32 %r10, %r6, 8;
+    @%p7 st.global.u8 [%rd17+1], %r10;
+    setp.gt.u64 %p7, %rd19, 2;
+    shr.b32 %r10, %r6, 16;
+    @%p7 st.global.u8 [%rd17+2], %r10;
+    setp.gt.u64 %p7, %rd19, 3;
+    shr.b32 %r10, %r6, 24;
+    @%p7 st.global.u8 [%rd17+3], %r10;
+    setp.gt.u64 %p7, %rd19, 4;
+    @%p7 st.global.u8 [%rd17+4], %r7;
+    setp.gt.u64 %p7, %rd19, 5;
+    shr.b32 %r10, %r7, 8;
+    @%p7 st.global.u8 [%rd17+5], %r10;
+    setp.gt.u64 %p7, %rd19, 6;
+    shr.b32 %r10, %r7, 16;
+    @%p7 st.global.u8 [%rd17+6], %r10;
+    setp.gt.u64 %p7, %rd19, 7;
+    shr.b32 %r10, %r7, 24;
+    @%p7 st.global.u8 [%rd17+7], %r10;
+    setp.gt.u64 %p7, %rd19, 8;
+    @%p7 st.global.u8 [%rd17+8], %r8;
+    setp.gt.u64 %p7, %rd19, 9;
+    shr.b32 %r10, %r8, 8;
+    @%p7 st.global.u8 [%rd17+9], %r10;
+    setp.gt.u64 %p7, %rd19, 10;
+    shr.b32 %r10, %r8, 16;
+    @%p7 st.global.u8 [%rd17+10], %r10;
+    setp.gt.u64 %p7, %rd19, 11;
+    shr.b32 %r10, %r8, 24;
+    @%p7 st.global.u8 [%rd17+11], %r10;
+    setp.gt.u64 %p7, %rd19, 12;
+    @%p7 st.global.u8 [%rd17+12], %r9;
+    setp.gt.u64 %p7, %rd19, 13;
+    shr.b32 %r10, %r9, 8;
+    @%p7 st.global.u8 [%rd17+13], %r10;
+    setp.gt.u64 %p7, %rd19, 14;
+    shr.b32 %r10, %r9, 16;
+    @%p7 st.global.u8 [%rd17+14], %r10;
+    setp.gt.u64 %p7, %rd19, 15;
+    shr.b32 %r10, %r9, 24;
+    @%p7 st.global.u8 [%rd17+15], %r10;
+NEXT:
+    add.s64 %rd13, %rd13, %rd14;
+    bra LOOP;
+SLOW:
+    add.s64 %rd13, %rd13, %rd10;
+SLOWLOOP:
+    setp.ge.u64 %p9, %rd13, %rd11;
+    @%p9 bra DONE;
+    add.s64 %rd16, %rd6, %rd13;
+    add.s64 %rd17, %rd12, %rd13;
+    ld.global.u8 %r6, [%rd16];
+    st.global.u8 [%rd17], %r6;
+    add.s64 %rd13, %rd13, %rd14;
+    bra SLOWLOOP;
+DONE:
+    ret;
+}
+"#;
+
+/// One piece for [`GatherKernel::launch_spans`]: `len` bytes at `src` (an address the GPU
+/// can read) land at byte `offset` of the destination. Laid out as the kernel reads it
+/// (three native-endian `u64`s; [`Span::to_ne_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// The source address.
+    pub src: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Where they land in the destination.
+    pub offset: u64,
+}
+
+impl Span {
+    /// Bytes of one span in the kernel's table.
+    pub const BYTES: usize = 24;
+
+    /// The span as the kernel reads it.
+    pub fn to_ne_bytes(&self) -> [u8; Self::BYTES] {
+        let mut out = [0u8; Self::BYTES];
+        out[..8].copy_from_slice(&self.src.to_ne_bytes());
+        out[8..16].copy_from_slice(&self.len.to_ne_bytes());
+        out[16..].copy_from_slice(&self.offset.to_ne_bytes());
+        out
+    }
+}
+
+/// Bytes of a span one block of `gather_spans` copies (at least).
+const SPAN_CHUNK: u64 = 64 << 10;
+/// The most blocks a grid's `y` dimension takes.
+const MAX_GRID_Y: u32 = 65_535;
+
 /// Records gathered on the GPU: one launch copies a batch of records of one length from
 /// anywhere the GPU can read (a record file's mapping registered with CUDA, read over the
 /// bus) into device memory, back to back — instead of the CPU copying them into a staging
@@ -273,6 +440,8 @@ DONE:
 #[derive(Debug)]
 pub struct GatherKernel {
     func: CudaFunction,
+    /// `gather_spans`: pieces of any lengths, at any offsets of the destination.
+    spans: CudaFunction,
 }
 
 impl GatherKernel {
@@ -287,7 +456,13 @@ impl GatherKernel {
             "gather_records",
             "cuModuleLoadData (the gather kernel's PTX)",
         )?;
-        Ok(GatherKernel { func })
+        let spans = load_function(
+            gpu,
+            GATHER_SPANS_PTX,
+            "gather_spans",
+            "cuModuleLoadData (the span gather kernel's PTX)",
+        )?;
+        Ok(GatherKernel { func, spans })
     }
 
     /// Queues the kernel on `stream`: record `k` of `count`, the `rec_bytes` bytes at
@@ -335,5 +510,77 @@ impl GatherKernel {
         unsafe { launch.launch(cfg) }
             .map(drop)
             .map_err(|e| Error::cuda("cuLaunchKernel (gather_records)", e))
+    }
+
+    /// Queues the span kernel on `stream`: span `k` of `spans` (source address, length,
+    /// offset into `dst`) lands at `dst[offset..offset + length]`, whatever the lengths and
+    /// offsets. Spans may not overlap in `dst` (their bytes would race).
+    ///
+    /// The spans are checked here (each inside `dst`) before anything is queued: `spans` is
+    /// read on the host, and `table` is where the kernel reads the same spans from.
+    ///
+    /// # Safety
+    /// `table` points to `spans.len()` spans (three native-endian `u64`s each, as in `spans`)
+    /// the GPU can read (page-locked host memory or device memory), equal to `spans`; each
+    /// source the GPU can read for its length, and where the source is 16-byte aligned, up to
+    /// its length rounded up to 16 bytes (a file mapping's last page is); nothing of it
+    /// written, unmapped or unregistered before the kernel has completed (an event recorded
+    /// on `stream` after it).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] for a span past the end of `dst`, or more spans than a launch
+    /// takes; [`Error::Cuda`] for a refused launch.
+    pub unsafe fn launch_spans(
+        &self,
+        stream: &Arc<CudaStream>,
+        table: *const u64,
+        spans: &[Span],
+        dst: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let mut longest = 0u64;
+        for s in spans {
+            match s.offset.checked_add(s.len) {
+                Some(end) if end <= dst.len() as u64 => longest = longest.max(s.len),
+                _ => {
+                    return Err(Error::OutOfBounds {
+                        len: s.len,
+                        offset: s.offset,
+                        capacity: dst.len() as u64,
+                    });
+                }
+            }
+        }
+        let count = u32::try_from(spans.len())
+            .ok()
+            .filter(|&c| c <= i32::MAX as u32)
+            .ok_or(Error::OutOfBounds {
+                len: spans.len() as u64,
+                offset: 0,
+                capacity: i32::MAX as u64,
+            })?;
+        if longest == 0 {
+            return Ok(());
+        }
+        // 64 KiB per block (one block per record in `gather_records` reached the link's rate
+        // for 64 KiB records), more where a span would need more blocks than a grid's `y`
+        // takes.
+        let chunk = longest
+            .div_ceil(u64::from(MAX_GRID_Y))
+            .max(SPAN_CHUNK)
+            .next_multiple_of(16);
+        let cfg = LaunchConfig {
+            grid_dim: (count, longest.div_ceil(chunk) as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let table = table as u64;
+        let mut launch = stream.launch_builder(&self.spans);
+        launch.arg(&table).arg(dst).arg(&chunk).arg(&count);
+        // SAFETY: the arguments are what the PTX entry declares (a u64 address, a device
+        // pointer, a u64 and a u32); every span was checked to lie inside `dst`, and what the
+        // kernel reads the caller vouches for.
+        unsafe { launch.launch(cfg) }
+            .map(drop)
+            .map_err(|e| Error::cuda("cuLaunchKernel (gather_spans)", e))
     }
 }

@@ -857,6 +857,55 @@ impl TransferScheduler {
         })
     }
 
+    /// Gathers `spans` on the GPU ([`GatherKernel::launch_spans`](crate::kernels::GatherKernel::launch_spans))
+    /// into device memory of `len` bytes, without waiting, as
+    /// [`TransferScheduler::gather_pooled_reusing`] does: one of the scheduler's streams in
+    /// turn, `reuse` where it is `len` bytes, `done` (or a new event) recorded after the
+    /// kernel. The spans are written into `table` (a pooled buffer of at least
+    /// `spans.len() * Span::BYTES` bytes), which records the kernel so that the pool does not
+    /// hand it out again before it ended.
+    ///
+    /// # Safety
+    /// Each span's source is memory the GPU can read for its length (and, where 16-byte
+    /// aligned, up to its length rounded up to 16 bytes), not written, unmapped or
+    /// unregistered before the returned event completed.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when `table` is too small or a span lies past `len`;
+    /// [`Error::Cuda`] (allocation, launch, events).
+    pub unsafe fn gather_spans_pooled_reusing(
+        &self,
+        kernel: &crate::kernels::GatherKernel,
+        table: &mut PooledBuffer,
+        spans: &[crate::kernels::Span],
+        len: usize,
+        reuse: Option<CudaSlice<u8>>,
+        done: Option<cudarc::driver::CudaEvent>,
+    ) -> Result<(CudaSlice<u8>, cudarc::driver::CudaEvent)> {
+        let need = spans.len().saturating_mul(crate::kernels::Span::BYTES);
+        if table.capacity() < need {
+            return Err(Error::OutOfBounds {
+                len: need as u64,
+                offset: 0,
+                capacity: table.capacity() as u64,
+            });
+        }
+        table.set_len(need);
+        for (slot, s) in table
+            .chunks_exact_mut(crate::kernels::Span::BYTES)
+            .zip(spans)
+        {
+            slot.copy_from_slice(&s.to_ne_bytes());
+        }
+        self.fill_batch_memory(len, reuse, done, |stream, dst| {
+            // SAFETY: `table` is pooled page-locked memory holding `spans` as the kernel reads
+            // them (written above), not handed out again before the event `record_use`
+            // records completed; what the spans' sources are the caller vouches for.
+            unsafe { kernel.launch_spans(stream, table.as_ptr().cast(), spans, dst) }?;
+            Ok(table.record_use(stream)?)
+        })
+    }
+
     /// Copies `src` into new device memory of its length from `from` (see
     /// [`Gpu::alloc_filled`]); returns when the bytes are on the GPU.
     ///

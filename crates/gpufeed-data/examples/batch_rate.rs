@@ -81,8 +81,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             (false, _) => None,
         };
         let sampler = Sampler::new(Order::Shuffled { seed: 1 });
+        let made = Instant::now();
         let mut loader = BatchLoader::new(records, sampler, cfg, device)?;
-        let mut rates = Vec::new();
+        let mut rates = vec![format!(
+            "made in {:.0} ms",
+            made.elapsed().as_secs_f64() * 1e3
+        )];
         for epoch in 0..=epochs as u64 {
             let (waited0, copy0, upload0) = (
                 loader.stats().waited_s,

@@ -16,7 +16,9 @@ use parking_lot::{Condvar, Mutex};
 use crate::device_batch::{BatchMemory, DeviceBatch};
 use crate::error::{Error, Result};
 use crate::folder::ImageFolder;
-use crate::loader::{BatchData, GpuGather, Scratch, Transform, TransformInto, Transformer};
+use crate::loader::{
+    BatchData, GatherFrom, GpuGather, Scratch, Transform, TransformInto, Transformer,
+};
 use crate::records::{Dataset, RecordFile, Source};
 
 pub(crate) struct Queue {
@@ -92,8 +94,8 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
         };
         // The GPU gathers the batch where it can (a loader given a transform has dropped its
         // `GpuGather`: `BatchLoader::with_transform`).
-        if let (Dataset::Records(r), Some(g), Some(sched)) = (records, gpu_gather, sched)
-            && let Some(result) = gather_on_gpu(r, g, sched, memory, &indices)
+        if let (Some(g), Some(sched)) = (gpu_gather, sched)
+            && let Some(result) = gather_on_gpu(records, g, sched, memory, &indices)
         {
             let result = result.map(|(offsets, data, upload_s, done)| {
                 (indices, offsets, data, upload_s, Some(done))
@@ -150,59 +152,103 @@ pub(crate) fn worker(shared: &Shared, tx: &mpsc::Sender<Prepared>, job: &Job<'_>
 /// completes when its bytes are on the GPU.
 type OnGpu = (Vec<usize>, BatchData, f64, CudaEvent);
 
-/// Gathers the records `indices` of `records` on the GPU ([`GpuGather`]): their addresses in
-/// the registered mapping written into a buffer of its address pool, one kernel copying them
-/// into the batch's device memory. `None` where a record does not exist (the worker's own
-/// gather reports it); else the batch's offsets, data, the seconds issuing it took and the
-/// event that completes when its bytes are on the GPU.
+/// Gathers the records `indices` of `records` on the GPU ([`GpuGather`]): for a record file,
+/// their addresses in the registered mapping written into a buffer of its address pool, one
+/// kernel copying them into the batch's device memory; for a folder, each file's span (its
+/// address in the files' registered map, its size, its offset in the batch) likewise. `None`
+/// where a record does not exist (the worker's own gather reports it); else the batch's
+/// offsets, data, the seconds issuing it took and the event that completes when its bytes are
+/// on the GPU.
 #[allow(
     unsafe_code,
     reason = "the kernel reads the registered mapping the addresses point into"
 )]
 fn gather_on_gpu(
-    records: &RecordFile,
+    records: &Dataset,
     gpu: &GpuGather,
     sched: &TransferScheduler,
     memory: &Arc<BatchMemory>,
     indices: &[usize],
 ) -> Option<Result<OnGpu>> {
-    let runs = indices
-        .iter()
-        .map(|&i| records.record(i))
-        .collect::<Option<Vec<&[u8]>>>()?;
-    // Records of the file's one size (`GpuGather` takes no other file).
-    let rec = gpu.record_bytes;
-    let count = u32::try_from(runs.len()).ok()?;
     let t = Instant::now();
-    let issued = (|| {
-        let mut addrs = gpu.addresses.get(8 * runs.len())?;
-        addrs.set_len(8 * runs.len());
-        for (slot, r) in addrs.chunks_exact_mut(8).zip(&runs) {
-            slot.copy_from_slice(&(r.as_ptr() as u64).to_ne_bytes());
+    let issued = match (records, gpu.of, &gpu.files) {
+        (Dataset::Records(records), GatherFrom::Records(rec), _) => {
+            let runs = indices
+                .iter()
+                .map(|&i| records.record(i))
+                .collect::<Option<Vec<&[u8]>>>()?;
+            let count = u32::try_from(runs.len()).ok()?;
+            (|| {
+                let mut addrs = gpu.addresses.get(8 * runs.len())?;
+                addrs.set_len(8 * runs.len());
+                for (slot, r) in addrs.chunks_exact_mut(8).zip(&runs) {
+                    slot.copy_from_slice(&(r.as_ptr() as u64).to_ne_bytes());
+                }
+                let reuse = memory.take(rec * runs.len());
+                // SAFETY: every address is the start of a record of `rec` bytes (the file's
+                // fixed size) of `records`' mapping, which `gpu` registered read-only and
+                // keeps registered and mapped (it holds the data set) until the work on the
+                // scheduler's streams, where the kernel runs, has ended; the file is not
+                // changed while the loader lives (`RecordFile`'s open promise).
+                let (d, done) = unsafe {
+                    sched.gather_pooled_reusing(
+                        &gpu.kernel,
+                        &mut addrs,
+                        count,
+                        rec as u64,
+                        reuse,
+                        memory.event(),
+                    )
+                }?;
+                Ok::<_, Error>((sized_offsets(rec, runs.len()), d, done))
+            })()
         }
-        let reuse = memory.take(rec * runs.len());
-        // SAFETY: every address is the start of a record of `rec` bytes (the file's fixed
-        // size) of `records`' mapping, which `gpu` registered read-only and keeps registered
-        // and mapped (it holds the data set) until the work on the scheduler's streams, where
-        // the kernel runs, has ended; the file is not changed while the loader lives
-        // (`RecordFile`'s open promise).
-        let (d, done) = unsafe {
-            sched.gather_pooled_reusing(
-                &gpu.kernel,
-                &mut addrs,
-                count,
-                rec as u64,
-                reuse,
-                memory.event(),
-            )
-        }?;
+        (Dataset::Folder(folder), GatherFrom::Files, Some(files)) => {
+            let mut offsets = Vec::with_capacity(indices.len() + 1);
+            let mut spans = Vec::with_capacity(indices.len());
+            let mut at = 0usize;
+            offsets.push(0);
+            for &i in indices {
+                let len = folder.sample_len(i)?;
+                let start = files.offset_of(i)?;
+                spans.push(gpufeed_cuda::kernels::Span {
+                    src: files.as_ptr() as u64 + start as u64,
+                    len: len as u64,
+                    offset: at as u64,
+                });
+                at += len;
+                offsets.push(at);
+            }
+            (|| {
+                let mut table = gpu
+                    .addresses
+                    .get(spans.len() * gpufeed_cuda::kernels::Span::BYTES)?;
+                let reuse = memory.take(at);
+                // SAFETY: each span is a whole file of the folder's map (its listed size from
+                // its page-aligned start; the rest of its last page mapped too), which `gpu`
+                // registered read-only and keeps registered and mapped until the work on the
+                // scheduler's streams has ended; the files are not changed while the loader
+                // lives (`ImageFolder`'s promise).
+                let (d, done) = unsafe {
+                    sched.gather_spans_pooled_reusing(
+                        &gpu.kernel,
+                        &mut table,
+                        &spans,
+                        at,
+                        reuse,
+                        memory.event(),
+                    )
+                }?;
+                Ok::<_, Error>((offsets, d, done))
+            })()
+        }
+        _ => return None,
+    };
+    Some(issued.map(|(offsets, d, done)| {
         gpu.gathered
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok::<_, Error>((d, done))
-    })();
-    Some(issued.map(|(d, done)| {
         (
-            sized_offsets(rec, runs.len()),
+            offsets,
             BatchData::Device(DeviceBatch::kept(d, memory)),
             t.elapsed().as_secs_f64(),
             done,

@@ -101,14 +101,20 @@ pub struct BatchLoaderOptions {
     /// `workers * direct_depth` reads at once: local NVMe drives want deep queues, while
     /// network and cloud volumes often read fastest at a few (bench table 7 measures it).
     pub direct_depth: usize,
-    /// Records of one record file are gathered by the GPU itself (default off): the file's
-    /// mapping is registered with CUDA when the loader is made (page-locked: the whole file
-    /// stays in RAM while the loader lives; about 100 ms per 4 GiB), and each batch is one
-    /// kernel that reads its records over the bus straight into the batch's device memory,
-    /// with no copy by the CPU. For a GPU loader of one [`RecordFile`](crate::RecordFile) of
-    /// fixed-size records (or an `.npy` array) read through the page cache (not with
-    /// `direct`), on a GPU that reads registered memory at the host's addresses; anything
-    /// else is refused when the loader is made. A loader given a transform
+    /// Records of one record file, or the files of an [`ImageFolder`](crate::ImageFolder),
+    /// are gathered by the GPU itself (default off): the file's mapping (or the folder's
+    /// files, mapped side by side in one range: [`gpufeed_os::FilesMap`]) is registered with
+    /// CUDA when the loader is made (page-locked: every byte stays in RAM while the loader
+    /// lives; about 100 ms per 4 GiB), and each batch is one kernel that reads its records
+    /// over the bus straight into the batch's device memory, with no copy by the CPU. For a
+    /// GPU loader of one [`RecordFile`](crate::RecordFile) of fixed-size records (or an `.npy`
+    /// array) or of an `ImageFolder`, read through the page cache (not with `direct`), on a
+    /// GPU that reads registered memory at the host's addresses; anything else is refused
+    /// when the loader is made. A folder takes one mapping per file (`vm.max_map_count`,
+    /// 65,530 by default, bounds them; past it the loader is refused with the reason) and the
+    /// files must keep the sizes they were listed with (one that changed before the loader
+    /// is made is refused by name; the GPU reads the pages registered then, so a file
+    /// rewritten later may be delivered old or mixed). A loader given a transform
     /// ([`BatchLoader::with_transform`]) gathers on its workers, which run it, and gives the
     /// registration back; [`LoaderStats::gpu_gathered_batches`] counts the batches the GPU
     /// gathered.
@@ -284,44 +290,106 @@ pub struct BatchLoader {
     pub(crate) gpu_gather: Option<Arc<GpuGather>>,
 }
 
-/// A record file's mapping registered with CUDA and the kernel that gathers batches out of it
-/// ([`BatchLoaderOptions::gpu_gather`]).
+/// The data set's bytes registered with CUDA and the kernel that gathers batches out of them
+/// ([`BatchLoaderOptions::gpu_gather`]): a record file's mapping, or a folder's files mapped
+/// side by side.
 pub(crate) struct GpuGather {
     pub(crate) kernel: gpufeed_cuda::kernels::GatherKernel,
-    /// The pooled buffers the batches' record addresses go into, grown while every one is
-    /// still read by a kernel (the loader's own pool waits for the oldest instead, which kept
-    /// a couple of kernels in flight at most).
+    /// The pooled buffers the batches' record addresses (or a folder's spans) go into, grown
+    /// while every one is still read by a kernel (the loader's own pool waits for the oldest
+    /// instead, which kept a couple of kernels in flight at most).
     pub(crate) addresses: PinnedPool,
-    /// The file's record size: every batch is `count` records of it.
-    pub(crate) record_bytes: usize,
+    /// What is registered.
+    pub(crate) of: GatherFrom,
     /// Batches the GPU gathered (`LoaderStats::gpu_gathered_batches`).
     pub(crate) gathered: std::sync::atomic::AtomicU64,
     /// The scheduler whose streams the kernels run on.
     sched: Arc<TransferScheduler>,
-    // Dropped before `records`: unregistered while the file is still mapped.
+    // Dropped before `files` and `records`: unregistered while the bytes are still mapped.
     #[allow(dead_code, reason = "held for its Drop, which unregisters the mapping")]
     registration: gpufeed_pinned::HostRegistration<'static>,
+    /// A folder's files, mapped side by side (`None` for a record file, whose mapping
+    /// `records` holds).
+    pub(crate) files: Option<gpufeed_os::FilesMap>,
     #[allow(dead_code, reason = "keeps the registered mapping alive")]
     records: Arc<Dataset>,
 }
 
+/// What a [`GpuGather`] gathers from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum GatherFrom {
+    /// One record file's records, all of this size.
+    Records(usize),
+    /// An `ImageFolder`'s files ([`GpuGather::files`]).
+    Files,
+}
+
 impl GpuGather {
-    /// Registers the mapping of `records` (one record file) with `gpu`'s context and loads the
-    /// kernel.
+    /// Registers the bytes of `records` (one record file's mapping, or a folder's files mapped
+    /// side by side) with `gpu`'s context and loads the kernel.
     #[allow(
         unsafe_code,
-        reason = "registers a mapping this struct keeps alive for as long as it is registered"
+        reason = "registers mappings this struct keeps alive for as long as they are registered"
     )]
     fn new(gpu: &Gpu, sched: &Arc<TransferScheduler>, records: &Arc<Dataset>) -> Result<Self> {
-        let Dataset::Records(file) = &**records else {
-            return Err(Error::invalid(
-                "BatchLoaderOptions::gpu_gather gathers the records of one record file (RecordFile); leave it off for shards, folders and streamed data".into(),
-            ));
+        let (of, files, what) = match &**records {
+            Dataset::Records(file) => match file.fixed_size() {
+                Some(record_bytes) if file.mapped().is_some() => (
+                    GatherFrom::Records(record_bytes),
+                    None,
+                    file.path().display().to_string(),
+                ),
+                _ => {
+                    return Err(Error::invalid(
+                        "BatchLoaderOptions::gpu_gather needs a record file of fixed-size records (RecordFile::open_fixed or an .npy array), mapped and not empty".into(),
+                    ));
+                }
+            },
+            Dataset::Folder(folder) => {
+                let list = folder.files();
+                let listed = list.paths().iter().enumerate().map(|(i, p)| {
+                    let len = list.range(i).map_or(0, |r| r.end - r.start);
+                    (p.as_path(), len)
+                });
+                // SAFETY: the folder's files are not truncated or written while the loader
+                // lives (`ImageFolder`'s promise, as for the record file's mapping); the CPU
+                // never reads this map, only the GPU through its registration.
+                let files = unsafe { gpufeed_os::FilesMap::open(listed) }.map_err(|e| {
+                    Error::invalid(format!(
+                        "BatchLoaderOptions::gpu_gather: the files of {} could not be mapped ({e}); leave gpu_gather off to read them on the CPU",
+                        folder.root().display()
+                    ))
+                })?;
+                if files.is_empty() {
+                    return Err(Error::invalid(format!(
+                        "BatchLoaderOptions::gpu_gather: {} holds no bytes to gather",
+                        folder.root().display()
+                    )));
+                }
+                (
+                    GatherFrom::Files,
+                    Some(files),
+                    format!("the {} files of {}", list.len(), folder.root().display()),
+                )
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "BatchLoaderOptions::gpu_gather gathers the records of one record file (RecordFile) or the files of an ImageFolder; leave it off for shards and streamed data".into(),
+                ));
+            }
         };
-        let (Some((ptr, len)), Some(record_bytes)) = (file.mapped(), file.fixed_size()) else {
-            return Err(Error::invalid(
-                "BatchLoaderOptions::gpu_gather needs a record file of fixed-size records (RecordFile::open_fixed or an .npy array), mapped and not empty".into(),
-            ));
+        let (ptr, len) = match (&files, &**records) {
+            (Some(f), _) => (f.as_ptr(), f.len()),
+            (None, Dataset::Records(file)) => file.mapped().ok_or_else(|| {
+                Error::invalid(
+                    "BatchLoaderOptions::gpu_gather: the record file is not mapped".into(),
+                )
+            })?,
+            (None, _) => {
+                return Err(Error::invalid(
+                    "BatchLoaderOptions::gpu_gather: nothing to register".into(),
+                ));
+            }
         };
         // The kernel reads the mapping at the host's addresses: the device must take them.
         let same = gpu
@@ -336,15 +404,15 @@ impl GpuGather {
                 "BatchLoaderOptions::gpu_gather: this GPU cannot read registered host memory at the host's addresses (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0); leave gpu_gather off".into(),
             ));
         }
-        // SAFETY: the mapping is read-only and lives as long as `records`, which this struct
-        // holds and drops after the registration (field order); the GPU only reads it.
+        // SAFETY: the mapping is read-only and lives as long as `records` (or `files`), which
+        // this struct holds and drops after the registration (field order); the GPU only
+        // reads it.
         let registration = unsafe {
             gpufeed_pinned::HostRegistration::register(gpu.context(), ptr, len, true)
         }
         .map_err(|e| {
             Error::invalid(format!(
-                "BatchLoaderOptions::gpu_gather: {} could not be registered with CUDA ({e}); leave gpu_gather off to gather on the CPU",
-                file.path().display()
+                "BatchLoaderOptions::gpu_gather: {what} could not be registered with CUDA ({e}); leave gpu_gather off to gather on the CPU",
             ))
         })?;
         let addresses = PinnedPool::new(
@@ -356,10 +424,11 @@ impl GpuGather {
         Ok(GpuGather {
             kernel: gpufeed_cuda::kernels::GatherKernel::load(gpu)?,
             addresses,
-            record_bytes,
+            of,
             gathered: std::sync::atomic::AtomicU64::new(0),
             sched: Arc::clone(sched),
             registration,
+            files,
             records: Arc::clone(records),
         })
     }

@@ -115,6 +115,7 @@ impl<'a> Spans<'a> {
 
     /// Where the stream's byte 0 lies in the source: the first non-empty span's start (what
     /// later spans do to alignment is theirs; one span is the common case).
+    #[cfg(feature = "object")]
     pub(crate) fn origin(&self) -> u64 {
         self.spans
             .iter()

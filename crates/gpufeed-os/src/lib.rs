@@ -12,7 +12,7 @@
 //! | [`shm`] | [`ShmSegment`]: POSIX shm (reserved with `fallocate`, mode 0600, checked on open), memfd; [`shm::gc`] for segments of dead processes |
 //! | [`file`](mod@file) | [`file::open_regular`] / [`file::stat_regular`] / [`OpenedFile`] (one descriptor for a whole load): regular files only (FIFOs refused without blocking, procfs/sysfs refused), [`FileIdentity`] |
 //! | [`atomic`] | [`AtomicFile`]: a file replaced whole or not at all (a temporary in a private 0700 directory, checked after it is opened, written through its descriptor, `fsync`, `renameat`, directory `fsync`; the replaced file's mode kept, its owner where it could not have been planted); dead writers' temporaries of a temporary's exact shape cleaned |
-//! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection |
+//! | [`map`] | [`FileMap`]: read-only, shared and private file mappings, `populate`, `advise`, change detection; [`FilesMap`]: many files side by side in one range (one registration with CUDA covers them) |
 //! | [`lock`] | [`lock::mlock`] as a [`LockedRegion`] guard, [`lock::memlock_limit`] |
 //! | [`advise`] | [`advise::fadvise`], [`advise::readahead`], [`advise::madvise`] |
 //! | [`cache`] | [`cache::residency`] (cachestat, else mincore), [`cache::residency_estimate`] / [`cache::residency_estimate_of`] (sampled), [`cache::evict`], [`cache::warm`] |
@@ -66,7 +66,7 @@ pub use error::{Error, Result};
 pub use fallback::{Fallback, Refused};
 pub use file::{FileIdentity, OpenedFile};
 pub use lock::LockedRegion;
-pub use map::{FileMap, MapMode};
+pub use map::{FileMap, FilesMap, MapMode};
 pub use shm::{ShmOptions, ShmSegment};
 pub use sys::SystemInfo;
 

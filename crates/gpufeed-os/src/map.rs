@@ -1,4 +1,5 @@
-//! Memory mappings of files: read-only, shared (read-write) and private (copy-on-write).
+//! Memory mappings of files: read-only, shared (read-write) and private (copy-on-write), and
+//! many files side by side in one range ([`FilesMap`]).
 //!
 //! A mapping is only as stable as the file under it: if the file shrinks while mapped, touching
 //! a page past the new end raises `SIGBUS` and kills the process. Rust cannot check that, so
@@ -306,6 +307,202 @@ impl std::ops::Deref for FileMap {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         self.as_slice()
+    }
+}
+
+/// Many files mapped read-only (`PROT_READ`, `MAP_SHARED`: the page cache itself) side by
+/// side in one range of address space, each from a page boundary of the range, in the order
+/// given. One `cuMemHostRegister` of [`FilesMap::as_ptr`]..+[`FilesMap::len`] page-locks them
+/// all, so a GPU kernel can gather any of them over the bus (gpufeed-data's `gpu_gather` for an
+/// `ImageFolder`).
+///
+/// Each file takes its size rounded up to whole pages; the bytes between its end and the next
+/// page boundary read as zero (the kernel's rule for a mapping's last page). Empty files take no
+/// space. Each non-empty file is one mapping of the kernel's (`vm.max_map_count`, 65,530 by
+/// default, bounds how many a process holds). The descriptors are closed once mapped.
+///
+/// # Example
+/// ```
+/// use gpufeed_os::map::FilesMap;
+/// # let dir = tempfile::tempdir()?;
+/// let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+/// std::fs::write(&a, b"first")?;
+/// std::fs::write(&b, b"second file")?;
+/// // SAFETY: the files are ours and nobody truncates or writes them while they are mapped.
+/// let files = unsafe { FilesMap::open([(a.as_path(), 5), (b.as_path(), 11)])? };
+/// assert_eq!(files.file(1), Some(&b"second file"[..]));
+/// assert_eq!(files.offset_of(1), Some(gpufeed_os::page_size()));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct FilesMap {
+    /// Start of the range (page-aligned); dangling when `len` is 0.
+    base: std::ptr::NonNull<u8>,
+    /// Bytes of the range: the files' sizes, each rounded up to whole pages.
+    len: usize,
+    /// Each file's offset in the range and its size.
+    files: Vec<(usize, usize)>,
+}
+
+// SAFETY: the range is mapped read-only and only read (through `&[u8]`s whose stability the
+// constructor's caller vouches for); unmapping happens once, in `Drop`, with `&mut self`.
+unsafe impl Send for FilesMap {}
+// SAFETY: as above.
+unsafe impl Sync for FilesMap {}
+
+impl std::fmt::Debug for FilesMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FilesMap")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("files", &self.files.len())
+            .finish()
+    }
+}
+
+impl FilesMap {
+    /// Maps each `(path, size)` of `files`, where `size` is the file's size as the caller
+    /// listed it: a file of another size now is [`Error::FileChanged`] (naming it), since
+    /// the caller's offsets would be wrong.
+    ///
+    /// # Safety
+    /// As for [`FileMap::open`], for every file: none is truncated while the map lives, and
+    /// none is written while a slice of it is borrowed.
+    ///
+    /// # Errors
+    /// [`FileMap::open`]'s for each file ([`Error::NotFound`], [`Error::NotRegularFile`], ...),
+    /// [`Error::FileChanged`], and [`Error::Io`] from `mmap` (`ENOMEM` where the files would
+    /// need more mappings than `vm.max_map_count` allows, or no address range of their summed
+    /// size is free). Nothing stays mapped after an error.
+    pub unsafe fn open<'p>(files: impl IntoIterator<Item = (&'p Path, u64)>) -> Result<Self> {
+        use rustix::mm::{MapFlags, ProtFlags};
+        let page = crate::page_size();
+        let files: Vec<(&Path, u64)> = files.into_iter().collect();
+        let mut placed = Vec::with_capacity(files.len());
+        let mut len = 0usize;
+        for &(path, size) in &files {
+            let size = usize::try_from(size).map_err(|_| Error::Unsupported {
+                what: "FilesMap",
+                reason: format!("{} is larger than the address space", path.display()),
+            })?;
+            placed.push((len, size));
+            len = size
+                .checked_next_multiple_of(page)
+                .and_then(|s| len.checked_add(s))
+                .ok_or_else(|| Error::Unsupported {
+                    what: "FilesMap",
+                    reason: "the files' summed size is larger than the address space".into(),
+                })?;
+        }
+        let mut map = FilesMap {
+            base: std::ptr::NonNull::dangling(),
+            len: 0,
+            files: placed,
+        };
+        if len == 0 {
+            return Ok(map);
+        }
+        // SAFETY: a new anonymous range, inaccessible (PROT_NONE) and reserving no memory,
+        // placed by the kernel where nothing else is mapped; the files replace it below.
+        let reserved = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| Error::io("mmap (reserving the files' range)", None, e))?;
+        map.base = std::ptr::NonNull::new(reserved.cast::<u8>()).ok_or_else(|| Error::Io {
+            op: "mmap (reserving the files' range)",
+            path: None,
+            source: std::io::Error::other("the kernel returned a null address"),
+        })?;
+        // From here on, dropping `map` unmaps whatever was mapped (the whole range).
+        map.len = len;
+        for (&(path, listed), &(offset, size)) in files.iter().zip(&map.files) {
+            if size == 0 {
+                continue;
+            }
+            let (file, identity) = open_regular(path, false)?;
+            if identity.size != listed {
+                return Err(Error::FileChanged {
+                    path: path.into(),
+                    what: format!("size {listed} when listed, {} now", identity.size),
+                });
+            }
+            // SAFETY: the address lies inside the range reserved above and owned by `map`,
+            // with `size` rounded up to pages of it left from `offset` (the placement above);
+            // MAP_FIXED replaces only that part of our own reservation. The caller promises
+            // the file is not truncated while mapped.
+            unsafe {
+                rustix::mm::mmap(
+                    map.base.as_ptr().add(offset).cast(),
+                    size,
+                    ProtFlags::READ,
+                    MapFlags::SHARED | MapFlags::FIXED,
+                    &file,
+                    0,
+                )
+            }
+            .map_err(|e| {
+                Error::io(
+                    "mmap (one mapping per file: vm.max_map_count bounds how many)",
+                    Some(path.into()),
+                    e,
+                )
+            })?;
+        }
+        Ok(map)
+    }
+
+    /// Start of the range (page-aligned; dangling when no file has a byte).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.base.as_ptr()
+    }
+
+    /// Bytes of the range: every file's size rounded up to whole pages.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// No file has a byte (nothing is mapped).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Number of files (empty ones included).
+    pub fn files(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Where file `i` starts in the range (a multiple of the page size).
+    pub fn offset_of(&self, i: usize) -> Option<usize> {
+        self.files.get(i).map(|&(offset, _)| offset)
+    }
+
+    /// The bytes of file `i`.
+    pub fn file(&self, i: usize) -> Option<&[u8]> {
+        let &(offset, size) = self.files.get(i)?;
+        if size == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: `offset..offset + size` lies in the range, mapped read-only from the file
+        // of this size until `self` drops; the constructor's caller promised it is neither
+        // truncated nor written while borrowed.
+        Some(unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), size) })
+    }
+}
+
+impl Drop for FilesMap {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        // SAFETY: the range was reserved by `open` and is unmapped once, here; no slice of it
+        // outlives `self` (they borrow it).
+        if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) } {
+            tracing::warn!("unmapping {} bytes of mapped files: {e}", self.len);
+        }
     }
 }
 

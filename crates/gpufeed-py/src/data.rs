@@ -297,16 +297,19 @@ pub(crate) fn open_dataset(
 /// step is padded). Several ranks each fetch the shards their records are in: with an elastic
 /// or sharded sampler every rank of a node fetches the same shards.
 ///
-/// `gpu_gather=True` (one record file of fixed-size records or an `.npy` array, on a GPU):
-/// the GPU gathers each batch's records itself, reading them over the bus out of the file's
-/// mapping, which is registered with CUDA when the loader is made (about 100 ms per 4 GiB;
-/// the whole file stays in RAM, page-locked, while the loader lives): no copy by the CPU. On
+/// `gpu_gather=True` (one record file of fixed-size records, an `.npy` array, or an image
+/// folder, on a GPU): the GPU gathers each batch's records itself, reading them over the bus
+/// out of the file's mapping (a folder's files are mapped side by side, one mapping each),
+/// which is registered with CUDA when the loader is made (about 100 ms per 4 GiB; every byte
+/// stays in RAM, page-locked, while the loader lives): no copy by the CPU. On
 /// one H100, epochs after a first untimed one of a loader made once, 4 KiB records came at
 /// 40-42 GB/s with one to eight workers (1.5-2.5 cores busy) against 27-31 gathered by 8 CPU
 /// workers, and 64 KiB records at 50-51 with one worker and about one core busy
 /// (docs/benchmarks.md, GPU runs 211 and 213).
 ///
-/// A record file must not be truncated or rewritten while the loader reads it (it is mapped).
+/// A record file must not be truncated or rewritten while the loader reads it (it is mapped);
+/// with `gpu_gather` neither may a folder's files (one whose size changed since it was listed
+/// is refused by name when the loader is made).
 #[pyclass(module = "gpufeed._gpufeed")]
 pub struct BatchLoader {
     /// The loader, while no epoch runs; a running epoch owns it and its `EpochIter` puts it

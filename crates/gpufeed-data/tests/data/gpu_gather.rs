@@ -2,7 +2,9 @@
 //! file's registered mapping. Refused clearly where it cannot apply; on a GPU, every batch's
 //! bytes are checked against the file at record sizes that take the kernel's 16-byte path and
 //! its byte path, over several epochs, a smaller last batch, every batch counted as the GPU's;
-//! with a transform the workers gather; records of several lengths are refused.
+//! with a transform the workers gather; records of several lengths are refused. A folder's
+//! files (mapped side by side) are gathered by the span kernel at every awkward size; a file
+//! changed since it was listed is refused by name.
 
 use gpufeed_data::{
     BatchData, BatchLoader, BatchLoaderOptions, ImageFolder, Order, RecordFile, Sampler,
@@ -103,8 +105,8 @@ fn the_gpu_gathers_byte_exact_batches_at_every_record_size() {
 }
 
 #[test]
-fn with_a_transform_or_for_a_folder_the_gpu_does_not_gather() {
-    let Some(gpu) = gpu_or_skip("with_a_transform_or_for_a_folder_the_gpu_does_not_gather") else {
+fn with_a_transform_the_gpu_does_not_gather() {
+    let Some(gpu) = gpu_or_skip("with_a_transform_the_gpu_does_not_gather") else {
         return;
     };
     // A transform runs on the workers: they gather, and the batches hold its output.
@@ -150,13 +152,99 @@ fn with_a_transform_or_for_a_folder_the_gpu_does_not_gather() {
     let err = BatchLoader::new(indexed, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
         .expect_err("records of several lengths are not gathered by the GPU");
     assert!(err.to_string().contains("fixed-size records"), "{err}");
-    // A folder's files are not one mapping: refused when the loader is made.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let class = dir.path().join("cat");
-    std::fs::create_dir_all(&class).expect("mkdir");
-    std::fs::write(class.join("a.jpg"), b"abc").expect("write");
+}
+
+/// A folder of class folders holding files of every awkward size (empty, 1 byte, just under
+/// and over 16 bytes and a page, larger than one block's 64 KiB) in `dir`; its bytes by path.
+fn folder_of_odd_sizes(dir: &std::path::Path, seed: u64) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let sizes = [
+        0usize, 1, 15, 16, 17, 4095, 4096, 4097, 65_535, 65_536, 65_537, 200_003, 31,
+    ];
+    let mut made = Vec::new();
+    for class in 0..3 {
+        let cdir = dir.join(format!("class{class}"));
+        std::fs::create_dir_all(&cdir).expect("mkdir");
+        for (i, &n) in sizes.iter().enumerate() {
+            let data = random_bytes(n, seed ^ ((class * 100 + i) as u64));
+            let path = cdir.join(format!("{i:03}.jpg"));
+            std::fs::write(&path, &data).expect("write");
+            made.push((path, data));
+        }
+    }
+    made
+}
+
+/// A folder's files gathered by the GPU from their registered map: every batch of two
+/// shuffled epochs equal to the files' bytes by hash, the offsets their sizes, every batch
+/// the kernel's.
+#[test]
+fn the_gpu_gathers_a_folders_files_of_every_size() {
+    let Some(gpu) = gpu_or_skip("the_gpu_gathers_a_folders_files_of_every_size") else {
+        return;
+    };
+    let seed = gpufeed_testkit::seed("the_gpu_gathers_a_folders_files_of_every_size");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let made = folder_of_odd_sizes(dir.path(), seed);
     let folder = ImageFolder::open(dir.path()).expect("folder");
+    let bytes: std::collections::HashMap<std::path::PathBuf, Vec<u8>> = made.into_iter().collect();
+    let want_of = |i: usize| &bytes[&folder.files().paths()[i]];
+    let wanted: Vec<Vec<u8>> = (0..folder.len()).map(|i| want_of(i).clone()).collect();
+    let mut loader = BatchLoader::new(
+        folder,
+        Sampler::new(Order::Shuffled { seed: 5 }),
+        cfg().with_batch_size(7),
+        Some(&gpu),
+    )
+    .expect("a loader gathering a folder on the GPU");
+    let mut batches = 0;
+    for epoch in 0..2 {
+        let mut seen = 0;
+        for b in loader.epoch(epoch).expect("epoch") {
+            let b = b.expect("batch");
+            let BatchData::Device(d) = &b.data else {
+                panic!("a GPU loader hands out device batches")
+            };
+            let got = gpu.to_vec(d).expect("copy back");
+            let mut at = 0;
+            for (k, &i) in b.indices.iter().enumerate() {
+                let want = &wanted[i];
+                assert_eq!(b.offsets[k], at, "epoch {epoch}, batch {}", b.number);
+                let part = &got[at..at + want.len()];
+                assert_eq!(
+                    xxhash_rust::xxh3::xxh3_64(part),
+                    xxhash_rust::xxh3::xxh3_64(want),
+                    "epoch {epoch}, batch {}, sample {i} ({} bytes, seed {seed})",
+                    b.number,
+                    want.len()
+                );
+                at += want.len();
+            }
+            assert_eq!((b.offsets.last().copied(), got.len()), (Some(at), at));
+            seen += b.indices.len();
+            batches += 1;
+        }
+        assert_eq!(seen, wanted.len(), "every file once an epoch");
+    }
+    assert_eq!(loader.stats().gpu_gathered_batches, batches);
+}
+
+/// A file of the folder whose size changed after it was listed: the loader is refused, naming
+/// the file.
+#[test]
+fn a_folder_file_changed_since_listed_is_refused_by_name() {
+    let Some(gpu) = gpu_or_skip("a_folder_file_changed_since_listed_is_refused_by_name") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let made = folder_of_odd_sizes(dir.path(), 7);
+    let folder = ImageFolder::open(dir.path()).expect("folder");
+    let grown = &made[5].0;
+    std::fs::write(grown, b"other bytes, another size").expect("rewrite");
     let err = BatchLoader::new(folder, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
-        .expect_err("a folder is not gathered by the GPU");
-    assert!(err.to_string().contains("one record file"), "{err}");
+        .expect_err("a file of another size than listed");
+    let text = err.to_string();
+    assert!(
+        text.contains("gpu_gather") && text.contains(&grown.display().to_string()),
+        "{text}"
+    );
 }

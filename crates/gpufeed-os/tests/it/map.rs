@@ -1,7 +1,7 @@
 use std::path::Path;
 
 use gpufeed_os::advise::MemAdvice;
-use gpufeed_os::{Error, FileMap, MapMode};
+use gpufeed_os::{Error, FileMap, FilesMap, MapMode};
 use proptest::prelude::*;
 
 use crate::{random_bytes, seed};
@@ -209,4 +209,86 @@ fn a_mapped_file_that_shrinks_is_detected_without_sigbus() {
     );
     let populated = map.populate();
     assert!(populated.is_err(), "populating lost pages succeeded");
+}
+
+/// Files of unaligned sizes (empty ones among them) mapped side by side: each file's bytes at
+/// its page-aligned offset, equal to the file by hash; the tail of each file's last page reads
+/// as zero; nothing else of the range is a file's.
+#[test]
+fn files_side_by_side_each_start_at_a_page_and_read_back_exactly() {
+    let seed = seed("files_side_by_side_each_start_at_a_page_and_read_back_exactly");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let page = gpufeed_os::page_size();
+    let sizes = [1usize, 4095, 0, 4096, 4097, 70_001, 0, 13];
+    let made: Vec<(std::path::PathBuf, Vec<u8>)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let data = random_bytes(n, seed ^ i as u64);
+            (write_file(dir.path(), &format!("f{i}"), &data), data)
+        })
+        .collect();
+    // SAFETY: see the top of the file.
+    let map = unsafe { FilesMap::open(made.iter().map(|(p, d)| (p.as_path(), d.len() as u64))) }
+        .expect("map the files");
+    assert_eq!(map.files(), sizes.len());
+    let pages: usize = sizes.iter().map(|n| n.div_ceil(page)).sum();
+    assert_eq!(map.len(), pages * page);
+    assert_eq!(map.as_ptr() as usize % page, 0);
+    let mut at = 0;
+    for (i, (_, data)) in made.iter().enumerate() {
+        assert_eq!(map.offset_of(i), Some(at), "file {i}");
+        let got = map.file(i).expect("a file of the map");
+        assert_eq!(
+            xxhash_rust::xxh3::xxh3_64(got),
+            xxhash_rust::xxh3::xxh3_64(data),
+            "file {i} ({} bytes, seed {seed})",
+            data.len()
+        );
+        if !data.is_empty() {
+            // The rest of its last page: zeros, readable.
+            let end = at + data.len().next_multiple_of(page);
+            // SAFETY: `at..end` lies in the map's range, every page of it mapped from file
+            // `i`, which nobody truncates.
+            let tail = unsafe {
+                std::slice::from_raw_parts(map.as_ptr().add(at + data.len()), end - at - data.len())
+            };
+            assert!(tail.iter().all(|&b| b == 0), "file {i}'s last page");
+            at = end;
+        }
+    }
+    assert_eq!(map.file(sizes.len()), None);
+    assert_eq!(map.offset_of(sizes.len()), None);
+}
+
+/// A file whose size differs from the listed one, a missing file and a directory are errors
+/// naming the file; no files at all (or only empty ones) map nothing.
+#[test]
+fn files_that_are_not_as_listed_are_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = write_file(dir.path(), "a", b"twelve bytes");
+    let missing = dir.path().join("missing");
+    // SAFETY: see the top of the file.
+    let err = unsafe { FilesMap::open([(a.as_path(), 12), (a.as_path(), 11)]) }.unwrap_err();
+    assert!(
+        matches!(&err, Error::FileChanged { path, what } if path == &a && what.contains("size 11 when listed, 12 now")),
+        "{err:?}"
+    );
+    // SAFETY: see the top of the file.
+    let err = unsafe { FilesMap::open([(a.as_path(), 12), (missing.as_path(), 3)]) }.unwrap_err();
+    assert!(
+        matches!(&err, Error::NotFound { path } if path == &missing),
+        "{err:?}"
+    );
+    // SAFETY: see the top of the file.
+    let err = unsafe { FilesMap::open([(dir.path(), 1)]) }.unwrap_err();
+    assert!(matches!(&err, Error::IsDirectory { .. }), "{err:?}");
+    let empty = write_file(dir.path(), "empty", b"");
+    // SAFETY: see the top of the file.
+    let none = unsafe { FilesMap::open([(empty.as_path(), 0)]) }.expect("an empty file");
+    assert!(none.is_empty());
+    assert_eq!(none.file(0), Some(&[][..]));
+    // SAFETY: nothing is mapped.
+    let nothing = unsafe { FilesMap::open(std::iter::empty()) }.expect("no files");
+    assert_eq!((nothing.files(), nothing.len()), (0, 0));
 }

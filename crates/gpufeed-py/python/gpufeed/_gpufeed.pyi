@@ -164,9 +164,9 @@ class BatchLoader:
     """Batches of a data set (a record file, shards, an ``.npy`` array, a WebDataset ``.tar``
     or an image folder), shuffled with a seed and sharded by ``RANK``/``WORLD_SIZE``, on GPU
     ``device`` (host batches with ``device=None``). Iterate ``loader.epoch(n)``.
-    ``gpu_gather=True`` (one file of fixed-size records or an ``.npy`` array, on a GPU): the
-    GPU gathers each batch out of the file's mapping, registered with CUDA (page-locked) while
-    the loader lives."""
+    ``gpu_gather=True`` (one file of fixed-size records, an ``.npy`` array or an image folder,
+    on a GPU): the GPU gathers each batch out of the file's mapping (a folder's files mapped
+    side by side), registered with CUDA (page-locked) while the loader lives."""
 
     def __new__(
         cls,
