@@ -45,6 +45,7 @@ pub struct SizeRow {
 /// The `ImageFolder` batch loader with the GPU gathering the files.
 #[derive(Debug, Serialize)]
 pub struct FolderGathered {
+    pub workers: usize,
     pub gbps: Samples,
     pub files_per_s: Samples,
     /// Milliseconds `BatchLoader::new` took (mapping the files and registering them).
@@ -90,9 +91,10 @@ pub struct FilesBench {
     /// The same with one worker per core (two batches in flight each), where the machine has
     /// more than 8 cores.
     pub batch_loader_per_core: Option<FolderPerCore>,
-    /// The same loader (8 workers) gathered by the GPU (`BatchLoaderOptions::gpu_gather`: the
-    /// files mapped side by side and registered, one kernel per batch), or why it did not run.
-    pub batch_loader_gpu_gather: std::result::Result<FolderGathered, String>,
+    /// The same loader gathered by the GPU (`BatchLoaderOptions::gpu_gather`: the files mapped
+    /// side by side and registered, one kernel per batch), with 8 workers and with 2, or why
+    /// it did not run.
+    pub batch_loader_gpu_gather: std::result::Result<Vec<FolderGathered>, String>,
     /// `ImageFolder::open` of the folder, milliseconds.
     pub image_folder_open_ms: f64,
     /// PyTorch's DataLoader over the same folder (benches/peers/peers.py --image-folder), with
@@ -436,18 +438,28 @@ fn measure_files(
     };
     let folder_epochs = |cfg| folder_epochs_made(cfg).map(|(epochs, _)| epochs);
     let epochs = folder_epochs(cfg.clone())?;
-    progress("small files: the ImageFolder BatchLoader gathered by the GPU (gpu_gather)");
-    let gathered = match folder_epochs_made(cfg.clone().with_gpu_gather(true)) {
-        Ok((secs, made_s)) => {
+    progress(
+        "small files: the ImageFolder BatchLoader gathered by the GPU (gpu_gather), 8 and 2 workers",
+    );
+    let gathered = [8, 2]
+        .into_iter()
+        .map(|workers| {
+            let cfg = cfg
+                .clone()
+                .with_workers(workers)
+                .with_prefetch(2 * workers)
+                .with_gpu_gather(true);
+            let (secs, made_s) = folder_epochs_made(cfg)?;
             let secs = Samples::new(secs);
             Ok(FolderGathered {
+                workers,
                 gbps: secs.map(|s| gbps(bytes, s)),
                 files_per_s: secs.map(|s| n as f64 / s),
                 made_ms: made_s * 1e3,
             })
-        }
-        Err(e) => Err(format!("{e:#}")),
-    };
+        })
+        .collect::<Result<Vec<_>>>()
+        .map_err(|e| format!("{e:#}"));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_core = if cores > 8 {
         progress(&format!(
@@ -591,14 +603,25 @@ pub fn table(s: &mut String, v: &SmallBench) {
         f.batch_loader_files_per_s.median
     );
     match &f.batch_loader_gpu_gather {
-        Ok(g) => {
-            let _ = writeln!(
-                s,
-                "| the same, 8 workers, gathered by the GPU (`gpu_gather`: the files mapped side by side and registered in {:.0} ms, one kernel per batch) | {} | {:.0} | |",
-                g.made_ms,
-                g.gbps.show(1),
-                g.files_per_s.median
-            );
+        Ok(rows) => {
+            for g in rows {
+                let _ = writeln!(
+                    s,
+                    "| the same, {} workers, gathered by the GPU (`gpu_gather`: the files mapped side by side and registered in {:.0} ms, one kernel per batch) | {} | {:.0} | {} |",
+                    g.workers,
+                    g.made_ms,
+                    g.gbps.show(1),
+                    g.files_per_s.median,
+                    if f.batch_loader_gbps.median > 0.0 {
+                        format!(
+                            "{:.1}x gathered by the CPU",
+                            g.gbps.median / f.batch_loader_gbps.median
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
         Err(e) => {
             let _ = writeln!(

@@ -424,7 +424,9 @@ def test_records_gathered_by_the_gpu_arrive_byte_for_byte():
 
 
 def test_image_folder_batches_on_the_gpu():
-    """A folder of class folders: each batch's file bytes on the GPU, labels beside them."""
+    """A folder of class folders: each batch's file bytes on the GPU, labels beside them;
+    gathered by the CPU's workers and by the GPU (gpu_gather=True), each file's bytes at its
+    offsets (files of unaligned sizes land at unaligned offsets)."""
     torch = torch_on_gpu()
     os.environ.pop("RANK", None)
     os.environ.pop("WORLD_SIZE", None)
@@ -437,17 +439,21 @@ def test_image_folder_batches_on_the_gpu():
                 with open(os.path.join(d, cls, f"{j}.bin"), "wb") as f:
                     f.write(body)
                 bodies.setdefault(c, set()).add(body)
-        loader = gpufeed.BatchLoader(d, batch_size=64, seed=1, device=0)
-        seen = 0
-        for batch in loader.epoch(0):
-            x = gpufeed.as_tensor(batch.data)
-            assert x.is_cuda and x.dtype == torch.uint8
-            host = x.cpu().numpy().tobytes()
-            for k, label in enumerate(batch.labels):
-                body = host[batch.offsets[k]:batch.offsets[k + 1]]
-                assert body in bodies[label], (batch.indices[k], label)
-            seen += len(batch.labels)
-        assert seen == 300
+        for gpu_gather in (False, True):
+            loader = gpufeed.BatchLoader(d, batch_size=64, seed=1, device=0,
+                                         gpu_gather=gpu_gather)
+            seen = 0
+            for batch in loader.epoch(0):
+                x = gpufeed.as_tensor(batch.data)
+                assert x.is_cuda and x.dtype == torch.uint8
+                host = x.cpu().numpy().tobytes()
+                assert len(host) == batch.offsets[-1]
+                for k, label in enumerate(batch.labels):
+                    body = host[batch.offsets[k]:batch.offsets[k + 1]]
+                    assert body in bodies[label], (gpu_gather, batch.indices[k], label)
+                seen += len(batch.labels)
+            assert seen == 300
+            del loader
 
 
 def test_a_device_other_than_torchs_current_one():
