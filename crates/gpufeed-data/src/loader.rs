@@ -114,7 +114,9 @@ pub struct BatchLoaderOptions {
     /// 65,530 by default, bounds them; past it the loader is refused with the reason) and the
     /// files must keep the sizes they were listed with (one that changed before the loader
     /// is made is refused by name; the GPU reads the pages registered then, so a file
-    /// rewritten later may be delivered old or mixed). A loader given a transform
+    /// rewritten later may be delivered old or mixed). A data set larger than the memory
+    /// available (`MemAvailable` less a tenth, at least 256 MiB) is refused before anything is
+    /// read or registered. A loader given a transform
     /// ([`BatchLoader::with_transform`]) gathers on its workers, which run it, and gives the
     /// registration back; [`LoaderStats::gpu_gathered_batches`] counts the batches the GPU
     /// gathered.
@@ -391,6 +393,13 @@ impl GpuGather {
                 ));
             }
         };
+        // Page-locking more than the machine can spare would leave the rest of the system to
+        // the OOM killer (and first read every byte from the disk): refused up front.
+        gpufeed_os::lock::check_memory(len as u64).map_err(|e| {
+            Error::invalid(format!(
+                "BatchLoaderOptions::gpu_gather page-locks {what} ({e}); leave gpu_gather off to gather on the CPU"
+            ))
+        })?;
         // The kernel reads the mapping at the host's addresses: the device must take them.
         let same = gpu
             .context()

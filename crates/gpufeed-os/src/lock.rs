@@ -54,14 +54,13 @@ fn memory_margin(available: u64) -> u64 {
     (available / 10).max(256 << 20)
 }
 
-/// Checks that `bytes` more could be locked now, without locking anything.
+/// Checks that `bytes` more could be page-locked now as far as memory goes (the memlock limit
+/// aside: for pinning that does not count against it, such as a registration with CUDA).
 ///
 /// # Errors
 /// [`Error::NotEnoughMemory`] when `bytes` (rounded up to pages) exceed `MemAvailable` less a
-/// margin (a tenth, at least 256 MiB) — also for a process that no limit stops (root), which
-/// the OOM killer would otherwise end; [`Error::MemlockLimit`] when this process lacks
-/// `CAP_IPC_LOCK` and the locked bytes plus `bytes` exceed the soft limit.
-pub fn check_budget(bytes: u64) -> Result<()> {
+/// margin (a tenth, at least 256 MiB). Where `MemAvailable` cannot be read, nothing is checked.
+pub fn check_memory(bytes: u64) -> Result<()> {
     let requested = bytes.next_multiple_of(page_size() as u64);
     if let Ok(available) = crate::sys::mem_available() {
         let margin = memory_margin(available);
@@ -73,6 +72,19 @@ pub fn check_budget(bytes: u64) -> Result<()> {
             });
         }
     }
+    Ok(())
+}
+
+/// Checks that `bytes` more could be locked now, without locking anything.
+///
+/// # Errors
+/// [`Error::NotEnoughMemory`] when `bytes` (rounded up to pages) exceed `MemAvailable` less a
+/// margin (a tenth, at least 256 MiB) — also for a process that no limit stops (root), which
+/// the OOM killer would otherwise end; [`Error::MemlockLimit`] when this process lacks
+/// `CAP_IPC_LOCK` and the locked bytes plus `bytes` exceed the soft limit.
+pub fn check_budget(bytes: u64) -> Result<()> {
+    check_memory(bytes)?;
+    let requested = bytes.next_multiple_of(page_size() as u64);
     if has_cap_ipc_lock() {
         return Ok(());
     }

@@ -248,3 +248,47 @@ fn a_folder_file_changed_since_listed_is_refused_by_name() {
         "{text}"
     );
 }
+
+/// A data set larger than the machine's available memory (sparse files: nothing is read) is
+/// refused when the loader is made, saying what page-locking it would take, before anything is
+/// registered: a record file and a folder.
+#[test]
+fn gathering_more_than_memory_is_refused_up_front() {
+    let Some(gpu) = gpu_or_skip("gathering_more_than_memory_is_refused_up_front") else {
+        return;
+    };
+    let available = gpufeed_os::sys::mem_available().expect("MemAvailable");
+    let huge = (available + (64 << 30)).next_multiple_of(1 << 20);
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("records.bin");
+    std::fs::File::create(&path)
+        .and_then(|f| f.set_len(huge))
+        .expect("a sparse file");
+    // SAFETY: private to the test, not changed while mapped (and never read: refused first).
+    let records = unsafe { RecordFile::open_fixed(&path, 1 << 20) }.expect("records");
+    let t = std::time::Instant::now();
+    let err = BatchLoader::new(records, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
+        .expect_err("more than the machine's memory");
+    let text = err.to_string();
+    assert!(
+        text.contains("gpu_gather") && text.contains("MemAvailable"),
+        "{text}"
+    );
+    let folder_dir = dir.path().join("folder");
+    std::fs::create_dir_all(folder_dir.join("class")).expect("mkdir");
+    std::fs::rename(&path, folder_dir.join("class/huge.jpg")).expect("move");
+    let folder = ImageFolder::open(&folder_dir).expect("folder");
+    let err = BatchLoader::new(folder, Sampler::new(Order::Sequential), cfg(), Some(&gpu))
+        .expect_err("more than the machine's memory");
+    let text = err.to_string();
+    assert!(
+        text.contains("gpu_gather") && text.contains("MemAvailable") && text.contains("files of"),
+        "{text}"
+    );
+    // Refused before any page was read or registered.
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t.elapsed()
+    );
+}

@@ -101,3 +101,25 @@ fn low_memlock_limit_is_a_clear_error() {
         "child did not finish its checks:\n{out}"
     );
 }
+
+/// `check_memory`: more than the machine has available is refused, naming the bytes asked
+/// for and what is available; a page is not (whatever the memlock limit, which it leaves
+/// aside).
+#[test]
+fn check_memory_refuses_more_than_is_available() {
+    let available = gpufeed_os::sys::mem_available().expect("MemAvailable on Linux");
+    let err = lock::check_memory(available + (1 << 30)).unwrap_err();
+    match &err {
+        Error::NotEnoughMemory {
+            requested,
+            available: a,
+            ..
+        } => {
+            assert!(*requested > available, "{err:?}");
+            assert!(*a > 0, "{err:?}");
+        }
+        other => panic!("expected NotEnoughMemory, got {other:?}"),
+    }
+    assert!(err.to_string().contains("MemAvailable"), "{err}");
+    lock::check_memory(4096).expect("one page");
+}
