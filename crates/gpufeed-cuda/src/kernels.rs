@@ -568,8 +568,13 @@ impl GatherKernel {
             .div_ceil(u64::from(MAX_GRID_Y))
             .max(SPAN_CHUNK)
             .next_multiple_of(16);
+        let blocks_y = u32::try_from(longest.div_ceil(chunk)).map_err(|_| Error::OutOfBounds {
+            len: longest,
+            offset: 0,
+            capacity: chunk.saturating_mul(u64::from(MAX_GRID_Y)),
+        })?;
         let cfg = LaunchConfig {
-            grid_dim: (count, longest.div_ceil(chunk) as u32, 1),
+            grid_dim: (count, blocks_y, 1),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -866,9 +866,10 @@ impl TransferScheduler {
     /// hand it out again before it ended.
     ///
     /// # Safety
-    /// Each span's source is memory the GPU can read for its length (and, where 16-byte
-    /// aligned, up to its length rounded up to 16 bytes), not written, unmapped or
-    /// unregistered before the returned event completed.
+    /// `table` is page-locked memory of this scheduler's context (a pool in CUDA mode). Each
+    /// span's source is memory the GPU can read for its length (and, where 16-byte aligned, up
+    /// to its length rounded up to 16 bytes), not written, unmapped or unregistered before the
+    /// returned event completed.
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] when `table` is too small or a span lies past `len`;
@@ -888,6 +889,18 @@ impl TransferScheduler {
                 len: need as u64,
                 offset: 0,
                 capacity: table.capacity() as u64,
+            });
+        }
+        // Checked here too (the kernel's launch checks again): with `len` 0 nothing launches.
+        if let Some(s) = spans.iter().find(|s| {
+            s.offset
+                .checked_add(s.len)
+                .is_none_or(|end| end > len as u64)
+        }) {
+            return Err(Error::OutOfBounds {
+                len: s.len,
+                offset: s.offset,
+                capacity: len as u64,
             });
         }
         table.set_len(need);

@@ -216,7 +216,7 @@ fn gather_on_gpu(
                     len: len as u64,
                     offset: at as u64,
                 });
-                at += len;
+                at = at.checked_add(len)?;
                 offsets.push(at);
             }
             (|| {

@@ -341,6 +341,8 @@ pub struct FilesMap {
     len: usize,
     /// Each file's offset in the range and its size.
     files: Vec<(usize, usize)>,
+    /// Bytes of the files on file systems held in memory (tmpfs, ramfs).
+    in_memory: u64,
 }
 
 // SAFETY: the range is mapped read-only and only read (through `&[u8]`s whose stability the
@@ -370,13 +372,19 @@ impl FilesMap {
     ///
     /// # Errors
     /// [`FileMap::open`]'s for each file ([`Error::NotFound`], [`Error::NotRegularFile`], ...),
-    /// [`Error::FileChanged`], and [`Error::Io`] from `mmap` (`ENOMEM` where the files would
-    /// need more mappings than `vm.max_map_count` allows, or no address range of their summed
-    /// size is free). Nothing stays mapped after an error.
+    /// [`Error::FileChanged`], [`Error::Unsupported`] where the files would leave the process
+    /// fewer than [`MAP_COUNT_MARGIN`] of the mappings `vm.max_map_count` allows (past the
+    /// limit, every later `mmap`, thread stack or large allocation of the process fails), and
+    /// [`Error::Io`] from `mmap` (no address range of their summed size is free). Nothing stays
+    /// mapped after an error.
     pub unsafe fn open<'p>(files: impl IntoIterator<Item = (&'p Path, u64)>) -> Result<Self> {
         use rustix::mm::{MapFlags, ProtFlags};
         let page = crate::page_size();
         let files: Vec<(&Path, u64)> = files.into_iter().collect();
+        let mappings = files.iter().filter(|&&(_, size)| size > 0).count();
+        if let (Ok(limit), Ok(used)) = (max_map_count(), mappings_in_use()) {
+            check_map_count(mappings, used, limit)?;
+        }
         let mut placed = Vec::with_capacity(files.len());
         let mut len = 0usize;
         for &(path, size) in &files {
@@ -397,6 +405,7 @@ impl FilesMap {
             base: std::ptr::NonNull::dangling(),
             len: 0,
             files: placed,
+            in_memory: 0,
         };
         if len == 0 {
             return Ok(map);
@@ -423,12 +432,15 @@ impl FilesMap {
             if size == 0 {
                 continue;
             }
-            let (file, identity) = open_regular(path, false)?;
+            let (file, identity, f_type) = crate::file::open_regular_on(path, false)?;
             if identity.size != listed {
                 return Err(Error::FileChanged {
                     path: path.into(),
                     what: format!("size {listed} when listed, {} now", identity.size),
                 });
+            }
+            if f_type.is_some_and(crate::file::in_memory_fs) {
+                map.in_memory += listed;
             }
             // SAFETY: the address lies inside the range reserved above and owned by `map`,
             // with `size` rounded up to pages of it left from `offset` (the placement above);
@@ -445,14 +457,30 @@ impl FilesMap {
                 )
             }
             .map_err(|e| {
-                Error::io(
-                    "mmap (one mapping per file: vm.max_map_count bounds how many)",
-                    Some(path.into()),
-                    e,
-                )
+                // A failed MAP_FIXED may already have unmapped this file's part of the
+                // reservation (older kernels), and another thread may have mapped something
+                // there since: only the parts on either side, still ours, are unmapped; this
+                // part's address space is left to whoever holds it.
+                let slot = size.next_multiple_of(page);
+                // SAFETY: both ranges lie in the reservation `map` owns and that nothing else
+                // was mapped over (only this thread maps into it, part by part).
+                unsafe {
+                    let base = map.base.as_ptr();
+                    let _ = rustix::mm::munmap(base.cast(), offset);
+                    let _ =
+                        rustix::mm::munmap(base.add(offset + slot).cast(), map.len - offset - slot);
+                }
+                map.len = 0;
+                Error::io("mmap", Some(path.into()), e)
             })?;
         }
         Ok(map)
+    }
+
+    /// Bytes of the files on file systems held in memory (tmpfs such as `/dev/shm`, ramfs):
+    /// memory they take already, whether or not they are mapped or page-locked.
+    pub fn in_memory_bytes(&self) -> u64 {
+        self.in_memory
     }
 
     /// Start of the range (page-aligned; dangling when no file has a byte).
@@ -493,6 +521,45 @@ impl FilesMap {
     }
 }
 
+/// Mappings [`FilesMap::open`] leaves free under `vm.max_map_count` (or a tenth of it, where
+/// that is more) for the rest of the process: its allocations, thread stacks, libraries, and
+/// the CUDA driver's own mappings.
+pub const MAP_COUNT_MARGIN: usize = 8192;
+
+/// Whether `mappings` more fit under `limit` beside the `used` ones, with the margin left.
+fn check_map_count(mappings: usize, used: usize, limit: usize) -> Result<()> {
+    let margin = MAP_COUNT_MARGIN.max(limit / 10);
+    let needed = used
+        .checked_add(mappings)
+        .and_then(|n| n.checked_add(margin));
+    if needed.is_none_or(|n| n > limit) {
+        return Err(Error::Unsupported {
+            what: "FilesMap",
+            reason: format!(
+                "{mappings} files take a mapping each; this process has {used} of the {limit} vm.max_map_count allows and keeps {margin} free for the rest of its work: raise vm.max_map_count (sysctl) or map fewer files"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `vm.max_map_count`: the most mappings a process may hold.
+fn max_map_count() -> Result<usize> {
+    let path = "/proc/sys/vm/max_map_count";
+    std::fs::read_to_string(path)
+        .map_err(|e| Error::io("read", Some(path.into()), e))?
+        .trim()
+        .parse()
+        .map_err(|e| Error::io("parse", Some(path.into()), std::io::Error::other(e)))
+}
+
+/// Mappings this process holds now (the lines of `/proc/self/maps`).
+fn mappings_in_use() -> Result<usize> {
+    let path = "/proc/self/maps";
+    let maps = std::fs::read(path).map_err(|e| Error::io("read", Some(path.into()), e))?;
+    Ok(maps.iter().filter(|&&b| b == b'\n').count())
+}
+
 impl Drop for FilesMap {
     fn drop(&mut self) {
         if self.len == 0 {
@@ -521,5 +588,28 @@ pub(crate) fn populate_read(region: &[u8]) -> Result<()> {
             Ok(())
         }
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Files that would leave fewer than the margin (8,192, or a tenth of the limit) of
+    /// `vm.max_map_count` free are refused with the counts and the fix; fewer are not.
+    #[test]
+    fn files_past_the_map_count_margin_are_refused() {
+        check_map_count(50_000, 2_000, 65_530).expect("13,530 left");
+        let err = check_map_count(56_000, 2_000, 65_530).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("56000 files") && text.contains("65530") && text.contains("sysctl"),
+            "{text}"
+        );
+        check_map_count(55_000, 2_000, 65_530).expect("8,530 left");
+        // A tenth of a large limit.
+        check_map_count(1_000_000, 0, 1_000_000).unwrap_err();
+        check_map_count(899_000, 1_000, 1_000_000).expect("a tenth left");
+        check_map_count(usize::MAX, 1, usize::MAX).unwrap_err();
     }
 }

@@ -47,8 +47,8 @@ pub struct PrefetchOptions {
     pub ahead_bytes: Option<u64>,
     /// Where set, the worker loads what callers ask for ([`Prefetch::take`]) and, while their
     /// asks follow one another in order, the items after: the first chunk after a jump holds
-    /// this many bytes (at least the item asked for), each next one twice the one before, up to
-    /// `chunk_bytes`; a chunk is loaded ahead only once a caller took an item of the one before
+    /// this many bytes (at least the item asked for), each next one eight times the one before,
+    /// up to `chunk_bytes`; a chunk is loaded ahead only once a caller took an item of the one before
     /// (read-ahead as the kernel does it for a file). Unset, it loads every item in order.
     pub follow_from: Option<u64>,
 }
@@ -623,6 +623,13 @@ fn work(
     }
 }
 
+/// How much larger each chunk of a sweep that follows its callers is than the one before
+/// ([`PrefetchOptions::follow_from`]). Eight: from 8 MiB the get_tensor sweep reaches 1 GiB
+/// chunks in three steps (8, 64, 512) instead of seven, each small chunk a transfer of its own;
+/// GPU run 218 (an H100, 4 GiB in 4,096 tensors, two rounds): loaded again 44.8 and 45.1 GB/s
+/// against 43.1 and 41.4 doubling, fresh 33.8 against 32.5 and 32.4.
+const FOLLOW_GROWTH: u64 = 8;
+
 /// What the worker does next.
 #[derive(Debug, PartialEq, Eq)]
 enum Next {
@@ -663,7 +670,7 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
             },
         },
     };
-    // Following: a jump starts the ramp again, each chunk in order doubles it.
+    // Following: a jump starts the ramp again, each chunk in order grows it (`FOLLOW_GROWTH`).
     let size = match opts.follow_from {
         None => opts.chunk_bytes,
         Some(from) => {
@@ -671,7 +678,7 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
                 state.ramp = from;
             }
             let size = state.ramp.clamp(1, opts.chunk_bytes);
-            state.ramp = size.saturating_mul(2);
+            state.ramp = size.saturating_mul(FOLLOW_GROWTH);
             size
         }
     };
@@ -696,8 +703,8 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
     }
     state.cursor = chunk.last().map_or(start, |&last| last + 1);
     if opts.follow_from.is_some() {
-        // The next chunk twice this one, however much larger than the ramp an item made it.
-        state.ramp = state.ramp.max(bytes.saturating_mul(2));
+        // The next chunk grows from this one, however much larger than the ramp an item made it.
+        state.ramp = state.ramp.max(bytes.saturating_mul(FOLLOW_GROWTH));
     }
     Next::Chunk(chunk)
 }
@@ -812,30 +819,46 @@ mod tests {
 
     #[test]
     fn following_ramps_up_in_order_restarts_at_a_jump_and_never_wraps() {
-        let it = items(&(0..8).map(|i| (i * 10, i * 10 + 10, 1)).collect::<Vec<_>>());
+        let it = items(
+            &(0..24)
+                .map(|i| (i * 10, i * 10 + 10, 1))
+                .collect::<Vec<_>>(),
+        );
         let opts = PrefetchOptions::default()
-            .with_chunk_bytes(40)
+            .with_chunk_bytes(100)
             .with_follow_from(Some(10));
-        let mut state = State::new(8, &opts);
+        let mut state = State::new(24, &opts);
         state.demand.push_back(0);
+        // 10 bytes, then eight times that, then the cap.
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
-        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1, 2]));
-        // A jump to item 6 starts small again.
-        state.demand.push_back(6);
-        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![6]));
-        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![7]));
-        // Nothing ahead of the cursor: items 3-5 wait for a caller.
+        assert_eq!(
+            next_chunk(&mut state, &it, &opts),
+            Next::Chunk((1..9).collect())
+        );
+        assert_eq!(
+            next_chunk(&mut state, &it, &opts),
+            Next::Chunk((9..19).collect())
+        );
+        // A jump to item 21 starts small again.
+        state.demand.push_back(21);
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![21]));
+        assert_eq!(
+            next_chunk(&mut state, &it, &opts),
+            Next::Chunk(vec![22, 23])
+        );
+        // Nothing ahead of the cursor: items 19-20 wait for a caller.
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Idle);
-        state.demand.push_back(3);
-        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![3]));
-        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![4, 5]));
+        state.demand.push_back(19);
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![19]));
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![20]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
     }
 
-    /// An item larger than the ramp makes its chunk large: the next one doubles that chunk,
-    /// not the ramp (items of 30 bytes followed from 10: 30, then 60, not 30 three times).
+    /// An item larger than the ramp makes its chunk large: the next one grows from that chunk,
+    /// not from the ramp (items of 30 bytes followed from 10: 30, then up to 240 under a cap
+    /// of 120, not the ramp's 80).
     #[test]
-    fn following_doubles_the_chunk_an_item_made_large() {
+    fn following_grows_the_chunk_an_item_made_large() {
         let it = items(&(0..6).map(|i| (i * 30, i * 30 + 30, 1)).collect::<Vec<_>>());
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(120)
@@ -843,11 +866,11 @@ mod tests {
         let mut state = State::new(6, &opts);
         state.demand.push_back(0);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
-        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![1, 2]));
         assert_eq!(
             next_chunk(&mut state, &it, &opts),
-            Next::Chunk(vec![3, 4, 5])
+            Next::Chunk(vec![1, 2, 3, 4])
         );
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![5]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
     }
 }

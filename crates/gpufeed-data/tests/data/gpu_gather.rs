@@ -41,6 +41,14 @@ fn gpu_gather_without_a_gpu_or_with_direct_reads_is_refused() {
         err.to_string().contains("gpu_gather") && err.to_string().contains("device batches"),
         "{err}"
     );
+    // Batches whose addresses would not fit the address pool: refused, with the most.
+    let (_dir, _, records) = file(512, 100, 5);
+    let err = BatchLoader::new(records, sampler(), cfg().with_batch_size(1 << 20), None)
+        .expect_err("a batch of a million records");
+    assert!(
+        err.to_string().contains("at most 699050 records a batch"),
+        "{err}"
+    );
     let (_dir, _, records) = file(512, 100, 2);
     let err = BatchLoader::new(records, sampler(), cfg().with_direct(true), None)
         .expect_err("direct reads and the mapping's registration exclude each other");
