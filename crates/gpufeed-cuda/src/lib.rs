@@ -29,8 +29,9 @@
 //! - New device memory filled before it is returned, without `unsafe` or a memset:
 //!   [`Gpu::alloc_filled`] and [`TransferScheduler::upload_new`]; or filled without waiting
 //!   ([`TransferScheduler::upload_pooled_async`]: a pooled buffer's copy issued on a stream in
-//!   turns, an event to wait for; [`TransferScheduler::gather_pooled_reusing`]: records of
-//!   registered host memory gathered by a kernel the same way).
+//!   turns, an event to wait for; [`TransferScheduler::gather_pooled_reusing`] and
+//!   [`TransferScheduler::gather_spans_pooled_reusing`]: records or spans of registered host
+//!   memory gathered by a kernel the same way).
 //! - Several GPUs: [`Gpu::peer_links`] (peer access and the link between each pair, from the
 //!   driver), [`Gpu::enable_peer_access`], and [`split_mut`] to cut a device buffer into
 //!   disjoint parts that different threads fill at once, and [`PeerFanout`]: one GPU's part of a
@@ -47,7 +48,8 @@
 //!   kernel), PTX inside the library compiled by the driver's JIT (no toolkit, no NVRTC); the
 //!   same way, [`cast::CastKernel`]: BF16, F16, F32 to one another and FP8 to each, bit for
 //!   bit as torch's `.to` on the GPU, and [`kernels::GatherKernel`]: records at host
-//!   addresses (registered memory) gathered into device memory, a block per record.
+//!   addresses (registered memory) gathered into device memory, a block per record, or
+//!   [`kernels::Span`]s of any length to any offset (a folder's files, back to back).
 //! - [`copy`]: device-to-device copies by address, plain and pitched.
 //! - [`nvjpeg`]: nvJPEG loaded at run time ([`nvjpeg_version`]; missing:
 //!   [`Error::NvjpegMissing`]), a decoder handle on a GPU, a JPEG's header facts, batches

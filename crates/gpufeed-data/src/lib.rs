@@ -7,7 +7,8 @@
 //! shard, [`Order::Shards`]), and a
 //! [`BatchLoader`] whose worker threads gather records (out of the mapping, or with
 //! `O_DIRECT`: [`BatchLoaderOptions::direct`]) into pinned (or, without a GPU, locked) buffers and
-//! issue their uploads (or have the GPU gather them out of the registered mapping:
+//! issue their uploads (or have the GPU gather them out of the registered mapping, or out of
+//! a folder's files mapped side by side:
 //! [`BatchLoaderOptions::gpu_gather`]), several batches in flight, and which yields the batches in a fixed
 //! order once each is on the GPU. Records come from a file of fixed or indexed records, an
 //! `.npy` array, a WebDataset tar shard ([`sources`]), or a [`ShardSet`] of them. Worker
