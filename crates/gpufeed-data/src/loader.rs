@@ -105,15 +105,15 @@ pub struct BatchLoaderOptions {
     /// are gathered by the GPU itself (default off): the file's mapping (or the folder's
     /// files, mapped side by side in one range: [`gpufeed_os::FilesMap`]) is registered with
     /// CUDA when the loader is made (page-locked: every byte stays in RAM while the loader
-    /// lives; about 100 ms per 4 GiB of one file, 140-200 ms for 10,000 files of 60-160 KiB),
-    /// and each batch is one kernel that reads its records
-    /// over the bus straight into the batch's device memory, with no copy by the CPU. For a
-    /// GPU loader of one [`RecordFile`](crate::RecordFile) of fixed-size records (or an `.npy`
-    /// array) or of an `ImageFolder`, read through the page cache (not with `direct`), on a
-    /// GPU that reads registered memory at the host's addresses; anything else is refused
-    /// when the loader is made. A folder takes one mapping per file: one that would leave the
-    /// process fewer than 8,192 (or a tenth) of the mappings `vm.max_map_count` allows (65,530
-    /// by default) is refused with the counts ([`gpufeed_os::map::MAP_COUNT_MARGIN`]), and the
+    /// lives; about 100 ms per 4 GiB of one file, 130-310 ms for 10,000 files of 60-160 KiB),
+    /// and each batch is one kernel that reads its records over the bus straight into the
+    /// batch's device memory, with no copy by the CPU. For a GPU loader of one
+    /// [`RecordFile`](crate::RecordFile) of fixed-size records (or an `.npy` array) or of an
+    /// `ImageFolder`, read through the page cache (not with `direct`), on a GPU that reads
+    /// registered memory at the host's addresses; anything else is refused when the loader is
+    /// made. A folder takes one mapping per file: a folder whose files would leave the process
+    /// fewer than 8,192 (or a tenth) of the mappings `vm.max_map_count` allows (65,530 by
+    /// default) is refused with the counts ([`gpufeed_os::map::MAP_COUNT_MARGIN`]), and the
     /// files must keep the sizes they were listed with (one that changed before the loader
     /// is made is refused by name; the GPU reads the pages registered then, so a file
     /// rewritten later may be delivered old or mixed). A data set larger than the memory
