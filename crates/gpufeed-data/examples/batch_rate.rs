@@ -1,5 +1,6 @@
-//! The batch loader's rate over fixed-size records of one file (or a folder of files), epoch
-//! by epoch: GB/s, batches/s, cores busy, the consumer's share of time waiting
+//! The batch loader's rate over fixed-size records of one file (or a folder of files): the
+//! time `BatchLoader::new` took (with `gpu_gather`, mapping and registering), then epoch by
+//! epoch: GB/s, batches/s, cores busy, the consumer's share of time waiting
 //! (`LoaderStats::waited_s`) and the part of it spent waiting for copies to the GPU
 //! (`copy_waited_s`), its time dropping each batch, and the workers' time issuing each upload.
 //!

@@ -171,8 +171,8 @@ fn gather_on_gpu(
     indices: &[usize],
 ) -> Option<Result<OnGpu>> {
     let t = Instant::now();
-    let issued = match (records, gpu.of, &gpu.files) {
-        (Dataset::Records(records), GatherFrom::Records(rec), _) => {
+    let issued = match (records, &gpu.of) {
+        (Dataset::Records(records), &GatherFrom::Records(rec)) => {
             let runs = indices
                 .iter()
                 .map(|&i| records.record(i))
@@ -203,7 +203,7 @@ fn gather_on_gpu(
                 Ok::<_, Error>((sized_offsets(rec, runs.len()), d, done))
             })()
         }
-        (Dataset::Folder(folder), GatherFrom::Files, Some(files)) => {
+        (Dataset::Folder(folder), GatherFrom::Files(files)) => {
             let mut offsets = Vec::with_capacity(indices.len() + 1);
             let mut spans = Vec::with_capacity(indices.len());
             let mut at = 0usize;

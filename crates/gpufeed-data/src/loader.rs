@@ -303,29 +303,27 @@ pub(crate) struct GpuGather {
     /// while every one is still read by a kernel (the loader's own pool waits for the oldest
     /// instead, which kept a couple of kernels in flight at most).
     pub(crate) addresses: PinnedPool,
-    /// What is registered.
-    pub(crate) of: GatherFrom,
     /// Batches the GPU gathered (`LoaderStats::gpu_gathered_batches`).
     pub(crate) gathered: std::sync::atomic::AtomicU64,
     /// The scheduler whose streams the kernels run on.
     sched: Arc<TransferScheduler>,
-    // Dropped before `files` and `records`: unregistered while the bytes are still mapped.
+    // Dropped before `of` and `records`: unregistered while the bytes are still mapped.
     #[allow(dead_code, reason = "held for its Drop, which unregisters the mapping")]
     registration: gpufeed_pinned::HostRegistration<'static>,
-    /// A folder's files, mapped side by side (`None` for a record file, whose mapping
-    /// `records` holds).
-    pub(crate) files: Option<gpufeed_os::FilesMap>,
+    /// What is registered: a record file's records (mapped by `records`), or a folder's files
+    /// mapped side by side.
+    pub(crate) of: GatherFrom,
     #[allow(dead_code, reason = "keeps the registered mapping alive")]
     records: Arc<Dataset>,
 }
 
 /// What a [`GpuGather`] gathers from.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub(crate) enum GatherFrom {
     /// One record file's records, all of this size.
     Records(usize),
-    /// An `ImageFolder`'s files ([`GpuGather::files`]).
-    Files,
+    /// An `ImageFolder`'s files, mapped side by side.
+    Files(gpufeed_os::FilesMap),
 }
 
 impl GpuGather {
@@ -336,13 +334,23 @@ impl GpuGather {
         reason = "registers mappings this struct keeps alive for as long as they are registered"
     )]
     fn new(gpu: &Gpu, sched: &Arc<TransferScheduler>, records: &Arc<Dataset>) -> Result<Self> {
-        let (of, files, what) = match &**records {
-            Dataset::Records(file) => match file.fixed_size() {
-                Some(record_bytes) if file.mapped().is_some() => (
-                    GatherFrom::Records(record_bytes),
-                    None,
-                    file.path().display().to_string(),
-                ),
+        // What to register, and how much of it is on tmpfs (`/dev/shm`): in memory already,
+        // and left out of `MemAvailable`.
+        let (of, ptr, len, in_memory, what) = match &**records {
+            Dataset::Records(file) => match (file.fixed_size(), file.mapped()) {
+                (Some(record_bytes), Some((ptr, len))) => {
+                    let on_tmpfs = file
+                        .mapped_file()
+                        .and_then(gpufeed_os::file::fs_type)
+                        .is_some_and(gpufeed_os::file::in_memory_fs);
+                    (
+                        GatherFrom::Records(record_bytes),
+                        ptr,
+                        len,
+                        if on_tmpfs { len as u64 } else { 0 },
+                        file.path().display().to_string(),
+                    )
+                }
                 _ => {
                     return Err(Error::invalid(
                         "BatchLoaderOptions::gpu_gather needs a record file of fixed-size records (RecordFile::open_fixed or an .npy array), mapped and not empty".into(),
@@ -370,9 +378,12 @@ impl GpuGather {
                         folder.root().display()
                     )));
                 }
+                let (ptr, len, in_memory) = (files.as_ptr(), files.len(), files.in_memory_bytes());
                 (
-                    GatherFrom::Files,
-                    Some(files),
+                    GatherFrom::Files(files),
+                    ptr,
+                    len,
+                    in_memory,
                     format!("the {} files of {}", list.len(), folder.root().display()),
                 )
             }
@@ -382,31 +393,8 @@ impl GpuGather {
                 ));
             }
         };
-        let (ptr, len) = match (&files, &**records) {
-            (Some(f), _) => (f.as_ptr(), f.len()),
-            (None, Dataset::Records(file)) => file.mapped().ok_or_else(|| {
-                Error::invalid(
-                    "BatchLoaderOptions::gpu_gather: the record file is not mapped".into(),
-                )
-            })?,
-            (None, _) => {
-                return Err(Error::invalid(
-                    "BatchLoaderOptions::gpu_gather: nothing to register".into(),
-                ));
-            }
-        };
         // Page-locking more than the machine can spare would leave the rest of the system to
-        // the OOM killer (and first read every byte from the disk): refused up front. Files
-        // on tmpfs (`/dev/shm`) are in memory already, and `MemAvailable` left them out.
-        let in_memory = match (&files, &**records) {
-            (Some(f), _) => f.in_memory_bytes(),
-            (None, Dataset::Records(file)) => gpufeed_os::file::open_regular_on(file.path(), false)
-                .ok()
-                .and_then(|(_, _, f_type)| f_type)
-                .filter(|&t| gpufeed_os::file::in_memory_fs(t))
-                .map_or(0, |_| len as u64),
-            (None, _) => 0,
-        };
+        // the OOM killer (and first read every byte from the disk): refused up front.
         gpufeed_os::lock::check_memory((len as u64).saturating_sub(in_memory)).map_err(|e| {
             Error::invalid(format!(
                 "BatchLoaderOptions::gpu_gather page-locks {what} ({e}); leave gpu_gather off to gather on the CPU"
@@ -425,9 +413,9 @@ impl GpuGather {
                 "BatchLoaderOptions::gpu_gather: this GPU cannot read registered host memory at the host's addresses (CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0); leave gpu_gather off".into(),
             ));
         }
-        // SAFETY: the mapping is read-only and lives as long as `records` (or `files`), which
-        // this struct holds and drops after the registration (field order); the GPU only
-        // reads it.
+        // SAFETY: the mapping is read-only and lives as long as `records` (or the folder's map
+        // in `of`), which this struct holds and drops after the registration (field order);
+        // the GPU only reads it.
         let registration = unsafe {
             gpufeed_pinned::HostRegistration::register(gpu.context(), ptr, len, true)
         }
@@ -445,11 +433,10 @@ impl GpuGather {
         Ok(GpuGather {
             kernel: gpufeed_cuda::kernels::GatherKernel::load(gpu)?,
             addresses,
-            of,
             gathered: std::sync::atomic::AtomicU64::new(0),
             sched: Arc::clone(sched),
             registration,
-            files,
+            of,
             records: Arc::clone(records),
         })
     }

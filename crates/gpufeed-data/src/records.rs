@@ -299,6 +299,14 @@ impl RecordFile {
         })
     }
 
+    /// The mapped file's descriptor (a mapped record file only).
+    pub(crate) fn mapped_file(&self) -> Option<&std::fs::File> {
+        match &self.map {
+            Bytes::Map(m) => Some(m.file()),
+            _ => None,
+        }
+    }
+
     /// The file's mapping (its start and length), where it is mapped and not empty.
     pub(crate) fn mapped(&self) -> Option<(*const u8, usize)> {
         match &self.map {

@@ -108,7 +108,7 @@ pub fn open_regular_on(path: &Path, write: bool) -> Result<(File, FileIdentity, 
         .metadata()
         .map_err(|e| Error::io("fstat", Some(path.into()), e))?;
     check_regular(path, &meta)?;
-    let f_type = rustix::fs::fstatfs(&file).ok().map(|s| s.f_type);
+    let f_type = fs_type(&file);
     if let Some(fs) = pseudo_fs(f_type) {
         return Err(Error::PseudoFile {
             path: path.into(),
@@ -121,6 +121,12 @@ pub fn open_regular_on(path: &Path, write: bool) -> Result<(File, FileIdentity, 
     rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::empty())
         .map_err(|e| Error::io("fcntl", Some(path.into()), e))?;
     Ok((file, FileIdentity::from_metadata(&meta), f_type))
+}
+
+/// The `f_type` of the file system `file` is on (`fstatfs`; `None` where it could not be
+/// read): see [`in_memory_fs`].
+pub fn fs_type(file: &File) -> Option<i64> {
+    rustix::fs::fstatfs(file).ok().map(|s| s.f_type)
 }
 
 /// Whether `f_type` (`statfs`) is a file system whose files are in memory: tmpfs (such as

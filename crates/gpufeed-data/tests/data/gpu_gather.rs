@@ -269,9 +269,17 @@ fn gathering_more_than_memory_is_refused_up_front() {
     let huge = (available + (64 << 30)).next_multiple_of(1 << 20);
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let path = dir.path().join("records.bin");
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(huge))
-        .expect("a sparse file");
+    let sparse = std::fs::File::create(&path).expect("create");
+    // On tmpfs the file would count as in memory already (and its pages would be memory):
+    // the test needs a disk.
+    if gpufeed_os::file::fs_type(&sparse).is_some_and(gpufeed_os::file::in_memory_fs) {
+        panic!(
+            "{} is on tmpfs: build with the target directory on a disk to run this test",
+            dir.path().display()
+        );
+    }
+    sparse.set_len(huge).expect("a sparse file");
+    drop(sparse);
     // SAFETY: private to the test, not changed while mapped (and never read: refused first).
     let records = unsafe { RecordFile::open_fixed(&path, 1 << 20) }.expect("records");
     let t = std::time::Instant::now();
