@@ -19,6 +19,8 @@ here (``--make``), then, with the page cache warm, decoded 224x224 training batc
   ``RandomHorizontalFlip()``, ``PILToTensor()`` (uint8), batches of 256, ``shuffle=True``,
   ``pin_memory=True``, persistent workers (8, and ``os.cpu_count()``), each batch
   ``.to("cuda:0", non_blocking=True)``.
+- ``dataloader_8_totensor``: ``dataloader_8`` with ``ToTensor()`` for ``PILToTensor()``: float32
+  in [0, 1], the peer exactly as issue 40's table wrote it.
 - ``in_memory``: the decode alone and the training batch from bytes already in memory (the
   first 4096 files): ``gpufeed.decode_jpegs`` / ``gpufeed.decode_batch`` against torchvision's
   ``decode_jpeg`` (+ crops), on the CPU, and PIL on one thread.
@@ -33,8 +35,8 @@ wall seconds: the DataLoader's workers count), and the GPU busy over the timed e
 nvidia-smi is missing).
 
 Usage:
-  images.py --dir DIR --make N [--classes 100] [--seed 40]   make the folder (once: reused while
-      its manifest matches) -> the manifest as JSON on stdout
+  images.py --dir DIR --make N [--classes 100] [--seed 40] [--like imagenet|issue40]   make
+      the folder (once: reused while its manifest matches) -> the manifest as JSON on stdout
   images.py --dir DIR --rows all|ID,ID... [--reps 5] [--batch 256] [--size 224]
       -> {"dataset": ..., "env": ..., "rows": {ID: {...} or {"error": ...}}} on stdout
   images.py --dir DIR --row ID ...     (internal) one row in this process
@@ -55,16 +57,19 @@ import threading
 import time
 
 ROWS = ["gpufeed_uint8", "gpufeed_float32", "gpufeed_fresh", "gpufeed_cpu", "torchvision",
-        "dataloader_8", "dataloader_all", "in_memory"]
+        "dataloader_8", "dataloader_all", "dataloader_8_totensor", "in_memory"]
 # The most timed epochs (or fresh processes) of the slow rows, so that the table fits in a few
 # minutes on the GPU machine.
 REPS_CAP = {"gpufeed_fresh": 3, "gpufeed_cpu": 2, "torchvision": 3, "dataloader_8": 3,
-            "dataloader_all": 3}
+            "dataloader_8_totensor": 3, "dataloader_all": 3}
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-# Each image's noise (luma sigma) is drawn in this range: about 0.8 bytes per pixel at quality
-# 90, ImageNet's ~110 KB for its ~400x350 mean.
-NOISE = (20.0, 58.0)
+# The data sets (``--like``): each image's size, and its noise (luma sigma) drawn in a range.
+# "imagenet": ImageNet-like sizes (below) at about 0.8 bytes per pixel at quality 90, ImageNet's
+# ~110 KB for its ~400x350 mean. "issue40": the set issue 40's table of peers was measured on,
+# "8,192 JPEGs of about 500x375, 68 KiB each, quality 90, 4:2:0, made with PIL": every image
+# 500x375, noise drawn so that the mean is 68 KiB (68.1-68.3 KiB over 80 images here).
+LIKE = {"imagenet": (20.0, 58.0), "issue40": (6.5, 12.0)}
 
 
 START = time.perf_counter()
@@ -100,17 +105,18 @@ def _dims(rng):
     return (long, short) if rng.random() < 0.75 else (short, long)
 
 
-def _jpeg(seed, i):
-    """Image `i`: a smooth random colour field (a 4x3 grid of colours, bicubic) with luma noise
-    and a little chroma noise, quality 90, 4:2:0, by PIL; (bytes, width, height)."""
+def _jpeg(seed, i, like="imagenet"):
+    """Image `i` of the set `like` (``LIKE``): a smooth random colour field (a 4x3 grid of
+    colours, bicubic) with luma noise and a little chroma noise, quality 90, 4:2:0, by PIL;
+    (bytes, width, height)."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng([seed, i])
-    w, h = _dims(rng)
+    w, h = _dims(rng) if like == "imagenet" else (500, 375)
     grid = rng.integers(0, 256, (3, 4, 3), dtype=np.uint8)
     base = np.asarray(Image.fromarray(grid).resize((w, h), Image.BICUBIC), dtype=np.float32)
-    sigma = float(rng.uniform(*NOISE))
+    sigma = float(rng.uniform(*LIKE[like]))
     luma = rng.standard_normal((h, w, 1), dtype=np.float32) * sigma
     chroma = rng.standard_normal((h, w, 3), dtype=np.float32) * (sigma / 4)
     pixels = np.clip(base + luma + chroma, 0, 255).astype(np.uint8)
@@ -125,10 +131,10 @@ def _class_dir(root, c):
 
 def _write_some(job):
     """Writes images `first..last` of the folder; their (bytes, width sum, height sum)."""
-    root, seed, classes, first, last = job
+    root, seed, classes, first, last, like = job
     total = ws = hs = 0
     for i in range(first, last):
-        data, w, h = _jpeg(seed, i)
+        data, w, h = _jpeg(seed, i, like)
         path = os.path.join(_class_dir(root, i % classes), f"{i:07d}.jpg")
         with open(path + ".tmp", "wb") as f:
             f.write(data)
@@ -139,11 +145,11 @@ def _write_some(job):
     return total, ws, hs
 
 
-def ensure_dataset(root, n, classes, seed):
+def ensure_dataset(root, n, classes, seed, like="imagenet"):
     """The folder's manifest, making the folder first unless a manifest of the same images is
     there (then it is reused as it is)."""
     want = {"version": MANIFEST_VERSION, "images": n, "classes": classes, "seed": seed,
-            "quality": 90, "subsampling": "4:2:0", "noise": list(NOISE)}
+            "quality": 90, "subsampling": "4:2:0", "noise": list(LIKE[like]), "like": like}
     path = os.path.join(root, MANIFEST)
     try:
         with open(path) as f:
@@ -169,7 +175,7 @@ def ensure_dataset(root, n, classes, seed):
         os.makedirs(_class_dir(root, c), exist_ok=True)
     workers = os.cpu_count() or 1
     step = max(1, min(256, n // (workers * 4) or 1))
-    jobs = [(root, seed, classes, i, min(n, i + step)) for i in range(0, n, step)]
+    jobs = [(root, seed, classes, i, min(n, i + step), like) for i in range(0, n, step)]
     log(f"making {n} JPEGs in {classes} classes under {root} ({workers} processes)")
     t = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(workers) as pool:
@@ -491,7 +497,7 @@ def row_torchvision(args):
     return out
 
 
-def row_dataloader(args, workers):
+def row_dataloader(args, workers, to_tensor=False):
     import torch
     from torchvision import datasets
     from torchvision import transforms as T
@@ -500,7 +506,7 @@ def row_dataloader(args, workers):
     if cuda:
         torch.zeros(1, device="cuda:0")
     transform = T.Compose([T.RandomResizedCrop(args.size), T.RandomHorizontalFlip(),
-                           T.PILToTensor()])
+                           T.ToTensor() if to_tensor else T.PILToTensor()])
     folder = datasets.ImageFolder(args.dir, transform=transform)
     loader = torch.utils.data.DataLoader(
         folder, batch_size=args.batch, shuffle=True, num_workers=workers, pin_memory=cuda,
@@ -683,6 +689,8 @@ def measure_row(args):
         out = row_torchvision(args)
     elif row == "dataloader_8":
         out = row_dataloader(args, 8)
+    elif row == "dataloader_8_totensor":
+        out = row_dataloader(args, 8, to_tensor=True)
     elif row == "dataloader_all":
         out = row_dataloader(args, os.cpu_count() or 1)
     elif row == "in_memory":
@@ -809,6 +817,9 @@ def main():
     p.add_argument("--make", type=int, help="make (or reuse) a folder of this many JPEGs")
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--seed", type=int, default=40)
+    p.add_argument("--like", choices=sorted(LIKE), default="imagenet",
+                   help="the data set --make makes: ImageNet-like sizes and bytes (default), "
+                        "or issue 40's (500x375, 68 KiB mean)")
     p.add_argument("--rows", help=f"'all' or a comma-separated list of: {', '.join(ROWS)}")
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -825,7 +836,7 @@ def main():
         return run_row(args)
     if args.make is not None:
         os.makedirs(args.dir, exist_ok=True)
-        manifest = ensure_dataset(args.dir, args.make, args.classes, args.seed)
+        manifest = ensure_dataset(args.dir, args.make, args.classes, args.seed, args.like)
         if not args.rows:
             print(json.dumps(manifest))
             return

@@ -5,8 +5,8 @@ nvjpegDecodeParamsSetROI), the batch in the sampler's order against largest firs
 nvjpegDecodeBatchedPreAllocate; 1, 3 and 6 threads, each with its own handle. Not run by the
 bench: docs/benchmarks.md, GPU run 189, is what it measured (issue 40).
 
-Usage: python3 benches/peers/nvjpeg_order.py    (N=2048 images from images.py's generator;
-NVJPEG=path overrides libnvjpeg.so.13). Prints images/s per setting (median of 3 passes) and
+Usage: python3 benches/peers/nvjpeg_order.py    (N=2048 images from images.py's generator,
+LIKE=imagenet (default) or issue40 its data set; NVJPEG=path overrides libnvjpeg.so.13). Prints images/s per setting (median of 3 passes) and
 whether the ROI output equals the whole decode's crop.
 """
 import ctypes as C, math, os, sys, threading, time, random
@@ -16,7 +16,8 @@ from multiprocessing import Pool
 import images as gen
 
 N = int(os.environ.get("N", "2048")); B = 256
-def mk(i): return gen._jpeg(40, i)
+LIKE = os.environ.get("LIKE", "imagenet")
+def mk(i): return gen._jpeg(40, i, LIKE)
 with Pool(16) as p: data = p.map(mk, range(N))
 jpegs = [d[0] for d in data]
 print(f"made {N} JPEGs, mean {sum(map(len,jpegs))/N/1024:.1f} KiB", flush=True)

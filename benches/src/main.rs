@@ -99,6 +99,11 @@ struct Cli {
     #[arg(long)]
     images: Option<usize>,
 
+    /// Which JPEG folder table 15 makes: `imagenet` (ImageNet-like sizes, ~106 KiB per file)
+    /// or `issue40` (the set issue 40's peers were measured on: 500x375, 68 KiB mean).
+    #[arg(long, value_enum, default_value_t = images::Like::Imagenet)]
+    images_like: images::Like,
+
     /// Also run the peers (PyTorch, kvikio, safetensors, fastsafetensors) on the GPU machine,
     /// with `python3 benches/peers/peers.py` (those not installed report why), and tables 10
     /// and 15.
@@ -619,6 +624,7 @@ fn main() -> Result<()> {
         Some(images::measure(
             &cli.dir,
             cli.images.unwrap_or(16_384),
+            cli.images_like,
             cli.reps,
             |what| progress.line(what),
         )?)
