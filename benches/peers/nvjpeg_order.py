@@ -6,7 +6,9 @@ nvjpegDecodeBatchedPreAllocate; 1, 3 and 6 threads, each with its own handle. No
 bench: docs/benchmarks.md, GPU run 189, is what it measured (issue 40).
 
 Usage: python3 benches/peers/nvjpeg_order.py    (N=2048 images from images.py's generator,
-LIKE=imagenet (default) or issue40 its data set; NVJPEG=path overrides libnvjpeg.so.13). Prints images/s per setting (median of 3 passes) and
+LIKE=imagenet (default) or issue40 its data set; NVJPEG=path overrides libnvjpeg.so.13;
+FORMATS=1: only the output formats compared, interleaved RGB (gpufeed's), planar RGB and YUV as
+stored, three threads, largest first). Prints images/s per setting (median of 3 passes) and
 whether the ROI output equals the whole decode's crop.
 """
 import ctypes as C, math, os, sys, threading, time, random
@@ -37,11 +39,20 @@ def rrc(rng, W, H):
         w = int(round(math.sqrt(ta*ar))); h = int(round(math.sqrt(ta/ar)))
         if 0 < w <= W and 0 < h <= H: return rng.randint(0, W-w), rng.randint(0, H-h), w, h
     return 0, 0, W, H
+# nvjpegOutputFormat_t: 5 interleaved RGB (what gpufeed asks for), 3 planar RGB, 1 YUV as
+# stored (planes at the JPEG's own subsampling: every image here is 4:2:0).
+FMT = {"full": 5, "ex-full": 5, "roi": 5, "rgb-planar": 3, "yuv": 1}
+def planes(fmt, w, h):
+    """(width, height) of each output plane of a `w` x `h` image in format `fmt`."""
+    if fmt == 5: return [(w * 3, h)]
+    if fmt == 3: return [(w, h)] * 3
+    return [(w, h), ((w + 1) // 2, (h + 1) // 2), ((w + 1) // 2, (h + 1) // 2)]
 class Dec:
-    def __init__(s):
+    def __init__(s, fmt=5):
+        s.fmt = fmt
         s.h = C.c_void_p(); ck(lib.nvjpegCreateEx(3, None, None, 0, C.byref(s.h)), "create hw")
         s.st = C.c_void_p(); ck(lib.nvjpegJpegStateCreate(s.h, C.byref(s.st)), "state")
-        ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, B, 1, 5), "init")
+        ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, B, 1, fmt), "init")
         e, c = C.c_uint(), C.c_uint(); lib.nvjpegGetHardwareDecoderInfo(s.h, C.byref(e), C.byref(c)); s.engines = (e.value, c.value)
         s.stream = torch.cuda.Stream(); s.params = []
         for _ in range(B):
@@ -49,13 +60,16 @@ class Dec:
     def prealloc(s, w, h): ck(lib.nvjpegDecodeBatchedPreAllocate(s.h, s.st, B, w, h, 0, 5), "prealloc")
     def run(s, batch, rois, mode):
         n = len(batch)
-        if n != B: ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, n, 1, 5), "init")
+        if n != B: ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, n, 1, s.fmt), "init")
         dims = [(r[2], r[3]) for r in rois] if mode == "roi" else [(r[4], r[5]) for r in rois]
-        sizes = [w*h*3 for w, h in dims]; offs = np.cumsum([0]+[(x+255)//256*256 for x in sizes])
+        sizes = [sum((pw*ph+255)//256*256 for pw, ph in planes(s.fmt, w, h)) for w, h in dims]
+        offs = np.cumsum([0]+sizes)
         buf = torch.empty(int(offs[-1]), dtype=torch.uint8, device="cuda")
         base = buf.data_ptr(); imgs = (Img*n)()
         for i, (w, h) in enumerate(dims):
-            imgs[i].channel[0] = base+int(offs[i]); imgs[i].pitch[0] = w*3
+            at = base+int(offs[i])
+            for c, (pw, ph) in enumerate(planes(s.fmt, w, h)):
+                imgs[i].channel[c] = at; imgs[i].pitch[c] = pw; at += (pw*ph+255)//256*256
         ptrs = (C.c_char_p*n)(*batch); lens = (C.c_size_t*n)(*[len(j) for j in batch])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -70,7 +84,7 @@ class Dec:
         else:
             ck(lib.nvjpegDecodeBatched(s.h, s.st, ptrs, lens, imgs, C.c_void_p(s.stream.cuda_stream)), "batched")
         t1 = time.perf_counter(); s.stream.synchronize(); t2 = time.perf_counter()
-        if n != B: ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, B, 1, 5), "init")
+        if n != B: ck(lib.nvjpegDecodeBatchedInitialize(s.h, s.st, B, 1, s.fmt), "init")
         return buf, offs, dims, t1-t0, t2-t1
 probe = Dec(); print("engines, cores:", probe.engines, flush=True)
 rng = random.Random(7); meta = []
@@ -88,7 +102,7 @@ for i in range(B):
     d = (full-roi).abs().max().item(); mx = max(mx, d); eq += d == 0
 print(f"ROI vs full cropped: max diff {mx}, {eq}/{B} identical", flush=True)
 def bench(mode, threads, order=None, pre=None, reps=3):
-    decs = [Dec() for _ in range(threads)]
+    decs = [Dec(FMT[mode]) for _ in range(threads)]
     if pre:
         for d in decs: d.prealloc(*pre)
     idx = list(range(N))
@@ -114,6 +128,13 @@ def bench(mode, threads, order=None, pre=None, reps=3):
     r = sorted(res)[len(res)//2]
     print(f"{mode:8s} threads={threads} order={order} pre={pre}: {r[0]:8.0f} img/s  (host in call {r[1]:.2f}, waiting {r[2]:.2f} of wall per thread) all={[round(x[0]) for x in res]}", flush=True)
 maxw = max(m[4] for m in meta); maxh = max(m[5] for m in meta)
+if os.environ.get("FORMATS"):
+    # Only the output formats, three threads, largest first, twice each (FORMATS=1).
+    for _ in range(2):
+        for mode in ("full", "rgb-planar", "yuv"):
+            try: bench(mode, 3, order="sort")
+            except Exception as e: print(mode, "failed:", e, flush=True)
+    sys.exit(0)
 for threads in (1, 3):
     for mode in ("full", "ex-full", "roi"):
         try: bench(mode, threads)
