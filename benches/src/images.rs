@@ -1,10 +1,12 @@
 //! Table 15 (`--only images`, or with `--peers` on the GPU machine; issue 40): training batches
 //! of JPEGs decoded on the GPU. A folder of JPEGs in `ImageFolder`'s layout, made by the bench
 //! (`benches/peers/images.py --make`: ImageNet-like sizes and bytes per file, 100 classes, PIL
-//! quality 90, 4:2:0, seeded; made once and reused), turned into 224x224 training batches of
+//! quality 90, 4:2:0, seeded; made once and reused; `--images-like issue40`: the set issue
+//! 40's peers were measured on, 500x375 at 68 KiB), turned into 224x224 training batches of
 //! 256 (RandomResizedCrop, random flip) by `gpufeed.ImageLoader` and by the peers a user would
 //! pick instead, in the same run: torchvision's GPU decode with the user's own crops, and
-//! PyTorch's `DataLoader` over `ImageFolder` with PIL transforms (8 workers, and one per core).
+//! PyTorch's `DataLoader` over `ImageFolder` with PIL transforms (8 workers, and one per core;
+//! 8 workers with `ToTensor()`, the issue's own peer).
 //! Each row: images/s over whole epochs after an untimed one, the CPU cores busy (the process
 //! and its workers) and the GPU busy (`nvidia-smi`). Beside them, the limits known here: the
 //! decode alone from bytes in memory, and this run's pinned host -> GPU limit against the
