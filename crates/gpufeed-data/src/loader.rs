@@ -442,8 +442,8 @@ impl GpuGather {
     }
 }
 
-/// The most bytes of record addresses [`GpuGather`] keeps page-locked: 256 buffers of the
-/// pool's smallest class, far more than the kernels a loader keeps in flight.
+/// The most bytes of record addresses or folder spans [`GpuGather`] keeps page-locked: 256
+/// buffers of the pool's smallest class, far more than the kernels a loader keeps in flight.
 const ADDRESS_POOL_BYTES: u64 = 16 << 20;
 
 impl Drop for GpuGather {
@@ -554,7 +554,8 @@ impl BatchLoader {
         let memory = BatchMemory::new(cfg.prefetch);
         let records = Arc::new(records);
         // A batch's record addresses (8 bytes each) or a folder's spans (24) must fit the
-        // address pool's budget, or every batch would fail.
+        // address pool's budget, or every batch would fail: one bound for both, the spans'
+        // (a record file could take three times as many; nobody batches 699,050 records).
         if cfg.gpu_gather
             && (cfg.batch_size as u64).saturating_mul(gpufeed_cuda::kernels::Span::BYTES as u64)
                 > ADDRESS_POOL_BYTES
