@@ -8,7 +8,8 @@ bench: docs/benchmarks.md, GPU run 189, is what it measured (issue 40).
 Usage: python3 benches/peers/nvjpeg_order.py    (N=2048 images from images.py's generator,
 LIKE=imagenet (default) or issue40 its data set; NVJPEG=path overrides libnvjpeg.so.13;
 FORMATS=1: only the output formats compared, interleaved RGB (gpufeed's), planar RGB and YUV as
-stored, three threads, largest first). Prints images/s per setting (median of 3 passes) and
+stored, three threads, largest first, after checking the YUV output converted to RGB here
+against nvJPEG's own RGB). Prints images/s per setting (median of 3 passes) and
 whether the ROI output equals the whole decode's crop.
 """
 import ctypes as C, math, os, sys, threading, time, random
@@ -128,8 +129,39 @@ def bench(mode, threads, order=None, pre=None, reps=3):
     r = sorted(res)[len(res)//2]
     print(f"{mode:8s} threads={threads} order={order} pre={pre}: {r[0]:8.0f} img/s  (host in call {r[1]:.2f}, waiting {r[2]:.2f} of wall per thread) all={[round(x[0]) for x in res]}", flush=True)
 maxw = max(m[4] for m in meta); maxh = max(m[5] for m in meta)
+def yuv_check():
+    """The first batch as stored (YUV) converted here (JFIF's full-range BT.601, chroma
+    upsampled by replication and by the triangle filter, i.e. bilinear at half-pixel
+    centres) against nvJPEG's own interleaved RGB: how far each is, per channel."""
+    import torch.nn.functional as F
+    bf, of, df, *_ = probe.run(jpegs[:B], meta[:B], "full")
+    by, oy, dy, *_ = Dec(FMT["yuv"]).run(jpegs[:B], meta[:B], "yuv")
+    worst = {"replicated": 0, "triangle": 0}; over1 = {"replicated": 0, "triangle": 0}; px = 0
+    for i in range(B):
+        W, H = meta[i][4], meta[i][5]
+        rgb = bf[int(of[i]):int(of[i]) + W * H * 3].view(H, W, 3).float()
+        at = int(oy[i]); pl = []
+        for pw, ph in planes(1, W, H):
+            pl.append(by[at:at + pw * ph].view(ph, pw).float()); at += (pw * ph + 255) // 256 * 256
+        y, cb, cr = pl
+        for how in worst:
+            if how == "replicated":
+                up = lambda c: c.repeat_interleave(2, 0).repeat_interleave(2, 1)[:H, :W]
+            else:
+                up = lambda c: F.interpolate(c[None, None], scale_factor=2, mode="bilinear", align_corners=False)[0, 0][:H, :W]
+            u, v = up(cb) - 128, up(cr) - 128
+            mine = torch.stack([y + 1.402 * v, y - 0.344136 * u - 0.714136 * v, y + 1.772 * u], -1).round().clamp(0, 255)
+            d = (mine - rgb).abs()
+            worst[how] = max(worst[how], d.max().item()); over1[how] += (d > 1).sum().item()
+        px += W * H * 3
+    for how in worst:
+        print(f"YUV converted here ({how} chroma) against nvJPEG's RGB: max diff {worst[how]:.0f}, "
+              f"{over1[how] / px:.5f} of values off by more than 1", flush=True)
 if os.environ.get("FORMATS"):
-    # Only the output formats, three threads, largest first, twice each (FORMATS=1).
+    # Only the output formats, three threads, largest first, twice each (FORMATS=1); first,
+    # whether nvJPEG's RGB can be had from its YUV output.
+    try: yuv_check()
+    except Exception as e: print("yuv check failed:", e, flush=True)
     for _ in range(2):
         for mode in ("full", "rgb-planar", "yuv"):
             try: bench(mode, 3, order="sort")
