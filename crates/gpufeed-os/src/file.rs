@@ -70,6 +70,19 @@ impl FileIdentity {
             None
         }
     }
+
+    /// [`FileIdentity::difference`] without the status change time: how `later` differs in
+    /// what tells its contents (the file, its size, its modification time), `None` when it
+    /// does not. A change of mode, owner or links (a `chmod`, the file renamed, linked or
+    /// unlinked) is no difference here; a rewrite that kept the size and set the
+    /// modification time back to the very same instant is missed. For a handle held open
+    /// long, whose reads each check their own window with [`FileIdentity::difference`].
+    pub fn content_difference(&self, later: &FileIdentity) -> Option<String> {
+        self.difference(&FileIdentity {
+            ctime_ns: self.ctime_ns,
+            ..*later
+        })
+    }
 }
 
 /// Opens `path` for reading (and writing if `write`), refusing anything but a regular file of
@@ -225,6 +238,35 @@ impl OpenedFile {
     pub fn changed(&self) -> Result<Option<String>> {
         let now = FileIdentity::of(&self.file).map_err(|e| with_path(e, &self.path))?;
         Ok(self.identity.difference(&now))
+    }
+
+    /// How the opened file's contents differ now from when it was opened, as far as its
+    /// size and modification time tell ([`FileIdentity::content_difference`]: a `chmod`, a
+    /// rename or the file's last link removed are no change here), `None` when they do not.
+    ///
+    /// # Errors
+    /// [`Error::Io`] where `fstat` fails.
+    pub fn content_changed(&self) -> Result<Option<String>> {
+        let now = FileIdentity::of(&self.file).map_err(|e| with_path(e, &self.path))?;
+        Ok(self.identity.content_difference(&now))
+    }
+
+    /// This opened file again through a duplicate of its descriptor, with its identity now
+    /// (not the one it had when opened): for a handle held open long, whose each load then
+    /// checks with [`OpenedFile::changed`] its own window only. Check
+    /// [`OpenedFile::content_changed`] first.
+    ///
+    /// # Errors
+    /// As for [`OpenedFile::duplicate`]; [`Error::Io`] where `fstat` fails.
+    pub fn try_clone_as_of_now(&self) -> Result<OpenedFile> {
+        let file = self.duplicate()?;
+        let identity = FileIdentity::of(&file).map_err(|e| with_path(e, &self.path))?;
+        Ok(OpenedFile {
+            file,
+            path: self.path.clone(),
+            identity,
+            f_type: self.f_type,
+        })
     }
 
     /// This opened file again through a duplicate of its descriptor, with the identity it

@@ -109,24 +109,44 @@ pub(crate) fn parse_header<'py>(
     Ok((start, metadata, listed(py, &tensors)?))
 }
 
+/// The handle's file for one load (its contents checked first, [`SafeFile::check_contents`]):
+/// a duplicate whose identity is taken now, so that the load's own check after its copies
+/// ([`gpufeed::os::OpenedFile::changed`]) covers the load's window.
+fn as_of_now(file: &gpufeed::os::OpenedFile) -> gpufeed::load::Result<gpufeed::os::OpenedFile> {
+    Ok(file.try_clone_as_of_now()?)
+}
+
 impl SafeFile {
+    /// Refuses a file whose contents changed since it was opened, as far as its size and
+    /// modification time tell: a handle is held open long, and a `chmod`, a rename or the
+    /// file's last link removed meanwhile leave the version opened intact (safetensors reads
+    /// it too). An object is checked by its reads (its ETag).
+    fn check_contents(&self) -> PyResult<()> {
+        let Source::File(file) = &self.source else {
+            return Ok(());
+        };
+        match file.content_changed().map_err(py_err)? {
+            Some(what) => Err(GpufeedError::new_err(format!(
+                "{}: the file changed since it was opened ({what}): open it again",
+                file.path().display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The owner of the file's private mapping, made on first use.
     fn host_owner(&self, file: &gpufeed::os::OpenedFile) -> PyResult<Arc<Owner>> {
         let mut host = self.host.lock();
         if let Some(owner) = host.as_ref() {
             return Ok(Arc::clone(owner));
         }
-        if let Some(what) = file.changed().map_err(py_err)? {
-            return Err(GpufeedError::new_err(format!(
-                "{}: the file changed since it was opened ({what}): open it again",
-                file.path().display()
-            )));
-        }
+        self.check_contents()?;
         #[allow(unsafe_code, reason = "mapping a file")]
-        // SAFETY: a private mapping: the process's writes never reach the file. The file was
-        // checked unchanged just now; one truncated by another process later makes its lost
-        // pages raise SIGBUS on access, as safetensors' own CPU tensors (an mmap of the file)
-        // do; a file renamed over or rewritten through a new inode leaves this one intact.
+        // SAFETY: a private mapping: the process's writes never reach the file. The file's
+        // size was checked unchanged just now; one truncated by another process later makes
+        // its lost pages raise SIGBUS on access, as safetensors' own CPU tensors (an mmap of
+        // the file) do; a file renamed over or rewritten through a new inode leaves this one
+        // intact.
         let map = unsafe {
             gpufeed::os::FileMap::of_opened_as(file, 0, file.len(), gpufeed::os::MapMode::Private)
         }
@@ -153,7 +173,7 @@ impl SafeFile {
         let total: u64 = spans.iter().map(|s| s.end.saturating_sub(s.start)).sum();
         reaper::wait_idle_before(total);
         let (buf, _) = match &self.source {
-            Source::File(file) => loader.load_spans_of(file, spans)?,
+            Source::File(file) => loader.load_spans_of(&as_of_now(file)?, spans)?,
             Source::Object(object) => loader.load_object_spans(object, spans)?,
         };
         Ok(buf)
@@ -271,6 +291,7 @@ impl SafeFile {
         device: usize,
         importer: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<Py<PyAny>>> {
+        self.check_contents()?;
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let span = self.data_start..self.len();
@@ -299,6 +320,7 @@ impl SafeFile {
 
     /// Bytes `spans` (absolute offsets, back to back) on GPU `device`: a `U8` array.
     fn load_spans(&self, py: Python<'_>, device: usize, spans: Vec<(u64, u64)>) -> PyResult<Array> {
+        self.check_contents()?;
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let spans: Vec<std::ops::Range<u64>> = spans.into_iter().map(|(a, b)| a..b).collect();
@@ -434,10 +456,11 @@ impl SafeFile {
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
     ) -> PyResult<NativePrefetch> {
+        self.check_contents()?;
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let file: gpufeed::safetensors::PrefetchSource = match &self.source {
-            Source::File(file) => file.try_clone().map_err(py_err)?.into(),
+            Source::File(file) => as_of_now(file).map_err(py_err)?.into(),
             Source::Object(object) => Arc::clone(object).into(),
         };
         let items: Vec<PrefetchItem> = items

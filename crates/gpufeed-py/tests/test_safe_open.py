@@ -502,6 +502,29 @@ def test_an_index_naming_a_missing_shard_or_tensor_is_an_error(tmp_path, gen):
             f.get_tensor("ghost.weight")
 
     raises_gpufeed_error(ghost, "ghost.weight", what="an index naming a tensor its shard lacks")
+    # A tensor the index maps to one shard, with a copy of other bytes in another: which copy
+    # is meant cannot be told, so the index is refused naming both shards (never a silent
+    # pick of either).
+    from safetensors.torch import save_file
+
+    third = tmp_path / "third"
+    third.mkdir()
+    index3, files3, weight_map3 = write_index(str(third), tensors)
+    name = next(n for n, f in weight_map3.items() if f == os.path.basename(files3[0]))
+    inside = safetensors.torch.load_file(files3[1])
+    inside[name] = -tensors[name] if tensors[name].dtype.is_floating_point else tensors[name]
+    save_file(inside, files3[1])
+
+    def twice():
+        with gpufeed.safe_open(index3) as f:
+            f.get_tensor(name)
+
+    e = raises_gpufeed_error(twice, f"tensor {name} is in two shards",
+                             what="a tensor in two shards")
+    for f in files3:
+        assert os.path.basename(f) in str(e), f"the error does not name {f}: {e}"
+    with pytest.raises(gpufeed.GpufeedError, match="in two shards"):
+        gpufeed.torch.load_file(index3)
 
 
 INDEXES = [
@@ -691,6 +714,45 @@ def test_without_a_gpu_cuda_requests_are_clear_errors_and_cpu_handles_work(small
         check_handle(f, ref, "a CPU handle after the CUDA refusals")
 
 
+def test_a_shape_past_torch_is_a_safetensor_error(tmp_path):
+    """An empty tensor whose other dimensions overflow 64-bit strides (no tensor library can
+    hold its shape): every reading call raises the handle's error class, naming the shape."""
+    path = str(tmp_path / "huge.safetensors")
+    header = json.dumps({"a": {"dtype": "U8", "shape": [0, 2**32, 2**32],
+                               "data_offsets": [0, 0]}}).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(header)) + header)
+    calls = {
+        "get_tensor": lambda f: f.get_tensor("a"),
+        "get_tensors": lambda f: f.get_tensors(),
+        "get_slice": lambda f: f.get_slice("a")[...],
+    }
+    for what, call in calls.items():
+        with gpufeed.safe_open(path) as f:
+            raises_gpufeed_error(lambda: call(f), "[0, 4294967296, 4294967296]", what=what)
+    raises_gpufeed_error(lambda: gtorch().load_file(path), "[0, 4294967296, 4294967296]",
+                         what="load_file")
+
+
+def test_prefetch_plan_bounds_take_numpy_and_torch_integers(tmp_path, gen):
+    """A plan's row bounds may be numpy's or torch's integers, as safetensors takes them (the
+    plan is checked before the device, so no GPU is needed); floats and bools are refused."""
+    np = pytest.importorskip("numpy")
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "rows.safetensors")
+    save_file({"w": random_tensor(torch.float32, (9, 5), gen)}, path)
+    with gpufeed.safe_open(path) as f:
+        want = f._plan({"w": slice(1, -2)})
+        assert want == {"w": (1, 7)}, want
+        for lo, hi in ((np.int64(1), np.int32(-2)), (torch.tensor(1), torch.tensor(-2)),
+                       (np.uint8(1), -2)):
+            assert f._plan({"w": slice(lo, hi)}) == want, (type(lo), type(hi))
+        for bad in (slice(1.0, 3), slice(True, 3), slice(1, "3")):
+            with pytest.raises(gpufeed.SafetensorError, match="integers or None"):
+                f._plan({"w": bad})
+
+
 def test_prefetch_to_the_cpu_is_refused(small_file):
     """prefetch loads to a CUDA device: a CPU handle asked without a device, or any handle
     asked for "cpu", refuses (with or without a GPU)."""
@@ -809,6 +871,42 @@ def test_a_file_replaced_under_an_open_handle(tmp_path, gen):
             assert_same(t, old[n], f"{backend}: {n} after the file was replaced")
         with gpufeed.safe_open(path, backend=backend) as f:
             assert_same_dict(f.get_tensors(), new, f"{backend}: a handle opened afterwards")
+
+
+def test_metadata_changes_after_the_open_leave_the_handle_whole(tmp_path, gen):
+    """A chmod, a hard link, a rename, the file's last link removed or another file renamed
+    over its path, after the open and before any tensor is read: the handle reads the
+    version it opened, as safetensors' does (no "changed" error). A change of its size is
+    refused, naming the file."""
+    from safetensors.torch import save_file
+
+    tensors = {f"t{i}": random_tensor(torch.float32, (33, 7 + i), gen) for i in range(3)}
+    other = {n: random_tensor(torch.float32, tuple(t.shape), gen) for n, t in tensors.items()}
+    for change in ("chmod", "link", "rename", "unlink", "replaced"):
+        path = tmp_path / f"{change}.safetensors"
+        save_file(tensors, str(path))
+        with gpufeed.safe_open(path) as f, ST_OPEN(str(path), framework="pt") as st:
+            if change == "chmod":
+                os.chmod(path, 0o600)
+            elif change == "link":
+                os.link(path, tmp_path / f"{change}-link.safetensors")
+            elif change == "rename":
+                os.rename(path, tmp_path / f"{change}-moved.safetensors")
+            elif change == "unlink":
+                os.unlink(path)
+            else:
+                save_file(other, str(tmp_path / "other.safetensors"))
+                os.replace(tmp_path / "other.safetensors", path)
+            assert_same_dict(f.get_tensors(), tensors, f"after {change}")
+            assert_same_dict({n: st.get_tensor(n) for n in st.keys()}, tensors,
+                             f"safetensors after {change}")
+    path = tmp_path / "appended.safetensors"
+    save_file(tensors, str(path))
+    with gpufeed.safe_open(path) as f:
+        with open(path, "ab") as w:
+            w.write(b"\0" * 8)
+        with pytest.raises(gpufeed.GpufeedError, match="appended.safetensors.*changed since it"):
+            f.get_tensor("t0")
 
 
 def test_threads_share_a_handle(small_file):

@@ -65,8 +65,39 @@ pub(crate) fn plan(path: &Path) -> Result<Plan> {
             .map(|(f, p)| (f.clone(), p.save_id.clone(), p.file.len()))
             .collect();
         check_one_save(path, index.save.as_ref(), &facts)?;
+        check_names_unique(
+            path,
+            planned
+                .iter()
+                .map(|(f, p)| (f.display().to_string(), p.tensors.as_slice())),
+        )?;
     }
     Ok(Plan { files: planned })
+}
+
+/// Checks that no tensor name is in two shards of the index `index` (each shard given as its
+/// name and its tensors): which of two copies the index means cannot be told by the name, so
+/// neither is taken.
+pub(crate) fn check_names_unique<'a>(
+    index: &Path,
+    shards: impl IntoIterator<Item = (String, &'a [crate::HeaderEntry])>,
+) -> Result<()> {
+    let shards: Vec<_> = shards.into_iter().collect();
+    let mut seen = std::collections::HashMap::new();
+    for (k, (shard, tensors)) in shards.iter().enumerate() {
+        for t in tensors.iter() {
+            if let Some(first) = seen.insert(t.name.as_str(), k) {
+                return Err(Error::Index {
+                    path: index.into(),
+                    reason: format!(
+                        "tensor {} is in two shards, {} and {shard}: remove one copy",
+                        t.name, shards[first].0
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks that the shards of the index `index` are all of one save: of the save the index

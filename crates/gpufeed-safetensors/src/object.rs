@@ -213,6 +213,15 @@ fn plan(url: &str, opts: &ObjectOptions) -> Result<Vec<Planned>> {
         .map(|p| (p.layout.path.clone(), p.save_id.clone(), p.object.len()))
         .collect();
     check_one_save(Path::new(url), shards.save.as_ref(), &facts)?;
+    crate::index::check_names_unique(
+        Path::new(url),
+        planned.iter().map(|p| {
+            (
+                p.layout.path.display().to_string(),
+                p.layout.tensors.as_slice(),
+            )
+        }),
+    )?;
     Ok(planned)
 }
 

@@ -96,6 +96,16 @@ fn an_opened_file_stays_the_version_opened_and_tells_when_it_changed() {
         opened.changed().expect("fstat").is_some(),
         "a version that lost its name has changed"
     );
+    // ... but not in its contents (a handle held long reads it on), and a duplicate taken as
+    // of now starts from its identity now.
+    assert_eq!(opened.content_changed().expect("fstat"), None);
+    let now = opened.try_clone_as_of_now().expect("clone as of now");
+    assert_eq!(now.changed().expect("fstat"), None);
+    assert_eq!(
+        (now.identity().ino, now.len()),
+        (opened.identity().ino, opened.len())
+    );
+    assert_ne!(now.identity().ctime_ns, opened.identity().ctime_ns);
 
     // In place: written through another descriptor, size and mtime put back.
     let path = dir.path().join("w.bin");
@@ -114,6 +124,15 @@ fn an_opened_file_stays_the_version_opened_and_tells_when_it_changed() {
     w.set_modified(mtime).expect("mtime back");
     let what = opened.changed().expect("fstat").expect("a rewrite is seen");
     assert!(what.contains("ctime"), "{what}");
+    // The contents' check misses only this (the mtime set back to the very instant); a size
+    // or mtime change it sees.
+    assert_eq!(opened.content_changed().expect("fstat"), None);
+    w.write_all_at(b"YY", old.len() as u64).expect("append");
+    let what = opened
+        .content_changed()
+        .expect("fstat")
+        .expect("a longer file is seen");
+    assert!(what.contains("size"), "{what}");
 
     let err = gpufeed_os::OpenedFile::open(dir.path()).expect_err("a directory");
     assert!(

@@ -249,7 +249,11 @@ def _as_tensor(torch, array, e: _Entry, shape=None):
     native side already made (``importer=``) is returned as it is."""
     if not isinstance(array, _gpufeed.Array):
         return array
-    t = _importer(torch)(array.__dlpack__())
+    try:
+        capsule = array.__dlpack__()
+    except GpufeedError as ex:  # a shape whose strides overflow: the handle's error class
+        raise SafetensorError(f"a {e.dtype} tensor of shape {list(e.shape)}: {ex}") from None
+    t = _importer(torch)(capsule)
     if array.dtype != e.dtype:
         td, _, _ = _dtype(torch, e.dtype)
         t = t.view(td).reshape(shape if shape is not None else
@@ -781,10 +785,15 @@ class safe_open:
                 v = getattr(value, attr)
                 if v is None:
                     continue
-                if not isinstance(v, int) or isinstance(v, bool):
+                try:
+                    # ints, numpy's and torch's integers (as safetensors takes them); not bools
+                    if isinstance(v, bool):
+                        raise TypeError
+                    v = operator.index(v)
+                except TypeError:
                     raise SafetensorError(
                         f"prefetch plan slice bounds for {name} must be integers or None"
-                    )
+                    ) from None
                 if v > n or v < -n:
                     raise SafetensorError(
                         f"prefetch plan slice {attr} {v} for {name} is out of range for {n} rows"

@@ -87,6 +87,22 @@ fn checkpoints_in_a_bucket_are_checked_like_files() {
         }
         other => panic!("shards of two saves: {other:?}"),
     }
+    // A tensor in two shards (the index maps it to one): refused, naming both.
+    let (b3, _) = file(
+        &[("b", Dtype::U8, vec![77]), ("a", Dtype::F32, vec![1001])],
+        seed + 5,
+        Some("s1"),
+    );
+    server.put("sharded/m-2.safetensors", &b3).expect("put");
+    match inspect_object(&url("sharded/m.safetensors.index.json"), &o) {
+        Err(Error::Index { reason, .. }) => assert!(
+            reason.contains("tensor a is in two shards")
+                && reason.contains(&url("sharded/m-1.safetensors"))
+                && reason.contains(&url("sharded/m-2.safetensors")),
+            "{reason}"
+        ),
+        other => panic!("a tensor in two shards: {other:?}"),
+    }
     // An index naming a shard outside its prefix, and one naming a missing tensor's file.
     let escape = serde_json::json!({"weight_map": {"a": "../other/m-1.safetensors"}});
     server

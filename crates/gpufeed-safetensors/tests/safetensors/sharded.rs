@@ -419,3 +419,37 @@ fn overlapping_sharded_saves_of_one_prefix_leave_one_whole_checkpoint() {
         shard_files(dir.path())
     );
 }
+
+/// A tensor in two shards of an index (which maps it to one of them) is refused, naming both
+/// shards: neither copy is taken for the other.
+#[test]
+fn a_tensor_in_two_shards_is_refused_naming_both() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (one, _) = crate::file(&[("a", safetensors::Dtype::F32, vec![5])], 1, None);
+    let (two, _) = crate::file(
+        &[
+            ("b", safetensors::Dtype::F32, vec![3]),
+            ("a", safetensors::Dtype::F32, vec![5]),
+        ],
+        2,
+        None,
+    );
+    std::fs::write(dir.path().join("s1.safetensors"), one).expect("write");
+    std::fs::write(dir.path().join("s2.safetensors"), two).expect("write");
+    let index = dir.path().join("m.safetensors.index.json");
+    let map = serde_json::json!({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}});
+    std::fs::write(&index, map.to_string()).expect("write");
+    match inspect(&index) {
+        Err(Error::Index { reason, .. }) => assert!(
+            reason.contains("tensor a is in two shards")
+                && reason.contains("s1.safetensors")
+                && reason.contains("s2.safetensors"),
+            "{reason}"
+        ),
+        other => panic!("a tensor in two shards was not refused: {other:?}"),
+    }
+    // Without the second copy the same index opens.
+    let (two, _) = crate::file(&[("b", safetensors::Dtype::F32, vec![3])], 2, None);
+    std::fs::write(dir.path().join("s2.safetensors"), two).expect("write");
+    assert_eq!(inspect(&index).expect("one copy each").len(), 2);
+}
