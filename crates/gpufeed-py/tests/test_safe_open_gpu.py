@@ -615,6 +615,29 @@ def test_a_file_replaced_during_a_sweep_is_the_original_or_an_error():
                 assert_same_dict(torch, f.get_tensors(), new, f"{mode}: a handle opened after")
 
 
+def test_a_handle_reads_on_after_its_file_was_renamed_over_or_chmoded():
+    """Between the open and the first CUDA read, the file chmoded and another renamed over its
+    path (ctime changes, the opened version's bytes do not): get_tensor, get_tensors and a
+    prefetch give the original's bytes, with no error (each load checks its own window)."""
+    torch = torch_on_gpu()
+    safetensors_own()
+    gen = generator(torch, 29)
+    for mode in ("get_tensor", "get_tensors", "prefetch"):
+        with tempfile.TemporaryDirectory() as d:
+            names, old, new, path, replacement = _same_header_files(torch, d, gen)
+            with gpufeed.safe_open(path, device="cuda:0") as f:
+                os.chmod(path, 0o600)
+                os.replace(replacement, path)
+                if mode == "get_tensor":
+                    got = {n: f.get_tensor(n) for n in names}
+                elif mode == "get_tensors":
+                    got = f.get_tensors()
+                else:
+                    with f.prefetch() as loader:
+                        got = dict(loader)
+            assert_same_dict(torch, got, old, f"{mode} after a rename over the path")
+
+
 TRUNCATION_CHILD = r"""
 import hashlib, json, os, sys
 import torch
