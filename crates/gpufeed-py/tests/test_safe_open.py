@@ -714,6 +714,28 @@ def test_without_a_gpu_cuda_requests_are_clear_errors_and_cpu_handles_work(small
         check_handle(f, ref, "a CPU handle after the CUDA refusals")
 
 
+def test_packed_f4_slices_on_the_cpu_keep_the_last_dimension_whole(tmp_path, gen):
+    """F4 (two values a byte) on the CPU, as on a GPU: slices that take the last dimension
+    whole are the same index of the tensor; one that cuts it is refused (before: the index
+    was applied to the packed bytes, so ``[..., 0]`` gave a byte of two values)."""
+    from safetensors.torch import save_file
+
+    t = random_tensor(torch_dtype("float4_e2m1fn_x2"), (4, 3, 6), gen)
+    path = str(tmp_path / "f4.safetensors")
+    save_file({"t": t}, path)
+    with gpufeed.safe_open(path) as f:
+        whole = f.get_tensor("t")
+        s = f.get_slice("t")
+        assert s.get_shape() == [4, 3, 12] and s.get_dtype() == "F4"
+        for index in (Ellipsis, 1, -1, slice(1, 3), (slice(None), 2), (0, slice(None, None, 2)),
+                      (slice(None), slice(None), slice(None))):
+            assert_same(s[index], whole[index], f"F4 slice {index!r}")
+        for index in ((Ellipsis, 0), (slice(None), slice(None), 5),
+                      (0, 0, slice(0, 6)), (Ellipsis, slice(None, None, 2))):
+            with pytest.raises(gpufeed.SafetensorError, match="slicing its last dimension"):
+                s[index]
+
+
 def test_a_shape_past_torch_is_a_safetensor_error(tmp_path):
     """An empty tensor whose other dimensions overflow 64-bit strides (no tensor library can
     hold its shape): every reading call raises the handle's error class, naming the shape."""

@@ -701,17 +701,21 @@ class safe_open:
     def _slice(self, name, e: _Entry, index):
         self._check_open()
         torch = self._torch()
-        if self._ordinal is None:
+        td, size, packed = _dtype(torch, e.dtype)
+        shape = list(e.shape)
+        if self._ordinal is None and not packed:
             # On the CPU, as safetensors does it: torch's indexing of the tensor's view of the
             # mapping (a view, contiguous or not; torch's errors).
             return self._host_view(e)[index]
-        td, size, packed = _dtype(torch, e.dtype)
-        shape = list(e.shape)
         dims = _indexers(index, shape)
         if packed and dims and dims[-1][:3] != (0, shape[-1], 1):
             raise SafetensorError(
                 f"{name}: F4 packs two values in a byte; slicing its last dimension is not supported"
             )
+        if self._ordinal is None:
+            # F4 with its last dimension whole: the same index of the view of its bytes (whose
+            # other dimensions are the tensor's).
+            return self._host_view(e)[index]
         # On a GPU: the bytes of the step-1 hull of the slice, in runs; dimensions in storage
         # units (F4: the last one, taken whole, in bytes of two values).
         sto = list(_storage_shape(name, e.dtype, shape)) if shape else []
