@@ -378,7 +378,7 @@ pub fn decode_on_cpu(
 /// needs before memory is sized from the headers ([`crate::images`]' `plausible`: components,
 /// precision, pixels, a byte floor for the declared size, the end marker).
 fn checked_header(jpeg: &[u8]) -> std::result::Result<(u32, u32), ImageError> {
-    let (header, _) = plausible(jpeg)?;
+    let header = plausible(jpeg)?.header;
     Ok((header.width, header.height))
 }
 

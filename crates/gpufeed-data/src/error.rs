@@ -46,6 +46,24 @@ pub enum Error {
         reason: String,
     },
 
+    /// A batch whose bytes are more than one pinned batch buffer holds
+    /// ([`gpufeed_pinned::MAX_CLASS`]): a smaller batch size fits.
+    #[error(
+        "a batch of {records} records is {bytes} bytes, more than a batch buffer holds ({max} \
+         bytes){}: use a smaller batch_size",
+        .largest.as_ref().map_or(String::new(), |(name, n)| format!("; its largest, {name}, is {n} bytes"))
+    )]
+    BatchTooLarge {
+        /// The batch's bytes.
+        bytes: usize,
+        /// Its records.
+        records: usize,
+        /// The most bytes a batch may hold.
+        max: usize,
+        /// Its largest record (its file, for a folder) and that record's bytes, where known.
+        largest: Option<(String, usize)>,
+    },
+
     /// The batch loader's worker threads stopped before the epoch ended.
     #[error("the batch workers stopped before the epoch ended")]
     WorkersStopped,

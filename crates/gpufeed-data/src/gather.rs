@@ -468,7 +468,7 @@ pub(crate) fn gather(
         // Records of one run each, untransformed: copied straight, without a vector of parts
         // per record (for small records the allocations cost a share of the copy).
         let total = runs.iter().map(|r| r.len()).sum::<usize>();
-        let mut buf = out.pool.get(total.max(1))?;
+        let mut buf = batch_buffer(out.pool, total, indices.len(), None)?;
         buf.set_len(total);
         let stores = Stores::for_batch(out.to_device, total);
         let mut offsets = Vec::with_capacity(runs.len() + 1);
@@ -516,7 +516,7 @@ pub(crate) fn assemble(
     match transform {
         None => {
             let total = parts.iter().flatten().map(|p| p.len()).sum::<usize>();
-            let mut buf = pool.get(total.max(1))?;
+            let mut buf = batch_buffer(pool, total, indices.len(), None)?;
             buf.set_len(total);
             let stores = Stores::for_batch(to_device, total);
             let mut at = 0;
@@ -537,7 +537,7 @@ pub(crate) fn assemble(
                 run_transform(f, i, contiguous(p, joined), out)?;
                 offsets.push(out.len());
             }
-            let mut buf = pool.get(out.len().max(1))?;
+            let mut buf = batch_buffer(pool, out.len(), indices.len(), None)?;
             buf.set_len(out.len());
             buf.copy_from_slice(out);
             Ok((offsets, buf))
@@ -554,6 +554,25 @@ pub(crate) fn assemble(
     }
 }
 
+/// A pooled buffer of `bytes` for one batch of `records` records; a batch past the pool's
+/// largest buffer is [`Error::BatchTooLarge`] (naming its `largest` record where given).
+fn batch_buffer(
+    pool: &PinnedPool,
+    bytes: usize,
+    records: usize,
+    largest: Option<(String, usize)>,
+) -> Result<PooledBuffer> {
+    if bytes > gpufeed_pinned::MAX_CLASS {
+        return Err(Error::BatchTooLarge {
+            bytes,
+            records,
+            max: gpufeed_pinned::MAX_CLASS,
+            largest,
+        });
+    }
+    Ok(pool.get(bytes.max(1))?)
+}
+
 /// A pooled buffer for `records` outputs of `bytes` each ([`Transformer::Into`]).
 pub(crate) fn sized_buffer(
     pool: &PinnedPool,
@@ -565,7 +584,7 @@ pub(crate) fn sized_buffer(
             "{records} records of {bytes} bytes out of the transform do not fit in memory"
         ))
     })?;
-    let mut buf = pool.get(total.max(1))?;
+    let mut buf = batch_buffer(pool, total, records, None)?;
     buf.set_len(total);
     Ok(buf)
 }
@@ -778,8 +797,17 @@ pub(crate) fn gather_files(
         })?;
         offsets.push(at);
     }
+    let largest = || {
+        let i = indices
+            .iter()
+            .copied()
+            .max_by_key(|&i| size(i).unwrap_or(0))?;
+        let path = folder.files().paths().get(i)?;
+        Some((path.display().to_string(), size(i).ok()?))
+    };
+    let largest = (at > gpufeed_pinned::MAX_CLASS).then(largest).flatten();
     let Some(transform) = transform else {
-        let mut buf = pool.get(at.max(1))?;
+        let mut buf = batch_buffer(pool, at, indices.len(), largest)?;
         buf.set_len(at);
         folder.read_samples(reader, indices, &mut buf)?;
         return Ok((offsets, buf));
@@ -800,7 +828,7 @@ pub(crate) fn gather_files(
                 run_transform(f, i, file(k), out)?;
                 ends.push(out.len());
             }
-            let mut buf = pool.get(out.len().max(1))?;
+            let mut buf = batch_buffer(pool, out.len(), indices.len(), None)?;
             buf.set_len(out.len());
             buf.copy_from_slice(out);
             Ok((ends, buf))

@@ -962,8 +962,10 @@ fn image_of<'b>(
     };
     let mut at = 0usize;
     // The image: the member named `.jpg`/`.jpeg`, else the one member whose last suffix is
-    // (`left.jpg`, as webdataset decodes by the last suffix).
-    let (mut exact, mut suffixed, mut label) = (None, Vec::new(), None);
+    // (`left.jpg`, or `001.jpg` of a key with dots, as webdataset decodes by the last
+    // suffix); the label likewise from `.cls`, else the one member whose last suffix is.
+    let (mut exact, mut suffixed) = (None, Vec::new());
+    let (mut exact_cls, mut suffixed_cls) = (None, Vec::new());
     for (ext, range) in &sample.members {
         let member = bytes.get(at..at + range.len()).unwrap_or(&[]);
         at += range.len();
@@ -972,21 +974,35 @@ fn image_of<'b>(
         match (ext.as_str(), last) {
             ("jpg" | "jpeg", _) => exact = Some(member),
             (_, "jpg" | "jpeg") => suffixed.push(member),
-            ("cls", _) => {
-                let text = std::str::from_utf8(member).unwrap_or("").trim();
-                // u32::MAX is the loader's "no label".
-                let parsed = text.parse::<u32>().ok().filter(|&l| l != u32::MAX);
-                label = Some(parsed.ok_or_else(|| ImageError::Sample {
-                    reason: format!(
-                        "its .cls member is not a class number (0 to {}): {:?}",
-                        u32::MAX - 1,
-                        String::from_utf8_lossy(&member[..member.len().min(32)])
-                    ),
-                })?);
-            }
+            ("cls", _) => exact_cls = Some(member),
+            (_, "cls") => suffixed_cls.push(member),
             _ => {}
         }
     }
+    let cls = match (exact_cls, suffixed_cls.as_slice()) {
+        (Some(member), _) | (None, &[member]) => Some(member),
+        (None, []) => None,
+        (None, _) => {
+            return Err(ImageError::Sample {
+                reason: "the sample has several class members and none named .cls".into(),
+            });
+        }
+    };
+    let label = match cls {
+        Some(member) => {
+            let text = std::str::from_utf8(member).unwrap_or("").trim();
+            // u32::MAX is the loader's "no label".
+            let parsed = text.parse::<u32>().ok().filter(|&l| l != u32::MAX);
+            Some(parsed.ok_or_else(|| ImageError::Sample {
+                reason: format!(
+                    "its .cls member is not a class number (0 to {}): {:?}",
+                    u32::MAX - 1,
+                    String::from_utf8_lossy(&member[..member.len().min(32)])
+                ),
+            })?)
+        }
+        None => None,
+    };
     let members = || {
         sample
             .members

@@ -8,10 +8,11 @@
 //! with or without restart markers. What is refused, before any pixel is decoded: bytes of
 //! another format (named where recognised: PNG, GIF, WebP, ...), CMYK and YCCK JPEGs, 12-bit,
 //! lossless, hierarchical and arithmetic-coded ones, 4:1:1 and other subsampling beyond 2x in
-//! a direction (which zune-jpeg 0.5.15 decodes wrongly), images of more than
-//! [`MAX_JPEG_PIXELS`] pixels, and files cut short (no end-of-image marker after the image
-//! data, or fewer bytes than the image's size needs); while decoding, data the strict decoder
-//! finds corrupt.
+//! a direction, chroma sampled finer than luma, and sequential JPEGs with one scan per
+//! component (non-interleaved) (all of which zune-jpeg 0.5.15 decodes wrongly), images of
+//! more than [`MAX_JPEG_PIXELS`] pixels, and files cut short (no end-of-image marker after the
+//! image data, or fewer bytes of image data than a bit per 8x8 block: a decompression bomb's
+//! shape); while decoding, data the strict decoder finds corrupt.
 //!
 //! # Against libjpeg-turbo (torchvision's `decode_jpeg`)
 //! Pixels are within a few levels of libjpeg-turbo's: both decode with integer IDCTs and
@@ -28,7 +29,11 @@
 //! Truncation is caught by the missing end-of-image marker. A file cut inside its image data
 //! and given an end-of-image marker (`ff d9`) again is decoded without an error: zune-jpeg
 //! takes the marker for the end of the data and decodes the rest of the image from zero bits
-//! (flat blocks), as it does for corrupt data whose bytes happen to form that marker.
+//! (flat blocks), as it does for corrupt data whose bytes happen to form that marker. Nor are
+//! restart markers checked against the restart interval: a file whose DRI segment was removed
+//! or changed, or that lost one interval's data, decodes to a wrong image without an error
+//! (PIL's decode is wrong on those too), and a frame header that declares more rows than the
+//! data holds gives an image padded below the data.
 
 use crate::error::Error;
 use zune_core::bytestream::ZCursor;
@@ -271,12 +276,15 @@ fn unsupported(reason: impl Into<String>) -> ImageError {
 }
 
 /// The headers and where the first scan's data starts.
-struct Headers {
-    header: JpegHeader,
+pub(crate) struct Headers {
+    pub(crate) header: JpegHeader,
     /// The offset of the first byte after the first SOS segment.
     scan_data: usize,
     /// Each component's sampling factors (horizontal, vertical).
     sampling: Vec<(u8, u8)>,
+    /// The components of the first scan (its SOS segment): fewer than the frame's in a
+    /// non-interleaved sequential JPEG (one scan per component).
+    scan_components: u8,
 }
 
 /// Reads a JPEG's headers, from its SOI marker to its first SOS segment: the frame header
@@ -399,10 +407,16 @@ fn read_headers(bytes: &[u8]) -> Result<Headers, ImageError> {
                         "a scan (SOS) at byte {at} before any frame header (SOF)"
                     )));
                 };
+                let Some(&scan_components) = body.first() else {
+                    return Err(corrupt(format!(
+                        "the scan header (SOS) at byte {at} is empty"
+                    )));
+                };
                 return Ok(Headers {
                     header,
                     scan_data: i + len,
                     sampling,
+                    scan_components,
                 });
             }
             _ => {}
@@ -476,9 +490,34 @@ fn frame_header(
 /// against libjpeg-turbo (torchvision) and jpeg-decoder: colors off by up to 250 levels on
 /// every image of 4:1:0, 4:2:1 or 4:4:1, and in the last row of MCUs of 4:1:1 images of
 /// some sizes. Gray images (one component) are not subsampled.
-fn check_sampling(sampling: &[(u8, u8)]) -> Result<(), ImageError> {
+///
+/// Also refused: a component sampled finer than the first (luma at 1x1 under chroma at
+/// 2x2, which zune-jpeg decoded to 9.6 dB against PIL's 37), and a sequential JPEG whose
+/// first scan holds fewer components than the frame (non-interleaved: one scan per
+/// component, as `cjpeg -scans` and jpegtran can write; zune-jpeg decoded those of 4:2:0 and
+/// 4:4:0 to 6 dB, silently).
+fn check_sampling(headers: &Headers) -> Result<(), ImageError> {
+    let sampling = &headers.sampling;
     if sampling.len() < 2 {
         return Ok(());
+    }
+    if !headers.header.progressive && usize::from(headers.scan_components) < sampling.len() {
+        return Err(unsupported(format!(
+            "a sequential JPEG whose first scan holds {} of its {} components (non-interleaved \
+             scans) is decoded wrongly by zune-jpeg 0.5.15; re-encode it with interleaved \
+             scans (any encoder's default)",
+            headers.scan_components,
+            sampling.len()
+        )));
+    }
+    let luma = sampling[0];
+    if sampling[1..].iter().any(|&(h, v)| h > luma.0 || v > luma.1) {
+        let factors: Vec<String> = sampling.iter().map(|(h, v)| format!("{h}x{v}")).collect();
+        return Err(unsupported(format!(
+            "a component sampled finer than the first (sampling factors {}) is decoded \
+             wrongly by zune-jpeg 0.5.15; convert it to 4:2:0 or 4:4:4",
+            factors.join(", ")
+        )));
     }
     let h_max = sampling.iter().map(|s| s.0).max().unwrap_or(1);
     let v_max = sampling.iter().map(|s| s.1).max().unwrap_or(1);
@@ -501,21 +540,19 @@ fn check_sampling(sampling: &[(u8, u8)]) -> Result<(), ImageError> {
 /// components, at most [`MAX_JPEG_PIXELS`] pixels, enough bytes for its size, and an
 /// end-of-image marker after its image data.
 fn decodable(bytes: &[u8]) -> Result<JpegHeader, ImageError> {
-    let (header, sampling) = plausible(bytes)?;
-    check_sampling(&sampling)?;
-    Ok(header)
+    let headers = plausible(bytes)?;
+    check_sampling(&headers)?;
+    Ok(headers.header)
 }
 
 /// The checks of [`decodable`] every decoder needs (the GPU's too, before it sizes memory from
 /// the headers): 8 bits, 1 or 3 components, at most [`MAX_JPEG_PIXELS`] pixels, enough bytes
-/// for its size, an end-of-image marker. Returns the header and the components' sampling
-/// factors.
-pub(crate) fn plausible(bytes: &[u8]) -> Result<(JpegHeader, Vec<(u8, u8)>), ImageError> {
+/// for its size, an end-of-image marker. Returns the headers read.
+pub(crate) fn plausible(bytes: &[u8]) -> Result<Headers, ImageError> {
+    let headers = read_headers(bytes)?;
     let Headers {
-        header,
-        scan_data,
-        sampling,
-    } = read_headers(bytes)?;
+        header, scan_data, ..
+    } = headers;
     match header.components {
         1 | 3 => {}
         4 => return Err(ImageError::Cmyk),
@@ -540,10 +577,12 @@ pub(crate) fn plausible(bytes: &[u8]) -> Result<(JpegHeader, Vec<(u8, u8)>), Ima
     }
     // Every 8x8 block of a full-resolution component takes at least one bit of Huffman code
     // (a baseline block two; a progressive image's first DC scan one), so a complete image of
-    // `pixels` has at least `pixels / 512` bytes of image data: one with less than half that
-    // is refused before a buffer of the size it declares is allocated.
+    // `pixels` has at least `pixels / 512` bytes of image data: one with less is refused
+    // before a buffer of the size it declares is allocated (a decompression bomb: 262 KB
+    // declaring 16384x16384 passed the half of this bound that was checked before, and
+    // decoded to 768 MB in 50 s of CPU).
     let data = (bytes.len() - scan_data) as u64;
-    if pixels / 1024 > data + 64 {
+    if pixels / 512 > data + 64 {
         return Err(truncated(format!(
             "{}x{} pixels need at least {} bytes of image data, and it has {data}",
             header.width,
@@ -557,7 +596,7 @@ pub(crate) fn plausible(bytes: &[u8]) -> Result<(JpegHeader, Vec<(u8, u8)>), Ima
             "no end-of-image marker (ff d9) after its image data",
         ));
     }
-    Ok((header, sampling))
+    Ok(headers)
 }
 
 /// Decodes a JPEG into interleaved RGB (gray ones with R = G = B), checked as the module says.
@@ -674,6 +713,26 @@ mod tests {
         b
     }
 
+    /// A file declaring a huge image with fewer bytes of image data than its blocks' Huffman
+    /// codes take at the least (a bit per 8x8 block of the first component) is refused before
+    /// anything of the declared size is allocated; one with that many gets past the check.
+    #[test]
+    fn a_small_file_declaring_a_huge_image_is_refused_before_decoding() {
+        let with_data = |bytes: usize| {
+            let mut b = headers(0xC2, 8, 16384, 16384, 3, 0);
+            let end = b.len() - 2; // before the EOI
+            b.splice(end..end, std::iter::repeat_n(0x55, bytes));
+            b
+        };
+        let least = 16384 * 16384 / 512;
+        let e = plausible(&with_data(least / 2)).err().expect("refused");
+        assert!(
+            matches!(e, ImageError::Truncated { ref reason } if reason.contains("524288 bytes")),
+            "{e:?}"
+        );
+        plausible(&with_data(least - 64)).expect("as many bytes as the blocks need");
+    }
+
     #[test]
     fn headers_are_read_by_their_markers() {
         let h = jpeg_header(&headers(0xC2, 8, 300, 200, 3, 7)).expect("header");
@@ -755,6 +814,20 @@ mod tests {
 
     #[test]
     fn only_subsampling_of_at_most_2x_each_way_is_decoded() {
+        let interleaved = |sampling: Vec<(u8, u8)>| Headers {
+            header: JpegHeader {
+                width: 8,
+                height: 8,
+                components: sampling.len() as u8,
+                precision: 8,
+                progressive: false,
+                restart_interval: 0,
+            },
+            scan_data: 0,
+            scan_components: sampling.len() as u8,
+            sampling,
+        };
+        let check_sampling = |s: &Vec<(u8, u8)>| check_sampling(&interleaved(s.clone()));
         let ok = [
             vec![(1, 1), (1, 1), (1, 1)],
             vec![(2, 1), (1, 1), (1, 1)],
@@ -774,6 +847,10 @@ mod tests {
             vec![(4, 2), (1, 1), (1, 1)],
             vec![(3, 1), (1, 1), (1, 1)],
             vec![(3, 1), (2, 1), (1, 1)],
+            // chroma finer than luma
+            vec![(1, 1), (2, 2), (2, 2)],
+            vec![(1, 1), (2, 2), (1, 1)],
+            vec![(2, 1), (1, 2), (1, 1)],
         ];
         for s in refused {
             assert!(
@@ -781,6 +858,20 @@ mod tests {
                 "{s:?}"
             );
         }
+        // A sequential JPEG whose first scan holds one of three components (non-interleaved)
+        // is refused; a progressive one's first scans may hold one each; a gray one has one.
+        let mut one_scan = interleaved(vec![(2, 2), (1, 1), (1, 1)]);
+        one_scan.scan_components = 1;
+        let e = super::check_sampling(&one_scan).unwrap_err();
+        assert!(
+            matches!(e, ImageError::Unsupported { ref reason } if reason.contains("non-interleaved")),
+            "{e:?}"
+        );
+        one_scan.header.progressive = true;
+        assert_eq!(super::check_sampling(&one_scan), Ok(()));
+        let mut gray = interleaved(vec![(1, 1)]);
+        gray.scan_components = 1;
+        assert_eq!(super::check_sampling(&gray), Ok(()));
         // A factor of 0 or over 4 is corrupt.
         let mut zero = headers(0xC0, 8, 8, 8, 3, 0);
         let sof = zero

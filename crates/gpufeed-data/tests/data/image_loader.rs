@@ -302,6 +302,33 @@ fn webdataset_shards_give_each_samples_jpeg_and_its_cls_label() {
     );
     assert!(batch.skipped[1].reason.to_string().contains("\"dog\""));
     assert_eq!(host(&batch).len(), 2 * 3 * (OUT.0 * OUT.1) as usize);
+
+    // Keys with dots (`img.001.jpg`, `img.001.cls`: key `img`, extensions `001.jpg` and
+    // `001.cls`, as webdataset splits them): the image and the label both by their last
+    // suffix (before: the image was found and the label silently left out).
+    let dotted = dir.path().join("dotted.tar");
+    tar(
+        &dotted,
+        &[(
+            "img".into(),
+            vec![("001.jpg", good.clone()), ("001.cls", b"4".to_vec())],
+        )],
+    );
+    let mut loader = ImageLoader::new(
+        open(&[dotted]),
+        seq(),
+        BatchLoaderOptions::default().with_batch_size(1),
+        options(aug),
+        None,
+    )
+    .expect("loader");
+    let batch = loader
+        .epoch(0)
+        .expect("epoch")
+        .next()
+        .expect("a batch")
+        .expect("decodes");
+    assert_eq!(batch.labels, vec![4], "the label of a dotted key");
 }
 
 #[test]

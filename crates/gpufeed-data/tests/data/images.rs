@@ -310,6 +310,33 @@ fn subsampling_the_decoder_gets_wrong_is_refused() {
     }
 }
 
+/// Layouts zune-jpeg 0.5.15 decodes into a wrong image without an error (found by a hostile
+/// trial, made by libjpeg-turbo 2.1.5, 123x77): a baseline JPEG with one scan per component
+/// at 4:2:0 (6.1 dB against PIL), and luma at 1x1 under chroma at 2x2 (9.6 dB): refused,
+/// though their headers read and jpeg-decoder decodes them.
+#[test]
+fn layouts_the_decoder_gets_wrong_are_refused() {
+    let cases: [(&[u8], &str); 2] = [
+        (
+            include_bytes!("jpegs/noninterleaved_420.jpg"),
+            "non-interleaved",
+        ),
+        (
+            include_bytes!("jpegs/chroma_finer_than_luma.jpg"),
+            "finer than the first",
+        ),
+    ];
+    for (bytes, why) in cases {
+        let header = jpeg_header(bytes).expect("its header reads");
+        assert_eq!((header.width, header.height), (123, 77));
+        match decode_jpeg(bytes) {
+            Err(ImageError::Unsupported { reason }) => assert!(reason.contains(why), "{reason}"),
+            other => panic!("{why}: {:?}", other.map(|i| (i.width, i.height))),
+        }
+        assert_eq!(reference(bytes).0, 123, "{why}: jpeg-decoder decodes it");
+    }
+}
+
 #[test]
 fn an_output_of_another_size_is_refused_before_decoding() {
     let (bytes, _) = jpeg(37, 51, Kind::color(SamplingFactor::R_4_2_0));

@@ -599,3 +599,47 @@ fn a_sparse_tar_member_is_refused_not_misread() {
         );
     }
 }
+
+/// A batch of files whose bytes are more than one pinned batch buffer holds (256 MiB: 64
+/// camera-sized JPEGs of 4.2 MB) is an error saying so, naming its largest file and what to
+/// do (before: the pool's "larger than the pool's largest buffer", naming nothing); a smaller
+/// batch size loads the same files. The files are sparse: nothing is written to disk.
+#[test]
+fn a_batch_past_the_batch_buffer_is_an_error_naming_its_largest_file() {
+    use gpufeed_data::ImageFolder;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let class = dir.path().join("cls");
+    std::fs::create_dir_all(&class).expect("mkdir");
+    for i in 0..9 {
+        let f = std::fs::File::create(class.join(format!("{i}.jpg"))).expect("create");
+        // 30 MiB each, the sixth 1 KiB more: nine are 270 MiB.
+        f.set_len((30 << 20) + if i == 5 { 1024 } else { 0 })
+            .expect("sparse");
+    }
+    let folder = || ImageFolder::open(dir.path()).expect("folder");
+    let cfg = BatchLoaderOptions::default().with_batch_size(9);
+    let mut loader =
+        BatchLoader::new(folder(), Sampler::new(Order::Sequential), cfg, None).expect("loader");
+    let err = loader
+        .epoch(0)
+        .expect("epoch")
+        .next()
+        .expect("a batch")
+        .expect_err("270 MiB in one batch");
+    let text = err.to_string();
+    assert!(
+        text.contains("a batch of 9 records")
+            && text.contains("5.jpg")
+            && text.contains("use a smaller batch_size"),
+        "{text}"
+    );
+    let cfg = BatchLoaderOptions::default().with_batch_size(8);
+    let mut loader =
+        BatchLoader::new(folder(), Sampler::new(Order::Sequential), cfg, None).expect("loader");
+    let sizes: Vec<usize> = loader
+        .epoch(0)
+        .expect("epoch")
+        .map(|b| b.expect("batch").indices.len())
+        .collect();
+    assert_eq!(sizes, [8, 1]);
+}

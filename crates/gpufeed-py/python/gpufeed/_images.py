@@ -164,7 +164,7 @@ class ImageLoader:
     ``path``: an image folder in torchvision ``ImageFolder``'s layout (``root/<class>/...``: the
     class folders sorted by name give the labels), a WebDataset ``.tar`` shard, a glob pattern or
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
-    where it has none); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
+    where it has none; each found by its last suffix in a key with dots); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
     is listed; a ``.json`` shard index in webdataset's wids format lists them with their sample
     counts, so nothing is read before the first epoch) are streamed as ``BatchLoader`` streams
     them: each fetched when the epoch first needs it, into ``cache`` where given, else into
