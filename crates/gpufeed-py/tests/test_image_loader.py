@@ -219,6 +219,14 @@ def test_an_elastic_run_resumes_where_it_stopped_and_bad_settings_are_refused(tm
         gpufeed.ImageLoader(tmp_path, device=None, crop_fraction=0)
     with pytest.raises(ValueError, match="cuda_decoders"):
         gpufeed.ImageLoader(tmp_path, device=None, cuda_decoders=-1)
+    for size in ((8,), 8.5, True, ("8", 8)):
+        with pytest.raises(ValueError, match="size"):
+            gpufeed.ImageLoader(tmp_path, size=size, device=None)
+    for seed in (-1, 2**64, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            gpufeed.ImageLoader(tmp_path, seed=seed, device=None)
+    with pytest.raises(ValueError, match="shuffle"):
+        gpufeed.ImageLoader(tmp_path, shuffle="nope", device=None)
     with pytest.raises(gpufeed.GpufeedError, match="scale"):
         gpufeed.ImageLoader(tmp_path, device=None, scale=(0.9, 0.1))
     with pytest.raises(gpufeed.GpufeedError, match="missing"):

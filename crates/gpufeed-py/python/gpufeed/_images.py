@@ -4,6 +4,7 @@ them) or on the CPU; ``decode_batch``: a training or evaluation batch decoded, c
 resized (antialiased), mirrored and normalized on a GPU, as one tensor; ``ImageLoader``: such
 batches of an image folder or WebDataset shards, epoch after epoch, with their labels."""
 
+import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _gpufeed
@@ -139,10 +140,16 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
 def _settings(torch, size, mean, std, crop_fraction, dtype) -> Tuple[int, int, bool]:
     """The augmentation's settings checked: ``(height, width, floating)`` of ``size`` (an int,
     or ``(height, width)``) and ``dtype``; a ValueError saying what is wrong otherwise."""
-    if isinstance(size, int):
-        height = width = size
-    else:
-        height, width = (int(v) for v in size)
+    try:
+        if isinstance(size, bool):
+            raise TypeError
+        if isinstance(size, int):
+            height = width = size
+        else:
+            height, width = (operator.index(v) for v in size)
+    except (TypeError, ValueError):
+        raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
+                         "at most 16384") from None
     if not (0 < height <= 16384 and 0 < width <= 16384):
         raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
                          "at most 16384")
@@ -164,8 +171,8 @@ class ImageLoader:
     ``path``: an image folder in torchvision ``ImageFolder``'s layout (``root/<class>/...``: the
     class folders sorted by name give the labels), a WebDataset ``.tar`` shard, a glob pattern or
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
-    where it has none; each found by its last suffix in a key with dots); shards in object storage (``s3://``, ``https://``; an ``s3://`` pattern
-    is listed; a ``.json`` shard index in webdataset's wids format lists them with their sample
+    where it has none; each found by its last suffix in a key with dots); shards in object
+    storage (``s3://``, ``https://``; an ``s3://`` pattern is listed; a ``.json`` shard index in webdataset's wids format lists them with their sample
     counts, so nothing is read before the first epoch) are streamed as ``BatchLoader`` streams
     them: each fetched when the epoch first needs it, into ``cache`` where given, else into
     memory, at most ``spool_bytes`` at once (a quarter of the available memory, at most 16 GiB,
@@ -230,6 +237,17 @@ class ImageLoader:
             raise ValueError("batch_size, workers and decoders must be at least 1")
         if cuda_decoders < 0:
             raise ValueError("cuda_decoders must be 0 or more")
+        given = seed
+        try:
+            if isinstance(seed, bool):
+                raise TypeError
+            seed = operator.index(seed)  # ints, numpy's and torch's integers
+        except TypeError:
+            seed = -1
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed {given!r} is invalid: give an int from 0 to 2**64 - 1")
+        if shuffle not in (True, False, "shards"):
+            raise ValueError(f"shuffle {shuffle!r} is invalid: True, False or 'shards'")
         self._dtype = dtype if floating else torch.uint8
         self._device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
         if isinstance(path, (list, tuple)):
