@@ -23,7 +23,9 @@
 //! one), zune-jpeg's last column (row) blends in the chroma of the encoder's padding beyond
 //! the image, where libjpeg-turbo repeats the last chroma sample: there the two can differ by
 //! more, measured up to 9 levels on images 4 pixels across and 32 on images 2 pixels across
-//! (at most 3 on the 500x375 images).
+//! (at most 3 on the 500x375 images). Images of 4:2:0 under 5 pixels across (odd widths
+//! too), or 1 pixel across and 3 or more high, came out 21-33 dB against PIL's decode in a
+//! hostile trial, no further from the source than PIL's.
 //!
 //! # What strict mode does not catch
 //! Truncation is caught by the missing end-of-image marker. A file cut inside its image data
