@@ -12,7 +12,8 @@
 //! component (non-interleaved) (all of which zune-jpeg 0.5.15 decodes wrongly), images of
 //! more than [`MAX_JPEG_PIXELS`] pixels, and files cut short (no end-of-image marker after the
 //! image data, or fewer bytes of image data than a bit per 8x8 block: a decompression bomb's
-//! shape); while decoding, data the strict decoder finds corrupt.
+//! shape), and restart markers out of step with the restart interval; while decoding, data
+//! the strict decoder finds corrupt.
 //!
 //! # Against libjpeg-turbo (torchvision's `decode_jpeg`)
 //! Pixels are within a few levels of libjpeg-turbo's: both decode with integer IDCTs and
@@ -31,11 +32,12 @@
 //! Truncation is caught by the missing end-of-image marker. A file cut inside its image data
 //! and given an end-of-image marker (`ff d9`) again is decoded without an error: zune-jpeg
 //! takes the marker for the end of the data and decodes the rest of the image from zero bits
-//! (flat blocks), as it does for corrupt data whose bytes happen to form that marker. Nor are
-//! restart markers checked against the restart interval: a file whose DRI segment was removed
-//! or changed, or that lost one interval's data, decodes to a wrong image without an error
-//! (PIL's decode is wrong on those too), and a frame header that declares more rows than the
-//! data holds gives an image padded below the data.
+//! (flat blocks), as it does for corrupt data whose bytes happen to form that marker. Restart
+//! markers are checked against the restart interval before decoding (a file whose DRI segment
+//! was removed or changed, or that lost one interval's data, decodes to a wrong image without
+//! an error, PIL's too), but only in sequential JPEGs of one interleaved scan: a progressive
+//! one's scans are not counted. A frame header that declares more rows than the data holds
+//! gives an image padded below the data.
 
 use crate::error::Error;
 use zune_core::bytestream::ZCursor;
@@ -598,7 +600,90 @@ pub(crate) fn plausible(bytes: &[u8]) -> Result<Headers, ImageError> {
             "no end-of-image marker (ff d9) after its image data",
         ));
     }
+    check_restarts(bytes, &headers)?;
     Ok(headers)
+}
+
+/// The restart markers of a sequential JPEG's one interleaved scan against its restart
+/// interval: RST0-7 in turn, one between each two intervals of `restart_interval` MCUs (a
+/// trailing one tolerated), none without an interval. Neither decoder checks this, and a file
+/// whose DRI segment was removed or changed, or that lost an interval's data, decodes to a
+/// wrong image without an error (8-15 dB against the source in a hostile trial). Progressive
+/// and non-interleaved scans (several scans, each with its own count) are not checked.
+fn check_restarts(bytes: &[u8], headers: &Headers) -> Result<(), ImageError> {
+    let Headers {
+        header, sampling, ..
+    } = headers;
+    if header.progressive || usize::from(headers.scan_components) != sampling.len() {
+        return Ok(());
+    }
+    // The MCU: one 8x8 block of a single component, else the largest factors' 8x8 blocks.
+    let (h_max, v_max) = if sampling.len() == 1 {
+        (1, 1)
+    } else {
+        (
+            u32::from(sampling.iter().map(|s| s.0).max().unwrap_or(1)),
+            u32::from(sampling.iter().map(|s| s.1).max().unwrap_or(1)),
+        )
+    };
+    let mcus =
+        u64::from(header.width.div_ceil(8 * h_max)) * u64::from(header.height.div_ceil(8 * v_max));
+    let interval = u64::from(header.restart_interval);
+    let want = if interval == 0 {
+        0
+    } else {
+        mcus.div_ceil(interval) - 1
+    };
+    // Walk the entropy-coded data: ff 00 is a data byte, ff ff fill, ff d0-d7 a restart
+    // marker; any other marker ends the scan.
+    let (mut seen, mut i) = (0u64, headers.scan_data);
+    while let Some(at) = bytes
+        .get(i..)
+        .and_then(|b| b.iter().position(|&x| x == 0xFF))
+    {
+        i += at + 1;
+        while bytes.get(i) == Some(&0xFF) {
+            i += 1;
+        }
+        match bytes.get(i) {
+            Some(0x00) => i += 1,
+            Some(&m @ 0xD0..=0xD7) => {
+                if interval == 0 {
+                    return Err(corrupt(format!(
+                        "a restart marker (ff {m:02x}) at byte {} with no restart interval \
+                         (DRI) set",
+                        i - 1
+                    )));
+                }
+                if seen > want {
+                    return Err(corrupt(format!(
+                        "more restart markers than its {mcus} MCUs in intervals of {interval} \
+                         have (ff {m:02x} at byte {}): its restart structure (DRI) does not \
+                         match its data",
+                        i - 1
+                    )));
+                }
+                let expected = 0xD0 + (seen % 8) as u8;
+                if m != expected {
+                    return Err(corrupt(format!(
+                        "restart marker ff {m:02x} at byte {} where ff {expected:02x} was due: \
+                         data of its restart intervals is missing or out of order",
+                        i - 1
+                    )));
+                }
+                seen += 1;
+                i += 1;
+            }
+            _ => break,
+        }
+    }
+    if seen != want && seen != want + 1 {
+        return Err(corrupt(format!(
+            "{seen} restart markers where its {mcus} MCUs in intervals of {interval} need {want}: \
+             its restart structure (DRI) does not match its data"
+        )));
+    }
+    Ok(())
 }
 
 /// Decodes a JPEG into interleaved RGB (gray ones with R = G = B), checked as the module says.

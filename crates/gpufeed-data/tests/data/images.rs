@@ -337,6 +337,45 @@ fn layouts_the_decoder_gets_wrong_are_refused() {
     }
 }
 
+/// A restart structure that does not match the data is corrupt, named before decoding
+/// (zune-jpeg and PIL both decode such files to a wrong image without an error): the DRI
+/// segment removed, its interval changed, one interval's data cut out; the intact file and
+/// every kind with restart markers above decode.
+#[test]
+fn a_restart_structure_that_does_not_match_the_data_is_refused() {
+    let kind = Kind {
+        restart: 2,
+        ..Kind::color(SamplingFactor::R_4_2_0)
+    };
+    let (intact, _) = jpeg(123, 77, kind);
+    decode_jpeg(&intact).expect("the intact file decodes");
+    let dri = intact
+        .windows(4)
+        .position(|w| w == [0xFF, 0xDD, 0, 4])
+        .expect("a DRI segment");
+    let corrupt_because = |bytes: &[u8], why: &str| match decode_jpeg(bytes) {
+        Err(ImageError::Corrupt { reason }) => assert!(reason.contains(why), "{why}: {reason}"),
+        other => panic!("{why}: {:?}", other.map(|i| (i.width, i.height))),
+    };
+    let mut removed = intact.clone();
+    removed.drain(dri..dri + 6);
+    corrupt_because(&removed, "no restart interval");
+    let mut changed = intact.clone();
+    changed[dri + 5] = 4;
+    corrupt_because(&changed, "more restart markers than");
+    // The bytes from the third restart marker up to the fourth (one interval's data) cut out.
+    let rst: Vec<usize> = intact
+        .windows(2)
+        .enumerate()
+        .filter(|(_, w)| w[0] == 0xFF && (0xD0..=0xD7).contains(&w[1]))
+        .map(|(i, _)| i)
+        .collect();
+    assert!(rst.len() > 4, "{} restart markers", rst.len());
+    let mut lost = intact.clone();
+    lost.drain(rst[2]..rst[3]);
+    corrupt_because(&lost, "missing or out of order");
+}
+
 #[test]
 fn an_output_of_another_size_is_refused_before_decoding() {
     let (bytes, _) = jpeg(37, 51, Kind::color(SamplingFactor::R_4_2_0));
