@@ -48,11 +48,7 @@ pub enum Error {
 
     /// A batch whose bytes are more than one pinned batch buffer holds
     /// ([`gpufeed_pinned::MAX_CLASS`]): a smaller batch size fits.
-    #[error(
-        "a batch of {records} records is {bytes} bytes, more than a batch buffer holds ({max} \
-         bytes){}: use a smaller batch_size",
-        .largest.as_ref().map_or(String::new(), |(name, n)| format!("; its largest, {name}, is {n} bytes"))
-    )]
+    #[error("{}", batch_too_large(*.bytes, *.records, *.max, .largest.as_ref()))]
     BatchTooLarge {
         /// The batch's bytes.
         bytes: usize,
@@ -212,5 +208,29 @@ impl Error {
     /// Whether the error means no GPU can be used here (no driver, no device).
     pub fn is_no_gpu(&self) -> bool {
         matches!(self, Error::Load(e) if e.is_no_gpu())
+    }
+}
+
+/// [`Error::BatchTooLarge`]'s text: what to do depends on whether one record alone is over.
+fn batch_too_large(
+    bytes: usize,
+    records: usize,
+    max: usize,
+    largest: Option<&(String, usize)>,
+) -> String {
+    let head = format!(
+        "a batch of {records} records is {bytes} bytes, more than a batch buffer holds ({max} bytes)"
+    );
+    match largest {
+        Some((name, n)) if *n > max => {
+            format!("{head}: {name} alone is {n} bytes; leave it out of the data set or shrink it")
+        }
+        _ if records == 1 => {
+            format!("{head}: that record alone is over; leave it out or shrink it")
+        }
+        Some((name, n)) => {
+            format!("{head}; its largest, {name}, is {n} bytes: use a smaller batch_size")
+        }
+        None => format!("{head}: use a smaller batch_size"),
     }
 }

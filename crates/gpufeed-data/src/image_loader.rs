@@ -979,12 +979,24 @@ fn image_of<'b>(
             _ => {}
         }
     }
+    let members = || {
+        sample
+            .members
+            .iter()
+            .map(|(e, _)| format!(".{e}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let cls = match (exact_cls, suffixed_cls.as_slice()) {
         (Some(member), _) | (None, &[member]) => Some(member),
         (None, []) => None,
         (None, _) => {
             return Err(ImageError::Sample {
-                reason: "the sample has several class members and none named .cls".into(),
+                reason: format!(
+                    "the sample has several class members and none named .cls (its members: \
+                     {}): keep one",
+                    members()
+                ),
             });
         }
     };
@@ -1002,14 +1014,6 @@ fn image_of<'b>(
             })?)
         }
         None => None,
-    };
-    let members = || {
-        sample
-            .members
-            .iter()
-            .map(|(e, _)| format!(".{e}"))
-            .collect::<Vec<_>>()
-            .join(", ")
     };
     let image = match (exact, suffixed.as_slice()) {
         (Some(image), _) => image,

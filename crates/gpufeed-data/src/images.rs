@@ -9,7 +9,8 @@
 //! another format (named where recognised: PNG, GIF, WebP, ...), CMYK and YCCK JPEGs, 12-bit,
 //! lossless, hierarchical and arithmetic-coded ones, 4:1:1 and other subsampling beyond 2x in
 //! a direction, chroma sampled finer than luma, and sequential JPEGs with one scan per
-//! component (non-interleaved) (all of which zune-jpeg 0.5.15 decodes wrongly), images of
+//! component (non-interleaved; zune-jpeg 0.5.15 decodes all of these wrongly, the last seen
+//! at 4:2:0 and 4:4:0 and refused at any subsampling), images of
 //! more than [`MAX_JPEG_PIXELS`] pixels, and files cut short (no end-of-image marker after the
 //! image data, or fewer bytes of image data than a bit per 8x8 block: a decompression bomb's
 //! shape), and restart markers out of step with the restart interval; while decoding, data
@@ -281,6 +282,7 @@ fn unsupported(reason: impl Into<String>) -> ImageError {
 
 /// The headers and where the first scan's data starts.
 pub(crate) struct Headers {
+    /// What the frame header (and a DRI before the scan) says.
     pub(crate) header: JpegHeader,
     /// The offset of the first byte after the first SOS segment.
     scan_data: usize,
@@ -637,10 +639,7 @@ fn check_restarts(bytes: &[u8], headers: &Headers) -> Result<(), ImageError> {
     // Walk the entropy-coded data: ff 00 is a data byte, ff ff fill, ff d0-d7 a restart
     // marker; any other marker ends the scan.
     let (mut seen, mut i) = (0u64, headers.scan_data);
-    while let Some(at) = bytes
-        .get(i..)
-        .and_then(|b| b.iter().position(|&x| x == 0xFF))
-    {
+    while let Some(at) = bytes.get(i..).and_then(|b| memchr::memchr(0xFF, b)) {
         i += at + 1;
         while bytes.get(i) == Some(&0xFF) {
             i += 1;
@@ -801,7 +800,7 @@ mod tests {
     }
 
     /// A file declaring a huge image with fewer bytes of image data than its blocks' Huffman
-    /// codes take at the least (a bit per 8x8 block of the first component) is refused before
+    /// codes take at the least (a bit per 8x8 block of a full-resolution component) is refused before
     /// anything of the declared size is allocated; one with that many gets past the check.
     #[test]
     fn a_small_file_declaring_a_huge_image_is_refused_before_decoding() {

@@ -303,6 +303,16 @@ pub enum Error {
         what: String,
     },
 
+    /// An opened file's contents changed since it was opened (its size or modification time,
+    /// or it is another file: [`FileIdentity::content_difference`](crate::FileIdentity::content_difference)).
+    #[error("{} changed since it was opened ({what}): open it again", .path.display())]
+    ChangedSinceOpened {
+        /// The file.
+        path: PathBuf,
+        /// What changed, e.g. `"size 100 -> 50 bytes"`.
+        what: String,
+    },
+
     /// An alignment is not a power of two.
     #[error("alignment {align} is not a power of two; use 64, 256, 4096, 2 MiB, ...")]
     InvalidAlignment {

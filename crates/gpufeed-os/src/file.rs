@@ -252,15 +252,22 @@ impl OpenedFile {
     }
 
     /// This opened file again through a duplicate of its descriptor, with its identity now
-    /// (not the one it had when opened): for a handle held open long, whose each load then
-    /// checks with [`OpenedFile::changed`] its own window only. Check
-    /// [`OpenedFile::content_changed`] first.
+    /// (not the one it had when opened), once that same `fstat` shows its contents are still
+    /// the version opened ([`FileIdentity::content_difference`]): for a handle held open long,
+    /// whose each load then checks with [`OpenedFile::changed`] its own window only.
     ///
     /// # Errors
-    /// As for [`OpenedFile::duplicate`]; [`Error::Io`] where `fstat` fails.
+    /// [`Error::ChangedSinceOpened`] where its size or modification time changed; as for
+    /// [`OpenedFile::duplicate`]; [`Error::Io`] where `fstat` fails.
     pub fn try_clone_as_of_now(&self) -> Result<OpenedFile> {
         let file = self.duplicate()?;
         let identity = FileIdentity::of(&file).map_err(|e| with_path(e, &self.path))?;
+        if let Some(what) = self.identity.content_difference(&identity) {
+            return Err(Error::ChangedSinceOpened {
+                path: self.path.clone(),
+                what,
+            });
+        }
         Ok(OpenedFile {
             file,
             path: self.path.clone(),

@@ -109,8 +109,9 @@ pub(crate) fn parse_header<'py>(
     Ok((start, metadata, listed(py, &tensors)?))
 }
 
-/// The handle's file for one load (its contents checked first, [`SafeFile::check_contents`]):
-/// a duplicate whose identity is taken now, so that the load's own check after its copies
+/// The handle's file for one load: a duplicate whose identity is taken now, its contents
+/// checked against the open's on that same `fstat` (nothing can slip between the check and
+/// the load's baseline), so that the load's own check after its copies
 /// ([`gpufeed::os::OpenedFile::changed`]) covers the load's window.
 fn as_of_now(file: &gpufeed::os::OpenedFile) -> gpufeed::load::Result<gpufeed::os::OpenedFile> {
     Ok(file.try_clone_as_of_now()?)
@@ -224,8 +225,8 @@ impl SafeFile {
     /// into new host memory that these arrays share.
     ///
     /// # Errors
-    /// The file changed since it was opened (its identity, asked of the descriptor): mapping
-    /// a truncated file would raise SIGBUS where its tensors are touched. An object's read
+    /// The file's contents changed since it was opened (its size or mtime, asked of the
+    /// descriptor): mapping a truncated file would raise SIGBUS where its tensors are touched. An object's read
     /// errors (replaced since it was opened, a failed request).
     fn host_tensors(&self, py: Python<'_>, indices: Vec<usize>) -> PyResult<Vec<Array>> {
         let tensors = indices

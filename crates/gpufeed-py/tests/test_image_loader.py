@@ -219,6 +219,9 @@ def test_an_elastic_run_resumes_where_it_stopped_and_bad_settings_are_refused(tm
         gpufeed.ImageLoader(tmp_path, device=None, crop_fraction=0)
     with pytest.raises(ValueError, match="cuda_decoders"):
         gpufeed.ImageLoader(tmp_path, device=None, cuda_decoders=-1)
+    np = pytest.importorskip("numpy")
+    gpufeed.ImageLoader(tmp_path, size=(8.0, 8), seed=np.int64(3), shuffle=None, device=None)
+    gpufeed.ImageLoader(tmp_path, size=np.int32(8), device=None)
     for size in ((8,), 8.5, True, ("8", 8)):
         with pytest.raises(ValueError, match="size"):
             gpufeed.ImageLoader(tmp_path, size=size, device=None)

@@ -565,7 +565,11 @@ fn work(
                 PrefetchSource::File(file) => {
                     let route =
                         route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
-                    loader.load_spans_to(file, &layout.spans, dst, Some(route))
+                    // Each chunk is a load of its own: its contents checked against the
+                    // prefetch's start (size, mtime), then its window in full (ctime too), so
+                    // a chmod or a rename over the path between chunks does not end it.
+                    let now = file.try_clone_as_of_now()?;
+                    loader.load_spans_to(&now, &layout.spans, dst, Some(route))
                 }
                 #[cfg(feature = "object")]
                 PrefetchSource::Object(object) => {

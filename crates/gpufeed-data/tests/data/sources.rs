@@ -642,4 +642,26 @@ fn a_batch_past_the_batch_buffer_is_an_error_naming_its_largest_file() {
         .map(|b| b.expect("batch").indices.len())
         .collect();
     assert_eq!(sizes, [8, 1]);
+
+    // One file alone over the buffer: no batch size helps, and the error says so.
+    let big = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(big.path().join("cls")).expect("mkdir");
+    std::fs::File::create(big.path().join("cls/huge.jpg"))
+        .and_then(|f| f.set_len((256 << 20) + 1))
+        .expect("sparse");
+    let cfg = BatchLoaderOptions::default().with_batch_size(1);
+    let folder = ImageFolder::open(big.path()).expect("folder");
+    let mut loader =
+        BatchLoader::new(folder, Sampler::new(Order::Sequential), cfg, None).expect("loader");
+    let err = loader
+        .epoch(0)
+        .expect("epoch")
+        .next()
+        .expect("a batch")
+        .expect_err("one file over 256 MiB");
+    let text = err.to_string();
+    assert!(
+        text.contains("huge.jpg alone") && text.contains("leave it out"),
+        "{text}"
+    );
 }

@@ -133,6 +133,13 @@ fn an_opened_file_stays_the_version_opened_and_tells_when_it_changed() {
         .expect("fstat")
         .expect("a longer file is seen");
     assert!(what.contains("size"), "{what}");
+    let err = opened
+        .try_clone_as_of_now()
+        .expect_err("a longer file is not cloned as of now");
+    assert!(
+        matches!(err, gpufeed_os::Error::ChangedSinceOpened { .. }),
+        "{err:?}"
+    );
 
     let err = gpufeed_os::OpenedFile::open(dir.path()).expect_err("a directory");
     assert!(

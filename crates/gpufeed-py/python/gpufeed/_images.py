@@ -125,7 +125,7 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
     if not blobs:
         return empty(), []
     array, kept, _ = _gpufeed.decode_augmented(
-        blobs, ordinal, on_error == "skip", bool(train), int(seed), int(epoch), index,
+        blobs, ordinal, on_error == "skip", bool(train), _seed(seed), int(epoch), index,
         width, height, floating, [float(v) for v in mean], [float(v) for v in std],
         (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1])),
         float(crop_fraction))
@@ -137,16 +137,37 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
     return out, kept
 
 
+def _seed(seed) -> int:
+    """``seed`` as an int from 0 to 2**64 - 1 (ints, numpy's and torch's integers; not
+    bools); a ValueError otherwise."""
+    try:
+        if isinstance(seed, bool):
+            raise TypeError
+        value = operator.index(seed)
+    except TypeError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise ValueError(f"seed {seed!r} is invalid: give an int from 0 to 2**64 - 1")
+    return value
+
+
+def _side(v) -> int:
+    """One side of ``size``: an int (numpy's and torch's too) or a float with no fraction."""
+    if isinstance(v, bool):
+        raise TypeError
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return operator.index(v)
+
+
 def _settings(torch, size, mean, std, crop_fraction, dtype) -> Tuple[int, int, bool]:
     """The augmentation's settings checked: ``(height, width, floating)`` of ``size`` (an int,
     or ``(height, width)``) and ``dtype``; a ValueError saying what is wrong otherwise."""
     try:
-        if isinstance(size, bool):
-            raise TypeError
-        if isinstance(size, int):
-            height = width = size
+        if hasattr(size, "__len__"):
+            height, width = (_side(v) for v in size)
         else:
-            height, width = (operator.index(v) for v in size)
+            height = width = _side(size)
     except (TypeError, ValueError):
         raise ValueError(f"size {size!r} is invalid: give a positive int or (height, width), "
                          "at most 16384") from None
@@ -237,15 +258,9 @@ class ImageLoader:
             raise ValueError("batch_size, workers and decoders must be at least 1")
         if cuda_decoders < 0:
             raise ValueError("cuda_decoders must be 0 or more")
-        given = seed
-        try:
-            if isinstance(seed, bool):
-                raise TypeError
-            seed = operator.index(seed)  # ints, numpy's and torch's integers
-        except TypeError:
-            seed = -1
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"seed {given!r} is invalid: give an int from 0 to 2**64 - 1")
+        seed = _seed(seed)
+        if shuffle is None:
+            shuffle = False
         if shuffle not in (True, False, "shards"):
             raise ValueError(f"shuffle {shuffle!r} is invalid: True, False or 'shards'")
         self._dtype = dtype if floating else torch.uint8
