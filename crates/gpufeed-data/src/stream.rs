@@ -1076,7 +1076,10 @@ mod objects {
         } else {
             format!("{base}/")
         };
-        Ok(parsed
+        // An index in object storage lists objects only: a local path there (absolute, or
+        // under a local base_path) would have another machine's file read into the batches.
+        let remote = ObjectUrl::is_url(index);
+        parsed
             .shardlist
             .into_iter()
             .map(|e| {
@@ -1085,9 +1088,16 @@ mod objects {
                 } else {
                     format!("{base}{}", e.url)
                 };
-                (url, Some(e.nsamples))
+                if remote && !ObjectUrl::is_url(&url) {
+                    return Err(bad(format!(
+                        "it is in object storage and lists the local path {url:?}: an index in \
+                         a bucket may list only objects (relative names, or s3:// / https:// \
+                         URLs)"
+                    )));
+                }
+                Ok((url, Some(e.nsamples)))
             })
-            .collect())
+            .collect()
     }
 
     fn kind_of(name: &str, record_bytes: Option<usize>) -> Result<Kind> {

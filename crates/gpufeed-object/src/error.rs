@@ -99,7 +99,8 @@ pub enum Error {
         want: u64,
     },
 
-    /// A request failed after the retries (connection refused or reset, time-outs, 5xx): the
+    /// A request failed after the retries without an error answer from the server
+    /// (connection refused or reset, time-outs; an error status is [`Error::Answered`]): the
     /// message of the store says which.
     #[error("{url}: {what} failed: {source}")]
     Request {
@@ -110,6 +111,19 @@ pub enum Error {
         /// The store's error.
         #[source]
         source: Box<object_store::Error>,
+    },
+
+    /// The server answered a request with an error status after the retries (a 400, a 5xx):
+    /// only its HTTP status and S3 error code are kept, because the rest of such an answer
+    /// can echo the signed request, session token included.
+    #[error("{url}: {what} failed: the server answered {answer}")]
+    Answered {
+        /// The object.
+        url: String,
+        /// The request (`HEAD`, `GET bytes a-b`).
+        what: String,
+        /// `HTTP 503, SlowDown`: the status and the `<Code>` the answer quoted.
+        answer: String,
     },
 
     /// A setting that cannot work: the message says which and what to write instead.
@@ -164,6 +178,11 @@ impl Error {
                 offset: *offset,
                 got: *got,
                 want: *want,
+            },
+            Error::Answered { url, what, answer } => Error::Answered {
+                url: url.clone(),
+                what: what.clone(),
+                answer: answer.clone(),
             },
             Error::Request { url, what, source } => Error::Request {
                 url: url.clone(),

@@ -345,6 +345,13 @@ fn store_error(
         // object_store asks the instance metadata service where it found no credentials:
         // its failure is the missing credentials, not the request's.
         source if is_metadata_failure(&source.to_string()) => Error::NoCredentials { url },
+        // An error status's answer: its status and code only (its body can echo the signed
+        // request, session token included).
+        source if is_answer(&source.to_string()) => Error::Answered {
+            url,
+            what: what.to_string(),
+            answer: refusal(&source.to_string()),
+        },
         source => Error::Request {
             url,
             what: what.to_string(),
@@ -396,6 +403,13 @@ fn refusal(text: &str) -> String {
         (None, Some(c)) => c,
         (None, None) => "the server refused the request".into(),
     }
+}
+
+/// Whether a store's error `text` carries a server's error answer (object_store's
+/// `RequestError::Status` and `Response` texts), whose body is not to be shown.
+fn is_answer(text: &str) -> bool {
+    text.contains("Server returned non-2xx status code")
+        || text.contains("Server returned error response")
 }
 
 /// Whether a store's error `text` is the instance metadata service's (EC2's credentials).
@@ -601,6 +615,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An error answer after the retries (a 400 quoting the session token, a 503) keeps its
+    /// status and code only: no token, no signature in the message.
+    #[test]
+    fn an_error_answer_shows_its_status_and_code_only() {
+        let body = "Server returned non-2xx status code: 400 Bad Request: <Error><Code>InvalidToken\
+                    </Code><Message>The provided token is malformed</Message><Token-0>FwoGZXIvYXdz\
+                    SECRETTOKEN</Token-0><RequestId>1</RequestId></Error> X-Amz-Security-Token=\
+                    SECRETTOKEN&Signature=abcdef";
+        let e = super::store_error(
+            "s3://b/k".into(),
+            None,
+            None,
+            "GET bytes 0-9",
+            object_store::Error::Generic {
+                store: "S3",
+                source: body.into(),
+            },
+        );
+        let text = e.to_string();
+        assert!(matches!(e, crate::Error::Answered { .. }), "{e:?}");
+        assert_eq!(
+            text,
+            "s3://b/k: GET bytes 0-9 failed: the server answered HTTP 400, InvalidToken"
+        );
+        // A connection error (no answer) keeps the store's text.
+        let e = super::store_error(
+            "s3://b/k".into(),
+            None,
+            None,
+            "HEAD",
+            object_store::Error::Generic {
+                store: "S3",
+                source: "error sending request: connection refused".into(),
+            },
+        );
+        assert!(e.to_string().contains("connection refused"), "{e}");
     }
 
     #[test]

@@ -244,7 +244,10 @@ impl ObjectOptions {
             max_retries: self.retries,
             retry_timeout: self.timeout,
         };
-        let endpoint = self.endpoint_for(url);
+        let endpoint = self
+            .endpoint_for(url)
+            .map(|e| checked_endpoint(&e))
+            .transpose()?;
         let client = ClientOptions::new()
             .with_timeout(self.timeout)
             .with_connect_timeout(self.connect_timeout)
@@ -307,6 +310,28 @@ impl ObjectOptions {
         };
         built.map_err(|e| Error::InvalidSetting(format!("{url}: {e}")))
     }
+}
+
+/// An endpoint as the store takes it: an `http://` or `https://` URL (any case) with a host,
+/// normalized (the scheme in lower case, no trailing `/`); anything else is
+/// [`Error::InvalidSetting`] (the S3 client panicked on an endpoint without a scheme).
+fn checked_endpoint(endpoint: &str) -> Result<String> {
+    let bad = || {
+        Error::InvalidSetting(format!(
+            "endpoint {endpoint:?} (ObjectOptions::with_endpoint, AWS_ENDPOINT_URL or the \
+             profile's endpoint_url) is not an http:// or https:// URL with a host: write it as \
+             http://host:port"
+        ))
+    };
+    let parsed = url::Url::parse(endpoint.trim()).map_err(|_| bad())?;
+    if !matches!(parsed.scheme(), "http" | "https")
+        || parsed.host_str().is_none_or(str::is_empty)
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+    {
+        return Err(bad());
+    }
+    Ok(parsed.as_str().trim_end_matches('/').to_owned())
 }
 
 /// The profile's sections of the shared credentials and config files.
@@ -401,6 +426,35 @@ pub(crate) fn ini_value(text: &str, section: &str, key: &str) -> Option<String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Endpoints without a scheme or host are refused with what to write (the S3 client
+    /// panicked on them); the scheme's case does not matter.
+    #[test]
+    fn endpoints_are_checked_and_normalized() {
+        for bad in [
+            "127.0.0.1:8333",
+            "not a url",
+            "ftp://host",
+            "http://",
+            "",
+            "http://h?x=1",
+        ] {
+            let e = checked_endpoint(bad).expect_err(bad);
+            assert!(e.to_string().contains("http://host:port"), "{bad}: {e}");
+        }
+        assert_eq!(
+            checked_endpoint("HTTP://127.0.0.1:8333/").expect("upper case"),
+            "http://127.0.0.1:8333"
+        );
+        assert_eq!(
+            checked_endpoint("https://s3.example.com/prefix").expect("a path"),
+            "https://s3.example.com/prefix"
+        );
+        // Through a store: an error, not a panic.
+        let opts = ObjectOptions::default().with_endpoint("127.0.0.1:8333");
+        let url = crate::ObjectUrl::parse("s3://b/k").expect("url");
+        assert!(matches!(opts.store(&url), Err(Error::InvalidSetting(_))));
+    }
 
     #[test]
     fn ini_sections_and_keys() {

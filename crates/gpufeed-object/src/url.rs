@@ -42,6 +42,14 @@ impl ObjectUrl {
             url: text.to_string(),
             reason: reason.to_string(),
         };
+        // The URL parser drops leading and trailing white space and removes tabs and line
+        // breaks anywhere: such a URL would read another object than the one written.
+        if text.trim() != text || text.chars().any(char::is_control) {
+            return Err(bad(
+                "white space at its ends, or control characters (tabs, line breaks): write them \
+                 percent-encoded (%20, %09) if the key has them",
+            ));
+        }
         let parsed = url::Url::parse(text).map_err(|e| bad(&e.to_string()))?;
         if !parsed.username().is_empty() || parsed.password().is_some() {
             // They would be echoed in every message and report, and not be used.
@@ -53,7 +61,14 @@ impl ObjectUrl {
             });
         }
         let decoded = |path: &str| -> Result<String> {
-            let raw = path.trim_start_matches('/');
+            // One `/` separates the bucket or host from the key: `s3://b//k` names the key
+            // `/k` (an empty first segment), not `k`.
+            let raw = path.strip_prefix('/').unwrap_or(path);
+            if raw.starts_with('/') {
+                return Err(bad(
+                    "two slashes after the bucket or host: the key would start with '/'",
+                ));
+            }
             let key = percent_decode(raw).ok_or_else(|| bad("its path is not UTF-8"))?;
             if key.is_empty() || key.ends_with('/') {
                 return Err(bad("it names no object (a bucket or folder, not a key)"));
@@ -71,6 +86,12 @@ impl ObjectUrl {
                     .ok_or_else(|| bad("no bucket"))?;
                 if parsed.query().is_some() || parsed.fragment().is_some() {
                     return Err(bad("an s3:// URL takes no query or fragment"));
+                }
+                if parsed.port().is_some() {
+                    return Err(bad(
+                        "an s3:// URL takes no port (the endpoint does: AWS_ENDPOINT_URL or \
+                         ObjectOptions::with_endpoint)",
+                    ));
                 }
                 Ok(ObjectUrl {
                     scheme: Scheme::S3,
@@ -202,6 +223,31 @@ mod tests {
         for bad in ["s3://b/a//c", "s3://b/a/%00/c"] {
             assert!(ObjectUrl::parse(bad).is_err(), "{bad}");
         }
+        // What the URL parser would fold into another key is refused: white space at the
+        // ends, tabs and line breaks anywhere, a second `/` after the bucket; so is a port on
+        // an s3:// URL (the endpoint has it). A space inside a key is the key's.
+        for bad in [
+            "s3://b/k.bin ",
+            " s3://b/k.bin",
+            "s3://b/k.b\tin",
+            "s3://b/k\n.bin",
+            "s3://b//k.bin",
+            "https://h//k.bin",
+            "s3://b:1234/k",
+        ] {
+            let e = ObjectUrl::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidUrl { .. }), "{bad:?}: {e}");
+        }
+        assert_eq!(
+            ObjectUrl::parse("s3://b/my key.bin").unwrap().key(),
+            "my key.bin"
+        );
+        assert_eq!(
+            ObjectUrl::parse("http://127.0.0.1:9000/x")
+                .unwrap()
+                .bucket(),
+            "http://127.0.0.1:9000"
+        );
         // Credentials in a URL: refused, and not echoed.
         let e = ObjectUrl::parse("https://alice:s3cr3t@host/file").unwrap_err();
         assert!(!e.to_string().contains("s3cr3t"), "{e}");

@@ -435,8 +435,18 @@ pub(crate) fn read_object<'py>(
     // every byte is initialized; only then is a slice made of it.
     unsafe {
         let ptr = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), len);
-        let bytes =
-            Bound::from_owned_ptr_or_err(py, ptr)?.cast_into_unchecked::<pyo3::types::PyBytes>();
+        let bytes = Bound::from_owned_ptr_or_err(py, ptr)
+            .map_err(|e| {
+                if e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py) {
+                    GpufeedError::new_err(format!(
+                        "{url}: {len} bytes do not fit in this process's memory: read a range \
+                         of it (start=, end=)"
+                    ))
+                } else {
+                    e
+                }
+            })?
+            .cast_into_unchecked::<pyo3::types::PyBytes>();
         let data = pyo3::ffi::PyBytes_AsString(ptr).cast::<u8>();
         if data.is_null() {
             return Err(PyErr::fetch(py));

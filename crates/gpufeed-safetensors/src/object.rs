@@ -185,12 +185,15 @@ fn plan(url: &str, opts: &ObjectOptions) -> Result<Vec<Planned>> {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if name.contains(['%', '?', '#']) {
+        if name.contains(['%', '?', '#', '\\'])
+            || name.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
             return Err(Error::Index {
                 path: url.into(),
                 reason: format!(
-                    "shard name {name:?}: '%', '?' and '#' are refused in an index in object \
-                     storage (a URL would decode them into another name)"
+                    "shard name {name:?}: '%', '?', '#', '\\', white space and control \
+                     characters are refused in an index in object storage (a URL would decode \
+                     them into another name: an http(s) URL reads '\\' as '/')"
                 ),
             });
         }

@@ -346,6 +346,35 @@ fn npy_and_tar_shards_stream_as_their_local_files_read() {
             .all(|e| e.contains("shard-0.tar") && e.contains("41")),
         "{errors:?}"
     );
+    // An index in the bucket that lists a local file (absolute, or under a local
+    // base_path): refused when opened, nothing of the file read.
+    let secret = local.path().join("secret.tar");
+    std::fs::write(&secret, &tars[0].1).expect("write");
+    for (key, doc) in [
+        (
+            "kinds/local.json",
+            format!(
+                r#"{{"shardlist": [{{"url": "{}", "nsamples": 40}}]}}"#,
+                secret.display()
+            ),
+        ),
+        (
+            "kinds/local-base.json",
+            format!(
+                r#"{{"base_path": "{}", "shardlist": [{{"url": "secret.tar", "nsamples": 40}}]}}"#,
+                local.path().display()
+            ),
+        ),
+    ] {
+        server.put(key, doc.as_bytes()).expect("put");
+        let err = StreamedShards::open(&[format!("s3://{BUCKET}/{key}")], &opts)
+            .expect_err("a local path in a bucket's index")
+            .to_string();
+        assert!(
+            err.contains(key) && err.contains("local path") && err.contains("secret.tar"),
+            "{err}"
+        );
+    }
     // Not a shard index: refused naming it.
     server.put("kinds/other.json", b"{\"a\": 1}").expect("put");
     let err = StreamedShards::open(&[format!("s3://{BUCKET}/kinds/other.json")], &opts)

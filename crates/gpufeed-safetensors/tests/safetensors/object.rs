@@ -125,6 +125,22 @@ fn checkpoints_in_a_bucket_are_checked_like_files() {
         matches!(e, Error::Index { .. }) && e.to_string().contains("refused"),
         "{e}"
     );
+    for (key, shard) in [
+        (
+            "bad/backslash.safetensors.index.json",
+            "..\\m-1.safetensors",
+        ),
+        ("bad/space.safetensors.index.json", "m-1.safetensors "),
+        ("bad/tab.safetensors.index.json", "m-1.safe\ttensors"),
+    ] {
+        let doc = serde_json::json!({"weight_map": {"a": shard}});
+        server.put(key, doc.to_string().as_bytes()).expect("put");
+        let e = inspect_object(&url(key), &o).unwrap_err();
+        assert!(
+            matches!(e, Error::Index { .. }) && e.to_string().contains("refused"),
+            "{shard:?}: {e}"
+        );
+    }
     let missing = serde_json::json!({"weight_map": {"a": "nowhere.safetensors"}});
     server
         .put(
