@@ -277,8 +277,11 @@ impl Object {
             return Err(Error::ObjectChanged {
                 url: self.url.to_string(),
                 what: format!(
-                    "{} bytes, ETag {:?} at open; {} bytes, ETag {:?} now",
-                    self.len, self.etag, got.meta.size, got.meta.e_tag
+                    "{} bytes, ETag {} at open; {} bytes, ETag {} now",
+                    self.len,
+                    shown(self.etag.as_deref()),
+                    got.meta.size,
+                    shown(got.meta.e_tag.as_deref())
                 ),
             });
         }
@@ -335,7 +338,7 @@ fn store_error(
         },
         object_store::Error::Precondition { .. } => Error::ObjectChanged {
             url,
-            what: format!("its ETag is no longer {etag:?}"),
+            what: format!("its ETag is no longer {}", shown(etag)),
         },
         e @ (object_store::Error::PermissionDenied { .. }
         | object_store::Error::Unauthenticated { .. }) => Error::AccessDenied {
@@ -403,6 +406,11 @@ fn refusal(text: &str) -> String {
         (None, Some(c)) => c,
         (None, None) => "the server refused the request".into(),
     }
+}
+
+/// An ETag as a message shows it: as the server sent it, or `none`.
+fn shown(etag: Option<&str>) -> &str {
+    etag.unwrap_or("none")
 }
 
 /// Whether a store's error `text` carries a server's error answer (object_store's

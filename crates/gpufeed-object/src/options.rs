@@ -324,6 +324,14 @@ fn checked_endpoint(endpoint: &str) -> Result<String> {
         ))
     };
     let parsed = url::Url::parse(endpoint.trim()).map_err(|_| bad())?;
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        // They would be echoed in messages, and not be used.
+        return Err(Error::InvalidSetting(
+            "an endpoint with credentials in it (user:password@) is not supported: give them \
+             as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or in the options"
+                .into(),
+        ));
+    }
     if !matches!(parsed.scheme(), "http" | "https")
         || parsed.host_str().is_none_or(str::is_empty)
         || parsed.query().is_some()
@@ -450,6 +458,8 @@ mod tests {
             checked_endpoint("https://s3.example.com/prefix").expect("a path"),
             "https://s3.example.com/prefix"
         );
+        let e = checked_endpoint("http://alice:s3cr3t@host:1").expect_err("credentials");
+        assert!(!e.to_string().contains("s3cr3t"), "{e}");
         // Through a store: an error, not a panic.
         let opts = ObjectOptions::default().with_endpoint("127.0.0.1:8333");
         let url = crate::ObjectUrl::parse("s3://b/k").expect("url");
