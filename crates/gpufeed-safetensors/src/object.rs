@@ -176,8 +176,17 @@ fn plan(url: &str, opts: &ObjectOptions) -> Result<Vec<Planned>> {
     // Shard names are plain file names (checked), joined to the index's prefix.
     let shards = shards_of(&text, Path::new(url))?;
     let mut planned = Vec::with_capacity(shards.files.len());
-    // The index's prefix, as given (up to its last `/`).
+    // The index's prefix, as given (up to its last `/`). An encoded `/` after it would put
+    // the index in a folder its shards are not looked up in.
     let prefix = &url[..url.rfind('/').map_or(0, |i| i + 1)];
+    if url[prefix.len()..].to_ascii_lowercase().contains("%2f") {
+        return Err(Error::Index {
+            path: url.into(),
+            reason: "its name holds an encoded '/' (%2F): write the '/' itself, so that its \
+                     shards are looked up beside it"
+                .into(),
+        });
+    }
     for (file, expected) in shards.files {
         // A plain file name (checked by `shards_of`), which a URL must not decode into
         // another: `%`, `?` and `#` would (`..%2F` is `../`).

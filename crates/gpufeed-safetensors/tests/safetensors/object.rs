@@ -141,6 +141,13 @@ fn checkpoints_in_a_bucket_are_checked_like_files() {
             "{shard:?}: {e}"
         );
     }
+    // The sharded index again, named with an encoded '/': refused, not read with the
+    // bucket root's shards.
+    let e = inspect_object(&url("sharded%2Fm.safetensors.index.json"), &o).unwrap_err();
+    assert!(
+        matches!(e, Error::Index { .. }) && e.to_string().contains("%2F"),
+        "{e}"
+    );
     let missing = serde_json::json!({"weight_map": {"a": "nowhere.safetensors"}});
     server
         .put(
