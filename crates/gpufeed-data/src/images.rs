@@ -10,11 +10,11 @@
 //! lossless, hierarchical and arithmetic-coded ones, 4:1:1 and other subsampling beyond 2x in
 //! a direction, chroma sampled finer than luma, and sequential JPEGs with one scan per
 //! component (non-interleaved; zune-jpeg 0.5.15 decodes all of these wrongly, the last seen
-//! at 4:2:0 and 4:4:0 and refused at any subsampling), images of
-//! more than [`MAX_JPEG_PIXELS`] pixels, and files cut short (no end-of-image marker after the
-//! image data, or fewer bytes of image data than a bit per 8x8 block: a decompression bomb's
-//! shape), and restart markers out of step with the restart interval; while decoding, data
-//! the strict decoder finds corrupt.
+//! at 4:2:0 and 4:4:0 and refused at any subsampling), images of more than
+//! [`MAX_JPEG_PIXELS`] pixels, files cut short (no end-of-image marker after the image data,
+//! or fewer bytes of image data than a bit per 8x8 block: a decompression bomb's shape), and
+//! restart markers out of step with the restart interval; while decoding, data the strict
+//! decoder finds corrupt.
 //!
 //! # Against libjpeg-turbo (torchvision's `decode_jpeg`)
 //! Pixels are within a few levels of libjpeg-turbo's: both decode with integer IDCTs and
@@ -293,6 +293,15 @@ pub(crate) struct Headers {
     scan_components: u8,
 }
 
+impl Headers {
+    /// The largest horizontal and vertical sampling factors of its components (an MCU of an
+    /// interleaved scan is that many 8x8 blocks each way).
+    fn max_factors(&self) -> (u8, u8) {
+        let max = |f: fn(&(u8, u8)) -> u8| self.sampling.iter().map(f).max().unwrap_or(1);
+        (max(|s| s.0), max(|s| s.1))
+    }
+}
+
 /// Reads a JPEG's headers, from its SOI marker to its first SOS segment: the frame header
 /// (SOF0, SOF1 or SOF2; the other SOF markers are codings not decoded) and a DRI before the
 /// scan; every other segment skipped by its length.
@@ -525,8 +534,7 @@ fn check_sampling(headers: &Headers) -> Result<(), ImageError> {
             factors.join(", ")
         )));
     }
-    let h_max = sampling.iter().map(|s| s.0).max().unwrap_or(1);
-    let v_max = sampling.iter().map(|s| s.1).max().unwrap_or(1);
+    let (h_max, v_max) = headers.max_factors();
     let ratio_ok = |max: u8, f: u8| max.is_multiple_of(f) && max / f <= 2;
     if sampling
         .iter()
@@ -623,10 +631,8 @@ fn check_restarts(bytes: &[u8], headers: &Headers) -> Result<(), ImageError> {
     let (h_max, v_max) = if sampling.len() == 1 {
         (1, 1)
     } else {
-        (
-            u32::from(sampling.iter().map(|s| s.0).max().unwrap_or(1)),
-            u32::from(sampling.iter().map(|s| s.1).max().unwrap_or(1)),
-        )
+        let (h, v) = headers.max_factors();
+        (u32::from(h), u32::from(v))
     };
     let mcus =
         u64::from(header.width.div_ceil(8 * h_max)) * u64::from(header.height.div_ceil(8 * v_max));
@@ -800,8 +806,9 @@ mod tests {
     }
 
     /// A file declaring a huge image with fewer bytes of image data than its blocks' Huffman
-    /// codes take at the least (a bit per 8x8 block of a full-resolution component) is refused before
-    /// anything of the declared size is allocated; one with that many gets past the check.
+    /// codes take at the least (a bit per 8x8 block of a full-resolution component) is
+    /// refused before anything of the declared size is allocated; one with that many gets
+    /// past the check.
     #[test]
     fn a_small_file_declaring_a_huge_image_is_refused_before_decoding() {
         let with_data = |bytes: usize| {

@@ -345,21 +345,28 @@ fn store_error(
             url,
             reason: refusal(&e.to_string()),
         },
-        // object_store asks the instance metadata service where it found no credentials:
-        // its failure is the missing credentials, not the request's.
-        source if is_metadata_failure(&source.to_string()) => Error::NoCredentials { url },
-        // An error status's answer: its status and code only (its body can echo the signed
-        // request, session token included).
-        source if is_answer(&source.to_string()) => Error::Answered {
-            url,
-            what: what.to_string(),
-            answer: refusal(&source.to_string()),
-        },
-        source => Error::Request {
-            url,
-            what: what.to_string(),
-            source: Box::new(source),
-        },
+        source => {
+            let text = source.to_string();
+            if is_metadata_failure(&text) {
+                // object_store asks the instance metadata service where it found no
+                // credentials: its failure is the missing credentials, not the request's.
+                Error::NoCredentials { url }
+            } else if is_answer(&text) {
+                // An error status's answer: its status and code only (its body can echo the
+                // signed request, session token included).
+                Error::Answered {
+                    url,
+                    what: what.to_string(),
+                    answer: refusal(&text),
+                }
+            } else {
+                Error::Request {
+                    url,
+                    what: what.to_string(),
+                    source: Box::new(source),
+                }
+            }
+        }
     }
 }
 

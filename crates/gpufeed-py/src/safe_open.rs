@@ -109,39 +109,22 @@ pub(crate) fn parse_header<'py>(
     Ok((start, metadata, listed(py, &tensors)?))
 }
 
-/// The handle's file for one load: a duplicate whose identity is taken now, its contents
-/// checked against the open's on that same `fstat` (nothing can slip between the check and
-/// the load's baseline), so that the load's own check after its copies
-/// ([`gpufeed::os::OpenedFile::changed`]) covers the load's window.
-fn as_of_now(file: &gpufeed::os::OpenedFile) -> gpufeed::load::Result<gpufeed::os::OpenedFile> {
-    Ok(file.try_clone_as_of_now()?)
-}
-
 impl SafeFile {
-    /// Refuses a file whose contents changed since it was opened, as far as its size and
-    /// modification time tell: a handle is held open long, and a `chmod`, a rename or the
-    /// file's last link removed meanwhile leave the version opened intact (safetensors reads
-    /// it too). An object is checked by its reads (its ETag).
-    fn check_contents(&self) -> PyResult<()> {
-        let Source::File(file) = &self.source else {
-            return Ok(());
-        };
-        match file.content_changed().map_err(py_err)? {
-            Some(what) => Err(GpufeedError::new_err(format!(
-                "{}: the file changed since it was opened ({what}): open it again",
-                file.path().display()
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// The owner of the file's private mapping, made on first use.
     fn host_owner(&self, file: &gpufeed::os::OpenedFile) -> PyResult<Arc<Owner>> {
         let mut host = self.host.lock();
         if let Some(owner) = host.as_ref() {
             return Ok(Arc::clone(owner));
         }
-        self.check_contents()?;
+        // Its contents as far as size and mtime tell: a handle is held open long, and a
+        // chmod, a rename or the file's last link removed meanwhile leave the version opened
+        // intact (safetensors reads it too).
+        if let Some(what) = file.content_changed().map_err(py_err)? {
+            return Err(GpufeedError::new_err(format!(
+                "{}: the file changed since it was opened ({what}): open it again",
+                file.path().display()
+            )));
+        }
         #[allow(unsafe_code, reason = "mapping a file")]
         // SAFETY: a private mapping: the process's writes never reach the file. The file's
         // size was checked unchanged just now; one truncated by another process later makes
@@ -174,7 +157,11 @@ impl SafeFile {
         let total: u64 = spans.iter().map(|s| s.end.saturating_sub(s.start)).sum();
         reaper::wait_idle_before(total);
         let (buf, _) = match &self.source {
-            Source::File(file) => loader.load_spans_of(&as_of_now(file)?, spans)?,
+            // A duplicate whose identity is taken now, its contents checked against the
+            // open's on that same `fstat`: the load's own check after its copies covers its
+            // window (a handle is held open long; a chmod or a rename over the path meanwhile
+            // left the version opened intact).
+            Source::File(file) => loader.load_spans_of(&file.try_clone_as_of_now()?, spans)?,
             Source::Object(object) => loader.load_object_spans(object, spans)?,
         };
         Ok(buf)
@@ -226,8 +213,8 @@ impl SafeFile {
     ///
     /// # Errors
     /// The file's contents changed since it was opened (its size or mtime, asked of the
-    /// descriptor): mapping a truncated file would raise SIGBUS where its tensors are touched. An object's read
-    /// errors (replaced since it was opened, a failed request).
+    /// descriptor): mapping a truncated file would raise SIGBUS where its tensors are
+    /// touched. An object's read errors (replaced since it was opened, a failed request).
     fn host_tensors(&self, py: Python<'_>, indices: Vec<usize>) -> PyResult<Vec<Array>> {
         let tensors = indices
             .into_iter()
@@ -292,7 +279,6 @@ impl SafeFile {
         device: usize,
         importer: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        self.check_contents()?;
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let span = self.data_start..self.len();
@@ -321,7 +307,6 @@ impl SafeFile {
 
     /// Bytes `spans` (absolute offsets, back to back) on GPU `device`: a `U8` array.
     fn load_spans(&self, py: Python<'_>, device: usize, spans: Vec<(u64, u64)>) -> PyResult<Array> {
-        self.check_contents()?;
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let spans: Vec<std::ops::Range<u64>> = spans.into_iter().map(|(a, b)| a..b).collect();
@@ -457,11 +442,11 @@ impl SafeFile {
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
     ) -> PyResult<NativePrefetch> {
-        self.check_contents()?;
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
         let file: gpufeed::safetensors::PrefetchSource = match &self.source {
-            Source::File(file) => as_of_now(file).map_err(py_err)?.into(),
+            // As for `load`: the prefetch's chunks each check their window from here.
+            Source::File(file) => file.try_clone_as_of_now().map_err(py_err)?.into(),
             Source::Object(object) => Arc::clone(object).into(),
         };
         let items: Vec<PrefetchItem> = items

@@ -4,11 +4,10 @@ them) or on the CPU; ``decode_batch``: a training or evaluation batch decoded, c
 resized (antialiased), mirrored and normalized on a GPU, as one tensor; ``ImageLoader``: such
 batches of an image folder or WebDataset shards, epoch after epoch, with their labels."""
 
-import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _gpufeed
-from ._safe_open import SafetensorError, device_ordinal
+from ._safe_open import SafetensorError, _as_int, device_ordinal
 
 _POLICIES = ("raise", "skip")
 
@@ -140,24 +139,20 @@ def decode_batch(images: Sequence[Any], size: Any = 224, *, device: Any = 0, tra
 def _seed(seed) -> int:
     """``seed`` as an int from 0 to 2**64 - 1 (ints, numpy's and torch's integers; not
     bools); a ValueError otherwise."""
-    try:
-        if isinstance(seed, bool):
-            raise TypeError
-        value = operator.index(seed)
-    except TypeError:
-        value = -1
-    if not 0 <= value < 2**64:
+    value = _as_int(seed)
+    if value is None or not 0 <= value < 2**64:
         raise ValueError(f"seed {seed!r} is invalid: give an int from 0 to 2**64 - 1")
     return value
 
 
 def _side(v) -> int:
     """One side of ``size``: an int (numpy's and torch's too) or a float with no fraction."""
-    if isinstance(v, bool):
-        raise TypeError
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    return operator.index(v)
+    side = _as_int(v)
+    if side is None:
+        raise TypeError
+    return side
 
 
 def _settings(torch, size, mean, std, crop_fraction, dtype) -> Tuple[int, int, bool]:
@@ -193,8 +188,9 @@ class ImageLoader:
     class folders sorted by name give the labels), a WebDataset ``.tar`` shard, a glob pattern or
     a list of shards (each sample's ``.jpg``/``.jpeg`` member; its label from ``.cls``, ``-1``
     where it has none; each found by its last suffix in a key with dots); shards in object
-    storage (``s3://``, ``https://``; an ``s3://`` pattern is listed; a ``.json`` shard index in webdataset's wids format lists them with their sample
-    counts, so nothing is read before the first epoch) are streamed as ``BatchLoader`` streams
+    storage (``s3://``, ``https://``; an ``s3://`` pattern is listed; a ``.json`` shard index
+    in webdataset's wids format lists them with their sample counts, so nothing is read
+    before the first epoch) are streamed as ``BatchLoader`` streams
     them: each fetched when the epoch first needs it, into ``cache`` where given, else into
     memory, at most ``spool_bytes`` at once (a quarter of the available memory, at most 16 GiB,
     by default). ``shuffle="shards"`` visits the shards in a shuffled order, each one's samples

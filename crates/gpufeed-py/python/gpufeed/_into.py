@@ -2,14 +2,13 @@
 has (an inference engine's preallocated parameters, a module built on the GPU), through a
 bounded staging on the device: no tensor of gpufeed's own, no second copy of the model."""
 
-import operator
 import os
 from typing import Any, Dict, List, Optional
 
 from . import _gpufeed
 from ._gpufeed import GpufeedError
-from ._safe_open import (_DTYPES, SafetensorError, _NoGpu, _is_url, _numel, _strides, _torch,
-                         _translated)
+from ._safe_open import (_DTYPES, SafetensorError, _NoGpu, _as_int, _is_url, _numel, _strides,
+                         _torch, _translated)
 
 
 class IncompatibleKeys:
@@ -310,12 +309,7 @@ def _bound(name, v):
     takes (a 64-bit integer; anything larger is out of range for every tensor anyway)."""
     if v is None:
         return None
-    if isinstance(v, bool):
+    i = _as_int(v)
+    if i is None:
         raise SafetensorError(f"load_into plan slice bounds for {name} must be integers or None")
-    try:
-        v = operator.index(v)
-    except TypeError:
-        raise SafetensorError(
-            f"load_into plan slice bounds for {name} must be integers or None"
-        ) from None
-    return max(min(v, 2**62), -(2**62))
+    return max(min(i, 2**62), -(2**62))

@@ -188,6 +188,17 @@ def _translated(e: Exception, path=None) -> Exception:
     return SafetensorError(str(e))
 
 
+def _as_int(v) -> Optional[int]:
+    """``v`` as an int where it is an integer (numpy's and torch's too), else None; a bool is
+    no integer here."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def _is_url(path) -> bool:
     """Whether ``path`` names an object (``s3://``, ``s3a://``, ``http://``, ``https://``, with
     something after the scheme), as gpufeed's native ``ObjectUrl::is_url`` decides."""
@@ -789,15 +800,11 @@ class safe_open:
                 v = getattr(value, attr)
                 if v is None:
                     continue
-                try:
-                    # ints, numpy's and torch's integers (as safetensors takes them); not bools
-                    if isinstance(v, bool):
-                        raise TypeError
-                    v = operator.index(v)
-                except TypeError:
+                v = _as_int(v)  # numpy's and torch's integers too, as safetensors takes them
+                if v is None:
                     raise SafetensorError(
                         f"prefetch plan slice bounds for {name} must be integers or None"
-                    ) from None
+                    )
                 if v > n or v < -n:
                     raise SafetensorError(
                         f"prefetch plan slice {attr} {v} for {name} is out of range for {n} rows"
