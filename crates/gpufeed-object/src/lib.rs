@@ -26,10 +26,11 @@
 //! Credentials, region and endpoint come the standard way (`AWS_ACCESS_KEY_ID`,
 //! `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`, `AWS_PROFILE` and the shared
 //! files; see [`ObjectOptions`]); S3-compatible servers are addressed path-style. The HTTP
-//! client is Apache Arrow's `object_store` (reqwest, rustls) on a small tokio runtime of the
-//! crate's own (one per process: a forked child makes its own); the API is blocking, callable
-//! from any thread, also from inside an async runtime (the call then runs on a thread of its
-//! own).
+//! client is Apache Arrow's `object_store` (reqwest, rustls; an S3 endpoint's redirects are not
+//! followed, so that no request with its session token goes to another host) on a small tokio
+//! runtime of the crate's own (one per process: a forked child makes its own); the API is
+//! blocking, callable from any thread, also from inside an async runtime (the call then runs
+//! on a thread of its own).
 //!
 //! Depends on no other gpufeed crate.
 //!
@@ -49,6 +50,7 @@
 #![deny(unsafe_code)]
 
 mod ahead;
+mod client;
 mod error;
 mod object;
 mod options;

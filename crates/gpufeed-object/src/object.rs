@@ -354,10 +354,19 @@ fn store_error(
             } else if is_answer(&text) {
                 // An error status's answer: its status and code only (its body can echo the
                 // signed request, session token included).
+                let mut answer = refusal(&text);
+                let redirect = ["HTTP 301", "HTTP 302", "HTTP 303", "HTTP 307", "HTTP 308"];
+                if redirect.iter().any(|r| answer.starts_with(r)) {
+                    answer.push_str(
+                        " (a redirect: an S3 endpoint's redirects are not followed, since they \
+                         would take the request's session token to another host; set the \
+                         endpoint and region of where the bucket is)",
+                    );
+                }
                 Error::Answered {
                     url,
                     what: what.to_string(),
-                    answer: refusal(&text),
+                    answer,
                 }
             } else {
                 Error::Request {

@@ -286,6 +286,7 @@ impl ObjectOptions {
                     .with_bucket_name(url.bucket())
                     .with_retry(retry)
                     .with_client_options(client)
+                    .with_http_connector(crate::client::NoRedirects)
                     .with_virtual_hosted_style_request(false);
                 if let Some(c) = given {
                     b = b

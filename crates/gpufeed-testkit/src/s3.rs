@@ -325,6 +325,9 @@ pub struct Faults {
     pub cut: (usize, usize),
     /// Every read from the server waits this long first (a slow link).
     pub delay: Duration,
+    /// Every connection (after the 503s) is answered `307 Temporary Redirect` to the same
+    /// path at this endpoint (`http://127.0.0.1:PORT`: another host), and closed.
+    pub redirect: Option<String>,
 }
 
 /// A TCP proxy on 127.0.0.1 in front of `upstream` that injects [`Faults`]; a client sees
@@ -388,6 +391,21 @@ fn serve(mut client: TcpStream, upstream: SocketAddr, n: usize, faults: &Faults)
             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
+        );
+        let _ = client.shutdown(Shutdown::Both);
+        return;
+    }
+    if let Some(to) = &faults.redirect {
+        let mut head = vec![0u8; 16 << 10];
+        let _ = client.set_read_timeout(Some(Duration::from_secs(5)));
+        let got = client.read(&mut head).unwrap_or(0);
+        let head = String::from_utf8_lossy(&head[..got]);
+        // `GET /bucket/key HTTP/1.1`: the same path at the other endpoint.
+        let path = head.split_whitespace().nth(1).unwrap_or("/");
+        let _ = write!(
+            client,
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: {to}{path}\r\n\
+             Content-Length: 0\r\nConnection: close\r\n\r\n"
         );
         let _ = client.shutdown(Shutdown::Both);
         return;

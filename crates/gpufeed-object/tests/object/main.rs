@@ -168,6 +168,50 @@ fn missing_keys_buckets_and_wrong_credentials_are_clear_errors() {
 }
 
 #[test]
+fn an_endpoints_redirect_to_another_host_is_not_followed() {
+    let test = "an_endpoints_redirect_to_another_host_is_not_followed";
+    let Some(server) = s3::seaweedfs_or_skip(test) else {
+        return;
+    };
+    put(&server, "moved.bin", b"the bytes");
+    // "Another host": a plain proxy in front of the same server, counting its connections.
+    let other = FaultProxy::start(server.addr, Faults::default()).expect("proxy");
+    let redirecting = FaultProxy::start(
+        server.addr,
+        Faults {
+            redirect: Some(other.endpoint.clone()),
+            ..Faults::default()
+        },
+    )
+    .expect("proxy");
+    let mut credentials = Credentials::new(ACCESS_KEY, SECRET_KEY);
+    credentials.token = Some("a-session-token".into());
+    let o = opts(&redirecting.endpoint)
+        .with_credentials(credentials)
+        .with_retries(1);
+    let e = Object::open(&url("moved.bin"), &o).unwrap_err();
+    assert!(matches!(e, Error::Answered { .. }), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("HTTP 307") && text.contains("redirect") && text.contains("endpoint"),
+        "{text}"
+    );
+    assert!(!text.contains("a-session-token"), "{text}");
+    // Nothing went to the other host: neither the request nor its token.
+    assert_eq!(
+        other.connections.load(std::sync::atomic::Ordering::Acquire),
+        0,
+        "the redirect was followed"
+    );
+    assert!(
+        redirecting
+            .connections
+            .load(std::sync::atomic::Ordering::Acquire)
+            >= 1
+    );
+}
+
+#[test]
 fn an_object_replaced_after_open_is_never_read_as_a_mix() {
     let test = "an_object_replaced_after_open_is_never_read_as_a_mix";
     let Some(server) = s3::seaweedfs_or_skip(test) else {
