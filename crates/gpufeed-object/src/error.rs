@@ -102,7 +102,7 @@ pub enum Error {
     /// A request failed after the retries without an error answer from the server
     /// (connection refused or reset, time-outs; an error status is [`Error::Answered`]): the
     /// message of the store says which.
-    #[error("{url}: {what} failed: {source}")]
+    #[error("{url}: {what} failed: {source}{cause}")]
     Request {
         /// The object.
         url: String,
@@ -111,6 +111,9 @@ pub enum Error {
         /// The store's error.
         #[source]
         source: Box<object_store::Error>,
+        /// What the store's message leaves out: `" (operation timed out: ...)"`, the innermost
+        /// cause of `source` with what to do where known; empty where the message says it.
+        cause: String,
     },
 
     /// The server answered a request with an error status after the retries (a 400, a 5xx):
@@ -184,13 +187,19 @@ impl Error {
                 what: what.clone(),
                 answer: answer.clone(),
             },
-            Error::Request { url, what, source } => Error::Request {
+            Error::Request {
+                url,
+                what,
+                source,
+                cause,
+            } => Error::Request {
                 url: url.clone(),
                 what: what.clone(),
                 source: Box::new(object_store::Error::Generic {
                     store: "S3",
                     source: source.to_string().into(),
                 }),
+                cause: cause.clone(),
             },
             Error::InvalidSetting(s) => Error::InvalidSetting(s.clone()),
             Error::Runtime(s) => Error::Runtime(s.clone()),

@@ -372,6 +372,7 @@ fn store_error(
                 Error::Request {
                     url,
                     what: what.to_string(),
+                    cause: left_out_cause(&source, &text),
                     source: Box::new(source),
                 }
             }
@@ -421,6 +422,28 @@ fn refusal(text: &str) -> String {
         (Some(s), None) => s,
         (None, Some(c)) => c,
         (None, None) => "the server refused the request".into(),
+    }
+}
+
+/// The innermost cause of the store's error `e` (whose message is `text`) where that message
+/// does not say it, as `" (cause)"`: object_store's text for a body that stalled past the
+/// timeout ends at "request or response body error", the "operation timed out" under it;
+/// empty where there is nothing to add.
+fn left_out_cause(e: &object_store::Error, text: &str) -> String {
+    let mut root: &dyn std::error::Error = e;
+    while let Some(next) = root.source() {
+        root = next;
+    }
+    let cause = root.to_string();
+    if cause.is_empty() || text.contains(&cause) {
+        String::new()
+    } else if cause.contains("timed out") {
+        format!(
+            " ({cause}: each request, with its retries, must finish within \
+             ObjectOptions::timeout; raise it for a slow link or server)"
+        )
+    } else {
+        format!(" ({cause})")
     }
 }
 

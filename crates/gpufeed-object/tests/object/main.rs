@@ -435,6 +435,34 @@ fn answers_slower_than_the_timeout_are_an_error() {
         "{:?}",
         start.elapsed()
     );
+    assert!(
+        e.to_string().contains("timed out") && e.to_string().contains("ObjectOptions::timeout"),
+        "{e}"
+    );
+    // A body that stalls after its headers: the store's message ends at "request or response
+    // body error", and the error says that it was the timeout, and which.
+    let data = gpufeed_testkit::random_bytes(4 << 20, gpufeed_testkit::seed(test));
+    put(&server, "stalls", &data);
+    let proxy = FaultProxy::start(
+        server.addr,
+        Faults {
+            delay: Duration::from_millis(700),
+            ..Faults::default()
+        },
+    )
+    .expect("proxy");
+    let o = opts(&proxy.endpoint)
+        .with_retries(1)
+        .with_timeout(Duration::from_millis(1500))
+        .with_request_bytes(4 << 20)
+        .with_requests_in_flight(1);
+    let obj = Object::open(&url("stalls"), &o).expect("the HEAD's answer is one read");
+    let e = obj.read_all().unwrap_err();
+    assert!(matches!(e, Error::Request { .. }), "{e}");
+    assert!(
+        e.to_string().contains("timed out") && e.to_string().contains("ObjectOptions::timeout"),
+        "{e}"
+    );
 }
 
 #[test]
