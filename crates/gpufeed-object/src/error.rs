@@ -101,7 +101,8 @@ pub enum Error {
 
     /// A request failed after the retries without an error answer from the server
     /// (connection refused or reset, time-outs; an error status is [`Error::Answered`]): the
-    /// message of the store says which.
+    /// message of the store, and the cause under it where that message leaves it out, say
+    /// which.
     #[error("{url}: {what} failed: {source}{cause}")]
     Request {
         /// The object.
