@@ -19,8 +19,8 @@
 //!   [`read_ahead_bytes`] held (the loader's fill threads read with their own GETs: faster on
 //!   the H200 machine).
 //! - Failures retried with exponential backoff (5xx, throttling, refused or reset
-//!   connections, bodies cut short: the store's retries, bounded by
-//!   [`ObjectOptions::timeout`]); what is left is a typed [`Error`] naming the object and what
+//!   connections, bodies cut short where the server sent an ETag: the store's retries,
+//!   bounded by [`ObjectOptions::timeout`]); what is left is a typed [`Error`] naming the object and what
 //!   to do ([`Error::NotFound`], [`Error::AccessDenied`], [`Error::Truncated`]...).
 //!
 //! Credentials, region and endpoint come the standard way (`AWS_ACCESS_KEY_ID`,
