@@ -576,6 +576,31 @@ def test_get_slice_indexing_equals_safetensors(tmp_path, gen):
     assert compared > 200 and refused > 30, (compared, refused)
 
 
+def test_a_slice_reads_after_its_handle_closed_as_safetensors(tmp_path, gen):
+    """Slices taken inside a ``with`` block index after it, and after the handle was dropped
+    and the file's name removed, as safetensors' do; the handle itself refuses."""
+    from safetensors.torch import save_file
+
+    tensors = {"x": random_tensor(torch.float32, (7, 13, 5), gen),
+               "m": random_tensor(torch.bfloat16, (4, 6), gen)}
+    path = str(tmp_path / "slices.safetensors")
+    save_file(tensors, path)
+    with ST_OPEN(path, framework="pt") as ref:
+        want = {n: ref.get_slice(n) for n in tensors}
+    with gpufeed.safe_open(path) as f:
+        got = {n: f.get_slice(n) for n in tensors}
+    raises_gpufeed_error(lambda: f.get_slice("x"), what="get_slice after close")
+    del f
+    gc.collect()
+    os.remove(path)
+    for name in tensors:
+        assert got[name].get_shape() == want[name].get_shape()
+        assert got[name].get_dtype() == want[name].get_dtype()
+        for index in ((slice(1, 3),), (Ellipsis, slice(2, 5)), 0, ()):
+            assert_same(got[name][index], want[name][index],
+                        f"get_slice({name!r})[{index!r}] after close")
+
+
 def test_get_slice_of_a_0d_tensor(tmp_path, gen):
     from safetensors.torch import save_file
 

@@ -370,6 +370,14 @@ def test_get_slice_on_the_gpu_equals_safetensors_moved_there():
                         assert_same(torch, s[index], want.to("cuda:0"), what)
                         compared += 1
         assert compared > 150, compared
+        # Slices taken in a `with` block read after it, as safetensors' do.
+        with st_open(path, framework="pt") as ref:
+            want = {n: ref.get_slice(n) for n in ("x", "m")}
+        with gpufeed.safe_open(path, device="cuda:0") as f:
+            kept = {n: f.get_slice(n) for n in ("x", "m")}
+        for name, index in (("x", (slice(1, 3), slice(None), 2)), ("m", (Ellipsis, slice(2, 5)))):
+            assert_same(torch, kept[name][index], want[name][index].to("cuda:0"),
+                        f"get_slice({name!r})[{index!r}] on cuda:0 after close")
 
 
 def test_prefetch_names_len_take_once_and_iteration():

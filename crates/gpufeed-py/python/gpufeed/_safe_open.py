@@ -385,7 +385,8 @@ class PrefetchLoader:
 class _Slice:
     """A tensor to index without reading it first (``safe_open.get_slice``): ``get_shape``,
     ``get_dtype``, and ``[...]`` with ints, slices (positive steps) and ``...``; on a GPU only
-    the bytes of the slice are read."""
+    the bytes of the slice are read. A slice keeps its file: it still reads after its handle
+    was closed (``with`` block left), as safetensors' slices do."""
 
     def __init__(self, handle, name, entry):
         self._handle = handle
@@ -710,7 +711,8 @@ class safe_open:
         return _Slice(self, name, self._entry(name))
 
     def _slice(self, name, e: _Entry, index):
-        self._check_open()
+        # No open check: a slice taken before `close` still reads (safetensors' do); the
+        # native file it reads stays until the last slice and the handle are gone.
         torch = self._torch()
         td, size, packed = _dtype(torch, e.dtype)
         shape = list(e.shape)
