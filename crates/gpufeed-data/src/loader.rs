@@ -789,6 +789,15 @@ impl BatchLoader {
                 at.samples
             ));
         }
+        // The end of an epoch is a position (its last batch may be partial); past it is not.
+        let end = n.div_ceil(global as u64).saturating_mul(global as u64);
+        if at.samples > end {
+            return bad(format!(
+                "{} samples is past the end of an epoch of {n} records ({end} with the last \
+                 global batch whole)",
+                at.samples
+            ));
+        }
         Ok(())
     }
 
@@ -820,11 +829,8 @@ impl BatchLoader {
         // Hand out the first `prefetch` jobs; one more per batch consumed.
         {
             let mut q = shared.queue.lock();
-            for _ in 0..self.cfg.prefetch {
-                if let Some(j) = jobs.pop_front() {
-                    q.jobs.push_back(j);
-                }
-            }
+            let first = self.cfg.prefetch.min(jobs.len());
+            q.jobs.extend(jobs.drain(..first));
         }
         let (tx, rx) = mpsc::channel();
         let generation = stream

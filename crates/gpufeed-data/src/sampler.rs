@@ -216,7 +216,9 @@ impl Sampler {
     fn elastic_share(&self, order: &[usize], global: usize, start: usize) -> Vec<usize> {
         let (n, w, r) = (order.len(), self.world_size, self.rank);
         let b = global / w;
-        let mut out = Vec::with_capacity(n.saturating_sub(start) / w + b);
+        // At most every record from `start` once, plus one batch's repeats: not `b` itself,
+        // which a huge global batch makes past memory.
+        let mut out = Vec::with_capacity((n.saturating_sub(start) / w).saturating_add(b.min(n)));
         let mut s = start;
         while s < n {
             let m = global.min(n - s);
@@ -235,7 +237,7 @@ impl Sampler {
                     }
                 }));
             }
-            s += global;
+            s = s.saturating_add(global);
         }
         out
     }

@@ -398,8 +398,16 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, SourceError>
                     tar.len()
                 ),
             })?;
-        // `end` is within the file, so rounding it up to a block cannot overflow.
-        let next = data + (end - data).div_ceil(BLOCK) * BLOCK;
+        // `end` is within the file, so rounding it up to a block cannot overflow. Links,
+        // devices, directories and FIFOs own no data blocks whatever their size field says
+        // (as Python's `tarfile`, WebDataset's reader, takes them): skipping a size there
+        // would hide the members after them. A V7 directory is a plain entry named `.../`.
+        let v7_directory = kind == 0 && c_string(&header[..100]).ends_with('/');
+        let next = if matches!(kind, b'1'..=b'6') || v7_directory {
+            data
+        } else {
+            data + (end - data).div_ceil(BLOCK) * BLOCK
+        };
         let body = &tar[data..end];
         let bad_pax = |why: String| malformed(format!("the pax header at offset {at}: {why}"));
         match kind {
@@ -427,7 +435,7 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, SourceError>
                     )));
                 }
             }
-            b'0' | 0 | b'7' | b'S' => {
+            b'0' | 0 | b'7' | b'S' if !v7_directory => {
                 let name = ext.path.take().unwrap_or_else(|| ustar_name(header));
                 if kind == b'S' || ext.sparse {
                     return Err(unsupported(format!(
@@ -448,6 +456,11 @@ pub fn index_tar(tar: &[u8]) -> std::result::Result<Vec<TarSample>, SourceError>
 }
 
 /// Adds member `name` at `range` to the last sample when it has the same key, else starts one.
+/// As WebDataset splits names (`^((?:.*/|)[^.]+)[.]([^/]*)$`): the key is the path up to the
+/// first dot of the file name, the rest its extension; a file name with no dot, or one that
+/// starts with a dot (macOS's `._x` and `.DS_Store`), is no sample's member and is skipped.
+/// Two extensions of one sample that differ only in case are refused (WebDataset lowercases
+/// them, and then refuses the second).
 fn add_member(
     samples: &mut Vec<TarSample>,
     name: &str,
@@ -455,13 +468,21 @@ fn add_member(
 ) -> std::result::Result<(), String> {
     let file_start = name.rfind('/').map_or(0, |i| i + 1);
     let (key, ext) = match name[file_start..].find('.') {
-        Some(dot) => (&name[..file_start + dot], &name[file_start + dot + 1..]),
-        None => (name, ""),
+        Some(dot) if dot > 0 => (&name[..file_start + dot], &name[file_start + dot + 1..]),
+        _ => return Ok(()),
     };
     match samples.last_mut() {
         Some(last) if last.key == key => {
-            if last.members.iter().any(|(e, _)| e == ext) {
-                return Err(format!("sample {key} has two members named .{ext}"));
+            if let Some((e, _)) = last
+                .members
+                .iter()
+                .find(|(e, _)| e.eq_ignore_ascii_case(ext))
+            {
+                return Err(if e == ext {
+                    format!("sample {key} has two members named .{ext}")
+                } else {
+                    format!("sample {key} has members .{e} and .{ext}: one extension in two cases")
+                });
             }
             last.members.push((ext.to_owned(), range));
         }
@@ -487,7 +508,19 @@ fn check_sum(header: &[u8]) -> std::result::Result<(), String> {
             }
         })
         .sum();
-    if sum == stored {
+    // Old writers summed the bytes as signed chars: Python's `tarfile` takes either sum.
+    let signed: i64 = header
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| {
+            if (148..156).contains(&i) {
+                32
+            } else {
+                i64::from(b as i8)
+            }
+        })
+        .sum();
+    if sum == stored || u64::try_from(signed).is_ok_and(|s| s == stored) {
         Ok(())
     } else {
         Err(format!(
@@ -781,6 +814,92 @@ mod tests {
             index_tar(b"not a tar at all, just text that is long enough........").unwrap_err();
         assert!(matches!(err, SourceError::NotThisFormat { .. }), "{err:?}");
         assert!(err.to_string().contains("offset 0"), "{err}");
+    }
+
+    #[test]
+    fn tar_names_split_as_webdataset_splits_them() {
+        // macOS's AppleDouble and Finder files and a name without a dot belong to no sample:
+        // the image keeps its label (they had split it in two).
+        let tar = tar_of(&[
+            ("./._k.jpg", b"MACX"),
+            ("./k.jpg", b"jpeg"),
+            ("./._k.cls", b"MACY"),
+            ("./k.cls", b"5"),
+            ("./.DS_Store", b"x"),
+            ("README", b"read me"),
+        ]);
+        let samples = index_tar(&tar).expect("index");
+        assert_eq!(samples.len(), 1, "{samples:?}");
+        assert_eq!(samples[0].key, "k"); // the tar crate writes "./k.jpg" as "k.jpg"
+        let exts: Vec<&str> = samples[0].members.iter().map(|(e, _)| e.as_str()).collect();
+        assert_eq!(exts, ["jpg", "cls"]);
+        assert_eq!(&tar[samples[0].members[1].1.clone()], b"5");
+        // One extension in two cases: refused, as WebDataset refuses it once lowercased.
+        let err = index_tar(&tar_of(&[("k.cls", b"1"), ("k.CLS", b"2")])).expect_err("cases");
+        assert!(err.to_string().contains(".cls and .CLS"), "{err}");
+    }
+
+    #[test]
+    fn entries_without_data_hide_no_member_and_old_checksums_read() {
+        // A directory whose size field is not 0 owns no data (Python's tarfile): the member
+        // after it is read, not skipped as its data.
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_path("d/").expect("path");
+        h.set_size(512);
+        h.set_mode(0o755);
+        h.set_cksum();
+        b.append(&h, std::io::empty()).expect("dir");
+        for (name, data) in [("h.jpg", &b"h"[..]), ("a.jpg", b"a")] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            b.append_data(&mut h, name, data).expect("append");
+        }
+        let tar = b.into_inner().expect("finish");
+        let keys: Vec<String> = index_tar(&tar)
+            .expect("index")
+            .into_iter()
+            .map(|s| s.key)
+            .collect();
+        assert_eq!(keys, ["h", "a"]);
+        // A V7 directory: a plain entry (type NUL) named with a trailing slash.
+        let mut v7 = tar_of(&[("v7dir/", b""), ("b.jpg", b"b")]);
+        v7[156] = 0;
+        let sum: u32 = v7[..512]
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                if (148..156).contains(&i) {
+                    32
+                } else {
+                    u32::from(x)
+                }
+            })
+            .sum();
+        v7[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+        let keys: Vec<String> = index_tar(&v7)
+            .expect("v7")
+            .into_iter()
+            .map(|s| s.key)
+            .collect();
+        assert_eq!(keys, ["b"]);
+        // A checksum summed over signed bytes (old writers; a byte >= 0x80 in the name).
+        let mut old = tar_of(&[("\u{e9}t\u{e9}.jpg", b"e")]);
+        let signed: i64 = old[..512]
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                if (148..156).contains(&i) {
+                    32
+                } else {
+                    i64::from(x as i8)
+                }
+            })
+            .sum();
+        old[148..156].copy_from_slice(format!("{signed:06o}\0 ").as_bytes());
+        assert_eq!(index_tar(&old).expect("signed checksum").len(), 1);
     }
 
     proptest::proptest! {

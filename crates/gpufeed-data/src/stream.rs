@@ -1103,11 +1103,24 @@ mod objects {
     fn kind_of(name: &str, record_bytes: Option<usize>) -> Result<Kind> {
         let tail = without_query(name);
         let tail = tail.rsplit('/').next().unwrap_or(tail).to_ascii_lowercase();
-        if tail.ends_with(".npy") {
-            return Ok(Kind::Npy);
-        }
-        if tail.ends_with(".tar") {
-            return Ok(Kind::Tar);
+        let own = if tail.ends_with(".npy") {
+            Some(Kind::Npy)
+        } else if tail.ends_with(".tar") {
+            Some(Kind::Tar)
+        } else {
+            None
+        };
+        if let Some(kind) = own {
+            if record_bytes.is_some() {
+                // Its records would not be cut by it: say so rather than ignore it.
+                return Err(Error::Records {
+                    path: name.into(),
+                    reason: "a .npy or .tar shard says its own records (the header's rows, \
+                             the tar's samples): leave record_bytes out"
+                        .into(),
+                });
+            }
+            return Ok(kind);
         }
         match record_bytes {
             Some(0) => Err(Error::invalid("record_bytes is 0".into())),

@@ -55,9 +55,23 @@ fn open_record_file(
     record_bytes: Option<usize>,
     index: Option<&std::path::Path>,
 ) -> gpufeed::Result<RecordFile> {
-    let ext = path.extension().and_then(|e| e.to_str());
+    // As streamed shards are told apart: by the name's ending, in any case.
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    if let Some(own @ ("npy" | "tar")) = ext.as_deref()
+        && (record_bytes.is_some() || index.is_some())
+    {
+        // Its records would be cut from the raw bytes, header and all.
+        return Err(gpufeed::Error::invalid(format!(
+            "{} is a .{own} file, which says its own records (the .npy header's rows, the \
+             tar's samples): leave record_bytes and index out",
+            path.display()
+        )));
+    }
     #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
-    let records = match (ext, record_bytes, index) {
+    let records = match (ext.as_deref(), record_bytes, index) {
         // SAFETY: the class's documentation passes the promise on to the caller: the
         // record file is not truncated or rewritten while the loader maps it.
         (Some("npy"), None, None) => unsafe { RecordFile::open_npy(path)? },

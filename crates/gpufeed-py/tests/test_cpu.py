@@ -441,6 +441,41 @@ def test_npy_rows_come_out_with_their_dtype_and_shape(tmp_path):
         gpufeed.BatchLoader(cut)
 
 
+def test_settings_past_the_data_set_neither_abort_hang_nor_resume_past_its_end(tmp_path, monkeypatch):
+    """A global batch or a prefetch far past the data set's size works (one short batch; the
+    process had aborted allocating for 2**40 records, and spun forever queueing 2**62 jobs); a
+    position past the end of the epoch is refused (it had given an empty epoch silently)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path, data = records_file(tmp_path, 10, 3, seed=41)
+    for global_batch in (2**40, 2**63):
+        loader = gpufeed.BatchLoader(path, record_bytes=3, global_batch=global_batch, seed=2)
+        batches = list(loader.epoch(0))
+        assert [sorted(b.indices) for b in batches] == [list(range(10))]
+    loader = gpufeed.BatchLoader(path, record_bytes=3, prefetch=2**62, workers=1, batch_size=4,
+                                 shuffle=False)
+    got = [list(b.indices) for b in loader.epoch(0)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    loader = gpufeed.BatchLoader(path, record_bytes=3, global_batch=4, seed=0)
+    end = dict(loader.epoch(0).position(), samples=12)
+    assert list(loader.resume(end)) == [], "the end of an epoch is a position"
+    with pytest.raises(gpufeed.GpufeedError, match="past the end"):
+        loader.resume(dict(end, samples=16))
+
+
+def test_npy_and_tar_files_keep_their_own_records(tmp_path):
+    """record_bytes or index given for a .npy or .tar file (any case) is refused: its header
+    bytes had come out as records."""
+    a = np.arange(8, dtype=np.uint32).reshape(4, 2)
+    for name in ("a.npy", "B.NPY"):
+        np.save(tmp_path / "tmp.npy", a)
+        (tmp_path / "tmp.npy").rename(tmp_path / name)
+        with pytest.raises(gpufeed.GpufeedError, match="leave record_bytes and index out"):
+            gpufeed.BatchLoader(tmp_path / name, record_bytes=8)
+    upper = gpufeed.BatchLoader(tmp_path / "B.NPY", batch_size=64, shuffle=False)
+    np.testing.assert_array_equal(np.from_dlpack(next(upper.epoch(0)).data), a)
+
+
 def test_an_epoch_iterates_the_loaders_own_epoch_and_gives_the_loader_back(tmp_path, monkeypatch):
     """An epoch's batches come straight from the loader's epoch: byte for byte, its position
     advancing a global batch per step; the loader is back when the epoch ends (no need to drop
