@@ -190,44 +190,20 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
         });
     };
     let text = std::str::from_utf8(text).map_err(|_| malformed("the header is not text"))?;
-    let descr = dict_value(text, "descr").ok_or_else(|| malformed("the header has no 'descr'"))?;
-    let descr = descr
-        .strip_prefix('\'')
-        .and_then(|d| d.strip_suffix('\''))
+    let header = NpyHeader::parse(text).map_err(|why| malformed(format!("the header {why}")))?;
+    let descr = header
+        .descr
         .ok_or_else(|| {
-            unsupported(format!(
-                "dtype {descr} is structured or not a simple type; only simple types are read"
-            ))
+            unsupported("the dtype is structured (a list of fields): only simple types are read")
         })?
         .to_owned();
     let item_bytes = item_bytes(&descr).map_err(unsupported)?;
-    match dict_value(text, "fortran_order") {
-        Some("False") => {}
-        Some("True") => {
-            return Err(unsupported(
-                "the array is in Fortran order: its rows are not contiguous",
-            ));
-        }
-        _ => {
-            return Err(malformed(
-                "the header has no 'fortran_order' of True or False",
-            ));
-        }
+    if header.fortran_order {
+        return Err(unsupported(
+            "the array is in Fortran order: its rows are not contiguous",
+        ));
     }
-    let shape = dict_value(text, "shape").ok_or_else(|| malformed("the header has no 'shape'"))?;
-    let shape = shape
-        .strip_prefix('(')
-        .and_then(|s| s.strip_suffix(')'))
-        .ok_or_else(|| malformed(format!("shape {shape} is not a tuple")))?;
-    let shape = shape
-        .split(',')
-        .map(str::trim)
-        .filter(|d| !d.is_empty())
-        .map(|d| {
-            d.parse::<usize>()
-                .map_err(|_| malformed(format!("shape has a dimension {d:?}")))
-        })
-        .collect::<std::result::Result<Vec<usize>, SourceError>>()?;
+    let shape = header.shape;
     let data_start = start + header_len;
     let layout = NpyLayout {
         descr,
@@ -246,8 +222,17 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
     shape
         .iter()
         .filter(|&&d| d != 0)
-        .try_fold(item_bytes, |n, &d| n.checked_mul(d))
+        .try_fold(item_bytes, |n, &d| {
+            n.checked_mul(d).filter(|&b| b <= isize::MAX as usize)
+        })
         .ok_or_else(too_large)?;
+    if layout.rows() > 0 && layout.checked_row_bytes() == Some(0) {
+        // numpy has that many empty rows; records of no bytes are not read.
+        return Err(unsupported(format!(
+            "shape {shape:?}: its {} rows hold no bytes, nothing to read",
+            layout.rows()
+        )));
+    }
     let bytes = layout
         .checked_row_bytes()
         .and_then(|row| row.checked_mul(layout.rows()))
@@ -262,28 +247,196 @@ pub fn parse_npy(head: &[u8], file_len: u64) -> std::result::Result<NpyLayout, S
     Ok(layout)
 }
 
-/// The text of `key`'s value in a Python dict literal as numpy writes it (`{'descr': '<f4',
-/// 'fortran_order': False, 'shape': (3, 4), }`): up to the next top-level comma.
-fn dict_value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
-    let at = text.find(&format!("'{key}'"))? + key.len() + 2;
-    let rest = text[at..].trim_start().strip_prefix(':')?.trim_start();
-    let mut depth = 0i32;
-    let mut quoted = false;
-    for (i, c) in rest.char_indices() {
-        match c {
-            '\'' => quoted = !quoted,
-            '(' | '[' | '{' if !quoted => depth += 1,
-            ')' | ']' | '}' if !quoted => {
-                if depth == 0 {
-                    return Some(rest[..i].trim());
-                }
-                depth -= 1;
+/// An `.npy` header's dict, read as numpy's `ast.literal_eval` reads it, for what numpy
+/// writes and reads: exactly the keys `descr` (a type string), `fortran_order` (`True` or
+/// `False`) and `shape` (a tuple of integers), each once, quoted with `'` or `"`, in any
+/// order, a trailing comma allowed. A structured dtype (a list) is refused as unsupported by
+/// the caller; anything else is an error saying what: a key given twice (numpy would take
+/// the last one; a reader that took the first read other rows), another key, a malformed
+/// value.
+struct NpyHeader<'a> {
+    /// `None` for a structured dtype (a list of fields).
+    descr: Option<&'a str>,
+    fortran_order: bool,
+    shape: Vec<usize>,
+}
+
+impl<'a> NpyHeader<'a> {
+    fn parse(text: &'a str) -> std::result::Result<Self, String> {
+        let mut p = Tokens(text.trim_end_matches([' ', '\n', '\0']).trim_start());
+        p.expect('{')?;
+        let (mut descr, mut fortran, mut shape) = (None, None, None);
+        loop {
+            if p.eat('}') {
+                break;
             }
-            ',' if !quoted && depth == 0 => return Some(rest[..i].trim()),
-            _ => {}
+            let key = p.string()?;
+            p.expect(':')?;
+            let twice = || format!("gives '{key}' twice");
+            match key {
+                "descr" => {
+                    if descr.is_some() {
+                        return Err(twice());
+                    }
+                    descr = Some(if p.peek() == Some('[') {
+                        p.skip_list()?;
+                        None
+                    } else {
+                        Some(p.string()?)
+                    });
+                }
+                "fortran_order" => {
+                    if fortran.is_some() {
+                        return Err(twice());
+                    }
+                    fortran = Some(p.boolean()?);
+                }
+                "shape" => {
+                    if shape.is_some() {
+                        return Err(twice());
+                    }
+                    shape = Some(p.tuple()?);
+                }
+                other => return Err(format!("has a key '{other}' numpy does not write")),
+            }
+            if !p.eat(',') {
+                p.expect('}')?;
+                break;
+            }
+        }
+        if !p.0.is_empty() {
+            return Err(format!("has {:?} after its dict", p.0));
+        }
+        Ok(NpyHeader {
+            descr: descr.ok_or("has no 'descr'")?,
+            fortran_order: fortran.ok_or("has no 'fortran_order'")?,
+            shape: shape.ok_or("has no 'shape'")?,
+        })
+    }
+}
+
+/// What is left of a header's text, read token by token (whitespace between tokens skipped).
+struct Tokens<'a>(&'a str);
+
+impl<'a> Tokens<'a> {
+    fn peek(&mut self) -> Option<char> {
+        self.0 = self.0.trim_start();
+        self.0.chars().next()
+    }
+
+    fn eat(&mut self, c: char) -> bool {
+        if self.peek() == Some(c) {
+            self.0 = &self.0[c.len_utf8()..];
+            true
+        } else {
+            false
         }
     }
-    None
+
+    fn expect(&mut self, c: char) -> std::result::Result<(), String> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            Err(format!(
+                "is not a dict as numpy writes it: '{c}' expected at {:?}",
+                self.0
+            ))
+        }
+    }
+
+    /// A string literal in `'` or `"`, without escapes (numpy's keys and type strings have
+    /// none).
+    fn string(&mut self) -> std::result::Result<&'a str, String> {
+        let quote = match self.peek() {
+            Some(q @ ('\'' | '"')) => q,
+            _ => return Err(format!("has {:?} where a quoted string belongs", self.0)),
+        };
+        let body = &self.0[1..];
+        let end = body
+            .find(quote)
+            .ok_or_else(|| "has a string that is never closed".to_owned())?;
+        let s = &body[..end];
+        if s.contains('\\') {
+            return Err(format!("has a string with an escape, {s:?}"));
+        }
+        self.0 = &body[end + 1..];
+        Ok(s)
+    }
+
+    /// A list (a structured dtype's fields), skipped to its closing bracket.
+    fn skip_list(&mut self) -> std::result::Result<(), String> {
+        let mut depth = 0usize;
+        let mut quote = None;
+        for (i, c) in self.0.char_indices() {
+            match (quote, c) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '\'' | '"') => quote = Some(c),
+                (None, '[' | '(') => depth += 1,
+                (None, ']' | ')') => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        self.0 = &self.0[i + 1..];
+                        return Ok(());
+                    }
+                }
+                _ => {}
+            }
+        }
+        Err("has a list that is never closed".into())
+    }
+
+    fn boolean(&mut self) -> std::result::Result<bool, String> {
+        self.peek();
+        for (word, value) in [("True", true), ("False", false)] {
+            if let Some(rest) = self.0.strip_prefix(word)
+                && !rest.starts_with(|c: char| c.is_alphanumeric() || c == '_')
+            {
+                self.0 = rest;
+                return Ok(value);
+            }
+        }
+        Err(format!("has {:?} where True or False belongs", self.0))
+    }
+
+    /// A tuple of non-negative decimal integers: `()`, `(3,)`, `(3, 4)`, `(3, 4,)` (Python 2's
+    /// `3L` too, as numpy reads old files).
+    fn tuple(&mut self) -> std::result::Result<Vec<usize>, String> {
+        self.expect('(')?;
+        let mut dims = Vec::new();
+        loop {
+            if self.eat(')') {
+                return Ok(dims);
+            }
+            self.peek();
+            let digits = self.0.len()
+                - self
+                    .0
+                    .trim_start_matches(|c: char| c.is_ascii_digit())
+                    .len();
+            if digits == 0 {
+                return Err(format!(
+                    "has a shape with {:?} where a dimension belongs",
+                    self.0
+                ));
+            }
+            let d: usize = self.0[..digits]
+                .parse()
+                .map_err(|_| format!("has a dimension {} past this machine", &self.0[..digits]))?;
+            self.0 = &self.0[digits..];
+            self.0 = self.0.strip_prefix('L').unwrap_or(self.0);
+            dims.push(d);
+            if !self.eat(',') {
+                if dims.len() == 1 {
+                    return Err("has a shape of one dimension without its comma: (n,) is a \
+                                tuple, (n) is not"
+                        .into());
+                }
+                self.expect(')')?;
+                return Ok(dims);
+            }
+        }
+    }
 }
 
 /// Bytes per element of a numpy type string (`<f4`, `|u1`, `>i8`, `<c16`, `|b1`, `|V16`).
@@ -293,8 +446,19 @@ fn item_bytes(descr: &str) -> std::result::Result<usize, String> {
     let bytes: usize = body[kind.len_utf8()..]
         .parse()
         .map_err(|_| format!("dtype {descr} has no size (object and string types are not read)"))?;
-    if !matches!(kind, 'b' | 'i' | 'u' | 'f' | 'c' | 'V' | 'S' | 'm' | 'M') || bytes == 0 {
-        return Err(format!("dtype {descr} is not a fixed-size numeric type"));
+    // The sizes numpy has for each kind (`<f3` is no type of numpy's).
+    let known = match kind {
+        'b' => bytes == 1,
+        'i' | 'u' => matches!(bytes, 1 | 2 | 4 | 8),
+        'f' => matches!(bytes, 2 | 4 | 8 | 12 | 16),
+        'c' => matches!(bytes, 8 | 16 | 24 | 32),
+        'V' | 'S' => bytes > 0,
+        _ => false,
+    };
+    if !known {
+        return Err(format!(
+            "dtype {descr} is not a fixed-size numeric type numpy has"
+        ));
     }
     Ok(bytes)
 }
@@ -721,8 +885,11 @@ mod tests {
             assert!(err.to_string().contains(says), "{what}: {err}");
         }
         let _: Option<Kind> = None;
-        let structured = b"\x93NUMPY\x01\x00\x3a\x00{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }\n";
-        let err = parse_npy(structured, structured.len() as u64 + 4).expect_err("structured");
+        let header = "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }\n";
+        let mut structured = b"\x93NUMPY\x01\x00".to_vec();
+        structured.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        structured.extend_from_slice(header.as_bytes());
+        let err = parse_npy(&structured, structured.len() as u64 + 4).expect_err("structured");
         assert!(unsupported(&err), "{err:?}");
         assert!(err.to_string().contains("structured"), "{err}");
         // A head that stops inside the header of a whole file: read more; a file that stops
@@ -736,6 +903,112 @@ mod tests {
             parse_npy(&f[..20], 20),
             Err(SourceError::Truncated { len: 20, .. })
         ));
+    }
+
+    /// An `.npy` of version 1 with header text `header` (padded as numpy pads it) and `data`.
+    fn npy_raw(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut h = header.as_bytes().to_vec();
+        while (10 + h.len() + 1) % 64 != 0 {
+            h.push(b' ');
+        }
+        h.push(b'\n');
+        let mut f = b"\x93NUMPY\x01\x00".to_vec();
+        f.extend_from_slice(&(h.len() as u16).to_le_bytes());
+        f.extend_from_slice(&h);
+        f.extend_from_slice(data);
+        f
+    }
+
+    #[test]
+    fn npy_headers_are_read_as_numpy_reads_them_or_refused() {
+        let parse = |header: &str, data: &[u8]| {
+            let f = npy_raw(header, data);
+            parse_npy(&f, f.len() as u64)
+        };
+        // Read as numpy reads them: either quote, any key order, no trailing comma, `3L`.
+        for header in [
+            r#"{"descr": "<u2", "fortran_order": False, "shape": (2, 2)}"#,
+            "{'shape': (2, 2), 'fortran_order': False, 'descr': '<u2'}",
+            "{'descr':'<u2','fortran_order':False,'shape':(2L,2L,),}",
+        ] {
+            let l = parse(header, &[0; 8]).expect(header);
+            assert_eq!(
+                (l.descr.as_str(), l.shape.as_slice()),
+                ("<u2", &[2, 2][..]),
+                "{header}"
+            );
+        }
+        // Each had been read another way than numpy's, or accepted where numpy refuses.
+        for (header, data, says) in [
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'fortran_order': True, 'shape': (2, 3), }",
+                &[0u8; 6][..],
+                "twice",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (4,), 'shape': (2, 2), }",
+                &[0; 4],
+                "twice",
+            ),
+            (
+                "{'descr': '<u2', 'descr': '<i2', 'fortran_order': False, 'shape': (2,), }",
+                &[0; 4],
+                "twice",
+            ),
+            (
+                r#"{'descr': [("'descr': '<u2', 'fortran_order': False, 'shape': (2,), ", 'u1')], 'fortran_order': False, 'shape': (4,), }"#,
+                &[0; 4],
+                "structured",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (,), }",
+                &[0; 1],
+                "dimension",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (2,,2), }",
+                &[0; 4],
+                "dimension",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (3), }",
+                &[0; 3],
+                "comma",
+            ),
+            (
+                "{'descr': '<f3', 'fortran_order': False, 'shape': (2,), }",
+                &[0; 6],
+                "numpy has",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (2,), 'extra': 1, }",
+                &[0; 2],
+                "'extra'",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (5, 0), }",
+                &[],
+                "no bytes",
+            ),
+            (
+                "{'descr': '<f8', 'fortran_order': False, 'shape': (1152921504606846976, 0), }",
+                &[],
+                "too large",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': false, 'shape': (2,), }",
+                &[0; 2],
+                "True or False",
+            ),
+            (
+                "{'descr': '|u1', 'fortran_order': False, 'shape': (2,), } x",
+                &[0; 2],
+                "after its dict",
+            ),
+        ] {
+            let err = parse(header, data).expect_err(header);
+            assert!(err.to_string().contains(says), "{header}: {err}");
+        }
     }
 
     /// A tar of `members` (name, bytes) written by the `tar` crate, GNU headers (long names
