@@ -908,7 +908,7 @@ mod tests {
     /// An `.npy` of version 1 with header text `header` (padded as numpy pads it) and `data`.
     fn npy_raw(header: &str, data: &[u8]) -> Vec<u8> {
         let mut h = header.as_bytes().to_vec();
-        while (10 + h.len() + 1) % 64 != 0 {
+        while !(10 + h.len() + 1).is_multiple_of(64) {
             h.push(b' ');
         }
         h.push(b'\n');
