@@ -98,9 +98,22 @@ impl ImageFolder {
         }
         let mut paths = Vec::new();
         let mut labels = Vec::new();
-        let mut seen = HashSet::new();
+        // The root and every class folder are claimed before any is walked: a symlink inside
+        // one class to another class's folder (or to the root) is then a folder reached a
+        // second time, refused or skipped, not that class's files labelled as this one.
+        let id = |dir: &Path| std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()));
+        let mut seen: HashSet<(u64, u64)> = id(root).into_iter().collect();
+        let mut owners = std::collections::HashMap::new();
         for (label, (_, dir)) in classes.iter().enumerate() {
-            walk(dir, strict, &mut seen, &mut paths, &mut skipped)?;
+            if let Some(i) = id(dir) {
+                owners.entry(i).or_insert(label);
+            }
+        }
+        seen.extend(owners.keys().copied());
+        for (label, (_, dir)) in classes.iter().enumerate() {
+            // Its own folder (claimed above by the first class that has it): walked.
+            let claimed = id(dir).is_some_and(|i| owners.get(&i) == Some(&label));
+            walk(dir, claimed, strict, &mut seen, &mut paths, &mut skipped)?;
             labels.resize(paths.len(), label as u32);
         }
         if paths.is_empty() {
@@ -220,9 +233,10 @@ fn read_dir_sorted(dir: &Path) -> Result<Vec<(PathBuf, std::fs::FileType)>> {
 }
 
 /// Appends the files under `dir` (sorted, at any depth; symlinked folders followed once) to
-/// `paths`.
+/// `paths`; `claimed`: `dir` is in `seen` already as the folder of the class being walked.
 fn walk(
     dir: &Path,
+    claimed: bool,
     strict: bool,
     seen: &mut HashSet<(u64, u64)>,
     paths: &mut Vec<PathBuf>,
@@ -237,6 +251,7 @@ fn walk(
         }
     };
     match std::fs::metadata(dir) {
+        Ok(_) if claimed => {}
         Ok(m) if !seen.insert((m.dev(), m.ino())) => {
             let e = Error::Records {
                 path: dir.into(),
@@ -266,7 +281,7 @@ fn walk(
         let is_dir = kind.is_dir()
             || (kind.is_symlink() && std::fs::metadata(&entry).is_ok_and(|m| m.is_dir()));
         if is_dir {
-            walk(&entry, strict, seen, paths, skipped)?;
+            walk(&entry, false, strict, seen, paths, skipped)?;
         } else {
             paths.push(entry);
         }

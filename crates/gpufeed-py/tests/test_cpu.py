@@ -476,6 +476,28 @@ def test_npy_and_tar_files_keep_their_own_records(tmp_path):
     np.testing.assert_array_equal(np.from_dlpack(next(upper.epoch(0)).data), a)
 
 
+def test_a_link_in_one_class_to_another_class_or_the_root_labels_nothing_wrong(tmp_path):
+    """cat/more -> ../dog and cat/loop -> .. had made dog's files samples labelled cat (the
+    link was walked first and claimed them); now the link is the folder reached a second
+    time: named in strict mode, skipped with skip_bad, and dog's files keep their label."""
+    root = tmp_path / "root"
+    for rel, data in {"cat/a.jpg": b"CAT", "dog/b.jpg": b"DOG"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    for link, to in (("more", "../dog"), ("loop", "..")):
+        (root / "cat" / link).symlink_to(to)
+        with pytest.raises(gpufeed.GpufeedError, match=f"cat/{link}.*second time"):
+            gpufeed.BatchLoader(root, shuffle=False)
+        loader = gpufeed.BatchLoader(root, skip_bad=True, shuffle=False, batch_size=8, workers=1)
+        batch = next(loader.epoch(0))
+        data = np.from_dlpack(batch.data).tobytes()
+        got = [(data[batch.offsets[k]:batch.offsets[k + 1]], loader.classes[label])
+               for k, label in enumerate(batch.labels)]
+        assert got == [(b"CAT", "cat"), (b"DOG", "dog")], got
+        assert loader.skipped == 1, loader.skipped
+        (root / "cat" / link).unlink()
+
+
 def test_an_epoch_iterates_the_loaders_own_epoch_and_gives_the_loader_back(tmp_path, monkeypatch):
     """An epoch's batches come straight from the loader's epoch: byte for byte, its position
     advancing a global batch per step; the loader is back when the epoch ends (no need to drop
