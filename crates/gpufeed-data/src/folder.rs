@@ -205,7 +205,7 @@ impl ImageFolder {
                 });
             };
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
-            parts.push((path.as_path(), 0, head));
+            parts.push((path.as_path(), 0, head, Some(len as u64)));
             rest = tail;
         }
         Ok(gpufeed_load::internal::read_parts(reader, parts)?)

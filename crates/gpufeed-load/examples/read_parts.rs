@@ -68,7 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let mut parts = Vec::with_capacity(batch.len());
                     for &(path, &len) in batch {
                         let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
-                        parts.push((path.as_path(), 0u64, head));
+                        parts.push((path.as_path(), 0u64, head, Some(len as u64)));
                         rest = tail;
                     }
                     gpufeed_load::internal::read_parts(&mut reader, parts)?;

@@ -474,7 +474,8 @@ impl ListSource<'_> {
         for (i, range, _) in self.list.pieces(offset, rest.len() as u64) {
             let (head, tail) =
                 std::mem::take(&mut rest).split_at_mut((range.end - range.start) as usize);
-            parts.push((self.list.paths[i].as_path(), range.start, head));
+            let listed = self.list.range(i).map(|r| r.end - r.start);
+            parts.push((self.list.paths[i].as_path(), range.start, head, listed));
             rest = tail;
         }
         read_parts(reader, parts)
@@ -485,30 +486,49 @@ impl ListSource<'_> {
 /// 1024 descriptors, however small the files).
 const OPEN_AT_ONCE: usize = 64;
 
-/// Reads each `(path, offset in the file, destination)` exactly with `reader`, up to
-/// 64 files at a time (`OPEN_AT_ONCE`): opened, read in one batch, closed (also on an error).
+/// One part of [`read_parts`]: a file's path, the offset in it, the destination, and the
+/// file's whole size as listed where the caller listed it (a file found at another size when
+/// opened is then an error naming it, not a read cut at the old size).
+pub type Part<'a> = (&'a Path, u64, &'a mut [u8], Option<u64>);
+
+/// Reads each [`Part`] exactly with `reader`, up to 64 files at a time (`OPEN_AT_ONCE`):
+/// opened (its size checked against the listed one), read in one batch, closed (also on an
+/// error).
 pub fn read_parts<'a>(
     reader: &mut Reader,
-    parts: impl IntoIterator<Item = (&'a Path, u64, &'a mut [u8])>,
+    parts: impl IntoIterator<Item = Part<'a>>,
 ) -> Result<()> {
     let mut parts = parts.into_iter().peekable();
     while parts.peek().is_some() {
         let mut ids = Vec::with_capacity(OPEN_AT_ONCE);
         let mut reads = Vec::with_capacity(OPEN_AT_ONCE);
         let mut opened = Ok(());
-        for (path, offset, dst) in parts.by_ref().take(OPEN_AT_ONCE) {
+        for (path, offset, dst, listed) in parts.by_ref().take(OPEN_AT_ONCE) {
             match reader.open_brief(path) {
                 Ok(id) => {
                     ids.push(id);
+                    // The open's own fstat: no system call more.
+                    let now = reader.len_at_open(id).ok();
+                    if let (Some(listed), Some(now)) = (listed, now)
+                        && listed != now
+                    {
+                        opened = Err(Error::FileChangedDuringLoad {
+                            path: path.into(),
+                            what: format!(
+                                "{listed} bytes when the files were listed, {now} bytes now"
+                            ),
+                        });
+                        break;
+                    }
                     reads.push((id, offset, dst));
                 }
                 Err(e) => {
-                    opened = Err(e);
+                    opened = Err(e.into());
                     break;
                 }
             }
         }
-        let read = opened.and_then(|()| reader.read_exact_many(reads));
+        let read = opened.and_then(|()| Ok(reader.read_exact_many(reads)?));
         for id in ids {
             // Cannot fail: opened above by this reader.
             let _ = reader.close(id);

@@ -84,7 +84,7 @@ pub use save::{Piece, SaveOptions, SaveReport, Saver, save_file};
 /// What the capability crates above share with the loader; not API (`#[doc(hidden)]`).
 #[doc(hidden)]
 pub mod internal {
-    pub use crate::files::read_parts;
+    pub use crate::files::{Part, read_parts};
     pub use crate::loader::one_shot;
     pub use crate::route::{
         auto_choice, auto_choice_at, check_unchanged, file_len, fits, read_error,

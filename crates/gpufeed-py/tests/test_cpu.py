@@ -498,6 +498,22 @@ def test_a_link_in_one_class_to_another_class_or_the_root_labels_nothing_wrong(t
         (root / "cat" / link).unlink()
 
 
+def test_a_folder_file_that_grew_since_listed_is_an_error_naming_it(tmp_path):
+    """A file that grew after the loader listed it had come out cut to its old size, no error;
+    now the open's size is compared with the listed one (a shrunk one too)."""
+    (tmp_path / "cat").mkdir()
+    grown = tmp_path / "cat" / "a.jpg"
+    grown.write_bytes(b"AAAA")
+    (tmp_path / "cat" / "b.jpg").write_bytes(b"BB")
+    for change in (b"AAAABBBB", b"A"):
+        grown.write_bytes(b"AAAA")
+        loader = gpufeed.BatchLoader(tmp_path, shuffle=False, batch_size=8, workers=1)
+        grown.write_bytes(change)
+        with pytest.raises(gpufeed.GpufeedError, match=f"a.jpg changed.*4 bytes when the files "
+                                                      f"were listed, {len(change)} bytes now"):
+            list(loader.epoch(0))
+
+
 def test_an_epoch_iterates_the_loaders_own_epoch_and_gives_the_loader_back(tmp_path, monkeypatch):
     """An epoch's batches come straight from the loader's epoch: byte for byte, its position
     advancing a global batch per step; the loader is back when the epoch ends (no need to drop

@@ -74,6 +74,8 @@ impl ReadStats {
 struct OpenFile {
     file: File,
     path: PathBuf,
+    /// Its size when opened (the open's own `fstat`).
+    len: u64,
     direct: Option<(u32, u32)>,
     fixed: Option<u32>,
     generation: u32,
@@ -180,7 +182,15 @@ impl Reader {
         let file = opened.duplicate()?;
         let (file, direct, reason) = self.choose_direct(opened, file)?;
         let inline = self.cfg.inline_memory_files && direct.is_none() && opened.in_memory();
-        self.admit(opened.path(), file, direct, reason, true, inline)
+        self.admit(
+            opened.path(),
+            file,
+            opened.len(),
+            direct,
+            reason,
+            true,
+            inline,
+        )
     }
 
     /// [`Reader::open`] of a file read once and closed soon after (a batch of small files):
@@ -197,18 +207,31 @@ impl Reader {
             return self.open(path);
         }
         let path = path.as_ref();
-        let (file, _, f_type) = gpufeed_os::file::open_regular_on(path, false)?;
+        let (file, identity, f_type) = gpufeed_os::file::open_regular_on(path, false)?;
         let inline =
             self.cfg.inline_memory_files && f_type.is_some_and(gpufeed_os::file::in_memory_fs);
-        self.admit(path, file, None, Some("Direct::Off".into()), false, inline)
+        self.admit(
+            path,
+            file,
+            identity.size,
+            None,
+            Some("Direct::Off".into()),
+            false,
+            inline,
+        )
     }
 
     /// Puts `file` in a free slot (registered with the ring where `register` and the engine
     /// registers files; read on the calling thread where `inline`) and reports it.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one private constructor of an OpenFile"
+    )]
     fn admit(
         &mut self,
         path: &Path,
         file: File,
+        len: u64,
         direct: Option<(u32, u32)>,
         reason: Option<String>,
         register: bool,
@@ -239,12 +262,27 @@ impl Reader {
         self.files[slot as usize] = Some(OpenFile {
             file,
             path: path.into(),
+            len,
             direct,
             fixed,
             generation,
             inline,
         });
         Ok(FileId { slot, generation })
+    }
+
+    /// The size `file` had when this reader opened it (from the open's own `fstat`): a caller
+    /// that listed files before can tell one that grew or shrank since, at no cost.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an id this reader did not open or already closed.
+    pub fn len_at_open(&self, file: FileId) -> Result<u64> {
+        self.files
+            .get(file.slot as usize)
+            .and_then(Option::as_ref)
+            .filter(|f| f.generation == file.generation)
+            .map(|f| f.len)
+            .ok_or_else(|| Error::InvalidRequest("a file id this reader has not open".into()))
     }
 
     /// Closes `file` (and drops the ring's reference to it): a reader kept for many files
