@@ -496,7 +496,9 @@ struct Extended {
 /// grouped by key, consecutive members of one key being one sample (as `webdataset` groups
 /// them). Reads ustar, GNU long names, sizes in GNU base-256, and pax `path` and `size`
 /// records (a member of 8 GiB or more, which a ustar size field cannot hold, is written with
-/// one of the last two); directories and links are skipped. Every size is checked against
+/// one of the last two); directories, links, devices and FIFOs are skipped (no data blocks
+/// are theirs, as Python's `tarfile` reads them), and so are members whose file name has no
+/// dot or starts with one (`add_member`). Every size is checked against
 /// the file's length before it is used. Errors name the header's offset: a bad checksum, a
 /// member running past the end of the file, a pax record that cannot be read (its `size` not
 /// a number), a sparse member (GNU `S`, or pax `GNU.sparse`: its stored bytes are not the
