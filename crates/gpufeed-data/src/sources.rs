@@ -663,30 +663,17 @@ fn add_member(
 /// The checksum of a header: the sum of its bytes with the checksum field as spaces.
 fn check_sum(header: &[u8]) -> std::result::Result<(), String> {
     let stored = octal(&header[148..156]).ok_or("an unreadable checksum: not a tar file")?;
-    let sum: u64 = header
+    // The sum of the bytes as unsigned chars, and how many are 0x80 or more: old writers
+    // summed signed chars (each such byte 256 less), and Python's `tarfile` takes either sum.
+    let (sum, high) = header
         .iter()
         .enumerate()
-        .map(|(i, &b)| {
-            if (148..156).contains(&i) {
-                32
-            } else {
-                u64::from(b)
-            }
-        })
-        .sum();
-    // Old writers summed the bytes as signed chars: Python's `tarfile` takes either sum.
-    let signed: i64 = header
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| {
-            if (148..156).contains(&i) {
-                32
-            } else {
-                i64::from(b as i8)
-            }
-        })
-        .sum();
-    if sum == stored || u64::try_from(signed).is_ok_and(|s| s == stored) {
+        .map(|(i, &b)| if (148..156).contains(&i) { b' ' } else { b })
+        .fold((0u64, 0u64), |(sum, high), b| {
+            (sum + u64::from(b), high + u64::from(b >= 0x80))
+        });
+    let signed = sum.checked_sub(256 * high);
+    if sum == stored || signed == Some(stored) {
         Ok(())
     } else {
         Err(format!(
