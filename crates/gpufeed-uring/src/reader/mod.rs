@@ -282,7 +282,7 @@ impl Reader {
             .and_then(Option::as_ref)
             .filter(|f| f.generation == file.generation)
             .map(|f| f.len)
-            .ok_or_else(|| Error::InvalidRequest("a file id this reader has not open".into()))
+            .ok_or_else(|| Error::InvalidRequest("a file id this reader has not opened".into()))
     }
 
     /// Closes `file` (and drops the ring's reference to it): a reader kept for many files
