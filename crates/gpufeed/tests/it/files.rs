@@ -113,7 +113,8 @@ fn bad_entries_are_named_or_skipped_when_asked() {
     check(&list, &all, &contents, "skipping");
 }
 
-/// A file deleted or truncated after it was listed is an error naming it, not a wrong byte.
+/// A file deleted, truncated or grown after it was listed is an error naming it, not a wrong
+/// byte (a grown one had been read cut to its listed size).
 #[test]
 fn a_file_that_changes_after_listing_is_named() {
     let (_dir, paths, _) = folder(40, 20_000, 31);
@@ -123,7 +124,15 @@ fn a_file_that_changes_after_listing_is_named() {
     std::fs::remove_file(gone).expect("rm");
     let e = list.read_into(&mut all).expect_err("a vanished file");
     assert!(e.to_string().contains(&gone.display().to_string()), "{e}");
-    std::fs::write(gone, vec![1u8; list.range(7).unwrap().end as usize]).expect("put back");
+    let r7 = list.range(7).expect("file 7");
+    // Put back at another size: named with both sizes.
+    std::fs::write(gone, vec![1u8; (r7.end - r7.start + 1) as usize]).expect("put back");
+    let e = list.read_into(&mut all).expect_err("a grown file");
+    assert!(
+        matches!(&e, gpufeed::load::Error::FileChangedDuringLoad { path, what } if path == gone && what.contains(&format!("{} bytes when the files were listed", r7.end - r7.start))),
+        "{e:?}"
+    );
+    std::fs::write(gone, vec![1u8; (r7.end - r7.start) as usize]).expect("put back");
     let cut = &paths[21];
     let r = list.range(21).expect("file 21");
     assert!(r.end - r.start > 2, "a file to truncate");
@@ -134,7 +143,7 @@ fn a_file_that_changes_after_listing_is_named() {
     f.set_len((r.end - r.start) / 2).expect("truncate");
     let e = list.read_into(&mut all).expect_err("a truncated file");
     assert!(
-        matches!(&e, gpufeed::load::Error::Read(gpufeed::uring::Error::UnexpectedEof { path, .. }) if path == cut),
+        matches!(&e, gpufeed::load::Error::FileChangedDuringLoad { path, .. } if path == cut),
         "{e:?}"
     );
 }
