@@ -102,7 +102,7 @@ pub use loader::{
 pub type LoaderConfig = BatchLoaderOptions;
 pub use records::{Dataset, RecordFile, ShardSet};
 pub use sampler::{Order, Sampler};
-pub use sources::{NpyLayout, SourceError, TarSample, shard_paths};
+pub use sources::{NpyLayout, SourceError, TarSample, own_layout, shard_paths};
 #[cfg(feature = "object")]
 pub use stream::StreamOptions;
 pub use stream::{StreamStats, StreamedShards};

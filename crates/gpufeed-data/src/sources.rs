@@ -771,6 +771,23 @@ fn pax_number(value: &[u8]) -> std::result::Result<u64, String> {
         })
 }
 
+/// The extension, `"npy"` or `"tar"`, of a file (or object) whose name says it holds its own
+/// records (an `.npy` header's rows, a tar's samples), in any case; `None` for other names,
+/// whose records a size or an index must cut. A record size given for such a file is refused
+/// by the loaders: it would cut the header's bytes into records.
+///
+/// ```
+/// assert_eq!(gpufeed_data::own_layout("s3://b/train-0.TAR"), Some("tar"));
+/// assert_eq!(gpufeed_data::own_layout("rows.bin"), None);
+/// ```
+pub fn own_layout(name: &str) -> Option<&'static str> {
+    let file = name.rsplit('/').next().unwrap_or(name).to_ascii_lowercase();
+    ["npy", "tar"].into_iter().find(|ext| {
+        file.strip_suffix(ext)
+            .is_some_and(|stem| stem.ends_with('.'))
+    })
+}
+
 /// The files of a data set split into shards: `spec` a directory (its regular files, sorted
 /// by name), a glob pattern (`data/train-*.tar`; its matches sorted), or one file.
 ///

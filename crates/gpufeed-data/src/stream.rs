@@ -1101,26 +1101,18 @@ mod objects {
     }
 
     fn kind_of(name: &str, record_bytes: Option<usize>) -> Result<Kind> {
-        let tail = without_query(name);
-        let tail = tail.rsplit('/').next().unwrap_or(tail).to_ascii_lowercase();
-        let own = if tail.ends_with(".npy") {
-            Some(Kind::Npy)
-        } else if tail.ends_with(".tar") {
-            Some(Kind::Tar)
-        } else {
-            None
-        };
-        if let Some(kind) = own {
+        if let Some(own) = crate::sources::own_layout(without_query(name)) {
             if record_bytes.is_some() {
                 // Its records would not be cut by it: say so rather than ignore it.
                 return Err(Error::Records {
                     path: name.into(),
-                    reason: "a .npy or .tar shard says its own records (the header's rows, \
-                             the tar's samples): leave record_bytes out"
-                        .into(),
+                    reason: format!(
+                        "a .{own} shard says its own records (the .npy header's rows, the \
+                         tar's samples): leave record_bytes out"
+                    ),
                 });
             }
-            return Ok(kind);
+            return Ok(if own == "npy" { Kind::Npy } else { Kind::Tar });
         }
         match record_bytes {
             Some(0) => Err(Error::invalid("record_bytes is 0".into())),
@@ -1285,6 +1277,26 @@ mod objects {
                 }
                 other => return other.map_err(HeaderError::Source),
             }
+        }
+    }
+
+    #[cfg(test)]
+    #[test]
+    fn a_shard_that_says_its_own_records_refuses_a_record_size() {
+        assert!(matches!(kind_of("s3://b/x.NPY?v=1", None), Ok(Kind::Npy)));
+        assert!(matches!(kind_of("s3://b/x.tar", None), Ok(Kind::Tar)));
+        assert!(matches!(
+            kind_of("s3://b/x.bin", Some(8)),
+            Ok(Kind::Fixed(8))
+        ));
+        for name in ["s3://b/x.npy", "https://h/d/x.TAR"] {
+            let Err(e) = kind_of(name, Some(8)) else {
+                panic!("{name}: a record size taken");
+            };
+            assert!(
+                e.to_string().contains("leave record_bytes out"),
+                "{name}: {e}"
+            );
         }
     }
 }

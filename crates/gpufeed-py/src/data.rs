@@ -56,11 +56,8 @@ fn open_record_file(
     index: Option<&std::path::Path>,
 ) -> gpufeed::Result<RecordFile> {
     // As streamed shards are told apart: by the name's ending, in any case.
-    let ext = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(str::to_ascii_lowercase);
-    if let Some(own @ ("npy" | "tar")) = ext.as_deref()
+    let own = gpufeed::dataset::own_layout(&path.to_string_lossy());
+    if let Some(own) = own
         && (record_bytes.is_some() || index.is_some())
     {
         // Its records would be cut from the raw bytes, header and all.
@@ -71,7 +68,7 @@ fn open_record_file(
         )));
     }
     #[allow(unsafe_code, reason = "the mapped-file promise, passed on")]
-    let records = match (ext.as_deref(), record_bytes, index) {
+    let records = match (own, record_bytes, index) {
         // SAFETY: the class's documentation passes the promise on to the caller: the
         // record file is not truncated or rewritten while the loader maps it.
         (Some("npy"), None, None) => unsafe { RecordFile::open_npy(path)? },
