@@ -120,10 +120,10 @@ impl SafeFile {
         // chmod, a rename or the file's last link removed meanwhile leave the version opened
         // intact (safetensors reads it too).
         if let Some(what) = file.content_changed().map_err(py_err)? {
-            return Err(GpufeedError::new_err(format!(
-                "{}: the file changed since it was opened ({what}): open it again",
-                file.path().display()
-            )));
+            return Err(py_err(gpufeed::os::Error::ChangedSinceOpened {
+                path: file.path().into(),
+                what,
+            }));
         }
         #[allow(unsafe_code, reason = "mapping a file")]
         // SAFETY: a private mapping: the process's writes never reach the file. The file's
