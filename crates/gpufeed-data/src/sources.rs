@@ -272,31 +272,29 @@ impl<'a> NpyHeader<'a> {
             }
             let key = p.string()?;
             p.expect(':')?;
-            let twice = || format!("gives '{key}' twice");
+            // Each key once: numpy would take the last of two, a reader of the first another.
+            fn once<T>(
+                slot: &mut Option<T>,
+                value: T,
+                key: &str,
+            ) -> std::result::Result<(), String> {
+                match slot.replace(value) {
+                    Some(_) => Err(format!("gives '{key}' twice")),
+                    None => Ok(()),
+                }
+            }
             match key {
                 "descr" => {
-                    if descr.is_some() {
-                        return Err(twice());
-                    }
-                    descr = Some(if p.peek() == Some('[') {
+                    let value = if p.peek() == Some('[') {
                         p.skip_list()?;
                         None
                     } else {
                         Some(p.string()?)
-                    });
+                    };
+                    once(&mut descr, value, key)?;
                 }
-                "fortran_order" => {
-                    if fortran.is_some() {
-                        return Err(twice());
-                    }
-                    fortran = Some(p.boolean()?);
-                }
-                "shape" => {
-                    if shape.is_some() {
-                        return Err(twice());
-                    }
-                    shape = Some(p.tuple()?);
-                }
+                "fortran_order" => once(&mut fortran, p.boolean()?, key)?,
+                "shape" => once(&mut shape, p.tuple()?, key)?,
                 other => return Err(format!("has a key '{other}' numpy does not write")),
             }
             if !p.eat(',') {
