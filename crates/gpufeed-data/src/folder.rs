@@ -103,16 +103,17 @@ impl ImageFolder {
         // second time, refused or skipped, not that class's files labelled as this one.
         let id = |dir: &Path| std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()));
         let mut seen: HashSet<(u64, u64)> = id(root).into_iter().collect();
+        let ids: Vec<_> = classes.iter().map(|(_, dir)| id(dir)).collect();
         let mut owners = std::collections::HashMap::new();
-        for (label, (_, dir)) in classes.iter().enumerate() {
-            if let Some(i) = id(dir) {
-                owners.entry(i).or_insert(label);
+        for (label, i) in ids.iter().enumerate() {
+            if let Some(i) = i {
+                owners.entry(*i).or_insert(label);
             }
         }
         seen.extend(owners.keys().copied());
         for (label, (_, dir)) in classes.iter().enumerate() {
             // Its own folder (claimed above by the first class that has it): walked.
-            let claimed = id(dir).is_some_and(|i| owners.get(&i) == Some(&label));
+            let claimed = ids[label].is_some_and(|i| owners.get(&i) == Some(&label));
             walk(dir, claimed, strict, &mut seen, &mut paths, &mut skipped)?;
             labels.resize(paths.len(), label as u32);
         }
@@ -250,24 +251,26 @@ fn walk(
             Ok(())
         }
     };
-    match std::fs::metadata(dir) {
-        Ok(_) if claimed => {}
-        Ok(m) if !seen.insert((m.dev(), m.ino())) => {
-            let e = Error::Records {
-                path: dir.into(),
-                reason: "this folder is reached a second time (a symlink loop or a second link \
-                         to it): its files would be samples twice"
-                    .into(),
-            };
-            return fail(dir.into(), e, skipped);
-        }
-        Ok(_) => {}
-        Err(e) => {
-            return fail(
-                dir.into(),
-                Error::from(gpufeed_os::Error::open(dir, e)),
-                skipped,
-            );
+    // A claimed folder was looked at already; any other is claimed here, once.
+    if !claimed {
+        match std::fs::metadata(dir) {
+            Ok(m) if !seen.insert((m.dev(), m.ino())) => {
+                let e = Error::Records {
+                    path: dir.into(),
+                    reason: "this folder is reached a second time (a symlink loop or a second \
+                             link to it): its files would be samples twice"
+                        .into(),
+                };
+                return fail(dir.into(), e, skipped);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return fail(
+                    dir.into(),
+                    Error::from(gpufeed_os::Error::open(dir, e)),
+                    skipped,
+                );
+            }
         }
     }
     let entries = match read_dir_sorted(dir) {
