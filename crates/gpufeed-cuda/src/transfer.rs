@@ -4,7 +4,7 @@
 //! threads).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -424,10 +424,62 @@ impl Drop for CrewLease<'_> {
     }
 }
 
+/// Where a staged upload's bytes land.
+#[derive(Clone, Copy)]
+enum Dest<'a> {
+    /// One device range from this address.
+    At(sys::CUdeviceptr),
+    /// Parts of their own, back to back ([`TransferScheduler::upload_parts`]).
+    Parts(&'a Parts<'a>),
+}
+
+/// The device buffers of [`TransferScheduler::upload_parts`], back to back in the source's
+/// bytes, and what is left to land of each.
+struct Parts<'a> {
+    /// Where each part starts in the source's bytes, then where the last ends.
+    starts: Vec<u64>,
+    ptrs: Vec<sys::CUdeviceptr>,
+    /// Bytes of each part whose copies are not known to be complete.
+    left: Vec<AtomicU64>,
+    landed: &'a (dyn Fn(usize) + Sync),
+}
+
+impl Parts<'_> {
+    /// `f(part, offset in the part, offset in the piece, bytes)` for each part that bytes
+    /// `off..off + size` of the source fall in.
+    fn each(&self, off: u64, size: usize, mut f: impl FnMut(usize, u64, usize, usize)) {
+        let end = off + size as u64;
+        // The last part starting at or before `off` (empty parts are skipped over).
+        let mut k = self.starts.partition_point(|&s| s <= off).saturating_sub(1);
+        while k + 1 < self.starts.len() && self.starts[k] < end {
+            let (lo, hi) = (self.starts[k].max(off), self.starts[k + 1].min(end));
+            if lo < hi {
+                f(
+                    k,
+                    lo - self.starts[k],
+                    (lo - off) as usize,
+                    (hi - lo) as usize,
+                );
+            }
+            k += 1;
+        }
+    }
+
+    /// Notes that the copies of bytes `off..off + size` completed: a part whose bytes all
+    /// did is reported landed (once: its count reaches zero once).
+    fn completed(&self, off: u64, size: usize) {
+        self.each(off, size, |k, _, _, n| {
+            if self.left[k].fetch_sub(n as u64, Ordering::AcqRel) == n as u64 {
+                (self.landed)(k);
+            }
+        });
+    }
+}
+
 /// What the lanes of one staged upload share.
 struct LaneWork<'a> {
     source: &'a dyn FillSource,
-    dptr: sys::CUdeviceptr,
+    dest: Dest<'a>,
     /// The upload's pieces.
     plan: PiecePlan,
     per_lane: usize,
@@ -934,6 +986,112 @@ impl TransferScheduler {
             .alloc_filled(len, from, |dst| self.upload(src, dst, 0))
     }
 
+    /// Copies the `len` bytes of `source` into `parts`, device buffers that take them back to
+    /// back (part 0 its first bytes, part 1 the ones after, ...; `len` must be their lengths'
+    /// sum), in one staged upload: the lanes run from the first part's bytes to the last
+    /// part's without the start and end of a transfer between them, and `landed(k)` is
+    /// called (on a fill thread, once per part, in about the order of the parts) as soon as
+    /// part k's bytes are all on the GPU, so that a caller can hand part k out while the
+    /// later ones load. An empty part is reported landed first. Returns when every part
+    /// landed.
+    ///
+    /// # Safety
+    /// The parts are written through shared references: nothing may read part k before
+    /// `landed(k)` (it would see bytes being written), and nothing else may write any part
+    /// before this returns.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] where `len` is not the parts' length; as [`Self::upload`] (parts
+    /// not reported landed by then hold what the failed copies left).
+    ///
+    /// # Example
+    /// ```no_run
+    /// use gpufeed_cuda::{Gpu, SliceSource, TransferOptions, TransferScheduler};
+    /// let gpu = Gpu::open(0)?;
+    /// let sched = TransferScheduler::new(&gpu, TransferOptions::default())?;
+    /// let data = vec![7u8; 3 << 20];
+    /// // SAFETY: written by the upload below before they are read.
+    /// let parts = unsafe { [gpu.alloc(1 << 20)?, gpu.alloc(2 << 20)?] };
+    /// let landed = |k: usize| println!("part {k} landed");
+    /// // SAFETY: nothing reads or writes the parts while they load.
+    /// unsafe { sched.upload_parts(&SliceSource(&data), 3 << 20, &[&parts[0], &parts[1]], &landed) }?;
+    /// assert_eq!(gpu.to_vec(&parts[1])?, vec![7u8; 2 << 20]);
+    /// # Ok::<(), gpufeed_cuda::Error>(())
+    /// ```
+    pub unsafe fn upload_parts(
+        &self,
+        source: &dyn FillSource,
+        len: u64,
+        parts: &[&CudaSlice<u8>],
+        landed: &(dyn Fn(usize) + Sync),
+    ) -> Result<TransferStats> {
+        let mut starts = Vec::with_capacity(parts.len() + 1);
+        let mut total = 0u64;
+        for p in parts.iter() {
+            starts.push(total);
+            total += p.len() as u64;
+        }
+        starts.push(total);
+        if total != len {
+            return Err(Error::OutOfBounds {
+                len,
+                offset: 0,
+                capacity: total,
+            });
+        }
+        let nothing = || TransferStats {
+            path: "staged",
+            bytes: 0,
+            seconds: 0.0,
+            chunks: 0,
+            copy_waited_s: 0.0,
+            source_waited_s: 0.0,
+        };
+        let Some(first) = parts.first() else {
+            return Ok(nothing());
+        };
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let main = Arc::clone(first.stream());
+        let mut ptrs = Vec::with_capacity(parts.len());
+        let mut guards = Vec::with_capacity(parts.len());
+        for p in parts {
+            // A read guard (the address, ordered after the part's earlier uses on `main`):
+            // the writes through it are the caller's promise (see Safety).
+            let (ptr, guard) = p.device_ptr(&main);
+            ptrs.push(ptr);
+            guards.push(guard);
+        }
+        let left: Vec<AtomicU64> = starts
+            .windows(2)
+            .map(|w| AtomicU64::new(w[1] - w[0]))
+            .collect();
+        for (k, l) in left.iter().enumerate() {
+            if l.load(Ordering::Relaxed) == 0 {
+                landed(k);
+            }
+        }
+        let dest = Parts {
+            starts,
+            ptrs,
+            left,
+            landed,
+        };
+        let start = Instant::now();
+        let mut stats = if len == 0 {
+            nothing()
+        } else {
+            self.upload_staged(&main, source, len, Dest::Parts(&dest))?
+        };
+        drop(guards);
+        main.synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        stats.seconds = start.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
     /// Copies `src` into `dst` (a `CudaSlice<u8>` or a `CudaViewMut<u8>` of one) starting at
     /// byte `dst_offset`; returns when the bytes are on the GPU. Several threads may upload
     /// through one scheduler at once (into disjoint destinations).
@@ -998,9 +1156,11 @@ impl TransferScheduler {
                 self.copy_direct(&main, src, len, dptr, "registered")?
             }
             HostSource::Pageable(s) => {
-                self.upload_staged(&main, &SliceSource(s), s.len() as u64, dptr)?
+                self.upload_staged(&main, &SliceSource(s), s.len() as u64, Dest::At(dptr))?
             }
-            HostSource::Fill { source, len } => self.upload_staged(&main, source, len, dptr)?,
+            HostSource::Fill { source, len } => {
+                self.upload_staged(&main, source, len, Dest::At(dptr))?
+            }
         };
         drop(write_guard);
         main.synchronize()
@@ -1221,7 +1381,7 @@ impl TransferScheduler {
         main: &CudaStream,
         source: &dyn FillSource,
         len: u64,
-        dptr: sys::CUdeviceptr,
+        dest: Dest<'_>,
     ) -> Result<TransferStats> {
         let plan = PiecePlan::new_at(&self.cfg, len, source.origin());
         let chunks = plan.count;
@@ -1234,7 +1394,7 @@ impl TransferScheduler {
         let per_lane = (self.cfg.staging_buffers / self.cfg.fill_threads).max(2);
         let work = LaneWork {
             source,
-            dptr,
+            dest,
             plan,
             per_lane,
             next: AtomicUsize::new(0),
@@ -1306,6 +1466,13 @@ impl TransferScheduler {
         // scheduler. They go back to the pool on return carrying the events of their last
         // copies; finish_staged waits for the lanes' streams before the upload returns.
         let mut bufs: Vec<PooledBuffer> = Vec::with_capacity(work.per_lane);
+        // Uploads in parts: the piece each buffer's last copy carried, until it is known
+        // complete (the buffer idle again), so that a part is reported once it landed.
+        let parts = match work.dest {
+            Dest::Parts(p) => Some(p),
+            Dest::At(_) => None,
+        };
+        let mut carried: Vec<Option<(u64, usize)>> = vec![None; work.per_lane];
         let mut copied = false;
         for k in 0.. {
             if work.abort.load(Ordering::Acquire) {
@@ -1323,6 +1490,9 @@ impl TransferScheduler {
             let t = Instant::now();
             buf.wait_idle()?;
             timers.1 += t.elapsed();
+            if let (Some(p), Some((o, n))) = (parts, carried[slot].take()) {
+                p.completed(o, n);
+            }
             buf.set_len(size);
             let t = Instant::now();
             work.source
@@ -1332,20 +1502,56 @@ impl TransferScheduler {
                     source,
                 })?;
             timers.0 += t.elapsed();
-            // SAFETY: the staging buffer is pinned and is not written again before the event
-            // recorded right after this copy completed (wait_idle above, or the pool's own
-            // wait before it hands the buffer out again); the device range was bounds
-            // checked by upload().
-            unsafe {
-                raw::memcpy_htod_async(work.dptr + off, buf.as_ptr(), size, stream.cu_stream())
-            }?;
+            // The staging buffer is pinned and is not written again before the event recorded
+            // right after this copy completed (wait_idle above, or the pool's own wait before
+            // it hands the buffer out again); the device range was bounds checked by upload()
+            // (or upload_parts: the parts' lengths are the upload's).
+            match work.dest {
+                // SAFETY: see above.
+                Dest::At(dptr) => unsafe {
+                    raw::memcpy_htod_async(dptr + off, buf.as_ptr(), size, stream.cu_stream())
+                }?,
+                Dest::Parts(p) => {
+                    let mut issued = Ok(());
+                    p.each(off, size, |k, at, from, n| {
+                        if issued.is_ok() {
+                            // SAFETY: as above; [at, at + n) lies in part k (Parts::each).
+                            issued = unsafe {
+                                raw::memcpy_htod_async(
+                                    p.ptrs[k] + at,
+                                    buf.as_ptr().add(from),
+                                    n,
+                                    stream.cu_stream(),
+                                )
+                            };
+                        }
+                    });
+                    issued?;
+                }
+            }
             buf.record_use(stream)?;
             copied = true;
+            if let Some(p) = parts {
+                carried[slot] = Some((off, size));
+                // The lane's other buffers whose copies completed meanwhile (a query each,
+                // no wait): their parts may have landed.
+                for (c, b) in carried.iter_mut().zip(&bufs) {
+                    if c.is_some() && !b.is_busy() {
+                        let (o, n) = c.take().unwrap_or_default();
+                        p.completed(o, n);
+                    }
+                }
+            }
         }
         if copied {
             stream
                 .synchronize()
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            if let Some(p) = parts {
+                for (o, n) in carried.into_iter().flatten() {
+                    p.completed(o, n);
+                }
+            }
         }
         Ok(())
     }
@@ -1447,7 +1653,51 @@ impl TransferScheduler {
 
 #[cfg(test)]
 mod tests {
-    use super::{PiecePlan, TransferOptions};
+    use super::{Parts, PiecePlan, TransferOptions};
+    use std::sync::atomic::AtomicU64;
+
+    /// Pieces cut over parts of an upload in parts: each byte goes to the one part it belongs
+    /// to (empty parts skipped), at its offset there; a part is reported landed once, when its
+    /// last bytes complete, whatever the order of the pieces.
+    #[test]
+    fn pieces_over_parts_land_each_part_once() {
+        let lens = [5u64, 0, 1, 10, 0, 4];
+        let mut starts = vec![0u64];
+        for l in lens {
+            starts.push(starts.last().unwrap() + l);
+        }
+        let landed = parking_lot::Mutex::new(Vec::new());
+        let report = |k: usize| landed.lock().push(k);
+        let parts = Parts {
+            starts: starts.clone(),
+            ptrs: (0..lens.len() as u64).map(|k| 1000 * k).collect(),
+            left: lens.iter().map(|&l| AtomicU64::new(l)).collect(),
+            landed: &report,
+        };
+        let mut cut = Vec::new();
+        parts.each(3, 12, |k, at, from, n| cut.push((k, at, from, n)));
+        // Bytes 3..15: 3..5 of part 0, 5..6 (part 2), 6..15 of part 3 (0..9 of its 10).
+        assert_eq!(cut, vec![(0, 3, 0, 2), (2, 0, 2, 1), (3, 0, 3, 9)]);
+        let mut whole = Vec::new();
+        parts.each(0, 20, |k, at, from, n| whole.push((k, at, from, n)));
+        assert_eq!(
+            whole,
+            vec![(0, 0, 0, 5), (2, 0, 5, 1), (3, 0, 6, 10), (5, 0, 16, 4)]
+        );
+        // Pieces complete out of order.
+        for (off, n) in [(16u64, 4usize), (3, 12), (15, 1), (0, 3)] {
+            parts.completed(off, n);
+        }
+        let mut got = landed.into_inner();
+        assert_eq!(
+            got,
+            vec![5, 2, 3, 0],
+            "in the order their last bytes completed"
+        );
+        got.sort_unstable();
+        got.dedup();
+        assert_eq!(got.len(), 4, "once each");
+    }
 
     /// Small uploads are cut into two pieces per fill thread, in whole 64 KiB, never below the
     /// minimum nor above a chunk; the staging they need follows the pieces.

@@ -7,8 +7,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use gpufeed_cuda::cudarc::driver::{DevicePtrMut, DeviceSlice};
-use gpufeed_cuda::{DeviceAlloc, Gpu, HostSource, TransferScheduler};
+use gpufeed_cuda::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceSlice};
+use gpufeed_cuda::{DeviceAlloc, FillSource, Gpu, HostSource, TransferScheduler, TransferStats};
 use gpufeed_os::OpenedFile;
 use gpufeed_os::{Fallback, Refused};
 use gpufeed_pinned::HostSlab;
@@ -659,20 +659,7 @@ impl Loader {
                 &chosen
             }
         };
-        let mut report = LoadReport {
-            path: file.path().into(),
-            strategy: self.opts.strategy,
-            reason: String::new(),
-            bytes: len,
-            seconds: 0.0,
-            residency_before: choice.residency,
-            fallbacks: Vec::new(),
-            copy_waited_s: 0.0,
-            source_waited_s: 0.0,
-            io_backend: None,
-            gds_refused: None,
-            gds_registered_bytes: 0,
-        };
+        let mut report = self.new_report(file, len, choice);
         if len == 0 {
             report.reason = "nothing to load".into();
             return Ok(report);
@@ -702,6 +689,118 @@ impl Loader {
         };
         check_unchanged(file)?;
         report.strategy = ran.strategy();
+        for f in self.sched.fallbacks() {
+            f.push_once(&mut report.fallbacks);
+        }
+        report.seconds = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// A load's report before it runs: `len` bytes of `file` by `choice`.
+    fn new_report(&self, file: &OpenedFile, len: u64, choice: &RouteChoice) -> LoadReport {
+        LoadReport {
+            path: file.path().into(),
+            strategy: self.opts.strategy,
+            reason: String::new(),
+            bytes: len,
+            seconds: 0.0,
+            residency_before: choice.residency,
+            fallbacks: Vec::new(),
+            copy_waited_s: 0.0,
+            source_waited_s: 0.0,
+            io_backend: None,
+            gds_refused: None,
+            gds_registered_bytes: 0,
+        }
+    }
+
+    /// Loads `spans[k]` of `file` into `parts[k]`, each part exactly as long as its spans
+    /// together, for every k, in one staged upload
+    /// ([`gpufeed_cuda::TransferScheduler::upload_parts`]): its pieces run on from one part
+    /// into the next, so that the parts pay one start and one end of a transfer between them,
+    /// not one each, and `landed(k)` is called (on a fill thread, once per part) as soon as
+    /// part k's bytes are on the GPU, so that a caller hands part k out while the later ones
+    /// load. The route is `choice`'s (else chosen here) where it stages (`Staged`, `Direct`),
+    /// else `Staged`. Like every load, it compares the file with its descriptor's identity at
+    /// the end; a caller that hands a part out before then checks that itself when the part
+    /// landed (`gpufeed_os::OpenedFile::changed`).
+    ///
+    /// # Safety
+    /// As [`gpufeed_cuda::TransferScheduler::upload_parts`]: nothing reads part k before
+    /// `landed(k)`, nothing else writes the parts before this returns.
+    ///
+    /// # Errors
+    /// [`Loader::load_spans_to`]'s; parts not reported landed hold what a failed load left.
+    ///
+    /// # Example
+    /// ```no_run
+    /// let loader = gpufeed_load::Loader::open(0, Default::default())?;
+    /// let file = gpufeed_os::OpenedFile::open("model.bin")?;
+    /// let gpu = loader.gpu();
+    /// // SAFETY: written by the load before anything reads them.
+    /// let parts = unsafe { [gpu.alloc_unpooled(1 << 20)?, gpu.alloc_unpooled(4096)?] };
+    /// let spans: [&[std::ops::Range<u64>]; 2] = [&[0..1 << 20], &[(1 << 20)..(1 << 20) + 4096]];
+    /// let landed = |k: usize| println!("part {k} is on the GPU");
+    /// // SAFETY: nothing reads or writes the parts while they load.
+    /// unsafe { loader.load_parts_to(&file, &spans, &[&parts[0], &parts[1]], None, &landed) }?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[allow(unsafe_code, reason = "passes upload_parts' promise on to the caller")]
+    pub unsafe fn load_parts_to(
+        &self,
+        file: &OpenedFile,
+        spans: &[&[Range<u64>]],
+        parts: &[&CudaSlice<u8>],
+        choice: Option<&RouteChoice>,
+        landed: &(dyn Fn(usize) + Sync),
+    ) -> Result<LoadReport> {
+        let started = Instant::now();
+        if spans.len() != parts.len() {
+            return Err(Error::InvalidSetting(format!(
+                "{} parts for {} lists of spans: give one list per part",
+                parts.len(),
+                spans.len()
+            )));
+        }
+        for (s, p) in spans.iter().zip(parts) {
+            crate::route::exactly(check_spans(file, s)?, p.len())?;
+        }
+        let all: Vec<Range<u64>> = spans.iter().flat_map(|s| s.iter().cloned()).collect();
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let chosen;
+        let choice = match choice {
+            Some(c) => c,
+            None => {
+                chosen = self.route_of(file, hull_of(&all), len, all.len());
+                &chosen
+            }
+        };
+        let mut report = self.new_report(file, len, choice);
+        let route = match choice.route {
+            Route::Staged | Route::Direct => {
+                report.reason = choice.reason.clone();
+                choice.route
+            }
+            other => {
+                report.reason = format!(
+                    "parts in one upload are staged (the route chosen was {})",
+                    other.strategy()
+                );
+                Route::Staged
+            }
+        };
+        self.staged_with(
+            file,
+            &all,
+            route == Route::Direct,
+            &mut report,
+            |source, len| {
+                // SAFETY: the caller's promise (see Safety).
+                unsafe { self.sched.upload_parts(source, len, parts, landed) }
+            },
+        )?;
+        check_unchanged(file)?;
+        report.strategy = route.strategy();
         for f in self.sched.fallbacks() {
             f.push_once(&mut report.fallbacks);
         }
@@ -748,6 +847,22 @@ impl Loader {
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
+        self.staged_with(file, spans, direct, report, |source, len| {
+            self.sched.upload(HostSource::Fill { source, len }, dst, 0)
+        })
+    }
+
+    /// A staged (or, `direct`, O_DIRECT) load of `spans` of `file`, whose bytes `upload`
+    /// puts on the GPU from the file's fill source; the readers' fallbacks and the waits go
+    /// into `report`.
+    fn staged_with(
+        &self,
+        file: &OpenedFile,
+        spans: &[Range<u64>],
+        direct: bool,
+        report: &mut LoadReport,
+        upload: impl FnOnce(&dyn FillSource, u64) -> gpufeed_cuda::Result<TransferStats>,
+    ) -> Result<()> {
         let source = FileSource::new(file, spans, direct, self.opts.queue_depth, &self.readers);
         let len = source.len();
         if len == 0 {
@@ -763,18 +878,7 @@ impl Loader {
             report.io_backend = Some("pread".to_owned());
             Ok(())
         };
-        let uploaded = first.and_then(|()| {
-            self.sched
-                .upload(
-                    HostSource::Fill {
-                        source: &source,
-                        len,
-                    },
-                    dst,
-                    0,
-                )
-                .map_err(read_error)
-        });
+        let uploaded = first.and_then(|()| upload(&source, len).map_err(read_error));
         // Files are opened with Direct::On or Direct::Off, never Auto: a refused O_DIRECT is
         // an error, not a fallback, so only the readers' own fallbacks (io_uring) are news.
         for f in source.finish() {

@@ -317,9 +317,11 @@ impl SafeFile {
     /// Starts loading `items` (`(start, end, align, tensor, shape)`: absolute offsets, the
     /// element size they are placed at, the index in `tensors()` of the tensor they hold and
     /// that part's shape) to GPU `device` in the background, in chunks of `chunk_bytes`; see
-    /// `gpufeed_safetensors::PrefetchOptions` for `ahead_bytes` and `follow_from`.
-    #[pyo3(signature = (device, items, chunk_bytes, ahead_bytes=None, follow_from=None))]
+    /// `gpufeed_safetensors::PrefetchOptions` for `ahead_bytes`, `follow_from` and
+    /// `run_bytes`.
+    #[pyo3(signature = (device, items, chunk_bytes, ahead_bytes=None, follow_from=None, run_bytes=0))]
     #[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
+    #[allow(clippy::too_many_arguments, reason = "Python's arguments")]
     fn prefetch(
         &self,
         py: Python<'_>,
@@ -328,6 +330,7 @@ impl SafeFile {
         chunk_bytes: u64,
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
+        run_bytes: u64,
     ) -> PyResult<NativePrefetch> {
         let mut views = Vec::with_capacity(items.len());
         let mut spans = Vec::with_capacity(items.len());
@@ -344,12 +347,14 @@ impl SafeFile {
             chunk_bytes,
             ahead_bytes,
             follow_from,
+            run_bytes,
         )
     }
 
     /// `prefetch` of whole tensors: `tensors` are indices in `tensors()`, each loaded whole,
     /// placed at a multiple of its element size (a byte for packed types).
-    #[pyo3(signature = (device, tensors, chunk_bytes, ahead_bytes=None, follow_from=None))]
+    #[pyo3(signature = (device, tensors, chunk_bytes, ahead_bytes=None, follow_from=None, run_bytes=0))]
+    #[allow(clippy::too_many_arguments, reason = "Python's arguments")]
     fn prefetch_tensors(
         &self,
         py: Python<'_>,
@@ -358,6 +363,7 @@ impl SafeFile {
         chunk_bytes: u64,
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
+        run_bytes: u64,
     ) -> PyResult<NativePrefetch> {
         let mut views = Vec::with_capacity(tensors.len());
         let mut spans = Vec::with_capacity(tensors.len());
@@ -379,6 +385,7 @@ impl SafeFile {
             chunk_bytes,
             ahead_bytes,
             follow_from,
+            run_bytes,
         )
     }
 
@@ -441,6 +448,7 @@ impl SafeFile {
         chunk_bytes: u64,
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
+        run_bytes: u64,
     ) -> PyResult<NativePrefetch> {
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
@@ -459,7 +467,8 @@ impl SafeFile {
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(chunk_bytes)
             .with_ahead_bytes(ahead_bytes)
-            .with_follow_from(follow_from);
+            .with_follow_from(follow_from)
+            .with_run_bytes(run_bytes);
         let gpu = loader.gpu().clone();
         let total: u64 = items
             .iter()

@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use gpufeed_cuda::DeviceAlloc;
-use gpufeed_load::{DeviceBuffer, Loader, RouteChoice};
+use gpufeed_load::{DeviceBuffer, Loader, RouteChoice, Strategy};
 
 use crate::error::{Error, Result};
 use crate::source::{PrefetchSource, merge_adjacent};
@@ -51,6 +51,14 @@ pub struct PrefetchOptions {
     /// up to `chunk_bytes`; a chunk is loaded ahead only once a caller took an item of the one before
     /// (read-ahead as the kernel does it for a file). Unset, it loads every item in order.
     pub follow_from: Option<u64>,
+    /// Where more than `chunk_bytes`, chunks of the full size that follow one another (in
+    /// order, nobody waiting for another item) load as one transfer of up to this many bytes,
+    /// each chunk still an allocation of its own and handed out as soon as it lands
+    /// ([`gpufeed_load::Loader::load_parts_to`]): a staged transfer's start and end are paid
+    /// once for them all. Loading bytes count against `ahead_bytes` as loaded ones do. 0 (the
+    /// default): each chunk is a transfer of its own. Files only, by a staged route (`Staged`,
+    /// `Direct`); other sources and routes load chunk by chunk.
+    pub run_bytes: u64,
 }
 
 impl Default for PrefetchOptions {
@@ -59,6 +67,7 @@ impl Default for PrefetchOptions {
             chunk_bytes: 512 << 20,
             ahead_bytes: None,
             follow_from: None,
+            run_bytes: 0,
         }
     }
 }
@@ -80,6 +89,13 @@ impl PrefetchOptions {
     /// [`PrefetchOptions::follow_from`]).
     pub fn with_follow_from(mut self, follow_from: Option<u64>) -> Self {
         self.follow_from = follow_from;
+        self
+    }
+
+    /// These options, loading chunks that follow one another in transfers of up to
+    /// `run_bytes` (see [`PrefetchOptions::run_bytes`]; 0: a transfer per chunk).
+    pub fn with_run_bytes(mut self, run_bytes: u64) -> Self {
+        self.run_bytes = run_bytes;
         self
     }
 }
@@ -506,8 +522,8 @@ impl Drop for GiveUpOnExit<'_> {
     }
 }
 
-/// The worker: chunk after chunk until every item is loaded, the prefetch is closed or a
-/// transfer fails.
+/// The worker: chunk after chunk (or run after run of chunks) until every item is loaded,
+/// the prefetch is closed or a transfer fails.
 fn work(
     shared: &Shared,
     loader: &Loader,
@@ -527,7 +543,18 @@ fn work(
     let started = std::time::Instant::now();
     let mut idle_from = started;
     loop {
-        let chunk = {
+        // Runs only where they can be one staged transfer: a file by a staged route.
+        let runs = opts.run_bytes > opts.chunk_bytes
+            && match file {
+                PrefetchSource::File(file) => {
+                    let route =
+                        route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
+                    matches!(route.strategy(), Strategy::Staged | Strategy::Direct)
+                }
+                #[cfg(feature = "object")]
+                PrefetchSource::Object(_) => false,
+            };
+        let run = {
             let mut state = shared.lock();
             loop {
                 if state.closed {
@@ -543,15 +570,15 @@ fn work(
                     continue;
                 }
                 match next_chunk(&mut state, items, opts) {
-                    Next::Chunk(chunk) => break chunk,
+                    Next::Chunk(chunk) if runs => break run_on(&mut state, items, opts, chunk),
+                    Next::Chunk(chunk) => break vec![chunk],
                     Next::Idle => state = shared.wait(state),
                     Next::Done => return,
                 }
             }
         };
-        let layout = Layout::of(&chunk, items);
+        let layouts: Vec<Layout> = run.iter().map(|c| Layout::of(c, items)).collect();
         let began = std::time::Instant::now();
-
         // Every chunk from cuMemAlloc: growing the context's pool chunk by chunk would cost
         // 2-3 ms per GiB (docs/benchmarks.md, GPU run 8), and its first allocation in a
         // context 7-10 ms whatever the size (a sweep's first pooled chunk, of 16 MiB, loaded
@@ -559,27 +586,60 @@ fn work(
         // as long as their tensors, and are freed after the device's queued work anyway.
         let from = DeviceAlloc::Unpooled;
         let mut filling = began;
-        let loaded = loader.gpu().alloc_filled(layout.len, from, |dst| {
-            filling = std::time::Instant::now();
-            match file {
-                PrefetchSource::File(file) => {
-                    let route =
-                        route.get_or_insert_with(|| loader.choose_route(file, hull.clone()));
-                    // Each chunk is a load of its own: its contents checked against the
-                    // prefetch's start (size, mtime), then its window in full (ctime too), so
-                    // a chmod or a rename over the path between chunks does not end it.
-                    let now = file.try_clone_as_of_now()?;
-                    loader.load_spans_to(&now, &layout.spans, dst, Some(route))
-                }
-                #[cfg(feature = "object")]
-                PrefetchSource::Object(object) => {
-                    loader.load_object_spans_to(object, &layout.spans, dst)
-                }
+        // A chunk loaded as a transfer of its own.
+        let mut load_one = |chunk: &[usize], layout: &Layout| {
+            loader
+                .gpu()
+                .alloc_filled(layout.len, from, |dst| {
+                    filling = std::time::Instant::now();
+                    match file {
+                        PrefetchSource::File(file) => {
+                            let route = route
+                                .get_or_insert_with(|| loader.choose_route(file, hull.clone()));
+                            // Each chunk is a load of its own: its contents checked against
+                            // the prefetch's start (size, mtime), then its window in full
+                            // (ctime too), so a chmod or a rename over the path between
+                            // chunks does not end it.
+                            let now = file.try_clone_as_of_now()?;
+                            loader.load_spans_to(&now, &layout.spans, dst, Some(route))
+                        }
+                        #[cfg(feature = "object")]
+                        PrefetchSource::Object(object) => {
+                            loader.load_object_spans_to(object, &layout.spans, dst)
+                        }
+                    }
+                })
+                .map(|(buffer, _report)| {
+                    let mut state = shared.lock();
+                    publish(&mut state, chunk, &layout.offsets, Arc::new(buffer), items);
+                    shared.changed.notify_all();
+                })
+        };
+        let loaded = match file {
+            PrefetchSource::File(file) if run.len() > 1 => {
+                let route = route
+                    .clone()
+                    .unwrap_or_else(|| loader.choose_route(file, hull.clone()));
+                load_run(
+                    shared,
+                    loader,
+                    file,
+                    items,
+                    &run,
+                    &layouts,
+                    &route,
+                    &mut filling,
+                )
             }
-        });
+            _ => run
+                .iter()
+                .zip(&layouts)
+                .try_for_each(|(chunk, layout)| load_one(chunk, layout)),
+        };
         tracing::debug!(
-            items = chunk.len(),
-            mib = layout.len as f64 / f64::from(1 << 20),
+            chunks = run.len(),
+            items = run.iter().map(Vec::len).sum::<usize>(),
+            mib = layouts.iter().map(|l| l.len).sum::<usize>() as f64 / f64::from(1 << 20),
             at_ms = (began - started).as_secs_f64() * 1e3,
             idle_ms = (began - idle_from).as_secs_f64() * 1e3,
             alloc_ms = (filling - began).as_secs_f64() * 1e3,
@@ -587,44 +647,169 @@ fn work(
             "prefetch chunk"
         );
         idle_from = std::time::Instant::now();
-        let mut state = shared.lock();
-        match loaded {
-            Ok((buffer, _report)) => {
-                let buffer = Arc::new(buffer);
-                state.latest += 1;
-                state.took_latest = false;
-                let seq = state.latest;
-                for (&i, &offset) in chunk.iter().zip(&layout.offsets) {
-                    state.chunk_of[i] = seq;
-                    let len = (items[i].span.end - items[i].span.start) as usize;
-                    if state.closed {
-                        state.status[i] = Status::Failed;
-                        continue;
-                    }
-                    state.status[i] = Status::Ready(Piece {
-                        buffer: Arc::clone(&buffer),
-                        offset,
-                        len,
-                        siblings: chunk.len(),
-                    });
-                    state.untaken += len as u64;
-                    state.ready.push_back(i);
+        if let Err(e) = loaded {
+            let mut state = shared.lock();
+            state.failure_text = Some(e.to_string());
+            state.failure = Some(e.into());
+            for s in state.status.iter_mut() {
+                if matches!(s, Status::Pending | Status::Loading) {
+                    *s = Status::Failed;
                 }
             }
-            Err(e) => {
-                state.failure_text = Some(e.to_string());
-                state.failure = Some(e.into());
-                for s in state.status.iter_mut() {
-                    if matches!(s, Status::Pending | Status::Loading) {
-                        *s = Status::Failed;
-                    }
-                }
-                shared.changed.notify_all();
-                return;
-            }
+            shared.changed.notify_all();
+            return;
         }
         shared.changed.notify_all();
     }
+}
+
+/// Loads the chunks of `run` (their `layouts`) of `file` as one staged transfer, each chunk
+/// an allocation of its own handed out as soon as it landed and the file was found unchanged
+/// then (as a chunk's own load checks it at its end).
+#[allow(clippy::too_many_arguments, reason = "the worker's state, passed on")]
+#[allow(
+    unsafe_code,
+    reason = "the chunks are handed out as they land (its SAFETY note)"
+)]
+fn load_run(
+    shared: &Shared,
+    loader: &Loader,
+    file: &gpufeed_os::OpenedFile,
+    items: &[PrefetchItem],
+    run: &[Vec<usize>],
+    layouts: &[Layout],
+    route: &RouteChoice,
+    filling: &mut std::time::Instant,
+) -> std::result::Result<(), gpufeed_load::Error> {
+    let mut buffers = Vec::with_capacity(run.len());
+    for layout in layouts {
+        // Written by the load below before any of it is handed out (`landed`).
+        let (buffer, ()) = loader
+            .gpu()
+            .alloc_filled(layout.len, DeviceAlloc::Unpooled, |_| {
+                Ok::<(), gpufeed_load::Error>(())
+            })?;
+        buffers.push(Arc::new(buffer));
+    }
+    *filling = std::time::Instant::now();
+    // As a chunk's own load: its contents checked against the prefetch's start, then its
+    // window in full.
+    let now = file.try_clone_as_of_now()?;
+    let spans: Vec<&[Range<u64>]> = layouts.iter().map(|l| &l.spans[..]).collect();
+    let parts: Vec<&DeviceBuffer> = buffers.iter().map(|b| &**b).collect();
+    // The first change seen when a chunk landed: later chunks are not handed out.
+    let changed: Mutex<Option<gpufeed_load::Error>> = Mutex::new(None);
+    let landed = |k: usize| {
+        let mut seen = changed.lock().unwrap_or_else(PoisonError::into_inner);
+        if seen.is_some() {
+            return;
+        }
+        if let Err(e) = gpufeed_load::internal::check_unchanged(&now) {
+            *seen = Some(e);
+            return;
+        }
+        drop(seen);
+        let mut state = shared.lock();
+        publish(
+            &mut state,
+            &run[k],
+            &layouts[k].offsets,
+            Arc::clone(&buffers[k]),
+            items,
+        );
+        shared.changed.notify_all();
+    };
+    // SAFETY: no one but `landed` has the buffers (their `Arc`s are this function's until a
+    // chunk's pieces are handed out there, after its bytes landed), and nothing else writes
+    // them.
+    let loaded = unsafe { loader.load_parts_to(&now, &spans, &parts, Some(route), &landed) };
+    if let Some(e) = changed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(e);
+    }
+    loaded.map(|_report| ())
+}
+
+/// Marks `chunk`'s items ready at `offsets` of `buffer` (failed where the prefetch closed
+/// meanwhile).
+fn publish(
+    state: &mut State,
+    chunk: &[usize],
+    offsets: &[usize],
+    buffer: Arc<DeviceBuffer>,
+    items: &[PrefetchItem],
+) {
+    state.latest += 1;
+    state.took_latest = false;
+    let seq = state.latest;
+    for (&i, &offset) in chunk.iter().zip(offsets) {
+        state.chunk_of[i] = seq;
+        let len = (items[i].span.end - items[i].span.start) as usize;
+        if state.closed {
+            state.status[i] = Status::Failed;
+            continue;
+        }
+        state.status[i] = Status::Ready(Piece {
+            buffer: Arc::clone(&buffer),
+            offset,
+            len,
+            siblings: chunk.len(),
+        });
+        state.untaken += len as u64;
+        state.ready.push_back(i);
+    }
+}
+
+/// `first` and the chunks after it that load with it as one transfer
+/// ([`PrefetchOptions::run_bytes`]): while nobody waits for another item, the items go on in
+/// order from the cursor, the chunks are of the full size (following: the ramp reached
+/// `chunk_bytes`), the run stays within `run_bytes` and, with the loaded and untaken bytes,
+/// within `ahead_bytes`.
+fn run_on(
+    state: &mut State,
+    items: &[PrefetchItem],
+    opts: &PrefetchOptions,
+    first: Vec<usize>,
+) -> Vec<Vec<usize>> {
+    let bytes = |c: &[usize]| {
+        c.iter()
+            .map(|&i| items[i].span.end - items[i].span.start)
+            .sum::<u64>()
+    };
+    let mut total = bytes(&first);
+    let mut run = vec![first];
+    loop {
+        if !state.demand.is_empty() || (opts.follow_from.is_some() && state.ramp < opts.chunk_bytes)
+        {
+            break;
+        }
+        // The next chunk's bytes at most: the items pending from the cursor on, as
+        // `next_chunk` takes them (the first whatever its size, the others up to a chunk).
+        let mut next = 0u64;
+        for (i, item) in items.iter().enumerate().skip(state.cursor) {
+            if !matches!(state.status[i], Status::Pending) {
+                continue;
+            }
+            let len = item.span.end - item.span.start;
+            if next > 0 && next + len > opts.chunk_bytes {
+                break;
+            }
+            next += len;
+        }
+        let ahead_ok = opts
+            .ahead_bytes
+            .is_none_or(|a| state.untaken + total + next <= a);
+        if next == 0 || total + next > opts.run_bytes || !ahead_ok {
+            break;
+        }
+        match next_chunk(state, items, opts) {
+            Next::Chunk(c) => {
+                total += bytes(&c);
+                run.push(c);
+            }
+            Next::Idle | Next::Done => break,
+        }
+    }
+    run
 }
 
 /// How much larger each chunk of a sweep that follows its callers is than the one before

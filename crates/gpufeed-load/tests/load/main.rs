@@ -7,6 +7,7 @@ mod object;
 #[cfg(feature = "object")]
 mod object_cache;
 mod opened;
+mod parts;
 mod registered;
 
 use gpufeed_load::Gpu;

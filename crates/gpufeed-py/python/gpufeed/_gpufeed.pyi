@@ -426,6 +426,7 @@ class SafeFile:
         chunk_bytes: int,
         ahead_bytes: int | None = None,
         follow_from: int | None = None,
+        run_bytes: int = 0,
     ) -> NativePrefetch: ...
     def prefetch_tensors(
         self,
@@ -434,6 +435,7 @@ class SafeFile:
         chunk_bytes: int,
         ahead_bytes: int | None = None,
         follow_from: int | None = None,
+        run_bytes: int = 0,
     ) -> NativePrefetch: ...
     def entries(self, file: int) -> tuple[list[str], list[Entry], list[int]]: ...
 

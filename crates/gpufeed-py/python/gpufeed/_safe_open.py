@@ -63,9 +63,13 @@ class _NoGpu(SafetensorError, NoGpuError):
 _FileNotFound.__module__ = "gpufeed"
 _NoGpu.__module__ = "gpufeed"
 
-# Bytes per transfer of get_tensors / prefetch, and the most a get_tensor sweep holds ahead.
+# Bytes per allocation of get_tensors / prefetch; the most that loads as one transfer
+# (chunks that follow one another, each handed out as it lands: one start and end of a
+# transfer for them all; 0: a transfer per chunk); the most a get_tensor sweep holds loaded
+# or loading ahead of its caller.
 _CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
-_SWEEP_AHEAD = 2 << 30
+_RUN = int(os.environ.get("GPUFEED_PREFETCH_RUN_MIB", "4096")) << 20
+_SWEEP_AHEAD = int(os.environ.get("GPUFEED_SWEEP_AHEAD_MIB", "4096")) << 20
 _SWEEP_FROM = 8 << 20
 # More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
 _MAX_RUNS = 65536
@@ -612,7 +616,7 @@ class safe_open:
                     try:
                         native = self._files[k].prefetch_tensors(
                             self._ordinal, [self._entries[n].index for n in names], _CHUNK,
-                            _SWEEP_AHEAD, _SWEEP_FROM)
+                            _SWEEP_AHEAD, _SWEEP_FROM, _RUN)
                     except GpufeedError as e:
                         raise _translated(e) from None
                     sweep = self._sweeps[k] = _Sweep(native, names)
@@ -881,7 +885,7 @@ class safe_open:
             for k, items, _ in per_file:
                 f = self._files[k]
                 start = f.prefetch if shapes else f.prefetch_tensors
-                natives.append(start(ordinal, items, _CHUNK))
+                natives.append(start(ordinal, items, _CHUNK, run_bytes=_RUN))
         except GpufeedError as e:
             for n in natives:
                 n.close()

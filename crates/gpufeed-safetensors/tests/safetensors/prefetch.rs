@@ -62,16 +62,26 @@ fn ranges_land_byte_for_byte_at_their_alignment_once_each() {
     let Some(gpu) = gpu_or_skip("ranges_land_byte_for_byte_at_their_alignment_once_each") else {
         return;
     };
+    // A transfer per chunk, then runs of chunks in one transfer (each chunk handed out as it
+    // lands), of up to three and a half chunks.
+    for run_bytes in [0, 7 << 20] {
+        ranges_land_once_each(&gpu, run_bytes);
+    }
+}
+
+fn ranges_land_once_each(gpu: &gpufeed_load::Gpu, run_bytes: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("data.bin");
     let data = random_bytes((19 << 20) + 333, 38);
     std::fs::write(&path, &data).expect("write");
-    let loader = Arc::new(Loader::new(&gpu, LoadOptions::default()).expect("loader"));
+    let loader = Arc::new(Loader::new(gpu, LoadOptions::default()).expect("loader"));
     let items = items(data.len() as u64);
     assert!(items.len() > 20, "{} items", items.len());
 
     // Readiness order, small chunks: every item once.
-    let opts = PrefetchOptions::default().with_chunk_bytes(2 << 20);
+    let opts = PrefetchOptions::default()
+        .with_chunk_bytes(2 << 20)
+        .with_run_bytes(run_bytes);
     let p = Prefetch::start(
         Arc::clone(&loader),
         OpenedFile::open(&path).expect("open"),
@@ -83,7 +93,7 @@ fn ranges_land_byte_for_byte_at_their_alignment_once_each() {
     while let Some((i, piece)) = p.next_ready().expect("ready") {
         assert!(!seen[i], "item {i} twice");
         seen[i] = true;
-        check(&gpu, &data, &items[i], &piece);
+        check(gpu, &data, &items[i], &piece);
     }
     assert!(seen.iter().all(|&s| s), "every item handed out");
     assert!(
@@ -101,13 +111,13 @@ fn ranges_land_byte_for_byte_at_their_alignment_once_each() {
     .expect("start");
     for i in [items.len() - 1, 0, items.len() / 2] {
         let piece = p.take(i).expect("take");
-        check(&gpu, &data, &items[i], &piece);
+        check(gpu, &data, &items[i], &piece);
     }
     let kept = p.take(1).expect("take");
     p.close();
     let err = p.take(2).expect_err("after close");
     assert!(err.to_string().contains("closed"), "{err}");
-    check(&gpu, &data, &items[1], &kept);
+    check(gpu, &data, &items[1], &kept);
 
     // Following: nothing loads until asked; a sweep in order gets each item.
     let follow = opts
@@ -128,7 +138,7 @@ fn ranges_land_byte_for_byte_at_their_alignment_once_each() {
     );
     for (i, item) in items.iter().enumerate() {
         let piece = p.take(i).expect("take in order");
-        check(&gpu, &data, item, &piece);
+        check(gpu, &data, item, &piece);
     }
     // Following, drained by next_ready alone (nothing is asked: it asks for the first
     // pending item itself), each item once.
@@ -146,7 +156,7 @@ fn ranges_land_byte_for_byte_at_their_alignment_once_each() {
     while let Some((i, piece)) = p.next_ready().expect("ready") {
         assert!(!seen[i], "item {i} twice");
         seen[i] = true;
-        check(&gpu, &data, &items[i], &piece);
+        check(gpu, &data, &items[i], &piece);
     }
     assert!(
         seen.iter().all(|&s| s),
@@ -170,28 +180,45 @@ fn a_file_written_during_a_prefetch_is_an_error_naming_it() {
             align: 1,
         })
         .collect();
+    // A transfer per chunk (1 MiB ahead at most), then runs of up to four chunks.
+    for (run_bytes, ahead) in [(0, 1 << 20), (4 << 20, 8 << 20)] {
+        std::fs::write(&path, &data).expect("write");
+        written_during(&gpu, &loader, &path, &data, &items, run_bytes, ahead);
+    }
+}
+
+fn written_during(
+    gpu: &gpufeed_load::Gpu,
+    loader: &Arc<Loader>,
+    path: &std::path::Path,
+    data: &[u8],
+    items: &[PrefetchItem],
+    run_bytes: u64,
+    ahead: u64,
+) {
     let opts = PrefetchOptions::default()
         .with_chunk_bytes(1 << 20)
         .with_follow_from(Some(1 << 20))
-        .with_ahead_bytes(Some(1 << 20));
+        .with_ahead_bytes(Some(ahead))
+        .with_run_bytes(run_bytes);
     let p = Prefetch::start(
-        loader,
-        OpenedFile::open(&path).expect("open"),
-        items.clone(),
+        Arc::clone(loader),
+        OpenedFile::open(path).expect("open"),
+        items.to_vec(),
         opts,
     )
     .expect("start");
-    check(&gpu, &data, &items[0], &p.take(0).expect("first"));
+    check(gpu, data, &items[0], &p.take(0).expect("first"));
     // Written in place (same inode): the next transfer sees the change on its descriptor.
     std::fs::OpenOptions::new()
         .append(true)
-        .open(&path)
+        .open(path)
         .expect("reopen")
         .write_all_at_end();
     let mut failed = None;
     for (i, item) in items.iter().enumerate().skip(1) {
         match p.take(i) {
-            Ok(piece) => check(&gpu, &data, item, &piece),
+            Ok(piece) => check(gpu, data, item, &piece),
             Err(e) => {
                 failed = Some(e);
                 break;
@@ -199,7 +226,10 @@ fn a_file_written_during_a_prefetch_is_an_error_naming_it() {
         }
     }
     let e = failed.expect("a transfer after the write fails");
-    assert!(e.to_string().contains(&*path.to_string_lossy()), "{e}");
+    assert!(
+        e.to_string().contains(&*path.to_string_lossy()),
+        "run_bytes {run_bytes}: {e}"
+    );
 }
 
 trait AppendByte {
