@@ -698,20 +698,12 @@ impl Loader {
 
     /// A load's report before it runs: `len` bytes of `file` by `choice`.
     fn new_report(&self, file: &OpenedFile, len: u64, choice: &RouteChoice) -> LoadReport {
-        LoadReport {
-            path: file.path().into(),
-            strategy: self.opts.strategy,
-            reason: String::new(),
-            bytes: len,
-            seconds: 0.0,
-            residency_before: choice.residency,
-            fallbacks: Vec::new(),
-            copy_waited_s: 0.0,
-            source_waited_s: 0.0,
-            io_backend: None,
-            gds_refused: None,
-            gds_registered_bytes: 0,
-        }
+        LoadReport::before(
+            file.path().into(),
+            self.opts.strategy,
+            len,
+            choice.residency,
+        )
     }
 
     /// Loads `spans[k]` of `file` into `parts[k]`, each part exactly as long as its spans

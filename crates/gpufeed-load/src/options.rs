@@ -401,6 +401,30 @@ pub struct LoadReport {
 }
 
 impl LoadReport {
+    /// The report of a load of `bytes` of `path` before it runs: `strategy` asked for,
+    /// `residency` sampled, nothing else known yet.
+    pub(crate) fn before(
+        path: std::path::PathBuf,
+        strategy: Strategy,
+        bytes: u64,
+        residency: Option<f64>,
+    ) -> Self {
+        LoadReport {
+            path,
+            strategy,
+            reason: String::new(),
+            bytes,
+            seconds: 0.0,
+            residency_before: residency,
+            fallbacks: Vec::new(),
+            copy_waited_s: 0.0,
+            source_waited_s: 0.0,
+            io_backend: None,
+            gds_refused: None,
+            gds_registered_bytes: 0,
+        }
+    }
+
     /// GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
         gpufeed_os::gbps(self.bytes, self.seconds)

@@ -248,21 +248,10 @@ impl Loader {
         started: Instant,
     ) -> Result<LoadReport> {
         let len = range.end - range.start;
-        let mut report = LoadReport {
-            path: file.path.clone(),
-            strategy: Strategy::Registered,
-            reason: "from a registered file (RegisteredFile): one copy out of the page cache"
-                .into(),
-            bytes: len,
-            seconds: 0.0,
-            residency_before: Some(1.0),
-            fallbacks: Vec::new(),
-            copy_waited_s: 0.0,
-            source_waited_s: 0.0,
-            io_backend: None,
-            gds_refused: None,
-            gds_registered_bytes: 0,
-        };
+        let mut report =
+            LoadReport::before(file.path.clone(), Strategy::Registered, len, Some(1.0));
+        report.reason =
+            "from a registered file (RegisteredFile): one copy out of the page cache".into();
         if let Some(registration) = file.registration.as_ref().filter(|_| len > 0) {
             file.verify_unchanged()?;
             self.sched.upload(
