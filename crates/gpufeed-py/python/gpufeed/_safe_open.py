@@ -65,11 +65,11 @@ _NoGpu.__module__ = "gpufeed"
 
 # Bytes per allocation of get_tensors / prefetch; the most that loads as one transfer
 # (chunks that follow one another, each handed out as it lands: one start and end of a
-# transfer for them all; 0: a transfer per chunk); the most a get_tensor sweep holds loaded
-# or loading ahead of its caller.
+# transfer for them all; 0, the default: a transfer per chunk — runs have not yet run on a
+# GPU); the most a get_tensor sweep holds loaded or loading ahead of its caller.
 _CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
-_RUN = int(os.environ.get("GPUFEED_PREFETCH_RUN_MIB", "4096")) << 20
-_SWEEP_AHEAD = int(os.environ.get("GPUFEED_SWEEP_AHEAD_MIB", "4096")) << 20
+_RUN = int(os.environ.get("GPUFEED_PREFETCH_RUN_MIB", "0")) << 20
+_SWEEP_AHEAD = int(os.environ.get("GPUFEED_SWEEP_AHEAD_MIB", "2048")) << 20
 _SWEEP_FROM = 8 << 20
 # More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
 _MAX_RUNS = 65536
