@@ -152,6 +152,9 @@ struct State {
     took_latest: bool,
     /// Following: the next chunk's size.
     ramp: u64,
+    /// The size the last chunk was cut to (`chunk_bytes` but on a ramp): a run starts only
+    /// from a chunk of the full size.
+    last_size: u64,
     /// [`PrefetchOptions::ahead_bytes`].
     ahead: Option<u64>,
 }
@@ -174,6 +177,7 @@ impl State {
             latest: 0,
             took_latest: false,
             ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
+            last_size: 0,
             ahead: opts.ahead_bytes,
         }
     }
@@ -760,10 +764,10 @@ fn publish(
 }
 
 /// `first` and the chunks after it that load with it as one transfer
-/// ([`PrefetchOptions::run_bytes`]): while nobody waits for another item, the items go on in
-/// order from the cursor, the chunks are of the full size (following: the ramp reached
-/// `chunk_bytes`), the run stays within `run_bytes` and, with the loaded and untaken bytes,
-/// within `ahead_bytes`.
+/// ([`PrefetchOptions::run_bytes`]): where `first` was cut at the full size (following: the
+/// ramp reached `chunk_bytes`), while nobody waits for another item and the items go on in
+/// order from the cursor, within `run_bytes` and, with the loaded and untaken bytes, within
+/// `ahead_bytes`.
 fn run_on(
     state: &mut State,
     items: &[PrefetchItem],
@@ -777,9 +781,12 @@ fn run_on(
     };
     let mut total = bytes(&first);
     let mut run = vec![first];
+    // Following, the ramp's chunks (and the first after a jump) stay transfers of their own.
+    if state.last_size < opts.chunk_bytes {
+        return run;
+    }
     loop {
-        if !state.demand.is_empty() || (opts.follow_from.is_some() && state.ramp < opts.chunk_bytes)
-        {
+        if !state.demand.is_empty() {
             break;
         }
         // The next chunk's bytes at most: the items pending from the cursor on, as
@@ -871,6 +878,7 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
             size
         }
     };
+    state.last_size = size;
     let room = opts
         .ahead_bytes
         .map_or(u64::MAX, |ahead| ahead.saturating_sub(state.untaken))
@@ -1041,6 +1049,77 @@ mod tests {
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![19]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![20]));
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
+    }
+
+    /// A run takes the chunks after its first while they follow in order, stays within
+    /// `run_bytes` and, with what waits untaken, within `ahead_bytes`; following, only once
+    /// the ramp reached the chunk size; a caller waiting for another item ends it.
+    #[test]
+    fn runs_take_the_chunks_that_follow_within_their_bounds() {
+        let it = items(
+            &(0..20)
+                .map(|i| (i * 10, i * 10 + 10, 1))
+                .collect::<Vec<_>>(),
+        );
+        let take = |state: &mut State, opts: &PrefetchOptions| match next_chunk(state, &it, opts) {
+            Next::Chunk(c) => run_on(state, &it, opts, c),
+            other => panic!("{other:?}"),
+        };
+        // Not following: chunks of 30 bytes, runs of 100: three chunks and the 10 bytes after
+        // them fit; the last run is what is left.
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(30)
+            .with_run_bytes(100);
+        let mut state = State::new(20, &opts);
+        // Three chunks: a fourth (30 more) would pass the 100.
+        assert_eq!(
+            take(&mut state, &opts),
+            vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7, 8]]
+        );
+        assert_eq!(state.cursor, 9);
+        // A caller waiting for item 15: the run starts there and goes on to the end.
+        state.demand.push_back(15);
+        assert_eq!(
+            take(&mut state, &opts),
+            vec![vec![15, 16, 17], vec![18, 19]]
+        );
+        // Then from the first item left (the cursor wraps), on to the items loaded already.
+        assert_eq!(
+            take(&mut state, &opts),
+            vec![vec![9, 10, 11], vec![12, 13, 14]]
+        );
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
+        // With 40 bytes waiting untaken and 100 ahead at most: one more chunk of 30 fits.
+        let opts = opts.with_ahead_bytes(Some(100));
+        let mut state = State::new(20, &opts);
+        state.untaken = 40;
+        assert_eq!(take(&mut state, &opts), vec![vec![0, 1, 2], vec![3, 4, 5]]);
+        // Following from 10 bytes with a cap of 80 (growth 8): the ramp's 10 alone, then 80
+        // at the cap and the chunks after it within the run's 200 (80 + 80 + 30).
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(80)
+            .with_follow_from(Some(10))
+            .with_run_bytes(200);
+        let mut state = State::new(20, &opts);
+        state.demand.push_back(0);
+        assert_eq!(take(&mut state, &opts), vec![vec![0]]);
+        assert_eq!(
+            take(&mut state, &opts),
+            vec![
+                (1..9).collect::<Vec<_>>(),
+                (9..17).collect(),
+                vec![17, 18, 19]
+            ]
+        );
+        // A jump: the first chunk after it is on the ramp again, alone.
+        let mut state = State::new(20, &opts);
+        state.demand.push_back(0);
+        let _ = take(&mut state, &opts);
+        state.demand.push_back(12);
+        assert_eq!(take(&mut state, &opts), vec![vec![12]]);
+        assert_eq!(take(&mut state, &opts), vec![(13..20).collect::<Vec<_>>()]);
+        // Every item once across the runs; what is left waits for a caller.
+        assert_eq!(next_chunk(&mut state, &it, &opts), Next::Idle);
     }
 
     /// An item larger than the ramp makes its chunk large: the next one grows from that chunk,
