@@ -100,6 +100,15 @@ pub enum Error {
         what: &'static str,
     },
 
+    /// An upload in parts was stopped by its caller (a part's report asked for it:
+    /// [`crate::TransferScheduler::upload_parts`]); the parts not reported landed hold what the
+    /// copies left.
+    #[error("the upload was stopped by its caller after {landed} of its parts landed")]
+    Stopped {
+        /// Parts reported landed before it stopped.
+        landed: usize,
+    },
+
     /// The scheduler's fill threads could not be started (the process is out of threads or
     /// memory for their stacks).
     #[error(

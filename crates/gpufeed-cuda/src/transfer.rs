@@ -441,7 +441,11 @@ struct Parts<'a> {
     ptrs: Vec<sys::CUdeviceptr>,
     /// Bytes of each part whose copies are not known to be complete.
     left: Vec<AtomicU64>,
-    landed: &'a (dyn Fn(usize) + Sync),
+    landed: &'a (dyn Fn(usize) -> bool + Sync),
+    /// Parts reported landed.
+    reported: AtomicUsize,
+    /// Set once a report answered `false`: the lanes take no further piece.
+    stopped: AtomicBool,
 }
 
 impl Parts<'_> {
@@ -470,9 +474,17 @@ impl Parts<'_> {
     fn completed(&self, off: u64, size: usize) {
         self.each(off, size, |k, _, _, n| {
             if self.left[k].fetch_sub(n as u64, Ordering::AcqRel) == n as u64 {
-                (self.landed)(k);
+                self.report(k);
             }
         });
+    }
+
+    /// Reports part k landed; a `false` answer stops the upload.
+    fn report(&self, k: usize) {
+        self.reported.fetch_add(1, Ordering::AcqRel);
+        if !(self.landed)(k) {
+            self.stopped.store(true, Ordering::Release);
+        }
     }
 }
 
@@ -990,19 +1002,22 @@ impl TransferScheduler {
     /// back (part 0 its first bytes, part 1 the ones after, ...; `len` must be their lengths'
     /// sum), in one staged upload: the lanes run from the first part's bytes to the last
     /// part's without the start and end of a transfer between them, and `landed(k)` is
-    /// called (on a fill thread, once per part, in about the order of the parts) as soon as
-    /// part k's bytes are all on the GPU, so that a caller can hand part k out while the
-    /// later ones load. An empty part is reported landed first. Returns when every part
-    /// landed.
+    /// called (on a fill thread, or this one for an empty part, once per part, in about the
+    /// order of the parts) as soon as part k's bytes are all on the GPU, so that a caller can
+    /// hand part k out while the later ones load. Empty parts are reported first. `landed`
+    /// answers whether to go on: `false` stops the upload (the lanes take no further piece;
+    /// [`Error::Stopped`]). Returns when every part landed.
     ///
     /// # Safety
-    /// The parts are written through shared references: nothing may read part k before
-    /// `landed(k)` (it would see bytes being written), and nothing else may write any part
-    /// before this returns.
+    /// The parts are written through shared references: they must be distinct allocations
+    /// (no two overlapping), no GPU work may still use any of them when this is called, and
+    /// nothing may read or write part k before `landed(k)` (after it, this call neither reads
+    /// nor writes part k).
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] where `len` is not the parts' length; as [`Self::upload`] (parts
-    /// not reported landed by then hold what the failed copies left).
+    /// [`Error::OutOfBounds`] where `len` is not the parts' length; [`Error::Stopped`] where a
+    /// report answered `false`; as [`Self::upload`] (parts not reported landed by then hold
+    /// what the failed copies left).
     ///
     /// # Example
     /// ```no_run
@@ -1012,8 +1027,11 @@ impl TransferScheduler {
     /// let data = vec![7u8; 3 << 20];
     /// // SAFETY: written by the upload below before they are read.
     /// let parts = unsafe { [gpu.alloc(1 << 20)?, gpu.alloc(2 << 20)?] };
-    /// let landed = |k: usize| println!("part {k} landed");
-    /// // SAFETY: nothing reads or writes the parts while they load.
+    /// let landed = |k: usize| {
+    ///     println!("part {k} landed");
+    ///     true // go on
+    /// };
+    /// // SAFETY: two new allocations, not read or written while they load.
     /// unsafe { sched.upload_parts(&SliceSource(&data), 3 << 20, &[&parts[0], &parts[1]], &landed) }?;
     /// assert_eq!(gpu.to_vec(&parts[1])?, vec![7u8; 2 << 20]);
     /// # Ok::<(), gpufeed_cuda::Error>(())
@@ -1023,7 +1041,7 @@ impl TransferScheduler {
         source: &dyn FillSource,
         len: u64,
         parts: &[&CudaSlice<u8>],
-        landed: &(dyn Fn(usize) + Sync),
+        landed: &(dyn Fn(usize) -> bool + Sync),
     ) -> Result<TransferStats> {
         let mut starts = Vec::with_capacity(parts.len() + 1);
         let mut total = 0u64;
@@ -1068,24 +1086,33 @@ impl TransferScheduler {
             .windows(2)
             .map(|w| AtomicU64::new(w[1] - w[0]))
             .collect();
-        for (k, l) in left.iter().enumerate() {
-            if l.load(Ordering::Relaxed) == 0 {
-                landed(k);
-            }
-        }
         let dest = Parts {
             starts,
             ptrs,
             left,
             landed,
+            reported: AtomicUsize::new(0),
+            stopped: AtomicBool::new(false),
         };
+        for (k, l) in dest.left.iter().enumerate() {
+            if l.load(Ordering::Relaxed) == 0 && !dest.stopped.load(Ordering::Acquire) {
+                dest.report(k);
+            }
+        }
         let start = Instant::now();
-        let mut stats = if len == 0 {
+        let mut stats = if len == 0 || dest.stopped.load(Ordering::Acquire) {
             nothing()
         } else {
             self.upload_staged(&main, source, len, Dest::Parts(&dest))?
         };
         drop(guards);
+        if dest.stopped.load(Ordering::Acquire) {
+            main.synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            return Err(Error::Stopped {
+                landed: dest.reported.load(Ordering::Acquire),
+            });
+        }
         main.synchronize()
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         stats.seconds = start.elapsed().as_secs_f64();
@@ -1472,10 +1499,15 @@ impl TransferScheduler {
             Dest::Parts(p) => Some(p),
             Dest::At(_) => None,
         };
-        let mut carried: Vec<Option<(u64, usize)>> = vec![None; work.per_lane];
+        let mut carried: Vec<Option<(u64, usize)>> = match parts {
+            Some(_) => vec![None; work.per_lane],
+            None => Vec::new(),
+        };
         let mut copied = false;
         for k in 0.. {
-            if work.abort.load(Ordering::Acquire) {
+            if work.abort.load(Ordering::Acquire)
+                || parts.is_some_and(|p| p.stopped.load(Ordering::Acquire))
+            {
                 break;
             }
             let i = work.next.fetch_add(1, Ordering::Relaxed);
@@ -1490,7 +1522,9 @@ impl TransferScheduler {
             let t = Instant::now();
             buf.wait_idle()?;
             timers.1 += t.elapsed();
-            if let (Some(p), Some((o, n))) = (parts, carried[slot].take()) {
+            if let Some(p) = parts
+                && let Some((o, n)) = carried[slot].take()
+            {
                 p.completed(o, n);
             }
             buf.set_len(size);
@@ -1654,7 +1688,7 @@ impl TransferScheduler {
 #[cfg(test)]
 mod tests {
     use super::{Parts, PiecePlan, TransferOptions};
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
     /// Pieces cut over parts of an upload in parts: each byte goes to the one part it belongs
     /// to (empty parts skipped), at its offset there; a part is reported landed once, when its
@@ -1667,12 +1701,17 @@ mod tests {
             starts.push(starts.last().unwrap() + l);
         }
         let landed = parking_lot::Mutex::new(Vec::new());
-        let report = |k: usize| landed.lock().push(k);
+        let report = |k: usize| {
+            landed.lock().push(k);
+            k != 3 // the report of part 3 asks to stop
+        };
         let parts = Parts {
             starts: starts.clone(),
             ptrs: (0..lens.len() as u64).map(|k| 1000 * k).collect(),
             left: lens.iter().map(|&l| AtomicU64::new(l)).collect(),
             landed: &report,
+            reported: AtomicUsize::new(0),
+            stopped: AtomicBool::new(false),
         };
         let mut cut = Vec::new();
         parts.each(3, 12, |k, at, from, n| cut.push((k, at, from, n)));
@@ -1686,8 +1725,14 @@ mod tests {
         );
         // Pieces complete out of order.
         for (off, n) in [(16u64, 4usize), (3, 12), (15, 1), (0, 3)] {
+            assert!(!parts.stopped.load(Ordering::Relaxed) || off == 0);
             parts.completed(off, n);
         }
+        assert!(
+            parts.stopped.load(Ordering::Relaxed),
+            "part 3's answer stops it"
+        );
+        assert_eq!(parts.reported.load(Ordering::Relaxed), 4);
         let mut got = landed.into_inner();
         assert_eq!(
             got,

@@ -710,19 +710,21 @@ impl Loader {
     /// together, for every k, in one staged upload
     /// ([`gpufeed_cuda::TransferScheduler::upload_parts`]): its pieces run on from one part
     /// into the next, so that the parts pay one start and one end of a transfer between them,
-    /// not one each, and `landed(k)` is called (on a fill thread, once per part) as soon as
-    /// part k's bytes are on the GPU, so that a caller hands part k out while the later ones
-    /// load. The route is `choice`'s (else chosen here) where it stages (`Staged`, `Direct`),
-    /// else `Staged`. Like every load, it compares the file with its descriptor's identity at
-    /// the end; a caller that hands a part out before then checks that itself when the part
-    /// landed (`gpufeed_os::OpenedFile::changed`).
+    /// not one each, and `landed(k)` is called (on a fill thread, once per part; empty parts
+    /// first) as soon as part k's bytes are on the GPU, so that a caller hands part k out
+    /// while the later ones load; its answer `false` stops the load
+    /// (`gpufeed_cuda::Error::Stopped`). The route is `choice`'s (else chosen here) where it
+    /// stages (`Staged`, `Direct`), else `Staged`. Like every load, it compares the file with
+    /// its descriptor's identity at the end; a caller that hands a part out before then checks
+    /// that itself when the part landed (`gpufeed_os::OpenedFile::changed`).
     ///
     /// # Safety
-    /// As [`gpufeed_cuda::TransferScheduler::upload_parts`]: nothing reads part k before
-    /// `landed(k)`, nothing else writes the parts before this returns.
+    /// As [`gpufeed_cuda::TransferScheduler::upload_parts`]: distinct allocations, no GPU work
+    /// still using them, nothing reading or writing part k before `landed(k)`.
     ///
     /// # Errors
-    /// [`Loader::load_spans_to`]'s; parts not reported landed hold what a failed load left.
+    /// [`Loader::load_spans_to`]'s, `gpufeed_cuda::Error::Stopped`; parts not reported landed
+    /// hold what a failed load left.
     ///
     /// # Example
     /// ```no_run
@@ -732,8 +734,11 @@ impl Loader {
     /// // SAFETY: written by the load before anything reads them.
     /// let parts = unsafe { [gpu.alloc_unpooled(1 << 20)?, gpu.alloc_unpooled(4096)?] };
     /// let spans: [&[std::ops::Range<u64>]; 2] = [&[0..1 << 20], &[(1 << 20)..(1 << 20) + 4096]];
-    /// let landed = |k: usize| println!("part {k} is on the GPU");
-    /// // SAFETY: nothing reads or writes the parts while they load.
+    /// let landed = |k: usize| {
+    ///     println!("part {k} is on the GPU");
+    ///     true // go on
+    /// };
+    /// // SAFETY: two new allocations, not read or written while they load.
     /// unsafe { loader.load_parts_to(&file, &spans, &[&parts[0], &parts[1]], None, &landed) }?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
@@ -744,7 +749,7 @@ impl Loader {
         spans: &[&[Range<u64>]],
         parts: &[&CudaSlice<u8>],
         choice: Option<&RouteChoice>,
-        landed: &(dyn Fn(usize) + Sync),
+        landed: &(dyn Fn(usize) -> bool + Sync),
     ) -> Result<LoadReport> {
         let started = Instant::now();
         if spans.len() != parts.len() {
@@ -768,6 +773,16 @@ impl Loader {
             }
         };
         let mut report = self.new_report(file, len, choice);
+        if len == 0 {
+            // Nothing to upload: every part (all empty) is reported here.
+            for k in 0..parts.len() {
+                if !landed(k) {
+                    return Err(gpufeed_cuda::Error::Stopped { landed: k + 1 }.into());
+                }
+            }
+            report.reason = "nothing to load".into();
+            return Ok(report);
+        }
         let route = match choice.route {
             Route::Staged | Route::Direct => {
                 report.reason = choice.reason.clone();

@@ -49,15 +49,18 @@ pub struct PrefetchOptions {
     /// asks follow one another in order, the items after: the first chunk after a jump holds
     /// this many bytes (at least the item asked for), each next one eight times the one before,
     /// up to `chunk_bytes`; a chunk is loaded ahead only once a caller took an item of the one before
-    /// (read-ahead as the kernel does it for a file). Unset, it loads every item in order.
+    /// (read-ahead as the kernel does it for a file; the chunks of one run, `run_bytes`, load
+    /// without a take between them). Unset, it loads every item in order.
     pub follow_from: Option<u64>,
     /// Where more than `chunk_bytes`, chunks of the full size that follow one another (in
     /// order, nobody waiting for another item) load as one transfer of up to this many bytes,
     /// each chunk still an allocation of its own and handed out as soon as it lands
     /// ([`gpufeed_load::Loader::load_parts_to`]): a staged transfer's start and end are paid
-    /// once for them all. Loading bytes count against `ahead_bytes` as loaded ones do. 0 (the
-    /// default): each chunk is a transfer of its own. Files only, by a staged route (`Staged`,
-    /// `Direct`); other sources and routes load chunk by chunk.
+    /// once for them all. Loading bytes count against `ahead_bytes` as loaded ones do. A run
+    /// stops at the next chunk that lands once the prefetch is closed or a caller waits for an
+    /// item outside it (its chunks not landed are loaded later, as they would have been). 0
+    /// (the default): each chunk is a transfer of its own. Files only, by a staged route
+    /// (`Staged`, `Direct`); other sources and routes load chunk by chunk.
     pub run_bytes: u64,
 }
 
@@ -616,7 +619,6 @@ fn work(
                 .map(|(buffer, _report)| {
                     let mut state = shared.lock();
                     publish(&mut state, chunk, &layout.offsets, Arc::new(buffer), items);
-                    shared.changed.notify_all();
                 })
         };
         let loaded = match file {
@@ -703,14 +705,17 @@ fn load_run(
     let parts: Vec<&DeviceBuffer> = buffers.iter().map(|b| &**b).collect();
     // The first change seen when a chunk landed: later chunks are not handed out.
     let changed: Mutex<Option<gpufeed_load::Error>> = Mutex::new(None);
-    let landed = |k: usize| {
+    // Each chunk's report answers whether the run goes on: not once the file changed, the
+    // prefetch closed, or a caller waits for an item outside the run (its chunks not landed
+    // then go back to pending below).
+    let landed = |k: usize| -> bool {
         let mut seen = changed.lock().unwrap_or_else(PoisonError::into_inner);
         if seen.is_some() {
-            return;
+            return false;
         }
         if let Err(e) = gpufeed_load::internal::check_unchanged(&now) {
             *seen = Some(e);
-            return;
+            return false;
         }
         drop(seen);
         let mut state = shared.lock();
@@ -722,15 +727,35 @@ fn load_run(
             items,
         );
         shared.changed.notify_all();
+        !state.closed && !state.asked_pending()
     };
-    // SAFETY: no one but `landed` has the buffers (their `Arc`s are this function's until a
-    // chunk's pieces are handed out there, after its bytes landed), and nothing else writes
-    // them.
+    // SAFETY: the buffers are new allocations, no GPU work uses them, and no one but `landed`
+    // has them (their `Arc`s are this function's until a chunk's pieces are handed out
+    // there, after its bytes landed; the load touches a chunk no more once it reported it).
     let loaded = unsafe { loader.load_parts_to(&now, &spans, &parts, Some(route), &landed) };
     if let Some(e) = changed.into_inner().unwrap_or_else(PoisonError::into_inner) {
         return Err(e);
     }
-    loaded.map(|_report| ())
+    match loaded {
+        Ok(_report) => Ok(()),
+        Err(gpufeed_load::Error::Cuda(gpufeed_cuda::Error::Stopped { .. })) => {
+            // Closed (the worker ends) or asked elsewhere: the chunks that did not land are
+            // pending again, and the worker goes on from the first of them.
+            let mut state = shared.lock();
+            let mut first = None;
+            for &i in run.iter().flatten() {
+                if matches!(state.status[i], Status::Loading) {
+                    state.status[i] = Status::Pending;
+                    first = first.or(Some(i));
+                }
+            }
+            if let Some(i) = first {
+                state.cursor = i;
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Marks `chunk`'s items ready at `offsets` of `buffer` (failed where the prefetch closed
@@ -786,7 +811,16 @@ fn run_on(
         return run;
     }
     loop {
-        if !state.demand.is_empty() {
+        if state.asked_pending() {
+            break;
+        }
+        // Following, an item at the cursor that is not pending (taken on its own) is a jump
+        // for `next_chunk` (the ramp starts again): the run ends there.
+        if opts.follow_from.is_some()
+            && !items.is_empty()
+            && state.cursor < items.len()
+            && !matches!(state.status[state.cursor], Status::Pending)
+        {
             break;
         }
         // The next chunk's bytes at most: the items pending from the cursor on, as
@@ -1120,6 +1154,13 @@ mod tests {
         assert_eq!(take(&mut state, &opts), vec![(13..20).collect::<Vec<_>>()]);
         // Every item once across the runs; what is left waits for a caller.
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Idle);
+        // Following, an item at the cursor that was taken on its own (a hole, which
+        // `next_chunk` takes for a jump): the run ends before it.
+        let mut state = State::new(20, &opts);
+        state.demand.push_back(0);
+        let _ = take(&mut state, &opts);
+        state.status[9] = Status::Taken;
+        assert_eq!(take(&mut state, &opts), vec![(1..9).collect::<Vec<_>>()]);
     }
 
     /// An item larger than the ramp makes its chunk large: the next one grows from that chunk,

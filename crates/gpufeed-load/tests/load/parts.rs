@@ -68,8 +68,9 @@ fn parts_land_one_by_one_each_with_its_bytes() {
             let back = gpu.to_vec(refs[k]).expect("copy back");
             let ok = xxh3_64(&back) == xxh3_64(&wants[k]);
             seen.lock().expect("lock").push((k, ok));
+            true
         };
-        // SAFETY: the parts are read only in `landed` (after their report) and below.
+        // SAFETY: new allocations, read only in `landed` (after their report) and below.
         #[allow(unsafe_code, reason = "the test reads each part only once it landed")]
         let report =
             unsafe { loader.load_parts_to(&file, &lists, &refs, None, &landed) }.expect("load");
@@ -123,7 +124,7 @@ fn parts_that_do_not_match_their_spans_are_refused_before_loading() {
         )
         .expect("alloc")
         .0;
-    let landed = |k: usize| panic!("part {k} reported for a refused load");
+    let landed = |k: usize| -> bool { panic!("part {k} reported for a refused load") };
     let (a, b, c, d) = (0..99, 4000..4100, 0..50, 50..100);
     let one = std::slice::from_ref;
     let cases: [(&[&[std::ops::Range<u64>]], &str); 3] = [
@@ -137,4 +138,73 @@ fn parts_that_do_not_match_their_spans_are_refused_before_loading() {
         let got = unsafe { loader.load_parts_to(&file, lists, &[&part], None, &landed) };
         assert!(got.is_err(), "{what}: loaded");
     }
+}
+
+#[test]
+fn a_report_stops_the_load_and_empty_parts_are_reported_alone() {
+    let test = "a_report_stops_the_load_and_empty_parts_are_reported_alone";
+    let Some(gpu) = gpu_or_skip(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let path = dir.path().join("stop.bin");
+    let data = random_bytes((64 << 20) + 5, gpufeed_testkit::seed(test));
+    std::fs::write(&path, &data).expect("write");
+    let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
+    let file = OpenedFile::open(&path).expect("open");
+    let alloc = |n: usize| {
+        gpu.alloc_filled(
+            n,
+            gpufeed_load::layers::gpufeed_cuda::DeviceAlloc::Unpooled,
+            |_| Ok::<(), gpufeed_load::Error>(()),
+        )
+        .expect("alloc")
+        .0
+    };
+    // Only empty parts: each is reported, though nothing is uploaded.
+    let (e1, e2) = (alloc(0), alloc(0));
+    let seen = Mutex::new(Vec::new());
+    let landed = |k: usize| {
+        seen.lock().expect("lock").push(k);
+        true
+    };
+    let none: &[std::ops::Range<u64>] = &[];
+    // SAFETY: new allocations, never read.
+    #[allow(unsafe_code, reason = "empty parts")]
+    unsafe { loader.load_parts_to(&file, &[none, none], &[&e1, &e2], None, &landed) }
+        .expect("empty parts");
+    assert_eq!(*seen.lock().expect("lock"), vec![0, 1]);
+
+    // Sixteen parts of 4 MiB: the first report asks to stop; the load ends with Stopped and
+    // reports no part whose bytes did not land (each is checked when reported).
+    let parts: Vec<_> = (0..16).map(|_| alloc(4 << 20)).collect();
+    let refs: Vec<&_> = parts.iter().collect();
+    let spans: Vec<std::ops::Range<u64>> = (0..16u64)
+        .map(|k| 5 + (k << 22)..5 + ((k + 1) << 22))
+        .collect();
+    let lists: Vec<&[std::ops::Range<u64>]> = spans.iter().map(std::slice::from_ref).collect();
+    let reported = Mutex::new(Vec::new());
+    let stop = |k: usize| {
+        let back = gpu.to_vec(refs[k]).expect("back");
+        let want = &data[5 + (k << 22)..5 + ((k + 1) << 22)];
+        reported
+            .lock()
+            .expect("lock")
+            .push((k, xxh3_64(&back) == xxh3_64(want)));
+        false
+    };
+    // SAFETY: new allocations, read only in `stop` (after their report).
+    #[allow(unsafe_code, reason = "each part is read once it landed")]
+    let got = unsafe { loader.load_parts_to(&file, &lists, &refs, None, &stop) };
+    match got {
+        Err(gpufeed_load::Error::Cuda(gpufeed_load::layers::gpufeed_cuda::Error::Stopped {
+            landed,
+        })) => assert!(landed >= 1, "{landed}"),
+        other => panic!("a stopped load returned {other:?}"),
+    }
+    let reported = reported.into_inner().expect("lock");
+    assert!(
+        !reported.is_empty() && reported.iter().all(|&(_, ok)| ok),
+        "{reported:?}"
+    );
 }
