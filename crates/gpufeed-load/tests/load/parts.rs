@@ -11,6 +11,17 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::{gpu_or_skip, random_bytes};
 
+/// A new device buffer of `n` bytes for a part (not written: the load writes it).
+fn new_part(gpu: &gpufeed_load::Gpu, n: usize) -> gpufeed_load::DeviceBuffer {
+    gpu.alloc_filled(
+        n,
+        gpufeed_load::layers::gpufeed_cuda::DeviceAlloc::Unpooled,
+        |_| Ok::<(), gpufeed_load::Error>(()),
+    )
+    .expect("alloc")
+    .0
+}
+
 #[test]
 fn parts_land_one_by_one_each_with_its_bytes() {
     let test = "parts_land_one_by_one_each_with_its_bytes";
@@ -48,18 +59,7 @@ fn parts_land_one_by_one_each_with_its_bytes() {
         let loader =
             Loader::new(&gpu, LoadOptions::default().with_strategy(strategy)).expect("loader");
         let file = OpenedFile::open(&path).expect("open");
-        let parts: Vec<_> = wants
-            .iter()
-            .map(|w| {
-                gpu.alloc_filled(
-                    w.len(),
-                    gpufeed_load::layers::gpufeed_cuda::DeviceAlloc::Unpooled,
-                    |_| Ok::<(), gpufeed_load::Error>(()),
-                )
-                .expect("alloc")
-                .0
-            })
-            .collect();
+        let parts: Vec<_> = wants.iter().map(|w| new_part(&gpu, w.len())).collect();
         let refs: Vec<&_> = parts.iter().collect();
         let lists: Vec<&[std::ops::Range<u64>]> = spans.iter().map(|s| &s[..]).collect();
         // Each report: the part's bytes copied back then and there.
@@ -116,14 +116,7 @@ fn parts_that_do_not_match_their_spans_are_refused_before_loading() {
     std::fs::write(&path, random_bytes(4096, 3)).expect("write");
     let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
     let file = OpenedFile::open(&path).expect("open");
-    let part = gpu
-        .alloc_filled(
-            100,
-            gpufeed_load::layers::gpufeed_cuda::DeviceAlloc::Unpooled,
-            |_| Ok::<(), gpufeed_load::Error>(()),
-        )
-        .expect("alloc")
-        .0;
+    let part = new_part(&gpu, 100);
     let landed = |k: usize| -> bool { panic!("part {k} reported for a refused load") };
     let (a, b, c, d) = (0..99, 4000..4100, 0..50, 50..100);
     let one = std::slice::from_ref;
@@ -152,15 +145,7 @@ fn a_report_stops_the_load_and_empty_parts_are_reported_alone() {
     std::fs::write(&path, &data).expect("write");
     let loader = Loader::new(&gpu, LoadOptions::default()).expect("loader");
     let file = OpenedFile::open(&path).expect("open");
-    let alloc = |n: usize| {
-        gpu.alloc_filled(
-            n,
-            gpufeed_load::layers::gpufeed_cuda::DeviceAlloc::Unpooled,
-            |_| Ok::<(), gpufeed_load::Error>(()),
-        )
-        .expect("alloc")
-        .0
-    };
+    let alloc = |n: usize| new_part(&gpu, n);
     // Only empty parts: each is reported, though nothing is uploaded.
     let (e1, e2) = (alloc(0), alloc(0));
     let seen = Mutex::new(Vec::new());
