@@ -817,25 +817,15 @@ fn run_on(
         // Following, an item at the cursor that is not pending (taken on its own) is a jump
         // for `next_chunk` (the ramp starts again): the run ends there.
         if opts.follow_from.is_some()
-            && !items.is_empty()
-            && state.cursor < items.len()
-            && !matches!(state.status[state.cursor], Status::Pending)
+            && state
+                .status
+                .get(state.cursor)
+                .is_some_and(|s| !matches!(s, Status::Pending))
         {
             break;
         }
-        // The next chunk's bytes at most: the items pending from the cursor on, as
-        // `next_chunk` takes them (the first whatever its size, the others up to a chunk).
-        let mut next = 0u64;
-        for (i, item) in items.iter().enumerate().skip(state.cursor) {
-            if !matches!(state.status[i], Status::Pending) {
-                continue;
-            }
-            let len = item.span.end - item.span.start;
-            if next > 0 && next + len > opts.chunk_bytes {
-                break;
-            }
-            next += len;
-        }
+        // The next chunk's bytes at most: what `next_chunk` would cut from the cursor.
+        let (_, next) = cut(state, items, state.cursor, opts.chunk_bytes);
         let ahead_ok = opts
             .ahead_bytes
             .is_none_or(|a| state.untaken + total + next <= a);
@@ -918,18 +908,8 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
         .map_or(u64::MAX, |ahead| ahead.saturating_sub(state.untaken))
         .min(size)
         .max(1);
-    let mut chunk = Vec::new();
-    let mut bytes = 0u64;
-    for (i, item) in items.iter().enumerate().skip(start) {
-        if !pending(state, i) {
-            continue;
-        }
-        let len = item.span.end - item.span.start;
-        if !chunk.is_empty() && bytes + len > room {
-            break;
-        }
-        chunk.push(i);
-        bytes += len;
+    let (chunk, bytes) = cut(state, items, start, room);
+    for &i in &chunk {
         state.status[i] = Status::Loading;
     }
     state.cursor = chunk.last().map_or(start, |&last| last + 1);
@@ -938,6 +918,25 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
         state.ramp = state.ramp.max(bytes.saturating_mul(FOLLOW_GROWTH));
     }
     Next::Chunk(chunk)
+}
+
+/// The items of a chunk of at most `room` bytes (at least one item) from item `start` on:
+/// the pending ones in order; and their bytes.
+fn cut(state: &State, items: &[PrefetchItem], start: usize, room: u64) -> (Vec<usize>, u64) {
+    let mut chunk = Vec::new();
+    let mut bytes = 0u64;
+    for (i, item) in items.iter().enumerate().skip(start) {
+        if !matches!(state.status[i], Status::Pending) {
+            continue;
+        }
+        let len = item.span.end - item.span.start;
+        if !chunk.is_empty() && bytes + len > room {
+            break;
+        }
+        chunk.push(i);
+        bytes += len;
+    }
+    (chunk, bytes)
 }
 
 /// Where a chunk's items go in its allocation, and the file spans that put them there.
