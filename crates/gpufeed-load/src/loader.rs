@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use gpufeed_cuda::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceSlice};
-use gpufeed_cuda::{DeviceAlloc, FillSource, Gpu, HostSource, TransferScheduler, TransferStats};
+use gpufeed_cuda::{
+    DeviceAlloc, FillSource, Gpu, HostSource, SliceSource, TransferScheduler, TransferStats,
+};
 use gpufeed_os::OpenedFile;
 use gpufeed_os::{Fallback, Refused};
 use gpufeed_pinned::HostSlab;
@@ -687,6 +689,18 @@ impl Loader {
                 self.opts.strategy == Strategy::Auto,
             )?,
         };
+        self.finished(file, report, ran, started)
+    }
+
+    /// A load's end: the file checked on its descriptor (not written meanwhile), the route
+    /// that ran, the scheduler's fallbacks and the time.
+    fn finished(
+        &self,
+        file: &OpenedFile,
+        mut report: LoadReport,
+        ran: Route,
+        started: Instant,
+    ) -> Result<LoadReport> {
         check_unchanged(file)?;
         report.strategy = ran.strategy();
         for f in self.sched.fallbacks() {
@@ -774,12 +788,9 @@ impl Loader {
         };
         let mut report = self.new_report(file, len, choice);
         if len == 0 {
-            // Nothing to upload: every part (all empty) is reported here.
-            for k in 0..parts.len() {
-                if !landed(k) {
-                    return Err(gpufeed_cuda::Error::Stopped { landed: k + 1 }.into());
-                }
-            }
+            // Nothing to read: the scheduler reports the (empty) parts.
+            // SAFETY: the caller's promise (see Safety).
+            unsafe { self.sched.upload_parts(&SliceSource(&[]), 0, parts, landed) }?;
             report.reason = "nothing to load".into();
             return Ok(report);
         }
@@ -806,13 +817,7 @@ impl Loader {
                 unsafe { self.sched.upload_parts(source, len, parts, landed) }
             },
         )?;
-        check_unchanged(file)?;
-        report.strategy = route.strategy();
-        for f in self.sched.fallbacks() {
-            f.push_once(&mut report.fallbacks);
-        }
-        report.seconds = started.elapsed().as_secs_f64();
-        Ok(report)
+        self.finished(file, report, route, started)
     }
 
     /// The route for `len` bytes in `spans` spans of `file`, `residency` of them cached, and why.
