@@ -20,7 +20,7 @@
 //!   [`Loader::open`] take a device ordinal and open the GPU on another thread while this one
 //!   checks the file and faults in the staging; a [`OneShotReport`] gives the context's time
 //!   and the load's apart.
-//! - With the `object` feature, [`object::load_object`] / `Loader::load_object`: an object in
+//! - With the `object` feature, `object::load_object` / `Loader::load_object`: an object in
 //!   S3-compatible storage (or on an HTTP(S) server) into GPU memory, by ranged GETs into the
 //!   pinned staging (gpufeed-object), its version pinned for the whole load.
 //! - [`save_file`] / [`Saver`]: GPU memory back to files (device -> pinned windows ->

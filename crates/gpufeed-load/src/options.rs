@@ -213,7 +213,7 @@ impl LoadOptions {
         }
     }
 
-    /// The options for loads from object storage ([`Loader::load_object`](crate::Loader::load_object) and the checkpoint
+    /// The options for loads from object storage (`Loader::load_object`, with the `object` feature, and the checkpoint
     /// loads of buckets): half the cores as fill threads (2 to 8), each staging pieces of 16
     /// MiB, which it fills with two ranged GETs of the default 8 MiB in flight, two buffers
     /// per thread (256 MiB of pinned staging on 16 cores). The network wants many large

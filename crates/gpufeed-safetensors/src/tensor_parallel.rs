@@ -275,7 +275,7 @@ pub(crate) fn cut(
 /// # Errors
 /// [`Error::InvalidSetting`](gpufeed_load::Error::InvalidSetting) for a rank outside the plan; [`load`](crate::load)'s errors, and
 /// [`Error::FileChangedDuringLoad`](gpufeed_load::Error::FileChangedDuringLoad) when a file changed after the plan read its header; for a plan of
-/// a bucket ([`TensorParallel::plan_object`]) the objects' errors (`gpufeed_load::Error::Object`:
+/// a bucket (`TensorParallel::plan_object`, the `object` feature) the objects' errors (`gpufeed_load::Error::Object`:
 /// an object replaced since the plan read its header, a request that failed).
 ///
 /// # Example
