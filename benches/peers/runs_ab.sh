@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 38's reload with and without runs (`GPUFEED_PREFETCH_RUN_MIB`: a prefetch's chunks
+# that follow one another loaded as one staged transfer), on the GPU machine: the runs' GPU
+# tests, then `dropin.py 3` on a 4 GiB checkpoint of 4,096 BF16 tensors of 1 MiB in /dev/shm
+# (warm), `get_tensor` of each and safetensors 0.9's `prefetch(threads=16)`, runs off (0 /
+# sweep ahead 2048 MiB, the defaults) and on (4096 / 4096), ROUNDS times; then the drop-in's
+# GPU tests with runs on. Not run by the bench.
+#
+# Usage, from the repository root of a `cargo xtask device` build carried with target/device
+# (bin.tar.xz, wheels, st09) and pytest's wheels in PYWHEELS (where the machine lacks pytest):
+#   ROUNDS=2 PYWHEELS=dir bash benches/peers/runs_ab.sh
+# Results in $OUT (or /tmp): dropin-ROUND-MODE.json, t-*.log.
+set -u
+here=target/device
+out="${OUT:-/tmp}"
+rounds="${ROUNDS:-2}"
+export GPUFEED_REQUIRE_GPU=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+python3 -c 'import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+  "$here/bin.tar.xz" "$here" || exit 1
+python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-site "$here"/wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/gpufeed-site
+python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-st09 "$here"/st09/*.whl || exit 1
+if ! python3 -m pytest --version >/dev/null 2>&1 && [ -n "${PYWHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-pytest "$PYWHEELS"/*.whl
+fi
+# The test binaries put their files under the CARGO_TARGET_TMPDIR compiled in.
+mkdir -p "$PWD/target/tmp"
+echo "=== the runs' GPU tests"
+"$here/tests/gpufeed-load-load" parts --test-threads=2 > "$out/t-parts.log" 2>&1
+echo "gpufeed-load parts: rc=$? $(grep '^test result' "$out/t-parts.log")"
+"$here/tests/gpufeed-safetensors-safetensors" prefetch --test-threads=2 > "$out/t-prefetch.log" 2>&1
+echo "gpufeed-safetensors prefetch: rc=$? $(grep '^test result' "$out/t-prefetch.log")"
+grep -E "panicked|FAILED" -A5 "$out/t-parts.log" "$out/t-prefetch.log" | head -n 30
+
+f=/dev/shm/gpufeed-runs-ab.safetensors
+(cd benches/peers && python3 -c "import casts; casts.make('$f', 'BF16', 4 << 30, 4096)") || exit 1
+export GPUFEED_SAFETENSORS09=/tmp/gpufeed-st09
+for round in $(seq "$rounds"); do
+  for mode in off on; do
+    if [ "$mode" = off ]; then run=0; ahead=2048; else run=4096; ahead=4096; fi
+    echo "=== round $round, runs $mode (GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead)"
+    GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead \
+      DROPIN_METHODS="gpufeed safe_open get_tensor,safetensors prefetch threads=16" \
+      timeout 240 python3 benches/peers/dropin.py 3 "$f" > "$out/dropin-$round-$mode.json" \
+      2> "$out/dropin-$round-$mode.err" || { echo "dropin.py failed"; tail -n 5 "$out/dropin-$round-$mode.err"; continue; }
+    python3 - "$out/dropin-$round-$mode.json" <<'PY'
+import json, sys
+for path, v in json.load(open(sys.argv[1])).items():
+    for method, r in v["rows"].items():
+        if "error" in r:
+            print(f"{method}: {r['error']}")
+            continue
+        gb = lambda xs: " ".join(f"{x:.1f}" for x in xs)
+        print(f"{method:40s} fresh {gb(r['fresh'])} / again {gb(r['again'])} checksum {r['checksum']}")
+PY
+  done
+done
+rm -f "$f"
+
+echo "=== test_safe_open_gpu.py with runs on"
+(cd crates/gpufeed-py/tests && GPUFEED_PREFETCH_RUN_MIB=4096 GPUFEED_SWEEP_AHEAD_MIB=4096 \
+  PYTHONPATH="/tmp/gpufeed-st09:/tmp/gpufeed-pytest:$PYTHONPATH" \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider test_safe_open_gpu.py > "$out/t-py.log" 2>&1)
+echo "rc=$?"; tail -n 1 "$out/t-py.log"; grep -E "^(FAILED|ERROR)" "$out/t-py.log" | head
