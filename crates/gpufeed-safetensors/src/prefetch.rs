@@ -185,11 +185,14 @@ impl State {
         }
     }
 
+    /// Whether item `i` (one of the items) has not started loading.
+    fn pending(&self, i: usize) -> bool {
+        matches!(self.status[i], Status::Pending)
+    }
+
     /// Whether a caller asked for an item that has not started loading.
     fn asked_pending(&self) -> bool {
-        self.demand
-            .iter()
-            .any(|&d| matches!(self.status[d], Status::Pending))
+        self.demand.iter().any(|&d| self.pending(d))
     }
 
     /// Whether the worker waits for callers to take what it loaded
@@ -816,11 +819,7 @@ fn run_on(
         }
         // Following, an item at the cursor that is not pending (taken on its own) is a jump
         // for `next_chunk` (the ramp starts again): the run ends there.
-        if opts.follow_from.is_some()
-            && state
-                .status
-                .get(state.cursor)
-                .is_some_and(|s| !matches!(s, Status::Pending))
+        if opts.follow_from.is_some() && state.cursor < items.len() && !state.pending(state.cursor)
         {
             break;
         }
@@ -865,26 +864,25 @@ enum Next {
 /// following, from the start), the pending items in order up to the chunk's size.
 fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions) -> Next {
     let n = items.len();
-    let pending = |state: &State, i: usize| matches!(state.status[i], Status::Pending);
     let mut demanded = None;
     while let Some(d) = state.demand.pop_front() {
-        if pending(state, d) {
+        if state.pending(d) {
             demanded = Some(d);
             break;
         }
     }
     let start = match demanded {
         Some(d) => d,
-        None => match (state.cursor..n).find(|&i| pending(state, i)) {
+        None => match (state.cursor..n).find(|&i| state.pending(i)) {
             Some(i) => i,
             None if opts.follow_from.is_some() => {
-                return if (0..n).any(|i| pending(state, i)) {
+                return if (0..n).any(|i| state.pending(i)) {
                     Next::Idle
                 } else {
                     Next::Done
                 };
             }
-            None => match (0..n).find(|&i| pending(state, i)) {
+            None => match (0..n).find(|&i| state.pending(i)) {
                 Some(i) => i,
                 None => return Next::Done,
             },
@@ -926,7 +924,7 @@ fn cut(state: &State, items: &[PrefetchItem], start: usize, room: u64) -> (Vec<u
     let mut chunk = Vec::new();
     let mut bytes = 0u64;
     for (i, item) in items.iter().enumerate().skip(start) {
-        if !matches!(state.status[i], Status::Pending) {
+        if !state.pending(i) {
             continue;
         }
         let len = item.span.end - item.span.start;
