@@ -9,20 +9,25 @@
 # Usage, from the repository root of a `cargo xtask device` build carried with target/device
 # (bin.tar.xz, wheels, st09) and pytest's wheels in PYWHEELS (where the machine lacks pytest):
 #   ROUNDS=2 PYWHEELS=dir bash benches/peers/runs_ab.sh
-# Results in $OUT (or /tmp): dropin-ROUND-MODE.json, t-*.log.
+# Results in $OUT (or a new directory it names): dropin-ROUND-MODE.json, t-*.log.
 set -u
 here=target/device
-out="${OUT:-/tmp}"
 rounds="${ROUNDS:-2}"
+# Private directories (mktemp: 0700, a name no one else chose) for the installs and the
+# checkpoint, removed at the end.
+work=$(mktemp -d) && shm=$(mktemp -d /dev/shm/gpufeed-runs-ab.XXXXXX) || exit 1
+trap 'rm -rf "$work" "$shm"' EXIT
+out="${OUT:-$(mktemp -d)}" || exit 1
+echo "results in $out"
 export GPUFEED_REQUIRE_GPU=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c 'import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
   "$here/bin.tar.xz" "$here" || exit 1
-python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-site "$here"/wheels/*.whl || exit 1
-export PYTHONPATH=/tmp/gpufeed-site
-python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-st09 "$here"/st09/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --target "$work/site" "$here"/wheels/*.whl || exit 1
+export PYTHONPATH="$work/site"
+python3 -m pip install -q --no-index --no-deps --target "$work/st09" "$here"/st09/*.whl || exit 1
 if ! python3 -m pytest --version >/dev/null 2>&1 && [ -n "${PYWHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-pytest "$PYWHEELS"/*.whl
+  python3 -m pip install -q --no-index --no-deps --target "$work/pytest" "$PYWHEELS"/*.whl
 fi
 # The test binaries put their files under the CARGO_TARGET_TMPDIR compiled in.
 mkdir -p "$PWD/target/tmp"
@@ -33,9 +38,9 @@ echo "gpufeed-load parts: rc=$? $(grep '^test result' "$out/t-parts.log")"
 echo "gpufeed-safetensors prefetch: rc=$? $(grep '^test result' "$out/t-prefetch.log")"
 grep -E "panicked|FAILED" -A5 "$out/t-parts.log" "$out/t-prefetch.log" | head -n 30
 
-f=/dev/shm/gpufeed-runs-ab.safetensors
+f="$shm/ab.safetensors"
 (cd benches/peers && python3 -c "import casts; casts.make('$f', 'BF16', 4 << 30, 4096)") || exit 1
-export GPUFEED_SAFETENSORS09=/tmp/gpufeed-st09
+export GPUFEED_SAFETENSORS09="$work/st09"
 for round in $(seq "$rounds"); do
   for mode in off on; do
     if [ "$mode" = off ]; then run=0; ahead=2048; else run=4096; ahead=4096; fi
@@ -56,10 +61,9 @@ for path, v in json.load(open(sys.argv[1])).items():
 PY
   done
 done
-rm -f "$f"
 
 echo "=== test_safe_open_gpu.py with runs on"
 (cd crates/gpufeed-py/tests && GPUFEED_PREFETCH_RUN_MIB=4096 GPUFEED_SWEEP_AHEAD_MIB=4096 \
-  PYTHONPATH="/tmp/gpufeed-st09:/tmp/gpufeed-pytest:$PYTHONPATH" \
+  PYTHONPATH="$work/st09:$work/pytest:$PYTHONPATH" \
   timeout 200 python3 -m pytest -q -p no:cacheprovider test_safe_open_gpu.py > "$out/t-py.log" 2>&1)
 echo "rc=$?"; tail -n 1 "$out/t-py.log"; grep -E "^(FAILED|ERROR)" "$out/t-py.log" | head
