@@ -9,7 +9,9 @@
 # Usage, from the repository root of a `cargo xtask device` build carried with target/device
 # (bin.tar.xz, wheels, st09) and pytest's wheels in PYWHEELS (where the machine lacks pytest):
 #   ROUNDS=2 PYWHEELS=dir bash benches/peers/runs_ab.sh
-# Results in $OUT (or a new directory it names): dropin-ROUND-MODE.json, t-*.log.
+# SHAPES (default "4:4096": GiB:tensors, space-separated) names the checkpoints, METHODS
+# (default "gpufeed safe_open get_tensor,safetensors prefetch threads=16") dropin.py's rows.
+# Results in $OUT (or a new directory it names): dropin-SHAPE-ROUND-MODE.json, t-*.log.
 set -u
 here=target/device
 rounds="${ROUNDS:-2}"
@@ -38,18 +40,22 @@ echo "gpufeed-load parts: rc=$? $(grep '^test result' "$out/t-parts.log")"
 echo "gpufeed-safetensors prefetch: rc=$? $(grep '^test result' "$out/t-prefetch.log")"
 grep -E "panicked|FAILED" -A5 "$out/t-parts.log" "$out/t-prefetch.log" | head -n 30
 
-f="$shm/ab.safetensors"
-(cd benches/peers && python3 -c "import casts; casts.make('$f', 'BF16', 4 << 30, 4096)") || exit 1
+shapes="${SHAPES:-4:4096}"
+methods="${METHODS:-gpufeed safe_open get_tensor,safetensors prefetch threads=16}"
 export GPUFEED_SAFETENSORS09="$work/st09"
-for round in $(seq "$rounds"); do
-  for mode in off on; do
-    if [ "$mode" = off ]; then run=0; ahead=2048; else run=4096; ahead=4096; fi
-    echo "=== round $round, runs $mode (GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead)"
-    GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead \
-      DROPIN_METHODS="gpufeed safe_open get_tensor,safetensors prefetch threads=16" \
-      timeout 240 python3 benches/peers/dropin.py 3 "$f" > "$out/dropin-$round-$mode.json" \
-      2> "$out/dropin-$round-$mode.err" || { echo "dropin.py failed"; tail -n 5 "$out/dropin-$round-$mode.err"; continue; }
-    python3 - "$out/dropin-$round-$mode.json" <<'PY'
+for shape in $shapes; do
+  gib=${shape%%:*} n=${shape##*:}
+  f="$shm/ab-$gib-$n.safetensors"
+  (cd benches/peers && python3 -c "import casts; casts.make('$f', 'BF16', $gib << 30, $n)") || exit 1
+  for round in $(seq "$rounds"); do
+    for mode in off on; do
+      if [ "$mode" = off ]; then run=0; ahead=2048; else run=4096; ahead=4096; fi
+      tag="$gib-$n-$round-$mode"
+      echo "=== $gib GiB / $n tensors, round $round, runs $mode (GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead)"
+      GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead DROPIN_METHODS="$methods" \
+        timeout 240 python3 benches/peers/dropin.py 3 "$f" > "$out/dropin-$tag.json" \
+        2> "$out/dropin-$tag.err" || { echo "dropin.py failed"; tail -n 5 "$out/dropin-$tag.err"; continue; }
+      python3 - "$out/dropin-$tag.json" <<'PY'
 import json, sys
 for path, v in json.load(open(sys.argv[1])).items():
     for method, r in v["rows"].items():
@@ -59,7 +65,9 @@ for path, v in json.load(open(sys.argv[1])).items():
         gb = lambda xs: " ".join(f"{x:.1f}" for x in xs)
         print(f"{method:40s} fresh {gb(r['fresh'])} / again {gb(r['again'])} checksum {r['checksum']}")
 PY
+    done
   done
+  rm -f "$f"
 done
 
 echo "=== test_safe_open_gpu.py with runs on"
