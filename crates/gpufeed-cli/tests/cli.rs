@@ -514,6 +514,11 @@ fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
         .env("GPUFEED_LOG", "off")
         .output()
         .expect("run");
+    let timed = gpufeed()
+        .args(["shm", "gc", "--prefix", &prefix])
+        .env("GPUFEED_LOG", "debug")
+        .output()
+        .expect("run");
     let _ = chattr("-i");
     let _ = std::fs::remove_file(dev_shm.join(&stuck));
     assert_eq!(code, 0, "{v}");
@@ -538,6 +543,23 @@ fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
         "GPUFEED_LOG=off: {}",
         String::from_utf8_lossy(&quiet.stderr)
     );
+    // At debug each event begins with the seconds since the log began ("   0.001234567s"),
+    // and at warn with none.
+    let seconds = |line: &str| {
+        line.trim_start()
+            .split_once("s ")
+            .and_then(|(t, _)| t.split_once('.'))
+            .is_some_and(|(s, ns)| {
+                s.bytes().all(|b| b.is_ascii_digit())
+                    && ns.len() == 9
+                    && ns.bytes().all(|b| b.is_ascii_digit())
+            })
+    };
+    let timed = String::from_utf8_lossy(&timed.stderr);
+    let line = timed.lines().find(|l| l.contains(warned)).unwrap_or("");
+    assert!(seconds(line), "GPUFEED_LOG=debug: {timed}");
+    let line = stderr.lines().find(|l| l.contains(warned)).unwrap_or("");
+    assert!(!seconds(line), "GPUFEED_LOG unset: {stderr}");
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
         text.contains("could not remove 1 segment(s) or socket(s)") && text.contains(&stuck),

@@ -162,6 +162,7 @@ impl Loader {
     where
         D: DevicePtrMut<u8> + DeviceSlice<u8>,
     {
+        let filling = started.elapsed();
         let spans = Spans::new(spans);
         let len = spans.len();
         let opts = object.options();
@@ -210,6 +211,15 @@ impl Loader {
             f.push_once(&mut report.fallbacks);
         }
         report.seconds = started.elapsed().as_secs_f64();
+        tracing::debug!(
+            url = %object.url(),
+            bytes = len,
+            before_fill_ms = filling.as_secs_f64() * 1e3,
+            ms = report.seconds * 1e3,
+            copy_waited_ms = report.copy_waited_s * 1e3,
+            source_waited_ms = report.source_waited_s * 1e3,
+            "object loaded"
+        );
         Ok(report)
     }
 }

@@ -81,6 +81,7 @@ impl Object {
 
     /// [`Object::open`] of a parsed URL.
     pub fn open_url(url: ObjectUrl, opts: &ObjectOptions) -> Result<Object> {
+        let started = std::time::Instant::now();
         let store = opts.store(&url)?;
         // Checked by `ObjectUrl::parse`; `parse` keeps the key's characters as they are (the
         // request encodes them once).
@@ -102,7 +103,13 @@ impl Object {
         let meta = meta.map_err(|e| obj.error("HEAD", e))?;
         obj.len = meta.size;
         obj.etag = meta.e_tag;
-        tracing::debug!(url = %obj.url, len = obj.len, etag = ?obj.etag, "object opened");
+        tracing::debug!(
+            url = %obj.url,
+            len = obj.len,
+            etag = ?obj.etag,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "object opened"
+        );
         Ok(obj)
     }
 

@@ -239,6 +239,7 @@ fn plan(url: &str, opts: &ObjectOptions) -> Result<Vec<Planned>> {
 
 /// Opens one safetensors object and reads and checks its header.
 fn open_file(url: &str, opts: &ObjectOptions) -> Result<Planned> {
+    let started = std::time::Instant::now();
     let object = Object::open(url, opts).map_err(object_error)?;
     let len = object.len();
     let bad = |reason: HeaderError| Error::Safetensors {
@@ -258,6 +259,13 @@ fn open_file(url: &str, opts: &ObjectOptions) -> Result<Planned> {
         other => other,
     };
     let (data_start, tensors, metadata) = parts.map_err(bad)?;
+    tracing::debug!(
+        url,
+        tensors = tensors.len(),
+        header_bytes = data_start,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "object's safetensors header read"
+    );
     Ok(Planned {
         layout: FileLayout {
             path: url.into(),
