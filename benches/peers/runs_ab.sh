@@ -3,8 +3,8 @@
 # that follow one another loaded as one staged transfer), on the GPU machine: the runs' GPU
 # tests, then `dropin.py 3` on a 4 GiB checkpoint of 4,096 BF16 tensors of 1 MiB in /dev/shm
 # (warm), `get_tensor` of each and safetensors 0.9's `prefetch(threads=16)`, runs off (0 /
-# sweep ahead 2048 MiB, the defaults) and on (4096 / 4096), ROUNDS times; then the drop-in's
-# GPU tests with runs on. Not run by the bench.
+# sweep ahead 2048 MiB, the defaults before GPU run 236) and on (4096 / 4096, the defaults
+# since), ROUNDS times; then the drop-in's GPU tests with runs on. Not run by the bench.
 #
 # Usage, from the repository root of a `cargo xtask device` build carried with target/device
 # (bin.tar.xz, wheels, st09) and pytest's wheels in PYWHEELS (where the machine lacks pytest):

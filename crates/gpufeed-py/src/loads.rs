@@ -37,6 +37,40 @@ impl Drop for Loader {
 }
 
 impl Loader {
+    /// The checkpoint at `url` whose objects `opened` holds (opened and their headers read by
+    /// `inspect_object_opened`), as `load_safetensors_files` hands it over.
+    pub(crate) fn load_objects_opened(
+        &self,
+        py: Python<'_>,
+        url: String,
+        opened: Vec<(gpufeed::safetensors::FileLayout, gpufeed::object::Object)>,
+    ) -> PyResult<Vec<FileTensors>> {
+        self.checkpoint_by(py, move |inner| {
+            gpufeed::safetensors::load_objects_opened(inner, &url, opened)
+        })
+    }
+
+    /// The checkpoint `load` loads with this loader (without the GIL, after the reaper's
+    /// frees), as `load_safetensors_files` hands it over.
+    fn checkpoint_by(
+        &self,
+        py: Python<'_>,
+        load: impl FnOnce(
+            &gpufeed::Loader,
+        ) -> gpufeed::safetensors::Result<gpufeed::safetensors::Checkpoint>
+        + Send,
+    ) -> PyResult<Vec<FileTensors>> {
+        let _context = gpufeed::cuda::ContextGuard::new();
+        let inner = Arc::clone(&self.inner);
+        let ckpt = py
+            .detach(move || {
+                reaper::wait_idle();
+                load(&inner)
+            })
+            .map_err(py_err)?;
+        checkpoint_files(py, ckpt)
+    }
+
     fn load_range_array(
         &self,
         py: Python<'_>,
@@ -113,23 +147,13 @@ impl Loader {
         py: Python<'_>,
         path: PathBuf,
     ) -> PyResult<Vec<FileTensors>> {
-        let _context = gpufeed::cuda::ContextGuard::new();
         // The headers are read once, by the load (a second parse would cost 0.2-0.3 us per
         // tensor); a dtype torch cannot take is refused after it, before any tensor is handed
         // out.
-        let inner = Arc::clone(&self.inner);
-        let ckpt = py
-            .detach(move || {
-                reaper::wait_idle();
-                match object_url(&path) {
-                    Some(url) => {
-                        gpufeed::safetensors::load_object(&inner, url, &Default::default())
-                    }
-                    None => gpufeed::safetensors::load_with(&inner, &path),
-                }
-            })
-            .map_err(py_err)?;
-        checkpoint_files(py, ckpt)
+        self.checkpoint_by(py, move |inner| match object_url(&path) {
+            Some(url) => gpufeed::safetensors::load_object(inner, url, &Default::default()),
+            None => gpufeed::safetensors::load_with(inner, &path),
+        })
     }
 
     /// Registers `path` for repeated loads (see `RegisteredFile`).

@@ -62,7 +62,7 @@ pub use header::{
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 pub use into::{Delivery, LoadInto, LoadIntoOptions, LoadIntoReport, Share, load_into};
 #[cfg(feature = "object")]
-pub use object::{inspect_object, inspect_object_opened, load_object};
+pub use object::{inspect_object, inspect_object_opened, load_object, load_objects_opened};
 pub use on_demand::OnDemand;
 pub use prefetch::{Piece, Prefetch, PrefetchItem, PrefetchOptions};
 pub use save::{SaveTensor, save, save_sharded};

@@ -82,12 +82,40 @@ pub fn inspect_object_opened(url: &str, opts: &ObjectOptions) -> Result<Vec<(Fil
 /// # Ok::<(), gpufeed_safetensors::Error>(())
 /// ```
 pub fn load_object(loader: &Loader, url: &str, opts: &ObjectOptions) -> Result<Checkpoint> {
-    let planned = plan(url, opts)?;
+    let opened = plan(url, opts)?
+        .into_iter()
+        .map(|p| (p.layout, p.object))
+        .collect();
+    load_objects_opened(loader, url, opened)
+}
+
+/// [`load_object`] of the checkpoint at `url` whose objects [`inspect_object_opened`] already
+/// opened and whose headers it read: no header is read again, each data section at the
+/// version (ETag) its header came from. A caller that checks a checkpoint before it opens a
+/// GPU (the Python package's first load of a URL) reads the headers while the GPU opens.
+///
+/// # Errors
+/// The loads' ([`gpufeed_load::Error::Object`], CUDA errors).
+///
+/// # Example
+/// ```no_run
+/// let opts = gpufeed_load::object::ObjectOptions::default();
+/// let url = "s3://models/model.safetensors";
+/// let opened = gpufeed_safetensors::inspect_object_opened(url, &opts)?;
+/// let loader = gpufeed_load::Loader::open(0, gpufeed_load::LoadOptions::for_objects())?;
+/// let ckpt = gpufeed_safetensors::load_objects_opened(&loader, url, opened)?;
+/// # Ok::<(), gpufeed_safetensors::Error>(())
+/// ```
+pub fn load_objects_opened(
+    loader: &Loader,
+    url: &str,
+    opened: Vec<(FileLayout, Object)>,
+) -> Result<Checkpoint> {
     let (mut layouts, mut buffers, mut reports) = (Vec::new(), Vec::new(), Vec::new());
-    for p in planned {
-        let range = p.layout.data_start..p.layout.data_start + p.layout.data_bytes;
-        let (buffer, report) = loader.load_object_range(&p.object, range)?;
-        layouts.push(p.layout);
+    for (layout, object) in opened {
+        let range = layout.data_start..layout.data_start + layout.data_bytes;
+        let (buffer, report) = loader.load_object_range(&object, range)?;
+        layouts.push(layout);
         buffers.push(buffer);
         reports.push(report);
     }

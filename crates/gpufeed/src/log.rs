@@ -69,4 +69,3 @@ pub fn log_to_stderr() {
             .try_init();
     }
 }
-
