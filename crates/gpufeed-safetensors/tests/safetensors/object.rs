@@ -3,7 +3,10 @@
 //! GPU every tensor byte-exact.
 
 use gpufeed_load::object::{Credentials, ObjectOptions};
-use gpufeed_safetensors::{Error, Split, TensorParallel, inspect_object, load_object, load_shard};
+use gpufeed_safetensors::{
+    Error, Split, TensorParallel, inspect_object, inspect_object_opened, load_object,
+    load_objects_opened, load_shard,
+};
 use gpufeed_testkit::s3::{self, ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFs};
 use safetensors::Dtype;
 use xxhash_rust::xxh3::xxh3_64;
@@ -215,6 +218,31 @@ fn a_checkpoint_in_a_bucket_loads_every_tensor_byte_exact() {
             .expect("back");
         assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
     }
+    // The objects opened (and their headers read) first, loaded later: the same bytes, the
+    // headers not read again; a shard replaced in between is an error naming it, not a mix.
+    let index_url = url("gpu/m.safetensors.index.json");
+    let opened = inspect_object_opened(&index_url, &opts(&server)).expect("opened");
+    let ckpt = load_objects_opened(&loader, &index_url, opened).expect("load opened");
+    for (name, bytes) in &want {
+        let info = ckpt.info(name).expect("tensor");
+        let back = gpu
+            .to_vec(ckpt.buffer(info.file).expect("buffer"))
+            .expect("back");
+        assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
+    }
+    let opened = inspect_object_opened(&index_url, &opts(&server)).expect("opened");
+    let (other, _) = file(&[("y.table", Dtype::U8, vec![3 << 20, 3])], seed + 6, None);
+    server.put("gpu/m-2.safetensors", &other).expect("put");
+    let e = load_objects_opened(&loader, &index_url, opened).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Load(gpufeed_load::Error::Object(
+                gpufeed_load::object::ObjectError::ObjectChanged { .. }
+            ))
+        ) && e.to_string().contains("m-2.safetensors"),
+        "{e}"
+    );
 }
 
 /// A sharded checkpoint of tensors with odd shapes (3 ranks cut them unevenly) put in the
