@@ -53,8 +53,7 @@ pub struct PrefetchOptions {
     /// without a take between them). Unset, it loads every item in order.
     pub follow_from: Option<u64>,
     /// Where more than `chunk_bytes`, chunks of the full size that follow one another (in
-    /// order, nobody waiting for another item; following, from the ramp's last step on: the
-    /// chunk whose next one is of the full size) load as one transfer of up to this many bytes,
+    /// order, nobody waiting for another item) load as one transfer of up to this many bytes,
     /// each chunk still an allocation of its own and handed out as soon as it lands
     /// ([`gpufeed_load::Loader::load_parts_to`]): a staged transfer's start and end are paid
     /// once for them all. Loading bytes count against `ahead_bytes` as loaded ones do. A run
@@ -794,9 +793,9 @@ fn publish(
 
 /// `first` and the chunks after it that load with it as one transfer
 /// ([`PrefetchOptions::run_bytes`]): where `first` was cut at the full size (following: the
-/// ramp's last step, the one whose next chunk is of the full size, or after it), while nobody
-/// waits for another item and the items go on in order from the cursor, within `run_bytes`
-/// and, with the loaded and untaken bytes, within `ahead_bytes`.
+/// ramp reached `chunk_bytes`), while nobody waits for another item and the items go on in
+/// order from the cursor, within `run_bytes` and, with the loaded and untaken bytes, within
+/// `ahead_bytes`.
 fn run_on(
     state: &mut State,
     items: &[PrefetchItem],
@@ -810,10 +809,8 @@ fn run_on(
     };
     let mut total = bytes(&first);
     let mut run = vec![first];
-    // Following, the ramp's chunks before its last step (and so the first after a jump, unless
-    // the ramp is one step) stay transfers of their own: a get_tensor sweep from 8 MiB to 1
-    // GiB loads 8 and 64 MiB alone, then 512 MiB and the rest as one run.
-    if state.last_size.saturating_mul(FOLLOW_GROWTH) < opts.chunk_bytes {
+    // Following, the ramp's chunks (and the first after a jump) stay transfers of their own.
+    if state.last_size < opts.chunk_bytes {
         return run;
     }
     loop {
@@ -1086,8 +1083,8 @@ mod tests {
     }
 
     /// A run takes the chunks after its first while they follow in order, stays within
-    /// `run_bytes` and, with what waits untaken, within `ahead_bytes`; following, only from
-    /// the ramp's last step on; a caller waiting for another item ends it.
+    /// `run_bytes` and, with what waits untaken, within `ahead_bytes`; following, only once
+    /// the ramp reached the chunk size; a caller waiting for another item ends it.
     #[test]
     fn runs_take_the_chunks_that_follow_within_their_bounds() {
         let it = items(
@@ -1128,12 +1125,11 @@ mod tests {
         let mut state = State::new(20, &opts);
         state.untaken = 40;
         assert_eq!(take(&mut state, &opts), vec![vec![0, 1, 2], vec![3, 4, 5]]);
-        // Following from 5 bytes with a cap of 80 (growth 8): the ramp's first step (one item
-        // of 10) alone, then 80 at the cap and the chunks after it within the run's 200 (80 +
-        // 80 + 30).
+        // Following from 10 bytes with a cap of 80 (growth 8): the ramp's 10 alone, then 80
+        // at the cap and the chunks after it within the run's 200 (80 + 80 + 30).
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(80)
-            .with_follow_from(Some(5))
+            .with_follow_from(Some(10))
             .with_run_bytes(200);
         let mut state = State::new(20, &opts);
         state.demand.push_back(0);
@@ -1142,20 +1138,6 @@ mod tests {
             take(&mut state, &opts),
             vec![
                 (1..9).collect::<Vec<_>>(),
-                (9..17).collect(),
-                vec![17, 18, 19]
-            ]
-        );
-        // From 10: the ramp's one step (10 x 8 reaches the cap) starts the run: 10 + 80 + 80
-        // + 30 within 200.
-        let from_10 = opts.clone().with_follow_from(Some(10));
-        let mut state = State::new(20, &from_10);
-        state.demand.push_back(0);
-        assert_eq!(
-            take(&mut state, &from_10),
-            vec![
-                vec![0],
-                (1..9).collect(),
                 (9..17).collect(),
                 vec![17, 18, 19]
             ]
