@@ -6,9 +6,9 @@ with gpufeed's loads underneath.
 - CUDA handles load through gpufeed's engine. ``get_tensor`` of one tensor after another in
   the file's order is a sweep: the tensors after the one asked for load in the background in
   chunks growing from 8 MiB to 1 GiB (at most 4 GiB loaded and not asked for yet; chunks
-  that follow one another load as one transfer of up to 4 GiB, each handed out as it lands); a tensor
-  asked for out of order starts a new sweep there (a first chunk of 8 MiB, or the tensor
-  alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``) load each
+  that follow one another load as one transfer of up to 4 GiB, each handed out as it
+  lands); a tensor asked for out of order starts a new sweep there (a first chunk of 8 MiB,
+  or the tensor alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``) load each
   file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB and
   hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
   allocation per chunk (or file), which is freed when the last tensor of it goes (those never
