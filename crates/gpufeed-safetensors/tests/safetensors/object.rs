@@ -211,25 +211,23 @@ fn a_checkpoint_in_a_bucket_loads_every_tensor_byte_exact() {
     )
     .expect("load");
     assert_eq!(ckpt.len(), 3);
-    for (name, bytes) in &want {
-        let info = ckpt.info(name).expect("tensor");
-        let back = gpu
-            .to_vec(ckpt.buffer(info.file).expect("buffer"))
-            .expect("back");
-        assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
-    }
+    let byte_exact = |ckpt: &gpufeed_safetensors::Checkpoint| {
+        for (name, bytes) in &want {
+            let info = ckpt.info(name).expect("tensor");
+            let back = gpu
+                .to_vec(ckpt.buffer(info.file).expect("buffer"))
+                .expect("back");
+            assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
+        }
+    };
+    byte_exact(&ckpt);
     // The objects opened (and their headers read) first, loaded later: the same bytes, the
     // headers not read again; a shard replaced in between is an error naming it, not a mix.
     let index_url = url("gpu/m.safetensors.index.json");
     let opened = inspect_object_opened(&index_url, &opts(&server)).expect("opened");
     let ckpt = load_objects_opened(&loader, &index_url, opened).expect("load opened");
-    for (name, bytes) in &want {
-        let info = ckpt.info(name).expect("tensor");
-        let back = gpu
-            .to_vec(ckpt.buffer(info.file).expect("buffer"))
-            .expect("back");
-        assert_eq!(xxh3_64(&back[info.range.clone()]), xxh3_64(bytes), "{name}");
-    }
+    assert_eq!(ckpt.len(), 3);
+    byte_exact(&ckpt);
     let opened = inspect_object_opened(&index_url, &opts(&server)).expect("opened");
     let (other, _) = file(&[("y.table", Dtype::U8, vec![3 << 20, 3])], seed + 6, None);
     server.put("gpu/m-2.safetensors", &other).expect("put");
