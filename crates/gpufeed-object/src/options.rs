@@ -1,6 +1,6 @@
 //! How objects are read, and where credentials and the endpoint come from.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -61,8 +61,52 @@ pub struct ObjectOptions {
     pub credentials: Option<Credentials>,
 }
 
-/// The stores objects use now, by everything that built them ([`ObjectOptions::store`]).
-static STORES: Mutex<BTreeMap<String, Weak<dyn ObjectStore>>> = Mutex::new(BTreeMap::new());
+/// The stores of this process ([`ObjectOptions::store`]): a forked child (a Python DataLoader
+/// worker) has its own, since the parent's connections belong to the parent's I/O runtime,
+/// whose threads it does not have.
+static STORES: Mutex<Option<Stores>> = Mutex::new(None);
+
+/// How many stores [`Stores::recent`] keeps.
+const RECENT_STORES: usize = 8;
+
+struct Stores {
+    /// The process they belong to.
+    pid: u32,
+    /// The stores objects use now, by everything that built them.
+    by_key: BTreeMap<String, Weak<dyn ObjectStore>>,
+    /// The stores used last, the most recent at the back, kept while no object holds them: a
+    /// checkpoint loaded again, or one object read after another was let go, finds the store
+    /// and its open connections instead of building a new one (on a local server 5-7 ms to
+    /// the first answer, GPU runs 236-237; over TLS a handshake per connection).
+    recent: VecDeque<Arc<dyn ObjectStore>>,
+}
+
+impl Stores {
+    /// This process's stores: a parent's, inherited by a fork, are forgotten (dropping them
+    /// would reach for the parent's runtime).
+    fn of_this_process(slot: &mut Option<Stores>) -> &mut Stores {
+        let pid = std::process::id();
+        if slot.as_ref().is_some_and(|s| s.pid != pid)
+            && let Some(Stores { recent, .. }) = slot.take()
+        {
+            std::mem::forget(recent);
+        }
+        slot.get_or_insert_with(|| Stores {
+            pid,
+            by_key: BTreeMap::new(),
+            recent: VecDeque::new(),
+        })
+    }
+
+    /// `store` made the most recently used, the oldest let go past [`RECENT_STORES`].
+    fn keep_recent(&mut self, store: &Arc<dyn ObjectStore>) {
+        self.recent.retain(|s| !Arc::ptr_eq(s, store));
+        self.recent.push_back(Arc::clone(store));
+        while self.recent.len() > RECENT_STORES {
+            self.recent.pop_front();
+        }
+    }
+}
 
 /// An access key, its secret and, for temporary credentials, a session token (`Debug`
 /// shows only the key id).
@@ -187,21 +231,27 @@ impl ObjectOptions {
 
     /// The store that serves `url`: the one already built for the same bucket (or HTTP
     /// origin), endpoint, region, credentials, limits and `AWS_*` environment while any object
-    /// still holds it, so objects opened one after another (a data set's thousands of shards)
-    /// share its connections and credential lookups instead of each opening its own. Any
-    /// difference in those inputs builds another: a store never serves other credentials
-    /// than the ones it was built with.
+    /// still holds it or it is among the eight stores used last, so objects opened one after
+    /// another (a data set's thousands of shards, a checkpoint loaded again) share its
+    /// connections and credential lookups instead of each opening its own. Any difference in
+    /// those inputs builds another: a store never serves other credentials than the ones it
+    /// was built with, nor a forked child its parent's connections.
     pub(crate) fn store(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
         self.check()?;
         let profile = Profile::from_env();
         let key = self.store_key(url, &profile);
-        let mut stores = STORES.lock();
-        if let Some(store) = stores.get(&key).and_then(Weak::upgrade) {
-            return Ok(store);
-        }
-        let store = self.build_store(url, &profile)?;
-        stores.retain(|_, s| s.strong_count() > 0);
-        stores.insert(key, Arc::downgrade(&store));
+        let mut slot = STORES.lock();
+        let stores = Stores::of_this_process(&mut slot);
+        let store = match stores.by_key.get(&key).and_then(Weak::upgrade) {
+            Some(store) => store,
+            None => {
+                let store = self.build_store(url, &profile)?;
+                stores.by_key.retain(|_, s| s.strong_count() > 0);
+                stores.by_key.insert(key, Arc::downgrade(&store));
+                store
+            }
+        };
+        stores.keep_recent(&store);
         Ok(store)
     }
 

@@ -648,6 +648,19 @@ fn objects_of_one_bucket_share_connections_but_never_credentials() {
         connections < 6,
         "{connections} connections for 24 objects read one after another: each object opened its own"
     );
+    // Opened, read and let go one after another (a checkpoint loaded again and again): the
+    // store stays among the recent ones, and so do its connections.
+    drop(held);
+    let before = proxy.connections.load(std::sync::atomic::Ordering::Acquire);
+    for (i, bytes) in shards.iter().enumerate().take(6) {
+        let obj = Object::open(&url(&format!("share/{i}.bin")), &o).expect("open");
+        assert_eq!(xxh3_64(&obj.read_all().expect("read")), xxh3_64(bytes));
+    }
+    let opened = proxy.connections.load(std::sync::atomic::Ordering::Acquire) - before;
+    assert!(
+        opened < 3,
+        "{opened} new connections for 6 objects each let go before the next: each built a store"
+    );
     // Other credentials through the same endpoint get a store of their own, refused.
     let wrong = o
         .clone()
