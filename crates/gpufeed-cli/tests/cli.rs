@@ -464,6 +464,19 @@ fn shm_gc_removes_a_dead_process_segment() {
     assert!(!dev_shm.join(&foreign).exists());
 }
 
+/// Whether a line of gpufeed's log begins with the seconds since the log began
+/// ("   0.001234567s ...", `GPUFEED_LOG=debug`).
+fn timed_line(line: &str) -> bool {
+    line.trim_start()
+        .split_once("s ")
+        .and_then(|(t, _)| t.split_once('.'))
+        .is_some_and(|(s, ns)| {
+            s.bytes().all(|b| b.is_ascii_digit())
+                && ns.len() == 9
+                && ns.bytes().all(|b| b.is_ascii_digit())
+        })
+}
+
 /// A dead owner's segment that cannot be removed (immutable: EPERM even for root) is reported
 /// under `skipped` with the kernel's reason, gc goes on with the others and exits 0 (before,
 /// gc stopped at the first EPERM with an error).
@@ -543,23 +556,12 @@ fn shm_gc_reports_what_it_cannot_remove_and_goes_on() {
         "GPUFEED_LOG=off: {}",
         String::from_utf8_lossy(&quiet.stderr)
     );
-    // At debug each event begins with the seconds since the log began ("   0.001234567s"),
-    // and at warn with none.
-    let seconds = |line: &str| {
-        line.trim_start()
-            .split_once("s ")
-            .and_then(|(t, _)| t.split_once('.'))
-            .is_some_and(|(s, ns)| {
-                s.bytes().all(|b| b.is_ascii_digit())
-                    && ns.len() == 9
-                    && ns.bytes().all(|b| b.is_ascii_digit())
-            })
-    };
+    // At debug each event begins with the seconds since the log began, and at warn with none.
     let timed = String::from_utf8_lossy(&timed.stderr);
     let line = timed.lines().find(|l| l.contains(warned)).unwrap_or("");
-    assert!(seconds(line), "GPUFEED_LOG=debug: {timed}");
+    assert!(timed_line(line), "GPUFEED_LOG=debug: {timed}");
     let line = stderr.lines().find(|l| l.contains(warned)).unwrap_or("");
-    assert!(!seconds(line), "GPUFEED_LOG unset: {stderr}");
+    assert!(!timed_line(line), "GPUFEED_LOG unset: {stderr}");
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
         text.contains("could not remove 1 segment(s) or socket(s)") && text.contains(&stuck),
@@ -937,6 +939,30 @@ fn load_reads_an_object_from_s3() {
     assert!(
         line.contains("no credentials found") || line.contains("access denied"),
         "{line}"
+    );
+    // GPUFEED_LOG=debug: the object's open on the timeline (seconds since the log began, the
+    // open's own ms), and nothing of the HTTP client's debug events (other crates stay at
+    // warn). With or without a GPU: the object is opened first.
+    let mut debug = gpufeed();
+    with_env(&mut debug);
+    let out = debug
+        .env("GPUFEED_LOG", "debug")
+        .args(["load", &format!("s3://{}/cli/obj.bin", s3::BUCKET)])
+        .output()
+        .expect("run");
+    let log = String::from_utf8_lossy(&out.stderr);
+    let opened = log
+        .lines()
+        .find(|l| l.contains("object opened"))
+        .unwrap_or("");
+    assert!(
+        timed_line(opened) && opened.contains("gpufeed_object") && opened.contains(" ms="),
+        "{log}"
+    );
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("DEBUG") && !l.contains(" gpufeed")),
+        "debug events of crates under gpufeed: {log}"
     );
     let mut bad = gpufeed();
     with_env(&mut bad);
