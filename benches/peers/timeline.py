@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Where a drop-in load's time goes: the same load three times in one process (torch's CUDA
 context made first, ``del`` between), with Python's marks (ms from the load's start, and
-``@`` seconds since ``import gpufeed`` began, the clock of gpufeed's debug events) on stderr
-between gpufeed's debug events. Not run by the bench (docs/benchmarks.md, GPU runs 139-140).
+``@`` seconds since ``import gpufeed`` began) on stderr between gpufeed's debug events, whose
+seconds count from the log's start inside that import: at most the ``imported`` mark later,
+so an event's time plus that mark is on the ``@`` clock. Not run by the bench
+(docs/benchmarks.md, GPU runs 139-140).
 
 Usage: GPUFEED_LOG=debug timeline.py METHOD FILE 2> timeline.log
        METHOD: get_tensor | prefetch | get_tensors | object
@@ -55,11 +57,8 @@ def main(method, path):
                 mark("last", t0)
             return out
 
-    if method == "object":
-        mark("imported", t0)
-        nbytes = None
-    else:
-        nbytes = os.path.getsize(path)
+    mark("imported", imported)
+    nbytes = None if method == "object" else os.path.getsize(path)
     for rep in range(3):
         print(f"PY ===== {method} rep {rep}", file=sys.stderr, flush=True)
         if method != "object" or rep > 0:
