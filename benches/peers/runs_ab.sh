@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Issue 38's reload with and without runs (`GPUFEED_PREFETCH_RUN_MIB`: a prefetch's chunks
-# that follow one another loaded as one staged transfer), on the GPU machine: the runs' GPU
-# tests, then `dropin.py 3` on a 4 GiB checkpoint of 4,096 BF16 tensors of 1 MiB in /dev/shm
-# (warm), `get_tensor` of each and safetensors 0.9's `prefetch(threads=16)`, runs off (0 /
-# sweep ahead 2048 MiB, the defaults before GPU run 236) and on (4096 / 4096, the defaults
-# since), ROUNDS times; then the drop-in's GPU tests with runs on. Not run by the bench.
+# A/B of the drop-in's prefetch settings on the GPU machine (issue 38): the runs' GPU tests,
+# then `dropin.py 3` on checkpoints of BF16 tensors in /dev/shm (warm) under each variant of
+# environment variables, ROUNDS times; then the drop-in's GPU tests with the defaults, and
+# timelines of the loads. Not run by the bench.
 #
 # Usage, from the repository root of a `cargo xtask device` build carried with target/device
 # (run.sh, bin.tar.xz, wheels, st09, and pytest's wheels in pywheels/ where the machine lacks
 # pytest):
 #   ROUNDS=2 bash benches/peers/runs_ab.sh
 # SHAPES (default "4:4096": GiB:tensors, space-separated) names the checkpoints, METHODS
-# (default "gpufeed safe_open get_tensor,safetensors prefetch threads=16") dropin.py's rows.
-# Results in $OUT (or a new directory it names): dropin-SHAPE-ROUND-MODE.json, t-*.log.
+# (default "gpufeed safe_open get_tensor,safetensors prefetch threads=16") dropin.py's rows,
+# VARIANTS (space-separated "label:VAR=VALUE,VAR=VALUE"; default "off:" runs off, 2 GiB ahead,
+# the defaults before GPU run 236, and "on:" runs of 4 GiB with 4 GiB ahead, the defaults
+# since) what each pass sets, TESTS=0 skips the tests, TIMELINE (e.g. "get_tensor prefetch")
+# the methods whose `timeline.py` of the first shape is kept (GPUFEED_LOG=debug, the default
+# settings). Results in $OUT (or a new directory it names): dropin-SHAPE-ROUND-LABEL.json,
+# t-*.log, timeline-METHOD.log.
 set -u
 here=target/device
 rounds="${ROUNDS:-2}"
@@ -26,44 +29,66 @@ trap 'rm -rf "$shm"' EXIT
 out="${OUT:-$(mktemp -d)}" || exit 1
 echo "results in $out"
 nvidia-smi --query-gpu=name --format=csv,noheader
-echo "=== the runs' GPU tests"
-"$here/tests/gpufeed-load-load" parts --test-threads=2 > "$out/t-parts.log" 2>&1
-echo "gpufeed-load parts: rc=$? $(grep '^test result' "$out/t-parts.log")"
-"$here/tests/gpufeed-safetensors-safetensors" prefetch --test-threads=2 > "$out/t-prefetch.log" 2>&1
-echo "gpufeed-safetensors prefetch: rc=$? $(grep '^test result' "$out/t-prefetch.log")"
-grep -E "panicked|FAILED" -A5 "$out/t-parts.log" "$out/t-prefetch.log" | head -n 30
+tests="${TESTS:-1}"
+if [ "$tests" != 0 ]; then
+  echo "=== the runs' GPU tests"
+  "$here/tests/gpufeed-load-load" parts --test-threads=2 > "$out/t-parts.log" 2>&1
+  echo "gpufeed-load parts: rc=$? $(grep '^test result' "$out/t-parts.log")"
+  "$here/tests/gpufeed-safetensors-safetensors" prefetch --test-threads=2 > "$out/t-prefetch.log" 2>&1
+  echo "gpufeed-safetensors prefetch: rc=$? $(grep '^test result' "$out/t-prefetch.log")"
+  grep -E "panicked|FAILED" -A5 "$out/t-parts.log" "$out/t-prefetch.log" | head -n 30
+fi
 
 shapes="${SHAPES:-4:4096}"
 methods="${METHODS:-gpufeed safe_open get_tensor,safetensors prefetch threads=16}"
+variants="${VARIANTS:-off:GPUFEED_PREFETCH_RUN_MIB=0,GPUFEED_SWEEP_AHEAD_MIB=2048 on:GPUFEED_PREFETCH_RUN_MIB=4096,GPUFEED_SWEEP_AHEAD_MIB=4096}"
+first=
 for shape in $shapes; do
   gib=${shape%%:*} n=${shape##*:}
   f="$shm/ab-$gib-$n.safetensors"
+  first="${first:-$f}"
   (cd benches/peers && python3 -c "import casts; casts.make('$f', 'BF16', $gib << 30, $n)") || exit 1
   for round in $(seq "$rounds"); do
-    for mode in off on; do
-      if [ "$mode" = off ]; then run=0; ahead=2048; else run=4096; ahead=4096; fi
-      tag="$gib-$n-$round-$mode"
-      echo "=== $gib GiB / $n tensors, round $round, runs $mode (GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead)"
-      GPUFEED_PREFETCH_RUN_MIB=$run GPUFEED_SWEEP_AHEAD_MIB=$ahead DROPIN_METHODS="$methods" \
-        timeout 240 python3 benches/peers/dropin.py 3 "$f" > "$out/dropin-$tag.json" \
-        2> "$out/dropin-$tag.err" || { echo "dropin.py failed"; tail -n 5 "$out/dropin-$tag.err"; continue; }
+    for variant in $variants; do
+      label=${variant%%:*} sets=${variant#*:}
+      tag="$gib-$n-$round-$label"
+      echo "=== $gib GiB / $n tensors, round $round, $label (${sets:-the defaults})"
+      # The variant's variables, in a subshell of their own.
+      (
+        IFS=, ; for kv in $sets; do [ -n "$kv" ] && export "${kv?}"; done; unset IFS
+        DROPIN_METHODS="$methods" timeout 300 python3 benches/peers/dropin.py 3 "$f" \
+          > "$out/dropin-$tag.json" 2> "$out/dropin-$tag.err"
+      ) || { echo "dropin.py failed"; tail -n 5 "$out/dropin-$tag.err"; continue; }
       python3 - "$out/dropin-$tag.json" <<'PY'
-import json, sys
+import json, statistics, sys
 for path, v in json.load(open(sys.argv[1])).items():
     for method, r in v["rows"].items():
         if "error" in r:
             print(f"{method}: {r['error']}")
             continue
-        gb = lambda xs: " ".join(f"{x:.1f}" for x in xs)
+        gb = lambda xs: " ".join(f"{x:.1f}" for x in xs) + f" ({statistics.median(xs):.1f})"
         print(f"{method:40s} fresh {gb(r['fresh'])} / again {gb(r['again'])} checksum {r['checksum']}")
 PY
     done
   done
-  rm -f "$f"
+  [ "$f" = "$first" ] || rm -f "$f"
 done
 
-echo "=== test_safe_open_gpu.py with runs on"
-(cd crates/gpufeed-py/tests && GPUFEED_PREFETCH_RUN_MIB=4096 GPUFEED_SWEEP_AHEAD_MIB=4096 \
-  PYTHONPATH="$GPUFEED_SAFETENSORS09:${GPUFEED_DEVICE_PYTEST:+$GPUFEED_DEVICE_PYTEST:}$PYTHONPATH" \
-  timeout 200 python3 -m pytest -q -p no:cacheprovider test_safe_open_gpu.py > "$out/t-py.log" 2>&1)
-echo "rc=$?"; tail -n 1 "$out/t-py.log"; grep -E "^(FAILED|ERROR)" "$out/t-py.log" | head
+for method in ${TIMELINE:-}; do
+  echo "=== timeline.py $method on $first (the defaults)"
+  GPUFEED_LOG=debug timeout 120 python3 benches/peers/timeline.py "$method" "$first" \
+    > /dev/null 2> "$out/timeline-$method.log"
+  echo "rc=$?"
+  # The third load's lines (the log keeps all three).
+  awk '/^PY ===== .* rep 2/ { p = 1 } p' "$out/timeline-$method.log" \
+    | grep -E "^PY |prefetch chunk|prefetch starts" | cut -c1-220
+done
+rm -f "$first"
+
+if [ "$tests" != 0 ]; then
+  echo "=== test_safe_open_gpu.py with the defaults"
+  (cd crates/gpufeed-py/tests && \
+    PYTHONPATH="$GPUFEED_SAFETENSORS09:${GPUFEED_DEVICE_PYTEST:+$GPUFEED_DEVICE_PYTEST:}$PYTHONPATH" \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider test_safe_open_gpu.py > "$out/t-py.log" 2>&1)
+  echo "rc=$?"; tail -n 1 "$out/t-py.log"; grep -E "^(FAILED|ERROR)" "$out/t-py.log" | head
+fi

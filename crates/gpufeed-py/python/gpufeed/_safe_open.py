@@ -7,10 +7,11 @@ with gpufeed's loads underneath.
   the file's order is a sweep: the tensors after the one asked for load in the background in
   chunks growing from 8 MiB to 1 GiB (at most 4 GiB loaded and not asked for yet; chunks
   that follow one another load as one transfer of up to 4 GiB, each handed out as it
-  lands); a tensor asked for out of order starts a new sweep there (a first chunk of 8 MiB,
+  lands, the last ones of a file halving down to 8 MiB so that little is left to hand out
+  after the last byte lands); a tensor asked for out of order starts a new sweep there (a first chunk of 8 MiB,
   or the tensor alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``) load each
-  file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB and
-  hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
+  file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB (the
+  last ones halving down to 8 MiB, as a sweep's) and hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
   allocation per chunk (or file), which is freed when the last tensor of it goes (those never
   handed out go when the handle or loader closes).
 - An object's URL (``s3://``, ``https://``) opens as a file does: headers by ranged GETs, CPU
@@ -75,6 +76,9 @@ _CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
 _RUN = int(os.environ.get("GPUFEED_PREFETCH_RUN_MIB", "4096")) << 20
 _SWEEP_AHEAD = int(os.environ.get("GPUFEED_SWEEP_AHEAD_MIB", "4096")) << 20
 _SWEEP_FROM = 8 << 20
+# In a run, the last chunks shrink to half of what is left, down to this: the chunk that lands
+# last (whose tensors a caller takes after the load's last byte) holds about this much.
+_TAIL = int(os.environ.get("GPUFEED_PREFETCH_TAIL_MIB", "8")) << 20
 # More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
 _MAX_RUNS = 65536
 
@@ -620,7 +624,7 @@ class safe_open:
                     try:
                         native = self._files[k].prefetch_tensors(
                             self._ordinal, [self._entries[n].index for n in names], _CHUNK,
-                            _SWEEP_AHEAD, _SWEEP_FROM, _RUN)
+                            _SWEEP_AHEAD, _SWEEP_FROM, _RUN, _TAIL)
                     except GpufeedError as e:
                         raise _translated(e) from None
                     sweep = self._sweeps[k] = _Sweep(native, names)
@@ -889,7 +893,7 @@ class safe_open:
             for k, items, _ in per_file:
                 f = self._files[k]
                 start = f.prefetch if shapes else f.prefetch_tensors
-                natives.append(start(ordinal, items, _CHUNK, run_bytes=_RUN))
+                natives.append(start(ordinal, items, _CHUNK, run_bytes=_RUN, tail_bytes=_TAIL))
         except GpufeedError as e:
             for n in natives:
                 n.close()
