@@ -14,10 +14,10 @@
 # the defaults before GPU run 236, and "on:" runs of 4 GiB with 4 GiB ahead, the defaults
 # since) what each pass sets, TESTS=0 skips the tests, TIMELINE (e.g. "get_tensor prefetch")
 # the methods whose `timeline.py` of the first shape is kept (GPUFEED_LOG=debug, the default
-# settings). Results in $OUT (or a new directory it names): dropin-SHAPE-ROUND-LABEL.json,
-# t-*.log, timeline-METHOD.log.
+# settings), DEVICE_DIR (default target/device) the build to use. Results in $OUT (or a new
+# directory it names): dropin-SHAPE-ROUND-LABEL.json, t-*.log, timeline-METHOD.log.
 set -u
-here=target/device
+here="${DEVICE_DIR:-target/device}"
 rounds="${ROUNDS:-2}"
 # run.sh's set-up (the binaries unpacked, gpufeed, safetensors 0.9 and pytest installed in its
 # private folder) and its variables.

@@ -64,9 +64,9 @@ pub struct PrefetchOptions {
     pub run_bytes: u64,
     /// Where chunks load in runs (`run_bytes`), the last chunks of the items shrink: a chunk
     /// holds at most half the bytes from its first item to the end of the items, and at
-    /// least this many (and one item), so that the chunk that lands last is about this size
-    /// and a caller taking the items as they land has little left to take after the last
-    /// byte (8 MiB by default; 0: at least one item). Without runs each chunk is a transfer
+    /// least this many (and one item), so that the chunks that land last are this size or
+    /// smaller and a caller taking the items as they land has little left to take after the
+    /// last byte (8 MiB by default; 0: at least one item). Without runs each chunk is a transfer
     /// of its own and keeps its full size.
     pub tail_bytes: u64,
 }
