@@ -288,9 +288,8 @@ class _Sweep:
     """The tensors of one file in offset order, loading as ``get_tensor`` asks for them one
     after another (see the module)."""
 
-    def __init__(self, native, names):
+    def __init__(self, native):
         self.native = native
-        self.index = {n: i for i, n in enumerate(names)}
 
 
 class PrefetchLoader:
@@ -617,17 +616,19 @@ class safe_open:
                 if sweep is None:
                     torch = self._torch()
                     names = self._file_offset_names[k]
+                    indices = self._file_order[k]  # the native indices of `names`
                     dtypes = {self._entries[n].dtype for n in names}
                     if any(not hasattr(torch, _DTYPES.get(d, ("-",))[0]) for d in dtypes):
                         names = [n for n in names if hasattr(
                             torch, _DTYPES.get(self._entries[n].dtype, ("-",))[0])]
+                        indices = [self._entries[n].index for n in names]
                     try:
                         native = self._files[k].prefetch_tensors(
-                            self._ordinal, [self._entries[n].index for n in names], _CHUNK,
-                            _SWEEP_AHEAD, _SWEEP_FROM, _RUN, _TAIL)
+                            self._ordinal, indices, _CHUNK, _SWEEP_AHEAD, _SWEEP_FROM, _RUN,
+                            _TAIL)
                     except GpufeedError as e:
                         raise _translated(e) from None
-                    sweep = self._sweeps[k] = _Sweep(native, names)
+                    sweep = self._sweeps[k] = _Sweep(native)
                     self._fast.update((n, (native, i)) for i, n in enumerate(names))
         return sweep
 
