@@ -52,8 +52,9 @@ pub struct PrefetchOptions {
     /// (read-ahead as the kernel does it for a file; the chunks of one run, `run_bytes`, load
     /// without a take between them). Unset, it loads every item in order.
     pub follow_from: Option<u64>,
-    /// Where more than `chunk_bytes`, chunks of the full size that follow one another (in
-    /// order, nobody waiting for another item) load as one transfer of up to this many bytes,
+    /// Where more than `chunk_bytes`, chunks that follow one another from a chunk of the full
+    /// size (in order, nobody waiting for another item; following: once the ramp reached
+    /// `chunk_bytes`) load as one transfer of up to this many bytes,
     /// each chunk still an allocation of its own and handed out as soon as it lands
     /// ([`gpufeed_load::Loader::load_parts_to`]): a staged transfer's start and end are paid
     /// once for them all. Loading bytes count against `ahead_bytes` as loaded ones do. A run
@@ -62,12 +63,13 @@ pub struct PrefetchOptions {
     /// (the default): each chunk is a transfer of its own. Files only, by a staged route
     /// (`Staged`, `Direct`); other sources and routes load chunk by chunk.
     pub run_bytes: u64,
-    /// Where chunks load in runs (`run_bytes`), the last chunks of the items shrink: a chunk
-    /// holds at most half the bytes from its first item to the end of the items, and at
-    /// least this many (and one item), so that the chunks that land last are this size or
-    /// smaller and a caller taking the items as they land has little left to take after the
-    /// last byte (8 MiB by default; 0: at least one item). Without runs each chunk is a transfer
-    /// of its own and keeps its full size.
+    /// Where chunks load in runs (`run_bytes`), the last full-size chunks of the items
+    /// shrink: such a chunk holds at most half the bytes from its first item to the end of
+    /// the items, and at least this many (and one item), so that the chunks that land last
+    /// are this size or smaller and a caller taking the items as they land has little left to
+    /// take after the last byte (8 MiB by default; 0: down to one item; `chunk_bytes` or more:
+    /// no shrinking). The ramp's chunks (following) and every chunk without runs (each a
+    /// transfer of its own) keep their size.
     pub tail_bytes: u64,
 }
 
@@ -213,9 +215,9 @@ impl State {
         }
     }
 
-    /// The most bytes a chunk starting at item `start` holds, of `size` on the ramp or at the
-    /// full size: in runs, at most half of what is left from `start` to the end of the items
-    /// and at least [`PrefetchOptions::tail_bytes`].
+    /// The most bytes a full-size chunk (`size`) starting at item `start` holds: in runs, at
+    /// most half of what is left from `start` to the end of the items and at least
+    /// [`PrefetchOptions::tail_bytes`].
     fn tapered(&self, start: usize, size: u64, opts: &PrefetchOptions) -> u64 {
         if !self.runs {
             return size;
@@ -940,12 +942,18 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
             size
         }
     };
-    // The ramp's size (a run starts only from a full-size chunk), then the tail's.
+    // The ramp's size (a run starts only from a full-size chunk); a full-size chunk, one a run
+    // can take, then shrinks at the tail (the ramp's chunks are transfers of their own).
     state.last_size = size;
+    let size = if size >= opts.chunk_bytes {
+        state.tapered(start, size, opts)
+    } else {
+        size
+    };
     let room = opts
         .ahead_bytes
         .map_or(u64::MAX, |ahead| ahead.saturating_sub(state.untaken))
-        .min(state.tapered(start, size, opts))
+        .min(size)
         .max(1);
     let (chunk, bytes) = cut(state, items, start, room);
     for &i in &chunk {
@@ -1243,6 +1251,24 @@ mod tests {
         );
         // Chunks that are transfers of their own keep the full size.
         assert_eq!(run_of(8 * MIB, false), vec![vec![r(0, 8)], vec![r(8, 16)]]);
+        // Following from 4 MiB under chunks of 64: the ramp's 4 and 32 MiB keep their size (32
+        // of the 60 MiB left, where the tail would cut 30); the full-size chunk after them
+        // shrinks (14 of 28 MiB left: three items), and the run goes on to the tail's 8 MiB.
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(64 * MIB)
+            .with_follow_from(Some(4 * MIB))
+            .with_run_bytes(64 * MIB)
+            .with_tail_bytes(8 * MIB);
+        let mut state = State::new(&it, &opts);
+        state.runs = true;
+        state.demand.push_back(0);
+        let mut take = |state: &mut State| match next_chunk(state, &it, &opts) {
+            Next::Chunk(c) => run_on(state, &it, &opts, c),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(take(&mut state), vec![r(0, 1)]);
+        assert_eq!(take(&mut state), vec![r(1, 9)]);
+        assert_eq!(take(&mut state), vec![r(9, 12), r(12, 14), r(14, 16)]);
     }
 
     /// An item larger than the ramp makes its chunk large: the next one grows from that chunk,

@@ -76,8 +76,9 @@ _CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
 _RUN = int(os.environ.get("GPUFEED_PREFETCH_RUN_MIB", "4096")) << 20
 _SWEEP_AHEAD = int(os.environ.get("GPUFEED_SWEEP_AHEAD_MIB", "4096")) << 20
 _SWEEP_FROM = 8 << 20
-# In a run, the last chunks shrink to half of what is left, down to this: the chunk that lands
-# last (whose tensors a caller takes after the load's last byte) holds about this much.
+# In a run, the last full-size chunks shrink to half of what is left, down to this: the chunk
+# that lands last (whose tensors a caller takes after the load's last byte) holds at most this
+# much (0: down to one tensor; the chunk size or more: no shrinking).
 _TAIL = int(os.environ.get("GPUFEED_PREFETCH_TAIL_MIB", "8")) << 20
 # More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
 _MAX_RUNS = 65536
