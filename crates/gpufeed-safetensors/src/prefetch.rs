@@ -1262,7 +1262,7 @@ mod tests {
         let mut state = State::new(&it, &opts);
         state.runs = true;
         state.demand.push_back(0);
-        let mut take = |state: &mut State| match next_chunk(state, &it, &opts) {
+        let take = |state: &mut State| match next_chunk(state, &it, &opts) {
             Next::Chunk(c) => run_on(state, &it, &opts, c),
             other => panic!("{other:?}"),
         };
