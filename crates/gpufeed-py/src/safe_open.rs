@@ -317,9 +317,9 @@ impl SafeFile {
     /// Starts loading `items` (`(start, end, align, tensor, shape)`: absolute offsets, the
     /// element size they are placed at, the index in `tensors()` of the tensor they hold and
     /// that part's shape) to GPU `device` in the background, in chunks of `chunk_bytes`; see
-    /// `gpufeed_safetensors::PrefetchOptions` for `ahead_bytes`, `follow_from`, `run_bytes`
-    /// and `tail_bytes`.
-    #[pyo3(signature = (device, items, chunk_bytes, ahead_bytes=None, follow_from=None, run_bytes=0, tail_bytes=None))]
+    /// `gpufeed_safetensors::PrefetchOptions` for `ahead_bytes`, `follow_from` and
+    /// `run_bytes`.
+    #[pyo3(signature = (device, items, chunk_bytes, ahead_bytes=None, follow_from=None, run_bytes=0))]
     #[allow(clippy::type_complexity, reason = "the tuple is the Python shape")]
     #[allow(clippy::too_many_arguments, reason = "Python's arguments")]
     fn prefetch(
@@ -331,7 +331,6 @@ impl SafeFile {
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
         run_bytes: u64,
-        tail_bytes: Option<u64>,
     ) -> PyResult<NativePrefetch> {
         let mut views = Vec::with_capacity(items.len());
         let mut spans = Vec::with_capacity(items.len());
@@ -340,13 +339,21 @@ impl SafeFile {
             views.push((t.dtype, shape));
             spans.push((start, end, align));
         }
-        let opts = prefetch_options(chunk_bytes, ahead_bytes, follow_from, run_bytes, tail_bytes);
-        self.start_prefetch(py, device, views, spans, opts)
+        self.start_prefetch(
+            py,
+            device,
+            views,
+            spans,
+            chunk_bytes,
+            ahead_bytes,
+            follow_from,
+            run_bytes,
+        )
     }
 
     /// `prefetch` of whole tensors: `tensors` are indices in `tensors()`, each loaded whole,
     /// placed at a multiple of its element size (a byte for packed types).
-    #[pyo3(signature = (device, tensors, chunk_bytes, ahead_bytes=None, follow_from=None, run_bytes=0, tail_bytes=None))]
+    #[pyo3(signature = (device, tensors, chunk_bytes, ahead_bytes=None, follow_from=None, run_bytes=0))]
     #[allow(clippy::too_many_arguments, reason = "Python's arguments")]
     fn prefetch_tensors(
         &self,
@@ -357,7 +364,6 @@ impl SafeFile {
         ahead_bytes: Option<u64>,
         follow_from: Option<u64>,
         run_bytes: u64,
-        tail_bytes: Option<u64>,
     ) -> PyResult<NativePrefetch> {
         let mut views = Vec::with_capacity(tensors.len());
         let mut spans = Vec::with_capacity(tensors.len());
@@ -371,8 +377,16 @@ impl SafeFile {
                 (t.dtype.bitsize() / 8).max(1),
             ));
         }
-        let opts = prefetch_options(chunk_bytes, ahead_bytes, follow_from, run_bytes, tail_bytes);
-        self.start_prefetch(py, device, views, spans, opts)
+        self.start_prefetch(
+            py,
+            device,
+            views,
+            spans,
+            chunk_bytes,
+            ahead_bytes,
+            follow_from,
+            run_bytes,
+        )
     }
 
     /// The drop-in's view of every tensor, made here rather than by Python per tensor: `(names,
@@ -431,7 +445,10 @@ impl SafeFile {
         device: usize,
         views: Vec<(gpufeed::safetensors::Dtype, Vec<usize>)>,
         items: Vec<(u64, u64, usize)>,
-        opts: PrefetchOptions,
+        chunk_bytes: u64,
+        ahead_bytes: Option<u64>,
+        follow_from: Option<u64>,
+        run_bytes: u64,
     ) -> PyResult<NativePrefetch> {
         let loader = self.loader(py, device)?;
         let _context = gpufeed::cuda::ContextGuard::new();
@@ -447,6 +464,11 @@ impl SafeFile {
                 align: align.max(1),
             })
             .collect();
+        let opts = PrefetchOptions::default()
+            .with_chunk_bytes(chunk_bytes)
+            .with_ahead_bytes(ahead_bytes)
+            .with_follow_from(follow_from)
+            .with_run_bytes(run_bytes);
         let gpu = loader.gpu().clone();
         let total: u64 = items
             .iter()
@@ -472,25 +494,6 @@ impl SafeFile {
             seen: Mutex::new(HashMap::new()),
             restore: KeepContext::default(),
         })
-    }
-}
-
-/// The options of `SafeFile.prefetch` / `prefetch_tensors` (`tail_bytes` unset: the default).
-fn prefetch_options(
-    chunk_bytes: u64,
-    ahead_bytes: Option<u64>,
-    follow_from: Option<u64>,
-    run_bytes: u64,
-    tail_bytes: Option<u64>,
-) -> PrefetchOptions {
-    let opts = PrefetchOptions::default()
-        .with_chunk_bytes(chunk_bytes)
-        .with_ahead_bytes(ahead_bytes)
-        .with_follow_from(follow_from)
-        .with_run_bytes(run_bytes);
-    match tail_bytes {
-        Some(tail) => opts.with_tail_bytes(tail),
-        None => opts,
     }
 }
 

@@ -52,9 +52,8 @@ pub struct PrefetchOptions {
     /// (read-ahead as the kernel does it for a file; the chunks of one run, `run_bytes`, load
     /// without a take between them). Unset, it loads every item in order.
     pub follow_from: Option<u64>,
-    /// Where more than `chunk_bytes`, chunks that follow one another from a chunk of the full
-    /// size (in order, nobody waiting for another item; following: once the ramp reached
-    /// `chunk_bytes`) load as one transfer of up to this many bytes,
+    /// Where more than `chunk_bytes`, chunks of the full size that follow one another (in
+    /// order, nobody waiting for another item) load as one transfer of up to this many bytes,
     /// each chunk still an allocation of its own and handed out as soon as it lands
     /// ([`gpufeed_load::Loader::load_parts_to`]): a staged transfer's start and end are paid
     /// once for them all. Loading bytes count against `ahead_bytes` as loaded ones do. A run
@@ -63,14 +62,6 @@ pub struct PrefetchOptions {
     /// (the default): each chunk is a transfer of its own. Files only, by a staged route
     /// (`Staged`, `Direct`); other sources and routes load chunk by chunk.
     pub run_bytes: u64,
-    /// Where chunks load in runs (`run_bytes`), the last full-size chunks of the items
-    /// shrink: such a chunk holds at most half the bytes from its first item to the end of
-    /// the items, and at least this many (and one item), so that the chunks that land last
-    /// are this size or smaller and a caller taking the items as they land has little left to
-    /// take after the last byte (8 MiB by default; 0: down to one item; `chunk_bytes` or more:
-    /// no shrinking). The ramp's chunks (following) and every chunk without runs (each a
-    /// transfer of its own) keep their size.
-    pub tail_bytes: u64,
 }
 
 impl Default for PrefetchOptions {
@@ -80,7 +71,6 @@ impl Default for PrefetchOptions {
             ahead_bytes: None,
             follow_from: None,
             run_bytes: 0,
-            tail_bytes: 8 << 20,
         }
     }
 }
@@ -109,13 +99,6 @@ impl PrefetchOptions {
     /// `run_bytes` (see [`PrefetchOptions::run_bytes`]; 0: a transfer per chunk).
     pub fn with_run_bytes(mut self, run_bytes: u64) -> Self {
         self.run_bytes = run_bytes;
-        self
-    }
-
-    /// These options, shrinking the last chunks of runs down to `tail_bytes` (see
-    /// [`PrefetchOptions::tail_bytes`]).
-    pub fn with_tail_bytes(mut self, tail_bytes: u64) -> Self {
-        self.tail_bytes = tail_bytes;
         self
     }
 }
@@ -177,22 +160,11 @@ struct State {
     last_size: u64,
     /// [`PrefetchOptions::ahead_bytes`].
     ahead: Option<u64>,
-    /// Whether chunks load in runs: the last ones shrink ([`PrefetchOptions::tail_bytes`]).
-    runs: bool,
-    /// Bytes of each item and the items after it.
-    after: Vec<u64>,
 }
 
 impl State {
-    /// `items`, none loaded.
-    fn new(items: &[PrefetchItem], opts: &PrefetchOptions) -> Self {
-        let n = items.len();
-        let mut after = vec![0u64; n];
-        let mut sum = 0u64;
-        for (i, item) in items.iter().enumerate().rev() {
-            sum = sum.saturating_add(item.span.end - item.span.start);
-            after[i] = sum;
-        }
+    /// `n` items, none loaded.
+    fn new(n: usize, opts: &PrefetchOptions) -> Self {
         State {
             status: (0..n).map(|_| Status::Pending).collect(),
             ready: VecDeque::new(),
@@ -210,20 +182,7 @@ impl State {
             ramp: opts.follow_from.unwrap_or(opts.chunk_bytes),
             last_size: 0,
             ahead: opts.ahead_bytes,
-            runs: false,
-            after,
         }
-    }
-
-    /// The most bytes a full-size chunk (`size`) starting at item `start` holds: in runs, at
-    /// most half of what is left from `start` to the end of the items and at least
-    /// [`PrefetchOptions::tail_bytes`].
-    fn tapered(&self, start: usize, size: u64, opts: &PrefetchOptions) -> u64 {
-        if !self.runs {
-            return size;
-        }
-        let left = self.after.get(start).copied().unwrap_or(0);
-        size.min((left / 2).max(opts.tail_bytes))
     }
 
     /// Whether item `i` (one of the items) has not started loading.
@@ -348,8 +307,9 @@ impl Prefetch {
                 });
             }
         }
+        let n = items.len();
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::new(&items, &opts)),
+            state: Mutex::new(State::new(n, &opts)),
             changed: Condvar::new(),
         });
         let worker = {
@@ -606,7 +566,6 @@ fn work(
             };
         let run = {
             let mut state = shared.lock();
-            state.runs = runs;
             loop {
                 if state.closed {
                     return;
@@ -865,8 +824,7 @@ fn run_on(
             break;
         }
         // The next chunk's bytes at most: what `next_chunk` would cut from the cursor.
-        let room = state.tapered(state.cursor, opts.chunk_bytes, opts);
-        let (_, next) = cut(state, items, state.cursor, room);
+        let (_, next) = cut(state, items, state.cursor, opts.chunk_bytes);
         let ahead_ok = opts
             .ahead_bytes
             .is_none_or(|a| state.untaken + total + next <= a);
@@ -942,14 +900,7 @@ fn next_chunk(state: &mut State, items: &[PrefetchItem], opts: &PrefetchOptions)
             size
         }
     };
-    // The ramp's size (a run starts only from a full-size chunk); a full-size chunk, one a run
-    // can take, then shrinks at the tail (the ramp's chunks are transfers of their own).
     state.last_size = size;
-    let size = if size >= opts.chunk_bytes {
-        state.tapered(start, size, opts)
-    } else {
-        size
-    };
     let room = opts
         .ahead_bytes
         .map_or(u64::MAX, |ahead| ahead.saturating_sub(state.untaken))
@@ -1077,7 +1028,7 @@ mod tests {
     fn chunks_follow_demand_then_the_cursor_and_respect_the_room() {
         let it = items(&[(0, 10, 1), (10, 20, 1), (20, 30, 1), (30, 40, 1)]);
         let opts = PrefetchOptions::default().with_chunk_bytes(20);
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(4, &opts);
         state.demand.push_back(2);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![2, 3]));
         // Then from the start: the cursor wraps.
@@ -1104,7 +1055,7 @@ mod tests {
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(100)
             .with_follow_from(Some(10));
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(24, &opts);
         state.demand.push_back(0);
         // 10 bytes, then eight times that, then the cap.
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
@@ -1150,7 +1101,7 @@ mod tests {
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(30)
             .with_run_bytes(100);
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(20, &opts);
         // Three chunks: a fourth (30 more) would pass the 100.
         assert_eq!(
             take(&mut state, &opts),
@@ -1171,7 +1122,7 @@ mod tests {
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Done);
         // With 40 bytes waiting untaken and 100 ahead at most: one more chunk of 30 fits.
         let opts = opts.with_ahead_bytes(Some(100));
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(20, &opts);
         state.untaken = 40;
         assert_eq!(take(&mut state, &opts), vec![vec![0, 1, 2], vec![3, 4, 5]]);
         // Following from 10 bytes with a cap of 80 (growth 8): the ramp's 10 alone, then 80
@@ -1180,7 +1131,7 @@ mod tests {
             .with_chunk_bytes(80)
             .with_follow_from(Some(10))
             .with_run_bytes(200);
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(20, &opts);
         state.demand.push_back(0);
         assert_eq!(take(&mut state, &opts), vec![vec![0]]);
         assert_eq!(
@@ -1192,7 +1143,7 @@ mod tests {
             ]
         );
         // A jump: the first chunk after it is on the ramp again, alone.
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(20, &opts);
         state.demand.push_back(0);
         let _ = take(&mut state, &opts);
         state.demand.push_back(12);
@@ -1202,73 +1153,11 @@ mod tests {
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Idle);
         // Following, an item at the cursor that was taken on its own (a hole, which
         // `next_chunk` takes for a jump): the run ends before it.
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(20, &opts);
         state.demand.push_back(0);
         let _ = take(&mut state, &opts);
         state.status[9] = Status::Taken;
         assert_eq!(take(&mut state, &opts), vec![(1..9).collect::<Vec<_>>()]);
-    }
-
-    /// In runs, the last chunks shrink to half of what is left, down to `tail_bytes` (or one
-    /// item): the chunk that lands last is small. Without runs, chunks keep their size.
-    #[test]
-    fn runs_end_in_chunks_that_shrink_to_the_tail() {
-        const MIB: u64 = 1 << 20;
-        // 16 items of 4 MiB; chunks of 32 MiB; a run takes them all.
-        let it = items(
-            &(0..16)
-                .map(|i| (i * 4 * MIB, (i + 1) * 4 * MIB, 2))
-                .collect::<Vec<_>>(),
-        );
-        let run_of = |tail: u64, runs: bool| {
-            let opts = PrefetchOptions::default()
-                .with_chunk_bytes(32 * MIB)
-                .with_run_bytes(64 * MIB)
-                .with_tail_bytes(tail);
-            let mut state = State::new(&it, &opts);
-            state.runs = runs;
-            let mut out = Vec::new();
-            loop {
-                match next_chunk(&mut state, &it, &opts) {
-                    Next::Chunk(c) if runs => out.push(run_on(&mut state, &it, &opts, c)),
-                    Next::Chunk(c) => out.push(vec![c]),
-                    Next::Done => break,
-                    Next::Idle => panic!("idle"),
-                }
-            }
-            out
-        };
-        let r = |a: usize, b: usize| (a..b).collect::<Vec<_>>();
-        // 64 MiB left: 32; then 16 of the 32 left, 8 of 16, and the last 8 (the tail's size).
-        assert_eq!(
-            run_of(8 * MIB, true),
-            vec![vec![r(0, 8), r(8, 12), r(12, 14), r(14, 16)]]
-        );
-        // No tail size: down to one item.
-        assert_eq!(
-            run_of(0, true),
-            vec![vec![r(0, 8), r(8, 12), r(12, 14), r(14, 15), r(15, 16)]]
-        );
-        // Chunks that are transfers of their own keep the full size.
-        assert_eq!(run_of(8 * MIB, false), vec![vec![r(0, 8)], vec![r(8, 16)]]);
-        // Following from 4 MiB under chunks of 64: the ramp's 4 and 32 MiB keep their size (32
-        // of the 60 MiB left, where the tail would cut 30); the full-size chunk after them
-        // shrinks (14 of 28 MiB left: three items), and the run goes on to the tail's 8 MiB.
-        let opts = PrefetchOptions::default()
-            .with_chunk_bytes(64 * MIB)
-            .with_follow_from(Some(4 * MIB))
-            .with_run_bytes(64 * MIB)
-            .with_tail_bytes(8 * MIB);
-        let mut state = State::new(&it, &opts);
-        state.runs = true;
-        state.demand.push_back(0);
-        let take = |state: &mut State| match next_chunk(state, &it, &opts) {
-            Next::Chunk(c) => run_on(state, &it, &opts, c),
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(take(&mut state), vec![r(0, 1)]);
-        assert_eq!(take(&mut state), vec![r(1, 9)]);
-        assert_eq!(take(&mut state), vec![r(9, 12), r(12, 14), r(14, 16)]);
     }
 
     /// An item larger than the ramp makes its chunk large: the next one grows from that chunk,
@@ -1280,7 +1169,7 @@ mod tests {
         let opts = PrefetchOptions::default()
             .with_chunk_bytes(120)
             .with_follow_from(Some(10));
-        let mut state = State::new(&it, &opts);
+        let mut state = State::new(6, &opts);
         state.demand.push_back(0);
         assert_eq!(next_chunk(&mut state, &it, &opts), Next::Chunk(vec![0]));
         assert_eq!(

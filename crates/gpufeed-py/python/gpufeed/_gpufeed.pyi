@@ -427,7 +427,6 @@ class SafeFile:
         ahead_bytes: int | None = None,
         follow_from: int | None = None,
         run_bytes: int = 0,
-        tail_bytes: int | None = None,
     ) -> NativePrefetch: ...
     def prefetch_tensors(
         self,
@@ -437,7 +436,6 @@ class SafeFile:
         ahead_bytes: int | None = None,
         follow_from: int | None = None,
         run_bytes: int = 0,
-        tail_bytes: int | None = None,
     ) -> NativePrefetch: ...
     def entries(self, file: int) -> tuple[list[str], list[Entry], list[int]]: ...
 

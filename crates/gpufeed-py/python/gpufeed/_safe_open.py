@@ -7,11 +7,10 @@ with gpufeed's loads underneath.
   the file's order is a sweep: the tensors after the one asked for load in the background in
   chunks growing from 8 MiB to 1 GiB (at most 4 GiB loaded and not asked for yet; chunks
   that follow one another load as one transfer of up to 4 GiB, each handed out as it
-  lands, the last ones of a file halving down to 8 MiB so that little is left to hand out
-  after the last byte lands); a tensor asked for out of order starts a new sweep there (a first chunk of 8 MiB,
+  lands); a tensor asked for out of order starts a new sweep there (a first chunk of 8 MiB,
   or the tensor alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``) load each
-  file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB (the
-  last ones halving down to 8 MiB, as a sweep's) and hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
+  file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB and
+  hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
   allocation per chunk (or file), which is freed when the last tensor of it goes (those never
   handed out go when the handle or loader closes).
 - An object's URL (``s3://``, ``https://``) opens as a file does: headers by ranged GETs, CPU
@@ -25,6 +24,7 @@ Every error is ``gpufeed.SafetensorError``, a ``gpufeed.GpufeedError`` that is a
 """
 
 import gc
+import itertools
 import operator
 import os
 import threading
@@ -76,10 +76,6 @@ _CHUNK = int(os.environ.get("GPUFEED_PREFETCH_CHUNK_MIB", "1024")) << 20
 _RUN = int(os.environ.get("GPUFEED_PREFETCH_RUN_MIB", "4096")) << 20
 _SWEEP_AHEAD = int(os.environ.get("GPUFEED_SWEEP_AHEAD_MIB", "4096")) << 20
 _SWEEP_FROM = 8 << 20
-# In a run, the last full-size chunks shrink to half of what is left, down to this: the chunk
-# that lands last (whose tensors a caller takes after the load's last byte) holds at most this
-# much (0: down to one tensor; the chunk size or more: no shrinking).
-_TAIL = int(os.environ.get("GPUFEED_PREFETCH_TAIL_MIB", "8")) << 20
 # More runs than this in a GPU slice: its rows are read whole and cut on the GPU.
 _MAX_RUNS = 65536
 
@@ -241,6 +237,7 @@ class TensorMeta:
 # `shape`, `start`/`end` (absolute offsets in its file), `rel` (offsets in the data section);
 # made by the native side for every tensor at once (`SafeFile.entries`).
 _Entry = _gpufeed.Entry
+_Array = _gpufeed.Array
 
 _IMPORTERS: Dict[int, Any] = {}
 
@@ -537,6 +534,7 @@ class safe_open:
         self._closed = False
         self._lock = threading.Lock()
         self._torch_mod = None
+        self._import = None  # `_importer(torch)`, set with the first sweep
         self._sweeps: Dict[int, _Sweep] = {}
 
     # -- the header -------------------------------------------------------------------------
@@ -625,12 +623,14 @@ class safe_open:
                         indices = [self._entries[n].index for n in names]
                     try:
                         native = self._files[k].prefetch_tensors(
-                            self._ordinal, indices, _CHUNK, _SWEEP_AHEAD, _SWEEP_FROM, _RUN,
-                            _TAIL)
+                            self._ordinal, indices, _CHUNK, _SWEEP_AHEAD, _SWEEP_FROM, _RUN)
                     except GpufeedError as e:
                         raise _translated(e) from None
                     sweep = self._sweeps[k] = _Sweep(native)
-                    self._fast.update((n, (native, i)) for i, n in enumerate(names))
+                    self._import = _importer(torch)
+                    # name -> (native, i), built without a Python step per tensor.
+                    self._fast.update(
+                        zip(names, zip(itertools.repeat(native), range(len(names)))))
         return sweep
 
     def _item(self, name, rows=None):
@@ -662,12 +662,14 @@ class safe_open:
             fast = self._fast[name]
         # A tensor of a sweep, handed out by the native side (None: asked for before).
         try:
-            got = fast[0].take_once(fast[1], _importer(self._torch_mod))
+            got = fast[0].take_once(fast[1], self._import)
         except GpufeedError as ex:
             raise _translated(ex) from None
         if got is None:
             return self._alone(self._entry(name))  # asked again: its own copy, as safetensors gives
-        return _as_tensor(self._torch_mod, got, self._entries[name])
+        if got.__class__ is _Array:  # a dtype DLPack does not carry: viewed here
+            return _as_tensor(self._torch_mod, got, self._entries[name])
+        return got
 
     def _cast(self, t, dtype):
         """``t`` in ``dtype`` where it is floating and not already."""
@@ -895,7 +897,7 @@ class safe_open:
             for k, items, _ in per_file:
                 f = self._files[k]
                 start = f.prefetch if shapes else f.prefetch_tensors
-                natives.append(start(ordinal, items, _CHUNK, run_bytes=_RUN, tail_bytes=_TAIL))
+                natives.append(start(ordinal, items, _CHUNK, run_bytes=_RUN))
         except GpufeedError as e:
             for n in natives:
                 n.close()

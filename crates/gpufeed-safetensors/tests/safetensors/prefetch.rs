@@ -164,51 +164,6 @@ fn ranges_land_once_each(gpu: &gpufeed_load::Gpu, run_bytes: u64) {
     );
 }
 
-/// In runs the last chunks shrink to the tail's size (the chunk that lands last holds two
-/// items of 1 MiB, not sixteen); chunks that are transfers of their own keep their size.
-#[test]
-fn a_runs_last_chunks_shrink_to_the_tail() {
-    let Some(gpu) = gpu_or_skip("a_runs_last_chunks_shrink_to_the_tail") else {
-        return;
-    };
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("data.bin");
-    let data = random_bytes((64 << 20) + 4099, 41);
-    std::fs::write(&path, &data).expect("write");
-    let loader = Arc::new(Loader::new(&gpu, LoadOptions::default()).expect("loader"));
-    // 64 items of 1 MiB from byte 4099 (odd offsets).
-    let items: Vec<PrefetchItem> = (0..64u64)
-        .map(|i| PrefetchItem {
-            span: 4099 + (i << 20)..4099 + ((i + 1) << 20),
-            align: 1,
-        })
-        .collect();
-    for (run_bytes, last_siblings) in [(64u64 << 20, 2usize), (0, 16)] {
-        let opts = PrefetchOptions::default()
-            .with_chunk_bytes(16 << 20)
-            .with_run_bytes(run_bytes)
-            .with_tail_bytes(2 << 20);
-        let p = Prefetch::start(
-            Arc::clone(&loader),
-            OpenedFile::open(&path).expect("open"),
-            items.clone(),
-            opts,
-        )
-        .expect("start");
-        let mut siblings = vec![0usize; items.len()];
-        while let Some((i, piece)) = p.next_ready().expect("ready") {
-            check(&gpu, &data, &items[i], &piece);
-            siblings[i] = piece.siblings;
-        }
-        // Chunks of 16 MiB, then (in runs) 8, 4, 2 and 2 of the last 16.
-        assert_eq!(siblings[0], 16, "run_bytes {run_bytes}: {siblings:?}");
-        assert_eq!(
-            siblings[63], last_siblings,
-            "run_bytes {run_bytes}: {siblings:?}"
-        );
-    }
-}
-
 #[test]
 fn a_file_written_during_a_prefetch_is_an_error_naming_it() {
     let Some(gpu) = gpu_or_skip("a_file_written_during_a_prefetch_is_an_error_naming_it") else {
