@@ -78,6 +78,9 @@ pub(crate) fn open_safetensors(py: Python<'_>, path: PathBuf) -> PyResult<Vec<Sa
         .collect())
 }
 
+/// `SafeFile.entries`: names, entries and the byte order of one file's tensors.
+type Entries<'py> = (Vec<Bound<'py, PyString>>, Vec<Entry>, Vec<usize>);
+
 /// Tensors as `SafeFile.tensors` lists them.
 type Listed<'py> = Vec<(String, String, Bound<'py, PyTuple>, usize, usize)>;
 
@@ -393,26 +396,23 @@ impl SafeFile {
     /// entries, order)`, names and entries as `tensors()` lists them (sorted by name), each an
     /// `Entry` of file `file` (its index in the handle), and `order` the indices of the
     /// tensors in the order of their bytes.
-    fn entries(
-        &self,
-        py: Python<'_>,
-        file: usize,
-    ) -> PyResult<(Vec<String>, Vec<Entry>, Vec<usize>)> {
+    fn entries<'py>(&self, py: Python<'py>, file: usize) -> PyResult<Entries<'py>> {
         let base = self.data_start;
-        let mut dtypes: HashMap<String, Py<PyString>> = HashMap::new();
+        // A file holds few dtypes: each one's Python string made once, found by a scan (no
+        // string made per tensor to look it up).
+        let mut dtypes: Vec<(gpufeed::safetensors::Dtype, Py<PyString>)> = Vec::new();
         let mut names = Vec::with_capacity(self.tensors.len());
         let mut entries = Vec::with_capacity(self.tensors.len());
         for (index, t) in self.tensors.iter().enumerate() {
-            let name = t.dtype.to_string();
-            let dtype = match dtypes.get(&name) {
-                Some(d) => d.clone_ref(py),
+            let dtype = match dtypes.iter().find(|(d, _)| *d == t.dtype) {
+                Some((_, s)) => s.clone_ref(py),
                 None => {
-                    let d = PyString::new(py, &name).unbind();
-                    dtypes.insert(name, d.clone_ref(py));
-                    d
+                    let s = PyString::new(py, &t.dtype.to_string()).unbind();
+                    dtypes.push((t.dtype, s.clone_ref(py)));
+                    s
                 }
             };
-            names.push(t.name.clone());
+            names.push(PyString::new(py, &t.name));
             entries.push(Entry {
                 file,
                 index,
