@@ -100,8 +100,8 @@ pub(crate) fn checkpoint_files(
 /// headers read on a thread of their own while the GPU's loader opens (one after the other
 /// they took 12-15 ms and 26-38 ms, and the load read the headers again: the first byte 57-65
 /// ms into the log that starts inside `import gpufeed`, on an H100, GPU run 236; side by side
-/// 48-57 ms on an H200, run 237), then read at the versions those headers came from. A bad checkpoint is named first,
-/// even on a machine without a GPU.
+/// 48-57 ms on an H200, run 237), then read at the versions those headers came from. A bad
+/// checkpoint is named first, even on a machine without a GPU.
 fn first_object_load(py: Python<'_>, url: String, device: usize) -> PyResult<Vec<FileTensors>> {
     let reading = {
         let to_read = url.clone();

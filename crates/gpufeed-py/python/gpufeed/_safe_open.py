@@ -8,8 +8,8 @@ with gpufeed's loads underneath.
   chunks growing from 8 MiB to 1 GiB (at most 4 GiB loaded and not asked for yet; chunks
   that follow one another load as one transfer of up to 4 GiB, each handed out as it
   lands); a tensor asked for out of order starts a new sweep there (a first chunk of 8 MiB,
-  or the tensor alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``) load each
-  file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB and
+  or the tensor alone where it is larger). ``get_tensors`` (and ``gpufeed.torch.load_file``)
+  load each file in one transfer; ``prefetch`` loads the tensors of its plan in chunks of 1 GiB and
   hands each one out once. Every tensor is a storage of its own (as safetensors' are) on one
   allocation per chunk (or file), which is freed when the last tensor of it goes (those never
   handed out go when the handle or loader closes).
@@ -282,14 +282,6 @@ def _as_tensor(torch, array, e: _Entry, shape=None):
     return t
 
 
-class _Sweep:
-    """The tensors of one file in offset order, loading as ``get_tensor`` asks for them one
-    after another (see the module)."""
-
-    def __init__(self, native):
-        self.native = native
-
-
 class PrefetchLoader:
     """Tensors of a handle loading to a CUDA device in the background, returned by
     ``safe_open.prefetch``: each handed out once, by ``take(name)`` or by iterating the loader
@@ -535,7 +527,9 @@ class safe_open:
         self._lock = threading.Lock()
         self._torch_mod = None
         self._import = None  # `_importer(torch)`, set with the first sweep
-        self._sweeps: Dict[int, _Sweep] = {}
+        # Per file, its sweep: the native prefetch of its tensors in offset order, loading as
+        # `get_tensor` asks for them one after another (see the module).
+        self._sweeps: Dict[int, Any] = {}
 
     # -- the header -------------------------------------------------------------------------
 
@@ -606,13 +600,12 @@ class safe_open:
         shape = shape if shape is not None else _storage_shape("", e.dtype, e.shape)
         return torch.from_dlpack(array).view(td).reshape(shape)
 
-    def _sweep(self, k) -> _Sweep:
-        sweep = self._sweeps.get(k)
-        if sweep is None:
+    def _sweep(self, k) -> None:
+        """Starts file ``k``'s sweep unless it has one."""
+        if k not in self._sweeps:
             with self._lock:
                 self._check_open()  # not after a close that raced this call
-                sweep = self._sweeps.get(k)
-                if sweep is None:
+                if k not in self._sweeps:
                     torch = self._torch()
                     names = self._file_offset_names[k]
                     indices = self._file_order[k]  # the native indices of `names`
@@ -626,12 +619,12 @@ class safe_open:
                             self._ordinal, indices, _CHUNK, _SWEEP_AHEAD, _SWEEP_FROM, _RUN)
                     except GpufeedError as e:
                         raise _translated(e) from None
-                    sweep = self._sweeps[k] = _Sweep(native)
                     self._import = _importer(torch)
-                    # name -> (native, i), built without a Python step per tensor.
+                    # name -> (native, i), built without a Python step per tensor; before the
+                    # sweep is published, so that a thread that finds it finds its names too.
                     self._fast.update(
                         zip(names, zip(itertools.repeat(native), range(len(names)))))
-        return sweep
+                    self._sweeps[k] = native
 
     def _item(self, name, rows=None):
         """``(start, end, align, tensor, shape)`` of ``name`` (rows ``rows`` of it) for a
@@ -915,8 +908,8 @@ class safe_open:
             self._closed = True
             sweeps = list(self._sweeps.values())
             self._sweeps.clear()
-        for sweep in sweeps:
-            sweep.native.close()
+        for native in sweeps:
+            native.close()
 
     def __enter__(self):
         return self
