@@ -930,7 +930,7 @@ fn load_checkpoint(
     let verified = mismatched.as_ref().map(Vec::is_empty);
     let mut dtypes: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
     for f in &layout {
-        for gpufeed::safetensors::HeaderEntry { dtype, range, .. } in &f.tensors {
+        for gpufeed::safetensors::HeaderEntry { dtype, range, .. } in f.tensors.iter() {
             let e = dtypes.entry(format!("{dtype:?}")).or_default();
             e.0 += 1;
             e.1 += range.len() as u64;
@@ -1026,7 +1026,7 @@ fn mismatched_tensors(
                     .with_context(|| format!("read {} to verify", f.path.display()))?;
             }
         }
-        for gpufeed::safetensors::HeaderEntry { name, range, .. } in &f.tensors {
+        for gpufeed::safetensors::HeaderEntry { name, range, .. } in f.tensors.iter() {
             let on_gpu = back.get(range.clone());
             let in_file = data.get(range.clone());
             let same = on_gpu.zip(in_file).is_some_and(|(g, d)| {

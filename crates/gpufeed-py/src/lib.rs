@@ -96,6 +96,7 @@ fn _gpufeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativePrefetch>()?;
     m.add_class::<PrefetchIter>()?;
     m.add_class::<safe_open::Entry>()?;
+    m.add_class::<safe_open::HeaderKey>()?;
     m.add_function(wrap_pyfunction!(safe_open::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(safe_open::parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(loads::load_file, m)?)?;

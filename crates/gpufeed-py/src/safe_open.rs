@@ -43,7 +43,8 @@ pub struct SafeFile {
     source: Source,
     data_start: u64,
     metadata: Option<BTreeMap<String, String>>,
-    tensors: Vec<HeaderEntry>,
+    /// Shared with the other opens of the same header bytes in this process.
+    tensors: Arc<[HeaderEntry]>,
     /// The copy-on-write mapping of the whole file, made on first use (files only).
     host: Mutex<Option<Arc<Owner>>>,
 }
@@ -392,6 +393,15 @@ impl SafeFile {
         )
     }
 
+    /// The parse this file's tensors came from, as a key (see [`HeaderKey`]); `None` for an
+    /// object, whose header is parsed anew on every open.
+    fn header_key(&self) -> Option<HeaderKey> {
+        match self.source {
+            Source::File(_) => Some(HeaderKey(Arc::clone(&self.tensors))),
+            Source::Object(_) => None,
+        }
+    }
+
     /// The drop-in's view of every tensor, made here rather than by Python per tensor: `(names,
     /// entries, order)`, names and entries as `tensors()` lists them (sorted by name), each an
     /// `Entry` of file `file` (its index in the handle), and `order` the indices of the
@@ -494,6 +504,28 @@ impl SafeFile {
             seen: Mutex::new(HashMap::new()),
             restore: KeepContext::default(),
         })
+    }
+}
+
+/// The parse of a header (`SafeFile.header_key()`): files whose tensors came from one parse
+/// (their headers the same bytes in files of the same length: `gpufeed_safetensors` parses
+/// such a header once per process) have keys of one `id`, and while a key lives no other
+/// parse has its `id` (the key keeps its parse alive). The drop-in keeps its Python view of
+/// a file's tensors with the key, by `id`, so that a file opened again makes none of it again.
+#[pyclass(frozen, module = "gpufeed._gpufeed")]
+pub struct HeaderKey(Arc<[HeaderEntry]>);
+
+#[pymethods]
+impl HeaderKey {
+    /// The parse's address: one per parse among the keys alive.
+    #[getter]
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.0).cast::<u8>() as usize
+    }
+
+    /// How many tensors the header lists.
+    fn __len__(&self) -> usize {
+        self.0.len()
     }
 }
 

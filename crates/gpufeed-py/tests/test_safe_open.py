@@ -475,6 +475,69 @@ def test_a_sharded_index_is_one_handle(tmp_path, gen):
     assert_same_dict(gtorch().load_file(index), want, "gpufeed.torch.load_file(index)")
 
 
+def test_a_file_opened_again_shares_its_parse_and_a_changed_header_does_not(tmp_path, gen):
+    """The drop-in keeps a file's parsed header and its view of the tensors for the next open
+    of the same header bytes (a file opened again): handles of one file give the same
+    tensors; a file rewritten with another header of the same length (other names, another
+    dtype), or the first header again with other bytes, opens as what it now holds."""
+    from safetensors.torch import save_file
+    from gpufeed import _gpufeed
+
+    path = str(tmp_path / "m.safetensors")
+    first = {"alpha": random_tensor(torch.float32, (7, 13), gen),
+             "beta": random_tensor(torch.int16, (257, 3), gen)}
+    save_file(first, path)
+    key = _gpufeed.open_safetensors(path)[0].header_key()
+    assert key is not None and len(key) == 2
+    assert key.id == _gpufeed.open_safetensors(path)[0].header_key().id, "one header, one parse"
+    with gpufeed.safe_open(path) as f, gpufeed.safe_open(path) as g:
+        assert f.keys() == g.keys() == ["alpha", "beta"]
+        assert_same_dict(f.get_tensors(), first, "the first handle")
+        assert_same_dict({n: g.get_tensor(n) for n in g.keys()}, first, "the second handle")
+    # Other names of the same lengths and another dtype of the same size: a header of the
+    # same length, the file as long as before.
+    before = (len(header_bytes(path)), os.path.getsize(path))
+    second = {"gamma": random_tensor(torch.float32, (7, 13), gen),
+              "zeta": random_tensor(torch.uint16, (257, 3), gen)}
+    save_file(second, path)
+    assert (len(header_bytes(path)), os.path.getsize(path)) == before
+    assert _gpufeed.open_safetensors(path)[0].header_key().id != key.id
+    with gpufeed.safe_open(path) as f:
+        assert f.keys() == ["gamma", "zeta"]
+        assert f.get_slice("zeta").get_dtype() == "U16"
+        assert_same_dict(f.get_tensors(), second, "the rewritten file")
+        raises_gpufeed_error(lambda: f.get_tensor("alpha"), "File does not contain tensor alpha",
+                             what="a name of the header before")
+    # The first header again, other bytes: the first parse, the new bytes.
+    third = {n: random_tensor(t.dtype, tuple(t.shape), gen) for n, t in first.items()}
+    save_file(third, path)
+    with gpufeed.safe_open(path) as f:
+        assert_same_dict(f.get_tensors(), third, "the first header, other bytes")
+        assert_same_dict({n: f.get_tensor(n) for n in f.keys()}, third, "get_tensor")
+
+
+def test_a_shard_opened_alone_and_in_its_index(tmp_path, gen):
+    """A shard's view is kept by its place in the handle: the same file opened alone (file 0)
+    and through its index (file 1), in either order, gives its tensors from the right file."""
+    tensors = mixed_checkpoint(gen, count=9)
+    index, files, _ = write_index(str(tmp_path), tensors)
+    assert len(files) >= 2, files
+    want = {n: t for file in files for n, t in reference(file)["tensors"].items()}
+    for rounds in ("shard first", "index first"):
+        opens = [files[1], index] if rounds == "shard first" else [index, files[1]]
+        for path in opens:
+            with gpufeed.safe_open(path) as f:
+                got = {n: f.get_tensor(n) for n in f.keys()}
+                got_all = f.get_tensors()
+                for n in f.keys():
+                    assert_same(f.get_slice(n)[...], want[n], f"{rounds}: get_slice({n!r})")
+            expected = {n: want[n] for n in got}
+            assert len(expected) == (len(want) if path == index else
+                                     len(reference(files[1])["tensors"]))
+            assert_same_dict(got, expected, f"{rounds}: {os.path.basename(path)} get_tensor")
+            assert_same_dict(got_all, expected, f"{rounds}: {os.path.basename(path)} get_tensors")
+
+
 def test_an_index_naming_a_missing_shard_or_tensor_is_an_error(tmp_path, gen):
     tensors = mixed_checkpoint(gen, count=6)
     index, files, weight_map = write_index(str(tmp_path), tensors)

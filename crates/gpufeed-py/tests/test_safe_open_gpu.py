@@ -23,6 +23,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 
 import gpufeed
 
@@ -557,6 +558,50 @@ def test_tensors_outlive_the_handle_and_the_loader():
         os.remove(single)
         gc.collect()
         assert_same_dict(torch, got, want, "after the file was removed")
+
+
+def test_handles_of_one_file_sweep_it_at_once_and_again():
+    """Handles of one file share its parsed header and their view of its tensors: two handles
+    sweeping it at once from two threads, a third opened after their sweeps started, a shard
+    opened alone after its index, and each again, give safetensors' tensors bit for bit."""
+    torch = torch_on_gpu()
+    st_open = safetensors_own()
+    with tempfile.TemporaryDirectory() as d:
+        single, index, shards, _ = checkpoint(torch, d, generator(torch, 23))
+        want = reference(st_open, single)["tensors"]
+        for rounds in range(2):
+            with gpufeed.safe_open(single, device="cuda:0") as f, \
+                    gpufeed.safe_open(single, device="cuda:0") as g:
+                got, errors = {}, []
+
+                def sweep(h, tag):
+                    try:
+                        got[tag] = {n: h.get_tensor(n) for n in h.keys()}
+                    except BaseException as e:  # noqa: BLE001 (reported below)
+                        errors.append(e)
+
+                threads = [threading.Thread(target=sweep, args=(h, tag))
+                           for h, tag in ((f, "f"), (g, "g"))]
+                for t in threads:
+                    t.start()
+                with gpufeed.safe_open(single, device="cuda:0") as h:
+                    got["h"] = {n: h.get_tensor(n) for n in reversed(h.keys())}
+                for t in threads:
+                    t.join(timeout=120)
+                assert not errors, errors
+            torch.cuda.synchronize()
+            for tag in ("f", "g", "h"):
+                assert_same_dict(torch, got[tag], want, f"round {rounds}: handle {tag}")
+        whole = {}
+        for shard in shards:
+            whole.update(reference(st_open, shard)["tensors"])
+        with gpufeed.safe_open(index, device="cuda:0") as f:
+            assert_same_dict(torch, {n: f.get_tensor(n) for n in f.keys()}, whole, "the index")
+        for shard in shards:
+            with gpufeed.safe_open(shard, device="cuda:0") as f:
+                alone = {n: f.get_tensor(n) for n in f.keys()}
+            assert_same_dict(torch, alone, {n: whole[n] for n in alone},
+                             f"{os.path.basename(shard)} alone, after its index")
 
 
 def _same_header_files(torch, directory, gen, count=24):

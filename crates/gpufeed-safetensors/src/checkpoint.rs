@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use gpufeed_cuda::cudarc::driver::CudaView;
 use gpufeed_load::{DeviceBuffer, LoadOptions, LoadReport, Loader, OneShotReport};
@@ -124,7 +125,7 @@ impl Checkpoint {
                 dtype,
                 shape,
                 range,
-            } in &layout.tensors
+            } in layout.tensors.iter()
             {
                 let info = TensorInfo {
                     dtype: *dtype,
@@ -233,8 +234,9 @@ pub struct FileLayout {
     pub data_start: u64,
     /// Bytes of its data section (what a load moves).
     pub data_bytes: u64,
-    /// Its tensors, sorted by name: name, dtype, shape, byte range in the data section.
-    pub tensors: Vec<HeaderEntry>,
+    /// Its tensors, sorted by name: name, dtype, shape, byte range in the data section
+    /// (shared with the other opens of the same header in this process).
+    pub tensors: Arc<[HeaderEntry]>,
     /// Its header's `__metadata__` (free-form strings), where it has one.
     pub metadata: Option<BTreeMap<String, String>>,
 }

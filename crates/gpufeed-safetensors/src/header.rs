@@ -1,9 +1,10 @@
 //! The safetensors header: its length, its JSON, the tensors' places checked to tile the data
 //! section, read with `pread` on the descriptor that the load then uses.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use gpufeed_os::OpenedFile;
 use safetensors::Dtype;
@@ -16,7 +17,9 @@ use crate::index::SAVE_ID_KEY;
 pub(crate) struct Parsed {
     pub(crate) data_start: u64,
     pub(crate) data_len: u64,
-    pub(crate) tensors: Vec<HeaderEntry>,
+    /// Sorted by name; shared with every other parse of the same header bytes in this
+    /// process ([`parts_of_file`]).
+    pub(crate) tensors: Arc<[HeaderEntry]>,
     /// The save that wrote it ([`SAVE_ID_KEY`] of its `__metadata__`), where one did.
     pub(crate) save_id: Option<String>,
     /// Its `__metadata__`, where it has one.
@@ -44,7 +47,7 @@ pub(crate) fn parse(path: &Path) -> Result<Parsed> {
     let mut prefix = vec![0u8; 8 + header_len as usize];
     prefix[..8].copy_from_slice(&n);
     read_exact_at(file, &mut prefix[8..], 8, len).map_err(|e| read_failed(e, path))?;
-    let (data_start, tensors, metadata) = header_parts(&prefix, len).map_err(bad)?;
+    let (data_start, tensors, metadata) = parts_of_file(&prefix, len).map_err(bad)?;
     Ok(Parsed {
         data_start,
         data_len: len - data_start,
@@ -53,6 +56,88 @@ pub(crate) fn parse(path: &Path) -> Result<Parsed> {
         metadata,
         file: opened,
     })
+}
+
+/// The parts of headers parsed before in this process, for the files opened again: a
+/// checkpoint loaded twice, a shard that a framework opens for its names and again for its
+/// tensors. A file's header is read on every open (through the descriptor the load then uses)
+/// and found here only where its bytes, every one, and the file's length are those of a header
+/// parsed before: what [`header_parts`] returns is a function of nothing else, so a hit is
+/// that parse, whatever happened to the file meanwhile. The most recent [`CACHED_HEADERS`]
+/// headers of at most [`CACHED_HEADER_BYTES`] each, [`CACHED_TOTAL_BYTES`] in all, are kept
+/// (the parse takes about twice its header's bytes).
+struct HeaderCache {
+    /// Most recent first.
+    headers: VecDeque<CachedHeader>,
+}
+
+struct CachedHeader {
+    file_len: u64,
+    prefix: Box<[u8]>,
+    data_start: u64,
+    tensors: Arc<[HeaderEntry]>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+/// How many headers [`HeaderCache`] keeps.
+const CACHED_HEADERS: usize = 64;
+/// The largest header [`HeaderCache`] keeps (a header of 100,000 tensors is about 10 MB).
+const CACHED_HEADER_BYTES: usize = 16 << 20;
+/// The header bytes [`HeaderCache`] keeps in all.
+const CACHED_TOTAL_BYTES: usize = 64 << 20;
+
+static HEADERS: Mutex<HeaderCache> = Mutex::new(HeaderCache {
+    headers: VecDeque::new(),
+});
+
+/// A header's parts shared: where the data section starts, the tensors sorted by name, the
+/// `__metadata__`.
+pub(crate) type SharedParts = (u64, Arc<[HeaderEntry]>, Option<BTreeMap<String, String>>);
+
+/// [`header_parts`] of a file's `prefix` (the length field and the header, exactly), from
+/// [`HeaderCache`] where the same bytes of a file of the same length were parsed before.
+pub(crate) fn parts_of_file(
+    prefix: &[u8],
+    file_len: u64,
+) -> std::result::Result<SharedParts, HeaderError> {
+    let lock = || HEADERS.lock().unwrap_or_else(PoisonError::into_inner);
+    {
+        let mut cache = lock();
+        let found = cache
+            .headers
+            .iter()
+            .position(|h| h.file_len == file_len && *h.prefix == *prefix);
+        if let Some(hit) = found.and_then(|i| cache.headers.remove(i)) {
+            let parts = (
+                hit.data_start,
+                Arc::clone(&hit.tensors),
+                hit.metadata.clone(),
+            );
+            cache.headers.push_front(hit);
+            return Ok(parts);
+        }
+    }
+    // Parsed outside the lock: another thread's open does not wait for this one.
+    let (data_start, tensors, metadata) = header_parts(prefix, file_len)?;
+    let tensors: Arc<[HeaderEntry]> = tensors.into();
+    if prefix.len() <= CACHED_HEADER_BYTES {
+        let mut cache = lock();
+        cache.headers.push_front(CachedHeader {
+            file_len,
+            prefix: prefix.into(),
+            data_start,
+            tensors: Arc::clone(&tensors),
+            metadata: metadata.clone(),
+        });
+        let mut total: usize = cache.headers.iter().map(|h| h.prefix.len()).sum();
+        while cache.headers.len() > CACHED_HEADERS || total > CACHED_TOTAL_BYTES {
+            match cache.headers.pop_back() {
+                Some(gone) => total -= gone.prefix.len(),
+                None => break,
+            }
+        }
+    }
+    Ok((data_start, tensors, metadata))
 }
 
 /// Why a read of the header failed.

@@ -69,7 +69,7 @@ pub(crate) fn plan(path: &Path) -> Result<Plan> {
             path,
             planned
                 .iter()
-                .map(|(f, p)| (f.display().to_string(), p.tensors.as_slice())),
+                .map(|(f, p)| (f.display().to_string(), &p.tensors[..])),
         )?;
     }
     Ok(Plan { files: planned })

@@ -338,6 +338,61 @@ mod tests {
         assert_eq!(parsed.tensors[1].shape, vec![3]);
     }
 
+    /// A header opened again is its first parse, shared; a header whose bytes or file length
+    /// differ is parsed anew, whatever the file's name.
+    #[test]
+    fn headers_parsed_once_per_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = |name: &str, tensor: &str, extra: usize| {
+            let p = dir.path().join(name);
+            let a = vec![7u8; 12 + extra];
+            let shape = vec![(12 + extra) / 4];
+            let views = [(
+                tensor,
+                safetensors::tensor::TensorView::new(Dtype::F32, shape, &a).expect("view"),
+            )];
+            safetensors::serialize_to_file(views, None, &p).expect("serialize");
+            p
+        };
+        let p = file("m.safetensors", "alpha", 0);
+        let (first, again) = (parse(&p).expect("parse"), parse(&p).expect("parse"));
+        assert!(std::sync::Arc::ptr_eq(&first.tensors, &again.tensors));
+        // The same bytes under another name: the same parse.
+        std::fs::copy(&p, dir.path().join("copy.safetensors")).expect("copy");
+        let copy = parse(&dir.path().join("copy.safetensors")).expect("parse");
+        assert!(std::sync::Arc::ptr_eq(&first.tensors, &copy.tensors));
+        // Rewritten in place: another name of the same length, the file as long as before.
+        let q = file("m.safetensors", "gamma", 0);
+        assert_eq!(q, p);
+        let renamed = parse(&p).expect("parse");
+        assert_eq!(renamed.tensors[0].name, "gamma");
+        assert!(!std::sync::Arc::ptr_eq(&first.tensors, &renamed.tensors));
+        // The first header again, the file 4 bytes longer: its tensors no longer tile it.
+        file("m.safetensors", "alpha", 0);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .expect("open");
+        std::io::Write::write_all(&mut f, &[0u8; 4]).expect("append");
+        drop(f);
+        let Err(longer) = parse(&p) else {
+            panic!("a file longer than its tensors parsed");
+        };
+        assert!(
+            matches!(
+                longer,
+                Error::Safetensors {
+                    reason: HeaderError::DataSize {
+                        covered: 12,
+                        data_len: 16
+                    },
+                    ..
+                }
+            ),
+            "{longer:?}"
+        );
+    }
+
     #[test]
     fn bad_indexes() {
         let dir = tempfile::tempdir().expect("tempdir");

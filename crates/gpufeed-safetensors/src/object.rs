@@ -255,12 +255,9 @@ fn plan(url: &str, opts: &ObjectOptions) -> Result<Vec<Planned>> {
     check_one_save(Path::new(url), shards.save.as_ref(), &facts)?;
     crate::index::check_names_unique(
         Path::new(url),
-        planned.iter().map(|p| {
-            (
-                p.layout.path.display().to_string(),
-                p.layout.tensors.as_slice(),
-            )
-        }),
+        planned
+            .iter()
+            .map(|p| (p.layout.path.display().to_string(), &p.layout.tensors[..])),
     )?;
     Ok(planned)
 }
@@ -299,7 +296,7 @@ fn open_file(url: &str, opts: &ObjectOptions) -> Result<Planned> {
             path: url.into(),
             data_start,
             data_bytes: len - data_start,
-            tensors,
+            tensors: tensors.into(),
             metadata: metadata.clone(),
         },
         save_id: metadata.and_then(|m| m.get(SAVE_ID_KEY).cloned()),

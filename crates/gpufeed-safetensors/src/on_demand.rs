@@ -54,16 +54,16 @@ impl OnDemand {
                 dtype,
                 shape,
                 range,
-            } in parsed.tensors
+            } in parsed.tensors.iter()
             {
                 let start = parsed.data_start as usize;
                 let info = TensorInfo {
-                    dtype,
-                    shape,
+                    dtype: *dtype,
+                    shape: shape.clone(),
                     file: i,
                     range: start + range.start..start + range.end,
                 };
-                tensors.insert(name, info);
+                tensors.insert(name.clone(), info);
             }
             files.push(file);
         }

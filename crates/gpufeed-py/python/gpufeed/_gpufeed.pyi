@@ -34,6 +34,7 @@ __all__ = [
     "NativePrefetch",
     "PrefetchIter",
     "Entry",
+    "HeaderKey",
     "open_safetensors",
     "parse_header",
     "load_file",
@@ -438,6 +439,17 @@ class SafeFile:
         run_bytes: int = 0,
     ) -> NativePrefetch: ...
     def entries(self, file: int) -> tuple[list[str], list[Entry], list[int]]: ...
+    def header_key(self) -> HeaderKey | None: ...
+
+@final
+class HeaderKey:
+    """The parse of a header (``SafeFile.header_key()``): keys of one ``id`` for files whose
+    headers were the same bytes in files of the same length (parsed once in this process);
+    while a key lives, no other parse has its ``id``."""
+
+    @property
+    def id(self) -> int: ...
+    def __len__(self) -> int: ...
 
 @final
 class Entry:

@@ -28,6 +28,7 @@ import itertools
 import operator
 import os
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -240,6 +241,70 @@ _Entry = _gpufeed.Entry
 _Array = _gpufeed.Array
 
 _IMPORTERS: Dict[int, Any] = {}
+
+
+class _Layout:
+    """File ``k`` of a handle as the drop-in views it: ``names`` (as ``tensors()`` lists them,
+    sorted), ``by_name`` (name -> ``_Entry``), ``order`` (the native indices in the order of
+    the bytes), ``offset_names`` (the names in that order), ``dtypes`` (the set of its
+    dtypes) and, made on first use, ``positions()`` (name -> ``(k, i)``, ``i`` its place in
+    byte order). Made once per parse of a header and shared by every handle that opens a
+    file of that header as its file ``k`` (``_layout``): read only."""
+
+    __slots__ = ("k", "names", "by_name", "order", "offset_names", "dtypes", "_positions")
+
+    def __init__(self, f, k: int):
+        with _collector_paused():
+            names, entries, order = f.entries(k)
+            self.k = k
+            self.names = names
+            self.order = order
+            self.by_name = dict(zip(names, entries))
+            self.offset_names = [names[i] for i in order]
+            self.dtypes = frozenset(e.dtype for e in entries)
+            self._positions = None
+
+    def positions(self) -> Dict[str, Tuple[int, int]]:
+        got = self._positions
+        if got is None:
+            with _collector_paused():
+                got = dict(zip(self.offset_names,
+                               zip(itertools.repeat(self.k), range(len(self.offset_names)))))
+            self._positions = got
+        return got
+
+
+# `_Layout`s of the headers opened last, by (`SafeFile.header_key().id`, k), each with its key
+# (which keeps that id its parse's: a file being opened holds its parse, so an id found is the
+# parse of that file's header): a file opened again (a checkpoint loaded twice, a shard opened
+# for its names and again for its tensors) makes no Python object per tensor. At most
+# `_LAYOUT_COUNT` of them, of `_LAYOUT_TENSORS` tensors in all (about 300 bytes each).
+_LAYOUTS: "OrderedDict[Tuple[int, int], Tuple[Any, _Layout]]" = OrderedDict()
+_LAYOUT_COUNT = 64
+_LAYOUT_TENSORS = 1 << 18
+_LAYOUTS_LOCK = threading.Lock()
+_NO_POSITIONS: Dict[str, Tuple[int, int]] = {}
+
+
+def _layout(f, k: int) -> _Layout:
+    """File ``k``'s ``_Layout``: the one made before for its header, else a new one (kept)."""
+    key = f.header_key()
+    if key is None:  # an object: its header is parsed anew on every open
+        return _Layout(f, k)
+    at = (key.id, k)
+    with _LAYOUTS_LOCK:
+        got = _LAYOUTS.get(at)
+        if got is not None:
+            _LAYOUTS.move_to_end(at)
+            return got[1]
+    lay = _Layout(f, k)
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[at] = (key, lay)
+        total = sum(len(kept.names) for _, kept in _LAYOUTS.values())
+        while len(_LAYOUTS) > _LAYOUT_COUNT or (total > _LAYOUT_TENSORS and len(_LAYOUTS) > 1):
+            _, (_, gone) = _LAYOUTS.popitem(last=False)
+            total -= len(gone.names)
+    return lay
 
 
 def _importer(torch):
@@ -503,26 +568,31 @@ class safe_open:
             self._files = _gpufeed.open_safetensors(self._path)
         except GpufeedError as e:
             raise _translated(e, self._path) from None
-        self._entries: Dict[str, _Entry] = {}
-        # Per file, its tensors' names in the order of its native list (`tensors()`), and in
-        # the order of their bytes.
-        self._file_names: List[List[str]] = []
-        self._file_offset_names: List[List[str]] = []
-        self._file_order: List[List[int]] = []  # per file, its native indices in byte order
-        self._offset_keys: List[str] = []
-        with _collector_paused():
-            for k, f in enumerate(self._files):
-                names, entries, order = f.entries(k)
-                self._file_names.append(names)
-                self._file_order.append(order)
-                self._entries.update(zip(names, entries))
-                offset_names = [names[i] for i in order]
-                self._file_offset_names.append(offset_names)
-                self._offset_keys.extend(offset_names)
-        # `tensors()` lists a file's names sorted.
-        self._keys = self._file_names[0] if len(self._files) == 1 else sorted(self._entries)
-        # CUDA `get_tensor` of a tensor whose file has a sweep: name -> (native, item).
-        self._fast: Dict[str, Tuple[Any, int]] = {}
+        layouts = [_layout(f, k) for k, f in enumerate(self._files)]
+        # Per file, its tensors' names in the order of its native list (`tensors()`), its
+        # native indices in the order of their bytes, and its names in that order. Shared with
+        # the other handles of the same header (read only).
+        self._file_names: List[List[str]] = [lay.names for lay in layouts]
+        self._file_order: List[List[int]] = [lay.order for lay in layouts]
+        self._file_offset_names: List[List[str]] = [lay.offset_names for lay in layouts]
+        self._layouts = layouts
+        if len(layouts) == 1:
+            self._entries: Dict[str, _Entry] = layouts[0].by_name
+            self._offset_keys: List[str] = layouts[0].offset_names
+            # `tensors()` lists a file's names sorted.
+            self._keys = layouts[0].names
+        else:
+            self._entries = {}
+            self._offset_keys = []
+            for lay in layouts:
+                self._entries.update(lay.by_name)
+                self._offset_keys.extend(lay.offset_names)
+            self._keys = sorted(self._entries)
+        # CUDA `get_tensor`: name -> (file, its item in the file's sweep); set once, under the
+        # lock, before the first sweep is published (`_sweep`), never changed after.
+        self._pos: Dict[str, Tuple[int, int]] = _NO_POSITIONS
+        # Per file, the native indices of its sweep's items (`_sweep_positions`).
+        self._sweep_items: Optional[List[List[int]]] = None
         self._closed = False
         self._lock = threading.Lock()
         self._torch_mod = None
@@ -607,24 +677,38 @@ class safe_open:
                 self._check_open()  # not after a close that raced this call
                 if k not in self._sweeps:
                     torch = self._torch()
-                    names = self._file_offset_names[k]
-                    indices = self._file_order[k]  # the native indices of `names`
-                    dtypes = {self._entries[n].dtype for n in names}
-                    if any(not hasattr(torch, _DTYPES.get(d, ("-",))[0]) for d in dtypes):
-                        names = [n for n in names if hasattr(
-                            torch, _DTYPES.get(self._entries[n].dtype, ("-",))[0])]
-                        indices = [self._entries[n].index for n in names]
+                    if self._sweep_items is None:
+                        self._sweep_positions(torch)
                     try:
                         native = self._files[k].prefetch_tensors(
-                            self._ordinal, indices, _CHUNK, _SWEEP_AHEAD, _SWEEP_FROM, _RUN)
+                            self._ordinal, self._sweep_items[k], _CHUNK, _SWEEP_AHEAD,
+                            _SWEEP_FROM, _RUN)
                     except GpufeedError as e:
                         raise _translated(e) from None
                     self._import = _importer(torch)
-                    # name -> (native, i), built without a Python step per tensor; before the
-                    # sweep is published, so that a thread that finds it finds its names too.
-                    self._fast.update(
-                        zip(names, zip(itertools.repeat(native), range(len(names)))))
                     self._sweeps[k] = native
+
+    def _sweep_positions(self, torch) -> None:
+        """The items of every file's sweep (its tensors in the order of their bytes, but those
+        of dtypes this torch lacks) and ``_pos``, each tensor's file and item, set once (under
+        the lock, before a sweep is published: a thread that finds a sweep finds its
+        positions)."""
+        lacking = {d for lay in self._layouts for d in lay.dtypes
+                   if not hasattr(torch, _DTYPES.get(d, ("-",))[0])}
+        items, pos = [], {}
+        for k, lay in enumerate(self._layouts):
+            if lay.dtypes & lacking:
+                names = [n for n in lay.offset_names if lay.by_name[n].dtype not in lacking]
+                items.append([lay.by_name[n].index for n in names])
+                pos.update(zip(names, zip(itertools.repeat(k), range(len(names)))))
+            else:
+                items.append(lay.order)
+                if len(self._layouts) == 1:
+                    pos = lay.positions()  # shared with the other handles of this header
+                else:
+                    pos.update(lay.positions())
+        self._sweep_items = items
+        self._pos = pos
 
     def _item(self, name, rows=None):
         """``(start, end, align, tensor, shape)`` of ``name`` (rows ``rows`` of it) for a
@@ -645,17 +729,19 @@ class safe_open:
         a bounded staging: ``gpufeed.load_safetensors(dtype=)``."""
         if dtype is not None:
             return self._cast(self.get_tensor(name), dtype)
-        fast = self._fast.get(name)
-        if fast is None or self._closed:
+        at = self._pos.get(name)
+        sweep = self._sweeps.get(at[0]) if at is not None else None
+        if sweep is None or self._closed:
             e = self._entry(name)
             if self._ordinal is None:
                 return self._host_view(e)
             _dtype(self._torch(), e.dtype)
             self._sweep(e.file)
-            fast = self._fast[name]
+            at = self._pos[name]
+            sweep = self._sweeps[at[0]]
         # A tensor of a sweep, handed out by the native side (None: asked for before).
         try:
-            got = fast[0].take_once(fast[1], self._import)
+            got = sweep.take_once(at[1], self._import)
         except GpufeedError as ex:
             raise _translated(ex) from None
         if got is None:
@@ -698,7 +784,7 @@ class safe_open:
                     out[name] = _as_tensor(torch, array, self._entries[name])
             return {n: out[n] for n in self._offset_keys}
         torch = self._torch()
-        for dtype in {e.dtype for e in self._entries.values()}:
+        for dtype in {d for lay in self._layouts for d in lay.dtypes}:
             _dtype(torch, dtype)
         out = dict.fromkeys(self._offset_keys)
         importer = _importer(torch)
@@ -856,7 +942,7 @@ class safe_open:
         per_file: List[Tuple[int, list, List[str]]] = []
         shapes: Dict[str, list] = {}
         if rows_of is None:
-            dtypes = {e.dtype for e in entries.values()}
+            dtypes = {d for lay in self._layouts for d in lay.dtypes}
             per_file = [(k, self._file_order[k], self._file_offset_names[k])
                         for k in range(len(self._files)) if self._file_order[k]]
         else:

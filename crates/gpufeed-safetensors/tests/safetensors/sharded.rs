@@ -76,7 +76,7 @@ fn read_checkpoint(index: &Path) -> gpufeed_safetensors::Result<BTreeMap<String,
     for file in inspect(index)? {
         let bytes = std::fs::read(&file.path).expect("read a shard");
         let start = file.data_start as usize;
-        for gpufeed_safetensors::HeaderEntry { name, range, .. } in &file.tensors {
+        for gpufeed_safetensors::HeaderEntry { name, range, .. } in file.tensors.iter() {
             out.insert(
                 name.clone(),
                 xxh3_64(&bytes[start + range.start..start + range.end]),
