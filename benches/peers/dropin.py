@@ -180,6 +180,8 @@ def one(method, path):
 
 
 def measure(paths, reps):
+    """Each method's fresh processes (``reps``) on each of ``paths``, after one untimed
+    process (the first method's) per path."""
     # The safetensors rows must measure safetensors: no routing to gpufeed from outside.
     env = {k: v for k, v in os.environ.items() if k != "GPUFEED_PATCH_SAFETENSORS"}
     chosen = [m for m in os.environ.get("DROPIN_METHODS", "").split(",") if m]
@@ -189,6 +191,12 @@ def measure(paths, reps):
     out = {}
     for path in paths:
         rows = {}
+        # One process before the timed ones, its figures dropped: the first process to load a
+        # file just written ran slower than the next ones (H100 machines, GPU runs 245 and 247,
+        # `get_tensor` of each: 26.7 GB/s against 35.3 and 37.7; 19.4 against 28.3 and 34.3;
+        # 24.3 against 43.4 and 43.0 on 8 GiB), and it was always the first row's.
+        subprocess.run([sys.executable, __file__, "--one", (chosen or METHODS)[0], path],
+                       capture_output=True, timeout=600, env=env)
         for method in chosen or METHODS:
             fresh, again, sums, extras = [], [], set(), []
             try:
