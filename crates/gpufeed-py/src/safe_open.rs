@@ -527,6 +527,13 @@ impl HeaderKey {
     fn __len__(&self) -> usize {
         self.0.len()
     }
+
+    /// Whether `gpufeed_safetensors` keeps this parse now (a file of this header opened again
+    /// gets it): what is worth keeping a view of.
+    #[getter]
+    fn kept(&self) -> bool {
+        gpufeed::safetensors::parse_is_kept(&self.0)
+    }
 }
 
 /// One tensor of a [`SafeFile`] as the drop-in keeps it (`SafeFile.entries`): the file it

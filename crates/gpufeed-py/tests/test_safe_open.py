@@ -516,6 +516,33 @@ def test_a_file_opened_again_shares_its_parse_and_a_changed_header_does_not(tmp_
         assert_same_dict({n: f.get_tensor(n) for n in f.keys()}, third, "get_tensor")
 
 
+def test_views_of_parses_let_go_are_let_go(tmp_path, gen):
+    """The drop-in keeps its view of a file only while the native side keeps the file's parse:
+    after 300 other headers (the native side keeps 256) the first file's parse is let go, its
+    view with it, and the file opens again as it is."""
+    from safetensors.torch import save_file
+    from gpufeed import _gpufeed, _safe_open
+
+    first = str(tmp_path / "first.safetensors")
+    want = {"w": random_tensor(torch.float32, (3, 5), gen)}
+    save_file(want, first)
+    with gpufeed.safe_open(first) as f:
+        key = _gpufeed.open_safetensors(first)[0].header_key()
+        assert key.kept, "a header just parsed is kept"
+        assert (key.id, 0) in _safe_open._LAYOUTS
+    for i in range(300):
+        other = str(tmp_path / f"o{i}.safetensors")
+        save_file({f"t{i}": random_tensor(torch.uint8, (i + 1,), gen)}, other)
+        with gpufeed.safe_open(other) as g:
+            assert g.keys() == [f"t{i}"]
+    assert not key.kept, "300 headers later the first one's parse was let go"
+    assert (key.id, 0) not in _safe_open._LAYOUTS, "its view went with it"
+    assert len(_safe_open._LAYOUTS) <= _safe_open._LAYOUT_COUNT
+    assert all(k.kept for k, _ in _safe_open._LAYOUTS.values())
+    with gpufeed.safe_open(first) as f:
+        assert_same_dict(f.get_tensors(), want, "the first file opened again")
+
+
 def test_a_shard_opened_alone_and_in_its_index(tmp_path, gen):
     """A shard's view is kept by its place in the handle: the same file opened alone (file 0)
     and through its index (file 1), in either order, gives its tensors from the right file."""

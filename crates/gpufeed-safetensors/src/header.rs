@@ -79,20 +79,42 @@ struct CachedHeader {
     metadata: Option<BTreeMap<String, String>>,
 }
 
-/// How many headers [`HeaderCache`] keeps.
-const CACHED_HEADERS: usize = 64;
+/// How many headers [`HeaderCache`] keeps (a checkpoint of 190 shards reopened finds each).
+const CACHED_HEADERS: usize = 256;
 /// The largest header [`HeaderCache`] keeps (a header of 100,000 tensors is about 10 MB).
 const CACHED_HEADER_BYTES: usize = 16 << 20;
-/// The header bytes [`HeaderCache`] keeps in all.
+/// The header bytes [`HeaderCache`] keeps in all (their parses take about twice as much).
 const CACHED_TOTAL_BYTES: usize = 64 << 20;
 
 static HEADERS: Mutex<HeaderCache> = Mutex::new(HeaderCache {
     headers: VecDeque::new(),
 });
 
+fn headers() -> std::sync::MutexGuard<'static, HeaderCache> {
+    HEADERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A header's parts shared: where the data section starts, the tensors sorted by name, the
 /// `__metadata__`.
 pub(crate) type SharedParts = (u64, Arc<[HeaderEntry]>, Option<BTreeMap<String, String>>);
+
+impl HeaderCache {
+    /// The parse of `prefix` in a file of `file_len` bytes, made the most recent, if kept.
+    fn hit(&mut self, prefix: &[u8], file_len: u64) -> Option<SharedParts> {
+        let found = self
+            .headers
+            .iter()
+            .position(|h| h.file_len == file_len && *h.prefix == *prefix)?;
+        let hit = self.headers.remove(found)?;
+        let parts = (
+            hit.data_start,
+            Arc::clone(&hit.tensors),
+            hit.metadata.clone(),
+        );
+        self.headers.push_front(hit);
+        Some(parts)
+    }
+}
 
 /// [`header_parts`] of a file's `prefix` (the length field and the header, exactly), from
 /// [`HeaderCache`] where the same bytes of a file of the same length were parsed before.
@@ -100,44 +122,45 @@ pub(crate) fn parts_of_file(
     prefix: &[u8],
     file_len: u64,
 ) -> std::result::Result<SharedParts, HeaderError> {
-    let lock = || HEADERS.lock().unwrap_or_else(PoisonError::into_inner);
-    {
-        let mut cache = lock();
-        let found = cache
-            .headers
-            .iter()
-            .position(|h| h.file_len == file_len && *h.prefix == *prefix);
-        if let Some(hit) = found.and_then(|i| cache.headers.remove(i)) {
-            let parts = (
-                hit.data_start,
-                Arc::clone(&hit.tensors),
-                hit.metadata.clone(),
-            );
-            cache.headers.push_front(hit);
-            return Ok(parts);
-        }
+    if let Some(parts) = headers().hit(prefix, file_len) {
+        return Ok(parts);
     }
-    // Parsed outside the lock: another thread's open does not wait for this one.
+    // Parsed (and the bytes copied) outside the lock: another thread's open does not wait.
     let (data_start, tensors, metadata) = header_parts(prefix, file_len)?;
     let tensors: Arc<[HeaderEntry]> = tensors.into();
-    if prefix.len() <= CACHED_HEADER_BYTES {
-        let mut cache = lock();
-        cache.headers.push_front(CachedHeader {
-            file_len,
-            prefix: prefix.into(),
-            data_start,
-            tensors: Arc::clone(&tensors),
-            metadata: metadata.clone(),
-        });
-        let mut total: usize = cache.headers.iter().map(|h| h.prefix.len()).sum();
-        while cache.headers.len() > CACHED_HEADERS || total > CACHED_TOTAL_BYTES {
-            match cache.headers.pop_back() {
-                Some(gone) => total -= gone.prefix.len(),
-                None => break,
-            }
+    if prefix.len() > CACHED_HEADER_BYTES {
+        return Ok((data_start, tensors, metadata));
+    }
+    let kept = CachedHeader {
+        file_len,
+        prefix: prefix.into(),
+        data_start,
+        tensors: Arc::clone(&tensors),
+        metadata: metadata.clone(),
+    };
+    let mut cache = headers();
+    // Another thread parsed the same header meanwhile: one parse, theirs.
+    if let Some(parts) = cache.hit(prefix, file_len) {
+        return Ok(parts);
+    }
+    cache.headers.push_front(kept);
+    let mut total: usize = cache.headers.iter().map(|h| h.prefix.len()).sum();
+    while cache.headers.len() > CACHED_HEADERS || total > CACHED_TOTAL_BYTES {
+        match cache.headers.pop_back() {
+            Some(gone) => total -= gone.prefix.len(),
+            None => break,
         }
     }
     Ok((data_start, tensors, metadata))
+}
+
+/// Whether `tensors` is a parse [`parts_of_file`] keeps now: a file whose header it is, opened
+/// again, gets these very tensors (until more recent headers push it out).
+pub fn parse_is_kept(tensors: &Arc<[HeaderEntry]>) -> bool {
+    headers()
+        .headers
+        .iter()
+        .any(|h| Arc::ptr_eq(&h.tensors, tensors))
 }
 
 /// Why a read of the header failed.

@@ -57,7 +57,8 @@ pub use checkpoint::{
 };
 pub use error::{Error, Result};
 pub use header::{
-    HeaderEntry, HeaderError, HeaderParts, MAX_HEADER_BYTES, header, header_and_metadata, header_of,
+    HeaderEntry, HeaderError, HeaderParts, MAX_HEADER_BYTES, header, header_and_metadata,
+    header_of, parse_is_kept,
 };
 pub use index::{FILE_SIZES_KEY, SAVE_ID_KEY, is_checkpoint_name};
 pub use into::{Delivery, LoadInto, LoadIntoOptions, LoadIntoReport, Share, load_into};
@@ -357,6 +358,12 @@ mod tests {
         let p = file("m.safetensors", "alpha", 0);
         let (first, again) = (parse(&p).expect("parse"), parse(&p).expect("parse"));
         assert!(std::sync::Arc::ptr_eq(&first.tensors, &again.tensors));
+        assert!(parse_is_kept(&first.tensors));
+        let unkept: std::sync::Arc<[HeaderEntry]> = first.tensors.to_vec().into();
+        assert!(
+            !parse_is_kept(&unkept),
+            "an equal parse of its own is not the kept one"
+        );
         // The same bytes under another name: the same parse.
         std::fs::copy(&p, dir.path().join("copy.safetensors")).expect("copy");
         let copy = parse(&dir.path().join("copy.safetensors")).expect("parse");

@@ -445,10 +445,13 @@ class SafeFile:
 class HeaderKey:
     """The parse of a header (``SafeFile.header_key()``): keys of one ``id`` for files whose
     headers were the same bytes in files of the same length (parsed once in this process);
-    while a key lives, no other parse has its ``id``."""
+    while a key lives, no other parse has its ``id``; ``kept``: whether the parse is still
+    the one a file of this header, opened again, gets."""
 
     @property
     def id(self) -> int: ...
+    @property
+    def kept(self) -> bool: ...
     def __len__(self) -> int: ...
 
 @final

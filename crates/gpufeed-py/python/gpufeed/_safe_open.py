@@ -93,6 +93,7 @@ _DTYPES = {
 }
 
 _PT = ("pt", "torch", "pytorch")
+_CLOSED = "File is closed: open it again with gpufeed.safe_open"
 
 
 @contextmanager
@@ -277,19 +278,32 @@ class _Layout:
 # `_Layout`s of the headers opened last, by (`SafeFile.header_key().id`, k), each with its key
 # (which keeps that id its parse's: a file being opened holds its parse, so an id found is the
 # parse of that file's header): a file opened again (a checkpoint loaded twice, a shard opened
-# for its names and again for its tensors) makes no Python object per tensor. At most
-# `_LAYOUT_COUNT` of them, of `_LAYOUT_TENSORS` tensors in all (about 300 bytes each).
+# for its names and again for its tensors) makes no Python object per tensor. Only views of
+# parses the native side keeps (`HeaderKey.kept`: those a file opened again gets), at most
+# `_LAYOUT_COUNT` of them, of `_LAYOUT_TENSORS` tensors in all (about 300 bytes each); a view
+# whose parse the native side let go is dropped with the next one kept.
 _LAYOUTS: "OrderedDict[Tuple[int, int], Tuple[Any, _Layout]]" = OrderedDict()
-_LAYOUT_COUNT = 64
+_LAYOUT_COUNT = 256
 _LAYOUT_TENSORS = 1 << 18
 _LAYOUTS_LOCK = threading.Lock()
 _NO_POSITIONS: Dict[str, Tuple[int, int]] = {}
 
 
+def _fresh_lock_after_fork() -> None:
+    """A child forked while another thread held the views' lock gets one of its own."""
+    global _LAYOUTS_LOCK
+    _LAYOUTS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+
+
 def _layout(f, k: int) -> _Layout:
-    """File ``k``'s ``_Layout``: the one made before for its header, else a new one (kept)."""
+    """File ``k``'s ``_Layout``: the one made before for its header, else a new one (kept
+    where its parse is)."""
     key = f.header_key()
-    if key is None:  # an object: its header is parsed anew on every open
+    if key is None or len(key) > _LAYOUT_TENSORS:  # an object (parsed on every open); too large
         return _Layout(f, k)
     at = (key.id, k)
     with _LAYOUTS_LOCK:
@@ -298,10 +312,14 @@ def _layout(f, k: int) -> _Layout:
             _LAYOUTS.move_to_end(at)
             return got[1]
     lay = _Layout(f, k)
+    if not key.kept:
+        return lay
     with _LAYOUTS_LOCK:
+        for stale in [a for a, (kept, _) in _LAYOUTS.items() if not kept.kept]:
+            del _LAYOUTS[stale]
         _LAYOUTS[at] = (key, lay)
         total = sum(len(kept.names) for _, kept in _LAYOUTS.values())
-        while len(_LAYOUTS) > _LAYOUT_COUNT or (total > _LAYOUT_TENSORS and len(_LAYOUTS) > 1):
+        while len(_LAYOUTS) > _LAYOUT_COUNT or total > _LAYOUT_TENSORS:
             _, (_, gone) = _LAYOUTS.popitem(last=False)
             total -= len(gone.names)
     return lay
@@ -605,7 +623,7 @@ class safe_open:
 
     def _check_open(self):
         if self._closed:
-            raise SafetensorError("File is closed: open it again with gpufeed.safe_open")
+            raise SafetensorError(_CLOSED)
 
     def _entry(self, name) -> _Entry:
         self._check_open()
@@ -738,7 +756,9 @@ class safe_open:
             _dtype(self._torch(), e.dtype)
             self._sweep(e.file)
             at = self._pos[name]
-            sweep = self._sweeps[at[0]]
+            sweep = self._sweeps.get(at[0])
+            if sweep is None:  # closed by another thread meanwhile (`close` clears the sweeps)
+                raise SafetensorError(_CLOSED)
         # A tensor of a sweep, handed out by the native side (None: asked for before).
         try:
             got = sweep.take_once(at[1], self._import)
