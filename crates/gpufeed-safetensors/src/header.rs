@@ -155,7 +155,19 @@ pub(crate) fn parts_of_file(
 }
 
 /// Whether `tensors` is a parse [`parts_of_file`] keeps now: a file whose header it is, opened
-/// again, gets these very tensors (until more recent headers push it out).
+/// again, gets these very tensors (until more recent headers push it out). Every open of a
+/// file ([`load`](crate::load), [`inspect`](crate::inspect), ...) reads its header and finds it
+/// among the last 256 parsed in the process (up to 16 MiB each, 64 MiB in all) where its
+/// bytes and the file's length are the same.
+///
+/// # Example
+/// ```no_run
+/// let first = gpufeed_safetensors::inspect("model.safetensors")?;
+/// let again = gpufeed_safetensors::inspect("model.safetensors")?;
+/// assert!(std::sync::Arc::ptr_eq(&first[0].tensors, &again[0].tensors));
+/// assert!(gpufeed_safetensors::parse_is_kept(&first[0].tensors));
+/// # Ok::<(), gpufeed_safetensors::Error>(())
+/// ```
 pub fn parse_is_kept(tensors: &Arc<[HeaderEntry]>) -> bool {
     headers()
         .headers
