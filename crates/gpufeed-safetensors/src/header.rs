@@ -154,7 +154,7 @@ pub(crate) fn parts_of_file(
     Ok((data_start, tensors, metadata))
 }
 
-/// Whether `tensors` is a parse [`parts_of_file`] keeps now: a file whose header it is, opened
+/// Whether `tensors` is a parse this crate keeps now: a file whose header it is, opened
 /// again, gets these very tensors (until more recent headers push it out). Every open of a
 /// file ([`load`](crate::load), [`inspect`](crate::inspect), ...) reads its header and finds it
 /// among the last 256 parsed in the process (up to 16 MiB each, 64 MiB in all) where its
