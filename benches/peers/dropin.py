@@ -17,6 +17,8 @@ Usage: dropin.py REPS FILE [FILE ...]  -> one JSON object on stdout (``DROPIN_ME
        {file: {"bytes": n, "tensors": n, "rows": {method: {"fresh": [GB/s], "again": [GB/s],
        "checksum": n} or {"error": "..."}}}}
        dropin.py --one METHOD FILE  -> (internal) one fresh process: JSON of its times.
+       dropin.py --summary JSON  -> a line per row of a result: each process's GB/s fresh and
+       again, their medians, the checksums.
 
 safetensors 0.9 comes from ``GPUFEED_SAFETENSORS09`` (a folder put first on ``sys.path`` for its
 rows only, BENCH.md); without it the safetensors rows are those of the installed safetensors,
@@ -225,8 +227,28 @@ def measure(paths, reps):
     print(json.dumps(out))
 
 
+def summary(path):
+    """A line per row of ``measure``'s JSON in ``path``."""
+    import statistics
+
+    def gb(xs):
+        return " ".join(f"{x:.1f}" for x in xs) + f" ({statistics.median(xs):.1f})"
+
+    with open(path) as f:
+        result = json.load(f)
+    for v in result.values():
+        for method, r in v["rows"].items():
+            if "error" in r:
+                print(f"{method}: {r['error']}")
+                continue
+            print(f"{method:40s} fresh {gb(r['fresh'])} / again {gb(r['again'])} "
+                  f"checksum {r['checksum']}")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--one":
         one(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--summary":
+        summary(sys.argv[2])
     else:
         measure(sys.argv[2:], int(sys.argv[1]))

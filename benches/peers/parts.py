@@ -7,7 +7,8 @@ in 4,096 tensors), the marks of its loads: the open, the first tensor, the last,
 (ms from the start, medians of 5 after a warm-up). Not run by the bench; needs torch,
 safetensors (0.9 for its rows: ``GPUFEED_SAFETENSORS09`` names its folder) and gpufeed.
 
-Usage: parts.py DIR [CHECKPOINT]
+Usage: parts.py DIR [CHECKPOINT]   (DIR: a directory of the caller's, e.g. from mktemp -d;
+       the two files are written there)
 """
 import os
 import statistics
@@ -21,19 +22,16 @@ def main(folder, checkpoint=None):
     import torch
     import safetensors
     from safetensors import safe_open as st_open
-    from safetensors.torch import save_file
 
     import gpufeed
     from gpufeed import _gpufeed
 
     torch.zeros(1, device="cuda:0")
     torch.cuda.synchronize()
-    small = os.path.join(folder, "small.safetensors")
-    large = os.path.join(folder, "large.safetensors")
-    if not os.path.exists(small):
-        g = torch.Generator().manual_seed(3)
-        save_file({f"t{i}": torch.randn(4096, generator=g) for i in range(10_000)}, small)
-        save_file({f"t{i}": torch.randn(4096 * 1000, generator=g) for i in range(10)}, large)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from pertensor import make_files
+
+    small, large = make_files(folder)  # pertensor.py's two files, written afresh
     sync = torch.cuda.synchronize
 
     def timed(setup, part, teardown=lambda s, o: None, k=9):

@@ -13,21 +13,30 @@ import sys
 import time
 
 
-def main(folder):
+def make_files(folder):
+    """``(small, large)``: 10,000 F32 tensors of 16 KiB and 10 of 16,000 KiB written in
+    ``folder``."""
     import torch
     from safetensors.torch import save_file
 
-    import gpufeed
-    import gpufeed.torch
-
-    torch.zeros(1, device="cuda:0")
-    torch.cuda.synchronize()
     os.makedirs(folder, exist_ok=True)
     small = os.path.join(folder, "small.safetensors")
     large = os.path.join(folder, "large.safetensors")
     g = torch.Generator().manual_seed(3)
     save_file({f"t{i}": torch.randn(4096, generator=g) for i in range(10_000)}, small)
     save_file({f"t{i}": torch.randn(4096 * 1000, generator=g) for i in range(10)}, large)
+    return small, large
+
+
+def main(folder):
+    import torch
+
+    import gpufeed
+    import gpufeed.torch
+
+    torch.zeros(1, device="cuda:0")
+    torch.cuda.synchronize()
+    small, large = make_files(folder)
     loader = gpufeed.Loader(0)
 
     def get_tensor(p):

@@ -59,16 +59,7 @@ for shape in $shapes; do
         DROPIN_METHODS="$methods" timeout 300 python3 benches/peers/dropin.py 3 "$f" \
           > "$out/dropin-$tag.json" 2> "$out/dropin-$tag.err"
       ) || { echo "dropin.py failed"; tail -n 5 "$out/dropin-$tag.err"; continue; }
-      python3 - "$out/dropin-$tag.json" <<'PY'
-import json, statistics, sys
-for path, v in json.load(open(sys.argv[1])).items():
-    for method, r in v["rows"].items():
-        if "error" in r:
-            print(f"{method}: {r['error']}")
-            continue
-        gb = lambda xs: " ".join(f"{x:.1f}" for x in xs) + f" ({statistics.median(xs):.1f})"
-        print(f"{method:40s} fresh {gb(r['fresh'])} / again {gb(r['again'])} checksum {r['checksum']}")
-PY
+      python3 benches/peers/dropin.py --summary "$out/dropin-$tag.json"
     done
   done
   [ "$f" = "$first" ] || rm -f "$f"

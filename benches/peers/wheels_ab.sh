@@ -29,15 +29,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     echo "=== round $round, $v"
     PYTHONPATH="$pp" DROPIN_METHODS="$M" timeout 200 python3 benches/peers/dropin.py 3 "$f" \
       > "$out/d-$round-$v.json" 2> "$out/d-$round-$v.err" || { tail -3 "$out/d-$round-$v.err"; continue; }
-    python3 - "$out/d-$round-$v.json" <<'PY'
-import json, statistics, sys
-for path, v in json.load(open(sys.argv[1])).items():
-    for method, r in v["rows"].items():
-        if "error" in r:
-            print(f"{method}: {r['error']}"); continue
-        gb = lambda xs: " ".join(f"{x:.1f}" for x in xs) + f" ({statistics.median(xs):.1f})"
-        print(f"{method:34s} fresh {gb(r['fresh'])} / again {gb(r['again'])} sum {r['checksum']}")
-PY
+    python3 benches/peers/dropin.py --summary "$out/d-$round-$v.json"
   done
 done
 for v in ${PERTENSOR:-}; do

@@ -280,8 +280,8 @@ class _Layout:
 # parse of that file's header): a file opened again (a checkpoint loaded twice, a shard opened
 # for its names and again for its tensors) makes no Python object per tensor. Only views of
 # parses the native side keeps (`HeaderKey.kept`: those a file opened again gets), at most
-# `_LAYOUT_COUNT` of them, of `_LAYOUT_TENSORS` tensors in all (about 300 bytes each); a view
-# whose parse the native side let go is dropped with the next one kept.
+# `_LAYOUT_COUNT` of them, of `_LAYOUT_TENSORS` tensors in all (about 300 bytes each); where
+# room is needed, views of parses the native side no longer keeps go first.
 _LAYOUTS: "OrderedDict[Tuple[int, int], Tuple[Any, _Layout]]" = OrderedDict()
 _LAYOUT_COUNT = 256
 _LAYOUT_TENSORS = 1 << 18
@@ -315,10 +315,13 @@ def _layout(f, k: int) -> _Layout:
     if not key.kept:
         return lay
     with _LAYOUTS_LOCK:
-        for stale in [a for a, (kept, _) in _LAYOUTS.items() if not kept.kept]:
-            del _LAYOUTS[stale]
         _LAYOUTS[at] = (key, lay)
         total = sum(len(kept.names) for _, kept in _LAYOUTS.values())
+        if len(_LAYOUTS) > _LAYOUT_COUNT or total > _LAYOUT_TENSORS:
+            # Room is needed: views of parses the native side no longer keeps first (no open
+            # finds them again), then the least recent.
+            for stale in [a for a, (kept, _) in _LAYOUTS.items() if not kept.kept]:
+                total -= len(_LAYOUTS.pop(stale)[1].names)
         while len(_LAYOUTS) > _LAYOUT_COUNT or total > _LAYOUT_TENSORS:
             _, (_, gone) = _LAYOUTS.popitem(last=False)
             total -= len(gone.names)
